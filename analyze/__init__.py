@@ -1,0 +1,1 @@
+"""Analysis stage: decompositions, curves, correlations and reports from the cache alone."""

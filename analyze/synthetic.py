@@ -1,0 +1,189 @@
+"""Synthetic stores from numpy arrays: for tests, examples and the scale benchmark.
+
+A synthetic partition is written through the store's own :class:`PartitionWriter`, so it is a valid
+store in every respect (manifest, schemas, complete-chunk markers); only the numbers are made up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from tqdm import tqdm
+
+from layerdiv.schemas import COMPONENTS, INSTANCES
+from layerdiv.store import ComponentInfo, Manifest, PartitionWriter
+
+
+def component_infos(kinds: Sequence[str]) -> list[ComponentInfo]:
+    """Names and layers for components given by kind in execution order (``embed``, ``attn``,
+    ``mlp``, ``bias``): every ``attn`` opens a new layer."""
+    infos, layer = [], -1
+    for kind in kinds:
+        if kind == "attn":
+            layer += 1
+        at = layer if kind in ("attn", "mlp") else -1
+        infos.append(ComponentInfo(kind if at < 0 else f"{kind}.{at}", kind, at))
+    return infos
+
+
+def decoder_kinds(n_blocks: int, bias: bool = False) -> list[str]:
+    """Kinds of a pre-norm decoder: the embedding, then attention and MLP per block."""
+    return ["embed"] + ["attn", "mlp"] * n_blocks + (["bias"] if bias else [])
+
+
+def write_partition(
+    root: str | Path,
+    model: str,
+    task: str,
+    logits: np.ndarray,
+    gold: np.ndarray,
+    kinds: Sequence[str],
+    prefix_rms: np.ndarray | None = None,
+    final_rms: np.ndarray | None = None,
+    n_params: int = 1_000_000,
+    chunk: int | None = None,
+    created_at: str = "2025-01-01T00:00:00Z",
+) -> None:
+    """Write one (model, task) partition from arrays.
+
+    ``logits`` is (N, L, K): u_c[k] of instance i; ``gold`` (N,) option indices; ``kinds`` the L
+    component kinds in execution order; ``prefix_rms`` (N, L) rms of each prefix (default 1, and
+    ``final_rms`` defaults to its last column). Instances are written in chunks of ``chunk``.
+    """
+    n, n_comp, k = logits.shape
+    if len(kinds) != n_comp or gold.shape != (n,):
+        raise ValueError("logits, gold and kinds disagree in shape")
+    rms = np.ones((n, n_comp), np.float32) if prefix_rms is None else prefix_rms
+    final = rms[:, -1] if final_rms is None else final_rms
+    infos = component_infos(kinds)
+    manifest = Manifest(
+        model=model,
+        task=task,
+        revision=None,
+        weights_fingerprint="synthetic",
+        dtype="float32",
+        model_type="synthetic",
+        adapter="synthetic",
+        norm="rms",
+        n_params=n_params,
+        context_length=2048,
+        options=[f"option{j}" for j in range(k)],
+        option_token_ids=list(range(k)),
+        option_tokens=[f"option{j}" for j in range(k)],
+        template_sha256="synthetic",
+        task_spec={"name": task},
+        components=infos,
+        n_requested=n,
+        sum_tolerance=1e-4,
+        created_at=created_at,
+    )
+    writer = PartitionWriter(root, model, task)
+    writer.open(manifest, overwrite=True)
+    step = chunk or n
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        writer.write_chunk(
+            start,
+            stop - start,
+            _components_table(start, logits[start:stop], rms[start:stop], infos),
+            _instances_table(start, logits[start:stop], gold[start:stop], final[start:stop]),
+        )
+
+
+def _components_table(
+    start: int, logits: np.ndarray, rms: np.ndarray, infos: list[ComponentInfo]
+) -> pa.Table:
+    n, n_comp, k = logits.shape
+    cells = n * n_comp * k
+    comp = np.tile(np.repeat(np.arange(n_comp, dtype=np.int16), k), n)
+    names = pa.DictionaryArray.from_arrays(
+        pa.array(comp, pa.int16()), pa.array([c.name for c in infos], pa.string())
+    )
+    kind_values = sorted({c.kind for c in infos})
+    kind_index = np.array([kind_values.index(c.kind) for c in infos], np.int8)
+    kinds = pa.DictionaryArray.from_arrays(
+        pa.array(kind_index[comp], pa.int8()), pa.array(kind_values, pa.string())
+    )
+    layers = np.array([c.layer for c in infos], np.int16)[comp]
+    columns = {
+        "instance": np.repeat(np.arange(start, start + n, dtype=np.int32), n_comp * k),
+        "component": comp,
+        "name": names,
+        "kind": kinds,
+        "layer": layers,
+        "option": np.tile(np.arange(k, dtype=np.int8), n * n_comp),
+        "logit": logits.astype(np.float32).reshape(cells),
+        "out_norm": np.ones(cells, np.float32),
+        "prefix_rms": np.repeat(rms.astype(np.float32).reshape(n * n_comp), k),
+        "cos_residual": np.zeros(cells, np.float32),
+    }
+    return pa.Table.from_pydict(columns, schema=COMPONENTS)
+
+
+def _instances_table(
+    start: int, logits: np.ndarray, gold: np.ndarray, final_rms: np.ndarray
+) -> pa.Table:
+    n, _, k = logits.shape
+    total = logits.astype(np.float32).sum(axis=1)
+    columns = {
+        "instance": np.arange(start, start + n, dtype=np.int32),
+        "gold": gold.astype(np.int8),
+        "n_tokens": np.full(n, 100, np.int32),
+        "truncated": np.zeros(n, bool),
+        "final_rms": final_rms.astype(np.float32),
+        "model_logits": pa.array(list(total), pa.list_(pa.float32())),
+        "sum_error": np.zeros(n, np.float32),
+    }
+    return pa.Table.from_pydict(columns, schema=INSTANCES)
+
+
+def random_partition(
+    rng: np.random.Generator, n: int, n_blocks: int, k: int, skill: float = 1.0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    """Plausible made-up data: components push the gold option with a strength that grows with
+    depth (scaled by ``skill``) plus noise; prefix rms grows with depth.
+
+    Returns (logits (N, L, K), gold (N,), prefix_rms (N, L), kinds).
+    """
+    kinds = decoder_kinds(n_blocks)
+    n_comp = len(kinds)
+    gold = rng.integers(0, k, n)
+    depth = np.arange(1, n_comp + 1) / n_comp
+    signal = skill * depth * (1.5 - depth) * 0.6
+    logits = rng.normal(0.0, 1.0, (n, n_comp, k)) + rng.normal(0.0, 0.5, (n, 1, k))
+    logits[np.arange(n), :, gold] += signal[None, :] * rng.uniform(0.0, 2.0, (n, 1))
+    prefix_rms = np.sqrt(np.arange(1, n_comp + 1))[None, :] * rng.uniform(0.8, 1.2, (n, 1))
+    return logits, gold, prefix_rms, kinds
+
+
+def synthesize_store(
+    root: str | Path,
+    n_models: int = 16,
+    n_tasks: int = 8,
+    n_instances: int = 2000,
+    blocks: tuple[int, int] = (30, 40),
+    options: tuple[int, int] = (2, 4),
+    seed: int = 0,
+    progress: bool = True,
+) -> int:
+    """Write a store of ``n_models`` x ``n_tasks`` random partitions, paper-sized by default
+    (61-81 components, 2-4 options); returns the number of component-option rows written."""
+    rng = np.random.default_rng(seed)
+    task_options = rng.integers(options[0], options[1] + 1, n_tasks)
+    model_blocks = rng.integers(blocks[0], blocks[1] + 1, n_models)
+    rows = 0
+    pairs = [(m, t) for m in range(n_models) for t in range(n_tasks)]
+    for m, t in tqdm(pairs, desc="synthesizing", unit="partition", disable=not progress):
+        n_blocks = int(model_blocks[m])
+        logits, gold, rms, kinds = random_partition(
+            rng, n_instances, n_blocks, int(task_options[t]), skill=1.0 + m / n_models
+        )
+        params = int(1e8 * (m + 1))
+        write_partition(
+            root, f"synth/model-{m:02d}", f"task{t}", logits, gold, kinds, rms, n_params=params
+        )
+        rows += logits.size
+    return rows

@@ -1,0 +1,127 @@
+"""Architecture adapters: where each model family keeps the modules whose outputs are added to the
+residual stream, and how its final norm scales the residual. The only architecture-specific code
+in layerdiv lives here.
+
+A component is the output of a module that is added to the residual stream (METHODS.md section 1).
+The embedding component is taken as the input of the first decoder block, so position embeddings
+(GPT-2) and embedding scaling (Gemma) are part of it. Components are recorded in the order their
+modules run, so parallel attention/MLP blocks and shared layers that run twice need no special code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+NormKind = Literal["rms", "rms_plus_one", "layer"]
+
+
+class UnsupportedModel(ValueError):
+    """The model's architecture has no adapter, or cannot be decomposed exactly."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """Where one architecture family keeps its residual-stream modules."""
+
+    family: str
+    """Short family name recorded in the manifest."""
+    model_types: tuple[str, ...]
+    """``config.model_type`` values this adapter serves."""
+    blocks: str
+    """Dotted path from the causal-LM object to the list of decoder blocks."""
+    attn: str
+    """Dotted path inside a block to the module whose output is the attention component."""
+    mlp: str
+    """Dotted path inside a block to the module whose output is the MLP component."""
+    final_norm: str
+    """Dotted path from the causal-LM object to the final norm."""
+    norm: NormKind
+    """``rms``: g * x / rms(x); ``rms_plus_one``: (1 + g) * x / rms(x); ``layer``: LayerNorm."""
+
+
+_LLAMA_LIKE = dict(blocks="model.layers", attn="self_attn", mlp="mlp", final_norm="model.norm")
+_SANDWICH = dict(
+    blocks="model.layers",
+    attn="post_attention_layernorm",
+    mlp="post_feedforward_layernorm",
+    final_norm="model.norm",
+)
+
+ADAPTERS: tuple[Adapter, ...] = (
+    Adapter("llama", ("llama", "mobilellm"), norm="rms", **_LLAMA_LIKE),
+    Adapter("mistral", ("mistral",), norm="rms", **_LLAMA_LIKE),
+    Adapter("qwen2", ("qwen2",), norm="rms", **_LLAMA_LIKE),
+    Adapter("qwen3", ("qwen3",), norm="rms", **_LLAMA_LIKE),
+    Adapter("phi3", ("phi3",), norm="rms", **_LLAMA_LIKE),
+    Adapter("gemma", ("gemma",), norm="rms_plus_one", **_LLAMA_LIKE),
+    Adapter("gemma2", ("gemma2",), norm="rms_plus_one", **_SANDWICH),
+    Adapter("gemma3", ("gemma3_text",), norm="rms_plus_one", **_SANDWICH),
+    Adapter(
+        "phi",
+        ("phi",),
+        blocks="model.layers",
+        attn="self_attn",
+        mlp="mlp",
+        final_norm="model.final_layernorm",
+        norm="layer",
+    ),
+    Adapter(
+        "gpt2",
+        ("gpt2",),
+        blocks="transformer.h",
+        attn="attn",
+        mlp="mlp",
+        final_norm="transformer.ln_f",
+        norm="layer",
+    ),
+    Adapter(
+        "gpt_neox",
+        ("gpt_neox",),
+        blocks="gpt_neox.layers",
+        attn="attention",
+        mlp="mlp",
+        final_norm="gpt_neox.final_layer_norm",
+        norm="layer",
+    ),
+)
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for a in ADAPTERS for t in a.model_types)
+
+
+def adapter_for(config: Any) -> Adapter:
+    """The adapter of a HuggingFace config, or an error listing the supported architectures."""
+    model_type = getattr(config, "model_type", None)
+    for adapter in ADAPTERS:
+        if model_type in adapter.model_types:
+            return adapter
+    raise UnsupportedModel(
+        f"architecture {model_type!r} is not supported; supported model types: "
+        f"{', '.join(supported_model_types())}. Adding one is a new entry in "
+        "layerdiv/extract/adapters.py."
+    )
+
+
+def final_softcap(config: Any) -> float | None:
+    """The final logit soft-cap of a config (Gemma-2 style), or None when there is none."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def get_module(root: Any, path: str) -> Any:
+    """Follow a dotted attribute path (``model.layers``) from ``root``."""
+    obj = root
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def norm_eps(norm: Any) -> float:
+    """The epsilon a norm module adds inside its square root."""
+    for attr in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(norm, attr, None)
+        if isinstance(value, int | float):
+            return float(value)
+    raise UnsupportedModel(f"cannot find the epsilon of final norm {type(norm).__name__}")

@@ -1,0 +1,174 @@
+"""Forward hooks that keep the last prompt position of every residual component, and the exact
+logit decomposition of METHODS.md section 1 computed from them.
+
+Prompts are left-padded, so the last position of every row is its last prompt token; hooks copy
+only that position (B x d per component), never the whole sequence.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from layerdiv.extract.adapters import Adapter, get_module, norm_eps
+from layerdiv.store.manifest import ComponentInfo
+
+
+class DecompositionError(RuntimeError):
+    """The components do not add up to the model's logits, or a value is NaN/Inf."""
+
+
+@dataclass
+class BatchDecomposition:
+    """Per-instance, per-component results of one batch (all float32, on the CPU)."""
+
+    components: list[ComponentInfo]
+    """Components in execution order (the same for every batch of a model)."""
+    logits: torch.Tensor
+    """(B, L, K) u_c[k]: component c's contribution to option k's logit (METHODS.md Eq. 2-3)."""
+    out_norm: torch.Tensor
+    """(B, L) L2 norm of z_c (NaN for the bias component)."""
+    prefix_rms: torch.Tensor
+    """(B, L) scale statistic of the prefix r_c (rms, or std for LayerNorm)."""
+    cos_residual: torch.Tensor
+    """(B, L) cosine of z_c with the prefix r_(c-1) (NaN for c = 0 and for bias)."""
+    final_rms: torch.Tensor
+    """(B,) scale statistic of the full residual x."""
+    model_logits: torch.Tensor
+    """(B, K) the model's own option logits (lm_head output, before any soft-cap)."""
+    sum_error: torch.Tensor
+    """(B,) max_k |sum_c u_c[k] - model_logits[k]| / max(1, max_k sum_c |u_c[k]|)."""
+
+
+def _last(t: Any) -> torch.Tensor:
+    out = t[0] if isinstance(t, tuple) else t
+    return out[:, -1, :].to(torch.float32, copy=True)
+
+
+class ComponentCapture:
+    """Hooks on one model; :meth:`decompose` after each forward pass gives the batch's results."""
+
+    def __init__(self, model: torch.nn.Module, adapter: Adapter, option_ids: list[int]):
+        self.adapter = adapter
+        blocks = get_module(model, adapter.blocks)
+        self.norm = get_module(model, adapter.final_norm)
+        head = model.get_output_embeddings()
+        if head is None:
+            raise DecompositionError("the model has no output embedding (lm_head)")
+        ids = torch.tensor(option_ids, device=head.weight.device)
+        self.option_ids = ids
+        self.w_options = head.weight.detach()[ids].to(torch.float32)  # (K, d) rows of W_U
+        head_bias = getattr(head, "bias", None)
+        self.head_bias = None if head_bias is None else head_bias.detach()[ids].float()
+        self.eps = norm_eps(self.norm)
+        self._records: list[tuple[str, int, torch.Tensor]] = []
+        self._x: torch.Tensor | None = None
+        self._head: torch.Tensor | None = None
+        self._handles = [
+            blocks[0].register_forward_pre_hook(self._embed_hook, with_kwargs=True),
+            self.norm.register_forward_pre_hook(self._norm_hook),
+            head.register_forward_hook(self._head_hook),
+        ]
+        for i, block in enumerate(blocks):
+            for kind in ("attn", "mlp"):
+                module = get_module(block, getattr(adapter, kind))
+                self._handles.append(module.register_forward_hook(self._component_hook(kind, i)))
+
+    # hooks -------------------------------------------------------------------------------------
+    def _embed_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if not self._records:  # the first block may run again (shared layers): embed once
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self._records.append(("embed", -1, _last(hidden)))
+
+    def _component_hook(self, kind: str, layer: int) -> Any:
+        def hook(module: Any, args: tuple, output: Any) -> None:
+            self._records.append((kind, layer, _last(output)))
+
+        return hook
+
+    def _norm_hook(self, module: Any, args: tuple) -> None:
+        self._x = _last(args[0])
+
+    def _head_hook(self, module: Any, args: tuple, output: Any) -> None:
+        self._head = _last(output)[:, self.option_ids]
+
+    def remove(self) -> None:
+        """Detach every hook from the model."""
+        for handle in self._handles:
+            handle.remove()
+
+    def reset(self) -> None:
+        self._records, self._x, self._head = [], None, None
+
+    # decomposition -----------------------------------------------------------------------------
+    def component_infos(self) -> list[ComponentInfo]:
+        seen: Counter[tuple[str, int]] = Counter()
+        infos = []
+        for kind, layer, _ in self._records:
+            base = "embed" if kind == "embed" else f"{kind}.{layer}"
+            k = seen[(kind, layer)]
+            seen[(kind, layer)] += 1
+            infos.append(ComponentInfo(base if k == 0 else f"{base}#{k}", kind, layer))
+        if self._has_bias():
+            infos.append(ComponentInfo("bias", "bias", -1))
+        return infos
+
+    def _has_bias(self) -> bool:
+        norm_bias = self.adapter.norm == "layer" and getattr(self.norm, "bias", None) is not None
+        return norm_bias or self.head_bias is not None
+
+    def decompose(self) -> BatchDecomposition:
+        """Split the last forward pass's option logits into its components (METHODS.md s. 1)."""
+        if self._x is None or self._head is None or not self._records:
+            raise DecompositionError("no forward pass was captured")
+        z = torch.stack([r[2] for r in self._records], dim=1)  # (B, L, d)
+        x = self._x  # the model's own final residual (B, d)
+        gain = self.norm.weight.detach().float()
+        if self.adapter.norm == "rms_plus_one":
+            gain = 1.0 + gain
+        prefix = torch.cumsum(z, dim=1)  # r_c = z_0 + ... + z_c
+        if self.adapter.norm == "layer":
+            # LayerNorm: centering is linear, so u_c = W_U (g * (z_c - mean z_c) / std(x)).
+            scale_x = torch.sqrt(x.var(dim=-1, unbiased=False) + self.eps)
+            prefix_rms = torch.sqrt(prefix.var(dim=-1, unbiased=False) + self.eps)
+            z_scaled = z - z.mean(dim=-1, keepdim=True)
+        else:
+            # RMSNorm: u_c = W_U (s * z_c) with s = g / rms(x) frozen (METHODS.md Eq. 2-3).
+            scale_x = torch.sqrt(x.pow(2).mean(dim=-1) + self.eps)
+            prefix_rms = torch.sqrt(prefix.pow(2).mean(dim=-1) + self.eps)
+            z_scaled = z
+        s = gain / scale_x[:, None]  # (B, d)
+        logits = torch.einsum("bld,bd,kd->blk", z_scaled, s, self.w_options)
+        out_norm = z.norm(dim=-1)
+        cos = torch.full_like(out_norm, float("nan"))
+        cos[:, 1:] = torch.nn.functional.cosine_similarity(z[:, 1:], prefix[:, :-1], dim=-1)
+        if self._has_bias():
+            # Constant component: norm bias b through W_U, plus any lm_head bias.
+            const = torch.zeros(len(self.option_ids), device=z.device)
+            norm_bias = getattr(self.norm, "bias", None)
+            if self.adapter.norm == "layer" and norm_bias is not None:
+                const = const + self.w_options @ norm_bias.detach().float()
+            if self.head_bias is not None:
+                const = const + self.head_bias
+            b = z.shape[0]
+            logits = torch.cat([logits, const.expand(b, 1, -1)], dim=1)
+            nan = torch.full((b, 1), float("nan"), device=z.device)
+            out_norm = torch.cat([out_norm, nan], dim=1)
+            cos = torch.cat([cos, nan], dim=1)
+            prefix_rms = torch.cat([prefix_rms, scale_x[:, None]], dim=1)
+        total = logits.sum(dim=1)
+        spread = logits.abs().sum(dim=1).amax(dim=-1).clamp(min=1.0)
+        sum_error = (total - self._head).abs().amax(dim=-1) / spread
+        return BatchDecomposition(
+            components=self.component_infos(),
+            logits=logits.cpu(),
+            out_norm=out_norm.cpu(),
+            prefix_rms=prefix_rms.cpu(),
+            cos_residual=cos.cpu(),
+            final_rms=scale_x.cpu(),
+            model_logits=self._head.cpu(),
+            sum_error=sum_error.cpu(),
+        )

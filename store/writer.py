@@ -1,0 +1,89 @@
+"""Writing a (model, task) partition: atomic parts, resumable runs, refusal of mixed provenance."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from layerdiv.schemas import COMPONENTS, INSTANCES, SchemaError
+from layerdiv.store.manifest import Manifest, read_manifest, write_manifest
+from layerdiv.store.paths import Partition, partition, slug
+
+
+class StoreConflict(RuntimeError):
+    """The partition already holds data of another model revision, template or dtype."""
+
+
+class PartitionWriter:
+    """Writes one partition's chunks; a rerun skips every chunk that is already complete."""
+
+    def __init__(self, root: str | Path, model: str, task: str):
+        self.part: Partition = partition(root, slug(model), task)
+
+    def check(self, identity: dict[str, object], overwrite: bool) -> None:
+        """Refuse (before anything is written) a run whose identity differs from the stored one."""
+        if overwrite or not self.part.manifest.exists():
+            return
+        existing = read_manifest(self.part.manifest).identity()
+        diff = [k for k, v in identity.items() if existing.get(k) != v]
+        if diff:
+            details = "; ".join(
+                f"{k}: stored {existing.get(k)!r}, now {identity[k]!r}" for k in diff
+            )
+            raise StoreConflict(
+                f"{self.part.manifest.parent} holds a different extraction ({details}). "
+                "Pass --overwrite to replace it, or use another --store."
+            )
+
+    def open(self, manifest: Manifest, overwrite: bool) -> None:
+        """Create (or, with ``overwrite``, recreate) the partition and record its manifest."""
+        if overwrite:
+            for d in self.part.dirs():
+                shutil.rmtree(d, ignore_errors=True)
+        self.check(manifest.identity(), overwrite=False)
+        if not write_manifest(self.part.manifest, manifest, exclusive=True):
+            # Another shard created it first: it must describe the same extraction.
+            stored = read_manifest(self.part.manifest)
+            self.check(manifest.identity(), overwrite=False)
+            if manifest.n_requested > stored.n_requested:
+                stored.n_requested = manifest.n_requested
+                write_manifest(self.part.manifest, stored)
+        for d in (self.part.components_dir, self.part.instances_dir):
+            d.mkdir(parents=True, exist_ok=True)
+            for stale in d.glob(".*.tmp"):
+                stale.unlink(missing_ok=True)
+
+    def done_instances(self) -> set[int]:
+        """Instances already stored in complete chunks."""
+        return {i for start, n in self.part.done_parts() for i in range(start, start + n)}
+
+    def write_chunk(
+        self, start: int, count: int, components: pa.Table, instances: pa.Table
+    ) -> None:
+        """Write one chunk: the components part first, then the instances part (the marker)."""
+        for table, schema in ((components, COMPONENTS), (instances, INSTANCES)):
+            if not table.schema.equals(schema, check_metadata=False):
+                raise SchemaError(f"chunk {start}: table does not match schema\n{table.schema}")
+        name = self.part.part_name(start, count)
+        _write_parquet_atomic(
+            components.replace_schema_metadata(COMPONENTS.metadata), self.part.components_dir / name
+        )
+        _write_parquet_atomic(
+            instances.replace_schema_metadata(INSTANCES.metadata), self.part.instances_dir / name
+        )
+
+
+def _write_parquet_atomic(table: pa.Table, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp, compression="zstd", row_group_size=1 << 20)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,1 @@
+"""Built-in task definitions (one YAML per task); loaded by ``layerdiv.extract.tasks``."""
