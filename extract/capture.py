@@ -72,7 +72,9 @@ class ComponentCapture:
             self.norm.register_forward_pre_hook(self._norm_hook),
             head.register_forward_hook(self._head_hook),
         ]
-        for i, block in enumerate(blocks):
+        # A block listed twice (shared layers) is hooked once; its hooks fire on every call.
+        unique = list({id(block): block for block in blocks}.values())
+        for i, block in enumerate(unique):
             for kind in ("attn", "mlp"):
                 module = get_module(block, getattr(adapter, kind))
                 self._handles.append(module.register_forward_hook(self._component_hook(kind, i)))

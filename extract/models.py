@@ -105,7 +105,7 @@ def resolve_source(
         spec = importlib.util.find_spec(package)  # locate only: importing it is never needed
         if spec is None or not spec.submodule_search_locations:
             raise ModelLoadError(f"model alias {model!r} needs its package: {install}")
-        path = list(spec.submodule_search_locations)[0]
+        path = next(iter(spec.submodule_search_locations))
     if gguf:
         path = str(_converted_gguf(path, gguf, revision))
         revision = None

@@ -96,11 +96,34 @@ class TaskSummary:
 
 
 @dataclass
-class _Plan:
+class TaskPlan:
+    """A task ready to run: its instances, option tokens and partition writer."""
+
     spec: TaskSpec
     items: list[Instance]
     option_ids: list[int]
     writer: PartitionWriter
+
+
+def plan_task(name: str, tokenizer: Any, cfg: ExtractConfig) -> TaskPlan:
+    """Load a task's instances and option tokens (task errors surface before the weights load)."""
+    spec = load_task(name)
+    items = instances(spec, cfg.limit)
+    ids = option_token_ids(spec, tokenizer, items[0].prompt)
+    return TaskPlan(spec, items, ids, PartitionWriter(cfg.store, cfg.model, spec.name))
+
+
+def check_softcap(config: Any, allow: bool) -> bool:
+    """Refuse final logit soft-capping unless allowed; True when the result is approximate."""
+    cap = final_softcap(config)
+    if cap and not allow:
+        raise UnsupportedModel(
+            f"{getattr(config, 'model_type', 'this model')} soft-caps its final logits (cap "
+            f"{cap}), which is not linear: the components cannot sum to its logits. Pass "
+            "--allow-softcap to decompose the pre-cap logits instead (the manifest marks the "
+            "partition approximate)."
+        )
+    return bool(cap)
 
 
 def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
@@ -109,27 +132,11 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
     dtype = resolve_dtype(cfg.dtype, device)
     source = resolve_source(cfg.model, cfg.revision, cfg.gguf_file, cfg.trust_remote_code)
     adapter = adapter_for(source.config)
-    cap = final_softcap(source.config)
-    if cap and not cfg.allow_softcap:
-        raise UnsupportedModel(
-            f"{cfg.model} soft-caps its final logits (cap {cap}), which is not linear: the "
-            "components cannot sum to its logits. Pass --allow-softcap to decompose the "
-            "pre-cap logits instead (the manifest marks the partition approximate)."
-        )
+    approximate = check_softcap(source.config, cfg.allow_softcap)
     tokenizer = load_tokenizer(source)
-    plans = []
-    for name in cfg.tasks:
-        spec = load_task(name)
-        items = instances(spec, cfg.limit)
-        ids = option_token_ids(spec, tokenizer, items[0].prompt)
-        plans.append(
-            _Plan(spec, items, ids, PartitionWriter(cfg.store, source.model_id, spec.name))
-        )
+    plans = [plan_task(name, tokenizer, cfg) for name in cfg.tasks]
     loaded = load_model(source, tokenizer, device, dtype)
-    summaries = []
-    for plan in plans:
-        summaries.append(_extract_task(loaded, adapter, plan, cfg, approximate=bool(cap)))
-    return summaries
+    return [extract_task(loaded, adapter, plan, cfg, approximate) for plan in plans]
 
 
 def _versions() -> dict[str, str]:
@@ -255,9 +262,10 @@ def _check(dec: BatchDecomposition, ids: list[int], task: str, tol: float) -> No
         )
 
 
-def _extract_task(
-    loaded: LoadedModel, adapter: Adapter, plan: _Plan, cfg: ExtractConfig, approximate: bool
+def extract_task(
+    loaded: LoadedModel, adapter: Adapter, plan: TaskPlan, cfg: ExtractConfig, approximate: bool
 ) -> TaskSummary:
+    """Run one task through a loaded model and store every chunk not stored yet."""
     spec, items = plan.spec, plan.items
     seqs, truncated = tokenize(loaded, items)
     runner = ModelRunner(loaded, adapter, plan.option_ids)
@@ -341,7 +349,7 @@ def _run_with_backoff(
 def _manifest(
     loaded: LoadedModel,
     adapter: Adapter,
-    plan: _Plan,
+    plan: TaskPlan,
     components: list[ComponentInfo],
     tol: float,
     approximate: bool,

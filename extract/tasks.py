@@ -78,8 +78,10 @@ class TaskSpec:
         return d
 
     def sha256(self) -> str:
-        """Hash of everything that decides the prompts, options and labels."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+        """Hash of everything that decides the prompts, options and labels (not the
+        description)."""
+        decisive = {k: v for k, v in self.to_dict().items() if k != "description"}
+        return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
 
 
 def builtin_tasks() -> list[str]:

@@ -77,7 +77,7 @@ class Store:
     def select(
         self, models: Iterable[str] = (), tasks: Iterable[str] = (), require_data: bool = True
     ) -> list[PartitionInfo]:
-        """Partitions matching the model (id or slug) and task filters (all when a filter is empty)."""
+        """Partitions matching the model (id or slug) and task filters (empty filter: all)."""
         want_models = {slug(m) for m in models}
         want_tasks = set(tasks)
         chosen = [
@@ -101,7 +101,7 @@ class Store:
     def scan(
         self, table: str, models: Iterable[str] = (), tasks: Iterable[str] = ()
     ) -> pl.LazyFrame:
-        """A Polars LazyFrame over ``components`` or ``instances``, with ``model``/``task`` columns."""
+        """A Polars LazyFrame over ``components`` or ``instances``, with model/task columns."""
         files = self.files(table, self.select(models, tasks))
         return pl.scan_parquet(
             files, hive_partitioning=True, hive_schema={"model": pl.String, "task": pl.String}

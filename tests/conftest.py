@@ -1,0 +1,156 @@
+"""Shared fixtures: tiny randomly initialised models of every supported family, a tiny tokenizer,
+and small local tasks. Every model here is asserted tiny (well under a million parameters)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_PARAMS = 1_000_000
+WORDS = (
+    "the a movie film was great terrible good bad awful lovely boring fun plot actor story "
+    "question answer was that sentence positive negative yes no sports business world science "
+    "news article label describes what best"
+).split()
+
+
+def _tiny_config(family: str, vocab: int) -> Any:
+    import transformers as tf
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+    )
+    gqa = dict(common, num_key_value_heads=2)
+    configs = {
+        "llama": lambda: tf.LlamaConfig(**gqa),
+        "mistral": lambda: tf.MistralConfig(**gqa),
+        "qwen2": lambda: tf.Qwen2Config(**gqa),
+        "qwen3": lambda: tf.Qwen3Config(**gqa, head_dim=8),
+        "phi3": lambda: tf.Phi3Config(**gqa, pad_token_id=0),
+        "gemma": lambda: tf.GemmaConfig(**gqa, head_dim=8),
+        "gemma2": lambda: tf.Gemma2Config(**gqa, head_dim=8, final_logit_softcapping=None),
+        "gemma3": lambda: tf.Gemma3TextConfig(**gqa, head_dim=8),
+        "phi": lambda: tf.PhiConfig(**common),
+        "gpt2": lambda: tf.GPT2Config(
+            vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=64
+        ),
+        "gpt_neox": lambda: tf.GPTNeoXConfig(**common, use_parallel_residual=True),
+        "gpt_neox_sequential": lambda: tf.GPTNeoXConfig(**common, use_parallel_residual=False),
+        "gemma2_softcap": lambda: tf.Gemma2Config(**gqa, head_dim=8, final_logit_softcapping=5.0),
+        "bert": lambda: tf.BertConfig(
+            vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+            intermediate_size=64,
+        ),
+    }
+    return configs[family]()
+
+
+FAMILIES = (
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3",
+    "phi", "gpt2", "gpt_neox", "gpt_neox_sequential",
+)
+
+
+def tiny_model(family: str, vocab: int, seed: int = 0) -> Any:
+    """A randomly initialised causal LM of ``family`` (fp32, eval mode)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = _tiny_config(family, vocab)
+    config.tie_word_embeddings = family in ("llama", "gemma", "gpt2")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family == "phi":  # give the parallel-block family an lm_head bias, as phi-2 has
+        with torch.no_grad():
+            model.lm_head.bias.normal_()
+    model.eval()
+    n = sum(p.numel() for p in model.parameters())
+    assert n < TINY_PARAMS, f"{family} test model has {n} parameters"
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    """A byte-level BPE tokenizer trained on a few words (GPT-2 style leading-space tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([" ".join(WORDS)] * 20 + WORDS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Any:
+    """``model_dirs(family)``: a saved tiny model folder with the tokenizer (made once)."""
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            path = tmp_path_factory.mktemp(f"model-{family}")
+            tiny_model(family, len(tokenizer)).save_pretrained(path)
+            tokenizer.save_pretrained(path)
+            made[family] = path
+        return made[family]
+
+    return get
+
+
+def _write_task(folder: Path, n: int = 24, stem: str = "reviews", **overrides: Any) -> Path:
+    """A local sentiment task (``stem``.yaml + ``stem``.jsonl) of ``n`` instances in ``folder``,
+    named ``stem`` unless ``overrides`` say otherwise; returns the YAML path."""
+    import random
+
+    rng = random.Random(n)
+    rows = []
+    for i in range(n):
+        words = rng.choices(WORDS, k=rng.randint(2, 20))
+        rows.append({"text": " ".join(words), "sentiment": ["negative", "positive"][i % 2]})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{stem}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = {
+        "name": stem,
+        "data": f"{stem}.jsonl",
+        "template": "{{ text }}\nQuestion: Was that sentence positive or negative? "
+        "Answer: {{ answer }}",
+        "options": ["negative", "positive"],
+        "label": "{{ sentiment }}",
+        "n": n,
+        **overrides,
+    }
+    path = folder / f"{stem}.yaml"
+    path.write_text(json.dumps(spec))  # JSON is valid YAML
+    return path
+
+
+@pytest.fixture(scope="session")
+def build_model(tokenizer: Any) -> Any:
+    """``build_model(family, seed=0)``: a tiny random model sized for the test tokenizer."""
+    return lambda family, seed=0: tiny_model(family, len(tokenizer), seed)
+
+
+@pytest.fixture(scope="session")
+def make_task() -> Any:
+    """``make_task(folder, n=24, stem="reviews", **yaml_overrides)``: a local task's YAML path."""
+    return _write_task

@@ -1,0 +1,198 @@
+"""`layerdiv extract` end to end on tiny models: the store it writes, resumption, sharding,
+batch invariance and every refusal."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pytest
+from click.testing import CliRunner
+
+from layerdiv.cli import main
+from layerdiv.schemas import COMPONENTS, INSTANCES
+from layerdiv.store import Store
+from layerdiv.store.manifest import read_manifest
+
+
+def extract(*args: str) -> Any:
+    return CliRunner().invoke(main, ["extract", *args], catch_exceptions=False)
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root`` with its size and modification time."""
+    if not root.exists():
+        return {}
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def rows(store: Path, table: str) -> pl.DataFrame:
+    return Store(store).scan(table).collect().sort(["instance"])
+
+
+def test_extract_writes_a_checked_store(tmp_path: Path, model_dirs: Any, make_task: Any) -> None:
+    task = make_task(tmp_path / "task", n=20)
+    store = tmp_path / "store"
+    result = extract("--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store))
+    assert result.exit_code == 0, result.output
+    assert "reviews: 20/20 instances stored" in result.output
+    s = Store(store)
+    (info,) = s.partitions
+    m = info.manifest
+    assert [c.name for c in m.components] == ["embed", "attn.0", "mlp.0", "attn.1", "mlp.1"]
+    assert m.options == ["negative", "positive"] and m.option_tokens[0].startswith("Ġ")
+    assert m.dtype == "float32" and m.n_requested == 20 and m.n_params > 0
+    comps, inst = rows(store, "components"), rows(store, "instances")
+    assert comps.height == 20 * 5 * 2 and inst.height == 20
+    assert inst["instance"].to_list() == list(range(20))
+    assert inst["sum_error"].max() < 1e-5
+    # Components add up to the model's own logits, per instance and option.
+    totals = comps.group_by("instance", "option").agg(pl.col("logit").sum()).sort("instance", "option")
+    model_logits = np.array(inst["model_logits"].to_list()).reshape(-1)
+    assert np.allclose(totals["logit"].to_numpy(), model_logits, atol=1e-4)
+    # Files carry exactly the declared schemas.
+    import pyarrow.parquet as pq
+
+    assert pq.read_schema(info.files("components")[0]).equals(COMPONENTS, check_metadata=False)
+    assert pq.read_schema(info.files("instances")[0]).equals(INSTANCES, check_metadata=False)
+
+
+def test_batch_size_does_not_change_the_numbers(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    task = make_task(tmp_path / "task", n=24)
+    model = str(model_dirs("gpt2"))  # absolute positions: left padding must not shift them
+    for bs in ("1", "8"):
+        out = extract("--model", model, "--task", str(task), "--store", str(tmp_path / bs),
+                      "--batch-size", bs)  # fmt: skip
+        assert out.exit_code == 0, out.output
+    one = rows(tmp_path / "1", "components").sort("instance", "component", "option")
+    eight = rows(tmp_path / "8", "components").sort("instance", "component", "option")
+    assert one.height == eight.height == 24 * 6 * 2
+    assert np.allclose(one["logit"].to_numpy(), eight["logit"].to_numpy(), atol=1e-4)
+    assert np.allclose(one["prefix_rms"].to_numpy(), eight["prefix_rms"].to_numpy(), rtol=1e-4)
+
+
+def test_resume_after_sigkill_stores_each_instance_once(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    n = 400
+    task = make_task(tmp_path / "task", n=n)
+    store = tmp_path / "store"
+    cmd = [sys.executable, "-m", "layerdiv.cli", "extract", "--model", str(model_dirs("llama")),
+           "--task", str(task), "--store", str(store), "--chunk-size", "4", "--batch-size", "1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(list(store.glob("instances/*/*/part-*.parquet"))) >= 3:
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = len(Store(store).partitions[0].partition.done_parts())
+    assert 3 <= done_before < n // 4, "the run must be killed mid-way"
+    subprocess.run(cmd, check=True, capture_output=True)
+    inst = rows(store, "instances")
+    assert inst["instance"].to_list() == list(range(n))
+    comps = rows(store, "components")
+    assert comps.height == n * 5 * 2
+    assert comps.select(pl.struct("instance", "component", "option").n_unique()).item() == comps.height
+
+
+def test_shards_split_the_work(tmp_path: Path, model_dirs: Any, make_task: Any) -> None:
+    task = make_task(tmp_path / "task", n=30)
+    store = tmp_path / "store"
+    args = ["--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store),
+            "--chunk-size", "4"]  # fmt: skip
+    first = extract(*args, "--shard", "0/2")
+    assert first.exit_code == 0 and "reviews: 16/30" in first.output
+    second = extract(*args, "--shard", "1/2")
+    assert second.exit_code == 0 and "reviews: 30/30" in second.output
+    assert rows(store, "instances")["instance"].to_list() == list(range(30))
+    again = extract(*args)
+    assert "(0 new" in again.output  # nothing left to do: the cache is reused
+
+
+def test_a_larger_limit_extends_the_partition(tmp_path: Path, model_dirs: Any, make_task: Any) -> None:
+    task = make_task(tmp_path / "task", n=30)
+    store = tmp_path / "store"
+    args = ["--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store)]
+    assert extract(*args, "--limit", "10").exit_code == 0
+    out = extract(*args, "--limit", "25")
+    assert "reviews: 25/25 instances stored (15 new" in out.output
+    assert rows(store, "instances")["instance"].to_list() == list(range(25))
+    assert Store(store).partitions[0].manifest.n_requested == 25
+
+
+def test_long_prompts_are_left_truncated_and_flagged(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    long = "{{ text }} " * 12 + "\nAnswer: {{ answer }}"  # > 64 tokens, the tiny context
+    task = make_task(tmp_path / "task", n=6, template=long)
+    store = tmp_path / "store"
+    out = extract("--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store))
+    assert out.exit_code == 0 and "left-truncated" in out.output
+    inst = rows(store, "instances")
+    assert inst["truncated"].any() and inst["n_tokens"].max() == 64
+
+
+def test_refusals_name_the_problem_and_leave_the_store_unchanged(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    store = tmp_path / "store"
+    task = make_task(tmp_path / "task", n=8)
+    llama = str(model_dirs("llama"))
+    assert extract("--model", llama, "--task", str(task), "--store", str(store)).exit_code == 0
+    before = snapshot(store)
+    changed = make_task(tmp_path / "task2", n=8, template="{{ text }} Answer: {{ answer }}")
+    cases = [
+        (["--model", llama, "--task", str(changed)], "holds a different extraction"),
+        (["--model", llama, "--task", str(task), "--dtype", "fp16"], "holds a different extraction"),
+        (["--model", str(model_dirs("bert")), "--task", str(task)], "supported model types"),
+        (["--model", str(model_dirs("gemma2_softcap")), "--task", str(task)], "--allow-softcap"),
+        (["--model", str(tmp_path / "no-model"), "--task", str(task)], "cannot load the config"),
+        (["--model", llama, "--task", "sst3"], "unknown task"),
+        (["--model", llama, "--task", str(make_task(tmp_path / "t3", options=["bad", "badly"],
+                                                     label="0"))], "same token"),
+    ]  # fmt: skip
+    for args, message in cases:
+        out = extract(*args, "--store", str(store))
+        assert out.exit_code == 1, (args, out.output)
+        assert message in out.output and "Traceback" not in out.output, out.output
+        assert snapshot(store) == before, args
+    # With --overwrite the conflicting run replaces the partition.
+    out = extract("--model", llama, "--task", str(changed), "--store", str(store), "--overwrite")
+    assert out.exit_code == 0
+    assert read_manifest(Store(store).partitions[0].partition.manifest).template_sha256 != ""
+
+
+def test_softcap_models_can_be_decomposed_before_the_cap(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    task = make_task(tmp_path / "task", n=6)
+    store = tmp_path / "store"
+    out = extract("--model", str(model_dirs("gemma2_softcap")), "--task", str(task),
+                  "--store", str(store), "--allow-softcap")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    (info,) = Store(store).partitions
+    assert info.manifest.approximate is True
+    assert rows(store, "instances")["sum_error"].max() < 1e-5
+
+
+def test_a_newer_manifest_is_refused(tmp_path: Path) -> None:
+    from layerdiv.schemas import SchemaError
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"schema_version": 99}))
+    with pytest.raises(SchemaError, match="newer than this layerdiv reads"):
+        read_manifest(tmp_path / "manifest.json")
