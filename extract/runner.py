@@ -202,18 +202,28 @@ def batches(
     return out
 
 
-def _token_budget(device: torch.device) -> int:
+def token_budget(device: torch.device, config: Any, dtype: torch.dtype) -> int:
+    """Padded tokens per batch for ``--batch-size auto``: a fixed budget on the CPU; on a GPU,
+    half the free memory over an estimate of one token's transient activations in one block
+    (residual, normed copy, q/k/v/o and three MLP-width tensors). Halved on out-of-memory."""
     if device.type != "cuda":
         return CPU_TOKEN_BUDGET
     free, _ = torch.cuda.mem_get_info(device)
-    return max(1024, int(free // 2 // (64 * 1024)))  # refined downwards on out-of-memory
+    d = config.hidden_size
+    width = 4 * d + 3 * (getattr(config, "intermediate_size", None) or 4 * d)
+    per_token = width * torch.finfo(dtype).bits // 8
+    return max(256, int(free // 2 // per_token))
 
 
 class ModelRunner:
     """Runs left-padded batches through a model with the capture hooks attached."""
 
-    def __init__(self, loaded: LoadedModel, adapter: Adapter, option_ids: list[int]):
+    def __init__(
+        self, loaded: LoadedModel, adapter: Adapter, option_ids: list[int], budget: int
+    ) -> None:
         self.loaded = loaded
+        self.budget = budget
+        """Padded tokens per batch for automatic batching (lowered on out-of-memory)."""
         self.capture = ComponentCapture(loaded.model, adapter, option_ids)
         params = inspect.signature(loaded.model.forward).parameters
         self.extra: dict[str, Any] = {"use_cache": False}
@@ -239,6 +249,27 @@ class ModelRunner:
                 **self.extra,
             )
         return self.capture.decompose()
+
+    def run_chunk(
+        self, seqs: list[list[int]], chunk: list[int], batch_size: int | None
+    ) -> Iterator[tuple[BatchDecomposition, list[int]]]:
+        """Run ``chunk`` in length-sorted batches; on a GPU out-of-memory error, halve the batch
+        (and ``self.budget``, kept for later chunks) and go on."""
+        lengths = [len(s) for s in seqs]
+        pending = batches(lengths, chunk, batch_size, self.budget)
+        while pending:
+            batch = pending.pop(0)
+            try:
+                dec = self.run([seqs[i] for i in batch])
+            except torch.OutOfMemoryError:
+                if len(batch) == 1:
+                    raise
+                torch.cuda.empty_cache()
+                self.budget = max(1, len(batch) * lengths[batch[0]] // 2)
+                half = max(1, len(batch) // 2)
+                pending = batches(lengths, batch, batch_size and half, self.budget) + pending
+                continue
+            yield dec, batch
 
     def close(self) -> None:
         self.capture.remove()
@@ -268,7 +299,8 @@ def extract_task(
     """Run one task through a loaded model and store every chunk not stored yet."""
     spec, items = plan.spec, plan.items
     seqs, truncated = tokenize(loaded, items)
-    runner = ModelRunner(loaded, adapter, plan.option_ids)
+    budget = token_budget(loaded.device, loaded.model.config, loaded.dtype)
+    runner = ModelRunner(loaded, adapter, plan.option_ids, budget)
     tol = SUM_TOLERANCE[loaded.dtype]
     start_time = time.perf_counter()
     try:
@@ -280,8 +312,7 @@ def extract_task(
         done = plan.writer.done_instances()
         todo = [i for i in range(len(items)) if i not in done]
         chunks = list(_chunks(todo, cfg.chunk_size, cfg.shard))
-        lengths = [len(s) for s in seqs]
-        budget = _token_budget(loaded.device)
+        names = [c.name for c in manifest.components]
         max_err, correct, n_new = 0.0, 0, 0
         bar = tqdm(
             total=sum(len(c) for c in chunks),
@@ -293,19 +324,16 @@ def extract_task(
         with bar:
             for chunk in chunks:
                 results: dict[int, tuple[BatchDecomposition, int]] = {}
-                for batch in batches(lengths, chunk, cfg.batch_size, budget):
-                    for dec, ids in _run_with_backoff(runner, seqs, batch):
-                        _check(dec, ids, spec.name, tol)
-                        if [c.name for c in dec.components] != [
-                            c.name for c in manifest.components
-                        ]:
-                            raise DecompositionError(
-                                f"task {spec.name}: instance {ids[0]} ran a different component "
-                                "sequence than the first instance"
-                            )
-                        for row, i in enumerate(ids):
-                            results[i] = (dec, row)
-                        bar.update(len(ids))
+                for dec, ids in runner.run_chunk(seqs, chunk, cfg.batch_size):
+                    _check(dec, ids, spec.name, tol)
+                    if [c.name for c in dec.components] != names:
+                        raise DecompositionError(
+                            f"task {spec.name}: instance {ids[0]} ran a different component "
+                            "sequence than the first instance"
+                        )
+                    for row, i in enumerate(ids):
+                        results[i] = (dec, row)
+                    bar.update(len(ids))
                 comp_table, inst_table = _tables(chunk, results, items, seqs, truncated)
                 plan.writer.write_chunk(chunk[0], len(chunk), comp_table, inst_table)
                 gold = np.array([items[i].gold for i in chunk])
@@ -327,23 +355,6 @@ def extract_task(
         n_truncated=sum(truncated),
         accuracy_new=correct / n_new if n_new else None,
     )
-
-
-def _run_with_backoff(
-    runner: ModelRunner, seqs: list[list[int]], batch: list[int]
-) -> Iterator[tuple[BatchDecomposition, list[int]]]:
-    """Run a batch; on a GPU out-of-memory error, run its halves instead."""
-    try:
-        dec = runner.run([seqs[i] for i in batch])
-    except torch.OutOfMemoryError:
-        if len(batch) == 1:
-            raise
-        torch.cuda.empty_cache()
-        half = len(batch) // 2
-        yield from _run_with_backoff(runner, seqs, batch[:half])
-        yield from _run_with_backoff(runner, seqs, batch[half:])
-        return
-    yield dec, batch
 
 
 def _manifest(

