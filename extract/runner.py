@@ -7,6 +7,7 @@ import inspect
 import platform
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
@@ -42,6 +43,10 @@ CPU_TOKEN_BUDGET = 4096
 MAX_BATCH_ROWS = 256
 """Upper bound on instances per batch with ``--batch-size auto``."""
 
+MAX_PADDING = 0.2
+"""With ``--batch-size auto``, no prompt in a batch is padded by more than this fraction of the
+batch's width (length-bucketed batches: padding is wasted compute)."""
+
 
 @dataclass
 class ExtractConfig:
@@ -74,8 +79,9 @@ class ExtractConfig:
     allow_softcap: bool = False
     """Decompose the pre-soft-cap logits of models with final logit soft-capping (flagged
     ``approximate`` in the manifest) instead of refusing them."""
-    chunk_size: int = 256
-    """Instances per stored part; a crash loses at most one chunk per process."""
+    chunk_size: int = 1024
+    """Instances per stored part; batches are length-sorted within a chunk, and a crash loses
+    at most one chunk per process."""
     progress: bool = True
     """Show progress bars."""
 
@@ -184,7 +190,7 @@ def batches(
     lengths: list[int], ids: list[int], batch_size: int | None, budget: int
 ) -> list[list[int]]:
     """Group ``ids`` longest first; a fixed ``batch_size``, or as many as fit ``budget`` padded
-    tokens (at most :data:`MAX_BATCH_ROWS`)."""
+    tokens (at most :data:`MAX_BATCH_ROWS`, none padded beyond :data:`MAX_PADDING`)."""
     order = sorted(ids, key=lambda i: (-lengths[i], i))
     if batch_size:
         return [order[k : k + batch_size] for k in range(0, len(order), batch_size)]
@@ -195,6 +201,7 @@ def batches(
             out
             and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget
             and len(out[-1]) < MAX_BATCH_ROWS
+            and lengths[i] >= (1 - MAX_PADDING) * lengths[out[-1][0]]
         ):
             out[-1].append(i)
         else:
@@ -321,7 +328,9 @@ def extract_task(
             disable=not cfg.progress,
             dynamic_ncols=True,
         )
-        with bar:
+        # Chunks are written by a background thread while the model runs the next one.
+        with bar, ThreadPoolExecutor(max_workers=1) as pool:
+            writing: Future[tuple[int, float]] | None = None
             for chunk in chunks:
                 results: dict[int, tuple[BatchDecomposition, int]] = {}
                 for dec, ids in runner.run_chunk(seqs, chunk, cfg.batch_size):
@@ -334,15 +343,12 @@ def extract_task(
                     for row, i in enumerate(ids):
                         results[i] = (dec, row)
                     bar.update(len(ids))
-                comp_table, inst_table = _tables(chunk, results, items, seqs, truncated)
-                plan.writer.write_chunk(chunk[0], len(chunk), comp_table, inst_table)
-                gold = np.array([items[i].gold for i in chunk])
-                pred = np.array(
-                    [int(results[i][0].model_logits[results[i][1]].argmax()) for i in chunk]
-                )
-                correct += int((gold == pred).sum())
+                if writing is not None:  # at most one chunk in flight
+                    correct, max_err = _add(writing.result(), correct, max_err)
+                writing = pool.submit(_store_chunk, plan, chunk, results, seqs, truncated)
                 n_new += len(chunk)
-                max_err = max(max_err, float(inst_table["sum_error"].to_numpy().max()))
+            if writing is not None:
+                correct, max_err = _add(writing.result(), correct, max_err)
     finally:
         runner.close()
     return TaskSummary(
@@ -355,6 +361,25 @@ def extract_task(
         n_truncated=sum(truncated),
         accuracy_new=correct / n_new if n_new else None,
     )
+
+
+def _add(stats: tuple[int, float], correct: int, max_err: float) -> tuple[int, float]:
+    return correct + stats[0], max(max_err, stats[1])
+
+
+def _store_chunk(
+    plan: TaskPlan,
+    chunk: list[int],
+    results: dict[int, tuple[BatchDecomposition, int]],
+    seqs: list[list[int]],
+    truncated: list[bool],
+) -> tuple[int, float]:
+    """Write one chunk; returns its correct-prediction count and worst decomposition error."""
+    comp_table, inst_table = _tables(chunk, results, plan.items, seqs, truncated)
+    plan.writer.write_chunk(chunk[0], len(chunk), comp_table, inst_table)
+    gold = np.array([plan.items[i].gold for i in chunk])
+    pred = np.array([int(results[i][0].model_logits[results[i][1]].argmax()) for i in chunk])
+    return int((gold == pred).sum()), float(inst_table["sum_error"].to_numpy().max())
 
 
 def _manifest(

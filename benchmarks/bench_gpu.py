@@ -1,0 +1,204 @@
+"""GPU extraction benchmark: instances/s and the fraction of the GPU's bf16 matmul peak that
+``layerdiv extract`` reaches on large models (random weights from real hub configs), next to a
+plain forward pass over the same prompts.
+
+It runs the real extraction path (``plan_task`` + ``extract_task``: length-sorted token-budget
+batches, hooks, decomposition, sum check, Parquet writing) on real prompts (the demo tasks) with
+a real tokenizer (any local tokenizer folder; ids only need to fit the model's vocabulary).
+
+Prepare the assets on a machine that has them, then run on the GPU node::
+
+    python benchmarks/bench_gpu.py --prepare .bench          # tokenizer + demo tasks
+    python benchmarks/bench_gpu.py --assets .bench --models llama-3.1-8b qwen2.5-32b
+
+Useful FLOPs count only real (unpadded) tokens: 2 x (block linear weights) per token, causal
+attention 2 x 2 x T(T+1)/2 x (heads x head_dim) per layer, and the option-logit head at one
+position. The peak is measured here (an 8192^3 bf16 matmul), not taken from a datasheet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Shapes copied from the models' config.json on the hub (weights are random: timing only).
+CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    "qwen2.5-32b": dict(
+        model_type="qwen2", hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+
+
+def prepare(folder: Path, n: int) -> None:
+    """Write the tokenizer and the demo tasks into ``folder`` (run where they are installed)."""
+    from layerdiv.demo import DEMO_MODEL, write_demo_tasks
+    from layerdiv.extract.models import load_tokenizer, resolve_source
+
+    tokenizer = load_tokenizer(resolve_source(DEMO_MODEL, None, None, False))
+    tokenizer.save_pretrained(folder / "tokenizer")
+    write_demo_tasks(folder / "tasks", n, seed=0)
+    print(f"assets in {folder}")
+
+
+def matmul_peak(device: torch.device, size: int = 8192, reps: int = 10) -> float:
+    """Measured bf16 matmul throughput in TFLOP/s."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * size**3 * reps / (time.perf_counter() - t) / 1e12
+
+
+def useful_flops(model: Any, lengths: list[int]) -> float:
+    """Forward FLOPs over unpadded prompts (see the module docstring)."""
+    cfg = model.config
+    block_linear = sum(
+        m.weight.numel()
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}"
+    )
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn_width = cfg.num_attention_heads * head_dim
+    total = 0.0
+    for t in lengths:
+        total += 2 * t * block_linear
+        total += cfg.num_hidden_layers * 2 * 2 * (t * (t + 1) / 2) * attn_width
+        total += 2 * cfg.hidden_size * cfg.vocab_size  # lm_head at the last position
+    return total
+
+
+def plain_forward(model: Any, seqs: list[list[int]], batch_size: int, pad: int) -> float:
+    """Seconds for a plain ``logits_to_keep=1`` forward over ``seqs`` in arrival order."""
+    device = next(model.parameters()).device
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for k in range(0, len(seqs), batch_size):
+            batch = seqs[k : k + batch_size]
+            width = max(map(len, batch))
+            ids = torch.tensor([[pad] * (width - len(s)) + s for s in batch], device=device)
+            mask = torch.tensor(
+                [[0] * (width - len(s)) + [1] * len(s) for s in batch], device=device
+            )
+            model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bench_model(name: str, assets: Path, peak: float, rounds: int, plain_batch: int) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from layerdiv.extract.adapters import adapter_for
+    from layerdiv.extract.models import LoadedModel, ModelSource
+    from layerdiv.extract.runner import ExtractConfig, extract_task, plan_task, tokenize
+
+    device = torch.device("cuda")
+    fields = dict(CONFIGS[name])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    t = time.perf_counter()
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    print(
+        f"\n== {name}: {n_params / 1e9:.2f}B parameters, built in {time.perf_counter() - t:.0f} s"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizer")
+    tokenizer.padding_side = "left"
+    source = ModelSource(name, name, None, "random-init", config, False)
+    loaded = LoadedModel(source, model, tokenizer, device, torch.bfloat16)
+    adapter = adapter_for(config)
+    tasks = sorted((assets / "tasks").glob("*.yaml"))
+    store = Path(tempfile.mkdtemp(prefix="layerdiv-bench-"))
+    try:
+        cfg = ExtractConfig(model=name, tasks=[], store=store, progress=False)
+        plans = [plan_task(str(p), tokenizer, cfg) for p in tasks]
+        # Warm-up (kernels, allocator) on a few instances, then timed rounds on fresh stores.
+        warm = ExtractConfig(model=name, tasks=[], store=store / "warm", progress=False, limit=32)
+        extract_task(loaded, adapter, plan_task(str(tasks[0]), tokenizer, warm), warm, False)
+        seqs = [s for p in plans for s in tokenize(loaded, p.items)[0]]
+        lengths = [len(s) for s in seqs]
+        flops = useful_flops(model, lengths)
+        times, plain_times, max_err = [], [], 0.0
+        torch.cuda.reset_peak_memory_stats()
+        for r in range(rounds):
+            cfg_r = ExtractConfig(model=name, tasks=[], store=store / f"r{r}", progress=False)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for path in tasks:
+                summary = extract_task(
+                    loaded, adapter, plan_task(str(path), tokenizer, cfg_r), cfg_r, False
+                )
+                max_err = max(max_err, summary.max_sum_error)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            plain_times.append(plain_forward(model, seqs, plain_batch, tokenizer.pad_token_id))
+        sec, plain = statistics.median(times), statistics.median(plain_times)
+        peak_mem = torch.cuda.max_memory_allocated() / 2**30
+        print(
+            f"instances: {len(seqs)} from {len(tasks)} tasks; tokens/prompt mean "
+            f"{statistics.mean(lengths):.0f}, max {max(lengths)}"
+        )
+        print(
+            f"extraction: {sec:.2f} s median of {rounds} -> {len(seqs) / sec:.0f} instances/s, "
+            f"{sum(lengths) / sec:.0f} tokens/s; max decomposition error {max_err:.1e} (bf16)"
+        )
+        print(
+            f"useful compute: {flops / sec / 1e12:.0f} TFLOP/s = {flops / sec / 1e12 / peak:.1%} "
+            f"of the measured bf16 matmul peak ({peak:.0f} TFLOP/s)"
+        )
+        print(
+            f"plain forward (arrival order, batch {plain_batch}, logits_to_keep=1): {plain:.2f} s "
+            f"-> extraction / plain = {sec / plain:.2f}"
+        )
+        print(f"peak GPU memory allocated: {peak_mem:.1f} GiB")
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+        del model, loaded
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prepare", type=Path, help="write assets into this folder and stop")
+    parser.add_argument("--n", type=int, default=600, help="instances per demo task (--prepare)")
+    parser.add_argument("--assets", type=Path, default=Path(".bench"))
+    parser.add_argument("--models", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--plain-batch", type=int, default=64)
+    args = parser.parse_args()
+    if args.prepare:
+        prepare(args.prepare, args.n)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    device = torch.device("cuda")
+    peak = matmul_peak(device)
+    print(
+        f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; "
+        f"bf16 matmul peak measured: {peak:.0f} TFLOP/s"
+    )
+    for name in args.models:
+        bench_model(name, args.assets, peak, args.rounds, args.plain_batch)
+
+
+if __name__ == "__main__":
+    main()
