@@ -284,9 +284,14 @@ class ModelRunner:
 
 def _check(dec: BatchDecomposition, ids: list[int], task: str, tol: float) -> None:
     """Stop on NaN/Inf or a decomposition error above ``tol``, naming instance and component."""
-    bad = ~torch.isfinite(dec.logits)
-    if bad.any():
-        row, comp, _ = (int(v) for v in bad.nonzero()[0])
+    # A NaN in one component output spreads to every logit through the norm scale: name the
+    # first component whose output is not finite, else the first with a non-finite logit.
+    real = torch.tensor([c.kind != "bias" for c in dec.components])
+    bad_z = ~torch.isfinite(dec.out_norm) & real
+    bad_u = ~torch.isfinite(dec.logits).all(dim=-1)
+    if (bad_z | bad_u).any():
+        row = int((bad_z | bad_u).any(dim=1).nonzero()[0])
+        comp = int((bad_z[row] if bad_z[row].any() else bad_u[row]).nonzero()[0])
         raise DecompositionError(
             f"task {task}, instance {ids[row]}: component {dec.components[comp].name} has a "
             "NaN or Inf logit (try --dtype fp32)"
@@ -351,12 +356,23 @@ def extract_task(
                 correct, max_err = _add(writing.result(), correct, max_err)
     finally:
         runner.close()
+    seconds = time.perf_counter() - start_time
+    if n_new:
+        plan.writer.record_run(
+            {
+                "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "seconds": round(seconds, 3),
+                "instances": n_new,
+                "shard": list(cfg.shard),
+                "device": loaded.device.type,
+            }
+        )
     return TaskSummary(
         task=spec.name,
         n_requested=len(items),
         n_new=n_new,
         n_done=len(plan.writer.done_instances()),
-        seconds=time.perf_counter() - start_time,
+        seconds=seconds,
         max_sum_error=max_err,
         n_truncated=sum(truncated),
         accuracy_new=correct / n_new if n_new else None,

@@ -72,6 +72,9 @@ class Manifest:
     """Device type the model ran on."""
     created_at: str = ""
     """UTC time the partition was first created (ISO 8601)."""
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per extraction run that added instances: finished_at, seconds, instances,
+    shard, device (appended when the run ends)."""
     schema_version: int = SCHEMA_VERSION
     """Schema version of the partition's files (``layerdiv.schemas``)."""
 

@@ -58,6 +58,12 @@ class PartitionWriter:
             for stale in d.glob(".*.tmp"):
                 stale.unlink(missing_ok=True)
 
+    def record_run(self, run: dict[str, object]) -> None:
+        """Append a finished run's statistics to the manifest (atomic replace)."""
+        manifest = read_manifest(self.part.manifest)
+        manifest.runs.append(run)
+        write_manifest(self.part.manifest, manifest)
+
     def done_instances(self) -> set[int]:
         """Instances already stored in complete chunks."""
         return {i for start, n in self.part.done_parts() for i in range(start, start + n)}

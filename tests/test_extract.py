@@ -205,3 +205,48 @@ def test_a_newer_manifest_is_refused(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(json.dumps({"schema_version": 99}))
     with pytest.raises(SchemaError, match="newer than this layerdiv reads"):
         read_manifest(tmp_path / "manifest.json")
+
+
+def test_a_nan_names_the_instance_and_component(
+    tmp_path: Path, build_model: Any, tokenizer: Any, make_task: Any
+) -> None:
+    import torch
+
+    from layerdiv.extract.capture import DecompositionError
+
+    model = build_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    folder = tmp_path / "nan-model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    store = tmp_path / "store"
+    task = make_task(tmp_path / "task", n=4)
+    out = extract("--model", str(folder), "--task", str(task), "--store", str(store))
+    assert out.exit_code == 1
+    assert "instance 0: component mlp.1 has a NaN or Inf logit" in out.output
+    assert not list(store.glob("*/*/*/part-*.parquet"))
+    assert DecompositionError.__name__ not in out.output  # one line, no traceback
+
+
+def test_hub_style_dataset_loads_through_datasets(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    """The `dataset:` path (hub loading via `datasets`) works on a local dataset folder."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "hubdata" / "data"
+    data.mkdir(parents=True)
+    table = pa.table({"text": ["good fun", "awful plot", "lovely film"], "label": [1, 0, 1]})
+    pq.write_table(table, data / "validation-00000-of-00001.parquet")
+    task = make_task(tmp_path / "task", n=3, label="{{ label }}")
+    spec = json.loads(task.read_text())
+    del spec["data"]
+    spec["dataset"] = {"path": str(tmp_path / "hubdata"), "split": "validation"}
+    task.write_text(json.dumps(spec))
+    store = tmp_path / "store"
+    out = extract("--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store))
+    assert out.exit_code == 0, out.output
+    assert rows(store, "instances")["gold"].to_list() == [1, 0, 1]
+    assert Store(store).partitions[0].manifest.runs[0]["instances"] == 3

@@ -1,0 +1,42 @@
+"""Real behaviour: SmolLM2-135M-Instruct (shipped on PyPI) on a task built from packaged data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+from click.testing import CliRunner
+
+from layerdiv.cli import main
+from layerdiv.demo import write_demo_tasks
+from layerdiv.store import Store
+
+
+def test_smollm2_extract_on_packaged_bbc_news(tmp_path: Path) -> None:
+    tasks = {p.stem: p for p in write_demo_tasks(tmp_path / "tasks", n=300, seed=0)}
+    store = tmp_path / "store"
+    args = ["extract", "--model", "smollm2-135m-instruct", "--task", str(tasks["bbc5"]),
+            "--store", str(store), "--limit", "60"]  # fmt: skip
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    (info,) = Store(store).partitions
+    m = info.manifest
+    assert m.model_type == "llama" and m.n_params > 100e6
+    assert len(m.components) == 1 + 2 * 30  # embedding + 30 attention + 30 MLP blocks
+    assert m.options == ["Business", "Entertainment", "Politics", "Sports", "Technology"]
+    inst = Store(store).scan("instances").collect()
+    comps = Store(store).scan("components").collect()
+    assert inst.height == 60 and comps.height == 60 * 61 * 5
+    # The sum invariant, recomputed from the stored rows.
+    totals = (
+        comps.group_by("instance", "option").agg(pl.col("logit").sum()).sort("instance", "option")
+    )
+    model_logits = np.concatenate(inst.sort("instance")["model_logits"].to_list())
+    assert np.abs(totals["logit"].to_numpy() - model_logits).max() < 1e-3
+    assert inst["sum_error"].max() < 1e-5
+    # Non-trivial accuracy: far above the majority class on 5 balanced topics.
+    pred = np.array([int(np.argmax(v)) for v in inst["model_logits"].to_list()])
+    accuracy = float((pred == inst["gold"].to_numpy()).mean())
+    majority = inst["gold"].value_counts()["count"].max() / inst.height
+    assert accuracy > majority + 0.2, (accuracy, majority)
