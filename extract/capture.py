@@ -51,7 +51,7 @@ def _last(t: Any) -> torch.Tensor:
 class ComponentCapture:
     """Hooks on one model; :meth:`decompose` after each forward pass gives the batch's results."""
 
-    def __init__(self, model: torch.nn.Module, adapter: Adapter, option_ids: list[int]):
+    def __init__(self, model: Any, adapter: Adapter, option_ids: list[int]):
         self.adapter = adapter
         blocks = get_module(model, adapter.blocks)
         self.norm = get_module(model, adapter.final_norm)

@@ -220,9 +220,9 @@ def load_model(
             revision=source.revision,
             dtype=dtype,
             trust_remote_code=source.trust_remote_code,
-            device_map=str(device) if device.type == "cuda" else None,
+            device_map=str(device),
         )
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load the weights of {source.model_id!r}: {err}") from err
-    model.to(device).eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
     return LoadedModel(source, model, tokenizer, device, dtype)

@@ -34,9 +34,9 @@ def test_smollm2_extract_on_packaged_bbc_news(tmp_path: Path) -> None:
     )
     model_logits = np.concatenate(inst.sort("instance")["model_logits"].to_list())
     assert np.abs(totals["logit"].to_numpy() - model_logits).max() < 1e-3
-    assert inst["sum_error"].max() < 1e-5
+    assert inst["sum_error"].to_numpy().max() < 1e-5
     # Non-trivial accuracy: far above the majority class on 5 balanced topics.
     pred = np.array([int(np.argmax(v)) for v in inst["model_logits"].to_list()])
     accuracy = float((pred == inst["gold"].to_numpy()).mean())
-    majority = inst["gold"].value_counts()["count"].max() / inst.height
+    majority = np.bincount(inst["gold"].to_numpy()).max() / inst.height
     assert accuracy > majority + 0.2, (accuracy, majority)
