@@ -150,7 +150,207 @@ def extract(
     click.echo(f"store: {store}")
 
 
+@main.command()
+@click.option(
+    "--out",
+    default="layerdiv-demo",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Folder for the demo's tasks, store, result tables and report.",
+)
+@click.option("--n", type=click.IntRange(min=10), default=300, show_default=True,
+              help="Instances per task (balanced classes).")  # fmt: skip
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
+def demo(out: str, n: int, seed: int) -> None:
+    """Offline end to end: SmolLM2 on three tasks made from packaged data (extract, analyze,
+    report), then a summary. A second run reuses the cache."""
+    from pathlib import Path
+
+    from layerdiv.demo import DemoDataError, run_demo
+
+    try:
+        run_demo(Path(out), n, seed)
+    except DemoDataError as err:
+        raise click.ClickException(str(err)) from err
+
+
 # --- analysis commands ---------------------------------------------------------------------
+# Read the cache only (no torch). Bad input exits 1 with one line; outputs appear all at once.
+
+models_option = click.option(
+    "--model",
+    "models",
+    multiple=True,
+    metavar="ID",
+    help="Only this model (hub id or store slug); repeat for several. Default: all.",
+)
+tasks_option = click.option(
+    "--task",
+    "tasks",
+    multiple=True,
+    metavar="NAME",
+    help="Only this task; repeat for several. Default: all.",
+)
+lens_option = click.option(
+    "--lens",
+    type=click.Choice(["final", "prefix"]),
+    default="final",
+    show_default=True,
+    help="Junction scores with the final norm's scale frozen, or each prefix rescaled by its "
+    "own rms (logit lens; METHODS.md sections 1 and 3).",
+)
+min_params_option = click.option(
+    "--min-params",
+    type=float,
+    default=0.0,
+    show_default=True,
+    metavar="N",
+    help="Depth efficiency (Fig. 6) only for models with at least N parameters (paper: 1e9).",
+)
+
+
+@main.command("analyze")
+@store_option
+@models_option
+@tasks_option
+@lens_option
+@min_params_option
+@click.option(
+    "--out",
+    default="layerdiv-results",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Directory for the result tables.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["parquet", "csv"]),
+    default="parquet",
+    show_default=True,
+    help="Table file format.",
+)
+def analyze_command(
+    store: str,
+    models: tuple[str, ...],
+    tasks: tuple[str, ...],
+    lens: str,
+    min_params: float,
+    out: str,
+    fmt: str,
+) -> None:
+    """Compute every result table (scores, curves, module shares, correlations, depth
+    efficiency, information) from the cache and write them to OUT."""
+    from layerdiv.analyze.api import analyze
+    from layerdiv.analyze.cli_support import clean_errors
+    from layerdiv.analyze.output import write_tables
+
+    with clean_errors():
+        results = analyze(store, models, tasks, lens, min_params, progress=True)  # type: ignore[arg-type]
+        settings = {
+            "store": store,
+            "models": list(models),
+            "tasks": list(tasks),
+            "lens": lens,
+            "min_params": min_params,
+        }
+        write_tables(results.tables(), out, fmt, settings)
+    click.echo(f"wrote {len(results.tables())} tables ({fmt}) to {out}")
+
+
+@main.command("report")
+@store_option
+@models_option
+@tasks_option
+@lens_option
+@min_params_option
+@click.option(
+    "--estimator",
+    type=click.Choice(["paper", "ensemble"]),
+    default="paper",
+    show_default=True,
+    help="Which MSE/bias/diversity estimator the report shows (METHODS.md section 2).",
+)
+@click.option(
+    "--out",
+    default="layerdiv-report",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Directory for report.md and figures/.",
+)
+def report_command(
+    store: str,
+    models: tuple[str, ...],
+    tasks: tuple[str, ...],
+    lens: str,
+    min_params: float,
+    estimator: str,
+    out: str,
+) -> None:
+    """Write a Markdown report (the paper's Table 1, Figs. 3-6 tables and PNG figures)."""
+    from layerdiv.analyze.api import analyze
+    from layerdiv.analyze.cli_support import clean_errors
+    from layerdiv.analyze.report import write_report
+
+    with clean_errors():
+        results = analyze(store, models, tasks, lens, min_params, progress=True)  # type: ignore[arg-type]
+        path, notes = write_report(results, out, estimator, store)  # type: ignore[arg-type]
+    click.echo(f"wrote {path}")
+    for note in notes:
+        click.echo(note)
+
+
+@main.command("query")
+@click.argument("sql")
+@store_option
+@models_option
+@tasks_option
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the result to this .parquet or .csv file instead of printing it.",
+)
+@click.option("--max-rows", type=int, default=40, show_default=True, help="Rows to print at most.")
+def query_command(
+    sql: str,
+    store: str,
+    models: tuple[str, ...],
+    tasks: tuple[str, ...],
+    out: str | None,
+    max_rows: int,
+) -> None:
+    """Run SQL on the views components, instances and manifests (DuckDB).
+
+    Example: layerdiv query "SELECT model, task, count(*) FROM instances GROUP BY ALL"
+    """
+    from layerdiv.analyze.cli_support import clean_errors, show
+    from layerdiv.analyze.output import atomic_file, file_format
+    from layerdiv.store import Store
+
+    with clean_errors():
+        fmt = file_format(out) if out else None
+        relation = Store(store).duckdb(models, tasks).sql(sql)
+        if relation is None:
+            click.echo("OK (the statement returns no rows)")
+        elif out:
+            with atomic_file(out) as tmp:
+                getattr(relation, f"write_{fmt}")(str(tmp))
+            click.echo(f"wrote {out}")
+        else:
+            click.echo(show(relation.limit(max_rows + 1).pl(), max_rows))
+
+
+@main.command("ls")
+@store_option
+def ls_command(store: str) -> None:
+    """List what the store holds: models, tasks, instance counts, extraction dates."""
+    from layerdiv.analyze.api import ls
+    from layerdiv.analyze.cli_support import clean_errors, show
+
+    with clean_errors():
+        table = ls(store)
+    click.echo(show(table, max_rows=max(table.height, 1)))
 
 
 if __name__ == "__main__":

@@ -46,12 +46,14 @@ def write_partition(
     n_params: int = 1_000_000,
     chunk: int | None = None,
     created_at: str = "2025-01-01T00:00:00Z",
+    shuffle: np.random.Generator | None = None,
 ) -> None:
     """Write one (model, task) partition from arrays.
 
     ``logits`` is (N, L, K): u_c[k] of instance i; ``gold`` (N,) option indices; ``kinds`` the L
     component kinds in execution order; ``prefix_rms`` (N, L) rms of each prefix (default 1, and
-    ``final_rms`` defaults to its last column). Instances are written in chunks of ``chunk``.
+    ``final_rms`` defaults to its last column). Instances are written in chunks of ``chunk``;
+    with ``shuffle`` the rows of each chunk are permuted (the store promises no row order).
     """
     n, n_comp, k = logits.shape
     if len(kinds) != n_comp or gold.shape != (n,):
@@ -85,12 +87,12 @@ def write_partition(
     step = chunk or n
     for start in range(0, n, step):
         stop = min(n, start + step)
-        writer.write_chunk(
-            start,
-            stop - start,
-            _components_table(start, logits[start:stop], rms[start:stop], infos),
-            _instances_table(start, logits[start:stop], gold[start:stop], final[start:stop]),
-        )
+        components = _components_table(start, logits[start:stop], rms[start:stop], infos)
+        instances = _instances_table(start, logits[start:stop], gold[start:stop], final[start:stop])
+        if shuffle is not None:
+            components = components.take(shuffle.permutation(components.num_rows))
+            instances = instances.take(shuffle.permutation(instances.num_rows))
+        writer.write_chunk(start, stop - start, components, instances)
 
 
 def _components_table(
@@ -126,7 +128,7 @@ def _components_table(
 def _instances_table(
     start: int, logits: np.ndarray, gold: np.ndarray, final_rms: np.ndarray
 ) -> pa.Table:
-    n, _, k = logits.shape
+    n = logits.shape[0]
     total = logits.astype(np.float32).sum(axis=1)
     columns = {
         "instance": np.arange(start, start + n, dtype=np.int32),
@@ -159,31 +161,42 @@ def random_partition(
     return logits, gold, prefix_rms, kinds
 
 
+PAPER_TASK_OPTIONS = (4, 4, 2, 3, 4, 3, 3, 4)
+"""Options per synthetic task, cycled: with 61-81 components and 2,000 instances, 16 models x 8
+tasks give about 60 million component-option rows."""
+
+
 def synthesize_store(
     root: str | Path,
     n_models: int = 16,
     n_tasks: int = 8,
     n_instances: int = 2000,
     blocks: tuple[int, int] = (30, 40),
-    options: tuple[int, int] = (2, 4),
+    options: Sequence[int] = PAPER_TASK_OPTIONS,
     seed: int = 0,
     progress: bool = True,
 ) -> int:
-    """Write a store of ``n_models`` x ``n_tasks`` random partitions, paper-sized by default
-    (61-81 components, 2-4 options); returns the number of component-option rows written."""
+    """Write a store of ``n_models`` x ``n_tasks`` random partitions (model m has between
+    ``blocks`` decoder blocks, evenly spread; task t has ``options[t % len(options)]`` options);
+    returns the number of component-option rows written."""
     rng = np.random.default_rng(seed)
-    task_options = rng.integers(options[0], options[1] + 1, n_tasks)
-    model_blocks = rng.integers(blocks[0], blocks[1] + 1, n_models)
+    model_blocks = np.linspace(blocks[0], blocks[1], n_models).round().astype(int)
     rows = 0
     pairs = [(m, t) for m in range(n_models) for t in range(n_tasks)]
     for m, t in tqdm(pairs, desc="synthesizing", unit="partition", disable=not progress):
-        n_blocks = int(model_blocks[m])
+        k = options[t % len(options)]
         logits, gold, rms, kinds = random_partition(
-            rng, n_instances, n_blocks, int(task_options[t]), skill=1.0 + m / n_models
+            rng, n_instances, int(model_blocks[m]), k, skill=1.0 + m / n_models
         )
-        params = int(1e8 * (m + 1))
         write_partition(
-            root, f"synth/model-{m:02d}", f"task{t}", logits, gold, kinds, rms, n_params=params
+            root,
+            f"synth/model-{m:02d}",
+            f"task{t}",
+            logits,
+            gold,
+            kinds,
+            rms,
+            n_params=int(1e8 * (m + 1)),
         )
         rows += logits.size
     return rows

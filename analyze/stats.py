@@ -1,0 +1,352 @@
+"""Statistics over the layer-addition curves: correlations (METHODS.md section 4), depth efficiency
+(section 5), the information-theoretic view (section 6), and the demo's summaries.
+
+Inputs are the frames of :mod:`layerdiv.analyze.api` (``curves`` has one row per model, task,
+estimator and junction j; the count frames one row per prediction/gold pair). SciPy is imported
+where it is used, so that ``layerdiv query`` and ``layerdiv ls`` start quickly.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import polars as pl
+
+from layerdiv.analyze.decomposition import ESTIMATORS
+
+CORRELATED = {"mse": -1.0, "bias": -1.0, "diversity": 1.0}
+"""Metrics correlated with accuracy, and their sign: lower MSE and bias are better, so their
+negatives enter the correlation (paper Fig. 3, footnote 4)."""
+METHODS: tuple[Literal["pearson", "spearman"], ...] = ("pearson", "spearman")
+SIGNIFICANCE = 0.05
+"""Two-sided p below which a correlation is marked significant (paper Fig. 3)."""
+R_CLIP = 1.0 - 1e-6
+"""|r| is clipped to this before arctanh in Fisher-z averages, so that r = +-1 stays finite."""
+_CURVE_KEYS = ["model", "task", "estimator"]
+
+
+def correlations(curves: pl.DataFrame) -> pl.DataFrame:
+    """Per (model, task, estimator, metric, method): r and its two-sided p across junctions j.
+
+    r is Pearson's or Spearman's (average ranks for ties) correlation of accuracy_j with
+    sign * metric_j (see :data:`CORRELATED`); p comes from t = r sqrt((n-2) / (1-r^2)) with
+    n - 2 degrees of freedom, as ``scipy.stats.pearsonr`` / ``spearmanr`` compute it. A curve
+    that is constant in j has r = p = NaN."""
+    from scipy import stats as sps
+
+    corr = [
+        pl.corr("accuracy", pl.col(metric) * sign, method=method).alias(f"{metric}|{method}")
+        for metric, sign in CORRELATED.items()
+        for method in METHODS
+    ]
+    wide = curves.group_by(_CURVE_KEYS).agg(pl.len().alias("n_points"), *corr)
+    out = (
+        wide.unpivot(index=[*_CURVE_KEYS, "n_points"], variable_name="pair", value_name="r")
+        .with_columns(
+            pl.col("pair").str.split_exact("|", 1).struct.rename_fields(["metric", "method"])
+        )
+        .unnest("pair")
+    )
+    r = out["r"].to_numpy()
+    dof = out["n_points"].to_numpy().astype(np.float64) - 2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = r * np.sqrt(dof / (1.0 - r * r))
+    p = np.where(np.abs(r) >= 1.0, 0.0, 2.0 * sps.t.sf(np.abs(t), dof))
+    return (
+        out.with_columns(pl.Series("p", p))
+        .with_columns((pl.col("p") < SIGNIFICANCE).alias("significant"))
+        .sort([*_CURVE_KEYS, "metric", "method"])
+    )
+
+
+def fisher_z(r: pl.Expr) -> pl.Expr:
+    """Fisher's z = arctanh(r), with r clipped to [-R_CLIP, R_CLIP]."""
+    return r.clip(-R_CLIP, R_CLIP).arctanh()
+
+
+def fisher_z_means(corr: pl.DataFrame) -> pl.DataFrame:
+    """Fisher-z averages of the correlations (METHODS.md section 4): tanh(mean(arctanh r)).
+
+    Rows with ``task`` null average a model over its tasks (the Avg. column); rows with
+    ``model`` null average a task over models; the row with both null averages the per-task
+    means over tasks. NaN correlations are left out; ``n`` counts the ones averaged."""
+    keys = ["estimator", "metric", "method"]
+    finite = corr.filter(pl.col("r").is_not_nan()).with_columns(fisher_z(pl.col("r")).alias("z"))
+
+    def mean(frame: pl.DataFrame, by: list[str]) -> pl.DataFrame:
+        return frame.group_by([*by, *keys]).agg(pl.col("z").mean(), pl.len().alias("n"))
+
+    over_tasks = mean(finite, ["model"]).with_columns(pl.lit(None, pl.String).alias("task"))
+    over_models = mean(finite, ["task"]).with_columns(pl.lit(None, pl.String).alias("model"))
+    overall = mean(over_models, []).with_columns(
+        pl.lit(None, pl.String).alias("model"), pl.lit(None, pl.String).alias("task")
+    )
+    columns = ["model", "task", *keys, "n", "z"]
+    return (
+        pl.concat([f.select(columns) for f in (over_tasks, over_models, overall)])
+        .with_columns(pl.col("z").tanh().alias("r"), pl.col("n").cast(pl.UInt32))
+        .drop("z")
+        .sort(["model", "task", *keys], nulls_last=True)
+    )
+
+
+def depth_curves(
+    curves: pl.DataFrame, manifests: pl.DataFrame, min_params: float = 0
+) -> pl.DataFrame:
+    """Per (model, estimator, j): accuracy and MSE averaged over the model's tasks, and the
+    marginal gains of adding component j (METHODS.md section 5): accuracy_j - accuracy_{j-1} and
+    mse_{j-1} - mse_j (positive = better). Only models with n_params >= ``min_params``."""
+    params = manifests.group_by("model").agg(pl.col("n_params").first())
+    keep = params.filter(pl.col("n_params") >= min_params)
+    by = ["model", "estimator"]
+    return (
+        curves.join(keep, on="model")
+        .group_by([*by, "j"])
+        .agg(
+            pl.col("n_params").first(),
+            pl.len().alias("n_tasks"),
+            pl.col("accuracy", "mse").mean(),
+        )
+        .sort([*by, "j"])
+        .with_columns(
+            pl.col("accuracy").diff().over(by).alias("accuracy_gain"),
+            (-pl.col("mse").diff()).over(by).alias("mse_gain"),
+        )
+    )
+
+
+def _fit_log(j: np.ndarray, acc: np.ndarray) -> dict[str, float]:
+    """acc(j) = a + b log j by least squares, with standard errors (scipy.stats.linregress)."""
+    if len(j) < 3 or np.ptp(acc) == 0:
+        nan = float("nan")
+        return {"acc_a": nan, "acc_a_se": nan, "acc_b": nan, "acc_b_se": nan, "acc_r2": nan}
+    from scipy import stats as sps
+
+    fit = sps.linregress(np.log(j), acc)
+    return {
+        "acc_a": float(fit.intercept),
+        "acc_a_se": float(fit.intercept_stderr),
+        "acc_b": float(fit.slope),
+        "acc_b_se": float(fit.stderr),
+        "acc_r2": float(fit.rvalue**2),
+    }
+
+
+def inverse_depth(j: np.ndarray, c: float, alpha: float, l0: float) -> np.ndarray:
+    """loss(j) = c / j^alpha + L0 (the inverse-depth form of seeds/inverse-depth-scaling.txt)."""
+    return c / j**alpha + l0
+
+
+ALPHA_GRID = np.geomspace(0.01, 10.0, 61)
+"""Exponents alpha tried before the fit of :func:`inverse_depth` is refined between neighbours."""
+
+
+def _fit_inverse(j: np.ndarray, loss: np.ndarray) -> dict[str, float | bool]:
+    """Least squares fit of :func:`inverse_depth`, by variable projection: for a given alpha, c
+    and L0 enter linearly and are solved exactly, so only alpha is searched (on
+    :data:`ALPHA_GRID`, then refined by Brent's method between the grid neighbours of the best
+    point). Standard errors come from the Jacobian at the optimum, s^2 (J^T J)^-1 with
+    s^2 = RSS / (n - 3), as ``scipy.optimize.curve_fit`` computes them. ``loss_at_bound`` is true
+    when the optimum is an end of the grid: the curve is then closer to a logarithm (alpha -> 0)
+    or a step (alpha -> inf) than to an inverse power, and the parameters are not meaningful."""
+    from scipy import optimize
+
+    names = ["loss_c", "loss_alpha", "loss_l0"]
+    out: dict[str, float | bool] = {
+        n: float("nan") for n in [*names, *(f"{n}_se" for n in names), "loss_r2"]
+    }
+    out["loss_at_bound"] = False
+    if len(j) < 4 or np.ptp(loss) == 0:
+        return out
+
+    def linear(alpha: float) -> tuple[np.ndarray, float]:
+        design = np.column_stack([j**-alpha, np.ones_like(j)])
+        coef = np.linalg.lstsq(design, loss, rcond=None)[0]
+        return coef, float(np.sum((design @ coef - loss) ** 2))
+
+    rss = [linear(a)[1] for a in ALPHA_GRID]
+    best = int(np.argmin(rss))
+    lo, hi = ALPHA_GRID[max(best - 1, 0)], ALPHA_GRID[min(best + 1, len(ALPHA_GRID) - 1)]
+    alpha = float(
+        optimize.minimize_scalar(lambda a: linear(a)[1], bounds=(lo, hi), method="bounded").x
+    )
+    (c, l0), resid = linear(alpha)
+    jac = np.column_stack([j**-alpha, -c * np.log(j) * j**-alpha, np.ones_like(j)])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cov = resid / (len(j) - 3) * np.linalg.pinv(jac.T @ jac)
+    se = np.sqrt(np.diag(cov))
+    out.update(dict(zip(names, (float(c), alpha, float(l0)), strict=True)))
+    out.update({f"{n}_se": float(v) for n, v in zip(names, se, strict=True)})
+    out["loss_r2"] = 1.0 - resid / float(np.sum((loss - loss.mean()) ** 2))
+    out["loss_at_bound"] = not ALPHA_GRID[0] * 1.001 < alpha < ALPHA_GRID[-1] * 0.999
+    return out
+
+
+def depth_fits(depth: pl.DataFrame) -> pl.DataFrame:
+    """Per (model, estimator): the fits acc(j) = a + b log j (``acc_*``) and
+    mse(j) = c / j^alpha + L0 (``loss_*``), each parameter with its standard error (``_se``)
+    and the fit's R^2 (METHODS.md section 5)."""
+    rows = []
+    for (model, estimator), group in depth.group_by("model", "estimator", maintain_order=True):
+        j = group["j"].to_numpy().astype(np.float64)
+        rows.append(
+            {
+                "model": model,
+                "estimator": estimator,
+                "n_params": group["n_params"][0],
+                "n_components": int(j.max()),
+                **_fit_log(j, group["accuracy"].to_numpy()),
+                **_fit_inverse(j, group["mse"].to_numpy()),
+            }
+        )
+    none = np.array([])
+    fitted = {**_fit_log(none, none), **_fit_inverse(none, none)}
+    schema = {
+        "model": pl.String,
+        "estimator": pl.String,
+        "n_params": pl.Int64,
+        "n_components": pl.Int64,
+        **{k: pl.Boolean if isinstance(v, bool) else pl.Float64 for k, v in fitted.items()},
+    }
+    return pl.DataFrame(rows, schema=schema)
+
+
+def _entropy(counts: pl.Expr) -> pl.Expr:
+    """Plug-in entropy in bits of a distribution given by counts."""
+    p = counts / counts.sum()
+    return -(p * p.log(2)).sum()
+
+
+def mutual_information(counts: pl.DataFrame, by: list[str]) -> pl.DataFrame:
+    """Plug-in I(X; Y) in bits per group ``by`` from counts of (pred X, gold Y) pairs:
+    I = H(X) + H(Y) - H(X, Y); also n (instances) and the error P(X != Y)."""
+    x = counts.group_by([*by, "pred"]).agg(pl.col("count").sum())
+    y = counts.group_by([*by, "gold"]).agg(pl.col("count").sum())
+    hx = x.group_by(by).agg(_entropy(pl.col("count")).alias("h_x"))
+    hy = y.group_by(by).agg(_entropy(pl.col("count")).alias("h_y"))
+    hxy = counts.group_by(by).agg(
+        _entropy(pl.col("count")).alias("h_xy"),
+        pl.col("count").sum().alias("n"),
+        (
+            pl.col("count").filter(pl.col("pred") != pl.col("gold")).sum() / pl.col("count").sum()
+        ).alias("error"),
+    )
+    return (
+        hxy.join(hx, on=by)
+        .join(hy, on=by)
+        .select(
+            *by,
+            "n",
+            pl.col("h_y").alias("entropy_y"),
+            (pl.col("h_x") + pl.col("h_y") - pl.col("h_xy"))
+            .clip(lower_bound=0)
+            .alias("mutual_info"),
+            "error",
+        )
+    )
+
+
+def information_curves(prefix_preds: pl.DataFrame, n_options: pl.DataFrame) -> pl.DataFrame:
+    """Per (model, task, j): I(prefix_j; Y) of the prefix's argmax prediction, its marginal gain
+    over j - 1, the measured error, and the bounds of paper Eq. 12 in bits:
+    (H(Y) - I - 1) / log2 K <= error <= (H(Y) - I) / 2, K = number of options."""
+    by = ["model", "task"]
+    return (
+        mutual_information(prefix_preds, [*by, "j"])
+        .join(n_options, on=by)
+        .sort([*by, "j"])
+        .with_columns(
+            pl.col("mutual_info").diff().over(by).alias("gain"),
+            ((pl.col("entropy_y") - pl.col("mutual_info") - 1) / pl.col("n_options").log(2)).alias(
+                "error_lower"
+            ),
+            ((pl.col("entropy_y") - pl.col("mutual_info")) / 2).alias("error_upper"),
+        )
+    )
+
+
+def information_summary(curves: pl.DataFrame, component_preds: pl.DataFrame) -> pl.DataFrame:
+    """Per (model, task): n, H(Y), relevancy sum_c I(argmax u_c; Y) (paper Eq. 13), I of the full
+    stack with its Eq. 12 bounds and measured error, and the mean marginal gain of I per component
+    in the first and second half of the stack (submodularity shows as a smaller second half)."""
+    by = ["model", "task"]
+    relevancy = (
+        mutual_information(component_preds, [*by, "component"])
+        .group_by(by)
+        .agg(pl.col("mutual_info").sum().alias("relevancy"))
+    )
+    half = (pl.col("j") > pl.col("j").max() / 2).over(by)
+    gains = curves.group_by(by).agg(
+        pl.col("gain").filter(~half).mean().alias("gain_first_half"),
+        pl.col("gain").filter(half).mean().alias("gain_second_half"),
+    )
+    full = curves.filter(pl.col("j") == pl.col("j").max().over(by)).select(
+        *by, "n", "n_options", "entropy_y", "mutual_info", "error", "error_lower", "error_upper"
+    )
+    return full.join(relevancy, on=by).join(gains, on=by).sort(by)
+
+
+def module_shares_by_model(modules: pl.DataFrame, estimator: str) -> pl.DataFrame:
+    """Per (model, kind): bias and diversity shares averaged over the model's tasks (paper
+    Fig. 4), and the kind's share of the components |X| / L."""
+    return (
+        modules.filter(pl.col("estimator") == estimator)
+        .with_columns(
+            (pl.col("n_components") / pl.col("n_components").sum().over("model", "task")).alias(
+                "component_share"
+            )
+        )
+        .group_by("model", "kind")
+        .agg(pl.col("component_share", "bias_share", "diversity_share").mean())
+        .sort("model", "kind")
+    )
+
+
+def majority_baseline(instances: pl.DataFrame) -> pl.DataFrame:
+    """Per (model, task): the accuracy of always answering the most frequent gold option
+    (computed from the gold labels), and that option."""
+    counts = instances.group_by("model", "task", "gold").agg(pl.len().alias("count"))
+    return (
+        counts.sort("count", "gold", descending=[True, False])
+        .group_by("model", "task", maintain_order=True)
+        .agg(
+            pl.col("gold").first().alias("majority_option"),
+            (pl.col("count").first() / pl.col("count").sum()).alias("majority_accuracy"),
+        )
+        .sort("model", "task")
+    )
+
+
+def saturation(curves: pl.DataFrame, tolerance: float = 0.01) -> pl.DataFrame:
+    """Per (model, task): the depth at which accuracy saturates.
+
+    The saturation depth is the smallest number of components j such that every longer prefix
+    j' >= j has accuracy_j' >= accuracy_L - ``tolerance`` (default 1 point), where accuracy_L is
+    the full model's accuracy: from j on, adding layers never leaves the final accuracy's
+    tolerance band from below. ``saturation_fraction`` = j / L."""
+    by = ["model", "task"]
+    acc = curves.filter(pl.col("estimator") == ESTIMATORS[0]).sort([*by, "j"])
+    floor = pl.col("accuracy").last().over(by) - tolerance - 1e-12
+    suffix_min = pl.col("accuracy").reverse().cum_min().reverse().over(by)
+    return (
+        acc.with_columns((suffix_min >= floor).alias("_saturated"))
+        .group_by(by)
+        .agg(
+            pl.col("j").max().alias("n_components"),
+            pl.col("accuracy").last().alias("final_accuracy"),
+            pl.col("j").filter("_saturated").min().alias("saturation_j"),
+        )
+        .with_columns(
+            (pl.col("saturation_j") / pl.col("n_components")).alias("saturation_fraction")
+        )
+        .sort(by)
+    )
+
+
+def zscore(column: str, by: list[str]) -> pl.Expr:
+    """A curve standardized across j within each group (paper Fig. 5): (x - mean) / std; zero
+    for a constant curve."""
+    x = pl.col(column)
+    std = x.std().over(by)
+    return pl.when(std > 0).then((x - x.mean().over(by)) / std).otherwise(0.0).alias(column)

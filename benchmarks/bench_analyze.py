@@ -1,0 +1,148 @@
+"""Scale benchmark of the analysis stage (a script, not a test).
+
+Synthesises a paper-scale store (16 models x 8 tasks x 2,000 instances, 61-81 components, 2-4
+options: about 60 million component-option rows), then times, each in a fresh process:
+
+- ``layerdiv analyze`` (every score, curve, correlation, fit and table),
+- ``layerdiv report`` (Markdown and all PNG figures),
+- ``layerdiv query`` on one model and one task,
+- ``layerdiv analyze --lens prefix`` on one model (the O(L^2) logit-lens curves),
+
+and the same single-model, single-task query in-process (store opened, views built, query run),
+printing wall time and peak memory (max RSS of the process) of each.
+
+    python benchmarks/bench_analyze.py [--store DIR] [--models 16] [--tasks 8] [--instances 2000]
+
+The store is kept in ``--store`` (default: a folder under the system temp directory) and reused
+when it is already there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+QUERY = (
+    "SELECT instance, option, sum(logit) AS logit FROM components "
+    "GROUP BY instance, option ORDER BY instance, option"
+)
+
+
+def ensure_store(root: Path, models: int, tasks: int, instances: int) -> int:
+    """Synthesise the store unless a store of the same shape is already at ``root``."""
+    from layerdiv.analyze.synthetic import synthesize_store
+
+    stamp = root / "bench.json"
+    shape = {"models": models, "tasks": tasks, "instances": instances}
+    if stamp.is_file() and json.loads(stamp.read_text())["shape"] == shape:
+        return int(json.loads(stamp.read_text())["rows"])
+    shutil.rmtree(root, ignore_errors=True)
+    start = time.perf_counter()
+    rows = synthesize_store(root, models, tasks, instances, progress=True)
+    print(f"synthesised {rows:,} component-option rows in {time.perf_counter() - start:.1f} s")
+    stamp.write_text(json.dumps({"shape": shape, "rows": rows}))
+    return rows
+
+
+def timed(label: str, args: list[str]) -> tuple[str, float, float]:
+    """Run ``layerdiv ARGS`` in a fresh process; (label, wall seconds, peak RSS in MiB)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "layerdiv.cli", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise SystemExit(f"{label} failed: {proc.stderr.read() if proc.stderr else ''}")
+    return label, wall, usage.ru_maxrss / 1024
+
+
+def in_process_query(store: Path, model: str, task: str) -> tuple[str, float, float]:
+    """Open the store, build the views for one model and task, run :data:`QUERY`."""
+    from layerdiv.store import Store
+
+    start = time.perf_counter()
+    rows = Store(store).duckdb([model], [task]).sql(QUERY).pl().height
+    wall = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return f"query, 1 model x 1 task, in-process ({rows:,} rows out)", wall, peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--store", type=Path, default=Path(tempfile.gettempdir()) / "layerdiv-bench"
+    )
+    parser.add_argument("--models", type=int, default=16)
+    parser.add_argument("--tasks", type=int, default=8)
+    parser.add_argument("--instances", type=int, default=2000)
+    args = parser.parse_args()
+
+    rows = ensure_store(args.store, args.models, args.tasks, args.instances)
+    store = str(args.store)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, task = "synth/model-00", "task0"
+        results = [
+            timed(
+                "layerdiv analyze (all scores and curves)",
+                ["analyze", "--store", store, "--out", f"{tmp}/results"],
+            ),
+            timed(
+                "layerdiv report (tables and all figures)",
+                ["report", "--store", store, "--out", f"{tmp}/report"],
+            ),
+            timed(
+                "layerdiv query, 1 model x 1 task (CLI, fresh process)",
+                [
+                    "query",
+                    QUERY,
+                    "--store",
+                    store,
+                    "--model",
+                    model,
+                    "--task",
+                    task,
+                    "--out",
+                    f"{tmp}/q.parquet",
+                ],
+            ),
+            in_process_query(args.store, model, task),
+            timed(
+                f"layerdiv analyze --lens prefix, 1 model x {args.tasks} tasks",
+                [
+                    "analyze",
+                    "--store",
+                    store,
+                    "--model",
+                    model,
+                    "--lens",
+                    "prefix",
+                    "--out",
+                    f"{tmp}/prefix",
+                ],
+            ),
+        ]
+    print(
+        f"\nstore: {rows:,} component-option rows, {args.models} models x {args.tasks} tasks x "
+        f"{args.instances:,} instances; {os.cpu_count()} CPU cores"
+    )
+    width = max(len(r[0]) for r in results)
+    print(f"{'step':<{width}}  {'wall (s)':>9}  {'peak RSS (MiB)':>14}")
+    for label, wall, peak in results:
+        print(f"{label:<{width}}  {wall:9.2f}  {peak:14.0f}")
+
+
+if __name__ == "__main__":
+    main()
