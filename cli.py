@@ -140,6 +140,9 @@ def extract(
     except EXTRACT_ERRORS as err:
         raise click.ClickException(str(err)) from err
     for s in summaries:
+        if not s.n_new:
+            click.echo(f"{s.task}: {s.n_done}/{s.n_requested} instances stored (nothing to do)")
+            continue
         acc = "" if s.accuracy_new is None else f", accuracy {100 * s.accuracy_new:.1f}%"
         click.echo(
             f"{s.task}: {s.n_done}/{s.n_requested} instances stored ({s.n_new} new in "

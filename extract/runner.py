@@ -8,7 +8,7 @@ import platform
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -23,6 +23,7 @@ from layerdiv.extract.adapters import Adapter, UnsupportedModel, adapter_for, fi
 from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
 from layerdiv.extract.models import (
     LoadedModel,
+    ModelSource,
     load_model,
     load_tokenizer,
     resolve_device,
@@ -95,10 +96,9 @@ class TaskSummary:
     n_new: int
     n_done: int
     seconds: float
-    max_sum_error: float
-    n_truncated: int
+    max_sum_error: float = 0.0
+    n_truncated: int = 0
     accuracy_new: float | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -141,8 +141,37 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
     approximate = check_softcap(source.config, cfg.allow_softcap)
     tokenizer = load_tokenizer(source)
     plans = [plan_task(name, tokenizer, cfg) for name in cfg.tasks]
-    loaded = load_model(source, tokenizer, device, dtype)
-    return [extract_task(loaded, adapter, plan, cfg, approximate) for plan in plans]
+    for plan in plans:  # refuse a conflicting partition before the weights are loaded
+        plan.writer.check(_identity(source, dtype, plan), cfg.overwrite)
+    loaded: LoadedModel | None = None
+    summaries = []
+    for plan in plans:
+        done = plan.writer.done_instances()
+        if not cfg.overwrite and not _pending(plan, done, cfg):
+            summaries.append(TaskSummary(plan.spec.name, len(plan.items), 0, len(done), 0.0))
+            continue
+        loaded = loaded or load_model(source, tokenizer, device, dtype)
+        summaries.append(extract_task(loaded, adapter, plan, cfg, approximate))
+    return summaries
+
+
+def _pending(plan: TaskPlan, done: set[int], cfg: ExtractConfig) -> bool:
+    """Whether this shard has instances of ``plan`` left to extract."""
+    todo = [i for i in range(len(plan.items)) if i not in done]
+    return next(_chunks(todo, cfg.chunk_size, cfg.shard), None) is not None
+
+
+def _identity(source: ModelSource, dtype: torch.dtype, plan: TaskPlan) -> dict[str, Any]:
+    """The manifest fields that identify an extraction (``Manifest.identity``), known before
+    the weights are loaded."""
+    return {
+        "model": source.model_id,
+        "revision": source.revision,
+        "weights_fingerprint": source.weights_fingerprint,
+        "dtype": str(dtype).removeprefix("torch."),
+        "template_sha256": plan.spec.sha256(),
+        "option_token_ids": plan.option_ids,
+    }
 
 
 def _versions() -> dict[str, str]:
@@ -408,20 +437,15 @@ def _manifest(
 ) -> Manifest:
     src, tok = loaded.source, loaded.tokenizer
     return Manifest(
-        model=src.model_id,
+        **_identity(src, loaded.dtype, plan),
         task=plan.spec.name,
-        revision=src.revision,
-        weights_fingerprint=src.weights_fingerprint,
-        dtype=str(loaded.dtype).removeprefix("torch."),
         model_type=str(src.config.model_type),
         adapter=adapter.family,
         norm=adapter.norm,
         n_params=loaded.n_params,
         context_length=loaded.context_length,
         options=list(plan.spec.options),
-        option_token_ids=plan.option_ids,
         option_tokens=[str(t) for t in tok.convert_ids_to_tokens(plan.option_ids)],
-        template_sha256=plan.spec.sha256(),
         task_spec=plan.spec.to_dict(),
         components=components,
         n_requested=len(plan.items),

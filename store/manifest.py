@@ -24,6 +24,18 @@ class ComponentInfo:
     """Decoder block index, -1 for ``embed`` and ``bias``."""
 
 
+IDENTITY = (
+    "model",
+    "revision",
+    "weights_fingerprint",
+    "dtype",
+    "template_sha256",
+    "option_token_ids",
+    "schema_version",
+)
+"""Manifest fields that identify an extraction: a run into an existing partition must match them."""
+
+
 @dataclass
 class Manifest:
     """What was extracted into a partition and how: enough to trust and reproduce it."""
@@ -80,15 +92,7 @@ class Manifest:
 
     def identity(self) -> dict[str, Any]:
         """The fields a resumed or sharded run must match exactly to write into this partition."""
-        return {
-            "model": self.model,
-            "revision": self.revision,
-            "weights_fingerprint": self.weights_fingerprint,
-            "dtype": self.dtype,
-            "template_sha256": self.template_sha256,
-            "option_token_ids": self.option_token_ids,
-            "schema_version": self.schema_version,
-        }
+        return {name: getattr(self, name) for name in IDENTITY}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

@@ -128,7 +128,7 @@ def test_shards_split_the_work(tmp_path: Path, model_dirs: Any, make_task: Any) 
     assert second.exit_code == 0 and "reviews: 30/30" in second.output
     assert rows(store, "instances")["instance"].to_list() == list(range(30))
     again = extract(*args)
-    assert "(0 new" in again.output  # nothing left to do: the cache is reused
+    assert "reviews: 30/30 instances stored (nothing to do)" in again.output  # cache reused
 
 
 def test_a_larger_limit_extends_the_partition(
