@@ -43,11 +43,6 @@ class BatchDecomposition:
     """(B,) max_k |sum_c u_c[k] - model_logits[k]| / max(1, max_k sum_c |u_c[k]|)."""
 
 
-def _last(t: Any) -> torch.Tensor:
-    out = t[0] if isinstance(t, tuple) else t
-    return out[:, -1, :].to(torch.float32, copy=True)
-
-
 class ComponentCapture:
     """Hooks on one model; :meth:`decompose` after each forward pass gives the batch's results."""
 
@@ -64,7 +59,8 @@ class ComponentCapture:
         head_bias = getattr(head, "bias", None)
         self.head_bias = None if head_bias is None else head_bias.detach()[ids].float()
         self.eps = norm_eps(self.norm)
-        self._records: list[tuple[str, int, torch.Tensor]] = []
+        self._records: list[tuple[str, int]] = []  # (kind, layer) of each component so far
+        self._buffer: torch.Tensor | None = None  # (slots, rows, d) float32, reused every pass
         self._x: torch.Tensor | None = None
         self._head: torch.Tensor | None = None
         self._handles = [
@@ -80,22 +76,37 @@ class ComponentCapture:
                 self._handles.append(module.register_forward_hook(self._component_hook(kind, i)))
 
     # hooks -------------------------------------------------------------------------------------
+    def _keep(self, kind: str, layer: int, output: Any) -> None:
+        """Copy a component's last position into the next slot of one preallocated buffer (many
+        small long-lived copies between large activations fragment the heap)."""
+        out = output[0] if isinstance(output, tuple) else output
+        rows, slot, buf = out.shape[0], len(self._records), self._buffer
+        if buf is None or rows > buf.shape[1] or slot >= buf.shape[0]:
+            slots = max(64, 2 * slot) if buf is None or slot >= buf.shape[0] else buf.shape[0]
+            width = rows if buf is None else max(rows, buf.shape[1])
+            grown = out.new_empty((slots, width, out.shape[-1]), dtype=torch.float32)
+            if buf is not None and slot:  # more calls than slots within one pass: keep them
+                grown[:slot, :rows] = buf[:slot, :rows]
+            self._buffer = buf = grown
+        buf[slot, :rows].copy_(out[:, -1, :])
+        self._records.append((kind, layer))
+
     def _embed_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
         if not self._records:  # the first block may run again (shared layers): embed once
-            hidden = args[0] if args else kwargs["hidden_states"]
-            self._records.append(("embed", -1, _last(hidden)))
+            self._keep("embed", -1, args[0] if args else kwargs["hidden_states"])
 
     def _component_hook(self, kind: str, layer: int) -> Any:
         def hook(module: Any, args: tuple, output: Any) -> None:
-            self._records.append((kind, layer, _last(output)))
+            self._keep(kind, layer, output)
 
         return hook
 
     def _norm_hook(self, module: Any, args: tuple) -> None:
-        self._x = _last(args[0])
+        self._x = args[0][:, -1, :].to(torch.float32, copy=True)
 
     def _head_hook(self, module: Any, args: tuple, output: Any) -> None:
-        self._head = _last(output)[:, self.option_ids]
+        out = output[0] if isinstance(output, tuple) else output
+        self._head = out[:, -1, self.option_ids].float()
 
     def remove(self) -> None:
         """Detach every hook from the model."""
@@ -109,7 +120,7 @@ class ComponentCapture:
     def component_infos(self) -> list[ComponentInfo]:
         seen: Counter[tuple[str, int]] = Counter()
         infos = []
-        for kind, layer, _ in self._records:
+        for kind, layer in self._records:
             base = "embed" if kind == "embed" else f"{kind}.{layer}"
             k = seen[(kind, layer)]
             seen[(kind, layer)] += 1
@@ -124,10 +135,10 @@ class ComponentCapture:
 
     def decompose(self) -> BatchDecomposition:
         """Split the last forward pass's option logits into its components (METHODS.md s. 1)."""
-        if self._x is None or self._head is None or not self._records:
+        if self._x is None or self._head is None or self._buffer is None:
             raise DecompositionError("no forward pass was captured")
-        z = torch.stack([r[2] for r in self._records], dim=1)  # (B, L, d)
         x = self._x  # the model's own final residual (B, d)
+        z = self._buffer[: len(self._records), : x.shape[0]].transpose(0, 1)  # (B, L, d)
         gain = self.norm.weight.detach().float()
         if self.adapter.norm == "rms_plus_one":
             gain = 1.0 + gain

@@ -140,3 +140,22 @@ def test_unknown_architecture_lists_supported(build_model: Any) -> None:
     with pytest.raises(UnsupportedModel, match=r"supported model types: .*llama"):
         adapter_for(build_model("bert").config)
     assert "gpt_neox" in supported_model_types()
+
+
+def test_capture_buffer_grows_with_calls_and_rows(build_model: Any, tokenizer: Any) -> None:
+    """More component calls than preallocated slots (a block run 40 times) and a larger batch
+    after a smaller one: the reused buffer grows and the numbers stay exact."""
+    model = build_model("llama")
+    blocks = model.model.layers
+    model.model.layers = torch.nn.ModuleList([blocks[0], blocks[1]] * 20)
+    model.config.num_hidden_layers = 40
+    runner = ModelRunner(loaded(model, tokenizer), adapter_for(model.config), OPTIONS, 4096)
+    try:
+        small = runner.run(PROMPTS[1:2])
+        large = runner.run(PROMPTS)
+    finally:
+        runner.close()
+    assert len(large.components) == 1 + 2 * 40
+    assert [c.name for c in large.components][-2:] == ["attn.1#19", "mlp.1#19"]
+    assert float(large.sum_error.max()) < 1e-5
+    assert torch.allclose(small.logits[0], large.logits[1], atol=1e-5)
