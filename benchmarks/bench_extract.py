@@ -284,7 +284,7 @@ def stored(store: Path, task: str) -> tuple[np.ndarray, np.ndarray, float]:
     inst = db.scan("instances", tasks=[task]).sort("instance").collect()
     n, k = inst.height, len(inst["model_logits"][0])
     logits = comp["logit"].to_numpy().reshape(n, -1, k)
-    return logits, np.stack(inst["model_logits"].to_numpy()), float(inst["sum_error"].max())
+    return logits, np.array(inst["model_logits"].to_list()), inst["sum_error"].to_numpy().max()
 
 
 def warm_up_and_check(runs: list[Contender], tasks: list[Task]) -> None:

@@ -10,6 +10,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -24,7 +25,10 @@ from layerdiv.analyze.stats import inverse_depth
 from layerdiv.analyze.synthetic import decoder_kinds, write_partition
 from layerdiv.store import Store, StoreError
 
-TOL = {"rtol": 1e-9, "atol": 1e-12}
+
+def close(got: Any, want: Any) -> None:
+    """Golden comparison: the analysis equals the independent reference to rounding."""
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
 # --- the hand-built store ------------------------------------------------------------------
@@ -93,7 +97,7 @@ def lens(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def results(store: Path, lens: str):  # type: ignore[no-untyped-def]
+def results(store: Path, lens: str):
     return analyze(store, lens=lens)  # type: ignore[arg-type]
 
 
@@ -139,7 +143,7 @@ def slug(model: str) -> str:
     return model.replace("/", "--")
 
 
-def curve(results, p: Part, estimator: str, metric: str) -> np.ndarray:  # type: ignore[no-untyped-def]
+def curve(results, p: Part, estimator: str, metric: str) -> np.ndarray:
     frame = results.curves.filter(
         (pl.col("model") == slug(p.model))
         & (pl.col("task") == p.task)
@@ -151,16 +155,14 @@ def curve(results, p: Part, estimator: str, metric: str) -> np.ndarray:  # type:
 # --- sections 2 and 3 ----------------------------------------------------------------------
 
 
-def test_junction_curves_match_reference(results, parts: list[Part], lens: str) -> None:  # type: ignore[no-untyped-def]
+def test_junction_curves_match_reference(results, parts: list[Part], lens: str) -> None:
     for p in parts:
         ref = reference_curves(p, lens)
         for est in ("paper", "ensemble"):
-            np.testing.assert_allclose(curve(results, p, est, "accuracy"), ref["accuracy"], **TOL)
-            np.testing.assert_allclose(curve(results, p, est, "bias"), ref["bias"], **TOL)
+            close(curve(results, p, est, "accuracy"), ref["accuracy"])
+            close(curve(results, p, est, "bias"), ref["bias"])
             for metric in ("mse", "diversity"):
-                np.testing.assert_allclose(
-                    curve(results, p, est, metric), ref[f"{est}_{metric}"], **TOL
-                )
+                close(curve(results, p, est, metric), ref[f"{est}_{metric}"])
         names = results.curves.filter(
             (pl.col("model") == slug(p.model))
             & (pl.col("task") == p.task)
@@ -175,12 +177,10 @@ def test_prefix_lens_changes_mse_not_accuracy(store: Path, parts: list[Part]) ->
     assert not np.allclose(final["mse"].to_numpy(), prefix["mse"].to_numpy())
     # At j = L the prefix is the whole residual: a_L = final_rms / prefix_rms_L = 1.
     full = [pl.col("j") == pl.col("j").max().over("model", "task")]
-    np.testing.assert_allclose(
-        final.filter(*full)["mse"].to_numpy(), prefix.filter(*full)["mse"].to_numpy(), **TOL
-    )
+    close(final.filter(*full)["mse"].to_numpy(), prefix.filter(*full)["mse"].to_numpy())
 
 
-def test_instance_scores_match_reference(results, parts: list[Part], lens: str) -> None:  # type: ignore[no-untyped-def]
+def test_instance_scores_match_reference(results, parts: list[Part], lens: str) -> None:
     for p in parts:
         n, n_comp, _ = p.logits.shape
         for est in ("paper", "ensemble"):
@@ -193,14 +193,12 @@ def test_instance_scores_match_reference(results, parts: list[Part], lens: str) 
             ref = [reference_junction(p, i, n_comp, lens) for i in range(n)]
             assert got["gold"].to_list() == p.gold.tolist()
             assert got["pred"].to_list() == [int(r["pred"]) for r in ref]
-            np.testing.assert_allclose(got["mse"], [r[f"{est}_mse"] for r in ref], **TOL)
-            np.testing.assert_allclose(got["bias"], [r["bias"] for r in ref], **TOL)
-            np.testing.assert_allclose(
-                got["diversity"], [r[f"{est}_diversity"] for r in ref], **TOL
-            )
+            close(got["mse"], [r[f"{est}_mse"] for r in ref])
+            close(got["bias"], [r["bias"] for r in ref])
+            close(got["diversity"], [r[f"{est}_diversity"] for r in ref])
 
 
-def test_scores_table(results, parts: list[Part], lens: str) -> None:  # type: ignore[no-untyped-def]
+def test_scores_table(results, parts: list[Part], lens: str) -> None:
     for p in parts:
         n, n_comp, k = p.logits.shape
         ref = [reference_junction(p, i, n_comp, lens) for i in range(n)]
@@ -218,14 +216,14 @@ def test_scores_table(results, parts: list[Part], lens: str) -> None:  # type: i
             assert row["majority_option"] == int(np.argmax(counts))
 
 
-def test_paper_estimator_is_not_an_identity(results) -> None:  # type: ignore[no-untyped-def]
+def test_paper_estimator_is_not_an_identity(results) -> None:
     """METHODS.md: mse = bias - diversity does not hold for the paper's three numbers."""
     paper = results.instance_scores.filter(pl.col("estimator") == "paper")
     gap = (paper["bias"] - paper["diversity"] - paper["mse"]).abs()
     assert gap.max() > 1e-3
 
 
-def test_module_split_matches_reference(results, parts: list[Part]) -> None:  # type: ignore[no-untyped-def]
+def test_module_split_matches_reference(results, parts: list[Part]) -> None:
     for p in parts:
         n, n_comp, k = p.logits.shape
         for est in ("paper", "ensemble"):
@@ -291,7 +289,7 @@ def reference_correlations(
     return out
 
 
-def test_correlations_match_scipy(results, parts: list[Part], lens: str) -> None:  # type: ignore[no-untyped-def]
+def test_correlations_match_scipy(results, parts: list[Part], lens: str) -> None:
     for p in parts:
         for est in ("paper", "ensemble"):
             got = results.correlations.filter(
@@ -310,7 +308,7 @@ def test_correlations_match_scipy(results, parts: list[Part], lens: str) -> None
                 assert sig == (ref_p < 0.05)
 
 
-def test_fisher_z_means(results) -> None:  # type: ignore[no-untyped-def]
+def test_fisher_z_means(results) -> None:
     corr, means = results.correlations, results.correlation_means
     key = (
         (pl.col("estimator") == "ensemble")
@@ -341,10 +339,10 @@ def test_depth_curves_and_fits(store: Path, parts: list[Part]) -> None:
     acc = np.mean([r["accuracy"] for r in ref], axis=0)
     mse = np.mean([r["ensemble_mse"] for r in ref], axis=0)
     got = res.depth_curves.filter(pl.col("estimator") == "ensemble").sort("j")
-    np.testing.assert_allclose(got["accuracy"], acc, **TOL)
-    np.testing.assert_allclose(got["mse"], mse, **TOL)
-    np.testing.assert_allclose(got["accuracy_gain"].to_numpy()[1:], np.diff(acc), **TOL)
-    np.testing.assert_allclose(got["mse_gain"].to_numpy()[1:], -np.diff(mse), **TOL)
+    close(got["accuracy"], acc)
+    close(got["mse"], mse)
+    close(got["accuracy_gain"].to_numpy()[1:], np.diff(acc))
+    close(got["mse_gain"].to_numpy()[1:], -np.diff(mse))
 
     fit = res.depth_fits.filter(pl.col("estimator") == "ensemble").row(0, named=True)
     j = np.arange(1, len(acc) + 1, dtype=float)
@@ -407,7 +405,7 @@ def plugin_mi(xs: list[int], ys: list[int]) -> float:
     return sum(c / n * math.log2((c / n) / (px[x] / n * py[y] / n)) for (x, y), c in pxy.items())
 
 
-def test_information_matches_reference(results, parts: list[Part]) -> None:  # type: ignore[no-untyped-def]
+def test_information_matches_reference(results, parts: list[Part]) -> None:
     for p in parts:
         n, n_comp, k = p.logits.shape
         ys = p.gold.tolist()
@@ -444,7 +442,7 @@ def test_information_matches_reference(results, parts: list[Part]) -> None:  # t
         assert summary["gain_second_half"] == pytest.approx(gains[j > n_comp / 2].mean())
 
 
-def test_saturation_depth(results, parts: list[Part]) -> None:  # type: ignore[no-untyped-def]
+def test_saturation_depth(results, parts: list[Part]) -> None:
     for p in parts:
         acc = reference_curves(p, "final")["accuracy"]
         expected = next(
