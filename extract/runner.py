@@ -38,7 +38,7 @@ from layerdiv.store.writer import PartitionWriter
 SUM_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 """Largest accepted relative decomposition error per dtype (METHODS.md section 1 invariant)."""
 
-CPU_TOKEN_BUDGET = 4096
+CPU_TOKEN_BUDGET = 1024
 """Padded tokens per batch for ``--batch-size auto`` on the CPU."""
 
 MAX_BATCH_ROWS = 256
