@@ -5,6 +5,8 @@ Commands that read the cache never import torch; ``extract`` and ``demo`` import
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import click
 
 from layerdiv import __version__
@@ -212,12 +214,15 @@ min_params_option = click.option(
 )
 
 
+def analysis_options(command: Callable[..., None]) -> Callable[..., None]:
+    """The store, selection, lens and model-size options shared by ``analyze`` and ``report``."""
+    for option in (min_params_option, lens_option, tasks_option, models_option, store_option):
+        command = option(command)
+    return command
+
+
 @main.command("analyze")
-@store_option
-@models_option
-@tasks_option
-@lens_option
-@min_params_option
+@analysis_options
 @click.option(
     "--out",
     default="layerdiv-results",
@@ -262,11 +267,7 @@ def analyze_command(
 
 
 @main.command("report")
-@store_option
-@models_option
-@tasks_option
-@lens_option
-@min_params_option
+@analysis_options
 @click.option(
     "--estimator",
     type=click.Choice(["paper", "ensemble"]),

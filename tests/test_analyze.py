@@ -45,6 +45,21 @@ class Part:
     final_rms: np.ndarray  # (N,) float32
     n_params: int
 
+    def write(self, root: Path, **options: Any) -> None:
+        """Store this partition under ``root`` (``synthetic.write_partition`` options)."""
+        write_partition(
+            root,
+            self.model,
+            self.task,
+            self.logits,
+            self.gold,
+            self.kinds,
+            self.prefix_rms,
+            self.final_rms,
+            n_params=self.n_params,
+            **options,
+        )
+
 
 def make_part(
     rng: np.random.Generator, model: str, task: str, n: int, kinds: list[str], k: int, n_params: int
@@ -75,19 +90,7 @@ def store(tmp_path_factory: pytest.TempPathFactory, parts: list[Part]) -> Path:
     root = tmp_path_factory.mktemp("store")
     shuffle = np.random.default_rng(3)
     for p in parts:
-        write_partition(
-            root,
-            p.model,
-            p.task,
-            p.logits,
-            p.gold,
-            p.kinds,
-            p.prefix_rms,
-            p.final_rms,
-            n_params=p.n_params,
-            chunk=4,
-            shuffle=shuffle,
-        )
+        p.write(root, chunk=4, shuffle=shuffle)
     return root
 
 
@@ -497,16 +500,7 @@ def test_ensemble_identity_per_instance(
     tmp_path_factory: pytest.TempPathFactory, part: Part, lens: str
 ) -> None:
     root = tmp_path_factory.mktemp("prop")
-    write_partition(
-        root,
-        part.model,
-        part.task,
-        part.logits,
-        part.gold,
-        part.kinds,
-        part.prefix_rms,
-        part.final_rms,
-    )
+    part.write(root)
     info = Store(root).partitions[0]
     rows = instance_curves(info, lens).filter(pl.col("estimator") == "ensemble")  # type: ignore[arg-type]
     assert rows.height == part.logits.shape[0] * part.logits.shape[1]
@@ -518,16 +512,7 @@ def test_ensemble_identity_per_instance(
 @given(part=partitions())
 def test_shares_sum_to_one(tmp_path_factory: pytest.TempPathFactory, part: Part) -> None:
     root = tmp_path_factory.mktemp("prop")
-    write_partition(
-        root,
-        part.model,
-        part.task,
-        part.logits,
-        part.gold,
-        part.kinds,
-        part.prefix_rms,
-        part.final_rms,
-    )
+    part.write(root)
     modules = analyze(root).modules
     sums = modules.group_by("estimator").agg(pl.col("bias_share", "diversity_share").sum())
     for bias_share, diversity_share in sums.select("bias_share", "diversity_share").iter_rows():
