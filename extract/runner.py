@@ -348,8 +348,7 @@ def extract_task(
         probe = runner.run([seqs[0]])  # the component list, before anything is written
         _check(probe, [0], spec.name, tol)
         manifest = _manifest(loaded, adapter, plan, probe.components, tol, approximate)
-        plan.writer.check(manifest.identity(), cfg.overwrite)
-        plan.writer.open(manifest, cfg.overwrite)
+        plan.writer.open(manifest, cfg.overwrite)  # refuses a different stored extraction
         done = plan.writer.done_instances()
         todo = [i for i in range(len(items)) if i not in done]
         chunks = list(_chunks(todo, cfg.chunk_size, cfg.shard))

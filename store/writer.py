@@ -27,9 +27,11 @@ class PartitionWriter:
 
     def check(self, identity: dict[str, object], overwrite: bool) -> None:
         """Refuse (before anything is written) a run whose identity differs from the stored one."""
-        if overwrite or not self.part.manifest.exists():
-            return
-        existing = read_manifest(self.part.manifest).identity()
+        if not overwrite and self.part.manifest.exists():
+            self._refuse_different(read_manifest(self.part.manifest), identity)
+
+    def _refuse_different(self, stored: Manifest, identity: dict[str, object]) -> None:
+        existing = stored.identity()
         diff = [k for k, v in identity.items() if existing.get(k) != v]
         if diff:
             details = "; ".join(
@@ -41,15 +43,15 @@ class PartitionWriter:
             )
 
     def open(self, manifest: Manifest, overwrite: bool) -> None:
-        """Create (or, with ``overwrite``, recreate) the partition and record its manifest."""
+        """Create (or, with ``overwrite``, recreate) the partition and record its manifest; an
+        existing partition must hold the same extraction (:meth:`check`)."""
         if overwrite:
             for d in self.part.dirs():
                 shutil.rmtree(d, ignore_errors=True)
-        self.check(manifest.identity(), overwrite=False)
         if not write_manifest(self.part.manifest, manifest, exclusive=True):
-            # Another shard created it first: it must describe the same extraction.
+            # The partition exists (a rerun, or another shard got here first).
             stored = read_manifest(self.part.manifest)
-            self.check(manifest.identity(), overwrite=False)
+            self._refuse_different(stored, manifest.identity())
             if manifest.n_requested > stored.n_requested:
                 stored.n_requested = manifest.n_requested
                 write_manifest(self.part.manifest, stored)
