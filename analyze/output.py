@@ -13,13 +13,15 @@ from typing import Any
 
 import polars as pl
 
+from layerdiv.errors import LayerdivError
+
 FORMATS = ("parquet", "csv")
 INDEX_NAME = "index.json"
 """Written into every result directory: what it holds and how it was made. A directory that has
 one may be replaced by a new run; any other existing directory is left alone."""
 
 
-class OutputError(RuntimeError):
+class OutputError(LayerdivError, RuntimeError):
     """The output path cannot be written (it exists and is not ours, or has an unknown type)."""
 
 

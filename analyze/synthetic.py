@@ -121,6 +121,7 @@ def _components_table(
         "out_norm": np.ones(cells, np.float32),
         "prefix_rms": np.repeat(rms.astype(np.float32).reshape(n * n_comp), k),
         "cos_residual": np.zeros(cells, np.float32),
+        "cos_prev": np.zeros(cells, np.float32),
     }
     return pa.Table.from_pydict(columns, schema=COMPONENTS)
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from layerdiv.errors import LayerdivError
+
 NormKind = Literal["rms", "rms_plus_one", "layer"]
 
 
-class UnsupportedModel(ValueError):
+class UnsupportedModel(LayerdivError, ValueError):
     """The model's architecture has no adapter, or cannot be decomposed exactly."""
 
 

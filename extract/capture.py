@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 
+from layerdiv.errors import LayerdivError
 from layerdiv.extract.adapters import Adapter, get_module, norm_eps
 from layerdiv.store.manifest import ComponentInfo
 
 
-class DecompositionError(RuntimeError):
+class DecompositionError(LayerdivError, RuntimeError):
     """The components do not add up to the model's logits, or a value is NaN/Inf."""
 
 
@@ -35,6 +36,8 @@ class BatchDecomposition:
     """(B, L) scale statistic of the prefix r_c (rms, or std for LayerNorm)."""
     cos_residual: torch.Tensor
     """(B, L) cosine of z_c with the prefix r_(c-1) (NaN for c = 0 and for bias)."""
+    cos_prev: torch.Tensor
+    """(B, L) cosine of z_c with the previous output z_(c-1) (NaN for c = 0 and for bias)."""
     final_rms: torch.Tensor
     """(B,) scale statistic of the full residual x."""
     model_logits: torch.Tensor
@@ -158,6 +161,8 @@ class ComponentCapture:
         out_norm = z.norm(dim=-1)
         cos = torch.full_like(out_norm, float("nan"))
         cos[:, 1:] = torch.nn.functional.cosine_similarity(z[:, 1:], prefix[:, :-1], dim=-1)
+        cos_prev = torch.full_like(out_norm, float("nan"))  # METHODS.md section 7
+        cos_prev[:, 1:] = torch.nn.functional.cosine_similarity(z[:, 1:], z[:, :-1], dim=-1)
         if self._has_bias():
             # Constant component: norm bias b through W_U, plus any lm_head bias.
             const = torch.zeros(len(self.option_ids), device=z.device)
@@ -171,6 +176,7 @@ class ComponentCapture:
             nan = torch.full((b, 1), float("nan"), device=z.device)
             out_norm = torch.cat([out_norm, nan], dim=1)
             cos = torch.cat([cos, nan], dim=1)
+            cos_prev = torch.cat([cos_prev, nan], dim=1)
             prefix_rms = torch.cat([prefix_rms, scale_x[:, None]], dim=1)
         total = logits.sum(dim=1)
         spread = logits.abs().sum(dim=1).amax(dim=-1).clamp(min=1.0)
@@ -181,6 +187,7 @@ class ComponentCapture:
             out_norm=out_norm.cpu(),
             prefix_rms=prefix_rms.cpu(),
             cos_residual=cos.cpu(),
+            cos_prev=cos_prev.cpu(),
             final_rms=scale_x.cpu(),
             model_logits=self._head.cpu(),
             sum_error=sum_error.cpu(),

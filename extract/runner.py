@@ -443,6 +443,7 @@ def _manifest(
         norm=adapter.norm,
         n_params=loaded.n_params,
         context_length=loaded.context_length,
+        hidden_size=int(src.config.hidden_size),
         options=list(plan.spec.options),
         option_tokens=[str(t) for t in tok.convert_ids_to_tokens(plan.option_ids)],
         task_spec=plan.spec.to_dict(),
@@ -474,7 +475,7 @@ def _tables(
     logits = stack("logits")  # (B, L, K)
     per_comp = {
         a: np.repeat(stack(a).reshape(-1), n_opt)
-        for a in ("out_norm", "prefix_rms", "cos_residual")
+        for a in ("out_norm", "prefix_rms", "cos_residual", "cos_prev")
     }
     b = len(chunk)
     comp_index = np.tile(np.repeat(np.arange(n_comp, dtype=np.int16), n_opt), b)
@@ -495,6 +496,7 @@ def _tables(
             "out_norm": pa.array(per_comp["out_norm"], from_pandas=True),
             "prefix_rms": pa.array(per_comp["prefix_rms"]),
             "cos_residual": pa.array(per_comp["cos_residual"], from_pandas=True),
+            "cos_prev": pa.array(per_comp["cos_prev"], from_pandas=True),
         },
         schema=COMPONENTS,
     )

@@ -31,11 +31,13 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 import yaml
 
+from layerdiv.errors import LayerdivError
+
 ANSWER = "{{ answer }}"
 _SENTINEL = "\x00ANSWER\x00"
 
 
-class TaskError(ValueError):
+class TaskError(LayerdivError, ValueError):
     """A task definition or its data is unusable; the message names the problem."""
 
 

@@ -1,8 +1,14 @@
 """The cache's table schemas, declared once and versioned.
 
 Every Parquet file the store writes uses one of these schemas exactly; every reader checks the
-manifest's ``schema_version`` against :data:`SCHEMA_VERSION` and refuses a newer one. Bump the
-version whenever a column is added, removed, renamed or changes meaning or unit.
+manifest's ``schema_version`` against :data:`SCHEMA_VERSION`, refuses a newer one and reads an
+older one with the tables of its own version (:func:`tables_of`). Bump the version whenever a column
+or table is added, removed, renamed or changes meaning or unit, and keep the old declaration.
+
+History:
+- 1: ``components`` and ``instances``.
+- 2: ``components`` gains ``cos_prev``; optional tables ``skips``, ``heads`` and ``gram``; the
+  manifest gains ``hidden_size`` and ``extra_tables``.
 
 The hive partition columns ``model`` and ``task`` are not stored inside the files: they come from
 the directory names (``model=<slug>/task=<task>``) and are typed as strings by every reader.
@@ -12,8 +18,16 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
-"""Version of the on-disk layout and of the column sets below."""
+from layerdiv.errors import LayerdivError
+
+SCHEMA_VERSION = 2
+"""Version of the on-disk layout and of the column sets below (the one this code writes)."""
+
+OLDEST_READABLE = 1
+"""Oldest schema version this code still reads."""
+
+MAX_OPTIONS = 127
+"""Most answer options a task may have (the ``option`` column is int8)."""
 
 PARTITION_COLUMNS = ("model", "task")
 """Hive partition keys, in directory order."""
@@ -21,20 +35,30 @@ PARTITION_COLUMNS = ("model", "task")
 COMPONENT_KINDS = ("embed", "attn", "mlp", "bias")
 """Values of the ``kind`` column, in the order they can first appear in a model."""
 
-COMPONENTS = pa.schema(
-    [
-        pa.field("instance", pa.int32(), nullable=False),
-        pa.field("component", pa.int16(), nullable=False),
-        pa.field("name", pa.dictionary(pa.int16(), pa.string()), nullable=False),
-        pa.field("kind", pa.dictionary(pa.int8(), pa.string()), nullable=False),
-        pa.field("layer", pa.int16(), nullable=False),
-        pa.field("option", pa.int8(), nullable=False),
-        pa.field("logit", pa.float32(), nullable=False),
-        pa.field("out_norm", pa.float32(), nullable=True),
-        pa.field("prefix_rms", pa.float32(), nullable=False),
-        pa.field("cos_residual", pa.float32(), nullable=True),
-    ],
-    metadata={"layerdiv.table": "components", "layerdiv.schema_version": str(SCHEMA_VERSION)},
+_COMPONENT_FIELDS_V1 = [
+    pa.field("instance", pa.int32(), nullable=False),
+    pa.field("component", pa.int16(), nullable=False),
+    pa.field("name", pa.dictionary(pa.int16(), pa.string()), nullable=False),
+    pa.field("kind", pa.dictionary(pa.int8(), pa.string()), nullable=False),
+    pa.field("layer", pa.int16(), nullable=False),
+    pa.field("option", pa.int8(), nullable=False),
+    pa.field("logit", pa.float32(), nullable=False),
+    pa.field("out_norm", pa.float32(), nullable=True),
+    pa.field("prefix_rms", pa.float32(), nullable=False),
+    pa.field("cos_residual", pa.float32(), nullable=True),
+]
+
+
+def _schema(table: str, fields: list[pa.Field], version: int = SCHEMA_VERSION) -> pa.Schema:
+    return pa.schema(
+        fields,
+        metadata={"layerdiv.table": table, "layerdiv.schema_version": str(version)},
+    )
+
+
+COMPONENTS = _schema(
+    "components",
+    [*_COMPONENT_FIELDS_V1, pa.field("cos_prev", pa.float32(), nullable=True)],
 )
 """One row per (instance, component, option).
 
@@ -54,21 +78,22 @@ COMPONENTS = pa.schema(
   For ``bias`` it is the scale of the full residual, so the logit lens is the identity there.
 - ``cos_residual``: cosine between z_c and the prefix r_(c-1) it is added to; null for c = 0 and
   for the constant ``bias`` component.
+- ``cos_prev`` (version 2): cosine between z_c and the previous component's output z_(c-1)
+  (METHODS.md section 7); null for c = 0 and for ``bias``.
 The per-component columns repeat for every option of the same (instance, component).
 """
 
-INSTANCES = pa.schema(
-    [
-        pa.field("instance", pa.int32(), nullable=False),
-        pa.field("gold", pa.int8(), nullable=False),
-        pa.field("n_tokens", pa.int32(), nullable=False),
-        pa.field("truncated", pa.bool_(), nullable=False),
-        pa.field("final_rms", pa.float32(), nullable=False),
-        pa.field("model_logits", pa.list_(pa.float32()), nullable=False),
-        pa.field("sum_error", pa.float32(), nullable=False),
-    ],
-    metadata={"layerdiv.table": "instances", "layerdiv.schema_version": str(SCHEMA_VERSION)},
-)
+_INSTANCE_FIELDS = [
+    pa.field("instance", pa.int32(), nullable=False),
+    pa.field("gold", pa.int8(), nullable=False),
+    pa.field("n_tokens", pa.int32(), nullable=False),
+    pa.field("truncated", pa.bool_(), nullable=False),
+    pa.field("final_rms", pa.float32(), nullable=False),
+    pa.field("model_logits", pa.list_(pa.float32()), nullable=False),
+    pa.field("sum_error", pa.float32(), nullable=False),
+]
+
+INSTANCES = _schema("instances", _INSTANCE_FIELDS)
 """One row per instance.
 
 - ``instance``: as in :data:`COMPONENTS`.
@@ -83,11 +108,89 @@ INSTANCES = pa.schema(
   max(1, max_k sum_c |u_c[k]|): the relative error of the decomposition (METHODS.md section 1).
 """
 
-TABLES = {"components": COMPONENTS, "instances": INSTANCES}
-"""Every table of the store by name."""
+SKIPS = _schema(
+    "skips",
+    [
+        pa.field("instance", pa.int32(), nullable=False),
+        pa.field("layer", pa.int16(), nullable=False),
+        pa.field("option", pa.int8(), nullable=False),
+        pa.field("logit", pa.float32(), nullable=False),
+    ],
+)
+"""Optional (``extract --skips``). One row per (instance, skipped block, option).
+
+- ``layer``: decoder block b replaced by the identity on every call (METHODS.md section 7).
+- ``logit``: the model's own option logit with that block skipped (final norm recomputed).
+"""
+
+HEADS = _schema(
+    "heads",
+    [
+        pa.field("instance", pa.int32(), nullable=False),
+        pa.field("component", pa.int16(), nullable=False),
+        pa.field("layer", pa.int16(), nullable=False),
+        pa.field("head", pa.int16(), nullable=False),
+        pa.field("option", pa.int8(), nullable=False),
+        pa.field("logit", pa.float32(), nullable=False),
+    ],
+)
+"""Optional (``extract --heads``). One row per (instance, attention component, head, option).
+
+- ``component``: index of the attention component (as in :data:`COMPONENTS`) the head belongs
+  to, so a block that runs twice has two sets of heads.
+- ``layer``: decoder block index of that component.
+- ``head``: head index 0..H-1; -1 for the output projection's bias (where the model has one).
+- ``logit``: u_(b,h)[k] (METHODS.md section 8), with the final scale of section 1 frozen; the
+  heads and the bias of a component sum to its ``logit`` in :data:`COMPONENTS`.
+"""
+
+GRAM = _schema(
+    "gram",
+    [
+        pa.field("instance", pa.int32(), nullable=False),
+        pa.field("gram", pa.list_(pa.float32()), nullable=False),
+    ],
+)
+"""Optional (``extract --gram``). One row per instance.
+
+- ``gram``: the Gram matrix G[a, b] = z_a . z_b of the component outputs at the last prompt token
+  (residual units squared), components 0..C-1 in execution order without the constant ``bias``;
+  the upper triangle row by row (a <= b), C(C+1)/2 values (:func:`gram_index`).
+"""
+
+TABLES = {
+    "components": COMPONENTS,
+    "instances": INSTANCES,
+    "skips": SKIPS,
+    "heads": HEADS,
+    "gram": GRAM,
+}
+"""Every table of the store by name, as this version writes them."""
+
+REQUIRED_TABLES = ("components", "instances")
+"""Tables every complete chunk has; the instances part is the chunk's completion marker."""
+
+OPTIONAL_TABLES = ("skips", "heads", "gram")
+"""Tables a partition has only when extracted with the matching flag (``--skips``, ...); the
+manifest's ``extra_tables`` lists them."""
+
+_TABLES_V1 = {
+    "components": _schema("components", _COMPONENT_FIELDS_V1, version=1),
+    "instances": _schema("instances", _INSTANCE_FIELDS, version=1),
+}
 
 
-class SchemaError(ValueError):
+def tables_of(version: int) -> dict[str, pa.Schema]:
+    """The tables (and their schemas) of a store written with schema ``version``."""
+    return _TABLES_V1 if version == 1 else TABLES
+
+
+def gram_index(a: int, b: int, n: int) -> int:
+    """Position of G[a, b] (a <= b < n) in the flattened upper triangle of :data:`GRAM`."""
+    return a * n - a * (a - 1) // 2 + (b - a)
+
+
+class SchemaError(LayerdivError, ValueError):
     """A file or manifest does not match the schema this version of layerdiv reads."""
 
 
@@ -100,8 +203,23 @@ def check_version(version: object, where: str) -> None:
             f"{where}: written with schema version {version}, newer than this layerdiv reads "
             f"({SCHEMA_VERSION}); upgrade layerdiv (pip install -U layerdiv)."
         )
-    if version < SCHEMA_VERSION:
+    if version < OLDEST_READABLE:
         raise SchemaError(
             f"{where}: written with old schema version {version} (this layerdiv reads "
-            f"{SCHEMA_VERSION}); re-extract it with --overwrite."
+            f"{OLDEST_READABLE} to {SCHEMA_VERSION}); re-extract it with --overwrite."
+        )
+
+
+def require_columns(
+    version: int, table: str, columns: tuple[str, ...], where: str, flag: str = ""
+) -> None:
+    """Refuse an analysis that needs ``columns`` of ``table`` in a store of an older version
+    (or a partition extracted without the table), saying what to re-extract."""
+    schema = tables_of(version).get(table)
+    missing = [c for c in columns if schema is None or c not in schema.names]
+    if missing:
+        how = f"re-extract it with {flag} --overwrite" if flag else "re-extract it with --overwrite"
+        raise SchemaError(
+            f"{where}: needs {table}.{', '.join(missing)}, which schema version {version} does "
+            f"not have; {how}."
         )

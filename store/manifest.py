@@ -78,6 +78,11 @@ class Manifest:
     """Largest relative decomposition error accepted for this dtype."""
     approximate: bool = False
     """True when the decomposition is of pre-soft-cap logits (final logit soft-capping)."""
+    hidden_size: int | None = None
+    """Width d of the residual stream (schema version 2; None in older manifests)."""
+    extra_tables: list[str] = field(default_factory=list)
+    """Optional tables (``layerdiv.schemas.OPTIONAL_TABLES``) extracted for every complete chunk
+    of this partition (schema version 2; empty in older manifests)."""
     versions: dict[str, str] = field(default_factory=dict)
     """Library versions at extraction time."""
     device: str = "cpu"

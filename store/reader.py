@@ -14,12 +14,13 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from layerdiv.schemas import TABLES, SchemaError
+from layerdiv.errors import LayerdivError
+from layerdiv.schemas import REQUIRED_TABLES, SchemaError, tables_of
 from layerdiv.store.manifest import Manifest, read_manifest
 from layerdiv.store.paths import Partition, list_partitions, slug
 
 
-class StoreError(RuntimeError):
+class StoreError(LayerdivError, RuntimeError):
     """The store is empty, unreadable, or holds nothing that matches the request."""
 
 
@@ -144,11 +145,12 @@ class Store:
         models, tasks = list(models), list(tasks)
         parts = self.select(models, tasks)
         con = duckdb.connect()
-        for table in TABLES:
+        for table in REQUIRED_TABLES:
             listing = ", ".join(_sql_str(f) for f in self.files(table, parts))
             con.execute(
                 f"CREATE VIEW {table} AS SELECT * FROM read_parquet([{listing}], "
-                "hive_partitioning = true, hive_types = {'model': VARCHAR, 'task': VARCHAR})"
+                "hive_partitioning = true, hive_types = {'model': VARCHAR, 'task': VARCHAR}, "
+                "union_by_name = true)"
             )
         con.register("manifests_arrow", self.manifests(models, tasks).to_arrow())
         con.execute("CREATE VIEW manifests AS SELECT * FROM manifests_arrow")
@@ -160,9 +162,11 @@ def _sql_str(text: str) -> str:
 
 
 def _check_part_schemas(info: PartitionInfo) -> None:
-    """Check the first part of each table against the declared schema (cheap: footers only)."""
-    for table, schema in TABLES.items():
-        files = info.files(table)
+    """Check the first part of each table against the schema of the partition's version (cheap:
+    footers only)."""
+    schemas = tables_of(info.manifest.schema_version)
+    for table in REQUIRED_TABLES:
+        schema, files = schemas[table], info.files(table)
         if not files:
             continue
         try:

@@ -10,12 +10,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from layerdiv.errors import LayerdivError
 from layerdiv.schemas import COMPONENTS, INSTANCES, SchemaError
 from layerdiv.store.manifest import Manifest, read_manifest, write_manifest
 from layerdiv.store.paths import Partition, partition, slug
 
 
-class StoreConflict(RuntimeError):
+class StoreConflict(LayerdivError, RuntimeError):
     """The partition already holds data of another model revision, template or dtype."""
 
 

@@ -1,0 +1,10 @@
+"""The one base class of the errors layerdiv reports to a user as one line.
+
+Every error that bad input, a refused store or an unusable model causes derives from
+:class:`LayerdivError`; the command line prints its message on one line and exits 1, and never
+shows a traceback for it.
+"""
+
+
+class LayerdivError(Exception):
+    """Bad input or data that cannot be trusted: the message says what is wrong and what to do."""
