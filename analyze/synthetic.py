@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
-from layerdiv.schemas import COMPONENTS, INSTANCES
+from layerdiv.schemas import COMPONENTS, HEADS, INSTANCES
 from layerdiv.store import ComponentInfo, Manifest, PartitionWriter
 
 
@@ -47,6 +47,8 @@ def write_partition(
     chunk: int | None = None,
     created_at: str = "2025-01-01T00:00:00Z",
     shuffle: np.random.Generator | None = None,
+    heads: np.ndarray | None = None,
+    head_ids: Sequence[int] = (),
 ) -> None:
     """Write one (model, task) partition from arrays.
 
@@ -54,6 +56,8 @@ def write_partition(
     component kinds in execution order; ``prefix_rms`` (N, L) rms of each prefix (default 1, and
     ``final_rms`` defaults to its last column). Instances are written in chunks of ``chunk``;
     with ``shuffle`` the rows of each chunk are permuted (the store promises no row order).
+    ``heads`` (N, A, G, K), with ``head_ids`` the G head indices (-1: the output projection's
+    bias), adds the ``heads`` table for the A attention components in execution order.
     """
     n, n_comp, k = logits.shape
     if len(kinds) != n_comp or gold.shape != (n,):
@@ -81,6 +85,7 @@ def write_partition(
         n_requested=n,
         sum_tolerance=1e-4,
         created_at=created_at,
+        extra_tables=[] if heads is None else ["heads"],
     )
     writer = PartitionWriter(root, model, task)
     writer.open(manifest, overwrite=True)
@@ -89,10 +94,14 @@ def write_partition(
         stop = min(n, start + step)
         components = _components_table(start, logits[start:stop], rms[start:stop], infos)
         instances = _instances_table(start, logits[start:stop], gold[start:stop], final[start:stop])
+        extra = {}
+        if heads is not None:
+            extra["heads"] = heads_table(start, heads[start:stop], head_ids, infos)
         if shuffle is not None:
             components = components.take(shuffle.permutation(components.num_rows))
             instances = instances.take(shuffle.permutation(instances.num_rows))
-        writer.write_chunk(start, stop - start, components, instances)
+            extra = {k: t.take(shuffle.permutation(t.num_rows)) for k, t in extra.items()}
+        writer.write_chunk(start, stop - start, components, instances, extra)
 
 
 def _components_table(
@@ -124,6 +133,29 @@ def _components_table(
         "cos_prev": np.zeros(cells, np.float32),
     }
     return pa.Table.from_pydict(columns, schema=COMPONENTS)
+
+
+def heads_table(
+    start: int, heads: np.ndarray, head_ids: Sequence[int], infos: list[ComponentInfo]
+) -> pa.Table:
+    """The ``heads`` rows of instances ``start ..``: ``heads`` is (n, A, G, K) for the A
+    attention components of ``infos`` in order and the G heads ``head_ids``."""
+    n, n_attn, n_heads, k = heads.shape
+    attn = [c for c, info in enumerate(infos) if info.kind == "attn"]
+    if len(attn) != n_attn or len(head_ids) != n_heads:
+        raise ValueError("heads, head_ids and the attention components disagree in shape")
+    per_instance = n_attn * n_heads * k
+    comp = np.repeat(np.array(attn, np.int16), n_heads * k)
+    layers = np.array([infos[c].layer for c in attn], np.int16)
+    columns = {
+        "instance": np.repeat(np.arange(start, start + n, dtype=np.int32), per_instance),
+        "component": np.tile(comp, n),
+        "layer": np.tile(np.repeat(layers, n_heads * k), n),
+        "head": np.tile(np.repeat(np.array(head_ids, np.int16), k), n * n_attn),
+        "option": np.tile(np.arange(k, dtype=np.int8), n * n_attn * n_heads),
+        "logit": heads.astype(np.float32).reshape(-1),
+    }
+    return pa.Table.from_pydict(columns, schema=HEADS)
 
 
 def _instances_table(
@@ -160,6 +192,37 @@ def random_partition(
     logits[np.arange(n), :, gold] += signal[None, :] * rng.uniform(0.0, 2.0, (n, 1))
     prefix_rms = np.sqrt(np.arange(1, n_comp + 1))[None, :] * rng.uniform(0.8, 1.2, (n, 1))
     return logits, gold, prefix_rms, kinds
+
+
+def random_heads(
+    rng: np.random.Generator,
+    logits: np.ndarray,
+    gold: np.ndarray,
+    kinds: Sequence[str],
+    n_heads: int,
+    bias: bool = False,
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Split every attention component into ``n_heads`` made-up heads: noise, a constant
+    preference for some option per head, and a push towards the gold option whose strength
+    varies by head (a few strong ones); with ``bias`` one more constant term (head -1). The
+    attention components' logits become the sum of their heads.
+
+    Returns (logits (N, L, K), heads (N, A, G, K), head ids (G,)).
+    """
+    n, _, k = logits.shape
+    attn = [c for c, kind in enumerate(kinds) if kind == "attn"]
+    heads = rng.normal(0.0, 0.5, (n, len(attn), n_heads, k))
+    heads += rng.normal(0.0, 0.3, (1, len(attn), n_heads, k))
+    strength = rng.exponential(0.3, (len(attn), n_heads))
+    heads[np.arange(n), :, :, gold] += strength * rng.uniform(0.0, 2.0, (n, 1, 1))
+    head_ids = list(range(n_heads))
+    if bias:
+        const = np.broadcast_to(rng.normal(0.0, 0.2, (1, len(attn), 1, k)), (n, len(attn), 1, k))
+        heads = np.concatenate([const, heads], axis=2)
+        head_ids = [-1, *head_ids]
+    out = logits.copy()
+    out[:, attn] = heads.sum(axis=2)
+    return out, heads, head_ids
 
 
 PAPER_TASK_OPTIONS = (4, 4, 2, 3, 4, 3, 3, 4)

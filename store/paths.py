@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from layerdiv.schemas import TABLES
+
 MANIFEST_NAME = "manifest.json"
 _PART = re.compile(r"^part-(\d{7})-(\d{6})\.parquet$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -48,8 +50,11 @@ class Partition:
     model_slug: str
     task: str
 
-    def _dir(self, table: str) -> Path:
+    def table_dir(self, table: str) -> Path:
+        """The folder of ``table``'s parts (or of the manifest, for ``manifests``)."""
         return self.root / table / f"model={self.model_slug}" / f"task={self.task}"
+
+    _dir = table_dir
 
     @property
     def manifest(self) -> Path:
@@ -63,8 +68,9 @@ class Partition:
     def instances_dir(self) -> Path:
         return self._dir("instances")
 
-    def dirs(self) -> tuple[Path, Path, Path]:
-        return self._dir("manifests"), self.components_dir, self.instances_dir
+    def dirs(self) -> tuple[Path, ...]:
+        """The manifest's folder and every table's folder."""
+        return tuple(self.table_dir(t) for t in ("manifests", *TABLES))
 
     def part_name(self, start: int, count: int) -> str:
         return f"part-{start:07d}-{count:06d}.parquet"
@@ -83,6 +89,11 @@ class Partition:
 
     def instance_files(self) -> list[Path]:
         return [self.instances_dir / self.part_name(s, n) for s, n in self.done_parts()]
+
+    def table_files(self, table: str) -> list[Path]:
+        """Parts of ``table`` of complete chunks only."""
+        folder = self.table_dir(table)
+        return [folder / self.part_name(s, n) for s, n in self.done_parts()]
 
 
 def _listdir(path: Path) -> list[Path]:

@@ -40,9 +40,9 @@ class PartitionInfo:
         return self.partition.task
 
     def files(self, table: str) -> list[Path]:
-        if table == "components":
-            return self.partition.component_files()
-        return self.partition.instance_files()
+        """The parts of ``table`` (``components``, ``instances`` or an optional table) of the
+        partition's complete chunks."""
+        return self.partition.table_files(table)
 
     @property
     def n_done(self) -> int:

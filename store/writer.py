@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import COMPONENTS, INSTANCES, SchemaError
+from layerdiv.schemas import TABLES, SchemaError
 from layerdiv.store.manifest import Manifest, read_manifest, write_manifest
 from layerdiv.store.paths import Partition, partition, slug
 
@@ -72,19 +73,26 @@ class PartitionWriter:
         return {i for start, n in self.part.done_parts() for i in range(start, start + n)}
 
     def write_chunk(
-        self, start: int, count: int, components: pa.Table, instances: pa.Table
+        self,
+        start: int,
+        count: int,
+        components: pa.Table,
+        instances: pa.Table,
+        extra: Mapping[str, pa.Table] | None = None,
     ) -> None:
-        """Write one chunk: the components part first, then the instances part (the marker)."""
-        for table, schema in ((components, COMPONENTS), (instances, INSTANCES)):
-            if not table.schema.equals(schema, check_metadata=False):
+        """Write one chunk: the components part and the ``extra`` optional tables' parts first,
+        then the instances part (the marker)."""
+        tables = {"components": components, **(extra or {}), "instances": instances}
+        for table_name, table in tables.items():
+            if not table.schema.equals(TABLES[table_name], check_metadata=False):
                 raise SchemaError(f"chunk {start}: table does not match schema\n{table.schema}")
         name = self.part.part_name(start, count)
-        _write_parquet_atomic(
-            components.replace_schema_metadata(COMPONENTS.metadata), self.part.components_dir / name
-        )
-        _write_parquet_atomic(
-            instances.replace_schema_metadata(INSTANCES.metadata), self.part.instances_dir / name
-        )
+        for table_name, table in tables.items():
+            folder = self.part.table_dir(table_name)
+            folder.mkdir(parents=True, exist_ok=True)
+            _write_parquet_atomic(
+                table.replace_schema_metadata(TABLES[table_name].metadata), folder / name
+            )
 
 
 def _write_parquet_atomic(table: pa.Table, path: Path) -> None:

@@ -1,0 +1,1 @@
+"""Analyses of the cache, one module each."""
