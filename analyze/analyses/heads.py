@@ -27,6 +27,7 @@ import polars as pl
 
 from layerdiv.analyze.analyses import reweight as rw
 from layerdiv.analyze.decomposition import ESTIMATORS, Estimator, argmax, load_wide, with_softmax
+from layerdiv.analyze.report import markdown_table
 from layerdiv.store import PartitionInfo, Store, StoreError
 
 HOW_TO_EXTRACT = (
@@ -74,15 +75,17 @@ def load_heads(info: PartitionInfo) -> pl.DataFrame:
     # Sort by (instance, component, head, option) unless extraction's order is still there.
     span = int(rows["head"].max() or 0) + 2  # type: ignore[operator]
     key = (
-        (pl.col("instance").cast(pl.Int64) * len(manifest.components) + pl.col("component"))
-        * span
+        (pl.col("instance").cast(pl.Int64) * len(manifest.components) + pl.col("component")) * span
         + pl.col("head")
         + 1
     ) * k_opts + pl.col("option")
     if not rows.select(key.is_sorted()).item():
         rows = rows.sort(key)
     instances = (
-        pl.scan_parquet(info.files("instances")).select("instance", "gold").sort("instance").collect()
+        pl.scan_parquet(info.files("instances"))
+        .select("instance", "gold")
+        .sort("instance")
+        .collect()
     )
     n = instances.height
     first = rows.filter(pl.col("instance") == instances["instance"][0]) if n else rows
@@ -159,9 +162,7 @@ def with_block_terms(frame: pl.LazyFrame, k_opts: int) -> pl.LazyFrame:
     return (
         with_softmax(frame, u, "_p")
         .with_columns(
-            (pl.sum_horizontal([(y[k] - p[k]) ** 2 for k in range(k_opts)]) / k_opts).alias(
-                "bias"
-            ),
+            (pl.sum_horizontal([(y[k] - p[k]) ** 2 for k in range(k_opts)]) / k_opts).alias("bias"),
             *(
                 (
                     pl.sum_horizontal([(m.mean().over(block) - m) ** 2 for m in members]) / k_opts
@@ -208,9 +209,9 @@ def head_scores_of(info: PartitionInfo, heads: pl.DataFrame) -> pl.DataFrame:
             "bias",
             pl.col(f"diversity_{est}").alias("diversity"),
             share,
-            (
-                pl.col(f"diversity_{est}") / pl.col(f"diversity_{est}").sum().over("component")
-            ).alias("diversity_share"),
+            (pl.col(f"diversity_{est}") / pl.col(f"diversity_{est}").sum().over("component")).alias(
+                "diversity_share"
+            ),
         )
         for est in ESTIMATORS
     ]
@@ -388,7 +389,9 @@ def _full_scores(wide: pl.DataFrame, k_opts: int) -> tuple[float, float]:
 
 
 def _tag(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
-    return frame.select(pl.lit(info.model).alias("model"), pl.lit(info.task).alias("task"), pl.all())
+    return frame.select(
+        pl.lit(info.model).alias("model"), pl.lit(info.task).alias("task"), pl.all()
+    )
 
 
 def heads_tables(
@@ -526,3 +529,213 @@ def head_scores(
     parts = st.select(models, tasks)
     require_heads(parts)
     return pl.concat([_tag(head_scores_of(p, load_heads(p)), p) for p in parts])
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None or value != value else f"{100 * value:.1f}"
+
+
+def heatmap_figure(
+    scores: pl.DataFrame, summary: pl.DataFrame, model: str, path: Path, title: str
+) -> Path:
+    """Calibrated accuracy of every head of ``model``: one panel per task, attention components
+    (execution order) by head, coloured around the full model's accuracy (marked in black on each
+    colour bar): red heads beat the whole."""
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.figure import Figure
+
+    frame = scores.filter(pl.col("model") == model)
+    tasks = sorted(frame["task"].unique())
+    full = dict(summary.filter(pl.col("model") == model).select("task", "accuracy").iter_rows())
+    ncols = min(4, len(tasks))
+    nrows = -(-len(tasks) // ncols)
+    fig = Figure(figsize=(max(5.5, 4.2 * ncols), 3.6 * nrows + 0.7), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    for ax, task in zip(axes.flat, tasks, strict=False):
+        sub = frame.filter(pl.col("task") == task)
+        comps = sorted(sub["component"].unique())
+        heads = sorted(sub["head"].unique())
+        grid = np.full((len(comps), len(heads)), np.nan)
+        for c, h, value in sub.select("component", "head", "calibrated_accuracy").iter_rows():
+            grid[comps.index(c), heads.index(h)] = 100 * value
+        whole = 100 * full[task]
+        # Diverging colours centred on the full model: red heads beat it, blue ones do not.
+        low = min(float(np.nanmin(grid)), whole - 0.5)
+        high = max(float(np.nanmax(grid)), whole + 0.5)
+        norm = TwoSlopeNorm(vcenter=whole, vmin=low, vmax=high)
+        image = ax.imshow(grid, cmap="RdBu_r", norm=norm, aspect="auto")
+        layers = dict(sub.select("component", "layer").unique().iter_rows())
+        step = max(1, len(comps) // 8)
+        ax.set_yticks(range(0, len(comps), step), [str(layers[c]) for c in comps[::step]])
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_title(task, fontsize=10)
+        bar = fig.colorbar(image, ax=ax, shrink=0.9)
+        bar.ax.axhline(whole, color="black", linewidth=2)
+        bar.set_label("calibrated accuracy (%)", fontsize=8)
+    for ax in list(axes.flat)[len(tasks) :]:
+        ax.set_visible(False)
+    fig.suptitle(title, fontsize=11)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _file_name(model: str) -> str:
+    return f"heads_{model}.png"
+
+
+def heads_section(
+    tables: Mapping[str, pl.DataFrame],
+    names: Mapping[str, str],
+    figures: Path | None,
+    estimator: Estimator,
+) -> str:
+    """The report's heads section: the parts that beat the whole, the heatmaps (drawn into
+    ``figures``, linked as ``figures/<file>``; none when ``figures`` is None), the top heads
+    and the reweighting results."""
+    summary, scores = tables["head_summary"], tables["head_scores"]
+    scores = scores.filter(pl.col("estimator") == estimator)
+    rows = []
+    for r in summary.sort("model", "task").iter_rows(named=True):
+        heads = (
+            "no heads stored"
+            if r["n_heads"] is None
+            else f"{r['heads_beat']} / {r['heads_beat_calibrated']} of {r['n_heads']}"
+        )
+        best = (
+            "–"
+            if r["best_calibrated_head"] is None
+            else f"{r['best_calibrated_head']} ({_pct(r['best_head_calibrated_accuracy'])})"
+        )
+        rows.append(
+            [
+                names.get(r["model"], r["model"]),
+                r["task"],
+                str(r["n_instances"]),
+                _pct(r["accuracy"]),
+                _pct(r["calibrated_accuracy"]),
+                heads,
+                f"{r['components_beat']} / {r['components_beat_calibrated']} of "
+                f"{r['n_components']}",
+                best,
+            ]
+        )
+    parts = [
+        "## Heads: the parts that beat the whole (METHODS.md section 8)",
+        "A head (or a component: the embedding, an attention or MLP block) beats the whole when "
+        "its accuracy alone is above the full model's. Calibrated: the argmax of its option "
+        "logits minus their mean over the task's instances (label-free; a constant preference "
+        "for one option is removed). Counts are plain / calibrated. The calibrated full model "
+        "is the same calibration applied to the full logits.",
+        markdown_table(
+            [
+                "Model",
+                "Task",
+                "n",
+                "Full acc. (%)",
+                "Calibrated full (%)",
+                "Heads > full",
+                "Components > full",
+                "Best calibrated head (%)",
+            ],
+            rows,
+        ),
+    ]
+    if scores.height and figures is not None:
+        for model in sorted(scores["model"].unique()):
+            label = names.get(model, model)
+            path = heatmap_figure(
+                scores,
+                summary,
+                model,
+                figures / _file_name(model),
+                f"{label}: calibrated accuracy of every head\n"
+                "(red: above the full model; black line: its accuracy)",
+            )
+            parts.append(f"![{label} heads](figures/{path.name})")
+    if scores.height:
+        top = (
+            scores.sort("calibrated_accuracy", "accuracy", descending=True)
+            .group_by("model", "task", maintain_order=True)
+            .head(TOP_HEADS)
+            .join(
+                summary.select("model", "task", pl.col("accuracy").alias("full")),
+                on=["model", "task"],
+            )
+            .sort("model", "task", "calibrated_accuracy", descending=[False, False, True])
+        )
+        parts += [
+            f"### Top {TOP_HEADS} heads per task by calibrated accuracy",
+            f"Margin: mean of u[gold] − max of the other options' u (logits). Shares: the head's "
+            f"share of its block's bias and diversity with the block's heads as the ensemble "
+            f"(estimator `{estimator}`).",
+            markdown_table(
+                [
+                    "Model",
+                    "Task",
+                    "Head",
+                    "Acc. (%)",
+                    "Calibrated (%)",
+                    "Full (%)",
+                    "Margin",
+                    "Bias share (%)",
+                    "Diversity share (%)",
+                ],
+                [
+                    [
+                        names.get(r["model"], r["model"]),
+                        r["task"],
+                        r["name"],
+                        _pct(r["accuracy"]),
+                        _pct(r["calibrated_accuracy"]),
+                        _pct(r["full"]),
+                        f"{r['margin']:.2f}",
+                        _pct(r["bias_share"]),
+                        _pct(r["diversity_share"]),
+                    ]
+                    for r in top.iter_rows(named=True)
+                ],
+            ),
+        ]
+    reweight = tables["reweight"]
+    if reweight.height:
+        parts += [
+            "### Component reweighting",
+            "Weights w in [0, 1] per member (heads and the other components, or blocks where no "
+            "heads are stored), prediction argmax Σ w·u, fitted on a few labelled instances "
+            "(cross-entropy + λ·Σw, L-BFGS-B from w = 1) and evaluated on the rest of the task; "
+            "the best single member is chosen on the same training instances. The training "
+            "instances are listed in the `reweight` table (`train_instances`, `seed`).",
+            markdown_table(
+                [
+                    "Model",
+                    "Task",
+                    "Members",
+                    "Train / test",
+                    "Full (%)",
+                    "Calibrated full (%)",
+                    "Best single (%)",
+                    "Reweighted (%)",
+                    "Non-zero weights",
+                ],
+                [
+                    [
+                        names.get(r["model"], r["model"]),
+                        r["task"],
+                        r["members"],
+                        f"{r['n_train']} / {r['n_test']}",
+                        _pct(r["full_accuracy"]),
+                        _pct(r["calibrated_accuracy"]),
+                        f"{r['best_member']} ({_pct(r['best_member_accuracy'])})",
+                        _pct(r["reweighted_accuracy"]),
+                        f"{r['n_nonzero']} of {r['n_members']}",
+                    ]
+                    for r in reweight.sort("model", "task").iter_rows(named=True)
+                ],
+            ),
+        ]
+    return "\n\n".join(parts)
