@@ -73,7 +73,7 @@ def load_heads(info: PartitionInfo) -> pl.DataFrame:
         .collect()
     )
     # Sort by (instance, component, head, option) unless extraction's order is still there.
-    span = int(rows["head"].max() or 0) + 2  # type: ignore[operator]
+    span = int(rows.select(pl.col("head").max()).item() or 0) + 2
     key = (
         (pl.col("instance").cast(pl.Int64) * len(manifest.components) + pl.col("component")) * span
         + pl.col("head")
@@ -253,9 +253,13 @@ def component_scores_of(info: PartitionInfo, wide: pl.DataFrame) -> pl.DataFrame
     )
 
 
+def _n_instances(wide: pl.DataFrame) -> int:
+    return int(wide.select(pl.col("pos").max()).item()) + 1
+
+
 def _members(wide: pl.DataFrame, k_opts: int) -> np.ndarray:
     """(N, M, K) option logits of the rows of ``wide`` (sorted by instance, M rows each)."""
-    n = int(wide["pos"].max() or 0) + 1  # type: ignore[operator]
+    n = _n_instances(wide)
     return wide.select(_u(k_opts)).to_numpy().reshape(n, -1, k_opts)
 
 
@@ -281,7 +285,7 @@ def reweight_partition(
     keep = [c for c, ci in enumerate(infos) if heads is None or ci.kind != "attn"]
     member_rows: dict[str, list[object]] = {
         "member": [infos[c].name for c in keep],
-        "component": keep,
+        "component": list(keep),
         "head": [None] * len(keep),
     }
     x = comp[:, keep]
@@ -419,7 +423,7 @@ def heads_tables(
             None if head_rows is None else head_rows.filter(pl.col("estimator") == ESTIMATORS[0])
         )
         summary = summary_row(_full_scores(wide, k_opts), comps, first_estimator)
-        n = int(wide["pos"].max() or 0) + 1  # type: ignore[operator]
+        n = _n_instances(wide)
         summaries.append({"model": info.model, "task": info.task, "n_instances": n, **summary})
         if n <= n_train:
             notes.append(

@@ -1,0 +1,127 @@
+"""Scale benchmark of the heads analysis (a script, not a test).
+
+Synthesises a paper-scale heads store (one model of 32 layers x 32 heads, 8 tasks of 2,000
+instances with 2-4 options: about 57 million head-option rows), then runs, in a fresh process,
+the heads analysis (head and component scores, the parts that beat the whole, component
+reweighting) and its report section (tables and the heatmap PNG), printing wall time and peak
+memory (max RSS of that process), and its CPU time (wall time on a shared machine is noisy).
+
+    python benchmarks/bench_heads.py [--store DIR] [--layers 32] [--heads 32] [--tasks 8]
+        [--instances 2000]
+
+The store is kept in ``--store`` (default: a folder under the system temp directory) and reused
+when it already has the same shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ANALYSE = """
+import sys, time
+from pathlib import Path
+from layerdiv.analyze.analyses.heads import heads_section, heads_tables
+from layerdiv.store import Store
+
+store, out = sys.argv[1], Path(sys.argv[2])
+start = time.perf_counter()
+notes = []
+tables = heads_tables(Store(store).select(), notes)
+middle = time.perf_counter()
+names = {m: m for m in tables["head_summary"]["model"]}
+text = heads_section(tables, names, out / "figures", "paper")
+(out / "report.md").write_text(text)
+print(f"{middle - start:.2f} {time.perf_counter() - middle:.2f}")
+"""
+
+
+def ensure_store(root: Path, layers: int, heads: int, tasks: int, instances: int) -> int:
+    """Synthesise the store unless one of the same shape is already at ``root``; returns the
+    number of head-option rows."""
+    import numpy as np
+
+    from layerdiv.analyze.synthetic import (
+        PAPER_TASK_OPTIONS,
+        random_heads,
+        random_partition,
+        write_partition,
+    )
+
+    stamp = root / "bench.json"
+    shape = {"layers": layers, "heads": heads, "tasks": tasks, "instances": instances}
+    if stamp.is_file() and json.loads(stamp.read_text())["shape"] == shape:
+        return int(json.loads(stamp.read_text())["rows"])
+    shutil.rmtree(root, ignore_errors=True)
+    rng = np.random.default_rng(0)
+    rows, start = 0, time.perf_counter()
+    for t in range(tasks):
+        k = PAPER_TASK_OPTIONS[t % len(PAPER_TASK_OPTIONS)]
+        logits, gold, rms, kinds = random_partition(rng, instances, layers, k)
+        logits, head_logits, ids = random_heads(rng, logits, gold, kinds, heads)
+        write_partition(
+            root,
+            "synth/heads-model",
+            f"task{t}",
+            logits,
+            gold,
+            kinds,
+            rms,
+            n_params=int(7e9),
+            chunk=1024,
+            heads=head_logits,
+            head_ids=ids,
+        )
+        rows += head_logits.size
+    print(f"synthesised {rows:,} head-option rows in {time.perf_counter() - start:.1f} s")
+    stamp.write_text(json.dumps({"shape": shape, "rows": rows}))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--store", type=Path, default=Path(tempfile.gettempdir()) / "layerdiv-bench-heads"
+    )
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--tasks", type=int, default=8)
+    parser.add_argument("--instances", type=int, default=2000)
+    args = parser.parse_args()
+
+    rows = ensure_store(args.store, args.layers, args.heads, args.tasks, args.instances)
+    with tempfile.TemporaryDirectory() as out:
+        start = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-c", ANALYSE, str(args.store), out],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        if os.waitstatus_to_exitcode(status):
+            raise SystemExit("the heads analysis failed")
+        tables_s, report_s = (
+            (float(v) for v in proc.stdout.read().split()) if proc.stdout else (0, 0)
+        )
+    print(
+        f"\nstore: {rows:,} head-option rows, 1 model x {args.layers} layers x {args.heads} heads "
+        f"x {args.tasks} tasks x {args.instances:,} instances; {os.cpu_count()} CPU cores"
+    )
+    print(f"heads tables (scores, summary, reweighting): {tables_s:6.2f} s")
+    print(f"heads report section (tables, heatmap PNG):  {report_s:6.2f} s")
+    print(f"whole process (imports included):            {wall:6.2f} s")
+    cpu = usage.ru_utime + usage.ru_stime
+    print(f"CPU time of that process (user + system):    {cpu:6.2f} s")
+    print(f"peak RSS:                                    {usage.ru_maxrss / 1024:6.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
