@@ -40,14 +40,33 @@ class Adapter:
     """Dotted path from the causal-LM object to the final norm."""
     norm: NormKind
     """``rms``: g * x / rms(x); ``rms_plus_one``: (1 + g) * x / rms(x); ``layer``: LayerNorm."""
+    attn_out: str | None = None
+    """Dotted path inside a block to the attention output projection W_O (METHODS.md section
+    8): its input at a position is the concatenation of the heads' outputs a_h, head-major, each
+    of width in_features / num_attention_heads. None: the attention cannot be split into heads
+    exactly (``--heads`` is refused)."""
+    attn_out_transposed: bool = False
+    """W_O's weight is stored (in, out), as GPT-2's ``Conv1D``, instead of ``nn.Linear``'s
+    (out, in)."""
+    attn_post_norm: bool = False
+    """The attention component (``attn``) is a norm of W_O's output (Gemma-2/3 sandwich norms):
+    the heads go through it with its scale frozen at the block's own value."""
 
 
-_LLAMA_LIKE = dict(blocks="model.layers", attn="self_attn", mlp="mlp", final_norm="model.norm")
-_SANDWICH = dict(
+_LLAMA_LIKE: dict[str, Any] = dict(
+    blocks="model.layers",
+    attn="self_attn",
+    mlp="mlp",
+    final_norm="model.norm",
+    attn_out="self_attn.o_proj",
+)
+_SANDWICH: dict[str, Any] = dict(
     blocks="model.layers",
     attn="post_attention_layernorm",
     mlp="post_feedforward_layernorm",
     final_norm="model.norm",
+    attn_out="self_attn.o_proj",
+    attn_post_norm=True,
 )
 
 ADAPTERS: tuple[Adapter, ...] = (
@@ -67,6 +86,7 @@ ADAPTERS: tuple[Adapter, ...] = (
         mlp="mlp",
         final_norm="model.final_layernorm",
         norm="layer",
+        attn_out="self_attn.dense",
     ),
     Adapter(
         "gpt2",
@@ -76,6 +96,8 @@ ADAPTERS: tuple[Adapter, ...] = (
         mlp="mlp",
         final_norm="transformer.ln_f",
         norm="layer",
+        attn_out="attn.c_proj",
+        attn_out_transposed=True,
     ),
     Adapter(
         "gpt_neox",
@@ -85,6 +107,7 @@ ADAPTERS: tuple[Adapter, ...] = (
         mlp="mlp",
         final_norm="gpt_neox.final_layer_norm",
         norm="layer",
+        attn_out="attention.dense",
     ),
 )
 
@@ -104,6 +127,26 @@ def adapter_for(config: Any) -> Adapter:
         f"{', '.join(supported_model_types())}. Adding one is a new entry in "
         "layerdiv/extract/adapters.py."
     )
+
+
+def check_heads(config: Any) -> int:
+    """The number of attention heads of a config whose attention splits exactly into heads
+    (METHODS.md section 8), or a one-line refusal (checked before the weights load)."""
+    adapter = adapter_for(config)
+    model_type = getattr(config, "model_type", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if adapter.attn_out is None:
+        raise UnsupportedModel(
+            f"--heads: the attention of {model_type!r} models cannot be split into heads exactly "
+            "(no per-head output projection in layerdiv/extract/adapters.py); extract without "
+            "--heads."
+        )
+    if not isinstance(heads, int) or heads < 1:
+        raise UnsupportedModel(
+            f"--heads: the {model_type!r} config gives no num_attention_heads ({heads!r}); "
+            "extract without --heads."
+        )
+    return heads
 
 
 def final_softcap(config: Any) -> float | None:

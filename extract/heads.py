@@ -1,0 +1,154 @@
+"""Per-head option logits (METHODS.md section 8), exact and cheap.
+
+The attention component of a block is o(sum_h W_O,h a_h + b_O). For each attention output
+projection the K x d_in matrix M = (W_U[options] * g) W_O (centred over d for LayerNorm models,
+times the frozen post-attention norm's gain for sandwich-norm models) is formed once, so that a
+head costs one (K x head_dim) product per instance: u_(b,h) = M_h a_h / (scale of the final
+residual) (/ the block's post-norm rms). A forward hook on the projection reads a_h at the last
+position only; no per-head d-dimensional vector is ever formed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from layerdiv.extract.adapters import Adapter, UnsupportedModel, get_module, norm_eps
+from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
+
+
+@dataclass
+class HeadDecomposition:
+    """Per-head option logits of one batch (float32, on the CPU)."""
+
+    components: list[int]
+    """Index (execution order, as in :class:`BatchDecomposition`) of each attention component."""
+    head_ids: list[int]
+    """Head index of each column: 0..H-1, preceded by -1 (the output projection's bias) when
+    the projection has one."""
+    logits: torch.Tensor
+    """(B, A, G, K) u_(b,h)[k]: head G of attention component A's share of option k's logit."""
+
+
+@dataclass
+class _Projection:
+    layer: int
+    m: torch.Tensor  # (K, H, head_dim): option rows of W_U * gains times W_O, per head
+    bias: torch.Tensor | None  # (K,): the same rows times b_O
+    post_eps: float | None  # epsilon of the frozen post-attention norm (sandwich models)
+
+
+class HeadCapture:
+    """Hooks on every attention output projection of a model with a :class:`ComponentCapture`;
+    :meth:`decompose` after each forward pass gives the batch's heads."""
+
+    def __init__(self, model: Any, adapter: Adapter, capture: ComponentCapture, n_heads: int):
+        if adapter.attn_out is None:
+            raise UnsupportedModel(f"--heads: no attention output projection for {adapter.family}")
+        self.n_heads = n_heads
+        self.capture = capture
+        gain = capture.norm.weight.detach().float()
+        if adapter.norm == "rms_plus_one":
+            gain = 1.0 + gain
+        rows = capture.w_options * gain  # (K, d): W_U[k] * g
+        if adapter.norm == "layer":  # centring is linear: fold it into the rows (METHODS.md 1)
+            rows = rows - rows.mean(dim=-1, keepdim=True)
+        self._records: list[tuple[_Projection, torch.Tensor, torch.Tensor | None]] = []
+        self._handles = []
+        blocks = get_module(model, adapter.blocks)
+        unique = list({id(block): block for block in blocks}.values())
+        self.head_ids: list[int] | None = None
+        for layer, block in enumerate(unique):
+            proj_module = get_module(block, adapter.attn_out)
+            weight = proj_module.weight.detach().float()
+            w_o = weight.T if adapter.attn_out_transposed else weight  # (d, d_in)
+            block_rows, post_eps = rows, None
+            if adapter.attn_post_norm:  # o = frozen post-attention norm (METHODS.md section 8)
+                post = get_module(block, adapter.attn)
+                post_gain = post.weight.detach().float()
+                block_rows = rows * (
+                    1.0 + post_gain if adapter.norm == "rms_plus_one" else post_gain
+                )
+                post_eps = norm_eps(post)
+            d_in = w_o.shape[1]
+            if d_in % n_heads:
+                raise UnsupportedModel(
+                    f"--heads: block {layer}'s output projection has {d_in} inputs, not a multiple "
+                    f"of {n_heads} heads; extract without --heads."
+                )
+            m = (block_rows @ w_o).view(-1, n_heads, d_in // n_heads)
+            b_o = getattr(proj_module, "bias", None)
+            bias = None if b_o is None else block_rows @ b_o.detach().float()
+            ids = ([-1] if bias is not None else []) + list(range(n_heads))
+            if self.head_ids is not None and ids != self.head_ids:
+                raise UnsupportedModel("--heads: blocks differ in whether W_O has a bias")
+            self.head_ids = ids
+            proj = _Projection(layer, m, bias, post_eps)
+            self._handles.append(proj_module.register_forward_hook(self._hook(proj)))
+
+    def _hook(self, proj: _Projection) -> Any:
+        def hook(module: Any, args: tuple, output: Any) -> None:
+            a = args[0][:, -1, :].float()  # (B, d_in): the heads' outputs, head-major
+            per_head = torch.einsum("bhj,khj->bhk", a.view(a.shape[0], self.n_heads, -1), proj.m)
+            rms = None
+            if proj.post_eps is not None:
+                out = (output[0] if isinstance(output, tuple) else output)[:, -1, :].float()
+                rms = torch.sqrt(out.pow(2).mean(dim=-1) + proj.post_eps)
+            self._records.append((proj, per_head, rms))
+
+        return hook
+
+    def reset(self) -> None:
+        self._records = []
+
+    def remove(self) -> None:
+        """Detach every hook from the model."""
+        for handle in self._handles:
+            handle.remove()
+
+    def decompose(self, batch: BatchDecomposition) -> HeadDecomposition:
+        """The heads of the last forward pass, with the final scale of ``batch`` frozen (and
+        each sandwich block's own post-norm scale): u_(b,h) = M_h a_h / scale(x) [/ rms_b]."""
+        attn = [c for c, info in enumerate(batch.components) if info.kind == "attn"]
+        if len(attn) != len(self._records):
+            raise DecompositionError(
+                f"--heads: {len(self._records)} attention output projections ran for "
+                f"{len(attn)} attention components"
+            )
+        inv_scale = 1.0 / batch.final_rms  # (B,)
+        blocks = []
+        for c, (proj, per_head, rms) in zip(attn, self._records, strict=True):
+            if batch.components[c].layer != proj.layer:
+                raise DecompositionError(
+                    f"--heads: the output projection of block {proj.layer} ran for component "
+                    f"{batch.components[c].name}"
+                )
+            scale = inv_scale if rms is None else inv_scale / rms.cpu()
+            terms = per_head.cpu()
+            if proj.bias is not None:
+                terms = torch.cat([proj.bias.cpu().expand(terms.shape[0], 1, -1), terms], dim=1)
+            blocks.append(terms * scale[:, None, None])
+        return HeadDecomposition(attn, list(self.head_ids or []), torch.stack(blocks, dim=1))
+
+
+def check_heads(
+    heads: HeadDecomposition, batch: BatchDecomposition, ids: list[int], task: str, tol: float
+) -> float:
+    """The invariant of METHODS.md section 8: the heads and bias of every attention component
+    sum to its logits, within ``tol`` relative to max(1, sum_h |u_(b,h)[k]|); returns the worst
+    relative error, or stops the run naming the instance and the block."""
+    total = heads.logits.sum(dim=2)  # (B, A, K)
+    spread = heads.logits.abs().sum(dim=2).amax(dim=-1).clamp(min=1.0)  # (B, A)
+    error = (total - batch.logits[:, heads.components]).abs().amax(dim=-1) / spread
+    if not bool(torch.isfinite(error).all()) or float(error.max()) > tol:
+        bad = torch.where(torch.isfinite(error), error, torch.inf)
+        row, col = divmod(int(bad.argmax()), bad.shape[1])
+        name = batch.components[heads.components[col]].name
+        raise DecompositionError(
+            f"task {task}, instance {ids[row]}: the heads of {name} sum to its logits only "
+            f"within {float(bad[row, col]):.2e} (relative), above the tolerance {tol:.0e}; the "
+            "adapter's head split does not match this model (layerdiv/extract/adapters.py)"
+        )
+    return float(error.max()) if error.numel() else 0.0

@@ -1,0 +1,135 @@
+"""Per-head logits (METHODS.md section 8) on tiny random models of every supported family."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from layerdiv.extract import adapters
+from layerdiv.extract.adapters import UnsupportedModel, adapter_for, check_heads, get_module
+from layerdiv.extract.capture import BatchDecomposition, DecompositionError
+from layerdiv.extract.heads import HeadCapture, HeadDecomposition
+from layerdiv.extract.heads import check_heads as check_head_sums
+from layerdiv.extract.models import LoadedModel, ModelSource
+from layerdiv.extract.runner import ModelRunner
+
+FAMILIES = (
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3",
+    "phi", "gpt2", "gpt_neox", "gpt_neox_sequential",
+)  # fmt: skip
+PROMPTS = [[5, 17, 33, 40, 41, 42, 60, 7], [9, 12], [100, 101, 102, 103, 104]]
+OPTIONS = [11, 25, 37, 52]
+
+
+def run_heads(model: Any, tokenizer: Any) -> tuple[BatchDecomposition, HeadDecomposition]:
+    """One left-padded batch of :data:`PROMPTS` through ``model`` with both captures."""
+    source = ModelSource("tiny", "tiny", None, "test", model.config, False)
+    loaded = LoadedModel(source, model, tokenizer, torch.device("cpu"), torch.float32)
+    adapter = adapter_for(model.config)
+    runner = ModelRunner(loaded, adapter, OPTIONS, 4096)
+    heads = HeadCapture(model, adapter, runner.capture, check_heads(model.config))
+    try:
+        batch = runner.run(PROMPTS)
+        return batch, heads.decompose(batch)
+    finally:
+        heads.remove()
+        runner.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_heads_and_bias_sum_to_the_attention_component(
+    family: str, build_model: Any, tokenizer: Any
+) -> None:
+    model = build_model(family)
+    batch, heads = run_heads(model, tokenizer)
+    n_heads = model.config.num_attention_heads
+    has_bias = family in ("phi", "gpt2", "gpt_neox", "gpt_neox_sequential")
+    assert heads.head_ids == [-1] * has_bias + list(range(n_heads))
+    assert [batch.components[c].kind for c in heads.components] == ["attn"] * 2
+    assert heads.logits.shape == (len(PROMPTS), 2, n_heads + has_bias, len(OPTIONS))
+    error = (heads.logits.sum(2) - batch.logits[:, heads.components]).abs().max()
+    assert float(error) < 1e-5
+    assert check_head_sums(heads, batch, [0, 1, 2], "t", 1e-4) < 1e-5
+    # no head is trivially zero: the split is a real one
+    assert bool((heads.logits[:, :, has_bias:].abs().amax(dim=-1) > 0).all())
+
+
+def test_llama_heads_by_hand(build_model: Any, tokenizer: Any) -> None:
+    """u_(b,h)[k] = W_U[k] . (g * W_O[:, h] a_h / rms(x)) from the attention module's own
+    input to o_proj and the final norm's input, computed here without layerdiv's code."""
+    model = build_model("llama")
+    _, heads = run_heads(model, tokenizer)
+    prompt = PROMPTS[0]
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [
+        model.model.norm.register_forward_pre_hook(lambda m, a: seen.update(x=a[0][0, -1])),
+        *(
+            block.self_attn.o_proj.register_forward_pre_hook(
+                lambda m, a, i=i: seen.update({f"a{i}": a[0][0, -1]})
+            )
+            for i, block in enumerate(model.model.layers)
+        ),
+    ]
+    with torch.no_grad():
+        model(torch.tensor([prompt]))
+    for hook in hooks:
+        hook.remove()
+    x = seen["x"]
+    scale = model.model.norm.weight / torch.sqrt(
+        x.pow(2).mean() + model.model.norm.variance_epsilon
+    )
+    w_u = model.lm_head.weight[OPTIONS]
+    n_heads, head_dim = model.config.num_attention_heads, model.config.head_dim
+    for layer, block in enumerate(model.model.layers):
+        w_o = block.self_attn.o_proj.weight
+        for h in range(n_heads):
+            cols = slice(h * head_dim, (h + 1) * head_dim)
+            want = w_u @ (scale * (w_o[:, cols] @ seen[f"a{layer}"][cols]))
+            got = heads.logits[0, layer, h]
+            assert torch.allclose(got, want.detach(), atol=1e-5), (layer, h)
+
+
+def test_shared_blocks_give_heads_per_call(build_model: Any, tokenizer: Any) -> None:
+    model = build_model("llama")
+    blocks = model.model.layers
+    model.model.layers = torch.nn.ModuleList([blocks[0], blocks[0], blocks[1], blocks[1]])
+    model.config.num_hidden_layers = 4
+    batch, heads = run_heads(model, tokenizer)
+    names = [batch.components[c].name for c in heads.components]
+    assert names == ["attn.0", "attn.0#1", "attn.1", "attn.1#1"]
+    assert float((heads.logits.sum(2) - batch.logits[:, heads.components]).abs().max()) < 1e-5
+    # the two calls of one block see different inputs, so their heads differ
+    assert not torch.allclose(heads.logits[:, 0], heads.logits[:, 1])
+
+
+def test_violation_names_the_block(build_model: Any, tokenizer: Any) -> None:
+    batch, heads = run_heads(build_model("llama"), tokenizer)
+    heads.logits[1, 1, 2, 0] += 1.0
+    with pytest.raises(DecompositionError, match=r"task t, instance 8: the heads of attn\.1 "):
+        check_head_sums(heads, batch, [7, 8, 9], "t", 1e-4)
+
+
+def test_unsplittable_attention_is_refused_from_the_config(
+    build_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = build_model("llama").config
+    assert check_heads(config) == config.num_attention_heads
+    patched = tuple(
+        replace(a, attn_out=None) if a.family == "llama" else a for a in adapters.ADAPTERS
+    )
+    monkeypatch.setattr(adapters, "ADAPTERS", patched)
+    with pytest.raises(UnsupportedModel, match=r"^--heads: the attention of 'llama' .*--heads\.$"):
+        check_heads(config)
+
+
+def test_projection_paths_exist_for_every_family(build_model: Any) -> None:
+    for family in FAMILIES:
+        model = build_model(family)
+        adapter = adapter_for(model.config)
+        assert adapter.attn_out is not None
+        block = get_module(model, adapter.blocks)[0]
+        proj = get_module(block, adapter.attn_out)
+        assert type(proj).__name__ == ("Conv1D" if adapter.attn_out_transposed else "Linear")
