@@ -29,6 +29,7 @@ ANALYSE = """
 import sys, time
 from pathlib import Path
 from layerdiv.analyze.analyses.heads import heads_section, heads_tables
+from layerdiv.analyze.registry import ReportContext
 from layerdiv.store import Store
 
 store, out = sys.argv[1], Path(sys.argv[2])
@@ -37,7 +38,7 @@ notes = []
 tables = heads_tables(Store(store).select(), notes)
 middle = time.perf_counter()
 names = {m: m for m in tables["head_summary"]["model"]}
-text = heads_section(tables, names, out / "figures", "paper")
+text = heads_section(ReportContext(tables, "paper", names, out / "figures"))
 (out / "report.md").write_text(text)
 print(f"{middle - start:.2f} {time.perf_counter() - middle:.2f}")
 """

@@ -13,6 +13,7 @@ import polars as pl
 import pytest
 from scipy.optimize import approx_fprime
 
+from layerdiv.analyze import analyze
 from layerdiv.analyze.analyses import reweight as rw
 from layerdiv.analyze.analyses.heads import (
     NoHeadsError,
@@ -21,6 +22,7 @@ from layerdiv.analyze.analyses.heads import (
     heads_tables,
     load_heads,
 )
+from layerdiv.analyze.registry import ReportContext
 from layerdiv.analyze.synthetic import random_heads, random_partition, write_partition
 from layerdiv.store import Store, StoreError
 
@@ -210,8 +212,16 @@ def test_reweighting_from_ones_keeps_the_full_model_without_penalty() -> None:
 def test_heads_section_renders_with_figures(tables, tmp_path: Path) -> None:
     frames, _ = tables
     names = {"org--with-heads": "org/with-heads", "org--plain": "org/plain"}
-    text = heads_section(frames, names, tmp_path / "figures", "paper")
+    ctx = ReportContext(frames, "paper", names, tmp_path / "figures")
+    text = heads_section(ctx)
     assert (tmp_path / "figures" / "heads_org--with-heads.png").stat().st_size > 1000
     assert "](figures/heads_org--with-heads.png)" in text
-    assert "| org/plain | task |" in text and "no heads stored" in text
+    assert "| org/plain | task |" in text and "no heads stored – `extract --heads`" in text
     assert "attn.1.h0" in text and "### Component reweighting" in text
+
+
+def test_analyze_runs_the_heads_analysis(store: Path) -> None:
+    results = analyze(store)
+    assert {"head_scores", "head_summary", "reweight"} <= set(results.tables())
+    assert results.head_summary.height == 2
+    assert any("extract --heads" in note for note in results.notes)

@@ -25,9 +25,13 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from layerdiv.analyze import plots
 from layerdiv.analyze.analyses import reweight as rw
-from layerdiv.analyze.decomposition import ESTIMATORS, Estimator, argmax, load_wide, with_softmax
-from layerdiv.analyze.report import markdown_table
+from layerdiv.analyze.analyses.paper import tagged
+from layerdiv.analyze.decomposition import argmax, load_wide, with_softmax
+from layerdiv.analyze.markdown import DASH, fmt, markdown_table
+from layerdiv.analyze.options import ESTIMATORS
+from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
 from layerdiv.store import PartitionInfo, Store, StoreError
 
 HOW_TO_EXTRACT = (
@@ -392,12 +396,6 @@ def _full_scores(wide: pl.DataFrame, k_opts: int) -> tuple[float, float]:
     return scored.item(0, "accuracy"), scored.item(0, "calibrated_accuracy")
 
 
-def _tag(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
-    return frame.select(
-        pl.lit(info.model).alias("model"), pl.lit(info.task).alias("task"), pl.all()
-    )
-
-
 def heads_tables(
     parts: Sequence[PartitionInfo],
     notes: list[str],
@@ -416,9 +414,9 @@ def heads_tables(
         heads = load_heads(info) if has_heads(info) else None
         comps = component_scores_of(info, wide)
         head_rows = None if heads is None else head_scores_of(info, heads)
-        frames["component_scores"].append(_tag(comps, info))
+        frames["component_scores"].append(tagged(comps, info))
         if head_rows is not None:
-            frames["head_scores"].append(_tag(head_rows, info))
+            frames["head_scores"].append(tagged(head_rows, info))
         first_estimator = (
             None if head_rows is None else head_rows.filter(pl.col("estimator") == ESTIMATORS[0])
         )
@@ -433,7 +431,7 @@ def heads_tables(
             continue
         row, weights = reweight_partition(info, wide, heads, n_train, seed)
         reweights.append({"model": info.model, "task": info.task, **row})
-        frames["reweight_weights"].append(_tag(weights, info))
+        frames["reweight_weights"].append(tagged(weights, info))
     missing = [f"{p.model}/{p.task}" for p in parts if not has_heads(p)]
     if missing:
         notes.append(
@@ -532,14 +530,14 @@ def head_scores(
     st = store if isinstance(store, Store) else Store(store)
     parts = st.select(models, tasks)
     require_heads(parts)
-    return pl.concat([_tag(head_scores_of(p, load_heads(p)), p) for p in parts])
+    return pl.concat([tagged(head_scores_of(p, load_heads(p)), p) for p in parts])
 
 
 # --- report ----------------------------------------------------------------------------------
 
 
 def _pct(value: float | None) -> str:
-    return "–" if value is None or value != value else f"{100 * value:.1f}"
+    return fmt(value, 100)
 
 
 def heatmap_figure(
@@ -588,25 +586,16 @@ def heatmap_figure(
     return path
 
 
-def _file_name(model: str) -> str:
-    return f"heads_{model}.png"
-
-
-def heads_section(
-    tables: Mapping[str, pl.DataFrame],
-    names: Mapping[str, str],
-    figures: Path | None,
-    estimator: Estimator,
-) -> str:
+def heads_section(ctx: ReportContext) -> str:
     """The report's heads section: the parts that beat the whole, the heatmaps (drawn into
-    ``figures``, linked as ``figures/<file>``; none when ``figures`` is None), the top heads
-    and the reweighting results."""
+    ``ctx.figures``), the top heads and the reweighting results."""
+    tables, names, estimator = ctx.tables, ctx.names, ctx.estimator
     summary, scores = tables["head_summary"], tables["head_scores"]
     scores = scores.filter(pl.col("estimator") == estimator)
     rows = []
     for r in summary.sort("model", "task").iter_rows(named=True):
         heads = (
-            "no heads stored"
+            f"no heads stored {DASH} `extract --heads`"
             if r["n_heads"] is None
             else f"{r['heads_beat']} / {r['heads_beat_calibrated']} of {r['n_heads']}"
         )
@@ -629,7 +618,6 @@ def heads_section(
             ]
         )
     parts = [
-        "## Heads: the parts that beat the whole (METHODS.md section 8)",
         "A head (or a component: the embedding, an attention or MLP block) beats the whole when "
         "its accuracy alone is above the full model's. Calibrated: the argmax of its option "
         "logits minus their mean over the task's instances (label-free; a constant preference "
@@ -649,18 +637,20 @@ def heads_section(
             rows,
         ),
     ]
-    if scores.height and figures is not None:
-        for model in sorted(scores["model"].unique()):
-            label = names.get(model, model)
-            path = heatmap_figure(
-                scores,
-                summary,
-                model,
-                figures / _file_name(model),
-                f"{label}: calibrated accuracy of every head\n"
-                "(red: above the full model; black line: its accuracy)",
+    for model in sorted(scores["model"].unique()) if scores.height else []:
+        label = names.get(model, model)
+        title = (
+            f"{label}: calibrated accuracy of every head\n"
+            "(red: above the full model; black line: its accuracy)"
+        )
+        parts.append(
+            plots.figure_link(
+                ctx,
+                f"heads_{model}.png",
+                f"{label} heads",
+                lambda path, m=model, t=title: heatmap_figure(scores, summary, m, path, t),
             )
-            parts.append(f"![{label} heads](figures/{path.name})")
+        )
     if scores.height:
         top = (
             scores.sort("calibrated_accuracy", "accuracy", descending=True)
@@ -743,3 +733,17 @@ def heads_section(
             ),
         ]
     return "\n\n".join(parts)
+
+
+def _tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
+    return heads_tables(ctx.parts, ctx.notes)
+
+
+register(
+    Analysis(
+        name="heads",
+        title="Heads: the parts that beat the whole (METHODS.md section 8)",
+        tables=_tables,
+        report=heads_section,
+    )
+)
