@@ -20,6 +20,7 @@ API for their head scores (:func:`head_scores`) is refused in one line.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -648,7 +649,7 @@ def heads_section(ctx: ReportContext) -> str:
                 ctx,
                 f"heads_{model}.png",
                 f"{label} heads",
-                lambda path, m=model, t=title: heatmap_figure(scores, summary, m, path, t),
+                partial(heatmap_figure, scores, summary, model, title=title),
             )
         )
     if scores.height:
