@@ -41,9 +41,8 @@ class PartitionInfo:
         return self.partition.task
 
     def files(self, table: str) -> list[Path]:
-        """The parts of ``table`` (``components``, ``instances`` or an optional table) of the
-        partition's complete chunks."""
-        return self.partition.table_files(table)
+        """The part files of ``table`` (any table) of complete chunks."""
+        return self.partition.files(table)
 
     @property
     def n_done(self) -> int:
