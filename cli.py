@@ -155,6 +155,12 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
     help="Instances per chunk of a new partition (the unit of resumption and sharding); an "
     "existing partition keeps its own.",
 )
+@click.option(
+    "--heads",
+    is_flag=True,
+    help="Also store every attention head's option logits (heads table); extends partitions "
+    "stored without them.",
+)
 def extract(
     model: str,
     tasks: tuple[str, ...],
@@ -170,6 +176,7 @@ def extract(
     trust_remote_code: bool,
     allow_softcap: bool,
     chunk_size: int,
+    heads: bool,
 ) -> None:
     """Run MODEL once over each task and cache every component's option logits."""
     import sys
@@ -194,6 +201,7 @@ def extract(
         trust_remote_code=trust_remote_code,
         allow_softcap=allow_softcap,
         chunk_size=chunk_size,
+        heads=heads,
     )
     try:
         summaries = run_extract(cfg)
@@ -206,7 +214,8 @@ def extract(
         for note in s.notes:
             click.echo(f"{s.task}: note: {note}")
         if not s.n_new:
-            click.echo(f"{s.task}: {s.n_done}/{s.n_requested} instances stored (nothing to do)")
+            what = "none new" if s.notes else "nothing to do"
+            click.echo(f"{s.task}: {s.n_done}/{s.n_requested} instances stored ({what})")
             continue
         acc = "" if s.accuracy_new is None else f", accuracy {100 * s.accuracy_new:.1f}%"
         click.echo(

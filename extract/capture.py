@@ -8,7 +8,7 @@ only that position (B x d per component), never the whole sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,6 +16,9 @@ from layerdiv.errors import LayerdivError
 from layerdiv.extract.adapters import Adapter, get_module, norm_eps
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
+
+if TYPE_CHECKING:
+    from layerdiv.extract.heads import HeadDecomposition
 
 SUM_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 """Largest accepted relative decomposition error per dtype (METHODS.md section 1 invariant)."""
@@ -47,6 +50,8 @@ class BatchDecomposition:
     """(B, K) the model's own option logits (lm_head output, before any soft-cap)."""
     sum_error: torch.Tensor
     """(B,) max_k |sum_c u_c[k] - model_logits[k]| / max(1, max_k sum_c |u_c[k]|)."""
+    heads: HeadDecomposition | None = None
+    """Every attention head's option logits (``--heads``, :mod:`layerdiv.extract.heads`)."""
 
 
 class ComponentCapture:

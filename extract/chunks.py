@@ -77,11 +77,16 @@ def store(
     gold: list[int],
     results: Results,
 ) -> tuple[int, float]:
-    """Write a claimed chunk's parts, then release the claim; returns the number of correct
+    """Write a claimed chunk's parts (whole chunks, or optional tables alone for chunks that are
+    stored already: a backfill), then release the claim; returns the number of correct
     predictions and the worst decomposition error among ``results``."""
     try:
         for ids, tables in parts:
-            writer.write_chunk(ids[0], len(ids), tables)
+            if "instances" in tables:
+                writer.write_chunk(ids[0], len(ids), tables)
+            else:
+                for name, table in tables.items():
+                    writer.write_table_part(name, ids[0], len(ids), table)
     finally:
         claim.release()
     correct = sum(int(d.model_logits[r].argmax()) == gold[i] for i, (d, r) in results.items())

@@ -46,6 +46,9 @@ class ExtractConfig:
     """Instances per chunk of a new partition's grid (an existing partition keeps its own):
     the unit of resumption, of sharding and of claiming; a crash loses at most one chunk per
     process."""
+    heads: bool = False
+    """Also store every attention head's option logits (the ``heads`` table, METHODS.md
+    section 8); a partition stored without them is extended (backfilled)."""
     progress: bool = True
     """Show progress bars."""
 

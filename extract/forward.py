@@ -13,9 +13,10 @@ import torch
 
 from layerdiv.extract.adapters import Adapter
 from layerdiv.extract.batching import batches
-from layerdiv.extract.capture import BatchDecomposition, ComponentCapture
+from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
+from layerdiv.extract.heads import HeadCapture
 from layerdiv.extract.models import LoadedModel
-from layerdiv.store.tables import components_table, instances_table
+from layerdiv.store.tables import components_table, heads_table, instances_table
 
 CPU_TOKEN_BUDGET = 1024
 """Padded tokens per batch for ``--batch-size auto`` on the CPU."""
@@ -39,12 +40,21 @@ class ModelRunner:
     manager that always removes its hooks."""
 
     def __init__(
-        self, loaded: LoadedModel, adapter: Adapter, option_ids: list[int], budget: int
+        self,
+        loaded: LoadedModel,
+        adapter: Adapter,
+        option_ids: list[int],
+        budget: int,
+        n_heads: int | None = None,
     ) -> None:
         self.loaded = loaded
         self.budget = budget
         """Padded tokens per batch for automatic batching (lowered on out-of-memory)."""
         self.capture = ComponentCapture(loaded.model, adapter, option_ids)
+        self.heads = (
+            None if n_heads is None else HeadCapture(loaded.model, adapter, self.capture, n_heads)
+        )
+        """With ``n_heads`` (``--heads``): the per-head capture (METHODS.md section 8)."""
         params = inspect.signature(loaded.model.forward).parameters
         self.extra: dict[str, Any] = {"use_cache": False}
         if "logits_to_keep" in params:
@@ -61,6 +71,8 @@ class ModelRunner:
         tb: TracebackType | None,
     ) -> None:
         self.capture.remove()
+        if self.heads is not None:
+            self.heads.remove()
 
     def run(self, seqs: list[list[int]]) -> BatchDecomposition:
         """One forward pass over ``seqs`` (left-padded) and its decomposition."""
@@ -73,6 +85,8 @@ class ModelRunner:
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         device = self.loaded.device
         self.capture.reset()
+        if self.heads is not None:
+            self.heads.reset()
         with torch.inference_mode():
             self.loaded.model(
                 input_ids=input_ids.to(device),
@@ -80,7 +94,10 @@ class ModelRunner:
                 position_ids=position_ids.to(device),
                 **self.extra,
             )
-        return self.capture.decompose()
+            dec = self.capture.decompose()
+            if self.heads is not None:
+                dec.heads = self.heads.decompose(dec)
+        return dec
 
     def run_chunk(
         self, seqs: list[list[int]], ids: list[int], batch_size: int | None
@@ -112,12 +129,14 @@ def chunk_tables(
     truncated: list[bool],
 ) -> dict[str, pa.Table]:
     """The ``components`` and ``instances`` tables of instances ``ids`` (ascending), each found
-    in ``results`` as (its batch's decomposition, its row there)."""
+    in ``results`` as (its batch's decomposition, its row there), and ``heads`` when the
+    decompositions have heads."""
 
     def stack(attr: str) -> np.ndarray:
         return np.stack([getattr(results[i][0], attr)[results[i][1]].numpy() for i in ids])
 
     return {
+        **heads_tables(ids, results),
         "components": components_table(
             ids,
             results[ids[0]][0].components,
@@ -137,3 +156,22 @@ def chunk_tables(
             stack("sum_error"),
         ),
     }
+
+
+def heads_tables(
+    ids: list[int], results: dict[int, tuple[BatchDecomposition, int]]
+) -> dict[str, pa.Table]:
+    """``{"heads": table}`` of instances ``ids`` (ascending), or nothing when the
+    decompositions in ``results`` have no heads."""
+    first = results[ids[0]][0]
+    if first.heads is None:
+        return {}
+    heads, rows = first.heads, []
+    for i in ids:
+        dec, row = results[i]
+        if dec.heads is None:
+            raise DecompositionError(f"instance {i} ran without the heads capture")
+        rows.append(dec.heads.logits[row].numpy())
+    logits = np.stack(rows)
+    layers = [first.components[c].layer for c in heads.components]
+    return {"heads": heads_table(ids, heads.components, layers, heads.head_ids, logits)}

@@ -133,7 +133,7 @@ class HeadCapture:
         return HeadDecomposition(attn, list(self.head_ids or []), torch.stack(blocks, dim=1))
 
 
-def check_heads(
+def check_head_sums(
     heads: HeadDecomposition, batch: BatchDecomposition, ids: list[int], task: str, tol: float
 ) -> float:
     """The invariant of METHODS.md section 8: the heads and bias of every attention component

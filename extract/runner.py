@@ -14,11 +14,12 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from layerdiv.extract import chunks
-from layerdiv.extract.adapters import Adapter, adapter_for, check_softcap
+from layerdiv.extract.adapters import Adapter, adapter_for, check_heads, check_softcap
 from layerdiv.extract.batching import chunk_runs, tokenize
-from layerdiv.extract.capture import SUM_TOLERANCE, check_batch
+from layerdiv.extract.capture import SUM_TOLERANCE, BatchDecomposition, check_batch
 from layerdiv.extract.config import ExtractConfig, TaskSummary
-from layerdiv.extract.forward import ModelRunner, chunk_tables, token_budget
+from layerdiv.extract.forward import ModelRunner, chunk_tables, heads_tables, token_budget
+from layerdiv.extract.heads import check_head_sums
 from layerdiv.extract.interrupt import interruptible
 from layerdiv.extract.models import (
     LoadedModel,
@@ -71,6 +72,7 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         dtype = resolve_dtype(cfg.dtype, device)
         source = resolve_source(cfg.model, cfg.revision, cfg.gguf_file, cfg.trust_remote_code)
         adapter = adapter_for(source.config)
+        n_heads = check_heads(source.config) if cfg.heads else None
         approximate = check_softcap(source.config, cfg.allow_softcap)
         tokenizer = load_tokenizer(source)
         plans = [plan_task(name, tokenizer, cfg) for name in cfg.tasks]
@@ -87,7 +89,7 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
                 summary = TaskSummary(plan.spec.name, len(plan.items), 0, done, 0.0)
             else:
                 loaded = loaded or load_model(source, tokenizer, device, dtype)
-                summary = extract_task(loaded, adapter, plan, cfg, approximate)
+                summary = extract_task(loaded, adapter, plan, cfg, approximate, n_heads)
             if cfg.overwrite and verdict is Verdict.RESUME:
                 summary.notes.insert(0, f"--overwrite with --shard {cfg.shard[0]}/{cfg.shard[1]}: "
                                      "the partition holds this extraction already (another "
@@ -102,7 +104,29 @@ def _pending(plan: TaskPlan, cfg: ExtractConfig) -> bool:
     stored = read_manifest(plan.writer.part.manifest)
     done = plan.writer.done_instances(len(stored.components) * len(stored.options))
     todo = [i for i in range(len(plan.items)) if i not in done]
-    return bool(chunk_runs(todo, stored.chunk_size or cfg.chunk_size, cfg.shard))
+    grid = stored.chunk_size or cfg.chunk_size
+    backfill = cfg.heads and bool(_lacking_heads(plan.writer, grid, cfg.shard))
+    return bool(chunk_runs(todo, grid, cfg.shard)) or backfill
+
+
+def _lacking_heads(
+    writer: PartitionWriter, grid: int, shard: tuple[int, int]
+) -> dict[int, list[tuple[int, int]]]:
+    """Chunk index -> the stored parts (start, count) of this shard's chunks that have no
+    ``heads`` part (to backfill with ``--heads``)."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for start, count in writer.chunks_missing("heads"):
+        if (start // grid) % shard[1] == shard[0]:
+            out.setdefault(start // grid, []).append((start, count))
+    return out
+
+
+def _check(dec: BatchDecomposition, ids: list[int], task: str, tol: float) -> None:
+    """The invariants of a batch: components sum to the model's logits (METHODS.md section 1)
+    and, with ``--heads``, heads sum to their attention components (section 8)."""
+    check_batch(dec, ids, task, tol)
+    if dec.heads is not None:
+        check_head_sums(dec.heads, dec, ids, task, tol)
 
 
 def extract_task(
@@ -111,21 +135,26 @@ def extract_task(
     plan: TaskPlan,
     cfg: ExtractConfig,
     approximate: bool,
+    n_heads: int | None = None,
 ) -> TaskSummary:
-    """Run one task through a loaded model and store every chunk of this shard not stored yet."""
+    """Run one task through a loaded model and store every chunk of this shard not stored yet
+    (with ``n_heads``, ``--heads``: with their heads, and the heads of stored chunks that lack
+    them)."""
     spec, items, writer = plan.spec, plan.items, plan.writer
     seqs, truncated = tokenize(loaded.tokenizer, [it.prompt for it in items], loaded.context_length)
     budget = token_budget(loaded.device, loaded.model.config, loaded.dtype)
     tol, gold = SUM_TOLERANCE[loaded.dtype], [it.gold for it in items]
-    check = partial(check_batch, task=spec.name, tol=tol)
+    check = partial(_check, task=spec.name, tol=tol)
     start_time, notes = time.perf_counter(), []
-    with ModelRunner(loaded, adapter, plan.option_ids, budget) as runner:
+    with ModelRunner(loaded, adapter, plan.option_ids, budget, n_heads) as runner:
         probe = runner.run([seqs[0]])  # the component list, before anything is written
         check(probe, [0])
         ident = identity(loaded.source, loaded.dtype, spec, plan.option_ids, plan.data_sha256)
         manifest = build_manifest(loaded, adapter, spec, ident, probe.components, len(items),
                                   cfg.chunk_size, tol, approximate)  # fmt: skip
         stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])
+        if n_heads is not None:
+            writer.mark_table("heads")
         grid = stored.chunk_size or cfg.chunk_size
         if grid != cfg.chunk_size:
             notes.append(f"the partition's chunk grid is {grid} instances (--chunk-size "
@@ -134,19 +163,31 @@ def extract_task(
         per_instance = len(names) * len(stored.options)
         done = writer.done_instances(per_instance)
         cells = chunk_runs([i for i in range(len(items)) if i not in done], grid, cfg.shard)
+        lacking = _lacking_heads(writer, grid, cfg.shard) if n_heads is not None else {}
         run = writer.start_run({"n_requested": len(items), "shard": list(cfg.shard),
                                 "chunk_size": grid, "device": loaded.device.type})  # fmt: skip
-        correct, max_err, n_new = 0, 0.0, 0
-        bar = tqdm(total=sum(len(r) for runs in cells.values() for r in runs), desc=spec.name,
-                   unit="inst", disable=not cfg.progress, dynamic_ncols=True)  # fmt: skip
+        correct, max_err, n_new, n_filled = 0, 0.0, 0, 0
+        total = sum(len(r) for runs in cells.values() for r in runs)
+        total += sum(c for parts in lacking.values() for _, c in parts)
+        bar = tqdm(total=total, desc=spec.name, unit="inst", disable=not cfg.progress,
+                   dynamic_ncols=True)  # fmt: skip
         with bar, ThreadPoolExecutor(max_workers=1) as pool:
             writing: Future[tuple[int, float]] | None = None
-            for j, claim in chunks.claimed(writer, sorted(cells)):
+            for j, claim in chunks.claimed(writer, sorted({*cells, *lacking})):
                 try:
                     runs, redone = chunks.missing_runs(writer, j, grid, len(items), per_instance)
                     results = chunks.compute(runner, runs, seqs, cfg.batch_size, names, check,
                                              bar.update)  # fmt: skip
                     parts = [(r, chunk_tables(r, results, gold, seqs, truncated)) for r in runs]
+                    # Backfill: stored parts of this chunk without heads (looked up under the
+                    # claim, after damaged parts were removed).
+                    fill = [list(range(s, s + c))
+                            for s, c in _lacking_heads(writer, grid, cfg.shard).get(j, [])
+                            if n_heads is not None]  # fmt: skip
+                    filled = chunks.compute(runner, fill, seqs, cfg.batch_size, names, check,
+                                            bar.update)  # fmt: skip
+                    parts += [(r, heads_tables(r, filled)) for r in fill]
+                    n_filled += len(filled)
                 except BaseException:
                     claim.release()
                     raise
@@ -162,6 +203,8 @@ def extract_task(
     seconds = time.perf_counter() - start_time
     run.write(finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
               seconds=round(seconds, 3), instances=n_new)  # fmt: skip
+    if n_filled:
+        notes.append(f"heads added to {n_filled} instances stored without them")
     return TaskSummary(
         task=spec.name,
         n_requested=len(items),

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+import polars as pl
 import pytest
 import torch
+from click.testing import CliRunner
 
-from layerdiv.extract import adapters
+from layerdiv.analyze.analyses.heads import head_scores
+from layerdiv.cli import main
+from layerdiv.extract import adapters, runner
 from layerdiv.extract.adapters import UnsupportedModel, adapter_for, check_heads, get_module
 from layerdiv.extract.capture import BatchDecomposition, DecompositionError
-from layerdiv.extract.heads import HeadCapture, HeadDecomposition
-from layerdiv.extract.heads import check_heads as check_head_sums
+from layerdiv.extract.forward import ModelRunner
+from layerdiv.extract.heads import HeadDecomposition, check_head_sums
 from layerdiv.extract.models import LoadedModel, ModelSource
-from layerdiv.extract.runner import ModelRunner
+from layerdiv.store import Store
 
 FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3",
@@ -29,14 +34,10 @@ def run_heads(model: Any, tokenizer: Any) -> tuple[BatchDecomposition, HeadDecom
     source = ModelSource("tiny", "tiny", None, "test", model.config, False)
     loaded = LoadedModel(source, model, tokenizer, torch.device("cpu"), torch.float32)
     adapter = adapter_for(model.config)
-    runner = ModelRunner(loaded, adapter, OPTIONS, 4096)
-    heads = HeadCapture(model, adapter, runner.capture, check_heads(model.config))
-    try:
+    with ModelRunner(loaded, adapter, OPTIONS, 4096, check_heads(model.config)) as runner:
         batch = runner.run(PROMPTS)
-        return batch, heads.decompose(batch)
-    finally:
-        heads.remove()
-        runner.close()
+    assert batch.heads is not None
+    return batch, batch.heads
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -107,6 +108,7 @@ def test_shared_blocks_give_heads_per_call(build_model: Any, tokenizer: Any) -> 
 
 def test_violation_names_the_block(build_model: Any, tokenizer: Any) -> None:
     batch, heads = run_heads(build_model("llama"), tokenizer)
+    heads.logits = heads.logits.clone()  # an inference tensor cannot change in place
     heads.logits[1, 1, 2, 0] += 1.0
     with pytest.raises(DecompositionError, match=r"task t, instance 8: the heads of attn\.1 "):
         check_head_sums(heads, batch, [7, 8, 9], "t", 1e-4)
@@ -133,3 +135,73 @@ def test_projection_paths_exist_for_every_family(build_model: Any) -> None:
         block = get_module(model, adapter.blocks)[0]
         proj = get_module(block, adapter.attn_out)
         assert type(proj).__name__ == ("Conv1D" if adapter.attn_out_transposed else "Linear")
+
+
+def extract(*args: str) -> Any:
+    return CliRunner().invoke(main, ["extract", *args], catch_exceptions=False)
+
+
+def test_extract_heads_end_to_end_and_backfill(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    task = make_task(tmp_path / "task", n=20)
+    common = ["--task", str(task), "--chunk-size", "8", "--batch-size", "3"]
+    # gpt2: W_O has a bias (head -1) and a Conv1D weight
+    store = tmp_path / "gpt2"
+    result = extract("--model", str(model_dirs("gpt2")), "--store", str(store), "--heads", *common)
+    assert result.exit_code == 0, result.output
+    [info] = Store(store).select()
+    assert info.manifest.extra_tables == ["heads"]
+    heads = pl.read_parquet(info.files("heads"))
+    assert heads.height == 20 * 2 * (4 + 1) * 2  # instances x blocks x (heads + bias) x options
+    assert sorted(heads["head"].unique()) == [-1, 0, 1, 2, 3]
+    comps = pl.read_parquet(info.files("components"))
+    sums = heads.group_by("instance", "component", "option").agg(pl.col("logit").sum())
+    joined = sums.join(comps, on=["instance", "component", "option"], suffix="_component")
+    assert joined.height == 20 * 2 * 2
+    assert (joined["logit"] - joined["logit_component"]).abs().max() < 1e-5  # type: ignore[operator]
+    assert head_scores(store).height == 2 * 2 * 4  # estimators x blocks x heads
+
+    # llama: extracted without heads, then extended with --heads (backfill, nothing recomputed
+    # but the heads)
+    store = tmp_path / "llama"
+    model = ["--model", str(model_dirs("llama")), "--store", str(store)]
+    assert extract(*model, *common).exit_code == 0
+    before = {p: p.stat().st_mtime_ns for p in store.rglob("components/**/*.parquet")}
+    result = extract(*model, *common, "--heads")
+    assert result.exit_code == 0, result.output
+    assert "heads added to 20 instances stored without them" in result.output
+    assert "20/20 instances stored (none new)" in result.output
+    assert {p: p.stat().st_mtime_ns for p in store.rglob("components/**/*.parquet")} == before
+    [info] = Store(store).select()
+    assert len(info.files("heads")) == len(info.files("instances")) == 3
+    assert head_scores(store).height == 2 * 2 * 4
+    again = extract(*model, *common, "--heads")
+    assert "nothing to do" in again.output
+
+
+def test_extract_heads_refused_before_weights_load(
+    tmp_path: Path, model_dirs: Any, make_task: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    patched = tuple(
+        replace(a, attn_out=None) if a.family == "llama" else a for a in adapters.ADAPTERS
+    )
+    monkeypatch.setattr(adapters, "ADAPTERS", patched)
+
+    def no_weights(*args: Any) -> None:
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(runner, "load_model", no_weights)
+    task = make_task(tmp_path / "task", n=4)
+    store = tmp_path / "store"
+    result = CliRunner().invoke(
+        main,
+        ["extract", "--model", str(model_dirs("llama")), "--task", str(task), "--store",
+         str(store), "--heads"],
+    )  # fmt: skip
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "Error: --heads: the attention of 'llama' models cannot be split into heads exactly (no "
+        "per-head output projection in layerdiv/extract/adapters.py); extract without --heads."
+    ]
+    assert not store.exists()
