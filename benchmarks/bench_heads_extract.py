@@ -1,0 +1,107 @@
+"""CPU benchmark of ``extract --heads``: the extraction with and without per-head logits on
+SmolLM2-135M-Instruct in fp32, over the same real prompts (the demo tasks tweets2, tweets3 and
+bbc5; ``--n`` prompts in all, fixed ``--seed``), and the size of the heads table.
+
+Both contenders are the real extraction path (``plan_task`` outside the clock, then
+``extract_task`` into a fresh store: hooks, decomposition, checks, Parquet writing), with
+automatic batching; they differ only in ``--heads``. A warm-up run of each, then ``--rounds``
+rounds, each running both in alternating order; the table shows median seconds and the median of
+the per-round ratios (heads / without). Bytes per instance: the Parquet parts of each table over
+the instances stored (from the last ``--heads`` run).
+
+    python benchmarks/bench_heads_extract.py [--n 300] [--rounds 5] [--seed 0] [--threads 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from layerdiv.demo import DEMO_MODEL, write_demo_tasks
+from layerdiv.extract.adapters import adapter_for, check_heads, check_softcap
+from layerdiv.extract.config import ExtractConfig
+from layerdiv.extract.models import load_model, load_tokenizer, resolve_source
+from layerdiv.extract.runner import extract_task, plan_task
+from layerdiv.store import Store
+
+TARGET = 1.10
+"""Target: ``--heads`` costs at most this multiple of the extraction time without it."""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=300, help="prompts in all (split over tasks)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: its default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    source = resolve_source(DEMO_MODEL, None, None, False)
+    loaded = load_model(source, load_tokenizer(source), torch.device("cpu"), torch.float32)
+    adapter, config = adapter_for(source.config), source.config
+    approximate = check_softcap(config, False)
+    n_heads = check_heads(config)
+    per_task = -(-args.n // 3)
+    with tempfile.TemporaryDirectory(prefix="layerdiv-bench-heads-") as tmp:
+        paths = write_demo_tasks(Path(tmp) / "tasks", -(-per_task // 30) * 30, args.seed)
+
+        def run(heads: bool, store: Path) -> float:
+            cfg = ExtractConfig(
+                model=DEMO_MODEL, tasks=[], store=store, limit=per_task, progress=False, heads=heads
+            )
+            plans = [plan_task(str(p), loaded.tokenizer, cfg) for p in paths]
+            gc.collect()
+            start = time.perf_counter()
+            for plan in plans:
+                extract_task(loaded, adapter, plan, cfg, approximate, n_heads if heads else None)
+            return time.perf_counter() - start
+
+        times: dict[bool, list[float]] = {False: [], True: []}
+        ratios = []
+        for r in range(args.rounds + 1):  # round 0 warms up
+            order = (False, True) if r % 2 else (True, False)
+            got = {}
+            for heads in order:
+                with tempfile.TemporaryDirectory(dir=tmp) as store:
+                    got[heads] = run(heads, Path(store))
+                    if heads:
+                        sizes = table_sizes(Path(store))
+            if r:
+                for heads, seconds in got.items():
+                    times[heads].append(seconds)
+                ratios.append(got[True] / got[False])
+    n = 3 * per_task
+    print(
+        f"\nSmolLM2-135M-Instruct fp32 CPU ({os.cpu_count()} cores, {torch.get_num_threads()} "
+        f"torch threads), {n} prompts (3 demo tasks), {args.rounds} interleaved rounds"
+    )
+    print(f"without --heads: median {statistics.median(times[False]):7.2f} s")
+    print(f"with --heads:    median {statistics.median(times[True]):7.2f} s")
+    ratio = statistics.median(ratios)
+    verdict = "meets" if ratio <= TARGET else "misses"
+    print(f"ratio (median of per-round ratios): {ratio:.3f} ({verdict} the target {TARGET})")
+    print("per-round ratios: " + ", ".join(f"{x:.3f}" for x in ratios))
+    for table, size in sizes.items():
+        print(f"{table} table: {size / n:9.0f} bytes per instance (Parquet, zstd)")
+
+
+def table_sizes(store: Path) -> dict[str, int]:
+    """Bytes of the complete parts of each table in ``store``, summed over partitions."""
+    parts = Store(store).select()
+    return {
+        table: sum(f.stat().st_size for p in parts for f in p.files(table))
+        for table in ("components", "instances", "heads")
+    }
+
+
+if __name__ == "__main__":
+    main()
