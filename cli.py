@@ -283,9 +283,25 @@ min_params_option = click.option(
 )
 
 
+reweight_option = click.option(
+    "--reweight",
+    is_flag=True,
+    help="Also fit component reweighting (LLMDecomp) on 24 labelled instances per task and "
+    "evaluate it on the rest (CPU; tables reweight and reweight_weights).",
+)
+
+
 def analysis_options(command: Callable[..., None]) -> Callable[..., None]:
-    """The store, selection, lens and model-size options shared by ``analyze`` and ``report``."""
-    for option in (min_params_option, lens_option, tasks_option, models_option, store_option):
+    """The store, selection, lens, model-size and analysis options shared by ``analyze`` and
+    ``report``."""
+    for option in (
+        reweight_option,
+        min_params_option,
+        lens_option,
+        tasks_option,
+        models_option,
+        store_option,
+    ):
         command = option(command)
     return command
 
@@ -314,6 +330,7 @@ def analyze_command(
     tasks: tuple[str, ...],
     lens: Any,
     min_params: float,
+    reweight: bool,
     out: str,
     fmt: str,
 ) -> None:
@@ -323,13 +340,15 @@ def analyze_command(
     from layerdiv.analyze.output import refuse_inside, write_tables
 
     refuse_inside(out, store)
-    results = analyze(store, models, tasks, lens, min_params, progress=True)
+    options = {"reweight": reweight}
+    results = analyze(store, models, tasks, lens, min_params, progress=True, options=options)
     settings = {
         "store": store,
         "models": list(models),
         "tasks": list(tasks),
         "lens": lens,
         "min_params": min_params,
+        **options,
     }
     tables = results.tables()
     write_tables(tables, out, fmt, settings)
@@ -362,6 +381,7 @@ def report_command(
     tasks: tuple[str, ...],
     lens: Any,
     min_params: float,
+    reweight: bool,
     estimator: Any,
     out: str,
 ) -> None:
@@ -372,7 +392,8 @@ def report_command(
     from layerdiv.analyze.report import write_report
 
     refuse_inside(out, store)
-    results = analyze(store, models, tasks, lens, min_params, progress=True)
+    options = {"reweight": reweight}
+    results = analyze(store, models, tasks, lens, min_params, progress=True, options=options)
     path, notes = write_report(results, out, estimator, store)
     click.echo(f"wrote {path}")
     for note in notes:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+from click.testing import CliRunner
 from scipy.optimize import approx_fprime
 
 from layerdiv.analyze import analyze
@@ -24,6 +25,7 @@ from layerdiv.analyze.analyses.heads import (
 )
 from layerdiv.analyze.registry import ReportContext
 from layerdiv.analyze.synthetic import random_heads, random_partition, write_partition
+from layerdiv.cli import main
 from layerdiv.store import Store, StoreError
 
 N, BLOCKS, HEADS, K = 40, 3, 3, 3
@@ -223,5 +225,16 @@ def test_heads_section_renders_with_figures(tables, tmp_path: Path) -> None:
 def test_analyze_runs_the_heads_analysis(store: Path) -> None:
     results = analyze(store)
     assert {"head_scores", "head_summary", "reweight"} <= set(results.tables())
-    assert results.head_summary.height == 2
+    assert results.head_summary.height == 2 and results.reweight.height == 0
     assert any("extract --heads" in note for note in results.notes)
+    assert analyze(store, options={"reweight": True}).reweight.height == 2
+
+
+def test_cli_reweight_option(store: Path, tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    args = ["analyze", "--store", str(store), "--out", str(out), "--reweight"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "extract --heads" in result.output  # the note about the partition without heads
+    assert pl.read_parquet(out / "reweight.parquet").height == 2
+    assert pl.read_parquet(out / "head_scores.parquet").height == 2 * BLOCKS * HEADS

@@ -9,9 +9,10 @@ Tables (one row per model and task unless said otherwise):
   component (embedding, attention and MLP blocks), so that partitions without heads have them too.
 - ``head_summary``: the full model's accuracy (and its label-free calibrated accuracy), how many
   heads and components beat the full model's accuracy alone and calibrated, and the best ones.
-- ``reweight`` and ``reweight_weights``: component reweighting (:mod:`.reweight`), fitted on a
-  few labelled instances of each task and evaluated on the rest, beside the full model, its
-  calibration and the best single component chosen on the same instances.
+- ``reweight`` and ``reweight_weights`` (option ``reweight``, ``layerdiv analyze --reweight``):
+  component reweighting (:mod:`.reweight`), fitted on a few labelled instances of each task and
+  evaluated on the rest, beside the full model, its calibration and the best single component
+  chosen on the same instances.
 
 Partitions extracted without ``--heads`` get a note and their component-level rows; asking the
 API for their head scores (:func:`head_scores`) is refused in one line.
@@ -403,11 +404,13 @@ def _full_scores(wide: pl.DataFrame, k_opts: int) -> tuple[float, float]:
 def heads_tables(
     parts: Sequence[PartitionInfo],
     notes: list[str],
+    reweight: bool = True,
     n_train: int = rw.N_TRAIN,
     seed: int = rw.SEED,
 ) -> dict[str, pl.DataFrame]:
-    """Every table of this module for ``parts`` (see the module docstring); partitions without
-    heads get a line in ``notes`` and their component-level rows only."""
+    """Every table of this module for ``parts`` (see the module docstring; the reweighting
+    tables are empty unless ``reweight``); partitions without heads get a line in ``notes`` and
+    their component-level rows only."""
     frames: dict[str, list[pl.DataFrame]] = {
         name: [] for name in ("head_scores", "component_scores", "reweight_weights")
     }
@@ -427,6 +430,8 @@ def heads_tables(
         summary = summary_row(_full_scores(wide, k_opts), comps, first_estimator)
         n = _n_instances(wide)
         summaries.append({"model": info.model, "task": info.task, "n_instances": n, **summary})
+        if not reweight:
+            continue
         if n <= n_train:
             notes.append(
                 f"Reweighting skipped for {info.model}/{info.task}: {n} instances, it needs more "
@@ -740,7 +745,7 @@ def heads_section(ctx: ReportContext) -> str:
 
 
 def _tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
-    return heads_tables(ctx.parts, ctx.notes)
+    return heads_tables(ctx.parts, ctx.notes, reweight=bool(ctx.options.get("reweight")))
 
 
 register(
