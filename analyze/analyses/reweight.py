@@ -55,15 +55,19 @@ def objective(w: np.ndarray, x: np.ndarray, y: np.ndarray, l1: float) -> tuple[f
 def fit_weights(x: np.ndarray, y: np.ndarray, l1: float = L1) -> Fit:
     """Minimise :func:`objective` over w in [0, 1]^M from w = 1 (the full model)."""
     from scipy.optimize import Bounds, minimize
+    from threadpoolctl import threadpool_limits
 
-    result = minimize(
-        objective,
-        np.ones(x.shape[1]),
-        args=(x, y, l1),
-        jac=True,
-        method="L-BFGS-B",
-        bounds=Bounds(0.0, 1.0),
-    )
+    # The problem is small (M up to a few thousand, 24 instances): BLAS threads only add
+    # synchronisation (measured: 20x less CPU time with one thread, on 2 busy cores).
+    with threadpool_limits(1):
+        result = minimize(
+            objective,
+            np.ones(x.shape[1]),
+            args=(x, y, l1),
+            jac=True,
+            method="L-BFGS-B",
+            bounds=Bounds(0.0, 1.0),
+        )
     return Fit(np.clip(result.x, 0.0, 1.0), float(result.fun), bool(result.success), result.nit)
 
 
