@@ -70,21 +70,32 @@ def extract(*args: str) -> Any:
     return CliRunner().invoke(main, ["extract", *args], catch_exceptions=False)
 
 
+def run_records(store: Path) -> int:
+    return len(list(store.glob("manifests/*/*/runs/*.json")))
+
+
 def test_three_concurrent_shards_store_each_instance_once(
     tmp_path: Path, model_dirs: Any, make_task: Any
 ) -> None:
-    n = 90
+    n = 36
     task = make_task(tmp_path / "task", n=n)
     store = tmp_path / "store"
     base = command(model_dirs("llama"), task, store, "--chunk-size", "3", "--batch-size", "1")
-    procs = [start([*base, "--shard", "0/3"])]
-    for i in (1, 2):  # each opens the partition while the earlier shards are mid-run
-        have = len(parts(store))
-        wait_for(lambda: len(parts(store)) > have, "a new part")  # noqa: B023
-        procs.append(start([*base, "--shard", f"{i}/3"]))
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for i in range(3):  # each opens the partition while the earlier shards are mid-run
+            procs.append(start([*base, "--shard", f"{i}/3"]))
+            wait_for(lambda: run_records(store) == i + 1, "the shard's run record")  # noqa: B023
+            if i < 2:
+                have = len(parts(store))
+                wait_for(lambda: len(parts(store)) > have, "the shard's first part")  # noqa: B023
+                procs[-1].send_signal(signal.SIGSTOP)  # frozen mid-run
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGCONT)
     results = [finish(p) for p in procs]
     assert [r[0] for r in results] == [0, 0, 0], results
-    assert sum(new_count(r[1]) for r in results) == n
+    assert [new_count(r[1]) for r in results] == [12, 12, 12]
     check_exact(store, n, 5 * 2)
 
 
@@ -146,7 +157,7 @@ def interrupt(signum: int, tmp_path: Path, model: Path, task: Path) -> tuple[lis
 def test_sigterm_mid_run_then_resume_gives_exactly_n(
     tmp_path: Path, model_dirs: Any, make_task: Any
 ) -> None:
-    n = 400
+    n = 160
     cmd, done = interrupt(signal.SIGTERM, tmp_path, model_dirs("llama"), make_task(tmp_path, n=n))
     assert 3 <= done < n // 4
     resumed = subprocess.run(cmd, capture_output=True, text=True, check=True)
