@@ -49,12 +49,6 @@ def finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
-def new_count(output: str) -> int:
-    """Instances a run added, from its summary line (0 when it had nothing to do)."""
-    line = next(s for s in output.splitlines() if "instances stored" in s)
-    return int(line.split("(")[1].split(" new")[0]) if " new in " in line else 0
-
-
 def check_exact(store: Path, n: int, per_instance: int) -> None:
     """Exactly instances 0..n-1, each once, in both tables."""
     s = Store(store)
@@ -70,12 +64,23 @@ def extract(*args: str) -> Any:
     return CliRunner().invoke(main, ["extract", *args], catch_exceptions=False)
 
 
+def first_run(
+    tmp_path: Path, model_dirs: Any, make_task: Any, *args: str
+) -> tuple[list[str], Path, Path]:
+    """A stored extraction of a 12-instance task: (its arguments, the store, the task YAML)."""
+    task = make_task(tmp_path / "task", n=12)
+    store = tmp_path / "store"
+    common = ["--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store)]
+    assert extract(*common, *args).exit_code == 0
+    return common, store, task
+
+
 def run_records(store: Path) -> int:
     return len(list(store.glob("manifests/*/*/runs/*.json")))
 
 
 def test_three_concurrent_shards_store_each_instance_once(
-    tmp_path: Path, model_dirs: Any, make_task: Any
+    tmp_path: Path, model_dirs: Any, make_task: Any, stored: Any
 ) -> None:
     n = 36
     task = make_task(tmp_path / "task", n=n)
@@ -95,7 +100,7 @@ def test_three_concurrent_shards_store_each_instance_once(
             proc.send_signal(signal.SIGCONT)
     results = [finish(p) for p in procs]
     assert [r[0] for r in results] == [0, 0, 0], results
-    assert [new_count(r[1]) for r in results] == [12, 12, 12]
+    assert [stored(r[1])[2] for r in results] == [12, 12, 12]
     check_exact(store, n, 5 * 2)
 
 
@@ -108,7 +113,13 @@ def test_three_concurrent_shards_store_each_instance_once(
     ids=["chunk-sizes", "limits"],
 )
 def test_two_runs_at_once_claim_chunks_instead_of_duplicating(
-    first: list[str], second: list[str], n: int, tmp_path: Path, model_dirs: Any, make_task: Any
+    first: list[str],
+    second: list[str],
+    n: int,
+    tmp_path: Path,
+    model_dirs: Any,
+    make_task: Any,
+    stored: Any,
 ) -> None:
     task = make_task(tmp_path / "task", n=60)
     store = tmp_path / "store"
@@ -128,7 +139,7 @@ def test_two_runs_at_once_claim_chunks_instead_of_duplicating(
         one.send_signal(signal.SIGCONT)
     (rc1, out1, err1), (rc2, out2, err2) = finish(one), finish(two)
     assert rc1 == rc2 == 0, (err1, err2)
-    assert new_count(out2) > 0 and new_count(out1) + new_count(out2) == n  # nothing done twice
+    assert stored(out2)[2] > 0 and stored(out1)[2] + stored(out2)[2] == n  # nothing done twice
     if "--chunk-size" in second and second[1] != first[1]:
         assert f"chunk grid is {first[1]} instances (--chunk-size {second[1]}" in out2
     check_exact(store, n, 5 * 2)  # the reader refuses overlapping parts
@@ -155,13 +166,13 @@ def interrupt(signum: int, tmp_path: Path, model: Path, task: Path) -> tuple[lis
 
 
 def test_sigterm_mid_run_then_resume_gives_exactly_n(
-    tmp_path: Path, model_dirs: Any, make_task: Any
+    tmp_path: Path, model_dirs: Any, make_task: Any, stored: Any
 ) -> None:
     n = 160
     cmd, done = interrupt(signal.SIGTERM, tmp_path, model_dirs("llama"), make_task(tmp_path, n=n))
     assert 3 <= done < n // 4
     resumed = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    assert new_count(resumed.stdout) == n - 4 * done
+    assert stored(resumed.stdout)[2] == n - 4 * done
     check_exact(tmp_path / "store", n, 5 * 2)
 
 
@@ -193,10 +204,7 @@ def test_overwrite_with_shards_happens_once(
 def test_edited_data_is_a_different_extraction(
     tmp_path: Path, model_dirs: Any, make_task: Any
 ) -> None:
-    task = make_task(tmp_path / "task", n=12)
-    store = tmp_path / "store"
-    args = ["--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store)]
-    assert extract(*args, "--limit", "6").exit_code == 0
+    args, store, task = first_run(tmp_path, model_dirs, make_task, "--limit", "6")
     data = task.with_suffix(".jsonl")
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     rows[9]["text"] = "an edited row"  # beyond --limit 6, within the task's n
@@ -208,12 +216,10 @@ def test_edited_data_is_a_different_extraction(
     assert sorted(p.stat().st_mtime_ns for p in store.rglob("*") if p.is_file()) == before
 
 
-def test_damaged_parts_are_redone(tmp_path: Path, model_dirs: Any, make_task: Any) -> None:
-    task = make_task(tmp_path / "task", n=12)
-    store = tmp_path / "store"
-    args = ["--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store),
-            "--chunk-size", "4"]  # fmt: skip
-    assert extract(*args).exit_code == 0
+def test_damaged_parts_are_redone(
+    tmp_path: Path, model_dirs: Any, make_task: Any, stored: Any
+) -> None:
+    args, store, _ = first_run(tmp_path, model_dirs, make_task, "--chunk-size", "4")
     (inst,) = store.glob("instances/*/*/part-0000004-000004.parquet")
     (comp,) = store.glob("components/*/*/part-0000008-000004.parquet")
     inst.write_bytes(inst.read_bytes()[:-50])  # truncated copies
@@ -222,17 +228,14 @@ def test_damaged_parts_are_redone(tmp_path: Path, model_dirs: Any, make_task: An
     assert out.exit_code == 0, out.output
     assert f"{inst} was unreadable or incomplete: redone" in out.output
     assert f"{inst.parent / comp.name} was unreadable or incomplete: redone" in out.output
-    assert new_count(out.output) == 8
+    assert stored(out.output)[2] == 8
     check_exact(store, 12, 5 * 2)
 
 
 def test_a_partition_without_manifest_is_never_adopted(
     tmp_path: Path, model_dirs: Any, make_task: Any
 ) -> None:
-    task = make_task(tmp_path / "task", n=12)
-    store = tmp_path / "store"
-    args = ["--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store)]
-    assert extract(*args, "--limit", "6").exit_code == 0
+    args, store, _ = first_run(tmp_path, model_dirs, make_task, "--limit", "6")
     (manifest,) = store.glob("manifests/*/*/manifest.json")
     (manifest.parent / ".manifest.json.somehost.1.ab12.tmp").write_text("{")
     out = extract(*args)  # a leftover manifest temporary is no problem
