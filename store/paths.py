@@ -20,8 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from layerdiv.errors import LayerdivError
-from layerdiv.schemas import REQUIRED_TABLES, TABLES
+from layerdiv.schemas import REQUIRED_TABLES, TABLES, SchemaError
 
 MANIFEST_NAME = "manifest.json"
 MANIFESTS = "manifests"
@@ -49,8 +48,8 @@ def check_task_name(task: str) -> str:
     return task
 
 
-class OverlappingParts(LayerdivError, RuntimeError):
-    """Two complete parts of a partition claim the same instances."""
+class OverlappingParts(SchemaError):
+    """Two complete parts of a partition claim the same instances (the layout is broken)."""
 
 
 @dataclass(frozen=True)
