@@ -14,7 +14,7 @@ import click
 from layerdiv import __version__
 from layerdiv.analyze.options import ESTIMATORS, FORMATS, LENSES
 from layerdiv.errors import LayerdivError
-from layerdiv.extract.config import DTYPES, ExtractConfig
+from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig
 
 DEFAULT_STORE = "layerdiv-store"
 MAX_ROWS = 40
@@ -151,9 +151,8 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
     "--chunk-size",
     type=click.IntRange(min=1),
     default=_DEFAULTS.chunk_size,
-    show_default=True,
-    help="Instances per chunk of a new partition (the unit of resumption and sharding); an "
-    "existing partition keeps its own.",
+    help=f"Instances per chunk of a new partition (default {DEFAULT_CHUNK_SIZE}; the unit of "
+    "resumption and sharding); an existing partition keeps its own.",
 )
 @click.option(
     "--heads",
@@ -175,7 +174,7 @@ def extract(
     overwrite: bool,
     trust_remote_code: bool,
     allow_softcap: bool,
-    chunk_size: int,
+    chunk_size: int | None,
     heads: bool,
 ) -> None:
     """Run MODEL once over each task and cache every component's option logits."""

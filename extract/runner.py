@@ -17,7 +17,7 @@ from layerdiv.extract import chunks
 from layerdiv.extract.adapters import Adapter, adapter_for, check_heads, check_softcap
 from layerdiv.extract.batching import chunk_runs, tokenize
 from layerdiv.extract.capture import SUM_TOLERANCE, BatchDecomposition, check_batch
-from layerdiv.extract.config import ExtractConfig, TaskSummary
+from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, ExtractConfig, TaskSummary
 from layerdiv.extract.forward import ModelRunner, chunk_tables, heads_tables, token_budget
 from layerdiv.extract.heads import check_head_sums
 from layerdiv.extract.interrupt import interruptible
@@ -104,9 +104,13 @@ def _pending(plan: TaskPlan, cfg: ExtractConfig) -> bool:
     stored = read_manifest(plan.writer.part.manifest)
     done = plan.writer.done_instances(len(stored.components) * len(stored.options))
     todo = [i for i in range(len(plan.items)) if i not in done]
-    grid = stored.chunk_size or cfg.chunk_size
+    grid = stored.chunk_size or _chunk_size(cfg)
     backfill = cfg.heads and bool(_lacking_heads(plan.writer, grid, cfg.shard))
     return bool(chunk_runs(todo, grid, cfg.shard)) or backfill
+
+
+def _chunk_size(cfg: ExtractConfig) -> int:
+    return cfg.chunk_size or DEFAULT_CHUNK_SIZE
 
 
 def _lacking_heads(
@@ -151,12 +155,12 @@ def extract_task(
         check(probe, [0])
         ident = identity(loaded.source, loaded.dtype, spec, plan.option_ids, plan.data_sha256)
         manifest = build_manifest(loaded, adapter, spec, ident, probe.components, len(items),
-                                  cfg.chunk_size, tol, approximate)  # fmt: skip
+                                  _chunk_size(cfg), tol, approximate)  # fmt: skip
         stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])
         if n_heads is not None:
             writer.mark_table("heads")
-        grid = stored.chunk_size or cfg.chunk_size
-        if grid != cfg.chunk_size:
+        grid = stored.chunk_size or _chunk_size(cfg)
+        if cfg.chunk_size and grid != cfg.chunk_size:
             notes.append(f"the partition's chunk grid is {grid} instances (--chunk-size "
                          f"{cfg.chunk_size} applies to new partitions only)")  # fmt: skip
         names = [c.name for c in stored.components]
