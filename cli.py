@@ -34,6 +34,11 @@ def user_error(err: BaseException) -> str | None:
     package = type(err).__module__.split(".")[0]
     if isinstance(err, LayerdivError):
         return one_line(err)
+    if package in ("duckdb", "_duckdb") and type(err).__name__ == "PermissionException":
+        return (
+            f"{one_line(err)}: layerdiv query reads only the views components, instances and "
+            "manifests and writes no file; save a result with --out FILE"
+        )
     if package in ("duckdb", "_duckdb"):
         return f"{one_line(err)} (the views are components, instances and manifests)"
     if package == "polars" or isinstance(err, OSError):
