@@ -533,7 +533,7 @@ def report(ctx: ReportContext) -> str:
         else "all models; the paper uses `--min-params 1e9`"
     )
     units = ", ".join(
-        f"{m.title.lower()} in {m.unit(est).meaning}" for m in METRICS.values() if m is not ACCURACY
+        f"{m.title} in {m.unit(est).meaning}" for m in METRICS.values() if m is not ACCURACY
     )
     models = sorted(ctx.tables["curves"]["model"].unique())
     fig5 = [
