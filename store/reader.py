@@ -51,7 +51,8 @@ class PartitionInfo:
 
     @property
     def where(self) -> str:
-        return f"partition model={self.model} task={self.task}"
+        """``partition model=<slug> task=<task>``, for messages."""
+        return _where(self.partition)
 
     def read(
         self, components: Sequence[str], instances: Sequence[str]
