@@ -475,6 +475,16 @@ def test_query_touches_no_file(copy: Path, sql: str) -> None:
     assert snapshot(copy) == before
 
 
+def test_query_cannot_lift_its_own_limits(copy: Path) -> None:
+    before = snapshot(copy)
+    sql = f"SET allowed_directories = ['{copy}']; COPY (SELECT 1 AS x) TO '{copy}/x.csv'"
+    result = run("query", sql, "--store", str(copy))
+    assert result.exit_code == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert "the configuration has been locked" in line, line
+    assert snapshot(copy) == before
+
+
 def test_query_out_inside_the_store_is_refused(copy: Path) -> None:
     before = snapshot(copy)
     part = copy / "instances" / "model=org--a" / "task=t" / "part-0000000-000008.parquet"
