@@ -5,11 +5,13 @@ Commands that read the cache never import torch; ``extract`` and ``demo`` import
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import click
 
 from layerdiv import __version__
+from layerdiv.extract.launchers import LaunchError, Shard, parse_shard, pick_device
 
 DEFAULT_STORE = "layerdiv-store"
 
@@ -35,14 +37,11 @@ store_option = click.option(
 # --- extraction commands -------------------------------------------------------------------
 
 
-def _parse_shard(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, int]:
+def _parse_shard(ctx: click.Context, param: click.Parameter, value: str) -> Shard:
     try:
-        i, n = (int(v) for v in value.split("/"))
-    except ValueError:
-        raise click.BadParameter("use i/N, e.g. 0/4") from None
-    if not 0 <= i < n:
-        raise click.BadParameter(f"need 0 <= i < N, got {value}")
-    return i, n
+        return parse_shard(value, os.environ)
+    except LaunchError as err:
+        raise click.ClickException(str(err)) from None
 
 
 def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
@@ -84,8 +83,10 @@ def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) ->
     "--shard",
     default="0/1",
     show_default=True,
+    envvar="LAYERDIV_SHARD",
     callback=_parse_shard,
-    help="Do chunk share i of N.",
+    help="Do chunk share i of N; auto: i and N from a SLURM job array, torchrun or (auto/N) "
+    "a Kubernetes indexed job. Also read from $LAYERDIV_SHARD.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace a partition holding another extraction.")
 @click.option("--trust-remote-code", is_flag=True, help="Run model code from its hub repo.")
@@ -109,7 +110,7 @@ def extract(
     batch_size: int | None,
     dtype: str,
     device: str,
-    shard: tuple[int, int],
+    shard: Shard,
     overwrite: bool,
     trust_remote_code: bool,
     allow_softcap: bool,
@@ -130,13 +131,15 @@ def extract(
         limit=limit,
         batch_size=batch_size,
         dtype=dtype,
-        device=device,
-        shard=shard,
+        device=_device_for(device, shard),
+        shard=(shard.index, shard.count),
         overwrite=overwrite,
         trust_remote_code=trust_remote_code,
         allow_softcap=allow_softcap,
         chunk_size=chunk_size,
     )
+    if shard.source != "--shard":
+        click.echo(f"{shard.describe()}, device {cfg.device}")
     try:
         summaries = run_extract(cfg)
     except EXTRACT_ERRORS as err:
@@ -153,6 +156,18 @@ def extract(
             + ")"
         )
     click.echo(f"store: {store}")
+
+
+def _device_for(device: str, shard: Shard) -> str:
+    """The device, with a launcher's LOCAL_RANK picking the GPU (see ``extract.launchers``)."""
+    if shard.local_rank is None:
+        return device
+    import torch
+
+    try:
+        return pick_device(device, shard, torch.cuda.device_count())
+    except LaunchError as err:
+        raise click.ClickException(str(err)) from err
 
 
 @main.command()
