@@ -372,5 +372,32 @@ def ls_command(store: str) -> None:
     click.echo(show(table, max_rows=max(table.height, 1)))
 
 
+@main.command("merge")
+@click.argument("sources", nargs=-1, required=True, type=click.Path(file_okay=False))
+@click.option(
+    "--into",
+    required=True,
+    type=click.Path(),
+    help="The merged store: created, or an existing store that keeps what it holds.",
+)
+def merge_command(sources: tuple[str, ...], into: str) -> None:
+    """Combine stores extracted on different machines (e.g. the shards of one run) into INTO.
+
+    A partition held by several stores must be the same extraction in each; no instance is
+    stored twice; INTO changes all at once or not at all."""
+    from layerdiv.errors import LayerdivError
+    from layerdiv.store.merge import merge_stores
+
+    try:
+        merged = merge_stores(sources, into)
+    except LayerdivError as err:
+        raise click.ClickException(str(err)) from None
+    except OSError as err:
+        raise click.ClickException(f"cannot merge into {into}: {err}") from None
+    for p in merged:
+        click.echo(f"model={p.model} task={p.task}: {p.n_done} instances ({p.n_added} new)")
+    click.echo(f"merged {len(sources)} store(s) into {into}")
+
+
 if __name__ == "__main__":
     main()
