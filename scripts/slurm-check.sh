@@ -15,9 +15,15 @@
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-$repo/.venv/bin/python}
+if [[ $python == */* ]]; then  # absolute, keeping a virtual environment's link
+    python=$(cd "$(dirname "$python")" && pwd)/$(basename "$python")
+else
+    python=$(command -v "$python")
+fi
 n=${SLURM_CHECK_N:-64}
 timeout_s=${SLURM_CHECK_TIMEOUT:-600}
-start=$(date +%s)
+start=${SLURM_CHECK_START:-$(date +%s)}
+export SLURM_CHECK_START=$start
 deadline=$((start + timeout_s))
 say() { printf '[slurm-check %3ds] %s\n' "$(($(date +%s) - start))" "$*"; }
 fail() { say "FAILED: $*"; exit 1; }
@@ -136,7 +142,7 @@ export PATH=$work/bin:$PATH
 write_demo_tasks(Path(sys.argv[1]), int(sys.argv[2]), 0)" "$work/tasks" "$n"
 task=$work/tasks/tweets2.yaml
 store=$work/store
-chunk=$((n / 8))
+chunk=$((n >= 8 ? n / 8 : 1))  # 8 chunks: 2 per array task
 
 cd "$work"
 job=$(sbatch --parsable --array=0-3 --cpus-per-task=1 --time=10 --gres=none \

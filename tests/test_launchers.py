@@ -3,6 +3,9 @@ LOCAL_RANK, and one clear line for every missing or inconsistent environment."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +150,24 @@ def test_shard_auto_without_a_launcher_exits_with_one_line_and_writes_nothing(
     assert line.startswith("Error: --shard auto: no launcher found")
     assert "SLURM_ARRAY_TASK_ID" in line and "WORLD_SIZE" in line and "JOB_COMPLETION_INDEX" in line
     assert not store.exists()
+
+
+def test_torchrun_processes_share_the_work(tmp_path: Path, model_dirs: Any, make_task: Any) -> None:
+    """A real ``torchrun`` (standalone rendezvous on this machine) starting two processes."""
+    task = make_task(tmp_path / "task", n=20)
+    store = tmp_path / "store"
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--no-python", sys.executable, "-m", "layerdiv.cli", "extract", "--model",
+           str(model_dirs("llama")), "--task", str(task), "--store", str(store),
+           "--chunk-size", "4", "--shard", "auto"]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in (0, 1):
+        assert f"shard {rank}/2 from torchrun (RANK={rank}, WORLD_SIZE=2), device auto" in (
+            done.stdout
+        )
+    inst = Store(store).scan("instances").collect()
+    assert sorted(inst["instance"].to_list()) == list(range(20))
+    runs = Store(store).partitions[0].manifest.runs
+    assert sorted(r["shard"] for r in runs) == [[0, 2], [1, 2]]
