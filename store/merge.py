@@ -22,7 +22,7 @@ from pathlib import Path
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import REQUIRED_TABLES
 from layerdiv.store.manifest import Manifest, write_manifest
-from layerdiv.store.paths import MANIFEST_NAME, Partition
+from layerdiv.store.paths import Partition
 from layerdiv.store.reader import PartitionInfo, Store, StoreError
 
 
@@ -175,15 +175,14 @@ def _n_done(store: Store, model: str, task: str) -> int:
 
 
 def _copy_side_files(src: Partition, dst: Partition) -> None:
-    """Every other file of the partition's manifest folder (never a hidden temporary one); two
-    stores' files of the same name must be equal."""
+    """Every other file under the partition's manifest folder (run records; never a hidden
+    temporary one); two stores' files of the same name must be equal."""
     folder = src.manifest.parent
-    if not folder.is_dir():
-        return
-    for f in folder.iterdir():
-        if f.name == MANIFEST_NAME or f.name.startswith(".") or not f.is_file():
+    for f in sorted(folder.rglob("*")) if folder.is_dir() else []:
+        rel = f.relative_to(folder)
+        if f == src.manifest or any(p.startswith(".") for p in rel.parts) or not f.is_file():
             continue
-        out = dst.manifest.parent / f.name
+        out = dst.manifest.parent / rel
         if not out.exists():
             _link(f, out)
         elif not filecmp.cmp(f, out, shallow=False):

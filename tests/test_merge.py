@@ -176,3 +176,22 @@ def test_a_killed_merge_leaves_nothing_that_stays(stores: Path, tmp_path: Path) 
     out = run("merge", str(stores / "a"), "--into", str(dst))
     assert out.exit_code == 0, out.output
     assert not stale.exists() and not leftovers(tmp_path)
+
+
+def test_files_beside_the_manifest_are_kept_and_must_agree(stores: Path, tmp_path: Path) -> None:
+    copies = []
+    for name, record in (("a", "r1"), ("b", "r2")):
+        shutil.copytree(stores / name, tmp_path / name)
+        (folder,) = (tmp_path / name).glob("manifests/*/*")
+        (folder / "runs").mkdir()
+        (folder / "runs" / f"{record}.json").write_text(json.dumps({"run": record}))
+        (folder / ".claim.tmp").write_text("being written")
+        copies.append(folder)
+    out = run("merge", str(tmp_path / "a"), str(tmp_path / "b"), "--into", str(tmp_path / "m"))
+    assert out.exit_code == 0, out.output
+    (merged,) = (tmp_path / "m").glob("manifests/*/*")
+    assert sorted(p.name for p in (merged / "runs").iterdir()) == ["r1.json", "r2.json"]
+    assert not (merged / ".claim.tmp").exists()
+    (copies[1] / "runs" / "r1.json").write_text(json.dumps({"run": "another"}))
+    line = refused(tmp_path, tmp_path / "dst", tmp_path / "a", tmp_path / "b")
+    assert "r1.json differs from the file of that name in another store" in line
