@@ -5,6 +5,7 @@ Commands that read the cache never import torch; ``extract`` and ``demo`` import
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,7 @@ import click
 from layerdiv import __version__
 from layerdiv.analyze.options import ESTIMATORS, FORMATS, LENSES
 from layerdiv.errors import LayerdivError
+from layerdiv.extract.launchers import LaunchError, Shard, parse_shard, pick_device
 
 DEFAULT_STORE = "layerdiv-store"
 MAX_ROWS = 40
@@ -88,14 +90,11 @@ store_option = click.option(
 # --- extraction commands -------------------------------------------------------------------
 
 
-def _parse_shard(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, int]:
+def _parse_shard(ctx: click.Context, param: click.Parameter, value: str) -> Shard:
     try:
-        i, n = (int(v) for v in value.split("/"))
-    except ValueError:
-        raise click.BadParameter("use i/N, e.g. 0/4") from None
-    if not 0 <= i < n:
-        raise click.BadParameter(f"need 0 <= i < N, got {value}")
-    return i, n
+        return parse_shard(value, os.environ)
+    except LaunchError as err:
+        raise click.ClickException(str(err)) from None
 
 
 def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
@@ -137,8 +136,10 @@ def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) ->
     "--shard",
     default="0/1",
     show_default=True,
+    envvar="LAYERDIV_SHARD",
     callback=_parse_shard,
-    help="Do chunk share i of N.",
+    help="Do chunk share i of N; auto: i and N from a SLURM job array, torchrun or (auto/N) "
+    "a Kubernetes indexed job. Also read from $LAYERDIV_SHARD.",
 )
 @click.option("--overwrite", is_flag=True, help="Replace a partition holding another extraction.")
 @click.option("--trust-remote-code", is_flag=True, help="Run model code from its hub repo.")
@@ -162,7 +163,7 @@ def extract(
     batch_size: int | None,
     dtype: str,
     device: str,
-    shard: tuple[int, int],
+    shard: Shard,
     overwrite: bool,
     trust_remote_code: bool,
     allow_softcap: bool,
@@ -183,13 +184,15 @@ def extract(
         limit=limit,
         batch_size=batch_size,
         dtype=dtype,
-        device=device,
-        shard=shard,
+        device=_device_for(device, shard),
+        shard=(shard.index, shard.count),
         overwrite=overwrite,
         trust_remote_code=trust_remote_code,
         allow_softcap=allow_softcap,
         chunk_size=chunk_size,
     )
+    if shard.source != "--shard":
+        click.echo(f"{shard.describe()}, device {cfg.device}")
     try:
         summaries = run_extract(cfg)
     except EXTRACT_ERRORS as err:
@@ -206,6 +209,18 @@ def extract(
             + ")"
         )
     click.echo(f"store: {store}")
+
+
+def _device_for(device: str, shard: Shard) -> str:
+    """The device, with a launcher's LOCAL_RANK picking the GPU (see ``extract.launchers``)."""
+    if shard.local_rank is None:
+        return device
+    import torch
+
+    try:
+        return pick_device(device, shard, torch.cuda.device_count())
+    except LaunchError as err:
+        raise click.ClickException(str(err)) from err
 
 
 @main.command()
@@ -475,6 +490,27 @@ def ls_command(store: str, models: tuple[str, ...], tasks: tuple[str, ...]) -> N
     table = ls(st, models, tasks)
     click.echo(show(table))
     fail_after(st.problems(models, tasks))
+
+
+@main.command("merge")
+@click.argument("sources", nargs=-1, required=True, type=click.Path(file_okay=False))
+@click.option(
+    "--into",
+    required=True,
+    type=click.Path(),
+    help="The merged store: created, or an existing store that keeps what it holds.",
+)
+def merge_command(sources: tuple[str, ...], into: str) -> None:
+    """Combine stores extracted on different machines (e.g. the shards of one run) into INTO.
+
+    A partition held by several stores must be the same extraction in each; no instance is
+    stored twice; INTO changes all at once or not at all."""
+    from layerdiv.store.merge import merge_stores
+
+    merged = merge_stores(sources, into)
+    for p in merged:
+        click.echo(f"model={p.model} task={p.task}: {p.n_done} instances ({p.n_added} new)")
+    click.echo(f"merged {len(sources)} store(s) into {into}")
 
 
 if __name__ == "__main__":

@@ -48,23 +48,25 @@ class Partition:
     model_slug: str
     task: str
 
-    def _dir(self, table: str) -> Path:
+    def table_dir(self, table: str) -> Path:
+        """Folder of this partition in ``table`` (a table name of ``layerdiv.schemas``, or
+        ``manifests``)."""
         return self.root / table / f"model={self.model_slug}" / f"task={self.task}"
 
     @property
     def manifest(self) -> Path:
-        return self._dir("manifests") / MANIFEST_NAME
+        return self.table_dir("manifests") / MANIFEST_NAME
 
     @property
     def components_dir(self) -> Path:
-        return self._dir("components")
+        return self.table_dir("components")
 
     @property
     def instances_dir(self) -> Path:
-        return self._dir("instances")
+        return self.table_dir("instances")
 
     def dirs(self) -> tuple[Path, Path, Path]:
-        return self._dir("manifests"), self.components_dir, self.instances_dir
+        return self.table_dir("manifests"), self.components_dir, self.instances_dir
 
     def part_name(self, start: int, count: int) -> str:
         return f"part-{start:07d}-{count:06d}.parquet"
