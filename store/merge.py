@@ -67,7 +67,10 @@ def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[Merged
     for src in map(Path, sources):
         if src.resolve() not in seen:
             seen.add(src.resolve())
-            stores.append((src, Store(src)))
+            store = Store(src)
+            if problems := store.problems():
+                raise MergeConflict(f"{src} cannot be merged: {problems[0]}")
+            stores.append((src, store))
     copies: dict[tuple[str, str], list[_Copy]] = {}
     for root, store in stores:
         for info in store.partitions:

@@ -16,6 +16,7 @@ from polars.testing import assert_frame_equal
 
 from layerdiv.analyze.api import analyze
 from layerdiv.cli import main
+from layerdiv.schemas import INSTANCES
 from layerdiv.store import Store
 from layerdiv.store import merge as merge_module
 
@@ -133,9 +134,18 @@ def test_two_different_copies_of_one_chunk_are_refused(stores: Path, tmp_path: P
         "sum_error",
         pc.add(table["sum_error"], 1.0),
     )
-    pq.write_table(table, part)
+    pq.write_table(table.cast(INSTANCES), part)
     line = refused(tmp_path, tmp_path / "dst", stores / "a", other)
     assert "instances 8..11 extracted twice, with different bytes" in line
+
+
+def test_a_source_with_an_unreadable_partition_is_refused(stores: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(stores / "a", other)
+    part = sorted(other.glob("instances/*/*/part-*.parquet"))[1]
+    part.write_bytes(part.read_bytes()[:100])
+    line = refused(tmp_path, tmp_path / "dst", stores / "b", other)
+    assert f"{other} cannot be merged" in line and "part-0000008-000004.parquet" in line
 
 
 def test_a_target_that_is_not_a_store_is_refused(stores: Path, tmp_path: Path) -> None:
