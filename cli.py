@@ -81,6 +81,12 @@ def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) ->
 )
 @click.option("--device", default="auto", show_default=True, help="auto, cuda, cuda:1, mps, cpu.")
 @click.option(
+    "--device-map",
+    type=click.Choice(["auto"]),
+    default=None,
+    help="auto: spread a model larger than one GPU over the GPUs, CPU and disk (accelerate).",
+)
+@click.option(
     "--shard",
     default="0/1",
     show_default=True,
@@ -109,6 +115,7 @@ def extract(
     batch_size: int | None,
     dtype: str,
     device: str,
+    device_map: str | None,
     shard: tuple[int, int],
     overwrite: bool,
     trust_remote_code: bool,
@@ -131,6 +138,7 @@ def extract(
         batch_size=batch_size,
         dtype=dtype,
         device=device,
+        device_map=device_map,
         shard=shard,
         overwrite=overwrite,
         trust_remote_code=trust_remote_code,
