@@ -211,19 +211,25 @@ def _converted_gguf(path: str, gguf_file: str, revision: str | None) -> Path:
     done = target / _CONVERTED  # written last, before the folder is renamed into place
     if done.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with (target.parent / f".{target.name}.lock").open("w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"Waiting for another process converting {local.name} into {target}...")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
-            # Holding the lock, any other copy of this entry was left by a killed conversion.
-            for leftover in [target, *target.parent.glob(f".{target.name}.*.tmp")]:
-                shutil.rmtree(leftover, ignore_errors=True)
-            print(f"Converting {local.name} to safetensors in {target} (once)...")
-            _convert(local, key, target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with (target.parent / f".{target.name}.lock").open("w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"Waiting for another process converting {local.name} into {target}...")
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            if not done.exists():
+                # Holding the lock, any other copy of this entry was left by a killed conversion.
+                for leftover in [target, *target.parent.glob(f".{target.name}.*.tmp")]:
+                    shutil.rmtree(leftover, ignore_errors=True)
+                print(f"Converting {local.name} to safetensors in {target} (once)...")
+                _convert(local, key, target)
+    except OSError as err:
+        raise ModelLoadError(
+            f"cannot write the converted model to {target.parent}: {err}; set LAYERDIV_CACHE to "
+            "a writable folder with space for it"
+        ) from err
     return target
 
 

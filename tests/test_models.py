@@ -68,6 +68,11 @@ def test_bad_model_or_device_is_one_line_and_writes_nothing(
         line = extract_fails(*args, "--task", task, "--store", str(store))
         assert message in line, line
         assert not store.exists(), args
+    (tmp_path / "a-file").write_text("")  # a model cache that cannot be created
+    monkeypatch.setenv("LAYERDIV_CACHE", str(tmp_path / "a-file"))
+    line = extract_fails("--model", "smollm2-135m-instruct", "--task", task, "--store", str(store))
+    assert f"cannot write the converted model to {tmp_path}/a-file/models" in line, line
+    assert not store.exists()
     if not torch.cuda.is_available():
         line = extract_fails("--model", str(llama), "--task", task, "--device", "cuda")
         assert line.endswith(f"is built without CUDA); {here}"), line
