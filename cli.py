@@ -133,6 +133,12 @@ def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) ->
 )
 @click.option("--device", default="auto", show_default=True, help="auto, cuda, cuda:1, mps, cpu.")
 @click.option(
+    "--device-map",
+    type=click.Choice(["auto"]),
+    default=None,
+    help="auto: spread a model larger than one GPU over the GPUs, CPU and disk (accelerate).",
+)
+@click.option(
     "--shard",
     default="0/1",
     show_default=True,
@@ -163,6 +169,7 @@ def extract(
     batch_size: int | None,
     dtype: str,
     device: str,
+    device_map: str | None,
     shard: Shard,
     overwrite: bool,
     trust_remote_code: bool,
@@ -185,6 +192,7 @@ def extract(
         batch_size=batch_size,
         dtype=dtype,
         device=_device_for(device, shard),
+        device_map=device_map,
         shard=(shard.index, shard.count),
         overwrite=overwrite,
         trust_remote_code=trust_remote_code,

@@ -71,6 +71,9 @@ class ExtractConfig:
     """auto, fp32, bf16 or fp16."""
     device: str = "auto"
     """auto (cuda, mps, cpu), or a torch device string."""
+    device_map: str | None = None
+    """None: the whole model on ``device``; ``auto``: spread over the GPUs, then CPU and disk
+    offload, by accelerate (models larger than one GPU)."""
     shard: tuple[int, int] = (0, 1)
     """(i, N): this process does the chunks whose index is i modulo N."""
     overwrite: bool = False
@@ -150,7 +153,7 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         if not cfg.overwrite and not _pending(plan, done, cfg):
             summaries.append(TaskSummary(plan.spec.name, len(plan.items), 0, len(done), 0.0))
             continue
-        loaded = loaded or load_model(source, tokenizer, device, dtype)
+        loaded = loaded or load_model(source, tokenizer, device, dtype, cfg.device_map)
         summaries.append(extract_task(loaded, adapter, plan, cfg, approximate))
     return summaries
 
