@@ -15,6 +15,7 @@ import click
 from layerdiv import __version__
 from layerdiv.analyze.options import ESTIMATORS, FORMATS, LENSES
 from layerdiv.errors import LayerdivError
+from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig
 from layerdiv.extract.launchers import LaunchError, Shard, parse_shard, pick_device
 
 DEFAULT_STORE = "layerdiv-store"
@@ -105,6 +106,10 @@ def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) ->
     return int(value)
 
 
+_DEFAULTS = ExtractConfig(model="", tasks=[])
+"""The defaults of ``extract``'s options."""
+
+
 @main.command()
 @click.option("--model", required=True, help="Hub id, local folder, or smollm2-135m-instruct.")
 @click.option(
@@ -120,18 +125,15 @@ def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) ->
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Instances per task.")
 @click.option(
     "--batch-size",
-    default="auto",
+    default=str(_DEFAULTS.batch_size or "auto"),
     show_default=True,
     callback=_parse_batch_size,
     help="Instances per batch, or auto (length-sorted batches up to a token budget).",
 )
+@click.option("--dtype", type=click.Choice(DTYPES), default=_DEFAULTS.dtype, show_default=True)
 @click.option(
-    "--dtype",
-    type=click.Choice(["auto", "bf16", "fp16", "fp32"]),
-    default="auto",
-    show_default=True,
+    "--device", default=_DEFAULTS.device, show_default=True, help="auto, cuda, cuda:1, mps, cpu."
 )
-@click.option("--device", default="auto", show_default=True, help="auto, cuda, cuda:1, mps, cpu.")
 @click.option(
     "--device-map",
     type=click.Choice(["auto"]),
@@ -140,14 +142,19 @@ def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) ->
 )
 @click.option(
     "--shard",
-    default="0/1",
+    default="/".join(map(str, _DEFAULTS.shard)),
     show_default=True,
     envvar="LAYERDIV_SHARD",
     callback=_parse_shard,
     help="Do chunk share i of N; auto: i and N from a SLURM job array, torchrun or (auto/N) "
     "a Kubernetes indexed job. Also read from $LAYERDIV_SHARD.",
 )
-@click.option("--overwrite", is_flag=True, help="Replace a partition holding another extraction.")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace a partition holding another extraction (with --shard i/N, N > 1: only one "
+    "holding another extraction; one holding this extraction is resumed).",
+)
 @click.option("--trust-remote-code", is_flag=True, help="Run model code from its hub repo.")
 @click.option(
     "--allow-softcap", is_flag=True, help="Decompose pre-soft-cap logits (flagged approximate)."
@@ -155,9 +162,9 @@ def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) ->
 @click.option(
     "--chunk-size",
     type=click.IntRange(min=1),
-    default=256,
-    show_default=True,
-    help="Instances per stored part (the unit of resumption).",
+    default=_DEFAULTS.chunk_size,
+    help=f"Instances per chunk of a new partition (default {DEFAULT_CHUNK_SIZE}; the unit of "
+    "resumption and sharding); an existing partition keeps its own.",
 )
 def extract(
     model: str,
@@ -174,13 +181,14 @@ def extract(
     overwrite: bool,
     trust_remote_code: bool,
     allow_softcap: bool,
-    chunk_size: int,
+    chunk_size: int | None,
 ) -> None:
     """Run MODEL once over each task and cache every component's option logits."""
+    import sys
     from pathlib import Path
 
-    from layerdiv.extract.errors import EXTRACT_ERRORS
-    from layerdiv.extract.runner import ExtractConfig, run_extract
+    from layerdiv.extract.interrupt import Interrupted
+    from layerdiv.extract.runner import run_extract
 
     cfg = ExtractConfig(
         model=model,
@@ -203,9 +211,12 @@ def extract(
         click.echo(f"{shard.describe()}, device {cfg.device}")
     try:
         summaries = run_extract(cfg)
-    except EXTRACT_ERRORS as err:
-        raise click.ClickException(str(err)) from err
+    except Interrupted as err:
+        click.echo(f"Error: {err}", err=True)
+        sys.exit(err.exit_code)
     for s in summaries:
+        for note in s.notes:
+            click.echo(f"{s.task}: note: {note}")
         if not s.n_new:
             click.echo(f"{s.task}: {s.n_done}/{s.n_requested} instances stored (nothing to do)")
             continue

@@ -10,23 +10,23 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 from tqdm import tqdm
 
-from layerdiv.schemas import COMPONENTS, INSTANCES
+from layerdiv.schemas import component_names
 from layerdiv.store import ComponentInfo, Manifest, PartitionWriter
+from layerdiv.store.tables import components_table, instances_table
 
 
 def component_infos(kinds: Sequence[str]) -> list[ComponentInfo]:
     """Names and layers for components given by kind in execution order (``embed``, ``attn``,
     ``mlp``, ``bias``): every ``attn`` opens a new layer."""
-    infos, layer = [], -1
+    calls, layer = [], -1
     for kind in kinds:
         if kind == "attn":
             layer += 1
-        at = layer if kind in ("attn", "mlp") else -1
-        infos.append(ComponentInfo(kind if at < 0 else f"{kind}.{at}", kind, at))
-    return infos
+        calls.append((kind, layer if kind in ("attn", "mlp") else -1))
+    names = component_names(calls)
+    return [ComponentInfo(n, kind, at) for n, (kind, at) in zip(names, calls, strict=True)]
 
 
 def decoder_kinds(n_blocks: int, bias: bool = False) -> list[str]:
@@ -76,10 +76,12 @@ def write_partition(
         option_token_ids=list(range(k)),
         option_tokens=[f"option{j}" for j in range(k)],
         template_sha256="synthetic",
+        data_sha256="synthetic",
         task_spec={"name": task},
         components=infos,
         n_requested=n,
         sum_tolerance=1e-4,
+        chunk_size=chunk or n,
         created_at=created_at,
     )
     writer = PartitionWriter(root, model, task)
@@ -87,60 +89,31 @@ def write_partition(
     step = chunk or n
     for start in range(0, n, step):
         stop = min(n, start + step)
-        components = _components_table(start, logits[start:stop], rms[start:stop], infos)
-        instances = _instances_table(start, logits[start:stop], gold[start:stop], final[start:stop])
+        ids = range(start, stop)
+        b = stop - start
+        tables = {
+            "components": components_table(
+                ids,
+                infos,
+                logits[start:stop],
+                np.ones((b, n_comp)),
+                rms[start:stop],
+                np.zeros((b, n_comp)),
+                np.zeros((b, n_comp)),
+            ),
+            "instances": instances_table(
+                ids,
+                gold[start:stop],
+                [100] * b,
+                [False] * b,
+                final[start:stop],
+                logits[start:stop].astype(np.float32).sum(axis=1),
+                np.zeros(b),
+            ),
+        }
         if shuffle is not None:
-            components = components.take(shuffle.permutation(components.num_rows))
-            instances = instances.take(shuffle.permutation(instances.num_rows))
-        writer.write_chunk(start, stop - start, components, instances)
-
-
-def _components_table(
-    start: int, logits: np.ndarray, rms: np.ndarray, infos: list[ComponentInfo]
-) -> pa.Table:
-    n, n_comp, k = logits.shape
-    cells = n * n_comp * k
-    comp = np.tile(np.repeat(np.arange(n_comp, dtype=np.int16), k), n)
-    names = pa.DictionaryArray.from_arrays(
-        pa.array(comp, pa.int16()), pa.array([c.name for c in infos], pa.string())
-    )
-    kind_values = sorted({c.kind for c in infos})
-    kind_index = np.array([kind_values.index(c.kind) for c in infos], np.int8)
-    kinds = pa.DictionaryArray.from_arrays(
-        pa.array(kind_index[comp], pa.int8()), pa.array(kind_values, pa.string())
-    )
-    layers = np.array([c.layer for c in infos], np.int16)[comp]
-    columns = {
-        "instance": np.repeat(np.arange(start, start + n, dtype=np.int32), n_comp * k),
-        "component": comp,
-        "name": names,
-        "kind": kinds,
-        "layer": layers,
-        "option": np.tile(np.arange(k, dtype=np.int8), n * n_comp),
-        "logit": logits.astype(np.float32).reshape(cells),
-        "out_norm": np.ones(cells, np.float32),
-        "prefix_rms": np.repeat(rms.astype(np.float32).reshape(n * n_comp), k),
-        "cos_residual": np.zeros(cells, np.float32),
-        "cos_prev": np.zeros(cells, np.float32),
-    }
-    return pa.Table.from_pydict(columns, schema=COMPONENTS)
-
-
-def _instances_table(
-    start: int, logits: np.ndarray, gold: np.ndarray, final_rms: np.ndarray
-) -> pa.Table:
-    n = logits.shape[0]
-    total = logits.astype(np.float32).sum(axis=1)
-    columns = {
-        "instance": np.arange(start, start + n, dtype=np.int32),
-        "gold": gold.astype(np.int8),
-        "n_tokens": np.full(n, 100, np.int32),
-        "truncated": np.zeros(n, bool),
-        "final_rms": final_rms.astype(np.float32),
-        "model_logits": pa.array(list(total), pa.list_(pa.float32())),
-        "sum_error": np.zeros(n, np.float32),
-    }
-    return pa.Table.from_pydict(columns, schema=INSTANCES)
+            tables = {k: t.take(shuffle.permutation(t.num_rows)) for k, t in tables.items()}
+        writer.write_chunk(start, b, tables)
 
 
 def random_partition(

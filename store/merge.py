@@ -54,7 +54,7 @@ class _Copy:
 
     def chunk_files(self, start: int, count: int) -> list[Path]:
         part = self.info.partition
-        return [part.table_dir(t) / part.part_name(start, count) for t in self.tables()]
+        return [part.part(t, start, count) for t in self.tables()]
 
 
 def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[MergedPartition]:
@@ -153,8 +153,7 @@ def _plan(copies: list[_Copy]) -> tuple[Manifest, dict[tuple[int, int], _Copy]]:
 
 def _same_extraction(first: _Copy, copy: _Copy, where: str) -> None:
     a, b = first.info.manifest, copy.info.manifest
-    ours, theirs = a.identity(), b.identity()
-    diff = [f"{k}: {ours[k]!r} vs {theirs[k]!r}" for k in ours if ours[k] != theirs[k]]
+    diff = a.identity().differences(b.identity())
     if a.extra_tables != b.extra_tables:
         diff.append(f"optional tables: {a.extra_tables} vs {b.extra_tables}")
     if diff:
