@@ -35,6 +35,9 @@ class ExtractConfig:
     """One of :data:`DTYPES`."""
     device: str = "auto"
     """auto (cuda, mps, cpu), or a torch device string."""
+    device_map: str | None = None
+    """None: the whole model on ``device``; ``auto``: spread over the GPUs, then CPU and disk
+    offload, by accelerate (models larger than one GPU)."""
     shard: tuple[int, int] = (0, 1)
     """(i, N): this process does the chunks whose index is i modulo N."""
     overwrite: bool = False

@@ -88,7 +88,7 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
                 done = len(plan.writer.done_instances())
                 summary = TaskSummary(plan.spec.name, len(plan.items), 0, done, 0.0)
             else:
-                loaded = loaded or load_model(source, tokenizer, device, dtype)
+                loaded = loaded or load_model(source, tokenizer, device, dtype, cfg.device_map)
                 summary = extract_task(loaded, adapter, plan, cfg, approximate, n_heads)
             if cfg.overwrite and verdict is Verdict.RESUME:
                 summary.notes.insert(0, f"--overwrite with --shard {cfg.shard[0]}/{cfg.shard[1]}: "
