@@ -16,7 +16,12 @@ from typing import Any
 import torch
 
 from layerdiv.extract.adapters import Adapter, UnsupportedModel, get_module, norm_eps
-from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
+from layerdiv.extract.capture import (
+    BatchDecomposition,
+    ComponentCapture,
+    DecompositionError,
+    _onloaded,
+)
 
 
 @dataclass
@@ -49,10 +54,10 @@ class HeadCapture:
             raise UnsupportedModel(f"--heads: no attention output projection for {adapter.family}")
         self.n_heads = n_heads
         self.capture = capture
-        gain = capture.norm.weight.detach().float()
+        gain = capture.gain
         if adapter.norm == "rms_plus_one":
             gain = 1.0 + gain
-        rows = capture.w_options * gain  # (K, d): W_U[k] * g
+        rows = capture.w_options * gain.to(capture.w_options.device)  # (K, d): W_U[k] * g
         if adapter.norm == "layer":  # centring is linear: fold it into the rows (METHODS.md 1)
             rows = rows - rows.mean(dim=-1, keepdim=True)
         self._records: list[tuple[_Projection, torch.Tensor, torch.Tensor | None]] = []
@@ -61,16 +66,33 @@ class HeadCapture:
         unique = list({id(block): block for block in blocks}.values())
         self.head_ids: list[int] | None = None
         for layer, block in enumerate(unique):
-            proj_module = get_module(block, adapter.attn_out)
-            weight = proj_module.weight.detach().float()
+            module = get_module(block, adapter.attn_out)
+            proj = self._projection(layer, block, module, adapter, rows, n_heads)
+            ids = ([-1] if proj.bias is not None else []) + list(range(n_heads))
+            if self.head_ids is not None and ids != self.head_ids:
+                raise UnsupportedModel("--heads: blocks differ in whether W_O has a bias")
+            self.head_ids = ids
+            self._handles.append(module.register_forward_hook(self._hook(proj)))
+
+    @staticmethod
+    def _projection(
+        layer: int, block: Any, module: Any, adapter: Adapter, rows: torch.Tensor, n_heads: int
+    ) -> _Projection:
+        """M = rows W_O of one block's output projection ``module`` (times its frozen
+        post-attention norm's gain for sandwich models), split by head, and the same rows times
+        b_O; formed where W_O lives (weights offloaded by accelerate, ``--device-map``, are
+        loaded for it)."""
+        with _onloaded(module):
+            weight = module.weight.detach().float()
             w_o = weight.T if adapter.attn_out_transposed else weight  # (d, d_in)
-            block_rows, post_eps = rows, None
+            block_rows, post_eps = rows.to(w_o.device), None
             if adapter.attn_post_norm:  # o = frozen post-attention norm (METHODS.md section 8)
                 post = get_module(block, adapter.attn)
-                post_gain = post.weight.detach().float()
-                block_rows = rows * (
-                    1.0 + post_gain if adapter.norm == "rms_plus_one" else post_gain
-                )
+                with _onloaded(post):
+                    post_gain = post.weight.detach().float().to(w_o.device)
+                if adapter.norm == "rms_plus_one":
+                    post_gain = 1.0 + post_gain
+                block_rows = block_rows * post_gain
                 post_eps = norm_eps(post)
             d_in = w_o.shape[1]
             if d_in % n_heads:
@@ -79,19 +101,15 @@ class HeadCapture:
                     f"of {n_heads} heads; extract without --heads."
                 )
             m = (block_rows @ w_o).view(-1, n_heads, d_in // n_heads)
-            b_o = getattr(proj_module, "bias", None)
+            b_o = getattr(module, "bias", None)
             bias = None if b_o is None else block_rows @ b_o.detach().float()
-            ids = ([-1] if bias is not None else []) + list(range(n_heads))
-            if self.head_ids is not None and ids != self.head_ids:
-                raise UnsupportedModel("--heads: blocks differ in whether W_O has a bias")
-            self.head_ids = ids
-            proj = _Projection(layer, m, bias, post_eps)
-            self._handles.append(proj_module.register_forward_hook(self._hook(proj)))
+        return _Projection(layer, m, bias, post_eps)
 
     def _hook(self, proj: _Projection) -> Any:
         def hook(module: Any, args: tuple, output: Any) -> None:
             a = args[0][:, -1, :].float()  # (B, d_in): the heads' outputs, head-major
-            per_head = torch.einsum("bhj,khj->bhk", a.view(a.shape[0], self.n_heads, -1), proj.m)
+            m = proj.m.to(a.device)  # a no-op unless --device-map moved the block
+            per_head = torch.einsum("bhj,khj->bhk", a.view(a.shape[0], self.n_heads, -1), m)
             rms = None
             if proj.post_eps is not None:
                 out = (output[0] if isinstance(output, tuple) else output)[:, -1, :].float()
