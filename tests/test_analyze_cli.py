@@ -708,11 +708,14 @@ def extra_analysis(monkeypatch: pytest.MonkeyPatch) -> reg.Analysis:
 def test_a_registered_analysis_runs_writes_and_reports(
     chunked: Path, tmp_path: Path, extra_analysis: reg.Analysis
 ) -> None:
-    assert [a.name for a in reg.registered()] == ["paper", "extra"]
+    assert [a.name for a in reg.registered()] == ["paper", "heads", "extra"]
     results = analyze(chunked)
     assert results.extra.rows() == [("org--a", N, 2), ("org--b", N, 2)]
-    (note,) = results.notes
-    assert note.startswith("extra: saw ['correlation_means', 'correlations', 'curves'")
+    heads_note, note = results.notes  # the store has no heads: the heads analysis says so
+    assert heads_note.startswith("No heads stored for org--a/t, org--b/t (their components only")
+    assert note.startswith(
+        "extra: saw ['component_scores', 'correlation_means', 'correlations', 'curves'"
+    )
     out = tmp_path / "results"
     result = run("analyze", "--store", str(chunked), "--out", str(out))
     assert result.exit_code == 0 and result.stdout.strip().splitlines()[-1] == note

@@ -444,8 +444,8 @@ def heads_tables(
     missing = [f"{p.model}/{p.task}" for p in parts if not has_heads(p)]
     if missing:
         notes.append(
-            f"No heads stored for {', '.join(missing)} (head scores and the heads section skip "
-            f"them; reweighting uses their blocks): {HOW_TO_EXTRACT}."
+            f"No heads stored for {', '.join(missing)} (their components only in the heads "
+            f"tables): {HOW_TO_EXTRACT}."
         )
     out = {
         name: pl.concat(found) if found else pl.DataFrame(schema=TABLES[name])
