@@ -83,8 +83,25 @@ store_option = click.option(
     "--store",
     default=DEFAULT_STORE,
     show_default=True,
+    help="Store folder, or the URL of a published store, read-only (s3://bucket/prefix, gs://...; "
+    "see the README, 'Stores on object storage').",
+)
+
+
+def _local_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from layerdiv.store.location import local_root
+
+    local_root(value)
+    return value
+
+
+local_store_option = click.option(
+    "--store",
+    default=DEFAULT_STORE,
+    show_default=True,
     type=click.Path(file_okay=False),
-    help="Store (cache) directory.",
+    callback=_local_store,
+    help="Store (cache) folder, local: publish a finished store to object storage by a sync.",
 )
 
 
@@ -119,7 +136,7 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
     required=True,
     help="Built-in task name or task YAML path (repeatable).",
 )
-@store_option
+@local_store_option
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
 @click.option("--gguf-file", default=None, help="GGUF file in the model folder or repo.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Instances per task.")

@@ -9,6 +9,7 @@ from typing import Any
 
 from layerdiv.schemas import OPTIONAL_TABLES, SCHEMA_VERSION, SchemaError, check_version
 from layerdiv.store.atomic import write_bytes
+from layerdiv.store.location import RemotePath
 
 
 @dataclass
@@ -163,12 +164,13 @@ def _required(cls: type, name: str) -> bool:
     return f.default is MISSING and f.default_factory is MISSING
 
 
-def read_manifest(path: Path) -> Manifest:
-    """Load and check a manifest, with its run records and optional-table markers; a clear error
-    names the file when it cannot be trusted."""
+def read_manifest(path: Path | RemotePath) -> Manifest:
+    """Load and check a manifest (local or on object storage), with its run records and
+    optional-table markers; a clear error names the file when it cannot be trusted."""
     data = _read_json(path, "manifest", missing="manifest missing")
     manifest = Manifest.from_dict(data, str(path))
-    runs = [_read_json(p, "run record") for p in sorted((path.parent / RUNS_DIR).glob("*.json"))]
+    records: list[Path | RemotePath] = sorted((path.parent / RUNS_DIR).glob("*.json"), key=str)
+    runs = [_read_json(p, "run record") for p in records]
     manifest.runs = sorted([*manifest.runs, *runs], key=lambda r: str(r.get("started_at", "")))
     asked = [r["n_requested"] for r in runs if isinstance(r.get("n_requested"), int)]
     manifest.n_requested = max([manifest.n_requested, *asked])
@@ -177,7 +179,7 @@ def read_manifest(path: Path) -> Manifest:
     return manifest
 
 
-def _read_json(path: Path, what: str, missing: str = "") -> dict[str, Any]:
+def _read_json(path: Path | RemotePath, what: str, missing: str = "") -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:

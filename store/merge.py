@@ -21,6 +21,7 @@ from pathlib import Path
 
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import REQUIRED_TABLES
+from layerdiv.store.location import local_root
 from layerdiv.store.manifest import Manifest, write_manifest
 from layerdiv.store.paths import Partition
 from layerdiv.store.reader import PartitionInfo, Store, StoreError
@@ -60,11 +61,11 @@ class _Copy:
 def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[MergedPartition]:
     """Merge the stores ``sources`` into ``into`` (created, or an existing store that keeps what
     it holds); returns what each partition holds afterwards."""
-    dst = Path(into)
+    dst = local_root(into, "--into")
     target = _target_store(dst)
     stores = [] if target is None else [(dst, target)]
     seen = {dst.resolve()}
-    for src in map(Path, sources):
+    for src in (local_root(s, "merge source") for s in sources):
         if src.resolve() not in seen:
             seen.add(src.resolve())
             store = Store(src)

@@ -19,8 +19,10 @@ import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic
 
 from layerdiv.schemas import REQUIRED_TABLES, TABLES, SchemaError
+from layerdiv.store.location import StorePath
 
 MANIFEST_NAME = "manifest.json"
 MANIFESTS = "manifests"
@@ -53,36 +55,37 @@ class OverlappingParts(SchemaError):
 
 
 @dataclass(frozen=True)
-class Partition:
-    """The files of one (model, task) partition of a store."""
+class Partition(Generic[StorePath]):
+    """The files of one (model, task) partition of a store, local (``Path``) or on object
+    storage (``RemotePath``, read-only)."""
 
-    root: Path
+    root: StorePath
     model_slug: str
     task: str
 
-    def dir(self, table: str) -> Path:
+    def dir(self, table: str) -> StorePath:
         """Folder of ``table`` (any table of ``layerdiv.schemas.TABLES``, or ``manifests``)."""
         return self.root / table / f"model={self.model_slug}" / f"task={self.task}"
 
     @property
-    def manifest(self) -> Path:
+    def manifest(self) -> StorePath:
         return self.dir(MANIFESTS) / MANIFEST_NAME
 
     @property
-    def open_lock(self) -> Path:
+    def open_lock(self) -> StorePath:
         """Lock file serializing the creation and replacement of the partition (outside the
         partition's folders, so that replacing them keeps it)."""
         return self.root / MANIFESTS / f"model={self.model_slug}" / f".task={self.task}.lock"
 
-    def dirs(self) -> list[Path]:
+    def dirs(self) -> list[StorePath]:
         """The manifest folder and every table's folder."""
-        return [self.dir(MANIFESTS), *(self.dir(t) for t in TABLES)]
+        return [self.dir(t) for t in (MANIFESTS, *TABLES)]
 
     @staticmethod
     def part_name(start: int, count: int) -> str:
         return f"part-{start:07d}-{count:06d}.parquet"
 
-    def part(self, table: str, start: int, count: int) -> Path:
+    def part(self, table: str, start: int, count: int) -> StorePath:
         """The part file of ``table`` holding instances ``start .. start+count-1``."""
         return self.dir(table) / self.part_name(start, count)
 
@@ -107,26 +110,25 @@ class Partition:
                 )
         return done
 
-    def files(self, table: str) -> list[Path]:
+    def files(self, table: str) -> list[StorePath]:
         """The parts of ``table`` of complete chunks only (an orphan from a crash is left out);
         for an optional table, those complete chunks that have it."""
         paths = [self.part(table, s, n) for s, n in self.done_parts()]
         return paths if table in REQUIRED_TABLES else [p for p in paths if p.exists()]
 
 
-def _listdir(path: Path) -> list[Path]:
+def _listdir(path: StorePath) -> list[StorePath]:
     return list(path.iterdir()) if path.is_dir() else []
 
 
-def partition(root: str | Path, model_slug: str, task: str) -> Partition:
-    """The partition of ``model_slug`` x ``task`` under store ``root``."""
+def partition(root: str | Path, model_slug: str, task: str) -> Partition[Path]:
+    """The partition of ``model_slug`` x ``task`` under the local store ``root``."""
     return Partition(Path(root), model_slug, check_task_name(task))
 
 
-def list_partitions(root: str | Path) -> list[Partition]:
+def list_partitions(root: StorePath) -> list[Partition[StorePath]]:
     """Every (model, task) partition that has a manifest or any other file but temporaries
     (dot files: a leftover temporary alone is no partition)."""
-    root = Path(root)
     found: set[tuple[str, str]] = set()
     for table in (MANIFESTS, *TABLES):
         for mdir in _listdir(root / table):

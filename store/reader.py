@@ -8,14 +8,22 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Generic, cast
 
 import duckdb
 import polars as pl
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import PARTITION_COLUMNS, REQUIRED_TABLES, TABLES, SchemaError, tables_of
+from layerdiv.store.location import (
+    RemotePath,
+    StorePath,
+    arrow_source,
+    read_schema,
+    read_table,
+    store_root,
+)
 from layerdiv.store.manifest import Manifest, read_manifest
 from layerdiv.store.paths import Partition, list_partitions, slug
 
@@ -25,10 +33,10 @@ class StoreError(LayerdivError, RuntimeError):
 
 
 @dataclass(frozen=True)
-class PartitionInfo:
-    """A checked (model, task) partition and its complete part files."""
+class PartitionInfo(Generic[StorePath]):
+    """A checked (model, task) partition (local or remote) and its complete part files."""
 
-    partition: Partition
+    partition: Partition[StorePath]
     manifest: Manifest
 
     @property
@@ -39,9 +47,13 @@ class PartitionInfo:
     def task(self) -> str:
         return self.partition.task
 
-    def files(self, table: str) -> list[Path]:
+    def files(self, table: str) -> list[StorePath]:
         """The part files of ``table`` (any table) of complete chunks."""
         return self.partition.files(table)
+
+    def uris(self, table: str) -> list[str]:
+        """:meth:`files` as Polars reads them: local paths, or URLs of a remote store."""
+        return [str(f) for f in self.files(table)]
 
     @property
     def n_done(self) -> int:
@@ -71,7 +83,7 @@ class PartitionInfo:
         keys = ["instance", "component", "option"]
         rows = self._collect(
             "components",
-            pl.scan_parquet(self.files("components"))
+            pl.scan_parquet(self.uris("components"))
             .select(*keys, *(c for c in components if c not in keys))
             .with_columns(key.alias("_key")),
         )
@@ -81,7 +93,7 @@ class PartitionInfo:
             rows = rows.sort("_key")
         wanted = ["instance", *(c for c in instances if c != "instance")]
         inst = self._collect(
-            "instances", pl.scan_parquet(self.files("instances")).select(wanted).sort("instance")
+            "instances", pl.scan_parquet(self.uris("instances")).select(wanted).sort("instance")
         )
         # Row r must be cell r % cells of the (r // cells)-th instance: every cell once, no others.
         row = pl.int_range(pl.len(), dtype=pl.Int64)
@@ -112,7 +124,7 @@ class PartitionInfo:
         except (pl.exceptions.PolarsError, OSError) as err:
             for f in self.files(table):
                 try:
-                    pq.read_table(f)
+                    read_table(f)
                 except (OSError, pa.ArrowException) as bad:
                     raise StoreError(
                         f"{f}: unreadable part ({_first_line(bad)}); re-extract {self.where} "
@@ -122,20 +134,21 @@ class PartitionInfo:
 
 
 class Store:
-    """A layerdiv store on disk, checked on open: every partition needs a readable manifest of a
-    schema version this code reads, and every part file must carry the declared schema (checked
-    from the Parquet footers). A partition that fails is set aside in :attr:`unreadable`, so that
-    the others stay usable; selecting it by name is an error."""
+    """A layerdiv store, in a local folder or (read-only) at a URL of object storage such as
+    ``s3://bucket/prefix`` (``layerdiv.store.location``), checked on open: every partition needs
+    a readable manifest of a schema version this code reads, and every part file must carry the
+    declared schema (checked from the Parquet footers). A partition that fails is set aside in
+    :attr:`unreadable`, so that the others stay usable; selecting it by name is an error."""
 
     def __init__(self, root: str | Path):
-        self.root = Path(root)
+        self.root: Path | RemotePath = store_root(root)
         if not self.root.is_dir():
             raise StoreError(f"no store at {self.root}: run `layerdiv extract` first")
-        found = list_partitions(self.root)
+        found: list[Partition[Any]] = list_partitions(cast(Any, self.root))  # either kind
         if not found:
             raise StoreError(f"the store {self.root} is empty: run `layerdiv extract` first")
-        self.partitions: list[PartitionInfo] = []
-        self.unreadable: list[tuple[Partition, StoreError]] = []
+        self.partitions: list[PartitionInfo[Any]] = []
+        self.unreadable: list[tuple[Partition[Any], StoreError]] = []
         """Partitions that cannot be read, each with the error that says why."""
         for part in found:
             try:
@@ -145,7 +158,7 @@ class Store:
 
     def select(
         self, models: Iterable[str] = (), tasks: Iterable[str] = (), require_data: bool = True
-    ) -> list[PartitionInfo]:
+    ) -> list[PartitionInfo[Any]]:
         """Readable partitions matching the model (id or slug) and task filters (empty filter:
         all). Refuses a filter that names an unreadable partition, and a selection that is
         empty."""
@@ -172,8 +185,9 @@ class Store:
         match = _matcher(list(models), list(tasks))
         return [f"left out {_where(part)}: {err}" for part, err in self.unreadable if match(part)]
 
-    def files(self, table: str, parts: list[PartitionInfo]) -> list[str]:
-        return [str(f) for p in parts for f in p.files(table)]
+    def files(self, table: str, parts: list[PartitionInfo[Any]]) -> list[str]:
+        """The part files of ``table`` of ``parts`` as Polars reads them (paths or URLs)."""
+        return [f for p in parts for f in p.uris(table)]
 
     def scan(
         self, table: str, models: Iterable[str] = (), tasks: Iterable[str] = ()
@@ -231,15 +245,19 @@ class Store:
             schema = TABLES[table]
             for name in PARTITION_COLUMNS:
                 schema = schema.append(pa.field(name, pa.string()))
+            paths, filesystem, base = arrow_source(
+                [f for p in parts for f in p.files(table)], self.root / table
+            )
             dataset = ds.dataset(
-                self.files(table, parts),
+                paths,
+                filesystem=filesystem,
                 schema=schema,
                 format="parquet",
                 partitioning=ds.partitioning(
                     pa.schema([pa.field(n, pa.string()) for n in PARTITION_COLUMNS]),
                     flavor="hive",
                 ),
-                partition_base_dir=str(self.root / table),
+                partition_base_dir=base,
             )
             con.register(table, dataset)
         con.register("manifests", self.manifests(models, tasks).to_arrow())
@@ -247,7 +265,7 @@ class Store:
         return con
 
 
-def _matcher(models: list[str], tasks: list[str]) -> Callable[[Partition], bool]:
+def _matcher(models: list[str], tasks: list[str]) -> Callable[[Partition[Any]], bool]:
     want_models, want_tasks = {slug(m) for m in models}, set(tasks)
     return lambda p: (
         (not want_models or p.model_slug in want_models)
@@ -255,7 +273,7 @@ def _matcher(models: list[str], tasks: list[str]) -> Callable[[Partition], bool]
     )
 
 
-def _where(part: Partition) -> str:
+def _where(part: Partition[Any]) -> str:
     return f"partition model={part.model_slug} task={part.task}"
 
 
@@ -263,7 +281,7 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
-def _open_partition(part: Partition) -> PartitionInfo:
+def _open_partition(part: Partition[StorePath]) -> PartitionInfo[StorePath]:
     """A partition's checked manifest and part files; ``StoreError`` says what is wrong."""
     if not part.manifest.exists():
         raise StoreError(
@@ -278,14 +296,14 @@ def _open_partition(part: Partition) -> PartitionInfo:
     return info
 
 
-def _check_part_schemas(info: PartitionInfo) -> None:
+def _check_part_schemas(info: PartitionInfo[Any]) -> None:
     """Check every part of each table against the schema of the partition's version (cheap:
     Parquet footers only)."""
     schemas = tables_of(info.manifest.schema_version)
     for table in REQUIRED_TABLES:
         for f in info.files(table):
             try:
-                found: pa.Schema = pq.read_schema(f)
+                found: pa.Schema = read_schema(f)
             except (OSError, pa.ArrowException) as err:
                 raise StoreError(
                     f"{f}: unreadable Parquet ({_first_line(err)}); re-extract {info.where} "
