@@ -43,7 +43,10 @@ def user_error(err: BaseException) -> str | None:
             "manifests and writes no file; save a result with --out FILE"
         )
     if package in ("duckdb", "_duckdb"):
-        return f"{one_line(err)} (the views are components, instances and manifests)"
+        return (
+            f"{one_line(err)} (the views are components, instances, manifests and, where "
+            "extracted, skips, heads and gram)"
+        )
     if package == "polars" or isinstance(err, OSError):
         return f"cannot read or write: {one_line(err)}"
     return None

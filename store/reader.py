@@ -15,7 +15,14 @@ import polars as pl
 import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import PARTITION_COLUMNS, REQUIRED_TABLES, TABLES, SchemaError, tables_of
+from layerdiv.schemas import (
+    OPTIONAL_TABLES,
+    PARTITION_COLUMNS,
+    REQUIRED_TABLES,
+    TABLES,
+    SchemaError,
+    tables_of,
+)
 from layerdiv.store.location import (
     RemotePath,
     StorePath,
@@ -232,7 +239,8 @@ class Store:
         self, models: Iterable[str] = (), tasks: Iterable[str] = ()
     ) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB connection with the views ``components``, ``instances`` and
-        ``manifests`` over the selected partitions, and no file-system access: SQL run on it
+        ``manifests`` over the selected partitions (and ``skips``, ``heads``, ``gram`` where some
+        of them hold that optional table), and no file-system access: SQL run on it
         cannot read or write any file (the views scan the checked parts through Arrow), so the
         store cannot be changed through it."""
         import pyarrow.dataset as ds  # only here: it takes a third of a second to import
@@ -240,14 +248,15 @@ class Store:
         models, tasks = list(models), list(tasks)
         parts = self.select(models, tasks)
         con = duckdb.connect(config={"enable_external_access": False})
-        for table in REQUIRED_TABLES:
+        for table in (*REQUIRED_TABLES, *OPTIONAL_TABLES):
+            files = [f for p in parts for f in p.files(table)]
+            if table in OPTIONAL_TABLES and not files:
+                continue
             # Every version's columns under today's schema: a column an older part lacks is null.
             schema = TABLES[table]
             for name in PARTITION_COLUMNS:
                 schema = schema.append(pa.field(name, pa.string()))
-            paths, filesystem, base = arrow_source(
-                [f for p in parts for f in p.files(table)], self.root / table
-            )
+            paths, filesystem, base = arrow_source(files, self.root / table)
             dataset = ds.dataset(
                 paths,
                 filesystem=filesystem,
@@ -300,7 +309,7 @@ def _check_part_schemas(info: PartitionInfo[Any]) -> None:
     """Check every part of each table against the schema of the partition's version (cheap:
     Parquet footers only)."""
     schemas = tables_of(info.manifest.schema_version)
-    for table in REQUIRED_TABLES:
+    for table in (*REQUIRED_TABLES, *info.manifest.extra_tables):
         for f in info.files(table):
             try:
                 found: pa.Schema = read_schema(f)

@@ -238,3 +238,19 @@ def test_cli_reweight_option(store: Path, tmp_path: Path) -> None:
     assert "extract --heads" in result.output  # the note about the partition without heads
     assert pl.read_parquet(out / "reweight.parquet").height == 2
     assert pl.read_parquet(out / "head_scores.parquet").height == 2 * BLOCKS * HEADS
+
+
+def test_query_has_a_heads_view_over_the_partitions_that_hold_heads(store: Path, data) -> None:
+    con = Store(store).duckdb()
+    per_model = dict(con.sql("SELECT model, count(*) FROM heads GROUP BY model").fetchall())
+    assert per_model == {"org--with-heads": data["heads"].size}
+    # The heads of every attention component add up to its logits (METHODS.md section 8).
+    ((worst,),) = con.sql(
+        "SELECT max(abs(h.logit - c.logit)) FROM (SELECT model, instance, component, option, "
+        "sum(logit) AS logit FROM heads GROUP BY ALL) h JOIN components c USING (model, "
+        "instance, component, option)"
+    ).fetchall()
+    assert worst < 1e-4
+    assert "heads" not in {
+        r[0] for r in Store(store).duckdb(["org/plain"]).sql("SHOW TABLES").fetchall()
+    }
