@@ -4,6 +4,7 @@ as a single run; every refusal is one line and leaves the target as it was."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from layerdiv.cli import main
 from layerdiv.schemas import INSTANCES
 from layerdiv.store import Store
 from layerdiv.store import merge as merge_module
+from layerdiv.store.atomic import temp_path
 
 N = 30
 
@@ -34,7 +36,7 @@ def snapshot(root: Path) -> dict[str, bytes]:
 
 
 def leftovers(folder: Path) -> list[str]:
-    return [p.name for p in folder.iterdir() if ".merge-" in p.name]
+    return [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +117,7 @@ def test_another_extraction_is_refused(stores: Path, tmp_path: Path) -> None:
     shutil.copytree(stores / "a", dst)
     line = refused(tmp_path, dst, other)
     assert "task=reviews:" in line and "hold different extractions" in line
-    assert "dtype: 'float32' vs 'bfloat16'" in line
+    assert "dtype: stored 'float32', now 'bfloat16'" in line
 
 
 def test_overlapping_chunks_are_refused(stores: Path, tmp_path: Path) -> None:
@@ -181,7 +183,7 @@ def test_a_failure_while_writing_leaves_the_target_as_it_was(
 
 def test_a_killed_merge_leaves_nothing_that_stays(stores: Path, tmp_path: Path) -> None:
     dst = tmp_path / "dst"
-    stale = tmp_path / f"{merge_module._stage_prefix(dst)}999999999-x"
+    stale = tmp_path / temp_path(dst).name.replace(f".{os.getpid()}.", ".999999999.")
     (stale / "components").mkdir(parents=True)
     out = run("merge", str(stores / "a"), "--into", str(dst))
     assert out.exit_code == 0, out.output
@@ -192,15 +194,17 @@ def test_files_beside_the_manifest_are_kept_and_must_agree(stores: Path, tmp_pat
     copies = []
     for name, record in (("a", "r1"), ("b", "r2")):
         shutil.copytree(stores / name, tmp_path / name)
-        (folder,) = (tmp_path / name).glob("manifests/*/*")
-        (folder / "runs").mkdir()
+        (folder,) = (p.parent for p in (tmp_path / name).glob("manifests/*/*/manifest.json"))
+        (folder / "runs").mkdir(exist_ok=True)
         (folder / "runs" / f"{record}.json").write_text(json.dumps({"run": record}))
         (folder / ".claim.tmp").write_text("being written")
         copies.append(folder)
     out = run("merge", str(tmp_path / "a"), str(tmp_path / "b"), "--into", str(tmp_path / "m"))
     assert out.exit_code == 0, out.output
-    (merged,) = (tmp_path / "m").glob("manifests/*/*")
-    assert sorted(p.name for p in (merged / "runs").iterdir()) == ["r1.json", "r2.json"]
+    (merged,) = (p.parent for p in (tmp_path / "m").glob("manifests/*/*/manifest.json"))
+    runs = {p.name for folder in copies for p in (folder / "runs").iterdir()}
+    assert {"r1.json", "r2.json"} < runs  # with the records of the extractions
+    assert {p.name for p in (merged / "runs").iterdir()} == runs
     assert not (merged / ".claim.tmp").exists()
     (copies[1] / "runs" / "r1.json").write_text(json.dumps({"run": "another"}))
     line = refused(tmp_path, tmp_path / "dst", tmp_path / "a", tmp_path / "b")
