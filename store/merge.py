@@ -148,7 +148,7 @@ def _plan(copies: list[_Copy]) -> tuple[Manifest, dict[tuple[int, int], _Copy]]:
 
 def _same_extraction(first: _Copy, copy: _Copy, where: str) -> None:
     a, b = first.info.manifest, copy.info.manifest
-    diff = a.identity().differences(b.identity())
+    diff = a.identity().differences(b.identity(), (str(first.store), str(copy.store)))
     if a.extra_tables != b.extra_tables:
         diff.append(f"optional tables: {a.extra_tables} vs {b.extra_tables}")
     if diff:
