@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -16,7 +17,7 @@ from layerdiv import __version__
 from layerdiv.analyze.options import ESTIMATORS, FORMATS, LENSES
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig
-from layerdiv.extract.launchers import LaunchError, Shard, parse_shard, pick_device
+from layerdiv.extract.launchers import Shard, parse_shard, pick_device
 
 DEFAULT_STORE = "layerdiv-store"
 MAX_ROWS = 40
@@ -112,10 +113,7 @@ local_store_option = click.option(
 
 
 def _parse_shard(ctx: click.Context, param: click.Parameter, value: str) -> Shard:
-    try:
-        return parse_shard(value, os.environ)
-    except LaunchError as err:
-        raise click.ClickException(str(err)) from None
+    return parse_shard(value, os.environ)
 
 
 def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
@@ -150,7 +148,9 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
     callback=_parse_batch_size,
     help="Instances per batch, or auto (length-sorted batches up to a token budget).",
 )
-@click.option("--dtype", type=click.Choice(DTYPES), default=_DEFAULTS.dtype, show_default=True)
+@click.option(
+    "--dtype", type=click.Choice(list(DTYPES)), default=_DEFAULTS.dtype, show_default=True
+)
 @click.option(
     "--device", default=_DEFAULTS.device, show_default=True, help="auto, cuda, cuda:1, mps, cpu."
 )
@@ -212,7 +212,6 @@ def extract(
 ) -> None:
     """Run MODEL once over each task and cache every component's option logits."""
     import sys
-    from pathlib import Path
 
     from layerdiv.extract.interrupt import Interrupted
     from layerdiv.extract.runner import run_extract
@@ -265,10 +264,7 @@ def _device_for(device: str, shard: Shard) -> str:
         return device
     import torch
 
-    try:
-        return pick_device(device, shard, torch.cuda.device_count())
-    except LaunchError as err:
-        raise click.ClickException(str(err)) from err
+    return pick_device(device, shard, torch.cuda.device_count())
 
 
 @main.command()
@@ -285,8 +281,6 @@ def _device_for(device: str, shard: Shard) -> str:
 def demo(out: str, n: int, seed: int) -> None:
     """Offline end to end: SmolLM2 on three tasks made from packaged data (extract, analyze,
     report), then a summary. A second run reuses the cache."""
-    from pathlib import Path
-
     from layerdiv.demo import run_demo
 
     run_demo(Path(out), n, seed)
@@ -479,8 +473,9 @@ def query_command(
     """
     import duckdb
 
-    from layerdiv.analyze.output import atomic_file, file_format, refuse_inside, write_reader
+    from layerdiv.analyze.output import file_format, refuse_inside, write_reader
     from layerdiv.store import Store
+    from layerdiv.store.atomic import atomic_path
 
     fmt = None
     if out:
@@ -498,7 +493,7 @@ def query_command(
         if out and fmt and last:
             if relation is None:
                 raise click.UsageError("--out needs a last statement that returns rows")
-            with atomic_file(out) as tmp:
+            with atomic_path(Path(out)) as tmp:
                 write_reader(relation.to_arrow_reader(), tmp, fmt)
             click.echo(f"wrote {out}")
         elif relation is not None and not out:

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +15,7 @@ import pyarrow.parquet as pq
 
 from layerdiv.analyze.options import FORMATS
 from layerdiv.errors import LayerdivError
+from layerdiv.store.atomic import atomic_path, remove_stale_temps
 
 INDEX_NAME = "index.json"
 """Written into every result folder: how it was made and the files layerdiv wrote there. A new run
@@ -66,26 +64,6 @@ def _check_replaceable(out: Path) -> None:
         )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _clean_stale(out: Path) -> None:
-    """Remove the temporary folders ``.<out>.<pid>.*.tmp`` (and ``.old``) that a killed run of
-    this host left beside ``out``: those whose process is gone."""
-    stale = re.compile(rf"^\.{re.escape(out.name)}\.(\d+)\.[^.]+\.(tmp|old)$")
-    for entry in out.parent.iterdir():
-        match = stale.match(entry.name)
-        if match and entry.is_dir() and not _alive(int(match.group(1))):
-            shutil.rmtree(entry, ignore_errors=True)
-
-
 def refuse_inside(out: str | Path, store: str | Path) -> None:
     """Refuse an output path inside the store: analysis never writes there."""
     root, target = Path(store).resolve(), Path(out).resolve()
@@ -100,47 +78,21 @@ def refuse_inside(out: str | Path, store: str | Path) -> None:
 def result_dir(out: str | Path, index: Mapping[str, Any]) -> Iterator[Path]:
     """Yield a fresh temporary folder beside ``out`` to write results into; on success,
     :data:`INDEX_NAME` (``index`` plus the list of files written) is added and the folder
-    replaces ``out`` in one rename; on failure it is deleted and ``out`` is left as it was.
+    replaces ``out`` (:func:`~layerdiv.store.atomic.atomic_path`); on failure it is deleted and
+    ``out`` is left as it was.
 
     An existing ``out`` is replaced only when it holds nothing but a layerdiv result (the files
     its index lists); temporary folders of killed runs are removed first."""
     out = Path(out)
     _check_replaceable(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale(out)
-    prefix = f".{out.name}.{os.getpid()}."
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=out.parent))
-    try:
+    remove_stale_temps(out.parent, out.name)
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
         yield tmp
         files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
         text = json.dumps({**index, "files": files}, indent=2, default=str) + "\n"
         (tmp / INDEX_NAME).write_text(text)
         _check_replaceable(out)  # again: something may have been put there meanwhile
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=prefix, suffix=".old", dir=out.parent))
-            os.replace(out, old / out.name)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-@contextmanager
-def atomic_file(out: str | Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``out`` (same suffix); on success it is renamed to ``out``,
-    on failure deleted."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=f".tmp{out.suffix}", dir=out.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        yield tmp
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def file_format(path: str | Path) -> str:

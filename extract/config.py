@@ -9,8 +9,9 @@ from pathlib import Path
 DEFAULT_CHUNK_SIZE = 1024
 """Instances per chunk of a new partition when ``--chunk-size`` is not given."""
 
-DTYPES = ("auto", "fp32", "bf16", "fp16")
-"""``--dtype`` values: ``auto`` picks per device (``layerdiv.extract.models.resolve_dtype``)."""
+DTYPES = {"auto": "", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+"""``--dtype`` values and the torch dtype each names; ``auto`` picks per device
+(``layerdiv.extract.models.resolve_dtype``)."""
 
 
 @dataclass

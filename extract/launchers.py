@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from layerdiv.errors import LayerdivError
 
 TORCHRUN = ("RANK", "WORLD_SIZE")
-KUBERNETES = ("JOB_COMPLETION_INDEX",)
+KUBERNETES = "JOB_COMPLETION_INDEX"
 SLURM_ARRAY = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_COUNT")
 
 
@@ -72,8 +72,8 @@ def _from_environment(environ: Mapping[str, str], count: int | None) -> Shard:
             f"torchrun (RANK={rank}, WORLD_SIZE={world})",
             None if local is None else _int(local, "LOCAL_RANK"),
         )
-    if "JOB_COMPLETION_INDEX" in environ:
-        index = _need(environ, "JOB_COMPLETION_INDEX", "a Kubernetes indexed job")
+    if KUBERNETES in environ:
+        index = _need(environ, KUBERNETES, "a Kubernetes indexed job")
         if count is None:
             raise LaunchError(
                 f"--shard auto: a Kubernetes indexed job (JOB_COMPLETION_INDEX={index}) does not "

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from layerdiv.errors import LayerdivError
+from layerdiv.extract.config import DTYPES
+from layerdiv.store.atomic import atomic_path
 
 ALIASES = {
     "smollm2-135m-instruct": (
@@ -28,7 +30,6 @@ ALIASES = {
 """Offline aliases: name -> (Python package holding a GGUF file, file name, how to install it)."""
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ModelLoadError(LayerdivError, RuntimeError):
@@ -80,10 +81,10 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto``: bf16 on a GPU that has it (else fp16), fp16 on mps, fp32 on the CPU."""
-    if name in _DTYPES:
-        return _DTYPES[name]
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: use {', '.join(DTYPES)}")
     if name != "auto":
-        raise ValueError(f"unknown dtype {name!r}: use auto, fp32, bf16 or fp16")
+        return getattr(torch, DTYPES[name])
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float16 if device.type == "mps" else torch.float32
@@ -238,8 +239,8 @@ _CONVERTED = "layerdiv-source.json"
 
 
 def _convert(local: Path, key: str, target: Path) -> None:
-    """Write the float32 safetensors model of GGUF file ``local`` to ``target`` at once: into a
-    temporary folder beside it, each file fsynced, then renamed."""
+    """Write the float32 safetensors model of GGUF file ``local`` to ``target`` at once
+    (:func:`~layerdiv.store.atomic.atomic_path`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = AutoModelForCausalLM.from_pretrained(
@@ -252,25 +253,10 @@ def _convert(local: Path, key: str, target: Path) -> None:
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(source.state_dict())
     fresh.tie_weights()
-    tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
-    try:
+    with atomic_path(target, exclusive=True) as tmp:
         fresh.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _CONVERTED).write_text(json.dumps({"gguf": str(local), "fingerprint": key}))
-        for file in tmp.iterdir():
-            _fsync(file)
-        os.replace(tmp, target)
-        _fsync(target.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass

@@ -49,11 +49,12 @@ def is_stale_temp(path: Path) -> bool:
     return m is not None and m.group("host") == _HOST and not pid_alive(int(m.group("pid")))
 
 
-def remove_stale_temps(folder: Path) -> None:
-    """Delete the stale temporaries (:func:`is_stale_temp`) in ``folder``."""
+def remove_stale_temps(folder: Path, name: str = "") -> None:
+    """Delete the stale temporaries (:func:`is_stale_temp`) in ``folder``; with ``name``, only
+    those for ``folder / name``."""
     if not folder.is_dir():
         return
-    for path in folder.glob(".*.tmp"):
+    for path in folder.glob(f".{name}.*.tmp" if name else ".*.tmp"):
         if is_stale_temp(path):
             _remove(path)
 
@@ -61,15 +62,16 @@ def remove_stale_temps(folder: Path) -> None:
 @contextmanager
 def atomic_path(target: Path, exclusive: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside ``target``; the caller writes a file or a folder there.
-    On success it is fsynced and renamed to ``target`` (replacing it, or with ``exclusive``
-    raising :class:`FileExistsError` if ``target`` exists); on failure it is removed."""
+    On success it is fsynced and renamed to ``target`` (replacing it, a non-empty folder too, or
+    with ``exclusive`` raising :class:`FileExistsError` if ``target`` exists); on failure it is
+    removed."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(target)
     try:
         yield tmp
         _fsync_tree(tmp)
         if not exclusive:
-            os.replace(tmp, target)
+            _replace(tmp, target)
         elif tmp.is_dir():
             try:
                 os.rename(tmp, target)  # fails on an existing non-empty folder
@@ -93,6 +95,22 @@ def write_bytes(path: Path, data: bytes, exclusive: bool = False) -> bool:
     except FileExistsError:
         return False
     return True
+
+
+def _replace(tmp: Path, target: Path) -> None:
+    """:func:`os.replace`, also of a non-empty folder: that is renamed aside to a temporary first
+    (put back if the rename fails, else removed)."""
+    if not (tmp.is_dir() and target.is_dir() and any(target.iterdir())):
+        os.replace(tmp, target)
+        return
+    old = temp_path(target)
+    os.replace(target, old)
+    try:
+        os.replace(tmp, target)
+    except OSError:
+        os.replace(old, target)
+        raise
+    _remove(old)
 
 
 def _fsync(path: Path) -> None:

@@ -13,14 +13,13 @@ import filecmp
 import itertools
 import os
 import shutil
-import socket
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import REQUIRED_TABLES
+from layerdiv.store.atomic import atomic_path, remove_stale_temps
 from layerdiv.store.location import local_root
 from layerdiv.store.manifest import Manifest, write_manifest
 from layerdiv.store.paths import Partition
@@ -78,10 +77,9 @@ def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[Merged
             copies.setdefault((info.model, info.task), []).append(_Copy(root, info))
     plans = {key: _plan(found) for key, found in copies.items()}
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_stages(dst)
-    stage = Path(tempfile.mkdtemp(prefix=f"{_stage_prefix(dst)}{os.getpid()}-", dir=dst.parent))
-    try:
+    remove_stale_temps(dst.parent, dst.name)
+    with atomic_path(dst) as stage:
+        stage.mkdir()
         if target is not None:
             _link_tree(dst, stage)
         merged = []
@@ -98,9 +96,6 @@ def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[Merged
             before = 0 if target is None else _n_done(target, model, task)
             n_done = sum(count for _, count in chunks)
             merged.append(MergedPartition(model, task, n_done, n_done - before))
-        _swap_in(stage, dst)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
     return merged
 
 
@@ -207,41 +202,3 @@ def _link_tree(src: Path, dst: Path) -> None:
         for name in files:
             path = Path(folder) / name
             _link(path, dst / path.relative_to(src))
-
-
-def _stage_prefix(dst: Path) -> str:
-    return f".{dst.name}.merge-{socket.gethostname()}-"
-
-
-def _swap_in(stage: Path, dst: Path) -> None:
-    """Put ``stage`` at ``dst`` with renames only; an existing ``dst`` is restored on failure."""
-    if not dst.exists() or not any(dst.iterdir()):
-        os.replace(stage, dst)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f"{_stage_prefix(dst)}{os.getpid()}-", dir=dst.parent))
-    os.replace(dst, old / "store")
-    try:
-        os.replace(stage, dst)
-    except OSError:
-        os.replace(old / "store", dst)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _remove_stale_stages(dst: Path) -> None:
-    """Delete the hidden folders that merges into ``dst`` killed on this host left beside it."""
-    prefix = _stage_prefix(dst)
-    for path in dst.parent.glob(f"{prefix}*") if dst.parent.is_dir() else []:
-        pid = path.name[len(prefix) :].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from layerdiv.analyze.synthetic import random_partition, write_partition
 from layerdiv.cli import main
 from layerdiv.schemas import tables_of
 from layerdiv.store import Store, StoreError
+from layerdiv.store.atomic import temp_path
 
 
 @pytest.fixture(scope="module")
@@ -604,7 +604,7 @@ def test_temporary_folders_of_a_killed_run_are_cleaned(chunked: Path, tmp_path: 
     assert proc.returncode == -9
     (left,) = [p for p in tmp_path.iterdir() if p.name.startswith(".results.")]
     assert left.name.endswith(".tmp") and (left / "half.parquet").exists()
-    live = tmp_path / f".results.{os.getpid()}.abcdefgh.tmp"
+    live = temp_path(out)  # this (live) process's
     live.mkdir()
     assert run("analyze", "--store", str(chunked), "--out", str(out)).exit_code == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "results"]

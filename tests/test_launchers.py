@@ -17,7 +17,7 @@ from layerdiv.errors import LayerdivError
 from layerdiv.extract.launchers import KUBERNETES, SLURM_ARRAY, TORCHRUN, parse_shard, pick_device
 from layerdiv.store import Store
 
-LAUNCHER_VARS = (*TORCHRUN, "LOCAL_RANK", *KUBERNETES, *SLURM_ARRAY)
+LAUNCHER_VARS = (*TORCHRUN, "LOCAL_RANK", KUBERNETES, *SLURM_ARRAY)
 
 
 def slurm(task: int, first: int, count: int, step: int = 1) -> dict[str, str]:

@@ -4,6 +4,7 @@ as a single run; every refusal is one line and leaves the target as it was."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from layerdiv.cli import main
 from layerdiv.schemas import INSTANCES
 from layerdiv.store import Store
 from layerdiv.store import merge as merge_module
+from layerdiv.store.atomic import temp_path
 
 N = 30
 
@@ -34,7 +36,7 @@ def snapshot(root: Path) -> dict[str, bytes]:
 
 
 def leftovers(folder: Path) -> list[str]:
-    return [p.name for p in folder.iterdir() if ".merge-" in p.name]
+    return [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +183,7 @@ def test_a_failure_while_writing_leaves_the_target_as_it_was(
 
 def test_a_killed_merge_leaves_nothing_that_stays(stores: Path, tmp_path: Path) -> None:
     dst = tmp_path / "dst"
-    stale = tmp_path / f"{merge_module._stage_prefix(dst)}999999999-x"
+    stale = tmp_path / temp_path(dst).name.replace(f".{os.getpid()}.", ".999999999.")
     (stale / "components").mkdir(parents=True)
     out = run("merge", str(stores / "a"), "--into", str(dst))
     assert out.exit_code == 0, out.output

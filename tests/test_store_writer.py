@@ -55,7 +55,10 @@ def test_atomic_path_renames_on_success_and_cleans_on_failure(tmp_path: Path) ->
     with pytest.raises(FileExistsError), atomic_path(folder, exclusive=True) as tmp:
         tmp.mkdir()
         (tmp / "config.json").write_text("{}")
-    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "config.json", "file.bin", "model"]
+    with atomic_path(folder) as tmp:  # replaces the non-empty folder
+        tmp.mkdir()
+        (tmp / "new.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "file.bin", "model", "new.json"]
 
 
 def test_stale_temporaries_are_those_of_dead_processes_of_this_host(tmp_path: Path) -> None:
