@@ -21,12 +21,9 @@ from layerdiv.extract.heads import HeadDecomposition, check_head_sums
 from layerdiv.extract.models import (
     LoadedModel,
     ModelSource,
-    load_model,
-    load_tokenizer,
-    resolve_source,
 )
 from layerdiv.store import Store
-from layerdiv.tests.test_models import split_map
+from layerdiv.tests.test_models import plain_and_offloaded
 
 FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3",
@@ -218,18 +215,9 @@ def test_offloaded_weights_give_identical_heads(model_dirs: Any, tokenizer: Any)
     """Odd blocks, embedding, final norm and head on disk (accelerate loads them for each
     forward pass): M is formed from the loaded weights and the heads are those of the CPU
     model."""
-    source = resolve_source(str(model_dirs("gpt2")), None, None, False)
-    tok = load_tokenizer(source)
-    cpu = torch.device("cpu")
-    plain = load_model(source, tok, cpu, torch.float32).model
-    names = {id(m): n for n, m in plain.named_modules()}
+    plain, offloaded = plain_and_offloaded(model_dirs("gpt2"))
     adapter = adapter_for(plain.config)
-    on_disk = {adapter.final_norm, *(names[id(m)] for m in
-               (plain.get_input_embeddings(), plain.get_output_embeddings()))}  # fmt: skip
-    offloaded = load_model(
-        source, tok, cpu, torch.float32, split_map(plain, adapter.blocks, on_disk)
-    )
-    assert get_module(offloaded.model, adapter.blocks)[1].attn.c_proj.weight.device.type == "meta"
+    assert get_module(offloaded, adapter.blocks)[1].attn.c_proj.weight.device.type == "meta"
     want = run_heads(plain, tokenizer)[1].logits
-    got = run_heads(offloaded.model, tokenizer)[1].logits
+    got = run_heads(offloaded, tokenizer)[1].logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)

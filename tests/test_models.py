@@ -93,6 +93,22 @@ def split_map(model: Any, blocks: str, on_disk: set[str]) -> dict[str, str]:
     return out
 
 
+def plain_and_offloaded(model_dir: Path) -> tuple[Any, Any]:
+    """The model loaded on the CPU, and loaded again with its odd blocks, embedding, final norm
+    and head on disk (accelerate loads them for each forward pass)."""
+    source = resolve_source(str(model_dir), None, None, False)
+    tok = load_tokenizer(source)
+    cpu = torch.device("cpu")
+    plain = load_model(source, tok, cpu, torch.float32).model
+    names = {id(m): n for n, m in plain.named_modules()}
+    adapter = adapter_for(plain.config)
+    on_disk = {adapter.final_norm, *(names[id(m)] for m in
+               (plain.get_input_embeddings(), plain.get_output_embeddings()))}  # fmt: skip
+    device_map = split_map(plain, adapter.blocks, on_disk)
+    assert set(device_map.values()) == {"cpu", "disk"}
+    return plain, load_model(source, tok, cpu, torch.float32, device_map).model
+
+
 def decompose(model: Any, option_ids: list[int], tokenizer: Any) -> BatchDecomposition:
     capture = ComponentCapture(model, adapter_for(model.config), option_ids)
     batch = tokenizer(["the movie was great", "a plot"], return_tensors="pt", padding=True)
@@ -108,17 +124,7 @@ def test_cpu_and_disk_offload_gives_identical_components(
 ) -> None:
     """A model whose odd blocks, embedding, final norm and head live on disk (accelerate loads
     them for each forward pass) decomposes exactly as the model loaded on the CPU."""
-    source = resolve_source(str(model_dirs(family)), None, None, False)
-    tok = load_tokenizer(source)
-    cpu = torch.device("cpu")
-    plain = load_model(source, tok, cpu, torch.float32).model
-    names = {id(m): n for n, m in plain.named_modules()}
-    adapter = adapter_for(plain.config)
-    on_disk = {adapter.final_norm, *(names[id(m)] for m in
-               (plain.get_input_embeddings(), plain.get_output_embeddings()))}  # fmt: skip
-    device_map = split_map(plain, adapter.blocks, on_disk)
-    assert set(device_map.values()) == {"cpu", "disk"}
-    offloaded = load_model(source, tok, cpu, torch.float32, device_map).model
+    plain, offloaded = plain_and_offloaded(model_dirs(family))
     assert offloaded.get_output_embeddings().weight.device.type == "meta"  # really on disk
     ids = tokenizer([" negative", " positive"])["input_ids"]
     want = decompose(plain, [i[0] for i in ids], tokenizer)
