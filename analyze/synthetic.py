@@ -6,8 +6,9 @@ store in every respect (manifest, schemas, complete-chunk markers); only the num
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -47,6 +48,9 @@ def write_partition(
     chunk: int | None = None,
     created_at: str = "2025-01-01T00:00:00Z",
     shuffle: np.random.Generator | None = None,
+    columns: Mapping[str, np.ndarray] | None = None,
+    hidden_size: int | None = None,
+    norm_eps: float | None = None,
 ) -> None:
     """Write one (model, task) partition from arrays.
 
@@ -54,6 +58,8 @@ def write_partition(
     component kinds in execution order; ``prefix_rms`` (N, L) rms of each prefix (default 1, and
     ``final_rms`` defaults to its last column). Instances are written in chunks of ``chunk``;
     with ``shuffle`` the rows of each chunk are permuted (the store promises no row order).
+    ``columns`` gives (N, L) values of ``out_norm``, ``cos_residual`` or ``cos_prev`` (default 1,
+    0, 0; NaN is stored as null); ``hidden_size`` and ``norm_eps`` go to the manifest.
     """
     n, n_comp, k = logits.shape
     if len(kinds) != n_comp or gold.shape != (n,):
@@ -81,13 +87,16 @@ def write_partition(
         n_requested=n,
         sum_tolerance=1e-4,
         created_at=created_at,
+        hidden_size=hidden_size,
+        norm_eps=norm_eps,
     )
     writer = PartitionWriter(root, model, task)
     writer.open(manifest, overwrite=True)
     step = chunk or n
     for start in range(0, n, step):
         stop = min(n, start + step)
-        components = _components_table(start, logits[start:stop], rms[start:stop], infos)
+        given = {name: values[start:stop] for name, values in (columns or {}).items()}
+        components = _components_table(start, logits[start:stop], rms[start:stop], infos, given)
         instances = _instances_table(start, logits[start:stop], gold[start:stop], final[start:stop])
         if shuffle is not None:
             components = components.take(shuffle.permutation(components.num_rows))
@@ -96,7 +105,11 @@ def write_partition(
 
 
 def _components_table(
-    start: int, logits: np.ndarray, rms: np.ndarray, infos: list[ComponentInfo]
+    start: int,
+    logits: np.ndarray,
+    rms: np.ndarray,
+    infos: list[ComponentInfo],
+    given: Mapping[str, np.ndarray],
 ) -> pa.Table:
     n, n_comp, k = logits.shape
     cells = n * n_comp * k
@@ -110,7 +123,7 @@ def _components_table(
         pa.array(kind_index[comp], pa.int8()), pa.array(kind_values, pa.string())
     )
     layers = np.array([c.layer for c in infos], np.int16)[comp]
-    columns = {
+    columns: dict[str, Any] = {
         "instance": np.repeat(np.arange(start, start + n, dtype=np.int32), n_comp * k),
         "component": comp,
         "name": names,
@@ -118,11 +131,13 @@ def _components_table(
         "layer": layers,
         "option": np.tile(np.arange(k, dtype=np.int8), n * n_comp),
         "logit": logits.astype(np.float32).reshape(cells),
-        "out_norm": np.ones(cells, np.float32),
         "prefix_rms": np.repeat(rms.astype(np.float32).reshape(n * n_comp), k),
-        "cos_residual": np.zeros(cells, np.float32),
-        "cos_prev": np.zeros(cells, np.float32),
     }
+    for name, default in (("out_norm", 1.0), ("cos_residual", 0.0), ("cos_prev", 0.0)):
+        values = given.get(name, np.full((n, n_comp), default))
+        columns[name] = pa.array(
+            np.repeat(values.astype(np.float32).reshape(-1), k), from_pandas=True
+        )
     return pa.Table.from_pydict(columns, schema=COMPONENTS)
 
 
@@ -131,7 +146,7 @@ def _instances_table(
 ) -> pa.Table:
     n = logits.shape[0]
     total = logits.astype(np.float32).sum(axis=1)
-    columns = {
+    columns: dict[str, Any] = {
         "instance": np.arange(start, start + n, dtype=np.int32),
         "gold": gold.astype(np.int8),
         "n_tokens": np.full(n, 100, np.int32),

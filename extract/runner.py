@@ -19,7 +19,14 @@ import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
-from layerdiv.extract.adapters import Adapter, UnsupportedModel, adapter_for, final_softcap
+from layerdiv.extract.adapters import (
+    Adapter,
+    UnsupportedModel,
+    adapter_for,
+    final_softcap,
+    get_module,
+    norm_eps,
+)
 from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
 from layerdiv.extract.models import (
     LoadedModel,
@@ -444,6 +451,7 @@ def _manifest(
         n_params=loaded.n_params,
         context_length=loaded.context_length,
         hidden_size=int(src.config.hidden_size),
+        norm_eps=norm_eps(get_module(loaded.model, adapter.final_norm)),
         options=list(plan.spec.options),
         option_tokens=[str(t) for t in tok.convert_ids_to_tokens(plan.option_ids)],
         task_spec=plan.spec.to_dict(),

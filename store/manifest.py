@@ -80,6 +80,9 @@ class Manifest:
     """True when the decomposition is of pre-soft-cap logits (final logit soft-capping)."""
     hidden_size: int | None = None
     """Width d of the residual stream (schema version 2; None in older manifests)."""
+    norm_eps: float | None = None
+    """Epsilon of the final norm (METHODS.md section 7 needs it for ||r||; None in older
+    manifests)."""
     extra_tables: list[str] = field(default_factory=list)
     """Optional tables (``layerdiv.schemas.OPTIONAL_TABLES``) extracted for every complete chunk
     of this partition (schema version 2; empty in older manifests)."""

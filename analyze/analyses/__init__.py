@@ -1,0 +1,1 @@
+"""Registered analyses, imported in report order."""
