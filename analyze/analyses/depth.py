@@ -87,96 +87,105 @@ def _eps(info: PartitionInfo) -> float:
     return getattr(info.manifest, "norm_eps", None) or 0.0
 
 
+def component_map(info: PartitionInfo) -> pl.DataFrame:
+    """Per component of the manifest: name, kind, layer, ``block`` (1-based, in execution order:
+    every attention component opens one; 0 for the embedding) and ``relative_depth`` = c / L."""
+    comps = info.manifest.components
+    return pl.DataFrame(
+        {
+            "component": range(len(comps)),
+            "name": [c.name for c in comps],
+            "kind": [c.kind for c in comps],
+            "layer": [c.layer for c in comps],
+            "block": np.cumsum([c.kind == "attn" for c in comps]),
+            "relative_depth": np.arange(len(comps)) / len(comps),
+        },
+        schema_overrides={"component": pl.Int16, "layer": pl.Int16, "block": pl.Int32},
+    )
+
+
+def paired_blocks(info: PartitionInfo) -> bool:
+    """Whether every block is one attention component directly followed by the MLP component of
+    the same layer (what the block geometry assumes)."""
+    comps = [c for c in info.manifest.components if c.kind in ("attn", "mlp")]
+    pairs = list(zip(comps[::2], comps[1::2], strict=False))
+    return len(comps) % 2 == 0 and all(
+        a.kind == "attn" and m.kind == "mlp" and a.layer == m.layer for a, m in pairs
+    )
+
+
 def component_rows(info: PartitionInfo) -> pl.DataFrame:
-    """Per (instance, component) of attention and MLP: the geometry of METHODS.md section 7, with
-    ``block`` (1-based, in execution order: every attention component opens one) and the norms
-    ``r_prev`` = ||r_(c-1)||, ``r_norm`` = ||r_c|| that the block level needs."""
-    m = info.manifest
-    n_comp = len(m.components)
-    d = float(m.hidden_size or 0)
+    """Per (instance, component) of attention and MLP, sorted: the geometry of METHODS.md section
+    7, with the norms ``r_prev`` = ||r_(c-1)|| and ``r_norm`` = ||r_c|| the block level needs."""
+    d = float(info.manifest.hidden_size or 0)
     # ||r_c|| = sqrt(d) * sqrt(prefix_rms^2 - eps) (METHODS.md section 7; RMSNorm only).
     r_norm = (
         (d * (pl.col("prefix_rms").cast(pl.Float64) ** 2 - _eps(info))).clip(0.0).sqrt()
         if _exact_norms(info)
         else pl.lit(None, pl.Float64)
     )
-    frame = (
+    parts = component_map(info).filter(pl.col("kind").is_in(["attn", "mlp"])).drop("name")
+    norm, prev, cos_res = pl.col("out_norm"), pl.col("r_prev"), pl.col("cos_residual")
+    return (
         pl.scan_parquet(info.files("components"))
         .filter(pl.col("option") == 0)
         .select(
             "instance",
             "component",
-            pl.col("kind").cast(pl.String),
-            "layer",
             pl.col("out_norm").cast(pl.Float64),
             pl.col("cos_residual").cast(pl.Float64),
             pl.col("cos_prev").cast(pl.Float64),
             r_norm.alias("r_norm"),
         )
         .sort("instance", "component")
+        # the row before component c > 0 is c - 1 of the same instance (component 0 is dropped)
+        .with_columns(pl.col("r_norm").shift(1).alias("r_prev"))
+        .join(parts.lazy(), on="component")
+        .sort("instance", "component")
         .with_columns(
-            pl.col("r_norm").shift(1).over("instance").alias("r_prev"),
-            (pl.col("kind") == "attn").cum_sum().over("instance").cast(pl.Int32).alias("block"),
+            # rel_contribution = ||z_c|| / ||r_(c-1)||
+            (norm / prev).alias("rel_contribution"),
+            # cos(r_(c-1), r_c) = (||r_(c-1)||^2 + z_c . r_(c-1)) / (||r_(c-1)|| ||r_c||)
+            _degrees((prev**2 + cos_res * norm * prev) / (prev * pl.col("r_norm"))).alias(
+                "angle_deg"
+            ),
         )
-        .filter(pl.col("kind").is_in(["attn", "mlp"]))
+        .collect()
     )
-    norm, prev, cos_res = pl.col("out_norm"), pl.col("r_prev"), pl.col("cos_residual")
-    return frame.with_columns(
-        (pl.col("component") / n_comp).alias("relative_depth"),
-        # rel_contribution = ||z_c|| / ||r_(c-1)||
-        (norm / prev).alias("rel_contribution"),
-        # cos(r_(c-1), r_c) = (||r_(c-1)||^2 + z_c . r_(c-1)) / (||r_(c-1)|| ||r_c||)
-        _degrees((prev**2 + cos_res * norm * prev) / (prev * pl.col("r_norm"))).alias("angle_deg"),
-    ).collect()
 
 
-def block_rows(rows: pl.DataFrame) -> pl.DataFrame:
+def block_rows(rows: pl.DataFrame, n_blocks: int) -> pl.DataFrame:
     """Per (instance, block): the geometry of z_l = z_a + z_m, exact from the component rows
-    (METHODS.md section 7). With a = attention, m = MLP, r_(a-1) the stream before the block:
-    z_a . z_m = cos_prev_m ||z_a|| ||z_m|| (the lag-1 term), ||z_l||^2 = ||z_a||^2 + ||z_m||^2 +
-    2 z_a . z_m, and z_l . r_(a-1) = cos_res_a ||z_a|| ||r_(a-1)|| + cos_res_m ||z_m|| ||r_a|| -
-    z_a . z_m (because r_a = r_(a-1) + z_a)."""
-
-    def of(kind: str, column: str) -> pl.Expr:
-        return pl.col(column).filter(pl.col("kind") == kind).first()
-
-    parts = rows.group_by("instance", "block").agg(
-        of("attn", "layer").alias("layer"),
-        pl.len().alias("_n"),
-        of("attn", "component").alias("_a"),
-        of("mlp", "component").alias("_m"),
-        of("attn", "out_norm").alias("_na"),
-        of("mlp", "out_norm").alias("_nm"),
-        of("attn", "cos_residual").alias("_ca"),
-        of("mlp", "cos_residual").alias("_cm"),
-        of("mlp", "cos_prev").alias("_cos_am"),
-        of("attn", "r_prev").alias("_r0"),
-        of("attn", "r_norm").alias("_r1"),
-        of("mlp", "r_norm").alias("_r2"),
+    (METHODS.md section 7; blocks must be :func:`paired_blocks`). With a = attention, m = MLP,
+    r_(a-1) the stream before the block: z_a . z_m = cos_prev_m ||z_a|| ||z_m|| (the lag-1 term),
+    ||z_l||^2 = ||z_a||^2 + ||z_m||^2 + 2 z_a . z_m, and z_l . r_(a-1) = cos_res_a ||z_a||
+    ||r_(a-1)|| + cos_res_m ||z_m|| ||r_a|| - z_a . z_m (because r_a = r_(a-1) + z_a)."""
+    attn = pl.col("kind") == "attn"
+    # In the sorted rows every MLP row directly follows the attention row of its block.
+    na, nm, r0 = pl.col("out_norm").shift(1), pl.col("out_norm"), pl.col("r_prev").shift(1)
+    dot_am = pl.col("cos_prev") * na * nm
+    dot_r = (
+        pl.col("cos_residual").shift(1) * na * r0
+        + pl.col("cos_residual") * nm * pl.col("r_prev")
+        - dot_am
     )
-    if parts.filter((pl.col("_n") != 2) | (pl.col("_m") != pl.col("_a") + 1)).height:
-        raise DepthError(
-            "blocks are not one attention component followed by one MLP component; the block "
-            "geometry of METHODS.md section 7 does not apply"
-        )
-    na, nm, r0 = pl.col("_na"), pl.col("_nm"), pl.col("_r0")
-    dot_am = pl.col("_cos_am") * na * nm
     norm = (na**2 + nm**2 + 2 * dot_am).clip(0.0).sqrt()
-    dot_r = pl.col("_ca") * na * r0 + pl.col("_cm") * nm * pl.col("_r1") - dot_am
-    n_blocks = pl.col("block").max()
     return (
-        parts.with_columns(norm.alias("_norm"), dot_r.alias("_dot"))
+        rows.lazy()
         .select(
             "instance",
             "block",
             "layer",
+            "kind",
             (pl.col("block") / n_blocks).alias("relative_depth"),
-            (pl.col("_norm") / r0).alias("rel_contribution"),
-            (pl.col("_dot") / (pl.col("_norm") * r0)).alias("cos_residual"),
-            _degrees((r0**2 + pl.col("_dot")) / (r0 * pl.col("_r2"))).alias("angle_deg"),
-            pl.col("_cos_am").alias("cos_attn_mlp"),
+            (norm / r0).alias("rel_contribution"),
+            (dot_r / (norm * r0)).alias("cos_residual"),
+            _degrees((r0**2 + dot_r) / (r0 * pl.col("r_norm"))).alias("angle_deg"),
+            pl.col("cos_prev").alias("cos_attn_mlp"),
         )
-        .sort("instance", "block")
+        .filter(~attn)
+        .drop("kind")
+        .collect()
     )
 
 
@@ -342,13 +351,14 @@ def _skip_summary(rows: pl.DataFrame, n_layers: int) -> pl.DataFrame:
 # --- depth decay ----------------------------------------------------------------------------------
 
 
-def depth_decay(geometry: pl.DataFrame, blocks: pl.DataFrame) -> pl.DataFrame:
+def depth_decay(geometry: pl.DataFrame, blocks: pl.DataFrame | None) -> pl.DataFrame:
     """Per (model, task): the least-squares line log rel_contribution_l = log a - beta log l
     through the mean block update sizes (METHODS.md section 7; the inverse-depth paper's Fig. 2d),
     beta with its standard error, and the mean of every ``geometry`` column over the components in
     the first (relative depth <= 1/2) and the second half of the stack."""
     rows = []
-    for (model, task), sub in blocks.sort("block").group_by("model", "task", maintain_order=True):
+    sizes = pl.DataFrame() if blocks is None else blocks.sort("block")
+    for (model, task), sub in sizes.group_by("model", "task") if sizes.height else []:
         sub = sub.filter(pl.col("rel_contribution") > 0)
         fit: dict[str, float | None] = {"a": None, "beta": None, "beta_se": None, "r2": None}
         if sub.height >= 3:
@@ -379,21 +389,20 @@ def depth_decay(geometry: pl.DataFrame, blocks: pl.DataFrame) -> pl.DataFrame:
         *(pl.col(c).filter(first).mean().alias(f"{c}_first_half") for c in GEOMETRY),
         *(pl.col(c).filter(~first).mean().alias(f"{c}_second_half") for c in GEOMETRY),
     )
-    return fits.join(halves, on=["model", "task"], how="left").sort("model", "task")
+    return halves.join(fits, on=["model", "task"], how="left").sort("model", "task")
 
 
 # --- all tables -----------------------------------------------------------------------------------
 
 
-def _names(info: PartitionInfo) -> pl.DataFrame:
-    return pl.DataFrame(
-        {"component": range(len(info.manifest.components))},
-        schema={"component": pl.Int16},
-    ).with_columns(pl.Series("name", [c.name for c in info.manifest.components]))
-
-
-def _listing(parts: list[PartitionInfo]) -> str:
-    return ", ".join(f"{p.model}/{p.task}" for p in parts)
+def _listing(parts: list[PartitionInfo], most: int = 4) -> str:
+    """Partitions by model (``model (task, task)``), the first ``most`` models only."""
+    tasks: dict[str, list[str]] = {}
+    for p in parts:
+        tasks.setdefault(p.model, []).append(p.task)
+    shown = [f"{m} ({', '.join(t)})" for m, t in list(tasks.items())[:most]]
+    more = len(tasks) - most
+    return "; ".join(shown) + (f" and {more} more model(s)" if more > 0 else "")
 
 
 def _skip_table(info: PartitionInfo) -> pl.DataFrame:
@@ -420,12 +429,15 @@ def _partition_tables(
     if not _exact_norms(info):
         lacking.setdefault("norms", []).append(info)
     rows = component_rows(info)
-    keys = ["component", "kind", "layer", "relative_depth"]
-    summary = _summary(rows, keys, GEOMETRY).join(_names(info), on="component")
-    out["geometry"] = _tag(
-        summary.select("component", "name", pl.exclude("component", "name")), info
-    )
-    out["geometry_blocks"] = _tag(_summary(block_rows(rows), block_keys, BLOCK_GEOMETRY), info)
+    keys = ["component", "name", "kind", "layer", "relative_depth"]
+    names = component_map(info).select("component", "name")
+    out["geometry"] = _tag(_summary(rows.join(names, on="component"), keys, GEOMETRY), info)
+    if not paired_blocks(info):
+        lacking.setdefault("blocks", []).append(info)
+        return out
+    n_blocks = int(rows["block"].max())  # type: ignore[arg-type]
+    blocks = block_rows(rows, n_blocks)
+    out["geometry_blocks"] = _tag(_summary(blocks, block_keys, BLOCK_GEOMETRY), info)
     return out
 
 
@@ -433,6 +445,10 @@ def depth_tables(parts: list[PartitionInfo], notes: list[str]) -> dict[str, pl.D
     """Every table of this module for the partitions that hold the data it needs; a partition that
     lacks a column or table adds a line to ``notes`` saying how to get it. Tables no partition
     can give are left out."""
+
+    def listing(some: list[PartitionInfo]) -> str:
+        return "every partition" if len(some) == len(parts) else _listing(some)
+
     lacking: dict[str, list[PartitionInfo]] = {}
     frames: dict[str, list[pl.DataFrame]] = {}
     for info in parts:
@@ -440,22 +456,27 @@ def depth_tables(parts: list[PartitionInfo], notes: list[str]) -> dict[str, pl.D
             frames.setdefault(name, []).append(frame)
     tables = {name: pl.concat(found) for name, found in frames.items()}
     if "geometry" in tables:
-        tables["depth_decay"] = depth_decay(tables["geometry"], tables["geometry_blocks"])
+        tables["depth_decay"] = depth_decay(tables["geometry"], tables.get("geometry_blocks"))
+    if lacking.get("blocks"):
+        notes.append(
+            f"Block geometry left out for {listing(lacking['blocks'])}: their blocks are not "
+            "an attention component followed by the MLP component of the same layer."
+        )
     if lacking.get("cos_prev"):
         notes.append(
-            f"Depth geometry left out for {_listing(lacking['cos_prev'])}: their store (schema "
+            f"Depth geometry left out for {listing(lacking['cos_prev'])}: their store (schema "
             "version 1) has no components.cos_prev; re-extract them with --overwrite."
         )
     if lacking.get("norms"):
         notes.append(
-            f"rel_contribution and angle_deg are empty for {_listing(lacking['norms'])}: their "
+            f"rel_contribution and angle_deg are empty for {listing(lacking['norms'])}: their "
             "final norm is a LayerNorm (or the manifest has no hidden_size), whose stored prefix "
             "scale is the norm of the centred stream; extract with --gram for exact angles."
         )
     for table, flag in (("skips", "--skips"), ("gram", "--gram")):
         if lacking.get(table):
             notes.append(
-                f"No {table} table for {_listing(lacking[table])}: run `layerdiv extract {flag}` "
+                f"No {table} table for {listing(lacking[table])}: run `layerdiv extract {flag}` "
                 "on them (it extends the partition without re-extracting the components)."
             )
     return tables
