@@ -44,13 +44,17 @@ class BatchDecomposition:
     """(B, K) the model's own option logits (lm_head output, before any soft-cap)."""
     sum_error: torch.Tensor
     """(B,) max_k |sum_c u_c[k] - model_logits[k]| / max(1, max_k sum_c |u_c[k]|)."""
+    gram: torch.Tensor | None = None
+    """(B, C(C+1)/2) upper triangle of z_a . z_b over the C components without bias, row by row
+    (``layerdiv.schemas.GRAM``); only with ``gram=True``."""
 
 
 class ComponentCapture:
     """Hooks on one model; :meth:`decompose` after each forward pass gives the batch's results."""
 
-    def __init__(self, model: Any, adapter: Adapter, option_ids: list[int]):
+    def __init__(self, model: Any, adapter: Adapter, option_ids: list[int], gram: bool = False):
         self.adapter = adapter
+        self.gram = gram
         blocks = get_module(model, adapter.blocks)
         self.norm = get_module(model, adapter.final_norm)
         head = model.get_output_embeddings()
@@ -178,6 +182,10 @@ class ComponentCapture:
             cos = torch.cat([cos, nan], dim=1)
             cos_prev = torch.cat([cos_prev, nan], dim=1)
             prefix_rms = torch.cat([prefix_rms, scale_x[:, None]], dim=1)
+        gram = None
+        if self.gram:  # METHODS.md section 7: every norm and angle of any partial sum
+            upper = torch.triu_indices(z.shape[1], z.shape[1], device=z.device)
+            gram = (z @ z.transpose(1, 2))[:, upper[0], upper[1]].cpu()
         total = logits.sum(dim=1)
         spread = logits.abs().sum(dim=1).amax(dim=-1).clamp(min=1.0)
         sum_error = (total - self._head).abs().amax(dim=-1) / spread
@@ -191,4 +199,5 @@ class ComponentCapture:
             final_rms=scale_x.cpu(),
             model_logits=self._head.cpu(),
             sum_error=sum_error.cpu(),
+            gram=gram,
         )

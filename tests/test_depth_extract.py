@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from layerdiv.extract.adapters import adapter_for, get_module
+from layerdiv.extract.capture import ComponentCapture
 from layerdiv.extract.skips import BlockSkipper
+from layerdiv.schemas import gram_index
 
 PROMPTS = [[5, 17, 33, 40, 41, 42, 60, 7], [9, 12], [100, 101, 102, 103, 104]]
 OPTIONS = [11, 25, 37]
@@ -89,3 +91,61 @@ def test_skips_of_a_shared_block_cover_every_call(build_model: Any) -> None:
     assert got.shape[1] == 2
     for b in range(2):
         torch.testing.assert_close(got[:, b], without_block(model, b), rtol=1e-4, atol=1e-5)
+
+
+def hooked_outputs(model: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Component outputs z (B, C, d) at the last position from plain torch hooks on the
+    attention and MLP modules and HF's own hidden states (embedding), and those hidden states."""
+    adapter = adapter_for(model.config)
+    outs: list[torch.Tensor] = []
+
+    def keep(module: Any, args: Any, output: Any) -> None:
+        outs.append((output[0] if isinstance(output, tuple) else output)[:, -1].float())
+
+    handles = [
+        get_module(block, getattr(adapter, kind)).register_forward_hook(keep)
+        for block in get_module(model, adapter.blocks)
+        for kind in ("attn", "mlp")
+    ]
+    with torch.no_grad():
+        out = model(**batch(PROMPTS), use_cache=False, output_hidden_states=True)
+    for handle in handles:
+        handle.remove()
+    hidden = [h[:, -1].float() for h in out.hidden_states]
+    return torch.stack([hidden[0], *outs], dim=1), hidden
+
+
+def decompose_with_gram(model: Any) -> Any:
+    capture = ComponentCapture(model, adapter_for(model.config), OPTIONS, gram=True)
+    try:
+        with torch.inference_mode():
+            model(**batch(PROMPTS), use_cache=False)
+        return capture.decompose()
+    finally:
+        capture.remove()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_neox"])
+def test_cos_prev_and_gram_equal_direct_computation(family: str, build_model: Any) -> None:
+    model = build_model(family)
+    dec = decompose_with_gram(model)
+    z, hidden = hooked_outputs(model)
+    n = z.shape[1]
+    cos_prev = torch.nn.functional.cosine_similarity(z[:, 1:], z[:, :-1], dim=-1)
+    torch.testing.assert_close(dec.cos_prev[:, 1:n], cos_prev, rtol=1e-4, atol=1e-5)
+    assert torch.isnan(dec.cos_prev[:, 0]).all()
+    gram = z @ z.transpose(1, 2)
+    a, b = torch.triu_indices(n, n)
+    assert dec.gram.shape == (len(PROMPTS), n * (n + 1) // 2)
+    for i, j in [(0, 0), (0, n - 1), (1, 2), (n - 2, n - 1)]:
+        k = gram_index(i, j, n)
+        assert (int(a[k]), int(b[k])) == (i, j)
+        torch.testing.assert_close(dec.gram[:, k], gram[:, i, j], rtol=1e-4, atol=1e-4)
+    # the state after block l (HF hidden_states[l], before the final norm) from the Gram matrix
+    for layer in range(1, len(hidden) - 1):
+        c = 2 * layer + 1  # embedding + attention and MLP of blocks 0..layer-1
+        norm2 = dec.gram.new_zeros(len(PROMPTS))
+        for i in range(c):
+            for j in range(i, c):
+                norm2 += (1 if i == j else 2) * dec.gram[:, gram_index(i, j, n)]
+        torch.testing.assert_close(norm2.sqrt(), hidden[layer].norm(dim=-1), rtol=1e-4, atol=1e-4)
