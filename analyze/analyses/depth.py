@@ -116,7 +116,8 @@ def paired_blocks(info: PartitionInfo) -> bool:
 
 def component_rows(info: PartitionInfo) -> pl.DataFrame:
     """Per (instance, component) of attention and MLP, sorted: the geometry of METHODS.md section
-    7, with the norms ``r_prev`` = ||r_(c-1)|| and ``r_norm`` = ||r_c|| the block level needs."""
+    7, with the norms ``r_prev`` = ||r_(c-1)|| and ``r_norm`` = ||r_c|| the block level needs and
+    ``is_attn``."""
     d = float(info.manifest.hidden_size or 0)
     # ||r_c|| = sqrt(d) * sqrt(prefix_rms^2 - eps) (METHODS.md section 7; RMSNorm only).
     r_norm = (
@@ -124,7 +125,9 @@ def component_rows(info: PartitionInfo) -> pl.DataFrame:
         if _exact_norms(info)
         else pl.lit(None, pl.Float64)
     )
-    parts = component_map(info).filter(pl.col("kind").is_in(["attn", "mlp"])).drop("name")
+    kinds = [c.kind for c in info.manifest.components]
+    is_attn = pl.Series([k == "attn" for k in kinds])
+    residual = pl.Series([k in ("attn", "mlp") for k in kinds])
     norm, prev, cos_res = pl.col("out_norm"), pl.col("r_prev"), pl.col("cos_residual")
     return (
         pl.scan_parquet(info.files("components"))
@@ -140,9 +143,9 @@ def component_rows(info: PartitionInfo) -> pl.DataFrame:
         .sort("instance", "component")
         # the row before component c > 0 is c - 1 of the same instance (component 0 is dropped)
         .with_columns(pl.col("r_norm").shift(1).alias("r_prev"))
-        .join(parts.lazy(), on="component")
-        .sort("instance", "component")
+        .filter(pl.lit(residual).gather(pl.col("component")))
         .with_columns(
+            pl.lit(is_attn).gather(pl.col("component")).alias("is_attn"),
             # rel_contribution = ||z_c|| / ||r_(c-1)||
             (norm / prev).alias("rel_contribution"),
             # cos(r_(c-1), r_c) = (||r_(c-1)||^2 + z_c . r_(c-1)) / (||r_(c-1)|| ||r_c||)
@@ -154,13 +157,12 @@ def component_rows(info: PartitionInfo) -> pl.DataFrame:
     )
 
 
-def block_rows(rows: pl.DataFrame, n_blocks: int) -> pl.DataFrame:
-    """Per (instance, block): the geometry of z_l = z_a + z_m, exact from the component rows
-    (METHODS.md section 7; blocks must be :func:`paired_blocks`). With a = attention, m = MLP,
-    r_(a-1) the stream before the block: z_a . z_m = cos_prev_m ||z_a|| ||z_m|| (the lag-1 term),
-    ||z_l||^2 = ||z_a||^2 + ||z_m||^2 + 2 z_a . z_m, and z_l . r_(a-1) = cos_res_a ||z_a||
-    ||r_(a-1)|| + cos_res_m ||z_m|| ||r_a|| - z_a . z_m (because r_a = r_(a-1) + z_a)."""
-    attn = pl.col("kind") == "attn"
+def block_rows(rows: pl.DataFrame) -> pl.DataFrame:
+    """Per (instance, MLP component m): the geometry of block z_l = z_a + z_m, exact from the
+    component rows (METHODS.md section 7; blocks must be :func:`paired_blocks`). With a = m - 1 the
+    attention component and r_(a-1) the stream before the block: z_a . z_m = cos_prev_m ||z_a||
+    ||z_m|| (the lag-1 term), ||z_l||^2 = ||z_a||^2 + ||z_m||^2 + 2 z_a . z_m, and z_l . r_(a-1) =
+    cos_res_a ||z_a|| ||r_(a-1)|| + cos_res_m ||z_m|| ||r_a|| - z_a . z_m (r_a = r_(a-1) + z_a)."""
     # In the sorted rows every MLP row directly follows the attention row of its block.
     na, nm, r0 = pl.col("out_norm").shift(1), pl.col("out_norm"), pl.col("r_prev").shift(1)
     dot_am = pl.col("cos_prev") * na * nm
@@ -174,23 +176,24 @@ def block_rows(rows: pl.DataFrame, n_blocks: int) -> pl.DataFrame:
         rows.lazy()
         .select(
             "instance",
-            "block",
-            "layer",
-            "kind",
-            (pl.col("block") / n_blocks).alias("relative_depth"),
+            "component",
+            "is_attn",
             (norm / r0).alias("rel_contribution"),
             (dot_r / (norm * r0)).alias("cos_residual"),
             _degrees((r0**2 + dot_r) / (r0 * pl.col("r_norm"))).alias("angle_deg"),
             pl.col("cos_prev").alias("cos_attn_mlp"),
         )
-        .filter(~attn)
-        .drop("kind")
+        .filter(~pl.col("is_attn"))
+        .drop("is_attn")
         .collect()
     )
 
 
-def _summary(frame: pl.DataFrame, keys: list[str], columns: Iterable[str]) -> pl.DataFrame:
+def _summary(
+    frame: pl.DataFrame, columns: Iterable[str], keys: Iterable[str] = ("component",)
+) -> pl.DataFrame:
     """Means over instances and their standard deviations (``<column>_std``)."""
+    keys = list(keys)
     return (
         frame.group_by(keys)
         .agg(
@@ -422,22 +425,26 @@ def _partition_tables(
         out["skip_effects"] = _skip_table(info)
     block_keys = ["block", "layer", "relative_depth"]
     if "gram" in extra:
-        out["gram_blocks"] = _tag(_summary(gram_block_rows(info), block_keys, GRAM_ANGLES), info)
+        out["gram_blocks"] = _tag(_summary(gram_block_rows(info), GRAM_ANGLES, block_keys), info)
     if not _has_cos_prev(info):
         lacking.setdefault("cos_prev", []).append(info)
         return out
     if not _exact_norms(info):
         lacking.setdefault("norms", []).append(info)
     rows = component_rows(info)
-    keys = ["component", "name", "kind", "layer", "relative_depth"]
-    names = component_map(info).select("component", "name")
-    out["geometry"] = _tag(_summary(rows.join(names, on="component"), keys, GEOMETRY), info)
+    labels = component_map(info)
+    geometry = labels.drop("block").join(_summary(rows, GEOMETRY), on="component")
+    out["geometry"] = _tag(geometry, info)
     if not paired_blocks(info):
         lacking.setdefault("blocks", []).append(info)
         return out
-    n_blocks = int(rows["block"].max())  # type: ignore[arg-type]
-    blocks = block_rows(rows, n_blocks)
-    out["geometry_blocks"] = _tag(_summary(blocks, block_keys, BLOCK_GEOMETRY), info)
+    # a block's row is its MLP component's: label it with the block's number and depth
+    n_blocks = int(labels["block"].max())  # type: ignore[arg-type]
+    block_labels = labels.select(
+        "component", "block", "layer", (pl.col("block") / n_blocks).alias("relative_depth")
+    )
+    blocks = block_labels.join(_summary(block_rows(rows), BLOCK_GEOMETRY), on="component")
+    out["geometry_blocks"] = _tag(blocks.drop("component"), info)
     return out
 
 
