@@ -5,16 +5,64 @@ Commands that read the cache never import torch; ``extract`` and ``demo`` import
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from typing import Any
 
 import click
 
 from layerdiv import __version__
+from layerdiv.analyze.options import ESTIMATORS, FORMATS, LENSES
+from layerdiv.errors import LayerdivError
 
 DEFAULT_STORE = "layerdiv-store"
+MAX_ROWS = 40
+"""Rows ``layerdiv query`` prints unless told otherwise."""
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def one_line(err: BaseException) -> str:
+    """An error message on one line: DuckDB's source excerpt (``LINE 1: ...`` and the caret
+    under it) is dropped, the remaining lines are joined."""
+    lines = [ln.strip() for ln in str(err).splitlines()]
+    kept = [ln for ln in lines if ln and not ln.startswith("LINE ") and set(ln) != {"^"}]
+    return re.sub(r"\s+", " ", " ".join(kept)) or type(err).__name__
+
+
+def user_error(err: BaseException) -> str | None:
+    """The one line to print for an error that bad input causes (a ``LayerdivError``, an SQL
+    error, a file that cannot be read or written), or None for a bug (shown as a traceback)."""
+    package = type(err).__module__.split(".")[0]
+    if isinstance(err, LayerdivError):
+        return one_line(err)
+    if package in ("duckdb", "_duckdb"):
+        return f"{one_line(err)} (the views are components, instances and manifests)"
+    if package == "polars" or isinstance(err, OSError):
+        return f"cannot read or write: {one_line(err)}"
+    return None
+
+
+class _Main(click.Group):
+    """The command group; every command's user errors end here: one line, exit status 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Exception as err:
+            message = user_error(err)
+            if message is None:
+                raise
+            raise click.ClickException(message) from None
+
+
+def fail_after(problems: list[str]) -> None:
+    """Print each problem as an error line and exit 1, after a command did what it could."""
+    for problem in problems:
+        click.echo(f"Error: {problem}", err=True)
+    if problems:
+        raise click.exceptions.Exit(1)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="layerdiv")
 def main() -> None:
     """Bias-diversity decomposition of a language model's residual stream.
@@ -171,12 +219,9 @@ def demo(out: str, n: int, seed: int) -> None:
     report), then a summary. A second run reuses the cache."""
     from pathlib import Path
 
-    from layerdiv.demo import DemoDataError, run_demo
+    from layerdiv.demo import run_demo
 
-    try:
-        run_demo(Path(out), n, seed)
-    except DemoDataError as err:
-        raise click.ClickException(str(err)) from err
+    run_demo(Path(out), n, seed)
 
 
 # --- analysis commands ---------------------------------------------------------------------
@@ -198,8 +243,8 @@ tasks_option = click.option(
 )
 lens_option = click.option(
     "--lens",
-    type=click.Choice(["final", "prefix"]),
-    default="final",
+    type=click.Choice(LENSES),
+    default=LENSES[0],
     show_default=True,
     help="Junction scores with the final norm's scale frozen, or each prefix rescaled by its "
     "own rms (logit lens; METHODS.md sections 1 and 3).",
@@ -228,13 +273,14 @@ def analysis_options(command: Callable[..., None]) -> Callable[..., None]:
     default="layerdiv-results",
     show_default=True,
     type=click.Path(file_okay=False),
-    help="Directory for the result tables.",
+    help="Folder for the result tables (an earlier result folder there is replaced; a folder "
+    "holding anything else is refused).",
 )
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["parquet", "csv"]),
-    default="parquet",
+    type=click.Choice(FORMATS),
+    default=FORMATS[0],
     show_default=True,
     help="Table file format.",
 )
@@ -242,36 +288,39 @@ def analyze_command(
     store: str,
     models: tuple[str, ...],
     tasks: tuple[str, ...],
-    lens: str,
+    lens: Any,
     min_params: float,
     out: str,
     fmt: str,
 ) -> None:
-    """Compute every result table (scores, curves, module shares, correlations, depth
-    efficiency, information) from the cache and write them to OUT."""
+    """Run every registered analysis (scores, curves, module shares, correlations, depth
+    efficiency, information, ...) on the cache and write every result table to OUT."""
     from layerdiv.analyze.api import analyze
-    from layerdiv.analyze.cli_support import clean_errors
-    from layerdiv.analyze.output import write_tables
+    from layerdiv.analyze.output import refuse_inside, write_tables
 
-    with clean_errors():
-        results = analyze(store, models, tasks, lens, min_params, progress=True)  # type: ignore[arg-type]
-        settings = {
-            "store": store,
-            "models": list(models),
-            "tasks": list(tasks),
-            "lens": lens,
-            "min_params": min_params,
-        }
-        write_tables(results.tables(), out, fmt, settings)
-    click.echo(f"wrote {len(results.tables())} tables ({fmt}) to {out}")
+    refuse_inside(out, store)
+    results = analyze(store, models, tasks, lens, min_params, progress=True)
+    settings = {
+        "store": store,
+        "models": list(models),
+        "tasks": list(tasks),
+        "lens": lens,
+        "min_params": min_params,
+    }
+    tables = results.tables()
+    write_tables(tables, out, fmt, settings)
+    click.echo(f"wrote {len(tables)} tables ({fmt}) to {out}")
+    for note in results.notes:
+        click.echo(note)
+    fail_after(results.problems)
 
 
 @main.command("report")
 @analysis_options
 @click.option(
     "--estimator",
-    type=click.Choice(["paper", "ensemble"]),
-    default="paper",
+    type=click.Choice(ESTIMATORS),
+    default=ESTIMATORS[0],
     show_default=True,
     help="Which MSE/bias/diversity estimator the report shows (METHODS.md section 2).",
 )
@@ -280,28 +329,31 @@ def analyze_command(
     default="layerdiv-report",
     show_default=True,
     type=click.Path(file_okay=False),
-    help="Directory for report.md and figures/.",
+    help="Folder for report.md and figures/ (an earlier report there is replaced; a folder "
+    "holding anything else is refused).",
 )
 def report_command(
     store: str,
     models: tuple[str, ...],
     tasks: tuple[str, ...],
-    lens: str,
+    lens: Any,
     min_params: float,
-    estimator: str,
+    estimator: Any,
     out: str,
 ) -> None:
-    """Write a Markdown report (the paper's Table 1, Figs. 3-6 tables and PNG figures)."""
+    """Write a Markdown report: a section per registered analysis (the paper's Table 1 and
+    Figs. 3-6 first) with PNG figures."""
     from layerdiv.analyze.api import analyze
-    from layerdiv.analyze.cli_support import clean_errors
+    from layerdiv.analyze.output import refuse_inside
     from layerdiv.analyze.report import write_report
 
-    with clean_errors():
-        results = analyze(store, models, tasks, lens, min_params, progress=True)  # type: ignore[arg-type]
-        path, notes = write_report(results, out, estimator, store)  # type: ignore[arg-type]
+    refuse_inside(out, store)
+    results = analyze(store, models, tasks, lens, min_params, progress=True)
+    path, notes = write_report(results, out, estimator, store)
     click.echo(f"wrote {path}")
     for note in notes:
         click.echo(note)
+    fail_after(results.problems)
 
 
 @main.command("query")
@@ -313,9 +365,16 @@ def report_command(
     "--out",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Write the result to this .parquet or .csv file instead of printing it.",
+    help="Write the last statement's result to this .parquet or .csv file (outside the store) "
+    "instead of printing.",
 )
-@click.option("--max-rows", type=int, default=40, show_default=True, help="Rows to print at most.")
+@click.option(
+    "--max-rows",
+    type=click.IntRange(min=1),
+    default=MAX_ROWS,
+    show_default=True,
+    help="Rows to print at most per result.",
+)
 def query_command(
     sql: str,
     store: str,
@@ -324,37 +383,93 @@ def query_command(
     out: str | None,
     max_rows: int,
 ) -> None:
-    """Run SQL on the views components, instances and manifests (DuckDB).
+    """Run SQL on the views components, instances and manifests (DuckDB), and print every
+    result. The SQL cannot read or write files: the store stays as it is.
 
     Example: layerdiv query "SELECT model, task, count(*) FROM instances GROUP BY ALL"
     """
-    from layerdiv.analyze.cli_support import clean_errors, show
-    from layerdiv.analyze.output import atomic_file, file_format
+    import duckdb
+
+    from layerdiv.analyze.output import atomic_file, file_format, refuse_inside, write_reader
     from layerdiv.store import Store
 
-    with clean_errors():
-        fmt = file_format(out) if out else None
-        relation = Store(store).duckdb(models, tasks).sql(sql)
-        if relation is None:
-            click.echo("OK (the statement returns no rows)")
-        elif out:
+    fmt = None
+    if out:
+        fmt = file_format(out)
+        refuse_inside(out, store)
+    st = Store(store)
+    con = st.duckdb(models, tasks)
+    statements = duckdb.extract_statements(sql)
+    if not statements:
+        raise click.UsageError("no SQL statement given")
+    shown = []
+    for i, statement in enumerate(statements):
+        relation = con.sql(statement.query)
+        last = i == len(statements) - 1
+        if out and fmt and last:
+            if relation is None:
+                raise click.UsageError("--out needs a last statement that returns rows")
             with atomic_file(out) as tmp:
-                getattr(relation, f"write_{fmt}")(str(tmp))
+                write_reader(relation.to_arrow_reader(), tmp, fmt)
             click.echo(f"wrote {out}")
-        else:
-            click.echo(show(relation.limit(max_rows + 1).pl(), max_rows))
+        elif relation is not None and not out:
+            shown.append(preview(relation, max_rows))
+    if not out:
+        click.echo("\n\n".join(shown) if shown else "OK (no statement returns rows)")
+    fail_after(st.problems(models, tasks))
+
+
+def show(frame: Any) -> str:
+    """A frame as a text table: every row and column, no types, no shape line."""
+    import polars as pl
+
+    with pl.Config(
+        tbl_rows=-1,
+        tbl_cols=-1,
+        tbl_width_chars=1000,
+        fmt_str_lengths=60,
+        tbl_hide_column_data_types=True,
+        tbl_hide_dataframe_shape=True,
+    ):
+        return str(frame)
+
+
+def preview(relation: Any, max_rows: int) -> str:
+    """The first ``max_rows`` rows of a DuckDB relation as a text table, and how many more
+    there are (counted while the query runs once)."""
+    import polars as pl
+    import pyarrow as pa
+
+    reader = relation.to_arrow_reader(max_rows)
+    kept: list[pa.RecordBatch] = []
+    total = 0
+    for batch in reader:
+        if total < max_rows:
+            kept.append(batch.slice(0, max_rows - total))
+        total += batch.num_rows
+    text = show(pl.from_arrow(pa.Table.from_batches(kept, schema=reader.schema)))
+    if total > max_rows:
+        text += (
+            f"\n{total - max_rows:,} more rows not shown ({total:,} in all): "
+            "raise --max-rows, or write them all with --out FILE"
+        )
+    return text
 
 
 @main.command("ls")
 @store_option
-def ls_command(store: str) -> None:
-    """List what the store holds: models, tasks, instance counts, extraction dates."""
+@models_option
+@tasks_option
+def ls_command(store: str, models: tuple[str, ...], tasks: tuple[str, ...]) -> None:
+    """List what the store holds: models, tasks, instance counts, extraction dates; and every
+    partition that cannot be read (exit 1)."""
     from layerdiv.analyze.api import ls
-    from layerdiv.analyze.cli_support import clean_errors, show
+    from layerdiv.store import Store
 
-    with clean_errors():
-        table = ls(store)
-    click.echo(show(table, max_rows=max(table.height, 1)))
+    st = Store(store)
+    table = ls(st, models, tasks)
+    click.echo(show(table))
+    fail_after(st.problems(models, tasks))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The offline demo: real labelled text shipped on PyPI becomes ordinary user tasks (YAML + JSONL),
-then SmolLM2-135M-Instruct goes through ``layerdiv extract``, ``analyze`` and ``report``.
+then SmolLM2-135M-Instruct is extracted, analysed once and reported through the Python API.
 
 The data packages are located with ``importlib.util.find_spec`` and read as files, never imported.
 """
@@ -147,33 +147,37 @@ def write_demo_tasks(folder: Path, n: int, seed: int) -> list[Path]:
 
 
 def run_demo(out: Path, n: int, seed: int) -> None:
-    """Write the demo tasks into ``out/tasks``, then run ``layerdiv extract``, ``analyze`` and
-    ``report`` on them exactly as a user would, and print a summary per task."""
+    """Write the demo tasks into ``out/tasks``, then extract, analyze and report them through the
+    Python API (what ``layerdiv extract``, ``analyze`` and ``report`` run), analysing once, and
+    print a summary per task."""
     from layerdiv.analyze.api import analyze, task_summary
-    from layerdiv.cli import main
+    from layerdiv.analyze.metrics import METRICS
+    from layerdiv.analyze.output import write_tables
+    from layerdiv.analyze.report import write_report
+    from layerdiv.extract.runner import ExtractConfig, run_extract
 
     start = time.perf_counter()
     tasks = write_demo_tasks(out / "tasks", n, seed)
-    store, results, report = out / "store", out / "results", out / "report"
-    task_args = [arg for path in tasks for arg in ("--task", str(path))]
-    for args in (
-        ["extract", "--model", DEMO_MODEL, "--store", str(store), *task_args],
-        ["analyze", "--store", str(store), "--out", str(results)],
-        ["report", "--store", str(store), "--out", str(report)],
-    ):
-        print(f"\n$ layerdiv {' '.join(args)}")
-        main.main(args, prog_name="layerdiv", standalone_mode=False)
-    summary = task_summary(analyze(store), estimator="paper")
-    print(f"\nSummary ({DEMO_MODEL}; MSE, bias and diversity x100, `paper` estimator):")
+    store, results_dir, report_dir = out / "store", out / "results", out / "report"
+    print(f"\nExtracting {DEMO_MODEL} on {', '.join(p.stem for p in tasks)} into {store}")
+    for s in run_extract(ExtractConfig(DEMO_MODEL, [str(p) for p in tasks], store)):
+        print(f"{s.task}: {s.n_done}/{s.n_requested} instances stored ({s.n_new} new)")
+    results = analyze(store, progress=True)
+    write_tables(results.tables(), results_dir, "parquet", {"store": str(store)})
+    write_report(results, report_dir, "paper", str(store))
+    mse, bias, div = (METRICS[m].unit("paper") for m in ("mse", "bias", "diversity"))
+    print(
+        f"\nSummary ({DEMO_MODEL}, `paper` estimator; MSE and bias {mse.label}, "
+        f"diversity in {div.label}):"
+    )
     header = f"{'task':<9}{'n':>5}{'accuracy':>10}{'majority':>10}{'MSE':>8}{'bias':>8}"
     print(header + f"{'diversity':>11}  accuracy saturates at")
-    for row in summary.iter_rows(named=True):
+    for row in task_summary(results, estimator="paper").iter_rows(named=True):
         print(
             f"{row['task']:<9}{row['n_instances']:>5}{100 * row['accuracy']:>9.1f}%"
-            f"{100 * row['majority_accuracy']:>9.1f}%{100 * row['mse']:>8.2f}"
-            f"{100 * row['bias']:>8.2f}{100 * row['diversity']:>11.2f}"
-            f"  component {row['saturation_j']} of "
-            f"{row['n_components']}"
+            f"{100 * row['majority_accuracy']:>9.1f}%{mse.scale * row['mse']:>8.2f}"
+            f"{bias.scale * row['bias']:>8.2f}{div.scale * row['diversity']:>11.2f}"
+            f"  component {row['saturation_j']} of {row['n_components']}"
         )
-    print(f"\nReport: {report / 'report.md'}   tables: {results}   store: {store}")
+    print(f"\nReport: {report_dir / 'report.md'}   tables: {results_dir}   store: {store}")
     print(f"Demo finished in {time.perf_counter() - start:.0f} s.")

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
         scores,
         task_summary,
     )
-    from layerdiv.analyze.decomposition import ESTIMATORS, LENSES, instance_curves
+    from layerdiv.analyze.decomposition import instance_curves
+    from layerdiv.analyze.options import ESTIMATORS, LENSES
 
 _EXPORTS = {
     "Results": "api",
@@ -32,8 +33,8 @@ _EXPORTS = {
     "query": "api",
     "scores": "api",
     "task_summary": "api",
-    "ESTIMATORS": "decomposition",
-    "LENSES": "decomposition",
+    "ESTIMATORS": "options",
+    "LENSES": "options",
     "instance_curves": "decomposition",
 }
 

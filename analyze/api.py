@@ -7,16 +7,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
 import polars as pl
-from tqdm import tqdm
 
-from layerdiv.analyze import stats
-from layerdiv.analyze.decomposition import ESTIMATORS, Lens, instance_curves, partition_scores
-from layerdiv.store import PartitionInfo, Store
+from layerdiv.analyze.decomposition import instance_curves
+from layerdiv.analyze.options import Estimator, Lens
+from layerdiv.analyze.registry import Context, registered
+from layerdiv.store import Store
 
 StoreLike = Store | str | Path
 
@@ -28,68 +30,51 @@ def open_store(store: StoreLike) -> Store:
 
 @dataclass
 class Results:
-    """Every result table of one analysis. Scores are fractions (accuracy 0.55, not 55) and
-    ``j`` counts components (1 = the embedding alone, L = the full stack)."""
+    """Every result table of one analysis, by name (:meth:`tables`) and as attributes
+    (``results.scores``). Scores are fractions (accuracy 0.55, not 55) and ``j`` counts
+    components (1 = the embedding alone, L = the full stack).
 
-    scores: pl.DataFrame
-    """Per (model, task, estimator): accuracy, mse, bias, diversity of the full stack (means over
-    instances), n_instances, n_components, n_options, majority_accuracy (METHODS.md 2)."""
-    instance_scores: pl.DataFrame
-    """Per (model, task, estimator, instance): gold, pred, correct, mse, bias, diversity."""
-    curves: pl.DataFrame
-    """Per (model, task, estimator, j): accuracy, mse, bias, diversity of the first j components
-    (means over instances), and the name and kind of component j (METHODS.md 3)."""
-    modules: pl.DataFrame
-    """Per (model, task, estimator, kind X): n_components |X|, bias and diversity (means over
-    instances and the components of kind X), bias_share and diversity_share (Eqs. 9-10)."""
-    correlations: pl.DataFrame
-    """Per (model, task, estimator, metric, method): r, p, significant (METHODS.md 4)."""
-    correlation_means: pl.DataFrame
-    """Fisher-z averages of ``correlations`` over tasks, over models, and overall."""
-    depth_curves: pl.DataFrame
-    """Per (model, estimator, j): accuracy and mse averaged over tasks, with marginal gains."""
-    depth_fits: pl.DataFrame
-    """Per (model, estimator): acc = a + b log j and mse = c / j^alpha + L0, with errors."""
-    information_curves: pl.DataFrame
-    """Per (model, task, j): I(prefix_j; Y), its gain, error and Eq. 12 bounds (METHODS.md 6)."""
-    information: pl.DataFrame
-    """Per (model, task): H(Y), relevancy, I(full; Y), bounds, error, gains by half."""
-    saturation: pl.DataFrame
-    """Per (model, task): the depth at which accuracy saturates (see ``stats.saturation``)."""
-    manifests: pl.DataFrame
-    """Per (model, task): provenance of the analysed partitions (``Store.manifests``)."""
+    ``manifests``: per (model, task), provenance of the analysed partitions (``Store.manifests``).
+    The ``paper`` analysis (METHODS.md sections 2-6) adds:
+
+    - ``scores``: per (model, task, estimator): accuracy, mse, bias, diversity of the full stack
+      (means over instances), n_instances, n_components, n_options, majority_accuracy.
+    - ``instance_scores``: per (model, task, estimator, instance): gold, pred, correct, mse, bias,
+      diversity.
+    - ``curves``: per (model, task, estimator, j): accuracy, mse, bias, diversity of the first j
+      components (means over instances), relative_depth j / L, and the name and kind of
+      component j (section 3).
+    - ``modules``: per (model, task, estimator, kind X): n_components |X|, bias and diversity
+      (means over instances and the components of kind X), bias_share, diversity_share (Eqs. 9-10).
+    - ``correlations``: per (model, task, estimator, metric, method): r, p, significant
+      (section 4); ``correlation_means``: their Fisher-z averages over tasks, models and overall.
+    - ``depth_curves``: per (model, estimator, j): accuracy and mse averaged over tasks, with
+      marginal gains; ``depth_fits``: per (model, estimator): acc = a + b log j and
+      mse = c / j^alpha + L0, with errors (section 5).
+    - ``information_curves``: per (model, task, j): I(prefix_j; Y), its gain, error and Eq. 12
+      bounds; ``information``: per (model, task): H(Y), relevancy, I(full; Y), bounds, error, gains
+      by half (section 6).
+    - ``saturation``: per (model, task): the depth at which accuracy saturates.
+
+    Every other registered analysis (:mod:`layerdiv.analyze.registry`) adds its own tables."""
+
+    by_name: dict[str, pl.DataFrame]
     lens: Lens
     min_params: float
+    notes: list[str] = field(default_factory=list)
+    """Lines for the user from the analyses (e.g. what could not be computed and how to get it)."""
+    problems: list[str] = field(default_factory=list)
+    """One line per unreadable partition that was left out (``Store.problems``)."""
+
+    def __getattr__(self, name: str) -> pl.DataFrame:
+        tables = self.__dict__.get("by_name", {})
+        if name in tables:
+            return tables[name]
+        raise AttributeError(f"no result table {name!r}; the tables are {', '.join(tables)}")
 
     def tables(self) -> dict[str, pl.DataFrame]:
         """The result tables by name (what ``layerdiv analyze`` writes)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _SETTINGS}
-
-
-_SETTINGS = {"lens", "min_params"}
-
-
-def _tagged(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
-    return frame.select(
-        pl.lit(info.model).alias("model"), pl.lit(info.task).alias("task"), pl.all()
-    )
-
-
-def _component_names(parts: list[PartitionInfo]) -> pl.DataFrame:
-    return pl.DataFrame(
-        [
-            {"model": p.model, "task": p.task, "j": j, "component": c.name, "kind": c.kind}
-            for p in parts
-            for j, c in enumerate(p.manifest.components, start=1)
-        ],
-        schema={
-            "model": pl.String,
-            "task": pl.String,
-            "j": pl.Int16,
-            "component": pl.String,
-            "kind": pl.String,
-        },
-    )
+        return dict(self.by_name)
 
 
 def analyze(
@@ -99,97 +84,35 @@ def analyze(
     lens: Lens = "final",
     min_params: float = 0,
     progress: bool = False,
+    options: Mapping[str, Any] | None = None,
 ) -> Results:
-    """Compute every table of METHODS.md sections 2-6 for the selected partitions.
+    """Run every registered analysis (:func:`~layerdiv.analyze.registry.registered`) on the
+    selected partitions.
 
     ``models`` (hub ids or slugs) and ``tasks`` filter the store (empty = all); ``lens`` is
     ``final`` or ``prefix`` (METHODS.md 3); ``min_params`` restricts the depth-efficiency tables
-    to models with at least that many parameters (the paper's Fig. 6 uses 1e9)."""
+    to models with at least that many parameters (the paper's Fig. 6 uses 1e9); ``options`` are
+    analysis-specific switches. Unreadable partitions outside the filters are left out and listed
+    in ``Results.problems``."""
     st = open_store(store)
     models, tasks = list(models), list(tasks)
-    parts = st.select(models, tasks)
-    manifests = st.manifests(models, tasks).filter(pl.col("n_done") > 0)
-    bar = tqdm(parts, desc="analysing", unit="partition", disable=None if progress else True)
-    done = [(info, partition_scores(info, lens)) for info in bar]
-
-    def gather(name: str) -> pl.DataFrame:
-        return pl.concat([_tagged(getattr(s, name), info) for info, s in done])
-
-    curves = gather("curves").join(_component_names(parts), on=["model", "task", "j"])
-    curves = curves.sort("model", "task", "estimator", "j")
-    instances = gather("instances")
-    counts = instances.group_by("model", "task", "estimator").agg(pl.len().alias("n_instances"))
-    corr = stats.correlations(curves)
-    depth = stats.depth_curves(curves, manifests, min_params)
-    info_curves = stats.information_curves(
-        gather("prefix_preds"), manifests.select("model", "task", "n_options")
-    )
-    return Results(
-        scores=_score_table(curves, counts, instances, manifests),
-        instance_scores=instances.sort("model", "task", "estimator", "instance"),
-        curves=curves,
-        modules=_module_shares(gather("modules"), counts),
-        correlations=corr,
-        correlation_means=stats.fisher_z_means(corr),
-        depth_curves=depth,
-        depth_fits=stats.depth_fits(depth),
-        information_curves=info_curves,
-        information=stats.information_summary(info_curves, gather("component_preds")),
-        saturation=stats.saturation(curves),
-        manifests=manifests,
+    ctx = Context(
+        store=st,
+        parts=st.select(models, tasks),
         lens=lens,
         min_params=min_params,
+        progress=progress,
+        options=dict(options or {}),
+        notes=[],
     )
-
-
-def _score_table(
-    curves: pl.DataFrame, counts: pl.DataFrame, instances: pl.DataFrame, manifests: pl.DataFrame
-) -> pl.DataFrame:
-    """The full-stack scores: the curves at j = L, with sizes and the majority baseline."""
-    sizes = manifests.select("model", "task", "n_components", "n_options")
-    majority = stats.majority_baseline(instances.filter(pl.col("estimator") == ESTIMATORS[0]))
-    return (
-        curves.join(sizes, on=["model", "task"])
-        .filter(pl.col("j") == pl.col("n_components"))
-        .join(counts, on=["model", "task", "estimator"])
-        .join(majority, on=["model", "task"])
-        .select(
-            "model",
-            "task",
-            "estimator",
-            "n_instances",
-            "n_components",
-            "n_options",
-            "accuracy",
-            "mse",
-            "bias",
-            "diversity",
-            "majority_accuracy",
-            "majority_option",
-        )
-        .sort("model", "task", "estimator")
-    )
-
-
-def _module_shares(sums: pl.DataFrame, counts: pl.DataFrame) -> pl.DataFrame:
-    """bias_X, diversity_X (means over instances and components of kind X) and the shares
-    share_X = |X| bias_X / (L bias) = sum over X / sum over all components (paper Eqs. 9-10,
-    Fig. 4), from the per-partition sums."""
-    by = ["model", "task", "estimator"]
-    n = pl.col("n_instances") * pl.col("n_components")
-    return (
-        sums.join(counts, on=by)
-        .with_columns(
-            (pl.col("bias_sum") / n).alias("bias"),
-            (pl.col("diversity_sum") / n).alias("diversity"),
-            (pl.col("bias_sum") / pl.col("bias_sum").sum().over(by)).alias("bias_share"),
-            (pl.col("diversity_sum") / pl.col("diversity_sum").sum().over(by)).alias(
-                "diversity_share"
-            ),
-        )
-        .select(*by, "kind", "n_components", "bias", "diversity", "bias_share", "diversity_share")
-        .sort(*by, "kind")
-    )
+    tables = {"manifests": st.manifests(models, tasks).filter(pl.col("n_done") > 0)}
+    for analysis in registered():
+        new = analysis.tables(ctx, MappingProxyType(dict(tables)))
+        clash = sorted(set(new) & set(tables))
+        if clash:
+            raise ValueError(f"analysis {analysis.name!r} returns tables that exist: {clash}")
+        tables.update(new)
+    return Results(tables, lens, min_params, ctx.notes, st.problems(models, tasks))
 
 
 def scores(
@@ -205,13 +128,15 @@ def junction_curves(
 ) -> pl.DataFrame:
     """Per (model, task, estimator, instance, j): the layer-addition scores of every instance
     before averaging (large: N x L x 2 rows per partition)."""
+    from layerdiv.analyze.analyses.paper import tagged
+
     st = open_store(store)
     return pl.concat(
-        [_tagged(instance_curves(info, lens), info) for info in st.select(models, tasks)]
+        [tagged(instance_curves(info, lens), info) for info in st.select(models, tasks)]
     )
 
 
-def task_summary(results: Results, estimator: str = "paper") -> pl.DataFrame:
+def task_summary(results: Results, estimator: Estimator = "paper") -> pl.DataFrame:
     """One row per (model, task) for people: accuracy beside the majority-class baseline, MSE,
     bias and diversity of ``estimator``, and the saturation depth of accuracy."""
     return (
@@ -236,11 +161,12 @@ def task_summary(results: Results, estimator: str = "paper") -> pl.DataFrame:
     )
 
 
-def ls(store: StoreLike) -> pl.DataFrame:
-    """What the store holds: one row per (model, task) with instance counts and dates."""
+def ls(store: StoreLike, models: Iterable[str] = (), tasks: Iterable[str] = ()) -> pl.DataFrame:
+    """What the store holds: one row per (model, task) with instance counts and dates (readable
+    partitions only; ``Store.problems`` lists the others)."""
     return (
         open_store(store)
-        .manifests()
+        .manifests(models, tasks)
         .select(
             "model_id",
             "task",
@@ -258,5 +184,6 @@ def ls(store: StoreLike) -> pl.DataFrame:
 def query(
     store: StoreLike, sql: str, models: Iterable[str] = (), tasks: Iterable[str] = ()
 ) -> pl.DataFrame:
-    """Run SQL against the views ``components``, ``instances`` and ``manifests`` (DuckDB)."""
+    """Run SQL against the views ``components``, ``instances`` and ``manifests`` (DuckDB, with no
+    file-system access: see ``Store.duckdb``); the result of the last statement."""
     return open_store(store).duckdb(models, tasks).sql(sql).pl()

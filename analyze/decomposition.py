@@ -24,16 +24,11 @@ all pairs c <= j (O(L^2) per instance); at j = L, a_L = 1 up to float32 rounding
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import polars as pl
 
-from layerdiv.store import PartitionInfo, StoreError
-
-Estimator = Literal["paper", "ensemble"]
-Lens = Literal["final", "prefix"]
-ESTIMATORS: tuple[Estimator, ...] = ("paper", "ensemble")
-LENSES: tuple[Lens, ...] = ("final", "prefix")
+from layerdiv.analyze.options import ESTIMATORS, LENSES, Estimator, Lens
+from layerdiv.store import PartitionInfo
 
 # Column names of the running sums over the members c of a prefix (per instance and junction j).
 _S, _P = "sum_u", "sum_p"  # sum_u{k} = sum_c u_c[k]; sum_p{k} = sum_c p_c[k]
@@ -231,53 +226,12 @@ class PartitionScores:
 def load_wide(info: PartitionInfo, lens: Lens = "final") -> pl.DataFrame:
     """The partition's components as one row per (instance, component), sorted, with columns
     instance, component, kind, pos (the instance's position 0..N-1), gold, final_rms,
-    u0..u{K-1} (float64) and, for the prefix lens, prefix_rms.
-
-    Refuses (``StoreError``) a partition whose rows do not hold every (instance, component,
-    option) of its instances exactly once."""
+    u0..u{K-1} (float64) and, for the prefix lens, prefix_rms (rows checked by
+    :meth:`PartitionInfo.read`)."""
     manifest = info.manifest
     k_opts, n_comp = len(manifest.options), len(manifest.components)
-    cells = n_comp * k_opts
     extra = ["prefix_rms"] if lens == "prefix" else []
-    key = (
-        pl.col("instance").cast(pl.Int64) * cells
-        + pl.col("component").cast(pl.Int64) * k_opts
-        + pl.col("option").cast(pl.Int64)
-    )
-    rows = (
-        pl.scan_parquet(info.files("components"))
-        .select("instance", "component", "option", "logit", *extra)
-        .with_columns(key.alias("key"))
-        .collect()
-    )
-    if not rows["key"].is_sorted():  # extraction writes in order; the store does not promise it
-        rows = rows.sort("key")
-    instances = (
-        pl.scan_parquet(info.files("instances"))
-        .select("instance", "gold", "final_rms")
-        .sort("instance")
-        .collect()
-    )
-    # Row r must be cell r % cells of the (r // cells)-th instance: every cell once, no others.
-    row = pl.int_range(pl.len(), dtype=pl.Int64)
-    expected = (
-        pl.lit(instances["instance"].cast(pl.Int64)).gather(row // cells) * cells + row % cells
-    )
-    covered = (
-        rows.height == instances.height * cells
-        and rows.select(
-            (pl.col("key") == expected).all()
-            & pl.col("option").is_between(0, k_opts - 1).all()
-            & pl.col("component").is_between(0, n_comp - 1).all()
-        ).item()
-        and instances["instance"].is_unique().all()
-    )
-    if not covered:
-        raise StoreError(
-            f"partition model={info.model} task={info.task}: its {rows.height} components rows "
-            f"do not hold {instances.height} instances x {n_comp} components x {k_opts} options "
-            "exactly once; re-extract it with --overwrite"
-        )
+    rows, instances = info.read(["logit", *extra], ["gold", "final_rms"])
     kinds = pl.Series([c.kind for c in manifest.components], dtype=pl.String)
     wide = rows.select(
         pl.col("instance").gather_every(k_opts),

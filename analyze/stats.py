@@ -13,11 +13,9 @@ from typing import Literal
 import numpy as np
 import polars as pl
 
-from layerdiv.analyze.decomposition import ESTIMATORS
+from layerdiv.analyze.metrics import CORRELATED
+from layerdiv.analyze.options import ESTIMATORS
 
-CORRELATED = {"mse": -1.0, "bias": -1.0, "diversity": 1.0}
-"""Metrics correlated with accuracy, and their sign: lower MSE and bias are better, so their
-negatives enter the correlation (paper Fig. 3, footnote 4)."""
 METHODS: tuple[Literal["pearson", "spearman"], ...] = ("pearson", "spearman")
 SIGNIFICANCE = 0.05
 """Two-sided p below which a correlation is marked significant (paper Fig. 3)."""
@@ -30,14 +28,15 @@ def correlations(curves: pl.DataFrame) -> pl.DataFrame:
     """Per (model, task, estimator, metric, method): r and its two-sided p across junctions j.
 
     r is Pearson's or Spearman's (average ranks for ties) correlation of accuracy_j with
-    sign * metric_j (see :data:`CORRELATED`); p comes from t = r sqrt((n-2) / (1-r^2)) with
+    sign * metric_j (``Metric.sign`` of ``metrics.CORRELATED``); p comes from
+    t = r sqrt((n-2) / (1-r^2)) with
     n - 2 degrees of freedom, as ``scipy.stats.pearsonr`` / ``spearmanr`` compute it. A curve
     that is constant in j has r = p = NaN."""
     from scipy import stats as sps
 
     corr = [
-        pl.corr("accuracy", pl.col(metric) * sign, method=method).alias(f"{metric}|{method}")
-        for metric, sign in CORRELATED.items()
+        pl.corr("accuracy", pl.col(m.name) * m.sign, method=method).alias(f"{m.name}|{method}")
+        for m in CORRELATED
         for method in METHODS
     ]
     wide = curves.group_by(_CURVE_KEYS).agg(pl.len().alias("n_points"), *corr)

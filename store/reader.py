@@ -5,17 +5,18 @@ Nothing here imports torch or transformers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
 import polars as pl
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import REQUIRED_TABLES, SchemaError, tables_of
+from layerdiv.schemas import PARTITION_COLUMNS, REQUIRED_TABLES, TABLES, SchemaError, tables_of
 from layerdiv.store.manifest import Manifest, read_manifest
 from layerdiv.store.paths import Partition, list_partitions, slug
 
@@ -48,10 +49,84 @@ class PartitionInfo:
     def n_done(self) -> int:
         return sum(n for _, n in self.partition.done_parts())
 
+    @property
+    def where(self) -> str:
+        return f"partition model={self.model} task={self.task}"
+
+    def read(
+        self, components: Sequence[str], instances: Sequence[str]
+    ) -> tuple[pl.DataFrame, pl.DataFrame]:
+        """The ``components`` columns of every (instance, component, option) row, sorted by that
+        key, and the ``instances`` columns of every instance, sorted by instance.
+
+        Refuses (``StoreError``) rows that do not hold every (instance, component, option) of the
+        partition's instances exactly once, and names the file of a part that cannot be read."""
+        manifest = self.manifest
+        k_opts, n_comp = len(manifest.options), len(manifest.components)
+        cells = n_comp * k_opts
+        key = (
+            pl.col("instance").cast(pl.Int64) * cells
+            + pl.col("component").cast(pl.Int64) * k_opts
+            + pl.col("option").cast(pl.Int64)
+        )
+        keys = ["instance", "component", "option"]
+        rows = self._collect(
+            "components",
+            pl.scan_parquet(self.files("components"))
+            .select(*keys, *(c for c in components if c not in keys))
+            .with_columns(key.alias("_key")),
+        )
+        if not rows[
+            "_key"
+        ].is_sorted():  # extraction writes in order; the store does not promise it
+            rows = rows.sort("_key")
+        wanted = ["instance", *(c for c in instances if c != "instance")]
+        inst = self._collect(
+            "instances", pl.scan_parquet(self.files("instances")).select(wanted).sort("instance")
+        )
+        # Row r must be cell r % cells of the (r // cells)-th instance: every cell once, no others.
+        row = pl.int_range(pl.len(), dtype=pl.Int64)
+        expected = (
+            pl.lit(inst["instance"].cast(pl.Int64)).gather(row // cells) * cells + row % cells
+        )
+        covered = (
+            rows.height == inst.height * cells
+            and rows.select(
+                (pl.col("_key") == expected).all()
+                & pl.col("option").is_between(0, k_opts - 1).all()
+                & pl.col("component").is_between(0, n_comp - 1).all()
+            ).item()
+            and inst["instance"].is_unique().all()
+        )
+        if not covered:
+            raise StoreError(
+                f"{self.where}: its {rows.height} components rows do not hold {inst.height} "
+                f"instances x {n_comp} components x {k_opts} options exactly once; re-extract it "
+                "with --overwrite"
+            )
+        return rows.select(*keys, *(c for c in components if c not in keys)), inst
+
+    def _collect(self, table: str, frame: pl.LazyFrame) -> pl.DataFrame:
+        """Collect a scan of ``table``'s parts; a part that cannot be read is named."""
+        try:
+            return frame.collect()
+        except (pl.exceptions.PolarsError, OSError) as err:
+            for f in self.files(table):
+                try:
+                    pq.read_table(f)
+                except (OSError, pa.ArrowException) as bad:
+                    raise StoreError(
+                        f"{f}: unreadable part ({_first_line(bad)}); re-extract {self.where} "
+                        "with --overwrite"
+                    ) from err
+            raise
+
 
 class Store:
     """A layerdiv store on disk, checked on open: every partition needs a readable manifest of a
-    schema version this code reads, and its part files must carry the declared schemas."""
+    schema version this code reads, and every part file must carry the declared schema (checked
+    from the Parquet footers). A partition that fails is set aside in :attr:`unreadable`, so that
+    the others stay usable; selecting it by name is an error."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -61,40 +136,42 @@ class Store:
         if not found:
             raise StoreError(f"the store {self.root} is empty: run `layerdiv extract` first")
         self.partitions: list[PartitionInfo] = []
+        self.unreadable: list[tuple[Partition, StoreError]] = []
+        """Partitions that cannot be read, each with the error that says why."""
         for part in found:
-            if not part.manifest.exists():
-                raise StoreError(
-                    f"partition model={part.model_slug} task={part.task} has data but no "
-                    f"manifest ({part.manifest}): it cannot be trusted. Delete it or re-extract "
-                    "it with --overwrite."
-                )
             try:
-                info = PartitionInfo(part, read_manifest(part.manifest))
-            except SchemaError as err:
-                raise StoreError(str(err)) from err
-            _check_part_schemas(info)
-            self.partitions.append(info)
+                self.partitions.append(_open_partition(part))
+            except StoreError as err:
+                self.unreadable.append((part, err))
 
     def select(
         self, models: Iterable[str] = (), tasks: Iterable[str] = (), require_data: bool = True
     ) -> list[PartitionInfo]:
-        """Partitions matching the model (id or slug) and task filters (empty filter: all)."""
-        want_models = {slug(m) for m in models}
-        want_tasks = set(tasks)
+        """Readable partitions matching the model (id or slug) and task filters (empty filter:
+        all). Refuses a filter that names an unreadable partition, and a selection that is
+        empty."""
+        models, tasks = list(models), list(tasks)
+        match = _matcher(models, tasks)
+        broken = [err for part, err in self.unreadable if match(part)]
+        if broken and (models or tasks):
+            raise broken[0]
         chosen = [
-            p
-            for p in self.partitions
-            if (not want_models or p.model in want_models)
-            and (not want_tasks or p.task in want_tasks)
-            and (p.n_done > 0 or not require_data)
+            p for p in self.partitions if match(p.partition) and (p.n_done > 0 or not require_data)
         ]
         if not chosen:
+            if broken:
+                raise broken[0]
             have = ", ".join(f"{p.model}/{p.task}" for p in self.partitions) or "nothing"
             raise StoreError(
-                f"no extracted data matches models={sorted(want_models) or 'any'} "
-                f"tasks={sorted(want_tasks) or 'any'}; the store holds: {have}"
+                f"no extracted data matches models={sorted(slug(m) for m in models) or 'any'} "
+                f"tasks={sorted(tasks) or 'any'}; the store holds: {have}"
             )
         return chosen
+
+    def problems(self, models: Iterable[str] = (), tasks: Iterable[str] = ()) -> list[str]:
+        """One line per unreadable partition matching the filters, saying it was left out."""
+        match = _matcher(list(models), list(tasks))
+        return [f"left out {_where(part)}: {err}" for part, err in self.unreadable if match(part)]
 
     def files(self, table: str, parts: list[PartitionInfo]) -> list[str]:
         return [str(f) for p in parts for f in p.files(table)]
@@ -132,6 +209,7 @@ class Store:
                     "n_requested": m.n_requested,
                     "n_done": p.n_done,
                     "approximate": m.approximate,
+                    "schema_version": m.schema_version,
                     "created_at": m.created_at,
                 }
             )
@@ -141,40 +219,79 @@ class Store:
         self, models: Iterable[str] = (), tasks: Iterable[str] = ()
     ) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB connection with the views ``components``, ``instances`` and
-        ``manifests`` over the selected partitions."""
+        ``manifests`` over the selected partitions, and no file-system access: SQL run on it
+        cannot read or write any file (the views scan the checked parts through Arrow), so the
+        store cannot be changed through it."""
         models, tasks = list(models), list(tasks)
         parts = self.select(models, tasks)
-        con = duckdb.connect()
+        con = duckdb.connect(config={"enable_external_access": False})
         for table in REQUIRED_TABLES:
-            listing = ", ".join(_sql_str(f) for f in self.files(table, parts))
-            con.execute(
-                f"CREATE VIEW {table} AS SELECT * FROM read_parquet([{listing}], "
-                "hive_partitioning = true, hive_types = {'model': VARCHAR, 'task': VARCHAR}, "
-                "union_by_name = true)"
+            # Every version's columns under today's schema: a column an older part lacks is null.
+            schema = TABLES[table]
+            for name in PARTITION_COLUMNS:
+                schema = schema.append(pa.field(name, pa.string()))
+            dataset = ds.dataset(
+                self.files(table, parts),
+                schema=schema,
+                format="parquet",
+                partitioning=ds.partitioning(
+                    pa.schema([pa.field(n, pa.string()) for n in PARTITION_COLUMNS]),
+                    flavor="hive",
+                ),
+                partition_base_dir=str(self.root / table),
             )
-        con.register("manifests_arrow", self.manifests(models, tasks).to_arrow())
-        con.execute("CREATE VIEW manifests AS SELECT * FROM manifests_arrow")
+            con.register(table, dataset)
+        con.register("manifests", self.manifests(models, tasks).to_arrow())
+        con.execute("SET lock_configuration = true")
         return con
 
 
-def _sql_str(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
+def _matcher(models: list[str], tasks: list[str]) -> Callable[[Partition], bool]:
+    want_models, want_tasks = {slug(m) for m in models}, set(tasks)
+    return lambda p: (
+        (not want_models or p.model_slug in want_models)
+        and (not want_tasks or p.task in want_tasks)
+    )
+
+
+def _where(part: Partition) -> str:
+    return f"partition model={part.model_slug} task={part.task}"
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _open_partition(part: Partition) -> PartitionInfo:
+    """A partition's checked manifest and part files; ``StoreError`` says what is wrong."""
+    if not part.manifest.exists():
+        raise StoreError(
+            f"{_where(part)} has data but no manifest ({part.manifest}): it cannot be trusted. "
+            "Delete it or re-extract it with --overwrite."
+        )
+    try:
+        info = PartitionInfo(part, read_manifest(part.manifest))
+    except SchemaError as err:
+        raise StoreError(str(err)) from err
+    _check_part_schemas(info)
+    return info
 
 
 def _check_part_schemas(info: PartitionInfo) -> None:
-    """Check the first part of each table against the schema of the partition's version (cheap:
-    footers only)."""
+    """Check every part of each table against the schema of the partition's version (cheap:
+    Parquet footers only)."""
     schemas = tables_of(info.manifest.schema_version)
     for table in REQUIRED_TABLES:
-        schema, files = schemas[table], info.files(table)
-        if not files:
-            continue
-        try:
-            found: pa.Schema = pq.read_schema(files[0])
-        except (OSError, pa.ArrowInvalid) as err:
-            raise StoreError(f"{files[0]}: unreadable Parquet ({err}); re-extract it") from err
-        if not found.equals(schema, check_metadata=False):
-            raise StoreError(
-                f"{files[0]}: columns do not match the {table} schema of this layerdiv "
-                "version; re-extract with --overwrite"
-            )
+        for f in info.files(table):
+            try:
+                found: pa.Schema = pq.read_schema(f)
+            except (OSError, pa.ArrowException) as err:
+                raise StoreError(
+                    f"{f}: unreadable Parquet ({_first_line(err)}); re-extract {info.where} "
+                    "with --overwrite"
+                ) from err
+            if not found.equals(schemas[table], check_metadata=False):
+                raise StoreError(
+                    f"{f}: columns do not match the {table} schema of version "
+                    f"{info.manifest.schema_version}; re-extract {info.where} with --overwrite"
+                )

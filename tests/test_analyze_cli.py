@@ -73,7 +73,7 @@ def test_analyze_replaces_its_own_output_but_nothing_else(store: Path, tmp_path:
     (foreign / "notes.txt").write_text("keep me")
     result = run("analyze", "--store", str(store), "--out", str(foreign))
     assert result.exit_code == 1
-    assert "not a layerdiv result directory" in result.stderr
+    assert "not a layerdiv result folder" in result.stderr
     assert snapshot(foreign) == {"notes.txt": hashlib.sha256(b"keep me").hexdigest()}
 
 
@@ -131,6 +131,7 @@ def test_report(store: Path, tmp_path: Path) -> None:
         assert heading in text
     pngs = sorted(p.name for p in (out / "figures").glob("*.png"))
     assert pngs == [
+        "depth_geometry.png",
         "fig3_correlations.png",
         "fig4_module_shares.png",
         "fig5_curves_org--large.png",
@@ -200,32 +201,63 @@ def test_ls(store: Path) -> None:
 # --- bad input: one clear line, exit 1, nothing changed ------------------------------------
 
 
+BROKEN = ("org--large", "boolq")
+"""The partition the damages below break; the store's three others stay readable."""
+ONLY_BROKEN = ["--model", "org/large", "--task", "boolq"]
+
+
+def _partition_files(root: Path, table: str) -> list[Path]:
+    model, task = BROKEN
+    return sorted((root / table / f"model={model}" / f"task={task}").glob("*"))
+
+
 def _empty(root: Path) -> None:
     for p in sorted(root.rglob("*"), reverse=True):
         p.unlink() if p.is_file() else p.rmdir()
 
 
 def _newer_schema(root: Path) -> None:
-    manifest = next(root.rglob("manifest.json"))
+    manifest = _partition_files(root, "manifests")[0]
     data = json.loads(manifest.read_text())
-    data["schema_version"] += 1
+    data["schema_version"] = 999
     manifest.write_text(json.dumps(data))
 
 
 def _missing_manifest(root: Path) -> None:
-    next(root.rglob("manifest.json")).unlink()
+    _partition_files(root, "manifests")[0].unlink()
+
+
+def _truncated_part(root: Path) -> None:
+    part = _partition_files(root, "components")[0]
+    part.write_bytes(part.read_bytes()[:-100])
+
+
+def _logit_as_float64(root: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    part = _partition_files(root, "components")[0]
+    table = pq.read_table(part)
+    column = table.schema.get_field_index("logit")
+    pq.write_table(table.set_column(column, "logit", table["logit"].cast(pa.float64())), part)
 
 
 def _unchanged(root: Path) -> None:
     pass
 
 
+DAMAGES: list[tuple[str, Callable[[Path], None], str]] = [  # label, damage, the error says
+    ("newer schema", _newer_schema, "schema version 999, newer than this layerdiv reads"),
+    ("missing manifest", _missing_manifest, "has data but no manifest"),
+    ("truncated part", _truncated_part, "unreadable Parquet"),
+    ("logit as float64", _logit_as_float64, "columns do not match the components schema"),
+]
 BAD: list[tuple[str, Callable[[Path], None], list[str], str]] = [  # label, damage, flags, says
     ("empty store", _empty, [], "is empty"),
-    ("newer schema", _newer_schema, [], "newer than this layerdiv reads"),
-    ("missing manifest", _missing_manifest, [], "has data but no manifest"),
+    *((f"{label}, filtered to it", d, ONLY_BROKEN, says) for label, d, says in DAMAGES),
     ("task matches nothing", _unchanged, ["--task", "nosuchtask"], "no extracted data matches"),
 ]
+COMMANDS = ("analyze", "report", "query", "ls")
 
 
 @pytest.fixture
@@ -237,15 +269,28 @@ def bad_store(store: Path, tmp_path: Path) -> Path:
     return copy
 
 
-CASES = [
-    pytest.param(command, damage, extra, message, id=f"{command}-{label}")
-    for label, damage, extra, message in BAD
-    for command in ("analyze", "report", "query", "ls")
-    if not (command == "ls" and extra)  # ls takes no filters
-]
+def command_args(command: str, out: Path) -> list[str]:
+    return {
+        "analyze": ["analyze", "--out", str(out)],
+        "report": ["report", "--out", str(out)],
+        "query": [
+            "query",
+            "SELECT model, task, count(*) AS n FROM components GROUP BY ALL ORDER BY ALL",
+            "--out",
+            str(out / "q.csv"),
+        ],
+        "ls": ["ls"],
+    }[command]
 
 
-@pytest.mark.parametrize(("command", "damage", "extra", "message"), CASES)
+@pytest.mark.parametrize(
+    ("command", "damage", "extra", "message"),
+    [
+        pytest.param(command, damage, extra, message, id=f"{command}-{label}")
+        for label, damage, extra, message in BAD
+        for command in COMMANDS
+    ],
+)
 def test_bad_input_gives_one_line(
     bad_store: Path,
     tmp_path: Path,
@@ -257,18 +302,55 @@ def test_bad_input_gives_one_line(
     damage(bad_store)
     before = snapshot(bad_store)
     out = tmp_path / "out"
-    args = {
-        "analyze": ["analyze", "--out", str(out)],
-        "report": ["report", "--out", str(out)],
-        "query": ["query", "SELECT count(*) FROM components", "--out", str(out / "q.csv")],
-        "ls": ["ls"],
-    }[command]
-    result = run(*args, "--store", str(bad_store), *extra)
+    result = run(*command_args(command, out), "--store", str(bad_store), *extra)
     assert result.exit_code == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], lines
     assert result.stdout == ""
     assert not out.exists()
+    assert snapshot(bad_store) == before
+
+
+@pytest.mark.parametrize(
+    ("command", "damage", "message"),
+    [
+        pytest.param(command, damage, message, id=f"{command}-{label}")
+        for label, damage, message in DAMAGES
+        for command in COMMANDS
+    ],
+)
+def test_one_bad_partition_leaves_the_others_usable(
+    bad_store: Path, tmp_path: Path, command: str, damage: Callable[[Path], None], message: str
+) -> None:
+    """The damaged partition is named on stderr (exit 1); the other three are served."""
+    damage(bad_store)
+    before = snapshot(bad_store)
+    out = tmp_path / "out"
+    (out if command == "query" else tmp_path).mkdir(exist_ok=True)
+    result = run(*command_args(command, out), "--store", str(bad_store))
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("Error: left out partition model=org--large task=boolq: ")
+    assert message in lines[0]
+    good = {("org--large", "mnli"), ("org--small", "boolq"), ("org--small", "mnli")}
+    if command == "analyze":
+        scores = pl.read_parquet(out / "scores.parquet")
+        assert set(zip(scores["model"], scores["task"], strict=True)) == good
+    elif command == "report":
+        text = (out / "report.md").read_text()
+        assert "left out partition model=org--large task=boolq" in text
+        assert "| org/large | boolq |" not in text and "| org/large | mnli |" in text
+    elif command == "query":
+        # 40 instances x components (small: 7, large: 11) x options (boolq: 2, mnli: 3)
+        assert pl.read_csv(out / "q.csv").rows() == [
+            ("org--large", "mnli", 40 * 11 * 3),
+            ("org--small", "boolq", 40 * 7 * 2),
+            ("org--small", "mnli", 40 * 7 * 3),
+        ]
+    else:
+        listed = [ln for ln in result.stdout.splitlines() if "org/" in ln]
+        assert len(listed) == 3 and not any("org/large" in ln and "boolq" in ln for ln in listed)
     assert snapshot(bad_store) == before
 
 

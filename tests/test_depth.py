@@ -15,7 +15,9 @@ import polars as pl
 import pytest
 from scipy import stats as sps
 
+from layerdiv.analyze import analyze
 from layerdiv.analyze.analyses import depth
+from layerdiv.analyze.report import write_report
 from layerdiv.analyze.synthetic import decoder_kinds, write_partition
 from layerdiv.store import Store
 
@@ -189,12 +191,15 @@ def test_layernorm_leaves_norm_columns_empty(tmp_path: Path) -> None:
     assert any("LayerNorm" in n for n in notes)
 
 
-def test_section_renders_with_figures(tables: dict[str, pl.DataFrame], tmp_path: Path) -> None:
-    names = {_slug(m): m for m in ("org/deep", "org/shallow")}
-    text = depth.render_section(tables, names, tmp_path / "figures", ["a note"])
-    assert text.startswith("## How depth is used")
-    assert depth.POSITION_NOTE in text and "> a note" in text
-    assert "](figures/depth_geometry.png)" in text
-    assert (tmp_path / "figures" / "depth_geometry.png").stat().st_size > 10_000
-    beta = tables["depth_decay"].filter(pl.col("model") == "org--deep")["beta"][0]
-    assert f"{beta:.2f} ±" in text
+def test_analyze_and_report_include_depth(store: Path, tmp_path: Path) -> None:
+    results = analyze(store)
+    assert {"geometry", "geometry_blocks", "depth_decay"} <= set(results.tables())
+    assert any("--skips" in n for n in results.notes)
+    path, _ = write_report(results, tmp_path / "report")
+    text = path.read_text()
+    section = text[text.index("## How depth is used") :]
+    assert depth.POSITION_NOTE in section
+    assert "](figures/depth_geometry.png)" in section
+    assert (tmp_path / "report" / "figures" / "depth_geometry.png").stat().st_size > 10_000
+    beta = results.depth_decay.filter(pl.col("model") == "org--deep")["beta"][0]
+    assert f"{beta:.2f} ±" in section

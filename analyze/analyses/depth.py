@@ -33,11 +33,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
 from scipy import stats as sps
 
+from layerdiv.analyze import plots
+from layerdiv.analyze.markdown import fmt, markdown_table
+from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import gram_index
 from layerdiv.store import PartitionInfo, Store
@@ -529,10 +533,6 @@ def skip_effects(
 _KIND_STYLE = {"attn": ("-", "o"), "mlp": ("--", "s")}
 
 
-def _fmt(value: float | None, digits: int = 3) -> str:
-    return "–" if value is None or math.isnan(value) else f"{value:.{digits}f}"
-
-
 def _by_model(frame: pl.DataFrame, keys: list[str], columns: Iterable[str]) -> pl.DataFrame:
     """Means over a model's tasks of per-task rows (for the overlay figures)."""
     return (
@@ -541,10 +541,7 @@ def _by_model(frame: pl.DataFrame, keys: list[str], columns: Iterable[str]) -> p
 
 
 def _colors(models: list[str]) -> dict[str, tuple[float, float, float, float]]:
-    from matplotlib import colormaps
-
-    cmap = colormaps["tab10" if len(models) <= 10 else "tab20"]
-    return {m: cmap(i % cmap.N) for i, m in enumerate(models)}
+    return dict(zip(models, plots.colors(len(models)), strict=False))
 
 
 def geometry_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[str, str]) -> Path:
@@ -552,10 +549,6 @@ def geometry_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[
     the angle between consecutive states per block, and block update size against block index on
     log-log axes with the fitted a * l^(-beta); models overlay on the relative-depth axis, each
     curve the mean over the model's tasks."""
-    from matplotlib.figure import Figure
-
-    from layerdiv.analyze.plots import DPI
-
     geo = _by_model(
         tables["geometry"], ["kind", "relative_depth"], ["rel_contribution", "cos_residual"]
     )
@@ -565,7 +558,7 @@ def geometry_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[
     fits = tables["depth_decay"].group_by("model").agg(pl.col("a", "beta").mean())
     models = sorted(geo["model"].unique())
     colors = _colors(models)
-    fig = Figure(figsize=(12, 8.5), layout="constrained")
+    fig = plots.new_figure(figsize=(12, 8.5), layout="constrained")
     (ax_rel, ax_cos), (ax_angle, ax_log) = fig.subplots(2, 2)
     for model in models:
         color, label = colors[model], names.get(model, model)
@@ -625,18 +618,12 @@ def geometry_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[
         "How depth is used (METHODS.md section 7), mean over tasks, at the last prompt token",
         fontsize=11,
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI)
-    return path
+    return plots.save(fig, path)
 
 
 def skip_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[str, str]) -> Path:
     """Accuracy without each block (dotted: with every block), and the mean |direct| and
     |total| effect of each block on the option logits; mean over the model's tasks."""
-    from matplotlib.figure import Figure
-
-    from layerdiv.analyze.plots import DPI
-
     skips = _by_model(
         tables["skip_effects"],
         ["layer", "relative_depth"],
@@ -644,7 +631,7 @@ def skip_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[str,
     )
     models = sorted(skips["model"].unique())
     colors = _colors(models)
-    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    fig = plots.new_figure(figsize=(12, 4.5), layout="constrained")
     ax_acc, ax_eff = fig.subplots(1, 2)
     for model in models:
         sub, color, label = (
@@ -686,22 +673,16 @@ def skip_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[str,
     fig.suptitle(
         "Layer skips (METHODS.md section 7), mean over tasks, at the last prompt token", fontsize=11
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI)
-    return path
+    return plots.save(fig, path)
 
 
 def gram_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[str, str]) -> Path:
     """From the Gram matrices: the angle between consecutive block updates and of each state to
     the final one, per block; mean over the model's tasks."""
-    from matplotlib.figure import Figure
-
-    from layerdiv.analyze.plots import DPI
-
     gram = _by_model(tables["gram_blocks"], ["block", "relative_depth"], GRAM_ANGLES)
     models = sorted(gram["model"].unique())
     colors = _colors(models)
-    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    fig = plots.new_figure(figsize=(12, 4.5), layout="constrained")
     axes = fig.subplots(1, 2)
     titles = {
         "update_angle_deg": "Angle between consecutive block updates",
@@ -725,23 +706,22 @@ def gram_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[str,
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("Gram-matrix angles (extract --gram), at the last prompt token", fontsize=11)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI)
-    return path
+    return plots.save(fig, path)
 
 
 def decay_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str:
     """Per (model, task): beta ± s.e. and R² of the block update-size fit, then first / second
     half means of every geometry column."""
-    from layerdiv.analyze.report import markdown_table
-
     rows = [
         [
             names.get(r["model"], r["model"]),
             r["task"],
-            f"{_fmt(r['beta'], 2)} ± {_fmt(r['beta_se'], 2)}",
-            _fmt(r["r2"]),
-            *(f"{_fmt(r[f'{c}_first_half'])} / {_fmt(r[f'{c}_second_half'])}" for c in GEOMETRY),
+            f"{fmt(r['beta'], digits=2)} ± {fmt(r['beta_se'], digits=2)}",
+            fmt(r["r2"], digits=3),
+            *(
+                f"{fmt(r[f'{c}_first_half'], digits=3)} / {fmt(r[f'{c}_second_half'], digits=3)}"
+                for c in GEOMETRY
+            ),
         ]
         for r in tables["depth_decay"].iter_rows(named=True)
     ]
@@ -761,8 +741,6 @@ def decay_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> st
 def skip_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str:
     """Per (model, task): accuracy, mean accuracy without a block of the first / second half,
     mean KL by half, and the indirect share of all blocks' effects."""
-    from layerdiv.analyze.report import markdown_table
-
     second = pl.col("relative_depth") > 0.5
     summary = (
         tables["skip_effects"]
@@ -784,10 +762,10 @@ def skip_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str
         [
             names.get(r["model"], r["model"]),
             r["task"],
-            _fmt(100 * r["accuracy"], 1),
-            f"{_fmt(100 * r['acc_1'], 1)} / {_fmt(100 * r['acc_2'], 1)}",
-            f"{_fmt(r['kl_1'])} / {_fmt(r['kl_2'])}",
-            _fmt(100 * r["share"], 1),
+            fmt(r["accuracy"], 100),
+            f"{fmt(r['acc_1'], 100)} / {fmt(r['acc_2'], 100)}",
+            f"{fmt(r['kl_1'], digits=3)} / {fmt(r['kl_2'], digits=3)}",
+            fmt(r["share"], 100),
         ]
         for r in summary.iter_rows(named=True)
     ]
@@ -802,50 +780,35 @@ def skip_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str
     return markdown_table(header, rows)
 
 
-def render_section(
-    tables: Mapping[str, pl.DataFrame],
-    names: dict[str, str],
-    figures: Path | None,
-    notes: list[str],
-) -> str:
-    """The report's "How depth is used" section; with ``figures`` (a folder next to the report)
-    it draws its PNGs there and links them as ``figures/<file>``."""
+def report(ctx: ReportContext) -> str:
+    """The "How depth is used" section: the depth-decay table and the geometry figure, the Gram
+    angles and the skip effects where extracted."""
+    tables = ctx.tables
     if "geometry" not in tables:
-        return ""
-    from layerdiv.analyze.plots import short_names
+        return "No partition holds the geometry columns (see the notes above)."
+    names = plots.short_names(ctx.names)
 
-    short = short_names(names)
-    links: dict[str, str] = {}
-    if figures is not None:
-        drawers = {"depth_geometry.png": geometry_figure}
-        if "gram_blocks" in tables:
-            drawers["depth_gram.png"] = gram_figure
-        if "skip_effects" in tables:
-            drawers["depth_skips.png"] = skip_figure
-        for file, draw in drawers.items():
-            draw(tables, figures / file, short)
-            links[file] = f"figures/{file}"
-
-    def fig(file: str, caption: str) -> str:
-        return f"![{caption}]({links[file]})" if file in links else ""
+    def figure(file: str, caption: str, draw: Any) -> str:
+        return plots.figure_link(ctx, file, caption, lambda path: draw(tables, path, names))
 
     parts = [
-        "## How depth is used",
-        f"The geometry of the residual stream and the effect of skipping blocks, as in the two "
+        "The geometry of the residual stream and the effect of skipping blocks, as in the two "
         f"companion papers (METHODS.md section 7). {POSITION_NOTE} Per component c: relative "
         "contribution ||z_c|| / ||r_(c-1)|| (a ratio), cosine of z_c with the stream r_(c-1) it "
         "joins (negative: it erases), angle between r_(c-1) and r_c (degrees) and cosine with the "
-        "previous component's output. A block is its attention and MLP outputs together. β is "
-        "the slope of the least-squares line of log block update size against log block index.",
-        decay_table(tables, names),
-        fig("depth_geometry.png", "Geometry of the residual stream"),
+        "previous component's output. A block is its attention and MLP outputs together; β is "
+        "the slope of the least-squares line of log block update size against log block index "
+        "(the inverse-depth paper finds β close to 1). Halves split the components at relative "
+        "depth 1/2.",
+        decay_table(tables, ctx.names),
+        figure("depth_geometry.png", "Geometry of the residual stream", geometry_figure),
     ]
     if "gram_blocks" in tables:
         parts += [
             "Angles from the Gram matrices (`extract --gram`): between consecutive block updates "
             "(90° = uncorrelated, as the inverse-depth paper finds) and of each state to the final "
             "one.",
-            fig("depth_gram.png", "Gram-matrix angles"),
+            figure("depth_gram.png", "Gram-matrix angles", gram_figure),
         ]
     if "skip_effects" in tables:
         parts += [
@@ -855,9 +818,15 @@ def render_section(
             "does through later blocks and the final norm, which the layer-addition curves do not "
             "see. Effects are mean absolute values over instances and options, in logit units; "
             "KL of the skipped model's option distribution from the full one's, in nats.",
-            skip_table(tables, names),
-            fig("depth_skips.png", "Layer skips"),
+            skip_table(tables, ctx.names),
+            figure("depth_skips.png", "Layer skips", skip_figure),
         ]
-    if notes:
-        parts.append("\n".join(f"> {n}" for n in notes))
     return "\n\n".join(p for p in parts if p)
+
+
+def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
+    """The registry's entry point: :func:`depth_tables` of the selected partitions."""
+    return depth_tables(ctx.parts, ctx.notes)
+
+
+register(Analysis(name="depth", title="How depth is used", tables=tables, report=report))

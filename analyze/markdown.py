@@ -1,0 +1,41 @@
+"""Markdown building blocks every analysis's report section uses: numbers and tables."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+AVG = "Avg."
+DASH = "–"
+
+Cells = dict[tuple[str | None, str | None], str]
+"""Formatted cells by (model, task); None stands for the average over models or over tasks."""
+
+
+def fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    """``value * scale`` with ``digits`` decimals; a dash for a missing or NaN value."""
+    if value is None or math.isnan(value):
+        return DASH
+    return f"{value * scale:.{digits}f}"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A GitHub-flavoured Markdown table (first column left-aligned, the rest right-aligned)."""
+    rule = "|" + "|".join([":--", *["--:"] * (len(header) - 1)]) + "|"
+    lines = ["| " + " | ".join(header) + " |", rule]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def model_task_table(
+    cells: Cells, names: dict[str, str], avg: bool = True, first_rows: Sequence[Sequence[str]] = ()
+) -> str:
+    """Rows per model (sorted), columns per task (sorted) and, with ``avg``, the Avg. column
+    (cell (model, None)); a row "All models" when cells (None, task) exist."""
+    models = sorted({m for m, _ in cells if m is not None})
+    tasks = sorted({t for _, t in cells if t is not None})
+    columns: list[str | None] = [*tasks, None] if avg else list(tasks)
+    rows = [list(r) for r in first_rows]
+    rows += [[names.get(m, m), *(cells.get((m, t), DASH) for t in columns)] for m in models]
+    if any(m is None for m, _ in cells):
+        rows.append(["*All models (Fisher-z)*", *(cells.get((None, t), DASH) for t in columns)])
+    return markdown_table(["Model", *tasks, *([AVG] if avg else [])], rows)

@@ -1,0 +1,84 @@
+"""The analyses ``layerdiv analyze`` runs and ``layerdiv report`` renders, registered in one place.
+
+An analysis is one module in ``layerdiv/analyze/analyses/`` that calls :func:`register` with an
+:class:`Analysis`; ``analyses/__init__.py`` imports the modules in order. Analyses run in
+registration order, and each gets the tables of those before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from layerdiv.analyze.options import Estimator, Lens
+from layerdiv.store import PartitionInfo, Store
+
+
+@dataclass
+class Context:
+    """What an analysis computes its tables from."""
+
+    store: Store
+    """The opened, checked store."""
+    parts: list[PartitionInfo]
+    """The selected partitions that hold data."""
+    lens: Lens
+    min_params: float
+    progress: bool
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """Analysis-specific switches, e.g. ``{"reweight": True}``."""
+    notes: list[str] = field(default_factory=list)
+    """Lines for the user, e.g. what an analysis could not compute and how to get it."""
+
+
+@dataclass
+class ReportContext:
+    """What an analysis renders its report section from."""
+
+    tables: Mapping[str, pl.DataFrame]
+    """Every result table by name."""
+    estimator: Estimator
+    names: dict[str, str]
+    """Store slug -> model id as given at extraction."""
+    figures: Path
+    """Folder for PNG figures; the report links them as ``figures/<file>``."""
+    notes: list[str] = field(default_factory=list)
+    lens: Lens = "final"
+    """The lens the tables were computed with (METHODS.md section 3)."""
+    min_params: float = 0
+    """The model-size filter of the depth-efficiency tables."""
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """One analysis: its tables and, optionally, its section of the report."""
+
+    name: str
+    """Registry key, e.g. ``paper``, ``depth``, ``heads``."""
+    title: str
+    """Heading of its report section."""
+    tables: Callable[[Context, Mapping[str, pl.DataFrame]], dict[str, pl.DataFrame]]
+    """Gets the tables of the analyses registered before it; returns its own (names unique)."""
+    report: Callable[[ReportContext], str] | None = None
+    """Markdown of its section (draws its figures into ``ctx.figures``); None = no section."""
+
+
+_REGISTRY: dict[str, Analysis] = {}
+
+
+def register(analysis: Analysis) -> Analysis:
+    """Add ``analysis`` to the registry (after those already there; registering a name again
+    replaces it in place, so a reloaded module does not run twice). Returns it."""
+    _REGISTRY[analysis.name] = analysis
+    return analysis
+
+
+def registered() -> list[Analysis]:
+    """Every registered analysis, in registration order (the built-in ones first)."""
+    import layerdiv.analyze.analyses  # noqa: F401  (registers the built-in analyses)
+
+    return list(_REGISTRY.values())
