@@ -14,6 +14,7 @@ import click
 from layerdiv import __version__
 from layerdiv.analyze.options import ESTIMATORS, FORMATS, LENSES
 from layerdiv.errors import LayerdivError
+from layerdiv.extract.config import DTYPES, ExtractConfig
 
 DEFAULT_STORE = "layerdiv-store"
 MAX_ROWS = 40
@@ -101,6 +102,10 @@ def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) ->
     return int(value)
 
 
+_DEFAULTS = ExtractConfig(model="", tasks=[])
+"""The defaults of ``extract``'s options."""
+
+
 @main.command()
 @click.option("--model", required=True, help="Hub id, local folder, or smollm2-135m-instruct.")
 @click.option(
@@ -116,26 +121,28 @@ def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) ->
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Instances per task.")
 @click.option(
     "--batch-size",
-    default="auto",
+    default=str(_DEFAULTS.batch_size or "auto"),
     show_default=True,
     callback=_parse_batch_size,
     help="Instances per batch, or auto (length-sorted batches up to a token budget).",
 )
+@click.option("--dtype", type=click.Choice(DTYPES), default=_DEFAULTS.dtype, show_default=True)
 @click.option(
-    "--dtype",
-    type=click.Choice(["auto", "bf16", "fp16", "fp32"]),
-    default="auto",
-    show_default=True,
+    "--device", default=_DEFAULTS.device, show_default=True, help="auto, cuda, cuda:1, mps, cpu."
 )
-@click.option("--device", default="auto", show_default=True, help="auto, cuda, cuda:1, mps, cpu.")
 @click.option(
     "--shard",
-    default="0/1",
+    default="/".join(map(str, _DEFAULTS.shard)),
     show_default=True,
     callback=_parse_shard,
     help="Do chunk share i of N.",
 )
-@click.option("--overwrite", is_flag=True, help="Replace a partition holding another extraction.")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace a partition holding another extraction (with --shard i/N, N > 1: only one "
+    "holding another extraction; one holding this extraction is resumed).",
+)
 @click.option("--trust-remote-code", is_flag=True, help="Run model code from its hub repo.")
 @click.option(
     "--allow-softcap", is_flag=True, help="Decompose pre-soft-cap logits (flagged approximate)."
@@ -143,9 +150,10 @@ def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) ->
 @click.option(
     "--chunk-size",
     type=click.IntRange(min=1),
-    default=256,
+    default=_DEFAULTS.chunk_size,
     show_default=True,
-    help="Instances per stored part (the unit of resumption).",
+    help="Instances per chunk of a new partition (the unit of resumption and sharding); an "
+    "existing partition keeps its own.",
 )
 def extract(
     model: str,
@@ -164,10 +172,12 @@ def extract(
     chunk_size: int,
 ) -> None:
     """Run MODEL once over each task and cache every component's option logits."""
+    import sys
     from pathlib import Path
 
-    from layerdiv.extract.errors import EXTRACT_ERRORS
-    from layerdiv.extract.runner import ExtractConfig, run_extract
+    from layerdiv.errors import LayerdivError
+    from layerdiv.extract.interrupt import Interrupted
+    from layerdiv.extract.runner import run_extract
 
     cfg = ExtractConfig(
         model=model,
@@ -187,9 +197,14 @@ def extract(
     )
     try:
         summaries = run_extract(cfg)
-    except EXTRACT_ERRORS as err:
+    except Interrupted as err:
+        click.echo(f"Error: {err}", err=True)
+        sys.exit(err.exit_code)
+    except LayerdivError as err:
         raise click.ClickException(str(err)) from err
     for s in summaries:
+        for note in s.notes:
+            click.echo(f"{s.task}: note: {note}")
         if not s.n_new:
             click.echo(f"{s.task}: {s.n_done}/{s.n_requested} instances stored (nothing to do)")
             continue

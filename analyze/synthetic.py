@@ -8,26 +8,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import pyarrow as pa
 from tqdm import tqdm
 
-from layerdiv.schemas import COMPONENTS, INSTANCES
+from layerdiv.schemas import component_names
 from layerdiv.store import ComponentInfo, Manifest, PartitionWriter
+from layerdiv.store.tables import components_table, gram_table, instances_table, skips_table
 
 
 def component_infos(kinds: Sequence[str]) -> list[ComponentInfo]:
     """Names and layers for components given by kind in execution order (``embed``, ``attn``,
     ``mlp``, ``bias``): every ``attn`` opens a new layer."""
-    infos, layer = [], -1
+    calls, layer = [], -1
     for kind in kinds:
         if kind == "attn":
             layer += 1
-        at = layer if kind in ("attn", "mlp") else -1
-        infos.append(ComponentInfo(kind if at < 0 else f"{kind}.{at}", kind, at))
-    return infos
+        calls.append((kind, layer if kind in ("attn", "mlp") else -1))
+    names = component_names(calls)
+    return [ComponentInfo(n, kind, at) for n, (kind, at) in zip(names, calls, strict=True)]
 
 
 def decoder_kinds(n_blocks: int, bias: bool = False) -> list[str]:
@@ -51,6 +50,8 @@ def write_partition(
     columns: Mapping[str, np.ndarray] | None = None,
     hidden_size: int | None = None,
     norm_eps: float | None = None,
+    skips: np.ndarray | None = None,
+    gram: np.ndarray | None = None,
 ) -> None:
     """Write one (model, task) partition from arrays.
 
@@ -59,7 +60,8 @@ def write_partition(
     ``final_rms`` defaults to its last column). Instances are written in chunks of ``chunk``;
     with ``shuffle`` the rows of each chunk are permuted (the store promises no row order).
     ``columns`` gives (N, L) values of ``out_norm``, ``cos_residual`` or ``cos_prev`` (default 1,
-    0, 0; NaN is stored as null); ``hidden_size`` and ``norm_eps`` go to the manifest.
+    0, 0; NaN is stored as null); ``hidden_size`` and ``norm_eps`` go to the manifest; ``skips``
+    (N, blocks, K) skip logits and ``gram`` (N, C(C+1)/2) Gram rows fill the optional tables.
     """
     n, n_comp, k = logits.shape
     if len(kinds) != n_comp or gold.shape != (n,):
@@ -82,80 +84,55 @@ def write_partition(
         option_token_ids=list(range(k)),
         option_tokens=[f"option{j}" for j in range(k)],
         template_sha256="synthetic",
+        data_sha256="synthetic",
         task_spec={"name": task},
         components=infos,
         n_requested=n,
         sum_tolerance=1e-4,
+        chunk_size=chunk or n,
         created_at=created_at,
         hidden_size=hidden_size,
         norm_eps=norm_eps,
     )
+    defaults = {"out_norm": 1.0, "cos_residual": 0.0, "cos_prev": 0.0}
+    geometry = {c: np.full((n, n_comp), v) for c, v in defaults.items()} | dict(columns or {})
     writer = PartitionWriter(root, model, task)
     writer.open(manifest, overwrite=True)
+    for table, values in (("skips", skips), ("gram", gram)):
+        if values is not None:
+            writer.mark_table(table)
     step = chunk or n
     for start in range(0, n, step):
         stop = min(n, start + step)
-        given = {name: values[start:stop] for name, values in (columns or {}).items()}
-        components = _components_table(start, logits[start:stop], rms[start:stop], infos, given)
-        instances = _instances_table(start, logits[start:stop], gold[start:stop], final[start:stop])
+        ids = range(start, stop)
+        b = stop - start
+        tables = {
+            "components": components_table(
+                ids,
+                infos,
+                logits[start:stop],
+                geometry["out_norm"][start:stop],
+                rms[start:stop],
+                geometry["cos_residual"][start:stop],
+                geometry["cos_prev"][start:stop],
+            ),
+            "instances": instances_table(
+                ids,
+                gold[start:stop],
+                [100] * b,
+                [False] * b,
+                final[start:stop],
+                logits[start:stop].astype(np.float32).sum(axis=1),
+                np.zeros(b),
+            ),
+        }
+        if skips is not None:
+            tables["skips"] = skips_table(ids, skips[start:stop])
+        if gram is not None:
+            tables["gram"] = gram_table(ids, gram[start:stop])
         if shuffle is not None:
-            components = components.take(shuffle.permutation(components.num_rows))
-            instances = instances.take(shuffle.permutation(instances.num_rows))
-        writer.write_chunk(start, stop - start, components, instances)
-
-
-def _components_table(
-    start: int,
-    logits: np.ndarray,
-    rms: np.ndarray,
-    infos: list[ComponentInfo],
-    given: Mapping[str, np.ndarray],
-) -> pa.Table:
-    n, n_comp, k = logits.shape
-    cells = n * n_comp * k
-    comp = np.tile(np.repeat(np.arange(n_comp, dtype=np.int16), k), n)
-    names = pa.DictionaryArray.from_arrays(
-        pa.array(comp, pa.int16()), pa.array([c.name for c in infos], pa.string())
-    )
-    kind_values = sorted({c.kind for c in infos})
-    kind_index = np.array([kind_values.index(c.kind) for c in infos], np.int8)
-    kinds = pa.DictionaryArray.from_arrays(
-        pa.array(kind_index[comp], pa.int8()), pa.array(kind_values, pa.string())
-    )
-    layers = np.array([c.layer for c in infos], np.int16)[comp]
-    columns: dict[str, Any] = {
-        "instance": np.repeat(np.arange(start, start + n, dtype=np.int32), n_comp * k),
-        "component": comp,
-        "name": names,
-        "kind": kinds,
-        "layer": layers,
-        "option": np.tile(np.arange(k, dtype=np.int8), n * n_comp),
-        "logit": logits.astype(np.float32).reshape(cells),
-        "prefix_rms": np.repeat(rms.astype(np.float32).reshape(n * n_comp), k),
-    }
-    for name, default in (("out_norm", 1.0), ("cos_residual", 0.0), ("cos_prev", 0.0)):
-        values = given.get(name, np.full((n, n_comp), default))
-        columns[name] = pa.array(
-            np.repeat(values.astype(np.float32).reshape(-1), k), from_pandas=True
-        )
-    return pa.Table.from_pydict(columns, schema=COMPONENTS)
-
-
-def _instances_table(
-    start: int, logits: np.ndarray, gold: np.ndarray, final_rms: np.ndarray
-) -> pa.Table:
-    n = logits.shape[0]
-    total = logits.astype(np.float32).sum(axis=1)
-    columns: dict[str, Any] = {
-        "instance": np.arange(start, start + n, dtype=np.int32),
-        "gold": gold.astype(np.int8),
-        "n_tokens": np.full(n, 100, np.int32),
-        "truncated": np.zeros(n, bool),
-        "final_rms": final_rms.astype(np.float32),
-        "model_logits": pa.array(list(total), pa.list_(pa.float32())),
-        "sum_error": np.zeros(n, np.float32),
-    }
-    return pa.Table.from_pydict(columns, schema=INSTANCES)
+            tables = {k: t.take(shuffle.permutation(t.num_rows)) for k, t in tables.items()}
+        writer.write_chunk(start, b, tables)
 
 
 def random_partition(

@@ -108,8 +108,9 @@ def bench_model(name: str, assets: Path, peak: float, rounds: int, plain_batch: 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from layerdiv.extract.adapters import adapter_for
+    from layerdiv.extract.batching import tokenize
     from layerdiv.extract.models import LoadedModel, ModelSource
-    from layerdiv.extract.runner import ExtractConfig, extract_task, plan_task, tokenize
+    from layerdiv.extract.runner import ExtractConfig, extract_task, plan_task
 
     device = torch.device("cuda")
     fields = dict(CONFIGS[name])
@@ -134,7 +135,8 @@ def bench_model(name: str, assets: Path, peak: float, rounds: int, plain_batch: 
         # Warm-up (kernels, allocator) on a few instances, then timed rounds on fresh stores.
         warm = ExtractConfig(model=name, tasks=[], store=store / "warm", progress=False, limit=32)
         extract_task(loaded, adapter, plan_task(str(tasks[0]), tokenizer, warm), warm, False)
-        seqs = [s for p in plans for s in tokenize(loaded, p.items)[0]]
+        ctx = loaded.context_length
+        seqs = [s for p in plans for s in tokenize(tokenizer, [i.prompt for i in p.items], ctx)[0]]
         lengths = [len(s) for s in seqs]
         flops = useful_flops(model, lengths)
         times, plain_times, max_err = [], [], 0.0

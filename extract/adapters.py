@@ -112,6 +112,19 @@ def final_softcap(config: Any) -> float | None:
     return float(cap) if cap else None
 
 
+def check_softcap(config: Any, allow: bool) -> bool:
+    """Refuse final logit soft-capping unless allowed; True when the result is approximate."""
+    cap = final_softcap(config)
+    if cap and not allow:
+        raise UnsupportedModel(
+            f"{getattr(config, 'model_type', 'this model')} soft-caps its final logits (cap "
+            f"{cap}), which is not linear: the components cannot sum to its logits. Pass "
+            "--allow-softcap to decompose the pre-cap logits instead (the manifest marks the "
+            "partition approximate)."
+        )
+    return bool(cap)
+
+
 def get_module(root: Any, path: str) -> Any:
     """Follow a dotted attribute path (``model.layers``) from ``root``."""
     obj = root

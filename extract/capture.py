@@ -7,7 +7,6 @@ only that position (B x d per component), never the whole sequence.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +14,11 @@ import torch
 
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.adapters import Adapter, get_module, norm_eps
+from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
+
+SUM_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+"""Largest accepted relative decomposition error per dtype (METHODS.md section 1 invariant)."""
 
 
 class DecompositionError(LayerdivError, RuntimeError):
@@ -125,16 +128,12 @@ class ComponentCapture:
 
     # decomposition -----------------------------------------------------------------------------
     def component_infos(self) -> list[ComponentInfo]:
-        seen: Counter[tuple[str, int]] = Counter()
-        infos = []
-        for kind, layer in self._records:
-            base = "embed" if kind == "embed" else f"{kind}.{layer}"
-            k = seen[(kind, layer)]
-            seen[(kind, layer)] += 1
-            infos.append(ComponentInfo(base if k == 0 else f"{base}#{k}", kind, layer))
-        if self._has_bias():
-            infos.append(ComponentInfo("bias", "bias", -1))
-        return infos
+        """The components of the last forward pass, in execution order."""
+        calls = self._records + ([("bias", -1)] if self._has_bias() else [])
+        names = component_names(calls)
+        return [
+            ComponentInfo(n, kind, layer) for n, (kind, layer) in zip(names, calls, strict=True)
+        ]
 
     def _has_bias(self) -> bool:
         norm_bias = self.adapter.norm == "layer" and getattr(self.norm, "bias", None) is not None
@@ -200,4 +199,27 @@ class ComponentCapture:
             model_logits=self._head.cpu(),
             sum_error=sum_error.cpu(),
             gram=gram,
+        )
+
+
+def check_batch(dec: BatchDecomposition, ids: list[int], task: str, tol: float) -> None:
+    """Stop on NaN/Inf or a decomposition error above ``tol``, naming instance and component."""
+    # A NaN in one component output spreads to every logit through the norm scale: name the
+    # first component whose output is not finite, else the first with a non-finite logit.
+    real = torch.tensor([c.kind != "bias" for c in dec.components])
+    bad_z = ~torch.isfinite(dec.out_norm) & real
+    bad_u = ~torch.isfinite(dec.logits).all(dim=-1)
+    if (bad_z | bad_u).any():
+        row = int((bad_z | bad_u).any(dim=1).nonzero()[0])
+        comp = int((bad_z[row] if bad_z[row].any() else bad_u[row]).nonzero()[0])
+        raise DecompositionError(
+            f"task {task}, instance {ids[row]}: component {dec.components[comp].name} has a "
+            "NaN or Inf logit (try --dtype fp32)"
+        )
+    worst = int(dec.sum_error.argmax())
+    if not float(dec.sum_error[worst]) <= tol:
+        raise DecompositionError(
+            f"task {task}, instance {ids[worst]}: components sum to the model's option logits "
+            f"only within {float(dec.sum_error[worst]):.2e} (relative), above the tolerance "
+            f"{tol:.0e}; the architecture adapter does not decompose this model exactly"
         )

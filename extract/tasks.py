@@ -34,7 +34,6 @@ import yaml
 from layerdiv.errors import LayerdivError
 
 ANSWER = "{{ answer }}"
-_SENTINEL = "\x00ANSWER\x00"
 
 
 class TaskError(LayerdivError, ValueError):
@@ -295,3 +294,13 @@ def option_token_ids(spec: TaskSpec, tokenizer: Any, prompt: str) -> list[int]:
             "reword them so their first tokens differ"
         )
     return ids
+
+
+def data_sha256(items: list[Instance]) -> str:
+    """sha256 over the prompts and gold labels of ``items``: the content of a task's data as
+    extraction sees it (editing the data file changes it; moving the file does not)."""
+    h = hashlib.sha256()
+    for item in items:
+        h.update(json.dumps([item.prompt, item.gold]).encode())
+        h.update(b"\n")
+    return h.hexdigest()

@@ -8,7 +8,7 @@ or table is added, removed, renamed or changes meaning or unit, and keep the old
 History:
 - 1: ``components`` and ``instances``.
 - 2: ``components`` gains ``cos_prev``; optional tables ``skips``, ``heads`` and ``gram``; the
-  manifest gains ``hidden_size`` and ``extra_tables``.
+  manifest gains ``hidden_size``, ``extra_tables``, ``chunk_size`` and ``data_sha256``.
 
 The hive partition columns ``model`` and ``task`` are not stored inside the files: they come from
 the directory names (``model=<slug>/task=<task>``) and are typed as strings by every reader.
@@ -34,6 +34,21 @@ PARTITION_COLUMNS = ("model", "task")
 
 COMPONENT_KINDS = ("embed", "attn", "mlp", "bias")
 """Values of the ``kind`` column, in the order they can first appear in a model."""
+
+
+def component_names(calls: list[tuple[str, int]]) -> list[str]:
+    """The ``name`` of each component given its (kind, layer) in execution order: ``embed``,
+    ``attn.<i>``, ``mlp.<i>``, ``bias``; the k-th repeat of a module (a block that runs again in
+    the same forward pass) gets ``#<k>`` appended, k = 1, 2, ..."""
+    seen: dict[tuple[str, int], int] = {}
+    names = []
+    for kind, layer in calls:
+        base = kind if layer < 0 else f"{kind}.{layer}"
+        k = seen.get((kind, layer), 0)
+        seen[(kind, layer)] = k + 1
+        names.append(base if k == 0 else f"{base}#{k}")
+    return names
+
 
 _COMPONENT_FIELDS_V1 = [
     pa.field("instance", pa.int32(), nullable=False),

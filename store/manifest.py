@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from layerdiv.schemas import SCHEMA_VERSION, SchemaError, check_version
+from layerdiv.schemas import OPTIONAL_TABLES, SCHEMA_VERSION, SchemaError, check_version
+from layerdiv.store.atomic import write_bytes
 
 
 @dataclass
@@ -24,16 +23,49 @@ class ComponentInfo:
     """Decoder block index, -1 for ``embed`` and ``bias``."""
 
 
-IDENTITY = (
-    "model",
-    "revision",
-    "weights_fingerprint",
-    "dtype",
-    "template_sha256",
-    "option_token_ids",
-    "schema_version",
-)
-"""Manifest fields that identify an extraction: a run into an existing partition must match them."""
+@dataclass(frozen=True)
+class Identity:
+    """What identifies an extraction: a resumed, sharded or concurrent run may write into a
+    partition only when its identity equals the stored one (known before the weights load)."""
+
+    model: str
+    """Model id as the user gave it."""
+    revision: str | None
+    """Hub commit of the weights, else None."""
+    weights_fingerprint: str
+    """Hub commit for hub weights, else a fingerprint of the local weight files."""
+    dtype: str
+    """Torch dtype name the model runs in."""
+    template_sha256: str
+    """Hash of the task definition (``TaskSpec.sha256``)."""
+    data_sha256: str | None
+    """Hash of the prompts and gold labels of the task's first n rows (its content, not its
+    path); None in manifests written before it was recorded."""
+    option_token_ids: tuple[int, ...]
+    """Token id scored for each option."""
+    schema_version: int = SCHEMA_VERSION
+    """Schema version of the files."""
+
+    def fields(self) -> dict[str, Any]:
+        """The identity as manifest fields (JSON types)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["option_token_ids"] = list(self.option_token_ids)
+        return out
+
+    def differences(self, now: Identity) -> list[str]:
+        """``name: stored X, now Y`` for every field where ``now`` differs from this one."""
+        return [
+            f"{f.name}: stored {getattr(self, f.name)!r}, now {getattr(now, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(now, f.name)
+        ]
+
+
+RUNS_DIR = "runs"
+"""Folder (beside ``manifest.json``) of the run records, one JSON file per extraction run."""
+
+TABLES_DIR = "tables"
+"""Folder (beside ``manifest.json``) of one empty marker file per optional table requested."""
 
 
 @dataclass
@@ -78,14 +110,20 @@ class Manifest:
     """Largest relative decomposition error accepted for this dtype."""
     approximate: bool = False
     """True when the decomposition is of pre-soft-cap logits (final logit soft-capping)."""
+    data_sha256: str | None = None
+    """sha256 over the prompts and gold labels of the task's first n rows (``Identity``)."""
+    chunk_size: int | None = None
+    """Width of the partition's chunk grid, fixed when it is created: chunk j holds instances
+    j*chunk_size .. (j+1)*chunk_size-1, possibly in several parts (None in older manifests)."""
     hidden_size: int | None = None
     """Width d of the residual stream (schema version 2; None in older manifests)."""
     norm_eps: float | None = None
     """Epsilon of the final norm (METHODS.md section 7 needs it for ||r||; None in older
     manifests)."""
     extra_tables: list[str] = field(default_factory=list)
-    """Optional tables (``layerdiv.schemas.OPTIONAL_TABLES``) extracted for every complete chunk
-    of this partition (schema version 2; empty in older manifests)."""
+    """Optional tables (``layerdiv.schemas.OPTIONAL_TABLES``) requested for this partition
+    (filled on read from the markers in ``tables/``); a chunk may still lack one
+    (``PartitionWriter.chunks_missing``)."""
     versions: dict[str, str] = field(default_factory=dict)
     """Library versions at extraction time."""
     device: str = "cpu"
@@ -93,17 +131,22 @@ class Manifest:
     created_at: str = ""
     """UTC time the partition was first created (ISO 8601)."""
     runs: list[dict[str, Any]] = field(default_factory=list)
-    """One entry per extraction run that added instances: finished_at, seconds, instances,
-    shard, device (appended when the run ends)."""
+    """One entry per extraction run that had work to do (filled on read from ``runs/``, one file
+    per run): started_at, host, pid, n_requested, shard, chunk_size, device, and when it ended
+    finished_at, seconds, instances."""
     schema_version: int = SCHEMA_VERSION
     """Schema version of the partition's files (``layerdiv.schemas``)."""
 
-    def identity(self) -> dict[str, Any]:
-        """The fields a resumed or sharded run must match exactly to write into this partition."""
-        return {name: getattr(self, name) for name in IDENTITY}
+    def identity(self) -> Identity:
+        """What a resumed or sharded run must match exactly to write into this partition."""
+        values = {f.name: getattr(self, f.name) for f in fields(Identity)}
+        return Identity(**{**values, "option_token_ids": tuple(self.option_token_ids)})
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
+        """The manifest file's text (run records and table markers live in their own files)."""
+        data = asdict(self)
+        data["runs"], data["extra_tables"] = [], []
+        return json.dumps(data, indent=2, sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str) -> Manifest:
@@ -123,45 +166,35 @@ def _required(cls: type, name: str) -> bool:
 
 
 def read_manifest(path: Path) -> Manifest:
-    """Load and check a manifest; a clear error names the file when it cannot be trusted."""
+    """Load and check a manifest, with its run records and optional-table markers; a clear error
+    names the file when it cannot be trusted."""
+    data = _read_json(path, "manifest", missing="manifest missing")
+    manifest = Manifest.from_dict(data, str(path))
+    runs = [_read_json(p, "run record") for p in sorted((path.parent / RUNS_DIR).glob("*.json"))]
+    manifest.runs = sorted([*manifest.runs, *runs], key=lambda r: str(r.get("started_at", "")))
+    asked = [r["n_requested"] for r in runs if isinstance(r.get("n_requested"), int)]
+    manifest.n_requested = max([manifest.n_requested, *asked])
+    markers = {m.name for m in (path.parent / TABLES_DIR).glob("*")} & set(OPTIONAL_TABLES)
+    manifest.extra_tables = sorted({*manifest.extra_tables, *markers})
+    return manifest
+
+
+def _read_json(path: Path, what: str, missing: str = "") -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise SchemaError(f"{path}: manifest missing") from None
+        if missing:
+            raise SchemaError(f"{path}: {missing}") from None
+        raise
     except (OSError, json.JSONDecodeError) as err:
         raise SchemaError(
-            f"{path}: unreadable manifest ({err}); re-extract with --overwrite"
+            f"{path}: unreadable {what} ({err}); re-extract with --overwrite"
         ) from err
     if not isinstance(data, dict):
-        raise SchemaError(f"{path}: manifest is not a JSON object; re-extract with --overwrite")
-    return Manifest.from_dict(data, str(path))
-
-
-def atomic_write_bytes(path: Path, data: bytes, exclusive: bool = False) -> bool:
-    """Write ``path`` so that readers see the old file or the whole new one, never a part.
-
-    With ``exclusive`` the file is only created if it does not exist yet (returns False then).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if exclusive:
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                return False
-        else:
-            os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return True
+        raise SchemaError(f"{path}: {what} is not a JSON object; re-extract with --overwrite")
+    return data
 
 
 def write_manifest(path: Path, manifest: Manifest, exclusive: bool = False) -> bool:
-    """Atomically write a manifest (see :func:`atomic_write_bytes`)."""
-    return atomic_write_bytes(path, manifest.to_json().encode(), exclusive=exclusive)
+    """Atomically write a manifest (:func:`layerdiv.store.atomic.write_bytes`)."""
+    return write_bytes(path, manifest.to_json().encode(), exclusive=exclusive)

@@ -3,20 +3,29 @@
 Layout (hive-partitioned by model slug and task name)::
 
     <store>/manifests/model=<slug>/task=<task>/manifest.json
-    <store>/components/model=<slug>/task=<task>/part-<start>-<count>.parquet
-    <store>/instances/model=<slug>/task=<task>/part-<start>-<count>.parquet
+    <store>/manifests/model=<slug>/task=<task>/runs/<utc-time>-<host>-<pid>.json   (one per run)
+    <store>/manifests/model=<slug>/task=<task>/tables/<table>     (optional tables requested)
+    <store>/manifests/model=<slug>/task=<task>/claims/chunk-<j>.lock   (held while computing)
+    <store>/<table>/model=<slug>/task=<task>/part-<start>-<count>.parquet
 
-A part holds the instances ``start .. start+count-1`` of one chunk. The instances part is renamed
-into place after the components part, so it is the chunk's completion marker.
+``<table>`` is ``components``, ``instances`` or an optional table (``skips``, ``heads``, ``gram``).
+A part holds the instances ``start .. start+count-1``. The instances part is renamed into place
+after every other table's part, so it is the chunk's completion marker.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from layerdiv.errors import LayerdivError
+from layerdiv.schemas import REQUIRED_TABLES, TABLES
+
 MANIFEST_NAME = "manifest.json"
+MANIFESTS = "manifests"
+"""Folder of the manifests (and run records, table markers and chunk claims)."""
 _PART = re.compile(r"^part-(\d{7})-(\d{6})\.parquet$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -40,6 +49,10 @@ def check_task_name(task: str) -> str:
     return task
 
 
+class OverlappingParts(LayerdivError, RuntimeError):
+    """Two complete parts of a partition claim the same instances."""
+
+
 @dataclass(frozen=True)
 class Partition:
     """The files of one (model, task) partition of a store."""
@@ -48,41 +61,58 @@ class Partition:
     model_slug: str
     task: str
 
-    def _dir(self, table: str) -> Path:
+    def dir(self, table: str) -> Path:
+        """Folder of ``table`` (any table of ``layerdiv.schemas.TABLES``, or ``manifests``)."""
         return self.root / table / f"model={self.model_slug}" / f"task={self.task}"
 
     @property
     def manifest(self) -> Path:
-        return self._dir("manifests") / MANIFEST_NAME
+        return self.dir(MANIFESTS) / MANIFEST_NAME
 
     @property
-    def components_dir(self) -> Path:
-        return self._dir("components")
+    def open_lock(self) -> Path:
+        """Lock file serializing the creation and replacement of the partition (outside the
+        partition's folders, so that replacing them keeps it)."""
+        return self.root / MANIFESTS / f"model={self.model_slug}" / f".task={self.task}.lock"
 
-    @property
-    def instances_dir(self) -> Path:
-        return self._dir("instances")
+    def dirs(self) -> list[Path]:
+        """The manifest folder and every table's folder."""
+        return [self.dir(MANIFESTS), *(self.dir(t) for t in TABLES)]
 
-    def dirs(self) -> tuple[Path, Path, Path]:
-        return self._dir("manifests"), self.components_dir, self.instances_dir
-
-    def part_name(self, start: int, count: int) -> str:
+    @staticmethod
+    def part_name(start: int, count: int) -> str:
         return f"part-{start:07d}-{count:06d}.parquet"
 
-    def done_parts(self) -> list[tuple[int, int]]:
-        """(start, count) of every complete chunk: those whose instances part exists."""
+    def part(self, table: str, start: int, count: int) -> Path:
+        """The part file of ``table`` holding instances ``start .. start+count-1``."""
+        return self.dir(table) / self.part_name(start, count)
+
+    def parts(self, table: str) -> list[tuple[int, int]]:
+        """(start, count) of every part file of ``table``, by start."""
         return sorted(
             (int(m.group(1)), int(m.group(2)))
-            for p in _listdir(self.instances_dir)
+            for p in _listdir(self.dir(table))
             if (m := _PART.match(p.name))
         )
 
-    def component_files(self) -> list[Path]:
-        """Components parts of complete chunks only (an orphan from a crash is left out)."""
-        return [self.components_dir / self.part_name(s, n) for s, n in self.done_parts()]
+    def done_parts(self) -> list[tuple[int, int]]:
+        """(start, count) of every complete chunk (those whose instances part exists); parts
+        whose ranges overlap are refused, naming the files."""
+        done = self.parts("instances")
+        for (s0, n0), (s1, n1) in itertools.pairwise(done):
+            if s1 < s0 + n0:
+                raise OverlappingParts(
+                    f"{self.part('instances', s0, n0)} and {self.part('instances', s1, n1)} "
+                    "hold overlapping instances (written by conflicting runs): delete the "
+                    "partition or re-extract it with --overwrite"
+                )
+        return done
 
-    def instance_files(self) -> list[Path]:
-        return [self.instances_dir / self.part_name(s, n) for s, n in self.done_parts()]
+    def files(self, table: str) -> list[Path]:
+        """The parts of ``table`` of complete chunks only (an orphan from a crash is left out);
+        for an optional table, those complete chunks that have it."""
+        paths = [self.part(table, s, n) for s, n in self.done_parts()]
+        return paths if table in REQUIRED_TABLES else [p for p in paths if p.exists()]
 
 
 def _listdir(path: Path) -> list[Path]:
@@ -98,7 +128,7 @@ def list_partitions(root: str | Path) -> list[Partition]:
     """Every (model, task) partition that has a manifest or any part file."""
     root = Path(root)
     found: set[tuple[str, str]] = set()
-    for table in ("manifests", "components", "instances"):
+    for table in (MANIFESTS, *TABLES):
         for mdir in _listdir(root / table):
             if not mdir.name.startswith("model="):
                 continue

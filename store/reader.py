@@ -41,9 +41,8 @@ class PartitionInfo:
         return self.partition.task
 
     def files(self, table: str) -> list[Path]:
-        if table == "components":
-            return self.partition.component_files()
-        return self.partition.instance_files()
+        """The part files of ``table`` (any table) of complete chunks."""
+        return self.partition.files(table)
 
     @property
     def n_done(self) -> int:

@@ -1,98 +1,273 @@
-"""Writing a (model, task) partition: atomic parts, resumable runs, refusal of mixed provenance."""
+"""Writing a (model, task) partition: atomic parts, chunk claims, run records, verified resume
+and refusal of mixed provenance.
+
+Every write is atomic (:mod:`layerdiv.store.atomic`) and nothing read-modify-writes a shared
+file: the manifest is created once (exclusively), each run writes its own record, each optional
+table its own marker, each chunk its own parts. Processes writing into one partition at once
+(shards, or two runs started by accident) coordinate through one lock file per chunk of the
+partition's fixed chunk grid.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import shutil
-import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import COMPONENTS, INSTANCES, SchemaError
-from layerdiv.store.manifest import Manifest, read_manifest, write_manifest
+from layerdiv.schemas import OPTIONAL_TABLES, REQUIRED_TABLES, TABLES, SchemaError
+from layerdiv.store.atomic import (
+    atomic_path,
+    host,
+    remove_stale_temps,
+    temp_path,
+    write_bytes,
+)
+from layerdiv.store.manifest import (
+    RUNS_DIR,
+    TABLES_DIR,
+    Identity,
+    Manifest,
+    read_manifest,
+    write_manifest,
+)
 from layerdiv.store.paths import Partition, partition, slug
+
+CLAIMS_DIR = "claims"
+"""Folder (beside ``manifest.json``) of the chunk claim lock files."""
 
 
 class StoreConflict(LayerdivError, RuntimeError):
-    """The partition already holds data of another model revision, template or dtype."""
+    """The partition holds another extraction, or data that cannot be trusted."""
+
+
+class StoreUnwritable(LayerdivError, RuntimeError):
+    """The store folder cannot be created or written."""
+
+
+class Verdict(Enum):
+    """What opening a partition for a run will do."""
+
+    NEW = "new"
+    RESUME = "resume"
+    REPLACE = "replace"
+
+
+class ChunkClaim:
+    """An exclusive lock on one chunk of the grid, held while the chunk is computed and written;
+    the operating system releases it if the process dies."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+
+@dataclass
+class RunRecord:
+    """This run's record file (``runs/<utc-time>-<host>-<pid>.json``), written when the run
+    starts and replaced when it ends; only this process writes it."""
+
+    path: Path
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def write(self, **fields: Any) -> None:
+        self.data.update(fields)
+        write_bytes(self.path, json.dumps(self.data, indent=2, sort_keys=True).encode())
 
 
 class PartitionWriter:
-    """Writes one partition's chunks; a rerun skips every chunk that is already complete."""
+    """Writes one partition's chunks; a rerun skips every chunk that is complete and readable."""
 
     def __init__(self, root: str | Path, model: str, task: str):
         self.part: Partition = partition(root, slug(model), task)
+        self._claims = self.part.dir("manifests") / CLAIMS_DIR
 
-    def check(self, identity: dict[str, object], overwrite: bool) -> None:
-        """Refuse (before anything is written) a run whose identity differs from the stored one."""
-        if not overwrite and self.part.manifest.exists():
-            self._refuse_different(read_manifest(self.part.manifest), identity)
+    def ensure_writable(self) -> None:
+        """Refuse a store folder that cannot be created or written (before any model loads)."""
+        root = self.part.root
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            probe = temp_path(root / "write-test")
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            raise StoreUnwritable(
+                f"cannot write the store {root} ({err.strerror or err}): give a writable --store"
+            ) from err
 
-    def _refuse_different(self, stored: Manifest, identity: dict[str, object]) -> None:
-        existing = stored.identity()
-        diff = [k for k, v in identity.items() if existing.get(k) != v]
-        if diff:
-            details = "; ".join(
-                f"{k}: stored {existing.get(k)!r}, now {identity[k]!r}" for k in diff
-            )
+    def check(self, identity: Identity, overwrite: bool, shards: int = 1) -> Verdict:
+        """What opening the partition for ``identity`` will do, refusing (before anything is
+        written) a different or untrusted stored extraction unless ``overwrite``.
+
+        With ``overwrite`` and ``shards`` > 1, only a partition that holds another extraction is
+        replaced; one that holds this extraction is resumed (another shard replaced it already),
+        so that the replacement happens once per extraction, not once per shard.
+        """
+        if not self.part.manifest.exists():
+            if not self._has_data():
+                return Verdict.NEW
+            if overwrite:
+                return Verdict.REPLACE
             raise StoreConflict(
-                f"{self.part.manifest.parent} holds a different extraction ({details}). "
+                f"{self.part.manifest.parent} has data but no manifest: it cannot be trusted. "
+                "Delete it or re-extract with --overwrite."
+            )
+        try:
+            diff = read_manifest(self.part.manifest).identity().differences(identity)
+        except SchemaError:
+            if overwrite:
+                return Verdict.REPLACE
+            raise
+        if diff and not overwrite:
+            raise StoreConflict(
+                f"{self.part.manifest.parent} holds a different extraction ({'; '.join(diff)}). "
                 "Pass --overwrite to replace it, or use another --store."
             )
+        if diff or (overwrite and shards == 1):
+            return Verdict.REPLACE
+        return Verdict.RESUME
 
-    def open(self, manifest: Manifest, overwrite: bool) -> None:
-        """Create (or, with ``overwrite``, recreate) the partition and record its manifest; an
-        existing partition must hold the same extraction (:meth:`check`)."""
-        if overwrite:
+    def _has_data(self) -> bool:
+        """Any file but temporaries (dot files) in the partition's folders."""
+        return any(
+            not p.name.startswith(".") for d in self.part.dirs() if d.is_dir() for p in d.iterdir()
+        )
+
+    def open(self, manifest: Manifest, overwrite: bool, shards: int = 1) -> Manifest:
+        """Create (or replace, see :meth:`check`) the partition and return the stored manifest
+        (its chunk grid is the partition's, whatever this run asked for)."""
+        lock = self.part.open_lock
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # one process at a time decides and replaces
+            if self.check(manifest.identity(), overwrite, shards) is Verdict.REPLACE:
+                for d in self.part.dirs():
+                    shutil.rmtree(d, ignore_errors=True)
+            write_manifest(self.part.manifest, manifest, exclusive=True)
             for d in self.part.dirs():
-                shutil.rmtree(d, ignore_errors=True)
-        if not write_manifest(self.part.manifest, manifest, exclusive=True):
-            # The partition exists (a rerun, or another shard got here first).
-            stored = read_manifest(self.part.manifest)
-            self._refuse_different(stored, manifest.identity())
-            if manifest.n_requested > stored.n_requested:
-                stored.n_requested = manifest.n_requested
-                write_manifest(self.part.manifest, stored)
-        for d in (self.part.components_dir, self.part.instances_dir):
-            d.mkdir(parents=True, exist_ok=True)
-            for stale in d.glob(".*.tmp"):
-                stale.unlink(missing_ok=True)
+                d.mkdir(parents=True, exist_ok=True)
+                remove_stale_temps(d)
+            for sub in (RUNS_DIR, TABLES_DIR):
+                remove_stale_temps(self.part.manifest.parent / sub)
+        finally:
+            os.close(fd)
+        return read_manifest(self.part.manifest)
 
-    def record_run(self, run: dict[str, object]) -> None:
-        """Append a finished run's statistics to the manifest (atomic replace)."""
-        manifest = read_manifest(self.part.manifest)
-        manifest.runs.append(run)
-        write_manifest(self.part.manifest, manifest)
-
-    def done_instances(self) -> set[int]:
-        """Instances already stored in complete chunks."""
-        return {i for start, n in self.part.done_parts() for i in range(start, start + n)}
-
-    def write_chunk(
-        self, start: int, count: int, components: pa.Table, instances: pa.Table
-    ) -> None:
-        """Write one chunk: the components part first, then the instances part (the marker)."""
-        for table, schema in ((components, COMPONENTS), (instances, INSTANCES)):
-            if not table.schema.equals(schema, check_metadata=False):
-                raise SchemaError(f"chunk {start}: table does not match schema\n{table.schema}")
-        name = self.part.part_name(start, count)
-        _write_parquet_atomic(
-            components.replace_schema_metadata(COMPONENTS.metadata), self.part.components_dir / name
+    def start_run(self, record: dict[str, Any]) -> RunRecord:
+        """Write this run's record (it adds ``started_at``, ``host`` and ``pid``)."""
+        now = datetime.now(timezone.utc)
+        name = f"{now.strftime('%Y%m%dT%H%M%S.%fZ')}-{host()}-{os.getpid()}.json"
+        run = RunRecord(self.part.manifest.parent / RUNS_DIR / name)
+        run.write(
+            started_at=now.isoformat(timespec="seconds"), host=host(), pid=os.getpid(), **record
         )
-        _write_parquet_atomic(
-            instances.replace_schema_metadata(INSTANCES.metadata), self.part.instances_dir / name
-        )
+        return run
 
+    def mark_table(self, table: str) -> None:
+        """Record that the partition has the optional ``table`` (an exclusive marker file)."""
+        if table not in OPTIONAL_TABLES:
+            raise ValueError(f"{table} is not an optional table ({', '.join(OPTIONAL_TABLES)})")
+        write_bytes(self.part.manifest.parent / TABLES_DIR / table, b"", exclusive=True)
 
-def _write_parquet_atomic(table: pa.Table, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp, compression="zstd", row_group_size=1 << 20)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    def try_claim(self, chunk: int) -> ChunkClaim | None:
+        """Claim chunk ``chunk`` of the grid, or None if another live process holds it."""
+        try:
+            return self._lock(chunk, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None
+
+    def claim(self, chunk: int) -> ChunkClaim:
+        """Claim chunk ``chunk`` of the grid, waiting while another process holds it."""
+        return self._lock(chunk, fcntl.LOCK_EX)
+
+    def _lock(self, chunk: int, mode: int) -> ChunkClaim:
+        self._claims.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self._claims / f"chunk-{chunk:07d}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        return ChunkClaim(fd)
+
+    def done_instances(self, rows_per_instance: int | None = None) -> set[int]:
+        """Instances stored in complete chunks; with ``rows_per_instance`` (components rows per
+        instance) only in chunks whose parts are readable and hold the right row counts."""
+        parts = self.part.done_parts()
+        if rows_per_instance is not None:
+            bad = set(self.unreadable(parts, rows_per_instance))
+            parts = [p for p in parts if p not in bad]
+        return {i for start, n in parts for i in range(start, start + n)}
+
+    def unreadable(
+        self, parts: list[tuple[int, int]], rows_per_instance: int
+    ) -> list[tuple[int, int]]:
+        """The complete chunks among ``parts`` with a part (of any table) whose Parquet footer
+        cannot be read or whose row count is wrong (a truncated or damaged file)."""
+        return [(s, n) for s, n in parts if not self._readable(s, n, rows_per_instance)]
+
+    def _readable(self, start: int, count: int, rows_per_instance: int) -> bool:
+        expected = {"instances": count, "components": count * rows_per_instance}
+        for table in TABLES:
+            path = self.part.part(table, start, count)
+            if table not in REQUIRED_TABLES and not path.exists():
+                continue
+            try:
+                rows = pq.read_metadata(path).num_rows
+            except (OSError, pa.ArrowInvalid):
+                return False
+            if rows != expected.get(table, rows) or rows == 0 or rows % count:
+                return False
+        return True
+
+    def remove_chunk(self, start: int, count: int) -> None:
+        """Delete a chunk's parts, the instances part (the completion marker) first."""
+        for table in ("instances", *(t for t in TABLES if t != "instances")):
+            self.part.part(table, start, count).unlink(missing_ok=True)
+
+    def write_chunk(self, start: int, count: int, tables: Mapping[str, pa.Table]) -> None:
+        """Write one chunk: optional tables first, then components, then the instances part
+        (the completion marker). Every table is checked against its declared schema."""
+        missing = [t for t in REQUIRED_TABLES if t not in tables]
+        if missing:
+            raise ValueError(f"chunk {start}: no {', '.join(missing)} table")
+        order = sorted(tables, key=lambda t: {"components": 1, "instances": 2}.get(t, 0))
+        for table in order:
+            self.write_table_part(table, start, count, tables[table])
+
+    def chunks_missing(self, table: str) -> list[tuple[int, int]]:
+        """Complete chunks that lack a part of the optional ``table`` (to backfill it)."""
+        return [p for p in self.part.done_parts() if not self.part.part(table, *p).exists()]
+
+    def write_table_part(self, table: str, start: int, count: int, data: pa.Table) -> None:
+        """Atomically write ``table``'s part of the chunk at ``start`` (alone, it backfills an
+        optional table for an existing chunk)."""
+        schema = TABLES.get(table)
+        if schema is None:
+            raise ValueError(f"unknown table {table!r}; tables: {', '.join(TABLES)}")
+        if not data.schema.equals(schema, check_metadata=False):
+            raise SchemaError(
+                f"chunk {start}: {table} table does not match its schema\n{data.schema}"
+            )
+        with atomic_path(self.part.part(table, start, count)) as tmp:
+            pq.write_table(
+                data.replace_schema_metadata(schema.metadata),
+                tmp,
+                compression="zstd",
+                row_group_size=1 << 20,
+            )

@@ -14,8 +14,8 @@ from layerdiv.extract.adapters import (
     supported_model_types,
 )
 from layerdiv.extract.capture import BatchDecomposition
+from layerdiv.extract.forward import ModelRunner
 from layerdiv.extract.models import LoadedModel, ModelSource
-from layerdiv.extract.runner import ModelRunner
 
 FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3",
@@ -39,11 +39,8 @@ def loaded(model: Any, tokenizer: Any) -> LoadedModel:
 
 
 def decompose(model: Any, tokenizer: Any, prompts: list[list[int]]) -> BatchDecomposition:
-    runner = ModelRunner(loaded(model, tokenizer), adapter_for(model.config), OPTIONS, 4096)
-    try:
+    with ModelRunner(loaded(model, tokenizer), adapter_for(model.config), OPTIONS, 4096) as runner:
         return runner.run(prompts)
-    finally:
-        runner.close()
 
 
 def reference(
@@ -149,12 +146,9 @@ def test_capture_buffer_grows_with_calls_and_rows(build_model: Any, tokenizer: A
     blocks = model.model.layers
     model.model.layers = torch.nn.ModuleList([blocks[0], blocks[1]] * 20)
     model.config.num_hidden_layers = 40
-    runner = ModelRunner(loaded(model, tokenizer), adapter_for(model.config), OPTIONS, 4096)
-    try:
+    with ModelRunner(loaded(model, tokenizer), adapter_for(model.config), OPTIONS, 4096) as runner:
         small = runner.run(PROMPTS[1:2])
         large = runner.run(PROMPTS)
-    finally:
-        runner.close()
     assert len(large.components) == 1 + 2 * 40
     assert [c.name for c in large.components][-2:] == ["attn.1#19", "mlp.1#19"]
     assert float(large.sum_error.max()) < 1e-5

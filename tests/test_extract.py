@@ -4,6 +4,7 @@ batch invariance and every refusal."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from layerdiv.cli import main
+from layerdiv.extract.tasks import load_task
 from layerdiv.schemas import COMPONENTS, INSTANCES
 from layerdiv.store import Store
 from layerdiv.store.manifest import read_manifest
@@ -24,6 +26,13 @@ from layerdiv.store.manifest import read_manifest
 
 def extract(*args: str) -> Any:
     return CliRunner().invoke(main, ["extract", *args], catch_exceptions=False)
+
+
+def stored(output: str, task: str = "reviews") -> tuple[int, int, int]:
+    """(instances stored, requested, new this run) from extract's summary line of ``task``."""
+    m = re.search(rf"\b{task}: (\d+)/(\d+) instances stored \((?:(\d+) new|nothing to do)", output)
+    assert m, output
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
@@ -48,7 +57,7 @@ def test_extract_writes_a_checked_store(tmp_path: Path, model_dirs: Any, make_ta
         "--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store)
     )
     assert result.exit_code == 0, result.output
-    assert "reviews: 20/20 instances stored" in result.output
+    assert stored(result.output) == (20, 20, 20)
     s = Store(store)
     (info,) = s.partitions
     m = info.manifest
@@ -123,12 +132,12 @@ def test_shards_split_the_work(tmp_path: Path, model_dirs: Any, make_task: Any) 
     args = ["--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store),
             "--chunk-size", "4"]  # fmt: skip
     first = extract(*args, "--shard", "0/2")
-    assert first.exit_code == 0 and "reviews: 16/30" in first.output
+    assert first.exit_code == 0 and stored(first.output) == (16, 30, 16)
     second = extract(*args, "--shard", "1/2")
-    assert second.exit_code == 0 and "reviews: 30/30" in second.output
+    assert second.exit_code == 0 and stored(second.output) == (30, 30, 14)
     assert rows(store, "instances")["instance"].to_list() == list(range(30))
     again = extract(*args)
-    assert "reviews: 30/30 instances stored (nothing to do)" in again.output  # cache reused
+    assert "nothing to do" in again.output and stored(again.output) == (30, 30, 0)
 
 
 def test_a_larger_limit_extends_the_partition(
@@ -139,7 +148,7 @@ def test_a_larger_limit_extends_the_partition(
     args = ["--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store)]
     assert extract(*args, "--limit", "10").exit_code == 0
     out = extract(*args, "--limit", "25")
-    assert "reviews: 25/25 instances stored (15 new" in out.output
+    assert stored(out.output) == (25, 25, 15)
     assert rows(store, "instances")["instance"].to_list() == list(range(25))
     assert Store(store).partitions[0].manifest.n_requested == 25
 
@@ -183,7 +192,9 @@ def test_refusals_name_the_problem_and_leave_the_store_unchanged(
     # With --overwrite the conflicting run replaces the partition.
     out = extract("--model", llama, "--task", str(changed), "--store", str(store), "--overwrite")
     assert out.exit_code == 0
-    assert read_manifest(Store(store).partitions[0].partition.manifest).template_sha256 != ""
+    replaced = read_manifest(Store(store).partitions[0].partition.manifest)
+    assert replaced.template_sha256 == load_task(str(changed)).sha256()
+    assert rows(store, "instances")["instance"].to_list() == list(range(8))
 
 
 def test_softcap_models_can_be_decomposed_before_the_cap(
@@ -226,7 +237,9 @@ def test_a_nan_names_the_instance_and_component(
     assert out.exit_code == 1
     assert "instance 0: component mlp.1 has a NaN or Inf logit" in out.output
     assert not list(store.glob("*/*/*/part-*.parquet"))
-    assert DecompositionError.__name__ not in out.output  # one line, no traceback
+    errors = [line for line in out.output.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and "Traceback" not in out.output
+    assert DecompositionError.__name__ not in out.output
 
 
 def test_hub_style_dataset_loads_through_datasets(

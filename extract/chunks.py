@@ -1,0 +1,89 @@
+"""One chunk of the partition's grid at a time: claim it, find what it still lacks (redoing
+damaged parts), compute that, and store it while releasing the claim."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pyarrow as pa
+
+from layerdiv.extract.batching import chunk_runs
+from layerdiv.extract.capture import BatchDecomposition, DecompositionError
+from layerdiv.extract.forward import ModelRunner
+from layerdiv.store.writer import ChunkClaim, PartitionWriter
+
+Results = dict[int, tuple[BatchDecomposition, int]]
+"""Instance -> (the decomposition of its batch, its row there)."""
+
+
+def claimed(writer: PartitionWriter, chunks: list[int]) -> Iterator[tuple[int, ChunkClaim]]:
+    """Claim ``chunks`` in turn: first those no other process holds, then (waiting for their
+    holders) the rest, of which only what their holder left undone remains."""
+    busy = []
+    for j in chunks:
+        claim = writer.try_claim(j)
+        if claim is None:
+            busy.append(j)
+        else:
+            yield j, claim
+    for j in busy:
+        yield j, writer.claim(j)
+
+
+def missing_runs(
+    writer: PartitionWriter, j: int, grid: int, n: int, per_instance: int
+) -> tuple[list[list[int]], list[str]]:
+    """Under the claim of chunk ``j``: the contiguous runs of its instances (below ``n``) that are
+    not stored, after deleting its parts that are unreadable or have wrong row counts (with
+    ``per_instance`` components rows per instance); and a note per deleted part."""
+    lo, hi = j * grid, min(n, (j + 1) * grid)
+    inside = [(s, c) for s, c in writer.part.done_parts() if s < hi and s + c > lo]
+    notes = []
+    for s, c in writer.unreadable(inside, per_instance):
+        writer.remove_chunk(s, c)
+        notes.append(f"{writer.part.part('instances', s, c)} was unreadable or incomplete: redone")
+    have = writer.done_instances()
+    return chunk_runs([i for i in range(lo, hi) if i not in have], grid).get(j, []), notes
+
+
+def compute(
+    runner: ModelRunner,
+    runs: list[list[int]],
+    seqs: list[list[int]],
+    batch_size: int | None,
+    names: list[str],
+    check: Callable[[BatchDecomposition, list[int]], None],
+    progress: Callable[[int], object],
+) -> Results:
+    """Run every instance of ``runs``, checking each batch and its component ``names``."""
+    results: Results = {}
+    for run in runs:
+        for dec, ids in runner.run_chunk(seqs, run, batch_size):
+            check(dec, ids)
+            if [c.name for c in dec.components] != names:
+                raise DecompositionError(
+                    f"instance {ids[0]} ran a different component sequence than the stored "
+                    "partition's"
+                )
+            results.update((i, (dec, row)) for row, i in enumerate(ids))
+            progress(len(ids))
+    return results
+
+
+def store(
+    writer: PartitionWriter,
+    claim: ChunkClaim,
+    parts: list[tuple[list[int], dict[str, pa.Table]]],
+    gold: list[int],
+    results: Results,
+) -> tuple[int, float]:
+    """Write a claimed chunk's parts, then release the claim; returns the number of correct
+    predictions and the worst decomposition error among ``results``."""
+    try:
+        for ids, tables in parts:
+            writer.write_chunk(ids[0], len(ids), tables)
+    finally:
+        claim.release()
+    correct = sum(int(d.model_logits[r].argmax()) == gold[i] for i, (d, r) in results.items())
+    worst = max((float(d.sum_error[r]) for d, r in results.values()), default=0.0)
+    return correct, worst

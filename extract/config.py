@@ -1,0 +1,74 @@
+"""What one ``layerdiv extract`` run is asked to do, and what it reports back (no torch here:
+the command line reads its choices and defaults from this module)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+"""``--dtype`` values: ``auto`` picks per device (``layerdiv.extract.models.resolve_dtype``)."""
+
+
+@dataclass
+class ExtractConfig:
+    """Everything one ``layerdiv extract`` run needs."""
+
+    model: str
+    """Hub id, local folder, or the alias ``smollm2-135m-instruct``."""
+    tasks: list[str]
+    """Built-in task names or task YAML paths."""
+    store: Path = Path("layerdiv-store")
+    """Store directory."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of the model."""
+    gguf_file: str | None = None
+    """GGUF file inside the model's folder or repo (converted once to safetensors)."""
+    limit: int | None = None
+    """Instances per task (default: each task's n)."""
+    batch_size: int | None = None
+    """Instances per batch; None packs length-sorted batches up to a token budget."""
+    dtype: str = "auto"
+    """One of :data:`DTYPES`."""
+    device: str = "auto"
+    """auto (cuda, mps, cpu), or a torch device string."""
+    shard: tuple[int, int] = (0, 1)
+    """(i, N): this process does the chunks whose index is i modulo N."""
+    overwrite: bool = False
+    """Replace a partition that holds a different extraction (with N > 1 shards, a partition
+    that holds this extraction is resumed instead: see ``PartitionWriter.check``)."""
+    trust_remote_code: bool = False
+    """Allow models whose code lives in their hub repo (e.g. MobileLLM)."""
+    allow_softcap: bool = False
+    """Decompose the pre-soft-cap logits of models with final logit soft-capping (flagged
+    ``approximate`` in the manifest) instead of refusing them."""
+    chunk_size: int = 1024
+    """Instances per chunk of a new partition's grid (an existing partition keeps its own):
+    the unit of resumption, of sharding and of claiming; a crash loses at most one chunk per
+    process."""
+    progress: bool = True
+    """Show progress bars."""
+
+
+@dataclass
+class TaskSummary:
+    """What one task's extraction did."""
+
+    task: str
+    """Task name."""
+    n_requested: int
+    """Instances this run asked for."""
+    n_new: int
+    """Instances this run computed and stored."""
+    n_done: int
+    """Instances stored in the partition after the run."""
+    seconds: float
+    """Wall time of the task's extraction."""
+    max_sum_error: float = 0.0
+    """Largest relative decomposition error of the new instances."""
+    n_truncated: int = 0
+    """Prompts left-truncated to the model's context."""
+    accuracy_new: float | None = None
+    """Fraction of new instances whose top option logit is the gold one."""
+    notes: list[str] = field(default_factory=list)
+    """Things the user should know (a stored chunk grid used, a damaged chunk redone, ...)."""

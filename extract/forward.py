@@ -1,0 +1,139 @@
+"""Running left-padded batches through a model with the capture hooks attached."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from layerdiv.extract.adapters import Adapter
+from layerdiv.extract.batching import batches
+from layerdiv.extract.capture import BatchDecomposition, ComponentCapture
+from layerdiv.extract.models import LoadedModel
+from layerdiv.store.tables import components_table, instances_table
+
+CPU_TOKEN_BUDGET = 1024
+"""Padded tokens per batch for ``--batch-size auto`` on the CPU."""
+
+
+def token_budget(device: torch.device, config: Any, dtype: torch.dtype) -> int:
+    """Padded tokens per batch for ``--batch-size auto``: a fixed budget on the CPU; on a GPU,
+    half the free memory over an estimate of one token's transient activations in one block
+    (residual, normed copy, q/k/v/o and three MLP-width tensors). Halved on out-of-memory."""
+    if device.type != "cuda":
+        return CPU_TOKEN_BUDGET
+    free, _ = torch.cuda.mem_get_info(device)
+    d = config.hidden_size
+    width = 4 * d + 3 * (getattr(config, "intermediate_size", None) or 4 * d)
+    per_token = width * torch.finfo(dtype).bits // 8
+    return max(256, int(free // 2 // per_token))
+
+
+class ModelRunner:
+    """Runs left-padded batches through a model with the capture hooks attached; a context
+    manager that always removes its hooks."""
+
+    def __init__(
+        self, loaded: LoadedModel, adapter: Adapter, option_ids: list[int], budget: int
+    ) -> None:
+        self.loaded = loaded
+        self.budget = budget
+        """Padded tokens per batch for automatic batching (lowered on out-of-memory)."""
+        self.capture = ComponentCapture(loaded.model, adapter, option_ids)
+        params = inspect.signature(loaded.model.forward).parameters
+        self.extra: dict[str, Any] = {"use_cache": False}
+        if "logits_to_keep" in params:
+            self.extra["logits_to_keep"] = 1
+        self.pad_id = loaded.tokenizer.pad_token_id or 0
+
+    def __enter__(self) -> ModelRunner:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.capture.remove()
+
+    def run(self, seqs: list[list[int]]) -> BatchDecomposition:
+        """One forward pass over ``seqs`` (left-padded) and its decomposition."""
+        width = max(len(s) for s in seqs)
+        input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for row, s in enumerate(seqs):
+            input_ids[row, width - len(s) :] = torch.tensor(s)
+            mask[row, width - len(s) :] = 1
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        device = self.loaded.device
+        self.capture.reset()
+        with torch.inference_mode():
+            self.loaded.model(
+                input_ids=input_ids.to(device),
+                attention_mask=mask.to(device),
+                position_ids=position_ids.to(device),
+                **self.extra,
+            )
+        return self.capture.decompose()
+
+    def run_chunk(
+        self, seqs: list[list[int]], ids: list[int], batch_size: int | None
+    ) -> Iterator[tuple[BatchDecomposition, list[int]]]:
+        """Run instances ``ids`` in length-sorted batches; on an out-of-memory error, halve the
+        batch (and ``self.budget``, kept for later chunks) and go on."""
+        lengths = [len(s) for s in seqs]
+        pending = batches(lengths, ids, batch_size, self.budget)
+        while pending:
+            batch = pending.pop(0)
+            try:
+                dec = self.run([seqs[i] for i in batch])
+            except torch.OutOfMemoryError:
+                if len(batch) == 1:
+                    raise
+                torch.cuda.empty_cache()
+                self.budget = max(1, len(batch) * lengths[batch[0]] // 2)
+                half = max(1, len(batch) // 2)
+                pending = batches(lengths, batch, batch_size and half, self.budget) + pending
+                continue
+            yield dec, batch
+
+
+def chunk_tables(
+    ids: list[int],
+    results: dict[int, tuple[BatchDecomposition, int]],
+    gold: list[int],
+    seqs: list[list[int]],
+    truncated: list[bool],
+) -> dict[str, pa.Table]:
+    """The ``components`` and ``instances`` tables of instances ``ids`` (ascending), each found
+    in ``results`` as (its batch's decomposition, its row there)."""
+
+    def stack(attr: str) -> np.ndarray:
+        return np.stack([getattr(results[i][0], attr)[results[i][1]].numpy() for i in ids])
+
+    return {
+        "components": components_table(
+            ids,
+            results[ids[0]][0].components,
+            stack("logits"),
+            stack("out_norm"),
+            stack("prefix_rms"),
+            stack("cos_residual"),
+            stack("cos_prev"),
+        ),
+        "instances": instances_table(
+            ids,
+            [gold[i] for i in ids],
+            [len(seqs[i]) for i in ids],
+            [truncated[i] for i in ids],
+            stack("final_rms"),
+            stack("model_logits"),
+            stack("sum_error"),
+        ),
+    }

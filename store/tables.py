@@ -1,0 +1,111 @@
+"""Arrow tables of one chunk, built from arrays: the one place that turns numbers into the
+``components`` and ``instances`` schemas (used by extraction and by synthetic stores)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from layerdiv.schemas import COMPONENTS, GRAM, INSTANCES, SKIPS
+from layerdiv.store.manifest import ComponentInfo
+
+
+def components_table(
+    instances: Sequence[int],
+    infos: list[ComponentInfo],
+    logits: np.ndarray,
+    out_norm: np.ndarray,
+    prefix_rms: np.ndarray,
+    cos_residual: np.ndarray,
+    cos_prev: np.ndarray,
+) -> pa.Table:
+    """Long rows (instance, component, option) of :data:`~layerdiv.schemas.COMPONENTS`.
+
+    ``logits`` is (B, L, K) u_c[k] per instance; the per-component arrays are (B, L), NaN where
+    the column is null (``out_norm``, ``cos_residual``, ``cos_prev``).
+    """
+    b, n_comp, n_opt = logits.shape
+    comp_index = np.tile(np.repeat(np.arange(n_comp, dtype=np.int16), n_opt), b)
+    names = pa.array([c.name for c in infos], pa.string())
+    kinds = [c.kind for c in infos]
+    kind_values = list(dict.fromkeys(kinds))  # in order of first appearance
+    kind_index = np.array([kind_values.index(k) for k in kinds], dtype=np.int8)
+    layers = np.array([c.layer for c in infos], dtype=np.int16)
+
+    def per_component(values: np.ndarray, nullable: bool = True) -> pa.Array:
+        flat = np.repeat(np.asarray(values, dtype=np.float32).reshape(-1), n_opt)
+        return pa.array(flat, from_pandas=nullable)  # NaN -> null where nullable
+
+    return pa.table(
+        {
+            "instance": pa.array(np.repeat(np.asarray(instances, dtype=np.int32), n_comp * n_opt)),
+            "component": pa.array(comp_index),
+            "name": pa.DictionaryArray.from_arrays(pa.array(comp_index), names),
+            "kind": pa.DictionaryArray.from_arrays(
+                pa.array(kind_index[comp_index]), pa.array(kind_values, pa.string())
+            ),
+            "layer": pa.array(layers[comp_index]),
+            "option": pa.array(np.tile(np.arange(n_opt, dtype=np.int8), b * n_comp)),
+            "logit": pa.array(np.asarray(logits, dtype=np.float32).reshape(-1)),
+            "out_norm": per_component(out_norm),
+            "prefix_rms": per_component(prefix_rms, nullable=False),
+            "cos_residual": per_component(cos_residual),
+            "cos_prev": per_component(cos_prev),
+        },
+        schema=COMPONENTS,
+    )
+
+
+def instances_table(
+    instances: Sequence[int],
+    gold: Sequence[int] | np.ndarray,
+    n_tokens: Sequence[int],
+    truncated: Sequence[bool],
+    final_rms: np.ndarray,
+    model_logits: np.ndarray,
+    sum_error: np.ndarray,
+) -> pa.Table:
+    """Rows of :data:`~layerdiv.schemas.INSTANCES`; ``model_logits`` is (B, K)."""
+    return pa.table(
+        {
+            "instance": pa.array(instances, pa.int32()),
+            "gold": pa.array(gold, pa.int8()),
+            "n_tokens": pa.array(n_tokens, pa.int32()),
+            "truncated": pa.array(truncated, pa.bool_()),
+            "final_rms": pa.array(np.asarray(final_rms, dtype=np.float32)),
+            "model_logits": pa.array(
+                list(np.asarray(model_logits, dtype=np.float32)), pa.list_(pa.float32())
+            ),
+            "sum_error": pa.array(np.asarray(sum_error, dtype=np.float32)),
+        },
+        schema=INSTANCES,
+    )
+
+
+def skips_table(instances: Sequence[int], skip_logits: np.ndarray) -> pa.Table:
+    """Rows (instance, layer, option) of :data:`~layerdiv.schemas.SKIPS`; ``skip_logits`` is
+    (B, blocks, K): the option logits with each block skipped."""
+    b, n_layers, n_opt = skip_logits.shape
+    return pa.table(
+        {
+            "instance": pa.array(np.repeat(np.asarray(instances, np.int32), n_layers * n_opt)),
+            "layer": pa.array(np.tile(np.repeat(np.arange(n_layers, dtype=np.int16), n_opt), b)),
+            "option": pa.array(np.tile(np.arange(n_opt, dtype=np.int8), b * n_layers)),
+            "logit": pa.array(np.asarray(skip_logits, np.float32).reshape(-1)),
+        },
+        schema=SKIPS,
+    )
+
+
+def gram_table(instances: Sequence[int], gram: np.ndarray) -> pa.Table:
+    """Rows of :data:`~layerdiv.schemas.GRAM`; ``gram`` is (B, C(C+1)/2), each row the upper
+    triangle of one instance's Gram matrix (``layerdiv.schemas.gram_index``)."""
+    return pa.table(
+        {
+            "instance": pa.array(instances, pa.int32()),
+            "gram": pa.array(list(np.asarray(gram, np.float32)), pa.list_(pa.float32())),
+        },
+        schema=GRAM,
+    )
