@@ -155,6 +155,17 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
     help="Instances per chunk of a new partition (the unit of resumption and sharding); an "
     "existing partition keeps its own.",
 )
+@click.option(
+    "--skips",
+    is_flag=True,
+    help="Also store the option logits with each block skipped (about half a forward pass per "
+    "block; extends a partition stored without them).",
+)
+@click.option(
+    "--gram",
+    is_flag=True,
+    help="Also store each instance's Gram matrix of the component outputs (exact angles).",
+)
 def extract(
     model: str,
     tasks: tuple[str, ...],
@@ -170,6 +181,8 @@ def extract(
     trust_remote_code: bool,
     allow_softcap: bool,
     chunk_size: int,
+    skips: bool,
+    gram: bool,
 ) -> None:
     """Run MODEL once over each task and cache every component's option logits."""
     import sys
@@ -194,6 +207,8 @@ def extract(
         trust_remote_code=trust_remote_code,
         allow_softcap=allow_softcap,
         chunk_size=chunk_size,
+        skips=skips,
+        gram=gram,
     )
     try:
         summaries = run_extract(cfg)

@@ -47,6 +47,8 @@ class BatchDecomposition:
     """(B, K) the model's own option logits (lm_head output, before any soft-cap)."""
     sum_error: torch.Tensor
     """(B,) max_k |sum_c u_c[k] - model_logits[k]| / max(1, max_k sum_c |u_c[k]|)."""
+    skip_logits: torch.Tensor | None = None
+    """(B, blocks, K) the model's option logits with each block module skipped (``--skips``)."""
     gram: torch.Tensor | None = None
     """(B, C(C+1)/2) upper triangle of z_a . z_b over the C components without bias, row by row
     (``layerdiv.schemas.GRAM``); only with ``gram=True``."""
@@ -58,6 +60,8 @@ class ComponentCapture:
     def __init__(self, model: Any, adapter: Adapter, option_ids: list[int], gram: bool = False):
         self.adapter = adapter
         self.gram = gram
+        self.paused = False
+        """While True the hooks keep nothing (extra passes such as layer skips)."""
         blocks = get_module(model, adapter.blocks)
         self.norm = get_module(model, adapter.final_norm)
         head = model.get_output_embeddings()
@@ -89,6 +93,8 @@ class ComponentCapture:
     def _keep(self, kind: str, layer: int, output: Any) -> None:
         """Copy a component's last position into the next slot of one preallocated buffer (many
         small long-lived copies between large activations fragment the heap)."""
+        if self.paused:
+            return
         out = output[0] if isinstance(output, tuple) else output
         rows, slot, buf = out.shape[0], len(self._records), self._buffer
         if buf is None or rows > buf.shape[1] or slot >= buf.shape[0]:

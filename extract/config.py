@@ -46,8 +46,17 @@ class ExtractConfig:
     """Instances per chunk of a new partition's grid (an existing partition keeps its own):
     the unit of resumption, of sharding and of claiming; a crash loses at most one chunk per
     process."""
+    skips: bool = False
+    """Also store the option logits with each block skipped (``skips`` table, METHODS.md 7)."""
+    gram: bool = False
+    """Also store each instance's Gram matrix of the component outputs (``gram`` table)."""
     progress: bool = True
     """Show progress bars."""
+
+    @property
+    def extra_tables(self) -> list[str]:
+        """The optional tables this run writes (and backfills for chunks stored without them)."""
+        return [t for t, on in (("skips", self.skips), ("gram", self.gram)) if on]
 
 
 @dataclass

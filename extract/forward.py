@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -15,7 +15,8 @@ from layerdiv.extract.adapters import Adapter
 from layerdiv.extract.batching import batches
 from layerdiv.extract.capture import BatchDecomposition, ComponentCapture
 from layerdiv.extract.models import LoadedModel
-from layerdiv.store.tables import components_table, instances_table
+from layerdiv.extract.skips import BlockSkipper
+from layerdiv.store.tables import components_table, gram_table, instances_table, skips_table
 
 CPU_TOKEN_BUDGET = 1024
 """Padded tokens per batch for ``--batch-size auto`` on the CPU."""
@@ -39,12 +40,22 @@ class ModelRunner:
     manager that always removes its hooks."""
 
     def __init__(
-        self, loaded: LoadedModel, adapter: Adapter, option_ids: list[int], budget: int
+        self,
+        loaded: LoadedModel,
+        adapter: Adapter,
+        option_ids: list[int],
+        budget: int,
+        extra_tables: Sequence[str] = (),
     ) -> None:
         self.loaded = loaded
         self.budget = budget
         """Padded tokens per batch for automatic batching (lowered on out-of-memory)."""
-        self.capture = ComponentCapture(loaded.model, adapter, option_ids)
+        self.capture = ComponentCapture(
+            loaded.model, adapter, option_ids, gram="gram" in extra_tables
+        )
+        self.skipper = (
+            BlockSkipper(loaded.model, adapter, option_ids) if "skips" in extra_tables else None
+        )
         params = inspect.signature(loaded.model.forward).parameters
         self.extra: dict[str, Any] = {"use_cache": False}
         if "logits_to_keep" in params:
@@ -72,15 +83,26 @@ class ModelRunner:
             mask[row, width - len(s) :] = 1
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         device = self.loaded.device
+        inputs = {
+            "input_ids": input_ids.to(device),
+            "attention_mask": mask.to(device),
+            "position_ids": position_ids.to(device),
+            **self.extra,
+        }
         self.capture.reset()
         with torch.inference_mode():
-            self.loaded.model(
-                input_ids=input_ids.to(device),
-                attention_mask=mask.to(device),
-                position_ids=position_ids.to(device),
-                **self.extra,
-            )
-        return self.capture.decompose()
+            if self.skipper is None:
+                self.loaded.model(**inputs)
+                return self.capture.decompose()
+            with self.skipper.recording():
+                self.loaded.model(**inputs)
+            dec = self.capture.decompose()
+            self.capture.paused = True
+            try:  # METHODS.md section 7: each block skipped, the shared prefix reused
+                dec.skip_logits = self.skipper.skip_logits(lambda: self.loaded.model(**inputs))
+            finally:
+                self.capture.paused = False
+        return dec
 
     def run_chunk(
         self, seqs: list[list[int]], ids: list[int], batch_size: int | None
@@ -112,12 +134,14 @@ def chunk_tables(
     truncated: list[bool],
 ) -> dict[str, pa.Table]:
     """The ``components`` and ``instances`` tables of instances ``ids`` (ascending), each found
-    in ``results`` as (its batch's decomposition, its row there)."""
+    in ``results`` as (its batch's decomposition, its row there), and the optional tables
+    (``skips``, ``gram``) the decompositions hold."""
 
     def stack(attr: str) -> np.ndarray:
         return np.stack([getattr(results[i][0], attr)[results[i][1]].numpy() for i in ids])
 
     return {
+        **optional_tables(ids, results),
         "components": components_table(
             ids,
             results[ids[0]][0].components,
@@ -137,3 +161,20 @@ def chunk_tables(
             stack("sum_error"),
         ),
     }
+
+
+def optional_tables(
+    ids: list[int], results: dict[int, tuple[BatchDecomposition, int]]
+) -> dict[str, pa.Table]:
+    """The ``skips`` and ``gram`` tables of instances ``ids``, where the run computed them."""
+    first = results[ids[0]][0]
+
+    def stack(values: Callable[[BatchDecomposition], Any]) -> np.ndarray:
+        return np.stack([values(results[i][0])[results[i][1]].numpy() for i in ids])
+
+    tables = {}
+    if first.skip_logits is not None:
+        tables["skips"] = skips_table(ids, stack(lambda d: d.skip_logits))
+    if first.gram is not None:
+        tables["gram"] = gram_table(ids, stack(lambda d: d.gram))
+    return tables

@@ -102,7 +102,9 @@ def _pending(plan: TaskPlan, cfg: ExtractConfig) -> bool:
     stored = read_manifest(plan.writer.part.manifest)
     done = plan.writer.done_instances(len(stored.components) * len(stored.options))
     todo = [i for i in range(len(plan.items)) if i not in done]
-    return bool(chunk_runs(todo, stored.chunk_size or cfg.chunk_size, cfg.shard))
+    todo += [i for t in cfg.extra_tables for s, c in plan.writer.chunks_missing(t)
+             for i in range(s, s + c)]  # fmt: skip
+    return bool(chunk_runs(sorted(set(todo)), stored.chunk_size or cfg.chunk_size, cfg.shard))
 
 
 def extract_task(
@@ -119,13 +121,15 @@ def extract_task(
     tol, gold = SUM_TOLERANCE[loaded.dtype], [it.gold for it in items]
     check = partial(check_batch, task=spec.name, tol=tol)
     start_time, notes = time.perf_counter(), []
-    with ModelRunner(loaded, adapter, plan.option_ids, budget) as runner:
+    with ModelRunner(loaded, adapter, plan.option_ids, budget, cfg.extra_tables) as runner:
         probe = runner.run([seqs[0]])  # the component list, before anything is written
         check(probe, [0])
         ident = identity(loaded.source, loaded.dtype, spec, plan.option_ids, plan.data_sha256)
         manifest = build_manifest(loaded, adapter, spec, ident, probe.components, len(items),
                                   cfg.chunk_size, tol, approximate)  # fmt: skip
         stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])
+        for table in cfg.extra_tables:
+            writer.mark_table(table)
         grid = stored.chunk_size or cfg.chunk_size
         if grid != cfg.chunk_size:
             notes.append(f"the partition's chunk grid is {grid} instances (--chunk-size "
@@ -159,6 +163,14 @@ def extract_task(
             if writing is not None:
                 c, e = writing.result()
                 correct, max_err = correct + c, max(max_err, e)
+        if cfg.extra_tables:  # chunks stored before without them: add just these tables
+            rerun = partial(chunks.compute, runner, seqs=seqs, batch_size=cfg.batch_size,
+                            names=names, check=check, progress=lambda n: None)  # fmt: skip
+            added = chunks.backfill(writer, cfg.extra_tables, grid, cfg.shard,
+                                    lambda run: rerun(runs=[run]))  # fmt: skip
+            if added:
+                notes.append(f"added {', '.join(cfg.extra_tables)} to {added} stored instances "
+                             "(their components were kept)")  # fmt: skip
     seconds = time.perf_counter() - start_time
     run.write(finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
               seconds=round(seconds, 3), instances=n_new)  # fmt: skip
