@@ -306,11 +306,10 @@ def skip_rows(info: PartitionInfo) -> pl.DataFrame:
         .rename({"logit": "skip"})
         .join(full, on=["instance", "option"])
         .join(direct, on=["instance", "layer", "option"])
+        .with_columns(pl.col("full", "skip").cast(pl.Float64))
         .with_columns(
-            pl.col("full", "skip").cast(pl.Float64),
-            _log_softmax("full", ["instance"]).alias("log_p"),  # same for every b
+            _log_softmax("full", by).alias("log_p"), _log_softmax("skip", by).alias("log_q")
         )
-        .with_columns(_log_softmax("skip", by).alias("log_q"))
         .group_by(by)
         .agg(
             (pl.col("option").get(pl.col("full").arg_max()) == pl.col("gold").first())
