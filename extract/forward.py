@@ -35,6 +35,19 @@ def token_budget(device: torch.device, config: Any, dtype: torch.dtype) -> int:
     return max(256, int(free // 2 // per_token))
 
 
+def left_padded(seqs: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``attention_mask`` and ``position_ids`` of ``seqs`` left-padded to the
+    longest, so that the last position of every row is its last prompt token."""
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, s in enumerate(seqs):
+        input_ids[row, width - len(s) :] = torch.tensor(s)
+        mask[row, width - len(s) :] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}
+
+
 class ModelRunner:
     """Runs left-padded batches through a model with the capture hooks attached; a context
     manager that always removes its hooks."""
@@ -75,20 +88,9 @@ class ModelRunner:
 
     def run(self, seqs: list[list[int]]) -> BatchDecomposition:
         """One forward pass over ``seqs`` (left-padded) and its decomposition."""
-        width = max(len(s) for s in seqs)
-        input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for row, s in enumerate(seqs):
-            input_ids[row, width - len(s) :] = torch.tensor(s)
-            mask[row, width - len(s) :] = 1
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         device = self.loaded.device
-        inputs = {
-            "input_ids": input_ids.to(device),
-            "attention_mask": mask.to(device),
-            "position_ids": position_ids.to(device),
-            **self.extra,
-        }
+        inputs = {k: v.to(device) for k, v in left_padded(seqs, self.pad_id).items()}
+        inputs.update(self.extra)
         self.capture.reset()
         with torch.inference_mode():
             if self.skipper is None:
