@@ -15,6 +15,11 @@ printing wall time and peak memory (max RSS of the process) of each.
 
 The store is kept in ``--store`` (default: a folder under the system temp directory) and reused
 when it is already there.
+
+With ``--scales 1,10`` it instead times ``layerdiv analyze`` alone on stores of 1x and 10x as many
+models (``<store>-x1``, ``<store>-x10``; 10x is about 600 million rows) and prints wall time, peak
+memory and their ratios to the first scale: the analysis reads one partition at a time, so time
+should grow linearly with the rows and peak memory should stay bounded.
 """
 
 from __future__ import annotations
@@ -80,6 +85,31 @@ def in_process_query(store: Path, model: str, task: str) -> tuple[str, float, fl
     return f"query, 1 model x 1 task, in-process ({rows:,} rows out)", wall, peak
 
 
+def scaling(args: argparse.Namespace, scales: list[int]) -> None:
+    """Time ``layerdiv analyze`` on stores of ``scale`` x ``--models`` models each."""
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for scale in scales:
+            root = Path(f"{args.store}-x{scale}")
+            rows = ensure_store(root, args.models * scale, args.tasks, args.instances)
+            _, wall, peak = timed(
+                f"analyze x{scale}", ["analyze", "--store", str(root), "--out", f"{tmp}/x{scale}"]
+            )
+            runs.append((scale, rows, wall, peak))
+    print(f"\nlayerdiv analyze, {args.tasks} tasks x {args.instances:,} instances per model")
+    print(
+        f"{'scale':>5}  {'models':>6}  {'rows':>13}  {'wall (s)':>9}  {'peak RSS (MiB)':>14}  "
+        f"{'wall / rows ratio':>17}  {'peak ratio':>10}"
+    )
+    _, rows0, wall0, peak0 = runs[0]
+    for scale, rows, wall, peak in runs:
+        per_row = (wall / rows) / (wall0 / rows0)
+        print(
+            f"{scale:>5}  {args.models * scale:>6}  {rows:>13,}  {wall:9.1f}  {peak:14.0f}  "
+            f"{per_row:17.2f}  {peak / peak0:10.2f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -88,7 +118,15 @@ def main() -> None:
     parser.add_argument("--models", type=int, default=16)
     parser.add_argument("--tasks", type=int, default=8)
     parser.add_argument("--instances", type=int, default=2000)
+    parser.add_argument(
+        "--scales",
+        default=None,
+        help="comma-separated multiples of --models (e.g. 1,10): time analyze at each scale",
+    )
     args = parser.parse_args()
+    if args.scales:
+        scaling(args, [int(v) for v in args.scales.split(",")])
+        return
 
     rows = ensure_store(args.store, args.models, args.tasks, args.instances)
     store = str(args.store)
