@@ -190,6 +190,8 @@ def synthesize_store(
             kinds,
             rms,
             n_params=int(1e8 * (m + 1)),
+            hidden_size=576,
+            norm_eps=1e-5,
         )
         rows += logits.size
     return rows
