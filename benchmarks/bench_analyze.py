@@ -9,7 +9,8 @@ options: about 60 million component-option rows), then times, each in a fresh pr
 - ``layerdiv analyze --lens prefix`` on one model (the O(L^2) logit-lens curves),
 
 the same single-model, single-task query in-process (store opened, views built, query run) and
-the depth-use tables in-process (what they add to ``layerdiv analyze``), printing wall time and peak memory (max RSS of the process) of each.
+the depth-use tables in-process (what they add to ``layerdiv analyze``), printing wall time and
+peak memory (max RSS of the process) of each.
 
     python benchmarks/bench_analyze.py [--store DIR] [--models 16] [--tasks 8] [--instances 2000]
 
