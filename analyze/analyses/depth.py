@@ -88,7 +88,9 @@ def _exact_norms(info: PartitionInfo) -> bool:
 
 
 def _eps(info: PartitionInfo) -> float:
-    return getattr(info.manifest, "norm_eps", None) or 0.0
+    """The final norm's eps (0 for manifests written before it was recorded: eps is far below
+    rms^2 of a residual stream, so ||r|| changes by a relative eps / (2 rms^2))."""
+    return info.manifest.norm_eps or 0.0
 
 
 def component_map(info: PartitionInfo) -> pl.DataFrame:
