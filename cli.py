@@ -5,6 +5,7 @@ Commands that read the cache never import torch; ``extract`` and ``demo`` import
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +15,8 @@ import click
 from layerdiv import __version__
 from layerdiv.analyze.options import ESTIMATORS, FORMATS, LENSES
 from layerdiv.errors import LayerdivError
-from layerdiv.extract.config import DTYPES, ExtractConfig
+from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig
+from layerdiv.extract.launchers import LaunchError, Shard, parse_shard, pick_device
 
 DEFAULT_STORE = "layerdiv-store"
 MAX_ROWS = 40
@@ -35,6 +37,11 @@ def user_error(err: BaseException) -> str | None:
     package = type(err).__module__.split(".")[0]
     if isinstance(err, LayerdivError):
         return one_line(err)
+    if package in ("duckdb", "_duckdb") and type(err).__name__ == "PermissionException":
+        return (
+            f"{one_line(err)}: layerdiv query reads only the views components, instances and "
+            "manifests and writes no file; save a result with --out FILE"
+        )
     if package in ("duckdb", "_duckdb"):
         return f"{one_line(err)} (the views are components, instances and manifests)"
     if package == "polars" or isinstance(err, OSError):
@@ -84,14 +91,11 @@ store_option = click.option(
 # --- extraction commands -------------------------------------------------------------------
 
 
-def _parse_shard(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, int]:
+def _parse_shard(ctx: click.Context, param: click.Parameter, value: str) -> Shard:
     try:
-        i, n = (int(v) for v in value.split("/"))
-    except ValueError:
-        raise click.BadParameter("use i/N, e.g. 0/4") from None
-    if not 0 <= i < n:
-        raise click.BadParameter(f"need 0 <= i < N, got {value}")
-    return i, n
+        return parse_shard(value, os.environ)
+    except LaunchError as err:
+        raise click.ClickException(str(err)) from None
 
 
 def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
@@ -131,11 +135,19 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
     "--device", default=_DEFAULTS.device, show_default=True, help="auto, cuda, cuda:1, mps, cpu."
 )
 @click.option(
+    "--device-map",
+    type=click.Choice(["auto"]),
+    default=None,
+    help="auto: spread a model larger than one GPU over the GPUs, CPU and disk (accelerate).",
+)
+@click.option(
     "--shard",
     default="/".join(map(str, _DEFAULTS.shard)),
     show_default=True,
+    envvar="LAYERDIV_SHARD",
     callback=_parse_shard,
-    help="Do chunk share i of N.",
+    help="Do chunk share i of N; auto: i and N from a SLURM job array, torchrun or (auto/N) "
+    "a Kubernetes indexed job. Also read from $LAYERDIV_SHARD.",
 )
 @click.option(
     "--overwrite",
@@ -151,9 +163,8 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
     "--chunk-size",
     type=click.IntRange(min=1),
     default=_DEFAULTS.chunk_size,
-    show_default=True,
-    help="Instances per chunk of a new partition (the unit of resumption and sharding); an "
-    "existing partition keeps its own.",
+    help=f"Instances per chunk of a new partition (default {DEFAULT_CHUNK_SIZE}; the unit of "
+    "resumption and sharding); an existing partition keeps its own.",
 )
 @click.option(
     "--skips",
@@ -176,11 +187,12 @@ def extract(
     batch_size: int | None,
     dtype: str,
     device: str,
-    shard: tuple[int, int],
+    device_map: str | None,
+    shard: Shard,
     overwrite: bool,
     trust_remote_code: bool,
     allow_softcap: bool,
-    chunk_size: int,
+    chunk_size: int | None,
     skips: bool,
     gram: bool,
 ) -> None:
@@ -188,7 +200,6 @@ def extract(
     import sys
     from pathlib import Path
 
-    from layerdiv.errors import LayerdivError
     from layerdiv.extract.interrupt import Interrupted
     from layerdiv.extract.runner import run_extract
 
@@ -201,8 +212,9 @@ def extract(
         limit=limit,
         batch_size=batch_size,
         dtype=dtype,
-        device=device,
-        shard=shard,
+        device=_device_for(device, shard),
+        device_map=device_map,
+        shard=(shard.index, shard.count),
         overwrite=overwrite,
         trust_remote_code=trust_remote_code,
         allow_softcap=allow_softcap,
@@ -210,13 +222,13 @@ def extract(
         skips=skips,
         gram=gram,
     )
+    if shard.source != "--shard":
+        click.echo(f"{shard.describe()}, device {cfg.device}")
     try:
         summaries = run_extract(cfg)
     except Interrupted as err:
         click.echo(f"Error: {err}", err=True)
         sys.exit(err.exit_code)
-    except LayerdivError as err:
-        raise click.ClickException(str(err)) from err
     for s in summaries:
         for note in s.notes:
             click.echo(f"{s.task}: note: {note}")
@@ -231,6 +243,18 @@ def extract(
             + ")"
         )
     click.echo(f"store: {store}")
+
+
+def _device_for(device: str, shard: Shard) -> str:
+    """The device, with a launcher's LOCAL_RANK picking the GPU (see ``extract.launchers``)."""
+    if shard.local_rank is None:
+        return device
+    import torch
+
+    try:
+        return pick_device(device, shard, torch.cuda.device_count())
+    except LaunchError as err:
+        raise click.ClickException(str(err)) from err
 
 
 @main.command()
@@ -500,6 +524,27 @@ def ls_command(store: str, models: tuple[str, ...], tasks: tuple[str, ...]) -> N
     table = ls(st, models, tasks)
     click.echo(show(table))
     fail_after(st.problems(models, tasks))
+
+
+@main.command("merge")
+@click.argument("sources", nargs=-1, required=True, type=click.Path(file_okay=False))
+@click.option(
+    "--into",
+    required=True,
+    type=click.Path(),
+    help="The merged store: created, or an existing store that keeps what it holds.",
+)
+def merge_command(sources: tuple[str, ...], into: str) -> None:
+    """Combine stores extracted on different machines (e.g. the shards of one run) into INTO.
+
+    A partition held by several stores must be the same extraction in each; no instance is
+    stored twice; INTO changes all at once or not at all."""
+    from layerdiv.store.merge import merge_stores
+
+    merged = merge_stores(sources, into)
+    for p in merged:
+        click.echo(f"model={p.model} task={p.task}: {p.n_done} instances ({p.n_added} new)")
+    click.echo(f"merged {len(sources)} store(s) into {into}")
 
 
 if __name__ == "__main__":

@@ -67,11 +67,16 @@ class ComponentCapture:
         head = model.get_output_embeddings()
         if head is None:
             raise DecompositionError("the model has no output embedding (lm_head)")
-        ids = torch.tensor(option_ids, device=head.weight.device)
-        self.option_ids = ids
-        self.w_options = head.weight.detach()[ids].to(torch.float32)  # (K, d) rows of W_U
-        head_bias = getattr(head, "bias", None)
-        self.head_bias = None if head_bias is None else head_bias.detach()[ids].float()
+        with _onloaded(head):  # weights offloaded by accelerate (--device-map) are loaded here
+            ids = torch.tensor(option_ids, device=head.weight.device)
+            self.option_ids = ids
+            self.w_options = head.weight.detach()[ids].to(torch.float32)  # (K, d) rows of W_U
+            head_bias = getattr(head, "bias", None)
+            self.head_bias = None if head_bias is None else head_bias.detach()[ids].float()
+        with _onloaded(self.norm):
+            self.gain = self.norm.weight.detach().float().clone()
+            bias = getattr(self.norm, "bias", None)
+            self.norm_bias = None if bias is None else bias.detach().float().clone()
         self.eps = norm_eps(self.norm)
         self._records: list[tuple[str, int]] = []  # (kind, layer) of each component so far
         self._buffer: torch.Tensor | None = None  # (slots, rows, d) float32, reused every pass
@@ -142,16 +147,19 @@ class ComponentCapture:
         ]
 
     def _has_bias(self) -> bool:
-        norm_bias = self.adapter.norm == "layer" and getattr(self.norm, "bias", None) is not None
+        norm_bias = self.adapter.norm == "layer" and self.norm_bias is not None
         return norm_bias or self.head_bias is not None
 
     def decompose(self) -> BatchDecomposition:
         """Split the last forward pass's option logits into its components (METHODS.md s. 1)."""
         if self._x is None or self._head is None or self._buffer is None:
             raise DecompositionError("no forward pass was captured")
-        x = self._x  # the model's own final residual (B, d)
+        # Everything kept is gathered on the device of the first component (a model spread over
+        # several devices by --device-map runs its blocks on different ones).
+        dev = self._buffer.device
+        x, head, w_options = self._x.to(dev), self._head.to(dev), self.w_options.to(dev)
         z = self._buffer[: len(self._records), : x.shape[0]].transpose(0, 1)  # (B, L, d)
-        gain = self.norm.weight.detach().float()
+        gain = self.gain.to(dev)
         if self.adapter.norm == "rms_plus_one":
             gain = 1.0 + gain
         prefix = torch.cumsum(z, dim=1)  # r_c = z_0 + ... + z_c
@@ -166,7 +174,7 @@ class ComponentCapture:
             prefix_rms = torch.sqrt(prefix.pow(2).mean(dim=-1) + self.eps)
             z_scaled = z
         s = gain / scale_x[:, None]  # (B, d)
-        logits = torch.einsum("bld,bd,kd->blk", z_scaled, s, self.w_options)
+        logits = torch.einsum("bld,bd,kd->blk", z_scaled, s, w_options)
         out_norm = z.norm(dim=-1)
         cos = torch.full_like(out_norm, float("nan"))
         cos[:, 1:] = torch.nn.functional.cosine_similarity(z[:, 1:], prefix[:, :-1], dim=-1)
@@ -174,12 +182,11 @@ class ComponentCapture:
         cos_prev[:, 1:] = torch.nn.functional.cosine_similarity(z[:, 1:], z[:, :-1], dim=-1)
         if self._has_bias():
             # Constant component: norm bias b through W_U, plus any lm_head bias.
-            const = torch.zeros(len(self.option_ids), device=z.device)
-            norm_bias = getattr(self.norm, "bias", None)
-            if self.adapter.norm == "layer" and norm_bias is not None:
-                const = const + self.w_options @ norm_bias.detach().float()
+            const = torch.zeros(len(self.option_ids), device=dev)
+            if self.adapter.norm == "layer" and self.norm_bias is not None:
+                const = const + w_options @ self.norm_bias.to(dev)
             if self.head_bias is not None:
-                const = const + self.head_bias
+                const = const + self.head_bias.to(dev)
             b = z.shape[0]
             logits = torch.cat([logits, const.expand(b, 1, -1)], dim=1)
             nan = torch.full((b, 1), float("nan"), device=z.device)
@@ -193,7 +200,7 @@ class ComponentCapture:
             gram = (z @ z.transpose(1, 2))[:, upper[0], upper[1]].cpu()
         total = logits.sum(dim=1)
         spread = logits.abs().sum(dim=1).amax(dim=-1).clamp(min=1.0)
-        sum_error = (total - self._head).abs().amax(dim=-1) / spread
+        sum_error = (total - head).abs().amax(dim=-1) / spread
         return BatchDecomposition(
             components=self.component_infos(),
             logits=logits.cpu(),
@@ -202,10 +209,18 @@ class ComponentCapture:
             cos_residual=cos.cpu(),
             cos_prev=cos_prev.cpu(),
             final_rms=scale_x.cpu(),
-            model_logits=self._head.cpu(),
+            model_logits=head.cpu(),
             sum_error=sum_error.cpu(),
             gram=gram,
         )
+
+
+def _onloaded(module: Any) -> Any:
+    """Context in which ``module``'s weights are real tensors, also when accelerate keeps them
+    offloaded on the CPU or disk between forward passes."""
+    from accelerate.utils import align_module_device
+
+    return align_module_device(module)
 
 
 def check_batch(dec: BatchDecomposition, ids: list[int], task: str, tol: float) -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+DEFAULT_CHUNK_SIZE = 1024
+"""Instances per chunk of a new partition when ``--chunk-size`` is not given."""
+
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 """``--dtype`` values: ``auto`` picks per device (``layerdiv.extract.models.resolve_dtype``)."""
 
@@ -32,6 +35,9 @@ class ExtractConfig:
     """One of :data:`DTYPES`."""
     device: str = "auto"
     """auto (cuda, mps, cpu), or a torch device string."""
+    device_map: str | None = None
+    """None: the whole model on ``device``; ``auto``: spread over the GPUs, then CPU and disk
+    offload, by accelerate (models larger than one GPU)."""
     shard: tuple[int, int] = (0, 1)
     """(i, N): this process does the chunks whose index is i modulo N."""
     overwrite: bool = False
@@ -42,10 +48,10 @@ class ExtractConfig:
     allow_softcap: bool = False
     """Decompose the pre-soft-cap logits of models with final logit soft-capping (flagged
     ``approximate`` in the manifest) instead of refusing them."""
-    chunk_size: int = 1024
-    """Instances per chunk of a new partition's grid (an existing partition keeps its own):
-    the unit of resumption, of sharding and of claiming; a crash loses at most one chunk per
-    process."""
+    chunk_size: int | None = None
+    """Instances per chunk of a new partition's grid (None: :data:`DEFAULT_CHUNK_SIZE`; an
+    existing partition keeps its own): the unit of resumption, of sharding and of claiming; a
+    crash loses at most one chunk per process."""
     skips: bool = False
     """Also store the option logits with each block skipped (``skips`` table, METHODS.md 7)."""
     gram: bool = False

@@ -8,11 +8,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from layerdiv.errors import LayerdivError
 
-
-class Interrupted(LayerdivError):
-    """SIGTERM or SIGINT arrived; ``exit_code`` is 128 + the signal number (143, 130)."""
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT arrived; ``exit_code`` is 128 + the signal number (143, 130). Like
+    :class:`KeyboardInterrupt`, no ``except Exception`` (ours or a library's) swallows it."""
 
     def __init__(self, signum: int) -> None:
         self.exit_code = 128 + signum

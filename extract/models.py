@@ -3,12 +3,13 @@ cache) and the offline alias ``smollm2-135m-instruct``."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
-import tempfile
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,15 +42,40 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "layerdiv"
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` picks cuda, then mps, then cpu."""
-    if name != "auto":
-        return torch.device(name)
+def available_devices() -> list[str]:
+    """The torch devices this machine can run on, e.g. ``["cpu", "cuda", "cuda:0"]``."""
+    out = ["cpu"]
     if torch.cuda.is_available():
-        return torch.device("cuda")
+        out += ["cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
     if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+        out.append("mps")
+    return out
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks cuda, then mps, then cpu; a device this machine lacks is refused (before
+    any weights load) with the list of those it has."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+    here = f"devices here: auto, {', '.join(available_devices())}"
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise ModelLoadError(f"unknown device {name!r}; {here}") from err
+    if device.type == "cpu":
+        return device
+    backend = torch.backends.mps if device.type == "mps" else getattr(torch, device.type, None)
+    count = getattr(backend, "device_count", lambda: 1)
+    if not (getattr(backend, "is_available", bool)() and (device.index or 0) < count()):
+        build = (
+            f" (this torch {torch.__version__} is built without CUDA)"
+            if device.type == "cuda" and torch.version.cuda is None
+            else ""
+        )
+        raise ModelLoadError(f"device {name!r} is not available on this machine{build}; {here}")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -103,11 +129,21 @@ def resolve_source(
 
     path, gguf = model, gguf_file
     if model in ALIASES:
+        if gguf_file:
+            raise ModelLoadError(
+                f"--gguf-file cannot be combined with the alias {model!r} (it names its own GGUF "
+                "file); give the folder or repo that holds your GGUF file as --model"
+            )
         package, gguf, install = ALIASES[model]
         spec = importlib.util.find_spec(package)  # locate only: importing it is never needed
         if spec is None or not spec.submodule_search_locations:
             raise ModelLoadError(f"model alias {model!r} needs its package: {install}")
         path = next(iter(spec.submodule_search_locations))
+    elif _looks_like_path(model) and not Path(model).exists():
+        raise ModelLoadError(
+            f"cannot load the config of {model!r}: the folder {model} does not exist (a hub id "
+            "is 'name' or 'org/name')"
+        )
     if gguf:
         path = str(_converted_gguf(path, gguf, revision))
         revision = None
@@ -124,15 +160,46 @@ def resolve_source(
         weights = [f for f in Path(path).iterdir() if f.suffix in _WEIGHT_SUFFIXES]
         if not weights:
             raise ModelLoadError(f"no weight files ({', '.join(_WEIGHT_SUFFIXES)}) in {path}")
+        for file in weights:
+            if file.suffix == ".safetensors":
+                _check_safetensors(file)
         return ModelSource(model, path, None, fingerprint(weights), config, trust_remote_code)
     commit = getattr(config, "_commit_hash", None) or revision or "unknown"
     return ModelSource(model, path, commit, f"hub:{commit}", config, trust_remote_code)
 
 
+def _looks_like_path(model: str) -> bool:
+    """Whether ``model`` can only be a folder: a hub id is ``name`` or ``org/name``."""
+    return model.startswith((".", "/", "~")) or model.count("/") > 1
+
+
+def _check_safetensors(file: Path) -> None:
+    """Refuse a safetensors file whose header or tensor data is cut short (an interrupted copy
+    or download), naming it, before anything loads."""
+    size = file.stat().st_size
+    try:
+        with file.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if 8 + n > size:
+                raise ValueError(f"its header needs {n} bytes")
+            header = json.loads(fh.read(n))
+        tensors = [t for k, t in header.items() if k != "__metadata__"]
+        end = max((t["data_offsets"][1] for t in tensors), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        raise ModelLoadError(
+            f"weight file {file} is damaged ({err}); copy or download it again"
+        ) from err
+    if 8 + n + end > size:
+        raise ModelLoadError(
+            f"weight file {file} is incomplete ({size} bytes of {8 + n + end}); copy or "
+            "download it again"
+        )
+
+
 def _converted_gguf(path: str, gguf_file: str, revision: str | None) -> Path:
     """A safetensors copy of a GGUF model in the user cache, made on first use (about 16 s for
-    SmolLM2) so that later loads take about a second."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    SmolLM2) so that later loads take about a second. Processes starting together convert once:
+    the first holds a lock on the cache entry, the others wait for it and reuse its result."""
     from transformers.utils import cached_file
 
     try:
@@ -141,9 +208,40 @@ def _converted_gguf(path: str, gguf_file: str, revision: str | None) -> Path:
         raise ModelLoadError(f"cannot find GGUF file {gguf_file!r} in {path!r}: {err}") from err
     key = fingerprint([local])
     target = cache_dir() / "models" / f"{local.stem}-{key[:16]}"
-    if (target / "config.json").exists():
+    done = target / _CONVERTED  # written last, before the folder is renamed into place
+    if done.exists():
         return target
-    print(f"Converting {local.name} to safetensors in {target} (once)...")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with (target.parent / f".{target.name}.lock").open("w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"Waiting for another process converting {local.name} into {target}...")
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            if not done.exists():
+                # Holding the lock, any other copy of this entry was left by a killed conversion.
+                for leftover in [target, *target.parent.glob(f".{target.name}.*.tmp")]:
+                    shutil.rmtree(leftover, ignore_errors=True)
+                print(f"Converting {local.name} to safetensors in {target} (once)...")
+                _convert(local, key, target)
+    except OSError as err:
+        raise ModelLoadError(
+            f"cannot write the converted model to {target.parent}: {err}; set LAYERDIV_CACHE to "
+            "a writable folder with space for it"
+        ) from err
+    return target
+
+
+_CONVERTED = "layerdiv-source.json"
+"""The file a finished GGUF conversion writes last (its presence marks the folder complete)."""
+
+
+def _convert(local: Path, key: str, target: Path) -> None:
+    """Write the float32 safetensors model of GGUF file ``local`` to ``target`` at once: into a
+    temporary folder beside it, each file fsynced, then renamed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     source = AutoModelForCausalLM.from_pretrained(
         str(local.parent), gguf_file=local.name, dtype=torch.float32
     )
@@ -154,18 +252,25 @@ def _converted_gguf(path: str, gguf_file: str, revision: str | None) -> Path:
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(source.state_dict())
     fresh.tie_weights()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    tmp = target.parent / f".{target.name}.{os.getpid()}.tmp"
     try:
         fresh.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "layerdiv-source.json").write_text(
-            json.dumps({"gguf": str(local), "fingerprint": key}, indent=2)
-        )
+        (tmp / _CONVERTED).write_text(json.dumps({"gguf": str(local), "fingerprint": key}))
+        for file in tmp.iterdir():
+            _fsync(file)
         os.replace(tmp, target)
+        _fsync(target.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -211,20 +316,32 @@ def load_tokenizer(source: ModelSource) -> Any:
 
 
 def load_model(
-    source: ModelSource, tokenizer: Any, device: torch.device, dtype: torch.dtype
+    source: ModelSource,
+    tokenizer: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    device_map: str | dict[str, Any] | None = None,
+    max_memory: dict[Any, Any] | None = None,
 ) -> LoadedModel:
-    """Load the weights in ``dtype`` on ``device``, in eval mode without gradients."""
+    """Load the weights in ``dtype`` on ``device``, in eval mode without gradients. With
+    ``device_map`` (``"auto"``, or a module -> device mapping) accelerate spreads the blocks over
+    the GPUs, the CPU and the disk (within ``max_memory``), as HuggingFace's big-model inference
+    does; ``device`` then only receives the inputs."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
+    placement: dict[str, Any] = {"device_map": str(device)}
+    if device_map is not None:
+        placement = {"device_map": device_map, "max_memory": max_memory}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source.path,
             revision=source.revision,
             dtype=dtype,
             trust_remote_code=source.trust_remote_code,
-            device_map=str(device),
+            **placement,
         )
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:
         raise ModelLoadError(f"cannot load the weights of {source.model_id!r}: {err}") from err
     model.eval().requires_grad_(False)
     return LoadedModel(source, model, tokenizer, device, dtype)

@@ -17,7 +17,7 @@ from layerdiv.extract import chunks
 from layerdiv.extract.adapters import Adapter, adapter_for, check_softcap
 from layerdiv.extract.batching import chunk_runs, tokenize
 from layerdiv.extract.capture import SUM_TOLERANCE, check_batch
-from layerdiv.extract.config import ExtractConfig, TaskSummary
+from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, ExtractConfig, TaskSummary
 from layerdiv.extract.forward import ModelRunner, chunk_tables, token_budget
 from layerdiv.extract.interrupt import interruptible
 from layerdiv.extract.models import (
@@ -86,7 +86,7 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
                 done = len(plan.writer.done_instances())
                 summary = TaskSummary(plan.spec.name, len(plan.items), 0, done, 0.0)
             else:
-                loaded = loaded or load_model(source, tokenizer, device, dtype)
+                loaded = loaded or load_model(source, tokenizer, device, dtype, cfg.device_map)
                 summary = extract_task(loaded, adapter, plan, cfg, approximate)
             if cfg.overwrite and verdict is Verdict.RESUME:
                 summary.notes.insert(0, f"--overwrite with --shard {cfg.shard[0]}/{cfg.shard[1]}: "
@@ -104,7 +104,11 @@ def _pending(plan: TaskPlan, cfg: ExtractConfig) -> bool:
     todo = [i for i in range(len(plan.items)) if i not in done]
     todo += [i for t in cfg.extra_tables for s, c in plan.writer.chunks_missing(t)
              for i in range(s, s + c)]  # fmt: skip
-    return bool(chunk_runs(sorted(set(todo)), stored.chunk_size or cfg.chunk_size, cfg.shard))
+    return bool(chunk_runs(sorted(set(todo)), stored.chunk_size or _chunk_size(cfg), cfg.shard))
+
+
+def _chunk_size(cfg: ExtractConfig) -> int:
+    return cfg.chunk_size or DEFAULT_CHUNK_SIZE
 
 
 def extract_task(
@@ -126,12 +130,12 @@ def extract_task(
         check(probe, [0])
         ident = identity(loaded.source, loaded.dtype, spec, plan.option_ids, plan.data_sha256)
         manifest = build_manifest(loaded, adapter, spec, ident, probe.components, len(items),
-                                  cfg.chunk_size, tol, approximate)  # fmt: skip
+                                  _chunk_size(cfg), tol, approximate)  # fmt: skip
         stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])
         for table in cfg.extra_tables:
             writer.mark_table(table)
-        grid = stored.chunk_size or cfg.chunk_size
-        if grid != cfg.chunk_size:
+        grid = stored.chunk_size or _chunk_size(cfg)
+        if cfg.chunk_size and grid != cfg.chunk_size:
             notes.append(f"the partition's chunk grid is {grid} instances (--chunk-size "
                          f"{cfg.chunk_size} applies to new partitions only)")  # fmt: skip
         names = [c.name for c in stored.components]

@@ -19,6 +19,7 @@ the prompt (so ``Answer: negative`` scores the token `` negative``).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -27,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.csv as pa_csv
-import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 import yaml
 
 from layerdiv.errors import LayerdivError
+from layerdiv.schemas import MAX_OPTIONS
 
 ANSWER = "{{ answer }}"
 
@@ -61,7 +62,7 @@ class TaskSpec:
     template: str
     """Jinja template of the full text; ends with ``{{ answer }}``."""
     options: tuple[str, ...]
-    """Answer option strings (2 to 4 in the paper; any K >= 2 works)."""
+    """Answer option strings (2 to 4 in the paper; any K from 2 to ``MAX_OPTIONS`` works)."""
     label: str
     """Jinja expression rendering the gold option string or its 0-based index."""
     n: int = 2000
@@ -133,9 +134,17 @@ def parse_task(raw: Any, base_dir: Path, where: str) -> TaskSpec:
     options = raw["options"]
     if not isinstance(options, list) or len(options) < 2 or len(set(options)) != len(options):
         raise TaskError(f"{where}: 'options' must list at least two distinct strings")
+    if len(options) > MAX_OPTIONS:
+        raise TaskError(
+            f"{where}: {len(options)} options; a task may have at most {MAX_OPTIONS} (the "
+            "store's option index is one signed byte)"
+        )
     template = str(raw["template"])
     if not template.rstrip().endswith(ANSWER):
         raise TaskError(f"{where}: the template must end with {ANSWER!r}")
+    n = raw.get("n", 2000)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise TaskError(f"{where}: 'n' must be a positive whole number, got {n!r}")
     dataset = raw.get("dataset")
     try:
         hub = HubDataset(**dataset) if dataset else None
@@ -147,12 +156,15 @@ def parse_task(raw: Any, base_dir: Path, where: str) -> TaskSpec:
         name = check_task_name(str(raw["name"]))
     except ValueError as err:
         raise TaskError(f"{where}: {err}") from err
+    for key in ("template", "label", "filter"):
+        if raw.get(key) is not None:
+            _compile(str(raw[key]), f"{where}: the {key}")
     return TaskSpec(
         name=name,
         template=template,
         options=tuple(str(o) for o in options),
         label=str(raw["label"]),
-        n=int(raw.get("n", 2000)),
+        n=n,
         dataset=hub,
         data=raw.get("data"),
         filter=raw.get("filter"),
@@ -173,7 +185,29 @@ def _environment() -> Any:
     from jinja2 import StrictUndefined
     from jinja2.sandbox import SandboxedEnvironment
 
-    return SandboxedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True)
+    return SandboxedEnvironment(
+        undefined=StrictUndefined, keep_trailing_newline=True, finalize=_finalize
+    )
+
+
+def _finalize(value: Any) -> Any:
+    """Refuse a value that would enter a prompt or label as its Python form (``None``,
+    ``b'...'``)."""
+    if value is None:
+        raise TaskError("a field used here is null")
+    if isinstance(value, bytes):
+        raise TaskError("a field used here is binary data, not text")
+    return value
+
+
+def _compile(source: str, what: str) -> Any:
+    """A Jinja template; a syntax error is a :class:`TaskError` naming ``what`` and the line."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        return _environment().from_string(source)
+    except TemplateSyntaxError as err:
+        raise TaskError(f"{what} is not valid Jinja (line {err.lineno}: {err.message})") from err
 
 
 def split_template(spec: TaskSpec) -> tuple[Any, str]:
@@ -181,7 +215,7 @@ def split_template(spec: TaskSpec) -> tuple[Any, str]:
     template = spec.template.rstrip()
     head = template[: -len(ANSWER)]
     prompt_part = head.rstrip(" ")
-    return _environment().from_string(prompt_part), head[len(prompt_part) :]
+    return _compile(prompt_part, f"task {spec.name}: the template"), head[len(prompt_part) :]
 
 
 def _rows(spec: TaskSpec) -> Any:
@@ -214,17 +248,48 @@ def _rows(spec: TaskSpec) -> Any:
         raise TaskError(f"task {spec.name}: cannot read {path}: {err}") from err
 
 
+def _text(path: Path) -> str:
+    """A data file's text; a byte that is not UTF-8 is an error naming its line."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ValueError(
+            f"line {line}: byte 0x{raw[err.start]:02x} is not UTF-8 text; save the file as UTF-8"
+        ) from err
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """One object per line, each with only its own keys (a missing field stays missing)."""
+    rows = []
+    for number, line in enumerate(_text(path).split("\n"), 1):  # not splitlines: U+2028 is data
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"line {number} is not one complete JSON object ({err.msg})") from err
+        if not isinstance(row, dict):
+            raise ValueError(f"line {number} is not a JSON object")
+        rows.append(row)
+    return rows
+
+
 def _read_json(path: Path) -> list[dict[str, Any]]:
-    rows = json.loads(path.read_text())
-    if not isinstance(rows, list):
+    try:
+        rows = json.loads(_text(path))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"line {err.lineno}: not valid JSON ({err.msg})") from err
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise ValueError("a .json data file must hold a list of objects")
     return rows
 
 
 _READERS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
-    ".jsonl": lambda p: pa_json.read_json(p).to_pylist(),
+    ".jsonl": _read_jsonl,
     ".json": _read_json,
-    ".csv": lambda p: pa_csv.read_csv(p).to_pylist(),
+    ".csv": lambda p: pa_csv.read_csv(io.BytesIO(_text(p).encode())).to_pylist(),
     ".parquet": lambda p: pq.read_table(p).to_pylist(),
 }
 """Local data readers by file suffix (pyarrow: extraction nodes need no dataframe library)."""
@@ -232,22 +297,27 @@ _READERS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
 
 def instances(spec: TaskSpec, limit: int | None = None) -> list[Instance]:
     """The first ``limit`` (default ``spec.n``) instances of a task, in data order."""
+    from jinja2 import UndefinedError
+
     n = spec.n if limit is None else limit
-    env = _environment()
     prompt_template, _ = split_template(spec)
-    label_template = env.from_string(spec.label)
-    keep = env.from_string(spec.filter) if spec.filter else None
+    label_template = _compile(spec.label, f"task {spec.name}: the label")
+    keep = _compile(spec.filter, f"task {spec.name}: the filter") if spec.filter else None
+    source = f" of {spec.base_dir / spec.data}" if spec.data else ""
     out: list[Instance] = []
     for i, row in enumerate(_rows(spec)):
         if len(out) >= n:
             break
+        where = f"task {spec.name}, data row {i}{source}"
         try:
             if keep is not None and keep.render(**row).strip() == "False":
                 continue
             prompt = prompt_template.render(**row)
             label = label_template.render(**row).strip()
+        except UndefinedError as err:
+            raise TaskError(f"{where}: {err} (its fields: {', '.join(map(str, row))})") from err
         except Exception as err:  # jinja raises several types for a bad field or expression
-            raise TaskError(f"task {spec.name}, data row {i}: {err}") from err
+            raise TaskError(f"{where}: {err}") from err
         out.append(Instance(prompt, _gold_index(spec, label, i)))
     if not out:
         raise TaskError(f"task {spec.name}: no instances (empty data, or the filter drops all)")

@@ -52,10 +52,11 @@ class Identity:
         out["option_token_ids"] = list(self.option_token_ids)
         return out
 
-    def differences(self, now: Identity) -> list[str]:
-        """``name: stored X, now Y`` for every field where ``now`` differs from this one."""
+    def differences(self, now: Identity, labels: tuple[str, str] = ("stored", "now")) -> list[str]:
+        """``name: stored X, now Y`` (or the given labels) for every field where ``now`` differs
+        from this one."""
         return [
-            f"{f.name}: stored {getattr(self, f.name)!r}, now {getattr(now, f.name)!r}"
+            f"{f.name}: {labels[0]} {getattr(self, f.name)!r}, {labels[1]} {getattr(now, f.name)!r}"
             for f in fields(self)
             if getattr(self, f.name) != getattr(now, f.name)
         ]

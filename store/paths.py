@@ -20,8 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from layerdiv.errors import LayerdivError
-from layerdiv.schemas import REQUIRED_TABLES, TABLES
+from layerdiv.schemas import REQUIRED_TABLES, TABLES, SchemaError
 
 MANIFEST_NAME = "manifest.json"
 MANIFESTS = "manifests"
@@ -49,8 +48,8 @@ def check_task_name(task: str) -> str:
     return task
 
 
-class OverlappingParts(LayerdivError, RuntimeError):
-    """Two complete parts of a partition claim the same instances."""
+class OverlappingParts(SchemaError):
+    """Two complete parts of a partition claim the same instances (the layout is broken)."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,8 @@ def partition(root: str | Path, model_slug: str, task: str) -> Partition:
 
 
 def list_partitions(root: str | Path) -> list[Partition]:
-    """Every (model, task) partition that has a manifest or any part file."""
+    """Every (model, task) partition that has a manifest or any other file but temporaries
+    (dot files: a leftover temporary alone is no partition)."""
     root = Path(root)
     found: set[tuple[str, str]] = set()
     for table in (MANIFESTS, *TABLES):
@@ -133,6 +133,8 @@ def list_partitions(root: str | Path) -> list[Partition]:
             if not mdir.name.startswith("model="):
                 continue
             for tdir in _listdir(mdir):
-                if tdir.name.startswith("task="):
+                if tdir.name.startswith("task=") and any(
+                    not p.name.startswith(".") for p in _listdir(tdir)
+                ):
                     found.add((mdir.name[len("model=") :], tdir.name[len("task=") :]))
     return [Partition(root, m, t) for m, t in sorted(found)]

@@ -12,7 +12,6 @@ from pathlib import Path
 import duckdb
 import polars as pl
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from layerdiv.errors import LayerdivError
@@ -50,7 +49,8 @@ class PartitionInfo:
 
     @property
     def where(self) -> str:
-        return f"partition model={self.model} task={self.task}"
+        """``partition model=<slug> task=<task>``, for messages."""
+        return _where(self.partition)
 
     def read(
         self, components: Sequence[str], instances: Sequence[str]
@@ -221,6 +221,8 @@ class Store:
         ``manifests`` over the selected partitions, and no file-system access: SQL run on it
         cannot read or write any file (the views scan the checked parts through Arrow), so the
         store cannot be changed through it."""
+        import pyarrow.dataset as ds  # only here: it takes a third of a second to import
+
         models, tasks = list(models), list(tasks)
         parts = self.select(models, tasks)
         con = duckdb.connect(config={"enable_external_access": False})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -199,3 +200,17 @@ def build_model(tokenizer: Any) -> Any:
 def make_task() -> Any:
     """``make_task(folder, n=24, stem="reviews", **yaml_overrides)``: a local task's YAML path."""
     return _write_task
+
+
+def stored_counts(output: str, task: str = "reviews") -> tuple[int, int, int]:
+    """(instances stored, requested, new this run) from ``layerdiv extract``'s summary line."""
+    pattern = rf"\b{task}: (\d+)/(\d+) instances stored \((?:(\d+) new|nothing to do)"
+    m = re.search(pattern, output)
+    assert m, output
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+@pytest.fixture(scope="session")
+def stored() -> Any:
+    """``stored(output, task="reviews")``: :func:`stored_counts` of an extract run's output."""
+    return stored_counts

@@ -1,22 +1,33 @@
-"""The analysis commands of the CLI (analyze, report, query, ls): outputs and bad input."""
+"""The analysis commands of the CLI (analyze, report, query, ls): outputs and bad input; what
+the reading side must never do (change the store through ``query``, delete what it did not write
+with ``--out``, refuse a whole store for one bad partition, serve a part of the wrong schema, stop
+reading version-1 stores); and the analysis registry that new analyses plug into."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner, Result
+from polars.testing import assert_frame_equal
 
 from layerdiv.analyze import analyze
+from layerdiv.analyze import registry as reg
+from layerdiv.analyze.output import INDEX_NAME
 from layerdiv.analyze.synthetic import random_partition, write_partition
 from layerdiv.cli import main
+from layerdiv.schemas import tables_of
+from layerdiv.store import Store, StoreError
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +52,17 @@ def snapshot(root: Path) -> dict[str, str]:
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
+
+
+def box_rows(text: str) -> list[list[str]]:
+    """The body rows of the tables Polars prints (``│ a ┆ b │``; a header row is followed by
+    ``╞═══``), as lists of cell strings."""
+    lines = text.splitlines()
+    return [
+        [cell.strip() for cell in line.strip().strip("│").split("┆")]
+        for line, after in zip(lines, [*lines[1:], ""], strict=True)
+        if line.startswith("│") and not after.startswith("╞")
+    ]
 
 
 # --- outputs -------------------------------------------------------------------------------
@@ -100,35 +122,50 @@ def test_filters_and_lens(store: Path, tmp_path: Path) -> None:
     assert json.loads((out / "index.json").read_text())["settings"]["lens"] == "prefix"
 
 
+def markdown_rows(text: str, heading: str) -> dict[str, list[str]]:
+    """The rows of the first Markdown table after ``heading``, by their first cell."""
+    lines = text[text.index(heading + "\n") :].splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("| "))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("| "):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return {row[0]: row[1:] for row in rows}
+
+
 def test_report(store: Path, tmp_path: Path) -> None:
     out = tmp_path / "report"
     result = run("report", "--store", str(store), "--out", str(out), "--min-params", "1e9")
     assert result.exit_code == 0, result.output
     text = (out / "report.md").read_text()
-    results = analyze(store)
-    acc = results.scores.filter(
-        (pl.col("model") == "org--small")
-        & (pl.col("task") == "mnli")
-        & (pl.col("estimator") == "paper")
-    )["accuracy"].item()
-    row = next(
-        line
-        for line in text.splitlines()
-        if line.startswith("| small |") or line.startswith("| org/small |")
-    )
-    assert f"{100 * acc:.1f}" in row  # the first table is accuracy; mnli is its second task
+    scores = analyze(store).scores.filter(pl.col("estimator") == "paper")
+
+    def cells(metric: str, scale: float, digits: int) -> list[str]:
+        values = scores.filter(pl.col("model") == "org--small").sort("task")[metric].to_list()
+        return [f"{scale * v:.{digits}f}" for v in [*values, float(np.mean(values))]]
+
+    # Table 1 in the paper's units: accuracy %, MSE and bias x100, diversity in logit units^2.
+    for heading, metric, scale, digits in (
+        ("#### Accuracy (%)", "accuracy", 100, 1),
+        ("#### MSE (×100)", "mse", 100, 1),
+        ("#### Bias (×100)", "bias", 100, 1),
+        ("#### Diversity (logit²)", "diversity", 1, 2),
+    ):
+        assert markdown_rows(text, heading)["org/small"] == cells(metric, scale, digits), heading
     for heading in (
-        "Table 1",
-        "Fig. 3",
-        "Fig. 4",
-        "Fig. 5",
-        "Fig. 6",
-        "Saturation",
-        "Information-theoretic",
-        "*Majority class*",
+        "### Table 1",
+        "### Fig. 3",
+        "### Fig. 4",
+        "### Fig. 5",
+        "### Fig. 6",
+        "### Saturation",
+        "### Information-theoretic",
         "Estimator **`paper`**",
     ):
         assert heading in text
+    majority = markdown_rows(text, "#### Accuracy (%)")["*Majority class*"]
+    assert len(majority) == 3  # boolq, mnli, Avg.
     pngs = sorted(p.name for p in (out / "figures").glob("*.png"))
     assert pngs == [
         "depth_geometry.png",
@@ -159,6 +196,7 @@ def test_report_without_matplotlib(
     assert "pip install 'layerdiv[plot]'" in result.output
     text = (out / "report.md").read_text()
     assert "matplotlib is not installed" in text and "Estimator **`ensemble`**" in text
+    assert "#### Diversity (×100)" in text  # the ensemble's diversity is in probability units
     assert not (out / "figures").exists()
 
 
@@ -166,7 +204,9 @@ def test_query_prints_and_writes(store: Path, tmp_path: Path) -> None:
     sql = "SELECT model, task, count(*) AS n FROM instances GROUP BY ALL ORDER BY ALL"
     result = run("query", sql, "--store", str(store))
     assert result.exit_code == 0, result.output
-    assert "org--large" in result.output and "40" in result.output
+    assert box_rows(result.stdout) == [
+        [model, task, "40"] for model in ("org--large", "org--small") for task in ("boolq", "mnli")
+    ]
     for suffix in ("parquet", "csv"):
         out = tmp_path / f"q.{suffix}"
         result = run("query", sql, "--store", str(store), "--out", str(out), "--task", "mnli")
@@ -194,8 +234,13 @@ def test_query_recomputes_a_score_from_raw_rows(store: Path) -> None:
 def test_ls(store: Path) -> None:
     result = run("ls", "--store", str(store))
     assert result.exit_code == 0, result.output
-    lines = [ln for ln in result.output.splitlines() if "org/" in ln]
-    assert len(lines) == 4 and all("40" in ln and "2025-01-01" in ln for ln in lines)
+    rows = box_rows(result.stdout)
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
+        (model, task, "40", "40")
+        for model in ("org/large", "org/small")
+        for task in ("boolq", "mnli")
+    ]
+    assert {r[-1] for r in rows} == {"2025-01-01T00:00:00Z"}
 
 
 # --- bad input: one clear line, exit 1, nothing changed ------------------------------------
@@ -386,22 +431,343 @@ def test_real_entry_point_has_no_traceback(tmp_path: Path) -> None:
     ]
 
 
+# --- reading a store written in several parts ----------------------------------------------
+
+N = 20  # instances per partition
+
+
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two models x one task of N instances, written in chunks of 8 (parts 0-7, 8-15, 16-19)."""
+    root = tmp_path_factory.mktemp("chunked")
+    rng = np.random.default_rng(5)
+    for model in ("org/a", "org/b"):
+        logits, gold, rms, kinds = random_partition(rng, N, 2, 3)
+        write_partition(root, model, "t", logits, gold, kinds, rms, chunk=8)
+    return root
+
+
+@pytest.fixture
+def copy(chunked: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "store"
+    shutil.copytree(chunked, target)
+    return target
+
+
+# --- query cannot change the store -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "COPY (SELECT 1 AS x) TO '{chunked}/instances' (FORMAT parquet, OVERWRITE)",
+        "COPY instances TO '{chunked}/instances/model=org--a/task=t/part-0000000-000008.parquet'",
+        "EXPORT DATABASE '{chunked}/exported'",
+        "ATTACH '{chunked}/new.duckdb' AS extra",
+        "SELECT * FROM read_parquet('{chunked}/components/*/*/*.parquet')",
+    ],
+)
+def test_query_touches_no_file(copy: Path, sql: str) -> None:
+    before = snapshot(copy)
+    result = run("query", sql.format(chunked=copy), "--store", str(copy))
+    assert result.exit_code == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("Error: Permission Error") and "writes no file" in line, line
+    assert snapshot(copy) == before
+
+
+def test_query_cannot_lift_its_own_limits(copy: Path) -> None:
+    before = snapshot(copy)
+    sql = f"SET allowed_directories = ['{copy}']; COPY (SELECT 1 AS x) TO '{copy}/x.csv'"
+    result = run("query", sql, "--store", str(copy))
+    assert result.exit_code == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert "the configuration has been locked" in line, line
+    assert snapshot(copy) == before
+
+
+def test_query_out_inside_the_store_is_refused(copy: Path) -> None:
+    before = snapshot(copy)
+    part = copy / "instances" / "model=org--a" / "task=t" / "part-0000000-000008.parquet"
+    for target in (part, copy / "q.csv"):
+        result = run("query", "SELECT 1 AS x", "--store", str(copy), "--out", str(target))
+        assert result.exit_code == 1
+        assert result.stderr.strip() == (
+            f"Error: {target} is inside the store {copy}; layerdiv writes nothing there outside "
+            "`extract`: choose another --out"
+        )
+    assert snapshot(copy) == before
+
+
+def test_query_max_rows_must_be_positive(chunked: Path) -> None:
+    result = run("query", "SELECT 1", "--store", str(chunked), "--max-rows", "-1")
+    assert result.exit_code == 2
+    assert "Invalid value for '--max-rows': -1 is not in the range x>=1" in result.stderr
+
+
+def test_query_says_how_many_rows_it_did_not_show(chunked: Path) -> None:
+    sql = "SELECT model, instance FROM instances ORDER BY model, instance"
+    result = run("query", sql, "--store", str(chunked), "--max-rows", "3")
+    assert result.exit_code == 0, result.output
+    assert box_rows(result.stdout) == [["org--a", "0"], ["org--a", "1"], ["org--a", "2"]]
+    assert result.stdout.strip().splitlines()[-1] == (
+        f"{2 * N - 3} more rows not shown ({2 * N} in all): raise --max-rows, or write them all "
+        "with --out FILE"
+    )
+    whole = run("query", sql, "--store", str(chunked), "--max-rows", str(2 * N))
+    assert len(box_rows(whole.stdout)) == 2 * N and "more rows" not in whole.stdout
+
+
+def test_query_prints_every_statement(chunked: Path, tmp_path: Path) -> None:
+    sql = (
+        "SELECT count(*) AS n FROM instances; "
+        "CREATE TEMP TABLE per AS SELECT model, count(*) AS n FROM instances GROUP BY ALL; "
+        "SELECT * FROM per ORDER BY model"
+    )
+    result = run("query", sql, "--store", str(chunked))
+    assert result.exit_code == 0, result.output
+    assert box_rows(result.stdout) == [
+        [str(2 * N)],
+        ["2"],  # CREATE reports the rows it stored
+        ["org--a", str(N)],
+        ["org--b", str(N)],
+    ]
+    out = tmp_path / "per.csv"
+    result = run("query", sql, "--store", str(chunked), "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert pl.read_csv(out).rows() == [("org--a", N), ("org--b", N)]
+
+
+# --- --out replaces only what layerdiv wrote -----------------------------------------------
+
+
+def test_out_replaces_its_own_files_only(chunked: Path, tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    assert run("analyze", "--store", str(chunked), "--out", str(out)).exit_code == 0
+    index = json.loads((out / INDEX_NAME).read_text())
+    assert sorted(index["files"]) == sorted(f"{name}.parquet" for name in index["tables"])
+    # A second run replaces it...
+    result = run("analyze", "--store", str(chunked), "--out", str(out), "--model", "org/a")
+    assert result.exit_code == 0, result.output
+    assert set(pl.read_parquet(out / "scores.parquet")["model"]) == {"org--a"}
+    # ...but not once the user has put something there: a file, or a whole store.
+    mine = out / "notes.txt"
+    mine.write_text("keep me")
+    before = snapshot(out)
+    result = run("analyze", "--store", str(chunked), "--out", str(out))
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (
+        f"Error: {out} holds notes.txt, which layerdiv did not write; it replaces only its own "
+        "results: move them away or choose another --out"
+    )
+    assert snapshot(out) == before
+    mine.unlink()
+    shutil.copytree(chunked, out / "store")
+    before = snapshot(out)
+    result = run("report", "--store", str(out / "store"), "--out", str(out))
+    assert result.exit_code == 1 and "holds store and " in result.stderr
+    assert snapshot(out) == before
+
+
+def test_report_index_lists_its_figures(chunked: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    assert run("report", "--store", str(chunked), "--out", str(out)).exit_code == 0
+    files = json.loads((out / INDEX_NAME).read_text())["files"]
+    assert sorted(files) == sorted(
+        p.relative_to(out).as_posix()
+        for p in out.rglob("*")
+        if p.is_file() and p.name != INDEX_NAME
+    )
+    assert "report.md" in files and "figures/fig3_correlations.png" in files
+    assert run("report", "--store", str(chunked), "--out", str(out)).exit_code == 0
+
+
+def test_out_inside_the_store_is_refused(copy: Path) -> None:
+    before = snapshot(copy)
+    for command in ("analyze", "report"):
+        result = run(command, "--store", str(copy), "--out", str(copy / "results"))
+        assert result.exit_code == 1 and "is inside the store" in result.stderr
+    assert snapshot(copy) == before
+
+
+def test_temporary_folders_of_a_killed_run_are_cleaned(chunked: Path, tmp_path: Path) -> None:
+    """A run killed with SIGKILL inside the output's temporary folder leaves it behind; the next
+    run removes it (its process is gone) but not one a live process is writing."""
+    out = tmp_path / "results"
+    code = (
+        "import os, signal, sys\n"
+        "from layerdiv.analyze.output import result_dir\n"
+        "with result_dir(sys.argv[1], {}) as tmp:\n"
+        "    (tmp / 'half.parquet').write_bytes(b'x')\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(out)], check=False)
+    assert proc.returncode == -9
+    (left,) = [p for p in tmp_path.iterdir() if p.name.startswith(".results.")]
+    assert left.name.endswith(".tmp") and (left / "half.parquet").exists()
+    live = tmp_path / f".results.{os.getpid()}.abcdefgh.tmp"
+    live.mkdir()
+    assert run("analyze", "--store", str(chunked), "--out", str(out)).exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "results"]
+
+
+# --- every reader checks every part --------------------------------------------------------
+
+
+def test_a_damaged_later_part_is_named(copy: Path, tmp_path: Path) -> None:
+    part = copy / "components" / "model=org--a" / "task=t" / "part-0000008-000008.parquet"
+    part.write_bytes(part.read_bytes()[:-64])
+    for args in (
+        ["analyze", "--out", str(tmp_path / "r")],
+        ["query", "SELECT count(*) FROM components"],
+        ["ls"],
+    ):
+        result = run(*args, "--store", str(copy), "--model", "org/a")
+        assert result.exit_code == 1
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith(f"Error: {part}: unreadable Parquet (")
+        assert line.endswith("re-extract partition model=org--a task=t with --overwrite")
+
+
+def test_a_part_with_bad_pages_is_named_when_read(copy: Path) -> None:
+    """A part whose footer is intact but whose data pages are not: found when its rows are read,
+    and the error names the file."""
+    part = copy / "components" / "model=org--b" / "task=t" / "part-0000016-000004.parquet"
+    data = bytearray(part.read_bytes())
+    data[8:400] = b"\xab" * 392
+    part.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=f"^{part}: unreadable part .*re-extract partition"):
+        analyze(copy, models=["org/b"])
+
+
+# --- schema version 1 stays readable -------------------------------------------------------
+
+
+def downgrade_to_version_1(root: Path) -> None:
+    """Rewrite a store as layerdiv wrote it at schema version 1 (no ``cos_prev``, no
+    ``hidden_size`` or ``extra_tables`` in the manifest)."""
+    for table, schema in tables_of(1).items():
+        for part in root.glob(f"{table}/*/*/*.parquet"):
+            old = pq.read_table(part)
+            pq.write_table(old.select(schema.names).cast(schema), part)
+    for path in root.glob("manifests/*/*/manifest.json"):
+        data = json.loads(path.read_text())
+        data["schema_version"] = 1
+        del data["hidden_size"], data["extra_tables"]
+        path.write_text(json.dumps(data))
+
+
+def test_version_1_store_is_read_like_today(chunked: Path, copy: Path) -> None:
+    downgrade_to_version_1(copy)
+    assert "cos_prev" not in pq.read_schema(next(copy.glob("components/*/*/*.parquet"))).names
+    assert {p.manifest.schema_version for p in Store(copy).partitions} == {1}
+    new, old = analyze(chunked), analyze(copy)
+    for name in ("scores", "curves", "modules", "correlations", "information"):
+        assert_frame_equal(old.tables()[name], new.tables()[name], rel_tol=1e-12, abs_tol=0)
+    result = run(
+        "query",
+        "SELECT count(*) AS n, count(cos_prev) AS with_cos_prev FROM components",
+        "--store",
+        str(copy),
+    )
+    assert result.exit_code == 0, result.output
+    assert box_rows(result.stdout) == [[str(2 * N * 5 * 3), "0"]]
+    assert run("ls", "--store", str(copy)).exit_code == 0
+
+
+# --- ls filters ----------------------------------------------------------------------------
+
+
+def test_ls_takes_model_and_task(chunked: Path) -> None:
+    result = run("ls", "--store", str(chunked), "--model", "org/b", "--task", "t")
+    assert result.exit_code == 0, result.output
+    assert [row[:3] for row in box_rows(result.stdout)] == [["org/b", "t", str(N)]]
+    result = run("ls", "--store", str(chunked), "--task", "other")
+    assert result.exit_code == 1 and "no extracted data matches" in result.stderr
+
+
+# --- the analysis registry -----------------------------------------------------------------
+
+
+def _extra_tables(ctx: reg.Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
+    ctx.notes.append(f"extra: saw {sorted(prior)}")
+    sizes = prior["scores"].group_by("model").agg(pl.col("n_instances").max())
+    return {"extra": sizes.with_columns(pl.lit(len(ctx.parts)).alias("n_parts")).sort("model")}
+
+
+def _extra_report(ctx: reg.ReportContext) -> str:
+    return f"The extra analysis saw {ctx.tables['extra'].height} models."
+
+
+@pytest.fixture
+def extra_analysis(monkeypatch: pytest.MonkeyPatch) -> reg.Analysis:
+    reg.registered()  # the built-in analyses first
+    monkeypatch.setattr(reg, "_REGISTRY", dict(reg._REGISTRY))
+    return reg.register(reg.Analysis("extra", "An extra analysis", _extra_tables, _extra_report))
+
+
+def test_a_registered_analysis_runs_writes_and_reports(
+    chunked: Path, tmp_path: Path, extra_analysis: reg.Analysis
+) -> None:
+    assert [a.name for a in reg.registered()] == ["paper", "extra"]
+    results = analyze(chunked)
+    assert results.extra.rows() == [("org--a", N, 2), ("org--b", N, 2)]
+    (note,) = results.notes
+    assert note.startswith("extra: saw ['correlation_means', 'correlations', 'curves'")
+    out = tmp_path / "results"
+    result = run("analyze", "--store", str(chunked), "--out", str(out))
+    assert result.exit_code == 0 and result.stdout.strip().splitlines()[-1] == note
+    assert pl.read_parquet(out / "extra.parquet").equals(results.extra)
+    report = tmp_path / "report"
+    assert run("report", "--store", str(chunked), "--out", str(report)).exit_code == 0
+    text = (report / "report.md").read_text()
+    assert "## An extra analysis\n\nThe extra analysis saw 2 models.\n\n## Provenance" in text
+    assert text.index("## The paper's analysis") < text.index("## An extra analysis")
+
+
+def test_an_analysis_may_not_replace_a_table(
+    chunked: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reg.registered()
+    monkeypatch.setattr(reg, "_REGISTRY", dict(reg._REGISTRY))
+    reg.register(reg.Analysis("clash", "Clash", lambda ctx, prior: {"scores": prior["scores"]}))
+    with pytest.raises(
+        ValueError, match=r"analysis 'clash' returns tables that exist: \['scores'\]"
+    ):
+        analyze(chunked)
+
+
+def test_results_name_every_table(chunked: Path) -> None:
+    results = analyze(chunked)
+    assert results.scores is results.tables()["scores"]
+    with pytest.raises(AttributeError, match="no result table 'nosuch'; the tables are manifests"):
+        results.nosuch  # noqa: B018
+
+
 # --- no torch ------------------------------------------------------------------------------
 
 
 def test_analysis_never_imports_torch() -> None:
+    """Every module of analyze/ and store/ (analyses included) and the CLI import without torch."""
     code = (
-        "import importlib, pkgutil, sys\n"
+        "import importlib, json, pkgutil, sys\n"
         "import layerdiv.analyze, layerdiv.store\n"
-        "for m in pkgutil.iter_modules(layerdiv.analyze.__path__):\n"
-        "    importlib.import_module('layerdiv.analyze.' + m.name)\n"
-        "for m in pkgutil.iter_modules(layerdiv.store.__path__):\n"
-        "    importlib.import_module('layerdiv.store.' + m.name)\n"
+        "names = [m.name for p in (layerdiv.analyze, layerdiv.store)\n"
+        "         for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.')]\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
         "import layerdiv.cli\n"
         "bad = sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'transformers'))\n"
-        "print(len(list(pkgutil.iter_modules(layerdiv.analyze.__path__))), bad)\n"
+        "print(json.dumps([names, bad]))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    count, bad = proc.stdout.split(" ", 1)
-    assert int(count) >= 8  # every analysis module was imported
-    assert bad.strip() == "[]"
+    names, bad = json.loads(proc.stdout)
+    root = Path(__file__).parents[1]
+    on_disk = {
+        ".".join(["layerdiv", *p.relative_to(root).with_suffix("").parts]).removesuffix(".__init__")
+        for folder in ("analyze", "store")
+        for p in (root / folder).rglob("*.py")
+    }
+    assert sorted(names) == sorted(on_disk - {"layerdiv.analyze", "layerdiv.store"})
+    assert "layerdiv.analyze.analyses.paper" in names
+    assert bad == []

@@ -4,7 +4,6 @@ batch invariance and every refusal."""
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -28,13 +27,6 @@ def extract(*args: str) -> Any:
     return CliRunner().invoke(main, ["extract", *args], catch_exceptions=False)
 
 
-def stored(output: str, task: str = "reviews") -> tuple[int, int, int]:
-    """(instances stored, requested, new this run) from extract's summary line of ``task``."""
-    m = re.search(rf"\b{task}: (\d+)/(\d+) instances stored \((?:(\d+) new|nothing to do)", output)
-    assert m, output
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
-
-
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     """Every file under ``root`` with its size and modification time."""
     if not root.exists():
@@ -50,7 +42,9 @@ def rows(store: Path, table: str) -> pl.DataFrame:
     return Store(store).scan(table).collect().sort(["instance"])
 
 
-def test_extract_writes_a_checked_store(tmp_path: Path, model_dirs: Any, make_task: Any) -> None:
+def test_extract_writes_a_checked_store(
+    tmp_path: Path, model_dirs: Any, make_task: Any, stored: Any
+) -> None:
     task = make_task(tmp_path / "task", n=20)
     store = tmp_path / "store"
     result = extract(
@@ -126,7 +120,9 @@ def test_resume_after_sigkill_stores_each_instance_once(
     )
 
 
-def test_shards_split_the_work(tmp_path: Path, model_dirs: Any, make_task: Any) -> None:
+def test_shards_split_the_work(
+    tmp_path: Path, model_dirs: Any, make_task: Any, stored: Any
+) -> None:
     task = make_task(tmp_path / "task", n=30)
     store = tmp_path / "store"
     args = ["--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store),
@@ -141,7 +137,7 @@ def test_shards_split_the_work(tmp_path: Path, model_dirs: Any, make_task: Any) 
 
 
 def test_a_larger_limit_extends_the_partition(
-    tmp_path: Path, model_dirs: Any, make_task: Any
+    tmp_path: Path, model_dirs: Any, make_task: Any, stored: Any
 ) -> None:
     task = make_task(tmp_path / "task", n=30)
     store = tmp_path / "store"

@@ -20,7 +20,7 @@ from layerdiv.schemas import GRAM, SchemaError
 from layerdiv.store import Store
 from layerdiv.store.atomic import atomic_path, is_stale_temp, temp_path, write_bytes
 from layerdiv.store.manifest import read_manifest
-from layerdiv.store.paths import OverlappingParts
+from layerdiv.store.paths import OverlappingParts, list_partitions
 from layerdiv.store.writer import PartitionWriter, StoreConflict, Verdict
 
 N, CHUNK = 12, 4
@@ -165,6 +165,7 @@ def test_a_partition_without_manifest_is_refused(tmp_path: Path) -> None:
     empty.part.manifest.parent.mkdir(parents=True)
     (empty.part.manifest.parent / ".manifest.json.host.1.ab.tmp").write_text("{")
     assert empty.check(stored.identity(), overwrite=False) is Verdict.NEW
+    assert list_partitions(tmp_path / "other") == []
 
 
 def test_unwritable_store_is_one_line(tmp_path: Path) -> None:

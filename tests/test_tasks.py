@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from layerdiv.extract.tasks import (
+    Instance,
     TaskError,
     builtin_tasks,
     instances,
@@ -15,6 +18,7 @@ from layerdiv.extract.tasks import (
     option_token_ids,
     split_template,
 )
+from layerdiv.schemas import MAX_OPTIONS
 
 PAPER_TASKS = ["ag_news", "arc", "boolq", "mnli", "qqp", "rte", "sst2", "wic"]
 FAKE_ROWS: dict[str, dict[str, Any]] = {
@@ -44,8 +48,6 @@ def test_builtin_templates_render(name: str, tmp_path: Path) -> None:
     spec = load_task(name)
     assert spec.n == 2000 and spec.dataset is not None
     local = tmp_path / f"{name}.jsonl"
-    import json
-
     local.write_text(json.dumps(FAKE_ROWS[name]) + "\n")
     as_local = type(spec)(**{**spec.__dict__, "dataset": None, "data": str(local)})
     (item,) = instances(as_local)
@@ -119,3 +121,109 @@ def test_bad_task_files_say_what_is_wrong(
 def test_unknown_task_lists_builtins() -> None:
     with pytest.raises(TaskError, match="one of ag_news, arc"):
         load_task("sst3")
+
+
+BAD_DATA: dict[str, tuple[str, bytes]] = {
+    # name: (data file, its bytes); each file's second data row is the bad one
+    "not_utf8": ("r.csv", b"text,sentiment\ngood film,positive\ncaf\xe9 film,negative\n"),
+    "missing_field": ("r.jsonl", b'{"text": "good", "sentiment": "positive"}\n{"sentiment": 0}'),
+    "null_field": ("r.jsonl", b'{"text": "good", "sentiment": "positive"}\n{"text": null}\n'),
+    "cut_line": ("r.jsonl", b'{"text": "good", "sentiment": "positive"}\n{"text": "ba\n'),
+    "json_cut": ("r.json", b'[{"text": "good", "sentiment": "positive"},\n {"text": \n'),
+}
+BAD_DATA_MESSAGE = {
+    "not_utf8": "r.csv: line 3: byte 0xe9 is not UTF-8 text",
+    "missing_field": "data row 1 of {folder}/r.jsonl: 'text' is undefined (its fields: sentiment)",
+    "null_field": "data row 1 of {folder}/r.jsonl: a field used here is null",
+    "cut_line": "r.jsonl: line 2 is not one complete JSON object",
+    "json_cut": "r.json: line 3: not valid JSON",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_DATA))
+def test_bad_data_is_an_error_naming_file_and_line(
+    case: str, tmp_path: Path, make_task: Any
+) -> None:
+    """Undecodable bytes, missing or null fields and cut lines never become prompt text."""
+    name, data = BAD_DATA[case]
+    folder = tmp_path / "task"
+    path = make_task(folder, data=name)
+    (folder / name).write_bytes(data)
+    message = BAD_DATA_MESSAGE[case].format(folder=folder)
+    with pytest.raises(TaskError) as err:
+        instances(load_task(str(path)))
+    assert message in str(err.value)
+
+
+def test_good_csv_and_jsonl_rows_read_as_text(tmp_path: Path, make_task: Any) -> None:
+    folder, template = tmp_path / "task", "{{ text }} Answer: {{ answer }}"
+    path = make_task(folder, data="r.csv", label="{{ label }}", template=template)
+    (folder / "r.csv").write_bytes("\ufefftext,label\ncafé film,1\n".encode())  # BOM, as Excel
+    assert instances(load_task(str(path)))[0] == Instance("café film Answer:", 1)
+    path = make_task(folder, data="r.jsonl", template=template)
+    (folder / "r.jsonl").write_text('{"text": "a\u2028b", "sentiment": "negative"}\n\n')
+    assert instances(load_task(str(path)))[0].prompt == "a\u2028b Answer:"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"template": "{{ text } Answer: {{ answer }}"}, "the template is not valid Jinja (line 1"),
+        ({"label": "{{ sentiment"}, "the label is not valid Jinja (line 1"),
+        ({"filter": "{% if %}"}, "the filter is not valid Jinja (line 1"),
+        ({"n": "abc"}, "'n' must be a positive whole number, got 'abc'"),
+        ({"n": 0}, "'n' must be a positive whole number, got 0"),
+        ({"options": [f"o{i}" for i in range(128)]}, "128 options; a task may have at most 127"),
+    ],
+)
+def test_bad_task_yaml_is_refused_when_loaded(
+    override: dict[str, Any], message: str, tmp_path: Path, make_task: Any
+) -> None:
+    with pytest.raises(TaskError, match=re.escape(message)):
+        load_task(str(rewrite(make_task(tmp_path), **override)))
+
+
+def rewrite(task_yaml: Path, **keys: Any) -> Path:
+    """``task_yaml`` with ``keys`` set (its data file unchanged)."""
+    task_yaml.write_text(json.dumps({**json.loads(task_yaml.read_text()), **keys}))
+    return task_yaml
+
+
+def test_127_options_are_accepted(tmp_path: Path, make_task: Any) -> None:
+    spec = load_task(str(make_task(tmp_path, options=[f"o{i}" for i in range(127)], label="3")))
+    assert len(spec.options) == MAX_OPTIONS and instances(spec)[0].gold == 3
+
+
+CLI_CASES: dict[str, dict[str, Any]] = {
+    "not_utf8": {"data": "r.csv"},
+    "missing_field": {"data": "r.jsonl"},
+    "cut_line": {"data": "r.jsonl"},
+    "syntax": {"label": "{{ sentiment"},
+    "n": {"n": "abc"},
+    "k": {"options": [f"o{i}" for i in range(200)]},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLI_CASES))
+def test_extract_refuses_bad_task_inputs_in_one_line_and_writes_nothing(
+    case: str, tmp_path: Path, make_task: Any, model_dirs: Any
+) -> None:
+    from click.testing import CliRunner
+
+    from layerdiv.cli import main
+
+    folder = tmp_path / "task"
+    overrides = CLI_CASES[case]
+    path = rewrite(make_task(folder), **overrides)
+    if case in BAD_DATA:
+        (folder / BAD_DATA[case][0]).write_bytes(BAD_DATA[case][1])
+    before = {p: p.read_bytes() for p in folder.iterdir()}
+    store = tmp_path / "store"
+    args = ["extract", "--model", str(model_dirs("llama")), "--task", str(path),
+            "--store", str(store)]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and result.exception is not None, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
+    assert not store.exists()
+    assert {p: p.read_bytes() for p in folder.iterdir()} == before

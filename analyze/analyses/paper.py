@@ -19,6 +19,7 @@ from layerdiv.analyze.markdown import DASH, Cells, fmt, markdown_table, model_ta
 from layerdiv.analyze.metrics import ACCURACY, CORRELATED, METRICS
 from layerdiv.analyze.options import ESTIMATORS
 from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
+from layerdiv.schemas import COMPONENT_KINDS
 from layerdiv.store import PartitionInfo
 
 # --- tables --------------------------------------------------------------------------------
@@ -201,7 +202,7 @@ def module_table(ctx: ReportContext) -> str:
     """Fig. 4: per model, the share of bias and of diversity held by each module kind (paper
     Eqs. 9-10), averaged over tasks, beside the share of components of that kind."""
     shares = stats.module_shares_by_model(ctx.tables["modules"], ctx.estimator)
-    kinds = [k for k in plots.KIND_COLORS if k in set(shares["kind"])]
+    kinds = [k for k in COMPONENT_KINDS if k in set(shares["kind"])]
     columns = ("component_share", "bias_share", "diversity_share")
     values = {(m, k): r for m, k, *r in shares.select("model", "kind", *columns).iter_rows()}
     rows = [
@@ -380,7 +381,7 @@ def module_figure(ctx: ReportContext, path: Path) -> Path:
     names = plots.short_names(ctx.names)
     shares = stats.module_shares_by_model(ctx.tables["modules"], ctx.estimator)
     models = sorted(shares["model"].unique())
-    kinds = [k for k in plots.KIND_COLORS if k in set(shares["kind"])]
+    kinds = [k for k in COMPONENT_KINDS if k in set(shares["kind"])]
     fig = plots.new_figure(figsize=(11, 1.5 + 0.4 * len(models)), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
     labels = [names.get(m, m) for m in models]
@@ -532,7 +533,7 @@ def report(ctx: ReportContext) -> str:
         else "all models; the paper uses `--min-params 1e9`"
     )
     units = ", ".join(
-        f"{m.title.lower()} in {m.unit(est).meaning}" for m in METRICS.values() if m is not ACCURACY
+        f"{m.title} in {m.unit(est).meaning}" for m in METRICS.values() if m is not ACCURACY
     )
     models = sorted(ctx.tables["curves"]["model"].unique())
     fig5 = [

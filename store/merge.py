@@ -1,0 +1,246 @@
+"""Combining stores extracted on different machines into one (``layerdiv merge``).
+
+A partition found in several stores must hold the same extraction (equal manifest identity and
+optional tables) in each; its chunks come from whichever store has them, and two stores may hold
+the same chunk only as identical files, so no instance is ever stored twice. The merged store is
+built beside the target and renamed into place: on any refusal or failure the target is left as
+it was.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import itertools
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from layerdiv.errors import LayerdivError
+from layerdiv.schemas import REQUIRED_TABLES
+from layerdiv.store.manifest import Manifest, write_manifest
+from layerdiv.store.paths import Partition
+from layerdiv.store.reader import PartitionInfo, Store, StoreError
+
+
+class MergeConflict(LayerdivError, RuntimeError):
+    """The stores cannot be combined; nothing was written."""
+
+
+@dataclass(frozen=True)
+class MergedPartition:
+    """One partition of the merged store."""
+
+    model: str
+    task: str
+    n_done: int
+    """Instances it holds after the merge."""
+    n_added: int
+    """Instances the target did not hold before."""
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """One store's copy of a partition."""
+
+    store: Path
+    info: PartitionInfo
+
+    def tables(self) -> list[str]:
+        return [*REQUIRED_TABLES, *self.info.manifest.extra_tables]
+
+    def chunk_files(self, start: int, count: int) -> list[Path]:
+        part = self.info.partition
+        return [part.part(t, start, count) for t in self.tables()]
+
+
+def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[MergedPartition]:
+    """Merge the stores ``sources`` into ``into`` (created, or an existing store that keeps what
+    it holds); returns what each partition holds afterwards."""
+    dst = Path(into)
+    target = _target_store(dst)
+    stores = [] if target is None else [(dst, target)]
+    seen = {dst.resolve()}
+    for src in map(Path, sources):
+        if src.resolve() not in seen:
+            seen.add(src.resolve())
+            store = Store(src)
+            if problems := store.problems():
+                raise MergeConflict(f"{src} cannot be merged: {problems[0]}")
+            stores.append((src, store))
+    copies: dict[tuple[str, str], list[_Copy]] = {}
+    for root, store in stores:
+        for info in store.partitions:
+            copies.setdefault((info.model, info.task), []).append(_Copy(root, info))
+    plans = {key: _plan(found) for key, found in copies.items()}
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_stages(dst)
+    stage = Path(tempfile.mkdtemp(prefix=f"{_stage_prefix(dst)}{os.getpid()}-", dir=dst.parent))
+    try:
+        if target is not None:
+            _link_tree(dst, stage)
+        merged = []
+        for (model, task), (manifest, chunks) in plans.items():
+            out = Partition(stage, model, task)
+            for (start, count), copy in sorted(chunks.items()):
+                for src in copy.chunk_files(start, count):
+                    linked = stage / src.relative_to(copy.store)
+                    linked.unlink(missing_ok=True)  # e.g. the target's orphan from a crash
+                    _link(src, linked)
+            for copy in copies[model, task]:
+                _copy_side_files(copy.info.partition, out)
+            write_manifest(out.manifest, manifest)
+            before = 0 if target is None else _n_done(target, model, task)
+            n_done = sum(count for _, count in chunks)
+            merged.append(MergedPartition(model, task, n_done, n_done - before))
+        _swap_in(stage, dst)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return merged
+
+
+def _target_store(dst: Path) -> Store | None:
+    """The store already at ``dst``, or None where there is nothing (or an empty folder)."""
+    if not dst.exists():
+        return None
+    if not dst.is_dir():
+        raise MergeConflict(f"{dst} is a file, not a store: choose another --into")
+    if not any(dst.iterdir()):
+        return None
+    try:
+        return Store(dst)
+    except StoreError as err:
+        raise MergeConflict(
+            f"--into {dst} is neither empty nor a readable layerdiv store ({err})"
+        ) from None
+
+
+def _plan(copies: list[_Copy]) -> tuple[Manifest, dict[tuple[int, int], _Copy]]:
+    """The merged manifest of one partition and, for each chunk, the copy it is taken from;
+    refuses other extractions, overlapping chunks and differing copies of a chunk."""
+    first = copies[0]
+    where = f"model={first.info.model} task={first.info.task}"
+    chunks: dict[tuple[int, int], _Copy] = {}
+    for copy in copies:
+        _same_extraction(first, copy, where)
+        for start, count in copy.info.partition.done_parts():
+            held = chunks.setdefault((start, count), copy)
+            if held is not copy:
+                _same_files(held, copy, start, count, where)
+    ranges = sorted(chunks)
+    for (a, na), (b, nb) in itertools.pairwise(ranges):
+        if b < a + na:
+            raise MergeConflict(
+                f"{where}: instances {a}..{a + na - 1} of {chunks[a, na].store} overlap "
+                f"instances {b}..{b + nb - 1} of {chunks[b, nb].store} (different chunk sizes), "
+                "so some would be stored twice: remove one of the two parts from its store, "
+                "then merge again"
+            )
+    manifest = first.info.manifest
+    manifests = [c.info.manifest for c in copies]
+    runs: list[dict[str, object]] = []
+    for m in manifests:
+        runs += [r for r in m.runs if r not in runs]
+    manifest.runs = sorted(runs, key=lambda r: str(r.get("finished_at", "")))
+    manifest.n_requested = max(m.n_requested for m in manifests)
+    manifest.created_at = min((m.created_at for m in manifests if m.created_at), default="")
+    return manifest, chunks
+
+
+def _same_extraction(first: _Copy, copy: _Copy, where: str) -> None:
+    a, b = first.info.manifest, copy.info.manifest
+    diff = a.identity().differences(b.identity(), (str(first.store), str(copy.store)))
+    if a.extra_tables != b.extra_tables:
+        diff.append(f"optional tables: {a.extra_tables} vs {b.extra_tables}")
+    if diff:
+        raise MergeConflict(
+            f"{where}: {first.store} and {copy.store} hold different extractions "
+            f"({'; '.join(diff)}); merge only stores of the same extraction"
+        )
+
+
+def _same_files(held: _Copy, copy: _Copy, start: int, count: int, where: str) -> None:
+    for a, b in zip(held.chunk_files(start, count), copy.chunk_files(start, count), strict=True):
+        if not filecmp.cmp(a, b, shallow=False):
+            raise MergeConflict(
+                f"{where}: {a} and {b} hold instances {start}..{start + count - 1} extracted "
+                "twice, with different bytes: delete one of them, then merge again"
+            )
+
+
+def _n_done(store: Store, model: str, task: str) -> int:
+    return sum(p.n_done for p in store.partitions if (p.model, p.task) == (model, task))
+
+
+def _copy_side_files(src: Partition, dst: Partition) -> None:
+    """Every other file under the partition's manifest folder (run records; never a hidden
+    temporary one); two stores' files of the same name must be equal."""
+    folder = src.manifest.parent
+    for f in sorted(folder.rglob("*")) if folder.is_dir() else []:
+        rel = f.relative_to(folder)
+        if f == src.manifest or any(p.startswith(".") for p in rel.parts) or not f.is_file():
+            continue
+        out = dst.manifest.parent / rel
+        if not out.exists():
+            _link(f, out)
+        elif not filecmp.cmp(f, out, shallow=False):
+            raise MergeConflict(f"{f} differs from the file of that name in another store")
+
+
+def _link(src: Path, dst: Path) -> None:
+    """Hard-link ``src`` at ``dst`` (parts are never changed in place), or copy it across file
+    systems."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    for folder, _, files in os.walk(src):
+        for name in files:
+            path = Path(folder) / name
+            _link(path, dst / path.relative_to(src))
+
+
+def _stage_prefix(dst: Path) -> str:
+    return f".{dst.name}.merge-{socket.gethostname()}-"
+
+
+def _swap_in(stage: Path, dst: Path) -> None:
+    """Put ``stage`` at ``dst`` with renames only; an existing ``dst`` is restored on failure."""
+    if not dst.exists() or not any(dst.iterdir()):
+        os.replace(stage, dst)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f"{_stage_prefix(dst)}{os.getpid()}-", dir=dst.parent))
+    os.replace(dst, old / "store")
+    try:
+        os.replace(stage, dst)
+    except OSError:
+        os.replace(old / "store", dst)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_stale_stages(dst: Path) -> None:
+    """Delete the hidden folders that merges into ``dst`` killed on this host left beside it."""
+    prefix = _stage_prefix(dst)
+    for path in dst.parent.glob(f"{prefix}*") if dst.parent.is_dir() else []:
+        pid = path.name[len(prefix) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
