@@ -192,6 +192,17 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
     help="Also store every attention head's option logits (heads table); extends partitions "
     "stored without them.",
 )
+@click.option(
+    "--skips",
+    is_flag=True,
+    help="Also store the option logits with each block skipped (about half a forward pass per "
+    "block; extends a partition stored without them).",
+)
+@click.option(
+    "--gram",
+    is_flag=True,
+    help="Also store each instance's Gram matrix of the component outputs (exact angles).",
+)
 def extract(
     model: str,
     tasks: tuple[str, ...],
@@ -209,6 +220,8 @@ def extract(
     allow_softcap: bool,
     chunk_size: int | None,
     heads: bool,
+    skips: bool,
+    gram: bool,
 ) -> None:
     """Run MODEL once over each task and cache every component's option logits."""
     import sys
@@ -233,6 +246,8 @@ def extract(
         allow_softcap=allow_softcap,
         chunk_size=chunk_size,
         heads=heads,
+        skips=skips,
+        gram=gram,
     )
     if shard.source != "--shard":
         click.echo(f"{shard.describe()}, device {cfg.device}")

@@ -160,7 +160,7 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     tasks = write_demo_tasks(out / "tasks", n, seed)
     store, results_dir, report_dir = out / "store", out / "results", out / "report"
     print(f"\nExtracting {DEMO_MODEL} on {', '.join(p.stem for p in tasks)} into {store}")
-    for s in run_extract(ExtractConfig(DEMO_MODEL, [str(p) for p in tasks], store)):
+    for s in run_extract(ExtractConfig(DEMO_MODEL, [str(p) for p in tasks], store, gram=True)):
         print(f"{s.task}: {s.n_done}/{s.n_requested} instances stored ({s.n_new} new)")
     results = analyze(store, progress=True)
     write_tables(results.tables(), results_dir, "parquet", {"store": str(store)})

@@ -6,7 +6,7 @@ store in every respect (manifest, schemas, complete-chunk markers); only the num
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +14,13 @@ from tqdm import tqdm
 
 from layerdiv.schemas import component_names
 from layerdiv.store import ComponentInfo, Manifest, PartitionWriter
-from layerdiv.store.tables import components_table, heads_table, instances_table
+from layerdiv.store.tables import (
+    components_table,
+    gram_table,
+    heads_table,
+    instances_table,
+    skips_table,
+)
 
 
 def component_infos(kinds: Sequence[str]) -> list[ComponentInfo]:
@@ -49,6 +55,11 @@ def write_partition(
     shuffle: np.random.Generator | None = None,
     heads: np.ndarray | None = None,
     head_ids: Sequence[int] = (),
+    columns: Mapping[str, np.ndarray] | None = None,
+    hidden_size: int | None = None,
+    norm_eps: float | None = None,
+    skips: np.ndarray | None = None,
+    gram: np.ndarray | None = None,
 ) -> None:
     """Write one (model, task) partition from arrays.
 
@@ -58,6 +69,9 @@ def write_partition(
     with ``shuffle`` the rows of each chunk are permuted (the store promises no row order).
     ``heads`` (N, A, G, K), with ``head_ids`` the G head indices (-1: the output projection's
     bias), adds the ``heads`` table for the A attention components in execution order.
+    ``columns`` gives (N, L) values of ``out_norm``, ``cos_residual`` or ``cos_prev`` (default 1,
+    0, 0; NaN is stored as null); ``hidden_size`` and ``norm_eps`` go to the manifest; ``skips``
+    (N, blocks, K) skip logits and ``gram`` (N, C(C+1)/2) Gram rows fill the optional tables.
     """
     n, n_comp, k = logits.shape
     if len(kinds) != n_comp or gold.shape != (n,):
@@ -87,11 +101,18 @@ def write_partition(
         sum_tolerance=1e-4,
         chunk_size=chunk or n,
         created_at=created_at,
+        hidden_size=hidden_size,
+        norm_eps=norm_eps,
     )
+    defaults = {"out_norm": 1.0, "cos_residual": 0.0, "cos_prev": 0.0}
+    geometry = {c: np.full((n, n_comp), v) for c, v in defaults.items()} | dict(columns or {})
     writer = PartitionWriter(root, model, task)
     writer.open(manifest, overwrite=True)
     if heads is not None:
         writer.mark_table("heads")
+    for table, values in (("skips", skips), ("gram", gram)):
+        if values is not None:
+            writer.mark_table(table)
     step = chunk or n
     for start in range(0, n, step):
         stop = min(n, start + step)
@@ -102,10 +123,10 @@ def write_partition(
                 ids,
                 infos,
                 logits[start:stop],
-                np.ones((b, n_comp)),
+                geometry["out_norm"][start:stop],
                 rms[start:stop],
-                np.zeros((b, n_comp)),
-                np.zeros((b, n_comp)),
+                geometry["cos_residual"][start:stop],
+                geometry["cos_prev"][start:stop],
             ),
             "instances": instances_table(
                 ids,
@@ -122,6 +143,10 @@ def write_partition(
             tables["heads"] = heads_table(
                 ids, attn, [infos[c].layer for c in attn], head_ids, heads[start:stop]
             )
+        if skips is not None:
+            tables["skips"] = skips_table(ids, skips[start:stop])
+        if gram is not None:
+            tables["gram"] = gram_table(ids, gram[start:stop])
         if shuffle is not None:
             tables = {k: t.take(shuffle.permutation(t.num_rows)) for k, t in tables.items()}
         writer.write_chunk(start, b, tables)
@@ -213,6 +238,8 @@ def synthesize_store(
             kinds,
             rms,
             n_params=int(1e8 * (m + 1)),
+            hidden_size=576,
+            norm_eps=1e-5,
         )
         rows += logits.size
     return rows

@@ -8,8 +8,9 @@ options: about 60 million component-option rows), then times, each in a fresh pr
 - ``layerdiv query`` on one model and one task,
 - ``layerdiv analyze --lens prefix`` on one model (the O(L^2) logit-lens curves),
 
-and the same single-model, single-task query in-process (store opened, views built, query run),
-printing wall time and peak memory (max RSS of the process) of each.
+the same single-model, single-task query in-process (store opened, views built, query run) and
+the depth-use tables in-process (what they add to ``layerdiv analyze``), printing wall time and
+peak memory (max RSS of the process) of each.
 
     python benchmarks/bench_analyze.py [--store DIR] [--models 16] [--tasks 8] [--instances 2000]
 
@@ -85,6 +86,17 @@ def in_process_query(store: Path, model: str, task: str) -> tuple[str, float, fl
     return f"query, 1 model x 1 task, in-process ({rows:,} rows out)", wall, peak
 
 
+def in_process_depth(store: Path) -> tuple[str, float, float]:
+    """The depth-use tables alone (what registering them adds to ``layerdiv analyze``)."""
+    from layerdiv.analyze.analyses import depth
+
+    start = time.perf_counter()
+    rows = depth.geometry(store)["geometry"].height
+    wall = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return f"depth tables (METHODS.md 7), in-process ({rows:,} geometry rows)", wall, peak
+
+
 def scaling(args: argparse.Namespace, scales: list[int]) -> None:
     """Time ``layerdiv analyze`` on stores of ``scale`` x ``--models`` models each."""
     runs = []
@@ -157,6 +169,7 @@ def main() -> None:
                 ],
             ),
             in_process_query(args.store, model, task),
+            in_process_depth(args.store),
             timed(
                 f"layerdiv analyze --lens prefix, 1 model x {args.tasks} tasks",
                 [

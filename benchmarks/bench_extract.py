@@ -7,6 +7,9 @@ Contenders (each includes tokenization; none includes loading the model):
 - ``plain``: what a user writes for the option logits: per task, fixed-size batches in arrival
   order, ``tokenizer(batch, padding=True)`` (left padding) and
   ``model(input_ids, attention_mask, logits_to_keep=1, use_cache=False)``.
+- ``plain-floor``: the fair floor: the same plain forward over exactly the batches
+  ``layerdiv-auto`` forms (its tokenization, length-sorted token-budget batches, left padding and
+  position ids), so that layerdiv-auto / plain-floor measures layerdiv's own overhead.
 - ``layerdiv-fixed``: the real extraction path (``plan_task`` outside the clock, then
   ``extract_task``: hooks, decomposition, sum check, Parquet writing into a fresh store) with the
   same ``batch_size``; its length sorting is the only difference in batching.
@@ -56,12 +59,14 @@ import torch
 
 from layerdiv.demo import DEMO_MODEL, DEMO_TASKS, write_demo_tasks
 from layerdiv.extract.adapters import adapter_for, check_softcap
+from layerdiv.extract.batching import batches, tokenize
+from layerdiv.extract.forward import CPU_TOKEN_BUDGET, left_padded
 from layerdiv.extract.models import LoadedModel, load_model, load_tokenizer, resolve_source
 from layerdiv.extract.runner import ExtractConfig, extract_task, plan_task
 from layerdiv.extract.tasks import instances, load_task, option_token_ids
 from layerdiv.store.reader import Store
 
-NAMES = ("plain", "layerdiv-fixed", "layerdiv-auto", "transformerlens")
+NAMES = ("plain", "plain-floor", "layerdiv-fixed", "layerdiv-auto", "transformerlens")
 AGREE_TOL = 1e-3
 """Largest accepted absolute logit difference between contenders (fp32; sdpa vs eager)."""
 TARGET_RATIO, TARGET_MEMORY = 1.03, 1.10
@@ -131,6 +136,30 @@ def plain(model: Any, tokenizer: Any, tasks: list[Task], batch_size: int) -> Con
         return out
 
     return Contender("plain", model, lambda _: run)
+
+
+def plain_floor(loaded: LoadedModel, tasks: list[Task]) -> Contender:
+    """The fair floor: a plain forward (``logits_to_keep=1``) over exactly the batches
+    ``layerdiv-auto`` forms (its tokenization, length-sorted batches, left padding and position
+    ids), so that layerdiv-auto / plain-floor is layerdiv's own overhead."""
+    model, tok = loaded.model, loaded.tokenizer
+    pad = tok.pad_token_id or 0
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        with torch.inference_mode():
+            for task in tasks:
+                seqs, _ = tokenize(tok, task.prompts, loaded.context_length)
+                rows = torch.empty(len(seqs), len(task.option_ids))
+                ids = list(range(len(seqs)))
+                for batch in batches([len(s) for s in seqs], ids, None, CPU_TOKEN_BUDGET):
+                    inputs = left_padded([seqs[i] for i in batch], pad)
+                    logits = model(**inputs, logits_to_keep=1, use_cache=False).logits
+                    rows[batch] = logits[:, -1, task.option_ids]
+                out.append(rows)
+        return out
+
+    return Contender("plain-floor", model, lambda _: run)
 
 
 def layerdiv(
@@ -210,6 +239,7 @@ def contenders(
     tok = loaded.tokenizer
     make: dict[str, Callable[[], Contender]] = {
         "plain": lambda: plain(loaded.model, tok, tasks, batch_size),
+        "plain-floor": lambda: plain_floor(loaded, tasks),
         "layerdiv-fixed": lambda: layerdiv("layerdiv-fixed", loaded, tasks, batch_size),
         "layerdiv-auto": lambda: layerdiv("layerdiv-auto", loaded, tasks, None),
         "transformerlens": lambda: transformerlens(boot_bridge(load()), tok, tasks, batch_size),
@@ -308,7 +338,11 @@ def warm_up_and_check(runs: list[Contender], tasks: list[Task]) -> None:
             )
         ref = [stored(Path(tmp) / "layerdiv-fixed", t.name) for t in tasks]
         print(f"  layerdiv's own check: max relative sum error {max(r[2] for r in ref):.1e}")
-        checks = [("plain", "option logits", 1), ("transformerlens", "component logits", 0)]
+        checks = [
+            ("plain", "option logits", 1),
+            ("plain-floor", "option logits", 1),
+            ("transformerlens", "component logits", 0),
+        ]
         for other, what, which in checks:
             if other not in results:
                 continue
@@ -376,6 +410,13 @@ def report(
                 f"    <= {CLEAR_LEAD} x transformerlens on both (time ratio {ratio[tl]:.3f}, "
                 f"peak ratio {peak[tl]:.3f}) {_met(ahead)}"
             )
+    floor = statistics.median(
+        a / b for a, b in zip(times["layerdiv-auto"], times["plain-floor"], strict=True)
+    )
+    print(
+        f"  layerdiv-auto / plain-floor (the same batches: layerdiv's own overhead) {floor:.3f} "
+        f"<= {TARGET_RATIO} {_met(floor <= TARGET_RATIO)}"
+    )
     print(f"  (batch size {batch_size} for plain, layerdiv-fixed and transformerlens)")
 
 

@@ -52,13 +52,21 @@ class BatchDecomposition:
     """(B,) max_k |sum_c u_c[k] - model_logits[k]| / max(1, max_k sum_c |u_c[k]|)."""
     heads: HeadDecomposition | None = None
     """Every attention head's option logits (``--heads``, :mod:`layerdiv.extract.heads`)."""
+    skip_logits: torch.Tensor | None = None
+    """(B, blocks, K) the model's option logits with each block module skipped (``--skips``)."""
+    gram: torch.Tensor | None = None
+    """(B, C(C+1)/2) upper triangle of z_a . z_b over the C components without bias, row by row
+    (``layerdiv.schemas.GRAM``); only with ``gram=True``."""
 
 
 class ComponentCapture:
     """Hooks on one model; :meth:`decompose` after each forward pass gives the batch's results."""
 
-    def __init__(self, model: Any, adapter: Adapter, option_ids: list[int]):
+    def __init__(self, model: Any, adapter: Adapter, option_ids: list[int], gram: bool = False):
         self.adapter = adapter
+        self.gram = gram
+        self.paused = False
+        """While True the hooks keep nothing (extra passes such as layer skips)."""
         blocks = get_module(model, adapter.blocks)
         self.norm = get_module(model, adapter.final_norm)
         head = model.get_output_embeddings()
@@ -95,6 +103,8 @@ class ComponentCapture:
     def _keep(self, kind: str, layer: int, output: Any) -> None:
         """Copy a component's last position into the next slot of one preallocated buffer (many
         small long-lived copies between large activations fragment the heap)."""
+        if self.paused:
+            return
         out = output[0] if isinstance(output, tuple) else output
         rows, slot, buf = out.shape[0], len(self._records), self._buffer
         if buf is None or rows > buf.shape[1] or slot >= buf.shape[0]:
@@ -189,6 +199,10 @@ class ComponentCapture:
             cos = torch.cat([cos, nan], dim=1)
             cos_prev = torch.cat([cos_prev, nan], dim=1)
             prefix_rms = torch.cat([prefix_rms, scale_x[:, None]], dim=1)
+        gram = None
+        if self.gram:  # METHODS.md section 7: every norm and angle of any partial sum
+            upper = torch.triu_indices(z.shape[1], z.shape[1], device=z.device)
+            gram = (z @ z.transpose(1, 2))[:, upper[0], upper[1]].cpu()
         total = logits.sum(dim=1)
         spread = logits.abs().sum(dim=1).amax(dim=-1).clamp(min=1.0)
         sum_error = (total - head).abs().amax(dim=-1) / spread
@@ -202,6 +216,7 @@ class ComponentCapture:
             final_rms=scale_x.cpu(),
             model_logits=head.cpu(),
             sum_error=sum_error.cpu(),
+            gram=gram,
         )
 
 

@@ -9,7 +9,7 @@ import pyarrow as pa
 
 from layerdiv.extract.batching import chunk_runs
 from layerdiv.extract.capture import BatchDecomposition, DecompositionError
-from layerdiv.extract.forward import ModelRunner
+from layerdiv.extract.forward import ModelRunner, optional_tables
 from layerdiv.store.writer import ChunkClaim, PartitionWriter
 
 Results = dict[int, tuple[BatchDecomposition, int]]
@@ -92,3 +92,31 @@ def store(
     correct = sum(int(d.model_logits[r].argmax()) == gold[i] for i, (d, r) in results.items())
     worst = max((float(d.sum_error[r]) for d, r in results.values()), default=0.0)
     return correct, worst
+
+
+def backfill(
+    writer: PartitionWriter,
+    tables: list[str],
+    grid: int,
+    shard: tuple[int, int],
+    compute_run: Callable[[list[int]], Results],
+) -> int:
+    """Add the optional ``tables`` to this shard's complete chunks stored without them, part by
+    part under the chunk's claim, without rewriting their components; returns the number of
+    instances run. ``compute_run`` runs (and checks) one contiguous run of instances."""
+    missing = sorted({p for t in tables for p in writer.chunks_missing(t)})
+    ids = [i for s, c in missing for i in range(s, s + c)]
+    n = 0
+    for j, claim in claimed(writer, sorted(chunk_runs(ids, grid, shard))):
+        try:
+            lacking = {t: set(writer.chunks_missing(t)) for t in tables}  # under the claim
+            for s, c in sorted({p for ps in lacking.values() for p in ps if p[0] // grid == j}):
+                run = list(range(s, s + c))
+                made = optional_tables(run, compute_run(run))
+                for table in tables:
+                    if (s, c) in lacking[table]:
+                        writer.write_table_part(table, s, c, made[table])
+                n += c
+        finally:
+            claim.release()
+    return n

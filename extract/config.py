@@ -56,8 +56,18 @@ class ExtractConfig:
     heads: bool = False
     """Also store every attention head's option logits (the ``heads`` table, METHODS.md
     section 8); a partition stored without them is extended (backfilled)."""
+    skips: bool = False
+    """Also store the option logits with each block skipped (``skips`` table, METHODS.md 7)."""
+    gram: bool = False
+    """Also store each instance's Gram matrix of the component outputs (``gram`` table)."""
     progress: bool = True
     """Show progress bars."""
+
+    @property
+    def extra_tables(self) -> list[str]:
+        """The optional tables this run writes (and backfills for chunks stored without them)."""
+        flags = (("heads", self.heads), ("skips", self.skips), ("gram", self.gram))
+        return [t for t, on in flags if on]
 
 
 @dataclass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -16,7 +16,14 @@ from layerdiv.extract.batching import batches
 from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
 from layerdiv.extract.heads import HeadCapture
 from layerdiv.extract.models import LoadedModel
-from layerdiv.store.tables import components_table, heads_table, instances_table
+from layerdiv.extract.skips import BlockSkipper
+from layerdiv.store.tables import (
+    components_table,
+    gram_table,
+    heads_table,
+    instances_table,
+    skips_table,
+)
 
 CPU_TOKEN_BUDGET = 1024
 """Padded tokens per batch for ``--batch-size auto`` on the CPU."""
@@ -35,6 +42,19 @@ def token_budget(device: torch.device, config: Any, dtype: torch.dtype) -> int:
     return max(256, int(free // 2 // per_token))
 
 
+def left_padded(seqs: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``attention_mask`` and ``position_ids`` of ``seqs`` left-padded to the
+    longest, so that the last position of every row is its last prompt token."""
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, s in enumerate(seqs):
+        input_ids[row, width - len(s) :] = torch.tensor(s)
+        mask[row, width - len(s) :] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}
+
+
 class ModelRunner:
     """Runs left-padded batches through a model with the capture hooks attached; a context
     manager that always removes its hooks."""
@@ -45,16 +65,25 @@ class ModelRunner:
         adapter: Adapter,
         option_ids: list[int],
         budget: int,
+        extra_tables: Sequence[str] = (),
         n_heads: int | None = None,
     ) -> None:
         self.loaded = loaded
         self.budget = budget
         """Padded tokens per batch for automatic batching (lowered on out-of-memory)."""
-        self.capture = ComponentCapture(loaded.model, adapter, option_ids)
-        self.heads = (
-            None if n_heads is None else HeadCapture(loaded.model, adapter, self.capture, n_heads)
+        self.capture = ComponentCapture(
+            loaded.model, adapter, option_ids, gram="gram" in extra_tables
         )
-        """With ``n_heads`` (``--heads``): the per-head capture (METHODS.md section 8)."""
+        self.heads = (
+            HeadCapture(loaded.model, adapter, self.capture, n_heads)
+            if "heads" in extra_tables and n_heads is not None
+            else None
+        )
+        """With ``--heads``: the per-head capture of ``n_heads`` heads (METHODS.md section 8)."""
+        self.skipper = (
+            BlockSkipper(loaded.model, adapter, option_ids) if "skips" in extra_tables else None
+        )
+        """With ``--skips``: the block skipper (METHODS.md section 7)."""
         params = inspect.signature(loaded.model.forward).parameters
         self.extra: dict[str, Any] = {"use_cache": False}
         if "logits_to_keep" in params:
@@ -76,27 +105,27 @@ class ModelRunner:
 
     def run(self, seqs: list[list[int]]) -> BatchDecomposition:
         """One forward pass over ``seqs`` (left-padded) and its decomposition."""
-        width = max(len(s) for s in seqs)
-        input_ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for row, s in enumerate(seqs):
-            input_ids[row, width - len(s) :] = torch.tensor(s)
-            mask[row, width - len(s) :] = 1
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         device = self.loaded.device
+        inputs = {k: v.to(device) for k, v in left_padded(seqs, self.pad_id).items()}
+        inputs.update(self.extra)
         self.capture.reset()
         if self.heads is not None:
             self.heads.reset()
         with torch.inference_mode():
-            self.loaded.model(
-                input_ids=input_ids.to(device),
-                attention_mask=mask.to(device),
-                position_ids=position_ids.to(device),
-                **self.extra,
-            )
+            if self.skipper is None:
+                self.loaded.model(**inputs)
+            else:
+                with self.skipper.recording():
+                    self.loaded.model(**inputs)
             dec = self.capture.decompose()
             if self.heads is not None:
                 dec.heads = self.heads.decompose(dec)
+            if self.skipper is not None:
+                self.capture.paused = True  # also pauses the heads capture
+                try:  # METHODS.md section 7: each block skipped, the shared prefix reused
+                    dec.skip_logits = self.skipper.skip_logits(lambda: self.loaded.model(**inputs))
+                finally:
+                    self.capture.paused = False
         return dec
 
     def run_chunk(
@@ -129,14 +158,14 @@ def chunk_tables(
     truncated: list[bool],
 ) -> dict[str, pa.Table]:
     """The ``components`` and ``instances`` tables of instances ``ids`` (ascending), each found
-    in ``results`` as (its batch's decomposition, its row there), and ``heads`` when the
-    decompositions have heads."""
+    in ``results`` as (its batch's decomposition, its row there), and the optional tables
+    (``heads``, ``skips``, ``gram``) the decompositions hold."""
 
     def stack(attr: str) -> np.ndarray:
         return np.stack([getattr(results[i][0], attr)[results[i][1]].numpy() for i in ids])
 
     return {
-        **heads_tables(ids, results),
+        **optional_tables(ids, results),
         "components": components_table(
             ids,
             results[ids[0]][0].components,
@@ -158,20 +187,26 @@ def chunk_tables(
     }
 
 
-def heads_tables(
+def optional_tables(
     ids: list[int], results: dict[int, tuple[BatchDecomposition, int]]
 ) -> dict[str, pa.Table]:
-    """``{"heads": table}`` of instances ``ids`` (ascending), or nothing when the
-    decompositions in ``results`` have no heads."""
+    """The ``heads``, ``skips`` and ``gram`` tables of instances ``ids`` (ascending), where the
+    run computed them."""
     first = results[ids[0]][0]
-    if first.heads is None:
-        return {}
-    heads, rows = first.heads, []
-    for i in ids:
-        dec, row = results[i]
-        if dec.heads is None:
-            raise DecompositionError(f"instance {i} ran without the heads capture")
-        rows.append(dec.heads.logits[row].numpy())
-    logits = np.stack(rows)
-    layers = [first.components[c].layer for c in heads.components]
-    return {"heads": heads_table(ids, heads.components, layers, heads.head_ids, logits)}
+
+    def stack(values: Callable[[BatchDecomposition], Any]) -> np.ndarray:
+        return np.stack([values(results[i][0])[results[i][1]].numpy() for i in ids])
+
+    tables = {}
+    if first.heads is not None:
+        heads = first.heads
+        if any(results[i][0].heads is None for i in ids):
+            raise DecompositionError("an instance ran without the heads capture")
+        layers = [first.components[c].layer for c in heads.components]
+        logits = stack(lambda d: d.heads.logits)  # type: ignore[union-attr]
+        tables["heads"] = heads_table(ids, heads.components, layers, heads.head_ids, logits)
+    if first.skip_logits is not None:
+        tables["skips"] = skips_table(ids, stack(lambda d: d.skip_logits))
+    if first.gram is not None:
+        tables["gram"] = gram_table(ids, stack(lambda d: d.gram))
+    return tables

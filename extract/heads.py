@@ -107,6 +107,8 @@ class HeadCapture:
 
     def _hook(self, proj: _Projection) -> Any:
         def hook(module: Any, args: tuple, output: Any) -> None:
+            if self.capture.paused:  # a pass with a block skipped (--skips)
+                return
             a = args[0][:, -1, :].float()  # (B, d_in): the heads' outputs, head-major
             m = proj.m.to(a.device)  # a no-op unless --device-map moved the block
             per_head = torch.einsum("bhj,khj->bhk", a.view(a.shape[0], self.n_heads, -1), m)

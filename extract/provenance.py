@@ -9,7 +9,7 @@ from importlib import metadata
 
 import torch
 
-from layerdiv.extract.adapters import Adapter
+from layerdiv.extract.adapters import Adapter, get_module, norm_eps
 from layerdiv.extract.models import LoadedModel, ModelSource
 from layerdiv.extract.tasks import TaskSpec
 from layerdiv.store.manifest import ComponentInfo, Identity, Manifest
@@ -67,6 +67,7 @@ def build_manifest(
         n_params=loaded.n_params,
         context_length=loaded.context_length,
         hidden_size=int(src.config.hidden_size),
+        norm_eps=norm_eps(get_module(loaded.model, adapter.final_norm)),
         options=list(spec.options),
         option_tokens=[str(t) for t in tok.convert_ids_to_tokens(list(ident.option_token_ids))],
         task_spec=spec.to_dict(),

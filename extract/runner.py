@@ -18,7 +18,7 @@ from layerdiv.extract.adapters import Adapter, adapter_for, check_heads, check_s
 from layerdiv.extract.batching import chunk_runs, tokenize
 from layerdiv.extract.capture import SUM_TOLERANCE, BatchDecomposition, check_batch
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, ExtractConfig, TaskSummary
-from layerdiv.extract.forward import ModelRunner, chunk_tables, heads_tables, token_budget
+from layerdiv.extract.forward import ModelRunner, chunk_tables, token_budget
 from layerdiv.extract.heads import check_head_sums
 from layerdiv.extract.interrupt import interruptible
 from layerdiv.extract.models import (
@@ -38,6 +38,7 @@ from layerdiv.extract.tasks import (
     load_task,
     option_token_ids,
 )
+from layerdiv.schemas import OPTIONAL_TABLES
 from layerdiv.store.manifest import read_manifest
 from layerdiv.store.writer import PartitionWriter, Verdict
 
@@ -51,6 +52,8 @@ class TaskPlan:
     option_ids: list[int]
     data_sha256: str
     writer: PartitionWriter
+    extra_tables: list[str]
+    """The optional tables to write (:func:`_extra_tables`)."""
 
 
 def plan_task(name: str, tokenizer: Any, cfg: ExtractConfig) -> TaskPlan:
@@ -62,7 +65,9 @@ def plan_task(name: str, tokenizer: Any, cfg: ExtractConfig) -> TaskPlan:
     items = rows[: cfg.limit or spec.n]
     ids = option_token_ids(spec, tokenizer, items[0].prompt)
     writer = PartitionWriter(cfg.store, cfg.model, spec.name)
-    return TaskPlan(spec, items, ids, data_sha256(rows[: spec.n]), writer)
+    return TaskPlan(
+        spec, items, ids, data_sha256(rows[: spec.n]), writer, _extra_tables(writer, cfg)
+    )
 
 
 def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
@@ -72,14 +77,16 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         dtype = resolve_dtype(cfg.dtype, device)
         source = resolve_source(cfg.model, cfg.revision, cfg.gguf_file, cfg.trust_remote_code)
         adapter = adapter_for(source.config)
-        n_heads = check_heads(source.config) if cfg.heads else None
         approximate = check_softcap(source.config, cfg.allow_softcap)
         tokenizer = load_tokenizer(source)
         plans = [plan_task(name, tokenizer, cfg) for name in cfg.tasks]
         idents = [identity(source, dtype, p.spec, p.option_ids, p.data_sha256) for p in plans]
+        n_heads = None
         for plan, ident in zip(plans, idents, strict=True):  # all before the weights load
             plan.writer.ensure_writable()
             plan.writer.check(ident, cfg.overwrite, cfg.shard[1])
+            if "heads" in plan.extra_tables:
+                n_heads = check_heads(source.config)
         loaded: LoadedModel | None = None
         summaries = []
         for plan, ident in zip(plans, idents, strict=True):
@@ -98,31 +105,27 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         return summaries
 
 
+def _extra_tables(writer: PartitionWriter, cfg: ExtractConfig) -> list[str]:
+    """The optional tables to write: those asked for, and those the partition already has (so
+    that no chunk stored later lacks them)."""
+    manifest = writer.part.manifest
+    kept = [] if cfg.overwrite or not manifest.exists() else read_manifest(manifest).extra_tables
+    return [t for t in OPTIONAL_TABLES if t in cfg.extra_tables or t in kept]
+
+
 def _pending(plan: TaskPlan, cfg: ExtractConfig) -> bool:
     """Whether this shard has instances of ``plan`` left in its existing partition (those of
-    damaged parts included)."""
+    damaged parts, and stored chunks lacking an optional table, included)."""
     stored = read_manifest(plan.writer.part.manifest)
     done = plan.writer.done_instances(len(stored.components) * len(stored.options))
     todo = [i for i in range(len(plan.items)) if i not in done]
-    grid = stored.chunk_size or _chunk_size(cfg)
-    backfill = cfg.heads and bool(_lacking_heads(plan.writer, grid, cfg.shard))
-    return bool(chunk_runs(todo, grid, cfg.shard)) or backfill
+    todo += [i for t in plan.extra_tables for s, c in plan.writer.chunks_missing(t)
+             for i in range(s, s + c)]  # fmt: skip
+    return bool(chunk_runs(sorted(set(todo)), stored.chunk_size or _chunk_size(cfg), cfg.shard))
 
 
 def _chunk_size(cfg: ExtractConfig) -> int:
     return cfg.chunk_size or DEFAULT_CHUNK_SIZE
-
-
-def _lacking_heads(
-    writer: PartitionWriter, grid: int, shard: tuple[int, int]
-) -> dict[int, list[tuple[int, int]]]:
-    """Chunk index -> the stored parts (start, count) of this shard's chunks that have no
-    ``heads`` part (to backfill with ``--heads``)."""
-    out: dict[int, list[tuple[int, int]]] = {}
-    for start, count in writer.chunks_missing("heads"):
-        if (start // grid) % shard[1] == shard[0]:
-            out.setdefault(start // grid, []).append((start, count))
-    return out
 
 
 def _check(dec: BatchDecomposition, ids: list[int], task: str, tol: float) -> None:
@@ -141,24 +144,24 @@ def extract_task(
     approximate: bool,
     n_heads: int | None = None,
 ) -> TaskSummary:
-    """Run one task through a loaded model and store every chunk of this shard not stored yet
-    (with ``n_heads``, ``--heads``: with their heads, and the heads of stored chunks that lack
-    them)."""
-    spec, items, writer = plan.spec, plan.items, plan.writer
+    """Run one task through a loaded model and store every chunk of this shard not stored yet,
+    with the optional tables of ``plan.extra_tables`` (``n_heads`` heads per attention block
+    for ``heads``), which are also added to stored chunks that lack them."""
+    spec, items, writer, tables = plan.spec, plan.items, plan.writer, plan.extra_tables
     seqs, truncated = tokenize(loaded.tokenizer, [it.prompt for it in items], loaded.context_length)
     budget = token_budget(loaded.device, loaded.model.config, loaded.dtype)
     tol, gold = SUM_TOLERANCE[loaded.dtype], [it.gold for it in items]
     check = partial(_check, task=spec.name, tol=tol)
     start_time, notes = time.perf_counter(), []
-    with ModelRunner(loaded, adapter, plan.option_ids, budget, n_heads) as runner:
+    with ModelRunner(loaded, adapter, plan.option_ids, budget, tables, n_heads) as runner:
         probe = runner.run([seqs[0]])  # the component list, before anything is written
         check(probe, [0])
         ident = identity(loaded.source, loaded.dtype, spec, plan.option_ids, plan.data_sha256)
         manifest = build_manifest(loaded, adapter, spec, ident, probe.components, len(items),
                                   _chunk_size(cfg), tol, approximate)  # fmt: skip
         stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])
-        if n_heads is not None:
-            writer.mark_table("heads")
+        for table in tables:
+            writer.mark_table(table)
         grid = stored.chunk_size or _chunk_size(cfg)
         if cfg.chunk_size and grid != cfg.chunk_size:
             notes.append(f"the partition's chunk grid is {grid} instances (--chunk-size "
@@ -167,31 +170,19 @@ def extract_task(
         per_instance = len(names) * len(stored.options)
         done = writer.done_instances(per_instance)
         cells = chunk_runs([i for i in range(len(items)) if i not in done], grid, cfg.shard)
-        lacking = _lacking_heads(writer, grid, cfg.shard) if n_heads is not None else {}
         run = writer.start_run({"n_requested": len(items), "shard": list(cfg.shard),
                                 "chunk_size": grid, "device": loaded.device.type})  # fmt: skip
-        correct, max_err, n_new, n_filled = 0, 0.0, 0, 0
-        total = sum(len(r) for runs in cells.values() for r in runs)
-        total += sum(c for parts in lacking.values() for _, c in parts)
-        bar = tqdm(total=total, desc=spec.name, unit="inst", disable=not cfg.progress,
-                   dynamic_ncols=True)  # fmt: skip
+        correct, max_err, n_new = 0, 0.0, 0
+        bar = tqdm(total=sum(len(r) for runs in cells.values() for r in runs), desc=spec.name,
+                   unit="inst", disable=not cfg.progress, dynamic_ncols=True)  # fmt: skip
         with bar, ThreadPoolExecutor(max_workers=1) as pool:
             writing: Future[tuple[int, float]] | None = None
-            for j, claim in chunks.claimed(writer, sorted({*cells, *lacking})):
+            for j, claim in chunks.claimed(writer, sorted(cells)):
                 try:
                     runs, redone = chunks.missing_runs(writer, j, grid, len(items), per_instance)
                     results = chunks.compute(runner, runs, seqs, cfg.batch_size, names, check,
                                              bar.update)  # fmt: skip
                     parts = [(r, chunk_tables(r, results, gold, seqs, truncated)) for r in runs]
-                    # Backfill: stored parts of this chunk without heads (looked up under the
-                    # claim, after damaged parts were removed).
-                    fill = [list(range(s, s + c))
-                            for s, c in _lacking_heads(writer, grid, cfg.shard).get(j, [])
-                            if n_heads is not None]  # fmt: skip
-                    filled = chunks.compute(runner, fill, seqs, cfg.batch_size, names, check,
-                                            bar.update)  # fmt: skip
-                    parts += [(r, heads_tables(r, filled)) for r in fill]
-                    n_filled += len(filled)
                 except BaseException:
                     claim.release()
                     raise
@@ -204,11 +195,17 @@ def extract_task(
             if writing is not None:
                 c, e = writing.result()
                 correct, max_err = correct + c, max(max_err, e)
+        if tables:  # chunks stored before without them: add just these tables
+            rerun = partial(chunks.compute, runner, seqs=seqs, batch_size=cfg.batch_size,
+                            names=names, check=check, progress=lambda n: None)  # fmt: skip
+            added = chunks.backfill(writer, tables, grid, cfg.shard,
+                                    lambda run: rerun(runs=[run]))  # fmt: skip
+            if added:
+                notes.append(f"added {', '.join(tables)} to {added} stored instances "
+                             "(their components were kept)")  # fmt: skip
     seconds = time.perf_counter() - start_time
     run.write(finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
               seconds=round(seconds, 3), instances=n_new)  # fmt: skip
-    if n_filled:
-        notes.append(f"heads added to {n_filled} instances stored without them")
     return TaskSummary(
         task=spec.name,
         n_requested=len(items),

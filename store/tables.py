@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from layerdiv.schemas import COMPONENTS, HEADS, INSTANCES
+from layerdiv.schemas import COMPONENTS, GRAM, HEADS, INSTANCES, SKIPS
 from layerdiv.store.manifest import ComponentInfo
 
 
@@ -111,4 +111,31 @@ def heads_table(
             "logit": pa.array(np.asarray(logits, dtype=np.float32).reshape(-1)),
         },
         schema=HEADS,
+    )
+
+
+def skips_table(instances: Sequence[int], skip_logits: np.ndarray) -> pa.Table:
+    """Rows (instance, layer, option) of :data:`~layerdiv.schemas.SKIPS`; ``skip_logits`` is
+    (B, blocks, K): the option logits with each block skipped."""
+    b, n_layers, n_opt = skip_logits.shape
+    return pa.table(
+        {
+            "instance": pa.array(np.repeat(np.asarray(instances, np.int32), n_layers * n_opt)),
+            "layer": pa.array(np.tile(np.repeat(np.arange(n_layers, dtype=np.int16), n_opt), b)),
+            "option": pa.array(np.tile(np.arange(n_opt, dtype=np.int8), b * n_layers)),
+            "logit": pa.array(np.asarray(skip_logits, np.float32).reshape(-1)),
+        },
+        schema=SKIPS,
+    )
+
+
+def gram_table(instances: Sequence[int], gram: np.ndarray) -> pa.Table:
+    """Rows of :data:`~layerdiv.schemas.GRAM`; ``gram`` is (B, C(C+1)/2), each row the upper
+    triangle of one instance's Gram matrix (``layerdiv.schemas.gram_index``)."""
+    return pa.table(
+        {
+            "instance": pa.array(instances, pa.int32()),
+            "gram": pa.array(list(np.asarray(gram, np.float32)), pa.list_(pa.float32())),
+        },
+        schema=GRAM,
     )

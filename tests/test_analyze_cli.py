@@ -168,6 +168,7 @@ def test_report(store: Path, tmp_path: Path) -> None:
     assert len(majority) == 3  # boolq, mnli, Avg.
     pngs = sorted(p.name for p in (out / "figures").glob("*.png"))
     assert pngs == [
+        "depth_geometry.png",
         "fig3_correlations.png",
         "fig4_module_shares.png",
         "fig5_curves_org--large.png",
@@ -708,11 +709,12 @@ def extra_analysis(monkeypatch: pytest.MonkeyPatch) -> reg.Analysis:
 def test_a_registered_analysis_runs_writes_and_reports(
     chunked: Path, tmp_path: Path, extra_analysis: reg.Analysis
 ) -> None:
-    assert [a.name for a in reg.registered()] == ["paper", "heads", "extra"]
+    assert [a.name for a in reg.registered()] == ["paper", "depth", "heads", "extra"]
     results = analyze(chunked)
     assert results.extra.rows() == [("org--a", N, 2), ("org--b", N, 2)]
-    heads_note, note = results.notes  # the store has no heads: the heads analysis says so
-    assert heads_note.startswith("No heads stored for org--a/t, org--b/t (their components only")
+    # The store has no heads: the heads analysis says so; its and depth's notes come first.
+    assert any(n.startswith("No heads stored for org--a/t, org--b/t") for n in results.notes)
+    note = results.notes[-1]
     assert note.startswith(
         "extra: saw ['component_scores', 'correlation_means', 'correlations', 'curves'"
     )

@@ -38,7 +38,8 @@ def run_heads(model: Any, tokenizer: Any) -> tuple[BatchDecomposition, HeadDecom
     source = ModelSource("tiny", "tiny", None, "test", model.config, False)
     loaded = LoadedModel(source, model, tokenizer, torch.device("cpu"), torch.float32)
     adapter = adapter_for(model.config)
-    with ModelRunner(loaded, adapter, OPTIONS, 4096, check_heads(model.config)) as runner:
+    n_heads = check_heads(model.config)
+    with ModelRunner(loaded, adapter, OPTIONS, 4096, ["heads"], n_heads) as runner:
         batch = runner.run(PROMPTS)
     assert batch.heads is not None
     return batch, batch.heads

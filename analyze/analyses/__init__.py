@@ -1,11 +1,10 @@
 """The built-in analyses, one module each, registered in this order (see
 :mod:`layerdiv.analyze.registry`). A new analysis is one module here plus one import line."""
 
-# The import order is the registration order.
-# isort: off
+# isort: skip_file
+# Registration order is import order: the paper's analysis first, the others after it.
 from layerdiv.analyze.analyses import paper
+from layerdiv.analyze.analyses import depth
 from layerdiv.analyze.analyses import heads
 
-# isort: on
-
-__all__ = ["heads", "paper"]
+__all__ = ["depth", "heads", "paper"]

@@ -1,0 +1,833 @@
+"""How depth is used (METHODS.md section 7): residual-stream geometry per component and per block,
+the decay of block update size with depth, the Gram-matrix angles of ``extract --gram`` and the
+layer-skip effects of ``extract --skips``, from the cache alone.
+
+Tables (one row per model, task and component / block / partition):
+
+- ``geometry``: per component c (attention and MLP apart), means over instances and their standard
+  deviations of ``rel_contribution`` = ||z_c|| / ||r_(c-1)||, ``cos_residual`` = cos(z_c, r_(c-1)),
+  ``angle_deg`` = arccos cos(r_(c-1), r_c) and ``cos_prev`` = cos(z_c, z_(c-1)); ``relative_depth``
+  = c / L.
+- ``geometry_blocks``: the same for block l (its attention and MLP outputs together, z_l = z_a +
+  z_m), exact from the stored columns because z_a . z_m is the lag-1 term ``cos_prev`` of the MLP;
+  ``cos_attn_mlp`` is that cosine. (The cosine between consecutive *block* updates needs lag-2 and
+  lag-3 terms: it is in ``gram_blocks``.)
+- ``gram_blocks`` (partitions extracted with ``--gram``): per block, the angle between consecutive
+  states, between consecutive block updates, and of each state to the final one (the inverse-depth
+  paper's Theta and angle_to_end), exact for every norm.
+- ``depth_decay``: per partition, the fit of mean block ``rel_contribution`` = a * l^(-beta) on
+  log-log axes and first-half / second-half means of every ``geometry`` column.
+- ``skip_effects`` (partitions extracted with ``--skips``): per block b, accuracy without it, the
+  KL divergence over the options, and the total, direct and indirect effects TE = DE + IE.
+
+||r_c|| comes from the stored prefix scale: ||r|| = sqrt(d) sqrt(prefix_rms^2 - eps) for RMSNorm.
+LayerNorm models store the standard deviation of r, the norm of the *centred* stream, while
+``out_norm`` and the cosines are of the uncentred vectors; mixing the two would describe neither, so
+for LayerNorm models the columns that need ||r|| (``rel_contribution``, ``angle_deg`` and every
+block column but ``cos_attn_mlp``) are left empty and a note says so; ``cos_residual`` and
+``cos_prev`` are exact there, and ``--gram`` gives every angle exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+from scipy import stats as sps
+
+from layerdiv.analyze import plots
+from layerdiv.analyze.markdown import fmt, markdown_table
+from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
+from layerdiv.errors import LayerdivError
+from layerdiv.schemas import gram_index
+from layerdiv.store import PartitionInfo, Store
+
+POSITION_NOTE = (
+    "Both companion papers average over all token positions of running text; layerdiv measures at "
+    "the last prompt token, where the answer is decided."
+)
+GEOMETRY = ("rel_contribution", "cos_residual", "angle_deg", "cos_prev")
+"""Per-component geometry columns (METHODS.md section 7)."""
+BLOCK_GEOMETRY = ("rel_contribution", "cos_residual", "angle_deg", "cos_attn_mlp")
+"""Per-block geometry columns (attention and MLP of a block together)."""
+GRAM_ANGLES = ("state_angle_deg", "update_angle_deg", "angle_to_end_deg")
+"""Per-block angles from the Gram matrix (``extract --gram``)."""
+SKIP_COLUMNS = (
+    "accuracy_without",
+    "kl",
+    "total_effect",
+    "direct_effect",
+    "indirect_effect",
+    "indirect_share",
+)
+"""Per-block skip effects (``extract --skips``)."""
+
+
+class DepthError(LayerdivError, ValueError):
+    """An analysis of depth use asks for data the selected partitions do not hold."""
+
+
+# --- per-instance geometry from the components table -------------------------------------------
+
+
+def _degrees(cos: pl.Expr) -> pl.Expr:
+    return cos.clip(-1.0, 1.0).arccos() * (180.0 / math.pi)
+
+
+def _has_cos_prev(info: PartitionInfo) -> bool:
+    return info.manifest.schema_version >= 2
+
+
+def _exact_norms(info: PartitionInfo) -> bool:
+    """||r|| follows from prefix_rms (RMSNorm, hidden size known); see the module docstring."""
+    return info.manifest.norm != "layer" and info.manifest.hidden_size is not None
+
+
+def _eps(info: PartitionInfo) -> float:
+    """The final norm's eps (0 for manifests written before it was recorded: eps is far below
+    rms^2 of a residual stream, so ||r|| changes by a relative eps / (2 rms^2))."""
+    return info.manifest.norm_eps or 0.0
+
+
+def component_map(info: PartitionInfo) -> pl.DataFrame:
+    """Per component of the manifest: name, kind, layer, ``block`` (1-based, in execution order:
+    every attention component opens one; 0 for the embedding) and ``relative_depth`` = c / L."""
+    comps = info.manifest.components
+    return pl.DataFrame(
+        {
+            "component": range(len(comps)),
+            "name": [c.name for c in comps],
+            "kind": [c.kind for c in comps],
+            "layer": [c.layer for c in comps],
+            "block": np.cumsum([c.kind == "attn" for c in comps]),
+            "relative_depth": np.arange(len(comps)) / len(comps),
+        },
+        schema_overrides={"component": pl.Int16, "layer": pl.Int16, "block": pl.Int32},
+    )
+
+
+def paired_blocks(info: PartitionInfo) -> bool:
+    """Whether every block is one attention component directly followed by the MLP component of
+    the same layer (what the block geometry assumes)."""
+    comps = [c for c in info.manifest.components if c.kind in ("attn", "mlp")]
+    pairs = list(zip(comps[::2], comps[1::2], strict=False))
+    return len(comps) % 2 == 0 and all(
+        a.kind == "attn" and m.kind == "mlp" and a.layer == m.layer for a, m in pairs
+    )
+
+
+def component_rows(info: PartitionInfo) -> pl.DataFrame:
+    """Per (instance, component) of attention and MLP, sorted: the geometry of METHODS.md section
+    7, with the norms ``r_prev`` = ||r_(c-1)|| and ``r_norm`` = ||r_c|| the block level needs and
+    ``is_attn``."""
+    d = float(info.manifest.hidden_size or 0)
+    # ||r_c|| = sqrt(d) * sqrt(prefix_rms^2 - eps) (METHODS.md section 7; RMSNorm only).
+    r_norm = (
+        (d * (pl.col("prefix_rms").cast(pl.Float64) ** 2 - _eps(info))).clip(0.0).sqrt()
+        if _exact_norms(info)
+        else pl.lit(None, pl.Float64)
+    )
+    kinds = [c.kind for c in info.manifest.components]
+    is_attn = pl.Series([k == "attn" for k in kinds])
+    residual = pl.Series([k in ("attn", "mlp") for k in kinds])
+    norm, prev, cos_res = pl.col("out_norm"), pl.col("r_prev"), pl.col("cos_residual")
+    return (
+        pl.scan_parquet(info.files("components"))
+        .filter(pl.col("option") == 0)
+        .select(
+            "instance",
+            "component",
+            pl.col("out_norm").cast(pl.Float64),
+            pl.col("cos_residual").cast(pl.Float64),
+            pl.col("cos_prev").cast(pl.Float64),
+            r_norm.alias("r_norm"),
+        )
+        .sort("instance", "component")
+        # the row before component c > 0 is c - 1 of the same instance (component 0 is dropped)
+        .with_columns(pl.col("r_norm").shift(1).alias("r_prev"))
+        .filter(pl.lit(residual).gather(pl.col("component")))
+        .with_columns(
+            pl.lit(is_attn).gather(pl.col("component")).alias("is_attn"),
+            # rel_contribution = ||z_c|| / ||r_(c-1)||
+            (norm / prev).alias("rel_contribution"),
+            # cos(r_(c-1), r_c) = (||r_(c-1)||^2 + z_c . r_(c-1)) / (||r_(c-1)|| ||r_c||)
+            _degrees((prev**2 + cos_res * norm * prev) / (prev * pl.col("r_norm"))).alias(
+                "angle_deg"
+            ),
+        )
+        .collect()
+    )
+
+
+def block_rows(rows: pl.DataFrame) -> pl.DataFrame:
+    """Per (instance, MLP component m): the geometry of block z_l = z_a + z_m, exact from the
+    component rows (METHODS.md section 7; blocks must be :func:`paired_blocks`). With a = m - 1 the
+    attention component and r_(a-1) the stream before the block: z_a . z_m = cos_prev_m ||z_a||
+    ||z_m|| (the lag-1 term), ||z_l||^2 = ||z_a||^2 + ||z_m||^2 + 2 z_a . z_m, and z_l . r_(a-1) =
+    cos_res_a ||z_a|| ||r_(a-1)|| + cos_res_m ||z_m|| ||r_a|| - z_a . z_m (r_a = r_(a-1) + z_a)."""
+    # In the sorted rows every MLP row directly follows the attention row of its block.
+    na, nm, r0 = pl.col("out_norm").shift(1), pl.col("out_norm"), pl.col("r_prev").shift(1)
+    dot_am = pl.col("cos_prev") * na * nm
+    dot_r = (
+        pl.col("cos_residual").shift(1) * na * r0
+        + pl.col("cos_residual") * nm * pl.col("r_prev")
+        - dot_am
+    )
+    norm = (na**2 + nm**2 + 2 * dot_am).clip(0.0).sqrt()
+    return (
+        rows.lazy()
+        .select(
+            "instance",
+            "component",
+            "is_attn",
+            (norm / r0).alias("rel_contribution"),
+            (dot_r / (norm * r0)).alias("cos_residual"),
+            _degrees((r0**2 + dot_r) / (r0 * pl.col("r_norm"))).alias("angle_deg"),
+            pl.col("cos_prev").alias("cos_attn_mlp"),
+        )
+        .filter(~pl.col("is_attn"))
+        .drop("is_attn")
+        .collect()
+    )
+
+
+def _summary(
+    frame: pl.DataFrame, columns: Iterable[str], keys: Iterable[str] = ("component",)
+) -> pl.DataFrame:
+    """Means over instances and their standard deviations (``<column>_std``)."""
+    keys = list(keys)
+    return (
+        frame.group_by(keys)
+        .agg(
+            pl.len().alias("n_instances"),
+            *(pl.col(c).mean() for c in columns),
+            *(pl.col(c).std().alias(f"{c}_std") for c in columns),
+        )
+        .sort(keys)
+    )
+
+
+def _tag(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
+    return frame.select(
+        pl.lit(info.model).alias("model"), pl.lit(info.task).alias("task"), pl.all()
+    )
+
+
+# --- Gram matrix angles (extract --gram) ----------------------------------------------------------
+
+
+def gram_matrices(info: PartitionInfo) -> tuple[np.ndarray, np.ndarray]:
+    """(instances (N,), G (N, C, C)): the full Gram matrices z_a . z_b of one partition."""
+    frame = pl.read_parquet(info.files("gram")).sort("instance")
+    flat = np.asarray(frame["gram"].to_list(), dtype=np.float64)
+    n = len([c for c in info.manifest.components if c.kind != "bias"])
+    upper = np.triu_indices(n)
+    index = np.array([gram_index(int(a), int(b), n) for a, b in zip(*upper, strict=True)])
+    gram = np.zeros((len(frame), n, n))
+    gram[:, upper[0], upper[1]] = flat[:, index]
+    gram[:, upper[1], upper[0]] = flat[:, index]
+    return frame["instance"].to_numpy(), gram
+
+
+def gram_block_rows(info: PartitionInfo) -> pl.DataFrame:
+    """Per (instance, block l): with h_l the stream after block l (h_0 = the embedding) and
+    Delta_l = h_l - h_(l-1) its update, the angles theta(h_(l-1), h_l) (``state_angle_deg``),
+    theta(Delta_(l-1), Delta_l) (``update_angle_deg``, null for l = 1) and theta(h_l, h_n)
+    (``angle_to_end_deg``), in degrees. Each is a bilinear form of G: x = A z gives x . y =
+    A G B^T."""
+    comps = [c for c in info.manifest.components if c.kind != "bias"]
+    blocks = np.cumsum([c.kind == "attn" for c in comps])  # block of each component, 0 = embed
+    n_blocks = int(blocks[-1])
+    states = (blocks[None, :] <= np.arange(n_blocks + 1)[:, None]).astype(float)  # h_0 .. h_n
+    updates = np.diff(states, axis=0)  # Delta_1 .. Delta_n
+    instances, gram = gram_matrices(info)
+
+    def cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        dot = np.einsum("ic,ncd,id->ni", a, gram, b)
+        na = np.sqrt(np.einsum("ic,ncd,id->ni", a, gram, a))
+        nb = np.sqrt(np.einsum("ic,ncd,id->ni", b, gram, b))
+        return dot / (na * nb)
+
+    def deg(c: np.ndarray) -> np.ndarray:
+        return np.degrees(np.arccos(np.clip(c, -1.0, 1.0)))
+
+    state = deg(cos(states[:-1], states[1:]))
+    update = np.full_like(state, np.nan)
+    update[:, 1:] = deg(cos(updates[:-1], updates[1:]))
+    to_end = deg(cos(states[1:], np.repeat(states[-1:], n_blocks, axis=0)))
+    first = np.searchsorted(blocks, np.arange(1, n_blocks + 1))  # first component of each block
+    layer = np.array([comps[c].layer for c in first], np.int16)
+    n = len(instances)
+    return pl.DataFrame(
+        {
+            "instance": np.repeat(instances, n_blocks),
+            "block": np.tile(np.arange(1, n_blocks + 1, dtype=np.int32), n),
+            "layer": np.tile(layer, n),
+            "relative_depth": np.tile(np.arange(1, n_blocks + 1) / n_blocks, n),
+            "state_angle_deg": state.reshape(-1),
+            "update_angle_deg": update.reshape(-1),
+            "angle_to_end_deg": to_end.reshape(-1),
+        }
+    ).fill_nan(None)
+
+
+# --- layer-skip effects (extract --skips) ---------------------------------------------------------
+
+
+def _log_softmax(logit: str, by: list[str]) -> pl.Expr:
+    top = pl.col(logit).max().over(by)
+    return pl.col(logit) - top - (pl.col(logit) - top).exp().sum().over(by).log()
+
+
+def skip_rows(info: PartitionInfo) -> pl.DataFrame:
+    """Per (instance, skipped block b): whether the model is still right without b, the KL
+    divergence sum_k p_k log(p_k / q_k) of q = softmax(skip_logits_b) from p = softmax(logits), and
+    the means over options of |TE|, |DE| and |IE| (METHODS.md section 7): TE_b = logits -
+    skip_logits_b, DE_b = sum over b's components (every call) of u_c, IE_b = TE_b - DE_b."""
+    full = (
+        pl.scan_parquet(info.files("instances"))
+        .select("instance", "gold", "model_logits")
+        .explode("model_logits")
+        .with_columns(pl.int_range(pl.len()).over("instance").cast(pl.Int8).alias("option"))
+        .rename({"model_logits": "full"})
+    )
+    direct = (
+        pl.scan_parquet(info.files("components"))
+        .filter(pl.col("kind").cast(pl.String).is_in(["attn", "mlp"]))
+        .group_by("instance", "layer", "option")
+        .agg(pl.col("logit").cast(pl.Float64).sum().alias("de"))
+    )
+    by = ["instance", "layer"]
+    te = pl.col("full") - pl.col("skip")
+    return (
+        pl.scan_parquet(info.files("skips"))
+        .rename({"logit": "skip"})
+        .join(full, on=["instance", "option"])
+        .join(direct, on=["instance", "layer", "option"])
+        .with_columns(pl.col("full", "skip").cast(pl.Float64))
+        .with_columns(
+            _log_softmax("full", by).alias("log_p"), _log_softmax("skip", by).alias("log_q")
+        )
+        .group_by(by)
+        .agg(
+            (pl.col("option").get(pl.col("full").arg_max()) == pl.col("gold").first())
+            .cast(pl.Float64)
+            .alias("correct"),
+            (pl.col("option").get(pl.col("skip").arg_max()) == pl.col("gold").first())
+            .cast(pl.Float64)
+            .alias("correct_without"),
+            (pl.col("log_p").exp() * (pl.col("log_p") - pl.col("log_q"))).sum().alias("kl"),
+            te.abs().mean().alias("te"),
+            pl.col("de").abs().mean().alias("de"),
+            (te - pl.col("de")).abs().mean().alias("ie"),
+        )
+        .sort(by)
+        .collect()
+    )
+
+
+def _skip_summary(rows: pl.DataFrame, n_layers: int) -> pl.DataFrame:
+    """Per block: accuracy with all blocks and without this one, mean KL, mean |TE|, |DE|, |IE|
+    over instances and options, and the indirect share |IE| / (|DE| + |IE|) of the means
+    (METHODS.md section 7)."""
+    return (
+        rows.group_by("layer")
+        .agg(
+            pl.len().alias("n_instances"),
+            pl.col("correct").mean().alias("accuracy"),
+            pl.col("correct_without").mean().alias("accuracy_without"),
+            pl.col("kl").mean(),
+            pl.col("te").mean().alias("total_effect"),
+            pl.col("de").mean().alias("direct_effect"),
+            pl.col("ie").mean().alias("indirect_effect"),
+        )
+        .with_columns(
+            ((pl.col("layer") + 1) / n_layers).alias("relative_depth"),
+            (
+                pl.col("indirect_effect") / (pl.col("direct_effect") + pl.col("indirect_effect"))
+            ).alias("indirect_share"),
+        )
+        .select("layer", "relative_depth", "n_instances", "accuracy", *SKIP_COLUMNS)
+        .sort("layer")
+    )
+
+
+# --- depth decay ----------------------------------------------------------------------------------
+
+
+def depth_decay(geometry: pl.DataFrame, blocks: pl.DataFrame | None) -> pl.DataFrame:
+    """Per (model, task): the least-squares line log rel_contribution_l = log a - beta log l
+    through the mean block update sizes (METHODS.md section 7; the inverse-depth paper's Fig. 2d),
+    beta with its standard error, and the mean of every ``geometry`` column over the components in
+    the first (relative depth <= 1/2) and the second half of the stack."""
+    rows = []
+    sizes = pl.DataFrame() if blocks is None else blocks.sort("block")
+    for (model, task), sub in sizes.group_by("model", "task") if sizes.height else []:
+        sub = sub.filter(pl.col("rel_contribution") > 0)
+        fit: dict[str, float | None] = {"a": None, "beta": None, "beta_se": None, "r2": None}
+        if sub.height >= 3:
+            line = sps.linregress(
+                np.log(sub["block"].to_numpy()), np.log(sub["rel_contribution"].to_numpy())
+            )
+            fit = {
+                "a": math.exp(line.intercept),
+                "beta": -line.slope,
+                "beta_se": line.stderr,
+                "r2": line.rvalue**2,
+            }
+        rows.append({"model": model, "task": task, "n_fitted": sub.height, **fit})
+    fits = pl.DataFrame(
+        rows,
+        schema={
+            "model": pl.String,
+            "task": pl.String,
+            "n_fitted": pl.Int64,
+            "a": pl.Float64,
+            "beta": pl.Float64,
+            "beta_se": pl.Float64,
+            "r2": pl.Float64,
+        },
+    )
+    first = pl.col("relative_depth") <= 0.5
+    halves = geometry.group_by("model", "task").agg(
+        *(pl.col(c).filter(first).mean().alias(f"{c}_first_half") for c in GEOMETRY),
+        *(pl.col(c).filter(~first).mean().alias(f"{c}_second_half") for c in GEOMETRY),
+    )
+    return halves.join(fits, on=["model", "task"], how="left").sort("model", "task")
+
+
+# --- all tables -----------------------------------------------------------------------------------
+
+
+def _listing(parts: list[PartitionInfo], most: int = 4) -> str:
+    """Partitions by model (``model (task, task)``), the first ``most`` models only."""
+    tasks: dict[str, list[str]] = {}
+    for p in parts:
+        tasks.setdefault(p.model, []).append(p.task)
+    shown = [f"{m} ({', '.join(t)})" for m, t in list(tasks.items())[:most]]
+    more = len(tasks) - most
+    return "; ".join(shown) + (f" and {more} more model(s)" if more > 0 else "")
+
+
+def _skip_table(info: PartitionInfo) -> pl.DataFrame:
+    n_layers = 1 + max(c.layer for c in info.manifest.components)
+    return _tag(_skip_summary(skip_rows(info), n_layers), info)
+
+
+def _partition_tables(
+    info: PartitionInfo, lacking: dict[str, list[PartitionInfo]]
+) -> dict[str, pl.DataFrame]:
+    """The tables one partition can give; what it lacks is recorded in ``lacking``."""
+    extra, out = set(info.manifest.extra_tables), {}
+    for table in ("gram", "skips"):
+        if table not in extra:
+            lacking.setdefault(table, []).append(info)
+    if "skips" in extra:
+        out["skip_effects"] = _skip_table(info)
+    block_keys = ["block", "layer", "relative_depth"]
+    if "gram" in extra:
+        out["gram_blocks"] = _tag(_summary(gram_block_rows(info), GRAM_ANGLES, block_keys), info)
+    if not _has_cos_prev(info):
+        lacking.setdefault("cos_prev", []).append(info)
+        return out
+    if not _exact_norms(info):
+        lacking.setdefault("norms", []).append(info)
+    rows = component_rows(info)
+    labels = component_map(info)
+    geometry = labels.drop("block").join(_summary(rows, GEOMETRY), on="component")
+    out["geometry"] = _tag(geometry, info)
+    if not paired_blocks(info):
+        lacking.setdefault("blocks", []).append(info)
+        return out
+    # a block's row is its MLP component's: label it with the block's number and depth
+    n_blocks = int(labels["block"].max())  # type: ignore[arg-type]
+    block_labels = labels.select(
+        "component", "block", "layer", (pl.col("block") / n_blocks).alias("relative_depth")
+    )
+    blocks = block_labels.join(_summary(block_rows(rows), BLOCK_GEOMETRY), on="component")
+    out["geometry_blocks"] = _tag(blocks.drop("component"), info)
+    return out
+
+
+def depth_tables(parts: list[PartitionInfo], notes: list[str]) -> dict[str, pl.DataFrame]:
+    """Every table of this module for the partitions that hold the data it needs; a partition that
+    lacks a column or table adds a line to ``notes`` saying how to get it. Tables no partition
+    can give are left out."""
+
+    def listing(some: list[PartitionInfo]) -> str:
+        return "every partition" if len(some) == len(parts) else _listing(some)
+
+    lacking: dict[str, list[PartitionInfo]] = {}
+    frames: dict[str, list[pl.DataFrame]] = {}
+    for info in parts:
+        for name, frame in _partition_tables(info, lacking).items():
+            frames.setdefault(name, []).append(frame)
+    tables = {name: pl.concat(found) for name, found in frames.items()}
+    if "geometry" in tables:
+        tables["depth_decay"] = depth_decay(tables["geometry"], tables.get("geometry_blocks"))
+    if lacking.get("blocks"):
+        notes.append(
+            f"Block geometry left out for {listing(lacking['blocks'])}: their blocks are not "
+            "an attention component followed by the MLP component of the same layer."
+        )
+    if lacking.get("cos_prev"):
+        notes.append(
+            f"Depth geometry left out for {listing(lacking['cos_prev'])}: their store (schema "
+            "version 1) has no components.cos_prev; re-extract them with --overwrite."
+        )
+    if lacking.get("norms"):
+        notes.append(
+            f"rel_contribution and angle_deg are empty for {listing(lacking['norms'])}: their "
+            "final norm is a LayerNorm (or the manifest has no hidden_size), whose stored prefix "
+            "scale is the norm of the centred stream; extract with --gram for exact angles."
+        )
+    for table, flag in (("skips", "--skips"), ("gram", "--gram")):
+        if lacking.get(table):
+            notes.append(
+                f"No {table} table for {listing(lacking[table])}: run `layerdiv extract {flag}` "
+                "on them (it extends the partition without re-extracting the components)."
+            )
+    return tables
+
+
+def _open(
+    store: Store | str | Path, models: Iterable[str], tasks: Iterable[str]
+) -> list[PartitionInfo]:
+    st = store if isinstance(store, Store) else Store(store)
+    return st.select(list(models), list(tasks))
+
+
+def geometry(
+    store: Store | str | Path, models: Iterable[str] = (), tasks: Iterable[str] = ()
+) -> dict[str, pl.DataFrame]:
+    """The depth-use tables (``geometry``, ``geometry_blocks``, ``depth_decay`` and, where
+    extracted, ``gram_blocks`` and ``skip_effects``) of the selected partitions. Raises
+    :class:`DepthError` when none of them holds ``cos_prev``."""
+    notes: list[str] = []
+    tables = depth_tables(_open(store, models, tasks), notes)
+    if "geometry" not in tables:
+        raise DepthError(" ".join(notes))
+    return tables
+
+
+def skip_effects(
+    store: Store | str | Path, models: Iterable[str] = (), tasks: Iterable[str] = ()
+) -> pl.DataFrame:
+    """Per (model, task, block): accuracy without the block, KL, |TE|, |DE|, |IE| and the
+    indirect share (METHODS.md section 7). Raises :class:`DepthError` when a selected partition
+    was extracted without ``--skips``."""
+    parts = _open(store, models, tasks)
+    missing = [p for p in parts if "skips" not in p.manifest.extra_tables]
+    if missing:
+        raise DepthError(
+            f"no skips table for {_listing(missing)}: run `layerdiv extract --skips` on them first"
+        )
+    return pl.concat([_skip_table(info) for info in parts])
+
+
+# --- report section -------------------------------------------------------------------------------
+
+_KIND_STYLE = {"attn": ("-", "o"), "mlp": ("--", "s")}
+
+
+def _by_model(frame: pl.DataFrame, keys: list[str], columns: Iterable[str]) -> pl.DataFrame:
+    """Means over a model's tasks of per-task rows (for the overlay figures)."""
+    return (
+        frame.group_by("model", *keys).agg(pl.col(c).mean() for c in columns).sort("model", *keys)
+    )
+
+
+def _colors(models: list[str]) -> dict[str, tuple[float, float, float, float]]:
+    return dict(zip(models, plots.colors(len(models)), strict=False))
+
+
+def geometry_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[str, str]) -> Path:
+    """Relative contribution and cosine to the stream per component (attention and MLP apart),
+    the angle between consecutive states per block, and block update size against block index on
+    log-log axes with the fitted a * l^(-beta); models overlay on the relative-depth axis, each
+    curve the mean over the model's tasks."""
+    geo = _by_model(
+        tables["geometry"], ["kind", "relative_depth"], ["rel_contribution", "cos_residual"]
+    )
+    blocks = _by_model(
+        tables["geometry_blocks"], ["block", "relative_depth"], ["angle_deg", "rel_contribution"]
+    )
+    fits = tables["depth_decay"].group_by("model").agg(pl.col("a", "beta").mean())
+    models = sorted(geo["model"].unique())
+    colors = _colors(models)
+    fig = plots.new_figure(figsize=(12, 8.5), layout="constrained")
+    (ax_rel, ax_cos), (ax_angle, ax_log) = fig.subplots(2, 2)
+    for model in models:
+        color, label = colors[model], names.get(model, model)
+        for kind, (style, marker) in _KIND_STYLE.items():
+            sub = geo.filter((pl.col("model") == model) & (pl.col("kind") == kind))
+            for ax, column in ((ax_rel, "rel_contribution"), (ax_cos, "cos_residual")):
+                ax.plot(
+                    sub["relative_depth"],
+                    sub[column],
+                    style,
+                    marker=marker,
+                    markersize=3,
+                    color=color,
+                    linewidth=1.1,
+                    label=f"{label} {kind}",
+                )
+        sub = blocks.filter(pl.col("model") == model)
+        ax_angle.plot(
+            sub["relative_depth"],
+            sub["angle_deg"],
+            marker="o",
+            markersize=3,
+            color=color,
+            label=label,
+        )
+        ax_log.loglog(
+            sub["block"], sub["rel_contribution"], "o", markersize=3, color=color, label=label
+        )
+        fit = fits.filter(pl.col("model") == model)
+        if fit.height and fit["beta"][0] is not None:
+            line = fit["a"][0] * sub["block"].to_numpy() ** (-fit["beta"][0])
+            ax_log.loglog(
+                sub["block"],
+                line,
+                "--",
+                color=color,
+                linewidth=1.0,
+                label=f"{label}: β = {fit['beta'][0]:.2f}",
+            )
+    ax_rel.set_ylabel("||z_c|| / ||r_(c-1)||")
+    ax_rel.set_title("Relative contribution per component")
+    ax_cos.set_ylabel("cos(z_c, r_(c-1))")
+    ax_cos.set_title("Cosine of each component with the stream it joins")
+    ax_cos.axhline(0, color="black", linewidth=0.8)
+    ax_angle.set_ylabel("angle (degrees)")
+    ax_angle.set_title("Angle between the states before and after each block")
+    for ax, label in ((ax_rel, "c / L"), (ax_cos, "c / L"), (ax_angle, "l / blocks")):
+        ax.set_xlabel(f"relative depth {label}")
+        ax.grid(alpha=0.3)
+    ax_log.set_xlabel("block l")
+    ax_log.set_ylabel("||z_attn + z_mlp|| / ||r||")
+    ax_log.set_title("Block update size against depth (dashed: a·l^(−β))")
+    ax_log.grid(alpha=0.3, which="both")
+    ax_rel.legend(fontsize=7, ncols=2)
+    ax_log.legend(fontsize=7)
+    fig.suptitle(
+        "How depth is used (METHODS.md section 7), mean over tasks, at the last prompt token",
+        fontsize=11,
+    )
+    return plots.save(fig, path)
+
+
+def skip_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[str, str]) -> Path:
+    """Accuracy without each block (dotted: with every block), and the mean |direct| and
+    |total| effect of each block on the option logits; mean over the model's tasks."""
+    skips = _by_model(
+        tables["skip_effects"],
+        ["layer", "relative_depth"],
+        ["accuracy", "accuracy_without", "direct_effect", "total_effect"],
+    )
+    models = sorted(skips["model"].unique())
+    colors = _colors(models)
+    fig = plots.new_figure(figsize=(12, 4.5), layout="constrained")
+    ax_acc, ax_eff = fig.subplots(1, 2)
+    for model in models:
+        sub, color, label = (
+            skips.filter(pl.col("model") == model),
+            colors[model],
+            names.get(model, model),
+        )
+        x = sub["relative_depth"]
+        ax_acc.plot(
+            x, 100 * sub["accuracy_without"], marker="o", markersize=3, color=color, label=label
+        )
+        ax_acc.axhline(100 * sub["accuracy"].mean(), linestyle=":", color=color, linewidth=1.0)  # type: ignore[operator]
+        ax_eff.plot(
+            x,
+            sub["total_effect"],
+            "-",
+            marker="o",
+            markersize=3,
+            color=color,
+            label=f"{label} |TE|",
+        )
+        ax_eff.plot(
+            x,
+            sub["direct_effect"],
+            "--",
+            marker="s",
+            markersize=3,
+            color=color,
+            label=f"{label} |DE|",
+        )
+    ax_acc.set_ylabel("accuracy without the block (%)")
+    ax_acc.set_title("Skipping one block (dotted: no block skipped)")
+    ax_eff.set_ylabel("mean |effect| on an option logit (logit units)")
+    ax_eff.set_title("Total vs direct effect of each block")
+    for ax in (ax_acc, ax_eff):
+        ax.set_xlabel("relative depth (b + 1) / blocks")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(
+        "Layer skips (METHODS.md section 7), mean over tasks, at the last prompt token", fontsize=11
+    )
+    return plots.save(fig, path)
+
+
+def gram_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[str, str]) -> Path:
+    """From the Gram matrices: the angle between consecutive block updates and of each state to
+    the final one, per block; mean over the model's tasks."""
+    gram = _by_model(tables["gram_blocks"], ["block", "relative_depth"], GRAM_ANGLES)
+    models = sorted(gram["model"].unique())
+    colors = _colors(models)
+    fig = plots.new_figure(figsize=(12, 4.5), layout="constrained")
+    axes = fig.subplots(1, 2)
+    titles = {
+        "update_angle_deg": "Angle between consecutive block updates",
+        "angle_to_end_deg": "Angle of each state to the final state",
+    }
+    for ax, (column, title) in zip(axes, titles.items(), strict=True):
+        for model in models:
+            sub = gram.filter(pl.col("model") == model)
+            ax.plot(
+                sub["relative_depth"],
+                sub[column],
+                marker="o",
+                markersize=3,
+                color=colors[model],
+                label=names.get(model, model),
+            )
+        ax.axhline(90, color="black", linewidth=0.8)
+        ax.set_title(title)
+        ax.set_xlabel("relative depth l / blocks")
+        ax.set_ylabel("degrees")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Gram-matrix angles (extract --gram), at the last prompt token", fontsize=11)
+    return plots.save(fig, path)
+
+
+def decay_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str:
+    """Per (model, task): beta ± s.e. and R² of the block update-size fit, then first / second
+    half means of every geometry column."""
+    rows = [
+        [
+            names.get(r["model"], r["model"]),
+            r["task"],
+            f"{fmt(r['beta'], digits=2)} ± {fmt(r['beta_se'], digits=2)}",
+            fmt(r["r2"], digits=3),
+            *(
+                f"{fmt(r[f'{c}_first_half'], digits=3)} / {fmt(r[f'{c}_second_half'], digits=3)}"
+                for c in GEOMETRY
+            ),
+        ]
+        for r in tables["depth_decay"].iter_rows(named=True)
+    ]
+    header = [
+        "Model",
+        "Task",
+        "β (size ∝ l^−β)",
+        "R²",
+        "rel. contribution, 1st / 2nd half (ratio)",
+        "cos(z, r), 1st / 2nd half",
+        "angle, 1st / 2nd half (°)",
+        "cos(z_c, z_c−1), 1st / 2nd half",
+    ]
+    return markdown_table(header, rows)
+
+
+def skip_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str:
+    """Per (model, task): accuracy, mean accuracy without a block of the first / second half,
+    mean KL by half, and the indirect share of all blocks' effects."""
+    second = pl.col("relative_depth") > 0.5
+    summary = (
+        tables["skip_effects"]
+        .group_by("model", "task")
+        .agg(
+            pl.col("accuracy").first(),
+            pl.col("accuracy_without").filter(~second).mean().alias("acc_1"),
+            pl.col("accuracy_without").filter(second).mean().alias("acc_2"),
+            pl.col("kl").filter(~second).mean().alias("kl_1"),
+            pl.col("kl").filter(second).mean().alias("kl_2"),
+            (
+                pl.col("indirect_effect").sum()
+                / (pl.col("direct_effect") + pl.col("indirect_effect")).sum()
+            ).alias("share"),
+        )
+        .sort("model", "task")
+    )
+    rows = [
+        [
+            names.get(r["model"], r["model"]),
+            r["task"],
+            fmt(r["accuracy"], 100),
+            f"{fmt(r['acc_1'], 100)} / {fmt(r['acc_2'], 100)}",
+            f"{fmt(r['kl_1'], digits=3)} / {fmt(r['kl_2'], digits=3)}",
+            fmt(r["share"], 100),
+        ]
+        for r in summary.iter_rows(named=True)
+    ]
+    header = [
+        "Model",
+        "Task",
+        "Accuracy (%)",
+        "Acc. without a block, 1st / 2nd half (%)",
+        "KL, 1st / 2nd half (nats)",
+        "Indirect share |IE| / (|DE| + |IE|) (%)",
+    ]
+    return markdown_table(header, rows)
+
+
+def report(ctx: ReportContext) -> str:
+    """The "How depth is used" section: the depth-decay table and the geometry figure, the Gram
+    angles and the skip effects where extracted."""
+    tables = ctx.tables
+    if "geometry" not in tables:
+        return "No partition holds the geometry columns (see the notes above)."
+    names = plots.short_names(ctx.names)
+
+    def figure(file: str, caption: str, draw: Any) -> str:
+        return plots.figure_link(ctx, file, caption, lambda path: draw(tables, path, names))
+
+    parts = [
+        "The geometry of the residual stream and the effect of skipping blocks, as in the two "
+        f"companion papers (METHODS.md section 7). {POSITION_NOTE} Per component c: relative "
+        "contribution ||z_c|| / ||r_(c-1)|| (a ratio), cosine of z_c with the stream r_(c-1) it "
+        "joins (negative: it erases), angle between r_(c-1) and r_c (degrees) and cosine with the "
+        "previous component's output. A block is its attention and MLP outputs together; β is "
+        "the slope of the least-squares line of log block update size against log block index "
+        "(the inverse-depth paper finds β close to 1). Halves split the components at relative "
+        "depth 1/2.",
+        decay_table(tables, ctx.names),
+        figure("depth_geometry.png", "Geometry of the residual stream", geometry_figure),
+    ]
+    if "gram_blocks" in tables:
+        parts += [
+            "Angles from the Gram matrices (`extract --gram`): between consecutive block updates "
+            "(90° = uncorrelated, as the inverse-depth paper finds) and of each state to the final "
+            "one.",
+            figure("depth_gram.png", "Gram-matrix angles", gram_figure),
+        ]
+    if "skip_effects" in tables:
+        parts += [
+            "Skipping block b (`extract --skips`): the model's own option logits with the block "
+            "replaced by the identity on every call. TE = logits − skip logits, DE = the block's "
+            "own logit contributions (section 1, final scale frozen), IE = TE − DE: what the block "
+            "does through later blocks and the final norm, which the layer-addition curves do not "
+            "see. Effects are mean absolute values over instances and options, in logit units; "
+            "KL of the skipped model's option distribution from the full one's, in nats.",
+            skip_table(tables, ctx.names),
+            figure("depth_skips.png", "Layer skips", skip_figure),
+        ]
+    return "\n\n".join(p for p in parts if p)
+
+
+def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
+    """The registry's entry point: :func:`depth_tables` of the selected partitions."""
+    return depth_tables(ctx.parts, ctx.notes)
+
+
+register(Analysis(name="depth", title="How depth is used", tables=tables, report=report))

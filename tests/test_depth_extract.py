@@ -1,0 +1,265 @@
+"""Layer skips and the Gram matrix at extraction (METHODS.md section 7), on tiny random models,
+checked against the model run by hand (no layerdiv hooks)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from layerdiv.extract.adapters import adapter_for, get_module
+from layerdiv.extract.capture import ComponentCapture
+from layerdiv.extract.skips import BlockSkipper
+from layerdiv.schemas import gram_index
+
+PROMPTS = [[5, 17, 33, 40, 41, 42, 60, 7], [9, 12], [100, 101, 102, 103, 104]]
+OPTIONS = [11, 25, 37]
+
+
+def batch(prompts: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Left-padded inputs as extraction forms them."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+    }
+
+
+def without_block(
+    model: Any,
+    module: int,
+    inputs: dict[str, torch.Tensor] | None = None,
+    options: list[int] = OPTIONS,
+) -> torch.Tensor:
+    """The option logits of a deep copy of ``model`` whose block ``module`` is deleted from the
+    block list (every call of it), run by plain HF code."""
+    adapter = adapter_for(model.config)
+    clone = copy.deepcopy(model)
+    parent_path, _, name = adapter.blocks.rpartition(".")
+    blocks = get_module(clone, adapter.blocks)
+    target = list({id(b): b for b in blocks}.values())[module]
+    setattr(
+        get_module(clone, parent_path),
+        name,
+        torch.nn.ModuleList([b for b in blocks if b is not target]),
+    )
+    with torch.no_grad():
+        logits = clone(**(inputs or batch(PROMPTS)), use_cache=False).logits
+    return logits[:, -1, options]
+
+
+def plain_logits(model: Any) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**batch(PROMPTS), use_cache=False).logits[:, -1, OPTIONS]
+
+
+def skip_logits(model: Any) -> torch.Tensor:
+    skipper = BlockSkipper(model, adapter_for(model.config), OPTIONS)
+    inputs = batch(PROMPTS)
+    with torch.inference_mode():
+        with skipper.recording():
+            model(**inputs, use_cache=False)
+        return skipper.skip_logits(lambda: model(**inputs, use_cache=False))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3", "phi", "gpt2", "gpt_neox"])
+def test_skip_logits_equal_model_without_the_block(family: str, build_model: Any) -> None:
+    model = build_model(family)
+    before = plain_logits(model)
+    got = skip_logits(model)
+    n_blocks = len(get_module(model, adapter_for(model.config).blocks))
+    assert got.shape == (len(PROMPTS), n_blocks, len(OPTIONS))
+    for b in range(n_blocks):
+        torch.testing.assert_close(got[:, b], without_block(model, b), rtol=1e-4, atol=1e-5)
+        assert (got[:, b] - before).abs().max() > 1e-4  # skipping a block changes the logits
+    # the forwards are restored: a plain run gives the model's own logits again
+    torch.testing.assert_close(plain_logits(model), before, rtol=0, atol=0)
+    assert not any(
+        "forward" in m.__dict__ for m in get_module(model, adapter_for(model.config).blocks)
+    )
+
+
+def test_skips_of_a_shared_block_cover_every_call(build_model: Any) -> None:
+    model = build_model("llama")
+    blocks = model.model.layers
+    model.model.layers = torch.nn.ModuleList([blocks[0], blocks[1], blocks[0], blocks[1]])
+    model.config.num_hidden_layers = 4
+    got = skip_logits(model)
+    assert got.shape[1] == 2
+    for b in range(2):
+        torch.testing.assert_close(got[:, b], without_block(model, b), rtol=1e-4, atol=1e-5)
+
+
+def hooked_outputs(
+    model: Any, inputs: dict[str, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Component outputs z (B, C, d) at the last position from plain torch hooks on the
+    attention and MLP modules and HF's own hidden states (embedding), and those hidden states."""
+    adapter = adapter_for(model.config)
+    outs: list[torch.Tensor] = []
+
+    def keep(module: Any, args: Any, output: Any) -> None:
+        outs.append((output[0] if isinstance(output, tuple) else output)[:, -1].float())
+
+    handles = [
+        get_module(block, getattr(adapter, kind)).register_forward_hook(keep)
+        for block in get_module(model, adapter.blocks)
+        for kind in ("attn", "mlp")
+    ]
+    with torch.no_grad():
+        out = model(**(inputs or batch(PROMPTS)), use_cache=False, output_hidden_states=True)
+    for handle in handles:
+        handle.remove()
+    hidden = [h[:, -1].float() for h in out.hidden_states]
+    return torch.stack([hidden[0], *outs], dim=1), hidden
+
+
+def decompose_with_gram(model: Any) -> Any:
+    capture = ComponentCapture(model, adapter_for(model.config), OPTIONS, gram=True)
+    try:
+        with torch.inference_mode():
+            model(**batch(PROMPTS), use_cache=False)
+        return capture.decompose()
+    finally:
+        capture.remove()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_neox"])
+def test_cos_prev_and_gram_equal_direct_computation(family: str, build_model: Any) -> None:
+    model = build_model(family)
+    dec = decompose_with_gram(model)
+    z, hidden = hooked_outputs(model)
+    n = z.shape[1]
+    cos_prev = torch.nn.functional.cosine_similarity(z[:, 1:], z[:, :-1], dim=-1)
+    torch.testing.assert_close(dec.cos_prev[:, 1:n], cos_prev, rtol=1e-4, atol=1e-5)
+    assert torch.isnan(dec.cos_prev[:, 0]).all()
+    gram = z @ z.transpose(1, 2)
+    a, b = torch.triu_indices(n, n)
+    assert dec.gram.shape == (len(PROMPTS), n * (n + 1) // 2)
+    for i, j in [(0, 0), (0, n - 1), (1, 2), (n - 2, n - 1)]:
+        k = gram_index(i, j, n)
+        assert (int(a[k]), int(b[k])) == (i, j)
+        torch.testing.assert_close(dec.gram[:, k], gram[:, i, j], rtol=1e-4, atol=1e-4)
+    # the state after block l (HF hidden_states[l], before the final norm) from the Gram matrix
+    for layer in range(1, len(hidden) - 1):
+        c = 2 * layer + 1  # embedding + attention and MLP of blocks 0..layer-1
+        norm2 = dec.gram.new_zeros(len(PROMPTS))
+        for i in range(c):
+            for j in range(i, c):
+                norm2 += (1 if i == j else 2) * dec.gram[:, gram_index(i, j, n)]
+        torch.testing.assert_close(norm2.sqrt(), hidden[layer].norm(dim=-1), rtol=1e-4, atol=1e-4)
+
+
+# --- end to end: extract --skips --gram, then the depth tables ---------------------------------
+
+
+def extract(*args: str) -> Any:
+    from click.testing import CliRunner
+
+    from layerdiv.cli import main
+
+    result = CliRunner().invoke(main, ["extract", *args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def direct_z(model_dir: Path, task: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per instance, run alone through plain HF code: component outputs z (N, C, d) at the last
+    token from plain hooks, the option logits (N, K), and the logits with each block removed
+    by hand (N, blocks, K)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from layerdiv.extract.tasks import instances, load_task, option_token_ids
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    spec = load_task(str(task))
+    items = instances(spec, spec.n)
+    options = option_token_ids(spec, tok, items[0].prompt)
+    zs, logits, skipped = [], [], []
+    for item in items:
+        ids = tok(item.prompt, return_tensors="pt").input_ids
+        z, _ = hooked_outputs(model, {"input_ids": ids})
+        zs.append(z[0])
+        with torch.no_grad():
+            logits.append(model(ids).logits[0, -1, options])
+        skipped.append(torch.stack([without_block(model, b, {"input_ids": ids}, options)[0]
+                                    for b in range(len(model.model.layers))]))  # fmt: skip
+    return torch.stack(zs), torch.stack(logits), torch.stack(skipped)
+
+
+def test_extract_skips_and_gram_backfill_and_analysis(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    import numpy as np
+    import polars as pl
+
+    from layerdiv.analyze.analyses import depth
+    from layerdiv.store import Store
+
+    model_dir, task = model_dirs("llama"), make_task(tmp_path / "task", n=9)
+    store = tmp_path / "store"
+    common = ["--model", str(model_dir), "--task", str(task), "--store", str(store)]
+    extract(*common, "--chunk-size", "4")
+    with pytest.raises(depth.DepthError, match="no skips table"):
+        depth.skip_effects(store)
+    parts = sorted((store / "components").rglob("*.parquet"))
+    before = [p.read_bytes() for p in parts]
+    result = extract(*common, "--skips", "--gram")
+    assert "added skips, gram to 9 stored instances" in result.output
+    assert [p.read_bytes() for p in sorted((store / "components").rglob("*.parquet"))] == before
+    assert "nothing to do" in extract(*common, "--skips").output
+
+    z, logits, skipped = direct_z(model_dir, task)
+    st = Store(store)
+    stored_skips = st.scan("skips").collect().sort("instance", "layer", "option")
+    torch.testing.assert_close(
+        torch.tensor(stored_skips["logit"].to_numpy()).reshape(skipped.shape),
+        skipped,
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    tables = depth.geometry(store)
+    # geometry: means over instances of the direct per-instance values (METHODS.md section 7)
+    r = z.cumsum(1)
+    rel = (z[:, 1:].norm(dim=-1) / r[:, :-1].norm(dim=-1)).mean(0)
+    cos_prev = torch.nn.functional.cosine_similarity(z[:, 1:], z[:, :-1], dim=-1).mean(0)
+    geo = tables["geometry"].sort("component")
+    np.testing.assert_allclose(geo["rel_contribution"], rel.numpy(), rtol=1e-4)
+    np.testing.assert_allclose(geo["cos_prev"], cos_prev.numpy(), rtol=1e-4, atol=1e-6)
+    # gram: the angle of the state after block 1 to the final state
+    h1, final = z[:, :3].sum(1), z.sum(1)
+    to_end = torch.rad2deg(torch.arccos(torch.nn.functional.cosine_similarity(h1, final, -1)))
+    gram = tables["gram_blocks"].sort("block")
+    np.testing.assert_allclose(gram["angle_to_end_deg"][0], to_end.mean().item(), rtol=1e-3)
+    assert gram["angle_to_end_deg"][-1] == pytest.approx(0.0, abs=0.1)
+    # skip effects: TE = logits - skip logits, DE = the block's own logits, IE = TE - DE
+    comps = st.scan("components").collect()
+    de = (
+        comps.filter(pl.col("layer") >= 0)
+        .group_by("instance", "layer", "option")
+        .agg(pl.col("logit").sum())
+        .sort("instance", "layer", "option")["logit"]
+        .to_numpy()
+        .reshape(skipped.shape)
+    )
+    te = (logits[:, None, :] - skipped).numpy()
+    gold = st.scan("instances").collect().sort("instance")["gold"].to_numpy()
+    effects = tables["skip_effects"].sort("layer")
+    np.testing.assert_allclose(effects["total_effect"], np.abs(te).mean((0, 2)), rtol=1e-4)
+    np.testing.assert_allclose(effects["direct_effect"], np.abs(de).mean((0, 2)), rtol=1e-4)
+    np.testing.assert_allclose(effects["indirect_effect"], np.abs(te - de).mean((0, 2)), rtol=1e-3)
+    without = (skipped.argmax(-1).numpy() == gold[:, None]).mean(0)
+    np.testing.assert_allclose(effects["accuracy_without"], without)
+    log_p = torch.log_softmax(logits, -1)[:, None, :]
+    kl = (log_p.exp() * (log_p - torch.log_softmax(skipped, -1))).sum(-1).mean(0)
+    np.testing.assert_allclose(effects["kl"], kl.numpy(), rtol=1e-3, atol=1e-7)
