@@ -175,7 +175,7 @@ def test_extract_heads_end_to_end_and_backfill(
     before = {p: p.stat().st_mtime_ns for p in store.rglob("components/**/*.parquet")}
     result = extract(*model, *common, "--heads")
     assert result.exit_code == 0, result.output
-    assert "heads added to 20 instances stored without them" in result.output
+    assert "added heads to 20 stored instances (their components were kept)" in result.output
     assert "20/20 instances stored (none new)" in result.output
     assert {p: p.stat().st_mtime_ns for p in store.rglob("components/**/*.parquet")} == before
     [info] = Store(store).select()
@@ -183,6 +183,15 @@ def test_extract_heads_end_to_end_and_backfill(
     assert head_scores(store).height == 2 * 2 * 4
     again = extract(*model, *common, "--heads")
     assert "nothing to do" in again.output
+    # A later run without --heads still gives the chunks it stores heads: the partition has them.
+    for table in ("instances", "heads"):
+        (part,) = store.glob(f"{table}/*/*/part-0000016-000004.parquet")
+        part.unlink()
+    more = extract(*model, *common)
+    assert more.exit_code == 0, more.output
+    assert "20/20 instances stored (4 new" in more.output
+    [info] = Store(store).select()
+    assert len(info.files("heads")) == 3 and head_scores(store).height == 2 * 2 * 4
 
 
 def test_extract_heads_refused_before_weights_load(
