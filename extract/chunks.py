@@ -10,10 +10,32 @@ import pyarrow as pa
 from layerdiv.extract.batching import chunk_runs
 from layerdiv.extract.capture import BatchDecomposition, DecompositionError
 from layerdiv.extract.forward import ModelRunner, optional_tables
+from layerdiv.schemas import OPTIONAL_TABLES
+from layerdiv.store.manifest import read_manifest
 from layerdiv.store.writer import ChunkClaim, PartitionWriter
 
 Results = dict[int, tuple[BatchDecomposition, int]]
 """Instance -> (the decomposition of its batch, its row there)."""
+
+
+def extra_tables(writer: PartitionWriter, asked: list[str], overwrite: bool) -> list[str]:
+    """The optional tables to write: those ``asked`` for, and those the partition already has
+    (unless it is to be replaced), so that no chunk stored later lacks them."""
+    manifest = writer.part.manifest
+    kept = [] if overwrite or not manifest.exists() else read_manifest(manifest).extra_tables
+    return [t for t in OPTIONAL_TABLES if t in asked or t in kept]
+
+
+def pending(
+    writer: PartitionWriter, n: int, tables: list[str], chunk_size: int, shard: tuple[int, int]
+) -> bool:
+    """Whether this shard has instances ``0..n-1`` left in an existing partition: not stored,
+    in damaged parts, or in stored chunks lacking one of the optional ``tables``."""
+    stored = read_manifest(writer.part.manifest)
+    done = writer.done_instances(len(stored.components) * len(stored.options))
+    todo = [i for i in range(n) if i not in done]
+    todo += [i for t in tables for s, c in writer.chunks_missing(t) for i in range(s, s + c)]
+    return bool(chunk_runs(sorted(set(todo)), stored.chunk_size or chunk_size, shard))
 
 
 def claimed(writer: PartitionWriter, chunks: list[int]) -> Iterator[tuple[int, ChunkClaim]]:

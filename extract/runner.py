@@ -38,8 +38,6 @@ from layerdiv.extract.tasks import (
     load_task,
     option_token_ids,
 )
-from layerdiv.schemas import OPTIONAL_TABLES
-from layerdiv.store.manifest import read_manifest
 from layerdiv.store.writer import PartitionWriter, Verdict
 
 
@@ -65,9 +63,8 @@ def plan_task(name: str, tokenizer: Any, cfg: ExtractConfig) -> TaskPlan:
     items = rows[: cfg.limit or spec.n]
     ids = option_token_ids(spec, tokenizer, items[0].prompt)
     writer = PartitionWriter(cfg.store, cfg.model, spec.name)
-    return TaskPlan(
-        spec, items, ids, data_sha256(rows[: spec.n]), writer, _extra_tables(writer, cfg)
-    )
+    tables = chunks.extra_tables(writer, cfg.extra_tables, cfg.overwrite)
+    return TaskPlan(spec, items, ids, data_sha256(rows[: spec.n]), writer, tables)
 
 
 def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
@@ -81,17 +78,17 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         tokenizer = load_tokenizer(source)
         plans = [plan_task(name, tokenizer, cfg) for name in cfg.tasks]
         idents = [identity(source, dtype, p.spec, p.option_ids, p.data_sha256) for p in plans]
-        n_heads = None
+        heads = any("heads" in p.extra_tables for p in plans)
+        n_heads = check_heads(source.config) if heads else None
         for plan, ident in zip(plans, idents, strict=True):  # all before the weights load
             plan.writer.ensure_writable()
             plan.writer.check(ident, cfg.overwrite, cfg.shard[1])
-            if "heads" in plan.extra_tables:
-                n_heads = check_heads(source.config)
         loaded: LoadedModel | None = None
         summaries = []
         for plan, ident in zip(plans, idents, strict=True):
             verdict = plan.writer.check(ident, cfg.overwrite, cfg.shard[1])
-            if verdict is Verdict.RESUME and not _pending(plan, cfg):
+            todo = partial(chunks.pending, plan.writer, len(plan.items), plan.extra_tables)
+            if verdict is Verdict.RESUME and not todo(_chunk_size(cfg), cfg.shard):
                 done = len(plan.writer.done_instances())
                 summary = TaskSummary(plan.spec.name, len(plan.items), 0, done, 0.0)
             else:
@@ -103,25 +100,6 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
                                      "shard replaced it), so it is resumed")  # fmt: skip
             summaries.append(summary)
         return summaries
-
-
-def _extra_tables(writer: PartitionWriter, cfg: ExtractConfig) -> list[str]:
-    """The optional tables to write: those asked for, and those the partition already has (so
-    that no chunk stored later lacks them)."""
-    manifest = writer.part.manifest
-    kept = [] if cfg.overwrite or not manifest.exists() else read_manifest(manifest).extra_tables
-    return [t for t in OPTIONAL_TABLES if t in cfg.extra_tables or t in kept]
-
-
-def _pending(plan: TaskPlan, cfg: ExtractConfig) -> bool:
-    """Whether this shard has instances of ``plan`` left in its existing partition (those of
-    damaged parts, and stored chunks lacking an optional table, included)."""
-    stored = read_manifest(plan.writer.part.manifest)
-    done = plan.writer.done_instances(len(stored.components) * len(stored.options))
-    todo = [i for i in range(len(plan.items)) if i not in done]
-    todo += [i for t in plan.extra_tables for s, c in plan.writer.chunks_missing(t)
-             for i in range(s, s + c)]  # fmt: skip
-    return bool(chunk_runs(sorted(set(todo)), stored.chunk_size or _chunk_size(cfg), cfg.shard))
 
 
 def _chunk_size(cfg: ExtractConfig) -> int:

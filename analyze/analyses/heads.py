@@ -77,7 +77,7 @@ def load_heads(info: PartitionInfo) -> pl.DataFrame:
     manifest = info.manifest
     k_opts = len(manifest.options)
     rows = (
-        pl.scan_parquet(info.files("heads"))
+        pl.scan_parquet(info.uris("heads"))
         .select("instance", "component", "layer", "head", "option", "logit")
         .collect()
     )
@@ -91,7 +91,7 @@ def load_heads(info: PartitionInfo) -> pl.DataFrame:
     if not rows.select(key.is_sorted()).item():
         rows = rows.sort(key)
     instances = (
-        pl.scan_parquet(info.files("instances"))
+        pl.scan_parquet(info.uris("instances"))
         .select("instance", "gold")
         .sort("instance")
         .collect()
