@@ -214,3 +214,23 @@ def stored_counts(output: str, task: str = "reviews") -> tuple[int, int, int]:
 def stored() -> Any:
     """``stored(output, task="reviews")``: :func:`stored_counts` of an extract run's output."""
     return stored_counts
+
+
+def write_synthetic_store(
+    root: Path, seed: int, n: int, blocks: tuple[int, int], chunk: int | None = None
+) -> Path:
+    """A synthetic store of two models (``org/small`` with ``blocks[0]`` blocks and 1e8
+    parameters, ``org/large`` with ``blocks[1]`` and 2e9) x two tasks (``boolq``, 2 options;
+    ``mnli``, 3) of ``n`` random instances each."""
+    import numpy as np
+
+    from layerdiv.analyze.synthetic import random_partition, write_partition
+
+    rng = np.random.default_rng(seed)
+    for model, n_blocks, params in (("org/small", blocks[0], 1e8), ("org/large", blocks[1], 2e9)):
+        for task, k in (("boolq", 2), ("mnli", 3)):
+            logits, gold, rms, kinds = random_partition(rng, n, n_blocks, k)
+            write_partition(
+                root, model, task, logits, gold, kinds, rms, n_params=int(params), chunk=chunk
+            )
+    return root

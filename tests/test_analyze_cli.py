@@ -28,17 +28,12 @@ from layerdiv.cli import main
 from layerdiv.schemas import tables_of
 from layerdiv.store import Store, StoreError
 from layerdiv.store.atomic import temp_path
+from layerdiv.tests.conftest import write_synthetic_store
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("store")
-    rng = np.random.default_rng(1)
-    for model, blocks, params in (("org/small", 3, 1e8), ("org/large", 5, 2e9)):
-        for task, k in (("boolq", 2), ("mnli", 3)):
-            logits, gold, rms, kinds = random_partition(rng, 40, blocks, k)
-            write_partition(root, model, task, logits, gold, kinds, rms, n_params=int(params))
-    return root
+    return write_synthetic_store(tmp_path_factory.mktemp("store"), 1, 40, (3, 5))
 
 
 def run(*args: str) -> Result:

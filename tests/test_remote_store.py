@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import boto3
-import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -21,8 +20,8 @@ import pytest
 from click.testing import CliRunner, Result
 from polars.testing import assert_frame_equal
 
-from layerdiv.analyze.synthetic import random_partition, write_partition
 from layerdiv.cli import main
+from layerdiv.tests.conftest import write_synthetic_store
 
 BUCKET = "layerdiv-test"
 
@@ -82,15 +81,7 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("store")
-    rng = np.random.default_rng(3)
-    for model, blocks, params in (("org/small", 2, 1e8), ("org/large", 3, 2e9)):
-        for task, k in (("boolq", 2), ("mnli", 3)):
-            logits, gold, rms, kinds = random_partition(rng, 24, blocks, k)
-            write_partition(
-                root, model, task, logits, gold, kinds, rms, n_params=int(params), chunk=10
-            )
-    return root
+    return write_synthetic_store(tmp_path_factory.mktemp("store"), 3, 24, (2, 3), chunk=10)
 
 
 def publish(client: Any, root: Path, prefix: str) -> str:

@@ -645,24 +645,14 @@ def skip_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[str,
             x, 100 * sub["accuracy_without"], marker="o", markersize=3, color=color, label=label
         )
         ax_acc.axhline(100 * sub["accuracy"].mean(), linestyle=":", color=color, linewidth=1.0)  # type: ignore[operator]
-        ax_eff.plot(
-            x,
-            sub["total_effect"],
-            "-",
-            marker="o",
-            markersize=3,
-            color=color,
-            label=f"{label} |TE|",
-        )
-        ax_eff.plot(
-            x,
-            sub["direct_effect"],
-            "--",
-            marker="s",
-            markersize=3,
-            color=color,
-            label=f"{label} |DE|",
-        )
+        for column, style, marker, tag in (
+            ("total_effect", "-", "o", "TE"),
+            ("direct_effect", "--", "s", "DE"),
+        ):
+            ax_eff.plot(
+                x, sub[column], style, marker=marker, markersize=3, color=color,
+                label=f"{label} |{tag}|",
+            )  # fmt: skip
     ax_acc.set_ylabel("accuracy without the block (%)")
     ax_acc.set_title("Skipping one block (dotted: no block skipped)")
     ax_eff.set_ylabel("mean |effect| on an option logit (logit units)")
