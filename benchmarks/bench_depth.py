@@ -116,32 +116,15 @@ def show(tables: dict[str, pl.DataFrame]) -> None:
         ]
         beta = f"{r['beta']:.2f}±{r['beta_se']:.2f}"
         print(f"{r['task']:<9}{beta:>13}" + "".join(f"{c:>16}" for c in cells))
-    second = pl.col("relative_depth") > 0.5
-    skips = (
-        tables["skip_effects"]
-        .group_by("task")
-        .agg(
-            pl.col("accuracy").first(),
-            pl.col("accuracy_without").filter(~second).mean().alias("acc_first"),
-            pl.col("accuracy_without").filter(second).mean().alias("acc_second"),
-            pl.col("kl").filter(~second).mean().alias("kl_first"),
-            pl.col("kl").filter(second).mean().alias("kl_second"),
-            (
-                pl.col("indirect_effect").sum()
-                / (pl.col("direct_effect") + pl.col("indirect_effect")).sum()
-            ).alias("indirect_share"),
-        )
-        .sort("task")
-    )
+    skips = depth.skip_summary(tables["skip_effects"])
     print("\nSkipping one block (means over the blocks of each half):")
     print(f"{'task':<9}{'accuracy':>10}{'acc. w/o, 1st/2nd':>20}{'KL (nats), 1st/2nd':>22}"
           f"{'|IE|/(|DE|+|IE|)':>18}")  # fmt: skip
     for r in skips.iter_rows(named=True):
-        acc = f"{100 * r['acc_first']:.1f}/{100 * r['acc_second']:.1f}%"
-        kl = f"{r['kl_first']:.3f}/{r['kl_second']:.3f}"
+        acc = f"{100 * r['acc_1']:.1f}/{100 * r['acc_2']:.1f}%"
+        kl = f"{r['kl_1']:.3f}/{r['kl_2']:.3f}"
         print(
-            f"{r['task']:<9}{100 * r['accuracy']:>9.1f}%{acc:>20}{kl:>22}"
-            f"{100 * r['indirect_share']:>17.1f}%"
+            f"{r['task']:<9}{100 * r['accuracy']:>9.1f}%{acc:>20}{kl:>22}{100 * r['share']:>17.1f}%"
         )
 
 

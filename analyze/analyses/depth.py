@@ -729,13 +729,13 @@ def decay_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> st
     return markdown_table(header, rows)
 
 
-def skip_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str:
-    """Per (model, task): accuracy, mean accuracy without a block of the first / second half,
-    mean KL by half, and the indirect share of all blocks' effects."""
+def skip_summary(skip_effects: pl.DataFrame) -> pl.DataFrame:
+    """Per (model, task): accuracy, mean accuracy without a block of the first / second half
+    (``acc_1``, ``acc_2``), mean KL by half (``kl_1``, ``kl_2``), and the indirect share of all
+    blocks' effects, sum |IE| / sum (|DE| + |IE|) (``share``, METHODS.md section 7)."""
     second = pl.col("relative_depth") > 0.5
-    summary = (
-        tables["skip_effects"]
-        .group_by("model", "task")
+    return (
+        skip_effects.group_by("model", "task")
         .agg(
             pl.col("accuracy").first(),
             pl.col("accuracy_without").filter(~second).mean().alias("acc_1"),
@@ -749,6 +749,11 @@ def skip_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str
         )
         .sort("model", "task")
     )
+
+
+def skip_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str:
+    """The :func:`skip_summary` of every (model, task) as Markdown."""
+    summary = skip_summary(tables["skip_effects"])
     rows = [
         [
             names.get(r["model"], r["model"]),
