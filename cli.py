@@ -390,7 +390,7 @@ def analyze_command(
     """Run every registered analysis (scores, curves, module shares, correlations, depth
     efficiency, information, ...) on the cache and write every result table to OUT."""
     from layerdiv.analyze.api import analyze
-    from layerdiv.analyze.output import refuse_inside, write_tables
+    from layerdiv.analyze.output import refuse_inside
 
     refuse_inside(out, store)
     options = {"reweight": reweight}
@@ -403,9 +403,8 @@ def analyze_command(
         "min_params": min_params,
         **options,
     }
-    tables = results.tables()
-    write_tables(tables, out, fmt, settings)
-    click.echo(f"wrote {len(tables)} tables ({fmt}) to {out}")
+    results.write(out, fmt, settings)
+    click.echo(f"wrote {len(results.names())} tables ({fmt}) to {out}")
     for note in results.notes:
         click.echo(note)
     fail_after(results.problems)

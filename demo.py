@@ -152,7 +152,6 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     print a summary per task."""
     from layerdiv.analyze.api import analyze, task_summary
     from layerdiv.analyze.metrics import METRICS
-    from layerdiv.analyze.output import write_tables
     from layerdiv.analyze.report import write_report
     from layerdiv.extract.runner import ExtractConfig, run_extract
 
@@ -163,7 +162,7 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     for s in run_extract(ExtractConfig(DEMO_MODEL, [str(p) for p in tasks], store, gram=True)):
         print(f"{s.task}: {s.n_done}/{s.n_requested} instances stored ({s.n_new} new)")
     results = analyze(store, progress=True)
-    write_tables(results.tables(), results_dir, "parquet", {"store": str(store)})
+    results.write(results_dir, "parquet", {"store": str(store)})
     write_report(results, report_dir, "paper", str(store))
     mse, bias, div = (METRICS[m].unit("paper") for m in ("mse", "bias", "diversity"))
     print(

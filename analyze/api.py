@@ -18,6 +18,7 @@ import polars as pl
 from layerdiv.analyze.decomposition import instance_curves
 from layerdiv.analyze.options import Estimator, Lens
 from layerdiv.analyze.registry import Context, registered
+from layerdiv.analyze.spill import Spill
 from layerdiv.store import Store
 
 StoreLike = Store | str | Path
@@ -40,7 +41,7 @@ class Results:
     - ``scores``: per (model, task, estimator): accuracy, mse, bias, diversity of the full stack
       (means over instances), n_instances, n_components, n_options, majority_accuracy.
     - ``instance_scores``: per (model, task, estimator, instance): gold, pred, correct, mse, bias,
-      diversity.
+      diversity (spilled: kept on disk, read when asked for).
     - ``curves``: per (model, task, estimator, j): accuracy, mse, bias, diversity of the first j
       components (means over instances), relative_depth j / L, and the name and kind of
       component j (section 3).
@@ -56,25 +57,47 @@ class Results:
       by half (section 6).
     - ``saturation``: per (model, task): the depth at which accuracy saturates.
 
-    Every other registered analysis (:mod:`layerdiv.analyze.registry`) adds its own tables."""
+    Every other registered analysis (:mod:`layerdiv.analyze.registry`) adds its own tables.
+
+    Tables with one row per instance are *spilled*: written to a temporary folder (under
+    ``$TMPDIR``) while the analysis runs, so that its memory does not grow with the store, and read
+    from there when asked for, as long as these results live."""
 
     by_name: dict[str, pl.DataFrame]
+    """The tables held in memory (every table but the spilled ones)."""
     lens: Lens
     min_params: float
     notes: list[str] = field(default_factory=list)
     """Lines for the user from the analyses (e.g. what could not be computed and how to get it)."""
     problems: list[str] = field(default_factory=list)
     """One line per unreadable partition that was left out (``Store.problems``)."""
+    spill: Spill = field(default_factory=Spill, repr=False)
+    """The spilled tables (their folder is removed with these results)."""
 
     def __getattr__(self, name: str) -> pl.DataFrame:
         tables = self.__dict__.get("by_name", {})
         if name in tables:
             return tables[name]
-        raise AttributeError(f"no result table {name!r}; the tables are {', '.join(tables)}")
+        spilled = self.__dict__["spill"].tables() if "spill" in self.__dict__ else {}
+        if name in spilled:
+            return spilled[name].collect()
+        every = ", ".join([*tables, *spilled])
+        raise AttributeError(f"no result table {name!r}; the tables are {every}")
+
+    def names(self) -> list[str]:
+        """The name of every result table (those in memory, then the spilled ones)."""
+        return [*self.by_name, *self.spill.tables()]
 
     def tables(self) -> dict[str, pl.DataFrame]:
-        """The result tables by name (what ``layerdiv analyze`` writes)."""
-        return dict(self.by_name)
+        """Every result table by name, the spilled ones read into memory."""
+        return {**self.by_name, **{k: v.collect() for k, v in self.spill.tables().items()}}
+
+    def write(self, out: str | Path, fmt: str, settings: Mapping[str, Any]) -> Path:
+        """Write every table as ``<out>/<name>.<fmt>`` (what ``layerdiv analyze`` does), the
+        spilled ones streamed from their files (:func:`~layerdiv.analyze.output.write_tables`)."""
+        from layerdiv.analyze.output import write_tables
+
+        return write_tables({**self.by_name, **self.spill.tables()}, out, fmt, settings)
 
 
 def analyze(
@@ -108,11 +131,11 @@ def analyze(
     tables = {"manifests": st.manifests(models, tasks).filter(pl.col("n_done") > 0)}
     for analysis in registered():
         new = analysis.tables(ctx, MappingProxyType(dict(tables)))
-        clash = sorted(set(new) & set(tables))
+        clash = sorted(set(new) & (set(tables) | set(ctx.spill.tables())))
         if clash:
             raise ValueError(f"analysis {analysis.name!r} returns tables that exist: {clash}")
         tables.update(new)
-    return Results(tables, lens, min_params, ctx.notes, st.problems(models, tasks))
+    return Results(tables, lens, min_params, ctx.notes, st.problems(models, tasks), ctx.spill)
 
 
 def scores(

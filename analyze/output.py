@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import polars as pl
 import pyarrow as pa
@@ -16,6 +16,8 @@ import pyarrow.parquet as pq
 from layerdiv.analyze.options import FORMATS
 from layerdiv.errors import LayerdivError
 from layerdiv.store.atomic import atomic_path, remove_stale_temps
+
+Frame = TypeVar("Frame", pl.DataFrame, pl.LazyFrame)
 
 INDEX_NAME = "index.json"
 """Written into every result folder: how it was made and the files layerdiv wrote there. A new run
@@ -103,25 +105,38 @@ def file_format(path: str | Path) -> str:
     return suffix
 
 
-def flat(frame: pl.DataFrame) -> pl.DataFrame:
+def flat(frame: Frame) -> Frame:
     """The frame with list columns joined into '|'-separated strings and untyped (all-null)
     columns as strings, so that every format can hold it."""
+    schema = frame.collect_schema()
     return frame.with_columns(
         *(
             pl.col(name).cast(pl.List(pl.String)).list.join("|")
-            for name, dtype in frame.schema.items()
+            for name, dtype in schema.items()
             if isinstance(dtype, pl.List)
         ),
-        *(pl.col(name).cast(pl.String) for name, dtype in frame.schema.items() if dtype == pl.Null),
+        *(pl.col(name).cast(pl.String) for name, dtype in schema.items() if dtype == pl.Null),
     )
 
 
-def write_frame(frame: pl.DataFrame, path: Path, fmt: str) -> None:
-    """Write one table as Parquet or CSV."""
-    if fmt == "parquet":
+def write_frame(frame: pl.DataFrame | pl.LazyFrame, path: Path, fmt: str) -> None:
+    """Write one table as Parquet or CSV; a lazy one is streamed (memory bounded by a batch)."""
+    if isinstance(frame, pl.LazyFrame):
+        if fmt == "parquet":
+            flat(frame).sink_parquet(path)
+        else:
+            flat(frame).sink_csv(path)
+    elif fmt == "parquet":
         flat(frame).write_parquet(path)
     else:
         flat(frame).write_csv(path)
+
+
+def n_rows(frame: pl.DataFrame | pl.LazyFrame) -> int:
+    """Rows of a table (of a lazy one without loading it)."""
+    if isinstance(frame, pl.LazyFrame):
+        return int(frame.select(pl.len()).collect().item())
+    return frame.height
 
 
 def write_reader(reader: pa.RecordBatchReader, path: Path, fmt: str) -> None:
@@ -138,7 +153,10 @@ def write_reader(reader: pa.RecordBatchReader, path: Path, fmt: str) -> None:
 
 
 def write_tables(
-    tables: Mapping[str, pl.DataFrame], out: str | Path, fmt: str, settings: Mapping[str, Any]
+    tables: Mapping[str, pl.DataFrame | pl.LazyFrame],
+    out: str | Path,
+    fmt: str,
+    settings: Mapping[str, Any],
 ) -> Path:
     """Write every table as ``<out>/<name>.<fmt>`` plus :data:`INDEX_NAME` (the settings, each
     table's row count and the files written), all at once (:func:`result_dir`)."""
@@ -146,7 +164,7 @@ def write_tables(
         raise OutputError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
     index = {
         "settings": dict(settings),
-        "tables": {name: {"file": f"{name}.{fmt}", "rows": f.height} for name, f in tables.items()},
+        "tables": {n: {"file": f"{n}.{fmt}", "rows": n_rows(f)} for n, f in tables.items()},
     }
     with result_dir(out, index) as tmp:
         for name, frame in tables.items():

@@ -15,6 +15,7 @@ from typing import Any
 import polars as pl
 
 from layerdiv.analyze.options import Estimator, Lens
+from layerdiv.analyze.spill import Spill
 from layerdiv.store import PartitionInfo, Store
 
 
@@ -33,6 +34,9 @@ class Context:
     """Analysis-specific switches, e.g. ``{"reweight": True}``."""
     notes: list[str] = field(default_factory=list)
     """Lines for the user, e.g. what an analysis could not compute and how to get it."""
+    spill: Spill = field(default_factory=Spill)
+    """Where an analysis appends, partition by partition, a table with one row per instance (not
+    returned by ``tables``: it would grow the memory with the store)."""
 
 
 @dataclass
@@ -40,7 +44,7 @@ class ReportContext:
     """What an analysis renders its report section from."""
 
     tables: Mapping[str, pl.DataFrame]
-    """Every result table by name."""
+    """Every result table held in memory, by name (not the spilled ones)."""
     estimator: Estimator
     names: dict[str, str]
     """Store slug -> model id as given at extraction."""

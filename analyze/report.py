@@ -62,7 +62,7 @@ def render(
     could not be computed or drawn, and how to get it)."""
     manifests = results.manifests
     ctx = ReportContext(
-        tables=results.tables(),
+        tables=results.by_name,
         estimator=estimator,
         names=model_names(manifests),
         figures=figures,

@@ -302,12 +302,11 @@ def module_shares_by_model(modules: pl.DataFrame, estimator: str) -> pl.DataFram
     )
 
 
-def majority_baseline(instances: pl.DataFrame) -> pl.DataFrame:
-    """Per (model, task): the accuracy of always answering the most frequent gold option
-    (computed from the gold labels), and that option."""
-    counts = instances.group_by("model", "task", "gold").agg(pl.len().alias("count"))
+def majority_baseline(golds: pl.DataFrame) -> pl.DataFrame:
+    """Per (model, task): the accuracy of always answering the most frequent gold option, and
+    that option, from ``golds`` (model, task, gold, count: the instances with that gold label)."""
     return (
-        counts.sort("count", "gold", descending=[True, False])
+        golds.sort("count", "gold", descending=[True, False])
         .group_by("model", "task", maintain_order=True)
         .agg(
             pl.col("gold").first().alias("majority_option"),

@@ -5,6 +5,7 @@ reading version-1 stores); and the analysis registry that new analyses plug into
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import shutil
@@ -75,7 +76,32 @@ def test_analyze_writes_every_table(store: Path, tmp_path: Path, fmt: str) -> No
     scores = read(out / f"scores.{fmt}").sort("model", "task", "estimator")
     np.testing.assert_allclose(scores["mse"], expected.scores["mse"], rtol=1e-12)
     assert index["tables"]["curves"]["rows"] == expected.curves.height
+    # the spilled table is streamed to the output: the same rows, in (model, task, ...) order
+    written = read(out / f"instance_scores.{fmt}")
+    assert index["tables"]["instance_scores"]["rows"] == written.height > 0
+    assert_frame_equal(written, expected.instance_scores, check_dtypes=fmt == "parquet")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+def test_instance_scores_are_spilled_not_held(store: Path) -> None:
+    results = analyze(store)
+    assert "instance_scores" not in results.by_name  # not in memory
+    (scan,) = results.spill.tables().values()
+    folder = results.spill.folder
+    assert len(list((folder / "instance_scores").glob("part-*.parquet"))) == len(
+        Store(store).partitions
+    )
+    frame = results.instance_scores
+    assert frame.equals(scan.collect())
+    keys = frame.select("model", "task", "estimator", "instance")
+    assert keys.equals(keys.sort(pl.all()))
+    counts = frame.group_by("model", "task", "estimator").len()
+    scores = results.scores.join(counts, on=["model", "task", "estimator"])
+    assert scores["len"].to_list() == scores["n_instances"].to_list()
+    assert results.names()[-1] == "instance_scores"
+    del results, scan
+    gc.collect()
+    assert not folder.exists()  # removed with the results
 
 
 def test_analyze_replaces_its_own_output_but_nothing_else(store: Path, tmp_path: Path) -> None:

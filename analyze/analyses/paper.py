@@ -51,15 +51,43 @@ def _component_names(parts: list[PartitionInfo]) -> pl.DataFrame:
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
     """Every table of METHODS.md sections 2-6 for the selected partitions (see
-    :class:`~layerdiv.analyze.api.Results` for each table's columns)."""
+    :class:`~layerdiv.analyze.api.Results` for each table's columns). ``instance_scores`` goes to
+    ``ctx.spill`` partition by partition; only per-partition aggregates stay in memory."""
     manifests = prior["manifests"]
     bar = tqdm(
         ctx.parts, desc="analysing", unit="partition", disable=None if ctx.progress else True
     )
-    done = [(info, partition_scores(info, ctx.lens)) for info in bar]
+    kept: dict[str, list[pl.DataFrame]] = {}
+    for info in bar:  # partitions come sorted by (model, task): so are the gathered tables
+        scores = partition_scores(info, ctx.lens)
+        instances = scores.instances.sort("estimator", "instance")
+        ctx.spill.append("instance_scores", tagged(instances, info))
+        n_options = manifests.filter(
+            (pl.col("model") == info.model) & (pl.col("task") == info.task)
+        ).select("model", "task", "n_options")
+        info_curves = stats.information_curves(tagged(scores.prefix_preds, info), n_options)
+        frames = {
+            "curves": tagged(scores.curves, info),
+            "modules": tagged(scores.modules, info),
+            "counts": tagged(
+                instances.group_by("estimator").agg(pl.len().alias("n_instances")), info
+            ),
+            "golds": tagged(
+                instances.filter(pl.col("estimator") == ESTIMATORS[0])
+                .group_by("gold")
+                .agg(pl.len().alias("count")),
+                info,
+            ),
+            "information_curves": info_curves,
+            "information": stats.information_summary(
+                info_curves, tagged(scores.component_preds, info)
+            ),
+        }
+        for name, frame in frames.items():
+            kept.setdefault(name, []).append(frame)
 
     def gather(name: str) -> pl.DataFrame:
-        return pl.concat([tagged(getattr(s, name), info) for info, s in done])
+        return pl.concat(kept[name])
 
     curves = (
         gather("curves")
@@ -69,39 +97,33 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
         )
         .sort("model", "task", "estimator", "j")
     )
-    instances = gather("instances")
-    counts = instances.group_by("model", "task", "estimator").agg(pl.len().alias("n_instances"))
+    counts = gather("counts")
     corr = stats.correlations(curves)
     depth = stats.depth_curves(curves, manifests, ctx.min_params)
-    info_curves = stats.information_curves(
-        gather("prefix_preds"), manifests.select("model", "task", "n_options")
-    )
     return {
-        "scores": _score_table(curves, counts, instances, manifests),
-        "instance_scores": instances.sort("model", "task", "estimator", "instance"),
+        "scores": _score_table(curves, counts, gather("golds"), manifests),
         "curves": curves,
         "modules": _module_shares(gather("modules"), counts),
         "correlations": corr,
         "correlation_means": stats.fisher_z_means(corr),
         "depth_curves": depth,
         "depth_fits": stats.depth_fits(depth),
-        "information_curves": info_curves,
-        "information": stats.information_summary(info_curves, gather("component_preds")),
+        "information_curves": gather("information_curves"),
+        "information": gather("information"),
         "saturation": stats.saturation(curves),
     }
 
 
 def _score_table(
-    curves: pl.DataFrame, counts: pl.DataFrame, instances: pl.DataFrame, manifests: pl.DataFrame
+    curves: pl.DataFrame, counts: pl.DataFrame, golds: pl.DataFrame, manifests: pl.DataFrame
 ) -> pl.DataFrame:
     """The full-stack scores: the curves at j = L, with sizes and the majority baseline."""
     sizes = manifests.select("model", "task", "n_components", "n_options")
-    majority = stats.majority_baseline(instances.filter(pl.col("estimator") == ESTIMATORS[0]))
     return (
         curves.join(sizes, on=["model", "task"])
         .filter(pl.col("j") == pl.col("n_components"))
         .join(counts, on=["model", "task", "estimator"])
-        .join(majority, on=["model", "task"])
+        .join(stats.majority_baseline(golds), on=["model", "task"])
         .select(
             "model",
             "task",
