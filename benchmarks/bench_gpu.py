@@ -8,8 +8,12 @@ a real tokenizer (any local tokenizer folder; ids only need to fit the model's v
 
 Prepare the assets on a machine that has them, then run on the GPU node::
 
-    python benchmarks/bench_gpu.py --prepare .bench          # tokenizer + demo tasks
+    python benchmarks/bench_gpu.py --prepare .bench          # tokenizer + BoolQ-shaped task
     python benchmarks/bench_gpu.py --assets .bench --models llama-3.1-8b qwen2.5-32b
+
+``--prepare`` writes by default one task of 1,800 prompts built like BoolQ's (the paper's prompt
+lengths, about 150 tokens: its template around BBC News articles cut to 95 words); with
+``--prompts demo``, the demo tasks (46 tokens on average) instead.
 
 Useful FLOPs count only real (unpadded) tokens: 2 x (block linear weights) per token, causal
 attention 2 x 2 x T(T+1)/2 x (heads x head_dim) per layer, and the option-logit head at one
@@ -19,6 +23,8 @@ position. The peak is measured here (an 8192^3 bf16 matmul), not taken from a da
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import shutil
 import statistics
 import tempfile
@@ -27,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 # Shapes copied from the models' config.json on the hub (weights are random: timing only).
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -43,14 +50,78 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def prepare(folder: Path, n: int) -> None:
-    """Write the tokenizer and the demo tasks into ``folder`` (run where they are installed)."""
-    from layerdiv.demo import DEMO_MODEL, write_demo_tasks
+PASSAGE_WORDS = 95
+"""Words of article per passage: with BoolQ's template, prompts of about 150 tokens (the paper's
+BoolQ prompts; SmolLM2's tokenizer, news text)."""
+TOPICS = {
+    "business": "business",
+    "entertainment": "entertainment",
+    "politics": "politics",
+    "sports": "sport",
+    "tech": "technology",
+}
+"""BBC News topic folder -> the word the yes/no question uses."""
+
+
+def write_boolq_shaped(folder: Path, n: int, seed: int = 0) -> Path:
+    """A yes/no task built like BoolQ's (its template and options from the built-in ``boolq``
+    task) on real text: a BBC News article cut to :data:`PASSAGE_WORDS` words, and the question
+    whether it is about a topic (its own for half the instances, another one for the rest)."""
+    from layerdiv.demo import bbc_articles
+    from layerdiv.extract.tasks import load_task
+
+    boolq = load_task("boolq")
+    rng = random.Random(seed)
+    rows = []
+    for article in rng.sample(bbc_articles(paragraphs=8), n):
+        own = article["label"]
+        asked = own if rng.random() < 0.5 else rng.choice([t for t in TOPICS if t != own])
+        rows.append(
+            {
+                "passage": " ".join(article["text"].split()[:PASSAGE_WORDS]),
+                "question": f"is this news article about {TOPICS[asked]}",
+                "label": int(asked == own),  # boolq's options are False, True
+            }
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "boolq-bbc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = {
+        "name": "boolq-bbc",
+        "description": "BoolQ-shaped yes/no questions on BBC News articles (benchmark prompts).",
+        "data": "boolq-bbc.jsonl",
+        "template": boolq.template,
+        "options": list(boolq.options),
+        "label": boolq.label,
+        "n": n,
+    }
+    path = folder / "boolq-bbc.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def prepare(folder: Path, n: int, prompts: str) -> None:
+    """Write the tokenizer and the tasks into ``folder`` (run where they are installed):
+    ``boolq`` writes one BoolQ-shaped task of ``n`` instances (the paper's prompt lengths),
+    ``demo`` the demo tasks, ``n`` instances in all."""
+    from layerdiv.demo import DEMO_MODEL, DEMO_TASKS, write_demo_tasks
+    from layerdiv.extract.batching import tokenize
     from layerdiv.extract.models import load_tokenizer, resolve_source
+    from layerdiv.extract.tasks import instances, load_task
 
     tokenizer = load_tokenizer(resolve_source(DEMO_MODEL, None, None, False))
     tokenizer.save_pretrained(folder / "tokenizer")
-    write_demo_tasks(folder / "tasks", n, seed=0)
+    if prompts == "boolq":
+        tasks = [write_boolq_shaped(folder / "tasks", n)]
+    else:
+        tasks = write_demo_tasks(folder / "tasks", n // len(DEMO_TASKS), seed=0)
+    for path in tasks:
+        spec = load_task(str(path))
+        prompts_ = [i.prompt for i in instances(spec, spec.n)]
+        lengths = [len(x) for x in tokenize(tokenizer, prompts_, 1 << 20)[0]]
+        print(
+            f"{spec.name}: {len(lengths)} prompts, tokens mean {statistics.mean(lengths):.0f}, "
+            f"max {max(lengths)}"
+        )
     print(f"assets in {folder}")
 
 
@@ -181,14 +252,20 @@ def bench_model(name: str, assets: Path, peak: float, rounds: int, plain_batch: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prepare", type=Path, help="write assets into this folder and stop")
-    parser.add_argument("--n", type=int, default=600, help="instances per demo task (--prepare)")
+    parser.add_argument("--n", type=int, default=1800, help="prompts in all (--prepare)")
+    parser.add_argument(
+        "--prompts",
+        choices=["boolq", "demo"],
+        default="boolq",
+        help="--prepare: BoolQ-shaped prompts (about 150 tokens, the paper's) or the demo tasks",
+    )
     parser.add_argument("--assets", type=Path, default=Path(".bench"))
     parser.add_argument("--models", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--plain-batch", type=int, default=64)
     args = parser.parse_args()
     if args.prepare:
-        prepare(args.prepare, args.n)
+        prepare(args.prepare, args.n, args.prompts)
         return
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")

@@ -4,8 +4,9 @@
 
 Measures the bytes per component-option row of the ``components`` table and per instance of the
 ``instances`` table on a synthetic store (``analyze/synthetic.py``: random logits, which compress
-like real ones) and on each real store given, then prints the rows and bytes of study sizes at
-the largest measured bytes per row (the README's "Scale of a store").
+like real ones) and on each real store given, the bytes per instance of every table each real
+store holds, then the rows and bytes of study sizes at the largest measured bytes per row (the
+README's "Scale of a store").
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import yaml
 
 import layerdiv.tasks
 from layerdiv.analyze.synthetic import synthesize_store
+from layerdiv.schemas import TABLES
 from layerdiv.store import Store
 
 TASKS = Path(layerdiv.tasks.__file__).parent
@@ -58,6 +60,14 @@ def measure(root: Path) -> tuple[float, float, int]:
     return per_row, per_instance, rows
 
 
+def table_bytes(root: Path) -> dict[str, float]:
+    """Bytes per instance of every table the store holds (file sizes over the instances)."""
+    parts = Store(root).partitions
+    n = sum(pq.ParquetFile(f).metadata.num_rows for p in parts for f in p.files("instances"))
+    sizes = {t: sum(f.stat().st_size for p in parts for f in p.files(t)) for t in TABLES}
+    return {t: size / n for t, size in sizes.items() if size}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--store", action="append", default=[], help="a real store to measure")
@@ -73,6 +83,13 @@ def main() -> None:
     print("| --- | --: | --: | --: |")
     for name, per_row, per_instance, rows in measured:
         print(f"| {name} | {rows:,} | {per_row:.2f} | {per_instance:.1f} |")
+    print("\nBytes per instance of each table (a table the store lacks is empty):\n")
+    print("| store | " + " | ".join(TABLES) + " |")
+    print("| --- |" + " --: |" * len(TABLES))
+    for root in args.store:
+        sizes = table_bytes(Path(root))
+        cells = [f"{sizes[t]:,.0f}" if t in sizes else "" for t in TABLES]
+        print(f"| {root} | " + " | ".join(cells) + " |")
     per_row = max(m[1] for m in measured)
     print(f"\nStudies at {per_row:.2f} bytes per component-option row and {PAPER_OPTIONS} options")
     print("per task (the paper's):\n")

@@ -47,6 +47,19 @@ CLAIMS_DIR = "claims"
 """Folder (beside ``manifest.json``) of the chunk claim lock files."""
 
 
+def dictionary_columns(schema: pa.Schema) -> list[str]:
+    """The columns worth dictionary-encoding in Parquet: all but the floating-point ones (and
+    lists of them), whose values rarely repeat, so that a dictionary only adds its indices (it
+    made the ``gram`` table 48% larger than its raw floats)."""
+
+    def floating(kind: pa.DataType) -> bool:
+        return pa.types.is_floating(kind) or (
+            pa.types.is_list(kind) and pa.types.is_floating(kind.value_type)
+        )
+
+    return [f.name for f in schema if not floating(f.type)]
+
+
 class StoreConflict(LayerdivError, RuntimeError):
     """The partition holds another extraction, or data that cannot be trusted."""
 
@@ -270,4 +283,5 @@ class PartitionWriter:
                 tmp,
                 compression="zstd",
                 row_group_size=1 << 20,
+                use_dictionary=dictionary_columns(schema),
             )

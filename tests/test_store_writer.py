@@ -21,7 +21,7 @@ from layerdiv.store import Store
 from layerdiv.store.atomic import atomic_path, is_stale_temp, temp_path, write_bytes
 from layerdiv.store.manifest import read_manifest
 from layerdiv.store.paths import OverlappingParts, list_partitions
-from layerdiv.store.writer import PartitionWriter, StoreConflict, Verdict
+from layerdiv.store.writer import PartitionWriter, StoreConflict, Verdict, dictionary_columns
 
 N, CHUNK = 12, 4
 
@@ -131,6 +131,25 @@ def test_optional_tables_are_written_first_and_backfilled(tmp_path: Path) -> Non
     writer.write_chunk(12, 4, {"instances": chunk["instances"], "gram": gram([12, 13, 14, 15]),
                                "components": chunk["components"]})  # fmt: skip
     assert order == ["gram", "components", "instances"]
+
+
+def test_float_columns_are_not_dictionary_encoded(tmp_path: Path) -> None:
+    writer = synthetic(tmp_path)
+    assert dictionary_columns(GRAM) == ["instance"]
+    n, values = 64, 1891  # a Gram triangle of 61 components
+    rows = np.random.default_rng(1).normal(size=(n, values)).astype(np.float32)
+    table = pa.table({"instance": pa.array(range(n), pa.int32()), "gram": list(rows)}, schema=GRAM)
+    writer.write_table_part("gram", 0, n, table)
+    path = writer.part.part("gram", 0, n)
+    meta = pq.ParquetFile(path).metadata.row_group(0)
+    encodings = {meta.column(i).path_in_schema: meta.column(i).encodings for i in range(2)}
+    assert not any("DICTIONARY" in e for e in encodings["gram.list.element"])
+    # noise does not compress: the file holds the raw floats and little else (a dictionary
+    # made it about 1.5 times as large)
+    assert path.stat().st_size < 1.05 * rows.nbytes
+    assert np.array_equal(
+        np.stack(pq.read_table(path)["gram"].to_numpy(zero_copy_only=False)), rows
+    )
 
 
 def test_unreadable_parts_are_not_counted_done(tmp_path: Path) -> None:
