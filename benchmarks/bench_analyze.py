@@ -58,6 +58,11 @@ def ensure_store(root: Path, models: int, tasks: int, instances: int) -> int:
     return rows
 
 
+def store_mb(root: Path) -> float:
+    """Megabytes (10^6 bytes) of Parquet in the store."""
+    return sum(f.stat().st_size for f in root.rglob("*.parquet")) / 1e6
+
+
 def timed(label: str, args: list[str]) -> tuple[str, float, float]:
     """Run ``layerdiv ARGS`` in a fresh process; (label, wall seconds, peak RSS in MiB)."""
     start = time.perf_counter()
@@ -108,6 +113,7 @@ def scaling(args: argparse.Namespace, scales: list[int]) -> None:
                 f"analyze x{scale}", ["analyze", "--store", str(root), "--out", f"{tmp}/x{scale}"]
             )
             runs.append((scale, rows, wall, peak))
+            print(f"x{scale}: {store_mb(root):,.0f} MB of Parquet")
     print(f"\nlayerdiv analyze, {args.tasks} tasks x {args.instances:,} instances per model")
     print(
         f"{'scale':>5}  {'models':>6}  {'rows':>13}  {'wall (s)':>9}  {'peak RSS (MiB)':>14}  "
@@ -186,8 +192,9 @@ def main() -> None:
             ),
         ]
     print(
-        f"\nstore: {rows:,} component-option rows, {args.models} models x {args.tasks} tasks x "
-        f"{args.instances:,} instances; {os.cpu_count()} CPU cores"
+        f"\nstore: {rows:,} component-option rows ({store_mb(args.store):,.0f} MB of Parquet), "
+        f"{args.models} models x {args.tasks} tasks x {args.instances:,} instances; "
+        f"{os.cpu_count()} CPU cores"
     )
     width = max(len(r[0]) for r in results)
     print(f"{'step':<{width}}  {'wall (s)':>9}  {'peak RSS (MiB)':>14}")

@@ -5,7 +5,7 @@ Writes the demo tasks (``--n`` instances each), then extracts them into fresh st
 turn with the model loaded once, timed by wall clock and CPU time of the process (tokenization
 and writing included):
 
-- plain ``layerdiv extract``;
+- plain ``layerdiv extract`` (``--rounds`` times, the median: every ratio is over it);
 - ``--gram``: its time and the Gram table's bytes per instance on disk and in memory;
 - ``--skips``: its time as a multiple of the plain extraction, against the target
   (blocks + 2) / 2 of a prefix-reusing implementation (the full pass, then on average half a
@@ -15,13 +15,14 @@ and writing included):
 Then prints what the depth tables show per task (METHODS.md section 7): the update-size exponent
 beta, first / second half means of the geometry, and the skip effects by half.
 
-    python benchmarks/bench_depth.py [--n 60] [--tasks tweets2,bbc5]
+    python benchmarks/bench_depth.py [--n 60] [--tasks tweets2,bbc5] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -58,6 +59,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=60, help="instances per demo task")
     parser.add_argument("--tasks", default="tweets2,tweets3,bbc5")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="plain extractions timed (the median is shown)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -67,10 +71,15 @@ def main() -> None:
         source = resolve_source(DEMO_MODEL, None, None, False)
         loaded = load_model(source, load_tokenizer(source), torch.device("cpu"), torch.float32)
         timed_extract(loaded, root / "warm", tasks[:1])
-        plain = timed_extract(loaded, root / "plain", tasks)
+        # the short plain run is the denominator of every ratio: the median of several
+        runs = [timed_extract(loaded, root / f"plain{r}", tasks) for r in range(args.rounds)]
+        plain = (
+            statistics.median(wall for wall, _ in runs),
+            statistics.median(cpu for _, cpu in runs),
+        )
         gram = timed_extract(loaded, root / "gram", tasks, gram=True)
         skips = timed_extract(loaded, root / "skips", tasks, skips=True)
-        backfill = timed_extract(loaded, root / "plain", tasks, skips=True)
+        backfill = timed_extract(loaded, root / "plain0", tasks, skips=True)
         store = Store(root / "skips")
         info = store.partitions[0]
         blocks = 1 + max(c.layer for c in info.manifest.components)
@@ -82,10 +91,12 @@ def main() -> None:
             f"\n{DEMO_MODEL}: {blocks} blocks, {n_comp} components; {n_inst} instances "
             f"({', '.join(Path(t).stem for t in tasks)}); {os.cpu_count()} CPU cores, fp32"
         )
+        rounds = ", ".join(f"{wall:.1f}/{cpu:.1f}" for wall, cpu in runs)
+        print(f"plain extraction, each round (wall/CPU s): {rounds}")
         print(f"{'run':<44}{'wall s':>8}{'CPU s':>8}{'CPU x plain':>12}")
         target = (blocks + 2) / 2
         for label, (wall, cpu) in (
-            ("layerdiv extract", plain),
+            (f"layerdiv extract (median of {args.rounds})", plain),
             ("layerdiv extract --gram", gram),
             (f"layerdiv extract --skips (target x{target:.1f})", skips),
             ("--skips added to the plain store (backfill)", backfill),
