@@ -17,7 +17,7 @@ import polars as pl
 
 from layerdiv.analyze.decomposition import instance_curves
 from layerdiv.analyze.options import Estimator, Lens
-from layerdiv.analyze.registry import Context, registered
+from layerdiv.analyze.registry import Context, partition_engine, registered
 from layerdiv.analyze.spill import Spill
 from layerdiv.store import Store
 
@@ -100,6 +100,7 @@ class Results:
         return write_tables({**self.by_name, **self.spill.tables()}, out, fmt, settings)
 
 
+@partition_engine
 def analyze(
     store: StoreLike,
     models: Iterable[str] = (),
@@ -129,15 +130,12 @@ def analyze(
         notes=[],
     )
     tables = {"manifests": st.manifests(models, tasks).filter(pl.col("n_done") > 0)}
-    # Analyses query one partition at a time: frames of a few MB, on which Polars' in-memory
-    # engine is faster than its streaming one (its default).
-    with pl.Config(engine_affinity="in-memory"):
-        for analysis in registered():
-            new = analysis.tables(ctx, MappingProxyType(dict(tables)))
-            clash = sorted(set(new) & (set(tables) | set(ctx.spill.tables())))
-            if clash:
-                raise ValueError(f"analysis {analysis.name!r} returns tables that exist: {clash}")
-            tables.update(new)
+    for analysis in registered():
+        new = analysis.tables(ctx, MappingProxyType(dict(tables)))
+        clash = sorted(set(new) & (set(tables) | set(ctx.spill.tables())))
+        if clash:
+            raise ValueError(f"analysis {analysis.name!r} returns tables that exist: {clash}")
+        tables.update(new)
     return Results(tables, lens, min_params, ctx.notes, st.problems(models, tasks), ctx.spill)
 
 
@@ -149,6 +147,7 @@ def scores(
     return analyze(store, models, tasks, lens).scores
 
 
+@partition_engine
 def junction_curves(
     store: StoreLike, models: Iterable[str] = (), tasks: Iterable[str] = (), lens: Lens = "final"
 ) -> pl.DataFrame:

@@ -769,6 +769,16 @@ def test_results_name_every_table(chunked: Path) -> None:
         results.nosuch  # noqa: B018
 
 
+def test_analyses_run_on_the_in_memory_engine_and_leave_the_setting_alone() -> None:
+    @reg.partition_engine
+    def affinity() -> str | None:
+        return pl.Config.state().get("POLARS_ENGINE_AFFINITY")
+
+    with pl.Config(engine_affinity="streaming"):
+        assert [affinity(), affinity()] == ["in-memory", "in-memory"]  # every call
+        assert pl.Config.state()["POLARS_ENGINE_AFFINITY"] == "streaming"
+
+
 # --- no torch ------------------------------------------------------------------------------
 
 

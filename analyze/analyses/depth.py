@@ -41,7 +41,13 @@ from scipy import stats as sps
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import fmt, markdown_table
-from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
+from layerdiv.analyze.registry import (
+    Analysis,
+    Context,
+    ReportContext,
+    partition_engine,
+    register,
+)
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import gram_index
 from layerdiv.store import PartitionInfo, Store
@@ -501,6 +507,7 @@ def _open(
     return st.select(list(models), list(tasks))
 
 
+@partition_engine
 def geometry(
     store: Store | str | Path, models: Iterable[str] = (), tasks: Iterable[str] = ()
 ) -> dict[str, pl.DataFrame]:
@@ -514,6 +521,7 @@ def geometry(
     return tables
 
 
+@partition_engine
 def skip_effects(
     store: Store | str | Path, models: Iterable[str] = (), tasks: Iterable[str] = ()
 ) -> pl.DataFrame:

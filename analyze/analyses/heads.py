@@ -33,7 +33,13 @@ from layerdiv.analyze.analyses.paper import tagged
 from layerdiv.analyze.decomposition import argmax, load_wide, with_softmax
 from layerdiv.analyze.markdown import DASH, fmt, markdown_table
 from layerdiv.analyze.options import ESTIMATORS
-from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
+from layerdiv.analyze.registry import (
+    Analysis,
+    Context,
+    ReportContext,
+    partition_engine,
+    register,
+)
 from layerdiv.store import PartitionInfo, Store, StoreError
 
 HOW_TO_EXTRACT = (
@@ -531,6 +537,7 @@ TABLES: dict[str, dict[str, type[pl.DataType] | pl.DataType]] = {
 """Column types of every table of this module (the empty tables when nothing applies)."""
 
 
+@partition_engine
 def head_scores(
     store: Store | str | Path, models: Iterable[str] = (), tasks: Iterable[str] = ()
 ) -> pl.DataFrame:
