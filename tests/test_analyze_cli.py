@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -777,6 +778,19 @@ def test_analyses_run_on_the_in_memory_engine_and_leave_the_setting_alone() -> N
     with pl.Config(engine_affinity="streaming"):
         assert [affinity(), affinity()] == ["in-memory", "in-memory"]  # every call
         assert pl.Config.state()["POLARS_ENGINE_AFFINITY"] == "streaming"
+
+
+def test_map_partitions_keeps_the_order_and_runs_them_at_once() -> None:
+    finished: list[int] = []
+
+    def slow_first(i: int) -> int:
+        time.sleep(0.3 if i == 0 else 0.0)
+        finished.append(i)
+        return i * i
+
+    parts = list(range(2 * reg.PARTITION_WORKERS))
+    assert reg.map_partitions(slow_first, parts) == [i * i for i in parts]
+    assert finished[-1] == 0  # the others ran while the first one slept, yet it comes first
 
 
 # --- no torch ------------------------------------------------------------------------------

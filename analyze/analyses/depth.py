@@ -45,6 +45,7 @@ from layerdiv.analyze.registry import (
     Analysis,
     Context,
     ReportContext,
+    map_partitions,
     partition_engine,
     register,
 )
@@ -424,31 +425,26 @@ def _skip_table(info: PartitionInfo) -> pl.DataFrame:
     return _tag(_skip_summary(skip_rows(info), n_layers), info)
 
 
-def _partition_tables(
-    info: PartitionInfo, lacking: dict[str, list[PartitionInfo]]
-) -> dict[str, pl.DataFrame]:
-    """The tables one partition can give; what it lacks is recorded in ``lacking``."""
+def _partition_tables(info: PartitionInfo) -> tuple[dict[str, pl.DataFrame], list[str]]:
+    """The tables one partition can give, and what it lacks (``gram``, ``skips``, ``cos_prev``,
+    ``norms``, ``blocks``)."""
     extra, out = set(info.manifest.extra_tables), {}
-    for table in ("gram", "skips"):
-        if table not in extra:
-            lacking.setdefault(table, []).append(info)
+    lacks = [table for table in ("gram", "skips") if table not in extra]
     if "skips" in extra:
         out["skip_effects"] = _skip_table(info)
     block_keys = ["block", "layer", "relative_depth"]
     if "gram" in extra:
         out["gram_blocks"] = _tag(_summary(gram_block_rows(info), GRAM_ANGLES, block_keys), info)
     if not _has_cos_prev(info):
-        lacking.setdefault("cos_prev", []).append(info)
-        return out
+        return out, [*lacks, "cos_prev"]
     if not _exact_norms(info):
-        lacking.setdefault("norms", []).append(info)
+        lacks.append("norms")
     rows = component_rows(info)
     labels = component_map(info)
     geometry = labels.drop("block").join(_summary(rows, GEOMETRY), on="component")
     out["geometry"] = _tag(geometry, info)
     if not paired_blocks(info):
-        lacking.setdefault("blocks", []).append(info)
-        return out
+        return out, [*lacks, "blocks"]
     # a block's row is its MLP component's: label it with the block's number and depth
     n_blocks = int(labels["block"].max())  # type: ignore[arg-type]
     block_labels = labels.select(
@@ -456,7 +452,7 @@ def _partition_tables(
     )
     blocks = block_labels.join(_summary(block_rows(rows), BLOCK_GEOMETRY), on="component")
     out["geometry_blocks"] = _tag(blocks.drop("component"), info)
-    return out
+    return out, lacks
 
 
 def depth_tables(parts: list[PartitionInfo], notes: list[str]) -> dict[str, pl.DataFrame]:
@@ -469,8 +465,10 @@ def depth_tables(parts: list[PartitionInfo], notes: list[str]) -> dict[str, pl.D
 
     lacking: dict[str, list[PartitionInfo]] = {}
     frames: dict[str, list[pl.DataFrame]] = {}
-    for info in parts:
-        for name, frame in _partition_tables(info, lacking).items():
+    for info, (out, lacks) in zip(parts, map_partitions(_partition_tables, parts), strict=True):
+        for name in lacks:
+            lacking.setdefault(name, []).append(info)
+        for name, frame in out.items():
             frames.setdefault(name, []).append(frame)
     tables = {name: pl.concat(found) for name, found in frames.items()}
     if "geometry" in tables:
