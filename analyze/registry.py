@@ -8,8 +8,9 @@ registration order, and each gets the tables of those before it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -95,13 +96,19 @@ PARTITION_WORKERS = 4
 """Partitions an analysis works on at once (:func:`map_partitions`)."""
 
 
-def map_partitions(fn: Callable[[P], T], parts: Sequence[P]) -> list[T]:
-    """``[fn(p) for p in parts]``, in that order, with :data:`PARTITION_WORKERS` partitions at
-    a time in threads: one partition's queries are small and leave cores idle, and Polars and
-    Parquet reading release the GIL (README, "Analysis at paper scale"). Memory holds that many
-    partitions' working sets."""
+def map_partitions(fn: Callable[[P], T], parts: Iterable[P]) -> Iterator[T]:
+    """``fn(p) for p in parts``, yielded in that order, with :data:`PARTITION_WORKERS` partitions
+    at a time in threads: one partition's queries are small and leave cores idle, and Polars and
+    Parquet reading release the GIL (README, "Analysis at paper scale"). At most that many
+    results wait to be taken, so memory holds a bounded number of partitions' working sets."""
     with ThreadPoolExecutor(PARTITION_WORKERS) as pool:
-        return list(pool.map(fn, parts))
+        running: deque[Future[T]] = deque()
+        for part in parts:
+            running.append(pool.submit(fn, part))
+            if len(running) == PARTITION_WORKERS:
+                yield running.popleft().result()
+        while running:
+            yield running.popleft().result()
 
 
 _REGISTRY: dict[str, Analysis] = {}

@@ -780,17 +780,22 @@ def test_analyses_run_on_the_in_memory_engine_and_leave_the_setting_alone() -> N
         assert pl.Config.state()["POLARS_ENGINE_AFFINITY"] == "streaming"
 
 
-def test_map_partitions_keeps_the_order_and_runs_them_at_once() -> None:
+def test_map_partitions_keeps_the_order_runs_them_at_once_and_bounds_what_waits() -> None:
+    started: list[int] = []
     finished: list[int] = []
 
     def slow_first(i: int) -> int:
+        started.append(i)
         time.sleep(0.3 if i == 0 else 0.0)
         finished.append(i)
         return i * i
 
-    parts = list(range(2 * reg.PARTITION_WORKERS))
-    assert reg.map_partitions(slow_first, parts) == [i * i for i in parts]
+    workers = reg.PARTITION_WORKERS
+    results = reg.map_partitions(slow_first, range(3 * workers))
+    assert next(results) == 0
     assert finished[-1] == 0  # the others ran while the first one slept, yet it comes first
+    assert len(started) <= workers  # no more submitted than can be waited on
+    assert list(results) == [i * i for i in range(1, 3 * workers)]
 
 
 # --- no torch ------------------------------------------------------------------------------

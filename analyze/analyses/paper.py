@@ -18,7 +18,13 @@ from layerdiv.analyze.decomposition import partition_scores
 from layerdiv.analyze.markdown import DASH, Cells, fmt, markdown_table, model_task_table
 from layerdiv.analyze.metrics import ACCURACY, CORRELATED, METRICS
 from layerdiv.analyze.options import ESTIMATORS
-from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
+from layerdiv.analyze.registry import (
+    Analysis,
+    Context,
+    ReportContext,
+    map_partitions,
+    register,
+)
 from layerdiv.schemas import COMPONENT_KINDS
 from layerdiv.store import PartitionInfo
 
@@ -54,19 +60,16 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     :class:`~layerdiv.analyze.api.Results` for each table's columns). ``instance_scores`` goes to
     ``ctx.spill`` partition by partition; only per-partition aggregates stay in memory."""
     manifests = prior["manifests"]
-    bar = tqdm(
-        ctx.parts, desc="analysing", unit="partition", disable=None if ctx.progress else True
-    )
-    kept: dict[str, list[pl.DataFrame]] = {}
-    for info in bar:  # partitions come sorted by (model, task): so are the gathered tables
+
+    def reduce(info: PartitionInfo) -> tuple[pl.DataFrame, dict[str, pl.DataFrame]]:
+        """The partition's instance scores (to spill) and the aggregates kept of it."""
         scores = partition_scores(info, ctx.lens)
         instances = scores.instances.sort("estimator", "instance")
-        ctx.spill.append("instance_scores", tagged(instances, info))
         n_options = manifests.filter(
             (pl.col("model") == info.model) & (pl.col("task") == info.task)
         ).select("model", "task", "n_options")
         info_curves = stats.information_curves(tagged(scores.prefix_preds, info), n_options)
-        frames = {
+        return tagged(instances, info), {
             "curves": tagged(scores.curves, info),
             "modules": tagged(scores.modules, info),
             "counts": tagged(
@@ -83,6 +86,17 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
                 info_curves, tagged(scores.component_preds, info)
             ),
         }
+
+    kept: dict[str, list[pl.DataFrame]] = {}
+    # partitions come sorted by (model, task) and results in their order: so are the tables
+    for instances, frames in tqdm(
+        map_partitions(reduce, ctx.parts),
+        total=len(ctx.parts),
+        desc="analysing",
+        unit="partition",
+        disable=None if ctx.progress else True,
+    ):
+        ctx.spill.append("instance_scores", instances)
         for name, frame in frames.items():
             kept.setdefault(name, []).append(frame)
 
