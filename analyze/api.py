@@ -78,15 +78,15 @@ class Results:
         tables = self.__dict__.get("by_name", {})
         if name in tables:
             return tables[name]
-        spilled = self.__dict__["spill"].tables() if "spill" in self.__dict__ else {}
-        if name in spilled:
-            return spilled[name].collect()
-        every = ", ".join([*tables, *spilled])
+        spill = self.__dict__.get("spill")
+        if spill is not None and name in spill.names():
+            return spill.tables()[name].collect()
+        every = ", ".join([*tables, *(spill.names() if spill is not None else [])])
         raise AttributeError(f"no result table {name!r}; the tables are {every}")
 
     def names(self) -> list[str]:
         """The name of every result table (those in memory, then the spilled ones)."""
-        return [*self.by_name, *self.spill.tables()]
+        return [*self.by_name, *self.spill.names()]
 
     def tables(self) -> dict[str, pl.DataFrame]:
         """Every result table by name, the spilled ones read into memory."""
@@ -132,7 +132,7 @@ def analyze(
     tables = {"manifests": st.manifests(models, tasks).filter(pl.col("n_done") > 0)}
     for analysis in registered():
         new = analysis.tables(ctx, MappingProxyType(dict(tables)))
-        clash = sorted(set(new) & (set(tables) | set(ctx.spill.tables())))
+        clash = sorted(set(new) & (set(tables) | set(ctx.spill.names())))
         if clash:
             raise ValueError(f"analysis {analysis.name!r} returns tables that exist: {clash}")
         tables.update(new)

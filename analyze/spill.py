@@ -32,6 +32,10 @@ class Spill:
         frame.write_parquet(path)
         files.append(path)
 
+    def names(self) -> list[str]:
+        """The tables, in the order of their first part."""
+        return list(self._files)
+
     def tables(self) -> dict[str, pl.LazyFrame]:
         """Every table, its parts in the order they were appended (valid while this object
         lives)."""
