@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import click
 
 from layerdiv import __version__
 from layerdiv.analyze.options import ESTIMATORS, FORMATS, LENSES
-from layerdiv.errors import LayerdivError
+from layerdiv.errors import LayerdivError, LayerdivWarning
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig
 from layerdiv.extract.launchers import Shard, parse_shard, pick_device
 
@@ -58,7 +59,9 @@ class _Main(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
+            with warnings.catch_warnings():  # the commands print the analyses' notes themselves
+                warnings.simplefilter("ignore", LayerdivWarning)
+                return super().invoke(ctx)
         except Exception as err:
             message = user_error(err)
             if message is None:
@@ -395,15 +398,7 @@ def analyze_command(
     refuse_inside(out, store)
     options = {"reweight": reweight}
     results = analyze(store, models, tasks, lens, min_params, progress=True, options=options)
-    settings = {
-        "store": store,
-        "models": list(models),
-        "tasks": list(tasks),
-        "lens": lens,
-        "min_params": min_params,
-        **options,
-    }
-    results.write(out, fmt, settings)
+    results.write(out, fmt)
     click.echo(f"wrote {len(results.names())} tables ({fmt}) to {out}")
     for note in results.notes:
         click.echo(note)

@@ -8,3 +8,8 @@ shows a traceback for it.
 
 class LayerdivError(Exception):
     """Bad input or data that cannot be trusted: the message says what is wrong and what to do."""
+
+
+class LayerdivWarning(UserWarning):
+    """Something an analysis could not compute (a table left empty, rows filtered out): the
+    message says why and how to get it. ``Results.notes`` keeps the same lines."""

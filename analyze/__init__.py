@@ -45,6 +45,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'layerdiv.analyze' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
 __all__ = [
     "ESTIMATORS",
     "LENSES",

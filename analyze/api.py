@@ -1,13 +1,18 @@
 """The Python API of the analysis stage: every table of the paper from a store, as Polars frames.
 
->>> from layerdiv.analyze import analyze, scores
->>> results = analyze("layerdiv-store", tasks=["sst2"])     # doctest: +SKIP
->>> results.scores                                          # doctest: +SKIP
+>>> import layerdiv
+>>> results = layerdiv.run_analysis(path, tasks="boolq")
+>>> results.scores.select("model", "estimator", "accuracy").shape
+(4, 3)
+>>> layerdiv.analyze.task_summary(results).columns[:4]
+['model', 'task', 'n_instances', 'n_components']
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import html
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -16,17 +21,29 @@ from typing import Any
 import polars as pl
 
 from layerdiv.analyze.decomposition import instance_curves
-from layerdiv.analyze.options import Estimator, Lens
+from layerdiv.analyze.options import ESTIMATORS, FORMATS, LENSES, Estimator, Lens
 from layerdiv.analyze.registry import Context, partition_engine, registered
 from layerdiv.analyze.spill import Spill
+from layerdiv.errors import LayerdivError, LayerdivWarning
 from layerdiv.store import Store
+from layerdiv.store.location import is_url
+from layerdiv.store.reader import Names, as_names
 
 StoreLike = Store | str | Path
+
+
+class AnalysisError(LayerdivError, ValueError):
+    """An analysis asked for with an unknown option, estimator, lens or table."""
 
 
 def open_store(store: StoreLike) -> Store:
     """A checked :class:`Store` (a path is opened; raises ``StoreError`` on bad input)."""
     return store if isinstance(store, Store) else Store(store)
+
+
+def _choice(what: str, value: Any, allowed: Any) -> None:
+    if value not in allowed:
+        raise AnalysisError(f"unknown {what} {value!r}: use one of {', '.join(map(str, allowed))}")
 
 
 @dataclass
@@ -43,8 +60,8 @@ class Results:
     - ``instance_scores``: per (model, task, estimator, instance): gold, pred, correct, mse, bias,
       diversity (spilled: kept on disk, read when asked for).
     - ``curves``: per (model, task, estimator, j): accuracy, mse, bias, diversity of the first j
-      components (means over instances), relative_depth j / L, and the name and kind of
-      component j (section 3).
+      components (means over instances), relative_depth j / L, and the index (``component`` =
+      j - 1, as in the store), name and kind of component j (section 3).
     - ``modules``: per (model, task, estimator, kind X): n_components |X|, bias and diversity
       (means over instances and the components of kind X), bias_share, diversity_share (Eqs. 9-10).
     - ``correlations``: per (model, task, estimator, metric, method): r, p, significant
@@ -73,6 +90,9 @@ class Results:
     """One line per unreadable partition that was left out (``Store.problems``)."""
     spill: Spill = field(default_factory=Spill, repr=False)
     """The spilled tables (their folder is removed with these results)."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """How they were computed (store, models, tasks, lens, min_params, options): what
+    :meth:`write` records in the folder's index."""
 
     def __getattr__(self, name: str) -> pl.DataFrame:
         tables = self.__dict__.get("by_name", {})
@@ -84,6 +104,45 @@ class Results:
         every = ", ".join([*tables, *(spill.names() if spill is not None else [])])
         raise AttributeError(f"no result table {name!r}; the tables are {every}")
 
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *self.names()})
+
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """(rows, columns) of every result table (the spilled ones counted without reading
+        them)."""
+        from layerdiv.analyze.output import n_rows
+
+        lazy = self.spill.tables()
+        return {
+            **{n: f.shape for n, f in self.by_name.items()},
+            **{n: (n_rows(f), len(f.collect_schema())) for n, f in lazy.items()},
+        }
+
+    def __repr__(self) -> str:
+        shapes = self.shapes()
+        width = max(map(len, shapes), default=0)
+        lines = [
+            f"Results(lens={self.lens!r}, min_params={self.min_params:g}): {len(shapes)} tables",
+            *(f"  {n:<{width}}  {r:>8,} x {c}" for n, (r, c) in shapes.items()),
+            *(f"note: {line}" for line in self.notes),
+            *(f"left out: {line}" for line in self.problems),
+        ]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><td><code>{html.escape(n)}</code></td><td>{r:,}</td><td>{c}</td></tr>"
+            for n, (r, c) in self.shapes().items()
+        )
+        notes = "".join(f"<li>{html.escape(line)}</li>" for line in [*self.notes, *self.problems])
+        return (
+            f"<p><b>Results</b> (lens <code>{html.escape(self.lens)}</code>, min_params "
+            f"{self.min_params:g}): {len(self.names())} tables, each an attribute "
+            "(<code>results.scores</code>)</p>"
+            f"<table><tr><th>table</th><th>rows</th><th>columns</th></tr>{rows}</table>"
+            + (f"<p>Notes:</p><ul>{notes}</ul>" if notes else "")
+        )
+
     def names(self) -> list[str]:
         """The name of every result table (those in memory, then the spilled ones)."""
         return [*self.by_name, *self.spill.names()]
@@ -92,34 +151,59 @@ class Results:
         """Every result table by name, the spilled ones read into memory."""
         return {**self.by_name, **{k: v.collect() for k, v in self.spill.tables().items()}}
 
-    def write(self, out: str | Path, fmt: str, settings: Mapping[str, Any]) -> Path:
-        """Write every table as ``<out>/<name>.<fmt>`` (what ``layerdiv analyze`` does), the
-        spilled ones streamed from their files (:func:`~layerdiv.analyze.output.write_tables`)."""
-        from layerdiv.analyze.output import write_tables
+    def write(
+        self, out: str | Path, fmt: str = FORMATS[0], settings: Mapping[str, Any] | None = None
+    ) -> Path:
+        """Write every table as ``<out>/<name>.<fmt>`` with an index of how they were made
+        (``settings``, default :attr:`settings`), all at once: what ``layerdiv analyze`` does,
+        the spilled tables streamed from their files
+        (:func:`~layerdiv.analyze.output.write_tables`). Refuses (``OutputError``) a folder
+        inside the analysed store, and one that holds anything but an earlier result."""
+        from layerdiv.analyze.output import refuse_inside, write_tables
 
-        return write_tables({**self.by_name, **self.spill.tables()}, out, fmt, settings)
+        out = Path(out).expanduser()
+        store = self.settings.get("store")
+        if store is not None and not is_url(store):
+            refuse_inside(out, store)
+        tables: dict[str, pl.DataFrame | pl.LazyFrame] = {**self.by_name, **self.spill.tables()}
+        return write_tables(tables, out, fmt, self.settings if settings is None else settings)
 
 
 @partition_engine
 def analyze(
     store: StoreLike,
-    models: Iterable[str] = (),
-    tasks: Iterable[str] = (),
+    models: Names = (),
+    tasks: Names = (),
     lens: Lens = "final",
     min_params: float = 0,
     progress: bool = False,
     options: Mapping[str, Any] | None = None,
 ) -> Results:
     """Run every registered analysis (:func:`~layerdiv.analyze.registry.registered`) on the
-    selected partitions.
+    selected partitions (``layerdiv.run_analysis``).
 
-    ``models`` (hub ids or slugs) and ``tasks`` filter the store (empty = all); ``lens`` is
-    ``final`` or ``prefix`` (METHODS.md 3); ``min_params`` restricts the depth-efficiency tables
-    to models with at least that many parameters (the paper's Fig. 6 uses 1e9); ``options`` are
-    analysis-specific switches. Unreadable partitions outside the filters are left out and listed
-    in ``Results.problems``."""
+    ``models`` (hub ids or slugs) and ``tasks`` filter the store (a name or a list; empty = all);
+    ``lens`` is ``final`` or ``prefix`` (METHODS.md 3); ``min_params`` restricts the
+    depth-efficiency tables to models with at least that many parameters (the paper's Fig. 6 uses
+    1e9); ``options`` are analysis-specific switches (e.g. ``{"reweight": True}``). Unknown
+    names and options raise a ``LayerdivError`` listing the known ones. What could not be
+    computed is in ``Results.notes`` and is also warned (``LayerdivWarning``); unreadable
+    partitions outside the filters are left out and listed in ``Results.problems``.
+
+    >>> results = analyze(path, models="org/small", tasks=["boolq", "mnli"])
+    >>> sorted(results.scores["task"].unique())
+    ['boolq', 'mnli']
+    >>> analyze(path, options={"reweigth": True})
+    Traceback (most recent call last):
+    layerdiv.analyze.api.AnalysisError: unknown option 'reweigth': use one of reweight
+    """
+    _choice("lens", lens, LENSES)
+    analyses = registered()
+    known = {k: v for a in analyses for k, v in a.options.items()}
+    for key in options or {}:
+        _choice("option", key, known)
     st = open_store(store)
-    models, tasks = list(models), list(tasks)
+    models, tasks = as_names(models), as_names(tasks)
     ctx = Context(
         store=st,
         parts=st.select(models, tasks),
@@ -130,17 +214,28 @@ def analyze(
         notes=[],
     )
     tables = {"manifests": st.manifests(models, tasks).filter(pl.col("n_done") > 0)}
-    for analysis in registered():
+    for analysis in analyses:
         new = analysis.tables(ctx, MappingProxyType(dict(tables)))
         clash = sorted(set(new) & (set(tables) | set(ctx.spill.names())))
         if clash:
             raise ValueError(f"analysis {analysis.name!r} returns tables that exist: {clash}")
         tables.update(new)
-    return Results(tables, lens, min_params, ctx.notes, st.problems(models, tasks), ctx.spill)
+    for note in ctx.notes:
+        warnings.warn(note, LayerdivWarning, stacklevel=3)
+    settings = {
+        "store": str(st.root),
+        "models": models,
+        "tasks": tasks,
+        "lens": lens,
+        "min_params": min_params,
+        **dict(options or {}),
+    }
+    problems = st.problems(models, tasks)
+    return Results(tables, lens, min_params, ctx.notes, problems, ctx.spill, settings)
 
 
 def scores(
-    store: StoreLike, models: Iterable[str] = (), tasks: Iterable[str] = (), lens: Lens = "final"
+    store: StoreLike, models: Names = (), tasks: Names = (), lens: Lens = "final"
 ) -> pl.DataFrame:
     """Per (model, task, estimator): full-stack accuracy, MSE, bias and diversity with the
     majority-class baseline (``analyze(...).scores``)."""
@@ -149,7 +244,7 @@ def scores(
 
 @partition_engine
 def junction_curves(
-    store: StoreLike, models: Iterable[str] = (), tasks: Iterable[str] = (), lens: Lens = "final"
+    store: StoreLike, models: Names = (), tasks: Names = (), lens: Lens = "final"
 ) -> pl.DataFrame:
     """Per (model, task, estimator, instance, j): the layer-addition scores of every instance
     before averaging (large: N x L x 2 rows per partition)."""
@@ -164,6 +259,7 @@ def junction_curves(
 def task_summary(results: Results, estimator: Estimator = "paper") -> pl.DataFrame:
     """One row per (model, task) for people: accuracy beside the majority-class baseline, MSE,
     bias and diversity of ``estimator``, and the saturation depth of accuracy."""
+    _choice("estimator", estimator, ESTIMATORS)
     return (
         results.scores.filter(pl.col("estimator") == estimator)
         .join(
@@ -186,7 +282,7 @@ def task_summary(results: Results, estimator: Estimator = "paper") -> pl.DataFra
     )
 
 
-def ls(store: StoreLike, models: Iterable[str] = (), tasks: Iterable[str] = ()) -> pl.DataFrame:
+def ls(store: StoreLike, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
     """What the store holds: one row per (model, task) with instance counts and dates (readable
     partitions only; ``Store.problems`` lists the others)."""
     return (
@@ -206,9 +302,31 @@ def ls(store: StoreLike, models: Iterable[str] = (), tasks: Iterable[str] = ()) 
     )
 
 
-def query(
-    store: StoreLike, sql: str, models: Iterable[str] = (), tasks: Iterable[str] = ()
-) -> pl.DataFrame:
-    """Run SQL against the views ``components``, ``instances`` and ``manifests`` (DuckDB, with no
-    file-system access: see ``Store.duckdb``); the result of the last statement."""
-    return open_store(store).duckdb(models, tasks).sql(sql).pl()
+def query(store: StoreLike, sql: str, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
+    """Run SQL against the views ``components``, ``instances``, ``manifests`` and the optional
+    tables the selected partitions hold (DuckDB, with no file-system access: see
+    ``Store.duckdb``); the result of the last statement, as a Polars frame. A table or column
+    that is not there raises a ``LayerdivError`` naming the views.
+
+    >>> query(path, "SELECT task, count(*) AS n FROM instances GROUP BY task ORDER BY task")
+    shape: (2, 2)
+    ┌───────┬─────┐
+    │ task  ┆ n   │
+    │ ---   ┆ --- │
+    │ str   ┆ i64 │
+    ╞═══════╪═════╡
+    │ boolq ┆ 12  │
+    │ mnli  ┆ 12  │
+    └───────┴─────┘
+    """
+    import duckdb
+
+    st = open_store(store)
+    con = st.duckdb(models, tasks)
+    try:
+        relation = con.sql(sql)
+    except duckdb.CatalogException as err:
+        views = ", ".join([*st.tables(models, tasks), "manifests"])
+        first = str(err).strip().splitlines()[0]
+        raise AnalysisError(f"{first} (the views of this store are {views})") from err
+    return relation.pl() if relation is not None else pl.DataFrame()

@@ -199,7 +199,7 @@ def module_terms(terms: pl.DataFrame, sums: pl.DataFrame, k_opts: int, n_comp: i
         frames.append(
             joined.group_by("kind").agg(
                 pl.lit(est).alias("estimator"),
-                pl.col("component").n_unique().alias("n_components"),
+                pl.col("component").n_unique().cast(pl.Int64).alias("n_components"),
                 (pl.col(_B) / k_opts).sum().alias("bias_sum"),
                 (d / k_opts).sum().alias("diversity_sum"),
             )

@@ -44,7 +44,7 @@ def _check_replaceable(out: Path) -> None:
     if not out.exists():
         return
     if not out.is_dir():
-        raise OutputError(f"{out} exists and is not a folder; choose another --out")
+        raise OutputError(f"{out} exists and is not a folder; choose another output folder")
     entries = _entries(out)
     if not entries:
         return
@@ -53,7 +53,7 @@ def _check_replaceable(out: Path) -> None:
     except (OSError, ValueError, KeyError, TypeError):
         raise OutputError(
             f"{out} is not empty and is not a layerdiv result folder (no readable {INDEX_NAME} "
-            "listing its files); choose another --out or remove it"
+            "listing its files); choose another output folder or remove it"
         ) from None
     ours = {INDEX_NAME, *listed}
     ours |= {p.as_posix() for f in listed for p in Path(f).parents if p != Path(".")}
@@ -62,17 +62,17 @@ def _check_replaceable(out: Path) -> None:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
         raise OutputError(
             f"{out} holds {foreign[0]}{more}, which layerdiv did not write; it replaces only its "
-            "own results: move them away or choose another --out"
+            "own results: move them away or choose another output folder"
         )
 
 
 def refuse_inside(out: str | Path, store: str | Path) -> None:
     """Refuse an output path inside the store: analysis never writes there."""
-    root, target = Path(store).resolve(), Path(out).resolve()
+    root, target = Path(store).expanduser().resolve(), Path(out).expanduser().resolve()
     if target == root or root in target.parents:
         raise OutputError(
             f"{out} is inside the store {store}; layerdiv writes nothing there outside "
-            "`extract`: choose another --out"
+            "`extract`: choose another output path"
         )
 
 

@@ -72,6 +72,9 @@ class Analysis:
     """Gets the tables of the analyses registered before it; returns its own (names unique)."""
     report: Callable[[ReportContext], str] | None = None
     """Markdown of its section (draws its figures into ``ctx.figures``); None = no section."""
+    options: Mapping[str, str] = field(default_factory=dict)
+    """The keys of ``Context.options`` it reads, each with what it switches (the keys that
+    ``run_analysis(options=...)`` accepts are those of every registered analysis)."""
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -331,7 +331,7 @@ def saturation(curves: pl.DataFrame, tolerance: float = 0.01) -> pl.DataFrame:
         acc.with_columns((suffix_min >= floor).alias("_saturated"))
         .group_by(by)
         .agg(
-            pl.col("j").max().alias("n_components"),
+            pl.col("j").max().cast(pl.Int64).alias("n_components"),
             pl.col("accuracy").last().alias("final_accuracy"),
             pl.col("j").filter("_saturated").min().alias("saturation_j"),
         )

@@ -106,7 +106,7 @@ def store_root(root: str | Path) -> Path | RemotePath:
     """The root of the store at ``root``: a local folder, or a URL opened read-only (one
     recursive listing of its objects). Refuses a URL that pyarrow cannot open or list."""
     if not is_url(root):
-        return Path(root)
+        return Path(root).expanduser()
     url = str(root).rstrip("/")
     scheme = url.split("://", 1)[0].lower()
     try:

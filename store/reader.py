@@ -39,12 +39,30 @@ class StoreError(LayerdivError, RuntimeError):
     """The store is empty, unreadable, or holds nothing that matches the request."""
 
 
+Names = str | Iterable[str]
+"""One name, or any number of them (an empty list: no filter)."""
+
+
+def as_names(names: Names) -> list[str]:
+    """``names`` as a list: a single string is one name, not its letters."""
+    return [names] if isinstance(names, str) else list(names)
+
+
 @dataclass(frozen=True)
 class PartitionInfo(Generic[StorePath]):
     """A checked (model, task) partition (local or remote) and its complete part files."""
 
     partition: Partition[StorePath]
     manifest: Manifest
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        extra = f", tables +{'+'.join(m.extra_tables)}" if m.extra_tables else ""
+        return (
+            f"PartitionInfo(model={self.model!r}, task={self.task!r}: {self.n_done} of "
+            f"{m.n_requested} instances, {len(m.components)} components, {len(m.options)} "
+            f"options{extra})"
+        )
 
     @property
     def model(self) -> str:
@@ -153,6 +171,13 @@ class Store:
             raise StoreError(f"no store at {self.root}: run `layerdiv extract` first")
         found: list[Partition[Any]] = list_partitions(cast(Any, self.root))  # either kind
         if not found:
+            from layerdiv.analyze.output import INDEX_NAME
+
+            if (self.root / INDEX_NAME).is_file():
+                raise StoreError(
+                    f"{self.root} is a folder of analysis results (`layerdiv analyze` wrote it), "
+                    f"not a store: open the store its {INDEX_NAME} names under settings.store"
+                )
             raise StoreError(f"the store {self.root} is empty: run `layerdiv extract` first")
         self.partitions: list[PartitionInfo[Any]] = []
         self.unreadable: list[tuple[Partition[Any], StoreError]] = []
@@ -163,13 +188,29 @@ class Store:
             except StoreError as err:
                 self.unreadable.append((part, err))
 
+    def __repr__(self) -> str:
+        models = {p.model for p in self.partitions}
+        tasks = {p.task for p in self.partitions}
+        bad = f", {len(self.unreadable)} unreadable" if self.unreadable else ""
+        return (
+            f"Store({str(self.root)!r}): {len(models)} models x {len(tasks)} tasks, "
+            f"{len(self.partitions)} partitions{bad}"
+        )
+
+    def tables(self, models: Names = (), tasks: Names = ()) -> list[str]:
+        """The tables that the selected partitions hold: the required ones, and each optional one
+        that some of them hold (the views of :meth:`duckdb`)."""
+        parts = self.select(models, tasks)
+        extra = {t for p in parts for t in p.manifest.extra_tables}
+        return [*REQUIRED_TABLES, *(t for t in OPTIONAL_TABLES if t in extra)]
+
     def select(
-        self, models: Iterable[str] = (), tasks: Iterable[str] = (), require_data: bool = True
+        self, models: Names = (), tasks: Names = (), require_data: bool = True
     ) -> list[PartitionInfo[Any]]:
         """Readable partitions matching the model (id or slug) and task filters (empty filter:
         all). Refuses a filter that names an unreadable partition, and a selection that is
         empty."""
-        models, tasks = list(models), list(tasks)
+        models, tasks = as_names(models), as_names(tasks)
         match = _matcher(models, tasks)
         broken = [err for part, err in self.unreadable if match(part)]
         if broken and (models or tasks):
@@ -187,25 +228,39 @@ class Store:
             )
         return chosen
 
-    def problems(self, models: Iterable[str] = (), tasks: Iterable[str] = ()) -> list[str]:
+    def problems(self, models: Names = (), tasks: Names = ()) -> list[str]:
         """One line per unreadable partition matching the filters, saying it was left out."""
-        match = _matcher(list(models), list(tasks))
+        match = _matcher(as_names(models), as_names(tasks))
         return [f"left out {_where(part)}: {err}" for part, err in self.unreadable if match(part)]
 
     def files(self, table: str, parts: list[PartitionInfo[Any]]) -> list[str]:
         """The part files of ``table`` of ``parts`` as Polars reads them (paths or URLs)."""
         return [f for p in parts for f in p.uris(table)]
 
-    def scan(
-        self, table: str, models: Iterable[str] = (), tasks: Iterable[str] = ()
-    ) -> pl.LazyFrame:
-        """A Polars LazyFrame over ``components`` or ``instances``, with model/task columns."""
-        files = self.files(table, self.select(models, tasks))
-        return pl.scan_parquet(
-            files, hive_partitioning=True, hive_schema={"model": pl.String, "task": pl.String}
+    def scan(self, table: str, models: Names = (), tasks: Names = ()) -> pl.LazyFrame:
+        """A Polars LazyFrame over one table of the selected partitions (``components``,
+        ``instances``, or an optional table that some of them hold), with model and task columns;
+        text columns are ``String``, as in every result table. Refuses (``StoreError``) a table
+        that no selected partition holds, naming those there are."""
+        parts = self.select(models, tasks)
+        have = self.tables(models, tasks)
+        if table not in have:
+            flag = f" (extract with --{table} to add it)" if table in OPTIONAL_TABLES else ""
+            raise StoreError(
+                f"no table {table!r} in the selected partitions{flag}; their tables are "
+                f"{', '.join(have)}"
+            )
+        frame = pl.scan_parquet(
+            self.files(table, parts),
+            hive_partitioning=True,
+            hive_schema={"model": pl.String, "task": pl.String},
+            missing_columns="insert",
         )
+        schema = frame.collect_schema()
+        text = [c for c, t in schema.items() if isinstance(t, pl.Categorical | pl.Enum)]
+        return frame.with_columns(pl.col(text).cast(pl.String)) if text else frame
 
-    def manifests(self, models: Iterable[str] = (), tasks: Iterable[str] = ()) -> pl.DataFrame:
+    def manifests(self, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
         """One row per partition: provenance and progress (``n_done`` of ``n_requested``)."""
         rows = []
         for p in self.select(models, tasks, require_data=False):
@@ -235,9 +290,7 @@ class Store:
             )
         return pl.DataFrame(rows)
 
-    def duckdb(
-        self, models: Iterable[str] = (), tasks: Iterable[str] = ()
-    ) -> duckdb.DuckDBPyConnection:
+    def duckdb(self, models: Names = (), tasks: Names = ()) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB connection with the views ``components``, ``instances`` and
         ``manifests`` over the selected partitions (and ``skips``, ``heads``, ``gram`` where some
         of them hold that optional table), and no file-system access: SQL run on it
@@ -245,7 +298,7 @@ class Store:
         store cannot be changed through it."""
         import pyarrow.dataset as ds  # only here: it takes a third of a second to import
 
-        models, tasks = list(models), list(tasks)
+        models, tasks = as_names(models), as_names(tasks)
         parts = self.select(models, tasks)
         con = duckdb.connect(config={"enable_external_access": False})
         for table in (*REQUIRED_TABLES, *OPTIONAL_TABLES):

@@ -516,7 +516,7 @@ def test_query_out_inside_the_store_is_refused(copy: Path) -> None:
         assert result.exit_code == 1
         assert result.stderr.strip() == (
             f"Error: {target} is inside the store {copy}; layerdiv writes nothing there outside "
-            "`extract`: choose another --out"
+            "`extract`: choose another output path"
         )
     assert snapshot(copy) == before
 
@@ -580,7 +580,7 @@ def test_out_replaces_its_own_files_only(chunked: Path, tmp_path: Path) -> None:
     assert result.exit_code == 1
     assert result.stderr.strip() == (
         f"Error: {out} holds notes.txt, which layerdiv did not write; it replaces only its own "
-        "results: move them away or choose another --out"
+        "results: move them away or choose another output folder"
     )
     assert snapshot(out) == before
     mine.unlink()

@@ -210,7 +210,7 @@ def _summary(
     return (
         frame.group_by(keys)
         .agg(
-            pl.len().alias("n_instances"),
+            pl.len().cast(pl.Int64).alias("n_instances"),
             *(pl.col(c).mean() for c in columns),
             *(pl.col(c).std().alias(f"{c}_std") for c in columns),
         )
@@ -344,7 +344,7 @@ def _skip_summary(rows: pl.DataFrame, n_layers: int) -> pl.DataFrame:
     return (
         rows.group_by("layer")
         .agg(
-            pl.len().alias("n_instances"),
+            pl.len().cast(pl.Int64).alias("n_instances"),
             pl.col("correct").mean().alias("accuracy"),
             pl.col("correct_without").mean().alias("accuracy_without"),
             pl.col("kl").mean(),

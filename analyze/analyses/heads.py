@@ -761,5 +761,6 @@ register(
         title="Heads: the parts that beat the whole (METHODS.md section 8)",
         tables=_tables,
         report=heads_section,
+        options={"reweight": "also fit component reweighting (tables reweight, reweight_weights)"},
     )
 )

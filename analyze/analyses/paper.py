@@ -41,7 +41,14 @@ def tagged(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
 def _component_names(parts: list[PartitionInfo]) -> pl.DataFrame:
     return pl.DataFrame(
         [
-            {"model": p.model, "task": p.task, "j": j, "component": c.name, "kind": c.kind}
+            {
+                "model": p.model,
+                "task": p.task,
+                "j": j,
+                "component": j - 1,
+                "name": c.name,
+                "kind": c.kind,
+            }
             for p in parts
             for j, c in enumerate(p.manifest.components, start=1)
         ],
@@ -49,7 +56,8 @@ def _component_names(parts: list[PartitionInfo]) -> pl.DataFrame:
             "model": pl.String,
             "task": pl.String,
             "j": pl.Int16,
-            "component": pl.String,
+            "component": pl.Int16,
+            "name": pl.String,
             "kind": pl.String,
         },
     )
@@ -73,7 +81,8 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
             "curves": tagged(scores.curves, info),
             "modules": tagged(scores.modules, info),
             "counts": tagged(
-                instances.group_by("estimator").agg(pl.len().alias("n_instances")), info
+                instances.group_by("estimator").agg(pl.len().cast(pl.Int64).alias("n_instances")),
+                info,
             ),
             "golds": tagged(
                 instances.filter(pl.col("estimator") == ESTIMATORS[0])
@@ -114,6 +123,12 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     counts = gather("counts")
     corr = stats.correlations(curves)
     depth = stats.depth_curves(curves, manifests, ctx.min_params)
+    if depth.is_empty():
+        largest = float(manifests["n_params"].max())  # type: ignore[arg-type]
+        ctx.notes.append(
+            f"depth_curves and depth_fits are empty: no selected model has min_params="
+            f"{ctx.min_params:.3g} parameters or more (the largest has {largest:.3g}); lower it."
+        )
     return {
         "scores": _score_table(curves, counts, gather("golds"), manifests),
         "curves": curves,
