@@ -33,7 +33,11 @@ StoreLike = Store | str | Path
 
 
 class AnalysisError(LayerdivError, ValueError):
-    """An analysis asked for with an unknown option, estimator, lens or table."""
+    """An analysis asked for with an unknown option, estimator or lens."""
+
+
+class QueryError(LayerdivError, ValueError):
+    """SQL that DuckDB refuses on the views of a store."""
 
 
 def open_store(store: StoreLike) -> Store:
@@ -123,7 +127,10 @@ class Results:
         width = max(map(len, shapes), default=0)
         lines = [
             f"Results(lens={self.lens!r}, min_params={self.min_params:g}): {len(shapes)} tables",
-            *(f"  {n:<{width}}  {r:>8,} x {c}" for n, (r, c) in shapes.items()),
+            *(
+                f"  {n:<{width}}  {r:>8,} x {c}{'  (empty)' if not r else ''}"
+                for n, (r, c) in shapes.items()
+            ),
             *(f"note: {line}" for line in self.notes),
             *(f"left out: {line}" for line in self.problems),
         ]
@@ -305,8 +312,8 @@ def ls(store: StoreLike, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
 def query(store: StoreLike, sql: str, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
     """Run SQL against the views ``components``, ``instances``, ``manifests`` and the optional
     tables the selected partitions hold (DuckDB, with no file-system access: see
-    ``Store.duckdb``); the result of the last statement, as a Polars frame. A table or column
-    that is not there raises a ``LayerdivError`` naming the views.
+    ``Store.duckdb``); the result of the last statement, as a Polars frame. SQL that DuckDB
+    refuses (a table that is not there, a typo) raises a ``QueryError`` naming the views.
 
     >>> query(path, "SELECT task, count(*) AS n FROM instances GROUP BY task ORDER BY task")
     shape: (2, 2)
@@ -325,8 +332,8 @@ def query(store: StoreLike, sql: str, models: Names = (), tasks: Names = ()) -> 
     con = st.duckdb(models, tasks)
     try:
         relation = con.sql(sql)
-    except duckdb.CatalogException as err:
+        return relation.pl() if relation is not None else pl.DataFrame()
+    except duckdb.Error as err:
         views = ", ".join([*st.tables(models, tasks), "manifests"])
         first = str(err).strip().splitlines()[0]
-        raise AnalysisError(f"{first} (the views of this store are {views})") from err
-    return relation.pl() if relation is not None else pl.DataFrame()
+        raise QueryError(f"{first} (the views of this store are {views})") from err

@@ -193,8 +193,8 @@ class Store:
         tasks = {p.task for p in self.partitions}
         bad = f", {len(self.unreadable)} unreadable" if self.unreadable else ""
         return (
-            f"Store({str(self.root)!r}): {len(models)} models x {len(tasks)} tasks, "
-            f"{len(self.partitions)} partitions{bad}"
+            f"Store({str(self.root)!r}): {_count(len(models), 'model')} x "
+            f"{_count(len(tasks), 'task')}, {_count(len(self.partitions), 'partition')}{bad}"
         )
 
     def tables(self, models: Names = (), tasks: Names = ()) -> list[str]:
@@ -337,6 +337,10 @@ def _matcher(models: list[str], tasks: list[str]) -> Callable[[Partition[Any]], 
 
 def _where(part: Partition[Any]) -> str:
     return f"partition model={part.model_slug} task={part.task}"
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 def _first_line(err: BaseException) -> str:

@@ -81,6 +81,8 @@ def test_unknown_table_is_refused_at_the_call(store: Path) -> None:
         st.scan("heads")
     with pytest.raises(LayerdivError, match=r"heads.*views of this store are components, inst"):
         layerdiv.query(st, "SELECT * FROM heads")
+    with pytest.raises(LayerdivError, match=r"syntax error.*views of this store are comp"):
+        layerdiv.query(st, "SELEC 1")
 
 
 def test_unknown_names_options_and_estimators_are_refused(store: Path, results: Any) -> None:
@@ -166,6 +168,7 @@ def test_reprs_are_short(store: Path, results: Any) -> None:
     scores = f"{results.scores.height:,} x {results.scores.width}"
     assert any(re.fullmatch(f"  scores +{scores}", line) for line in lines)
     assert any(line.startswith("  instance_scores ") for line in lines)  # spilled, counted
+    assert any(re.fullmatch(r"  head_scores +0 x \d+  \(empty\)", line) for line in lines)
     assert [line[len("note: ") :] for line in lines if line.startswith("note: ")] == results.notes
     page = results._repr_html_()
     assert "<table>" in page and "<code>curves</code>" in page and len(page) < 8000
