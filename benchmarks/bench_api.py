@@ -1,8 +1,8 @@
 """What a notebook user sees and waits for with the Python API (a script, not a test).
 
 Writes a synthetic store shaped like the demo's (``layerdiv demo``: one model of 30 blocks, the
-tasks tweets2, tweets3 and bbc5 with 2, 3 and 5 options, 300 instances each; made-up numbers),
-then, in a fresh process, times ``import layerdiv``, opening the store, one query and
+tasks tweets2, tweets3 and bbc5 with 2, 3 and 5 options, 300 instances each; made-up numbers:
+``analyze.synthetic.synthesize_demo_store``), then, in a fresh process, times ``import layerdiv``, opening the store, one query and
 ``layerdiv.run_analysis``, and prints ``repr(results)`` and the length of its HTML display.
 
     python benchmarks/bench_api.py [--store DIR] [--instances 300]
@@ -16,9 +16,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-MODEL, BLOCKS, PARAMS = "HuggingFaceTB/SmolLM2-135M-Instruct", 30, 134_515_008
-TASKS = {"tweets2": 2, "tweets3": 3, "bbc5": 5}
 
 SESSION = """
 import sys, time, warnings
@@ -44,17 +41,6 @@ print(results)
 """
 
 
-def write_store(root: Path, n: int) -> None:
-    import numpy as np
-
-    from layerdiv.analyze.synthetic import random_partition, write_partition
-
-    rng = np.random.default_rng(0)
-    for task, k in TASKS.items():
-        logits, gold, rms, kinds = random_partition(rng, n, BLOCKS, k)
-        write_partition(root, MODEL, task, logits, gold, kinds, rms, n_params=PARAMS)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", type=Path, default=None)
@@ -63,8 +49,10 @@ def main() -> None:
     root = args.store or Path(tempfile.mkdtemp(prefix="layerdiv-bench-api-")) / "store"
     if root.exists():
         shutil.rmtree(root)
-    write_store(root, args.instances)
-    print(f"store: {root} (1 model x {len(TASKS)} tasks x {args.instances} instances)")
+    from layerdiv.analyze.synthetic import synthesize_demo_store
+
+    synthesize_demo_store(root, args.instances)
+    print(f"store: {root} ({args.instances} instances per task)")
     subprocess.run([sys.executable, "-c", SESSION, str(root)], check=True)
 
 

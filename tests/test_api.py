@@ -183,3 +183,17 @@ def test_reprs_are_short(store: Path, results: Any) -> None:
 def test_home_is_expanded(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(store.parent))
     assert layerdiv.Store("~/store").root == store
+
+
+def test_the_python_api_page_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The examples of docs/python-api.md, on a synthetic store shaped like the demo's."""
+    from layerdiv.analyze.synthetic import synthesize_demo_store
+
+    page = Path(__file__).parents[1] / "docs" / "python-api.md"
+    synthesize_demo_store(tmp_path / "layerdiv-demo" / "store")
+    monkeypatch.chdir(tmp_path)
+    test = doctest.DocTestParser().get_doctest(page.read_text(), {}, page.name, str(page), 0)
+    assert len(test.examples) >= 15
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    runner.run(test)
+    assert runner.failures == 0
