@@ -2,8 +2,9 @@
 
 Writes a synthetic store shaped like the demo's (``layerdiv demo``: one model of 30 blocks, the
 tasks tweets2, tweets3 and bbc5 with 2, 3 and 5 options, 300 instances each; made-up numbers:
-``analyze.synthetic.synthesize_demo_store``), then, in a fresh process, times ``import layerdiv``, opening the store, one query and
-``layerdiv.run_analysis``, and prints ``repr(results)`` and the length of its HTML display.
+``analyze.synthetic.synthesize_demo_store``), then, in a fresh process, times ``import
+layerdiv``, opening the store, one query and ``layerdiv.run_analysis``, and prints
+``repr(results)`` and the length of its HTML display.
 
     python benchmarks/bench_api.py [--store DIR] [--instances 300]
 """
