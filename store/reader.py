@@ -250,14 +250,16 @@ class Store:
                 f"no table {table!r} in the selected partitions{flag}; their tables are "
                 f"{', '.join(have)}"
             )
+        # Every version's parts under today's columns: a column an older part lacks is null.
+        columns = pl.DataFrame(pl.from_arrow(TABLES[table].empty_table())).schema
         frame = pl.scan_parquet(
             self.files(table, parts),
+            schema=columns,
             hive_partitioning=True,
             hive_schema={"model": pl.String, "task": pl.String},
             missing_columns="insert",
         )
-        schema = frame.collect_schema()
-        text = [c for c, t in schema.items() if isinstance(t, pl.Categorical | pl.Enum)]
+        text = [c for c, t in columns.items() if isinstance(t, pl.Categorical | pl.Enum)]
         return frame.with_columns(pl.col(text).cast(pl.String)) if text else frame
 
     def manifests(self, models: Names = (), tasks: Names = ()) -> pl.DataFrame:

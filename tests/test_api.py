@@ -7,6 +7,7 @@ import doctest
 import json
 import pydoc
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -20,7 +21,7 @@ import layerdiv
 from layerdiv.analyze import api
 from layerdiv.analyze.output import OutputError
 from layerdiv.errors import LayerdivError, LayerdivWarning
-from layerdiv.schemas import TABLES
+from layerdiv.schemas import SCHEMA_VERSION, TABLES
 from layerdiv.store.reader import StoreError
 
 from .conftest import write_synthetic_store
@@ -197,3 +198,25 @@ def test_the_python_api_page_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
     runner.run(test)
     assert runner.failures == 0
+
+
+def test_scan_reads_every_schema_version(store: Path, tmp_path: Path) -> None:
+    from .test_analyze_cli import downgrade_to_version_1
+
+    # The old model's parts come first: the columns are today's all the same.
+    mixed = tmp_path / "store"
+    shutil.copytree(store, mixed)
+    old = tmp_path / "old"
+    for table in ("components", "instances", "manifests"):
+        shutil.copytree(mixed / table / "model=org--large", old / table / "model=org--large")
+    downgrade_to_version_1(old)
+    for table in ("components", "instances", "manifests"):
+        shutil.rmtree(mixed / table / "model=org--large")
+        shutil.copytree(old / table / "model=org--large", mixed / table / "model=org--large")
+    st = layerdiv.Store(mixed)
+    assert {p.manifest.schema_version for p in st.partitions} == {1, SCHEMA_VERSION}
+    comps = st.scan("components").collect()
+    assert comps.columns == [*TABLES["components"].names, "model", "task"]
+    by_model = comps.group_by("model").agg(pl.col("cos_prev").is_not_null().sum())
+    assert dict(by_model.iter_rows())["org--large"] == 0
+    assert dict(by_model.iter_rows())["org--small"] > 0
