@@ -53,16 +53,18 @@ _EXPORTS = {
 _SUBPACKAGES = ("analyze", "store", "schemas", "tasks", "extract")
 
 
-def __getattr__(name: str) -> Any:
-    # Loaded on first use: ``import layerdiv`` (and so the command line) stays quick.
-    if name in _EXPORTS:
-        module, attr = _EXPORTS[name]
-        value = getattr(import_module(module), attr)
-        globals()[name] = value
-        return value
-    if name in _SUBPACKAGES:
-        return import_module(f"layerdiv.{name}")
-    raise AttributeError(f"module 'layerdiv' has no attribute {name!r}")
+if not TYPE_CHECKING:  # type checkers see the imports above, and flag any other name
+
+    def __getattr__(name: str) -> Any:
+        # Loaded on first use: ``import layerdiv`` (and so the command line) stays quick.
+        if name in _EXPORTS:
+            module, attr = _EXPORTS[name]
+            value = getattr(import_module(module), attr)
+            globals()[name] = value
+            return value
+        if name in _SUBPACKAGES:
+            return import_module(f"layerdiv.{name}")
+        raise AttributeError(f"module 'layerdiv' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

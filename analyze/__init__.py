@@ -39,10 +39,12 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(import_module(f"layerdiv.analyze.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'layerdiv.analyze' has no attribute {name!r}")
+if not TYPE_CHECKING:  # type checkers see the imports above, and flag any other name
+
+    def __getattr__(name: str) -> Any:
+        if name in _EXPORTS:
+            return getattr(import_module(f"layerdiv.analyze.{_EXPORTS[name]}"), name)
+        raise AttributeError(f"module 'layerdiv.analyze' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
