@@ -163,7 +163,7 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     for s in run_extract(ExtractConfig(DEMO_MODEL, [str(p) for p in tasks], store, gram=True)):
         print(f"{s.task}: {s.n_done}/{s.n_requested} instances stored ({s.n_new} new)")
     results = analyze(store, progress=True)
-    results.write(results_dir, "parquet", {"store": str(store)})
+    results.write(results_dir)
     write_report(results, report_dir, "paper", str(store))
     mse, bias, div = (METRICS[m].unit("paper") for m in ("mse", "bias", "diversity"))
     print(
