@@ -5,6 +5,7 @@ Nothing here imports torch or transformers.
 
 from __future__ import annotations
 
+import html
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,6 +196,34 @@ class Store:
         return (
             f"Store({str(self.root)!r}): {_count(len(models), 'model')} x "
             f"{_count(len(tasks), 'task')}, {_count(len(self.partitions), 'partition')}{bad}"
+        )
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            "<tr>"
+            + "".join(
+                f"<td>{html.escape(str(v))}</td>"
+                for v in (
+                    p.model,
+                    p.task,
+                    f"{p.n_done} of {p.manifest.n_requested}",
+                    len(p.manifest.components),
+                    len(p.manifest.options),
+                    ", ".join(p.manifest.extra_tables),
+                )
+            )
+            + "</tr>"
+            for p in self.partitions
+        )
+        bad = "".join(f"<li>{html.escape(str(err))}</li>" for _, err in self.unreadable)
+        head = "".join(
+            f"<th>{h}</th>"
+            for h in ("model", "task", "instances", "components", "options", "optional tables")
+        )
+        return (
+            f"<p><b>Store</b> <code>{html.escape(str(self.root))}</code></p>"
+            f"<table><tr>{head}</tr>{rows}</table>"
+            + (f"<p>Unreadable partitions:</p><ul>{bad}</ul>" if bad else "")
         )
 
     def tables(self, models: Names = (), tasks: Names = ()) -> list[str]:

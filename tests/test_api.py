@@ -176,6 +176,8 @@ def test_reprs_are_short(store: Path, results: Any) -> None:
     assert {"scores", "curves", "instance_scores"} <= set(dir(results))
     st = layerdiv.Store(store)
     assert repr(st) == f"Store({str(store)!r}): 2 models x 2 tasks, 4 partitions"
+    page = st._repr_html_()
+    assert page.count("<tr>") == 1 + 4 and "<td>org--small</td><td>mnli</td><td>6 of 6</td>" in page
     assert repr(st.partitions[0]) == (
         "PartitionInfo(model='org--large', task='boolq': 6 of 6 instances, 7 components, 2 options)"
     )
