@@ -171,7 +171,7 @@
   function drawHeads(p, r, k, where) {
     const div = $("ex-heads");
     if (!p.heads) { Plotly.purge(div); div.textContent = "No heads stored for this partition (extract --heads)."; return; }
-    div.textContent = "";
+    if (!div._fullLayout) div.textContent = "";  // a message in place of the figure
     const A = p.heads.components.length, G = p.heads.head_ids.length, K = p.options.length;
     const z = [];
     for (let a = 0; a < A; a++) {
@@ -196,7 +196,7 @@
   function drawSkips(p, r, where) {
     const div = $("ex-skips");
     if (!p.skips) { Plotly.purge(div); div.textContent = "No layer skips stored for this partition (extract --skips)."; return; }
-    div.textContent = "";
+    if (!div._fullLayout) div.textContent = "";  // a message in place of the figure
     const B = p.skips.n_blocks, K = p.options.length;
     const full = p._model.subarray(r * K, (r + 1) * K);
     const blocks = Array.from({ length: B }, (_, b) => b);
