@@ -144,3 +144,58 @@ def depth_switch(fig: Any, absolute: list[Any], relative: list[Any], label: str)
             }
         ]
     )  # fmt: skip
+
+
+def overlay(
+    title: str,
+    panels: list[dict[str, Any]],
+    names: dict[str, str],
+    height: int = 460,
+) -> Any:
+    """A grid of panels (two per row) overlaying every model's mean-over-tasks curve, one colour
+    per model (a legend entry toggles it in every panel).
+
+    Each panel is a dict: ``title``, ``frame`` (rows with ``model``, the ``x`` and ``y``
+    columns), ``x``, ``y``, ``xtitle``, ``ytitle``; optionally ``split`` (a column whose values
+    get dash styles, e.g. ``kind``), ``label`` (a column shown in the hover, e.g. the component
+    name), ``log`` (log-log axes) and ``fits`` (model -> (x, y) of a dashed fitted line)."""
+    models = sorted({m for p in panels for m in p["frame"]["model"].unique()})
+    color = dict(zip(models, map(css_color, colors(len(models))), strict=False))
+    rows = -(-len(panels) // 2)
+    fig = subplots(rows=rows, cols=min(2, len(panels)), subplot_titles=[p["title"] for p in panels],
+                   vertical_spacing=0.35 / rows, horizontal_spacing=0.1)  # fmt: skip
+    dashes = ["solid", "dash", "dot", "dashdot"]
+    shown: set[str] = set()
+    for i, panel in enumerate(panels):
+        at = {"row": i // 2 + 1, "col": i % 2 + 1}
+        for model in models:
+            sub = panel["frame"].filter(panel["frame"]["model"] == model)
+            split = panel.get("split")
+            groups = sub.partition_by(split, maintain_order=True) if split else [sub]
+            label = names.get(model, model)
+            for d, group in enumerate(groups):
+                tag = f" {group[split][0]}" if split else ""
+                hover = "%{customdata}<br>" if panel.get("label") else ""
+                fig.add_scatter(
+                    x=group[panel["x"]].to_list(), y=group[panel["y"]].to_list(),
+                    customdata=group[panel["label"]].to_list() if panel.get("label") else None,
+                    mode="lines+markers", marker={"size": 4}, name=label, legendgroup=model,
+                    showlegend=model not in shown,
+                    line={"color": color[model], "dash": dashes[d % len(dashes)], "width": 1.3},
+                    hovertemplate=f"{label}{tag}, mean over tasks<br>{hover}{panel['xtitle']} "
+                    f"%{{x:.3g}}<br>{panel['ytitle']} %{{y:.4g}}<extra></extra>",
+                    **at,
+                )  # fmt: skip
+                shown.add(model)
+            fit = panel.get("fits", {}).get(model)
+            if fit is not None:
+                fig.add_scatter(x=list(fit[0]), y=list(fit[1]), mode="lines", name=label,
+                                legendgroup=model, showlegend=False,
+                                line={"color": color[model], "dash": "dash", "width": 1},
+                                hovertemplate=f"{label}: fit {fit[2]}<extra></extra>",
+                                **at)  # fmt: skip
+        kind = "log" if panel.get("log") else "linear"
+        fig.update_xaxes(title_text=panel["xtitle"], type=kind, **at)
+        fig.update_yaxes(title_text=panel["ytitle"], type=kind, **at)
+    fig.update_layout(title=title, height=height * rows)
+    return fig
