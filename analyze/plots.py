@@ -130,8 +130,8 @@ def depth_switch(fig: Any, absolute: list[Any], relative: list[Any], label: str)
             {
                 "type": "buttons",
                 "direction": "right",
-                "x": 0,
-                "xanchor": "left",
+                "x": 1,
+                "xanchor": "right",
                 "y": 1.12,
                 "yanchor": "bottom",
                 "showactive": True,

@@ -43,6 +43,26 @@ def parts(page: Path) -> str:
     return ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sizes.items())
 
 
+def browser_check(page: Path) -> str:
+    """Open ``page`` in headless Chromium: seconds until every figure is drawn, figures drawn,
+    console errors and requests that left the page."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from browser import chromium, open_page, outside_requests, page_errors
+
+    with chromium() as browser:
+        start = time.perf_counter()
+        open_page(browser, page, timeout=600)
+        seconds = time.perf_counter() - start
+        drawn = browser.execute_script(
+            "return Array.from(document.querySelectorAll('div.plotly-figure'))"
+            ".filter(d => d.querySelector('.cartesianlayer .trace path, .heatmaplayer image'))"
+            ".length"
+        )
+        errors, requests = page_errors(browser), outside_requests(browser)
+    return (f"opened in headless Chromium and drawn in {seconds:.1f} s: {drawn} figures with "
+            f"marks, {len(errors)} console errors, {len(requests)} outside requests")  # fmt: skip
+
+
 def screenshots(page: Path, folder: Path) -> None:
     """The curves and the explorer of ``page`` as PNGs in ``folder``."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
@@ -62,6 +82,7 @@ def screenshots(page: Path, folder: Path) -> None:
             "f.dispatchEvent(new Event('change'));"
             "document.getElementById('explorer').scrollIntoView()"
         )
+        browser.set_window_size(1400, 1900)
         time.sleep(1)
         browser.save_screenshot(str(folder / "report-html-explorer.png"))
     print(
@@ -84,6 +105,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.demo:
         print(f"demo page {args.demo}: {parts(args.demo)}")
+        print(f"demo page {browser_check(args.demo)}")
         if args.screenshots:
             screenshots(args.demo, args.screenshots)
     if args.skip_scale:
@@ -102,8 +124,10 @@ def main() -> None:
         for label, wall, peak in runs.values():
             print(f"{label:<22} {wall:7.1f} s   peak RSS {peak:6.0f} MiB")
         print(f"html / md time: {runs['html'][1] / runs['md'][1]:.2f}")
+        page = Path(tmp) / "html" / "report.html"
         print(f"paper-scale page ({args.explorer_instances} explorer instances per partition): "
-              f"{parts(Path(tmp) / 'html' / 'report.html')}")  # fmt: skip
+              f"{parts(page)}")  # fmt: skip
+        print(f"paper-scale page {browser_check(page)}")
 
 
 if __name__ == "__main__":
