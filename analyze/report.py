@@ -30,6 +30,12 @@ HTML_NAME = "report.html"
 FIGURES = "figures"
 
 
+NO_EXPLORER = (
+    "report.html has no per-instance explorer: it reads the store, and no store was given "
+    "(write_report(..., store=PATH))"
+)
+
+
 class ReportFormatError(LayerdivError, ValueError):
     """An unknown report format was asked for."""
 
@@ -152,6 +158,8 @@ def write_report(
 
             parts = explorer_parts(results, store) if store else []
             data = explorer_data(parts, explorer_instances) if parts else None
+            if data is None:
+                ctx.notes.append(NO_EXPLORER)
             page = render_page(text, ctx.interactive, tmp / FIGURES, data)
             (tmp / HTML_NAME).write_text(page)
             if "md" not in chosen:  # the PNGs drawn for figures without an interactive version
