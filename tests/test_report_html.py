@@ -283,6 +283,25 @@ def test_page_in_chromium(browser: Any, page: Path) -> None:
         "return Array.from(document.getElementById('ex-instance').options).map(o => o.text)"
     )
     assert labels and all("wrong" in label for label in labels)
+    # Search by instance index.
+    wanted = embedded(page, "explorer-data")["partitions"][parts.index("org/large · mnli")]
+    browser.execute_script(CHOOSE, "ex-search", str(wanted["instances"][3]))
+    assert browser.execute_script("return document.getElementById('ex-instance').value") == "3"
+    summary = browser.find_element("id", "ex-summary").text
+    assert f"instance {wanted['instances'][3]}:" in summary
+    # A click on a column header sorts the table by it.
+    column = browser.execute_script(
+        "const th = document.querySelectorAll('main table')[0].tHead.rows[0].cells[1];"
+        "th.click(); return Array.from(th.closest('table').tBodies[0].rows)"
+        ".map(r => parseFloat(r.cells[1].textContent))"
+    )
+    assert column == sorted(column) and len(column) > 1
+    again = browser.execute_script(
+        "const th = document.querySelectorAll('main table')[0].tHead.rows[0].cells[1];"
+        "th.click(); return Array.from(th.closest('table').tBodies[0].rows)"
+        ".map(r => parseFloat(r.cells[1].textContent))"
+    )
+    assert again == sorted(column, reverse=True)
     # The curves switch to relative depth.
     fig6 = "document.querySelector('[data-figure=\"fig6_depth.png\"]')"
     buttons = browser.find_elements(
