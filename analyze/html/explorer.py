@@ -53,7 +53,7 @@ def settle_junction(logits: np.ndarray) -> np.ndarray:
     the running sums are the prefix logits of lens ``final``."""
     running = np.cumsum(logits.astype(np.float64), axis=1).argmax(axis=2)
     same = running == running[:, -1:]
-    # The last junction that differs from the final prediction, plus one (0 when none differs).
+    # The last junction that differs from the final prediction (-1 when none does).
     differs = ~same
     last_diff = np.where(
         differs.any(axis=1), logits.shape[1] - 1 - differs[:, ::-1].argmax(axis=1), -1
@@ -65,8 +65,11 @@ def _b64(values: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(values, dtype="<f4").tobytes()).decode("ascii")
 
 
-def _dense(frame: pl.DataFrame, keys: list[str], shape: tuple[int, ...]) -> np.ndarray:
-    """``logit`` of long rows sorted by ``keys`` into an array of ``shape``."""
+def _dense(frame: pl.DataFrame, keys: list[str], shape: tuple[int, ...]) -> np.ndarray | None:
+    """``logit`` of long rows sorted by ``keys`` into an array of ``shape``; None when the rows
+    do not fill it (an optional table stored for some of the instances only)."""
+    if frame.height != int(np.prod(shape)):
+        return None
     return frame.sort(keys)["logit"].to_numpy().reshape(shape)
 
 
@@ -76,13 +79,8 @@ def partition_data(info: PartitionInfo, n: int | None) -> dict[str, Any]:
     k_opts, n_comp = len(m.options), len(m.components)
     has_prompt = m.schema_version >= 3
     wanted = ["instance", "gold", "model_logits", *(["prompt"] if has_prompt else [])]
-    inst = pl.scan_parquet(info.uris("instances")).select(wanted).sort("instance").collect()
-    comps = (
-        pl.scan_parquet(info.uris("components"))
-        .select("instance", "component", "option", "logit")
-        .collect()
-    )
-    every = _dense(comps, ["instance", "component", "option"], (inst.height, n_comp, k_opts))
+    comps, inst = info.read(["logit"], wanted)  # every cell once, sorted (or StoreError)
+    every = comps["logit"].to_numpy().reshape(inst.height, n_comp, k_opts)
     pred_all = every.astype(np.float64).sum(axis=1).argmax(axis=1)
     gold_all = inst["gold"].to_numpy().astype(int)
     chosen = stratified_sample(pred_all == gold_all, n)
@@ -113,20 +111,15 @@ def partition_data(info: PartitionInfo, n: int | None) -> dict[str, Any]:
         attn = sorted(heads["component"].unique().to_list())
         head_ids = sorted(heads["head"].unique().to_list())
         shape = (len(ids), len(attn), len(head_ids), k_opts)
-        data["heads"] = {
-            "components": attn,
-            "head_ids": head_ids,
-            "logits": _b64(_dense(heads, ["instance", "component", "head", "option"], shape)),
-        }
+        values = _dense(heads, ["instance", "component", "head", "option"], shape)
+        if values is not None:
+            data["heads"] = {"components": attn, "head_ids": head_ids, "logits": _b64(values)}
     if "skips" in m.extra_tables and info.files("skips"):
         skips = pl.scan_parquet(info.uris("skips")).filter(keep).collect()
         blocks = skips["layer"].n_unique()
-        data["skips"] = {
-            "n_blocks": blocks,
-            "logits": _b64(
-                _dense(skips, ["instance", "layer", "option"], (len(ids), blocks, k_opts))
-            ),
-        }
+        values = _dense(skips, ["instance", "layer", "option"], (len(ids), blocks, k_opts))
+        if values is not None:
+            data["skips"] = {"n_blocks": blocks, "logits": _b64(values)}
     return data
 
 
