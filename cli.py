@@ -419,8 +419,24 @@ def analyze_command(
     default="layerdiv-report",
     show_default=True,
     type=click.Path(file_okay=False),
-    help="Folder for report.md and figures/ (an earlier report there is replaced; a folder "
-    "holding anything else is refused).",
+    help="Folder for report.md and figures/ and/or report.html (an earlier report there is "
+    "replaced; a folder holding anything else is refused).",
+)
+@click.option(
+    "--format",
+    "fmt",
+    default="md",
+    show_default=True,
+    metavar="md|html|md,html",
+    help="report.md with PNG figures, report.html (one self-contained interactive page with a "
+    "per-instance explorer; the html extra), or both.",
+)
+@click.option(
+    "--explorer-instances",
+    default="200",
+    show_default=True,
+    metavar="N|all",
+    help="Instances per (model, task) the HTML explorer embeds (stratified by correct / wrong).",
 )
 def report_command(
     store: str,
@@ -431,17 +447,30 @@ def report_command(
     reweight: bool,
     estimator: Any,
     out: str,
+    fmt: str,
+    explorer_instances: str,
 ) -> None:
-    """Write a Markdown report: a section per registered analysis (the paper's Table 1 and
-    Figs. 3-6 first) with PNG figures."""
+    """Write the report: a section per registered analysis (the paper's Table 1 and Figs. 3-6
+    first), as Markdown with PNG figures and/or as an interactive HTML page."""
     from layerdiv.analyze.api import analyze
     from layerdiv.analyze.output import refuse_inside
-    from layerdiv.analyze.report import write_report
+    from layerdiv.analyze.report import report_formats, write_report
 
+    formats = report_formats(fmt)
+    if "html" in formats:
+        from layerdiv.analyze.html import check_available
+
+        check_available()
+    if explorer_instances != "all" and not (
+        explorer_instances.isdigit() and int(explorer_instances) > 0
+    ):
+        raise click.BadParameter(f"{explorer_instances!r}: give a positive number or all",
+                                 param_hint="--explorer-instances")  # fmt: skip
+    n_explorer = None if explorer_instances == "all" else int(explorer_instances)
     refuse_inside(out, store)
     options = {"reweight": reweight}
     results = analyze(store, models, tasks, lens, min_params, progress=True, options=options)
-    path, notes = write_report(results, out, estimator, store)
+    path, notes = write_report(results, out, estimator, store, formats, n_explorer)
     click.echo(f"wrote {path}")
     for note in notes:
         click.echo(note)

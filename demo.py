@@ -160,11 +160,12 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     tasks = write_demo_tasks(out / "tasks", n, seed)
     store, results_dir, report_dir = out / "store", out / "results", out / "report"
     print(f"\nExtracting {DEMO_MODEL} on {', '.join(p.stem for p in tasks)} into {store}")
-    for s in run_extract(ExtractConfig(DEMO_MODEL, [str(p) for p in tasks], store, gram=True)):
+    config = ExtractConfig(DEMO_MODEL, [str(p) for p in tasks], store, gram=True, heads=True)
+    for s in run_extract(config):
         print(f"{s.task}: {s.n_done}/{s.n_requested} instances stored ({s.n_new} new)")
     results = analyze(store, progress=True)
     results.write(results_dir)
-    write_report(results, report_dir, "paper", str(store))
+    write_report(results, report_dir, "paper", str(store), "md,html")
     mse, bias, div = (METRICS[m].unit("paper") for m in ("mse", "bias", "diversity"))
     print(
         f"\nSummary ({DEMO_MODEL}, `paper` estimator; MSE and bias {mse.label}, "
@@ -179,5 +180,6 @@ def run_demo(out: Path, n: int, seed: int) -> None:
             f"{bias.scale * row['bias']:>8.2f}{div.scale * row['diversity']:>11.2f}"
             f"  component {row['saturation_j']} of {row['n_components']}"
         )
-    print(f"\nReport: {report_dir / 'report.md'}   tables: {results_dir}   store: {store}")
+    print(f"\nReport: {report_dir / 'report.html'} (and report.md)   tables: {results_dir}   "
+          f"store: {store}")  # fmt: skip
     print(f"Demo finished in {time.perf_counter() - start:.0f} s.")

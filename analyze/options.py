@@ -13,3 +13,5 @@ LENSES: tuple[Lens, ...] = ("final", "prefix")
 """How junction scores scale a prefix (METHODS.md sections 1 and 3); the first is the default."""
 FORMATS = ("parquet", "csv")
 """File formats of result tables; the first is the default."""
+REPORT_FORMATS = ("md", "html")
+"""Formats of ``layerdiv report`` (``--format md,html`` writes both); the first is the default."""

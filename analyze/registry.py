@@ -58,6 +58,12 @@ class ReportContext:
     """The lens the tables were computed with (METHODS.md section 3)."""
     min_params: float = 0
     """The model-size filter of the depth-efficiency tables."""
+    formats: tuple[str, ...] = ("md",)
+    """The report formats being written (``md``, ``html``): PNG figures are drawn for ``md``,
+    interactive ones for ``html`` (:func:`~layerdiv.analyze.plots.figure_link`)."""
+    interactive: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Plotly figures (as JSON-able dicts) by the file name of the PNG they stand for in the
+    HTML report."""
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,16 @@
-"""The Markdown report: a header, one section per registered analysis (the paper's Table 1 and
-Figs. 3-6 first), and the provenance of the partitions, with PNG figures in ``figures/``.
+"""The report: a header, one section per registered analysis (the paper's Table 1 and Figs. 3-6
+first), and the provenance of the partitions; as Markdown with PNG figures in ``figures/``
+(``report.md``) and/or as one self-contained interactive page with the per-instance explorer
+(``report.html``, :mod:`layerdiv.analyze.html`).
 
-Every number is taken from a :class:`~layerdiv.analyze.api.Results`; nothing is typed in.
+Every number is taken from a :class:`~layerdiv.analyze.api.Results` (and, for the explorer, from
+the store); nothing is typed in.
 """
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -14,12 +19,36 @@ import polars as pl
 from layerdiv import __version__
 from layerdiv.analyze.api import Results
 from layerdiv.analyze.markdown import DASH, markdown_table
-from layerdiv.analyze.options import Estimator
+from layerdiv.analyze.options import REPORT_FORMATS, Estimator
 from layerdiv.analyze.output import result_dir
 from layerdiv.analyze.registry import ReportContext, registered
+from layerdiv.errors import LayerdivError
+from layerdiv.store import PartitionInfo, Store
 
 REPORT_NAME = "report.md"
+HTML_NAME = "report.html"
 FIGURES = "figures"
+
+
+NO_EXPLORER = (
+    "report.html has no per-instance explorer: it reads the store, and no store was given "
+    "(write_report(..., store=PATH))"
+)
+
+
+class ReportFormatError(LayerdivError, ValueError):
+    """An unknown report format was asked for."""
+
+
+def report_formats(spec: str | Iterable[str]) -> tuple[str, ...]:
+    """The formats of ``md``, ``html`` or ``md,html`` (in that order); refuses any other."""
+    asked = [f.strip().lower() for f in (spec.split(",") if isinstance(spec, str) else spec)]
+    unknown = [f for f in asked if f not in REPORT_FORMATS]
+    if unknown or not asked:
+        raise ReportFormatError(
+            f"unknown report format {(unknown or [''])[0]!r}: use md, html or md,html"
+        )
+    return tuple(f for f in REPORT_FORMATS if f in asked)
 
 
 def model_names(manifests: pl.DataFrame) -> dict[str, str]:
@@ -56,10 +85,15 @@ def provenance_table(manifests: pl.DataFrame) -> str:
 
 
 def render(
-    results: Results, estimator: Estimator, store: str, figures: Path
-) -> tuple[str, list[str]]:
-    """The report's Markdown, drawing figures into ``figures``; and the analyses' notes (what
-    could not be computed or drawn, and how to get it)."""
+    results: Results,
+    estimator: Estimator,
+    store: str,
+    figures: Path,
+    formats: Sequence[str] = ("md",),
+) -> tuple[str, ReportContext]:
+    """The report's Markdown, drawing figures into ``figures`` (PNG for ``md``, Plotly figures
+    into ``ctx.interactive`` for ``html``); and the context, whose ``notes`` are the analyses'
+    notes (what could not be computed or drawn, and how to get it)."""
     manifests = results.manifests
     ctx = ReportContext(
         tables=results.by_name,
@@ -69,6 +103,7 @@ def render(
         notes=list(results.notes),
         lens=results.lens,
         min_params=results.min_params,
+        formats=tuple(formats),
     )
     body = [f"## {a.title}\n\n{a.report(ctx)}" for a in registered() if a.report is not None]
     n_models, n_tasks = manifests["model"].n_unique(), manifests["task"].n_unique()
@@ -80,16 +115,53 @@ def render(
         f"{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}.{notes}"
     )
     parts = [header, *body, "## Provenance\n\n" + provenance_table(manifests)]
-    return "\n\n".join(parts) + "\n", ctx.notes
+    return "\n\n".join(parts) + "\n", ctx
+
+
+def explorer_parts(results: Results, store: str | Path) -> list[PartitionInfo]:
+    """The partitions of ``store`` that ``results`` analysed."""
+    pairs = set(results.manifests.select("model", "task").iter_rows())
+    return [p for p in Store(store).partitions if (p.model, p.task) in pairs and p.n_done > 0]
 
 
 def write_report(
-    results: Results, out: str | Path, estimator: Estimator = "paper", store: str = ""
+    results: Results,
+    out: str | Path,
+    estimator: Estimator = "paper",
+    store: str = "",
+    formats: str | Iterable[str] = ("md",),
+    explorer_instances: int | None = 200,
 ) -> tuple[Path, list[str]]:
-    """Write ``<out>/report.md`` and, when matplotlib is installed, ``<out>/figures/*.png``; all at
-    once (nothing is left behind on failure). Returns the report's path and the notes to show."""
-    index = {"report": REPORT_NAME, "estimator": estimator, "lens": results.lens, "store": store}
+    """Write the report into ``out``, all at once (nothing is left behind on failure): for
+    ``md``, ``report.md`` and, when matplotlib is installed, ``figures/*.png``; for ``html``,
+    ``report.html`` with the explorer (``explorer_instances`` per (model, task), None: all) over
+    the partitions of ``store``. Returns the path of the first report and the notes to show."""
+    chosen = report_formats(formats)
+    if "html" in chosen:
+        from layerdiv.analyze.html import check_available
+
+        check_available()
+    names = {"md": REPORT_NAME, "html": HTML_NAME}
+    index = {
+        "report": [names[f] for f in chosen],
+        "estimator": estimator,
+        "lens": results.lens,
+        "store": store,
+    }
     with result_dir(out, index) as tmp:
-        text, notes = render(results, estimator, store, tmp / FIGURES)
-        (tmp / REPORT_NAME).write_text(text)
-    return Path(out) / REPORT_NAME, notes
+        text, ctx = render(results, estimator, store, tmp / FIGURES, chosen)
+        if "md" in chosen:
+            (tmp / REPORT_NAME).write_text(text)
+        if "html" in chosen:
+            from layerdiv.analyze.html import render_page
+            from layerdiv.analyze.html.explorer import explorer_data
+
+            parts = explorer_parts(results, store) if store else []
+            data = explorer_data(parts, explorer_instances) if parts else None
+            if data is None:
+                ctx.notes.append(NO_EXPLORER)
+            page = render_page(text, ctx.interactive, tmp / FIGURES, data)
+            (tmp / HTML_NAME).write_text(page)
+            if "md" not in chosen:  # the PNGs drawn for figures without an interactive version
+                shutil.rmtree(tmp / FIGURES, ignore_errors=True)
+    return Path(out) / names[chosen[0]], ctx.notes

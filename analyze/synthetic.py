@@ -136,6 +136,7 @@ def write_partition(
                 final[start:stop],
                 logits[start:stop].astype(np.float32).sum(axis=1),
                 np.zeros(b),
+                [f"Synthetic prompt of instance {i} of {task}." for i in ids],
             ),
         }
         if heads is not None:

@@ -156,8 +156,10 @@ def chunk_tables(
     gold: list[int],
     seqs: list[list[int]],
     truncated: list[bool],
+    prompts: list[str],
 ) -> dict[str, pa.Table]:
-    """The ``components`` and ``instances`` tables of instances ``ids`` (ascending), each found
+    """The ``components`` and ``instances`` tables of instances ``ids`` (ascending; ``gold``,
+    ``seqs``, ``truncated`` and ``prompts`` are indexed by instance), each found
     in ``results`` as (its batch's decomposition, its row there), and the optional tables
     (``heads``, ``skips``, ``gram``) the decompositions hold."""
 
@@ -183,6 +185,7 @@ def chunk_tables(
             stack("final_rms"),
             stack("model_logits"),
             stack("sum_error"),
+            [prompts[i] for i in ids],
         ),
     }
 

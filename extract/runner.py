@@ -126,7 +126,8 @@ def extract_task(
     with the optional tables of ``plan.extra_tables`` (``n_heads`` heads per attention block
     for ``heads``), which are also added to stored chunks that lack them."""
     spec, items, writer, tables = plan.spec, plan.items, plan.writer, plan.extra_tables
-    seqs, truncated = tokenize(loaded.tokenizer, [it.prompt for it in items], loaded.context_length)
+    prompts = [it.prompt for it in items]
+    seqs, truncated = tokenize(loaded.tokenizer, prompts, loaded.context_length)
     budget = token_budget(loaded.device, loaded.model.config, loaded.dtype)
     tol, gold = SUM_TOLERANCE[loaded.dtype], [it.gold for it in items]
     check = partial(_check, task=spec.name, tol=tol)
@@ -160,7 +161,8 @@ def extract_task(
                     runs, redone = chunks.missing_runs(writer, j, grid, len(items), per_instance)
                     results = chunks.compute(runner, runs, seqs, cfg.batch_size, names, check,
                                              bar.update)  # fmt: skip
-                    parts = [(r, chunk_tables(r, results, gold, seqs, truncated)) for r in runs]
+                    parts = [(r, chunk_tables(r, results, gold, seqs, truncated, prompts))
+                             for r in runs]  # fmt: skip
                 except BaseException:
                     claim.release()
                     raise

@@ -9,6 +9,7 @@ History:
 - 1: ``components`` and ``instances``.
 - 2: ``components`` gains ``cos_prev``; optional tables ``skips``, ``heads`` and ``gram``; the
   manifest gains ``hidden_size``, ``extra_tables``, ``chunk_size`` and ``data_sha256``.
+- 3: ``instances`` gains ``prompt`` (the rendered prompt, bounded to :data:`PROMPT_CHARS`).
 
 The hive partition columns ``model`` and ``task`` are not stored inside the files: they come from
 the directory names (``model=<slug>/task=<task>``) and are typed as strings by every reader.
@@ -20,7 +21,7 @@ import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the on-disk layout and of the column sets below (the one this code writes)."""
 
 OLDEST_READABLE = 1
@@ -98,7 +99,14 @@ COMPONENTS = _schema(
 The per-component columns repeat for every option of the same (instance, component).
 """
 
-_INSTANCE_FIELDS = [
+PROMPT_CHARS = 4000
+"""Most characters of a prompt the ``instances`` table keeps: a longer prompt keeps its first
+:data:`PROMPT_HEAD` and last ``PROMPT_CHARS - PROMPT_HEAD`` characters (the end is where the
+model answers) around an explicit marker (``layerdiv.store.tables.bounded_prompt``)."""
+
+PROMPT_HEAD = 1000
+
+_INSTANCE_FIELDS_V2 = [
     pa.field("instance", pa.int32(), nullable=False),
     pa.field("gold", pa.int8(), nullable=False),
     pa.field("n_tokens", pa.int32(), nullable=False),
@@ -108,7 +116,9 @@ _INSTANCE_FIELDS = [
     pa.field("sum_error", pa.float32(), nullable=False),
 ]
 
-INSTANCES = _schema("instances", _INSTANCE_FIELDS)
+INSTANCES = _schema(
+    "instances", [*_INSTANCE_FIELDS_V2, pa.field("prompt", pa.string(), nullable=False)]
+)
 """One row per instance.
 
 - ``instance``: as in :data:`COMPONENTS`.
@@ -121,6 +131,9 @@ INSTANCES = _schema("instances", _INSTANCE_FIELDS)
 - ``model_logits``: the model's own option logits (before any soft-capping), one per option.
 - ``sum_error``: max over options of |sum_c u_c[k] - model_logits[k]|, divided by
   max(1, max_k sum_c |u_c[k]|): the relative error of the decomposition (METHODS.md section 1).
+- ``prompt`` (version 3): the prompt text the task rendered and the tokenizer encoded (before any
+  left truncation; special tokens the tokenizer adds are not shown), at most
+  :data:`PROMPT_CHARS` characters: a longer one is cut in the middle at an explicit marker.
 """
 
 SKIPS = _schema(
@@ -191,13 +204,15 @@ manifest's ``extra_tables`` lists them."""
 
 _TABLES_V1 = {
     "components": _schema("components", _COMPONENT_FIELDS_V1, version=1),
-    "instances": _schema("instances", _INSTANCE_FIELDS, version=1),
+    "instances": _schema("instances", _INSTANCE_FIELDS_V2, version=1),
 }
+
+_TABLES_V2 = {**TABLES, "instances": _schema("instances", _INSTANCE_FIELDS_V2, version=2)}
 
 
 def tables_of(version: int) -> dict[str, pa.Schema]:
     """The tables (and their schemas) of a store written with schema ``version``."""
-    return _TABLES_V1 if version == 1 else TABLES
+    return {1: _TABLES_V1, 2: _TABLES_V2}.get(version, TABLES)
 
 
 def gram_index(a: int, b: int, n: int) -> int:

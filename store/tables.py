@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from layerdiv.schemas import COMPONENTS, GRAM, HEADS, INSTANCES, SKIPS
+from layerdiv.schemas import COMPONENTS, GRAM, HEADS, INSTANCES, PROMPT_CHARS, PROMPT_HEAD, SKIPS
 from layerdiv.store.manifest import ComponentInfo
 
 
@@ -58,6 +58,18 @@ def components_table(
     )
 
 
+def bounded_prompt(text: str) -> str:
+    """``text`` as the ``instances`` table keeps it: whole up to
+    :data:`~layerdiv.schemas.PROMPT_CHARS` characters, else its first
+    :data:`~layerdiv.schemas.PROMPT_HEAD` and its last characters around a marker that says how
+    many were left out (the result is at most ``PROMPT_CHARS`` plus the marker long)."""
+    if len(text) <= PROMPT_CHARS:
+        return text
+    tail = PROMPT_CHARS - PROMPT_HEAD
+    cut = len(text) - PROMPT_CHARS
+    return f"{text[:PROMPT_HEAD]}\n[... {cut} characters not stored ...]\n{text[-tail:]}"
+
+
 def instances_table(
     instances: Sequence[int],
     gold: Sequence[int] | np.ndarray,
@@ -66,8 +78,10 @@ def instances_table(
     final_rms: np.ndarray,
     model_logits: np.ndarray,
     sum_error: np.ndarray,
+    prompts: Sequence[str],
 ) -> pa.Table:
-    """Rows of :data:`~layerdiv.schemas.INSTANCES`; ``model_logits`` is (B, K)."""
+    """Rows of :data:`~layerdiv.schemas.INSTANCES`; ``model_logits`` is (B, K); ``prompts`` are
+    stored as :func:`bounded_prompt` keeps them."""
     return pa.table(
         {
             "instance": pa.array(instances, pa.int32()),
@@ -79,6 +93,7 @@ def instances_table(
                 list(np.asarray(model_logits, dtype=np.float32)), pa.list_(pa.float32())
             ),
             "sum_error": pa.array(np.asarray(sum_error, dtype=np.float32)),
+            "prompt": pa.array([bounded_prompt(p) for p in prompts], pa.string()),
         },
         schema=INSTANCES,
     )

@@ -17,10 +17,11 @@ import pytest
 from click.testing import CliRunner
 
 from layerdiv.cli import main
-from layerdiv.extract.tasks import load_task
-from layerdiv.schemas import COMPONENTS, INSTANCES
+from layerdiv.extract.tasks import instances, load_task
+from layerdiv.schemas import COMPONENTS, INSTANCES, PROMPT_CHARS, PROMPT_HEAD
 from layerdiv.store import Store
 from layerdiv.store.manifest import read_manifest
+from layerdiv.store.tables import bounded_prompt
 
 
 def extract(*args: str) -> Any:
@@ -62,6 +63,8 @@ def test_extract_writes_a_checked_store(
     assert comps.height == 20 * 5 * 2 and inst.height == 20
     assert inst["instance"].to_list() == list(range(20))
     assert inst["sum_error"].to_numpy().max() < 1e-5
+    # The rendered prompts are stored (schema 3).
+    assert inst["prompt"].to_list() == [it.prompt for it in instances(load_task(str(task)), 20)]
     # Components add up to the model's own logits, per instance and option.
     totals = (
         comps.group_by("instance", "option").agg(pl.col("logit").sum()).sort("instance", "option")
@@ -259,3 +262,11 @@ def test_hub_style_dataset_loads_through_datasets(
     assert out.exit_code == 0, out.output
     assert rows(store, "instances")["gold"].to_list() == [1, 0, 1]
     assert Store(store).partitions[0].manifest.runs[0]["instances"] == 3
+
+
+def test_long_prompts_are_stored_bounded_with_a_marker() -> None:
+    text = "".join(chr(ord("a") + i % 26) for i in range(PROMPT_CHARS + 500))
+    kept = bounded_prompt(text)
+    head, tail = text[:PROMPT_HEAD], text[-(PROMPT_CHARS - PROMPT_HEAD) :]
+    assert kept == f"{head}\n[... 500 characters not stored ...]\n{tail}"
+    assert bounded_prompt(text[:PROMPT_CHARS]) == text[:PROMPT_CHARS]

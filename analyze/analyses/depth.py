@@ -706,6 +706,87 @@ def gram_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[str,
     return plots.save(fig, path)
 
 
+def geometry_plotly(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> object:
+    """:func:`geometry_figure`, interactive (hover: model, component, relative depth, value)."""
+    geo = _by_model(
+        tables["geometry"], ["kind", "name", "relative_depth"], ["rel_contribution", "cos_residual"]
+    ).sort("model", "kind", "relative_depth")
+    blocks = _by_model(
+        tables["geometry_blocks"], ["block", "relative_depth"], ["angle_deg", "rel_contribution"]
+    ).with_columns(pl.format("block {}", "block").alias("label"))
+    fits = {}
+    for r in (
+        tables["depth_decay"]
+        .group_by("model")
+        .agg(pl.col("a", "beta").mean())
+        .iter_rows(named=True)
+    ):
+        if r["beta"] is not None:
+            x = blocks.filter(pl.col("model") == r["model"])["block"].to_numpy().astype(float)
+            fits[r["model"]] = (x.tolist(), (r["a"] * x ** -r["beta"]).tolist(),
+                                f"β = {r['beta']:.2f}")  # fmt: skip
+    depth = {"x": "relative_depth", "xtitle": "relative depth c / L"}
+    return plots.overlay(
+        "How depth is used (METHODS.md section 7), mean over tasks, at the last prompt token",
+        [
+            {"title": "Relative contribution per component", "frame": geo, "y": "rel_contribution",
+             "ytitle": "||z_c|| / ||r_(c-1)||", "split": "kind", "label": "name", **depth},
+            {"title": "Cosine of each component with the stream it joins", "frame": geo,
+             "y": "cos_residual", "ytitle": "cos(z_c, r_(c-1))", "split": "kind", "label": "name",
+             **depth},
+            {"title": "Angle between the states before and after each block", "frame": blocks,
+             "x": "relative_depth", "xtitle": "relative depth l / blocks", "y": "angle_deg",
+             "ytitle": "angle (degrees)", "label": "label"},
+            {"title": "Block update size against depth (dashed: a·l^(−β))", "frame": blocks,
+             "x": "block", "xtitle": "block l", "y": "rel_contribution",
+             "ytitle": "||z_attn + z_mlp|| / ||r||", "log": True, "fits": fits},
+        ],
+        names,
+    )  # fmt: skip
+
+
+def skip_plotly(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> object:
+    """:func:`skip_figure`, interactive."""
+    skips = _by_model(
+        tables["skip_effects"], ["layer", "relative_depth"],
+        ["accuracy_without", "direct_effect", "total_effect"],
+    ).with_columns(
+        (100 * pl.col("accuracy_without")).alias("accuracy_without"),
+        pl.format("block {} skipped", "layer").alias("label"),
+    )  # fmt: skip
+    depth = {"frame": skips, "x": "relative_depth", "xtitle": "relative depth (b + 1) / blocks",
+             "label": "label"}  # fmt: skip
+    return plots.overlay(
+        "Layer skips (METHODS.md section 7), mean over tasks, at the last prompt token",
+        [
+            {"title": "Accuracy without the block", "y": "accuracy_without",
+             "ytitle": "accuracy without the block (%)", **depth},
+            {"title": "Total effect of each block", "y": "total_effect",
+             "ytitle": "mean |TE| on an option logit (logits)", **depth},
+            {"title": "Direct effect of each block", "y": "direct_effect",
+             "ytitle": "mean |DE| on an option logit (logits)", **depth},
+        ],
+        names,
+    )  # fmt: skip
+
+
+def gram_plotly(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> object:
+    """:func:`gram_figure`, interactive."""
+    gram = _by_model(tables["gram_blocks"], ["block", "relative_depth"], GRAM_ANGLES).with_columns(
+        pl.format("block {}", "block").alias("label")
+    )
+    depth = {"frame": gram, "x": "relative_depth", "xtitle": "relative depth l / blocks",
+             "ytitle": "degrees", "label": "label"}  # fmt: skip
+    return plots.overlay(
+        "Gram-matrix angles (extract --gram), at the last prompt token",
+        [
+            {"title": "Angle between consecutive block updates", "y": "update_angle_deg", **depth},
+            {"title": "Angle of each state to the final state", "y": "angle_to_end_deg", **depth},
+        ],
+        names,
+    )
+
+
 def decay_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str:
     """Per (model, task): beta ± s.e. and R² of the block update-size fit, then first / second
     half means of every geometry column."""
@@ -790,8 +871,11 @@ def report(ctx: ReportContext) -> str:
         return "No partition holds the geometry columns (see the notes above)."
     names = plots.short_names(ctx.names)
 
-    def figure(file: str, caption: str, draw: Any) -> str:
-        return plots.figure_link(ctx, file, caption, lambda path: draw(tables, path, names))
+    def figure(file: str, caption: str, draw: Any, interactive: Any) -> str:
+        return plots.figure_link(
+            ctx, file, caption, lambda path: draw(tables, path, names),
+            lambda: interactive(tables, names),
+        )  # fmt: skip
 
     parts = [
         "The geometry of the residual stream and the effect of skipping blocks, as in the two "
@@ -803,14 +887,19 @@ def report(ctx: ReportContext) -> str:
         "(the inverse-depth paper finds β close to 1). Halves split the components at relative "
         "depth 1/2.",
         decay_table(tables, ctx.names),
-        figure("depth_geometry.png", "Geometry of the residual stream", geometry_figure),
+        figure(
+            "depth_geometry.png",
+            "Geometry of the residual stream",
+            geometry_figure,
+            geometry_plotly,
+        ),
     ]
     if "gram_blocks" in tables:
         parts += [
             "Angles from the Gram matrices (`extract --gram`): between consecutive block updates "
             "(90° = uncorrelated, as the inverse-depth paper finds) and of each state to the final "
             "one.",
-            figure("depth_gram.png", "Gram-matrix angles", gram_figure),
+            figure("depth_gram.png", "Gram-matrix angles", gram_figure, gram_plotly),
         ]
     if "skip_effects" in tables:
         parts += [
@@ -821,7 +910,7 @@ def report(ctx: ReportContext) -> str:
             "see. Effects are mean absolute values over instances and options, in logit units; "
             "KL of the skipped model's option distribution from the full one's, in nats.",
             skip_table(tables, ctx.names),
-            figure("depth_skips.png", "Layer skips", skip_figure),
+            figure("depth_skips.png", "Layer skips", skip_figure, skip_plotly),
         ]
     return "\n\n".join(p for p in parts if p)
 

@@ -602,6 +602,48 @@ def heatmap_figure(
     return path
 
 
+def heatmap_plotly(scores: pl.DataFrame, summary: pl.DataFrame, model: str, title: str) -> object:
+    """The heads heatmap of :func:`heatmap_figure`, interactive: hover names the head
+    (``attn.<layer>`` and head index), its plain and calibrated accuracy and the full model's."""
+    frame = scores.filter(pl.col("model") == model)
+    tasks = sorted(frame["task"].unique())
+    full = dict(summary.filter(pl.col("model") == model).select("task", "accuracy").iter_rows())
+    ncols = min(3, len(tasks))
+    nrows = -(-len(tasks) // ncols)
+    fig = plots.subplots(rows=nrows, cols=ncols, subplot_titles=tasks,
+                         horizontal_spacing=0.08, vertical_spacing=0.3 / nrows)  # fmt: skip
+    for i, task in enumerate(tasks):
+        sub = frame.filter(pl.col("task") == task).sort("component", "head")
+        comps = sorted(sub["component"].unique())
+        heads = sorted(sub["head"].unique())
+        grid = np.full((len(comps), len(heads)), np.nan)
+        plain = np.full(grid.shape, np.nan)
+        for c, h, cal, acc in sub.select(
+            "component", "head", "calibrated_accuracy", "accuracy"
+        ).iter_rows():
+            grid[comps.index(c), heads.index(h)] = 100 * cal
+            plain[comps.index(c), heads.index(h)] = 100 * acc
+        layers = dict(sub.select("component", "name").unique().iter_rows())
+        whole = 100 * full[task]
+        low = min(float(np.nanmin(grid)), whole - 0.5)
+        high = max(float(np.nanmax(grid)), whole + 0.5)
+        fig.add_heatmap(
+            z=[[None if np.isnan(v) else float(v) for v in row] for row in grid],
+            x=[str(h) for h in heads], y=[str(layers[c]).split(".h")[0] for c in comps],
+            customdata=[[None if np.isnan(v) else float(v) for v in row] for row in plain],
+            colorscale="RdBu", reversescale=True, zmin=low, zmax=high,
+            zmid=whole, showscale=False,
+            hovertemplate=f"{task}: %{{y}} head %{{x}}<br>calibrated accuracy %{{z:.1f}}%<br>"
+            f"accuracy %{{customdata:.1f}}%<br>full model {whole:.1f}%<extra></extra>",
+            row=i // ncols + 1, col=i % ncols + 1,
+        )  # fmt: skip
+    fig.update_xaxes(title_text="head")
+    fig.update_yaxes(title_text="attention component", col=1, autorange="reversed")
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(title=title.replace("\n", " "), height=420 * nrows + 80)
+    return fig
+
+
 def heads_section(ctx: ReportContext) -> str:
     """The report's heads section: the parts that beat the whole, the heatmaps (drawn into
     ``ctx.figures``), the top heads and the reweighting results."""
@@ -665,6 +707,7 @@ def heads_section(ctx: ReportContext) -> str:
                 f"heads_{model}.png",
                 f"{label} heads",
                 partial(heatmap_figure, scores, summary, model, title=title),
+                partial(heatmap_plotly, scores, summary, model, title),
             )
         )
     if scores.height:

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from layerdiv.analyze import plots, stats
 from layerdiv.analyze.decomposition import partition_scores
-from layerdiv.analyze.markdown import DASH, Cells, fmt, markdown_table, model_task_table
+from layerdiv.analyze.markdown import AVG, DASH, Cells, fmt, markdown_table, model_task_table
 from layerdiv.analyze.metrics import ACCURACY, CORRELATED, METRICS
 from layerdiv.analyze.options import ESTIMATORS
 from layerdiv.analyze.registry import (
@@ -569,6 +569,191 @@ def depth_figure(ctx: ReportContext, path: Path, lens: str, min_params: float) -
     return plots.save(fig, path)
 
 
+# --- interactive figures (the HTML report) -------------------------------------------------
+
+DASHES = {"-": "solid", "--": "dash", "-.": "dashdot", ":": "dot"}
+
+
+def curves_plotly(ctx: ReportContext, lens: str, model: str) -> object:
+    """Fig. 5 for one model, interactive: the z-scored curves of :func:`curves_figure`; hover
+    shows the component added at j and the metric's value in its unit."""
+    by = ["model", "task", "estimator"]
+    frame = (
+        ctx.tables["curves"]
+        .filter((pl.col("model") == model) & (pl.col("estimator") == ctx.estimator))
+        .with_columns(*(stats.zscore(m, by).alias(f"z_{m}") for m in METRICS))
+        .sort("task", "j")
+    )
+    tasks = sorted(frame["task"].unique())
+    ncols = min(4, len(tasks))
+    nrows = -(-len(tasks) // ncols)
+    fig = plots.subplots(
+        rows=nrows, cols=ncols, subplot_titles=tasks, shared_xaxes=True, shared_yaxes=True,
+        vertical_spacing=0.3 / nrows, horizontal_spacing=0.04,
+    )  # fmt: skip
+    name = plots.short_names(ctx.names).get(model, model)
+    absolute, relative = [], []
+    for i, task in enumerate(tasks):
+        sub = frame.filter(pl.col("task") == task)
+        for metric in METRICS.values():
+            unit = metric.unit(ctx.estimator)
+            fig.add_scatter(
+                x=sub["j"].to_list(),
+                y=sub[f"z_{metric.name}"].to_list(),
+                customdata=list(zip(sub["component"].to_list(),
+                                    (sub[metric.name] * unit.scale).to_list(), strict=True)),
+                name=metric.title, legendgroup=metric.name, showlegend=i == 0,
+                line={"color": metric.color, "dash": DASHES[metric.line], "width": 1.5},
+                hovertemplate=f"{name} · {task}<br>j = %{{x}}: %{{customdata[0]}}<br>"
+                f"{metric.title} %{{customdata[1]:.3f}} {unit.label} (z %{{y:.2f}})<extra></extra>",
+                row=i // ncols + 1, col=i % ncols + 1,
+            )  # fmt: skip
+            absolute.append(sub["j"].to_list())
+            relative.append(sub["relative_depth"].to_list())
+    fig.update_xaxes(title_text="components in prefix j", row=nrows)
+    fig.update_yaxes(title_text="z-score across j", col=1)
+    fig.update_layout(
+        title=f"Fig. 5 — {name}: standardized layer-addition curves "
+        f"(estimator {ctx.estimator}, lens {lens})",
+        height=260 * nrows + 170, margin={"t": 120}, hovermode="closest",
+    )  # fmt: skip
+    plots.depth_switch(fig, absolute, relative, "components in prefix j")
+    return fig
+
+
+def depth_plotly(ctx: ReportContext, lens: str, min_params: float) -> object:
+    """Fig. 6, interactive: accuracy and MSE over tasks against j with their fits (dashed), and
+    the marginal gain; the x axis switches between j and j / L so that models overlay."""
+    names = plots.short_names(ctx.names)
+    chosen = pl.col("estimator") == ctx.estimator
+    depth = ctx.tables["depth_curves"].filter(chosen).sort("n_params", "j")
+    fits = {r["model"]: r for r in ctx.tables["depth_fits"].filter(chosen).iter_rows(named=True)}
+    mse = METRICS["mse"].unit(ctx.estimator)
+    fig = plots.subplots(rows=1, cols=3, subplot_titles=(
+        "Accuracy (dashed: a + b ln j)", "MSE (dashed: c / j^α + L0)",
+        "Marginal gain of adding component j"))  # fmt: skip
+    colors = iter(plots.colors(len(fits)))
+    absolute, relative = [], []
+    for model in depth["model"].unique(maintain_order=True):
+        sub = depth.filter(pl.col("model") == model)
+        j = sub["j"].to_numpy().astype(float)
+        fit, color, label = fits[model], plots.css_color(next(colors)), names.get(model, model)
+        gain = sub["accuracy_gain"].rolling_mean(GAIN_WINDOW, center=True, min_samples=1)
+        curves = [
+            (1, 100 * sub["accuracy"].to_numpy(), "accuracy", "%", "solid"),
+            (1, 100 * (fit["acc_a"] + fit["acc_b"] * np.log(j)), "accuracy fit", "%", "dash"),
+            (2, mse.scale * sub["mse"].to_numpy(), "MSE", mse.label, "solid"),
+            (2, mse.scale * stats.inverse_depth(j, fit["loss_c"], fit["loss_alpha"],
+                                                fit["loss_l0"]), "MSE fit", mse.label, "dash"),
+            (3, 100 * gain.to_numpy(), "accuracy gain", "points", "solid"),
+        ]  # fmt: skip
+        for col, values, what, unit, dash in curves:
+            fig.add_scatter(
+                x=j.tolist(), y=values.tolist(), name=label, legendgroup=model,
+                showlegend=what == "accuracy", line={"color": color, "dash": dash, "width": 1.3},
+                hovertemplate=f"{label}, mean over tasks<br>j = %{{x}}<br>{what} "
+                f"%{{y:.3f}} {unit}<extra></extra>",
+                row=1, col=col,
+            )  # fmt: skip
+            absolute.append(j.tolist())
+            relative.append((j / j.max()).tolist())
+    fig.update_xaxes(title_text="components in prefix j")
+    fig.update_yaxes(title_text="accuracy, mean over tasks (%)", col=1)
+    fig.update_yaxes(title_text=f"MSE, mean over tasks ({mse.label})", col=2)
+    fig.update_yaxes(title_text="gain per component (points)", col=3)
+    which = f"models with ≥ {min_params:.3g} parameters" if min_params else "all models"
+    fig.update_layout(
+        title=f"Fig. 6 — depth efficiency, {which} (estimator {ctx.estimator}, lens {lens})",
+        height=480, margin={"t": 120},
+    )  # fmt: skip
+    plots.depth_switch(fig, absolute, relative, "components in prefix j")
+    return fig
+
+
+def module_plotly(ctx: ReportContext) -> object:
+    """Fig. 4, interactive: each module kind's share of bias and of diversity per model."""
+    names = plots.short_names(ctx.names)
+    shares = stats.module_shares_by_model(ctx.tables["modules"], ctx.estimator)
+    models = sorted(shares["model"].unique())
+    kinds = [k for k in COMPONENT_KINDS if k in set(shares["kind"])]
+    fig = plots.subplots(
+        rows=1,
+        cols=2,
+        shared_yaxes=True,
+        subplot_titles=("Bias (Eqs. 9-10)", "Diversity (Eqs. 9-10)"),
+    )
+    labels = [names.get(m, m) for m in models]
+    for col, column in enumerate(("bias_share", "diversity_share"), start=1):
+        for kind in kinds:
+            values = [
+                100 * shares.filter((pl.col("model") == m) & (pl.col("kind") == kind))[column].sum()
+                for m in models
+            ]
+            fig.add_bar(
+                x=values, y=labels, orientation="h", name=kind, legendgroup=kind,
+                showlegend=col == 1, marker_color=plots.KIND_COLORS[kind],
+                hovertemplate=f"%{{y}}: {kind} %{{x:.1f}}% of the "
+                f"{column.split('_')[0]}<extra></extra>",
+                row=1, col=col,
+            )  # fmt: skip
+    fig.update_xaxes(title_text="share of the total (%)", range=[0, 100])
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(
+        barmode="stack", height=180 + 28 * len(models),
+        title="Fig. 4 — share of bias and diversity by module, mean over tasks "
+        f"(estimator {ctx.estimator})",
+    )  # fmt: skip
+    return fig
+
+
+def correlation_plotly(ctx: ReportContext, lens: str) -> object:
+    """Fig. 3, interactive: r per (model, task) and the Fisher-z average, one heatmap per method
+    and metric; hover shows r and whether p < the significance level."""
+    names = plots.short_names(ctx.names)
+    chosen = pl.col("estimator") == ctx.estimator
+    corr = ctx.tables["correlations"].filter(chosen)
+    means = ctx.tables["correlation_means"].filter(
+        chosen & pl.col("task").is_null() & pl.col("model").is_not_null()
+    )
+    models = sorted(corr["model"].unique())
+    tasks = sorted(corr["task"].unique())
+    columns = [*tasks, AVG]
+    methods = list(stats.METHODS)
+    titles = [f"{m.capitalize()}: accuracy vs {c.signed}" for m in methods for c in CORRELATED]
+    fig = plots.subplots(rows=len(methods), cols=len(CORRELATED), subplot_titles=titles,
+                         shared_yaxes=True, vertical_spacing=0.12)  # fmt: skip
+    labels = [names.get(m, m) for m in models]
+    for row, method in enumerate(methods, start=1):
+        for col, metric in enumerate(CORRELATED, start=1):
+            grid = np.full((len(models), len(columns)), np.nan)
+            marks = np.full(grid.shape, "", dtype=object)
+            pick = (pl.col("method") == method) & (pl.col("metric") == metric.name)
+            for r in corr.filter(pick).iter_rows(named=True):
+                i, k = models.index(r["model"]), tasks.index(r["task"])
+                grid[i, k] = r["r"]
+                marks[i, k] = "*" if r["significant"] else ""
+            for r in means.filter(pick).iter_rows(named=True):
+                grid[models.index(r["model"]), -1] = r["r"]
+            text = [[DASH if np.isnan(v) else f"{v:.2f}{m}" for v, m in zip(g, s, strict=True)]
+                    for g, s in zip(grid, marks, strict=True)]  # fmt: skip
+            fig.add_heatmap(
+                z=[[None if np.isnan(v) else float(v) for v in g] for g in grid],
+                x=columns, y=labels, text=text, texttemplate="%{text}",
+                colorscale="RdBu", reversescale=True, zmin=-1, zmax=1, showscale=row == col == 1,
+                colorbar={"title": {"text": "r"}},
+                hovertemplate=f"%{{y}} · %{{x}}<br>{method} r(accuracy, {metric.signed}) = "
+                "%{text}<extra></extra>",
+                row=row, col=col,
+            )  # fmt: skip
+    fig.update_yaxes(autorange="reversed")
+    fig.update_layout(
+        title="Fig. 3 — correlation with accuracy across junction points j = 1..L "
+        f"(estimator {ctx.estimator}, lens {lens}; * p < {stats.SIGNIFICANCE})",
+        height=260 * len(methods) + 60 + 14 * len(models),
+    )  # fmt: skip
+    return fig
+
+
 # --- the report section --------------------------------------------------------------------
 
 
@@ -593,6 +778,7 @@ def report(ctx: ReportContext) -> str:
             f"fig5_curves_{m}.png",
             "Fig. 5 standardized curves",
             partial(curves_figure, ctx, lens, m),
+            partial(curves_plotly, ctx, lens, m),
         )
         for m in tqdm(models, desc="Fig. 5", unit="model", disable=None)
     ]
@@ -602,6 +788,7 @@ def report(ctx: ReportContext) -> str:
             "fig6_depth.png",
             "Fig. 6 depth efficiency",
             lambda path: depth_figure(ctx, path, lens, min_params),
+            lambda: depth_plotly(ctx, lens, min_params),
         )
         if fits.height
         else ""
@@ -624,6 +811,7 @@ def report(ctx: ReportContext) -> str:
             "fig3_correlations.png",
             "Fig. 3 correlations",
             lambda path: correlation_figure(ctx, path, lens),
+            lambda: correlation_plotly(ctx, lens),
         ),
         "### Fig. 4: share of bias and diversity by module",
         "Paper Eqs. 9-10: the share of module kind X is |X| bias_X / (L bias) (and the same for "
@@ -631,7 +819,11 @@ def report(ctx: ReportContext) -> str:
         f"is |X| / L for comparison. Estimator `{est}`.",
         module_table(ctx),
         plots.figure_link(
-            ctx, "fig4_module_shares.png", "Fig. 4 module shares", lambda p: module_figure(ctx, p)
+            ctx,
+            "fig4_module_shares.png",
+            "Fig. 4 module shares",
+            lambda p: module_figure(ctx, p),
+            lambda: module_plotly(ctx),
         ),
         "### Fig. 5: standardized layer-addition curves",
         "Accuracy, MSE, bias and diversity of the first j components, each standardized across j "

@@ -1,0 +1,81 @@
+"""Headless Chromium (Debian's ``chromium`` with ``chromium-driver``) driven by Selenium, for the
+HTML report's browser tests and its screenshots (``benchmarks/bench_report_html.py``). Nothing is
+downloaded: the system browser and driver are used, and the browser is kept off the network."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1400,1000",
+)
+
+
+@contextmanager
+def chromium(
+    binary: str = "/usr/bin/chromium", driver: str = "/usr/bin/chromedriver"
+) -> Iterator[Any]:
+    """A Selenium Chrome driver on ``binary`` with a fresh profile; console messages and the
+    DevTools network log are recorded (:func:`page_errors`, :func:`outside_requests`)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    with tempfile.TemporaryDirectory(prefix="layerdiv-chromium-") as profile:
+        options = webdriver.ChromeOptions()
+        options.binary_location = binary
+        for flag in (*FLAGS, f"--user-data-dir={profile}"):
+            options.add_argument(flag)
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+        browser = webdriver.Chrome(service=Service(driver), options=options)
+        try:
+            yield browser
+        finally:
+            browser.quit()
+
+
+def open_page(browser: Any, page: Path, timeout: float = 60) -> None:
+    """Load ``page`` and wait until its script has drawn everything (``body[data-ready]``)."""
+    browser.get(page.resolve().as_uri())
+    end = time.monotonic() + timeout
+    while not browser.execute_script("return document.body.dataset.ready === 'true'"):
+        if time.monotonic() > end:
+            raise TimeoutError(f"{page} did not finish drawing in {timeout} s")
+        time.sleep(0.1)
+
+
+def page_errors(browser: Any) -> list[str]:
+    """Console messages of level warning or error since the last call."""
+    return [e["message"] for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
+
+
+def outside_requests(browser: Any) -> list[str]:
+    """URLs of every request since the last call that went to the network (any http, https, ws
+    or ftp URL, whoever asked) or that a page from disk made for anything but itself or a data:
+    URL (the browser's own chrome:// pages aside)."""
+    found = []
+    for entry in browser.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        if message["method"] != "Network.requestWillBeSent":
+            continue
+        url, document = (
+            message["params"]["request"]["url"],
+            message["params"].get("documentURL", ""),
+        )
+        network = url.startswith(("http:", "https:", "ws:", "wss:", "ftp:"))
+        if network or (document.startswith("file:") and not url.startswith(("file:", "data:"))):
+            found.append(url)
+    return found

@@ -1,0 +1,329 @@
+"""The HTML report (``layerdiv report --format html``): its numbers equal the result tables and
+the store, its bad input is one line, and the page works in a real browser (headless Chromium
+through chromium-driver: no console error, every figure drawn, the explorer redraws, no
+network)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner, Result
+
+from layerdiv.analyze import analyze
+from layerdiv.analyze.html.explorer import settle_junction, stratified_sample
+from layerdiv.analyze.metrics import METRICS
+from layerdiv.analyze.report import write_report
+from layerdiv.analyze.synthetic import random_heads, random_partition, write_partition
+from layerdiv.cli import main
+from layerdiv.schemas import tables_of
+from layerdiv.store import Store
+
+N, EXPLORED = 60, 24
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+NO_BROWSER = (
+    "chromium and chromium-driver are not installed and could not be (`make test` runs "
+    "`apt-get install -y chromium chromium-driver` as root)"
+)
+
+
+def run(*args: str) -> Result:
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def write_store(root: Path) -> Path:
+    """Two models x two tasks with heads (one model) and layer skips (one partition)."""
+    rng = np.random.default_rng(7)
+    for model, blocks in (("org/small", 3), ("org/large", 5)):
+        for task, k in (("boolq", 2), ("mnli", 3)):
+            logits, gold, rms, kinds = random_partition(rng, N, blocks, k)
+            heads = head_ids = None
+            if model == "org/small":
+                logits, heads, head_ids = random_heads(rng, logits, gold, kinds, 4)
+            skips = (
+                rng.normal(size=(N, blocks, k)) if (model, task) == ("org/large", "mnli") else None
+            )
+            write_partition(root, model, task, logits, gold, kinds, rms, heads=heads,
+                            head_ids=head_ids or (), skips=skips, chunk=25)  # fmt: skip
+    return root
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_store(tmp_path_factory.mktemp("html") / "store")
+
+
+@pytest.fixture(scope="module")
+def page(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("html-report") / "report"
+    write_report(analyze(store), out, "paper", str(store), "md,html", EXPLORED)
+    return out / "report.html"
+
+
+def embedded(page: Path, name: str) -> Any:
+    """The JSON the page embeds under the script id ``name``."""
+    text = page.read_text()
+    match = re.search(f'<script type="application/json" id="{name}">(.*?)</script>', text, re.S)
+    assert match is not None, name
+    return json.loads(match.group(1).replace("<\\/", "</"))
+
+
+def floats(b64: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(b64), dtype="<f4")
+
+
+# --- the page's numbers --------------------------------------------------------------------
+
+
+def test_both_reports_and_nothing_fetched_from_outside(page: Path) -> None:
+    out = page.parent
+    assert sorted(p.name for p in out.iterdir()) == ["figures", "index.json", "report.html",
+                                                      "report.md"]  # fmt: skip
+    text = page.read_text()
+    assert "Content-Security-Policy" in text and "default-src 'none'" in text
+    # No element refers to anything outside the page (scripts aside: Plotly's bundle names its
+    # web site in strings; what scripts load is checked in the browser).
+    markup = re.sub(r"<script>.*?</script>", "", text, flags=re.S)
+    assert not re.search(r'(src|href)="(https?:)?//', markup)
+    assert "<link" not in markup
+    assert "figures/" not in re.sub(r'data-figure="[^"]+"', "", text)
+
+
+def test_figures_equal_the_curves_table(page: Path, store: Path) -> None:
+    curves = analyze(store).curves.filter(pl.col("estimator") == "paper")
+    figures = embedded(page, "figures-data")
+    assert {f"fig5_curves_org--{m}.png" for m in ("small", "large")} <= set(figures)
+    checked = 0
+    for slug in ("org--small", "org--large"):
+        for trace in figures[f"fig5_curves_{slug}.png"]["data"]:
+            metric = next(m for m in METRICS.values() if m.title == trace["name"])
+            task = re.search(r" · (\w+)<br>", trace["hovertemplate"]).group(1)  # type: ignore[union-attr]
+            want = curves.filter((pl.col("model") == slug) & (pl.col("task") == task)).sort("j")
+            assert trace["x"] == want["j"].to_list()
+            assert [c[0] for c in trace["customdata"]] == want["component"].to_list()
+            shown = np.array([c[1] for c in trace["customdata"]])
+            np.testing.assert_allclose(shown, want[metric.name] * metric.unit("paper").scale,
+                                       rtol=1e-12)  # fmt: skip
+            checked += 1
+    assert checked == 2 * 2 * len(METRICS)
+
+
+def test_explorer_equals_store_and_instance_scores(page: Path, store: Path) -> None:
+    data = embedded(page, "explorer-data")
+    scores = analyze(store).instance_scores.filter(pl.col("estimator") == "paper")
+    st = Store(store)
+    assert len(data["partitions"]) == 4
+    for p in data["partitions"]:
+        ids = p["instances"]
+        assert len(ids) == EXPLORED and ids == sorted(ids)
+        mine = scores.filter((pl.col("model") == p["model"]) & (pl.col("task") == p["task"]))
+        want = mine.filter(pl.col("instance").is_in(ids)).sort("instance")
+        assert p["gold"] == want["gold"].to_list() and p["pred"] == want["pred"].to_list()
+        # Stratified: correct and wrong instances in the shares of the whole partition.
+        share = mine["correct"].mean()
+        assert abs(np.mean(np.array(p["gold"]) == np.array(p["pred"])) - share) <= 1.5 / len(ids)
+        comps = (
+            st.scan("components", [p["model"]], [p["task"]])
+            .filter(pl.col("instance").is_in(ids))
+            .sort("instance", "component", "option")
+            .collect()
+        )
+        assert np.array_equal(floats(p["logits"]), comps["logit"].to_numpy())
+        assert p["prompts"] == [f"Synthetic prompt of instance {i} of {p['task']}." for i in ids]
+        assert (p["heads"] is not None) == (p["model"] == "org--small")
+        if p["heads"] is not None:
+            heads = (
+                st.scan("heads", [p["model"]], [p["task"]])
+                .filter(pl.col("instance").is_in(ids))
+                .sort("instance", "component", "head", "option")
+            )
+            assert np.array_equal(floats(p["heads"]["logits"]), heads.collect()["logit"].to_numpy())
+        assert (p["skips"] is not None) == ((p["model"], p["task"]) == ("org--large", "mnli"))
+
+
+def test_sample_is_stratified_deterministic_and_bounded() -> None:
+    correct = np.array([True] * 70 + [False] * 30)
+    picked = stratified_sample(correct, 10)
+    assert picked.tolist() == stratified_sample(correct, 10).tolist()
+    assert len(picked) == 10 and correct[picked].sum() == 7
+    assert stratified_sample(correct, None).tolist() == list(range(100))
+    # A rare kind keeps at least one instance.
+    rare = np.array([True] * 99 + [False])
+    assert (~rare[stratified_sample(rare, 5)]).sum() == 1
+
+
+def test_settle_junction() -> None:
+    u = np.zeros((2, 4, 2))
+    u[0, :, 0] = [1, 1, 1, 1]  # option 0 from the start
+    u[1, :, 1] = [1, -3, 0, 5]  # 1, then 0 at junction 2 and 3, then 1 again at junction 4
+    assert settle_junction(u).tolist() == [1, 4]
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+def test_bad_format_and_empty_store_are_one_line(store: Path, page: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    shutil.copytree(page.parent, out)
+    before = snapshot(out)
+    result = run("report", "--store", str(store), "--out", str(out), "--format", "pdf")
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "Error: unknown report format 'pdf': use md, html or md,html"
+    ]
+    (tmp_path / "empty").mkdir()
+    result = run("report", "--store", str(tmp_path / "empty"), "--out", str(out), "--format",
+                 "html")  # fmt: skip
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
+    assert "is empty: run `layerdiv extract` first" in result.output
+    result = run("report", "--store", str(store), "--out", str(out), "--explorer-instances", "0")
+    assert result.exit_code == 2 and "--explorer-instances" in result.output
+    assert snapshot(out) == before
+
+
+def test_html_only_writes_one_page(store: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r"
+    result = run("report", "--store", str(store), "--out", str(out), "--format", "html",
+                 "--explorer-instances", "all", "--model", "org/small",
+                 "--task", "boolq")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["index.json", "report.html"]
+    data = embedded(out / "report.html", "explorer-data")
+    assert [len(p["instances"]) for p in data["partitions"]] == [N]
+
+
+def test_version_2_store_says_prompt_not_stored(store: Path, tmp_path: Path) -> None:
+    old = tmp_path / "v2"
+    shutil.copytree(store, old)
+    schema = tables_of(2)["instances"]
+    for part in old.glob("instances/*/*/*.parquet"):
+        pq.write_table(pq.read_table(part).select(schema.names).cast(schema), part)
+    for path in old.glob("manifests/*/*/manifest.json"):
+        manifest = json.loads(path.read_text())
+        path.write_text(json.dumps({**manifest, "schema_version": 2}))
+    assert {p.manifest.schema_version for p in Store(old).partitions} == {2}
+    write_report(analyze(old), tmp_path / "r", "paper", str(old), "html", 5)
+    data = embedded(tmp_path / "r" / "report.html", "explorer-data")
+    assert {(p["schema_version"], p["prompts"]) for p in data["partitions"]} == {(2, None)}
+
+
+# --- in a real browser -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not (CHROMIUM and DRIVER):
+        pytest.skip(NO_BROWSER)
+    from layerdiv.tests.browser import chromium
+
+    with chromium(CHROMIUM, DRIVER) as driver:
+        yield driver
+
+
+MARKS = (
+    "return Array.from(document.querySelectorAll('div.plotly-figure')).map(d => "
+    "[d.id || d.dataset.figure, d.querySelectorAll('.cartesianlayer .trace path, "
+    ".heatmaplayer image').length])"
+)
+"""Per figure of the page: its id (or file name) and the data marks drawn in it (the SVG paths of
+lines and bars, the images of heatmaps)."""
+
+CHOOSE = (
+    "const [id, value] = arguments; const s = document.getElementById(id);"
+    "s.value = value; s.dispatchEvent(new Event('change'))"
+)
+"""Choose ``value`` in the select ``id`` as a user does (its change event fires)."""
+
+
+def test_page_in_chromium(browser: Any, page: Path) -> None:
+    from layerdiv.tests.browser import open_page, outside_requests, page_errors
+
+    open_page(browser, page)
+    assert page_errors(browser) == []
+    marks = dict(browser.execute_script(MARKS))
+    figures = embedded(page, "figures-data")
+    for name, spec in figures.items():  # a mark per trace at least
+        assert marks[name] >= len(spec["data"]) > 0, name
+    parts = [
+        f"{p['model_id']} · {p['task']}" for p in embedded(page, "explorer-data")["partitions"]
+    ]
+    browser.execute_script(CHOOSE, "ex-part", parts.index("org/small · boolq"))
+    marks = dict(browser.execute_script(MARKS))
+    assert marks["ex-waterfall"] > 0 and marks["ex-running"] > 0 and marks["ex-heads"] == 1
+    assert (
+        marks["ex-skips"] == 0 and "extract --skips" in browser.find_element("id", "ex-skips").text
+    )
+    # Another instance redraws the waterfall.
+    read = "return Array.from(document.getElementById('ex-waterfall').data[0].y)"
+    first = browser.execute_script(read)
+    browser.execute_script(CHOOSE, "ex-instance", "1")
+    assert browser.execute_script(read) != first
+    # The partition with skips draws them; the filter keeps only wrong instances.
+    browser.execute_script(CHOOSE, "ex-part", parts.index("org/large · mnli"))
+    browser.execute_script(CHOOSE, "ex-filter", "wrong")
+    marks = dict(browser.execute_script(MARKS))
+    assert marks["ex-skips"] >= 3 and marks["ex-heads"] == 0
+    labels = browser.execute_script(
+        "return Array.from(document.getElementById('ex-instance').options).map(o => o.text)"
+    )
+    assert labels and all("wrong" in label for label in labels)
+    # Search by instance index.
+    wanted = embedded(page, "explorer-data")["partitions"][parts.index("org/large · mnli")]
+    browser.execute_script(CHOOSE, "ex-search", str(wanted["instances"][3]))
+    assert browser.execute_script("return document.getElementById('ex-instance').value") == "3"
+    summary = browser.find_element("id", "ex-summary").text
+    assert f"instance {wanted['instances'][3]}:" in summary
+    # A click on a column header sorts the table by it.
+    column = browser.execute_script(
+        "const th = document.querySelectorAll('main table')[0].tHead.rows[0].cells[1];"
+        "th.click(); return Array.from(th.closest('table').tBodies[0].rows)"
+        ".map(r => parseFloat(r.cells[1].textContent))"
+    )
+    assert column == sorted(column) and len(column) > 1
+    again = browser.execute_script(
+        "const th = document.querySelectorAll('main table')[0].tHead.rows[0].cells[1];"
+        "th.click(); return Array.from(th.closest('table').tBodies[0].rows)"
+        ".map(r => parseFloat(r.cells[1].textContent))"
+    )
+    assert again == sorted(column, reverse=True)
+    # The curves switch to relative depth.
+    fig6 = "document.querySelector('[data-figure=\"fig6_depth.png\"]')"
+    buttons = browser.find_elements(
+        "css selector", '[data-figure="fig6_depth.png"] .updatemenu-button'
+    )
+    buttons[1].click()
+    time.sleep(0.5)
+    xs = browser.execute_script(f"return {fig6}.data[0].x")
+    assert max(xs) == pytest.approx(1.0)
+    assert page_errors(browser) == [] and outside_requests(browser) == []
+
+
+def test_browser_checks_catch_errors_and_requests(browser: Any, tmp_path: Path) -> None:
+    """The checks above can fail: a page that requests a URL and throws is caught by both."""
+    from layerdiv.tests.browser import open_page, outside_requests, page_errors
+
+    bad = tmp_path / "bad.html"
+    bad.write_text(
+        '<html><body><img src="http://127.0.0.1:9/x.png"><script>'
+        "document.body.dataset.ready = 'true'; null.x;</script></body></html>"
+    )
+    open_page(browser, bad)
+    time.sleep(0.5)
+    assert outside_requests(browser) == ["http://127.0.0.1:9/x.png"]
+    assert any("TypeError" in e for e in page_errors(browser))
