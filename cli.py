@@ -514,6 +514,8 @@ def query_command(
             shown.append(preview(relation, max_rows))
     if not out:
         click.echo("\n\n".join(shown) if shown else "OK (no statement returns rows)")
+    for note in st.incomplete(models, tasks):
+        click.echo(f"Note: {note}", err=True)
     fail_after(st.problems(models, tasks))
 
 
@@ -567,6 +569,8 @@ def ls_command(store: str, models: tuple[str, ...], tasks: tuple[str, ...]) -> N
     st = Store(store)
     table = ls(st, models, tasks)
     click.echo(show(table))
+    for note in st.incomplete(models, tasks):
+        click.echo(f"Note: {note}")
     fail_after(st.problems(models, tasks))
 
 

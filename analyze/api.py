@@ -127,7 +127,7 @@ def analyze(
         min_params=min_params,
         progress=progress,
         options=dict(options or {}),
-        notes=[],
+        notes=st.incomplete(models, tasks),
     )
     tables = {"manifests": st.manifests(models, tasks).filter(pl.col("n_done") > 0)}
     for analysis in registered():
@@ -199,6 +199,7 @@ def ls(store: StoreLike, models: Iterable[str] = (), tasks: Iterable[str] = ()) 
             "n_requested",
             "n_components",
             "n_options",
+            "tables",
             "n_params",
             "dtype",
             "created_at",

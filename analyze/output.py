@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 
 from layerdiv.analyze.options import FORMATS
 from layerdiv.errors import LayerdivError
-from layerdiv.store.atomic import atomic_path, remove_stale_temps
+from layerdiv.store.atomic import atomic_path, remove_stale_temps, restore
 
 Frame = TypeVar("Frame", pl.DataFrame, pl.LazyFrame)
 
@@ -86,6 +86,7 @@ def result_dir(out: str | Path, index: Mapping[str, Any]) -> Iterator[Path]:
     An existing ``out`` is replaced only when it holds nothing but a layerdiv result (the files
     its index lists); temporary folders of killed runs are removed first."""
     out = Path(out)
+    restore(out)
     _check_replaceable(out)
     remove_stale_temps(out.parent, out.name)
     with atomic_path(out) as tmp:

@@ -38,6 +38,8 @@ from layerdiv.extract.tasks import (
     load_task,
     option_token_ids,
 )
+from layerdiv.store.manifest import read_manifest
+from layerdiv.store.reader import PartitionInfo
 from layerdiv.store.writer import PartitionWriter, Verdict
 
 
@@ -102,6 +104,17 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         return summaries
 
 
+def _mark_complete(writer: PartitionWriter, tables: list[str]) -> list[str]:
+    """Mark each of ``tables`` that every complete chunk of the partition now has; return a note
+    for each optional table that some stored instances still lack (another shard's chunks, or
+    chunks beyond ``--limit``), naming the command that completes it."""
+    info = PartitionInfo(writer.part, read_manifest(writer.part.manifest))
+    for table in tables:
+        if table in info.tables:
+            writer.mark_table(table)
+    return info.incomplete()
+
+
 def _chunk_size(cfg: ExtractConfig) -> int:
     return cfg.chunk_size or DEFAULT_CHUNK_SIZE
 
@@ -138,8 +151,6 @@ def extract_task(
         manifest = build_manifest(loaded, adapter, spec, ident, probe.components, len(items),
                                   _chunk_size(cfg), tol, approximate)  # fmt: skip
         stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])
-        for table in tables:
-            writer.mark_table(table)
         grid = stored.chunk_size or _chunk_size(cfg)
         if cfg.chunk_size and grid != cfg.chunk_size:
             notes.append(f"the partition's chunk grid is {grid} instances (--chunk-size "
@@ -176,11 +187,12 @@ def extract_task(
         if tables:  # chunks stored before without them: add just these tables
             rerun = partial(chunks.compute, runner, seqs=seqs, batch_size=cfg.batch_size,
                             names=names, check=check, progress=lambda n: None)  # fmt: skip
-            added = chunks.backfill(writer, tables, grid, cfg.shard,
+            added = chunks.backfill(writer, tables, grid, cfg.shard, len(items),
                                     lambda run: rerun(runs=[run]))  # fmt: skip
             if added:
                 notes.append(f"added {', '.join(tables)} to {added} stored instances "
                              "(their components were kept)")  # fmt: skip
+        notes += _mark_complete(writer, tables)
     seconds = time.perf_counter() - start_time
     run.write(finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
               seconds=round(seconds, 3), instances=n_new)  # fmt: skip

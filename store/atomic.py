@@ -4,6 +4,12 @@ Every shared write of layerdiv goes through :func:`atomic_path`: the content is 
 temporary path beside the target (named with this host and process id, so that another process
 can tell a live writer's temporary from a dead one's), fsynced, and renamed into place; on failure
 the temporary is removed.
+
+A folder that replaces another is swapped in by two renames: the old folder goes aside to
+:func:`kept_path` (a name with this host and process id), the new one takes its place, then the
+old one is deleted. A process killed between the renames leaves the old folder complete under
+that name; :func:`restore` (run by every writer of the folder and by ``Store``) puts it back, so
+that at every instant the old folder or the new one is found, never neither.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 
 _HOST = re.sub(r"[^A-Za-z0-9-]+", "-", socket.gethostname()) or "host"
 _TMP = re.compile(r"^\..+\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp$")
+_KEPT = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.kept$")
 
 
 def host() -> str:
@@ -29,6 +36,30 @@ def host() -> str:
 def temp_path(target: Path) -> Path:
     """A fresh temporary path beside ``target``: ``.<name>.<host>.<pid>.<random>.tmp``."""
     return target.parent / f".{target.name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def kept_path(target: Path) -> Path:
+    """Where a folder being replaced waits while its replacement is renamed in:
+    ``.<name>.<host>.<pid>.kept`` beside it (never taken for a temporary)."""
+    return target.parent / f".{target.name}.{_HOST}.{os.getpid()}.kept"
+
+
+def restore(target: Path) -> None:
+    """Finish what a dead process of this host left between the two renames of a folder
+    replacement of ``target``: put its kept old folder back where ``target`` is missing, delete
+    it where ``target`` (the new folder) is in place. A live process's kept folder is left."""
+    if not target.parent.is_dir():
+        return
+    for kept in sorted(target.parent.glob(".*.kept")):
+        m = _KEPT.match(kept.name)
+        if m is None or m.group("name") != target.name or m.group("host") != _HOST:
+            continue
+        if pid_alive(int(m.group("pid"))) and int(m.group("pid")) != os.getpid():
+            continue
+        if target.exists() or target.is_symlink():
+            _remove(kept)
+        else:
+            os.rename(kept, target)
 
 
 def pid_alive(pid: int) -> bool:
@@ -64,8 +95,12 @@ def atomic_path(target: Path, exclusive: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside ``target``; the caller writes a file or a folder there.
     On success it is fsynced and renamed to ``target`` (replacing it, a non-empty folder too, or
     with ``exclusive`` raising :class:`FileExistsError` if ``target`` exists); on failure it is
-    removed."""
+    removed. A ``target`` that is a symbolic link is followed (the folder or file it names is
+    replaced, the link kept)."""
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
     target.parent.mkdir(parents=True, exist_ok=True)
+    restore(target)
     tmp = temp_path(target)
     try:
         yield tmp
@@ -98,12 +133,14 @@ def write_bytes(path: Path, data: bytes, exclusive: bool = False) -> bool:
 
 
 def _replace(tmp: Path, target: Path) -> None:
-    """:func:`os.replace`, also of a non-empty folder: that is renamed aside to a temporary first
-    (put back if the rename fails, else removed)."""
+    """:func:`os.replace`, also of a non-empty folder: that is renamed aside to
+    :func:`kept_path` first (put back if the rename fails, else removed; :func:`restore` puts it
+    back if the process dies in between)."""
     if not (tmp.is_dir() and target.is_dir() and any(target.iterdir())):
         os.replace(tmp, target)
         return
-    old = temp_path(target)
+    old = kept_path(target)
+    _remove(old)
     os.replace(target, old)
     try:
         os.replace(tmp, target)

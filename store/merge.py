@@ -19,7 +19,7 @@ from pathlib import Path
 
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import REQUIRED_TABLES
-from layerdiv.store.atomic import atomic_path, remove_stale_temps
+from layerdiv.store.atomic import atomic_path, remove_stale_temps, restore
 from layerdiv.store.location import local_root
 from layerdiv.store.manifest import Manifest, write_manifest
 from layerdiv.store.paths import Partition
@@ -61,6 +61,9 @@ def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[Merged
     """Merge the stores ``sources`` into ``into`` (created, or an existing store that keeps what
     it holds); returns what each partition holds afterwards."""
     dst = local_root(into, "--into")
+    if dst.is_symlink():  # the folder it names is merged into; the link stays
+        dst = Path(os.path.realpath(dst))
+    restore(dst)
     target = _target_store(dst)
     stores = [] if target is None else [(dst, target)]
     seen = {dst.resolve()}

@@ -5,8 +5,10 @@ Nothing here imports torch or transformers.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Generic, cast
 
@@ -23,6 +25,7 @@ from layerdiv.schemas import (
     SchemaError,
     tables_of,
 )
+from layerdiv.store.atomic import restore
 from layerdiv.store.location import (
     RemotePath,
     StorePath,
@@ -54,17 +57,64 @@ class PartitionInfo(Generic[StorePath]):
     def task(self) -> str:
         return self.partition.task
 
+    @cached_property
+    def done(self) -> list[tuple[int, int]]:
+        """(start, count) of the complete chunks, listed once: every table is read over this
+        one set of chunks, however long the reading takes (an extraction may be adding some)."""
+        return self.partition.done_parts()
+
     def files(self, table: str) -> list[StorePath]:
-        """The part files of ``table`` (any table) of complete chunks."""
-        return self.partition.files(table)
+        """The part files of ``table`` of the complete chunks (:attr:`done`); for an optional
+        table, of those chunks that have it (:meth:`incomplete` says where some lack it)."""
+        part = self.partition
+        lacking = set(self.lacking.get(table, ())) if table in OPTIONAL_TABLES else set()
+        return [part.part(table, s, n) for s, n in self.done if (s, n) not in lacking]
 
     def uris(self, table: str) -> list[str]:
         """:meth:`files` as Polars reads them: local paths, or URLs of a remote store."""
         return [str(f) for f in self.files(table)]
 
+    @cached_property
+    def lacking(self) -> dict[str, list[tuple[int, int]]]:
+        """Each optional table the partition has (marked in its manifest folder, or with a part
+        of a complete chunk), with the complete chunks that have no part of it: an optional
+        table is complete when that list is empty, and only then read (:attr:`tables`)."""
+        out = {}
+        for table in OPTIONAL_TABLES:
+            missing = self.partition.lacking(table, self.done)
+            if table in self.manifest.extra_tables or len(missing) < len(self.done):
+                out[table] = missing
+        return out
+
+    @property
+    def tables(self) -> list[str]:
+        """The optional tables every complete chunk of the partition has."""
+        return [t for t, missing in self.lacking.items() if not missing]
+
+    def incomplete(self) -> list[str]:
+        """One line per optional table that some complete chunk lacks (a kill -9 during
+        ``extract --gram``, or shards run with different flags): it is left out of every reader,
+        and the line names the command that completes it."""
+        return [
+            f"{table} left out for {self.where}: {sum(n for _, n in missing)} of its "
+            f"{self.n_done} stored instances lack it (an extraction adding it stopped or is "
+            f"still running); complete it with `{self.extract_command(table)}`"
+            for table, missing in self.lacking.items()
+            if missing
+        ]
+
+    def extract_command(self, table: str) -> str:
+        """The ``layerdiv extract`` command that adds ``table`` to every stored instance."""
+        m = self.manifest
+        return (
+            f"layerdiv extract --model {m.model} --task {self.task} --{table} "
+            f"--limit {max(m.n_requested, max((s + n for s, n in self.done), default=0))} "
+            f"--store {self.partition.root}"
+        )
+
     @property
     def n_done(self) -> int:
-        return sum(n for _, n in self.partition.done_parts())
+        return sum(n for _, n in self.done)
 
     @property
     def where(self) -> str:
@@ -149,6 +199,8 @@ class Store:
 
     def __init__(self, root: str | Path):
         self.root: Path | RemotePath = store_root(root)
+        if isinstance(self.root, Path):
+            _restore(self.root)
         if not self.root.is_dir():
             raise StoreError(f"no store at {self.root}: run `layerdiv extract` first")
         found: list[Partition[Any]] = list_partitions(cast(Any, self.root))  # either kind
@@ -192,6 +244,12 @@ class Store:
         match = _matcher(list(models), list(tasks))
         return [f"left out {_where(part)}: {err}" for part, err in self.unreadable if match(part)]
 
+    def incomplete(self, models: Iterable[str] = (), tasks: Iterable[str] = ()) -> list[str]:
+        """One line per optional table of a selected partition that some of its stored instances
+        lack (:meth:`PartitionInfo.incomplete`): left out of every view and analysis."""
+        parts = self.select(models, tasks, require_data=False)
+        return [line for p in parts for line in p.incomplete()]
+
     def files(self, table: str, parts: list[PartitionInfo[Any]]) -> list[str]:
         """The part files of ``table`` of ``parts`` as Polars reads them (paths or URLs)."""
         return [f for p in parts for f in p.uris(table)]
@@ -225,6 +283,9 @@ class Store:
                     "n_mlp": kinds.count("mlp"),
                     "n_bias": kinds.count("bias"),
                     "n_options": len(m.options),
+                    "tables": ", ".join(
+                        t if not lack else f"{t} (incomplete)" for t, lack in p.lacking.items()
+                    ),
                     "options": m.options,
                     "n_requested": m.n_requested,
                     "n_done": p.n_done,
@@ -239,8 +300,9 @@ class Store:
         self, models: Iterable[str] = (), tasks: Iterable[str] = ()
     ) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB connection with the views ``components``, ``instances`` and
-        ``manifests`` over the selected partitions (and ``skips``, ``heads``, ``gram`` where some
-        of them hold that optional table), and no file-system access: SQL run on it
+        ``manifests`` over the selected partitions (and ``skips``, ``heads``, ``gram`` over those
+        that hold that optional table for every stored instance: :meth:`incomplete` names the
+        others), and no file-system access: SQL run on it
         cannot read or write any file (the views scan the checked parts through Arrow), so the
         store cannot be changed through it."""
         import pyarrow.dataset as ds  # only here: it takes a third of a second to import
@@ -249,7 +311,8 @@ class Store:
         parts = self.select(models, tasks)
         con = duckdb.connect(config={"enable_external_access": False})
         for table in (*REQUIRED_TABLES, *OPTIONAL_TABLES):
-            files = [f for p in parts for f in p.files(table)]
+            whole = [p for p in parts if table in REQUIRED_TABLES or table in p.tables]
+            files = [f for p in whole for f in p.files(table)]
             if table in OPTIONAL_TABLES and not files:
                 continue
             # Every version's columns under today's schema: a column an older part lacks is null.
@@ -272,6 +335,13 @@ class Store:
         con.register("manifests", self.manifests(models, tasks).to_arrow())
         con.execute("SET lock_configuration = true")
         return con
+
+
+def _restore(root: Path) -> None:
+    """Put back a store folder that a killed replacement (``merge``) left aside
+    (:func:`~layerdiv.store.atomic.restore`); a read-only folder is read as it is."""
+    with contextlib.suppress(OSError):
+        restore(root)
 
 
 def _matcher(models: list[str], tasks: list[str]) -> Callable[[Partition[Any]], bool]:
@@ -309,7 +379,7 @@ def _check_part_schemas(info: PartitionInfo[Any]) -> None:
     """Check every part of each table against the schema of the partition's version (cheap:
     Parquet footers only)."""
     schemas = tables_of(info.manifest.schema_version)
-    for table in (*REQUIRED_TABLES, *info.manifest.extra_tables):
+    for table in (*REQUIRED_TABLES, *info.lacking):
         for f in info.files(table):
             try:
                 found: pa.Schema = read_schema(f)
