@@ -9,6 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -54,6 +55,8 @@ class TaskPlan:
     writer: PartitionWriter
     extra_tables: list[str]
     """The optional tables to write (:func:`_extra_tables`)."""
+    argument: str = ""
+    """The task as ``--task`` takes it: a built-in name, or the absolute path of its YAML."""
 
 
 def plan_task(name: str, tokenizer: Any, cfg: ExtractConfig) -> TaskPlan:
@@ -66,7 +69,8 @@ def plan_task(name: str, tokenizer: Any, cfg: ExtractConfig) -> TaskPlan:
     ids = option_token_ids(spec, tokenizer, items[0].prompt)
     writer = PartitionWriter(cfg.store, cfg.model, spec.name)
     tables = chunks.extra_tables(writer, cfg.extra_tables, cfg.overwrite)
-    return TaskPlan(spec, items, ids, data_sha256(rows[: spec.n]), writer, tables)
+    argument = str(Path(name).resolve()) if Path(name).suffix in (".yaml", ".yml") else name
+    return TaskPlan(spec, items, ids, data_sha256(rows[: spec.n]), writer, tables, argument)
 
 
 def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
@@ -160,6 +164,7 @@ def extract_task(
         done = writer.done_instances(per_instance)
         cells = chunk_runs([i for i in range(len(items)) if i not in done], grid, cfg.shard)
         run = writer.start_run({"n_requested": len(items), "shard": list(cfg.shard),
+                                "task": plan.argument,
                                 "chunk_size": grid, "device": loaded.device.type})  # fmt: skip
         correct, max_err, n_new = 0, 0.0, 0
         bar = tqdm(total=sum(len(r) for runs in cells.values() for r in runs), desc=spec.name,

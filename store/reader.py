@@ -104,10 +104,12 @@ class PartitionInfo(Generic[StorePath]):
         ]
 
     def extract_command(self, table: str) -> str:
-        """The ``layerdiv extract`` command that adds ``table`` to every stored instance."""
+        """The ``layerdiv extract`` command that adds ``table`` to every stored instance (the
+        task as the last run that recorded it gave it: a built-in name or a YAML path)."""
         m = self.manifest
+        given = [r["task"] for r in m.runs if isinstance(r.get("task"), str) and r["task"]]
         return (
-            f"layerdiv extract --model {m.model} --task {self.task} --{table} "
+            f"layerdiv extract --model {m.model} --task {(given or [self.task])[-1]} --{table} "
             f"--limit {max(m.n_requested, max((s + n for s, n in self.done), default=0))} "
             f"--store {self.partition.root}"
         )
