@@ -5,15 +5,19 @@ temporary path beside the target (named with this host and process id, so that a
 can tell a live writer's temporary from a dead one's), fsynced, and renamed into place; on failure
 the temporary is removed.
 
-A folder that replaces another is swapped in by two renames: the old folder goes aside to
-:func:`kept_path` (a name with this host and process id), the new one takes its place, then the
-old one is deleted. A process killed between the renames leaves the old folder complete under
-that name; :func:`restore` (run by every writer of the folder and by ``Store``) puts it back, so
-that at every instant the old folder or the new one is found, never neither.
+A folder that replaces another is swapped with it in one step where the system can (Linux
+``renameat2`` with ``RENAME_EXCHANGE``), then the old one, now under the temporary name, is
+deleted. Elsewhere it takes two renames: the old folder goes aside to :func:`kept_path` (a name
+with this host and process id), the new one takes its place, then the old one is deleted; a
+process killed between the two leaves the old folder complete under that name, and
+:func:`restore` (run by every writer of the folder and by ``Store``) puts it back. Either way,
+at every instant the old folder or the new one is found complete, never neither.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import re
 import secrets
@@ -139,6 +143,8 @@ def _replace(tmp: Path, target: Path) -> None:
     if not (tmp.is_dir() and target.is_dir() and any(target.iterdir())):
         os.replace(tmp, target)
         return
+    if _exchange(tmp, target):  # the old folder is now at tmp, which the caller removes
+        return
     old = kept_path(target)
     _remove(old)
     os.replace(target, old)
@@ -148,6 +154,24 @@ def _replace(tmp: Path, target: Path) -> None:
         os.replace(old, target)
         raise
     _remove(old)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the folders ``a`` and ``b`` in one atomic step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``); False where the C library, the kernel or the file system cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def _fsync(path: Path) -> None:

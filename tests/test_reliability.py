@@ -4,11 +4,16 @@ folder replaced into place (merge, analyze --out, report --out) survives a crash
 
 from __future__ import annotations
 
+import itertools
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import polars as pl
 import pytest
 from click.testing import CliRunner, Result
 from polars.testing import assert_frame_equal
@@ -17,6 +22,7 @@ from layerdiv.analyze.api import analyze
 from layerdiv.cli import main
 from layerdiv.store import Store
 from layerdiv.store.writer import PartitionWriter
+from layerdiv.tests.conftest import write_synthetic_store
 
 N, CHUNK = 16, 4
 
@@ -128,3 +134,108 @@ def test_backfill_with_a_smaller_limit_adds_what_it_can(
     assert not list(store.rglob("tables/gram"))
     extract(model, task, store, "--gram")
     assert Store(store).select()[0].tables == ["gram"]
+
+
+# --- crash at every rename of a replacement -----------------------------------------------------
+
+CRASH_AT = """
+import os, sys
+from layerdiv.store import atomic
+k, calls = int(sys.argv[1]), [0]
+def crashing(rename):
+    def call(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == k:
+            os._exit(86)  # killed here: no cleanup runs
+        return rename(*args, **kwargs)
+    return call
+os.replace, os.rename = crashing(os.replace), crashing(os.rename)
+atomic._exchange = crashing(atomic._exchange) if sys.argv[2] == "exchange" else (lambda a, b: False)
+from layerdiv.cli import main
+main(sys.argv[3:])
+"""
+SWAPS = ["exchange", "renames"]
+"""Folder replacement in one step (Linux), and by two renames (elsewhere)."""
+
+
+def crash_at_each_rename(swap: str, fresh: Any, args: Any, check: Any) -> int:
+    """For k = 1, 2, ...: on a ``fresh(k)`` copy, run the command ``args(k)`` killed at its k-th
+    rename (``os.replace``, ``os.rename`` or the folder exchange), then ``check(k)``; until a
+    run completes. Returns the number of renames of a complete run."""
+    for k in itertools.count(1):
+        fresh(k)
+        proc = subprocess.run([sys.executable, "-c", CRASH_AT, str(k), swap, *args(k)],
+                              capture_output=True, text=True)  # fmt: skip
+        if proc.returncode == 0:
+            return k - 1
+        assert proc.returncode == 86, proc.stderr
+        check(k)
+    raise AssertionError("unreachable")
+
+
+def contents(root: Path) -> dict[tuple[str, str], list[int]]:
+    """Every partition's instances and components rows (their hashes, sorted)."""
+    return {
+        (p.model, p.task): sorted(
+            h for t in ("instances", "components") for h in pl.read_parquet(p.files(t)).hash_rows()
+        )
+        for p in Store(root).partitions
+    }
+
+
+@pytest.mark.parametrize("swap", SWAPS)
+def test_merge_killed_at_any_rename_loses_nothing(tmp_path: Path, swap: str) -> None:
+    full = write_synthetic_store(tmp_path / "full", seed=3, n=6, blocks=(2, 3))
+    into, source = tmp_path / "into", tmp_path / "source"
+    for folder, dropped in ((into, "org--large"), (source, "org--small")):
+        shutil.copytree(full, folder)
+        for part in folder.glob(f"*/model={dropped}"):
+            shutil.rmtree(part)
+    before, after = contents(into), contents(full)
+    dst = lambda k: tmp_path / f"into-{k}"  # noqa: E731
+
+    def check(k: int) -> None:
+        assert contents(dst(k)) in (before, after)  # a reader finds the old store or the new
+        rerun = run("merge", str(source), "--into", str(dst(k)))
+        assert rerun.exit_code == 0, rerun.output
+        assert contents(dst(k)) == after
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+    renames = crash_at_each_rename(
+        swap,
+        lambda k: shutil.copytree(into, dst(k)),
+        lambda k: ["merge", str(source), "--into", str(dst(k))],
+        check,
+    )
+    assert renames >= (3 if swap == "exchange" else 4)
+
+
+def test_result_folder_killed_at_any_rename_is_old_or_new(tmp_path: Path) -> None:
+    """``analyze --out`` (``report --out`` replaces its folder the same way: ``result_dir``)."""
+    store = write_synthetic_store(tmp_path / "store", seed=4, n=6, blocks=(2, 3))
+    out = tmp_path / "out"
+    args = ["analyze", "--store", str(store), "--out", str(out), "--task", "boolq", "--model",
+            "org/small"]  # fmt: skip
+    first = run(*args)
+    assert first.exit_code == 0, first.output
+    old = sorted(p.relative_to(out) for p in out.rglob("*"))
+
+    def check(k: int) -> None:
+        if swap == "renames" and not out.exists():  # between the two renames: kept aside
+            [kept] = tmp_path.glob(".out.*.kept")
+            assert sorted(p.relative_to(kept) for p in kept.rglob("*")) == old
+        else:
+            assert sorted(p.relative_to(out) for p in out.rglob("*")) == old
+        rerun = run(*args)
+        assert rerun.exit_code == 0, rerun.output
+        assert sorted(p.relative_to(out) for p in out.rglob("*")) == old
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+    for swap in SWAPS:
+        renames = crash_at_each_rename(
+            swap,
+            lambda k: None,
+            lambda k: args,
+            check,
+        )
+        assert renames == (1 if swap == "exchange" else 2)
