@@ -113,7 +113,8 @@ local_store_option = click.option(
 
 
 def _parse_shard(ctx: click.Context, param: click.Parameter, value: str) -> Shard:
-    return parse_shard(value, os.environ)
+    from_env = ctx.get_parameter_source("shard") is click.core.ParameterSource.ENVIRONMENT
+    return parse_shard(value, os.environ, "LAYERDIV_SHARD" if from_env else "--shard")
 
 
 def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) -> int | None:

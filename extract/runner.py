@@ -33,6 +33,7 @@ from layerdiv.extract.models import (
 from layerdiv.extract.provenance import build_manifest, identity
 from layerdiv.extract.tasks import (
     Instance,
+    TaskError,
     TaskSpec,
     data_sha256,
     instances,
@@ -83,6 +84,7 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         approximate = check_softcap(source.config, cfg.allow_softcap)
         tokenizer = load_tokenizer(source)
         plans = [plan_task(name, tokenizer, cfg) for name in cfg.tasks]
+        _refuse_shared_names(plans)
         idents = [identity(source, dtype, p.spec, p.option_ids, p.data_sha256) for p in plans]
         heads = any("heads" in p.extra_tables for p in plans)
         n_heads = check_heads(source.config) if heads else None
@@ -106,6 +108,19 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
                                      "shard replaced it), so it is resumed")  # fmt: skip
             summaries.append(summary)
         return summaries
+
+
+def _refuse_shared_names(plans: list[TaskPlan]) -> None:
+    """Refuse (before anything is written) two tasks of one name: they would be one partition."""
+    first: dict[str, TaskPlan] = {}
+    for plan in plans:
+        other = first.setdefault(plan.spec.name, plan)
+        if other is not plan:
+            raise TaskError(
+                f"--task {other.argument} and --task {plan.argument} are both named "
+                f"{plan.spec.name!r}, and a task's name is its partition: give one of them "
+                "another `name:` (or drop the repeated --task)"
+            )
 
 
 def _mark_complete(writer: PartitionWriter, tables: list[str]) -> list[str]:

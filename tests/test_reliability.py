@@ -20,6 +20,7 @@ from polars.testing import assert_frame_equal
 
 from layerdiv.analyze.api import analyze
 from layerdiv.cli import main
+from layerdiv.extract.launchers import LaunchError, Shard, parse_shard
 from layerdiv.store import Store
 from layerdiv.store.writer import PartitionWriter
 from layerdiv.tests.conftest import write_synthetic_store
@@ -152,6 +153,7 @@ def crashing(rename):
 os.replace, os.rename = crashing(os.replace), crashing(os.rename)
 atomic._exchange = crashing(atomic._exchange) if sys.argv[2] == "exchange" else (lambda a, b: False)
 from layerdiv.cli import main
+from layerdiv.extract.launchers import LaunchError, Shard, parse_shard
 main(sys.argv[3:])
 """
 SWAPS = ["exchange", "renames"]
@@ -239,3 +241,33 @@ def test_result_folder_killed_at_any_rename_is_old_or_new(tmp_path: Path) -> Non
             check,
         )
         assert renames == (1 if swap == "exchange" else 2)
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_two_tasks_of_one_name_are_refused_before_anything_is_written(
+    tmp_path: Path, model_dirs: Any, make_task: Any, overwrite: list[str]
+) -> None:
+    one, two = make_task(tmp_path / "one", n=4), make_task(tmp_path / "two", n=6)
+    store = tmp_path / "store"
+    result = run("extract", "--model", str(model_dirs("llama")), "--task", str(one), "--task",
+                 str(two), "--store", str(store), *overwrite)  # fmt: skip
+    assert result.exit_code == 1
+    [line] = [ln for ln in result.output.splitlines() if ln.startswith("Error:")]
+    assert str(one) in line and str(two) in line and "both named 'reviews'" in line
+    assert not store.exists() or not [p for p in store.rglob("*") if p.is_file()]
+
+
+def test_shard_syntax_is_strict_and_errors_name_their_source(tmp_path: Path) -> None:
+    for value in ("1_0/2_0", "+0/2", "0/2_0", "0/²"):
+        with pytest.raises(LaunchError, match=rf"--shard {re.escape(value)}: .* not an integer"):
+            parse_shard(value, {})
+    assert parse_shard("1/20", {}) == Shard(1, 20)
+    task = tmp_path / "missing.yaml"
+    result = CliRunner(env={"LAYERDIV_SHARD": "5/2"}).invoke(
+        main, ["extract", "--model", "m", "--task", str(task), "--store", str(tmp_path)]
+    )
+    assert result.exit_code != 0
+    assert "LAYERDIV_SHARD=5/2: need 0 <= i < N" in result.output
+    assert "--shard" not in result.output.split("LAYERDIV_SHARD=5/2")[1].split(",")[0]
+    result = run("extract", "--model", "m", "--task", str(task), "--shard", "1_0/2_0")
+    assert "--shard 1_0/2_0: '2_0' is not an integer" in result.output
