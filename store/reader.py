@@ -203,6 +203,8 @@ class Store:
         self.root: Path | RemotePath = store_root(root)
         if isinstance(self.root, Path):
             _restore(self.root)
+        if isinstance(self.root, RemotePath) and not self.root.is_dir():
+            raise StoreError(f"no store at {self.root}: no object has that prefix; check the URL")
         if not self.root.is_dir():
             raise StoreError(f"no store at {self.root}: run `layerdiv extract` first")
         found: list[Partition[Any]] = list_partitions(cast(Any, self.root))  # either kind
