@@ -242,7 +242,7 @@ def test_missing_bucket_and_credentials_are_named(
     with monkeypatch.context() as env:
         env.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
         said["endpoint"] = run("ls", "--store", remote).output
-    for what, line in said.items():
+    for line in said.values():
         assert line.startswith("Error: ") and line.count("\n") == 1, line
         assert "extract" not in line and "--overwrite" not in line, line
         assert "AWS_ACCESS_KEY_ID" in line and "AWS_ENDPOINT_URL" in line, line
