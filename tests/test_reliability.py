@@ -271,3 +271,28 @@ def test_shard_syntax_is_strict_and_errors_name_their_source(tmp_path: Path) -> 
     assert "--shard" not in result.output.split("LAYERDIV_SHARD=5/2")[1].split(",")[0]
     result = run("extract", "--model", "m", "--task", str(task), "--shard", "1_0/2_0")
     assert "--shard 1_0/2_0: '2_0' is not an integer" in result.output
+
+
+def test_sql_may_start_with_a_comment_and_rows_come_before_the_count(tmp_path: Path) -> None:
+    store = str(write_synthetic_store(tmp_path / "store", seed=5, n=4, blocks=(2, 2)))
+    result = run("query", "-- instances per task\nSELECT count(*) AS n FROM instances", "--store",
+                 store)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert re.search(r"\b16\b", result.output)
+    # The first rows are printed before the rest is counted: a failure late in a huge result
+    # comes after them.
+    late = "SELECT CASE WHEN i < 900000 THEN i ELSE error('late failure') END AS i FROM range(1000000) t(i)"
+    result = run("query", late, "--store", store, "--max-rows", "3")
+    assert result.exit_code == 1
+    table, error = result.output.rsplit("Error:", 1)
+    assert re.search(r"│ 0\s+│", table) and re.search(r"│ 2\s+│", table) and "late failure" in error
+
+
+def test_min_params_nan_is_refused(tmp_path: Path) -> None:
+    store = str(write_synthetic_store(tmp_path / "store", seed=6, n=4, blocks=(2, 2)))
+    for command in ("analyze", "report"):
+        result = run(command, "--store", store, "--min-params", "nan", "--out", str(tmp_path / "o"))
+        assert (
+            result.exit_code == 2 and "--min-params" in result.output and "not nan" in result.output
+        )
+        assert not (tmp_path / "o").exists()
