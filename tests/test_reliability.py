@@ -281,7 +281,10 @@ def test_sql_may_start_with_a_comment_and_rows_come_before_the_count(tmp_path: P
     assert re.search(r"\b16\b", result.output)
     # The first rows are printed before the rest is counted: a failure late in a huge result
     # comes after them.
-    late = "SELECT CASE WHEN i < 900000 THEN i ELSE error('late failure') END AS i FROM range(1000000) t(i)"
+    late = (
+        "SELECT CASE WHEN i < 900000 THEN i ELSE error('late failure') END AS i "
+        "FROM range(1000000) t(i)"
+    )
     result = run("query", late, "--store", store, "--max-rows", "3")
     assert result.exit_code == 1
     table, error = result.output.rsplit("Error:", 1)
