@@ -328,6 +328,8 @@ lens_option = click.option(
     help="Junction scores with the final norm's scale frozen, or each prefix rescaled by its "
     "own rms (logit lens; METHODS.md sections 1 and 3).",
 )
+
+
 def _parse_min_params(ctx: click.Context, param: click.Parameter, value: float) -> float:
     if math.isnan(value):
         raise click.BadParameter("a number of parameters (e.g. 1e9), not nan")
