@@ -209,6 +209,12 @@ class Store:
             raise StoreError(f"no store at {self.root}: run `layerdiv extract` first")
         found: list[Partition[Any]] = list_partitions(cast(Any, self.root))  # either kind
         if not found:
+            if any(True for _ in self.root.iterdir()):
+                raise StoreError(
+                    f"{self.root} holds no layerdiv partition (no manifests or table folders "
+                    "with data): give the folder of a store (where `layerdiv extract --store` "
+                    "wrote)"
+                )
             raise StoreError(f"the store {self.root} is empty: run `layerdiv extract` first")
         self.partitions: list[PartitionInfo[Any]] = []
         self.unreadable: list[tuple[Partition[Any], StoreError]] = []

@@ -13,12 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import polars as pl
 import pytest
 from click.testing import CliRunner, Result
 from polars.testing import assert_frame_equal
 
 from layerdiv.analyze.api import analyze
+from layerdiv.analyze.synthetic import random_partition, write_partition
 from layerdiv.cli import main
 from layerdiv.extract.launchers import LaunchError, Shard, parse_shard
 from layerdiv.store import Store
@@ -299,3 +301,40 @@ def test_min_params_nan_is_refused(tmp_path: Path) -> None:
             result.exit_code == 2 and "--min-params" in result.output and "not nan" in result.output
         )
         assert not (tmp_path / "o").exists()
+
+
+def gram_store(root: Path, task: str) -> Path:
+    """A synthetic partition of 6 instances in chunks of 2 with a (made-up) gram table."""
+    rng = np.random.default_rng(7)
+    logits, gold, rms, kinds = random_partition(rng, 6, 2, 2)
+    write_partition(root, "org/m", task, logits, gold, kinds, rms, chunk=2, gram=rng.random((6, 3)))
+    return root
+
+
+def test_merge_keeps_what_it_is_given_and_says_what_is_wrong(tmp_path: Path) -> None:
+    src, other = gram_store(tmp_path / "src", "boolq"), gram_store(tmp_path / "other", "mnli")
+    # an unfinished addition: one chunk has no gram part yet
+    next(src.glob("gram/*/*/part-0000002-000002.parquet")).unlink()
+    listed = run("ls", "--store", str(src))
+    assert listed.exit_code == 0 and "gram (incomplete)" in listed.output
+    real = tmp_path / "real"
+    merged = run("merge", str(src), "--into", str(real))
+    assert merged.exit_code == 0, merged.output
+    [info] = Store(real).select()
+    assert info.lacking == {"gram": [(2, 2)]} and not list(real.rglob("tables/gram"))
+    # --into a link: the folder it names is updated, the link stays
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    merged = run("merge", str(other), "--into", str(link))
+    assert merged.exit_code == 0, merged.output
+    assert link.is_symlink() and {p.task for p in Store(real).partitions} == {"boolq", "mnli"}
+    # a store inside a store is refused
+    nested = run("merge", str(other), "--into", str(other / "inner"))
+    assert nested.exit_code == 1 and "is inside the source" in nested.output
+    assert not (other / "inner").exists()
+    # a folder that is not empty but holds no store is not called empty
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("x")
+    junk = run("merge", str(tmp_path / "junk"), "--into", str(tmp_path / "x"))
+    assert junk.exit_code == 1 and "empty" not in junk.output
+    assert "holds no layerdiv partition" in junk.output
