@@ -90,7 +90,7 @@ def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[Merged
         for (model, task), (manifest, chunks) in plans.items():
             out = Partition(stage, model, task)
             for (start, count), held in sorted(chunks.items()):
-                files = {}  # each table's part from the first copy that has it
+                files: dict[str, tuple[_Copy, Path]] = {}  # each table from a copy having it
                 for copy in held:
                     for table, src in copy.chunk_files(start, count).items():
                         files.setdefault(table, (copy, src))
