@@ -22,6 +22,7 @@ from polars.testing import assert_frame_equal
 from layerdiv.analyze.api import analyze
 from layerdiv.analyze.synthetic import random_partition, write_partition
 from layerdiv.cli import main
+from layerdiv.demo import write_demo_tasks
 from layerdiv.extract.launchers import LaunchError, Shard, parse_shard
 from layerdiv.store import Store
 from layerdiv.store.writer import PartitionWriter
@@ -155,6 +156,7 @@ def crashing(rename):
 os.replace, os.rename = crashing(os.replace), crashing(os.rename)
 atomic._exchange = crashing(atomic._exchange) if sys.argv[2] == "exchange" else (lambda a, b: False)
 from layerdiv.cli import main
+from layerdiv.demo import write_demo_tasks
 from layerdiv.extract.launchers import LaunchError, Shard, parse_shard
 main(sys.argv[3:])
 """
@@ -338,3 +340,27 @@ def test_merge_keeps_what_it_is_given_and_says_what_is_wrong(tmp_path: Path) -> 
     junk = run("merge", str(tmp_path / "junk"), "--into", str(tmp_path / "x"))
     assert junk.exit_code == 1 and "empty" not in junk.output
     assert "holds no layerdiv partition" in junk.output
+
+
+def test_layernorm_store_with_gram_is_not_told_to_extract_gram(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    store = tmp_path / "store"
+    extract(model_dirs("gpt2"), make_task(tmp_path / "task", n=4), store, "--gram")
+    results = analyze(store)
+    assert "gram_blocks" in results.names()
+    assert not [n for n in results.notes if "--gram" in n], results.notes
+    assert [n for n in results.notes if "exact angles are in gram_blocks" in n], results.notes
+
+
+def test_demo_with_another_n_is_refused_before_its_tasks_change(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    write_demo_tasks(out / "tasks", 10, 0)
+    (out / "store").mkdir()  # the demo extracted these tasks
+    before = {p.name: p.read_text() for p in (out / "tasks").iterdir()}
+    result = run("demo", "--n", "12", "--out", str(out))
+    assert result.exit_code == 1
+    line = result.output.strip()
+    assert "\n" not in line and "another --n or --seed" in line and "--overwrite" not in line
+    assert {p.name: p.read_text() for p in (out / "tasks").iterdir()} == before
+    assert write_demo_tasks(out / "tasks", 10, 0, out / "store")  # the same demo: fine
