@@ -98,7 +98,8 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
             todo = partial(chunks.pending, plan.writer, len(plan.items), plan.extra_tables)
             if verdict is Verdict.RESUME and not todo(_chunk_size(cfg), cfg.shard):
                 done = len(plan.writer.done_instances())
-                summary = TaskSummary(plan.spec.name, len(plan.items), 0, done, 0.0)
+                notes = _mark_complete(plan.writer, plan.extra_tables)
+                summary = TaskSummary(plan.spec.name, len(plan.items), 0, done, 0.0, notes=notes)
             else:
                 loaded = loaded or load_model(source, tokenizer, device, dtype, cfg.device_map)
                 summary = extract_task(loaded, adapter, plan, cfg, approximate, n_heads)
