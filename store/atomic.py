@@ -10,8 +10,9 @@ A folder that replaces another is swapped with it in one step where the system c
 deleted. Elsewhere it takes two renames: the old folder goes aside to :func:`kept_path` (a name
 with this host and process id), the new one takes its place, then the old one is deleted; a
 process killed between the two leaves the old folder complete under that name, and
-:func:`restore` (run by every writer of the folder and by ``Store``) puts it back. Either way,
-at every instant the old folder or the new one is found complete, never neither.
+:func:`restore` (run by each writer of such a folder before it reads it, and by ``Store``) puts
+it back. Either way, at every instant the old folder or the new one is found complete, never
+neither.
 """
 
 from __future__ import annotations
@@ -104,7 +105,6 @@ def atomic_path(target: Path, exclusive: bool = False) -> Iterator[Path]:
     if target.is_symlink():
         target = Path(os.path.realpath(target))
     target.parent.mkdir(parents=True, exist_ok=True)
-    restore(target)
     tmp = temp_path(target)
     try:
         yield tmp
