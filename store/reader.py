@@ -67,7 +67,9 @@ class PartitionInfo(Generic[StorePath]):
         """The part files of ``table`` of the complete chunks (:attr:`done`); for an optional
         table, of those chunks that have it (:meth:`incomplete` says where some lack it)."""
         part = self.partition
-        lacking = set(self.lacking.get(table, ())) if table in OPTIONAL_TABLES else set()
+        if table in OPTIONAL_TABLES and table not in self.lacking:
+            return []
+        lacking = set(self.lacking.get(table, ()))
         return [part.part(table, s, n) for s, n in self.done if (s, n) not in lacking]
 
     def uris(self, table: str) -> list[str]:
@@ -97,8 +99,9 @@ class PartitionInfo(Generic[StorePath]):
         and the line names the command that completes it."""
         return [
             f"{table} left out for {self.where}: {sum(n for _, n in missing)} of its "
-            f"{self.n_done} stored instances lack it (an extraction adding it stopped or is "
-            f"still running); complete it with `{self.extract_command(table)}`"
+            f"{self.n_done} stored instances lack it (the runs that added it stopped, are still "
+            f"running, or covered only some instances); complete it with "
+            f"`{self.extract_command(table)}`"
             for table, missing in self.lacking.items()
             if missing
         ]
