@@ -52,7 +52,10 @@ def kept_path(target: Path) -> Path:
 def restore(target: Path) -> None:
     """Finish what a dead process of this host left between the two renames of a folder
     replacement of ``target``: put its kept old folder back where ``target`` is missing, delete
-    it where ``target`` (the new folder) is in place. A live process's kept folder is left."""
+    it where ``target`` (the new folder) is in place. A live process's kept folder is left. A
+    ``target`` that is a symbolic link is followed, as :func:`atomic_path` does."""
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
     if not target.parent.is_dir():
         return
     for kept in sorted(target.parent.glob(".*.kept")):

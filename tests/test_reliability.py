@@ -5,6 +5,7 @@ folder replaced into place (merge, analyze --out, report --out) survives a crash
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import shlex
 import shutil
@@ -24,7 +25,7 @@ from layerdiv.analyze.synthetic import random_partition, write_partition
 from layerdiv.cli import main
 from layerdiv.demo import write_demo_tasks
 from layerdiv.extract.launchers import LaunchError, Shard, parse_shard
-from layerdiv.store import Store
+from layerdiv.store import Store, atomic
 from layerdiv.store.writer import PartitionWriter
 from layerdiv.tests.conftest import write_synthetic_store
 
@@ -366,3 +367,19 @@ def test_demo_with_another_n_is_refused_before_its_tasks_change(tmp_path: Path) 
     assert "\n" not in line and "another --n or --seed" in line and "--overwrite" not in line
     assert {p.name: p.read_text() for p in (out / "tasks").iterdir()} == before
     assert write_demo_tasks(out / "tasks", 10, 0, out / "store")  # the same demo: fine
+
+
+def test_a_kept_folder_is_restored_through_a_link_and_dropped_behind_a_new_one(
+    tmp_path: Path,
+) -> None:
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    (real / "a").write_text("old")
+    link.symlink_to(real, target_is_directory=True)
+    dead = f".real.{atomic.host()}.999999999.kept"  # left by a killed process
+    os.rename(real, tmp_path / dead)
+    atomic.restore(link)
+    assert (real / "a").read_text() == "old" and not (tmp_path / dead).exists()
+    (tmp_path / dead).mkdir()  # killed after the new folder was in place
+    atomic.restore(real)
+    assert not (tmp_path / dead).exists() and (real / "a").read_text() == "old"
