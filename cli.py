@@ -5,10 +5,11 @@ Commands that read the cache never import torch; ``extract`` and ``demo`` import
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +117,8 @@ local_store_option = click.option(
 
 
 def _parse_shard(ctx: click.Context, param: click.Parameter, value: str) -> Shard:
-    return parse_shard(value, os.environ)
+    from_env = ctx.get_parameter_source("shard") is click.core.ParameterSource.ENVIRONMENT
+    return parse_shard(value, os.environ, "LAYERDIV_SHARD" if from_env else "--shard")
 
 
 def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
@@ -329,9 +331,18 @@ lens_option = click.option(
     help="Junction scores with the final norm's scale frozen, or each prefix rescaled by its "
     "own rms (logit lens; METHODS.md sections 1 and 3).",
 )
+
+
+def _parse_min_params(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if math.isnan(value):
+        raise click.BadParameter("a number of parameters (e.g. 1e9), not nan")
+    return value
+
+
 min_params_option = click.option(
     "--min-params",
     type=float,
+    callback=_parse_min_params,
     default=0.0,
     show_default=True,
     metavar="N",
@@ -477,7 +488,7 @@ def report_command(
     fail_after(results.problems)
 
 
-@main.command("query")
+@main.command("query", context_settings={"ignore_unknown_options": True})
 @click.argument("sql")
 @store_option
 @models_option
@@ -524,7 +535,7 @@ def query_command(
     statements = duckdb.extract_statements(sql)
     if not statements:
         raise click.UsageError("no SQL statement given")
-    shown = []
+    shown = False
     for i, statement in enumerate(statements):
         relation = con.sql(statement.query)
         last = i == len(statements) - 1
@@ -535,9 +546,15 @@ def query_command(
                 write_reader(relation.to_arrow_reader(), tmp, fmt)
             click.echo(f"wrote {out}")
         elif relation is not None and not out:
-            shown.append(preview(relation, max_rows))
-    if not out:
-        click.echo("\n\n".join(shown) if shown else "OK (no statement returns rows)")
+            if shown:
+                click.echo()
+            for text in preview(relation, max_rows):
+                click.echo(text)
+            shown = True
+    if not out and not shown:
+        click.echo("OK (no statement returns rows)")
+    for note in st.incomplete(models, tasks):
+        click.echo(f"Note: {note}", err=True)
     fail_after(st.problems(models, tasks))
 
 
@@ -556,26 +573,28 @@ def show(frame: Any) -> str:
         return str(frame)
 
 
-def preview(relation: Any, max_rows: int) -> str:
-    """The first ``max_rows`` rows of a DuckDB relation as a text table, and how many more
-    there are (counted while the query runs once)."""
+def preview(relation: Any, max_rows: int) -> Iterator[str]:
+    """The first ``max_rows`` rows of a DuckDB relation as a text table, as soon as they are
+    known; then, once the rest is counted (the query runs once), how many more there are."""
     import polars as pl
     import pyarrow as pa
 
     reader = relation.to_arrow_reader(max_rows)
+    batches = iter(reader)
     kept: list[pa.RecordBatch] = []
     total = 0
-    for batch in reader:
-        if total < max_rows:
-            kept.append(batch.slice(0, max_rows - total))
+    for batch in batches:
+        kept.append(batch.slice(0, max_rows - total))
         total += batch.num_rows
-    text = show(pl.from_arrow(pa.Table.from_batches(kept, schema=reader.schema)))
+        if total >= max_rows:
+            break
+    yield show(pl.from_arrow(pa.Table.from_batches(kept, schema=reader.schema)))
+    total += sum(batch.num_rows for batch in batches)
     if total > max_rows:
-        text += (
-            f"\n{total - max_rows:,} more rows not shown ({total:,} in all): "
+        yield (
+            f"{total - max_rows:,} more rows not shown ({total:,} in all): "
             "raise --max-rows, or write them all with --out FILE"
         )
-    return text
 
 
 @main.command("ls")
@@ -591,6 +610,8 @@ def ls_command(store: str, models: tuple[str, ...], tasks: tuple[str, ...]) -> N
     st = Store(store)
     table = ls(st, models, tasks)
     click.echo(show(table))
+    for note in st.incomplete(models, tasks):
+        click.echo(f"Note: {note}")
     fail_after(st.problems(models, tasks))
 
 

@@ -26,7 +26,7 @@ MIN_TWEET_CONFIDENCE = 0.6
 
 
 class DemoDataError(LayerdivError, RuntimeError):
-    """A data package of the demo is missing."""
+    """A data package of the demo is missing, or the demo folder holds another demo."""
 
 
 def package_dir(package: str) -> Path:
@@ -111,11 +111,12 @@ DEMO_TASKS = (
 )
 
 
-def write_demo_tasks(folder: Path, n: int, seed: int) -> list[Path]:
+def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None) -> list[Path]:
     """Write each demo task as ``<name>.yaml`` + ``<name>.jsonl`` in ``folder`` (balanced
-    classes, ``n`` instances, shuffled with ``seed``); returns the YAML paths."""
-    folder.mkdir(parents=True, exist_ok=True)
+    classes, ``n`` instances, shuffled with ``seed``); returns the YAML paths. Refuses (before
+    writing) to change tasks that the demo ``store`` holds an extraction of."""
     paths = []
+    texts: dict[Path, str] = {}
     cache: dict[Callable[[], list[dict[str, str]]], list[dict[str, str]]] = {}
     for task in DEMO_TASKS:
         if task.rows not in cache:
@@ -131,7 +132,7 @@ def write_demo_tasks(folder: Path, n: int, seed: int) -> list[Path]:
             chosen += [{"text": r["text"], "label": option} for r in rng.sample(pool, per_class)]
         rng.shuffle(chosen)
         data = folder / f"{task.name}.jsonl"
-        data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chosen))
+        texts[data] = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chosen)
         spec = {
             "name": task.name,
             "description": task.description,
@@ -142,8 +143,17 @@ def write_demo_tasks(folder: Path, n: int, seed: int) -> list[Path]:
             "n": len(chosen),
         }
         path = folder / f"{task.name}.yaml"
-        path.write_text(yaml.safe_dump(spec, sort_keys=False, allow_unicode=True))
+        texts[path] = yaml.safe_dump(spec, sort_keys=False, allow_unicode=True)
         paths.append(path)
+    changed = [p for p, text in texts.items() if p.exists() and p.read_text() != text]
+    if store is not None and store.exists() and changed:
+        raise DemoDataError(
+            f"{folder.parent} holds a demo made with another --n or --seed ({changed[0]} "
+            "differs): run the demo again with the same --n and --seed, or give another --out"
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    for p, text in texts.items():
+        p.write_text(text)
     return paths
 
 
@@ -157,8 +167,8 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     from layerdiv.extract.runner import ExtractConfig, run_extract
 
     start = time.perf_counter()
-    tasks = write_demo_tasks(out / "tasks", n, seed)
     store, results_dir, report_dir = out / "store", out / "results", out / "report"
+    tasks = write_demo_tasks(out / "tasks", n, seed, store)
     print(f"\nExtracting {DEMO_MODEL} on {', '.join(p.stem for p in tasks)} into {store}")
     config = ExtractConfig(DEMO_MODEL, [str(p) for p in tasks], store, gram=True, heads=True)
     for s in run_extract(config):

@@ -218,7 +218,7 @@ def analyze(
         min_params=min_params,
         progress=progress,
         options=dict(options or {}),
-        notes=[],
+        notes=st.incomplete(models, tasks),
     )
     tables = {"manifests": st.manifests(models, tasks).filter(pl.col("n_done") > 0)}
     for analysis in analyses:
@@ -302,6 +302,7 @@ def ls(store: StoreLike, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
             "n_requested",
             "n_components",
             "n_options",
+            "tables",
             "n_params",
             "dtype",
             "created_at",

@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 
 from layerdiv.analyze.options import FORMATS
 from layerdiv.errors import LayerdivError
-from layerdiv.store.atomic import atomic_path, remove_stale_temps
+from layerdiv.store.atomic import atomic_path, remove_stale_temps, restore
+from layerdiv.store.location import is_url
 
 Frame = TypeVar("Frame", pl.DataFrame, pl.LazyFrame)
 
@@ -67,7 +68,13 @@ def _check_replaceable(out: Path) -> None:
 
 
 def refuse_inside(out: str | Path, store: str | Path) -> None:
-    """Refuse an output path inside the store: analysis never writes there."""
+    """Refuse an output path inside the store (analysis never writes there) and a URL (results
+    are written locally: ``query``, ``analyze`` and ``report`` alike)."""
+    if is_url(out):
+        raise OutputError(
+            f"{out}: results are written to a local path only; write them locally, then "
+            f"copy them to object storage (e.g. `aws s3 cp --recursive <folder> {out}`)"
+        )
     root, target = Path(store).expanduser().resolve(), Path(out).expanduser().resolve()
     if target == root or root in target.parents:
         raise OutputError(
@@ -86,6 +93,7 @@ def result_dir(out: str | Path, index: Mapping[str, Any]) -> Iterator[Path]:
     An existing ``out`` is replaced only when it holds nothing but a layerdiv result (the files
     its index lists); temporary folders of killed runs are removed first."""
     out = Path(out)
+    restore(out)
     _check_replaceable(out)
     remove_stale_temps(out.parent, out.name)
     with atomic_path(out) as tmp:

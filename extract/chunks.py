@@ -19,11 +19,14 @@ Results = dict[int, tuple[BatchDecomposition, int]]
 
 
 def extra_tables(writer: PartitionWriter, asked: list[str], overwrite: bool) -> list[str]:
-    """The optional tables to write: those ``asked`` for, and those the partition already has
-    (unless it is to be replaced), so that no chunk stored later lacks them."""
+    """The optional tables to write: those ``asked`` for, and those the partition already has,
+    complete (marked) or not (a part of it stored: a run adding it stopped, or a shard started
+    with other flags), unless it is to be replaced, so that no chunk stored later lacks them."""
     manifest = writer.part.manifest
-    kept = [] if overwrite or not manifest.exists() else read_manifest(manifest).extra_tables
-    return [t for t in OPTIONAL_TABLES if t in asked or t in kept]
+    if overwrite or not manifest.exists():
+        return [t for t in OPTIONAL_TABLES if t in asked]
+    kept = read_manifest(manifest).extra_tables
+    return [t for t in OPTIONAL_TABLES if t in asked or t in kept or writer.part.parts(t)]
 
 
 def pending(
@@ -34,8 +37,14 @@ def pending(
     stored = read_manifest(writer.part.manifest)
     done = writer.done_instances(len(stored.components) * len(stored.options))
     todo = [i for i in range(n) if i not in done]
-    todo += [i for t in tables for s, c in writer.chunks_missing(t) for i in range(s, s + c)]
+    todo += [i for t in tables for s, c in backfillable(writer, t, n) for i in range(s, s + c)]
     return bool(chunk_runs(sorted(set(todo)), stored.chunk_size or chunk_size, shard))
+
+
+def backfillable(writer: PartitionWriter, table: str, n: int) -> list[tuple[int, int]]:
+    """The complete chunks that lack the optional ``table`` and lie within instances
+    ``0..n-1`` of this run (a chunk beyond ``--limit`` has no prompts here)."""
+    return [(s, c) for s, c in writer.chunks_missing(table) if s + c <= n]
 
 
 def claimed(writer: PartitionWriter, chunks: list[int]) -> Iterator[tuple[int, ChunkClaim]]:
@@ -121,17 +130,19 @@ def backfill(
     tables: list[str],
     grid: int,
     shard: tuple[int, int],
+    n_items: int,
     compute_run: Callable[[list[int]], Results],
 ) -> int:
-    """Add the optional ``tables`` to this shard's complete chunks stored without them, part by
-    part under the chunk's claim, without rewriting their components; returns the number of
-    instances run. ``compute_run`` runs (and checks) one contiguous run of instances."""
-    missing = sorted({p for t in tables for p in writer.chunks_missing(t)})
+    """Add the optional ``tables`` to this shard's complete chunks within instances
+    ``0..n_items-1`` stored without them, part by part under the chunk's claim, without
+    rewriting their components; returns the number of instances run. ``compute_run`` runs (and
+    checks) one contiguous run of instances."""
+    missing = sorted({p for t in tables for p in backfillable(writer, t, n_items)})
     ids = [i for s, c in missing for i in range(s, s + c)]
     n = 0
     for j, claim in claimed(writer, sorted(chunk_runs(ids, grid, shard))):
-        try:
-            lacking = {t: set(writer.chunks_missing(t)) for t in tables}  # under the claim
+        try:  # what is still lacking, under the claim
+            lacking = {t: set(backfillable(writer, t, n_items)) for t in tables}
             for s, c in sorted({p for ps in lacking.values() for p in ps if p[0] // grid == j}):
                 run = list(range(s, s + c))
                 made = optional_tables(run, compute_run(run))

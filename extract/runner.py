@@ -9,6 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -32,12 +33,15 @@ from layerdiv.extract.models import (
 from layerdiv.extract.provenance import build_manifest, identity
 from layerdiv.extract.tasks import (
     Instance,
+    TaskError,
     TaskSpec,
     data_sha256,
     instances,
     load_task,
     option_token_ids,
 )
+from layerdiv.store.manifest import read_manifest
+from layerdiv.store.reader import PartitionInfo
 from layerdiv.store.writer import PartitionWriter, Verdict
 
 
@@ -52,6 +56,8 @@ class TaskPlan:
     writer: PartitionWriter
     extra_tables: list[str]
     """The optional tables to write (:func:`_extra_tables`)."""
+    argument: str = ""
+    """The task as ``--task`` takes it: a built-in name, or the absolute path of its YAML."""
 
 
 def plan_task(name: str, tokenizer: Any, cfg: ExtractConfig) -> TaskPlan:
@@ -64,7 +70,8 @@ def plan_task(name: str, tokenizer: Any, cfg: ExtractConfig) -> TaskPlan:
     ids = option_token_ids(spec, tokenizer, items[0].prompt)
     writer = PartitionWriter(cfg.store, cfg.model, spec.name)
     tables = chunks.extra_tables(writer, cfg.extra_tables, cfg.overwrite)
-    return TaskPlan(spec, items, ids, data_sha256(rows[: spec.n]), writer, tables)
+    argument = str(Path(name).resolve()) if Path(name).suffix in (".yaml", ".yml") else name
+    return TaskPlan(spec, items, ids, data_sha256(rows[: spec.n]), writer, tables, argument)
 
 
 def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
@@ -77,6 +84,7 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         approximate = check_softcap(source.config, cfg.allow_softcap)
         tokenizer = load_tokenizer(source)
         plans = [plan_task(name, tokenizer, cfg) for name in cfg.tasks]
+        _refuse_shared_names(plans)
         idents = [identity(source, dtype, p.spec, p.option_ids, p.data_sha256) for p in plans]
         heads = any("heads" in p.extra_tables for p in plans)
         n_heads = check_heads(source.config) if heads else None
@@ -90,7 +98,8 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
             todo = partial(chunks.pending, plan.writer, len(plan.items), plan.extra_tables)
             if verdict is Verdict.RESUME and not todo(_chunk_size(cfg), cfg.shard):
                 done = len(plan.writer.done_instances())
-                summary = TaskSummary(plan.spec.name, len(plan.items), 0, done, 0.0)
+                notes = _mark_complete(plan.writer, plan.extra_tables)
+                summary = TaskSummary(plan.spec.name, len(plan.items), 0, done, 0.0, notes=notes)
             else:
                 loaded = loaded or load_model(source, tokenizer, device, dtype, cfg.device_map)
                 summary = extract_task(loaded, adapter, plan, cfg, approximate, n_heads)
@@ -100,6 +109,30 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
                                      "shard replaced it), so it is resumed")  # fmt: skip
             summaries.append(summary)
         return summaries
+
+
+def _refuse_shared_names(plans: list[TaskPlan]) -> None:
+    """Refuse (before anything is written) two tasks of one name: they would be one partition."""
+    first: dict[str, TaskPlan] = {}
+    for plan in plans:
+        other = first.setdefault(plan.spec.name, plan)
+        if other is not plan:
+            raise TaskError(
+                f"--task {other.argument} and --task {plan.argument} are both named "
+                f"{plan.spec.name!r}, and a task's name is its partition: give one of them "
+                "another `name:` (or drop the repeated --task)"
+            )
+
+
+def _mark_complete(writer: PartitionWriter, tables: list[str]) -> list[str]:
+    """Mark each of ``tables`` that every complete chunk of the partition now has; return a note
+    for each optional table that some stored instances still lack (another shard's chunks, or
+    chunks beyond ``--limit``), naming the command that completes it."""
+    info = PartitionInfo(writer.part, read_manifest(writer.part.manifest))
+    for table in tables:
+        if table in info.tables:
+            writer.mark_table(table)
+    return info.incomplete()
 
 
 def _chunk_size(cfg: ExtractConfig) -> int:
@@ -139,8 +172,6 @@ def extract_task(
         manifest = build_manifest(loaded, adapter, spec, ident, probe.components, len(items),
                                   _chunk_size(cfg), tol, approximate)  # fmt: skip
         stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])
-        for table in tables:
-            writer.mark_table(table)
         grid = stored.chunk_size or _chunk_size(cfg)
         if cfg.chunk_size and grid != cfg.chunk_size:
             notes.append(f"the partition's chunk grid is {grid} instances (--chunk-size "
@@ -150,6 +181,7 @@ def extract_task(
         done = writer.done_instances(per_instance)
         cells = chunk_runs([i for i in range(len(items)) if i not in done], grid, cfg.shard)
         run = writer.start_run({"n_requested": len(items), "shard": list(cfg.shard),
+                                "task": plan.argument,
                                 "chunk_size": grid, "device": loaded.device.type})  # fmt: skip
         correct, max_err, n_new = 0, 0.0, 0
         bar = tqdm(total=sum(len(r) for runs in cells.values() for r in runs), desc=spec.name,
@@ -178,11 +210,12 @@ def extract_task(
         if tables:  # chunks stored before without them: add just these tables
             rerun = partial(chunks.compute, runner, seqs=seqs, batch_size=cfg.batch_size,
                             names=names, check=check, progress=lambda n: None)  # fmt: skip
-            added = chunks.backfill(writer, tables, grid, cfg.shard,
+            added = chunks.backfill(writer, tables, grid, cfg.shard, len(items),
                                     lambda run: rerun(runs=[run]))  # fmt: skip
             if added:
                 notes.append(f"added {', '.join(tables)} to {added} stored instances "
                              "(their components were kept)")  # fmt: skip
+        notes += _mark_complete(writer, tables)
     seconds = time.perf_counter() - start_time
     run.write(finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
               seconds=round(seconds, 3), instances=n_new)  # fmt: skip

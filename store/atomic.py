@@ -4,10 +4,21 @@ Every shared write of layerdiv goes through :func:`atomic_path`: the content is 
 temporary path beside the target (named with this host and process id, so that another process
 can tell a live writer's temporary from a dead one's), fsynced, and renamed into place; on failure
 the temporary is removed.
+
+A folder that replaces another is swapped with it in one step where the system can (Linux
+``renameat2`` with ``RENAME_EXCHANGE``), then the old one, now under the temporary name, is
+deleted. Elsewhere it takes two renames: the old folder goes aside to :func:`kept_path` (a name
+with this host and process id), the new one takes its place, then the old one is deleted; a
+process killed between the two leaves the old folder complete under that name, and
+:func:`restore` (run by each writer of such a folder before it reads it, and by ``Store``) puts
+it back. Either way, at every instant the old folder or the new one is found complete, never
+neither.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import re
 import secrets
@@ -19,6 +30,7 @@ from pathlib import Path
 
 _HOST = re.sub(r"[^A-Za-z0-9-]+", "-", socket.gethostname()) or "host"
 _TMP = re.compile(r"^\..+\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp$")
+_KEPT = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.kept$")
 
 
 def host() -> str:
@@ -29,6 +41,33 @@ def host() -> str:
 def temp_path(target: Path) -> Path:
     """A fresh temporary path beside ``target``: ``.<name>.<host>.<pid>.<random>.tmp``."""
     return target.parent / f".{target.name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def kept_path(target: Path) -> Path:
+    """Where a folder being replaced waits while its replacement is renamed in:
+    ``.<name>.<host>.<pid>.kept`` beside it (never taken for a temporary)."""
+    return target.parent / f".{target.name}.{_HOST}.{os.getpid()}.kept"
+
+
+def restore(target: Path) -> None:
+    """Finish what a dead process of this host left between the two renames of a folder
+    replacement of ``target``: put its kept old folder back where ``target`` is missing, delete
+    it where ``target`` (the new folder) is in place. A live process's kept folder is left. A
+    ``target`` that is a symbolic link is followed, as :func:`atomic_path` does."""
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
+    if not target.parent.is_dir():
+        return
+    for kept in sorted(target.parent.glob(".*.kept")):
+        m = _KEPT.match(kept.name)
+        if m is None or m.group("name") != target.name or m.group("host") != _HOST:
+            continue
+        if pid_alive(int(m.group("pid"))) and int(m.group("pid")) != os.getpid():
+            continue
+        if target.exists() or target.is_symlink():
+            _remove(kept)
+        else:
+            os.rename(kept, target)
 
 
 def pid_alive(pid: int) -> bool:
@@ -64,7 +103,10 @@ def atomic_path(target: Path, exclusive: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside ``target``; the caller writes a file or a folder there.
     On success it is fsynced and renamed to ``target`` (replacing it, a non-empty folder too, or
     with ``exclusive`` raising :class:`FileExistsError` if ``target`` exists); on failure it is
-    removed."""
+    removed. A ``target`` that is a symbolic link is followed (the folder or file it names is
+    replaced, the link kept)."""
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(target)
     try:
@@ -98,12 +140,16 @@ def write_bytes(path: Path, data: bytes, exclusive: bool = False) -> bool:
 
 
 def _replace(tmp: Path, target: Path) -> None:
-    """:func:`os.replace`, also of a non-empty folder: that is renamed aside to a temporary first
-    (put back if the rename fails, else removed)."""
+    """:func:`os.replace`, also of a non-empty folder: that is renamed aside to
+    :func:`kept_path` first (put back if the rename fails, else removed; :func:`restore` puts it
+    back if the process dies in between)."""
     if not (tmp.is_dir() and target.is_dir() and any(target.iterdir())):
         os.replace(tmp, target)
         return
-    old = temp_path(target)
+    if _exchange(tmp, target):  # the old folder is now at tmp, which the caller removes
+        return
+    old = kept_path(target)
+    _remove(old)
     os.replace(target, old)
     try:
         os.replace(tmp, target)
@@ -111,6 +157,24 @@ def _replace(tmp: Path, target: Path) -> None:
         os.replace(old, target)
         raise
     _remove(old)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the folders ``a`` and ``b`` in one atomic step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``); False where the C library, the kernel or the file system cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def _fsync(path: Path) -> None:

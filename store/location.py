@@ -13,6 +13,7 @@ standard AWS variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRE
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,12 @@ import pyarrow.parquet as pq
 from layerdiv.errors import LayerdivError
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+_ACCESS = (
+    "the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) and the "
+    "endpoint (AWS_ENDPOINT_URL)"
+)
 
 
 class LocationError(LayerdivError, ValueError):
@@ -86,8 +93,14 @@ class RemotePath:
     def read_bytes(self) -> bytes:
         if not self.is_file():
             raise FileNotFoundError(f"{self}: no such object")
-        with self.fs.open_input_stream(self.path) as stream:
-            return bytes(stream.read())
+        try:
+            with self.fs.open_input_stream(self.path) as stream:
+                return bytes(stream.read())
+        except (pa.ArrowException, OSError) as err:
+            raise LocationError(
+                f"cannot read {self} ({_first_line(err)}): the store is listed but its objects "
+                f"cannot be read; check {_ACCESS}"
+            ) from err
 
     def read_text(self) -> str:
         return self.read_bytes().decode()
@@ -121,9 +134,16 @@ def store_root(root: str | Path) -> Path | RemotePath:
         infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
     except (pa.ArrowException, OSError) as err:
         raise LocationError(
-            f"cannot list the store {url} ({_first_line(err)}): check the URL, the endpoint "
-            "and the credentials (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)"
+            f"cannot list the store {url} ({_first_line(err)}): check the URL and {_ACCESS}"
         ) from err
+    bucket = base.split("/", 1)[0]
+    if not infos and _missing(fs, bucket):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL")
+        raise LocationError(
+            f"cannot open the store {url}: there is no bucket {bucket!r}"
+            + (f" at the endpoint {endpoint}" if endpoint else "")
+            + f"; check the bucket's name, and that {_ACCESS} let you see it"
+        )
     files = frozenset(i.path.rstrip("/") for i in infos if i.type == pafs.FileType.File)
     children: dict[str, set[str]] = {}
     for path in files:
@@ -133,6 +153,14 @@ def store_root(root: str | Path) -> Path | RemotePath:
             path = folder
     listing = _Listing(files, {k: frozenset(v) for k, v in children.items()})
     return RemotePath(fs, scheme, base, listing)
+
+
+def _missing(fs: pafs.FileSystem, path: str) -> bool:
+    """Whether ``path`` is known not to exist (False where that cannot be asked)."""
+    try:
+        return bool(fs.get_file_info(path).type == pafs.FileType.NotFound)
+    except (pa.ArrowException, OSError):
+        return False
 
 
 def local_root(root: str | Path, what: str = "--store") -> Path:

@@ -134,8 +134,8 @@ class Manifest:
     """UTC time the partition was first created (ISO 8601)."""
     runs: list[dict[str, Any]] = field(default_factory=list)
     """One entry per extraction run that had work to do (filled on read from ``runs/``, one file
-    per run): started_at, host, pid, n_requested, shard, chunk_size, device, and when it ended
-    finished_at, seconds, instances."""
+    per run): started_at, host, pid, n_requested, shard, task (as --task gave it), chunk_size,
+    device, and when it ended finished_at, seconds, instances."""
     schema_version: int = SCHEMA_VERSION
     """Schema version of the partition's files (``layerdiv.schemas``)."""
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import REQUIRED_TABLES
-from layerdiv.store.atomic import atomic_path, remove_stale_temps
+from layerdiv.store.atomic import atomic_path, remove_stale_temps, restore, write_bytes
 from layerdiv.store.location import local_root
-from layerdiv.store.manifest import Manifest, write_manifest
+from layerdiv.store.manifest import TABLES_DIR, Manifest, read_manifest, write_manifest
 from layerdiv.store.paths import Partition
 from layerdiv.store.reader import PartitionInfo, Store, StoreError
 
@@ -49,22 +49,26 @@ class _Copy:
     store: Path
     info: PartitionInfo
 
-    def tables(self) -> list[str]:
-        return [*REQUIRED_TABLES, *self.info.manifest.extra_tables]
-
-    def chunk_files(self, start: int, count: int) -> list[Path]:
-        part = self.info.partition
-        return [part.part(t, start, count) for t in self.tables()]
+    def chunk_files(self, start: int, count: int) -> dict[str, Path]:
+        """The chunk's part of each table it has (an optional table that a run was adding may
+        lack some; the merged store says so as its source did)."""
+        part, lacking = self.info.partition, self.info.lacking
+        tables = [*REQUIRED_TABLES, *(t for t, m in lacking.items() if (start, count) not in m)]
+        return {t: part.part(t, start, count) for t in tables}
 
 
 def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[MergedPartition]:
     """Merge the stores ``sources`` into ``into`` (created, or an existing store that keeps what
     it holds); returns what each partition holds afterwards."""
     dst = local_root(into, "--into")
+    if dst.is_symlink():  # the folder it names is merged into; the link stays
+        dst = Path(os.path.realpath(dst))
+    restore(dst)
     target = _target_store(dst)
     stores = [] if target is None else [(dst, target)]
     seen = {dst.resolve()}
     for src in (local_root(s, "merge source") for s in sources):
+        _refuse_nested(src, dst)
         if src.resolve() not in seen:
             seen.add(src.resolve())
             store = Store(src)
@@ -85,14 +89,20 @@ def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[Merged
         merged = []
         for (model, task), (manifest, chunks) in plans.items():
             out = Partition(stage, model, task)
-            for (start, count), copy in sorted(chunks.items()):
-                for src in copy.chunk_files(start, count):
+            for (start, count), held in sorted(chunks.items()):
+                files: dict[str, tuple[_Copy, Path]] = {}  # each table from a copy having it
+                for copy in held:
+                    for table, src in copy.chunk_files(start, count).items():
+                        files.setdefault(table, (copy, src))
+                for copy, src in files.values():
                     linked = stage / src.relative_to(copy.store)
                     linked.unlink(missing_ok=True)  # e.g. the target's orphan from a crash
                     _link(src, linked)
             for copy in copies[model, task]:
                 _copy_side_files(copy.info.partition, out)
             write_manifest(out.manifest, manifest)
+            for table in PartitionInfo(out, read_manifest(out.manifest)).tables:
+                write_bytes(out.manifest.parent / TABLES_DIR / table, b"")
             before = 0 if target is None else _n_done(target, model, task)
             n_done = sum(count for _, count in chunks)
             merged.append(MergedPartition(model, task, n_done, n_done - before))
@@ -115,24 +125,25 @@ def _target_store(dst: Path) -> Store | None:
         ) from None
 
 
-def _plan(copies: list[_Copy]) -> tuple[Manifest, dict[tuple[int, int], _Copy]]:
-    """The merged manifest of one partition and, for each chunk, the copy it is taken from;
+def _plan(copies: list[_Copy]) -> tuple[Manifest, dict[tuple[int, int], list[_Copy]]]:
+    """The merged manifest of one partition and, for each chunk, the copies that hold it;
     refuses other extractions, overlapping chunks and differing copies of a chunk."""
     first = copies[0]
     where = f"model={first.info.model} task={first.info.task}"
-    chunks: dict[tuple[int, int], _Copy] = {}
+    chunks: dict[tuple[int, int], list[_Copy]] = {}
     for copy in copies:
         _same_extraction(first, copy, where)
-        for start, count in copy.info.partition.done_parts():
-            held = chunks.setdefault((start, count), copy)
-            if held is not copy:
-                _same_files(held, copy, start, count, where)
+        for start, count in copy.info.done:
+            held = chunks.setdefault((start, count), [])
+            if held:
+                _same_files(held[0], copy, start, count, where)
+            held.append(copy)
     ranges = sorted(chunks)
     for (a, na), (b, nb) in itertools.pairwise(ranges):
         if b < a + na:
             raise MergeConflict(
-                f"{where}: instances {a}..{a + na - 1} of {chunks[a, na].store} overlap "
-                f"instances {b}..{b + nb - 1} of {chunks[b, nb].store} (different chunk sizes), "
+                f"{where}: instances {a}..{a + na - 1} of {chunks[a, na][0].store} overlap "
+                f"instances {b}..{b + nb - 1} of {chunks[b, nb][0].store} (different chunk sizes), "
                 "so some would be stored twice: remove one of the two parts from its store, "
                 "then merge again"
             )
@@ -150,8 +161,9 @@ def _plan(copies: list[_Copy]) -> tuple[Manifest, dict[tuple[int, int], _Copy]]:
 def _same_extraction(first: _Copy, copy: _Copy, where: str) -> None:
     a, b = first.info.manifest, copy.info.manifest
     diff = a.identity().differences(b.identity(), (str(first.store), str(copy.store)))
-    if a.extra_tables != b.extra_tables:
-        diff.append(f"optional tables: {a.extra_tables} vs {b.extra_tables}")
+    tables_a, tables_b = sorted(first.info.lacking), sorted(copy.info.lacking)
+    if tables_a != tables_b:
+        diff.append(f"optional tables: {tables_a} vs {tables_b}")
     if diff:
         raise MergeConflict(
             f"{where}: {first.store} and {copy.store} hold different extractions "
@@ -160,12 +172,26 @@ def _same_extraction(first: _Copy, copy: _Copy, where: str) -> None:
 
 
 def _same_files(held: _Copy, copy: _Copy, start: int, count: int, where: str) -> None:
-    for a, b in zip(held.chunk_files(start, count), copy.chunk_files(start, count), strict=True):
-        if not filecmp.cmp(a, b, shallow=False):
+    theirs = copy.chunk_files(start, count)
+    for table, a in held.chunk_files(start, count).items():
+        b = theirs.get(table)
+        if b is not None and not filecmp.cmp(a, b, shallow=False):
             raise MergeConflict(
                 f"{where}: {a} and {b} hold instances {start}..{start + count - 1} extracted "
                 "twice, with different bytes: delete one of them, then merge again"
             )
+
+
+def _refuse_nested(src: Path, dst: Path) -> None:
+    """Refuse a source inside the target or the target inside a source (a store in a store)."""
+    a, b = src.resolve(), dst.resolve()
+    if a != b and (b in a.parents or a in b.parents):
+        inner, outer = ("--into", "the source") if a in b.parents else ("the source", "--into")
+        raise MergeConflict(
+            f"{inner} {dst if inner == '--into' else src} is inside {outer} "
+            f"{src if outer == 'the source' else dst}: a store would hold another store; choose "
+            "an --into folder outside every source"
+        )
 
 
 def _n_done(store: Store, model: str, task: str) -> int:
@@ -174,11 +200,13 @@ def _n_done(store: Store, model: str, task: str) -> int:
 
 def _copy_side_files(src: Partition, dst: Partition) -> None:
     """Every other file under the partition's manifest folder (run records; never a hidden
-    temporary one); two stores' files of the same name must be equal."""
+    temporary one, nor an optional table's marker: the merged partition is marked for the tables
+    it has whole); two stores' files of the same name must be equal."""
     folder = src.manifest.parent
     for f in sorted(folder.rglob("*")) if folder.is_dir() else []:
         rel = f.relative_to(folder)
-        if f == src.manifest or any(p.startswith(".") for p in rel.parts) or not f.is_file():
+        hidden = any(p.startswith(".") for p in rel.parts)
+        if f == src.manifest or hidden or rel.parts[0] == TABLES_DIR or not f.is_file():
             continue
         out = dst.manifest.parent / rel
         if not out.exists():

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic
 
-from layerdiv.schemas import REQUIRED_TABLES, TABLES, SchemaError
+from layerdiv.schemas import TABLES, SchemaError
 from layerdiv.store.location import StorePath
 
 MANIFEST_NAME = "manifest.json"
@@ -110,11 +110,13 @@ class Partition(Generic[StorePath]):
                 )
         return done
 
-    def files(self, table: str) -> list[StorePath]:
-        """The parts of ``table`` of complete chunks only (an orphan from a crash is left out);
-        for an optional table, those complete chunks that have it."""
-        paths = [self.part(table, s, n) for s, n in self.done_parts()]
-        return paths if table in REQUIRED_TABLES else [p for p in paths if p.exists()]
+    def lacking(
+        self, table: str, done: list[tuple[int, int]] | None = None
+    ) -> list[tuple[int, int]]:
+        """The complete chunks (``done``; by default :meth:`done_parts`) that have no part of the
+        optional ``table`` (one listing of its folder)."""
+        have = set(self.parts(table))
+        return [p for p in (self.done_parts() if done is None else done) if p not in have]
 
 
 def _listdir(path: StorePath) -> list[StorePath]:

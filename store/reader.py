@@ -5,9 +5,11 @@ Nothing here imports torch or transformers.
 
 from __future__ import annotations
 
+import contextlib
 import html
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Generic, cast
 
@@ -24,6 +26,7 @@ from layerdiv.schemas import (
     SchemaError,
     tables_of,
 )
+from layerdiv.store.atomic import restore
 from layerdiv.store.location import (
     RemotePath,
     StorePath,
@@ -73,17 +76,69 @@ class PartitionInfo(Generic[StorePath]):
     def task(self) -> str:
         return self.partition.task
 
+    @cached_property
+    def done(self) -> list[tuple[int, int]]:
+        """(start, count) of the complete chunks, listed once: every table is read over this
+        one set of chunks, however long the reading takes (an extraction may be adding some)."""
+        return self.partition.done_parts()
+
     def files(self, table: str) -> list[StorePath]:
-        """The part files of ``table`` (any table) of complete chunks."""
-        return self.partition.files(table)
+        """The part files of ``table`` of the complete chunks (:attr:`done`); for an optional
+        table, of those chunks that have it (:meth:`incomplete` says where some lack it)."""
+        part = self.partition
+        if table in OPTIONAL_TABLES and table not in self.lacking:
+            return []
+        lacking = set(self.lacking.get(table, ()))
+        return [part.part(table, s, n) for s, n in self.done if (s, n) not in lacking]
 
     def uris(self, table: str) -> list[str]:
         """:meth:`files` as Polars reads them: local paths, or URLs of a remote store."""
         return [str(f) for f in self.files(table)]
 
+    @cached_property
+    def lacking(self) -> dict[str, list[tuple[int, int]]]:
+        """Each optional table the partition has (marked in its manifest folder, or with a part
+        of a complete chunk), with the complete chunks that have no part of it: an optional
+        table is complete when that list is empty, and only then read (:attr:`tables`)."""
+        out = {}
+        for table in OPTIONAL_TABLES:
+            missing = self.partition.lacking(table, self.done)
+            if table in self.manifest.extra_tables or len(missing) < len(self.done):
+                out[table] = missing
+        return out
+
+    @property
+    def tables(self) -> list[str]:
+        """The optional tables every complete chunk of the partition has."""
+        return [t for t, missing in self.lacking.items() if not missing]
+
+    def incomplete(self) -> list[str]:
+        """One line per optional table that some complete chunk lacks (a kill -9 during
+        ``extract --gram``, or shards run with different flags): it is left out of every reader,
+        and the line names the command that completes it."""
+        return [
+            f"{table} left out for {self.where}: {sum(n for _, n in missing)} of its "
+            f"{self.n_done} stored instances lack it (the runs that added it stopped, are still "
+            f"running, or covered only some instances); complete it with "
+            f"`{self.extract_command(table)}`"
+            for table, missing in self.lacking.items()
+            if missing
+        ]
+
+    def extract_command(self, table: str) -> str:
+        """The ``layerdiv extract`` command that adds ``table`` to every stored instance (the
+        task as the last run that recorded it gave it: a built-in name or a YAML path)."""
+        m = self.manifest
+        given = [r["task"] for r in m.runs if isinstance(r.get("task"), str) and r["task"]]
+        return (
+            f"layerdiv extract --model {m.model} --task {(given or [self.task])[-1]} --{table} "
+            f"--limit {max(m.n_requested, max((s + n for s, n in self.done), default=0))} "
+            f"--store {self.partition.root}"
+        )
+
     @property
     def n_done(self) -> int:
-        return sum(n for _, n in self.partition.done_parts())
+        return sum(n for _, n in self.done)
 
     @property
     def where(self) -> str:
@@ -168,6 +223,10 @@ class Store:
 
     def __init__(self, root: str | Path):
         self.root: Path | RemotePath = store_root(root)
+        if isinstance(self.root, Path):
+            _restore(self.root)
+        if isinstance(self.root, RemotePath) and not self.root.is_dir():
+            raise StoreError(f"no store at {self.root}: no object has that prefix; check the URL")
         if not self.root.is_dir():
             raise StoreError(f"no store at {self.root}: run `layerdiv extract` first")
         found: list[Partition[Any]] = list_partitions(cast(Any, self.root))  # either kind
@@ -178,6 +237,12 @@ class Store:
                 raise StoreError(
                     f"{self.root} is a folder of analysis results (`layerdiv analyze` wrote it), "
                     f"not a store: open the store its {INDEX_NAME} names under settings.store"
+                )
+            if any(True for _ in self.root.iterdir()):
+                raise StoreError(
+                    f"{self.root} holds no layerdiv partition (no manifests or table folders "
+                    "with data): give the folder of a store (where `layerdiv extract --store` "
+                    "wrote)"
                 )
             raise StoreError(f"the store {self.root} is empty: run `layerdiv extract` first")
         self.partitions: list[PartitionInfo[Any]] = []
@@ -262,6 +327,12 @@ class Store:
         match = _matcher(as_names(models), as_names(tasks))
         return [f"left out {_where(part)}: {err}" for part, err in self.unreadable if match(part)]
 
+    def incomplete(self, models: Names = (), tasks: Names = ()) -> list[str]:
+        """One line per optional table of a selected partition that some of its stored instances
+        lack (:meth:`PartitionInfo.incomplete`): left out of every view and analysis."""
+        parts = self.select(models, tasks, require_data=False)
+        return [line for p in parts for line in p.incomplete()]
+
     def files(self, table: str, parts: list[PartitionInfo[Any]]) -> list[str]:
         """The part files of ``table`` of ``parts`` as Polars reads them (paths or URLs)."""
         return [f for p in parts for f in p.uris(table)]
@@ -311,6 +382,9 @@ class Store:
                     "n_mlp": kinds.count("mlp"),
                     "n_bias": kinds.count("bias"),
                     "n_options": len(m.options),
+                    "tables": ", ".join(
+                        t if not lack else f"{t} (incomplete)" for t, lack in p.lacking.items()
+                    ),
                     "options": m.options,
                     "n_requested": m.n_requested,
                     "n_done": p.n_done,
@@ -323,8 +397,9 @@ class Store:
 
     def duckdb(self, models: Names = (), tasks: Names = ()) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB connection with the views ``components``, ``instances`` and
-        ``manifests`` over the selected partitions (and ``skips``, ``heads``, ``gram`` where some
-        of them hold that optional table), and no file-system access: SQL run on it
+        ``manifests`` over the selected partitions (and ``skips``, ``heads``, ``gram`` over those
+        that hold that optional table for every stored instance: :meth:`incomplete` names the
+        others), and no file-system access: SQL run on it
         cannot read or write any file (the views scan the checked parts through Arrow), so the
         store cannot be changed through it."""
         import pyarrow.dataset as ds  # only here: it takes a third of a second to import
@@ -333,7 +408,8 @@ class Store:
         parts = self.select(models, tasks)
         con = duckdb.connect(config={"enable_external_access": False})
         for table in (*REQUIRED_TABLES, *OPTIONAL_TABLES):
-            files = [f for p in parts for f in p.files(table)]
+            whole = [p for p in parts if table in REQUIRED_TABLES or table in p.tables]
+            files = [f for p in whole for f in p.files(table)]
             if table in OPTIONAL_TABLES and not files:
                 continue
             # Every version's columns under today's schema: a column an older part lacks is null.
@@ -356,6 +432,13 @@ class Store:
         con.register("manifests", self.manifests(models, tasks).to_arrow())
         con.execute("SET lock_configuration = true")
         return con
+
+
+def _restore(root: Path) -> None:
+    """Put back a store folder that a killed replacement (``merge``) left aside
+    (:func:`~layerdiv.store.atomic.restore`); a read-only folder is read as it is."""
+    with contextlib.suppress(OSError):
+        restore(root)
 
 
 def _matcher(models: list[str], tasks: list[str]) -> Callable[[Partition[Any]], bool]:
@@ -397,7 +480,7 @@ def _check_part_schemas(info: PartitionInfo[Any]) -> None:
     """Check every part of each table against the schema of the partition's version (cheap:
     Parquet footers only)."""
     schemas = tables_of(info.manifest.schema_version)
-    for table in (*REQUIRED_TABLES, *info.manifest.extra_tables):
+    for table in (*REQUIRED_TABLES, *info.lacking):
         for f in info.files(table):
             try:
                 found: pa.Schema = read_schema(f)

@@ -265,7 +265,7 @@ class PartitionWriter:
 
     def chunks_missing(self, table: str) -> list[tuple[int, int]]:
         """Complete chunks that lack a part of the optional ``table`` (to backfill it)."""
-        return [p for p in self.part.done_parts() if not self.part.part(table, *p).exists()]
+        return self.part.lacking(table)
 
     def write_table_part(self, table: str, start: int, count: int, data: pa.Table) -> None:
         """Atomically write ``table``'s part of the chunk at ``start`` (alone, it backfills an

@@ -174,7 +174,7 @@ def test_missing_tables_are_notes_and_explicit_skip_request_fails(store: Path) -
     assert {"geometry", "geometry_blocks", "depth_decay"} <= set(tables)
     assert "skip_effects" not in tables and "gram_blocks" not in tables
     assert any("--skips" in n for n in notes) and any("--gram" in n for n in notes)
-    with pytest.raises(depth.DepthError, match=r"no skips table for .*extract --skips"):
+    with pytest.raises(depth.DepthError, match=r"no complete skips table for .*extract .*--skips"):
         depth.skip_effects(store)
 
 

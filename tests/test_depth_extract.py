@@ -210,7 +210,7 @@ def test_extract_skips_and_gram_backfill_and_analysis(
     store = tmp_path / "store"
     common = ["--model", str(model_dir), "--task", str(task), "--store", str(store)]
     extract(*common, "--chunk-size", "4")
-    with pytest.raises(depth.DepthError, match="no skips table"):
+    with pytest.raises(depth.DepthError, match="no complete skips table"):
         depth.skip_effects(store)
     parts = sorted((store / "components").rglob("*.parquet"))
     before = [p.read_bytes() for p in parts]

@@ -204,9 +204,47 @@ def test_writes_to_a_url_are_refused_and_write_nothing(s3: Any, tmp_path: Path) 
 
 def test_missing_store_and_bad_url_are_one_line(s3: Any, tmp_path: Path) -> None:
     for url, says in (
-        (f"s3://{BUCKET}/nothing-here", f"no store at s3://{BUCKET}/nothing-here"),
+        (f"s3://{BUCKET}/nothing-here", f"no store at s3://{BUCKET}/nothing-here: no object"),
         ("nosuch://bucket/store", "cannot open the store nosuch://bucket/store"),
     ):
         result = run("ls", "--store", url)
         assert result.exit_code == 1
         assert "\n" not in result.output.strip() and says in result.output, result.output
+
+
+def test_results_to_a_url_are_refused_in_one_line(
+    s3: Any, store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    before = objects(s3)
+    url = f"s3://{BUCKET}/results"
+    for args in (
+        ["query", "SELECT 1 AS x", "--out", f"{url}/x.parquet"],
+        ["analyze", "--out", url],
+        ["report", "--out", url],
+    ):
+        result = run(*args, "--store", str(store))
+        assert result.exit_code == 1, result.output
+        line = result.output.strip()
+        assert "\n" not in line and line.startswith(f"Error: {url}"), line
+        assert "local path only" in line and "aws s3 cp" in line
+    assert objects(s3) == before and list(tmp_path.iterdir()) == []
+
+
+def test_missing_bucket_and_credentials_are_named(
+    s3: Any, store: Path, remote: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    said = {"bucket": run("ls", "--store", "s3://no-such-bucket/store").output}
+    with monkeypatch.context() as env:
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            env.delenv(name)
+        said["credentials"] = run("analyze", "--store", remote, "--out", "unused").output
+    with monkeypatch.context() as env:
+        env.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+        said["endpoint"] = run("ls", "--store", remote).output
+    for line in said.values():
+        assert line.startswith("Error: ") and line.count("\n") == 1, line
+        assert "extract" not in line and "--overwrite" not in line, line
+        assert "AWS_ACCESS_KEY_ID" in line and "AWS_ENDPOINT_URL" in line, line
+    assert "there is no bucket 'no-such-bucket' at the endpoint http://127.0.0.1" in said["bucket"]
+    assert "cannot read s3://" in said["credentials"]

@@ -427,9 +427,10 @@ def _skip_table(info: PartitionInfo) -> pl.DataFrame:
 
 def _partition_tables(info: PartitionInfo) -> tuple[dict[str, pl.DataFrame], list[str]]:
     """The tables one partition can give, and what it lacks (``gram``, ``skips``, ``cos_prev``,
-    ``norms``, ``blocks``)."""
-    extra, out = set(info.manifest.extra_tables), {}
-    lacks = [table for table in ("gram", "skips") if table not in extra]
+    ``norms`` or ``norms_gram``, ``blocks``); an optional table that some stored instances lack
+    is left out (``PartitionInfo.incomplete`` says so, once for every analysis)."""
+    extra, out = set(info.tables), {}
+    lacks = [table for table in ("gram", "skips") if table not in info.lacking]
     if "skips" in extra:
         out["skip_effects"] = _skip_table(info)
     block_keys = ["block", "layer", "relative_depth"]
@@ -438,7 +439,7 @@ def _partition_tables(info: PartitionInfo) -> tuple[dict[str, pl.DataFrame], lis
     if not _has_cos_prev(info):
         return out, [*lacks, "cos_prev"]
     if not _exact_norms(info):
-        lacks.append("norms")
+        lacks.append("norms_gram" if "gram" in extra else "norms")
     rows = component_rows(info)
     labels = component_map(info)
     geometry = labels.drop("block").join(_summary(rows, GEOMETRY), on="component")
@@ -489,6 +490,13 @@ def depth_tables(parts: list[PartitionInfo], notes: list[str]) -> dict[str, pl.D
             "final norm is a LayerNorm (or the manifest has no hidden_size), whose stored prefix "
             "scale is the norm of the centred stream; extract with --gram for exact angles."
         )
+    if lacking.get("norms_gram"):
+        notes.append(
+            f"rel_contribution and angle_deg of geometry are empty for "
+            f"{listing(lacking['norms_gram'])}: their final norm is a LayerNorm, whose stored "
+            "prefix scale is the norm of the centred stream; their exact angles are in "
+            "gram_blocks (from their gram table)."
+        )
     for table, flag in (("skips", "--skips"), ("gram", "--gram")):
         if lacking.get(table):
             notes.append(
@@ -527,10 +535,11 @@ def skip_effects(
     indirect share (METHODS.md section 7). Raises :class:`DepthError` when a selected partition
     was extracted without ``--skips``."""
     parts = _open(store, models, tasks)
-    missing = [p for p in parts if "skips" not in p.manifest.extra_tables]
+    missing = [p for p in parts if "skips" not in p.tables]
     if missing:
         raise DepthError(
-            f"no skips table for {_listing(missing)}: run `layerdiv extract --skips` on them first"
+            f"no complete skips table for {_listing(missing)}: run "
+            + "; ".join(f"`{p.extract_command('skips')}`" for p in missing)
         )
     return pl.concat([_skip_table(info) for info in parts])
 

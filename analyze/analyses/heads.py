@@ -55,11 +55,9 @@ class NoHeadsError(StoreError):
 
 
 def has_heads(info: PartitionInfo) -> bool:
-    """Whether the partition was extracted with heads and every complete chunk has its ``heads``
-    part (a partition being extended with ``--heads`` may lack some)."""
-    return "heads" in info.manifest.extra_tables and len(info.files("heads")) == len(
-        info.files("instances")
-    )
+    """Whether every complete chunk of the partition has its ``heads`` part (a partition being
+    extended with ``--heads`` may lack some: ``PartitionInfo.incomplete``)."""
+    return "heads" in info.tables
 
 
 def require_heads(parts: Iterable[PartitionInfo]) -> None:
