@@ -39,12 +39,8 @@ pytest: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
 
 # The documentation site (mkdocs.yml) into build/site, strict: a broken link or a failing tutorial
-# cell fails it. The tutorial is executed on the demo's store. mkdocstrings reads the package from
-# links to its sources only (the repository root also holds .venv, too large to scan).
+# cell fails it. The tutorial is executed on the demo's store.
 docs: demo
-	rm -rf $(VENV)/docs && mkdir -p $(VENV)/docs/layerdiv
-	ln -s $(CURDIR)/*.py $(patsubst %/__init__.py,$(CURDIR)/%,$(wildcard */__init__.py)) \
-		$(VENV)/docs/layerdiv/
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 test: lint typecheck pytest docs
@@ -55,4 +51,4 @@ slurm-check: $(BIN)/.installed
 	PYTHON=$(CURDIR)/$(BIN)/python scripts/slurm-check.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build/site
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build/site build/docs-src
