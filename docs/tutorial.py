@@ -31,8 +31,10 @@ import polars as pl
 
 import layerdiv
 
-DEMO = Path("layerdiv-demo")  # what `make demo` writes, relative to the repository root
-if not (DEMO / "store").exists():  # build it as `make demo` does (about 75 s on 2 CPU cores)
+# What `make demo` writes, relative to the repository root; where it is
+# missing, this builds it as `make demo` does (about 75 s on 2 CPU cores).
+DEMO = Path("layerdiv-demo")
+if not (DEMO / "store").exists():
     from layerdiv.demo import run_demo
 
     run_demo(DEMO, n=300, seed=0)
@@ -49,7 +51,9 @@ store = layerdiv.Store(DEMO / "store")
 store
 
 # %%
-store.manifests().select("model_id", "task", "n_done", "n_components", "n_options", "dtype")
+store.manifests().select(
+    "model_id", "task", "n_done", "n_components", "n_options", "dtype"
+)
 
 # %% [markdown]
 # ## Tables as Polars frames
@@ -80,7 +84,10 @@ gold = store.scan("instances").select([*keys, "gold"])
 (
     prediction.join(gold, on=keys)
     .group_by("task")
-    .agg(accuracy=(pl.col("option") == pl.col("gold")).mean(), n=pl.len())
+    .agg(
+        accuracy=(pl.col("option") == pl.col("gold")).mean(),
+        n=pl.len(),
+    )
     .sort("task")
     .collect()
 )
@@ -98,13 +105,16 @@ layerdiv.query(
     store,
     """
     WITH alone AS (
-        SELECT model, task, instance, component, name, arg_max(option, logit) AS pred
-        FROM components GROUP BY ALL
+      SELECT model, task, instance, component, name,
+             arg_max(option, logit) AS pred
+      FROM components GROUP BY ALL
     )
     SELECT task, name, avg((pred = gold)::INT) AS accuracy
     FROM alone JOIN instances USING (model, task, instance)
     GROUP BY task, component, name
-    QUALIFY row_number() OVER (PARTITION BY task ORDER BY accuracy DESC, component) <= 3
+    QUALIFY row_number() OVER (
+      PARTITION BY task ORDER BY accuracy DESC, component
+    ) <= 3
     ORDER BY task, accuracy DESC
     """,
 )
@@ -129,7 +139,10 @@ r
 # ([the formulas](../analyses/paper/#per-instance-scores-methodsmd-section-2)).
 
 # %%
-r.scores.select("task", "estimator", "accuracy", "mse", "bias", "diversity", "majority_accuracy")
+r.scores.select(
+    "task", "estimator", "accuracy", "mse", "bias", "diversity",
+    "majority_accuracy",
+)
 
 # %% [markdown]
 # `r.curves`: the same scores for the first j components, j = 1..L (the layer-addition curves).
