@@ -126,7 +126,7 @@ layerdiv.query(
 # [how depth is used](../analyses/depth/), [heads](../analyses/heads/)) on the selected partitions,
 # as `layerdiv analyze` does. Its `Results` hold one Polars frame per result table; in a notebook
 # they show as a summary of the tables with their shapes, and the notes of the analyses (here: the
-# demo was extracted without `--heads`, so the heads tables say how to add them).
+# demo was extracted without `--skips` and `--heads`, and the notes say how to add them).
 
 # %%
 r = layerdiv.run_analysis(store, tasks=["bbc5", "tweets2", "tweets3"])
