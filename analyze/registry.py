@@ -91,7 +91,7 @@ T = TypeVar("T")
 def partition_engine(fn: F) -> F:
     """Decorator: run ``fn`` with Polars' in-memory engine. Analyses query one partition at a
     time (frames of a few MB), on which it is faster than the streaming engine, Polars' default
-    (README, "Analysis at paper scale")."""
+    (docs/benchmarks.md, "Analysis at paper scale")."""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -108,8 +108,8 @@ PARTITION_WORKERS = 4
 def map_partitions(fn: Callable[[P], T], parts: Iterable[P]) -> Iterator[T]:
     """``fn(p) for p in parts``, yielded in that order, with :data:`PARTITION_WORKERS` partitions
     at a time in threads: one partition's queries are small and leave cores idle, and Polars and
-    Parquet reading release the GIL (README, "Analysis at paper scale"). At most that many
-    results wait to be taken, so memory holds a bounded number of partitions' working sets."""
+    Parquet reading release the GIL (docs/benchmarks.md, "Analysis at paper scale"). At most that
+    many results wait to be taken, so memory holds a bounded number of partitions' working sets."""
     with ThreadPoolExecutor(PARTITION_WORKERS) as pool:
         running: deque[Future[T]] = deque()
         for part in parts:

@@ -6,7 +6,7 @@ Measures the bytes per component-option row of the ``components`` table and per 
 ``instances`` table on a synthetic store (``analyze/synthetic.py``: random logits, which compress
 like real ones) and on each real store given, the bytes per instance of every table each real
 store holds, then the rows and bytes of study sizes at the largest measured bytes per row (the
-README's "Scale of a store").
+docs page "The store", "Scale of a store").
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ CLAIMS_DIR = "claims"
 def dictionary_columns(schema: pa.Schema) -> list[str]:
     """The columns worth dictionary-encoding in Parquet: all but the floating-point ones (and
     lists of them), whose values rarely repeat, so that a dictionary only adds its indices (the
-    README's "Scale of a store" has the bytes measured with and without)."""
+    docs page "The store", "Scale of a store", has the bytes measured with and without)."""
 
     def floating(kind: pa.DataType) -> bool:
         return pa.types.is_floating(kind) or (

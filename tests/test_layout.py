@@ -1,5 +1,5 @@
-"""The README's snippet that reads the store's hive layout with a plain Parquet engine (DuckDB)
-sees exactly the complete chunks that layerdiv's own reader sees."""
+"""The snippet of the docs page "The store" that reads the store's hive layout with a plain
+Parquet engine (DuckDB) sees exactly the complete chunks that layerdiv's own reader sees."""
 
 from __future__ import annotations
 
@@ -14,16 +14,16 @@ import polars as pl
 from layerdiv.analyze.synthetic import decoder_kinds, write_partition
 from layerdiv.store import Store
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+STORE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "store.md"
 
 
-def readme_snippet() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def store_page_snippet() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", STORE_PAGE.read_text(), flags=re.S)
     (snippet,) = [b for b in blocks if "complete chunks only" in b]
     return snippet
 
 
-def test_the_readme_snippet_reads_complete_chunks_only(tmp_path: Path) -> None:
+def test_the_store_page_snippet_reads_complete_chunks_only(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     store = tmp_path / "layerdiv-store"
     for model, n, k in (("org/a", 20, 2), ("org/b", 12, 3)):
@@ -36,7 +36,7 @@ def test_the_readme_snippet_reads_complete_chunks_only(tmp_path: Path) -> None:
     (comps / ".part-0000028-000008.parquet.x.tmp").write_bytes(b"half")
 
     scope: dict[str, Any] = {}
-    exec(readme_snippet().replace('"layerdiv-store"', repr(str(store))), scope)
+    exec(store_page_snippet().replace('"layerdiv-store"', repr(str(store))), scope)
     counts = scope["counts"].sort("model")
     expected = (
         Store(store).scan("components").group_by("model", "task").len("rows").sort("model")
