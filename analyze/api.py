@@ -4,8 +4,8 @@
 >>> results = layerdiv.run_analysis(path, tasks="boolq")
 >>> results.scores.select("model", "estimator", "accuracy").shape
 (4, 3)
->>> layerdiv.analyze.task_summary(results).columns[:4]
-['model', 'task', 'n_instances', 'n_components']
+>>> tuple(layerdiv.analyze.task_summary(results).columns[:4])
+('model', 'task', 'n_instances', 'n_components')
 """
 
 from __future__ import annotations
