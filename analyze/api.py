@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -73,6 +73,8 @@ class Results:
     """One line per unreadable partition that was left out (``Store.problems``)."""
     spill: Spill = field(default_factory=Spill, repr=False)
     """The spilled tables (their folder is removed with these results)."""
+    analyses: list[str] = field(default_factory=list)
+    """The registered analyses that ran: those whose task kinds the selection holds."""
 
     def __getattr__(self, name: str) -> pl.DataFrame:
         tables = self.__dict__.get("by_name", {})
@@ -130,13 +132,19 @@ def analyze(
         notes=[],
     )
     tables = {"manifests": st.manifests(models, tasks).filter(pl.col("n_done") > 0)}
+    ran = []
     for analysis in registered():
-        new = analysis.tables(ctx, MappingProxyType(dict(tables)))
+        parts = analysis.applies_to(ctx.parts)
+        if not parts:
+            continue
+        ran.append(analysis.name)
+        new = analysis.tables(replace(ctx, parts=parts), MappingProxyType(dict(tables)))
         clash = sorted(set(new) & (set(tables) | set(ctx.spill.names())))
         if clash:
             raise ValueError(f"analysis {analysis.name!r} returns tables that exist: {clash}")
         tables.update(new)
-    return Results(tables, lens, min_params, ctx.notes, st.problems(models, tasks), ctx.spill)
+    problems = st.problems(models, tasks)
+    return Results(tables, lens, min_params, ctx.notes, problems, ctx.spill, ran)
 
 
 def scores(

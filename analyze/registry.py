@@ -72,6 +72,14 @@ class Analysis:
     """Gets the tables of the analyses registered before it; returns its own (names unique)."""
     report: Callable[[ReportContext], str] | None = None
     """Markdown of its section (draws its figures into ``ctx.figures``); None = no section."""
+    kinds: tuple[str, ...] = ("choice",)
+    """Task kinds (the manifest's ``kind``: ``choice``, ``text``) it applies to: it gets the
+    selected partitions of those kinds only, and does not run (no tables, no section) when the
+    selection holds none."""
+
+    def applies_to(self, parts: Iterable[PartitionInfo]) -> list[PartitionInfo]:
+        """The partitions of ``parts`` whose task kind this analysis applies to."""
+        return [p for p in parts if getattr(p.manifest, "kind", "choice") in self.kinds]
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -1,0 +1,205 @@
+"""Running text (METHODS.md section 9): what the text analyses share. Reading a text partition's
+tables part file by part file in batches of whole tokens (memory flat as documents grow), the
+per-token geometry of every block from the six stored dot products, and accumulating sums, counts
+and maxima over batches.
+
+Every quantity is exact from the stored dot products (h the block's input, a what attention adds,
+m what the MLP adds, d = a + m):
+
+- ||h + a||^2 = hh + 2 ha + aa, ||d||^2 = aa + 2 am + mm, d . h = ha + hm,
+  ||h_(l+1)||^2 = ||h + d||^2 = hh + 2 d . h + ||d||^2 (from block l's row),
+- ||d_(l+1)|| from block (l+1)'s row, ||h_L||^2 = ||h_(L-1) + d_(L-1)||^2 from the last block's row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+
+import polars as pl
+import pyarrow.parquet as pq
+
+from layerdiv.store import PartitionInfo, StoreError
+
+TEXT_KIND = "text"
+"""The manifest ``kind`` of running-text partitions."""
+
+GEOMETRY = (
+    "attn_rel",
+    "mlp_rel",
+    "layer_rel",
+    "cos_attn",
+    "cos_mlp",
+    "cos_layer",
+    "cos_io",
+    "theta_state",
+    "theta_update",
+    "angle_final",
+)
+"""Per-token, per-block geometry columns (METHODS.md section 9)."""
+
+DOTS = ("hh", "aa", "mm", "ha", "hm", "am", "dd_next", "h_final")
+"""The float columns of ``token_blocks``."""
+
+BATCH_TOKENS = 16_384
+"""Tokens per batch read from a part file: a batch holds ``BATCH_TOKENS x blocks`` rows, so the
+memory of an analysis does not depend on the chunk size or the number of documents."""
+
+EPS = 1e-6
+"""Floor of the norms in the relative sizes (METHODS.md section 9)."""
+
+
+def n_blocks(info: PartitionInfo) -> int:
+    """L, the number of decoder blocks of a text partition (its ``attn`` components)."""
+    return sum(c.kind == "attn" for c in info.manifest.components)
+
+
+def degrees(cos: pl.Expr) -> pl.Expr:
+    """arccos in degrees, the cosine clipped to [-1, 1] against rounding."""
+    return cos.clip(-1.0, 1.0).arccos() * (180.0 / math.pi)
+
+
+def batches(
+    files: Sequence[str], columns: Sequence[str], rows: int, unit: int = 1
+) -> Iterator[pl.DataFrame]:
+    """The ``columns`` of the Parquet ``files`` in order, file by file, in frames of about
+    ``rows`` rows, each a whole number of ``unit`` rows (a token's rows stay together)."""
+    for file in files:
+        carry: pl.DataFrame | None = None
+        for batch in pq.ParquetFile(file).iter_batches(batch_size=rows, columns=list(columns)):
+            frame = pl.DataFrame(pl.from_arrow(batch))
+            if carry is not None:
+                frame = pl.concat([carry, frame])
+            cut = frame.height - frame.height % unit
+            if cut:
+                yield frame.slice(0, cut)
+            carry = frame.slice(cut) if cut < frame.height else None
+        if carry is not None:
+            yield carry
+
+
+def token_geometry(
+    frame: pl.DataFrame, blocks: int, columns: Sequence[str] = GEOMETRY, where: str = ""
+) -> pl.DataFrame:
+    """Per ``token_blocks`` row (whole tokens, sorted by (doc, pos, block) as the store writes
+    them): ``doc``, ``pos``, ``block`` and the geometry ``columns`` (:data:`GEOMETRY`) of METHODS.md
+    section 9 (NaN, e.g. a cosine of a zero vector, as null). ``frame`` needs the
+    :func:`stored_columns` of ``columns``. Raises ``StoreError`` when the rows are not ``blocks``
+    consecutive rows per token."""
+    if frame.height % blocks:
+        raise StoreError(f"{where}: token_blocks rows are not whole tokens of {blocks} blocks")
+    row = pl.int_range(pl.len(), dtype=pl.Int64)
+    first = (row // blocks) * blocks  # row of the token's block 0
+    ordered = frame.select(
+        (pl.col("block").cast(pl.Int64) == row % blocks).all()
+        & (pl.col("doc").gather(first) == pl.col("doc")).all()
+        & (pl.col("pos").gather(first) == pl.col("pos")).all()
+    ).item()
+    if not ordered:
+        raise StoreError(
+            f"{where}: token_blocks rows are not sorted by (doc, pos, block) with every block "
+            "of every token; re-extract it with --overwrite"
+        )
+    hh, aa, mm, ha, hm, am = (pl.col(c).cast(pl.Float64) for c in DOTS[:6])
+    norm_h, norm_a, norm_m = hh.sqrt(), aa.sqrt(), mm.sqrt()
+    norm_ha = (hh + 2 * ha + aa).clip(0.0).sqrt()  # ||h + a||^2 = hh + 2 ha + aa
+    norm_d = (aa + 2 * am + mm).clip(0.0).sqrt()  # ||d||^2 = ||a + m||^2 = aa + 2 am + mm
+    dh = ha + hm  # d . h
+    # ||h_(l+1)||^2 = ||h + d||^2 = hh + 2 d.h + ||d||^2
+    norm_next = (hh + 2 * dh + aa + 2 * am + mm).clip(0.0).sqrt()
+    cos_io = (hh + dh) / (norm_next * norm_h)  # cos(h + d, h) = (hh + d.h) / (||h + d|| ||h||)
+    last = first + (blocks - 1)  # the token's last block: ||h_L|| = its ||h_(l+1)||
+    formulas = {
+        # attn_rel = ||a|| / max(||h||, 1e-6)
+        "attn_rel": norm_a / pl.max_horizontal(norm_h, EPS),
+        # mlp_rel = ||m|| / max(||h + a||, 1e-6)
+        "mlp_rel": norm_m / pl.max_horizontal(norm_ha, EPS),
+        # layer_rel = ||d|| / max(||h||, 1e-6)
+        "layer_rel": norm_d / pl.max_horizontal(norm_h, EPS),
+        # cos_attn = cos(a, h) = h.a / (||a|| ||h||)
+        "cos_attn": ha / (norm_a * norm_h),
+        # cos_mlp = cos(m, h + a) = (h.m + a.m) / (||m|| ||h + a||)
+        "cos_mlp": (hm + am) / (norm_m * norm_ha),
+        # cos_layer = cos(d, h) = (h.a + h.m) / (||d|| ||h||)
+        "cos_layer": dh / (norm_d * norm_h),
+        # cos_io = cos(h + d, h)
+        "cos_io": cos_io,
+        # theta_state = arccos cos(h_l, h_(l+1)) in degrees; h_(l+1) = h + d, so = arccos cos_io
+        "theta_state": degrees(cos_io),
+        # theta_update = arccos cos(d_l, d_(l+1)) = arccos dd_next / (||d_l|| ||d_(l+1)||), with
+        # ||d_(l+1)|| from the next row (block l + 1 of the same token; dd_next is null on the
+        # last block, and so is the angle)
+        "theta_update": degrees(pl.col("dd_next").cast(pl.Float64) / (norm_d * norm_d.shift(-1))),
+        # angle_final = arccos cos(h_l, h_L) = arccos h_final / (||h_l|| ||h_L||)
+        "angle_final": degrees(
+            pl.col("h_final").cast(pl.Float64) / (norm_h * norm_next.gather(last))
+        ),
+    }
+    return (  # lazy: Polars computes the shared norms once (common subexpressions)
+        frame.lazy()
+        .select("doc", "pos", "block", *(formulas[c].fill_nan(None).alias(c) for c in columns))
+        .collect()
+    )
+
+
+def stored_columns(columns: Sequence[str]) -> list[str]:
+    """The ``token_blocks`` columns :func:`token_geometry` reads for the geometry ``columns``."""
+    extra = {"theta_update": "dd_next", "angle_final": "h_final"}
+    return ["doc", "pos", "block", *DOTS[:6], *(extra[c] for c in columns if c in extra)]
+
+
+def token_batches(info: PartitionInfo, columns: Sequence[str] = GEOMETRY) -> Iterator[pl.DataFrame]:
+    """:func:`token_geometry` (the geometry ``columns``) of every ``token_blocks`` part of
+    ``info``, in batches of :data:`BATCH_TOKENS` whole tokens."""
+    blocks = n_blocks(info)
+    stored = stored_columns(columns)
+    for frame in batches(info.uris("token_blocks"), stored, BATCH_TOKENS * blocks, blocks):
+        yield token_geometry(frame, blocks, columns, info.where)
+
+
+def sums(frame: pl.DataFrame, keys: Sequence[str], columns: Iterable[str]) -> pl.DataFrame:
+    """Per ``keys``: ``n`` (rows) and, per column c, ``c_sum``, ``c_n`` (non-null rows) and
+    ``c_max``: what :func:`combine` adds up over batches."""
+    columns = list(columns)
+    return frame.group_by(keys).agg(
+        pl.len().alias("n"),
+        *(pl.col(c).cast(pl.Float64).sum().alias(f"{c}_sum") for c in columns),
+        *(pl.col(c).count().alias(f"{c}_n") for c in columns),
+        *(pl.col(c).cast(pl.Float64).max().alias(f"{c}_max") for c in columns),
+    )
+
+
+def combine(
+    parts: Iterable[pl.DataFrame], keys: Sequence[str], columns: Iterable[str]
+) -> pl.DataFrame:
+    """Per ``keys``, sorted: the :func:`sums` of every batch added up, as ``n``, the means
+    ``c_mean`` = sum / non-null count and the maxima ``c_max``."""
+    columns = list(columns)
+    frames = list(parts)
+    total = (
+        pl.concat(frames)
+        .group_by(keys)
+        .agg(
+            pl.col("n").sum(),
+            *(pl.col(f"{c}_sum", f"{c}_n").sum() for c in columns),
+            *(pl.col(f"{c}_max").max() for c in columns),
+        )
+    )
+    return total.select(
+        *keys,
+        "n",
+        *(
+            pl.when(pl.col(f"{c}_n") > 0)
+            .then(pl.col(f"{c}_sum") / pl.col(f"{c}_n"))
+            .alias(f"{c}_mean")
+            for c in columns
+        ),
+        *(pl.col(f"{c}_max") for c in columns),
+    ).sort(keys)
+
+
+def tag(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
+    """``frame`` with the partition's ``model`` and ``task`` as its first columns."""
+    return frame.select(
+        pl.lit(info.model).alias("model"), pl.lit(info.task).alias("task"), pl.all()
+    )

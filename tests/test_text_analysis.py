@@ -1,0 +1,191 @@
+"""Running-text analyses (METHODS.md section 9) against numpy on raw residual vectors."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import polars as pl
+import pytest
+
+from layerdiv.analyze.analyses.text_geometry import geometry_sums, geometry_table
+from layerdiv.analyze.analyses.text_lens import document_means, lens_table
+from layerdiv.analyze.analyses.text_profiles import (
+    ProfileMoments,
+    depth_scores,
+    pca_tables,
+    profile_moments,
+)
+from layerdiv.analyze.synthetic import text_dots
+from layerdiv.analyze.text import DOTS, GEOMETRY, token_geometry
+from layerdiv.store import StoreError
+
+TOL = 1e-6
+
+
+def raw_vectors(
+    rng: np.random.Generator, lengths: list[int], blocks: int, d: int = 12
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(doc, pos, h0, attn, mlp) of documents of the given lengths: random vectors whose
+    updates shrink with depth, so the angles cover a useful range."""
+    n = sum(lengths)
+    doc = np.repeat(np.arange(len(lengths)), lengths)
+    pos = np.concatenate([np.arange(t) for t in lengths])
+    scale = 1.0 / np.arange(1, blocks + 1)[None, :, None]
+    h0 = rng.normal(size=(n, d))
+    attn = rng.normal(size=(n, blocks, d)) * scale
+    mlp = rng.normal(size=(n, blocks, d)) * scale
+    return doc, pos, h0, attn, mlp
+
+
+def token_blocks(doc: np.ndarray, pos: np.ndarray, dots: dict[str, np.ndarray]) -> pl.DataFrame:
+    """The ``token_blocks`` rows of the contract (float64 here, float32 in a store)."""
+    n, blocks = dots["hh"].shape
+    return pl.DataFrame(
+        {
+            "doc": np.repeat(doc, blocks).astype(np.int32),
+            "pos": np.repeat(pos, blocks).astype(np.int32),
+            "block": np.tile(np.arange(blocks, dtype=np.int16), n),
+            **{c: dots[c].reshape(-1) for c in DOTS},
+        }
+    ).with_columns(pl.col(DOTS).fill_nan(None))
+
+
+def reference_geometry(h0: np.ndarray, attn: np.ndarray, mlp: np.ndarray) -> dict[str, np.ndarray]:
+    """Every geometry column per (token, block), straight from the vectors (NaN: undefined)."""
+    update = attn + mlp
+    h = h0[:, None, :] + np.cumsum(update, axis=1) - update
+    h_next = h + update
+    h_last = h_next[:, -1:, :]
+
+    def norm(x: np.ndarray) -> np.ndarray:
+        return np.linalg.norm(x, axis=-1)
+
+    def cos(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return np.sum(x * y, axis=-1) / (norm(x) * norm(y))
+
+    def deg(c: np.ndarray) -> np.ndarray:
+        return np.degrees(np.arccos(np.clip(c, -1, 1)))
+
+    theta_update = np.full(update.shape[:2], np.nan)
+    theta_update[:, :-1] = deg(cos(update[:, :-1], update[:, 1:]))
+    return {
+        "attn_rel": norm(attn) / np.maximum(norm(h), 1e-6),
+        "mlp_rel": norm(mlp) / np.maximum(norm(h + attn), 1e-6),
+        "layer_rel": norm(update) / np.maximum(norm(h), 1e-6),
+        "cos_attn": cos(attn, h),
+        "cos_mlp": cos(mlp, h + attn),
+        "cos_layer": cos(update, h),
+        "cos_io": cos(h_next, h),
+        "theta_state": deg(cos(h, h_next)),
+        "theta_update": theta_update,
+        "angle_final": deg(cos(h, np.broadcast_to(h_last, h.shape))),
+    }
+
+
+@pytest.fixture
+def text() -> tuple[pl.DataFrame, dict[str, np.ndarray], np.ndarray]:
+    rng = np.random.default_rng(0)
+    doc, pos, h0, attn, mlp = raw_vectors(rng, [7, 3, 11, 5], blocks=6)
+    frame = token_blocks(doc, pos, text_dots(h0, attn, mlp))
+    return frame, reference_geometry(h0, attn, mlp), pos
+
+
+def test_token_geometry_matches_the_vectors(text) -> None:
+    frame, ref, _ = text
+    geo = token_geometry(frame, 6)
+    for column in GEOMETRY:
+        got = geo[column].cast(pl.Float64).fill_null(np.nan).to_numpy().reshape(-1, 6)
+        np.testing.assert_allclose(got, ref[column], atol=TOL, rtol=TOL, err_msg=column)
+
+
+@pytest.mark.filterwarnings("ignore:Mean of empty slice", "ignore:All-NaN slice")
+def test_geometry_table_is_token_weighted_means_and_maxima(text) -> None:
+    frame, ref, _ = text
+    geo = token_geometry(frame, 6)
+    table = geometry_table([geometry_sums(geo)], 6)
+    assert table["n_tokens"].to_list() == [26] * 6
+    np.testing.assert_allclose(table["relative_depth"], np.arange(1, 7) / 6)
+    for column in GEOMETRY:
+        np.testing.assert_allclose(
+            table[f"{column}_mean"].fill_null(np.nan), np.nanmean(ref[column], axis=0), rtol=TOL
+        )
+        np.testing.assert_allclose(
+            table[f"{column}_max"].fill_null(np.nan), np.nanmax(ref[column], axis=0), rtol=TOL
+        )
+
+
+def test_batched_geometry_equals_one_shot(text) -> None:
+    frame, _, _ = text
+    one = geometry_table([geometry_sums(token_geometry(frame, 6))], 6)
+    cuts = [0, 6 * 5, 6 * 12, 6 * 13, frame.height]  # whole tokens, across document boundaries
+    parts = [token_geometry(frame[a:b], 6) for a, b in itertools.pairwise(cuts)]
+    many = geometry_table([geometry_sums(p) for p in parts], 6)
+    for column in one.columns:
+        np.testing.assert_allclose(many[column].to_numpy(), one[column].to_numpy(), rtol=1e-12)
+
+
+def test_token_geometry_refuses_unsorted_rows(text) -> None:
+    frame, _, _ = text
+    with pytest.raises(StoreError, match="sorted"):
+        token_geometry(frame.reverse(), 6)
+    with pytest.raises(StoreError, match="whole tokens"):
+        token_geometry(frame[:-1], 6)
+
+
+def test_lens_means_over_positions_then_documents() -> None:
+    rng = np.random.default_rng(1)
+    lengths, layers = [4, 9, 2], 5
+    rows = []
+    for doc, t in enumerate(lengths):
+        for pos in range(t):
+            for layer in range(layers):
+                ce = None if pos == t - 1 else float(rng.random())
+                rows.append((doc, pos, layer, float(rng.random()), float(rng.random()), ce))
+    frame = pl.DataFrame(
+        rows, schema=["doc", "pos", "layer", "kl", "top5_overlap", "ce"], orient="row"
+    )
+    table = lens_table(document_means([frame[:17], frame[17:60], frame[60:]]), layers - 1)
+    for column in ("kl", "top5_overlap", "ce"):
+        per_doc = frame.group_by("doc", "layer").agg(pl.col(column).mean())
+        expect = per_doc.group_by("layer").agg(pl.col(column).mean()).sort("layer")
+        np.testing.assert_allclose(table[column], expect[column], rtol=TOL)
+    assert table["n_documents"].to_list() == [3] * layers
+    np.testing.assert_allclose(table["relative_depth"], np.arange(layers) / (layers - 1))
+
+
+def test_profile_pca_from_moments_equals_numpy(text) -> None:
+    frame, ref, pos = text
+    theta = ref["theta_state"]
+    geo = token_geometry(frame, 6, ["theta_state"])
+    halves = [geo[: 6 * 9], geo[6 * 9 :]]
+    moments = profile_moments(halves, 6, reference=float(theta[:, 3:5].mean()))
+    pca, loadings = pca_tables(moments)
+    values, vectors = np.linalg.eigh(np.cov(theta, rowvar=False))
+    order = np.argsort(values)[::-1]
+    np.testing.assert_allclose(pca["explained_variance"], values[order][:5], rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(
+        pca["explained_ratio"], (values / values.sum())[order][:5], rtol=1e-6
+    )
+    first = loadings.filter(pl.col("component") == 1)["loading"].to_numpy()
+    assert abs(abs(first @ vectors[:, order[0]]) - 1) < 1e-6
+    np.testing.assert_allclose(
+        loadings.filter(pl.col("component") == 1)["mean_theta"], theta.mean(axis=0), rtol=1e-9
+    )
+    one = ProfileMoments.empty(6)
+    one.add(theta, pos, threshold=0.25 * float(theta[:, 3:5].mean()))
+    assert one.early == moments.early and one.n == moments.n == len(theta)
+    early = theta[:, 3:5].mean(axis=1) < 0.25 * theta[:, 3:5].mean()
+    assert sum(k for _, k in moments.early.values()) == int(early.sum())
+
+
+def test_depth_score_is_centre_of_mass_of_out_change() -> None:
+    change = {0: [0.1, 0.5, 0.2], 1: [0.0, 0.0, 2.0]}
+    rows = [
+        {"sublayer": "block", "doc": d, "skipped": b, "out_change_max": v}
+        for d, values in change.items()
+        for b, v in enumerate(values)
+    ]
+    scores = depth_scores(pl.DataFrame(rows)).sort("doc")
+    expect = [sum(i * v for i, v in enumerate(vs)) / sum(vs) for vs in change.values()]
+    np.testing.assert_allclose(scores["depth_score"], expect, rtol=TOL)
