@@ -37,6 +37,9 @@ class Context:
     """Analysis-specific switches, e.g. ``{"reweight": True}``."""
     notes: list[str] = field(default_factory=list)
     """Lines for the user, e.g. what an analysis could not compute and how to get it."""
+    shared: dict[str, Any] = field(default_factory=dict)
+    """What one analysis computes and a later one of the same run reuses (e.g. one pass over a
+    partition's tokens, :func:`layerdiv.analyze.text.text_passes`)."""
     spill: Spill = field(default_factory=Spill)
     """Where an analysis appends, partition by partition, a table with one row per instance (not
     returned by ``tables``: it would grow the memory with the store)."""

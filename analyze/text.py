@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
 import polars as pl
 import pyarrow.parquet as pq
 
+from layerdiv.analyze.registry import Context, map_partitions
 from layerdiv.store import PartitionInfo, StoreError
 
 TEXT_KIND = "text"
@@ -155,6 +158,103 @@ def token_batches(info: PartitionInfo, columns: Sequence[str] = GEOMETRY) -> Ite
     stored = stored_columns(columns)
     for frame in batches(info.uris("token_blocks"), stored, BATCH_TOKENS * blocks, blocks):
         yield token_geometry(frame, blocks, columns, info.where)
+
+
+EARLY_STOP_FRACTION = 0.25
+"""A token stops updating early when its mean theta_state over the second half of the blocks (the
+last block left out) is below this fraction of its own mean over the first half (block 0 left out:
+the embedding's first update is large for every token)."""
+
+
+def halves(blocks: int) -> tuple[slice, slice]:
+    """The blocks the early-stop test compares: the first half without block 0, and the second
+    half without the last block."""
+    return slice(1, max(blocks // 2, 2)), slice(blocks // 2, max(blocks - 1, blocks // 2 + 1))
+
+
+def position_range(pos: np.ndarray) -> np.ndarray:
+    """Range r of each position: 0 for position 0, else r with 2^(r-1) <= pos < 2^r."""
+    return np.where(pos > 0, np.floor(np.log2(np.maximum(pos, 1))).astype(int) + 1, 0)
+
+
+@dataclass
+class ProfileMoments:
+    """Sums over tokens of the theta_state profiles x (one row per token, one column per block)
+    and of their outer products x x^T, and the early-stop counts by position range: what the PCA
+    of the profiles and ``text_early_stop`` need, added batch by batch (L x L numbers, not
+    tokens x L)."""
+
+    n: int
+    total: np.ndarray
+    cross: np.ndarray
+    early: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Position range r (:func:`position_range`) -> (tokens, tokens that stop early)."""
+
+    @classmethod
+    def empty(cls, blocks: int) -> ProfileMoments:
+        return cls(0, np.zeros(blocks), np.zeros((blocks, blocks)))
+
+    def add(self, profiles: np.ndarray, positions: np.ndarray) -> None:
+        """Add tokens: ``profiles`` (tokens, L) theta_state in degrees (a token with an undefined
+        angle is left out), ``positions`` (tokens,)."""
+        keep = np.isfinite(profiles).all(axis=1)
+        x, pos = profiles[keep], positions[keep]
+        self.n += len(x)
+        self.total += x.sum(axis=0)
+        self.cross += x.T @ x
+        first, second = halves(x.shape[1])
+        is_early = x[:, second].mean(axis=1) < EARLY_STOP_FRACTION * x[:, first].mean(axis=1)
+        ranges = position_range(pos)
+        for r in np.unique(ranges):
+            at = ranges == r
+            n, k = self.early.get(int(r), (0, 0))
+            self.early[int(r)] = (n + int(at.sum()), k + int(is_early[at].sum()))
+
+    def pca(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(mean profile (L,), variances (L,) in decreasing order, components (L, L) as rows,
+        each signed so that its largest entry is positive): the eigen-decomposition of the sample
+        covariance (sum x x^T - n mean mean^T) / (n - 1)."""
+        mean = self.total / max(self.n, 1)
+        cov = (self.cross - self.n * np.outer(mean, mean)) / max(self.n - 1, 1)
+        values, vectors = np.linalg.eigh(cov)
+        order = np.argsort(values)[::-1]
+        vectors = vectors[:, order].T
+        signs = np.sign(vectors[np.arange(len(vectors)), np.abs(vectors).argmax(axis=1)])
+        return mean, np.clip(values[order], 0.0, None), vectors * signs[:, None]
+
+
+@dataclass
+class TextPass:
+    """What one read of a partition's ``token_blocks`` gives: the per-block sums of every geometry
+    column (:func:`sums`, one frame per batch) and the theta_state profile moments."""
+
+    sums: list[pl.DataFrame]
+    moments: ProfileMoments
+
+
+def text_pass(info: PartitionInfo) -> TextPass:
+    """One pass over ``info``'s ``token_blocks``, batch by batch (:func:`token_batches`)."""
+    blocks = n_blocks(info)
+    out = TextPass([], ProfileMoments.empty(blocks))
+    for frame in token_batches(info):
+        out.sums.append(sums(frame, ["block"], GEOMETRY))
+        theta = frame["theta_state"].fill_null(np.nan).to_numpy().reshape(-1, blocks)
+        out.moments.add(theta, frame["pos"].to_numpy()[::blocks])
+    return out
+
+
+PASSES = "text_passes"
+"""Key of :func:`text_passes` in ``Context.shared``."""
+
+
+def text_passes(ctx: Context) -> dict[str, TextPass]:
+    """The :class:`TextPass` of every text partition of ``ctx`` by ``PartitionInfo.where``, made
+    once per analysis run (partitions 4 at a time) and shared through ``ctx.shared``."""
+    passes: dict[str, TextPass] = ctx.shared.setdefault(PASSES, {})
+    todo = [p for p in ctx.parts if p.where not in passes]
+    for info, done in zip(todo, map_partitions(text_pass, todo), strict=True):
+        passes[info.where] = done
+    return passes
 
 
 def sums(frame: pl.DataFrame, keys: Sequence[str], columns: Iterable[str]) -> pl.DataFrame:

@@ -8,16 +8,18 @@ import numpy as np
 import polars as pl
 import pytest
 
-from layerdiv.analyze.analyses.text_geometry import geometry_sums, geometry_table
+from layerdiv.analyze.analyses.text_geometry import geometry_table
 from layerdiv.analyze.analyses.text_lens import document_means, lens_table
-from layerdiv.analyze.analyses.text_profiles import (
-    ProfileMoments,
-    depth_scores,
-    pca_tables,
-    profile_moments,
-)
+from layerdiv.analyze.analyses.text_profiles import depth_scores, pca_tables
 from layerdiv.analyze.synthetic import text_dots
-from layerdiv.analyze.text import DOTS, GEOMETRY, token_geometry
+from layerdiv.analyze.text import (
+    DOTS,
+    EARLY_STOP_FRACTION,
+    GEOMETRY,
+    ProfileMoments,
+    sums,
+    token_geometry,
+)
 from layerdiv.store import StoreError
 
 TOL = 1e-6
@@ -27,7 +29,8 @@ def raw_vectors(
     rng: np.random.Generator, lengths: list[int], blocks: int, d: int = 12
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(doc, pos, h0, attn, mlp) of documents of the given lengths: random vectors whose
-    updates shrink with depth, so the angles cover a useful range."""
+    updates shrink with depth, so the angles cover a useful range; the first token of each
+    document stops updating in the second half of the blocks."""
     n = sum(lengths)
     doc = np.repeat(np.arange(len(lengths)), lengths)
     pos = np.concatenate([np.arange(t) for t in lengths])
@@ -35,6 +38,8 @@ def raw_vectors(
     h0 = rng.normal(size=(n, d))
     attn = rng.normal(size=(n, blocks, d)) * scale
     mlp = rng.normal(size=(n, blocks, d)) * scale
+    attn[pos == 0, blocks // 2 :] *= 1e-3
+    mlp[pos == 0, blocks // 2 :] *= 1e-3
     return doc, pos, h0, attn, mlp
 
 
@@ -103,7 +108,7 @@ def test_token_geometry_matches_the_vectors(text) -> None:
 def test_geometry_table_is_token_weighted_means_and_maxima(text) -> None:
     frame, ref, _ = text
     geo = token_geometry(frame, 6)
-    table = geometry_table([geometry_sums(geo)], 6)
+    table = geometry_table([sums(geo, ["block"], GEOMETRY)], 6)
     assert table["n_tokens"].to_list() == [26] * 6
     np.testing.assert_allclose(table["relative_depth"], np.arange(1, 7) / 6)
     for column in GEOMETRY:
@@ -117,10 +122,10 @@ def test_geometry_table_is_token_weighted_means_and_maxima(text) -> None:
 
 def test_batched_geometry_equals_one_shot(text) -> None:
     frame, _, _ = text
-    one = geometry_table([geometry_sums(token_geometry(frame, 6))], 6)
+    one = geometry_table([sums(token_geometry(frame, 6), ["block"], GEOMETRY)], 6)
     cuts = [0, 6 * 5, 6 * 12, 6 * 13, frame.height]  # whole tokens, across document boundaries
     parts = [token_geometry(frame[a:b], 6) for a, b in itertools.pairwise(cuts)]
-    many = geometry_table([geometry_sums(p) for p in parts], 6)
+    many = geometry_table([sums(p, ["block"], GEOMETRY) for p in parts], 6)
     for column in one.columns:
         np.testing.assert_allclose(many[column].to_numpy(), one[column].to_numpy(), rtol=1e-12)
 
@@ -158,25 +163,28 @@ def test_profile_pca_from_moments_equals_numpy(text) -> None:
     frame, ref, pos = text
     theta = ref["theta_state"]
     geo = token_geometry(frame, 6, ["theta_state"])
-    halves = [geo[: 6 * 9], geo[6 * 9 :]]
-    moments = profile_moments(halves, 6, reference=float(theta[:, 3:5].mean()))
+    moments = ProfileMoments.empty(6)
+    for part in (geo[: 6 * 9], geo[6 * 9 :]):  # two batches
+        profiles = part["theta_state"].to_numpy().reshape(-1, 6)
+        moments.add(profiles, part["pos"].to_numpy()[::6])
     pca, loadings = pca_tables(moments)
     values, vectors = np.linalg.eigh(np.cov(theta, rowvar=False))
     order = np.argsort(values)[::-1]
     np.testing.assert_allclose(pca["explained_variance"], values[order][:5], rtol=1e-6, atol=1e-9)
-    np.testing.assert_allclose(
-        pca["explained_ratio"], (values / values.sum())[order][:5], rtol=1e-6
-    )
-    first = loadings.filter(pl.col("component") == 1)["loading"].to_numpy()
-    assert abs(abs(first @ vectors[:, order[0]]) - 1) < 1e-6
-    np.testing.assert_allclose(
-        loadings.filter(pl.col("component") == 1)["mean_theta"], theta.mean(axis=0), rtol=1e-9
-    )
+    ratio = (values / values.sum())[order][:5]
+    np.testing.assert_allclose(pca["explained_ratio"], ratio, rtol=1e-6)
+    first = loadings.filter(pl.col("component") == 1)
+    assert abs(abs(first["loading"].to_numpy() @ vectors[:, order[0]]) - 1) < 1e-6
+    np.testing.assert_allclose(first["mean_theta"], theta.mean(axis=0), rtol=1e-9)
     one = ProfileMoments.empty(6)
-    one.add(theta, pos, threshold=0.25 * float(theta[:, 3:5].mean()))
+    one.add(theta, pos)
     assert one.early == moments.early and one.n == moments.n == len(theta)
-    early = theta[:, 3:5].mean(axis=1) < 0.25 * theta[:, 3:5].mean()
-    assert sum(k for _, k in moments.early.values()) == int(early.sum())
+    # blocks 1-2 against blocks 3-4 of 6 (block 0 and the last block left out)
+    early = theta[:, 3:5].mean(axis=1) < EARLY_STOP_FRACTION * theta[:, 1:3].mean(axis=1)
+    assert early[pos == 0].all() and early.sum() < len(early)
+    for r, (lo, hi) in enumerate([(0, 0), (1, 1), (2, 3), (4, 7), (8, 15)]):
+        at = (pos >= lo) & (pos <= hi)
+        assert moments.early.get(r, (0, 0)) == (int(at.sum()), int(early[at].sum()))
 
 
 def test_depth_score_is_centre_of_mass_of_out_change() -> None:

@@ -18,26 +18,14 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import fmt, markdown_table
-from layerdiv.analyze.registry import (
-    Analysis,
-    Context,
-    ReportContext,
-    map_partitions,
-    register,
-)
-from layerdiv.analyze.text import GEOMETRY, TEXT_KIND, combine, n_blocks, sums, tag, token_batches
-from layerdiv.store import PartitionInfo
-
-
-def geometry_sums(frame: pl.DataFrame) -> pl.DataFrame:
-    """Per block of one batch of :func:`~layerdiv.analyze.text.token_geometry` rows: the sums,
-    counts and maxima :func:`geometry_table` adds up."""
-    return sums(frame, ["block"], GEOMETRY)
+from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
+from layerdiv.analyze.text import GEOMETRY, TEXT_KIND, combine, n_blocks, tag, text_passes
 
 
 def geometry_table(batch_sums: Iterable[pl.DataFrame], blocks: int) -> pl.DataFrame:
-    """Per block: ``relative_depth``, ``n_tokens``, ``<c>_mean`` (token-weighted: sum over every
-    token / token count, METHODS.md section 9) and ``<c>_max`` of every geometry column."""
+    """Per block, from the :func:`~layerdiv.analyze.text.sums` of batches: ``relative_depth``,
+    ``n_tokens``, ``<c>_mean`` (token-weighted: sum over every token / token count, METHODS.md
+    section 9) and ``<c>_max`` of every geometry column."""
     return (
         combine(batch_sums, ["block"], GEOMETRY)
         .rename({"n": "n_tokens"})
@@ -49,15 +37,12 @@ def geometry_table(batch_sums: Iterable[pl.DataFrame], blocks: int) -> pl.DataFr
     )
 
 
-def partition_geometry(info: PartitionInfo) -> pl.DataFrame:
-    """``text_geometry`` of one text partition, read batch by batch."""
-    sums_ = [geometry_sums(frame) for frame in token_batches(info)]
-    return tag(geometry_table(sums_, n_blocks(info)), info)
-
-
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
-    """The registry's entry point: ``text_geometry`` of every selected text partition."""
-    return {"text_geometry": pl.concat(list(map_partitions(partition_geometry, ctx.parts)))}
+    """The registry's entry point: ``text_geometry`` of every selected text partition, from one
+    pass over its tokens (:func:`~layerdiv.analyze.text.text_passes`)."""
+    passes = text_passes(ctx)
+    frames = [tag(geometry_table(passes[p.where].sums, n_blocks(p)), p) for p in ctx.parts]
+    return {"text_geometry": pl.concat(frames)}
 
 
 # --- report ----------------------------------------------------------------------------------

@@ -11,10 +11,9 @@ Tables:
   signed so that its largest entry is positive) and ``mean_theta`` (the mean profile), with
   ``relative_depth`` (l + 1) / L.
 - ``text_early_stop``: per (model, task, position range): ``n_tokens``, ``n_early`` and
-  ``share_early``, the tokens that stop updating early: a token whose mean theta_state over the
-  second half of the blocks (the last block left out) is below :data:`EARLY_STOP_FRACTION` of the
-  mean of every token over those blocks (``text_geometry``). Position ranges 0, 1, 2-3, 4-7, ...
-  show where in a document they are (the inverse-depth paper: mostly the first tokens).
+  ``share_early``, the tokens that stop updating early
+  (:class:`~layerdiv.analyze.text.ProfileMoments`). Position ranges 0, 1, 2-3, 4-7, ... show where
+  in a document they are (the inverse-depth paper: mostly the first tokens).
 - ``text_update_fit``: per (model, task, metric): the mean update size of block l (token-weighted
   mean ``theta_state`` or ``layer_rel`` of ``text_geometry``) fitted as a * l^(-beta) on log-log
   axes, l = 1..L (block index + 1): ``a``, ``beta``, ``beta_se``, ``r2``, ``n_fitted``.
@@ -27,8 +26,7 @@ Tables:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -45,98 +43,26 @@ from layerdiv.analyze.registry import (
 )
 from layerdiv.analyze.stats import POWER_FIT_SCHEMA, power_law_fit
 from layerdiv.analyze.text import (
+    EARLY_STOP_FRACTION,
     TEXT_KIND,
+    ProfileMoments,
     batches,
     combine,
     n_blocks,
     sums,
     tag,
-    token_batches,
+    text_passes,
 )
 from layerdiv.store import PartitionInfo
 
 PCA_COMPONENTS = 5
 """Principal components of the theta_state profiles kept per partition."""
 
-EARLY_STOP_FRACTION = 0.25
-"""A token stops updating early when its mean theta_state over the second half of the blocks
-(last block left out) is below this fraction of the mean over every token."""
-
 FIT_METRICS = ("theta_state", "layer_rel")
 """Update sizes fitted against depth (METHODS.md section 9)."""
 
 OUTPUT_ROWS = 1 << 20
 """Rows of ``future_output`` read at once."""
-
-
-@dataclass
-class ProfileMoments:
-    """Sums over tokens of the theta_state profiles x (one row per token, one column per block)
-    and of their outer products x x^T, and the early-stop counts by position range: everything
-    the PCA and ``text_early_stop`` need, added batch by batch (memory: L x L, not tokens x L)."""
-
-    n: int
-    total: np.ndarray
-    cross: np.ndarray
-    early: dict[int, tuple[int, int]]
-    """Position range r (positions 2^(r-1) .. 2^r - 1; r = 0: position 0) -> (tokens, early)."""
-
-    @classmethod
-    def empty(cls, blocks: int) -> ProfileMoments:
-        return cls(0, np.zeros(blocks), np.zeros((blocks, blocks)), {})
-
-    def add(self, profiles: np.ndarray, positions: np.ndarray, threshold: float | None) -> None:
-        """Add tokens: ``profiles`` (tokens, L) theta_state in degrees (a token with an undefined
-        angle is left out), ``positions`` (tokens,); ``threshold`` the early-stop level of the
-        second-half mean (None: not counted)."""
-        keep = np.isfinite(profiles).all(axis=1)
-        x, pos = profiles[keep], positions[keep]
-        self.n += len(x)
-        self.total += x.sum(axis=0)
-        self.cross += x.T @ x
-        if threshold is None:
-            return
-        is_early = x[:, second_half(x.shape[1])].mean(axis=1) < threshold
-        ranges = position_range(pos)
-        for r in np.unique(ranges):
-            at = ranges == r
-            n, k = self.early.get(int(r), (0, 0))
-            self.early[int(r)] = (n + int(at.sum()), k + int(is_early[at].sum()))
-
-    def pca(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(mean profile (L,), variances (L,) in decreasing order, components (L, L) as rows):
-        the eigen-decomposition of the sample covariance (sum x x^T - n mean mean^T) / (n - 1)."""
-        mean = self.total / self.n
-        cov = (self.cross - self.n * np.outer(mean, mean)) / max(self.n - 1, 1)
-        values, vectors = np.linalg.eigh(cov)
-        order = np.argsort(values)[::-1]
-        vectors = vectors[:, order].T
-        signs = np.sign(vectors[np.arange(len(vectors)), np.abs(vectors).argmax(axis=1)])
-        return mean, np.clip(values[order], 0.0, None), vectors * signs[:, None]
-
-
-def second_half(blocks: int) -> slice:
-    """The blocks of the early-stop test: the second half, the last block left out."""
-    return slice(blocks // 2, max(blocks - 1, blocks // 2 + 1))
-
-
-def position_range(pos: np.ndarray) -> np.ndarray:
-    """Range r of each position: 0 for position 0, else r with 2^(r-1) <= pos < 2^r."""
-    return np.where(pos > 0, np.floor(np.log2(np.maximum(pos, 1))).astype(int) + 1, 0)
-
-
-def profile_moments(
-    frames: Iterable[pl.DataFrame], blocks: int, reference: float | None
-) -> ProfileMoments:
-    """:class:`ProfileMoments` of batches of :func:`~layerdiv.analyze.text.token_geometry` rows
-    (whole tokens, ``theta_state`` column); ``reference`` the mean theta_state of every token over
-    the second-half blocks (the early-stop threshold is :data:`EARLY_STOP_FRACTION` of it)."""
-    moments = ProfileMoments.empty(blocks)
-    threshold = None if reference is None else EARLY_STOP_FRACTION * reference
-    for frame in frames:
-        theta = frame["theta_state"].cast(pl.Float64).fill_null(np.nan).to_numpy()
-        moments.add(theta.reshape(-1, blocks), frame["pos"].to_numpy()[::blocks], threshold)
-    return moments
 
 
 def pca_tables(moments: ProfileMoments) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -183,18 +109,6 @@ def early_table(moments: ProfileMoments) -> pl.DataFrame:
             "n_early": pl.Int64,
         },
     ).with_columns((pl.col("n_early") / pl.col("n_tokens")).alias("share_early"))
-
-
-def reference_theta(geometry: pl.DataFrame, blocks: int) -> float | None:
-    """Mean theta_state over the early-stop blocks of one partition's ``text_geometry`` rows
-    (token-weighted: every block of the range has every token)."""
-    rows = geometry.filter(pl.col("block").is_between(*_range_bounds(blocks)))
-    return float(rows["theta_state_mean"].mean()) if rows.height else None  # type: ignore[arg-type]
-
-
-def _range_bounds(blocks: int) -> tuple[int, int]:
-    half = second_half(blocks)
-    return half.start, half.stop - 1
 
 
 def update_fit(geometry: pl.DataFrame) -> pl.DataFrame:
@@ -248,12 +162,8 @@ def depth_score_table(info: PartitionInfo) -> pl.DataFrame:
     )
 
 
-def partition_profiles(info: PartitionInfo, geometry: pl.DataFrame) -> dict[str, pl.DataFrame]:
-    """The PCA, loadings and early-stop rows of one partition, read batch by batch."""
-    blocks = n_blocks(info)
-    own = geometry.filter((pl.col("model") == info.model) & (pl.col("task") == info.task))
-    frames = token_batches(info, ["theta_state"])
-    moments = profile_moments(frames, blocks, reference_theta(own, blocks))
+def profile_tables(info: PartitionInfo, moments: ProfileMoments) -> dict[str, pl.DataFrame]:
+    """The PCA, loadings and early-stop rows of one partition from its accumulated moments."""
     pca, loadings = pca_tables(moments)
     return {
         "text_profile_pca": tag(pca, info),
@@ -263,14 +173,15 @@ def partition_profiles(info: PartitionInfo, geometry: pl.DataFrame) -> dict[str,
 
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
-    """The registry's entry point (after ``text_geometry``, whose table it uses)."""
-    geometry = prior["text_geometry"]
+    """The registry's entry point (after ``text_geometry``, whose table and pass over the tokens
+    it uses: :func:`~layerdiv.analyze.text.text_passes`)."""
+    passes = text_passes(ctx)
     found: dict[str, list[pl.DataFrame]] = {}
-    for out in map_partitions(lambda p: partition_profiles(p, geometry), ctx.parts):
-        for name, frame in out.items():
+    for info in ctx.parts:
+        for name, frame in profile_tables(info, passes[info.where].moments).items():
             found.setdefault(name, []).append(frame)
     result = {name: pl.concat(frames) for name, frames in found.items()}
-    result["text_update_fit"] = update_fit(geometry)
+    result["text_update_fit"] = update_fit(prior["text_geometry"])
     with_skips = [p for p in ctx.parts if "future_output" in p.manifest.extra_tables]
     if with_skips:
         result["text_depth_score"] = pl.concat(list(map_partitions(depth_score_table, with_skips)))
@@ -428,9 +339,10 @@ def report(ctx: ReportContext) -> str:
     header = ["Model", "Task", "Explained by PC1 / PC2 / PC3 (%)", "Stop early (%)", "β of θ state"]
     parts = [
         "Each token's profile of θ(h_l, h_l+1) over the blocks (METHODS.md section 9): principal "
-        "components over tokens, the share of tokens that stop updating early (mean θ over the "
-        f"second half of the blocks below {EARLY_STOP_FRACTION:g} of every token's, last block "
-        "left out) and the fit of the mean θ of block l to a·l^−β.",
+        "components over tokens, the share of tokens that stop updating early (their mean θ over "
+        "the second half of the blocks, last block left out, below "
+        f"{EARLY_STOP_FRACTION:g} of their own mean over the first half, block 0 left out) and "
+        "the fit of the mean θ of block l to a·l^−β.",
         markdown_table(header, rows),
         plots.figure_link(
             ctx,
