@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
-import pyarrow.parquet as pq
 
 from layerdiv.analyze.registry import Context, map_partitions
 from layerdiv.store import PartitionInfo, StoreError
@@ -62,23 +61,15 @@ def degrees(cos: pl.Expr) -> pl.Expr:
     return cos.clip(-1.0, 1.0).arccos() * (180.0 / math.pi)
 
 
-def batches(
-    files: Sequence[str], columns: Sequence[str], rows: int, unit: int = 1
-) -> Iterator[pl.DataFrame]:
-    """The ``columns`` of the Parquet ``files`` in order, file by file, in frames of about
-    ``rows`` rows, each a whole number of ``unit`` rows (a token's rows stay together)."""
+def batches(files: Sequence[str], columns: Sequence[str], rows: int) -> Iterator[pl.DataFrame]:
+    """The ``columns`` of the Parquet ``files`` (paths or URLs) in order, file by file, in frames
+    of ``rows`` rows (the last of each file shorter): with ``rows`` a multiple of a token's rows,
+    every frame holds whole tokens."""
     for file in files:
-        carry: pl.DataFrame | None = None
-        for batch in pq.ParquetFile(file).iter_batches(batch_size=rows, columns=list(columns)):
-            frame = pl.DataFrame(pl.from_arrow(batch))
-            if carry is not None:
-                frame = pl.concat([carry, frame])
-            cut = frame.height - frame.height % unit
-            if cut:
-                yield frame.slice(0, cut)
-            carry = frame.slice(cut) if cut < frame.height else None
-        if carry is not None:
-            yield carry
+        scan = pl.scan_parquet(file)
+        n = scan.select(pl.len()).collect().item()
+        for start in range(0, n, rows):
+            yield scan.select(columns).slice(start, rows).collect()
 
 
 def token_geometry(
@@ -104,27 +95,33 @@ def token_geometry(
             "of every token; re-extract it with --overwrite"
         )
     hh, aa, mm, ha, hm, am = (pl.col(c).cast(pl.Float64) for c in DOTS[:6])
-    norm_h, norm_a, norm_m = hh.sqrt(), aa.sqrt(), mm.sqrt()
-    norm_ha = (hh + 2 * ha + aa).clip(0.0).sqrt()  # ||h + a||^2 = hh + 2 ha + aa
-    norm_d = (aa + 2 * am + mm).clip(0.0).sqrt()  # ||d||^2 = ||a + m||^2 = aa + 2 am + mm
-    dh = ha + hm  # d . h
-    # ||h_(l+1)||^2 = ||h + d||^2 = hh + 2 d.h + ||d||^2
-    norm_next = (hh + 2 * dh + aa + 2 * am + mm).clip(0.0).sqrt()
-    cos_io = (hh + dh) / (norm_next * norm_h)  # cos(h + d, h) = (hh + d.h) / (||h + d|| ||h||)
+    # The shared terms, computed once (columns prefixed with _):
+    shared = {
+        "_nh": hh.sqrt(),  # ||h||
+        "_na": aa.sqrt(),  # ||a||
+        "_nm": mm.sqrt(),  # ||m||
+        "_nha": (hh + 2 * ha + aa).clip(0.0).sqrt(),  # ||h + a||^2 = hh + 2 ha + aa
+        "_nd": (aa + 2 * am + mm).clip(0.0).sqrt(),  # ||d||^2 = ||a + m||^2 = aa + 2 am + mm
+        "_dh": ha + hm,  # d . h
+        # ||h_(l+1)||^2 = ||h + d||^2 = hh + 2 d.h + ||d||^2
+        "_nnext": (hh + 2 * (ha + hm) + aa + 2 * am + mm).clip(0.0).sqrt(),
+    }
+    nh, na, nm, nha, nd, dh, nnext = (pl.col(c) for c in shared)
+    cos_io = (hh + dh) / (nnext * nh)  # cos(h + d, h) = (hh + d.h) / (||h + d|| ||h||)
     last = first + (blocks - 1)  # the token's last block: ||h_L|| = its ||h_(l+1)||
     formulas = {
         # attn_rel = ||a|| / max(||h||, 1e-6)
-        "attn_rel": norm_a / pl.max_horizontal(norm_h, EPS),
+        "attn_rel": na / nh.clip(EPS),
         # mlp_rel = ||m|| / max(||h + a||, 1e-6)
-        "mlp_rel": norm_m / pl.max_horizontal(norm_ha, EPS),
+        "mlp_rel": nm / nha.clip(EPS),
         # layer_rel = ||d|| / max(||h||, 1e-6)
-        "layer_rel": norm_d / pl.max_horizontal(norm_h, EPS),
+        "layer_rel": nd / nh.clip(EPS),
         # cos_attn = cos(a, h) = h.a / (||a|| ||h||)
-        "cos_attn": ha / (norm_a * norm_h),
+        "cos_attn": ha / (na * nh),
         # cos_mlp = cos(m, h + a) = (h.m + a.m) / (||m|| ||h + a||)
-        "cos_mlp": (hm + am) / (norm_m * norm_ha),
+        "cos_mlp": (hm + am) / (nm * nha),
         # cos_layer = cos(d, h) = (h.a + h.m) / (||d|| ||h||)
-        "cos_layer": dh / (norm_d * norm_h),
+        "cos_layer": dh / (nd * nh),
         # cos_io = cos(h + d, h)
         "cos_io": cos_io,
         # theta_state = arccos cos(h_l, h_(l+1)) in degrees; h_(l+1) = h + d, so = arccos cos_io
@@ -132,14 +129,13 @@ def token_geometry(
         # theta_update = arccos cos(d_l, d_(l+1)) = arccos dd_next / (||d_l|| ||d_(l+1)||), with
         # ||d_(l+1)|| from the next row (block l + 1 of the same token; dd_next is null on the
         # last block, and so is the angle)
-        "theta_update": degrees(pl.col("dd_next").cast(pl.Float64) / (norm_d * norm_d.shift(-1))),
+        "theta_update": degrees(pl.col("dd_next").cast(pl.Float64) / (nd * nd.shift(-1))),
         # angle_final = arccos cos(h_l, h_L) = arccos h_final / (||h_l|| ||h_L||)
-        "angle_final": degrees(
-            pl.col("h_final").cast(pl.Float64) / (norm_h * norm_next.gather(last))
-        ),
+        "angle_final": degrees(pl.col("h_final").cast(pl.Float64) / (nh * nnext.gather(last))),
     }
-    return (  # lazy: Polars computes the shared norms once (common subexpressions)
+    return (
         frame.lazy()
+        .with_columns(**shared)
         .select("doc", "pos", "block", *(formulas[c].fill_nan(None).alias(c) for c in columns))
         .collect()
     )
@@ -156,7 +152,7 @@ def token_batches(info: PartitionInfo, columns: Sequence[str] = GEOMETRY) -> Ite
     ``info``, in batches of :data:`BATCH_TOKENS` whole tokens."""
     blocks = n_blocks(info)
     stored = stored_columns(columns)
-    for frame in batches(info.uris("token_blocks"), stored, BATCH_TOKENS * blocks, blocks):
+    for frame in batches(info.uris("token_blocks"), stored, BATCH_TOKENS * blocks):
         yield token_geometry(frame, blocks, columns, info.where)
 
 
