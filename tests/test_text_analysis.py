@@ -197,3 +197,71 @@ def test_depth_score_is_centre_of_mass_of_out_change() -> None:
     scores = depth_scores(pl.DataFrame(rows)).sort("doc")
     expect = [sum(i * v for i, v in enumerate(vs)) / sum(vs) for vs in change.values()]
     np.testing.assert_allclose(scores["depth_score"], expect, rtol=TOL)
+
+
+def test_report_sections_draw_their_figures(text, tmp_path) -> None:
+    from layerdiv.analyze.analyses import text_geometry, text_lens, text_profiles, text_skips
+    from layerdiv.analyze.registry import ReportContext
+
+    frame, ref, pos = text
+    geo = token_geometry(frame, 6)
+    moments = ProfileMoments.empty(6)
+    moments.add(ref["theta_state"], pos)
+    pca, loadings = pca_tables(moments)
+    names = {"m": "org/model"}
+
+    def tagged(f: pl.DataFrame) -> pl.DataFrame:
+        return f.select(pl.lit("m").alias("model"), pl.lit("fineweb").alias("task"), pl.all())
+
+    geometry = tagged(geometry_table([sums(geo, ["block"], GEOMETRY)], 6))
+    lens_rows = (
+        frame.select("doc", "pos").unique().join(pl.DataFrame({"layer": range(7)}), how="cross")
+    )
+    lens = lens_rows.with_columns(kl=pl.lit(0.5), top5_overlap=pl.lit(0.4), ce=pl.lit(2.0))
+    skips = pl.DataFrame(
+        {"sublayer": ["block"] * 36, "skipped": [i // 6 for i in range(36)],
+         "block": [i % 6 for i in range(36)], "rel_change_max": np.linspace(0, 1, 36),
+         "rel_change_mean": np.linspace(0, 0.5, 36), "n": [4] * 36}
+    )  # fmt: skip
+    output = pl.DataFrame(
+        {"sublayer": ["block"] * 6, "skipped": list(range(6)), "out_change_max": np.ones(6),
+         "out_change_mean": np.ones(6) / 2, "n": [4] * 6}
+    )  # fmt: skip
+    scores = pl.DataFrame(
+        {"sublayer": ["block"] * 2, "group": ["1", "2"], "n_documents": [2, 2],
+         "depth_score": [1.5, 3.0], "depth_score_std": [0.1, 0.2],
+         "relative_depth_score": [0.4, 0.6]}
+    )  # fmt: skip
+    tables = {
+        "text_geometry": geometry,
+        "text_lens": tagged(lens_table(document_means([lens]), 6)),
+        "text_skips": tagged(skips),
+        "text_skip_output": tagged(output),
+        "text_profile_pca": tagged(pca),
+        "text_profile_loadings": tagged(loadings),
+        "text_early_stop": tagged(text_profiles.early_table(moments)),
+        "text_update_fit": text_profiles.update_fit(geometry),
+        "text_depth_score": tagged(scores),
+        "geometry_blocks": tagged(
+            geometry.select(
+                (pl.col("block") + 1).alias("block"),
+                pl.col("layer_rel_mean").alias("rel_contribution"),
+                pl.col("theta_state_mean").alias("angle_deg"),
+                pl.col("cos_layer_mean").alias("cos_residual"),
+            )
+        ),
+    }
+    ctx = ReportContext(tables=tables, estimator="paper", names=names, figures=tmp_path)
+    text_md = "\n".join(
+        module.report(ctx) for module in (text_geometry, text_lens, text_skips, text_profiles)
+    )
+    drawn = sorted(p.name for p in ctx.figures.iterdir())
+    assert drawn == [
+        "text_depth_score.png",
+        "text_geometry.png",
+        "text_lens.png",
+        "text_profiles.png",
+        "text_skips.png",
+        "text_vs_last_token.png",
+    ]
+    assert all(f"figures/{name}" in text_md for name in drawn)

@@ -59,12 +59,17 @@ PANELS = (
 
 
 def _by_model(frame: pl.DataFrame, columns: Iterable[str]) -> pl.DataFrame:
-    """Token-weighted means over a model's text tasks, per block."""
+    """Token-weighted means over a model's text tasks, per block (null where no task has the
+    column, e.g. theta_update of the last block)."""
     columns = list(columns)
     return (
         frame.group_by("model", "block", "relative_depth")
         .agg(
-            *((pl.col(c) * pl.col("n_tokens")).sum() / pl.col("n_tokens").sum() for c in columns),
+            *(
+                (pl.col(c) * pl.col("n_tokens")).sum()
+                / pl.col("n_tokens").filter(pl.col(c).is_not_null()).sum()
+                for c in columns
+            ),
         )
         .sort("model", "block")
     )

@@ -105,7 +105,7 @@ def skips_figure(
     rel_change (whole blocks skipped), and the out_change bars per skipped block (maximum, and
     the mean as a line), over the model's text tasks."""
     models = sorted(effects["model"].unique())
-    fig = plots.new_figure(figsize=(11, 4.2 * len(models)), layout="constrained", squeeze=False)
+    fig = plots.new_figure(figsize=(11, 4.2 * len(models)), layout="constrained")
     axes = fig.subplots(len(models), 2, squeeze=False)
     for (ax_map, ax_bar), model in zip(axes, models, strict=True):
         sub = effects.filter((pl.col("model") == model) & (pl.col("sublayer") == "block"))
