@@ -13,13 +13,13 @@ m what the MLP adds, d = a + m):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
 
+from layerdiv.analyze.analyses.depth import degrees
 from layerdiv.analyze.registry import Context, map_partitions
 from layerdiv.store import PartitionInfo, StoreError
 
@@ -54,11 +54,6 @@ EPS = 1e-6
 def n_blocks(info: PartitionInfo) -> int:
     """L, the number of decoder blocks of a text partition (its ``attn`` components)."""
     return sum(c.kind == "attn" for c in info.manifest.components)
-
-
-def degrees(cos: pl.Expr) -> pl.Expr:
-    """arccos in degrees, the cosine clipped to [-1, 1] against rounding."""
-    return cos.clip(-1.0, 1.0).arccos() * (180.0 / math.pi)
 
 
 def batches(files: Sequence[str], columns: Sequence[str], rows: int) -> Iterator[pl.DataFrame]:

@@ -81,7 +81,8 @@ class DepthError(LayerdivError, ValueError):
 # --- per-instance geometry from the components table -------------------------------------------
 
 
-def _degrees(cos: pl.Expr) -> pl.Expr:
+def degrees(cos: pl.Expr) -> pl.Expr:
+    """arccos in degrees, the cosine clipped to [-1, 1] against rounding."""
     return cos.clip(-1.0, 1.0).arccos() * (180.0 / math.pi)
 
 
@@ -162,7 +163,7 @@ def component_rows(info: PartitionInfo) -> pl.DataFrame:
             # rel_contribution = ||z_c|| / ||r_(c-1)||
             (norm / prev).alias("rel_contribution"),
             # cos(r_(c-1), r_c) = (||r_(c-1)||^2 + z_c . r_(c-1)) / (||r_(c-1)|| ||r_c||)
-            _degrees((prev**2 + cos_res * norm * prev) / (prev * pl.col("r_norm"))).alias(
+            degrees((prev**2 + cos_res * norm * prev) / (prev * pl.col("r_norm"))).alias(
                 "angle_deg"
             ),
         )
@@ -193,7 +194,7 @@ def block_rows(rows: pl.DataFrame) -> pl.DataFrame:
             "is_attn",
             (norm / r0).alias("rel_contribution"),
             (dot_r / (norm * r0)).alias("cos_residual"),
-            _degrees((r0**2 + dot_r) / (r0 * pl.col("r_norm"))).alias("angle_deg"),
+            degrees((r0**2 + dot_r) / (r0 * pl.col("r_norm"))).alias("angle_deg"),
             pl.col("cos_prev").alias("cos_attn_mlp"),
         )
         .filter(~pl.col("is_attn"))
