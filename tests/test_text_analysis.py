@@ -235,6 +235,7 @@ def test_report_sections_draw_their_figures(text, tmp_path) -> None:
     tables = {
         "text_geometry": geometry,
         "text_lens": tagged(lens_table(document_means([lens]), 6)),
+        "lens_curves": tagged(lens_table(document_means([lens]), 6)),  # the choice tasks' lens
         "text_skips": tagged(skips),
         "text_skip_output": tagged(output),
         "text_profile_pca": tagged(pca),

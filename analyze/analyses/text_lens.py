@@ -86,33 +86,56 @@ PANELS = (
 )
 
 
-def lens_figure(table: pl.DataFrame, path: Path, names: dict[str, str]) -> Path:
-    """KL, top-5 overlap and cross-entropy of the lens against relative depth (mean over a
-    model's text tasks), models overlaid."""
-    means = (
+def _by_model(table: pl.DataFrame) -> pl.DataFrame:
+    """Means over a model's tasks, per layer."""
+    return (
         table.group_by("model", "layer", "relative_depth")
         .agg(pl.col(c).mean() for c in LENS)
         .sort("model", "layer")
     )
+
+
+def lens_figure(
+    table: pl.DataFrame, last: pl.DataFrame | None, path: Path, names: dict[str, str]
+) -> Path:
+    """KL, top-5 overlap and cross-entropy of the lens against relative depth (mean over a
+    model's text tasks), models overlaid; dashed, where the model has choice tasks extracted with
+    ``--lens``: the same at their last prompt token (``lens_curves``)."""
+    means = _by_model(table)
     models = sorted(means["model"].unique())
+    last_means = None if last is None else _by_model(last.filter(pl.col("model").is_in(models)))
     colors = dict(zip(models, plots.colors(len(models)), strict=False))
     fig = plots.new_figure(figsize=(13, 4), layout="constrained")
     for ax, (column, label) in zip(fig.subplots(1, 3), PANELS, strict=True):
         for model in models:
             sub = means.filter(pl.col("model") == model)
+            name = names.get(model, model)
             ax.plot(
                 sub["relative_depth"],
                 sub[column],
                 marker="o",
                 markersize=2.5,
                 color=colors[model],
-                label=names.get(model, model),
+                label=f"{name} text",
             )
+            other = None if last_means is None else last_means.filter(pl.col("model") == model)
+            if other is not None and other.height:
+                ax.plot(
+                    other["relative_depth"],
+                    other[column],
+                    "--",
+                    color=colors[model],
+                    label=f"{name} last prompt token",
+                )
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("relative depth l / L")
         ax.grid(alpha=0.3)
     fig.axes[0].legend(fontsize=7)
-    fig.suptitle("Running text: logit lens at every block input (METHODS.md 9)", fontsize=11)
+    fig.suptitle(
+        "Logit lens at every block input (METHODS.md 9): every token of running text (solid), "
+        "the last prompt token of the choice tasks (dashed)",
+        fontsize=11,
+    )
     return plots.save(fig, path)
 
 
@@ -154,10 +177,15 @@ def report(ctx: ReportContext) -> str:
         for p in [
             "The model's own final norm and unembedding read at every block input h_l (METHODS.md "
             "section 9; layer L is the model's output). Means over the positions of each "
-            "document, then over documents.",
+            "document, then over documents; where the same model has choice tasks extracted "
+            "with `--lens`, the figure draws their last prompt token beside (dashed: where the "
+            "answer is decided against the average token).",
             markdown_table(header, rows),
             plots.figure_link(
-                ctx, "text_lens.png", "Logit lens", lambda p: lens_figure(table, p, names)
+                ctx,
+                "text_lens.png",
+                "Logit lens",
+                lambda p: lens_figure(table, ctx.tables.get("lens_curves"), p, names),
             ),
         ]
         if p
