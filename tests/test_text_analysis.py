@@ -266,3 +266,21 @@ def test_report_sections_draw_their_figures(text, tmp_path) -> None:
         "text_vs_last_token.png",
     ]
     assert all(f"figures/{name}" in text_md for name in drawn)
+
+
+def test_analyses_get_only_the_partitions_of_their_kinds(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from layerdiv.analyze.api import analyze
+    from layerdiv.analyze.registry import registered
+    from layerdiv.analyze.synthetic import random_partition, write_partition
+
+    by_name = {a.name: a for a in registered()}
+    text, choice = (SimpleNamespace(manifest=SimpleNamespace(kind=k)) for k in ("text", "choice"))
+    assert by_name["text_geometry"].applies_to([text, choice]) == [text]  # type: ignore[list-item]
+    assert by_name["paper"].applies_to([text, choice]) == [choice]  # type: ignore[list-item]
+    logits, gold, rms, kinds = random_partition(np.random.default_rng(0), 20, 3, 2)
+    write_partition(tmp_path, "org/choice", "task", logits, gold, kinds, rms)
+    results = analyze(tmp_path)
+    assert "paper" in results.analyses and "text_geometry" not in results.analyses
+    assert not [name for name in results.names() if name.startswith("text_")]
