@@ -133,6 +133,11 @@ def _fit_log(j: np.ndarray, acc: np.ndarray) -> dict[str, float]:
     }
 
 
+def degrees(cos: pl.Expr) -> pl.Expr:
+    """arccos in degrees, the cosine clipped to [-1, 1] against rounding."""
+    return cos.clip(-1.0, 1.0).arccos() * (180.0 / math.pi)
+
+
 def power_law_fit(depth: np.ndarray, size: np.ndarray) -> dict[str, float | None]:
     """size = a * depth^(-beta): the least-squares line log size = log a - beta log depth
     (METHODS.md sections 7 and 9; the inverse-depth paper's Fig. 2d) through the points with

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from layerdiv.analyze.analyses.depth import degrees
 from layerdiv.analyze.registry import Context, map_partitions
+from layerdiv.analyze.stats import degrees
 from layerdiv.store import PartitionInfo, StoreError
 
 TEXT_KIND = "text"

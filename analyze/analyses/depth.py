@@ -30,7 +30,6 @@ block column but ``cos_attn_mlp``) are left empty and a note says so; ``cos_resi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -48,7 +47,7 @@ from layerdiv.analyze.registry import (
     partition_engine,
     register,
 )
-from layerdiv.analyze.stats import POWER_FIT_SCHEMA, power_law_fit
+from layerdiv.analyze.stats import POWER_FIT_SCHEMA, degrees, power_law_fit
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import gram_index
 from layerdiv.store import PartitionInfo, Store
@@ -79,11 +78,6 @@ class DepthError(LayerdivError, ValueError):
 
 
 # --- per-instance geometry from the components table -------------------------------------------
-
-
-def degrees(cos: pl.Expr) -> pl.Expr:
-    """arccos in degrees, the cosine clipped to [-1, 1] against rounding."""
-    return cos.clip(-1.0, 1.0).arccos() * (180.0 / math.pi)
 
 
 def _has_cos_prev(info: PartitionInfo) -> bool:
