@@ -13,7 +13,7 @@ from __future__ import annotations
 import html
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -97,6 +97,8 @@ class Results:
     settings: dict[str, Any] = field(default_factory=dict)
     """How they were computed (store, models, tasks, lens, min_params, options): what
     :meth:`write` records in the folder's index."""
+    analyses: list[str] = field(default_factory=list)
+    """The registered analyses that ran: those whose task kinds the selection holds."""
 
     def __getattr__(self, name: str) -> pl.DataFrame:
         tables = self.__dict__.get("by_name", {})
@@ -221,8 +223,13 @@ def analyze(
         notes=st.incomplete(models, tasks),
     )
     tables = {"manifests": st.manifests(models, tasks).filter(pl.col("n_done") > 0)}
+    ran = []
     for analysis in analyses:
-        new = analysis.tables(ctx, MappingProxyType(dict(tables)))
+        parts = analysis.applies_to(ctx.parts)
+        if not parts:
+            continue
+        ran.append(analysis.name)
+        new = analysis.tables(replace(ctx, parts=parts), MappingProxyType(dict(tables)))
         clash = sorted(set(new) & (set(tables) | set(ctx.spill.names())))
         if clash:
             raise ValueError(f"analysis {analysis.name!r} returns tables that exist: {clash}")
@@ -238,7 +245,7 @@ def analyze(
         **dict(options or {}),
     }
     problems = st.problems(models, tasks)
-    return Results(tables, lens, min_params, ctx.notes, problems, ctx.spill, settings)
+    return Results(tables, lens, min_params, ctx.notes, problems, ctx.spill, settings, ran)
 
 
 def scores(

@@ -37,6 +37,9 @@ class Context:
     """Analysis-specific switches, e.g. ``{"reweight": True}``."""
     notes: list[str] = field(default_factory=list)
     """Lines for the user, e.g. what an analysis could not compute and how to get it."""
+    shared: dict[str, Any] = field(default_factory=dict)
+    """What one analysis computes and a later one of the same run reuses (e.g. one pass over a
+    partition's tokens, :func:`layerdiv.analyze.text.text_passes`)."""
     spill: Spill = field(default_factory=Spill)
     """Where an analysis appends, partition by partition, a table with one row per instance (not
     returned by ``tables``: it would grow the memory with the store)."""
@@ -81,6 +84,14 @@ class Analysis:
     options: Mapping[str, str] = field(default_factory=dict)
     """The keys of ``Context.options`` it reads, each with what it switches (the keys that
     ``run_analysis(options=...)`` accepts are those of every registered analysis)."""
+    kinds: tuple[str, ...] = ("choice",)
+    """Task kinds (the manifest's ``kind``: ``choice``, ``text``) it applies to: it gets the
+    selected partitions of those kinds only, and does not run (no tables, no section) when the
+    selection holds none."""
+
+    def applies_to(self, parts: Iterable[PartitionInfo]) -> list[PartitionInfo]:
+        """The partitions of ``parts`` whose task kind this analysis applies to."""
+        return [p for p in parts if getattr(p.manifest, "kind", "choice") in self.kinds]
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -105,7 +105,11 @@ def render(
         min_params=results.min_params,
         formats=tuple(formats),
     )
-    body = [f"## {a.title}\n\n{a.report(ctx)}" for a in registered() if a.report is not None]
+    body = [
+        f"## {a.title}\n\n{a.report(ctx)}"
+        for a in registered()
+        if a.report is not None and a.name in results.analyses
+    ]
     n_models, n_tasks = manifests["model"].n_unique(), manifests["task"].n_unique()
     notes = "".join(f"\n\n> {note}" for note in [*results.problems, *ctx.notes])
     header = (

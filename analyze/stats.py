@@ -8,6 +8,7 @@ where it is used, so that ``layerdiv query`` and ``layerdiv ls`` start quickly.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import numpy as np
@@ -130,6 +131,40 @@ def _fit_log(j: np.ndarray, acc: np.ndarray) -> dict[str, float]:
         "acc_b_se": float(fit.stderr),
         "acc_r2": float(fit.rvalue**2),
     }
+
+
+def degrees(cos: pl.Expr) -> pl.Expr:
+    """arccos in degrees, the cosine clipped to [-1, 1] against rounding."""
+    return cos.clip(-1.0, 1.0).arccos() * (180.0 / math.pi)
+
+
+def power_law_fit(depth: np.ndarray, size: np.ndarray) -> dict[str, float | None]:
+    """size = a * depth^(-beta): the least-squares line log size = log a - beta log depth
+    (METHODS.md sections 7 and 9; the inverse-depth paper's Fig. 2d) through the points with
+    size > 0, beta with its standard error; ``n_fitted`` points, None for the fit below 3."""
+    keep = np.isfinite(size) & (size > 0) & (depth > 0)
+    fit: dict[str, float | None] = {"a": None, "beta": None, "beta_se": None, "r2": None}
+    if keep.sum() >= 3:
+        from scipy import stats as sps
+
+        line = sps.linregress(np.log(depth[keep]), np.log(size[keep]))
+        fit = {
+            "a": math.exp(line.intercept),
+            "beta": -float(line.slope),
+            "beta_se": float(line.stderr),
+            "r2": float(line.rvalue**2),
+        }
+    return {"n_fitted": int(keep.sum()), **fit}
+
+
+POWER_FIT_SCHEMA = {
+    "n_fitted": pl.Int64,
+    "a": pl.Float64,
+    "beta": pl.Float64,
+    "beta_se": pl.Float64,
+    "r2": pl.Float64,
+}
+"""Columns of :func:`power_law_fit`."""
 
 
 def inverse_depth(j: np.ndarray, c: float, alpha: float, l0: float) -> np.ndarray:

@@ -269,3 +269,29 @@ def synthesize_demo_store(root: str | Path, n_instances: int = 300, seed: int = 
             norm_eps=1e-5,
         )
     return Path(root)
+
+
+def text_dots(h0: np.ndarray, attn: np.ndarray, mlp: np.ndarray) -> dict[str, np.ndarray]:
+    """The ``token_blocks`` dot products (METHODS.md section 9) of residual streams given as
+    vectors: ``h0`` (tokens, d) the embedding outputs, ``attn`` and ``mlp`` (tokens, L, d) what each
+    block's attention and MLP add. Returns (tokens, L) arrays ``hh``, ``aa``, ``mm``, ``ha``,
+    ``hm``, ``am``, ``dd_next`` (NaN on the last block) and ``h_final``, in float64."""
+    update = attn + mlp
+    h = h0[:, None, :] + np.cumsum(update, axis=1) - update  # h_l, the input of block l
+    h_last = h0 + update.sum(axis=1)
+
+    def dot(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return np.einsum("tld,tld->tl", x, y)
+
+    dd_next = np.full(update.shape[:2], np.nan)
+    dd_next[:, :-1] = dot(update[:, :-1], update[:, 1:])
+    return {
+        "hh": dot(h, h),
+        "aa": dot(attn, attn),
+        "mm": dot(mlp, mlp),
+        "ha": dot(h, attn),
+        "hm": dot(h, mlp),
+        "am": dot(attn, mlp),
+        "dd_next": dd_next,
+        "h_final": np.einsum("tld,td->tl", h, h_last),
+    }

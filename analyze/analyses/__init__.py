@@ -2,9 +2,14 @@
 :mod:`layerdiv.analyze.registry`). A new analysis is one module here plus one import line."""
 
 # isort: skip_file
-# Registration order is import order: the paper's analysis first, the others after it.
+# Registration order is import order: the paper's analysis first, the others after it
+# (text_profiles uses the table of text_geometry).
 from layerdiv.analyze.analyses import paper
 from layerdiv.analyze.analyses import depth
 from layerdiv.analyze.analyses import heads
+from layerdiv.analyze.analyses import text_geometry
+from layerdiv.analyze.analyses import text_lens
+from layerdiv.analyze.analyses import text_skips
+from layerdiv.analyze.analyses import text_profiles
 
-__all__ = ["depth", "heads", "paper"]
+__all__ = ["depth", "heads", "paper", "text_geometry", "text_lens", "text_profiles", "text_skips"]

@@ -30,14 +30,12 @@ block column but ``cos_attn_mlp``) are left empty and a note says so; ``cos_resi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import polars as pl
-from scipy import stats as sps
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import fmt, markdown_table
@@ -49,6 +47,7 @@ from layerdiv.analyze.registry import (
     partition_engine,
     register,
 )
+from layerdiv.analyze.stats import POWER_FIT_SCHEMA, degrees, power_law_fit
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import gram_index
 from layerdiv.store import PartitionInfo, Store
@@ -79,10 +78,6 @@ class DepthError(LayerdivError, ValueError):
 
 
 # --- per-instance geometry from the components table -------------------------------------------
-
-
-def _degrees(cos: pl.Expr) -> pl.Expr:
-    return cos.clip(-1.0, 1.0).arccos() * (180.0 / math.pi)
 
 
 def _has_cos_prev(info: PartitionInfo) -> bool:
@@ -162,7 +157,7 @@ def component_rows(info: PartitionInfo) -> pl.DataFrame:
             # rel_contribution = ||z_c|| / ||r_(c-1)||
             (norm / prev).alias("rel_contribution"),
             # cos(r_(c-1), r_c) = (||r_(c-1)||^2 + z_c . r_(c-1)) / (||r_(c-1)|| ||r_c||)
-            _degrees((prev**2 + cos_res * norm * prev) / (prev * pl.col("r_norm"))).alias(
+            degrees((prev**2 + cos_res * norm * prev) / (prev * pl.col("r_norm"))).alias(
                 "angle_deg"
             ),
         )
@@ -193,7 +188,7 @@ def block_rows(rows: pl.DataFrame) -> pl.DataFrame:
             "is_attn",
             (norm / r0).alias("rel_contribution"),
             (dot_r / (norm * r0)).alias("cos_residual"),
-            _degrees((r0**2 + dot_r) / (r0 * pl.col("r_norm"))).alias("angle_deg"),
+            degrees((r0**2 + dot_r) / (r0 * pl.col("r_norm"))).alias("angle_deg"),
             pl.col("cos_prev").alias("cos_attn_mlp"),
         )
         .filter(~pl.col("is_attn"))
@@ -374,31 +369,11 @@ def depth_decay(geometry: pl.DataFrame, blocks: pl.DataFrame | None) -> pl.DataF
     rows = []
     sizes = pl.DataFrame() if blocks is None else blocks.sort("block")
     for (model, task), sub in sizes.group_by("model", "task") if sizes.height else []:
-        sub = sub.filter(pl.col("rel_contribution") > 0)
-        fit: dict[str, float | None] = {"a": None, "beta": None, "beta_se": None, "r2": None}
-        if sub.height >= 3:
-            line = sps.linregress(
-                np.log(sub["block"].to_numpy()), np.log(sub["rel_contribution"].to_numpy())
-            )
-            fit = {
-                "a": math.exp(line.intercept),
-                "beta": -line.slope,
-                "beta_se": line.stderr,
-                "r2": line.rvalue**2,
-            }
-        rows.append({"model": model, "task": task, "n_fitted": sub.height, **fit})
-    fits = pl.DataFrame(
-        rows,
-        schema={
-            "model": pl.String,
-            "task": pl.String,
-            "n_fitted": pl.Int64,
-            "a": pl.Float64,
-            "beta": pl.Float64,
-            "beta_se": pl.Float64,
-            "r2": pl.Float64,
-        },
-    )
+        fit = power_law_fit(
+            sub["block"].to_numpy().astype(float), sub["rel_contribution"].to_numpy()
+        )
+        rows.append({"model": model, "task": task, **fit})
+    fits = pl.DataFrame(rows, schema={"model": pl.String, "task": pl.String, **POWER_FIT_SCHEMA})
     first = pl.col("relative_depth") <= 0.5
     halves = geometry.group_by("model", "task").agg(
         *(pl.col(c).filter(first).mean().alias(f"{c}_first_half") for c in GEOMETRY),

@@ -1,0 +1,247 @@
+"""Running text, geometry of the residual stream (METHODS.md section 9): per (model, task, block),
+token-weighted means and maxima of every per-token quantity, from the stored dot products.
+
+Table ``text_geometry``: per (model, task, block l = 0..L-1): ``relative_depth`` (l + 1) / L,
+``n_tokens``, and for each of attn_rel, mlp_rel, layer_rel, cos_attn, cos_mlp, cos_layer, cos_io,
+theta_state, theta_update and angle_final (:data:`~layerdiv.analyze.text.GEOMETRY`) its mean
+``<c>_mean`` (the sum over every token of every document divided by the token count, as the
+depth-efficiency paper's code does; a token where the quantity is undefined, e.g. a cosine of a
+zero vector, is left out of its count) and its maximum ``<c>_max``. Angles are in degrees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import polars as pl
+
+from layerdiv.analyze import plots
+from layerdiv.analyze.markdown import fmt, markdown_table
+from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
+from layerdiv.analyze.text import GEOMETRY, TEXT_KIND, combine, n_blocks, tag, text_passes
+
+
+def geometry_table(batch_sums: Iterable[pl.DataFrame], blocks: int) -> pl.DataFrame:
+    """Per block, from the :func:`~layerdiv.analyze.text.sums` of batches: ``relative_depth``,
+    ``n_tokens``, ``<c>_mean`` (token-weighted: sum over every token / token count, METHODS.md
+    section 9) and ``<c>_max`` of every geometry column."""
+    return (
+        combine(batch_sums, ["block"], GEOMETRY)
+        .rename({"n": "n_tokens"})
+        .with_columns(
+            pl.col("block").cast(pl.Int16),
+            ((pl.col("block") + 1) / blocks).alias("relative_depth"),
+        )
+        .select("block", "relative_depth", pl.exclude("block", "relative_depth"))
+    )
+
+
+def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
+    """The registry's entry point: ``text_geometry`` of every selected text partition, from one
+    pass over its tokens (:func:`~layerdiv.analyze.text.text_passes`)."""
+    passes = text_passes(ctx)
+    frames = [tag(geometry_table(passes[p.where].sums, n_blocks(p)), p) for p in ctx.parts]
+    return {"text_geometry": pl.concat(frames)}
+
+
+# --- report ----------------------------------------------------------------------------------
+
+PANELS = (
+    ("attn_rel", "||a|| / ||h||"),
+    ("mlp_rel", "||m|| / ||h + a||"),
+    ("layer_rel", "||a + m|| / ||h||"),
+    ("cos_layer", "cos(a + m, h)"),
+    ("theta_state", "θ(h_l, h_l+1) (°)"),
+    ("theta_update", "θ(d_l, d_l+1) (°)"),
+)
+"""The geometry figure's panels: column and axis label."""
+
+
+def _by_model(frame: pl.DataFrame, columns: Iterable[str]) -> pl.DataFrame:
+    """Token-weighted means over a model's text tasks, per block (null where no task has the
+    column, e.g. theta_update of the last block)."""
+    columns = list(columns)
+    return (
+        frame.group_by("model", "block", "relative_depth")
+        .agg(
+            *(
+                (pl.col(c) * pl.col("n_tokens")).sum()
+                / pl.col("n_tokens").filter(pl.col(c).is_not_null()).sum()
+                for c in columns
+            ),
+        )
+        .sort("model", "block")
+    )
+
+
+def geometry_figure(table: pl.DataFrame, path: Path, names: dict[str, str]) -> Path:
+    """Six panels of token-weighted means (solid) and maxima (dotted, sizes only) against relative
+    depth, models overlaid."""
+    columns = [f"{c}_mean" for c, _ in PANELS] + [f"{c}_max" for c, _ in PANELS[:3]]
+    means = _by_model(table, columns)
+    models = sorted(means["model"].unique())
+    colors = dict(zip(models, plots.colors(len(models)), strict=False))
+    fig = plots.new_figure(figsize=(13, 7.5), layout="constrained")
+    axes = fig.subplots(2, 3).ravel()
+    for ax, (column, label) in zip(axes, PANELS, strict=True):
+        for model in models:
+            sub = means.filter(pl.col("model") == model)
+            ax.plot(
+                sub["relative_depth"],
+                sub[f"{column}_mean"],
+                marker="o",
+                markersize=2.5,
+                color=colors[model],
+                label=names.get(model, model),
+            )
+            if f"{column}_max" in columns:
+                ax.plot(sub["relative_depth"], sub[f"{column}_max"], ":", color=colors[model])
+        if column in ("attn_rel", "mlp_rel", "layer_rel"):
+            ax.set_yscale("log")
+        if column.startswith("theta"):
+            ax.axhline(90, color="black", linewidth=0.6)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("relative depth (l + 1) / L")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(
+        "Running text: token-weighted means over every token (dotted: maxima), METHODS.md 9",
+        fontsize=11,
+    )
+    return plots.save(fig, path)
+
+
+SIDE_BY_SIDE = (
+    ("layer_rel_mean", "rel_contribution", "||a + m|| / ||h||"),
+    ("theta_state_mean", "angle_deg", "θ(h_l, h_l+1) (°)"),
+    ("cos_layer_mean", "cos_residual", "cos(a + m, h)"),
+)
+"""(running-text column, last-token column of ``geometry_blocks``, label): the same quantity at
+every token and at the last prompt token of a choice task (METHODS.md sections 9 and 7)."""
+
+
+def side_by_side(tables: Mapping[str, pl.DataFrame]) -> pl.DataFrame | None:
+    """Per (model, block) of the models that have both kinds of partition: each
+    :data:`SIDE_BY_SIDE` quantity over running text and at the last prompt token (means over
+    tasks); None when no model has both."""
+    if "geometry_blocks" not in tables:
+        return None
+    text = _by_model(tables["text_geometry"], [c for c, _, _ in SIDE_BY_SIDE])
+    last = (
+        tables["geometry_blocks"]
+        .with_columns((pl.col("block") - 1).cast(pl.Int16))
+        .group_by("model", "block")
+        .agg(pl.col(c).mean().alias(f"{c}_last") for _, c, _ in SIDE_BY_SIDE)
+    )
+    both = text.join(last, on=["model", "block"], how="inner").sort("model", "block")
+    return both if both.height else None
+
+
+def side_by_side_figure(both: pl.DataFrame, path: Path, names: dict[str, str]) -> Path:
+    """Running text (solid) against the last prompt token (dashed) per quantity and model."""
+    models = sorted(both["model"].unique())
+    colors = dict(zip(models, plots.colors(len(models)), strict=False))
+    fig = plots.new_figure(figsize=(13, 4), layout="constrained")
+    for ax, (text, last, label) in zip(fig.subplots(1, 3), SIDE_BY_SIDE, strict=True):
+        for model in models:
+            sub = both.filter(pl.col("model") == model)
+            name = names.get(model, model)
+            ax.plot(sub["relative_depth"], sub[text], color=colors[model], label=f"{name} text")
+            ax.plot(
+                sub["relative_depth"],
+                sub[f"{last}_last"],
+                "--",
+                color=colors[model],
+                label=f"{name} last token",
+            )
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("relative depth (l + 1) / L")
+        ax.grid(alpha=0.3)
+    fig.axes[0].legend(fontsize=7)
+    fig.suptitle(
+        "Every token of running text (solid) against the last prompt token of the choice tasks "
+        "(dashed), where the answer is decided",
+        fontsize=11,
+    )
+    return plots.save(fig, path)
+
+
+def summary_rows(table: pl.DataFrame, names: dict[str, str]) -> list[list[str]]:
+    """Per (model, task): tokens, and the token-weighted mean over blocks of the first half /
+    second half of the stack of attn_rel, mlp_rel, theta_state and theta_update."""
+    second = pl.col("relative_depth") > 0.5
+    columns = ("attn_rel_mean", "mlp_rel_mean", "theta_state_mean", "theta_update_mean")
+    halves = (
+        table.group_by("model", "task")
+        .agg(
+            pl.col("n_tokens").first(),
+            *(pl.col(c).filter(~second).mean().alias(f"{c}_1") for c in columns),
+            *(pl.col(c).filter(second).mean().alias(f"{c}_2") for c in columns),
+        )
+        .sort("model", "task")
+    )
+    return [
+        [
+            names.get(r["model"], r["model"]),
+            r["task"],
+            str(r["n_tokens"]),
+            *(f"{fmt(r[f'{c}_1'], digits=3)} / {fmt(r[f'{c}_2'], digits=3)}" for c in columns),
+        ]
+        for r in halves.iter_rows(named=True)
+    ]
+
+
+def report(ctx: ReportContext) -> str:
+    """The running-text geometry section: a summary table, the geometry figure and, for models
+    with choice tasks too, running text against the last prompt token."""
+    table = ctx.tables["text_geometry"]
+    names = plots.short_names(ctx.names)
+    header = [
+        "Model",
+        "Task",
+        "Tokens",
+        "attn_rel 1st / 2nd half",
+        "mlp_rel 1st / 2nd half",
+        "θ state 1st / 2nd half (°)",
+        "θ update 1st / 2nd half (°)",
+    ]
+    parts = [
+        "Every token of every document (METHODS.md section 9): h is a block's input, a what its "
+        "attention adds to the residual stream, m what its MLP adds. Means are token-weighted "
+        "(sum over every token of every document / token count, as the depth-efficiency paper's "
+        "code), halves split the blocks at relative depth 1/2. θ update near 90° means "
+        "consecutive updates are uncorrelated.",
+        markdown_table(header, summary_rows(table, ctx.names)),
+        plots.figure_link(
+            ctx,
+            "text_geometry.png",
+            "Running-text geometry",
+            lambda path: geometry_figure(table, path, names),
+        ),
+    ]
+    both = side_by_side(ctx.tables)
+    if both is not None:
+        parts += [
+            "The same model on running text and at the last prompt token of its choice tasks "
+            "(the `geometry_blocks` table of section 7): where the answer is decided against the "
+            "average token.",
+            plots.figure_link(
+                ctx,
+                "text_vs_last_token.png",
+                "Running text against the last prompt token",
+                lambda path: side_by_side_figure(both, path, names),
+            ),
+        ]
+    return "\n\n".join(p for p in parts if p)
+
+
+register(
+    Analysis(
+        name="text_geometry",
+        title="Running text: geometry of the residual stream (METHODS.md section 9)",
+        tables=tables,
+        report=report,
+        kinds=(TEXT_KIND,),
+    )
+)

@@ -1,0 +1,286 @@
+"""Running-text analyses (METHODS.md section 9) against numpy on raw residual vectors."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import polars as pl
+import pytest
+
+from layerdiv.analyze.analyses.text_geometry import geometry_table
+from layerdiv.analyze.analyses.text_lens import document_means, lens_table
+from layerdiv.analyze.analyses.text_profiles import depth_scores, pca_tables
+from layerdiv.analyze.synthetic import text_dots
+from layerdiv.analyze.text import (
+    DOTS,
+    EARLY_STOP_FRACTION,
+    GEOMETRY,
+    ProfileMoments,
+    sums,
+    token_geometry,
+)
+from layerdiv.store import StoreError
+
+TOL = 1e-6
+
+
+def raw_vectors(
+    rng: np.random.Generator, lengths: list[int], blocks: int, d: int = 12
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(doc, pos, h0, attn, mlp) of documents of the given lengths: random vectors whose
+    updates shrink with depth, so the angles cover a useful range; the first token of each
+    document stops updating in the second half of the blocks."""
+    n = sum(lengths)
+    doc = np.repeat(np.arange(len(lengths)), lengths)
+    pos = np.concatenate([np.arange(t) for t in lengths])
+    scale = 1.0 / np.arange(1, blocks + 1)[None, :, None]
+    h0 = rng.normal(size=(n, d))
+    attn = rng.normal(size=(n, blocks, d)) * scale
+    mlp = rng.normal(size=(n, blocks, d)) * scale
+    attn[pos == 0, blocks // 2 :] *= 1e-3
+    mlp[pos == 0, blocks // 2 :] *= 1e-3
+    return doc, pos, h0, attn, mlp
+
+
+def token_blocks(doc: np.ndarray, pos: np.ndarray, dots: dict[str, np.ndarray]) -> pl.DataFrame:
+    """The ``token_blocks`` rows of the contract (float64 here, float32 in a store)."""
+    n, blocks = dots["hh"].shape
+    return pl.DataFrame(
+        {
+            "doc": np.repeat(doc, blocks).astype(np.int32),
+            "pos": np.repeat(pos, blocks).astype(np.int32),
+            "block": np.tile(np.arange(blocks, dtype=np.int16), n),
+            **{c: dots[c].reshape(-1) for c in DOTS},
+        }
+    ).with_columns(pl.col(DOTS).fill_nan(None))
+
+
+def reference_geometry(h0: np.ndarray, attn: np.ndarray, mlp: np.ndarray) -> dict[str, np.ndarray]:
+    """Every geometry column per (token, block), straight from the vectors (NaN: undefined)."""
+    update = attn + mlp
+    h = h0[:, None, :] + np.cumsum(update, axis=1) - update
+    h_next = h + update
+    h_last = h_next[:, -1:, :]
+
+    def norm(x: np.ndarray) -> np.ndarray:
+        return np.linalg.norm(x, axis=-1)
+
+    def cos(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return np.sum(x * y, axis=-1) / (norm(x) * norm(y))
+
+    def deg(c: np.ndarray) -> np.ndarray:
+        return np.degrees(np.arccos(np.clip(c, -1, 1)))
+
+    theta_update = np.full(update.shape[:2], np.nan)
+    theta_update[:, :-1] = deg(cos(update[:, :-1], update[:, 1:]))
+    return {
+        "attn_rel": norm(attn) / np.maximum(norm(h), 1e-6),
+        "mlp_rel": norm(mlp) / np.maximum(norm(h + attn), 1e-6),
+        "layer_rel": norm(update) / np.maximum(norm(h), 1e-6),
+        "cos_attn": cos(attn, h),
+        "cos_mlp": cos(mlp, h + attn),
+        "cos_layer": cos(update, h),
+        "cos_io": cos(h_next, h),
+        "theta_state": deg(cos(h, h_next)),
+        "theta_update": theta_update,
+        "angle_final": deg(cos(h, np.broadcast_to(h_last, h.shape))),
+    }
+
+
+@pytest.fixture
+def text() -> tuple[pl.DataFrame, dict[str, np.ndarray], np.ndarray]:
+    rng = np.random.default_rng(0)
+    doc, pos, h0, attn, mlp = raw_vectors(rng, [7, 3, 11, 5], blocks=6)
+    frame = token_blocks(doc, pos, text_dots(h0, attn, mlp))
+    return frame, reference_geometry(h0, attn, mlp), pos
+
+
+def test_token_geometry_matches_the_vectors(text) -> None:
+    frame, ref, _ = text
+    geo = token_geometry(frame, 6)
+    for column in GEOMETRY:
+        got = geo[column].cast(pl.Float64).fill_null(np.nan).to_numpy().reshape(-1, 6)
+        np.testing.assert_allclose(got, ref[column], atol=TOL, rtol=TOL, err_msg=column)
+
+
+@pytest.mark.filterwarnings("ignore:Mean of empty slice", "ignore:All-NaN slice")
+def test_geometry_table_is_token_weighted_means_and_maxima(text) -> None:
+    frame, ref, _ = text
+    geo = token_geometry(frame, 6)
+    table = geometry_table([sums(geo, ["block"], GEOMETRY)], 6)
+    assert table["n_tokens"].to_list() == [26] * 6
+    np.testing.assert_allclose(table["relative_depth"], np.arange(1, 7) / 6)
+    for column in GEOMETRY:
+        np.testing.assert_allclose(
+            table[f"{column}_mean"].fill_null(np.nan), np.nanmean(ref[column], axis=0), rtol=TOL
+        )
+        np.testing.assert_allclose(
+            table[f"{column}_max"].fill_null(np.nan), np.nanmax(ref[column], axis=0), rtol=TOL
+        )
+
+
+def test_batched_geometry_equals_one_shot(text) -> None:
+    frame, _, _ = text
+    one = geometry_table([sums(token_geometry(frame, 6), ["block"], GEOMETRY)], 6)
+    cuts = [0, 6 * 5, 6 * 12, 6 * 13, frame.height]  # whole tokens, across document boundaries
+    parts = [token_geometry(frame[a:b], 6) for a, b in itertools.pairwise(cuts)]
+    many = geometry_table([sums(p, ["block"], GEOMETRY) for p in parts], 6)
+    for column in one.columns:
+        np.testing.assert_allclose(many[column].to_numpy(), one[column].to_numpy(), rtol=1e-12)
+
+
+def test_token_geometry_refuses_unsorted_rows(text) -> None:
+    frame, _, _ = text
+    with pytest.raises(StoreError, match="sorted"):
+        token_geometry(frame.reverse(), 6)
+    with pytest.raises(StoreError, match="whole tokens"):
+        token_geometry(frame[:-1], 6)
+
+
+def test_lens_means_over_positions_then_documents() -> None:
+    rng = np.random.default_rng(1)
+    lengths, layers = [4, 9, 2], 5
+    rows = []
+    for doc, t in enumerate(lengths):
+        for pos in range(t):
+            for layer in range(layers):
+                ce = None if pos == t - 1 else float(rng.random())
+                rows.append((doc, pos, layer, float(rng.random()), float(rng.random()), ce))
+    frame = pl.DataFrame(
+        rows, schema=["doc", "pos", "layer", "kl", "top5_overlap", "ce"], orient="row"
+    )
+    table = lens_table(document_means([frame[:17], frame[17:60], frame[60:]]), layers - 1)
+    for column in ("kl", "top5_overlap", "ce"):
+        per_doc = frame.group_by("doc", "layer").agg(pl.col(column).mean())
+        expect = per_doc.group_by("layer").agg(pl.col(column).mean()).sort("layer")
+        np.testing.assert_allclose(table[column], expect[column], rtol=TOL)
+    assert table["n_documents"].to_list() == [3] * layers
+    np.testing.assert_allclose(table["relative_depth"], np.arange(layers) / (layers - 1))
+
+
+def test_profile_pca_from_moments_equals_numpy(text) -> None:
+    frame, ref, pos = text
+    theta = ref["theta_state"]
+    geo = token_geometry(frame, 6, ["theta_state"])
+    moments = ProfileMoments.empty(6)
+    for part in (geo[: 6 * 9], geo[6 * 9 :]):  # two batches
+        profiles = part["theta_state"].to_numpy().reshape(-1, 6)
+        moments.add(profiles, part["pos"].to_numpy()[::6])
+    pca, loadings = pca_tables(moments)
+    values, vectors = np.linalg.eigh(np.cov(theta, rowvar=False))
+    order = np.argsort(values)[::-1]
+    np.testing.assert_allclose(pca["explained_variance"], values[order][:5], rtol=1e-6, atol=1e-9)
+    ratio = (values / values.sum())[order][:5]
+    np.testing.assert_allclose(pca["explained_ratio"], ratio, rtol=1e-6)
+    first = loadings.filter(pl.col("component") == 1)
+    assert abs(abs(first["loading"].to_numpy() @ vectors[:, order[0]]) - 1) < 1e-6
+    np.testing.assert_allclose(first["mean_theta"], theta.mean(axis=0), rtol=1e-9)
+    one = ProfileMoments.empty(6)
+    one.add(theta, pos)
+    assert one.early == moments.early and one.n == moments.n == len(theta)
+    # blocks 1-2 against blocks 3-4 of 6 (block 0 and the last block left out)
+    early = theta[:, 3:5].mean(axis=1) < EARLY_STOP_FRACTION * theta[:, 1:3].mean(axis=1)
+    assert early[pos == 0].all() and early.sum() < len(early)
+    for r, (lo, hi) in enumerate([(0, 0), (1, 1), (2, 3), (4, 7), (8, 15)]):
+        at = (pos >= lo) & (pos <= hi)
+        assert moments.early.get(r, (0, 0)) == (int(at.sum()), int(early[at].sum()))
+
+
+def test_depth_score_is_centre_of_mass_of_out_change() -> None:
+    change = {0: [0.1, 0.5, 0.2], 1: [0.0, 0.0, 2.0]}
+    rows = [
+        {"sublayer": "block", "doc": d, "skipped": b, "out_change_max": v}
+        for d, values in change.items()
+        for b, v in enumerate(values)
+    ]
+    scores = depth_scores(pl.DataFrame(rows)).sort("doc")
+    expect = [sum(i * v for i, v in enumerate(vs)) / sum(vs) for vs in change.values()]
+    np.testing.assert_allclose(scores["depth_score"], expect, rtol=TOL)
+
+
+def test_report_sections_draw_their_figures(text, tmp_path) -> None:
+    from layerdiv.analyze.analyses import text_geometry, text_lens, text_profiles, text_skips
+    from layerdiv.analyze.registry import ReportContext
+
+    frame, ref, pos = text
+    geo = token_geometry(frame, 6)
+    moments = ProfileMoments.empty(6)
+    moments.add(ref["theta_state"], pos)
+    pca, loadings = pca_tables(moments)
+    names = {"m": "org/model"}
+
+    def tagged(f: pl.DataFrame) -> pl.DataFrame:
+        return f.select(pl.lit("m").alias("model"), pl.lit("fineweb").alias("task"), pl.all())
+
+    geometry = tagged(geometry_table([sums(geo, ["block"], GEOMETRY)], 6))
+    lens_rows = (
+        frame.select("doc", "pos").unique().join(pl.DataFrame({"layer": range(7)}), how="cross")
+    )
+    lens = lens_rows.with_columns(kl=pl.lit(0.5), top5_overlap=pl.lit(0.4), ce=pl.lit(2.0))
+    skips = pl.DataFrame(
+        {"sublayer": ["block"] * 36, "skipped": [i // 6 for i in range(36)],
+         "block": [i % 6 for i in range(36)], "rel_change_max": np.linspace(0, 1, 36),
+         "rel_change_mean": np.linspace(0, 0.5, 36), "n": [4] * 36}
+    )  # fmt: skip
+    output = pl.DataFrame(
+        {"sublayer": ["block"] * 6, "skipped": list(range(6)), "out_change_max": np.ones(6),
+         "out_change_mean": np.ones(6) / 2, "n": [4] * 6}
+    )  # fmt: skip
+    scores = pl.DataFrame(
+        {"sublayer": ["block"] * 2, "group": ["1", "2"], "n_documents": [2, 2],
+         "depth_score": [1.5, 3.0], "depth_score_std": [0.1, 0.2],
+         "relative_depth_score": [0.4, 0.6]}
+    )  # fmt: skip
+    tables = {
+        "text_geometry": geometry,
+        "text_lens": tagged(lens_table(document_means([lens]), 6)),
+        "lens_curves": tagged(lens_table(document_means([lens]), 6)),  # the choice tasks' lens
+        "text_skips": tagged(skips),
+        "text_skip_output": tagged(output),
+        "text_profile_pca": tagged(pca),
+        "text_profile_loadings": tagged(loadings),
+        "text_early_stop": tagged(text_profiles.early_table(moments)),
+        "text_update_fit": text_profiles.update_fit(geometry),
+        "text_depth_score": tagged(scores),
+        "geometry_blocks": tagged(
+            geometry.select(
+                (pl.col("block") + 1).alias("block"),
+                pl.col("layer_rel_mean").alias("rel_contribution"),
+                pl.col("theta_state_mean").alias("angle_deg"),
+                pl.col("cos_layer_mean").alias("cos_residual"),
+            )
+        ),
+    }
+    ctx = ReportContext(tables=tables, estimator="paper", names=names, figures=tmp_path)
+    text_md = "\n".join(
+        module.report(ctx) for module in (text_geometry, text_lens, text_skips, text_profiles)
+    )
+    drawn = sorted(p.name for p in ctx.figures.iterdir())
+    assert drawn == [
+        "text_depth_score.png",
+        "text_geometry.png",
+        "text_lens.png",
+        "text_profiles.png",
+        "text_skips.png",
+        "text_vs_last_token.png",
+    ]
+    assert all(f"figures/{name}" in text_md for name in drawn)
+
+
+def test_analyses_get_only_the_partitions_of_their_kinds(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from layerdiv.analyze.api import analyze
+    from layerdiv.analyze.registry import registered
+    from layerdiv.analyze.synthetic import random_partition, write_partition
+
+    by_name = {a.name: a for a in registered()}
+    text, choice = (SimpleNamespace(manifest=SimpleNamespace(kind=k)) for k in ("text", "choice"))
+    assert by_name["text_geometry"].applies_to([text, choice]) == [text]  # type: ignore[list-item]
+    assert by_name["paper"].applies_to([text, choice]) == [choice]  # type: ignore[list-item]
+    logits, gold, rms, kinds = random_partition(np.random.default_rng(0), 20, 3, 2)
+    write_partition(tmp_path, "org/choice", "task", logits, gold, kinds, rms)
+    results = analyze(tmp_path)
+    assert "paper" in results.analyses and "text_geometry" not in results.analyses
+    assert not [name for name in results.names() if name.startswith("text_")]
