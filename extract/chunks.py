@@ -10,8 +10,8 @@ import pyarrow as pa
 from layerdiv.extract.batching import chunk_runs
 from layerdiv.extract.capture import BatchDecomposition, DecompositionError
 from layerdiv.extract.forward import ModelRunner, optional_tables
-from layerdiv.schemas import OPTIONAL_TABLES
-from layerdiv.store.manifest import read_manifest
+from layerdiv.schemas import KINDS, OPTIONAL_TABLES
+from layerdiv.store.manifest import Manifest, read_manifest
 from layerdiv.store.writer import ChunkClaim, PartitionWriter
 
 Results = dict[int, tuple[BatchDecomposition, int]]
@@ -35,7 +35,7 @@ def pending(
     """Whether this shard has instances ``0..n-1`` left in an existing partition: not stored,
     in damaged parts, or in stored chunks lacking one of the optional ``tables``."""
     stored = read_manifest(writer.part.manifest)
-    done = writer.done_instances(len(stored.components) * len(stored.options))
+    done = writer.done_instances(stored)
     todo = [i for i in range(n) if i not in done]
     todo += [i for t in tables for s, c in backfillable(writer, t, n) for i in range(s, s + c)]
     return bool(chunk_runs(sorted(set(todo)), stored.chunk_size or chunk_size, shard))
@@ -62,17 +62,18 @@ def claimed(writer: PartitionWriter, chunks: list[int]) -> Iterator[tuple[int, C
 
 
 def missing_runs(
-    writer: PartitionWriter, j: int, grid: int, n: int, per_instance: int
+    writer: PartitionWriter, j: int, grid: int, n: int, manifest: Manifest
 ) -> tuple[list[list[int]], list[str]]:
     """Under the claim of chunk ``j``: the contiguous runs of its instances (below ``n``) that are
-    not stored, after deleting its parts that are unreadable or have wrong row counts (with
-    ``per_instance`` components rows per instance); and a note per deleted part."""
+    not stored, after deleting its parts that are unreadable or have wrong row counts (as the
+    partition's ``manifest`` expects them); and a note per deleted part."""
     lo, hi = j * grid, min(n, (j + 1) * grid)
     inside = [(s, c) for s, c in writer.part.done_parts() if s < hi and s + c > lo]
     notes = []
-    for s, c in writer.unreadable(inside, per_instance):
+    marker = KINDS[manifest.kind].marker
+    for s, c in writer.unreadable(inside, manifest):
         writer.remove_chunk(s, c)
-        notes.append(f"{writer.part.part('instances', s, c)} was unreadable or incomplete: redone")
+        notes.append(f"{writer.part.part(marker, s, c)} was unreadable or incomplete: redone")
     have = writer.done_instances()
     return chunk_runs([i for i in range(lo, hi) if i not in have], grid).get(j, []), notes
 

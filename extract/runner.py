@@ -177,8 +177,7 @@ def extract_task(
             notes.append(f"the partition's chunk grid is {grid} instances (--chunk-size "
                          f"{cfg.chunk_size} applies to new partitions only)")  # fmt: skip
         names = [c.name for c in stored.components]
-        per_instance = len(names) * len(stored.options)
-        done = writer.done_instances(per_instance)
+        done = writer.done_instances(stored)
         cells = chunk_runs([i for i in range(len(items)) if i not in done], grid, cfg.shard)
         run = writer.start_run({"n_requested": len(items), "shard": list(cfg.shard),
                                 "task": plan.argument,
@@ -190,7 +189,7 @@ def extract_task(
             writing: Future[tuple[int, float]] | None = None
             for j, claim in chunks.claimed(writer, sorted(cells)):
                 try:
-                    runs, redone = chunks.missing_runs(writer, j, grid, len(items), per_instance)
+                    runs, redone = chunks.missing_runs(writer, j, grid, len(items), stored)
                     results = chunks.compute(runner, runs, seqs, cfg.batch_size, names, check,
                                              bar.update)  # fmt: skip
                     parts = [(r, chunk_tables(r, results, gold, seqs, truncated, prompts))
