@@ -83,6 +83,7 @@ class ComponentCapture:
             bias = getattr(self.norm, "bias", None)
             self.norm_bias = None if bias is None else bias.detach().float().clone()
         self.eps = norm_eps(self.norm)
+        self.head = head
         self._records: list[tuple[str, int]] = []  # (kind, layer) of each component so far
         self._buffer: torch.Tensor | None = None  # (slots, rows, d) float32, reused every pass
         self._x: torch.Tensor | None = None
@@ -152,8 +153,7 @@ class ComponentCapture:
         ]
 
     def _has_bias(self) -> bool:
-        norm_bias = self.adapter.norm == "layer" and self.norm_bias is not None
-        return norm_bias or self.head_bias is not None
+        return has_constant_bias(self.adapter, self.norm, self.head)
 
     def decompose(self) -> BatchDecomposition:
         """Split the last forward pass's option logits into its components (METHODS.md s. 1)."""
@@ -218,6 +218,13 @@ class ComponentCapture:
             sum_error=sum_error.cpu(),
             gram=gram,
         )
+
+
+def has_constant_bias(adapter: Adapter, norm: Any, head: Any) -> bool:
+    """Whether the model's logits hold a constant ``bias`` component: a LayerNorm bias, or a
+    bias of the unembedding."""
+    norm_bias = adapter.norm == "layer" and getattr(norm, "bias", None) is not None
+    return norm_bias or getattr(head, "bias", None) is not None
 
 
 def _onloaded(module: Any) -> Any:

@@ -4,18 +4,20 @@ damaged parts), compute that, and store it while releasing the claim."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pyarrow as pa
 
 from layerdiv.extract.batching import chunk_runs
-from layerdiv.extract.capture import BatchDecomposition, DecompositionError
+from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.forward import ModelRunner, optional_tables
 from layerdiv.schemas import KINDS, OPTIONAL_TABLES
 from layerdiv.store.manifest import Manifest, read_manifest
 from layerdiv.store.writer import ChunkClaim, PartitionWriter
 
-Results = dict[int, tuple[BatchDecomposition, int]]
-"""Instance -> (the decomposition of its batch, its row there)."""
+Results = dict[int, tuple[Any, int]]
+"""Instance (document) -> (its batch's result, ``layerdiv.extract.forward.Batch``, and its row
+there)."""
 
 
 def extra_tables(writer: PartitionWriter, asked: list[str], overwrite: bool) -> list[str]:
@@ -84,7 +86,7 @@ def compute(
     seqs: list[list[int]],
     batch_size: int | None,
     names: list[str],
-    check: Callable[[BatchDecomposition, list[int]], None],
+    check: Callable[[Any, list[int]], None],
     progress: Callable[[int], object],
 ) -> Results:
     """Run every instance of ``runs``, checking each batch and its component ``names``."""
@@ -103,27 +105,20 @@ def compute(
 
 
 def store(
-    writer: PartitionWriter,
-    claim: ChunkClaim,
-    parts: list[tuple[list[int], dict[str, pa.Table]]],
-    gold: list[int],
-    results: Results,
-) -> tuple[int, float]:
+    writer: PartitionWriter, claim: ChunkClaim, parts: list[tuple[list[int], dict[str, pa.Table]]]
+) -> None:
     """Write a claimed chunk's parts (whole chunks, or optional tables alone for chunks that are
-    stored already: a backfill), then release the claim; returns the number of correct
-    predictions and the worst decomposition error among ``results``."""
+    stored already: a backfill), then release the claim."""
+    markers = {k.marker for k in KINDS.values()}
     try:
         for ids, tables in parts:
-            if "instances" in tables:
+            if markers & set(tables):
                 writer.write_chunk(ids[0], len(ids), tables)
             else:
                 for name, table in tables.items():
                     writer.write_table_part(name, ids[0], len(ids), table)
     finally:
         claim.release()
-    correct = sum(int(d.model_logits[r].argmax()) == gold[i] for i, (d, r) in results.items())
-    worst = max((float(d.sum_error[r]) for d, r in results.values()), default=0.0)
-    return correct, worst
 
 
 def backfill(

@@ -90,5 +90,7 @@ class TaskSummary:
     """Prompts left-truncated to the model's context."""
     accuracy_new: float | None = None
     """Fraction of new instances whose top option logit is the gold one."""
+    kind: str = "choice"
+    """The task kind (``text``: documents, cut to ``max_tokens`` rather than left-truncated)."""
     notes: list[str] = field(default_factory=list)
     """Things the user should know (a stored chunk grid used, a damaged chunk redone, ...)."""

@@ -1,0 +1,132 @@
+"""Running text (task kind ``text``): per token and decoder block, the dot products of the block's
+input h, what its attention adds (a) and what its MLP adds (m), from hooks on one forward pass
+(METHODS.md section 9), reduced on the device in float32."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from layerdiv.extract.adapters import Adapter, get_module
+from layerdiv.extract.capture import DecompositionError, has_constant_bias
+from layerdiv.schemas import component_names
+from layerdiv.store.manifest import ComponentInfo
+from layerdiv.store.tables import TOKEN_BLOCK_VALUES
+
+_PAIRS = ((0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2))
+"""(h, a, m) index pairs of ``hh``, ``aa``, ``mm``, ``ha``, ``hm``, ``am``."""
+
+
+@dataclass
+class TextBatch:
+    """What one forward pass over a left-padded batch of documents gives."""
+
+    components: list[ComponentInfo]
+    """embed, attn.<i>, mlp.<i> (and bias) in execution order, as a choice partition lists them."""
+    dots: torch.Tensor
+    """(B, width, L, 8) float32 on the CPU: per row, position and block the values of
+    ``layerdiv.store.tables.TOKEN_BLOCK_VALUES`` (``dd_next`` NaN at the last block); a
+    document of T tokens is the last T positions of its row."""
+
+    def document(self, row: int, n_tokens: int) -> np.ndarray:
+        """(n_tokens, L, 8): the values at the document's own positions (padding dropped)."""
+        return self.dots[row, self.dots.shape[1] - n_tokens :].numpy()
+
+
+class TextCapture:
+    """Hooks on every decoder block (its input h, its attention's and MLP's additions a and m)
+    and on the final norm (the last residual state h_L); :meth:`decompose` after each pass."""
+
+    def __init__(self, model: Any, adapter: Adapter) -> None:
+        self.paused = False
+        blocks = get_module(model, adapter.blocks)
+        norm = get_module(model, adapter.final_norm)
+        self.bias = has_constant_bias(adapter, norm, model.get_output_embeddings())
+        self._handles = [norm.register_forward_pre_hook(self._final_hook)]
+        unique = list({id(block): block for block in blocks}.values())
+        for i, block in enumerate(unique):
+            self._handles.append(
+                block.register_forward_pre_hook(self._input_hook, with_kwargs=True)
+            )
+            for kind in ("attn", "mlp"):
+                module = get_module(block, getattr(adapter, kind))
+                self._handles.append(module.register_forward_hook(self._addition_hook(kind, i)))
+        self.reset()
+
+    def reset(self) -> None:
+        self._h: list[torch.Tensor] = []  # block inputs, float32
+        self._dots: list[torch.Tensor] = []  # (B, T, 6) per block
+        self._d: list[torch.Tensor] = []  # a + m of the previous block only
+        self._dd: list[torch.Tensor] = []  # d_l . d_(l+1)
+        self._parts: dict[str, torch.Tensor] = {}
+        self._calls: list[tuple[str, int]] = []
+        self._final: torch.Tensor | None = None
+
+    def remove(self) -> None:
+        """Detach every hook from the model."""
+        for handle in self._handles:
+            handle.remove()
+
+    # hooks -------------------------------------------------------------------------------------
+    def _input_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
+        h = args[0] if args else kwargs["hidden_states"]
+        if not self._calls:
+            self._calls.append(("embed", -1))
+        self._h.append(h.to(torch.float32))
+
+    def _addition_hook(self, kind: str, layer: int) -> Any:
+        def hook(module: Any, args: tuple, output: Any) -> None:
+            out = output[0] if isinstance(output, tuple) else output
+            self._parts[kind] = out.to(torch.float32)
+            self._calls.append((kind, layer))
+            if len(self._parts) == 2:  # both additions of the block: reduce it now
+                self._block_done()
+
+        return hook
+
+    def _block_done(self) -> None:
+        h, a, m = self._h[-1], self._parts.pop("attn"), self._parts.pop("mlp")
+        x = (h, a, m)
+        self._dots.append(torch.stack([(x[i] * x[j]).sum(-1) for i, j in _PAIRS], dim=-1))
+        d = a + m
+        if self._d:
+            self._dd.append((self._d[0] * d).sum(-1))
+        self._d = [d]
+
+    def _final_hook(self, module: Any, args: tuple) -> None:
+        self._final = args[0].to(torch.float32)
+
+    # results -----------------------------------------------------------------------------------
+    def decompose(self) -> TextBatch:
+        """The per-token, per-block dot products of the last forward pass."""
+        if self._final is None or not self._dots:
+            raise DecompositionError("no forward pass was captured")
+        final = self._final
+        blocks = len(self._dots)
+        nan = torch.full_like(self._dots[0][..., 0], float("nan"))
+        dd = torch.stack([*self._dd, nan], dim=-1)  # (B, T, L)
+        h_final = torch.stack([(h * final).sum(-1) for h in self._h[:blocks]], dim=-1)
+        dots = torch.cat(
+            [torch.stack(self._dots, dim=2), dd[..., None], h_final[..., None]], dim=-1
+        )
+        assert dots.shape[-1] == len(TOKEN_BLOCK_VALUES)
+        calls = self._calls + ([("bias", -1)] if self.bias else [])
+        names = component_names(calls)
+        comps = [ComponentInfo(n, k, layer) for n, (k, layer) in zip(names, calls, strict=True)]
+        return TextBatch(comps, dots.cpu())
+
+
+def check_text_batch(batch: TextBatch, ids: list[int], n_tokens: list[int], task: str) -> None:
+    """Stop on a NaN or Inf at a document's own positions, naming the document and block."""
+    for row, (doc, n) in enumerate(zip(ids, n_tokens, strict=True)):
+        own = batch.dots[row, batch.dots.shape[1] - n :]
+        values = torch.cat([own[..., :6], own[..., 7:]], dim=-1)  # dd_next is NaN at the end
+        if not torch.isfinite(values).all():
+            block = int((~torch.isfinite(values)).any(dim=(0, 2)).nonzero()[0])
+            raise DecompositionError(
+                f"task {task}, document {doc}: block {block} has a NaN or Inf dot product (try "
+                "--dtype fp32)"
+            )
