@@ -209,6 +209,17 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
     is_flag=True,
     help="Also store each instance's Gram matrix of the component outputs (exact angles).",
 )
+@click.option(
+    "--lens",
+    "lens",
+    type=click.Choice(["final", "last-block"]),
+    is_flag=False,
+    flag_value="final",
+    default=None,
+    help="Text tasks: also store the logit lens of every block input at every token (KL to the "
+    "model's output, top-5 overlap, next-token cross-entropy); --lens last-block applies the last "
+    "block first.",
+)
 def extract(
     model: str,
     tasks: tuple[str, ...],
@@ -228,8 +239,10 @@ def extract(
     heads: bool,
     skips: bool,
     gram: bool,
+    lens: str | None,
 ) -> None:
-    """Run MODEL once over each task and cache every component's option logits."""
+    """Run MODEL once over each task and cache every component's option logits (or, for a text
+    task, every token's per-block dot products)."""
     import sys
 
     from layerdiv.extract.interrupt import Interrupted
@@ -254,6 +267,7 @@ def extract(
         heads=heads,
         skips=skips,
         gram=gram,
+        lens=lens,
     )
     if shard.source != "--shard":
         click.echo(f"{shard.describe()}, device {cfg.device}")

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from layerdiv.errors import LayerdivError
-from layerdiv.extract.adapters import Adapter, get_module, norm_eps
+from layerdiv.extract.adapters import Adapter, get_module
+from layerdiv.extract.readout import Readout
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
 
@@ -68,10 +69,8 @@ class ComponentCapture:
         self.paused = False
         """While True the hooks keep nothing (extra passes such as layer skips)."""
         blocks = get_module(model, adapter.blocks)
-        self.norm = get_module(model, adapter.final_norm)
-        head = model.get_output_embeddings()
-        if head is None:
-            raise DecompositionError("the model has no output embedding (lm_head)")
+        self.readout = Readout(model, adapter)
+        self.norm, head = self.readout.norm, self.readout.head
         with _onloaded(head):  # weights offloaded by accelerate (--device-map) are loaded here
             ids = torch.tensor(option_ids, device=head.weight.device)
             self.option_ids = ids
@@ -82,8 +81,7 @@ class ComponentCapture:
             self.gain = self.norm.weight.detach().float().clone()
             bias = getattr(self.norm, "bias", None)
             self.norm_bias = None if bias is None else bias.detach().float().clone()
-        self.eps = norm_eps(self.norm)
-        self.head = head
+        self.eps = self.readout.eps
         self._records: list[tuple[str, int]] = []  # (kind, layer) of each component so far
         self._buffer: torch.Tensor | None = None  # (slots, rows, d) float32, reused every pass
         self._x: torch.Tensor | None = None
@@ -153,7 +151,7 @@ class ComponentCapture:
         ]
 
     def _has_bias(self) -> bool:
-        return has_constant_bias(self.adapter, self.norm, self.head)
+        return self.readout.constant_bias
 
     def decompose(self) -> BatchDecomposition:
         """Split the last forward pass's option logits into its components (METHODS.md s. 1)."""
@@ -218,13 +216,6 @@ class ComponentCapture:
             sum_error=sum_error.cpu(),
             gram=gram,
         )
-
-
-def has_constant_bias(adapter: Adapter, norm: Any, head: Any) -> bool:
-    """Whether the model's logits hold a constant ``bias`` component: a LayerNorm bias, or a
-    bias of the unembedding."""
-    norm_bias = adapter.norm == "layer" and getattr(norm, "bias", None) is not None
-    return norm_bias or getattr(head, "bias", None) is not None
 
 
 def _onloaded(module: Any) -> Any:

@@ -128,11 +128,12 @@ def backfill(
     shard: tuple[int, int],
     n_items: int,
     compute_run: Callable[[list[int]], Results],
+    make: Callable[[list[int], Results], dict[str, pa.Table]] = optional_tables,
 ) -> int:
     """Add the optional ``tables`` to this shard's complete chunks within instances
     ``0..n_items-1`` stored without them, part by part under the chunk's claim, without
     rewriting their components; returns the number of instances run. ``compute_run`` runs (and
-    checks) one contiguous run of instances."""
+    checks) one contiguous run of instances, ``make`` gives its optional tables."""
     missing = sorted({p for t in tables for p in backfillable(writer, t, n_items)})
     ids = [i for s, c in missing for i in range(s, s + c)]
     n = 0
@@ -141,7 +142,7 @@ def backfill(
             lacking = {t: set(backfillable(writer, t, n_items)) for t in tables}
             for s, c in sorted({p for ps in lacking.values() for p in ps if p[0] // grid == j}):
                 run = list(range(s, s + c))
-                made = optional_tables(run, compute_run(run))
+                made = make(run, compute_run(run))
                 for table in tables:
                     if (s, c) in lacking[table]:
                         writer.write_table_part(table, s, c, made[table])

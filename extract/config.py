@@ -60,6 +60,10 @@ class ExtractConfig:
     """Also store the option logits with each block skipped (``skips`` table, METHODS.md 7)."""
     gram: bool = False
     """Also store each instance's Gram matrix of the component outputs (``gram`` table)."""
+    lens: str | None = None
+    """Text tasks: also store the logit lens of every block input (``token_lens`` table,
+    METHODS.md section 9): ``final`` (final norm and unembedding) or ``last-block`` (the last
+    block applied first)."""
     progress: bool = True
     """Show progress bars."""
 

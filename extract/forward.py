@@ -26,6 +26,7 @@ from layerdiv.store.tables import (
     instances_table,
     skips_table,
     token_blocks_table,
+    token_lens_table,
     tokens_table,
 )
 
@@ -76,11 +77,16 @@ class ModelRunner:
         extra_tables: Sequence[str] = (),
         n_heads: int | None = None,
         kind: str = "choice",
+        lens: str | None = None,
     ) -> None:
         self.loaded = loaded
         self.budget = budget
         """Padded tokens per batch for automatic batching (lowered on out-of-memory)."""
-        self.text = TextCapture(loaded.model, adapter) if kind == "text" else None
+        self.text = (
+            TextCapture(loaded.model, adapter, lens if "token_lens" in extra_tables else None)
+            if kind == "text"
+            else None
+        )
         """Text tasks: the per-token capture (METHODS.md section 9); the choice captures are
         not attached."""
         self.capture = (
@@ -124,7 +130,7 @@ class ModelRunner:
         inputs = {k: v.to(device) for k, v in left_padded(seqs, self.pad_id).items()}
         inputs.update(self.extra)
         if self.text is not None:
-            self.text.reset()
+            self.text.reset(inputs["input_ids"])
             with torch.inference_mode():
                 self.loaded.model(**inputs)
                 return self.text.decompose()
@@ -219,12 +225,20 @@ def text_tables(
     truncated: list[bool],
     groups: list[str | None],
 ) -> dict[str, pa.Table]:
-    """The ``tokens``, ``token_blocks`` and ``documents`` tables of documents ``ids``
+    """The ``tokens``, ``token_blocks`` and ``documents`` tables (and ``token_lens`` where the run
+    computed it) of documents ``ids``
     (ascending; ``seqs``, ``truncated`` and ``groups`` are indexed by document), each found in
     ``results`` as (its batch, its row there)."""
     n_tokens = [len(seqs[i]) for i in ids]
     dots = np.concatenate([results[i][0].document(results[i][1], len(seqs[i])) for i in ids])
+    lens = {}
+    if results[ids[0]][0].lens is not None:
+        if any(results[i][0].lens is None for i in ids):
+            raise DecompositionError("a document ran without the lens")
+        v = np.concatenate([results[i][0].document_lens(results[i][1], len(seqs[i])) for i in ids])
+        lens["token_lens"] = token_lens_table(ids, n_tokens, v[..., 0], v[..., 1], v[..., 2])
     return {
+        **lens,
         "tokens": tokens_table(ids, [seqs[i] for i in ids]),
         "token_blocks": token_blocks_table(ids, n_tokens, dots),
         "documents": documents_table(

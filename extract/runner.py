@@ -21,7 +21,13 @@ from layerdiv.extract.adapters import Adapter, adapter_for, check_heads, check_s
 from layerdiv.extract.batching import chunk_runs, tokenize, tokenize_documents
 from layerdiv.extract.capture import SUM_TOLERANCE, BatchDecomposition, check_batch
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, ExtractConfig, TaskSummary
-from layerdiv.extract.forward import ModelRunner, chunk_tables, text_tables, token_budget
+from layerdiv.extract.forward import (
+    ModelRunner,
+    chunk_tables,
+    optional_tables,
+    text_tables,
+    token_budget,
+)
 from layerdiv.extract.heads import check_head_sums
 from layerdiv.extract.interrupt import interruptible
 from layerdiv.extract.models import (
@@ -45,7 +51,7 @@ from layerdiv.extract.tasks import (
 )
 from layerdiv.extract.text import check_text_batch
 from layerdiv.schemas import KINDS
-from layerdiv.store.manifest import read_manifest
+from layerdiv.store.manifest import Manifest, read_manifest, write_manifest
 from layerdiv.store.reader import PartitionInfo
 from layerdiv.store.writer import PartitionWriter, Verdict
 
@@ -92,10 +98,28 @@ def plan_task(
                 f"task {spec.name}: document {empty[0]} tokenizes to no tokens (empty text); "
                 "fix the data or the task's text template, or filter such rows out"
             )
-        return TaskPlan(spec, items, [], sha, writer, [], argument, documents)
+        asked = ["token_lens"] if cfg.lens else []
+        tables = chunks.extra_tables(writer, asked, cfg.overwrite)
+        return TaskPlan(spec, items, [], sha, writer, tables, argument, documents)
+    if cfg.lens:
+        raise TaskError(
+            f"task {spec.name} is a choice task: --lens applies to text tasks only in this "
+            "version; extract it without"
+        )
     ids = option_token_ids(spec, tokenizer, items[0].prompt)
     tables = chunks.extra_tables(writer, cfg.extra_tables, cfg.overwrite)
     return TaskPlan(spec, items, ids, sha, writer, tables, argument)
+
+
+def _refuse_other_lens(writer: PartitionWriter, stored: Manifest, manifest: Manifest) -> None:
+    """Record the lens of a partition that had none; refuse another lens than the stored one."""
+    if stored.lens is not None and writer.part.parts("token_lens"):
+        raise TaskError(
+            f"{writer.part.manifest}: the stored token_lens is --lens {stored.lens}, this run asks "
+            f"for --lens {manifest.lens}; use --lens {stored.lens}, or --overwrite"
+        )
+    stored.lens = manifest.lens
+    write_manifest(writer.part.manifest, stored)
 
 
 def _refuse_text_flags(spec: TaskSpec, cfg: ExtractConfig) -> None:
@@ -196,6 +220,8 @@ class _BatchWork:
     check: Callable[[Any, list[int]], None]
     tables: Callable[[list[int], chunks.Results], dict[str, pa.Table]]
     tally: Callable[[chunks.Results], tuple[int, float]]
+    optional: Callable[[list[int], chunks.Results], dict[str, pa.Table]]
+    """The optional tables of a run (a backfill writes those a stored chunk lacks)."""
 
 
 def _batch_work(
@@ -208,6 +234,7 @@ def _batch_work(
             lambda b, ids: check_text_batch(b, ids, [len(seqs[i]) for i in ids], spec.name),
             lambda r, res: text_tables(r, res, seqs, truncated, groups),
             lambda res: (0, 0.0),
+            lambda r, res: text_tables(r, res, seqs, truncated, groups),
         )
     gold, prompts = [it.gold for it in items], [it.prompt for it in items]
 
@@ -220,6 +247,7 @@ def _batch_work(
         partial(_check, task=spec.name, tol=tol),
         lambda r, res: chunk_tables(r, res, gold, seqs, truncated, prompts),
         tally,
+        optional_tables,
     )
 
 
@@ -246,13 +274,16 @@ def extract_task(
     unit = KINDS[spec.kind].units
     start_time, notes = time.perf_counter(), []
     with ModelRunner(loaded, adapter, plan.option_ids, budget, tables, n_heads,
-                     spec.kind) as runner:  # fmt: skip
+                     spec.kind, cfg.lens) as runner:  # fmt: skip
         probe = runner.run([seqs[0]])  # the component list, before anything is written
         work.check(probe, [0])
         ident = identity(loaded.source, loaded.dtype, spec, plan.option_ids, plan.data_sha256)
         manifest = build_manifest(loaded, adapter, spec, ident, probe.components, len(items),
                                   _chunk_size(cfg), tol, approximate)  # fmt: skip
+        manifest.lens = cfg.lens if "token_lens" in tables else None
         stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])
+        if "token_lens" in tables and stored.lens != manifest.lens:
+            _refuse_other_lens(writer, stored, manifest)
         grid = stored.chunk_size or _chunk_size(cfg)
         if cfg.chunk_size and grid != cfg.chunk_size:
             notes.append(f"the partition's chunk grid is {grid} {unit} (--chunk-size "
@@ -289,10 +320,10 @@ def extract_task(
             rerun = partial(chunks.compute, runner, seqs=seqs, batch_size=cfg.batch_size,
                             names=names, check=work.check, progress=lambda n: None)  # fmt: skip
             added = chunks.backfill(writer, tables, grid, cfg.shard, len(items),
-                                    lambda run: rerun(runs=[run]))  # fmt: skip
+                                    lambda run: rerun(runs=[run]), work.optional)  # fmt: skip
             if added:
-                notes.append(f"added {', '.join(tables)} to {added} stored instances "
-                             "(their components were kept)")  # fmt: skip
+                notes.append(f"added {', '.join(tables)} to {added} stored {unit} "
+                             "(their other tables were kept)")  # fmt: skip
         notes += _mark_complete(writer, tables)
     seconds = time.perf_counter() - start_time
     run.write(finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -1,6 +1,7 @@
 """Running text (task kind ``text``): per token and decoder block, the dot products of the block's
 input h, what its attention adds (a) and what its MLP adds (m), from hooks on one forward pass
-(METHODS.md section 9), reduced on the device in float32."""
+(METHODS.md section 9), reduced on the device in float32; with ``--lens``, the logit lens of every
+block input against the model's own output distribution."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import numpy as np
 import torch
 
 from layerdiv.extract.adapters import Adapter, get_module
-from layerdiv.extract.capture import DecompositionError, has_constant_bias
+from layerdiv.extract.capture import DecompositionError
+from layerdiv.extract.readout import Readout
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
 from layerdiv.store.tables import TOKEN_BLOCK_VALUES
@@ -30,22 +32,34 @@ class TextBatch:
     """(B, width, L, 8) float32 on the CPU: per row, position and block the values of
     ``layerdiv.store.tables.TOKEN_BLOCK_VALUES`` (``dd_next`` NaN at the last block); a
     document of T tokens is the last T positions of its row."""
+    lens: torch.Tensor | None = None
+    """With ``--lens``: (B, width, L + 1, 3) float32, per layer l = 0..L the logit lens's kl,
+    top5_overlap and ce (NaN at the row's last position)."""
 
     def document(self, row: int, n_tokens: int) -> np.ndarray:
         """(n_tokens, L, 8): the values at the document's own positions (padding dropped)."""
         return self.dots[row, self.dots.shape[1] - n_tokens :].numpy()
+
+    def document_lens(self, row: int, n_tokens: int) -> np.ndarray:
+        """(n_tokens, L + 1, 3): the lens values at the document's own positions."""
+        assert self.lens is not None
+        return self.lens[row, self.lens.shape[1] - n_tokens :].numpy()
 
 
 class TextCapture:
     """Hooks on every decoder block (its input h, its attention's and MLP's additions a and m)
     and on the final norm (the last residual state h_L); :meth:`decompose` after each pass."""
 
-    def __init__(self, model: Any, adapter: Adapter) -> None:
+    def __init__(self, model: Any, adapter: Adapter, lens: str | None = None) -> None:
         self.paused = False
+        """While True the hooks keep nothing (the last block run again for the lens)."""
+        self.lens = lens
+        """``final`` or ``last-block`` (METHODS.md section 9, logit lens), or None."""
         blocks = get_module(model, adapter.blocks)
-        norm = get_module(model, adapter.final_norm)
-        self.bias = has_constant_bias(adapter, norm, model.get_output_embeddings())
-        self._handles = [norm.register_forward_pre_hook(self._final_hook)]
+        self.readout = Readout(model, adapter)
+        self.bias = self.readout.constant_bias
+        self.last_block = blocks[-1]
+        self._handles = [self.readout.norm.register_forward_pre_hook(self._final_hook)]
         unique = list({id(block): block for block in blocks}.values())
         for i, block in enumerate(unique):
             self._handles.append(
@@ -56,7 +70,11 @@ class TextCapture:
                 self._handles.append(module.register_forward_hook(self._addition_hook(kind, i)))
         self.reset()
 
-    def reset(self) -> None:
+    def reset(self, input_ids: torch.Tensor | None = None) -> None:
+        """Forget the last pass; ``input_ids`` (B, width) of the next one (the lens's ce)."""
+        self._ids = input_ids
+        self._call: tuple[tuple, dict] = ((), {})  # the last block call's arguments
+        self._dtype = torch.float32
         self._h: list[torch.Tensor] = []  # block inputs, float32
         self._dots: list[torch.Tensor] = []  # (B, T, 6) per block
         self._d: list[torch.Tensor] = []  # a + m of the previous block only
@@ -72,13 +90,19 @@ class TextCapture:
 
     # hooks -------------------------------------------------------------------------------------
     def _input_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self.paused:
+            return
         h = args[0] if args else kwargs["hidden_states"]
         if not self._calls:
             self._calls.append(("embed", -1))
+        self._dtype = h.dtype
+        self._call = (args, kwargs)
         self._h.append(h.to(torch.float32))
 
     def _addition_hook(self, kind: str, layer: int) -> Any:
         def hook(module: Any, args: tuple, output: Any) -> None:
+            if self.paused:
+                return
             out = output[0] if isinstance(output, tuple) else output
             self._parts[kind] = out.to(torch.float32)
             self._calls.append((kind, layer))
@@ -97,7 +121,8 @@ class TextCapture:
         self._d = [d]
 
     def _final_hook(self, module: Any, args: tuple) -> None:
-        self._final = args[0].to(torch.float32)
+        if not self.paused:
+            self._final = args[0].to(torch.float32)
 
     # results -----------------------------------------------------------------------------------
     def decompose(self) -> TextBatch:
@@ -116,7 +141,49 @@ class TextCapture:
         calls = self._calls + ([("bias", -1)] if self.bias else [])
         names = component_names(calls)
         comps = [ComponentInfo(n, k, layer) for n, (k, layer) in zip(names, calls, strict=True)]
-        return TextBatch(comps, dots.cpu())
+        lens = self._lens(final) if self.lens else None
+        return TextBatch(comps, dots.cpu(), None if lens is None else lens.cpu())
+
+    def _lens(self, final: torch.Tensor) -> torch.Tensor:
+        """(B, width, L + 1, 3): kl, top5_overlap and ce of p_l = softmax(readout(h_l)) for
+        every block input h_l and (layer L) the model's own output p_L (METHODS.md section 9);
+        with ``last-block`` the last block is applied to h_l first."""
+        if self._ids is None:
+            raise DecompositionError("the lens needs the batch's input ids")
+        logp_final = torch.log_softmax(self.readout.logits(final.to(self._dtype)), dim=-1)
+        top_final = logp_final.topk(5, dim=-1).indices
+        nxt = self._ids[:, 1:, None].to(logp_final.device)
+        out = []
+        for h in [*self._h, None]:
+            if h is None:
+                logp = logp_final
+            else:
+                x = h.to(self._dtype)
+                if self.lens == "last-block":
+                    x = self._last_block(x)
+                logp = torch.log_softmax(self.readout.logits(x), dim=-1)
+            kl = (logp.exp() * (logp - logp_final)).sum(-1)
+            top = logp.topk(5, dim=-1).indices
+            overlap = (top[..., :, None] == top_final[..., None, :]).any(-1).sum(-1) / 5.0
+            ce = torch.full_like(kl, float("nan"))
+            ce[:, :-1] = -logp[:, :-1].gather(-1, nxt).squeeze(-1)
+            out.append(torch.stack([kl, overlap.to(kl.dtype), ce], dim=-1))
+        return torch.stack(out, dim=2)
+
+    def _last_block(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's last block applied to ``x`` with the arguments of its own call (mask,
+        positions), its hooks paused."""
+        args, kwargs = self._call
+        if args:
+            args = (x, *args[1:])
+        else:
+            kwargs = {**kwargs, "hidden_states": x}
+        self.paused = True
+        try:
+            out = self.last_block(*args, **kwargs)
+        finally:
+            self.paused = False
+        return out[0] if isinstance(out, tuple) else out
 
 
 def check_text_batch(batch: TextBatch, ids: list[int], n_tokens: list[int], task: str) -> None:

@@ -204,7 +204,9 @@ def refused(tmp_path: Path, model: str, task: Path, *flags: str) -> str:
     return lines[0]
 
 
-def test_bad_text_input_is_refused_in_one_line(tmp_path: Path, model_dirs: Any) -> None:
+def test_bad_text_input_is_refused_in_one_line(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
     model = str(model_dirs("llama"))
     no_text = text_task(tmp_path / "a", ["one two"])
     spec = json.loads(no_text.read_text())
@@ -216,6 +218,8 @@ def test_bad_text_input_is_refused_in_one_line(tmp_path: Path, model_dirs: Any) 
     short = text_task(tmp_path / "c", ["the cat sat"], max_tokens=8)
     assert "leaves none" in refused(tmp_path, model, short, "--skips")
     assert "choice tasks only" in refused(tmp_path, model, short, "--heads")
+    choice = make_task(tmp_path / "d", n=4)
+    assert "text tasks only" in refused(tmp_path, model, choice, "--lens")
 
 
 @pytest.mark.slow
@@ -234,3 +238,65 @@ def test_smollm2_on_bbc_news_matches_an_independent_float64_forward(tmp_path: Pa
     loaded = load_model(source, tokenizer, torch.device("cpu"), torch.float64)
     assert Store(store).partitions[0].manifest.n_blocks == 30
     check_against_reference(store, loaded.model, tokenizer, texts, 48)
+
+
+def reference_lens(model: Any, ids: list[int]) -> np.ndarray:
+    """(T, L + 1, 3) kl, top5_overlap, ce of the logit lens of one document, float64: p_l from
+    the final norm and unembedding of ``output_hidden_states`` l < L, p_L the model's logits."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+        n = len(model.model.layers)
+        final = torch.log_softmax(out.logits[0], -1)
+        layers = [
+            torch.log_softmax(model.lm_head(model.model.norm(out.hidden_states[i][0])), -1)
+            for i in range(n)
+        ]
+    rows = []
+    top_final = set_rows(final)
+    for logp in [*layers, final]:
+        kl = (logp.exp() * (logp - final)).sum(-1).numpy()
+        top = set_rows(logp)
+        overlap = np.array([len(a & b) / 5 for a, b in zip(top, top_final, strict=True)])
+        ce = np.full(len(ids), np.nan)
+        ce[:-1] = -logp[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
+        rows.append(np.stack([kl, overlap, ce], axis=-1))
+    return np.stack(rows, axis=1)
+
+
+def set_rows(logp: torch.Tensor) -> list[set[int]]:
+    return [set(r) for r in logp.topk(5, dim=-1).indices.tolist()]
+
+
+def lens_values(store: Path, doc: int) -> np.ndarray:
+    lens = Store(store).scan("token_lens").collect().filter(pl.col("doc") == doc)
+    frame = lens.sort("pos", "layer").select("kl", "top5_overlap", "ce").to_numpy()
+    return frame.reshape(-1, int(lens["layer"].n_unique()), 3)
+
+
+def test_lens_matches_an_independent_float64_readout(
+    tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
+) -> None:
+    texts = random_texts(6, seed=2)
+    task = text_task(tmp_path / "task", texts, max_tokens=24)
+    model_dir = str(model_dirs("llama"))
+    for lens in ("final", "last-block"):
+        out = extract("--model", model_dir, "--task", str(task), "--store",
+                      str(tmp_path / lens), "--batch-size", "3", "--lens", lens)  # fmt: skip
+        assert out.exit_code == 0, out.output
+        assert Store(tmp_path / lens).partitions[0].manifest.lens == lens
+    model = build_model("llama").to(torch.float64)
+    got, want = [], []
+    for doc, text in enumerate(texts):
+        ids = tokenizer(text)["input_ids"][:24]
+        got.append(lens_values(tmp_path / "final", doc))
+        want.append(reference_lens(model, ids))
+        # The last block applied to h_(L-1) is the model itself: its lens is p_L exactly.
+        last = lens_values(tmp_path / "last-block", doc)
+        assert np.allclose(last[:, -2, 0], 0, atol=1e-5) and np.all(last[:, -2, 1] == 1)
+        assert np.allclose(last[:, -2, 2], last[:, -1, 2], atol=1e-4, equal_nan=True)
+        assert not np.allclose(last[:, 0, 0], got[-1][:, 0, 0], atol=1e-6)
+    g, w = np.concatenate(got), np.concatenate(want)
+    assert np.allclose(g[..., 0], w[..., 0], rtol=1e-3, atol=1e-5)  # kl
+    assert np.allclose(g[..., 2], w[..., 2], rtol=1e-3, atol=1e-5, equal_nan=True)  # ce
+    assert abs(g[..., 1].mean() - w[..., 1].mean()) <= 5e-3  # top-5 overlap
+    assert np.isnan(g[:, :, 2]).sum() == len(texts) * g.shape[1]  # ce null at each last token
