@@ -14,7 +14,7 @@ import torch
 
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.adapters import Adapter, get_module
-from layerdiv.extract.readout import Readout
+from layerdiv.extract.readout import Readout, lens_stats
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
 
@@ -58,14 +58,26 @@ class BatchDecomposition:
     gram: torch.Tensor | None = None
     """(B, C(C+1)/2) upper triangle of z_a . z_b over the C components without bias, row by row
     (``layerdiv.schemas.GRAM``); only with ``gram=True``."""
+    lens: torch.Tensor | None = None
+    """(B, L + 1, 2 + K) with ``lens=True``: per layer l = 0..L the logit lens at the last prompt
+    token (p_l from block l's input, p_L the model's output): kl, top5_overlap and log p_l of
+    each option's token (``layerdiv.schemas.LENS``; ce is that of the gold option)."""
 
 
 class ComponentCapture:
     """Hooks on one model; :meth:`decompose` after each forward pass gives the batch's results."""
 
-    def __init__(self, model: Any, adapter: Adapter, option_ids: list[int], gram: bool = False):
+    def __init__(
+        self,
+        model: Any,
+        adapter: Adapter,
+        option_ids: list[int],
+        gram: bool = False,
+        lens: bool = False,
+    ):
         self.adapter = adapter
         self.gram = gram
+        self.lens = lens
         self.paused = False
         """While True the hooks keep nothing (extra passes such as layer skips)."""
         blocks = get_module(model, adapter.blocks)
@@ -201,6 +213,7 @@ class ComponentCapture:
         if self.gram:  # METHODS.md section 7: every norm and angle of any partial sum
             upper = torch.triu_indices(z.shape[1], z.shape[1], device=z.device)
             gram = (z @ z.transpose(1, 2))[:, upper[0], upper[1]].cpu()
+        lens = self._lens(prefix, x) if self.lens else None
         total = logits.sum(dim=1)
         spread = logits.abs().sum(dim=1).amax(dim=-1).clamp(min=1.0)
         sum_error = (total - head).abs().amax(dim=-1) / spread
@@ -215,7 +228,20 @@ class ComponentCapture:
             model_logits=head.cpu(),
             sum_error=sum_error.cpu(),
             gram=gram,
+            lens=lens,
         )
+
+    def _lens(self, prefix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The logit lens at the last prompt token (METHODS.md section 9): block l's input h_l is
+        the prefix just before its ``attn`` component, read out by the model's own final
+        norm and unembedding; layer L is the full residual x."""
+        blocks = [c for c, (kind, _) in enumerate(self._records) if kind == "attn"]
+        states = [prefix[:, c - 1] for c in blocks] + [x]
+        dtype = self.readout.head.weight.dtype
+        logp = torch.log_softmax(self.readout.logits(torch.stack(states, 1).to(dtype)), dim=-1)
+        kl, overlap = lens_stats(logp, logp[:, -1:].expand_as(logp))
+        ids = self.option_ids.to(logp.device)
+        return torch.cat([kl[..., None], overlap[..., None], logp[..., ids]], dim=-1).cpu()
 
 
 def _onloaded(module: Any) -> Any:

@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from layerdiv.extract.batching import chunk_runs
 from layerdiv.extract.capture import DecompositionError
-from layerdiv.extract.forward import ModelRunner, optional_tables
+from layerdiv.extract.forward import ModelRunner
 from layerdiv.schemas import KINDS, OPTIONAL_TABLES
 from layerdiv.store.manifest import Manifest, read_manifest
 from layerdiv.store.writer import ChunkClaim, PartitionWriter
@@ -128,7 +128,7 @@ def backfill(
     shard: tuple[int, int],
     n_items: int,
     compute_run: Callable[[list[int]], Results],
-    make: Callable[[list[int], Results], dict[str, pa.Table]] = optional_tables,
+    make: Callable[[list[int], Results], dict[str, pa.Table]],
 ) -> int:
     """Add the optional ``tables`` to this shard's complete chunks within instances
     ``0..n_items-1`` stored without them, part by part under the chunk's claim, without

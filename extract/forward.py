@@ -24,6 +24,7 @@ from layerdiv.store.tables import (
     gram_table,
     heads_table,
     instances_table,
+    lens_table,
     skips_table,
     token_blocks_table,
     token_lens_table,
@@ -92,7 +93,13 @@ class ModelRunner:
         self.capture = (
             None
             if self.text is not None
-            else ComponentCapture(loaded.model, adapter, option_ids, gram="gram" in extra_tables)
+            else ComponentCapture(
+                loaded.model,
+                adapter,
+                option_ids,
+                gram="gram" in extra_tables,
+                lens="lens" in extra_tables,
+            )
         )
         self.heads = (
             HeadCapture(loaded.model, adapter, self.capture, n_heads)
@@ -195,7 +202,7 @@ def chunk_tables(
         return np.stack([getattr(results[i][0], attr)[results[i][1]].numpy() for i in ids])
 
     return {
-        **optional_tables(ids, results),
+        **optional_tables(ids, results, gold),
         "components": components_table(
             ids,
             results[ids[0]][0].components,
@@ -248,10 +255,10 @@ def text_tables(
 
 
 def optional_tables(
-    ids: list[int], results: dict[int, tuple[BatchDecomposition, int]]
+    ids: list[int], results: dict[int, tuple[BatchDecomposition, int]], gold: list[int]
 ) -> dict[str, pa.Table]:
-    """The ``heads``, ``skips`` and ``gram`` tables of instances ``ids`` (ascending), where the
-    run computed them."""
+    """The ``heads``, ``skips``, ``gram`` and ``lens`` tables of instances ``ids`` (ascending;
+    ``gold`` indexed by instance), where the run computed them."""
     first = results[ids[0]][0]
 
     def stack(values: Callable[[BatchDecomposition], Any]) -> np.ndarray:
@@ -269,4 +276,10 @@ def optional_tables(
         tables["skips"] = skips_table(ids, stack(lambda d: d.skip_logits))
     if first.gram is not None:
         tables["gram"] = gram_table(ids, stack(lambda d: d.gram))
+    if first.lens is not None:
+        if any(results[i][0].lens is None for i in ids):
+            raise DecompositionError("an instance ran without the lens")
+        lens = stack(lambda d: d.lens)  # (B, L + 1, 2 + K)
+        ce = -np.stack([lens[row, :, 2 + gold[i]] for row, i in enumerate(ids)])
+        tables["lens"] = lens_table(ids, lens[..., 0], lens[..., 1], ce)
     return tables

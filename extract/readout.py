@@ -43,3 +43,12 @@ class Readout:
         if self.softcap:
             out = self.softcap * torch.tanh(out / self.softcap)
         return out
+
+
+def lens_stats(logp: torch.Tensor, logp_final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(p_l || p_L) and |top5(p_l) & top5(p_L)| / 5 over the last axis (METHODS.md section 9,
+    logit lens) from the log-probabilities of a lens layer and of the model's output."""
+    kl = (logp.exp() * (logp - logp_final)).sum(-1)
+    top, top_final = logp.topk(5, dim=-1).indices, logp_final.topk(5, dim=-1).indices
+    overlap = (top[..., :, None] == top_final[..., None, :]).any(-1).sum(-1) / 5.0
+    return kl, overlap.to(kl.dtype)

@@ -101,21 +101,23 @@ def plan_task(
         asked = ["token_lens"] if cfg.lens else []
         tables = chunks.extra_tables(writer, asked, cfg.overwrite)
         return TaskPlan(spec, items, [], sha, writer, tables, argument, documents)
-    if cfg.lens:
+    if cfg.lens == "last-block":
         raise TaskError(
-            f"task {spec.name} is a choice task: --lens applies to text tasks only in this "
-            "version; extract it without"
+            f"task {spec.name} is a choice task: --lens last-block applies to text tasks only "
+            "(a choice task keeps the last prompt token alone); use --lens"
         )
     ids = option_token_ids(spec, tokenizer, items[0].prompt)
-    tables = chunks.extra_tables(writer, cfg.extra_tables, cfg.overwrite)
+    asked = [*cfg.extra_tables, *(["lens"] if cfg.lens else [])]
+    tables = chunks.extra_tables(writer, asked, cfg.overwrite)
     return TaskPlan(spec, items, ids, sha, writer, tables, argument)
 
 
 def _refuse_other_lens(writer: PartitionWriter, stored: Manifest, manifest: Manifest) -> None:
     """Record the lens of a partition that had none; refuse another lens than the stored one."""
-    if stored.lens is not None and writer.part.parts("token_lens"):
+    table = KINDS[stored.kind].lens_table
+    if stored.lens is not None and writer.part.parts(table):
         raise TaskError(
-            f"{writer.part.manifest}: the stored token_lens is --lens {stored.lens}, this run asks "
+            f"{writer.part.manifest}: the stored {table} is --lens {stored.lens}, this run asks "
             f"for --lens {manifest.lens}; use --lens {stored.lens}, or --overwrite"
         )
     stored.lens = manifest.lens
@@ -247,7 +249,7 @@ def _batch_work(
         partial(_check, task=spec.name, tol=tol),
         lambda r, res: chunk_tables(r, res, gold, seqs, truncated, prompts),
         tally,
-        optional_tables,
+        lambda r, res: optional_tables(r, res, gold),
     )
 
 
@@ -280,9 +282,10 @@ def extract_task(
         ident = identity(loaded.source, loaded.dtype, spec, plan.option_ids, plan.data_sha256)
         manifest = build_manifest(loaded, adapter, spec, ident, probe.components, len(items),
                                   _chunk_size(cfg), tol, approximate)  # fmt: skip
-        manifest.lens = cfg.lens if "token_lens" in tables else None
+        lens_table = KINDS[spec.kind].lens_table
+        manifest.lens = cfg.lens if lens_table in tables else None
         stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])
-        if "token_lens" in tables and stored.lens != manifest.lens:
+        if lens_table in tables and stored.lens != manifest.lens:
             _refuse_other_lens(writer, stored, manifest)
         grid = stored.chunk_size or _chunk_size(cfg)
         if cfg.chunk_size and grid != cfg.chunk_size:

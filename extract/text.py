@@ -13,7 +13,7 @@ import torch
 
 from layerdiv.extract.adapters import Adapter, get_module
 from layerdiv.extract.capture import DecompositionError
-from layerdiv.extract.readout import Readout
+from layerdiv.extract.readout import Readout, lens_stats
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
 from layerdiv.store.tables import TOKEN_BLOCK_VALUES
@@ -151,7 +151,6 @@ class TextCapture:
         if self._ids is None:
             raise DecompositionError("the lens needs the batch's input ids")
         logp_final = torch.log_softmax(self.readout.logits(final.to(self._dtype)), dim=-1)
-        top_final = logp_final.topk(5, dim=-1).indices
         nxt = self._ids[:, 1:, None].to(logp_final.device)
         out = []
         for h in [*self._h, None]:
@@ -162,12 +161,10 @@ class TextCapture:
                 if self.lens == "last-block":
                     x = self._last_block(x)
                 logp = torch.log_softmax(self.readout.logits(x), dim=-1)
-            kl = (logp.exp() * (logp - logp_final)).sum(-1)
-            top = logp.topk(5, dim=-1).indices
-            overlap = (top[..., :, None] == top_final[..., None, :]).any(-1).sum(-1) / 5.0
+            kl, overlap = lens_stats(logp, logp_final)
             ce = torch.full_like(kl, float("nan"))
             ce[:, :-1] = -logp[:, :-1].gather(-1, nxt).squeeze(-1)
-            out.append(torch.stack([kl, overlap.to(kl.dtype), ce], dim=-1))
+            out.append(torch.stack([kl, overlap, ce], dim=-1))
         return torch.stack(out, dim=2)
 
     def _last_block(self, x: torch.Tensor) -> torch.Tensor:

@@ -350,6 +350,8 @@ class Kind:
     """Tables every complete chunk has (the marker last)."""
     optional: dict[str, str]
     """Optional tables and the ``extract`` flag that writes each."""
+    lens_table: str
+    """The optional table ``extract --lens`` writes."""
 
     @property
     def tables(self) -> tuple[str, ...]:
@@ -364,6 +366,7 @@ KINDS = {
         "instances",
         ("components", "instances"),
         {"skips": "--skips", "heads": "--heads", "gram": "--gram", "lens": "--lens"},
+        "lens",
     ),
     "text": Kind(
         "text",
@@ -372,6 +375,7 @@ KINDS = {
         "documents",
         ("tokens", "token_blocks", "documents"),
         {"token_lens": "--lens", "future_effects": "--skips", "future_output": "--skips"},
+        "token_lens",
     ),
 }
 """Every task kind by name."""

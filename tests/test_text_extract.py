@@ -219,7 +219,7 @@ def test_bad_text_input_is_refused_in_one_line(
     assert "leaves none" in refused(tmp_path, model, short, "--skips")
     assert "choice tasks only" in refused(tmp_path, model, short, "--heads")
     choice = make_task(tmp_path / "d", n=4)
-    assert "text tasks only" in refused(tmp_path, model, choice, "--lens")
+    assert "text tasks only" in refused(tmp_path, model, choice, "--lens", "last-block")
 
 
 @pytest.mark.slow
@@ -300,3 +300,28 @@ def test_lens_matches_an_independent_float64_readout(
     assert np.allclose(g[..., 2], w[..., 2], rtol=1e-3, atol=1e-5, equal_nan=True)  # ce
     assert abs(g[..., 1].mean() - w[..., 1].mean()) <= 5e-3  # top-5 overlap
     assert np.isnan(g[:, :, 2]).sum() == len(texts) * g.shape[1]  # ce null at each last token
+
+
+def test_choice_lens_matches_an_independent_float64_readout(
+    tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any, make_task: Any
+) -> None:
+    from layerdiv.extract.tasks import instances, load_task
+
+    task = make_task(tmp_path / "task", n=8)
+    store = tmp_path / "store"
+    out = extract("--model", str(model_dirs("llama")), "--task", str(task), "--store",
+                  str(store), "--batch-size", "3", "--lens")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    (info,) = Store(store).partitions
+    assert info.manifest.lens == "final" and info.tables == ["lens"]
+    lens = Store(store).scan("lens").collect().sort("instance", "layer")
+    model = build_model("llama").to(torch.float64)
+    option_ids = info.manifest.option_token_ids
+    for item_no, item in enumerate(instances(load_task(str(task)))):
+        ids = tokenizer(item.prompt)["input_ids"]
+        want = reference_lens(model, [*ids, option_ids[item.gold]])[-2]  # at the last prompt token
+        got = lens.filter(pl.col("instance") == item_no).select("kl", "top5_overlap", "ce")
+        got_np = got.to_numpy()
+        assert np.allclose(got_np[:, 0], want[:, 0], rtol=1e-3, atol=1e-5)
+        assert np.allclose(got_np[:, 2], want[:, 2], rtol=1e-3, atol=1e-5)
+        assert np.abs(got_np[:, 1] - want[:, 1]).mean() <= 5e-3
