@@ -325,3 +325,23 @@ def test_choice_lens_matches_an_independent_float64_readout(
         assert np.allclose(got_np[:, 0], want[:, 0], rtol=1e-3, atol=1e-5)
         assert np.allclose(got_np[:, 2], want[:, 2], rtol=1e-3, atol=1e-5)
         assert np.abs(got_np[:, 1] - want[:, 1]).mean() <= 5e-3
+
+
+def test_text_shards_merge_into_one_partition(tmp_path: Path, model_dirs: Any) -> None:
+    task = text_task(tmp_path / "task", random_texts(7, seed=3))
+    model = str(model_dirs("llama"))
+    for i in range(2):
+        out = extract("--model", model, "--task", str(task), "--store", str(tmp_path / f"s{i}"),
+                      "--chunk-size", "2", "--shard", f"{i}/2", "--lens")  # fmt: skip
+        assert out.exit_code == 0, out.output
+    merged = CliRunner().invoke(
+        main, ["merge", str(tmp_path / "s0"), str(tmp_path / "s1"), "--into", str(tmp_path / "m")]
+    )
+    assert merged.exit_code == 0, merged.output
+    (info,) = Store(tmp_path / "m").partitions
+    assert info.n_done == 7 and info.tables == ["token_lens"] and not info.incomplete()
+    docs = Store(tmp_path / "m").scan("documents").collect()
+    assert sorted(docs["doc"].to_list()) == list(range(7))
+    n = int(docs["n_tokens"].sum())
+    assert Store(tmp_path / "m").scan("token_blocks").collect().height == n * 2
+    assert Store(tmp_path / "m").scan("token_lens").collect().height == n * 3
