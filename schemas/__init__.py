@@ -243,7 +243,12 @@ TOKENS = _schema(
         pa.field("token", pa.int32(), nullable=False),
     ],
 )
-"""Text tasks: one row per (doc, pos), p = 0..T-1; ``token`` is the token id fed there."""
+"""Text tasks: one row per (doc, pos).
+
+- ``doc``: as in :data:`DOCUMENTS`.
+- ``pos``: the token's position p = 0..T-1 in its document.
+- ``token``: the token id fed at that position.
+"""
 
 TOKEN_BLOCKS = _schema(
     "token_blocks",
@@ -259,13 +264,20 @@ TOKEN_BLOCKS = _schema(
         pa.field("h_final", pa.float32(), nullable=False),
     ],
 )
-"""Text tasks: one row per (doc, pos, block), sorted by that key (METHODS.md section 9).
+"""Text tasks: one row per (doc, pos, block), sorted by that key (METHODS.md section 9). With h
+the input of block l, a what its attention sublayer adds to the residual stream, m what its MLP
+adds and d_l = a + m; dot products in residual units squared, computed in the model's dtype and
+reduced in float32.
 
-With h the input of block l (``block``, 0..L-1; h_0 the embedding output), a what its attention
-sublayer adds to the residual stream, m what its MLP adds and d_l = a + m (residual units
-squared): ``hh`` = h.h, ``aa`` = a.a, ``mm`` = m.m, ``ha`` = h.a, ``hm`` = h.m, ``am`` = a.m;
-``dd_next`` = d_l . d_(l+1) (null for the last block); ``h_final`` = h_l . h_L with h_L the last
-residual state before the final norm. Computed in the model's dtype, reduced in float32.
+- ``block``: decoder block l = 0..L-1 (h_0 is the embedding output).
+- ``hh``: h.h.
+- ``aa``: a.a.
+- ``mm``: m.m.
+- ``ha``: h.a.
+- ``hm``: h.m.
+- ``am``: a.m.
+- ``dd_next``: d_l . d_(l+1); null for the last block.
+- ``h_final``: h_l . h_L, with h_L the last residual state before the final norm.
 """
 
 TOKEN_LENS = _schema(
@@ -278,7 +290,10 @@ TOKEN_LENS = _schema(
     ],
 )
 """Optional (``extract --lens`` on a text task). One row per (doc, pos, layer), layer 0..L, as
-:data:`LENS`; ``ce`` = -log p_l(token at pos + 1), null at the document's last position."""
+:data:`LENS`.
+
+- ``ce``: -log p_l(token at pos + 1) in nats; null at the document's last position.
+"""
 
 SUBLAYERS = ("block", "attn", "mlp")
 """What a future-effects row skipped: the whole block, its attention or its MLP sublayer."""
@@ -301,6 +316,7 @@ FUTURE_EFFECTS = _schema(
 """Optional (``extract --skips`` on a text task; METHODS.md section 9, future effects). One row
 per (doc, split, sublayer, skipped, block).
 
+- ``doc``: as in :data:`DOCUMENTS`.
 - ``split``: the split point t (0 with ``--skip-split all``).
 - ``sublayer``: one of :data:`SUBLAYERS`, what was skipped.
 - ``skipped``: block l whose output (or sublayer's addition) was replaced by its input at
@@ -313,9 +329,12 @@ FUTURE_OUTPUT = _schema(
     "future_output",
     [*_SKIP_KEY, pa.field("out_change", pa.float32(), nullable=False)],
 )
-"""Optional (``extract --skips`` on a text task). One row per (doc, split, sublayer, skipped):
-``out_change`` = max over p >= t of the L2 distance between the skipped and the clean run's
-next-token distributions."""
+"""Optional (``extract --skips`` on a text task). One row per (doc, split, sublayer, skipped), as
+:data:`FUTURE_EFFECTS`.
+
+- ``out_change``: max over p >= t of the L2 distance between the skipped and the clean run's
+  next-token distributions.
+"""
 
 TABLES = {
     "components": COMPONENTS,
