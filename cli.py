@@ -20,6 +20,7 @@ from layerdiv.analyze.options import ESTIMATORS, FORMATS, LENSES
 from layerdiv.errors import LayerdivError, LayerdivWarning
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig
 from layerdiv.extract.launchers import Shard, parse_shard, pick_device
+from layerdiv.schemas import KINDS
 
 DEFAULT_STORE = "layerdiv-store"
 MAX_ROWS = 40
@@ -208,6 +209,17 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
     is_flag=True,
     help="Also store each instance's Gram matrix of the component outputs (exact angles).",
 )
+@click.option(
+    "--lens",
+    "lens",
+    type=click.Choice(["final", "last-block"]),
+    is_flag=False,
+    flag_value="final",
+    default=None,
+    help="Text tasks: also store the logit lens of every block input at every token (KL to the "
+    "model's output, top-5 overlap, next-token cross-entropy); --lens last-block applies the last "
+    "block first.",
+)
 def extract(
     model: str,
     tasks: tuple[str, ...],
@@ -227,8 +239,10 @@ def extract(
     heads: bool,
     skips: bool,
     gram: bool,
+    lens: str | None,
 ) -> None:
-    """Run MODEL once over each task and cache every component's option logits."""
+    """Run MODEL once over each task and cache every component's option logits (or, for a text
+    task, every token's per-block dot products)."""
     import sys
 
     from layerdiv.extract.interrupt import Interrupted
@@ -253,6 +267,7 @@ def extract(
         heads=heads,
         skips=skips,
         gram=gram,
+        lens=lens,
     )
     if shard.source != "--shard":
         click.echo(f"{shard.describe()}, device {cfg.device}")
@@ -264,13 +279,17 @@ def extract(
     for s in summaries:
         for note in s.notes:
             click.echo(f"{s.task}: note: {note}")
+        stored = f"{s.task}: {s.n_done}/{s.n_requested} {KINDS[s.kind].units} stored"
         if not s.n_new:
-            what = "none new" if s.notes else "nothing to do"
-            click.echo(f"{s.task}: {s.n_done}/{s.n_requested} instances stored ({what})")
+            click.echo(f"{stored} ({'none new' if s.notes else 'nothing to do'})")
+            continue
+        if s.kind == "text":
+            cut = f"; {s.n_truncated} cut to max_tokens" if s.n_truncated else ""
+            click.echo(f"{stored} ({s.n_new} new in {s.seconds:.1f} s{cut})")
             continue
         acc = "" if s.accuracy_new is None else f", accuracy {100 * s.accuracy_new:.1f}%"
         click.echo(
-            f"{s.task}: {s.n_done}/{s.n_requested} instances stored ({s.n_new} new in "
+            f"{stored} ({s.n_new} new in "
             f"{s.seconds:.1f} s{acc}; max decomposition error {s.max_sum_error:.1e}"
             + (f"; {s.n_truncated} prompts left-truncated to the context" if s.n_truncated else "")
             + ")"

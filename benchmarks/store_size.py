@@ -25,9 +25,9 @@ from layerdiv.schemas import TABLES
 from layerdiv.store import Store
 
 TASKS = Path(layerdiv.tasks.__file__).parent
-PAPER_OPTIONS = float(np.mean([len(yaml.safe_load(f.read_text())["options"])
-                               for f in TASKS.glob("*.yaml")]))  # fmt: skip
-"""Mean option count of the paper's eight tasks (the built-in task YAMLs)."""
+_SPECS = [yaml.safe_load(f.read_text()) for f in TASKS.glob("*.yaml")]
+PAPER_OPTIONS = float(np.mean([len(s["options"]) for s in _SPECS if "options" in s]))
+"""Mean option count of the paper's eight tasks (the built-in choice task YAMLs)."""
 
 PYTHIA_LAYERS = (6, 12, 24, 16, 24, 32, 32, 36)
 """Decoder blocks of Pythia 70M, 160M, 410M, 1B, 1.4B, 2.8B, 6.9B and 12B (their configs)."""

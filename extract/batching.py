@@ -36,6 +36,15 @@ def tokenize(
     return out, truncated
 
 
+def tokenize_documents(
+    tokenizer: Any, texts: list[str], max_tokens: int
+) -> tuple[list[list[int]], list[bool]]:
+    """Token ids of every document as the tokenizer encodes it by default (special tokens
+    included), cut to its first ``max_tokens``; a cut document is flagged as truncated."""
+    ids = tokenizer(texts, add_special_tokens=True)["input_ids"]
+    return [list(seq[:max_tokens]) for seq in ids], [len(seq) > max_tokens for seq in ids]
+
+
 def chunk_runs(
     todo: list[int], chunk_size: int, shard: tuple[int, int] = (0, 1)
 ) -> dict[int, list[list[int]]]:

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from layerdiv.errors import LayerdivError
-from layerdiv.extract.adapters import Adapter, get_module, norm_eps
+from layerdiv.extract.adapters import Adapter, get_module
+from layerdiv.extract.readout import Readout, lens_stats
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
 
@@ -57,21 +58,31 @@ class BatchDecomposition:
     gram: torch.Tensor | None = None
     """(B, C(C+1)/2) upper triangle of z_a . z_b over the C components without bias, row by row
     (``layerdiv.schemas.GRAM``); only with ``gram=True``."""
+    lens: torch.Tensor | None = None
+    """(B, L + 1, 2 + K) with ``lens=True``: per layer l = 0..L the logit lens at the last prompt
+    token (p_l from block l's input, p_L the model's output): kl, top5_overlap and log p_l of
+    each option's token (``layerdiv.schemas.LENS``; ce is that of the gold option)."""
 
 
 class ComponentCapture:
     """Hooks on one model; :meth:`decompose` after each forward pass gives the batch's results."""
 
-    def __init__(self, model: Any, adapter: Adapter, option_ids: list[int], gram: bool = False):
+    def __init__(
+        self,
+        model: Any,
+        adapter: Adapter,
+        option_ids: list[int],
+        gram: bool = False,
+        lens: bool = False,
+    ):
         self.adapter = adapter
         self.gram = gram
+        self.lens = lens
         self.paused = False
         """While True the hooks keep nothing (extra passes such as layer skips)."""
         blocks = get_module(model, adapter.blocks)
-        self.norm = get_module(model, adapter.final_norm)
-        head = model.get_output_embeddings()
-        if head is None:
-            raise DecompositionError("the model has no output embedding (lm_head)")
+        self.readout = Readout(model, adapter)
+        self.norm, head = self.readout.norm, self.readout.head
         with _onloaded(head):  # weights offloaded by accelerate (--device-map) are loaded here
             ids = torch.tensor(option_ids, device=head.weight.device)
             self.option_ids = ids
@@ -82,7 +93,7 @@ class ComponentCapture:
             self.gain = self.norm.weight.detach().float().clone()
             bias = getattr(self.norm, "bias", None)
             self.norm_bias = None if bias is None else bias.detach().float().clone()
-        self.eps = norm_eps(self.norm)
+        self.eps = self.readout.eps
         self._records: list[tuple[str, int]] = []  # (kind, layer) of each component so far
         self._buffer: torch.Tensor | None = None  # (slots, rows, d) float32, reused every pass
         self._x: torch.Tensor | None = None
@@ -152,8 +163,7 @@ class ComponentCapture:
         ]
 
     def _has_bias(self) -> bool:
-        norm_bias = self.adapter.norm == "layer" and self.norm_bias is not None
-        return norm_bias or self.head_bias is not None
+        return self.readout.constant_bias
 
     def decompose(self) -> BatchDecomposition:
         """Split the last forward pass's option logits into its components (METHODS.md s. 1)."""
@@ -203,6 +213,7 @@ class ComponentCapture:
         if self.gram:  # METHODS.md section 7: every norm and angle of any partial sum
             upper = torch.triu_indices(z.shape[1], z.shape[1], device=z.device)
             gram = (z @ z.transpose(1, 2))[:, upper[0], upper[1]].cpu()
+        lens = self._lens(prefix, x) if self.lens else None
         total = logits.sum(dim=1)
         spread = logits.abs().sum(dim=1).amax(dim=-1).clamp(min=1.0)
         sum_error = (total - head).abs().amax(dim=-1) / spread
@@ -217,7 +228,20 @@ class ComponentCapture:
             model_logits=head.cpu(),
             sum_error=sum_error.cpu(),
             gram=gram,
+            lens=lens,
         )
+
+    def _lens(self, prefix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The logit lens at the last prompt token (METHODS.md section 9): block l's input h_l is
+        the prefix just before its ``attn`` component, read out by the model's own final
+        norm and unembedding; layer L is the full residual x."""
+        blocks = [c for c, (kind, _) in enumerate(self._records) if kind == "attn"]
+        states = [prefix[:, c - 1] for c in blocks] + [x]
+        dtype = self.readout.head.weight.dtype
+        logp = torch.log_softmax(self.readout.logits(torch.stack(states, 1).to(dtype)), dim=-1)
+        kl, overlap = lens_stats(logp, logp[:, -1:].expand_as(logp))
+        ids = self.option_ids.to(logp.device)
+        return torch.cat([kl[..., None], overlap[..., None], logp[..., ids]], dim=-1).cpu()
 
 
 def _onloaded(module: Any) -> Any:

@@ -4,18 +4,20 @@ damaged parts), compute that, and store it while releasing the claim."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pyarrow as pa
 
 from layerdiv.extract.batching import chunk_runs
-from layerdiv.extract.capture import BatchDecomposition, DecompositionError
-from layerdiv.extract.forward import ModelRunner, optional_tables
-from layerdiv.schemas import OPTIONAL_TABLES
-from layerdiv.store.manifest import read_manifest
+from layerdiv.extract.capture import DecompositionError
+from layerdiv.extract.forward import ModelRunner
+from layerdiv.schemas import KINDS, OPTIONAL_TABLES
+from layerdiv.store.manifest import Manifest, read_manifest
 from layerdiv.store.writer import ChunkClaim, PartitionWriter
 
-Results = dict[int, tuple[BatchDecomposition, int]]
-"""Instance -> (the decomposition of its batch, its row there)."""
+Results = dict[int, tuple[Any, int]]
+"""Instance (document) -> (its batch's result, ``layerdiv.extract.forward.Batch``, and its row
+there)."""
 
 
 def extra_tables(writer: PartitionWriter, asked: list[str], overwrite: bool) -> list[str]:
@@ -35,7 +37,7 @@ def pending(
     """Whether this shard has instances ``0..n-1`` left in an existing partition: not stored,
     in damaged parts, or in stored chunks lacking one of the optional ``tables``."""
     stored = read_manifest(writer.part.manifest)
-    done = writer.done_instances(len(stored.components) * len(stored.options))
+    done = writer.done_instances(stored)
     todo = [i for i in range(n) if i not in done]
     todo += [i for t in tables for s, c in backfillable(writer, t, n) for i in range(s, s + c)]
     return bool(chunk_runs(sorted(set(todo)), stored.chunk_size or chunk_size, shard))
@@ -62,17 +64,18 @@ def claimed(writer: PartitionWriter, chunks: list[int]) -> Iterator[tuple[int, C
 
 
 def missing_runs(
-    writer: PartitionWriter, j: int, grid: int, n: int, per_instance: int
+    writer: PartitionWriter, j: int, grid: int, n: int, manifest: Manifest
 ) -> tuple[list[list[int]], list[str]]:
     """Under the claim of chunk ``j``: the contiguous runs of its instances (below ``n``) that are
-    not stored, after deleting its parts that are unreadable or have wrong row counts (with
-    ``per_instance`` components rows per instance); and a note per deleted part."""
+    not stored, after deleting its parts that are unreadable or have wrong row counts (as the
+    partition's ``manifest`` expects them); and a note per deleted part."""
     lo, hi = j * grid, min(n, (j + 1) * grid)
     inside = [(s, c) for s, c in writer.part.done_parts() if s < hi and s + c > lo]
     notes = []
-    for s, c in writer.unreadable(inside, per_instance):
+    marker = KINDS[manifest.kind].marker
+    for s, c in writer.unreadable(inside, manifest):
         writer.remove_chunk(s, c)
-        notes.append(f"{writer.part.part('instances', s, c)} was unreadable or incomplete: redone")
+        notes.append(f"{writer.part.part(marker, s, c)} was unreadable or incomplete: redone")
     have = writer.done_instances()
     return chunk_runs([i for i in range(lo, hi) if i not in have], grid).get(j, []), notes
 
@@ -83,7 +86,7 @@ def compute(
     seqs: list[list[int]],
     batch_size: int | None,
     names: list[str],
-    check: Callable[[BatchDecomposition, list[int]], None],
+    check: Callable[[Any, list[int]], None],
     progress: Callable[[int], object],
 ) -> Results:
     """Run every instance of ``runs``, checking each batch and its component ``names``."""
@@ -102,27 +105,20 @@ def compute(
 
 
 def store(
-    writer: PartitionWriter,
-    claim: ChunkClaim,
-    parts: list[tuple[list[int], dict[str, pa.Table]]],
-    gold: list[int],
-    results: Results,
-) -> tuple[int, float]:
+    writer: PartitionWriter, claim: ChunkClaim, parts: list[tuple[list[int], dict[str, pa.Table]]]
+) -> None:
     """Write a claimed chunk's parts (whole chunks, or optional tables alone for chunks that are
-    stored already: a backfill), then release the claim; returns the number of correct
-    predictions and the worst decomposition error among ``results``."""
+    stored already: a backfill), then release the claim."""
+    markers = {k.marker for k in KINDS.values()}
     try:
         for ids, tables in parts:
-            if "instances" in tables:
+            if markers & set(tables):
                 writer.write_chunk(ids[0], len(ids), tables)
             else:
                 for name, table in tables.items():
                     writer.write_table_part(name, ids[0], len(ids), table)
     finally:
         claim.release()
-    correct = sum(int(d.model_logits[r].argmax()) == gold[i] for i, (d, r) in results.items())
-    worst = max((float(d.sum_error[r]) for d, r in results.values()), default=0.0)
-    return correct, worst
 
 
 def backfill(
@@ -132,11 +128,12 @@ def backfill(
     shard: tuple[int, int],
     n_items: int,
     compute_run: Callable[[list[int]], Results],
+    make: Callable[[list[int], Results], dict[str, pa.Table]],
 ) -> int:
     """Add the optional ``tables`` to this shard's complete chunks within instances
     ``0..n_items-1`` stored without them, part by part under the chunk's claim, without
     rewriting their components; returns the number of instances run. ``compute_run`` runs (and
-    checks) one contiguous run of instances."""
+    checks) one contiguous run of instances, ``make`` gives its optional tables."""
     missing = sorted({p for t in tables for p in backfillable(writer, t, n_items)})
     ids = [i for s, c in missing for i in range(s, s + c)]
     n = 0
@@ -145,7 +142,7 @@ def backfill(
             lacking = {t: set(backfillable(writer, t, n_items)) for t in tables}
             for s, c in sorted({p for ps in lacking.values() for p in ps if p[0] // grid == j}):
                 run = list(range(s, s + c))
-                made = optional_tables(run, compute_run(run))
+                made = make(run, compute_run(run))
                 for table in tables:
                     if (s, c) in lacking[table]:
                         writer.write_table_part(table, s, c, made[table])

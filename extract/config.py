@@ -60,6 +60,10 @@ class ExtractConfig:
     """Also store the option logits with each block skipped (``skips`` table, METHODS.md 7)."""
     gram: bool = False
     """Also store each instance's Gram matrix of the component outputs (``gram`` table)."""
+    lens: str | None = None
+    """Text tasks: also store the logit lens of every block input (``token_lens`` table,
+    METHODS.md section 9): ``final`` (final norm and unembedding) or ``last-block`` (the last
+    block applied first)."""
     progress: bool = True
     """Show progress bars."""
 
@@ -90,5 +94,7 @@ class TaskSummary:
     """Prompts left-truncated to the model's context."""
     accuracy_new: float | None = None
     """Fraction of new instances whose top option logit is the gold one."""
+    kind: str = "choice"
+    """The task kind (``text``: documents, cut to ``max_tokens`` rather than left-truncated)."""
     notes: list[str] = field(default_factory=list)
     """Things the user should know (a stored chunk grid used, a damaged chunk redone, ...)."""

@@ -17,13 +17,22 @@ from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, Decom
 from layerdiv.extract.heads import HeadCapture
 from layerdiv.extract.models import LoadedModel
 from layerdiv.extract.skips import BlockSkipper
+from layerdiv.extract.text import TextBatch, TextCapture
 from layerdiv.store.tables import (
     components_table,
+    documents_table,
     gram_table,
     heads_table,
     instances_table,
+    lens_table,
     skips_table,
+    token_blocks_table,
+    token_lens_table,
+    tokens_table,
 )
+
+Batch = BatchDecomposition | TextBatch
+"""What one forward pass gives: a choice task's decomposition, or a text task's dot products."""
 
 CPU_TOKEN_BUDGET = 1024
 """Padded tokens per batch for ``--batch-size auto`` on the CPU."""
@@ -56,8 +65,9 @@ def left_padded(seqs: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 class ModelRunner:
-    """Runs left-padded batches through a model with the capture hooks attached; a context
-    manager that always removes its hooks."""
+    """Runs left-padded batches through a model with the capture hooks attached (those of the
+    task ``kind``: the last-token decomposition of a choice task, the per-token dot products of a
+    text task); a context manager that always removes its hooks."""
 
     def __init__(
         self,
@@ -67,16 +77,33 @@ class ModelRunner:
         budget: int,
         extra_tables: Sequence[str] = (),
         n_heads: int | None = None,
+        kind: str = "choice",
+        lens: str | None = None,
     ) -> None:
         self.loaded = loaded
         self.budget = budget
         """Padded tokens per batch for automatic batching (lowered on out-of-memory)."""
-        self.capture = ComponentCapture(
-            loaded.model, adapter, option_ids, gram="gram" in extra_tables
+        self.text = (
+            TextCapture(loaded.model, adapter, lens if "token_lens" in extra_tables else None)
+            if kind == "text"
+            else None
+        )
+        """Text tasks: the per-token capture (METHODS.md section 9); the choice captures are
+        not attached."""
+        self.capture = (
+            None
+            if self.text is not None
+            else ComponentCapture(
+                loaded.model,
+                adapter,
+                option_ids,
+                gram="gram" in extra_tables,
+                lens="lens" in extra_tables,
+            )
         )
         self.heads = (
             HeadCapture(loaded.model, adapter, self.capture, n_heads)
-            if "heads" in extra_tables and n_heads is not None
+            if "heads" in extra_tables and n_heads is not None and self.capture is not None
             else None
         )
         """With ``--heads``: the per-head capture of ``n_heads`` heads (METHODS.md section 8)."""
@@ -99,16 +126,24 @@ class ModelRunner:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.capture.remove()
-        if self.heads is not None:
-            self.heads.remove()
+        for capture in (self.capture, self.heads, self.text):
+            if capture is not None:
+                capture.remove()
 
-    def run(self, seqs: list[list[int]]) -> BatchDecomposition:
-        """One forward pass over ``seqs`` (left-padded) and its decomposition."""
+    def run(self, seqs: list[list[int]]) -> Any:
+        """One forward pass over ``seqs`` (left-padded) and its :data:`Batch`
+        (``BatchDecomposition`` for a choice task, ``TextBatch`` for a text task)."""
         device = self.loaded.device
         inputs = {k: v.to(device) for k, v in left_padded(seqs, self.pad_id).items()}
         inputs.update(self.extra)
-        self.capture.reset()
+        if self.text is not None:
+            self.text.reset(inputs["input_ids"])
+            with torch.inference_mode():
+                self.loaded.model(**inputs)
+                return self.text.decompose()
+        capture = self.capture
+        assert capture is not None  # a choice runner
+        capture.reset()
         if self.heads is not None:
             self.heads.reset()
         with torch.inference_mode():
@@ -117,20 +152,20 @@ class ModelRunner:
             else:
                 with self.skipper.recording():
                     self.loaded.model(**inputs)
-            dec = self.capture.decompose()
+            dec = capture.decompose()
             if self.heads is not None:
                 dec.heads = self.heads.decompose(dec)
             if self.skipper is not None:
-                self.capture.paused = True  # also pauses the heads capture
+                capture.paused = True  # also pauses the heads capture
                 try:  # METHODS.md section 7: each block skipped, the shared prefix reused
                     dec.skip_logits = self.skipper.skip_logits(lambda: self.loaded.model(**inputs))
                 finally:
-                    self.capture.paused = False
+                    capture.paused = False
         return dec
 
     def run_chunk(
         self, seqs: list[list[int]], ids: list[int], batch_size: int | None
-    ) -> Iterator[tuple[BatchDecomposition, list[int]]]:
+    ) -> Iterator[tuple[Any, list[int]]]:
         """Run instances ``ids`` in length-sorted batches; on an out-of-memory error, halve the
         batch (and ``self.budget``, kept for later chunks) and go on."""
         lengths = [len(s) for s in seqs]
@@ -167,7 +202,7 @@ def chunk_tables(
         return np.stack([getattr(results[i][0], attr)[results[i][1]].numpy() for i in ids])
 
     return {
-        **optional_tables(ids, results),
+        **optional_tables(ids, results, gold),
         "components": components_table(
             ids,
             results[ids[0]][0].components,
@@ -190,11 +225,40 @@ def chunk_tables(
     }
 
 
-def optional_tables(
-    ids: list[int], results: dict[int, tuple[BatchDecomposition, int]]
+def text_tables(
+    ids: list[int],
+    results: dict[int, tuple[TextBatch, int]],
+    seqs: list[list[int]],
+    truncated: list[bool],
+    groups: list[str | None],
 ) -> dict[str, pa.Table]:
-    """The ``heads``, ``skips`` and ``gram`` tables of instances ``ids`` (ascending), where the
-    run computed them."""
+    """The ``tokens``, ``token_blocks`` and ``documents`` tables (and ``token_lens`` where the run
+    computed it) of documents ``ids``
+    (ascending; ``seqs``, ``truncated`` and ``groups`` are indexed by document), each found in
+    ``results`` as (its batch, its row there)."""
+    n_tokens = [len(seqs[i]) for i in ids]
+    dots = np.concatenate([results[i][0].document(results[i][1], len(seqs[i])) for i in ids])
+    lens = {}
+    if results[ids[0]][0].lens is not None:
+        if any(results[i][0].lens is None for i in ids):
+            raise DecompositionError("a document ran without the lens")
+        v = np.concatenate([results[i][0].document_lens(results[i][1], len(seqs[i])) for i in ids])
+        lens["token_lens"] = token_lens_table(ids, n_tokens, v[..., 0], v[..., 1], v[..., 2])
+    return {
+        **lens,
+        "tokens": tokens_table(ids, [seqs[i] for i in ids]),
+        "token_blocks": token_blocks_table(ids, n_tokens, dots),
+        "documents": documents_table(
+            ids, n_tokens, [truncated[i] for i in ids], [groups[i] for i in ids]
+        ),
+    }
+
+
+def optional_tables(
+    ids: list[int], results: dict[int, tuple[BatchDecomposition, int]], gold: list[int]
+) -> dict[str, pa.Table]:
+    """The ``heads``, ``skips``, ``gram`` and ``lens`` tables of instances ``ids`` (ascending;
+    ``gold`` indexed by instance), where the run computed them."""
     first = results[ids[0]][0]
 
     def stack(values: Callable[[BatchDecomposition], Any]) -> np.ndarray:
@@ -212,4 +276,10 @@ def optional_tables(
         tables["skips"] = skips_table(ids, stack(lambda d: d.skip_logits))
     if first.gram is not None:
         tables["gram"] = gram_table(ids, stack(lambda d: d.gram))
+    if first.lens is not None:
+        if any(results[i][0].lens is None for i in ids):
+            raise DecompositionError("an instance ran without the lens")
+        lens = stack(lambda d: d.lens)  # (B, L + 1, 2 + K)
+        ce = -np.stack([lens[row, :, 2 + gold[i]] for row, i in enumerate(ids)])
+        tables["lens"] = lens_table(ids, lens[..., 0], lens[..., 1], ce)
     return tables

@@ -275,17 +275,21 @@ class LoadedModel:
 
     @property
     def context_length(self) -> int:
-        config = self.model.config
-        limits = [
-            v
-            for v in (
-                getattr(config, "max_position_embeddings", None),
-                getattr(config, "n_positions", None),
-                getattr(self.tokenizer, "model_max_length", None),
-            )
-            if isinstance(v, int) and 0 < v < 10**7
-        ]
-        return min(limits) if limits else 10**7
+        return context_length(self.model.config, self.tokenizer)
+
+
+def context_length(config: Any, tokenizer: Any) -> int:
+    """The longest input a model takes: its position limit and its tokenizer's (10**7 if none)."""
+    limits = [
+        v
+        for v in (
+            getattr(config, "max_position_embeddings", None),
+            getattr(config, "n_positions", None),
+            getattr(tokenizer, "model_max_length", None),
+        )
+        if isinstance(v, int) and 0 < v < 10**7
+    ]
+    return min(limits) if limits else 10**7
 
 
 def load_tokenizer(source: ModelSource) -> Any:

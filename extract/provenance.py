@@ -71,6 +71,8 @@ def build_manifest(
         options=list(spec.options),
         option_tokens=[str(t) for t in tok.convert_ids_to_tokens(list(ident.option_token_ids))],
         task_spec=spec.to_dict(),
+        kind=spec.kind,
+        max_tokens=spec.max_tokens,
         components=components,
         n_requested=n_requested,
         chunk_size=chunk_size,

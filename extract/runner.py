@@ -5,6 +5,7 @@ thread writes one chunk while the model runs the next). Resumable, shardable, in
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -12,18 +13,26 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 from tqdm.auto import tqdm
 
 from layerdiv.extract import chunks
 from layerdiv.extract.adapters import Adapter, adapter_for, check_heads, check_softcap
-from layerdiv.extract.batching import chunk_runs, tokenize
+from layerdiv.extract.batching import chunk_runs, tokenize, tokenize_documents
 from layerdiv.extract.capture import SUM_TOLERANCE, BatchDecomposition, check_batch
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, ExtractConfig, TaskSummary
-from layerdiv.extract.forward import ModelRunner, chunk_tables, token_budget
+from layerdiv.extract.forward import (
+    ModelRunner,
+    chunk_tables,
+    optional_tables,
+    text_tables,
+    token_budget,
+)
 from layerdiv.extract.heads import check_head_sums
 from layerdiv.extract.interrupt import interruptible
 from layerdiv.extract.models import (
     LoadedModel,
+    context_length,
     load_model,
     load_tokenizer,
     resolve_device,
@@ -40,7 +49,9 @@ from layerdiv.extract.tasks import (
     load_task,
     option_token_ids,
 )
-from layerdiv.store.manifest import read_manifest
+from layerdiv.extract.text import check_text_batch
+from layerdiv.schemas import KINDS
+from layerdiv.store.manifest import Manifest, read_manifest, write_manifest
 from layerdiv.store.reader import PartitionInfo
 from layerdiv.store.writer import PartitionWriter, Verdict
 
@@ -58,20 +69,74 @@ class TaskPlan:
     """The optional tables to write (:func:`_extra_tables`)."""
     argument: str = ""
     """The task as ``--task`` takes it: a built-in name, or the absolute path of its YAML."""
+    documents: tuple[list[list[int]], list[bool]] | None = None
+    """Text tasks: the token ids of every document and whether it was cut (known before the
+    weights load, so that a document without tokens is refused before anything is written)."""
 
 
-def plan_task(name: str, tokenizer: Any, cfg: ExtractConfig) -> TaskPlan:
-    """Load a task's instances and option tokens (task errors surface before the weights load).
-    The data fingerprint covers the task's first n rows, so a larger ``--limit`` extends the
-    same partition."""
+def plan_task(
+    name: str, tokenizer: Any, cfg: ExtractConfig, context: int | None = None
+) -> TaskPlan:
+    """Load a task's instances and option tokens, or a text task's documents and their tokens
+    cut to ``max_tokens`` and the model's ``context`` length (task errors surface before the
+    weights load). The data fingerprint covers the task's first n rows, so a larger ``--limit``
+    extends the same partition."""
     spec = load_task(name)
     rows = instances(spec, max(spec.n, cfg.limit or 0))
     items = rows[: cfg.limit or spec.n]
-    ids = option_token_ids(spec, tokenizer, items[0].prompt)
     writer = PartitionWriter(cfg.store, cfg.model, spec.name)
-    tables = chunks.extra_tables(writer, cfg.extra_tables, cfg.overwrite)
     argument = str(Path(name).resolve()) if Path(name).suffix in (".yaml", ".yml") else name
-    return TaskPlan(spec, items, ids, data_sha256(rows[: spec.n]), writer, tables, argument)
+    sha = data_sha256(rows[: spec.n])
+    if spec.kind == "text":
+        _refuse_text_flags(spec, cfg)
+        limit = context or context_length(None, tokenizer)
+        texts = [it.prompt for it in items]
+        documents = tokenize_documents(tokenizer, texts, min(spec.max_tokens or limit, limit))
+        empty = [i for i, seq in enumerate(documents[0]) if not seq]
+        if empty:
+            raise TaskError(
+                f"task {spec.name}: document {empty[0]} tokenizes to no tokens (empty text); "
+                "fix the data or the task's text template, or filter such rows out"
+            )
+        asked = ["token_lens"] if cfg.lens else []
+        tables = chunks.extra_tables(writer, asked, cfg.overwrite)
+        return TaskPlan(spec, items, [], sha, writer, tables, argument, documents)
+    if cfg.lens == "last-block":
+        raise TaskError(
+            f"task {spec.name} is a choice task: --lens last-block applies to text tasks only "
+            "(a choice task keeps the last prompt token alone); use --lens"
+        )
+    ids = option_token_ids(spec, tokenizer, items[0].prompt)
+    asked = [*cfg.extra_tables, *(["lens"] if cfg.lens else [])]
+    tables = chunks.extra_tables(writer, asked, cfg.overwrite)
+    return TaskPlan(spec, items, ids, sha, writer, tables, argument)
+
+
+def _refuse_other_lens(writer: PartitionWriter, stored: Manifest, manifest: Manifest) -> None:
+    """Record the lens of a partition that had none; refuse another lens than the stored one."""
+    table = KINDS[stored.kind].lens_table
+    if stored.lens is not None and writer.part.parts(table):
+        raise TaskError(
+            f"{writer.part.manifest}: the stored {table} is --lens {stored.lens}, this run asks "
+            f"for --lens {manifest.lens}; use --lens {stored.lens}, or --overwrite"
+        )
+    stored.lens = manifest.lens
+    write_manifest(writer.part.manifest, stored)
+
+
+def _refuse_text_flags(spec: TaskSpec, cfg: ExtractConfig) -> None:
+    """Refuse the optional tables a text task cannot have."""
+    if cfg.skips and spec.max_tokens is not None and spec.max_tokens <= 8:
+        raise TaskError(
+            f"task {spec.name}: --skips needs split points 8, 16, ... < T - 4, and max_tokens "
+            f"{spec.max_tokens} leaves none; raise max_tokens above 12 or drop --skips"
+        )
+    asked = [f"--{t}" for t in cfg.extra_tables]
+    if asked:
+        raise TaskError(
+            f"task {spec.name} is a text task: {', '.join(asked)} applies to choice tasks only "
+            "in this version; extract it without"
+        )
 
 
 def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
@@ -83,7 +148,8 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         adapter = adapter_for(source.config)
         approximate = check_softcap(source.config, cfg.allow_softcap)
         tokenizer = load_tokenizer(source)
-        plans = [plan_task(name, tokenizer, cfg) for name in cfg.tasks]
+        context = context_length(source.config, tokenizer)
+        plans = [plan_task(name, tokenizer, cfg, context) for name in cfg.tasks]
         _refuse_shared_names(plans)
         idents = [identity(source, dtype, p.spec, p.option_ids, p.data_sha256) for p in plans]
         heads = any("heads" in p.extra_tables for p in plans)
@@ -99,7 +165,8 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
             if verdict is Verdict.RESUME and not todo(_chunk_size(cfg), cfg.shard):
                 done = len(plan.writer.done_instances())
                 notes = _mark_complete(plan.writer, plan.extra_tables)
-                summary = TaskSummary(plan.spec.name, len(plan.items), 0, done, 0.0, notes=notes)
+                summary = TaskSummary(plan.spec.name, len(plan.items), 0, done, 0.0,
+                                      kind=plan.spec.kind, notes=notes)  # fmt: skip
             else:
                 loaded = loaded or load_model(source, tokenizer, device, dtype, cfg.device_map)
                 summary = extract_task(loaded, adapter, plan, cfg, approximate, n_heads)
@@ -147,6 +214,45 @@ def _check(dec: BatchDecomposition, ids: list[int], task: str, tol: float) -> No
         check_head_sums(dec.heads, dec, ids, task, tol)
 
 
+@dataclass(frozen=True)
+class _BatchWork:
+    """What the task kind changes in the chunk loop: how a batch is checked, which tables a run
+    of instances (documents) yields, and what it counts (correct predictions, worst error)."""
+
+    check: Callable[[Any, list[int]], None]
+    tables: Callable[[list[int], chunks.Results], dict[str, pa.Table]]
+    tally: Callable[[chunks.Results], tuple[int, float]]
+    optional: Callable[[list[int], chunks.Results], dict[str, pa.Table]]
+    """The optional tables of a run (a backfill writes those a stored chunk lacks)."""
+
+
+def _batch_work(
+    plan: TaskPlan, seqs: list[list[int]], truncated: list[bool], tol: float
+) -> _BatchWork:
+    spec, items = plan.spec, plan.items
+    if spec.kind == "text":
+        groups = [it.group for it in items]
+        return _BatchWork(
+            lambda b, ids: check_text_batch(b, ids, [len(seqs[i]) for i in ids], spec.name),
+            lambda r, res: text_tables(r, res, seqs, truncated, groups),
+            lambda res: (0, 0.0),
+            lambda r, res: text_tables(r, res, seqs, truncated, groups),
+        )
+    gold, prompts = [it.gold for it in items], [it.prompt for it in items]
+
+    def tally(results: chunks.Results) -> tuple[int, float]:
+        correct = sum(int(d.model_logits[r].argmax()) == gold[i] for i, (d, r) in results.items())
+        worst = max((float(d.sum_error[r]) for d, r in results.values()), default=0.0)
+        return correct, worst
+
+    return _BatchWork(
+        partial(_check, task=spec.name, tol=tol),
+        lambda r, res: chunk_tables(r, res, gold, seqs, truncated, prompts),
+        tally,
+        lambda r, res: optional_tables(r, res, gold),
+    )
+
+
 def extract_task(
     loaded: LoadedModel,
     adapter: Adapter,
@@ -159,62 +265,68 @@ def extract_task(
     with the optional tables of ``plan.extra_tables`` (``n_heads`` heads per attention block
     for ``heads``), which are also added to stored chunks that lack them."""
     spec, items, writer, tables = plan.spec, plan.items, plan.writer, plan.extra_tables
-    prompts = [it.prompt for it in items]
-    seqs, truncated = tokenize(loaded.tokenizer, prompts, loaded.context_length)
+    if plan.documents is not None:
+        seqs, truncated = plan.documents
+    else:
+        seqs, truncated = tokenize(loaded.tokenizer, [it.prompt for it in items],
+                                   loaded.context_length)  # fmt: skip
     budget = token_budget(loaded.device, loaded.model.config, loaded.dtype)
-    tol, gold = SUM_TOLERANCE[loaded.dtype], [it.gold for it in items]
-    check = partial(_check, task=spec.name, tol=tol)
+    tol = SUM_TOLERANCE[loaded.dtype]
+    work = _batch_work(plan, seqs, truncated, tol)
+    unit = KINDS[spec.kind].units
     start_time, notes = time.perf_counter(), []
-    with ModelRunner(loaded, adapter, plan.option_ids, budget, tables, n_heads) as runner:
+    with ModelRunner(loaded, adapter, plan.option_ids, budget, tables, n_heads,
+                     spec.kind, cfg.lens) as runner:  # fmt: skip
         probe = runner.run([seqs[0]])  # the component list, before anything is written
-        check(probe, [0])
+        work.check(probe, [0])
         ident = identity(loaded.source, loaded.dtype, spec, plan.option_ids, plan.data_sha256)
         manifest = build_manifest(loaded, adapter, spec, ident, probe.components, len(items),
                                   _chunk_size(cfg), tol, approximate)  # fmt: skip
+        lens_table = KINDS[spec.kind].lens_table
+        manifest.lens = cfg.lens if lens_table in tables else None
         stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])
+        if lens_table in tables and stored.lens != manifest.lens:
+            _refuse_other_lens(writer, stored, manifest)
         grid = stored.chunk_size or _chunk_size(cfg)
         if cfg.chunk_size and grid != cfg.chunk_size:
-            notes.append(f"the partition's chunk grid is {grid} instances (--chunk-size "
+            notes.append(f"the partition's chunk grid is {grid} {unit} (--chunk-size "
                          f"{cfg.chunk_size} applies to new partitions only)")  # fmt: skip
         names = [c.name for c in stored.components]
-        per_instance = len(names) * len(stored.options)
-        done = writer.done_instances(per_instance)
+        done = writer.done_instances(stored)
         cells = chunk_runs([i for i in range(len(items)) if i not in done], grid, cfg.shard)
         run = writer.start_run({"n_requested": len(items), "shard": list(cfg.shard),
                                 "task": plan.argument,
                                 "chunk_size": grid, "device": loaded.device.type})  # fmt: skip
         correct, max_err, n_new = 0, 0.0, 0
         bar = tqdm(total=sum(len(r) for runs in cells.values() for r in runs), desc=spec.name,
-                   unit="inst", disable=not cfg.progress, dynamic_ncols=True)  # fmt: skip
+                   unit=unit[:3], disable=not cfg.progress, dynamic_ncols=True)  # fmt: skip
         with bar, ThreadPoolExecutor(max_workers=1) as pool:
-            writing: Future[tuple[int, float]] | None = None
+            writing: Future[None] | None = None
             for j, claim in chunks.claimed(writer, sorted(cells)):
                 try:
-                    runs, redone = chunks.missing_runs(writer, j, grid, len(items), per_instance)
-                    results = chunks.compute(runner, runs, seqs, cfg.batch_size, names, check,
-                                             bar.update)  # fmt: skip
-                    parts = [(r, chunk_tables(r, results, gold, seqs, truncated, prompts))
-                             for r in runs]  # fmt: skip
+                    runs, redone = chunks.missing_runs(writer, j, grid, len(items), stored)
+                    results = chunks.compute(runner, runs, seqs, cfg.batch_size, names,
+                                             work.check, bar.update)  # fmt: skip
+                    parts = [(r, work.tables(r, results)) for r in runs]
                 except BaseException:
                     claim.release()
                     raise
                 notes += redone
+                c, e = work.tally(results)
+                correct, max_err, n_new = correct + c, max(max_err, e), n_new + len(results)
                 if writing is not None:  # at most one chunk in flight
-                    c, e = writing.result()
-                    correct, max_err = correct + c, max(max_err, e)
-                writing = pool.submit(chunks.store, writer, claim, parts, gold, results)
-                n_new += len(results)
+                    writing.result()
+                writing = pool.submit(chunks.store, writer, claim, parts)
             if writing is not None:
-                c, e = writing.result()
-                correct, max_err = correct + c, max(max_err, e)
+                writing.result()
         if tables:  # chunks stored before without them: add just these tables
             rerun = partial(chunks.compute, runner, seqs=seqs, batch_size=cfg.batch_size,
-                            names=names, check=check, progress=lambda n: None)  # fmt: skip
+                            names=names, check=work.check, progress=lambda n: None)  # fmt: skip
             added = chunks.backfill(writer, tables, grid, cfg.shard, len(items),
-                                    lambda run: rerun(runs=[run]))  # fmt: skip
+                                    lambda run: rerun(runs=[run]), work.optional)  # fmt: skip
             if added:
-                notes.append(f"added {', '.join(tables)} to {added} stored instances "
-                             "(their components were kept)")  # fmt: skip
+                notes.append(f"added {', '.join(tables)} to {added} stored {unit} "
+                             "(their other tables were kept)")  # fmt: skip
         notes += _mark_complete(writer, tables)
     seconds = time.perf_counter() - start_time
     run.write(finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -227,6 +339,7 @@ def extract_task(
         seconds=seconds,
         max_sum_error=max_err,
         n_truncated=sum(truncated),
-        accuracy_new=correct / n_new if n_new else None,
+        accuracy_new=correct / n_new if n_new and spec.kind == "choice" else None,
+        kind=spec.kind,
         notes=notes,
     )

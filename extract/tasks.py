@@ -14,6 +14,16 @@ A task YAML has these keys (see ``layerdiv/tasks/*.yaml`` for the built-in ones)
 The prompt is the template's text before ``{{ answer }}``, without the spaces just before it; the
 option token is the first token of ``<those spaces><option>`` as the tokenizer splits it after
 the prompt (so ``Answer: negative`` scores the token `` negative``).
+
+A running-text task (``kind: text``) has no template, options or label; instead::
+
+    kind: text
+    text: "Question: {{ question }}\nAnswer: {{ answer }}"   # Jinja; renders one document
+    max_tokens: 1024                # optional: documents are cut to their first max_tokens tokens
+    group_field: level              # optional: a field stored with each document (as a string)
+
+Its data is read as a choice task's (a ``.txt`` file: one document per non-empty line, as the
+field ``text``); documents are numbered in file order.
 """
 
 from __future__ import annotations
@@ -59,11 +69,11 @@ class TaskSpec:
 
     name: str
     """Task name; the store partition ``task=<name>``."""
-    template: str
-    """Jinja template of the full text; ends with ``{{ answer }}``."""
-    options: tuple[str, ...]
+    template: str = ""
+    """Jinja template of the full text; ends with ``{{ answer }}`` (choice tasks)."""
+    options: tuple[str, ...] = ()
     """Answer option strings (2 to 4 in the paper; any K from 2 to ``MAX_OPTIONS`` works)."""
-    label: str
+    label: str = ""
     """Jinja expression rendering the gold option string or its 0-based index."""
     n: int = 2000
     """Default number of instances: the first n rows that pass ``filter``."""
@@ -75,12 +85,25 @@ class TaskSpec:
     """Optional Jinja expression; rows where it renders ``False`` are skipped."""
     description: str = ""
     """Free text: where the task comes from."""
+    kind: str = "choice"
+    """``choice`` (scored options at the last prompt token) or ``text`` (every token of running
+    text; ``layerdiv.schemas.KINDS``)."""
+    text: str | None = None
+    """Text tasks: Jinja template rendering one document."""
+    max_tokens: int | None = None
+    """Text tasks: documents are cut to their first ``max_tokens`` tokens (default: the model's
+    context length)."""
+    group_field: str | None = None
+    """Text tasks: a data field stored with each document as its ``group``."""
     base_dir: Path = field(default=Path("."), compare=False)
     """Folder of the YAML file (local data paths are relative to it)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("base_dir")
+        if self.kind == "choice":  # as before text tasks existed (a stored partition's hash)
+            for key in ("kind", "text", "max_tokens", "group_field"):
+                d.pop(key)
         return d
 
     def sha256(self) -> str:
@@ -126,11 +149,18 @@ def parse_task(raw: Any, base_dir: Path, where: str) -> TaskSpec:
     unknown = set(raw) - allowed
     if unknown:
         raise TaskError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+    if ("dataset" in raw) == ("data" in raw):
+        raise TaskError(f"{where}: give exactly one of 'dataset' (hub) or 'data' (local file)")
+    if raw.get("kind", "choice") == "text":
+        return _parse_text_task(raw, base_dir, where)
+    if raw.get("kind", "choice") != "choice":
+        raise TaskError(f"{where}: 'kind' must be choice or text, got {raw['kind']!r}")
+    choice_only = sorted(set(raw) & {"text", "max_tokens", "group_field"})
+    if choice_only:
+        raise TaskError(f"{where}: {choice_only} belong to text tasks; add 'kind: text'")
     missing = [k for k in ("name", "template", "options", "label") if k not in raw]
     if missing:
         raise TaskError(f"{where}: missing keys {missing}")
-    if ("dataset" in raw) == ("data" in raw):
-        raise TaskError(f"{where}: give exactly one of 'dataset' (hub) or 'data' (local file)")
     options = raw["options"]
     if not isinstance(options, list) or len(options) < 2 or len(set(options)) != len(options):
         raise TaskError(f"{where}: 'options' must list at least two distinct strings")
@@ -142,20 +172,7 @@ def parse_task(raw: Any, base_dir: Path, where: str) -> TaskSpec:
     template = str(raw["template"])
     if not template.rstrip().endswith(ANSWER):
         raise TaskError(f"{where}: the template must end with {ANSWER!r}")
-    n = raw.get("n", 2000)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise TaskError(f"{where}: 'n' must be a positive whole number, got {n!r}")
-    dataset = raw.get("dataset")
-    try:
-        hub = HubDataset(**dataset) if dataset else None
-    except TypeError as err:
-        raise TaskError(f"{where}: 'dataset' needs path, split and optional name ({err})") from err
-    from layerdiv.store.paths import check_task_name
-
-    try:
-        name = check_task_name(str(raw["name"]))
-    except ValueError as err:
-        raise TaskError(f"{where}: {err}") from err
+    name, n, hub = _common(raw, where)
     for key in ("template", "label", "filter"):
         if raw.get(key) is not None:
             _compile(str(raw[key]), f"{where}: the {key}")
@@ -173,12 +190,71 @@ def parse_task(raw: Any, base_dir: Path, where: str) -> TaskSpec:
     )
 
 
+def _common(raw: dict[str, Any], where: str) -> tuple[str, int, HubDataset | None]:
+    """The name, ``n`` and hub dataset of a task mapping of either kind, checked."""
+    if "name" not in raw:
+        raise TaskError(f"{where}: missing keys ['name']")
+    n = raw.get("n", 2000)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise TaskError(f"{where}: 'n' must be a positive whole number, got {n!r}")
+    dataset = raw.get("dataset")
+    try:
+        hub = HubDataset(**dataset) if dataset else None
+    except TypeError as err:
+        raise TaskError(f"{where}: 'dataset' needs path, split and optional name ({err})") from err
+    from layerdiv.store.paths import check_task_name
+
+    try:
+        return check_task_name(str(raw["name"])), n, hub
+    except ValueError as err:
+        raise TaskError(f"{where}: {err}") from err
+
+
+def _parse_text_task(raw: dict[str, Any], base_dir: Path, where: str) -> TaskSpec:
+    """Check a ``kind: text`` task mapping and build its :class:`TaskSpec`."""
+    if "text" not in raw:
+        raise TaskError(
+            f"{where}: a text task needs 'text', the Jinja template of one document "
+            '(e.g. text: "{{ text }}")'
+        )
+    choice_only = sorted(set(raw) & {"template", "options", "label"})
+    if choice_only:
+        raise TaskError(f"{where}: {choice_only} belong to choice tasks; a text task has 'text'")
+    name, n, hub = _common(raw, where)
+    max_tokens = raw.get("max_tokens")
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+    ):
+        raise TaskError(
+            f"{where}: 'max_tokens' must be a positive whole number, got {max_tokens!r}"
+        )
+    for key in ("text", "filter"):
+        if raw.get(key) is not None:
+            _compile(str(raw[key]), f"{where}: the {key}")
+    group = raw.get("group_field")
+    return TaskSpec(
+        name=name,
+        n=n,
+        dataset=hub,
+        data=raw.get("data"),
+        filter=raw.get("filter"),
+        description=str(raw.get("description", "")),
+        kind="text",
+        text=str(raw["text"]),
+        max_tokens=max_tokens,
+        group_field=None if group is None else str(group),
+        base_dir=base_dir,
+    )
+
+
 @dataclass(frozen=True)
 class Instance:
-    """One prompt with its gold option."""
+    """One prompt with its gold option, or one document of a text task (gold -1)."""
 
     prompt: str
     gold: int
+    group: str | None = None
+    """Text tasks: the value of the task's ``group_field`` as a string."""
 
 
 def _environment() -> Any:
@@ -228,8 +304,10 @@ def _rows(spec: TaskSpec) -> Any:
                 "extra (pip install 'layerdiv[hf]')"
             ) from err
         try:
+            # A text task reads its first n documents of corpora far larger than that: streamed.
+            stream = {"streaming": True} if spec.kind == "text" else {}
             return datasets.load_dataset(
-                spec.dataset.path, spec.dataset.name, split=spec.dataset.split
+                spec.dataset.path, spec.dataset.name, split=spec.dataset.split, **stream
             )
         except Exception as err:  # hub and network errors come in many types
             raise TaskError(
@@ -291,6 +369,7 @@ _READERS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
     ".json": _read_json,
     ".csv": lambda p: pa_csv.read_csv(io.BytesIO(_text(p).encode())).to_pylist(),
     ".parquet": lambda p: pq.read_table(p).to_pylist(),
+    ".txt": lambda p: [{"text": line} for line in _text(p).split("\n") if line.strip()],
 }
 """Local data readers by file suffix (pyarrow: extraction nodes need no dataframe library)."""
 
@@ -300,8 +379,11 @@ def instances(spec: TaskSpec, limit: int | None = None) -> list[Instance]:
     from jinja2 import UndefinedError
 
     n = spec.n if limit is None else limit
-    prompt_template, _ = split_template(spec)
-    label_template = _compile(spec.label, f"task {spec.name}: the label")
+    text = spec.kind == "text"
+    prompt_template = (
+        _compile(str(spec.text), f"task {spec.name}: the text") if text else split_template(spec)[0]
+    )
+    label_template = None if text else _compile(spec.label, f"task {spec.name}: the label")
     keep = _compile(spec.filter, f"task {spec.name}: the filter") if spec.filter else None
     source = f" of {spec.base_dir / spec.data}" if spec.data else ""
     out: list[Instance] = []
@@ -313,8 +395,12 @@ def instances(spec: TaskSpec, limit: int | None = None) -> list[Instance]:
             if keep is not None and keep.render(**row).strip() == "False":
                 continue
             prompt = prompt_template.render(**row)
+            if label_template is None:
+                group = spec.group_field and row[spec.group_field]
+                out.append(Instance(prompt, -1, None if group is None else str(group)))
+                continue
             label = label_template.render(**row).strip()
-        except UndefinedError as err:
+        except (UndefinedError, KeyError) as err:
             raise TaskError(f"{where}: {err} (its fields: {', '.join(map(str, row))})") from err
         except Exception as err:  # jinja raises several types for a bad field or expression
             raise TaskError(f"{where}: {err}") from err
@@ -371,6 +457,7 @@ def data_sha256(items: list[Instance]) -> str:
     extraction sees it (editing the data file changes it; moving the file does not)."""
     h = hashlib.sha256()
     for item in items:
-        h.update(json.dumps([item.prompt, item.gold]).encode())
+        fields = [item.prompt, item.gold] + ([] if item.group is None else [item.group])
+        h.update(json.dumps(fields).encode())
         h.update(b"\n")
     return h.hexdigest()

@@ -10,6 +10,10 @@ History:
 - 2: ``components`` gains ``cos_prev``; optional tables ``skips``, ``heads`` and ``gram``; the
   manifest gains ``hidden_size``, ``extra_tables``, ``chunk_size`` and ``data_sha256``.
 - 3: ``instances`` gains ``prompt`` (the rendered prompt, bounded to :data:`PROMPT_CHARS`).
+- 4: running-text partitions (task kind ``text``, :data:`KINDS`): tables ``documents``,
+  ``tokens``, ``token_blocks`` and optional ``token_lens``, ``future_effects``,
+  ``future_output``; choice tasks gain the optional ``lens``; the manifest gains ``kind``,
+  ``max_tokens``, ``lens``, ``skip_split`` and ``skip_seed``.
 
 The hive partition columns ``model`` and ``task`` are not stored inside the files: they come from
 the directory names (``model=<slug>/task=<task>``) and are typed as strings by every reader.
@@ -17,11 +21,13 @@ the directory names (``model=<slug>/task=<task>``) and are typed as strings by e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Version of the on-disk layout and of the column sets below (the one this code writes)."""
 
 OLDEST_READABLE = 1
@@ -186,19 +192,198 @@ GRAM = _schema(
   the upper triangle row by row (a <= b), C(C+1)/2 values (:func:`gram_index`).
 """
 
+LENS_FIELDS = [
+    pa.field("layer", pa.int16(), nullable=False),
+    pa.field("kl", pa.float32(), nullable=False),
+    pa.field("top5_overlap", pa.float32(), nullable=False),
+]
+
+LENS = _schema(
+    "lens",
+    [
+        pa.field("instance", pa.int32(), nullable=False),
+        *LENS_FIELDS,
+        pa.field("ce", pa.float32(), nullable=False),
+    ],
+)
+"""Optional (``extract --lens`` on a choice task; METHODS.md section 9, logit lens at the last
+prompt token). One row per (instance, layer).
+
+- ``layer``: l = 0..L; p_l = softmax(W_U norm(h_l)) over the full vocabulary from block l's
+  input h_l (l = 0: the embedding; with ``--lens last-block`` the last block is applied to h_l
+  first); layer L is the model's own output distribution p_L.
+- ``kl``: KL(p_l || p_L) in nats (0 at layer L).
+- ``top5_overlap``: |top5(p_l) & top5(p_L)| / 5 (1 at layer L).
+- ``ce``: -log p_l(first token of the gold option), in nats.
+"""
+
+DOCUMENTS = _schema(
+    "documents",
+    [
+        pa.field("doc", pa.int32(), nullable=False),
+        pa.field("n_tokens", pa.int32(), nullable=False),
+        pa.field("truncated", pa.bool_(), nullable=False),
+        pa.field("group", pa.string(), nullable=True),
+    ],
+)
+"""Text tasks: one row per document; the chunk's completion marker (written last).
+
+- ``doc``: the document's index in the task's file order (0-based).
+- ``n_tokens``: T, tokens fed to the model (after the cut to the task's ``max_tokens``).
+- ``truncated``: true when the document had more than ``max_tokens`` tokens.
+- ``group``: the value of the task's ``group_field`` (e.g. ``hops``, ``level``) as a string;
+  null without one.
+"""
+
+TOKENS = _schema(
+    "tokens",
+    [
+        pa.field("doc", pa.int32(), nullable=False),
+        pa.field("pos", pa.int32(), nullable=False),
+        pa.field("token", pa.int32(), nullable=False),
+    ],
+)
+"""Text tasks: one row per (doc, pos), p = 0..T-1; ``token`` is the token id fed there."""
+
+TOKEN_BLOCKS = _schema(
+    "token_blocks",
+    [
+        pa.field("doc", pa.int32(), nullable=False),
+        pa.field("pos", pa.int32(), nullable=False),
+        pa.field("block", pa.int16(), nullable=False),
+        *(
+            pa.field(name, pa.float32(), nullable=False)
+            for name in ("hh", "aa", "mm", "ha", "hm", "am")
+        ),
+        pa.field("dd_next", pa.float32(), nullable=True),
+        pa.field("h_final", pa.float32(), nullable=False),
+    ],
+)
+"""Text tasks: one row per (doc, pos, block), sorted by that key (METHODS.md section 9).
+
+With h the input of block l (``block``, 0..L-1; h_0 the embedding output), a what its attention
+sublayer adds to the residual stream, m what its MLP adds and d_l = a + m (residual units
+squared): ``hh`` = h.h, ``aa`` = a.a, ``mm`` = m.m, ``ha`` = h.a, ``hm`` = h.m, ``am`` = a.m;
+``dd_next`` = d_l . d_(l+1) (null for the last block); ``h_final`` = h_l . h_L with h_L the last
+residual state before the final norm. Computed in the model's dtype, reduced in float32.
+"""
+
+TOKEN_LENS = _schema(
+    "token_lens",
+    [
+        pa.field("doc", pa.int32(), nullable=False),
+        pa.field("pos", pa.int32(), nullable=False),
+        *LENS_FIELDS,
+        pa.field("ce", pa.float32(), nullable=True),
+    ],
+)
+"""Optional (``extract --lens`` on a text task). One row per (doc, pos, layer), layer 0..L, as
+:data:`LENS`; ``ce`` = -log p_l(token at pos + 1), null at the document's last position."""
+
+SUBLAYERS = ("block", "attn", "mlp")
+"""What a future-effects row skipped: the whole block, its attention or its MLP sublayer."""
+
+_SKIP_KEY = [
+    pa.field("doc", pa.int32(), nullable=False),
+    pa.field("split", pa.int32(), nullable=False),
+    pa.field("sublayer", pa.dictionary(pa.int8(), pa.string()), nullable=False),
+    pa.field("skipped", pa.int16(), nullable=False),
+]
+
+FUTURE_EFFECTS = _schema(
+    "future_effects",
+    [
+        *_SKIP_KEY,
+        pa.field("block", pa.int16(), nullable=False),
+        pa.field("rel_change", pa.float32(), nullable=False),
+    ],
+)
+"""Optional (``extract --skips`` on a text task; METHODS.md section 9, future effects). One row
+per (doc, split, sublayer, skipped, block).
+
+- ``split``: the split point t (0 with ``--skip-split all``).
+- ``sublayer``: one of :data:`SUBLAYERS`, what was skipped.
+- ``skipped``: block l whose output (or sublayer's addition) was replaced by its input at
+  positions 1..t-1 (every position but the first with ``--skip-split all``).
+- ``block``: affected block j.
+- ``rel_change``: max over p >= t of ||d'_j - d_j|| / max(||d_j||, 1e-6).
+"""
+
+FUTURE_OUTPUT = _schema(
+    "future_output",
+    [*_SKIP_KEY, pa.field("out_change", pa.float32(), nullable=False)],
+)
+"""Optional (``extract --skips`` on a text task). One row per (doc, split, sublayer, skipped):
+``out_change`` = max over p >= t of the L2 distance between the skipped and the clean run's
+next-token distributions."""
+
 TABLES = {
     "components": COMPONENTS,
     "instances": INSTANCES,
     "skips": SKIPS,
     "heads": HEADS,
     "gram": GRAM,
+    "lens": LENS,
+    "documents": DOCUMENTS,
+    "tokens": TOKENS,
+    "token_blocks": TOKEN_BLOCKS,
+    "token_lens": TOKEN_LENS,
+    "future_effects": FUTURE_EFFECTS,
+    "future_output": FUTURE_OUTPUT,
 }
 """Every table of the store by name, as this version writes them."""
 
-REQUIRED_TABLES = ("components", "instances")
-"""Tables every complete chunk has; the instances part is the chunk's completion marker."""
 
-OPTIONAL_TABLES = ("skips", "heads", "gram")
+@dataclass(frozen=True)
+class Kind:
+    """The tables of one task kind's partitions."""
+
+    name: str
+    """``choice`` or ``text`` (the manifest's ``kind``)."""
+    unit: str
+    """The key column chunks are cut along (``instance`` or ``doc``)."""
+    units: str
+    """What the unit is called in messages (``instances``, ``documents``)."""
+    marker: str
+    """The table whose part marks a chunk complete (written after every other part)."""
+    required: tuple[str, ...]
+    """Tables every complete chunk has (the marker last)."""
+    optional: dict[str, str]
+    """Optional tables and the ``extract`` flag that writes each."""
+    lens_table: str
+    """The optional table ``extract --lens`` writes."""
+
+    @property
+    def tables(self) -> tuple[str, ...]:
+        return (*self.required, *self.optional)
+
+
+KINDS = {
+    "choice": Kind(
+        "choice",
+        "instance",
+        "instances",
+        "instances",
+        ("components", "instances"),
+        {"skips": "--skips", "heads": "--heads", "gram": "--gram", "lens": "--lens"},
+        "lens",
+    ),
+    "text": Kind(
+        "text",
+        "doc",
+        "documents",
+        "documents",
+        ("tokens", "token_blocks", "documents"),
+        {"token_lens": "--lens", "future_effects": "--skips", "future_output": "--skips"},
+        "token_lens",
+    ),
+}
+"""Every task kind by name."""
+
+KIND_OF_TABLE = {t: k for k in KINDS.values() for t in k.tables}
+"""The kind whose partitions hold each table."""
+
+OPTIONAL_TABLES = tuple(t for k in KINDS.values() for t in k.optional)
 """Tables a partition has only when extracted with the matching flag (``--skips``, ...); the
 manifest's ``extra_tables`` lists them."""
 
@@ -207,12 +392,13 @@ _TABLES_V1 = {
     "instances": _schema("instances", _INSTANCE_FIELDS_V2, version=1),
 }
 
-_TABLES_V2 = {**TABLES, "instances": _schema("instances", _INSTANCE_FIELDS_V2, version=2)}
+_TABLES_V3 = {t: TABLES[t] for t in ("components", "instances", "skips", "heads", "gram")}
+_TABLES_V2 = {**_TABLES_V3, "instances": _schema("instances", _INSTANCE_FIELDS_V2, version=2)}
 
 
 def tables_of(version: int) -> dict[str, pa.Schema]:
     """The tables (and their schemas) of a store written with schema ``version``."""
-    return {1: _TABLES_V1, 2: _TABLES_V2}.get(version, TABLES)
+    return {1: _TABLES_V1, 2: _TABLES_V2, 3: _TABLES_V3}.get(version, TABLES)
 
 
 def gram_index(a: int, b: int, n: int) -> int:

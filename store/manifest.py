@@ -7,7 +7,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from layerdiv.schemas import OPTIONAL_TABLES, SCHEMA_VERSION, SchemaError, check_version
+from layerdiv.schemas import KINDS, OPTIONAL_TABLES, SCHEMA_VERSION, SchemaError, check_version
 from layerdiv.store.atomic import write_bytes
 from layerdiv.store.location import RemotePath
 
@@ -138,6 +138,33 @@ class Manifest:
     device, and when it ended finished_at, seconds, instances."""
     schema_version: int = SCHEMA_VERSION
     """Schema version of the partition's files (``layerdiv.schemas``)."""
+    kind: str = "choice"
+    """Task kind (``layerdiv.schemas.KINDS``): ``choice`` or ``text`` (schema version 4; older
+    manifests are choice). Text partitions have no options and the components of a choice
+    partition, so the number of blocks L is the number of ``attn`` components."""
+    max_tokens: int | None = None
+    """Text tasks: documents are cut to their first ``max_tokens`` tokens."""
+    lens: str | None = None
+    """``final`` or ``last-block`` when extracted with ``--lens`` (METHODS.md section 9)."""
+    skip_split: str | None = None
+    """Text tasks with ``--skips``: ``random`` (4 seeded split points from 8, 16, ... < T - 4) or
+    ``all`` (every position but the first)."""
+    skip_seed: int | None = None
+    """Seed of the random split points."""
+
+    @property
+    def n_blocks(self) -> int:
+        """Decoder block calls L (the ``attn`` components)."""
+        return sum(c.kind == "attn" for c in self.components)
+
+    def expected_rows(self, count: int, n_tokens: int = 0) -> dict[str, int]:
+        """Rows of each table whose size is fixed, in a chunk of ``count`` instances (documents
+        holding ``n_tokens`` tokens in all, for text tasks)."""
+        if self.kind == "text":
+            n, blocks = n_tokens, self.n_blocks
+            return {"documents": count, "tokens": n, "token_blocks": n * blocks,
+                    "token_lens": n * (blocks + 1)}  # fmt: skip
+        return {"instances": count, "components": count * len(self.components) * len(self.options)}
 
     def identity(self) -> Identity:
         """What a resumed or sharded run must match exactly to write into this partition."""
@@ -159,6 +186,8 @@ class Manifest:
             raise SchemaError(f"{where}: manifest lacks {', '.join(missing)}; re-extract it.")
         kwargs = {k: v for k, v in data.items() if k in known}
         kwargs["components"] = [ComponentInfo(**c) for c in data["components"]]
+        if kwargs.get("kind", "choice") not in KINDS:
+            raise SchemaError(f"{where}: unknown task kind {kwargs['kind']!r}; re-extract it.")
         return cls(**kwargs)
 
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import REQUIRED_TABLES
 from layerdiv.store.atomic import atomic_path, remove_stale_temps, restore, write_bytes
 from layerdiv.store.location import local_root
 from layerdiv.store.manifest import TABLES_DIR, Manifest, read_manifest, write_manifest
@@ -53,8 +52,8 @@ class _Copy:
         """The chunk's part of each table it has (an optional table that a run was adding may
         lack some; the merged store says so as its source did)."""
         part, lacking = self.info.partition, self.info.lacking
-        tables = [*REQUIRED_TABLES, *(t for t, m in lacking.items() if (start, count) not in m)]
-        return {t: part.part(t, start, count) for t in tables}
+        optional = [t for t, m in lacking.items() if (start, count) not in m]
+        return {t: part.part(t, start, count) for t in (*self.info.kind.required, *optional)}
 
 
 def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[MergedPartition]:

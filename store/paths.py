@@ -8,9 +8,11 @@ Layout (hive-partitioned by model slug and task name)::
     <store>/manifests/model=<slug>/task=<task>/claims/chunk-<j>.lock   (held while computing)
     <store>/<table>/model=<slug>/task=<task>/part-<start>-<count>.parquet
 
-``<table>`` is ``components``, ``instances`` or an optional table (``skips``, ``heads``, ``gram``).
-A part holds the instances ``start .. start+count-1``. The instances part is renamed into place
-after every other table's part, so it is the chunk's completion marker.
+``<table>`` is one of the tables of the partition's task kind (``layerdiv.schemas.KINDS``:
+``components`` and ``instances`` for choice tasks, ``tokens``, ``token_blocks`` and ``documents``
+for text tasks, and the optional tables). A part holds the instances (documents)
+``start .. start+count-1``. The kind's marker part (``instances``, ``documents``) is renamed into
+place after every other table's part, so it is the chunk's completion marker.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic
 
-from layerdiv.schemas import TABLES, SchemaError
+from layerdiv.schemas import KINDS, TABLES, SchemaError
 from layerdiv.store.location import StorePath
 
 MANIFEST_NAME = "manifest.json"
@@ -77,9 +79,9 @@ class Partition(Generic[StorePath]):
         partition's folders, so that replacing them keeps it)."""
         return self.root / MANIFESTS / f"model={self.model_slug}" / f".task={self.task}.lock"
 
-    def dirs(self) -> list[StorePath]:
-        """The manifest folder and every table's folder."""
-        return [self.dir(t) for t in (MANIFESTS, *TABLES)]
+    def dirs(self, kind: str | None = None) -> list[StorePath]:
+        """The manifest folder and every table's folder (of the task ``kind`` only, if given)."""
+        return [self.dir(t) for t in (MANIFESTS, *(KINDS[kind].tables if kind else TABLES))]
 
     @staticmethod
     def part_name(start: int, count: int) -> str:
@@ -98,15 +100,19 @@ class Partition(Generic[StorePath]):
         )
 
     def done_parts(self) -> list[tuple[int, int]]:
-        """(start, count) of every complete chunk (those whose instances part exists); parts
-        whose ranges overlap are refused, naming the files."""
-        done = self.parts("instances")
-        for (s0, n0), (s1, n1) in itertools.pairwise(done):
-            if s1 < s0 + n0:
+        """(start, count) of every complete chunk (those whose marker part exists: ``instances``
+        for choice tasks, ``documents`` for text tasks); parts whose ranges overlap are refused,
+        naming the files."""
+        return [(s, n) for s, n, _ in self._done()]
+
+    def _done(self) -> list[tuple[int, int, str]]:
+        done = sorted((s, n, k.marker) for k in KINDS.values() for s, n in self.parts(k.marker))
+        for (s0, n0, t0), (s1, n1, t1) in itertools.pairwise(done):
+            if s1 < s0 + n0 or t0 != t1:
+                what = "overlapping chunks" if t0 == t1 else "chunks of two task kinds"
                 raise OverlappingParts(
-                    f"{self.part('instances', s0, n0)} and {self.part('instances', s1, n1)} "
-                    "hold overlapping instances (written by conflicting runs): delete the "
-                    "partition or re-extract it with --overwrite"
+                    f"{self.part(t0, s0, n0)} and {self.part(t1, s1, n1)} hold {what} (written "
+                    "by conflicting runs): delete the partition or re-extract it with --overwrite"
                 )
         return done
 

@@ -19,10 +19,11 @@ import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import (
-    OPTIONAL_TABLES,
+    KIND_OF_TABLE,
+    KINDS,
     PARTITION_COLUMNS,
-    REQUIRED_TABLES,
     TABLES,
+    Kind,
     SchemaError,
     tables_of,
 )
@@ -86,7 +87,7 @@ class PartitionInfo(Generic[StorePath]):
         """The part files of ``table`` of the complete chunks (:attr:`done`); for an optional
         table, of those chunks that have it (:meth:`incomplete` says where some lack it)."""
         part = self.partition
-        if table in OPTIONAL_TABLES and table not in self.lacking:
+        if table not in self.kind.required and table not in self.lacking:
             return []
         lacking = set(self.lacking.get(table, ()))
         return [part.part(table, s, n) for s, n in self.done if (s, n) not in lacking]
@@ -101,7 +102,7 @@ class PartitionInfo(Generic[StorePath]):
         of a complete chunk), with the complete chunks that have no part of it: an optional
         table is complete when that list is empty, and only then read (:attr:`tables`)."""
         out = {}
-        for table in OPTIONAL_TABLES:
+        for table in self.kind.optional:
             missing = self.partition.lacking(table, self.done)
             if table in self.manifest.extra_tables or len(missing) < len(self.done):
                 out[table] = missing
@@ -118,23 +119,30 @@ class PartitionInfo(Generic[StorePath]):
         and the line names the command that completes it."""
         return [
             f"{table} left out for {self.where}: {sum(n for _, n in missing)} of its "
-            f"{self.n_done} stored instances lack it (the runs that added it stopped, are still "
-            f"running, or covered only some instances); complete it with "
+            f"{self.n_done} stored {self.kind.units} lack it (the runs that added it stopped, are "
+            f"still running, or covered only some {self.kind.units}); complete it with "
             f"`{self.extract_command(table)}`"
             for table, missing in self.lacking.items()
             if missing
         ]
 
     def extract_command(self, table: str) -> str:
-        """The ``layerdiv extract`` command that adds ``table`` to every stored instance (the
+        """The ``layerdiv extract`` command that adds the optional ``table`` to every stored
+        instance or document (the
         task as the last run that recorded it gave it: a built-in name or a YAML path)."""
         m = self.manifest
         given = [r["task"] for r in m.runs if isinstance(r.get("task"), str) and r["task"]]
         return (
-            f"layerdiv extract --model {m.model} --task {(given or [self.task])[-1]} --{table} "
+            f"layerdiv extract --model {m.model} --task {(given or [self.task])[-1]} "
+            f"{self.kind.optional[table]} "
             f"--limit {max(m.n_requested, max((s + n for s, n in self.done), default=0))} "
             f"--store {self.partition.root}"
         )
+
+    @property
+    def kind(self) -> Kind:
+        """The partition's task kind (``layerdiv.schemas.KINDS``): its tables and marker."""
+        return KINDS[self.manifest.kind]
 
     @property
     def n_done(self) -> int:
@@ -295,8 +303,8 @@ class Store:
         """The tables that the selected partitions hold: the required ones, and each optional one
         that some of them hold (the views of :meth:`duckdb`)."""
         parts = self.select(models, tasks)
-        extra = {t for p in parts for t in p.manifest.extra_tables}
-        return [*REQUIRED_TABLES, *(t for t in OPTIONAL_TABLES if t in extra)]
+        held = {t for p in parts for t in (*p.kind.required, *p.manifest.extra_tables)}
+        return [t for t in TABLES if t in held]
 
     def select(
         self, models: Names = (), tasks: Names = (), require_data: bool = True
@@ -345,7 +353,12 @@ class Store:
         parts = self.select(models, tasks)
         have = self.tables(models, tasks)
         if table not in have:
-            flag = f" (extract with --{table} to add it)" if table in OPTIONAL_TABLES else ""
+            kind = KIND_OF_TABLE.get(table)
+            flag = (
+                f" (extract with {kind.optional[table]} to add it)"
+                if kind and table in kind.optional
+                else ""
+            )
             raise StoreError(
                 f"no table {table!r} in the selected partitions{flag}; their tables are "
                 f"{', '.join(have)}"
@@ -382,6 +395,7 @@ class Store:
                     "n_mlp": kinds.count("mlp"),
                     "n_bias": kinds.count("bias"),
                     "n_options": len(m.options),
+                    "kind": m.kind,
                     "tables": ", ".join(
                         t if not lack else f"{t} (incomplete)" for t, lack in p.lacking.items()
                     ),
@@ -396,10 +410,12 @@ class Store:
         return pl.DataFrame(rows)
 
     def duckdb(self, models: Names = (), tasks: Names = ()) -> duckdb.DuckDBPyConnection:
-        """An in-memory DuckDB connection with the views ``components``, ``instances`` and
-        ``manifests`` over the selected partitions (and ``skips``, ``heads``, ``gram`` over those
-        that hold that optional table for every stored instance: :meth:`incomplete` names the
-        others), and no file-system access: SQL run on it
+        """An in-memory DuckDB connection with the view ``manifests`` and a view of every table
+        (``layerdiv.schemas.TABLES``) the selected partitions hold: the required tables of their
+        task kinds (``components`` and ``instances``; ``documents``, ``tokens`` and
+        ``token_blocks``) and each optional one over the partitions that hold it for every stored
+        instance or document (:meth:`incomplete` names the others), and no file-system access:
+        SQL run on it
         cannot read or write any file (the views scan the checked parts through Arrow), so the
         store cannot be changed through it."""
         import pyarrow.dataset as ds  # only here: it takes a third of a second to import
@@ -407,10 +423,10 @@ class Store:
         models, tasks = as_names(models), as_names(tasks)
         parts = self.select(models, tasks)
         con = duckdb.connect(config={"enable_external_access": False})
-        for table in (*REQUIRED_TABLES, *OPTIONAL_TABLES):
-            whole = [p for p in parts if table in REQUIRED_TABLES or table in p.tables]
+        for table in TABLES:
+            whole = [p for p in parts if table in p.kind.required or table in p.tables]
             files = [f for p in whole for f in p.files(table)]
-            if table in OPTIONAL_TABLES and not files:
+            if not files:
                 continue
             # Every version's columns under today's schema: a column an older part lacks is null.
             schema = TABLES[table]
@@ -480,7 +496,7 @@ def _check_part_schemas(info: PartitionInfo[Any]) -> None:
     """Check every part of each table against the schema of the partition's version (cheap:
     Parquet footers only)."""
     schemas = tables_of(info.manifest.schema_version)
-    for table in (*REQUIRED_TABLES, *info.lacking):
+    for table in (*info.kind.required, *info.lacking):
         for f in info.files(table):
             try:
                 found: pa.Schema = read_schema(f)

@@ -1,5 +1,5 @@
 """Arrow tables of one chunk, built from arrays: the one place that turns numbers into the
-``components``, ``instances`` and ``heads`` schemas (used by extraction and by synthetic stores)."""
+table schemas of ``layerdiv.schemas`` (used by extraction and by synthetic stores)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,23 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from layerdiv.schemas import COMPONENTS, GRAM, HEADS, INSTANCES, PROMPT_CHARS, PROMPT_HEAD, SKIPS
+from layerdiv.schemas import (
+    COMPONENTS,
+    DOCUMENTS,
+    FUTURE_EFFECTS,
+    FUTURE_OUTPUT,
+    GRAM,
+    HEADS,
+    INSTANCES,
+    LENS,
+    PROMPT_CHARS,
+    PROMPT_HEAD,
+    SKIPS,
+    SUBLAYERS,
+    TOKEN_BLOCKS,
+    TOKEN_LENS,
+    TOKENS,
+)
 from layerdiv.store.manifest import ComponentInfo
 
 
@@ -154,3 +170,161 @@ def gram_table(instances: Sequence[int], gram: np.ndarray) -> pa.Table:
         },
         schema=GRAM,
     )
+
+
+def lens_table(
+    instances: Sequence[int], kl: np.ndarray, top5: np.ndarray, ce: np.ndarray
+) -> pa.Table:
+    """Rows (instance, layer) of :data:`~layerdiv.schemas.LENS`; each array is (B, L + 1)."""
+    b, layers = np.shape(kl)
+    return pa.table(
+        {
+            "instance": pa.array(np.repeat(np.asarray(instances, np.int32), layers)),
+            "layer": pa.array(np.tile(np.arange(layers, dtype=np.int16), b)),
+            "kl": _floats(kl),
+            "top5_overlap": _floats(top5),
+            "ce": _floats(ce),
+        },
+        schema=LENS,
+    )
+
+
+def documents_table(
+    docs: Sequence[int],
+    n_tokens: Sequence[int],
+    truncated: Sequence[bool],
+    group: Sequence[str | None] | None = None,
+) -> pa.Table:
+    """Rows of :data:`~layerdiv.schemas.DOCUMENTS` (``group`` None: no group field)."""
+    return pa.table(
+        {
+            "doc": pa.array(docs, pa.int32()),
+            "n_tokens": pa.array(n_tokens, pa.int32()),
+            "truncated": pa.array(truncated, pa.bool_()),
+            "group": pa.array(group if group is not None else [None] * len(docs), pa.string()),
+        },
+        schema=DOCUMENTS,
+    )
+
+
+def _token_key(docs: Sequence[int], n_tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(doc, pos) of every token of the documents, in order."""
+    counts = np.asarray(n_tokens, np.int64)
+    doc = np.repeat(np.asarray(docs, np.int32), counts)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return doc, (np.arange(counts.sum()) - starts).astype(np.int32)
+
+
+def tokens_table(docs: Sequence[int], tokens: Sequence[Sequence[int]]) -> pa.Table:
+    """Rows (doc, pos) of :data:`~layerdiv.schemas.TOKENS`: ``tokens[i]`` the ids of ``docs[i]``."""
+    doc, pos = _token_key(docs, [len(t) for t in tokens])
+    ids = np.concatenate([np.asarray(t, np.int32) for t in tokens]) if tokens else np.zeros(0)
+    return pa.table(
+        {"doc": pa.array(doc), "pos": pa.array(pos), "token": pa.array(ids.astype(np.int32))},
+        schema=TOKENS,
+    )
+
+
+TOKEN_BLOCK_VALUES = ("hh", "aa", "mm", "ha", "hm", "am", "dd_next", "h_final")
+"""The float columns of :data:`~layerdiv.schemas.TOKEN_BLOCKS`, in the order
+:func:`token_blocks_table` takes them."""
+
+
+def token_blocks_table(docs: Sequence[int], n_tokens: Sequence[int], dots: np.ndarray) -> pa.Table:
+    """Rows (doc, pos, block) of :data:`~layerdiv.schemas.TOKEN_BLOCKS`; ``dots`` is
+    (sum n_tokens, L, 8): per token (documents in order) and block the values of
+    :data:`TOKEN_BLOCK_VALUES` (``dd_next`` NaN, stored as null, at the last block)."""
+    n, blocks, _ = dots.shape
+    doc, pos = _token_key(docs, n_tokens)
+    values = np.asarray(dots, np.float32).reshape(n * blocks, len(TOKEN_BLOCK_VALUES))
+    return pa.table(
+        {
+            "doc": pa.array(np.repeat(doc, blocks)),
+            "pos": pa.array(np.repeat(pos, blocks)),
+            "block": pa.array(np.tile(np.arange(blocks, dtype=np.int16), n)),
+            **{
+                c: _floats(values[:, i], nullable=c == "dd_next")
+                for i, c in enumerate(TOKEN_BLOCK_VALUES)
+            },
+        },
+        schema=TOKEN_BLOCKS,
+    )
+
+
+def token_lens_table(
+    docs: Sequence[int], n_tokens: Sequence[int], kl: np.ndarray, top5: np.ndarray, ce: np.ndarray
+) -> pa.Table:
+    """Rows (doc, pos, layer) of :data:`~layerdiv.schemas.TOKEN_LENS`; each array is
+    (sum n_tokens, L + 1), ``ce`` NaN (stored as null) at each document's last position."""
+    n, layers = np.shape(kl)
+    doc, pos = _token_key(docs, n_tokens)
+    return pa.table(
+        {
+            "doc": pa.array(np.repeat(doc, layers)),
+            "pos": pa.array(np.repeat(pos, layers)),
+            "layer": pa.array(np.tile(np.arange(layers, dtype=np.int16), n)),
+            "kl": _floats(kl),
+            "top5_overlap": _floats(top5),
+            "ce": _floats(ce, nullable=True),
+        },
+        schema=TOKEN_LENS,
+    )
+
+
+def _skip_key(
+    doc: Sequence[int],
+    split: Sequence[int],
+    sublayer: Sequence[str],
+    skipped: Sequence[int],
+    each: int,
+) -> dict[str, pa.Array]:
+    """The key columns of the future-effects tables, each row repeated ``each`` times."""
+    codes = np.array([SUBLAYERS.index(s) for s in sublayer], np.int8)
+    return {
+        "doc": pa.array(np.repeat(np.asarray(doc, np.int32), each)),
+        "split": pa.array(np.repeat(np.asarray(split, np.int32), each)),
+        "sublayer": pa.DictionaryArray.from_arrays(
+            pa.array(np.repeat(codes, each)), pa.array(SUBLAYERS, pa.string())
+        ),
+        "skipped": pa.array(np.repeat(np.asarray(skipped, np.int16), each)),
+    }
+
+
+def future_effects_table(
+    doc: Sequence[int],
+    split: Sequence[int],
+    sublayer: Sequence[str],
+    skipped: Sequence[int],
+    rel_change: np.ndarray,
+) -> pa.Table:
+    """Rows (doc, split, sublayer, skipped, block) of :data:`~layerdiv.schemas.FUTURE_EFFECTS`;
+    ``rel_change`` is (R, L): for each of the R skips given by the key arrays, every block j."""
+    rows, blocks = np.shape(rel_change)
+    return pa.table(
+        {
+            **_skip_key(doc, split, sublayer, skipped, blocks),
+            "block": pa.array(np.tile(np.arange(blocks, dtype=np.int16), rows)),
+            "rel_change": _floats(rel_change),
+        },
+        schema=FUTURE_EFFECTS,
+    )
+
+
+def future_output_table(
+    doc: Sequence[int],
+    split: Sequence[int],
+    sublayer: Sequence[str],
+    skipped: Sequence[int],
+    out_change: np.ndarray,
+) -> pa.Table:
+    """Rows (doc, split, sublayer, skipped) of :data:`~layerdiv.schemas.FUTURE_OUTPUT`;
+    ``out_change`` is (R,)."""
+    return pa.table(
+        {**_skip_key(doc, split, sublayer, skipped, 1), "out_change": _floats(out_change)},
+        schema=FUTURE_OUTPUT,
+    )
+
+
+def _floats(values: np.ndarray, nullable: bool = False) -> pa.Array:
+    """float32 column of ``values`` flattened; NaN becomes null where ``nullable``."""
+    return pa.array(np.asarray(values, np.float32).reshape(-1), from_pandas=nullable)

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import OPTIONAL_TABLES, REQUIRED_TABLES, TABLES, SchemaError
+from layerdiv.schemas import KINDS, OPTIONAL_TABLES, TABLES, SchemaError
 from layerdiv.store.atomic import (
     atomic_path,
     host,
@@ -172,7 +172,7 @@ class PartitionWriter:
                 for d in self.part.dirs():
                     shutil.rmtree(d, ignore_errors=True)
             write_manifest(self.part.manifest, manifest, exclusive=True)
-            for d in self.part.dirs():
+            for d in self.part.dirs(manifest.kind):
                 d.mkdir(parents=True, exist_ok=True)
                 remove_stale_temps(d)
             for sub in (RUNS_DIR, TABLES_DIR):
@@ -218,48 +218,60 @@ class PartitionWriter:
             raise
         return ChunkClaim(fd)
 
-    def done_instances(self, rows_per_instance: int | None = None) -> set[int]:
-        """Instances stored in complete chunks; with ``rows_per_instance`` (components rows per
-        instance) only in chunks whose parts are readable and hold the right row counts."""
+    def done_instances(self, manifest: Manifest | None = None) -> set[int]:
+        """Instances (documents) stored in complete chunks; with the partition's ``manifest``,
+        only in chunks whose parts are readable and hold the right row counts."""
         parts = self.part.done_parts()
-        if rows_per_instance is not None:
-            bad = set(self.unreadable(parts, rows_per_instance))
+        if manifest is not None:
+            bad = set(self.unreadable(parts, manifest))
             parts = [p for p in parts if p not in bad]
         return {i for start, n in parts for i in range(start, start + n)}
 
-    def unreadable(
-        self, parts: list[tuple[int, int]], rows_per_instance: int
-    ) -> list[tuple[int, int]]:
+    def unreadable(self, parts: list[tuple[int, int]], manifest: Manifest) -> list[tuple[int, int]]:
         """The complete chunks among ``parts`` with a part (of any table) whose Parquet footer
         cannot be read or whose row count is wrong (a truncated or damaged file)."""
-        return [(s, n) for s, n in parts if not self._readable(s, n, rows_per_instance)]
+        return [(s, n) for s, n in parts if not self._readable(s, n, manifest)]
 
-    def _readable(self, start: int, count: int, rows_per_instance: int) -> bool:
-        expected = {"instances": count, "components": count * rows_per_instance}
-        for table in TABLES:
-            path = self.part.part(table, start, count)
-            if table not in REQUIRED_TABLES and not path.exists():
-                continue
-            try:
+    def _readable(self, start: int, count: int, manifest: Manifest) -> bool:
+        kind = KINDS[manifest.kind]
+        try:
+            n_tokens = 0
+            if kind.name == "text":  # the documents part says how many tokens the chunk has
+                docs = pq.read_table(
+                    self.part.part(kind.marker, start, count), columns=["n_tokens"]
+                )
+                n_tokens = int(docs["n_tokens"].to_numpy().sum())
+            expected = manifest.expected_rows(count, n_tokens)
+            for table in kind.tables:
+                path = self.part.part(table, start, count)
+                if table not in kind.required and not path.exists():
+                    continue
                 rows = pq.read_metadata(path).num_rows
-            except (OSError, pa.ArrowInvalid):
-                return False
-            if rows != expected.get(table, rows) or rows == 0 or rows % count:
-                return False
+                if table in expected:
+                    if rows != expected[table]:
+                        return False
+                elif kind.name == "choice" and (rows == 0 or rows % count):
+                    return False  # a choice task's other tables have rows per instance
+        except (OSError, pa.ArrowInvalid):
+            return False
         return True
 
     def remove_chunk(self, start: int, count: int) -> None:
-        """Delete a chunk's parts, the instances part (the completion marker) first."""
-        for table in ("instances", *(t for t in TABLES if t != "instances")):
+        """Delete a chunk's parts, the completion marker first."""
+        markers = [k.marker for k in KINDS.values()]
+        for table in (*markers, *(t for t in TABLES if t not in markers)):
             self.part.part(table, start, count).unlink(missing_ok=True)
 
     def write_chunk(self, start: int, count: int, tables: Mapping[str, pa.Table]) -> None:
-        """Write one chunk: optional tables first, then components, then the instances part
-        (the completion marker). Every table is checked against its declared schema."""
-        missing = [t for t in REQUIRED_TABLES if t not in tables]
-        if missing:
+        """Write one chunk: optional tables first, then the required ones, the kind's marker
+        (``instances``, ``documents``) last. Every table is checked against its schema."""
+        kind = next((k for k in KINDS.values() if k.marker in tables), None)
+        missing = [t for t in kind.required if t not in tables] if kind else ["instances"]
+        if kind is None or missing:
             raise ValueError(f"chunk {start}: no {', '.join(missing)} table")
-        order = sorted(tables, key=lambda t: {"components": 1, "instances": 2}.get(t, 0))
+        order = sorted(
+            tables, key=lambda t: kind.required.index(t) + 1 if t in kind.required else 0
+        )
         for table in order:
             self.write_table_part(table, start, count, tables[table])
 

@@ -175,7 +175,7 @@ def test_extract_heads_end_to_end_and_backfill(
     before = {p: p.stat().st_mtime_ns for p in store.rglob("components/**/*.parquet")}
     result = extract(*model, *common, "--heads")
     assert result.exit_code == 0, result.output
-    assert "added heads to 20 stored instances (their components were kept)" in result.output
+    assert "added heads to 20 stored instances (their other tables were kept)" in result.output
     assert "20/20 instances stored (none new)" in result.output
     assert {p: p.stat().st_mtime_ns for p in store.rglob("components/**/*.parquet")} == before
     [info] = Store(store).select()

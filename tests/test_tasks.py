@@ -16,6 +16,7 @@ from layerdiv.extract.tasks import (
     instances,
     load_task,
     option_token_ids,
+    parse_task,
     split_template,
 )
 from layerdiv.schemas import MAX_OPTIONS
@@ -38,8 +39,38 @@ FAKE_ROWS: dict[str, dict[str, Any]] = {
 GOLD = {"ag_news": 2, "arc": 1, "boolq": 1, "mnli": 0, "qqp": 1, "rte": 0, "sst2": 1, "wic": 0}
 
 
+TEXT_ROWS = {
+    "gsm8k-cot": {"question": "What is 2 + 2?", "answer": "2 + 2 = 4\n#### 4"},
+    "fineweb": {"text": "A web page."},
+    "c4": {"text": "A web page."},
+}
+
+
 def test_the_papers_eight_tasks_ship() -> None:
-    assert builtin_tasks() == PAPER_TASKS
+    assert builtin_tasks() == sorted([*PAPER_TASKS, *TEXT_ROWS])
+
+
+@pytest.mark.parametrize("name", sorted(TEXT_ROWS))
+def test_builtin_text_tasks_render_one_document_per_row(name: str, tmp_path: Path) -> None:
+    spec = load_task(name)
+    assert spec.kind == "text" and spec.max_tokens == 1024 and spec.dataset is not None
+    assert spec.n == (20 if name == "gsm8k-cot" else 4800)
+    rows = tmp_path / f"{name}.jsonl"
+    rows.write_text(json.dumps(TEXT_ROWS[name]) + "\n")
+    as_local = type(spec)(**{**spec.__dict__, "dataset": None, "data": str(rows)})
+    (doc,) = instances(as_local)
+    assert doc.gold == -1 and doc.group is None and "{{" not in doc.prompt
+    assert TEXT_ROWS[name].get("text", "What is 2 + 2?") in doc.prompt
+
+
+def test_a_txt_file_holds_one_document_per_line(tmp_path: Path) -> None:
+    (tmp_path / "d.txt").write_text("first line\n\nsecond line\n")
+    spec = parse_task(
+        {"name": "d", "kind": "text", "data": "d.txt", "text": "{{ text }}"}, tmp_path, "d"
+    )
+    assert [d.prompt for d in instances(spec)] == ["first line", "second line"]
+    with pytest.raises(TaskError, match="belong to text tasks"):
+        parse_task({"name": "d", "data": "d.txt", "max_tokens": 5}, tmp_path, "d")
 
 
 @pytest.mark.parametrize("name", PAPER_TASKS)

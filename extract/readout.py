@@ -1,0 +1,54 @@
+"""The model's own readout: its final norm and unembedding (and final logit soft-cap), found
+once through the architecture adapter. The decomposition (``capture.py``) freezes its scale; the
+logit lens (``text.py``) applies it whole to any residual state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from layerdiv.errors import LayerdivError
+from layerdiv.extract.adapters import Adapter, final_softcap, get_module, norm_eps
+
+
+class ReadoutError(LayerdivError, RuntimeError):
+    """The model has no unembedding to read the residual stream out with."""
+
+
+class Readout:
+    """Final norm + unembedding of one model (as tuned-lens's ``Unembed``)."""
+
+    def __init__(self, model: Any, adapter: Adapter) -> None:
+        self.adapter = adapter
+        self.norm = get_module(model, adapter.final_norm)
+        self.eps = norm_eps(self.norm)
+        head = model.get_output_embeddings()
+        if head is None:
+            raise ReadoutError("the model has no output embedding (lm_head)")
+        self.head = head
+        self.softcap = final_softcap(model.config)
+
+    @property
+    def constant_bias(self) -> bool:
+        """Whether the logits hold a constant ``bias`` component: a LayerNorm bias, or a bias of
+        the unembedding."""
+        norm_bias = self.adapter.norm == "layer" and getattr(self.norm, "bias", None) is not None
+        return norm_bias or getattr(self.head, "bias", None) is not None
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's full-vocabulary logits (float32) read from residual states ``x`` (..., d)
+        exactly as from its last one: final norm, unembedding, soft-cap."""
+        out = self.head(self.norm(x)).float()
+        if self.softcap:
+            out = self.softcap * torch.tanh(out / self.softcap)
+        return out
+
+
+def lens_stats(logp: torch.Tensor, logp_final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(p_l || p_L) and |top5(p_l) & top5(p_L)| / 5 over the last axis (METHODS.md section 9,
+    logit lens) from the log-probabilities of a lens layer and of the model's output."""
+    kl = (logp.exp() * (logp - logp_final)).sum(-1)
+    top, top_final = logp.topk(5, dim=-1).indices, logp_final.topk(5, dim=-1).indices
+    overlap = (top[..., :, None] == top_final[..., None, :]).any(-1).sum(-1) / 5.0
+    return kl, overlap.to(kl.dtype)

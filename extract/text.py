@@ -1,0 +1,196 @@
+"""Running text (task kind ``text``): per token and decoder block, the dot products of the block's
+input h, what its attention adds (a) and what its MLP adds (m), from hooks on one forward pass
+(METHODS.md section 9), reduced on the device in float32; with ``--lens``, the logit lens of every
+block input against the model's own output distribution."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from layerdiv.extract.adapters import Adapter, get_module
+from layerdiv.extract.capture import DecompositionError
+from layerdiv.extract.readout import Readout, lens_stats
+from layerdiv.schemas import component_names
+from layerdiv.store.manifest import ComponentInfo
+from layerdiv.store.tables import TOKEN_BLOCK_VALUES
+
+_PAIRS = ((0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2))
+"""(h, a, m) index pairs of ``hh``, ``aa``, ``mm``, ``ha``, ``hm``, ``am``."""
+
+
+@dataclass
+class TextBatch:
+    """What one forward pass over a left-padded batch of documents gives."""
+
+    components: list[ComponentInfo]
+    """embed, attn.<i>, mlp.<i> (and bias) in execution order, as a choice partition lists them."""
+    dots: torch.Tensor
+    """(B, width, L, 8) float32 on the CPU: per row, position and block the values of
+    ``layerdiv.store.tables.TOKEN_BLOCK_VALUES`` (``dd_next`` NaN at the last block); a
+    document of T tokens is the last T positions of its row."""
+    lens: torch.Tensor | None = None
+    """With ``--lens``: (B, width, L + 1, 3) float32, per layer l = 0..L the logit lens's kl,
+    top5_overlap and ce (NaN at the row's last position)."""
+
+    def document(self, row: int, n_tokens: int) -> np.ndarray:
+        """(n_tokens, L, 8): the values at the document's own positions (padding dropped)."""
+        return self.dots[row, self.dots.shape[1] - n_tokens :].numpy()
+
+    def document_lens(self, row: int, n_tokens: int) -> np.ndarray:
+        """(n_tokens, L + 1, 3): the lens values at the document's own positions."""
+        assert self.lens is not None
+        return self.lens[row, self.lens.shape[1] - n_tokens :].numpy()
+
+
+class TextCapture:
+    """Hooks on every decoder block (its input h, its attention's and MLP's additions a and m)
+    and on the final norm (the last residual state h_L); :meth:`decompose` after each pass."""
+
+    def __init__(self, model: Any, adapter: Adapter, lens: str | None = None) -> None:
+        self.paused = False
+        """While True the hooks keep nothing (the last block run again for the lens)."""
+        self.lens = lens
+        """``final`` or ``last-block`` (METHODS.md section 9, logit lens), or None."""
+        blocks = get_module(model, adapter.blocks)
+        self.readout = Readout(model, adapter)
+        self.bias = self.readout.constant_bias
+        self.last_block = blocks[-1]
+        self._handles = [self.readout.norm.register_forward_pre_hook(self._final_hook)]
+        unique = list({id(block): block for block in blocks}.values())
+        for i, block in enumerate(unique):
+            self._handles.append(
+                block.register_forward_pre_hook(self._input_hook, with_kwargs=True)
+            )
+            for kind in ("attn", "mlp"):
+                module = get_module(block, getattr(adapter, kind))
+                self._handles.append(module.register_forward_hook(self._addition_hook(kind, i)))
+        self.reset()
+
+    def reset(self, input_ids: torch.Tensor | None = None) -> None:
+        """Forget the last pass; ``input_ids`` (B, width) of the next one (the lens's ce)."""
+        self._ids = input_ids
+        self._call: tuple[tuple, dict] = ((), {})  # the last block call's arguments
+        self._dtype = torch.float32
+        self._h: list[torch.Tensor] = []  # block inputs, float32
+        self._dots: list[torch.Tensor] = []  # (B, T, 6) per block
+        self._d: list[torch.Tensor] = []  # a + m of the previous block only
+        self._dd: list[torch.Tensor] = []  # d_l . d_(l+1)
+        self._parts: dict[str, torch.Tensor] = {}
+        self._calls: list[tuple[str, int]] = []
+        self._final: torch.Tensor | None = None
+
+    def remove(self) -> None:
+        """Detach every hook from the model."""
+        for handle in self._handles:
+            handle.remove()
+
+    # hooks -------------------------------------------------------------------------------------
+    def _input_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self.paused:
+            return
+        h = args[0] if args else kwargs["hidden_states"]
+        if not self._calls:
+            self._calls.append(("embed", -1))
+        self._dtype = h.dtype
+        self._call = (args, kwargs)
+        self._h.append(h.to(torch.float32))
+
+    def _addition_hook(self, kind: str, layer: int) -> Any:
+        def hook(module: Any, args: tuple, output: Any) -> None:
+            if self.paused:
+                return
+            out = output[0] if isinstance(output, tuple) else output
+            self._parts[kind] = out.to(torch.float32)
+            self._calls.append((kind, layer))
+            if len(self._parts) == 2:  # both additions of the block: reduce it now
+                self._block_done()
+
+        return hook
+
+    def _block_done(self) -> None:
+        h, a, m = self._h[-1], self._parts.pop("attn"), self._parts.pop("mlp")
+        x = (h, a, m)
+        self._dots.append(torch.stack([(x[i] * x[j]).sum(-1) for i, j in _PAIRS], dim=-1))
+        d = a + m
+        if self._d:
+            self._dd.append((self._d[0] * d).sum(-1))
+        self._d = [d]
+
+    def _final_hook(self, module: Any, args: tuple) -> None:
+        if not self.paused:
+            self._final = args[0].to(torch.float32)
+
+    # results -----------------------------------------------------------------------------------
+    def decompose(self) -> TextBatch:
+        """The per-token, per-block dot products of the last forward pass."""
+        if self._final is None or not self._dots:
+            raise DecompositionError("no forward pass was captured")
+        final = self._final
+        blocks = len(self._dots)
+        nan = torch.full_like(self._dots[0][..., 0], float("nan"))
+        dd = torch.stack([*self._dd, nan], dim=-1)  # (B, T, L)
+        h_final = torch.stack([(h * final).sum(-1) for h in self._h[:blocks]], dim=-1)
+        dots = torch.cat(
+            [torch.stack(self._dots, dim=2), dd[..., None], h_final[..., None]], dim=-1
+        )
+        assert dots.shape[-1] == len(TOKEN_BLOCK_VALUES)
+        calls = self._calls + ([("bias", -1)] if self.bias else [])
+        names = component_names(calls)
+        comps = [ComponentInfo(n, k, layer) for n, (k, layer) in zip(names, calls, strict=True)]
+        lens = self._lens(final) if self.lens else None
+        return TextBatch(comps, dots.cpu(), None if lens is None else lens.cpu())
+
+    def _lens(self, final: torch.Tensor) -> torch.Tensor:
+        """(B, width, L + 1, 3): kl, top5_overlap and ce of p_l = softmax(readout(h_l)) for
+        every block input h_l and (layer L) the model's own output p_L (METHODS.md section 9);
+        with ``last-block`` the last block is applied to h_l first."""
+        if self._ids is None:
+            raise DecompositionError("the lens needs the batch's input ids")
+        logp_final = torch.log_softmax(self.readout.logits(final.to(self._dtype)), dim=-1)
+        nxt = self._ids[:, 1:, None].to(logp_final.device)
+        out = []
+        for h in [*self._h, None]:
+            if h is None:
+                logp = logp_final
+            else:
+                x = h.to(self._dtype)
+                if self.lens == "last-block":
+                    x = self._last_block(x)
+                logp = torch.log_softmax(self.readout.logits(x), dim=-1)
+            kl, overlap = lens_stats(logp, logp_final)
+            ce = torch.full_like(kl, float("nan"))
+            ce[:, :-1] = -logp[:, :-1].gather(-1, nxt).squeeze(-1)
+            out.append(torch.stack([kl, overlap, ce], dim=-1))
+        return torch.stack(out, dim=2)
+
+    def _last_block(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's last block applied to ``x`` with the arguments of its own call (mask,
+        positions), its hooks paused."""
+        args, kwargs = self._call
+        if args:
+            args = (x, *args[1:])
+        else:
+            kwargs = {**kwargs, "hidden_states": x}
+        self.paused = True
+        try:
+            out = self.last_block(*args, **kwargs)
+        finally:
+            self.paused = False
+        return out[0] if isinstance(out, tuple) else out
+
+
+def check_text_batch(batch: TextBatch, ids: list[int], n_tokens: list[int], task: str) -> None:
+    """Stop on a NaN or Inf at a document's own positions, naming the document and block."""
+    for row, (doc, n) in enumerate(zip(ids, n_tokens, strict=True)):
+        own = batch.dots[row, batch.dots.shape[1] - n :]
+        values = torch.cat([own[..., :6], own[..., 7:]], dim=-1)  # dd_next is NaN at the end
+        if not torch.isfinite(values).all():
+            block = int((~torch.isfinite(values)).any(dim=(0, 2)).nonzero()[0])
+            raise DecompositionError(
+                f"task {task}, document {doc}: block {block} has a NaN or Inf dot product (try "
+                "--dtype fp32)"
+            )

@@ -1,0 +1,347 @@
+"""Running-text extraction (task kind ``text``): the stored dot products against an independent
+reference (plain HF forward with hooks, one document at a time, float64), resume and ``--limit``,
+and the refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from click.testing import CliRunner
+
+from layerdiv.cli import main
+from layerdiv.store import Store
+
+WORDS = [
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "a",
+    "warm",
+    "mat",
+    "while",
+    "rain",
+    "fell",
+    "over",
+    "quiet",
+    "hills",
+    "and",
+    "rivers",
+    "ran",
+    "far",
+]
+
+
+def extract(*args: str) -> Any:
+    return CliRunner().invoke(main, ["extract", *args], catch_exceptions=False)
+
+
+def text_task(folder: Path, texts: list[str], **overrides: Any) -> Path:
+    """A local text task over ``texts`` (field ``body``, ``level`` = index mod 3)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"body": t, "level": i % 3} for i, t in enumerate(texts)]
+    (folder / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = {"name": "docs", "kind": "text", "data": "docs.jsonl", "text": "{{ body }}",
+            "group_field": "level", "n": len(texts), **overrides}  # fmt: skip
+    path = folder / "docs.yaml"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def random_texts(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=int(rng.integers(2, 30)))) for _ in range(n)]
+
+
+def reference(model: Any, ids: list[int]) -> np.ndarray:
+    """(T, L, 8) of one document from a plain float64 forward pass: h_l from
+    ``output_hidden_states``, a and m from forward hooks on each block's attention and MLP, and
+    h_L = h_(L-1) + a_(L-1) + m_(L-1) (the hidden state HF returns last is after the norm)."""
+    adds: list[torch.Tensor] = []
+    handles = []
+    for layer in model.model.layers:
+        for module in (layer.self_attn, layer.mlp):
+            handles.append(
+                module.register_forward_hook(
+                    lambda m, a, out: adds.append((out[0] if isinstance(out, tuple) else out)[0])
+                )
+            )
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        for h in handles:
+            h.remove()
+    n = len(model.model.layers)
+    hs = [out.hidden_states[i][0] for i in range(n)]
+    a, m = adds[0::2], adds[1::2]
+    final = hs[-1] + a[-1] + m[-1]
+    d = [a[i] + m[i] for i in range(n)]
+    rows = []
+    for i in range(n):
+        x = (hs[i], a[i], m[i])
+        dd = (d[i] * d[i + 1]).sum(-1) if i + 1 < n else torch.full_like(hs[i][:, 0], np.nan)
+        pairs = [(x[p] * x[q]).sum(-1) for p, q in ((0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2))]
+        rows.append(torch.stack([*pairs, dd, (hs[i] * final).sum(-1)], dim=-1))
+    return torch.stack(rows, dim=1).numpy()
+
+
+COLUMNS = ["hh", "aa", "mm", "ha", "hm", "am", "dd_next", "h_final"]
+
+
+def geometry(v: np.ndarray) -> dict[str, np.ndarray]:
+    """METHODS.md section 9's per-token geometry from the dot products (last axis COLUMNS)."""
+    hh, aa, mm, ha, hm, am = (v[..., i] for i in range(6))
+    hn = np.sqrt(hh)
+    out_sq = hh + aa + mm + 2 * (ha + hm + am)  # |h + a + m|^2
+    ham = hh + aa + 2 * ha  # |h + a|^2
+    cos_state = (hh + ha + hm) / np.sqrt(hh * out_sq)
+    return {
+        "attn_rel": np.sqrt(aa) / np.maximum(hn, 1e-6),
+        "mlp_rel": np.sqrt(mm) / np.maximum(np.sqrt(ham), 1e-6),
+        "cos_attn": ha / np.sqrt(aa * hh),
+        "cos_mlp": (hm + am) / np.sqrt(mm * ham),
+        "theta_state": np.degrees(np.arccos(np.clip(cos_state, -1, 1))),
+    }
+
+
+def stored_values(store: Path) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+    st = Store(store)
+    blocks = st.scan("token_blocks").collect().sort("doc", "pos", "block")
+    return blocks, st.scan("tokens").collect().sort("doc", "pos"), st.scan("documents").collect()
+
+
+def check_against_reference(
+    store: Path, model: Any, tokenizer: Any, texts: list[str], max_tokens: int
+) -> None:
+    blocks, tokens, docs = stored_values(store)
+    n_blocks = len(model.model.layers)
+    docs = docs.sort("doc")
+    assert docs["doc"].to_list() == list(range(len(texts)))
+    got_all, want_all = [], []
+    for doc, text in enumerate(texts):
+        full = tokenizer(text)["input_ids"]
+        ids = full[:max_tokens]
+        row = docs.row(doc, named=True)
+        assert (row["n_tokens"], row["truncated"]) == (len(ids), len(full) > max_tokens)
+        assert tokens.filter(pl.col("doc") == doc)["token"].to_list() == ids
+        got = blocks.filter(pl.col("doc") == doc).select(COLUMNS).to_numpy()
+        got_all.append(got.reshape(len(ids), n_blocks, 8))
+        want_all.append(reference(model, ids))
+    got, want = np.concatenate(got_all), np.concatenate(want_all)
+    # Each dot product to 1e-4 of the product of its two norms (exact up to float32 rounding).
+    norms = np.sqrt(np.stack([got[..., 0], got[..., 1], got[..., 2]], axis=-1))
+    scale = np.stack([norms[..., p] * norms[..., q] for p, q in
+                      ((0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2))], axis=-1)  # fmt: skip
+    assert np.all(np.abs(got[..., :6] - want[..., :6]) <= 1e-4 * scale + 1e-12)
+    assert np.allclose(got[..., 6:], want[..., 6:], rtol=1e-3, atol=1e-6, equal_nan=True)
+    # Token-weighted means of the derived geometry, per block, to 1e-3 relative.
+    g, w = geometry(got.astype(np.float64)), geometry(want)
+    for name in g:
+        a, b = g[name].mean(axis=0), w[name].mean(axis=0)
+        assert np.allclose(a, b, rtol=1e-3, atol=1e-9), (name, a, b)
+
+
+def test_text_extract_matches_an_independent_float64_forward(
+    tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
+) -> None:
+    texts = random_texts(9)
+    task = text_task(tmp_path / "task", texts, max_tokens=20)
+    store = tmp_path / "store"
+    out = extract("--model", str(model_dirs("llama")), "--task", str(task), "--store",
+                  str(store), "--batch-size", "4", "--chunk-size", "4")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert "docs: 9/9 documents stored" in out.output
+    (info,) = Store(store).partitions
+    m = info.manifest
+    assert (m.kind, m.max_tokens, m.options, m.n_blocks) == ("text", 20, [], 2)
+    assert [c.name for c in m.components] == ["embed", "attn.0", "mlp.0", "attn.1", "mlp.1"]
+    model = build_model("llama").to(torch.float64)  # the same weights (seed 0), asserted tiny
+    check_against_reference(store, model, tokenizer, texts, 20)
+    n_tokens = Store(store).scan("documents").collect()["n_tokens"].sum()
+    blocks = Store(store).scan("token_blocks").collect()
+    assert blocks.height == n_tokens * 2 and blocks["dd_next"].null_count() == n_tokens
+    groups = Store(store).scan("documents").collect().sort("doc")["group"].to_list()
+    assert groups == [str(i % 3) for i in range(9)]
+
+
+def test_text_limit_resume_ls_and_query(tmp_path: Path, model_dirs: Any) -> None:
+    task = text_task(tmp_path / "task", random_texts(10, seed=1))
+    store = tmp_path / "store"
+    model = str(model_dirs("llama"))
+    args = ["--model", model, "--task", str(task), "--store", str(store), "--chunk-size", "3"]
+    first = extract(*args, "--limit", "4")
+    assert "docs: 4/4 documents stored (4 new" in first.output, first.output
+    before = Store(store).scan("token_blocks").collect().sort("doc", "pos", "block")
+    second = extract(*args)
+    assert "docs: 10/10 documents stored (6 new" in second.output, second.output
+    assert "nothing to do" in extract(*args).output
+    after = Store(store).scan("token_blocks").collect().sort("doc", "pos", "block")
+    assert after.filter(pl.col("doc") < 4).equals(before.filter(pl.col("doc") < 4))
+    assert sorted(Store(store).scan("documents").collect()["doc"].to_list()) == list(range(10))
+    ls = CliRunner().invoke(main, ["ls", "--store", str(store)])
+    assert ls.exit_code == 0 and "docs" in ls.output
+    sql = "SELECT count(DISTINCT doc) AS n FROM token_blocks"
+    query = CliRunner().invoke(main, ["query", "--store", str(store), sql])
+    assert query.exit_code == 0 and "10" in query.output, query.output
+
+
+def refused(tmp_path: Path, model: str, task: Path, *flags: str) -> str:
+    store = tmp_path / "store"
+    out = CliRunner().invoke(
+        main, ["extract", "--model", model, "--task", str(task), "--store", str(store), *flags]
+    )
+    assert out.exit_code != 0
+    lines = [line for line in out.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error:"), out.output
+    assert not store.exists()  # nothing written
+    return lines[0]
+
+
+def test_bad_text_input_is_refused_in_one_line(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    model = str(model_dirs("llama"))
+    no_text = text_task(tmp_path / "a", ["one two"])
+    spec = json.loads(no_text.read_text())
+    del spec["text"]
+    no_text.write_text(json.dumps(spec))
+    assert "needs 'text'" in refused(tmp_path, model, no_text)
+    empty = text_task(tmp_path / "b", ["the cat", ""])
+    assert "document 1 tokenizes to no tokens" in refused(tmp_path, model, empty)
+    short = text_task(tmp_path / "c", ["the cat sat"], max_tokens=8)
+    assert "leaves none" in refused(tmp_path, model, short, "--skips")
+    assert "choice tasks only" in refused(tmp_path, model, short, "--heads")
+    choice = make_task(tmp_path / "d", n=4)
+    assert "text tasks only" in refused(tmp_path, model, choice, "--lens", "last-block")
+
+
+@pytest.mark.slow
+def test_smollm2_on_bbc_news_matches_an_independent_float64_forward(tmp_path: Path) -> None:
+    from layerdiv.demo import bbc_articles
+    from layerdiv.extract.models import load_model, load_tokenizer, resolve_source
+
+    texts = [row["text"] for row in bbc_articles(paragraphs=1)[::150][:3]]
+    task = text_task(tmp_path / "task", texts, max_tokens=48)
+    store = tmp_path / "store"
+    out = extract("--model", "smollm2-135m-instruct", "--task", str(task), "--store",
+                  str(store), "--batch-size", "3")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    source = resolve_source("smollm2-135m-instruct", None, None, False)
+    tokenizer = load_tokenizer(source)
+    loaded = load_model(source, tokenizer, torch.device("cpu"), torch.float64)
+    assert Store(store).partitions[0].manifest.n_blocks == 30
+    check_against_reference(store, loaded.model, tokenizer, texts, 48)
+
+
+def reference_lens(model: Any, ids: list[int]) -> np.ndarray:
+    """(T, L + 1, 3) kl, top5_overlap, ce of the logit lens of one document, float64: p_l from
+    the final norm and unembedding of ``output_hidden_states`` l < L, p_L the model's logits."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+        n = len(model.model.layers)
+        final = torch.log_softmax(out.logits[0], -1)
+        layers = [
+            torch.log_softmax(model.lm_head(model.model.norm(out.hidden_states[i][0])), -1)
+            for i in range(n)
+        ]
+    rows = []
+    top_final = set_rows(final)
+    for logp in [*layers, final]:
+        kl = (logp.exp() * (logp - final)).sum(-1).numpy()
+        top = set_rows(logp)
+        overlap = np.array([len(a & b) / 5 for a, b in zip(top, top_final, strict=True)])
+        ce = np.full(len(ids), np.nan)
+        ce[:-1] = -logp[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
+        rows.append(np.stack([kl, overlap, ce], axis=-1))
+    return np.stack(rows, axis=1)
+
+
+def set_rows(logp: torch.Tensor) -> list[set[int]]:
+    return [set(r) for r in logp.topk(5, dim=-1).indices.tolist()]
+
+
+def lens_values(store: Path, doc: int) -> np.ndarray:
+    lens = Store(store).scan("token_lens").collect().filter(pl.col("doc") == doc)
+    frame = lens.sort("pos", "layer").select("kl", "top5_overlap", "ce").to_numpy()
+    return frame.reshape(-1, int(lens["layer"].n_unique()), 3)
+
+
+def test_lens_matches_an_independent_float64_readout(
+    tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
+) -> None:
+    texts = random_texts(6, seed=2)
+    task = text_task(tmp_path / "task", texts, max_tokens=24)
+    model_dir = str(model_dirs("llama"))
+    for lens in ("final", "last-block"):
+        out = extract("--model", model_dir, "--task", str(task), "--store",
+                      str(tmp_path / lens), "--batch-size", "3", "--lens", lens)  # fmt: skip
+        assert out.exit_code == 0, out.output
+        assert Store(tmp_path / lens).partitions[0].manifest.lens == lens
+    model = build_model("llama").to(torch.float64)
+    got, want = [], []
+    for doc, text in enumerate(texts):
+        ids = tokenizer(text)["input_ids"][:24]
+        got.append(lens_values(tmp_path / "final", doc))
+        want.append(reference_lens(model, ids))
+        # The last block applied to h_(L-1) is the model itself: its lens is p_L exactly.
+        last = lens_values(tmp_path / "last-block", doc)
+        assert np.allclose(last[:, -2, 0], 0, atol=1e-5) and np.all(last[:, -2, 1] == 1)
+        assert np.allclose(last[:, -2, 2], last[:, -1, 2], atol=1e-4, equal_nan=True)
+        assert not np.allclose(last[:, 0, 0], got[-1][:, 0, 0], atol=1e-6)
+    g, w = np.concatenate(got), np.concatenate(want)
+    assert np.allclose(g[..., 0], w[..., 0], rtol=1e-3, atol=1e-5)  # kl
+    assert np.allclose(g[..., 2], w[..., 2], rtol=1e-3, atol=1e-5, equal_nan=True)  # ce
+    assert abs(g[..., 1].mean() - w[..., 1].mean()) <= 5e-3  # top-5 overlap
+    assert np.isnan(g[:, :, 2]).sum() == len(texts) * g.shape[1]  # ce null at each last token
+
+
+def test_choice_lens_matches_an_independent_float64_readout(
+    tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any, make_task: Any
+) -> None:
+    from layerdiv.extract.tasks import instances, load_task
+
+    task = make_task(tmp_path / "task", n=8)
+    store = tmp_path / "store"
+    out = extract("--model", str(model_dirs("llama")), "--task", str(task), "--store",
+                  str(store), "--batch-size", "3", "--lens")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    (info,) = Store(store).partitions
+    assert info.manifest.lens == "final" and info.tables == ["lens"]
+    lens = Store(store).scan("lens").collect().sort("instance", "layer")
+    model = build_model("llama").to(torch.float64)
+    option_ids = info.manifest.option_token_ids
+    for item_no, item in enumerate(instances(load_task(str(task)))):
+        ids = tokenizer(item.prompt)["input_ids"]
+        want = reference_lens(model, [*ids, option_ids[item.gold]])[-2]  # at the last prompt token
+        got = lens.filter(pl.col("instance") == item_no).select("kl", "top5_overlap", "ce")
+        got_np = got.to_numpy()
+        assert np.allclose(got_np[:, 0], want[:, 0], rtol=1e-3, atol=1e-5)
+        assert np.allclose(got_np[:, 2], want[:, 2], rtol=1e-3, atol=1e-5)
+        assert np.abs(got_np[:, 1] - want[:, 1]).mean() <= 5e-3
+
+
+def test_text_shards_merge_into_one_partition(tmp_path: Path, model_dirs: Any) -> None:
+    task = text_task(tmp_path / "task", random_texts(7, seed=3))
+    model = str(model_dirs("llama"))
+    for i in range(2):
+        out = extract("--model", model, "--task", str(task), "--store", str(tmp_path / f"s{i}"),
+                      "--chunk-size", "2", "--shard", f"{i}/2", "--lens")  # fmt: skip
+        assert out.exit_code == 0, out.output
+    merged = CliRunner().invoke(
+        main, ["merge", str(tmp_path / "s0"), str(tmp_path / "s1"), "--into", str(tmp_path / "m")]
+    )
+    assert merged.exit_code == 0, merged.output
+    (info,) = Store(tmp_path / "m").partitions
+    assert info.n_done == 7 and info.tables == ["token_lens"] and not info.incomplete()
+    docs = Store(tmp_path / "m").scan("documents").collect()
+    assert sorted(docs["doc"].to_list()) == list(range(7))
+    n = int(docs["n_tokens"].sum())
+    assert Store(tmp_path / "m").scan("token_blocks").collect().height == n * 2
+    assert Store(tmp_path / "m").scan("token_lens").collect().height == n * 3
