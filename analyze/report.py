@@ -123,9 +123,14 @@ def render(
 
 
 def explorer_parts(results: Results, store: str | Path) -> list[PartitionInfo]:
-    """The partitions of ``store`` that ``results`` analysed."""
+    """The choice partitions of ``store`` that ``results`` analysed (the explorer shows
+    instances; running text has its own sections)."""
     pairs = set(results.manifests.select("model", "task").iter_rows())
-    return [p for p in Store(store).partitions if (p.model, p.task) in pairs and p.n_done > 0]
+    return [
+        p
+        for p in Store(store).partitions
+        if (p.model, p.task) in pairs and p.n_done > 0 and p.manifest.kind == "choice"
+    ]
 
 
 def write_report(

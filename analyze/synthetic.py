@@ -6,20 +6,29 @@ store in every respect (manifest, schemas, complete-chunk markers); only the num
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pyarrow as pa
 from tqdm import tqdm
 
 from layerdiv.schemas import component_names
 from layerdiv.store import ComponentInfo, Manifest, PartitionWriter
 from layerdiv.store.tables import (
+    TOKEN_BLOCK_VALUES,
     components_table,
+    documents_table,
+    future_effects_table,
+    future_output_table,
     gram_table,
     heads_table,
     instances_table,
     skips_table,
+    token_blocks_table,
+    token_lens_table,
+    tokens_table,
 )
 
 
@@ -295,3 +304,157 @@ def text_dots(h0: np.ndarray, attn: np.ndarray, mlp: np.ndarray) -> dict[str, np
         "dd_next": dd_next,
         "h_final": np.einsum("tld,td->tl", h, h_last),
     }
+
+
+def random_text_vectors(
+    rng: np.random.Generator, pos: np.ndarray, blocks: int, d: int = 4
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Made-up residual streams of tokens at positions ``pos``: (h0 (tokens, d), attn and mlp
+    (tokens, L, d), float32). Updates shrink as l^-0.8 with depth and point in random directions;
+    the first token of each document stops updating after the middle block (as the inverse-depth
+    paper finds for first tokens)."""
+    n = len(pos)
+    scale = (0.8 * np.arange(1, blocks + 1, dtype=np.float32) ** -0.8)[None, :, None]
+    h0 = rng.standard_normal((n, d), dtype=np.float32)
+    attn = rng.standard_normal((n, blocks, d), dtype=np.float32) * scale
+    mlp = rng.standard_normal((n, blocks, d), dtype=np.float32) * scale
+    first = pos == 0
+    attn[first, blocks // 2 :] *= 1e-2
+    mlp[first, blocks // 2 :] *= 1e-2
+    return h0, attn, mlp
+
+
+def text_chunk(
+    rng: np.random.Generator,
+    docs: range,
+    n_tokens: int,
+    blocks: int,
+    groups: Sequence[str] = (),
+    lens: bool = False,
+    skips: bool = False,
+    d: int = 4,
+) -> dict[str, Any]:
+    """The tables of one chunk of a made-up text partition: ``len(docs)`` documents of
+    ``n_tokens`` tokens (``group`` cycling through ``groups``), their ``token_blocks`` from
+    :func:`random_text_vectors` and, with ``lens`` / ``skips``, made-up ``token_lens`` (KL falling
+    and top-5 overlap rising with depth) and future effects (4 split points, whole blocks)."""
+    b = len(docs)
+    lengths = [n_tokens] * b
+    pos = np.tile(np.arange(n_tokens), b)
+    dots = text_dots(*random_text_vectors(rng, pos, blocks, d))
+    group = [groups[i % len(groups)] for i in docs] if groups else None
+    tables: dict[str, Any] = {
+        "documents": documents_table(docs, lengths, [False] * b, group),
+        "tokens": tokens_table(docs, [rng.integers(0, 50_000, n_tokens).tolist() for _ in docs]),
+        "token_blocks": token_blocks_table(
+            docs, lengths, np.stack([dots[c] for c in TOKEN_BLOCK_VALUES], axis=-1)
+        ),
+    }
+    if lens:
+        depth = np.arange(blocks + 1) / blocks
+        kl = rng.exponential(1.0, (len(pos), blocks + 1)) * 4 * (1 - depth)
+        top5 = np.clip(depth + rng.normal(0, 0.1, kl.shape), 0, 1).round(1)
+        ce = 3 + kl + rng.exponential(0.5, kl.shape)
+        ce[pos == n_tokens - 1] = np.nan
+        tables["token_lens"] = token_lens_table(docs, lengths, kl, np.clip(top5, 0, 1), ce)
+    if skips:
+        splits = [8 * (k + 1) for k in range(4)]
+        keys = [(doc, t, b) for doc in docs for t in splits for b in range(blocks)]
+        doc_, split, skipped = (list(k) for k in zip(*keys, strict=True))
+        later = np.arange(blocks)[None, :] >= np.array(skipped)[:, None]
+        rel = rng.exponential(0.2, (len(keys), blocks)) * later
+        out = rng.exponential(0.1, len(keys)) * (1 - np.array(skipped) / blocks)
+        sub = ["block"] * len(keys)
+        tables["future_effects"] = future_effects_table(doc_, split, sub, skipped, rel)
+        tables["future_output"] = future_output_table(doc_, split, sub, skipped, out)
+    return tables
+
+
+def text_manifest(
+    model: str,
+    task: str,
+    n_docs: int,
+    blocks: int,
+    max_tokens: int,
+    chunk: int,
+    lens: bool = False,
+    skips: bool = False,
+    hidden_size: int = 4,
+) -> Manifest:
+    """The manifest of a made-up text partition (``lens``, ``skips``: extracted with ``--lens``,
+    ``--skips``)."""
+    return Manifest(
+        model=model,
+        task=task,
+        revision=None,
+        weights_fingerprint="synthetic",
+        dtype="float32",
+        model_type="synthetic",
+        adapter="synthetic",
+        norm="rms",
+        n_params=1_000_000,
+        context_length=max_tokens,
+        options=[],
+        option_token_ids=[],
+        option_tokens=[],
+        template_sha256="synthetic",
+        data_sha256="synthetic",
+        task_spec={"name": task, "kind": "text"},
+        components=component_infos(decoder_kinds(blocks)),
+        n_requested=n_docs,
+        sum_tolerance=1e-4,
+        chunk_size=chunk,
+        created_at="2025-01-01T00:00:00Z",
+        hidden_size=hidden_size,
+        norm_eps=1e-5,
+        kind="text",
+        max_tokens=max_tokens,
+        lens="final" if lens else None,
+        skip_split="random" if skips else None,
+        skip_seed=0 if skips else None,
+    )
+
+
+def write_text_partition(
+    root: str | Path, manifest: Manifest, chunks: Iterable[tuple[int, int, Mapping[str, pa.Table]]]
+) -> None:
+    """Write a text partition through the store's writer: ``chunks`` yields (first document,
+    documents, tables) in turn (memory: one chunk)."""
+    writer = PartitionWriter(root, manifest.model, manifest.task)
+    writer.open(manifest, overwrite=True)
+    optional = ["token_lens"] if manifest.lens else []
+    optional += ["future_effects", "future_output"] if manifest.skip_split else []
+    for table in optional:
+        writer.mark_table(table)
+    for start, count, tables in chunks:
+        writer.write_chunk(start, count, tables)
+
+
+def synthesize_text_store(
+    root: str | Path,
+    n_models: int = 2,
+    n_docs: int = 4800,
+    n_tokens: int = 1024,
+    blocks: int = 32,
+    chunk: int = 64,
+    lens: bool = False,
+    skips: bool = False,
+    seed: int = 0,
+    progress: bool = True,
+) -> int:
+    """Write ``n_models`` made-up text partitions (task ``fineweb``) of ``n_docs`` documents of
+    ``n_tokens`` tokens and ``blocks`` blocks in chunks of ``chunk`` documents (:func:`text_chunk`,
+    :func:`write_text_partition`); returns the number of ``token_blocks`` rows written."""
+    for m in tqdm(range(n_models), desc="synthesizing", unit="model", disable=not progress):
+        manifest = text_manifest(
+            f"synth/text-model-{m:02d}", "fineweb", n_docs, blocks, n_tokens, chunk, lens, skips
+        )
+        rng = np.random.default_rng(seed + m)
+        starts = range(0, n_docs, chunk)
+        chunks = (
+            (s, len(docs), text_chunk(rng, docs, n_tokens, blocks, lens=lens, skips=skips))
+            for s in starts
+            for docs in [range(s, min(n_docs, s + chunk))]
+        )
+        write_text_partition(root, manifest, chunks)
+    return n_models * n_docs * n_tokens * blocks

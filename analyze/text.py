@@ -21,9 +21,10 @@ import polars as pl
 
 from layerdiv.analyze.registry import Context, map_partitions
 from layerdiv.analyze.stats import degrees
+from layerdiv.schemas import KINDS
 from layerdiv.store import PartitionInfo, StoreError
 
-TEXT_KIND = "text"
+TEXT_KIND = KINDS["text"].name
 """The manifest ``kind`` of running-text partitions."""
 
 GEOMETRY = (
@@ -49,11 +50,6 @@ memory of an analysis does not depend on the chunk size or the number of documen
 
 EPS = 1e-6
 """Floor of the norms in the relative sizes (METHODS.md section 9)."""
-
-
-def n_blocks(info: PartitionInfo) -> int:
-    """L, the number of decoder blocks of a text partition (its ``attn`` components)."""
-    return sum(c.kind == "attn" for c in info.manifest.components)
 
 
 def batches(files: Sequence[str], columns: Sequence[str], rows: int) -> Iterator[pl.DataFrame]:
@@ -145,7 +141,7 @@ def stored_columns(columns: Sequence[str]) -> list[str]:
 def token_batches(info: PartitionInfo, columns: Sequence[str] = GEOMETRY) -> Iterator[pl.DataFrame]:
     """:func:`token_geometry` (the geometry ``columns``) of every ``token_blocks`` part of
     ``info``, in batches of :data:`BATCH_TOKENS` whole tokens."""
-    blocks = n_blocks(info)
+    blocks = info.manifest.n_blocks
     stored = stored_columns(columns)
     for frame in batches(info.uris("token_blocks"), stored, BATCH_TOKENS * blocks):
         yield token_geometry(frame, blocks, columns, info.where)
@@ -225,7 +221,7 @@ class TextPass:
 
 def text_pass(info: PartitionInfo) -> TextPass:
     """One pass over ``info``'s ``token_blocks``, batch by batch (:func:`token_batches`)."""
-    blocks = n_blocks(info)
+    blocks = info.manifest.n_blocks
     out = TextPass([], ProfileMoments.empty(blocks))
     for frame in token_batches(info):
         out.sums.append(sums(frame, ["block"], GEOMETRY))

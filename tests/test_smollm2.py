@@ -40,3 +40,14 @@ def test_smollm2_extract_on_packaged_bbc_news(tmp_path: Path) -> None:
     accuracy = float((pred == inst["gold"].to_numpy()).mean())
     majority = np.bincount(inst["gold"].to_numpy()).max() / inst.height
     assert accuracy > majority + 0.2, (accuracy, majority)
+
+
+def test_demo_writes_a_running_text_task_on_bbc_news(tmp_path: Path) -> None:
+    from layerdiv.demo import TEXT_DOCS, TEXT_TASK, TEXT_TOKENS
+    from layerdiv.extract.tasks import load_task
+
+    tasks = {p.stem: p for p in write_demo_tasks(tmp_path / "tasks", n=30, seed=0)}
+    spec = load_task(str(tasks[TEXT_TASK]))
+    assert (spec.kind, spec.max_tokens, spec.n) == ("text", TEXT_TOKENS, TEXT_DOCS)
+    lines = (tmp_path / "tasks" / f"{TEXT_TASK}.jsonl").read_text().splitlines()
+    assert len(lines) == TEXT_DOCS and all(len(line) > 200 for line in lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import numpy as np
 import polars as pl
@@ -269,18 +270,92 @@ def test_report_sections_draw_their_figures(text, tmp_path) -> None:
 
 
 def test_analyses_get_only_the_partitions_of_their_kinds(tmp_path) -> None:
-    from types import SimpleNamespace
-
     from layerdiv.analyze.api import analyze
-    from layerdiv.analyze.registry import registered
-    from layerdiv.analyze.synthetic import random_partition, write_partition
+    from layerdiv.analyze.synthetic import (
+        random_partition,
+        synthesize_text_store,
+        write_partition,
+    )
 
-    by_name = {a.name: a for a in registered()}
-    text, choice = (SimpleNamespace(manifest=SimpleNamespace(kind=k)) for k in ("text", "choice"))
-    assert by_name["text_geometry"].applies_to([text, choice]) == [text]  # type: ignore[list-item]
-    assert by_name["paper"].applies_to([text, choice]) == [choice]  # type: ignore[list-item]
     logits, gold, rms, kinds = random_partition(np.random.default_rng(0), 20, 3, 2)
     write_partition(tmp_path, "org/choice", "task", logits, gold, kinds, rms)
+    alone = analyze(tmp_path)
+    assert "paper" in alone.analyses and "text_geometry" not in alone.analyses
+    assert not [name for name in alone.names() if name.startswith("text_")]
+    synthesize_text_store(tmp_path, 1, 6, 20, 3, chunk=4, lens=True, skips=True, progress=False)
+    mixed = analyze(tmp_path)
+    for name, table in mixed.tables().items():
+        if "model" in table.columns and table.height and name != "manifests":
+            want = "synth--text-model-00" if name.startswith("text_") else "org--choice"
+            assert set(table["model"].to_list()) - {None} == {want}, name
+    assert mixed.text_geometry.height == 3 and mixed.text_lens.height == 4
+
+
+def test_store_tables_match_numpy_and_batching(tmp_path, monkeypatch) -> None:
+    from layerdiv.analyze import text as text_module
+    from layerdiv.analyze.api import analyze
+    from layerdiv.analyze.synthetic import text_manifest, write_text_partition
+    from layerdiv.store.tables import (
+        TOKEN_BLOCK_VALUES,
+        documents_table,
+        token_blocks_table,
+        tokens_table,
+    )
+
+    rng = np.random.default_rng(7)
+    lengths, blocks = [9, 14, 4, 11, 7], 5
+    doc, _, _, _, _ = raw_vectors(rng, lengths, blocks)
+    n = len(doc)
+    # small integers: every dot product is exact in float32
+    h0 = rng.integers(-4, 5, (n, 6)).astype(float)
+    attn = rng.integers(-3, 4, (n, blocks, 6)).astype(float)
+    mlp = rng.integers(-3, 4, (n, blocks, 6)).astype(float)
+    dots = text_dots(h0, attn, mlp)
+    values = np.stack([dots[c] for c in TOKEN_BLOCK_VALUES], axis=-1)
+
+    def chunks():
+        for start in range(0, len(lengths), 2):
+            docs = range(start, min(len(lengths), start + 2))
+            at = np.isin(doc, docs)
+            mine = [lengths[i] for i in docs]
+            yield (
+                start,
+                len(docs),
+                {
+                    "documents": documents_table(docs, mine, [False] * len(docs)),
+                    "tokens": tokens_table(docs, [list(range(t)) for t in mine]),
+                    "token_blocks": token_blocks_table(docs, mine, values[at]),
+                },
+            )
+
+    manifest = text_manifest("org/tiny", "doc", len(lengths), blocks, 14, 2, hidden_size=6)
+    write_text_partition(tmp_path, manifest, chunks())
     results = analyze(tmp_path)
-    assert "paper" in results.analyses and "text_geometry" not in results.analyses
-    assert not [name for name in results.names() if name.startswith("text_")]
+    assert results.analyses == ["text_geometry", "text_lens", "text_skips", "text_profiles"]
+    ref = reference_geometry(h0, attn, mlp)
+    geo = results.text_geometry.sort("block")
+    assert geo["n_tokens"].to_list() == [n] * blocks
+    for column in GEOMETRY:
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mean, top = np.nanmean(ref[column], axis=0), np.nanmax(ref[column], axis=0)
+        np.testing.assert_allclose(
+            geo[f"{column}_mean"].fill_null(np.nan), mean, rtol=TOL, atol=TOL
+        )
+        np.testing.assert_allclose(geo[f"{column}_max"].fill_null(np.nan), top, rtol=TOL, atol=TOL)
+    values_pca, _ = np.linalg.eigh(np.cov(ref["theta_state"], rowvar=False))
+    ratio = np.sort(values_pca / values_pca.sum())[::-1]
+    np.testing.assert_allclose(results.text_profile_pca["explained_ratio"], ratio[:5], rtol=1e-6)
+    # batches of 3 tokens (crossing documents and part files) give the same tables
+    monkeypatch.setattr(text_module, "BATCH_TOKENS", 3)
+    small = analyze(tmp_path)
+    for name in ("text_geometry", "text_profile_pca", "text_early_stop", "text_update_fit"):
+        a, b = results.tables()[name], small.tables()[name]
+        assert a.columns == b.columns and a.height == b.height
+        for column in a.columns:
+            if a[column].dtype.is_float():
+                np.testing.assert_allclose(
+                    a[column].fill_null(np.nan), b[column].fill_null(np.nan), rtol=1e-9
+                )
+            else:
+                assert a[column].to_list() == b[column].to_list()

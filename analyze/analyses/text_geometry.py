@@ -19,7 +19,7 @@ import polars as pl
 from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
-from layerdiv.analyze.text import GEOMETRY, TEXT_KIND, combine, n_blocks, tag, text_passes
+from layerdiv.analyze.text import GEOMETRY, TEXT_KIND, combine, tag, text_passes
 
 
 def geometry_table(batch_sums: Iterable[pl.DataFrame], blocks: int) -> pl.DataFrame:
@@ -41,7 +41,7 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     """The registry's entry point: ``text_geometry`` of every selected text partition, from one
     pass over its tokens (:func:`~layerdiv.analyze.text.text_passes`)."""
     passes = text_passes(ctx)
-    frames = [tag(geometry_table(passes[p.where].sums, n_blocks(p)), p) for p in ctx.parts]
+    frames = [tag(geometry_table(passes[p.where].sums, p.manifest.n_blocks), p) for p in ctx.parts]
     return {"text_geometry": pl.concat(frames)}
 
 

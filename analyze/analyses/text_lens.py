@@ -23,7 +23,7 @@ from layerdiv.analyze.registry import (
     map_partitions,
     register,
 )
-from layerdiv.analyze.text import TEXT_KIND, batches, combine, n_blocks, sums, tag
+from layerdiv.analyze.text import TEXT_KIND, batches, combine, sums, tag
 from layerdiv.store import PartitionInfo
 
 LENS = ("kl", "top5_overlap", "ce")
@@ -60,7 +60,7 @@ def lens_table(doc_means: pl.DataFrame, blocks: int) -> pl.DataFrame:
 def partition_lens(info: PartitionInfo) -> pl.DataFrame:
     """``text_lens`` of one text partition, read batch by batch."""
     frames = batches(info.uris("token_lens"), ["doc", "layer", *LENS], LENS_ROWS)
-    return tag(lens_table(document_means(frames), n_blocks(info)), info)
+    return tag(lens_table(document_means(frames), info.manifest.n_blocks), info)
 
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:

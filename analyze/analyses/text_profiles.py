@@ -48,7 +48,6 @@ from layerdiv.analyze.text import (
     ProfileMoments,
     batches,
     combine,
-    n_blocks,
     sums,
     tag,
     text_passes,
@@ -156,7 +155,9 @@ def depth_score_table(info: PartitionInfo) -> pl.DataFrame:
             pl.col("depth_score").mean(),
             pl.col("depth_score").std().alias("depth_score_std"),
         )
-        .with_columns(((pl.col("depth_score") + 1) / n_blocks(info)).alias("relative_depth_score"))
+        .with_columns(
+            ((pl.col("depth_score") + 1) / info.manifest.n_blocks).alias("relative_depth_score")
+        )
         .sort("sublayer", "group", nulls_last=True),
         info,
     )

@@ -31,7 +31,7 @@ from layerdiv.analyze.registry import (
     map_partitions,
     register,
 )
-from layerdiv.analyze.text import TEXT_KIND, batches, combine, n_blocks, sums, tag
+from layerdiv.analyze.text import TEXT_KIND, batches, combine, sums, tag
 from layerdiv.store import PartitionInfo
 
 SKIP_ROWS = 1 << 20
@@ -53,7 +53,7 @@ def effects_table(info: PartitionInfo) -> pl.DataFrame:
     table = combine(
         (sums(_with_string_sublayer(f), keys, ["rel_change"]) for f in frames), keys, ["rel_change"]
     )
-    return tag(_depth(table, n_blocks(info)), info)
+    return tag(_depth(table, info.manifest.n_blocks), info)
 
 
 def output_table(info: PartitionInfo) -> pl.DataFrame:
@@ -65,7 +65,7 @@ def output_table(info: PartitionInfo) -> pl.DataFrame:
     table = combine(
         (sums(_with_string_sublayer(f), keys, ["out_change"]) for f in frames), keys, ["out_change"]
     )
-    return tag(_depth(table, n_blocks(info)), info)
+    return tag(_depth(table, info.manifest.n_blocks), info)
 
 
 def _depth(table: pl.DataFrame, blocks: int) -> pl.DataFrame:

@@ -1,0 +1,113 @@
+"""Running text from extraction to report: ``extract --lens`` on a tiny random Llama, then the
+analyses' tables against a direct float64 computation from the model's own hidden states, and the
+report's running-text sections (Markdown and HTML)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from layerdiv.analyze.api import analyze
+from layerdiv.cli import main
+from layerdiv.tests.test_text_analysis import reference_geometry
+from layerdiv.tests.test_text_extract import random_texts, reference_lens, text_task
+
+TEXT_SECTIONS = (
+    "Running text: geometry of the residual stream",
+    "Running text: logit lens",
+    "Running text: update profiles and depth scores",
+)
+
+
+def vectors(model: Any, ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(h0 (T, d), attn and mlp (T, L, d)) of one document, float64: h0 from
+    ``output_hidden_states``, what each block's attention and MLP add from forward hooks."""
+    adds: list[torch.Tensor] = []
+    handles = [
+        module.register_forward_hook(
+            lambda m, a, out: adds.append((out[0] if isinstance(out, tuple) else out)[0])
+        )
+        for layer in model.model.layers
+        for module in (layer.self_attn, layer.mlp)
+    ]
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    attn, mlp = (torch.stack(adds[i::2], dim=1).numpy() for i in (0, 1))
+    h = [s[0].numpy() for s in out.hidden_states]
+    # The hooked updates rebuild every block input HF returns (its last state is after the norm).
+    rebuilt = h[0][:, None] + np.cumsum(attn + mlp, axis=1)
+    np.testing.assert_allclose(rebuilt[:, :-1], np.stack(h[1:-1], axis=1), rtol=1e-9, atol=1e-9)
+    return h[0], attn, mlp
+
+
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory: pytest.TempPathFactory, model_dirs: Any) -> tuple[Path, list[str]]:
+    """A text store of 7 short documents (cut to 16 tokens) extracted with ``--lens``."""
+    root = tmp_path_factory.mktemp("text-e2e")
+    texts = random_texts(7, seed=3)
+    task = text_task(root / "task", texts, max_tokens=16)
+    store = root / "store"
+    out = CliRunner().invoke(
+        main,
+        ["extract", "--model", str(model_dirs("llama")), "--task", str(task), "--store",
+         str(store), "--batch-size", "3", "--chunk-size", "3", "--lens"],
+        catch_exceptions=False,
+    )  # fmt: skip
+    assert out.exit_code == 0, out.output
+    return store, texts
+
+
+def test_analysis_of_an_extracted_store_matches_float64_numpy(
+    extracted: tuple[Path, list[str]], build_model: Any, tokenizer: Any
+) -> None:
+    store, texts = extracted
+    model = build_model("llama").to(torch.float64)  # the same weights (seed 0), asserted tiny
+    docs = [tokenizer(t)["input_ids"][:16] for t in texts]
+    parts = [vectors(model, ids) for ids in docs]
+    h0, attn, mlp = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    want = reference_geometry(h0, attn, mlp)
+    results = analyze(store)
+    geo = results.text_geometry.sort("block")
+    assert geo["n_tokens"].to_list() == [len(h0)] * attn.shape[1]
+    for column, values in want.items():
+        with warnings.catch_warnings():  # theta_update: no next block at the last one
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mean = np.nanmean(values, axis=0)
+        got = geo[f"{column}_mean"].fill_null(np.nan).to_numpy()
+        np.testing.assert_allclose(got, mean, rtol=1e-3, atol=1e-9, err_msg=column)
+    # Lens: mean over the positions of a document, then over documents (ce: positions with a
+    # next token).
+    per_doc = np.stack([np.nanmean(reference_lens(model, ids), axis=0) for ids in docs])
+    lens = results.text_lens.sort("layer")
+    assert lens["n_documents"].to_list() == [len(docs)] * per_doc.shape[1]
+    for i, column in enumerate(("kl", "top5_overlap", "ce")):
+        tol = 5e-3 if column == "top5_overlap" else 1e-3
+        want_lens = per_doc[..., i].mean(axis=0)
+        np.testing.assert_allclose(lens[column], want_lens, rtol=tol, atol=tol, err_msg=column)
+
+
+def test_report_draws_the_running_text_sections(
+    extracted: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    pytest.importorskip("plotly")
+    store, _ = extracted
+    out = tmp_path / "report"
+    result = CliRunner().invoke(
+        main, ["report", "--store", str(store), "--out", str(out), "--format", "md,html"]
+    )
+    assert result.exit_code == 0, result.output
+    md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    for title in TEXT_SECTIONS:
+        assert title in md and title in html, title
+    for figure in ("text_geometry.png", "text_lens.png", "text_profiles.png"):
+        assert (out / "figures" / figure).is_file() and f"figures/{figure}" in md
