@@ -15,7 +15,7 @@
 # # Tutorial: the demo store in a notebook
 #
 # This notebook explores the store that `make demo` writes (`layerdiv-demo/store`: SmolLM2-135M-Instruct
-# on three labelled tasks, 300 instances each) with layerdiv's Python API: the store's tables as
+# on three labelled tasks, 300 instances each, and a running-text task) with layerdiv's Python API: the store's tables as
 # Polars frames, your own SQL, then the analysis and its result tables. Nothing here needs torch or
 # a GPU; each cell runs in a fraction of a second once the store exists.
 #
