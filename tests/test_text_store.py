@@ -12,10 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from layerdiv.analyze.synthetic import (
-    component_infos,
-    decoder_kinds,
     random_partition,
     write_partition,
+)
+from layerdiv.analyze.synthetic import (
+    text_manifest as synthetic_text_manifest,
 )
 from layerdiv.schemas import KINDS, SCHEMA_VERSION, tables_of
 from layerdiv.store import Manifest, PartitionWriter, Store
@@ -36,32 +37,8 @@ CHUNK = 2
 
 
 def text_manifest(n: int) -> Manifest:
-    return Manifest(
-        model="m",
-        task="txt",
-        revision=None,
-        weights_fingerprint="synthetic",
-        dtype="float32",
-        model_type="synthetic",
-        adapter="synthetic",
-        norm="rms",
-        n_params=1,
-        context_length=64,
-        options=[],
-        option_token_ids=[],
-        option_tokens=[],
-        template_sha256="synthetic",
-        task_spec={"name": "txt", "kind": "text"},
-        components=component_infos(decoder_kinds(BLOCKS)),
-        n_requested=n,
-        sum_tolerance=1e-4,
-        chunk_size=CHUNK,
-        hidden_size=8,
-        kind="text",
-        max_tokens=16,
-        lens="final",
-        skip_split="random",
-        skip_seed=0,
+    return synthetic_text_manifest(
+        "m", "txt", n, BLOCKS, 16, CHUNK, lens=True, skips=True, hidden_size=8
     )
 
 
