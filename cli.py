@@ -20,7 +20,7 @@ from layerdiv.analyze.options import ESTIMATORS, FORMATS, LENSES
 from layerdiv.errors import LayerdivError, LayerdivWarning
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig
 from layerdiv.extract.launchers import Shard, parse_shard, pick_device
-from layerdiv.schemas import KINDS
+from layerdiv.schemas import KINDS, SUBLAYERS
 
 DEFAULT_STORE = "layerdiv-store"
 MAX_ROWS = 40
@@ -202,7 +202,29 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
     "--skips",
     is_flag=True,
     help="Also store the option logits with each block skipped (about half a forward pass per "
-    "block; extends a partition stored without them).",
+    "block; extends a partition stored without them). On a text task: the future effects of "
+    "removing each block at the positions before a split point.",
+)
+@click.option(
+    "--skip-split",
+    type=click.Choice(["random", "all"]),
+    default=None,
+    help="Text tasks with --skips: 4 seeded split points per document (random, the default) or "
+    "every position but the first (all).",
+)
+@click.option(
+    "--skip-sublayer",
+    "skip_sublayers",
+    type=click.Choice(list(SUBLAYERS)),
+    multiple=True,
+    help="Text tasks with --skips: remove the whole block (default), or only its attention or "
+    "MLP addition; repeat for several.",
+)
+@click.option(
+    "--skip-seed",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Text tasks with --skips: seed of the random split points (default 0).",
 )
 @click.option(
     "--gram",
@@ -238,6 +260,9 @@ def extract(
     chunk_size: int | None,
     heads: bool,
     skips: bool,
+    skip_split: str | None,
+    skip_sublayers: tuple[str, ...],
+    skip_seed: int | None,
     gram: bool,
     lens: str | None,
 ) -> None:
@@ -266,6 +291,9 @@ def extract(
         chunk_size=chunk_size,
         heads=heads,
         skips=skips,
+        skip_split=skip_split,
+        skip_sublayers=skip_sublayers,
+        skip_seed=skip_seed,
         gram=gram,
         lens=lens,
     )

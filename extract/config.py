@@ -57,7 +57,17 @@ class ExtractConfig:
     """Also store every attention head's option logits (the ``heads`` table, METHODS.md
     section 8); a partition stored without them is extended (backfilled)."""
     skips: bool = False
-    """Also store the option logits with each block skipped (``skips`` table, METHODS.md 7)."""
+    """Also store the option logits with each block skipped (``skips`` table, METHODS.md 7); on
+    a text task, the future effects (``future_effects``, ``future_output``, METHODS.md 9)."""
+    skip_split: str | None = None
+    """Text tasks with ``skips``: ``random`` (4 seeded split points per document, the default)
+    or ``all`` (every position but the first); None keeps the partition's own."""
+    skip_sublayers: tuple[str, ...] = ()
+    """Text tasks with ``skips``: what is removed, of ``block``, ``attn``, ``mlp`` (empty: the
+    partition's own, or ``block``)."""
+    skip_seed: int | None = None
+    """Text tasks with ``skips``: the seed of the random split points (None: the partition's
+    own, or 0)."""
     gram: bool = False
     """Also store each instance's Gram matrix of the component outputs (``gram`` table)."""
     lens: str | None = None

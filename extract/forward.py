@@ -14,6 +14,7 @@ import torch
 from layerdiv.extract.adapters import Adapter
 from layerdiv.extract.batching import batches
 from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
+from layerdiv.extract.future import FutureEffects, SkipSettings
 from layerdiv.extract.heads import HeadCapture
 from layerdiv.extract.models import LoadedModel
 from layerdiv.extract.skips import BlockSkipper
@@ -21,6 +22,8 @@ from layerdiv.extract.text import TextBatch, TextCapture
 from layerdiv.store.tables import (
     components_table,
     documents_table,
+    future_effects_table,
+    future_output_table,
     gram_table,
     heads_table,
     instances_table,
@@ -79,6 +82,7 @@ class ModelRunner:
         n_heads: int | None = None,
         kind: str = "choice",
         lens: str | None = None,
+        skips: SkipSettings | None = None,
     ) -> None:
         self.loaded = loaded
         self.budget = budget
@@ -90,6 +94,12 @@ class ModelRunner:
         )
         """Text tasks: the per-token capture (METHODS.md section 9); the choice captures are
         not attached."""
+        self.future = (
+            FutureEffects(loaded.model, adapter, self.text.readout, skips)
+            if self.text is not None and skips is not None and "future_effects" in extra_tables
+            else None
+        )
+        """Text tasks with ``--skips``: the future effects (METHODS.md section 9)."""
         self.capture = (
             None
             if self.text is not None
@@ -130,17 +140,33 @@ class ModelRunner:
             if capture is not None:
                 capture.remove()
 
-    def run(self, seqs: list[list[int]]) -> Any:
+    def run(self, seqs: list[list[int]], ids: list[int] | None = None) -> Any:
         """One forward pass over ``seqs`` (left-padded) and its :data:`Batch`
-        (``BatchDecomposition`` for a choice task, ``TextBatch`` for a text task)."""
+        (``BatchDecomposition`` for a choice task, ``TextBatch`` for a text task; with
+        ``--skips``, the future effects of documents ``ids`` when given)."""
         device = self.loaded.device
         inputs = {k: v.to(device) for k, v in left_padded(seqs, self.pad_id).items()}
         inputs.update(self.extra)
         if self.text is not None:
-            self.text.reset(inputs["input_ids"])
+            text = self.text
+            text.reset(inputs["input_ids"])
             with torch.inference_mode():
                 self.loaded.model(**inputs)
-                return self.text.decompose()
+                batch = text.decompose()
+                if self.future is not None and ids is not None:
+                    text.paused = True
+                    try:
+                        batch.future = self.future.run(
+                            text.states(),
+                            text.block_args,
+                            text.dtype,
+                            [len(s) for s in seqs],
+                            ids,
+                            max(1, self.budget // inputs["input_ids"].shape[1]),
+                        )
+                    finally:
+                        text.paused = False
+                return batch
         capture = self.capture
         assert capture is not None  # a choice runner
         capture.reset()
@@ -173,7 +199,7 @@ class ModelRunner:
         while pending:
             batch = pending.pop(0)
             try:
-                dec = self.run([seqs[i] for i in batch])
+                dec = self.run([seqs[i] for i in batch], batch)
             except torch.OutOfMemoryError:
                 if len(batch) == 1:
                     raise
@@ -238,19 +264,43 @@ def text_tables(
     ``results`` as (its batch, its row there)."""
     n_tokens = [len(seqs[i]) for i in ids]
     dots = np.concatenate([results[i][0].document(results[i][1], len(seqs[i])) for i in ids])
-    lens = {}
+    optional = future_tables(ids, results)
     if results[ids[0]][0].lens is not None:
         if any(results[i][0].lens is None for i in ids):
             raise DecompositionError("a document ran without the lens")
         v = np.concatenate([results[i][0].document_lens(results[i][1], len(seqs[i])) for i in ids])
-        lens["token_lens"] = token_lens_table(ids, n_tokens, v[..., 0], v[..., 1], v[..., 2])
+        optional["token_lens"] = token_lens_table(ids, n_tokens, v[..., 0], v[..., 1], v[..., 2])
     return {
-        **lens,
+        **optional,
         "tokens": tokens_table(ids, [seqs[i] for i in ids]),
         "token_blocks": token_blocks_table(ids, n_tokens, dots),
         "documents": documents_table(
             ids, n_tokens, [truncated[i] for i in ids], [groups[i] for i in ids]
         ),
+    }
+
+
+def future_tables(ids: list[int], results: dict[int, tuple[TextBatch, int]]) -> dict[str, pa.Table]:
+    """The ``future_effects`` and ``future_output`` tables of documents ``ids`` (ascending) where
+    the run computed them."""
+    if results[ids[0]][0].future is None:
+        return {}
+    rows = []
+    for i in ids:
+        batch, row = results[i]
+        if batch.future is None:
+            raise DecompositionError("a document ran without the future effects")
+        rows.append((i, batch.future[row]))
+    doc = np.concatenate([np.full(len(f.split), i) for i, f in rows])
+    split = np.concatenate([f.split for _, f in rows])
+    sublayer = [s for _, f in rows for s in f.sublayer]
+    skipped = np.concatenate([f.skipped for _, f in rows])
+    blocks = rows[0][1].rel_change.shape[1]
+    rel = np.concatenate([f.rel_change.reshape(-1, blocks) for _, f in rows])
+    out = np.concatenate([f.out_change for _, f in rows])
+    return {
+        "future_effects": future_effects_table(doc, split, sublayer, skipped, rel),
+        "future_output": future_output_table(doc, split, sublayer, skipped, out),
     }
 
 

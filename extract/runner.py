@@ -28,6 +28,7 @@ from layerdiv.extract.forward import (
     text_tables,
     token_budget,
 )
+from layerdiv.extract.future import SPLIT_MARGIN, SPLIT_STEP, SkipSettings
 from layerdiv.extract.heads import check_head_sums
 from layerdiv.extract.interrupt import interruptible
 from layerdiv.extract.models import (
@@ -72,6 +73,8 @@ class TaskPlan:
     documents: tuple[list[list[int]], list[bool]] | None = None
     """Text tasks: the token ids of every document and whether it was cut (known before the
     weights load, so that a document without tokens is refused before anything is written)."""
+    skips: SkipSettings | None = None
+    """Text tasks writing the future-effects tables: how (:func:`_skip_settings`)."""
 
 
 def plan_task(
@@ -98,9 +101,16 @@ def plan_task(
                 f"task {spec.name}: document {empty[0]} tokenizes to no tokens (empty text); "
                 "fix the data or the task's text template, or filter such rows out"
             )
-        asked = ["token_lens"] if cfg.lens else []
+        asked = (["token_lens"] if cfg.lens else []) + (list(FUTURE_TABLES) if cfg.skips else [])
         tables = chunks.extra_tables(writer, asked, cfg.overwrite)
-        return TaskPlan(spec, items, [], sha, writer, tables, argument, documents)
+        skips = _skip_settings(writer, cfg) if "future_effects" in tables else None
+        return TaskPlan(spec, items, [], sha, writer, tables, argument, documents, skips)
+    given = _skip_flags(cfg)
+    if given:
+        raise TaskError(
+            f"task {spec.name} is a choice task: {', '.join(given)} applies to text tasks only "
+            "(--skips on a choice task skips each block whole at the last prompt token)"
+        )
     if cfg.lens == "last-block":
         raise TaskError(
             f"task {spec.name} is a choice task: --lens last-block applies to text tasks only "
@@ -124,19 +134,64 @@ def _refuse_other_lens(writer: PartitionWriter, stored: Manifest, manifest: Mani
     write_manifest(writer.part.manifest, stored)
 
 
+FUTURE_TABLES = ("future_effects", "future_output")
+"""The tables ``--skips`` writes on a text task."""
+
+
 def _refuse_text_flags(spec: TaskSpec, cfg: ExtractConfig) -> None:
-    """Refuse the optional tables a text task cannot have."""
-    if cfg.skips and spec.max_tokens is not None and spec.max_tokens <= 8:
+    """Refuse the optional tables a text task cannot have, and ``--skips`` settings without
+    ``--skips``."""
+    short = spec.max_tokens is not None and spec.max_tokens <= SPLIT_STEP + SPLIT_MARGIN
+    if cfg.skips and cfg.skip_split != "all" and short:
         raise TaskError(
             f"task {spec.name}: --skips needs split points 8, 16, ... < T - 4, and max_tokens "
-            f"{spec.max_tokens} leaves none; raise max_tokens above 12 or drop --skips"
+            f"{spec.max_tokens} leaves none; raise max_tokens above 12, use --skip-split all, "
+            "or drop --skips"
         )
-    asked = [f"--{t}" for t in cfg.extra_tables]
+    asked = [f"--{t}" for t in cfg.extra_tables if t != "skips"]
     if asked:
         raise TaskError(
             f"task {spec.name} is a text task: {', '.join(asked)} applies to choice tasks only "
             "in this version; extract it without"
         )
+    given = _skip_flags(cfg)
+    if given and not cfg.skips:
+        raise TaskError(f"task {spec.name}: {', '.join(given)} sets up --skips; add --skips")
+
+
+def _skip_flags(cfg: ExtractConfig) -> list[str]:
+    """The future-effects options given on the command line."""
+    given = {"--skip-split": cfg.skip_split, "--skip-seed": cfg.skip_seed,
+             "--skip-sublayer": cfg.skip_sublayers}  # fmt: skip
+    return [flag for flag, value in given.items() if value not in (None, ())]
+
+
+def _skip_settings(writer: PartitionWriter, cfg: ExtractConfig) -> SkipSettings:
+    """The future-effects settings of this run: those given, else the partition's own, else the
+    defaults; refuse settings other than those of future effects already stored."""
+    stored = None
+    if not cfg.overwrite and writer.part.manifest.exists():
+        m = read_manifest(writer.part.manifest)
+        if m.skip_split is not None:
+            stored = SkipSettings(m.skip_split, m.skip_seed or 0, tuple(m.skip_sublayers or ()))
+    base = stored or SkipSettings()
+    settings = SkipSettings(
+        cfg.skip_split or base.split,
+        base.seed if cfg.skip_seed is None else cfg.skip_seed,
+        tuple(dict.fromkeys(cfg.skip_sublayers)) or base.sublayers,
+    )
+    if stored is not None and settings != stored and writer.part.parts("future_effects"):
+        raise TaskError(
+            f"{writer.part.manifest}: the stored future effects are {_describe(stored)}, this "
+            f"run asks for {_describe(settings)}; drop these options to keep the stored ones, or "
+            "use --overwrite"
+        )
+    return settings
+
+
+def _describe(settings: SkipSettings) -> str:
+    sublayers = " ".join(f"--skip-sublayer {s}" for s in settings.sublayers)
+    return f"--skip-split {settings.split} --skip-seed {settings.seed} {sublayers}"
 
 
 def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
@@ -276,7 +331,7 @@ def extract_task(
     unit = KINDS[spec.kind].units
     start_time, notes = time.perf_counter(), []
     with ModelRunner(loaded, adapter, plan.option_ids, budget, tables, n_heads,
-                     spec.kind, cfg.lens) as runner:  # fmt: skip
+                     spec.kind, cfg.lens, plan.skips) as runner:  # fmt: skip
         probe = runner.run([seqs[0]])  # the component list, before anything is written
         work.check(probe, [0])
         ident = identity(loaded.source, loaded.dtype, spec, plan.option_ids, plan.data_sha256)
@@ -284,7 +339,17 @@ def extract_task(
                                   _chunk_size(cfg), tol, approximate)  # fmt: skip
         lens_table = KINDS[spec.kind].lens_table
         manifest.lens = cfg.lens if lens_table in tables else None
+        if plan.skips is not None:
+            manifest.skip_split, manifest.skip_seed = plan.skips.split, plan.skips.seed
+            manifest.skip_sublayers = list(plan.skips.sublayers)
         stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])
+        settings = ("skip_split", "skip_seed", "skip_sublayers")
+        if plan.skips is not None and any(
+            getattr(stored, f) != getattr(manifest, f) for f in settings
+        ):  # a partition without future effects (or none stored yet) gets this run's
+            for f in settings:
+                setattr(stored, f, getattr(manifest, f))
+            write_manifest(writer.part.manifest, stored)
         if lens_table in tables and stored.lens != manifest.lens:
             _refuse_other_lens(writer, stored, manifest)
         grid = stored.chunk_size or _chunk_size(cfg)

@@ -13,6 +13,7 @@ import torch
 
 from layerdiv.extract.adapters import Adapter, get_module
 from layerdiv.extract.capture import DecompositionError
+from layerdiv.extract.future import FutureRows
 from layerdiv.extract.readout import Readout, lens_stats
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
@@ -35,6 +36,8 @@ class TextBatch:
     lens: torch.Tensor | None = None
     """With ``--lens``: (B, width, L + 1, 3) float32, per layer l = 0..L the logit lens's kl,
     top5_overlap and ce (NaN at the row's last position)."""
+    future: list[FutureRows] | None = None
+    """With ``--skips``: per row, its document's future effects."""
 
     def document(self, row: int, n_tokens: int) -> np.ndarray:
         """(n_tokens, L, 8): the values at the document's own positions (padding dropped)."""
@@ -73,7 +76,7 @@ class TextCapture:
     def reset(self, input_ids: torch.Tensor | None = None) -> None:
         """Forget the last pass; ``input_ids`` (B, width) of the next one (the lens's ce)."""
         self._ids = input_ids
-        self._call: tuple[tuple, dict] = ((), {})  # the last block call's arguments
+        self.block_args: list[tuple[tuple, dict]] = []  # every block call's arguments
         self._dtype = torch.float32
         self._h: list[torch.Tensor] = []  # block inputs, float32
         self._dots: list[torch.Tensor] = []  # (B, T, 6) per block
@@ -96,7 +99,7 @@ class TextCapture:
         if not self._calls:
             self._calls.append(("embed", -1))
         self._dtype = h.dtype
-        self._call = (args, kwargs)
+        self.block_args.append((args, kwargs))
         self._h.append(h.to(torch.float32))
 
     def _addition_hook(self, kind: str, layer: int) -> Any:
@@ -125,6 +128,17 @@ class TextCapture:
             self._final = args[0].to(torch.float32)
 
     # results -----------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's residual-stream dtype in the last pass."""
+        return self._dtype
+
+    def states(self) -> list[torch.Tensor]:
+        """The last pass's block inputs h_0..h_(L-1) and last residual state h_L (float32)."""
+        if self._final is None:
+            raise DecompositionError("no forward pass was captured")
+        return [*self._h, self._final]
+
     def decompose(self) -> TextBatch:
         """The per-token, per-block dot products of the last forward pass."""
         if self._final is None or not self._dots:
@@ -170,7 +184,7 @@ class TextCapture:
     def _last_block(self, x: torch.Tensor) -> torch.Tensor:
         """The model's last block applied to ``x`` with the arguments of its own call (mask,
         positions), its hooks paused."""
-        args, kwargs = self._call
+        args, kwargs = self.block_args[-1]
         if args:
             args = (x, *args[1:])
         else:

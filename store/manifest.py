@@ -151,6 +151,8 @@ class Manifest:
     ``all`` (every position but the first)."""
     skip_seed: int | None = None
     """Seed of the random split points."""
+    skip_sublayers: list[str] | None = None
+    """Text tasks with ``--skips``: what each skip removed (``layerdiv.schemas.SUBLAYERS``)."""
 
     @property
     def n_blocks(self) -> int:

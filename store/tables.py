@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
+from numpy.typing import ArrayLike
 
 from layerdiv.schemas import (
     COMPONENTS,
@@ -272,10 +273,10 @@ def token_lens_table(
 
 
 def _skip_key(
-    doc: Sequence[int],
-    split: Sequence[int],
+    doc: ArrayLike,
+    split: ArrayLike,
     sublayer: Sequence[str],
-    skipped: Sequence[int],
+    skipped: ArrayLike,
     each: int,
 ) -> dict[str, pa.Array]:
     """The key columns of the future-effects tables, each row repeated ``each`` times."""
@@ -291,10 +292,10 @@ def _skip_key(
 
 
 def future_effects_table(
-    doc: Sequence[int],
-    split: Sequence[int],
+    doc: ArrayLike,
+    split: ArrayLike,
     sublayer: Sequence[str],
-    skipped: Sequence[int],
+    skipped: ArrayLike,
     rel_change: np.ndarray,
 ) -> pa.Table:
     """Rows (doc, split, sublayer, skipped, block) of :data:`~layerdiv.schemas.FUTURE_EFFECTS`;
@@ -311,10 +312,10 @@ def future_effects_table(
 
 
 def future_output_table(
-    doc: Sequence[int],
-    split: Sequence[int],
+    doc: ArrayLike,
+    split: ArrayLike,
     sublayer: Sequence[str],
-    skipped: Sequence[int],
+    skipped: ArrayLike,
     out_change: np.ndarray,
 ) -> pa.Table:
     """Rows (doc, split, sublayer, skipped) of :data:`~layerdiv.schemas.FUTURE_OUTPUT`;

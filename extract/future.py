@@ -1,0 +1,239 @@
+"""Future effects (``extract --skips`` on a text task, METHODS.md section 9, as the
+depth-efficiency paper's code does it): per document and split point t, block l's addition (or
+only its attention's, or only its MLP's) is removed at positions 1..t-1, the blocks after it run
+on, and every later block's update and the output distribution are compared with the clean pass's
+at positions p >= t.
+
+Blocks before l are not run again: the clean pass's inputs of block l are reused (kept by
+``TextCapture``), and each block runs with the arguments of its own clean call (mask, positions),
+repeated for every (document, split point, sublayer) row. So rel_change(l, j) is 0 for j < l by
+construction, and for j = l too with random split points (block l's update at p >= t only reads
+positions whose inputs did not change).
+
+Split points (``--skip-split random``, the default): for a document of T tokens, the candidates
+are 8, 16, ... < T - 4; up to 4 of them are drawn without replacement by
+``numpy.random.default_rng([seed, doc])``, so a document's split points do not depend on its batch,
+chunk or shard. A document of 12 tokens or fewer has none (and no rows). ``--skip-split all``
+removes the addition at every position but the first and measures every position (split 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from layerdiv.extract.adapters import Adapter, get_module
+from layerdiv.extract.readout import Readout
+
+SPLIT_STEP = 8
+"""Split points are multiples of this."""
+SPLIT_MARGIN = 4
+"""A split point t is below T - SPLIT_MARGIN."""
+SPLITS = 4
+"""Split points drawn per document."""
+
+
+@dataclass(frozen=True)
+class SkipSettings:
+    """How ``--skips`` runs on a text task (recorded in the partition's manifest)."""
+
+    split: str = "random"
+    """``random`` (seeded split points) or ``all`` (every position but the first)."""
+    seed: int = 0
+    """Seed of the random split points (with the document number)."""
+    sublayers: tuple[str, ...] = ("block",)
+    """What is removed: ``block`` (attention and MLP), ``attn``, ``mlp`` (each a row set)."""
+
+
+def split_points(n_tokens: int, doc: int, settings: SkipSettings) -> list[int]:
+    """The split points t of document ``doc`` of ``n_tokens`` tokens ([0] with ``all``)."""
+    if settings.split == "all":
+        return [0]
+    candidates = np.arange(SPLIT_STEP, n_tokens - SPLIT_MARGIN, SPLIT_STEP)
+    rng = np.random.default_rng([settings.seed, doc])
+    chosen = rng.choice(candidates, size=min(SPLITS, len(candidates)), replace=False)
+    return sorted(int(t) for t in chosen)
+
+
+@dataclass
+class FutureRows:
+    """One document's future effects: R rows of (split, sublayer, skipped)."""
+
+    split: np.ndarray
+    """(R,) split point t (0 with ``all``)."""
+    sublayer: list[str]
+    """(R,) what was removed."""
+    skipped: np.ndarray
+    """(R,) the block l whose addition was removed."""
+    rel_change: np.ndarray
+    """(R, L) max over measured positions of ||d'_j - d_j|| / max(||d_j||, 1e-6), every j."""
+    out_change: np.ndarray
+    """(R,) max over measured positions of ||softmax(z') - softmax(z)||_2."""
+
+
+def _expand(value: Any, rows: torch.Tensor, batch: int) -> Any:
+    """``value`` (a block call's argument) with every batch-first tensor repeated by ``rows``."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() >= 2 and value.shape[0] == batch:
+            return value.index_select(0, rows.to(value.device))
+        return value
+    if isinstance(value, tuple | list):
+        return type(value)(_expand(v, rows, batch) for v in value)
+    if isinstance(value, dict):
+        return {k: _expand(v, rows, batch) for k, v in value.items()}
+    return value
+
+
+class FutureEffects:
+    """Runs the skipped passes of one batch after its clean pass (see the module docstring)."""
+
+    def __init__(self, model: Any, adapter: Adapter, readout: Readout, settings: SkipSettings):
+        self.settings = settings
+        self.blocks = list(get_module(model, adapter.blocks))
+        """Block calls in execution order (a shared block appears once per call)."""
+        self.parts = {
+            kind: [get_module(b, getattr(adapter, kind)) for b in self.blocks]
+            for kind in ("attn", "mlp")
+        }
+        self.readout = readout
+        self._keep: torch.Tensor | None = None  # (R, W, 1): 0 where the addition is removed
+
+    @contextmanager
+    def _removing(self, call: int, sublayer: str) -> Iterator[None]:
+        """Multiply the additions of block call ``call`` named by ``sublayer`` by ``_keep``."""
+
+        def hook(module: Any, args: tuple, output: Any) -> Any:
+            assert self._keep is not None
+            if isinstance(output, tuple):
+                return (output[0] * self._keep.to(output[0].dtype), *output[1:])
+            return output * self._keep.to(output.dtype)
+
+        kinds = ("attn", "mlp") if sublayer == "block" else (sublayer,)
+        handles = [self.parts[k][call].register_forward_hook(hook) for k in kinds]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def run(
+        self,
+        states: list[torch.Tensor],
+        calls: list[tuple[tuple, dict]],
+        dtype: torch.dtype,
+        n_tokens: list[int],
+        docs: list[int],
+        max_rows: int,
+    ) -> list[FutureRows]:
+        """The future effects of every document of a left-padded batch: ``states`` the clean
+        pass's block inputs and its last residual state (L + 1 tensors (B, W, d), float32),
+        ``calls`` each block call's arguments, ``n_tokens``/``docs`` per row; at most
+        ``max_rows`` rows run at once."""
+        width = states[0].shape[1]
+        device = states[0].device
+        updates = [states[j + 1] - states[j] for j in range(len(self.blocks))]
+        clean = torch.softmax(self.readout.logits(states[-1].to(dtype)), dim=-1)
+        rows = [
+            (b, t, sub)
+            for b, (n, doc) in enumerate(zip(n_tokens, docs, strict=True))
+            for t in split_points(n, doc, self.settings)
+            for sub in self.settings.sublayers
+        ]
+        n_blocks = len(self.blocks)
+        rel = torch.zeros(len(rows), n_blocks, n_blocks)
+        out = torch.zeros(len(rows), n_blocks)
+        col = torch.arange(width, device=device)
+        for lo in range(0, len(rows), max_rows):
+            part = rows[lo : lo + max_rows]
+            index = torch.tensor([b for b, _, _ in part], device=device)
+            start = torch.tensor([width - n_tokens[b] for b, _, _ in part], device=device)
+            t = torch.tensor([t for _, t, _ in part], device=device)
+            end = torch.where(t > 0, start + t, torch.full_like(t, width))  # removed: [1, t)
+            self._keep = ~((col > start[:, None]) & (col < end[:, None]))
+            self._keep = self._keep[..., None]
+            measured = col >= (start + t)[:, None]  # (r, W): p >= t of the document
+            for sub in dict.fromkeys(s for _, _, s in part):
+                mine = [i for i, (_, _, s) in enumerate(part) if s == sub]
+                sel = torch.tensor(mine, device=device)
+                for skipped in range(n_blocks):
+                    r, o = self._skip(
+                        skipped, sub, states, calls, updates, clean, dtype, index, sel, measured
+                    )
+                    rel[[lo + i for i in mine], skipped] = r
+                    out[[lo + i for i in mine], skipped] = o
+        self._keep = None
+        return self._rows(rows, rel, out, len(docs))
+
+    def _skip(
+        self,
+        skipped: int,
+        sublayer: str,
+        states: list[torch.Tensor],
+        calls: list[tuple[tuple, dict]],
+        updates: list[torch.Tensor],
+        clean: torch.Tensor,
+        dtype: torch.dtype,
+        index: torch.Tensor,
+        sel: torch.Tensor,
+        measured: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """rel_change (r, L) and out_change (r,) of the rows ``sel`` of the current part with
+        ``sublayer`` of block call ``skipped`` removed."""
+        batch = states[0].shape[0]
+        rows = index[sel]
+        keep, self._keep = self._keep, self._keep[sel]  # type: ignore[index]
+        mask = measured[sel]
+        n_blocks = len(self.blocks)
+        rel = torch.zeros(len(rows), n_blocks)
+        x = states[skipped].index_select(0, rows).to(dtype)
+        try:
+            for j in range(skipped, n_blocks):
+                args, kwargs = _expand(calls[j], rows, batch)
+                if args:
+                    args = (x, *args[1:])
+                else:
+                    kwargs = {**kwargs, "hidden_states": x}
+                if j == skipped:
+                    with self._removing(j, sublayer):
+                        y = self.blocks[j](*args, **kwargs)
+                else:
+                    y = self.blocks[j](*args, **kwargs)
+                y = y[0] if isinstance(y, tuple) else y
+                # rel_change(l, j) = max_{p >= t} ||d'_j - d_j|| / max(||d_j||, 1e-6)
+                d = updates[j].index_select(0, rows)
+                change = (y.float() - x.float() - d).norm(dim=-1) / d.norm(dim=-1).clamp(min=1e-6)
+                rel[:, j] = change.masked_fill(~mask, 0).amax(dim=-1).cpu()
+                x = y
+        finally:
+            self._keep = keep
+        # out_change(l) = max_{p >= t} ||softmax(z'_p) - softmax(z_p)||_2, read out at the
+        # measured positions only
+        row, pos = mask.nonzero(as_tuple=True)
+        p_skip = torch.softmax(self.readout.logits(x[row, pos]), dim=-1)
+        dist = (p_skip - clean[rows[row], pos]).norm(dim=-1)
+        out = torch.zeros(len(rows), device=dist.device, dtype=dist.dtype)
+        return rel, out.scatter_reduce(0, row, dist, "amax").cpu()
+
+    def _rows(
+        self, rows: list[tuple[int, int, str]], rel: torch.Tensor, out: torch.Tensor, n_docs: int
+    ) -> list[FutureRows]:
+        """Per document of the batch, its rows, one per (split, sublayer, skipped)."""
+        n_blocks = len(self.blocks)
+        result = []
+        for b in range(n_docs):
+            mine = [i for i, row in enumerate(rows) if row[0] == b]
+            result.append(
+                FutureRows(
+                    split=np.repeat([rows[i][1] for i in mine], n_blocks).astype(np.int64),
+                    sublayer=[rows[i][2] for i in mine for _ in range(n_blocks)],
+                    skipped=np.tile(np.arange(n_blocks), len(mine)),
+                    rel_change=rel[mine].reshape(-1, n_blocks).numpy(),
+                    out_change=out[mine].reshape(-1).numpy(),
+                )
+            )
+        return result

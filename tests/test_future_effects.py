@@ -1,0 +1,205 @@
+"""Future effects (``extract --skips`` on a text task, METHODS.md section 9) against an
+independent reference: a plain HF forward of the whole model per (document, split point, skipped
+block), one document at a time, float64, with the removal done by forward hooks on the block (its
+output replaced by its input) or on its attention or MLP (their output zeroed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from click.testing import CliRunner
+
+from layerdiv.cli import main
+from layerdiv.store import Store
+from tests.test_text_extract import extract, random_texts, refused, text_task
+
+
+def documented_splits(n_tokens: int, doc: int, seed: int = 0) -> list[int]:
+    """The split points as the docs describe them: up to 4 of 8, 16, ... < T - 4, drawn by
+    ``numpy.random.default_rng([seed, doc]).choice(..., replace=False)``."""
+    candidates = np.arange(8, n_tokens - 4, 8)
+    rng = np.random.default_rng([seed, doc])
+    return sorted(rng.choice(candidates, size=min(4, len(candidates)), replace=False).tolist())
+
+
+def run(model: Any, ids: list[int], hook: Any = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Every block's update d_j (T, d) and the next-token distributions (T, V) of one document,
+    with ``hook`` (module, hook function) attached."""
+    updates: list[torch.Tensor] = []
+
+    def keep(module: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        h = args[0] if args else kwargs["hidden_states"]
+        updates.append(((out[0] if isinstance(out, tuple) else out) - h)[0])
+
+    handles = [layer.register_forward_hook(keep, with_kwargs=True) for layer in model.model.layers]
+    if hook is not None:
+        handles.append(hook[0].register_forward_hook(hook[1], with_kwargs=True, prepend=True))
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return updates, torch.softmax(logits, dim=-1)
+
+
+def removal(model: Any, block: int, sublayer: str, lo: int, hi: int) -> tuple[Any, Any]:
+    """A forward hook removing ``sublayer`` of ``block`` at positions lo..hi-1."""
+    layer = model.model.layers[block]
+    module = {"block": layer, "attn": layer.self_attn, "mlp": layer.mlp}[sublayer]
+
+    def hook(mod: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        first = out[0] if isinstance(out, tuple) else out
+        new = first.clone()
+        if sublayer == "block":  # the block's output replaced by its input
+            new[:, lo:hi] = (args[0] if args else kwargs["hidden_states"])[:, lo:hi]
+        else:  # the sublayer adds nothing
+            new[:, lo:hi] = 0
+        return (new, *out[1:]) if isinstance(out, tuple) else new
+
+    return module, hook
+
+
+def reference(model: Any, ids: list[int], t: int, sublayer: str) -> tuple[np.ndarray, np.ndarray]:
+    """rel_change (L, L) and out_change (L,) of one document and split point t (0: every
+    position but the first removed, every position measured)."""
+    d, p = run(model, ids)
+    n = len(model.model.layers)
+    lo, hi, measured = 1, (t if t else len(ids)), t
+    rel, out = np.zeros((n, n)), np.zeros(n)
+    for block in range(n):
+        d2, p2 = run(model, ids, removal(model, block, sublayer, lo, hi))
+        for j in range(n):
+            change = (d2[j] - d[j]).norm(dim=-1) / d[j].norm(dim=-1).clamp(min=1e-6)
+            rel[block, j] = change[measured:].max()
+        out[block] = (p2 - p).norm(dim=-1)[measured:].max()
+    return rel, out
+
+
+def stored(store: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
+    st = Store(store)
+    effects = st.scan("future_effects").collect().with_columns(pl.col("sublayer").cast(pl.String))
+    output = st.scan("future_output").collect().with_columns(pl.col("sublayer").cast(pl.String))
+    return effects.sort("doc", "split", "sublayer", "skipped", "block"), output
+
+
+def check(store: Path, model: Any, tokenizer: Any, texts: list[str], max_tokens: int,
+          sublayers: list[str], split_all: bool = False) -> int:  # fmt: skip
+    """Compare every stored row with the reference; return the rows compared."""
+    effects, output = stored(store)
+    n = len(model.model.layers)
+    compared = 0
+    for doc, text in enumerate(texts):
+        ids = tokenizer(text)["input_ids"][:max_tokens]
+        splits = [0] if split_all else documented_splits(len(ids), doc)
+        mine = effects.filter(pl.col("doc") == doc)
+        assert sorted(set(mine["split"].to_list())) == splits
+        assert mine.height == len(splits) * len(sublayers) * n * n
+        for t in splits:
+            for sub in sublayers:
+                rel, out = reference(model, ids, t, sub)
+                rows = mine.filter((pl.col("split") == t) & (pl.col("sublayer") == sub))
+                got = rows["rel_change"].to_numpy().reshape(n, n)
+                assert np.allclose(got, rel, rtol=2e-3, atol=1e-6), (doc, t, sub, got, rel)
+                o = output.filter(
+                    (pl.col("doc") == doc) & (pl.col("split") == t) & (pl.col("sublayer") == sub)
+                ).sort("skipped")
+                assert np.allclose(o["out_change"].to_numpy(), out, rtol=2e-3, atol=1e-7)
+                compared += 1
+    return compared
+
+
+def test_future_effects_match_an_independent_float64_reference(
+    tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
+) -> None:
+    texts = random_texts(6, seed=3) + ["the cat sat"]  # the last has no split point
+    task = text_task(tmp_path / "task", texts, max_tokens=40)
+    store = tmp_path / "store"
+    out = extract("--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store),
+                  "--skips", "--skip-sublayer", "block", "--skip-sublayer", "attn",
+                  "--skip-sublayer", "mlp", "--batch-size", "3", "--chunk-size", "4")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    (info,) = Store(store).partitions
+    m = info.manifest
+    assert (m.skip_split, m.skip_seed, m.skip_sublayers) == ("random", 0, ["block", "attn", "mlp"])
+    assert {"future_effects", "future_output"} <= set(info.tables)
+    model = build_model("llama").to(torch.float64)
+    compared = check(store, model, tokenizer, texts, 40, ["block", "attn", "mlp"])
+    assert compared >= 20  # documents with several split points were compared
+    effects, _ = stored(store)
+    assert effects.filter(pl.col("doc") == 6).height == 0
+    # blocks before the skipped one are not affected (not run again), nor is the skipped block
+    # itself at p >= t
+    assert effects.filter(pl.col("block") <= pl.col("skipped"))["rel_change"].max() < 1e-5
+    assert effects.filter(pl.col("block") > pl.col("skipped"))["rel_change"].min() > 0
+
+
+def test_skip_split_all_matches_the_reference(
+    tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
+) -> None:
+    texts = random_texts(3, seed=4)
+    task = text_task(tmp_path / "task", texts, max_tokens=8)  # too short for split points
+    store = tmp_path / "store"
+    out = extract("--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store),
+                  "--skips", "--skip-split", "all")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    model = build_model("llama").to(torch.float64)
+    assert check(store, model, tokenizer, texts, 8, ["block"], split_all=True) == 3
+
+
+def test_future_effects_resume_backfill_and_settings(tmp_path: Path, model_dirs: Any) -> None:
+    texts = random_texts(8, seed=5)
+    task = text_task(tmp_path / "task", texts, max_tokens=30)
+    store, model = tmp_path / "store", str(model_dirs("llama"))
+    base = ["--model", model, "--task", str(task), "--store", str(store), "--chunk-size", "4"]
+    assert extract(*base, "--limit", "4").exit_code == 0
+    out = extract(*base, "--skips", "--skip-seed", "7")  # backfill 0..3, new 4..7
+    assert out.exit_code == 0, out.output
+    assert "added future_effects, future_output to 4 stored documents" in out.output
+    (info,) = Store(store).partitions
+    assert info.manifest.skip_seed == 7 and not info.incomplete()
+    _, output = stored(store)
+    for doc in range(8):
+        n = len(Store(store).scan("tokens").filter(pl.col("doc") == doc).collect())
+        got = sorted(set(output.filter(pl.col("doc") == doc)["split"].to_list()))
+        assert got == documented_splits(n, doc, seed=7)
+    again = extract(*base, "--skips")  # the stored settings are kept: nothing to do
+    assert again.exit_code == 0, again.output
+    assert Store(store).partitions[0].manifest.skip_seed == 7
+    other = CliRunner().invoke(main, ["extract", *base, "--skips", "--skip-split", "all"])
+    assert other.exit_code != 0
+    assert "the stored future effects are --skip-split random --skip-seed 7" in other.output
+
+
+def test_bad_skip_input_is_refused_in_one_line(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    model = str(model_dirs("llama"))
+    choice = make_task(tmp_path / "a", n=4)
+    line = refused(tmp_path, model, choice, "--skips", "--skip-split", "all")
+    assert "--skip-split applies to text tasks only" in line
+    text = text_task(tmp_path / "b", ["the cat sat on the warm mat"], max_tokens=12)
+    assert "leaves none" in refused(tmp_path, model, text, "--skips")
+    assert "add --skips" in refused(tmp_path, model, text, "--skip-sublayer", "attn")
+
+
+@pytest.mark.slow
+def test_smollm2_future_effects_on_bbc_news(tmp_path: Path) -> None:
+    from layerdiv.demo import bbc_articles
+    from layerdiv.extract.models import load_model, load_tokenizer, resolve_source
+
+    texts = [row["text"] for row in bbc_articles(paragraphs=3)[7::300][:1]]
+    task = text_task(tmp_path / "task", texts, max_tokens=20)
+    store = tmp_path / "store"
+    out = extract("--model", "smollm2-135m-instruct", "--task", str(task), "--store", str(store),
+                  "--skips")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    source = resolve_source("smollm2-135m-instruct", None, None, False)
+    tokenizer = load_tokenizer(source)
+    loaded = load_model(source, tokenizer, torch.device("cpu"), torch.float64)
+    assert check(store, loaded.model, tokenizer, texts, 20, ["block"]) == 1
