@@ -117,7 +117,7 @@ def check(store: Path, model: Any, tokenizer: Any, texts: list[str], max_tokens:
 def test_future_effects_match_an_independent_float64_reference(
     tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
 ) -> None:
-    texts = random_texts(6, seed=3) + ["the cat sat"]  # the last has no split point
+    texts = [*random_texts(6, seed=3), "the cat sat"]  # the last has no split point
     task = text_task(tmp_path / "task", texts, max_tokens=40)
     store = tmp_path / "store"
     out = extract("--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store),
