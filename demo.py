@@ -112,8 +112,9 @@ DEMO_TASKS = (
 
 
 TEXT_TASK = "bbc-text"
-"""The demo's running-text task: BBC News articles as running text (extracted with ``--lens``)."""
-TEXT_DOCS, TEXT_TOKENS = 8, 64
+"""The demo's running-text task: BBC News articles as running text (extracted with ``--lens``
+and ``--skips``)."""
+TEXT_DOCS, TEXT_TOKENS = 8, 32
 """Documents of :data:`TEXT_TASK` (drawn with the demo's seed) and the tokens each is cut to."""
 
 
@@ -202,7 +203,7 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     text = [str(p) for p in tasks if p.stem == TEXT_TASK]
     for config in (
         ExtractConfig(DEMO_MODEL, choice, store, gram=True, heads=True),
-        ExtractConfig(DEMO_MODEL, text, store, lens="final"),
+        ExtractConfig(DEMO_MODEL, text, store, lens="final", skips=True),
     ):
         for s in run_extract(config):
             print(f"{s.task}: {s.n_done}/{s.n_requested} stored ({s.n_new} new)")

@@ -155,7 +155,11 @@ class TextCapture:
         calls = self._calls + ([("bias", -1)] if self.bias else [])
         names = component_names(calls)
         comps = [ComponentInfo(n, k, layer) for n, (k, layer) in zip(names, calls, strict=True)]
-        lens = self._lens(final) if self.lens else None
+        self.paused = True  # the lens's readouts must not replace h_L (the final-norm hook)
+        try:
+            lens = self._lens(final) if self.lens else None
+        finally:
+            self.paused = False
         return TextBatch(comps, dots.cpu(), None if lens is None else lens.cpu())
 
     def _lens(self, final: torch.Tensor) -> torch.Tensor:
@@ -183,17 +187,13 @@ class TextCapture:
 
     def _last_block(self, x: torch.Tensor) -> torch.Tensor:
         """The model's last block applied to ``x`` with the arguments of its own call (mask,
-        positions), its hooks paused."""
+        positions); the hooks are paused by the caller."""
         args, kwargs = self.block_args[-1]
         if args:
             args = (x, *args[1:])
         else:
             kwargs = {**kwargs, "hidden_states": x}
-        self.paused = True
-        try:
-            out = self.last_block(*args, **kwargs)
-        finally:
-            self.paused = False
+        out = self.last_block(*args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
 

@@ -121,7 +121,7 @@ def test_future_effects_match_an_independent_float64_reference(
     task = text_task(tmp_path / "task", texts, max_tokens=40)
     store = tmp_path / "store"
     out = extract("--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store),
-                  "--skips", "--skip-sublayer", "block", "--skip-sublayer", "attn",
+                  "--skips", "--lens", "--skip-sublayer", "block", "--skip-sublayer", "attn",
                   "--skip-sublayer", "mlp", "--batch-size", "3", "--chunk-size", "4")  # fmt: skip
     assert out.exit_code == 0, out.output
     (info,) = Store(store).partitions
