@@ -114,7 +114,7 @@ DEMO_TASKS = (
 TEXT_TASK = "bbc-text"
 """The demo's running-text task: BBC News articles as running text (extracted with ``--lens``
 and ``--skips``)."""
-TEXT_DOCS, TEXT_TOKENS = 8, 32
+TEXT_DOCS, TEXT_TOKENS = 8, 24
 """Documents of :data:`TEXT_TASK` (drawn with the demo's seed) and the tokens each is cut to."""
 
 
