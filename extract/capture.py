@@ -89,7 +89,6 @@ class ComponentCapture:
             self.w_options = head.weight.detach()[ids].to(torch.float32)  # (K, d) rows of W_U
             head_bias = getattr(head, "bias", None)
             self.head_bias = None if head_bias is None else head_bias.detach()[ids].float()
-        self.gain = self.readout.gain
         with onloaded(self.norm):
             bias = getattr(self.norm, "bias", None)
             self.norm_bias = None if bias is None else bias.detach().float().clone()
@@ -174,7 +173,7 @@ class ComponentCapture:
         dev = self._buffer.device
         x, head, w_options = self._x.to(dev), self._head.to(dev), self.w_options.to(dev)
         z = self._buffer[: len(self._records), : x.shape[0]].transpose(0, 1)  # (B, L, d)
-        gain = self.gain.to(dev)
+        gain = self.readout.gain.to(dev)
         prefix = torch.cumsum(z, dim=1)  # r_c = z_0 + ... + z_c
         if self.adapter.norm == "layer":
             # LayerNorm: centering is linear, so u_c = W_U (g * (z_c - mean z_c) / std(x)).
