@@ -270,29 +270,42 @@ def junction_curves(
     )
 
 
+SUMMARY_SCHEMA = pl.Schema(
+    {
+        "model": pl.String,
+        "task": pl.String,
+        "n_instances": pl.Int64,
+        "n_components": pl.Int64,
+        "accuracy": pl.Float64,
+        "majority_accuracy": pl.Float64,
+        "mse": pl.Float64,
+        "bias": pl.Float64,
+        "diversity": pl.Float64,
+        "saturation_j": pl.Int16,
+        "saturation_fraction": pl.Float64,
+    }
+)
+"""The columns of :func:`task_summary`."""
+
+
 def task_summary(results: Results, estimator: Estimator = "paper") -> pl.DataFrame:
     """One row per (model, task) for people: accuracy beside the majority-class baseline, MSE,
-    bias and diversity of ``estimator``, and the saturation depth of accuracy."""
+    bias and diversity of ``estimator``, and the saturation depth of accuracy.
+
+    Choice tasks only: running text has no options and no accuracy (its tables are the
+    ``text_*`` ones, and ``ls`` counts its documents), so results that hold none give an empty
+    frame with the same columns."""
     _choice("estimator", estimator, ESTIMATORS)
+    if "scores" not in results.names():
+        return pl.DataFrame(schema=SUMMARY_SCHEMA)
     return (
         results.scores.filter(pl.col("estimator") == estimator)
         .join(
             results.saturation.select("model", "task", "saturation_j", "saturation_fraction"),
             on=["model", "task"],
         )
-        .select(
-            "model",
-            "task",
-            "n_instances",
-            "n_components",
-            "accuracy",
-            "majority_accuracy",
-            "mse",
-            "bias",
-            "diversity",
-            "saturation_j",
-            "saturation_fraction",
-        )
+        .select(SUMMARY_SCHEMA.names())
+        .cast(SUMMARY_SCHEMA)
     )
 
 

@@ -9,9 +9,11 @@ Plotly bundle it inlines (:mod:`layerdiv.analyze.html`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
+
+import polars as pl
 
 from layerdiv.analyze.registry import ReportContext
 
@@ -61,6 +63,39 @@ def short_names(names: dict[str, str]) -> dict[str, str]:
     """Model ids without their organisation (``org/name`` -> ``name``) when that stays unique."""
     short = {slug: model.rstrip("/").split("/")[-1] for slug, model in names.items()}
     return short if len(set(short.values())) == len(short) else dict(names)
+
+
+def text_vs_last_token(
+    panels: Sequence[tuple[str, str, str]],
+    text: pl.DataFrame,
+    last: pl.DataFrame | None,
+    path: Path,
+    names: dict[str, str],
+    xlabel: str,
+    title: str,
+) -> Path:
+    """One panel per (column of ``text``, column of ``last``, label) of ``panels``: per model of
+    ``text``, its running-text curve (solid) and, where ``last`` has rows of the model, its curve
+    at the last prompt token of the choice tasks (dashed), both against ``relative_depth``."""
+    models = sorted(text["model"].unique())
+    color = dict(zip(models, colors(len(models)), strict=False))
+    fig = new_figure(figsize=(13, 4), layout="constrained")
+    for ax, (solid, dashed, label) in zip(fig.subplots(1, len(panels)), panels, strict=True):
+        for model in models:
+            sub = text.filter(pl.col("model") == model)
+            other = None if last is None else last.filter(pl.col("model") == model)
+            name = names.get(model, model)
+            ax.plot(sub["relative_depth"], sub[solid], marker="o", markersize=2.5,
+                    color=color[model], label=f"{name} text")  # fmt: skip
+            if other is not None and other.height:
+                ax.plot(other["relative_depth"], other[dashed], "--", color=color[model],
+                        label=f"{name} last prompt token")  # fmt: skip
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    fig.axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=11)
+    return save(fig, path)
 
 
 def figure_link(

@@ -34,6 +34,10 @@ NO_EXPLORER = (
     "report.html has no per-instance explorer: it reads the store, and no store was given "
     "(write_report(..., store=PATH))"
 )
+NO_CHOICE_EXPLORER = (
+    "report.html has no per-instance explorer: it shows the instances of choice tasks, and the "
+    "report holds none (running text has its own sections)"
+)
 
 
 class ReportFormatError(LayerdivError, ValueError):
@@ -168,7 +172,7 @@ def write_report(
             parts = explorer_parts(results, store) if store else []
             data = explorer_data(parts, explorer_instances) if parts else None
             if data is None:
-                ctx.notes.append(NO_EXPLORER)
+                ctx.notes.append(NO_CHOICE_EXPLORER if store else NO_EXPLORER)
             page = render_page(text, ctx.interactive, tmp / FIGURES, data)
             (tmp / HTML_NAME).write_text(page)
             if "md" not in chosen:  # the PNGs drawn for figures without an interactive version

@@ -26,15 +26,13 @@ should grow linearly with the rows and peak memory should stay bounded.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
-import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from paper_store import ensure_store, store_parser, timed
 
 QUERY = (
     "SELECT instance, option, sum(logit) AS logit FROM components "
@@ -42,42 +40,9 @@ QUERY = (
 )
 
 
-def ensure_store(root: Path, models: int, tasks: int, instances: int) -> int:
-    """Synthesise the store unless a store of the same shape is already at ``root``."""
-    from layerdiv.analyze.synthetic import synthesize_store
-
-    stamp = root / "bench.json"
-    shape = {"models": models, "tasks": tasks, "instances": instances}
-    if stamp.is_file() and json.loads(stamp.read_text())["shape"] == shape:
-        return int(json.loads(stamp.read_text())["rows"])
-    shutil.rmtree(root, ignore_errors=True)
-    start = time.perf_counter()
-    rows = synthesize_store(root, models, tasks, instances, progress=True)
-    print(f"synthesised {rows:,} component-option rows in {time.perf_counter() - start:.1f} s")
-    stamp.write_text(json.dumps({"shape": shape, "rows": rows}))
-    return rows
-
-
 def store_mb(root: Path) -> float:
     """Megabytes (10^6 bytes) of Parquet in the store."""
     return sum(f.stat().st_size for f in root.rglob("*.parquet")) / 1e6
-
-
-def timed(label: str, args: list[str]) -> tuple[str, float, float]:
-    """Run ``layerdiv ARGS`` in a fresh process; (label, wall seconds, peak RSS in MiB)."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "layerdiv.cli", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
-        raise SystemExit(f"{label} failed: {proc.stderr.read() if proc.stderr else ''}")
-    return label, wall, usage.ru_maxrss / 1024
 
 
 def in_process_query(store: Path, model: str, task: str) -> tuple[str, float, float]:
@@ -129,13 +94,7 @@ def scaling(args: argparse.Namespace, scales: list[int]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--store", type=Path, default=Path(tempfile.gettempdir()) / "layerdiv-bench"
-    )
-    parser.add_argument("--models", type=int, default=16)
-    parser.add_argument("--tasks", type=int, default=8)
-    parser.add_argument("--instances", type=int, default=2000)
+    parser = store_parser(__doc__)
     parser.add_argument(
         "--scales",
         default=None,

@@ -20,7 +20,6 @@ into DIR.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_analyze import ensure_store, timed
+from paper_store import ensure_store, store_parser, timed
 
 
 def parts(page: Path) -> str:
@@ -91,13 +90,7 @@ def screenshots(page: Path, folder: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--store", type=Path, default=Path(tempfile.gettempdir()) / "layerdiv-bench"
-    )
-    parser.add_argument("--models", type=int, default=16)
-    parser.add_argument("--tasks", type=int, default=8)
-    parser.add_argument("--instances", type=int, default=2000)
+    parser = store_parser(__doc__)
     parser.add_argument("--explorer-instances", default="200")
     parser.add_argument("--demo", type=Path, help="the demo's report.html: print its size")
     parser.add_argument("--screenshots", type=Path, help="folder for screenshots of --demo")

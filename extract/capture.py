@@ -14,7 +14,7 @@ import torch
 
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.adapters import Adapter, get_module
-from layerdiv.extract.readout import Readout, lens_stats
+from layerdiv.extract.readout import Readout, lens_stats, onloaded
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
 
@@ -83,14 +83,13 @@ class ComponentCapture:
         blocks = get_module(model, adapter.blocks)
         self.readout = Readout(model, adapter)
         self.norm, head = self.readout.norm, self.readout.head
-        with _onloaded(head):  # weights offloaded by accelerate (--device-map) are loaded here
+        with onloaded(head):  # weights offloaded by accelerate (--device-map) are loaded here
             ids = torch.tensor(option_ids, device=head.weight.device)
             self.option_ids = ids
             self.w_options = head.weight.detach()[ids].to(torch.float32)  # (K, d) rows of W_U
             head_bias = getattr(head, "bias", None)
             self.head_bias = None if head_bias is None else head_bias.detach()[ids].float()
-        with _onloaded(self.norm):
-            self.gain = self.norm.weight.detach().float().clone()
+        with onloaded(self.norm):
             bias = getattr(self.norm, "bias", None)
             self.norm_bias = None if bias is None else bias.detach().float().clone()
         self.eps = self.readout.eps
@@ -174,9 +173,7 @@ class ComponentCapture:
         dev = self._buffer.device
         x, head, w_options = self._x.to(dev), self._head.to(dev), self.w_options.to(dev)
         z = self._buffer[: len(self._records), : x.shape[0]].transpose(0, 1)  # (B, L, d)
-        gain = self.gain.to(dev)
-        if self.adapter.norm == "rms_plus_one":
-            gain = 1.0 + gain
+        gain = self.readout.gain.to(dev)
         prefix = torch.cumsum(z, dim=1)  # r_c = z_0 + ... + z_c
         if self.adapter.norm == "layer":
             # LayerNorm: centering is linear, so u_c = W_U (g * (z_c - mean z_c) / std(x)).
@@ -242,14 +239,6 @@ class ComponentCapture:
         kl, overlap = lens_stats(logp, logp[:, -1:].expand_as(logp))
         ids = self.option_ids.to(logp.device)
         return torch.cat([kl[..., None], overlap[..., None], logp[..., ids]], dim=-1).cpu()
-
-
-def _onloaded(module: Any) -> Any:
-    """Context in which ``module``'s weights are real tensors, also when accelerate keeps them
-    offloaded on the CPU or disk between forward passes."""
-    from accelerate.utils import align_module_device
-
-    return align_module_device(module)
 
 
 def check_batch(dec: BatchDecomposition, ids: list[int], task: str, tol: float) -> None:

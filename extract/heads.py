@@ -16,12 +16,8 @@ from typing import Any
 import torch
 
 from layerdiv.extract.adapters import Adapter, UnsupportedModel, get_module, norm_eps
-from layerdiv.extract.capture import (
-    BatchDecomposition,
-    ComponentCapture,
-    DecompositionError,
-    _onloaded,
-)
+from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
+from layerdiv.extract.readout import norm_gain, onloaded
 
 
 @dataclass
@@ -54,12 +50,7 @@ class HeadCapture:
             raise UnsupportedModel(f"--heads: no attention output projection for {adapter.family}")
         self.n_heads = n_heads
         self.capture = capture
-        gain = capture.gain
-        if adapter.norm == "rms_plus_one":
-            gain = 1.0 + gain
-        rows = capture.w_options * gain.to(capture.w_options.device)  # (K, d): W_U[k] * g
-        if adapter.norm == "layer":  # centring is linear: fold it into the rows (METHODS.md 1)
-            rows = rows - rows.mean(dim=-1, keepdim=True)
+        rows = capture.readout.frozen_rows(capture.w_options)  # (K, d): W_U[k] * g
         self._records: list[tuple[_Projection, torch.Tensor, torch.Tensor | None]] = []
         self._handles = []
         blocks = get_module(model, adapter.blocks)
@@ -82,17 +73,13 @@ class HeadCapture:
         post-attention norm's gain for sandwich models), split by head, and the same rows times
         b_O; formed where W_O lives (weights offloaded by accelerate, ``--device-map``, are
         loaded for it)."""
-        with _onloaded(module):
+        with onloaded(module):
             weight = module.weight.detach().float()
             w_o = weight.T if adapter.attn_out_transposed else weight  # (d, d_in)
             block_rows, post_eps = rows.to(w_o.device), None
             if adapter.attn_post_norm:  # o = frozen post-attention norm (METHODS.md section 8)
                 post = get_module(block, adapter.attn)
-                with _onloaded(post):
-                    post_gain = post.weight.detach().float().to(w_o.device)
-                if adapter.norm == "rms_plus_one":
-                    post_gain = 1.0 + post_gain
-                block_rows = block_rows * post_gain
+                block_rows = block_rows * norm_gain(post, adapter.norm).to(w_o.device)
                 post_eps = norm_eps(post)
             d_in = w_o.shape[1]
             if d_in % n_heads:

@@ -19,6 +19,7 @@ import torch
 
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.adapters import Adapter, get_module
+from layerdiv.extract.readout import Readout
 
 
 class SkipError(LayerdivError, ValueError):
@@ -41,11 +42,8 @@ class BlockSkipper:
         index = {id(m): i for i, m in enumerate(self.modules)}
         self.calls = [index[id(block)] for block in blocks]
         """Module index of every block call, in execution order."""
-        head = model.get_output_embeddings()
-        if head is None:
-            raise SkipError("the model has no output embedding (lm_head): --skips needs one")
-        self.head = head
-        self.option_ids = torch.tensor(option_ids, device=head.weight.device)
+        self.head = Readout(model, adapter).head
+        self.option_ids = torch.tensor(option_ids, device=self.head.weight.device)
         self._inputs: list[torch.Tensor] = []  # input hidden states of every call of the full pass
         self._tails: list[tuple | None] = []  # what a call returns besides the hidden states
         self._position = 0

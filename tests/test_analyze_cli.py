@@ -265,6 +265,42 @@ def test_ls(store: Path) -> None:
     assert {r[-1] for r in rows} == {"2025-01-01T00:00:00Z"}
 
 
+def test_a_text_only_store_summarises_lists_queries_and_reports(tmp_path: Path) -> None:
+    """Running text has no options and no accuracy: ``task_summary`` leaves it out (an empty frame
+    of the usual columns), and ``ls``, ``query`` and ``report`` work on it."""
+    pytest.importorskip("plotly")
+    from layerdiv.analyze import task_summary
+    from layerdiv.analyze.api import SUMMARY_SCHEMA
+    from layerdiv.analyze.report import NO_CHOICE_EXPLORER
+    from layerdiv.analyze.synthetic import synthesize_text_store
+
+    store = tmp_path / "store"
+    synthesize_text_store(store, 1, 6, 20, 3, chunk=4, lens=True, skips=True, progress=False)
+    summary = task_summary(analyze(store))
+    assert summary.is_empty() and summary.schema == SUMMARY_SCHEMA
+    result = run("ls", "--store", str(store))
+    assert result.exit_code == 0, result.output
+    rows = [r[:4] for r in box_rows(result.stdout)]
+    assert rows == [["synth/text-model-00", "fineweb", "6", "6"]]
+    sql = "SELECT count(*) AS n, count(DISTINCT doc) AS docs FROM token_blocks"
+    result = run("query", sql, "--store", str(store))
+    assert result.exit_code == 0, result.output
+    assert box_rows(result.stdout) == [[str(6 * 20 * 3), "6"]]
+    out = tmp_path / "report"
+    result = run("report", "--store", str(store), "--out", str(out), "--format", "md,html")
+    assert result.exit_code == 0, result.output
+    assert NO_CHOICE_EXPLORER in result.output and "no store was given" not in result.output
+    md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    assert "## Running text: geometry" in md and "Running text: geometry" in html
+    assert 'id="explorer"' not in html
+    # beside a choice task: the summary has its rows only, with the same columns
+    logits, gold, rms, kinds = random_partition(np.random.default_rng(0), 10, 3, 2)
+    write_partition(store, "org/choice", "boolq", logits, gold, kinds, rms)
+    mixed = task_summary(analyze(store))
+    assert mixed.schema == SUMMARY_SCHEMA
+    assert mixed.select("model", "task").rows() == [("org--choice", "boolq")]
+
+
 # --- bad input: one clear line, exit 1, nothing changed ------------------------------------
 
 

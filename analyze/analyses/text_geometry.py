@@ -140,31 +140,16 @@ def side_by_side(tables: Mapping[str, pl.DataFrame]) -> pl.DataFrame | None:
 
 def side_by_side_figure(both: pl.DataFrame, path: Path, names: dict[str, str]) -> Path:
     """Running text (solid) against the last prompt token (dashed) per quantity and model."""
-    models = sorted(both["model"].unique())
-    colors = dict(zip(models, plots.colors(len(models)), strict=False))
-    fig = plots.new_figure(figsize=(13, 4), layout="constrained")
-    for ax, (text, last, label) in zip(fig.subplots(1, 3), SIDE_BY_SIDE, strict=True):
-        for model in models:
-            sub = both.filter(pl.col("model") == model)
-            name = names.get(model, model)
-            ax.plot(sub["relative_depth"], sub[text], color=colors[model], label=f"{name} text")
-            ax.plot(
-                sub["relative_depth"],
-                sub[f"{last}_last"],
-                "--",
-                color=colors[model],
-                label=f"{name} last token",
-            )
-        ax.set_title(label, fontsize=10)
-        ax.set_xlabel("relative depth (l + 1) / L")
-        ax.grid(alpha=0.3)
-    fig.axes[0].legend(fontsize=7)
-    fig.suptitle(
+    return plots.text_vs_last_token(
+        [(text, f"{last}_last", label) for text, last, label in SIDE_BY_SIDE],
+        both,
+        both,
+        path,
+        names,
+        "relative depth (l + 1) / L",
         "Every token of running text (solid) against the last prompt token of the choice tasks "
         "(dashed), where the answer is decided",
-        fontsize=11,
     )
-    return plots.save(fig, path)
 
 
 def summary_rows(table: pl.DataFrame, names: dict[str, str]) -> list[list[str]]:

@@ -101,42 +101,16 @@ def lens_figure(
     """KL, top-5 overlap and cross-entropy of the lens against relative depth (mean over a
     model's text tasks), models overlaid; dashed, where the model has choice tasks extracted with
     ``--lens``: the same at their last prompt token (``lens_curves``)."""
-    means = _by_model(table)
-    models = sorted(means["model"].unique())
-    last_means = None if last is None else _by_model(last.filter(pl.col("model").is_in(models)))
-    colors = dict(zip(models, plots.colors(len(models)), strict=False))
-    fig = plots.new_figure(figsize=(13, 4), layout="constrained")
-    for ax, (column, label) in zip(fig.subplots(1, 3), PANELS, strict=True):
-        for model in models:
-            sub = means.filter(pl.col("model") == model)
-            name = names.get(model, model)
-            ax.plot(
-                sub["relative_depth"],
-                sub[column],
-                marker="o",
-                markersize=2.5,
-                color=colors[model],
-                label=f"{name} text",
-            )
-            other = None if last_means is None else last_means.filter(pl.col("model") == model)
-            if other is not None and other.height:
-                ax.plot(
-                    other["relative_depth"],
-                    other[column],
-                    "--",
-                    color=colors[model],
-                    label=f"{name} last prompt token",
-                )
-        ax.set_title(label, fontsize=10)
-        ax.set_xlabel("relative depth l / L")
-        ax.grid(alpha=0.3)
-    fig.axes[0].legend(fontsize=7)
-    fig.suptitle(
+    return plots.text_vs_last_token(
+        [(column, column, label) for column, label in PANELS],
+        _by_model(table),
+        None if last is None else _by_model(last),
+        path,
+        names,
+        "relative depth l / L",
         "Logit lens at every block input (METHODS.md 9): every token of running text (solid), "
         "the last prompt token of the choice tasks (dashed)",
-        fontsize=11,
     )
-    return plots.save(fig, path)
 
 
 def report(ctx: ReportContext) -> str:
