@@ -325,7 +325,8 @@ def extract_task(
     else:
         seqs, truncated = tokenize(loaded.tokenizer, [it.prompt for it in items],
                                    loaded.context_length)  # fmt: skip
-    budget = token_budget(loaded.device, loaded.model.config, loaded.dtype)
+    readout = bool({"token_lens", "future_effects"} & set(tables))
+    budget = token_budget(loaded.device, loaded.model.config, loaded.dtype, readout)
     tol = SUM_TOLERANCE[loaded.dtype]
     work = _batch_work(plan, seqs, truncated, tol)
     unit = KINDS[spec.kind].units
