@@ -347,8 +347,8 @@ def _device_for(device: str, shard: Shard) -> str:
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
 def demo(out: str, n: int, seed: int) -> None:
     """Offline end to end: SmolLM2 on three choice tasks and one running-text task (with the
-    logit lens) made from packaged data (extract, analyze, report), then a summary. A second run
-    reuses the cache."""
+    logit lens and the future effects) made from packaged data (extract, analyze, report), then
+    a summary. A second run reuses the cache."""
     from layerdiv.demo import run_demo
 
     run_demo(Path(out), n, seed)
