@@ -173,7 +173,9 @@ def _skip_settings(writer: PartitionWriter, cfg: ExtractConfig) -> SkipSettings:
     if not cfg.overwrite and writer.part.manifest.exists():
         m = read_manifest(writer.part.manifest)
         if m.skip_split is not None:
-            stored = SkipSettings(m.skip_split, m.skip_seed or 0, tuple(m.skip_sublayers or ()))
+            stored = SkipSettings(
+                m.skip_split, m.skip_seed or 0, tuple(m.skip_sublayers or ["block"])
+            )
     base = stored or SkipSettings()
     settings = SkipSettings(
         cfg.skip_split or base.split,

@@ -13,7 +13,8 @@ History:
 - 4: running-text partitions (task kind ``text``, :data:`KINDS`): tables ``documents``,
   ``tokens``, ``token_blocks`` and optional ``token_lens``, ``future_effects``,
   ``future_output``; choice tasks gain the optional ``lens``; the manifest gains ``kind``,
-  ``max_tokens``, ``lens``, ``skip_split`` and ``skip_seed``.
+  ``max_tokens``, ``lens``, ``skip_split`` and ``skip_seed`` (and, from the first release
+  that writes the future-effects tables, ``skip_sublayers``: absent means ``block``).
 
 The hive partition columns ``model`` and ``task`` are not stored inside the files: they come from
 the directory names (``model=<slug>/task=<task>``) and are typed as strings by every reader.
