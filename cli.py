@@ -563,8 +563,9 @@ def query_command(
     out: str | None,
     max_rows: int,
 ) -> None:
-    """Run SQL on the views components, instances and manifests (DuckDB), and print every
-    result. The SQL cannot read or write files: the store stays as it is.
+    """Run SQL on the store's views (DuckDB): components, instances and manifests, the optional
+    tables where extracted, and the running-text tables (documents, tokens, token_blocks, ...);
+    print every result. The SQL cannot read or write files: the store stays as it is.
 
     Example: layerdiv query "SELECT model, task, count(*) FROM instances GROUP BY ALL"
     """
@@ -585,7 +586,15 @@ def query_command(
         raise click.UsageError("no SQL statement given")
     shown = False
     for i, statement in enumerate(statements):
-        relation = con.sql(statement.query)
+        try:
+            relation = con.sql(statement.query)
+        except duckdb.PermissionException:
+            raise
+        except duckdb.Error as err:
+            views = ", ".join([*st.tables(models, tasks), "manifests"])
+            raise click.ClickException(
+                f"{one_line(err)} (the views of this store are {views})"
+            ) from err
         last = i == len(statements) - 1
         if out and fmt and last:
             if relation is None:

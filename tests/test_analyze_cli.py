@@ -286,6 +286,9 @@ def test_a_text_only_store_summarises_lists_queries_and_reports(tmp_path: Path) 
     result = run("query", sql, "--store", str(store))
     assert result.exit_code == 0, result.output
     assert box_rows(result.stdout) == [[str(6 * 20 * 3), "6"]]
+    typo = CliRunner().invoke(main, ["query", "SELECT * FROM token_block", "--store", str(store)])
+    assert typo.exit_code != 0 and "the views of this store are" in typo.output
+    assert "token_blocks" in typo.output.splitlines()[-1]
     out = tmp_path / "report"
     result = run("report", "--store", str(store), "--out", str(out), "--format", "md,html")
     assert result.exit_code == 0, result.output
