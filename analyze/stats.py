@@ -138,6 +138,11 @@ def degrees(cos: pl.Expr) -> pl.Expr:
     return cos.clip(-1.0, 1.0).arccos() * (180.0 / math.pi)
 
 
+def array_degrees(cos: np.ndarray) -> np.ndarray:
+    """:func:`degrees` of an array (NaN stays NaN)."""
+    return np.degrees(np.arccos(np.clip(cos, -1.0, 1.0)))
+
+
 def power_law_fit(depth: np.ndarray, size: np.ndarray) -> dict[str, float | None]:
     """size = a * depth^(-beta): the least-squares line log size = log a - beta log depth
     (METHODS.md sections 7 and 9; the inverse-depth paper's Fig. 2d) through the points with

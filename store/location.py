@@ -189,6 +189,16 @@ def read_table(path: Path | RemotePath) -> pa.Table:
     return pq.read_table(path)
 
 
+def read_batches(
+    path: Path | RemotePath, columns: Sequence[str], rows: int
+) -> Iterator[pa.RecordBatch]:
+    """The ``columns`` of a Parquet file in order, in record batches of at most ``rows`` rows
+    (memory: about one batch and one row group's compressed columns)."""
+    source = path.fs.open_input_file(path.path) if isinstance(path, RemotePath) else path
+    with pq.ParquetFile(source) as file:
+        yield from file.iter_batches(batch_size=rows, columns=list(columns), use_threads=False)
+
+
 def arrow_source(
     paths: Sequence[Path | RemotePath], base: Path | RemotePath
 ) -> tuple[list[str], pafs.FileSystem | None, str]:

@@ -17,8 +17,10 @@ from layerdiv.analyze.text import (
     DOTS,
     EARLY_STOP_FRACTION,
     GEOMETRY,
+    THETA_STATE,
+    BlockStats,
     ProfileMoments,
-    sums,
+    token_dots,
     token_geometry,
 )
 from layerdiv.store import StoreError
@@ -89,6 +91,19 @@ def reference_geometry(h0: np.ndarray, attn: np.ndarray, mlp: np.ndarray) -> dic
     }
 
 
+def geometry_of(frame: pl.DataFrame, blocks: int) -> np.ndarray:
+    """:func:`token_geometry` of ``token_blocks`` rows held in a frame."""
+    return token_geometry(token_dots(frame.to_arrow(), blocks)[1])
+
+
+def stats_of(*frames: pl.DataFrame, blocks: int) -> BlockStats:
+    """The :class:`BlockStats` of batches of ``token_blocks`` rows."""
+    stats = BlockStats.empty(blocks)
+    for frame in frames:
+        stats.add(geometry_of(frame, blocks))
+    return stats
+
+
 @pytest.fixture
 def text() -> tuple[pl.DataFrame, dict[str, np.ndarray], np.ndarray]:
     rng = np.random.default_rng(0)
@@ -99,17 +114,15 @@ def text() -> tuple[pl.DataFrame, dict[str, np.ndarray], np.ndarray]:
 
 def test_token_geometry_matches_the_vectors(text) -> None:
     frame, ref, _ = text
-    geo = token_geometry(frame, 6)
-    for column in GEOMETRY:
-        got = geo[column].cast(pl.Float64).fill_null(np.nan).to_numpy().reshape(-1, 6)
-        np.testing.assert_allclose(got, ref[column], atol=TOL, rtol=TOL, err_msg=column)
+    geo = geometry_of(frame, 6)
+    for i, column in enumerate(GEOMETRY):
+        np.testing.assert_allclose(geo[i], ref[column], atol=TOL, rtol=TOL, err_msg=column)
 
 
 @pytest.mark.filterwarnings("ignore:Mean of empty slice", "ignore:All-NaN slice")
 def test_geometry_table_is_token_weighted_means_and_maxima(text) -> None:
     frame, ref, _ = text
-    geo = token_geometry(frame, 6)
-    table = geometry_table([sums(geo, ["block"], GEOMETRY)], 6)
+    table = geometry_table(stats_of(frame, blocks=6), 6)
     assert table["n_tokens"].to_list() == [26] * 6
     np.testing.assert_allclose(table["relative_depth"], np.arange(1, 7) / 6)
     for column in GEOMETRY:
@@ -123,10 +136,9 @@ def test_geometry_table_is_token_weighted_means_and_maxima(text) -> None:
 
 def test_batched_geometry_equals_one_shot(text) -> None:
     frame, _, _ = text
-    one = geometry_table([sums(token_geometry(frame, 6), ["block"], GEOMETRY)], 6)
+    one = geometry_table(stats_of(frame, blocks=6), 6)
     cuts = [0, 6 * 5, 6 * 12, 6 * 13, frame.height]  # whole tokens, across document boundaries
-    parts = [token_geometry(frame[a:b], 6) for a, b in itertools.pairwise(cuts)]
-    many = geometry_table([sums(p, ["block"], GEOMETRY) for p in parts], 6)
+    many = geometry_table(stats_of(*(frame[a:b] for a, b in itertools.pairwise(cuts)), blocks=6), 6)
     for column in one.columns:
         np.testing.assert_allclose(many[column].to_numpy(), one[column].to_numpy(), rtol=1e-12)
 
@@ -134,9 +146,9 @@ def test_batched_geometry_equals_one_shot(text) -> None:
 def test_token_geometry_refuses_unsorted_rows(text) -> None:
     frame, _, _ = text
     with pytest.raises(StoreError, match="sorted"):
-        token_geometry(frame.reverse(), 6)
+        token_dots(frame.reverse().to_arrow(), 6)
     with pytest.raises(StoreError, match="whole tokens"):
-        token_geometry(frame[:-1], 6)
+        token_dots(frame[:-1].to_arrow(), 6)
 
 
 def test_lens_means_over_positions_then_documents() -> None:
@@ -163,11 +175,10 @@ def test_lens_means_over_positions_then_documents() -> None:
 def test_profile_pca_from_moments_equals_numpy(text) -> None:
     frame, ref, pos = text
     theta = ref["theta_state"]
-    geo = token_geometry(frame, 6, ["theta_state"])
     moments = ProfileMoments.empty(6)
-    for part in (geo[: 6 * 9], geo[6 * 9 :]):  # two batches
-        profiles = part["theta_state"].to_numpy().reshape(-1, 6)
-        moments.add(profiles, part["pos"].to_numpy()[::6])
+    for part in (frame[: 6 * 9], frame[6 * 9 :]):  # two batches
+        positions, dots = token_dots(part.to_arrow(), 6)
+        moments.add(token_geometry(dots)[THETA_STATE], positions)
     pca, loadings = pca_tables(moments)
     values, vectors = np.linalg.eigh(np.cov(theta, rowvar=False))
     order = np.argsort(values)[::-1]
@@ -205,7 +216,6 @@ def test_report_sections_draw_their_figures(text, tmp_path) -> None:
     from layerdiv.analyze.registry import ReportContext
 
     frame, ref, pos = text
-    geo = token_geometry(frame, 6)
     moments = ProfileMoments.empty(6)
     moments.add(ref["theta_state"], pos)
     pca, loadings = pca_tables(moments)
@@ -214,7 +224,7 @@ def test_report_sections_draw_their_figures(text, tmp_path) -> None:
     def tagged(f: pl.DataFrame) -> pl.DataFrame:
         return f.select(pl.lit("m").alias("model"), pl.lit("fineweb").alias("task"), pl.all())
 
-    geometry = tagged(geometry_table([sums(geo, ["block"], GEOMETRY)], 6))
+    geometry = tagged(geometry_table(stats_of(frame, blocks=6), 6))
     lens_rows = (
         frame.select("doc", "pos").unique().join(pl.DataFrame({"layer": range(7)}), how="cross")
     )
