@@ -116,7 +116,7 @@ def test_token_geometry_matches_the_vectors(text) -> None:
     frame, ref, _ = text
     geo = geometry_of(frame, 6)
     for i, column in enumerate(GEOMETRY):
-        np.testing.assert_allclose(geo[i], ref[column], atol=TOL, rtol=TOL, err_msg=column)
+        np.testing.assert_allclose(geo[i].T, ref[column], atol=TOL, rtol=TOL, err_msg=column)
 
 
 @pytest.mark.filterwarnings("ignore:Mean of empty slice", "ignore:All-NaN slice")
@@ -189,7 +189,7 @@ def test_profile_pca_from_moments_equals_numpy(text) -> None:
     assert abs(abs(first["loading"].to_numpy() @ vectors[:, order[0]]) - 1) < 1e-6
     np.testing.assert_allclose(first["mean_theta"], theta.mean(axis=0), rtol=1e-9)
     one = ProfileMoments.empty(6)
-    one.add(theta, pos)
+    one.add(theta.T, pos)
     assert one.early == moments.early and one.n == moments.n == len(theta)
     # blocks 1-2 against blocks 3-4 of 6 (block 0 and the last block left out)
     early = theta[:, 3:5].mean(axis=1) < EARLY_STOP_FRACTION * theta[:, 1:3].mean(axis=1)
@@ -217,7 +217,7 @@ def test_report_sections_draw_their_figures(text, tmp_path) -> None:
 
     frame, ref, pos = text
     moments = ProfileMoments.empty(6)
-    moments.add(ref["theta_state"], pos)
+    moments.add(ref["theta_state"].T, pos)
     pca, loadings = pca_tables(moments)
     names = {"m": "org/model"}
 
