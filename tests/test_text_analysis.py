@@ -301,9 +301,9 @@ def test_analyses_get_only_the_partitions_of_their_kinds(tmp_path) -> None:
     assert mixed.text_geometry.height == 3 and mixed.text_lens.height == 4
 
 
-def test_store_tables_match_numpy_and_batching(tmp_path, monkeypatch) -> None:
-    from layerdiv.analyze import text as text_module
-    from layerdiv.analyze.api import analyze
+def write_vectors(root, lengths: list[int], h0, attn, mlp, chunk: int) -> None:
+    """A text partition of documents of ``lengths`` tokens from residual vectors, written through
+    the store's writer in chunks of ``chunk`` documents."""
     from layerdiv.analyze.synthetic import text_manifest, write_text_partition
     from layerdiv.store.tables import (
         TOKEN_BLOCK_VALUES,
@@ -312,21 +312,13 @@ def test_store_tables_match_numpy_and_batching(tmp_path, monkeypatch) -> None:
         tokens_table,
     )
 
-    rng = np.random.default_rng(7)
-    lengths, blocks = [9, 14, 4, 11, 7], 5
-    doc, _, _, _, _ = raw_vectors(rng, lengths, blocks)
-    n = len(doc)
-    # small integers: every dot product is exact in float32
-    h0 = rng.integers(-4, 5, (n, 6)).astype(float)
-    attn = rng.integers(-3, 4, (n, blocks, 6)).astype(float)
-    mlp = rng.integers(-3, 4, (n, blocks, 6)).astype(float)
     dots = text_dots(h0, attn, mlp)
     values = np.stack([dots[c] for c in TOKEN_BLOCK_VALUES], axis=-1)
+    doc = np.repeat(np.arange(len(lengths)), lengths)
 
     def chunks():
-        for start in range(0, len(lengths), 2):
-            docs = range(start, min(len(lengths), start + 2))
-            at = np.isin(doc, docs)
+        for start in range(0, len(lengths), chunk):
+            docs = range(start, min(len(lengths), start + chunk))
             mine = [lengths[i] for i in docs]
             yield (
                 start,
@@ -334,12 +326,29 @@ def test_store_tables_match_numpy_and_batching(tmp_path, monkeypatch) -> None:
                 {
                     "documents": documents_table(docs, mine, [False] * len(docs)),
                     "tokens": tokens_table(docs, [list(range(t)) for t in mine]),
-                    "token_blocks": token_blocks_table(docs, mine, values[at]),
+                    "token_blocks": token_blocks_table(docs, mine, values[np.isin(doc, docs)]),
                 },
             )
 
-    manifest = text_manifest("org/tiny", "doc", len(lengths), blocks, 14, 2, hidden_size=6)
-    write_text_partition(tmp_path, manifest, chunks())
+    blocks, d = attn.shape[1], attn.shape[2]
+    manifest = text_manifest(
+        "org/tiny", "doc", len(lengths), blocks, max(lengths), chunk, hidden_size=d
+    )
+    write_text_partition(root, manifest, chunks())
+
+
+def test_store_tables_match_numpy_and_batching(tmp_path, monkeypatch) -> None:
+    from layerdiv.analyze import text as text_module
+    from layerdiv.analyze.api import analyze
+
+    rng = np.random.default_rng(7)
+    lengths, blocks = [9, 14, 4, 11, 7], 5
+    n = sum(lengths)
+    # small integers: every dot product is exact in float32
+    h0 = rng.integers(-4, 5, (n, 6)).astype(float)
+    attn = rng.integers(-3, 4, (n, blocks, 6)).astype(float)
+    mlp = rng.integers(-3, 4, (n, blocks, 6)).astype(float)
+    write_vectors(tmp_path, lengths, h0, attn, mlp, chunk=2)
     results = analyze(tmp_path)
     assert results.analyses == ["text_geometry", "text_lens", "text_skips", "text_profiles"]
     ref = reference_geometry(h0, attn, mlp)
@@ -369,3 +378,47 @@ def test_store_tables_match_numpy_and_batching(tmp_path, monkeypatch) -> None:
                 )
             else:
                 assert a[column].to_list() == b[column].to_list()
+
+
+@pytest.mark.filterwarnings("ignore:Mean of empty slice", "ignore:All-NaN slice")
+def test_undefined_quantities_are_left_out_of_counts_means_and_profiles(tmp_path) -> None:
+    from layerdiv.analyze.api import analyze
+
+    rng = np.random.default_rng(3)
+    lengths, blocks = [1, 40, 3, 17], 6  # very different lengths
+    n = sum(lengths)
+    # small integers: every dot product is exact in float32
+    h0 = rng.integers(-4, 5, (n, 5)).astype(float)
+    attn = rng.integers(-3, 4, (n, blocks, 5)).astype(float)
+    mlp = rng.integers(-3, 4, (n, blocks, 5)).astype(float)
+    attn[:, 2] = 0.0  # no attention update in block 2: cos_attn undefined for every token
+    attn[::3, 4] = mlp[::3, 4] = 0.0  # no update of block 4 for a third of the tokens
+    h0[5], attn[5, 0], mlp[5, 0] = 0.0, 0.0, 0.0  # h_0 = h_1 = 0: theta_state undefined
+    with np.errstate(all="ignore"):
+        ref = reference_geometry(h0, attn, mlp)
+    assert np.isnan(ref["cos_attn"][:, 2]).all() and np.isnan(ref["theta_state"][5, 0])
+    runs = []
+    for chunk in (1, len(lengths)):  # one document per part file, and every document in one
+        root = tmp_path / f"chunk{chunk}"
+        write_vectors(root, lengths, h0, attn, mlp, chunk)
+        runs.append(analyze(root))
+    for results in runs:
+        geo = results.text_geometry.sort("block")
+        assert geo["n_tokens"].to_list() == [n] * blocks
+        assert geo["cos_attn_mean"][2] is None and geo["cos_attn_max"][2] is None
+        for column in GEOMETRY:
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mean, top = np.nanmean(ref[column], axis=0), np.nanmax(ref[column], axis=0)
+            got = geo[f"{column}_mean"].fill_null(np.nan)
+            np.testing.assert_allclose(got, mean, rtol=TOL, atol=TOL, err_msg=column)
+            got = geo[f"{column}_max"].fill_null(np.nan)
+            np.testing.assert_allclose(got, top, rtol=TOL, atol=TOL, err_msg=column)
+        # the token without a theta_state profile is left out of the PCA and the early stops
+        kept = np.isfinite(ref["theta_state"]).all(axis=1)
+        assert kept.sum() == n - 1
+        pca = results.text_profile_pca
+        assert pca["n_tokens"].to_list() == [n - 1] * len(pca)
+        values = np.sort(np.linalg.eigvalsh(np.cov(ref["theta_state"][kept], rowvar=False)))
+        np.testing.assert_allclose(pca["explained_variance"], values[::-1][:5], rtol=1e-6)
+        assert results.text_early_stop["n_tokens"].sum() == n - 1
