@@ -50,9 +50,11 @@ THETA_STATE = GEOMETRY.index("theta_state")
 DOTS = ("hh", "aa", "mm", "ha", "hm", "am", "dd_next", "h_final")
 """The float columns of ``token_blocks``."""
 
-BATCH_TOKENS = 1024
+BATCH_TOKENS = 4096
 """Tokens per batch read from a part file: a batch holds ``BATCH_TOKENS x blocks`` rows, so the
-memory of an analysis does not depend on the chunk size or the number of documents."""
+memory of an analysis does not depend on the chunk size or the number of documents. A pass reuses
+its arrays from batch to batch (:func:`scratch`; with 32 blocks 26 MiB), so the batch size
+changes its time little (``benchmarks/bench_text_analyze.py --stages``)."""
 
 EPS = 1e-6
 """Floor of the norms in the relative sizes (METHODS.md section 9)."""
@@ -74,7 +76,7 @@ WORK = 8
 def scratch(rows: int, blocks: int, tokens: int, buffer: np.ndarray | None) -> np.ndarray:
     """A float64 array (rows, blocks, tokens), C-contiguous: the start of ``buffer`` when it is
     large enough (a pass reuses one buffer from batch to batch: fresh arrays for every batch cost
-    a page fault per 4 KiB, a quarter of the CPU time as measured), else a new array."""
+    a page fault per 4 KiB of them, in the kernel's CPU time), else a new array."""
     size = rows * blocks * tokens
     if buffer is None or buffer.size < size:
         return np.empty((rows, blocks, tokens))
@@ -292,7 +294,7 @@ class TextPass:
 
 def text_pass(info: PartitionInfo) -> TextPass:
     """One pass over ``info``'s ``token_blocks``, in batches of :data:`BATCH_TOKENS` whole
-    tokens, reading the columns the geometry needs only."""
+    tokens, the same arrays reused from batch to batch (:func:`scratch`)."""
     blocks = info.manifest.n_blocks
     out = TextPass(BlockStats.empty(blocks), ProfileMoments.empty(blocks))
     columns = ["doc", "pos", "block", *DOTS]
