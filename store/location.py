@@ -12,6 +12,7 @@ standard AWS variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRE
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import re
@@ -192,10 +193,15 @@ def read_table(path: Path | RemotePath) -> pa.Table:
 def read_batches(
     path: Path | RemotePath, columns: Sequence[str], rows: int
 ) -> Iterator[pa.RecordBatch]:
-    """The ``columns`` of a Parquet file in order, in record batches of at most ``rows`` rows
-    (memory: about one batch and one row group's compressed columns)."""
-    source = path.fs.open_input_file(path.path) if isinstance(path, RemotePath) else path
-    with pq.ParquetFile(source) as file:
+    """The ``columns`` of a Parquet file in order, in record batches of ``rows`` rows (the last
+    one shorter)."""
+    with contextlib.ExitStack() as stack:
+        source = (
+            stack.enter_context(path.fs.open_input_file(path.path))
+            if isinstance(path, RemotePath)
+            else path
+        )
+        file = stack.enter_context(pq.ParquetFile(source))
         yield from file.iter_batches(batch_size=rows, columns=list(columns), use_threads=False)
 
 
