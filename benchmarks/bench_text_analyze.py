@@ -8,9 +8,9 @@ peak memory (max RSS). The text analyses read one part file at a time in batches
 so time should grow with the documents and peak memory should not.
 
 With ``--stages``, it also times in this process the pass over the first model's ``token_blocks``
-(the largest store) stage by stage, each stage a pass of its own that adds one step: reading the
-Arrow batches, the dot products as arrays, the geometry, the per-block sums and profile moments
-(CPU seconds and minor page faults), at each of ``--batch-tokens``.
+(in the store of the last size) stage by stage, each stage a pass of its own that adds one step:
+reading the Arrow batches, the dot products as arrays, the geometry, the per-block sums and
+profile moments (CPU seconds and minor page faults), at each of ``--batch-tokens``.
 
     python benchmarks/bench_text_analyze.py [--store DIR] [--sizes 0.25,1] [--docs 4800]
         [--tokens 1024] [--blocks 32] [--models 2] [--lens] [--skips]
