@@ -138,6 +138,13 @@ def degrees(cos: pl.Expr) -> pl.Expr:
     return cos.clip(-1.0, 1.0).arccos() * (180.0 / math.pi)
 
 
+def array_degrees(cos: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """:func:`degrees` of an array (NaN stays NaN), into ``out`` when given (it may be ``cos``)."""
+    out = np.clip(cos, -1.0, 1.0, out=out)
+    np.arccos(out, out=out)
+    return np.multiply(out, 180.0 / math.pi, out=out)
+
+
 def power_law_fit(depth: np.ndarray, size: np.ndarray) -> dict[str, float | None]:
     """size = a * depth^(-beta): the least-squares line log size = log a - beta log depth
     (METHODS.md sections 7 and 9; the inverse-depth paper's Fig. 2d) through the points with

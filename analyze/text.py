@@ -1,7 +1,7 @@
 """Running text (METHODS.md section 9): what the text analyses share. Reading a text partition's
-tables part file by part file in batches of whole tokens (memory flat as documents grow), the
-per-token geometry of every block from the six stored dot products, and accumulating sums, counts
-and maxima over batches.
+tables part file by part file in record batches of whole tokens (memory flat as documents grow),
+the per-token geometry of every block from the six stored dot products (numpy, one array per
+batch), and accumulating sums, counts, maxima and the profile moments over batches.
 
 Every quantity is exact from the stored dot products (h the block's input, a what attention adds,
 m what the MLP adds, d = a + m):
@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
+from threadpoolctl import threadpool_limits
 
 from layerdiv.analyze.registry import Context, map_partitions
-from layerdiv.analyze.stats import degrees
+from layerdiv.analyze.stats import array_degrees as degrees
 from layerdiv.schemas import KINDS
 from layerdiv.store import PartitionInfo, StoreError
 
@@ -39,112 +42,182 @@ GEOMETRY = (
     "theta_update",
     "angle_final",
 )
-"""Per-token, per-block geometry columns (METHODS.md section 9)."""
+"""Per-token, per-block geometry columns (METHODS.md section 9), in the order of the first axis
+of :func:`token_geometry`."""
+
+THETA_STATE = GEOMETRY.index("theta_state")
 
 DOTS = ("hh", "aa", "mm", "ha", "hm", "am", "dd_next", "h_final")
 """The float columns of ``token_blocks``."""
 
-BATCH_TOKENS = 16_384
+BATCH_TOKENS = 4096
 """Tokens per batch read from a part file: a batch holds ``BATCH_TOKENS x blocks`` rows, so the
-memory of an analysis does not depend on the chunk size or the number of documents."""
+memory of an analysis does not depend on the chunk size or the number of documents. A pass reuses
+its arrays from batch to batch (:func:`scratch`; with 32 blocks 26 MiB), so the batch size
+changes its time little (``benchmarks/bench_text_analyze.py --stages``)."""
 
 EPS = 1e-6
 """Floor of the norms in the relative sizes (METHODS.md section 9)."""
 
 
-def batches(files: Sequence[str], columns: Sequence[str], rows: int) -> Iterator[pl.DataFrame]:
-    """The ``columns`` of the Parquet ``files`` (paths or URLs) in order, file by file, in frames
-    of ``rows`` rows (the last of each file shorter): with ``rows`` a multiple of a token's rows,
-    every frame holds whole tokens."""
-    for file in files:
-        scan = pl.scan_parquet(file)
-        n = scan.select(pl.len()).collect().item()
-        for start in range(0, n, rows):
-            yield scan.select(columns).slice(start, rows).collect()
+def batches(
+    info: PartitionInfo, table: str, columns: Sequence[str], rows: int
+) -> Iterator[pl.DataFrame]:
+    """The ``columns`` of ``info``'s ``table`` in order, file by file, in frames of at most
+    ``rows`` rows (:meth:`~layerdiv.store.PartitionInfo.batches`)."""
+    for batch in info.batches(table, columns, rows):
+        yield cast(pl.DataFrame, pl.from_arrow(batch))
 
 
-def token_geometry(
-    frame: pl.DataFrame, blocks: int, columns: Sequence[str] = GEOMETRY, where: str = ""
-) -> pl.DataFrame:
-    """Per ``token_blocks`` row (whole tokens, sorted by (doc, pos, block) as the store writes
-    them): ``doc``, ``pos``, ``block`` and the geometry ``columns`` (:data:`GEOMETRY`) of METHODS.md
-    section 9 (NaN, e.g. a cosine of a zero vector, as null). ``frame`` needs the
-    :func:`stored_columns` of ``columns``. Raises ``StoreError`` when the rows are not ``blocks``
+WORK = 8
+"""Float arrays of blocks x tokens :func:`token_geometry` works in besides its output."""
+
+
+def scratch(rows: int, blocks: int, tokens: int, buffer: np.ndarray | None) -> np.ndarray:
+    """A float64 array (rows, blocks, tokens), C-contiguous: the start of ``buffer`` when it is
+    large enough (a pass reuses one buffer from batch to batch: fresh arrays for every batch cost
+    a page fault per 4 KiB of them, in the kernel's CPU time), else a new array."""
+    size = rows * blocks * tokens
+    if buffer is None or buffer.size < size:
+        return np.empty((rows, blocks, tokens))
+    return buffer.reshape(-1)[:size].reshape(rows, blocks, tokens)
+
+
+def token_dots(
+    rows: pa.RecordBatch | pa.Table, blocks: int, where: str = "", out: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Of ``token_blocks`` rows (whole tokens, sorted by (doc, pos, block) as the store writes
+    them): each token's position (tokens,) and the :data:`DOTS` as one float64 array
+    (len(DOTS), ``blocks``, tokens), a null as NaN, written into the start of ``out`` when it is
+    large enough (:func:`scratch`). Raises ``StoreError`` when the rows are not ``blocks``
     consecutive rows per token."""
-    if frame.height % blocks:
+    if rows.num_rows % blocks:
         raise StoreError(f"{where}: token_blocks rows are not whole tokens of {blocks} blocks")
-    row = pl.int_range(pl.len(), dtype=pl.Int64)
-    first = (row // blocks) * blocks  # row of the token's block 0
-    ordered = frame.select(
-        (pl.col("block").cast(pl.Int64) == row % blocks).all()
-        & (pl.col("doc").gather(first) == pl.col("doc")).all()
-        & (pl.col("pos").gather(first) == pl.col("pos")).all()
-    ).item()
-    if not ordered:
+
+    def column(name: str) -> np.ndarray:  # (tokens, blocks)
+        return np.asarray(rows.column(name).to_numpy(zero_copy_only=False)).reshape(-1, blocks)
+
+    doc, pos, block = column("doc"), column("pos"), column("block")
+    if (block != np.arange(blocks)).any() or (doc != doc[:, :1]).any() or (pos != pos[:, :1]).any():
         raise StoreError(
             f"{where}: token_blocks rows are not sorted by (doc, pos, block) with every block "
             "of every token; re-extract it with --overwrite"
         )
-    hh, aa, mm, ha, hm, am = (pl.col(c).cast(pl.Float64) for c in DOTS[:6])
-    # The shared terms, computed once (columns prefixed with _):
-    shared = {
-        "_nh": hh.sqrt(),  # ||h||
-        "_na": aa.sqrt(),  # ||a||
-        "_nm": mm.sqrt(),  # ||m||
-        "_nha": (hh + 2 * ha + aa).clip(0.0).sqrt(),  # ||h + a||^2 = hh + 2 ha + aa
-        "_nd": (aa + 2 * am + mm).clip(0.0).sqrt(),  # ||d||^2 = ||a + m||^2 = aa + 2 am + mm
-        "_dh": ha + hm,  # d . h
+    # blocks x tokens: the reductions over tokens run along contiguous memory
+    dots = scratch(len(DOTS), blocks, len(pos), out)
+    for row, name in zip(dots, DOTS, strict=True):
+        np.copyto(row, column(name).T)
+    return pos[:, 0], dots
+
+
+def token_geometry(dots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """The geometry of blocks x tokens from their dot products (:func:`token_dots`): an array
+    (len(:data:`GEOMETRY`), blocks, tokens) in float64, NaN where a quantity is undefined (e.g.
+    a cosine of a zero vector, or theta_update of the last block). Computed in the start of
+    ``out`` when it is large enough for that and :data:`WORK` more rows (:func:`scratch`)."""
+    hh, aa, mm, ha, hm, am, dd_next, h_final = dots
+    blocks, tokens = hh.shape
+    work = scratch(len(GEOMETRY) + WORK, blocks, tokens, out)
+    geometry, (nh, na, nm, nha, nd, dh, nnext, tmp) = work[: len(GEOMETRY)], work[len(GEOMETRY) :]
+    attn_rel, mlp_rel, layer_rel, cos_attn, cos_mlp, cos_layer, cos_io, theta_state = geometry[:8]
+    theta_update, angle_final = geometry[8:]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        np.sqrt(hh, out=nh), np.sqrt(aa, out=na), np.sqrt(mm, out=nm)  # ||h||, ||a||, ||m||
+        # ||h + a||^2 = hh + 2 ha + aa
+        np.add(hh, aa, out=nha)
+        nha += 2 * ha
+        np.sqrt(np.maximum(nha, 0.0, out=nha), out=nha)
+        # ||d||^2 = ||a + m||^2 = aa + 2 am + mm (kept squared in nnext for the next line)
+        np.add(aa, mm, out=nnext)
+        nnext += 2 * am
+        np.sqrt(np.maximum(nnext, 0.0, out=nd), out=nd)
+        np.add(ha, hm, out=dh)  # d . h
         # ||h_(l+1)||^2 = ||h + d||^2 = hh + 2 d.h + ||d||^2
-        "_nnext": (hh + 2 * (ha + hm) + aa + 2 * am + mm).clip(0.0).sqrt(),
-    }
-    nh, na, nm, nha, nd, dh, nnext = (pl.col(c) for c in shared)
-    cos_io = (hh + dh) / (nnext * nh)  # cos(h + d, h) = (hh + d.h) / (||h + d|| ||h||)
-    last = first + (blocks - 1)  # the token's last block: ||h_L|| = its ||h_(l+1)||
-    formulas = {
+        nnext += hh
+        nnext += 2 * dh
+        np.sqrt(np.maximum(nnext, 0.0, out=nnext), out=nnext)
         # attn_rel = ||a|| / max(||h||, 1e-6)
-        "attn_rel": na / nh.clip(EPS),
-        # mlp_rel = ||m|| / max(||h + a||, 1e-6)
-        "mlp_rel": nm / nha.clip(EPS),
+        np.maximum(nh, EPS, out=tmp)
+        np.divide(na, tmp, out=attn_rel)
         # layer_rel = ||d|| / max(||h||, 1e-6)
-        "layer_rel": nd / nh.clip(EPS),
+        np.divide(nd, tmp, out=layer_rel)
+        # mlp_rel = ||m|| / max(||h + a||, 1e-6)
+        np.divide(nm, np.maximum(nha, EPS, out=tmp), out=mlp_rel)
         # cos_attn = cos(a, h) = h.a / (||a|| ||h||)
-        "cos_attn": ha / (na * nh),
+        np.divide(ha, np.multiply(na, nh, out=tmp), out=cos_attn)
         # cos_mlp = cos(m, h + a) = (h.m + a.m) / (||m|| ||h + a||)
-        "cos_mlp": (hm + am) / (nm * nha),
+        np.add(hm, am, out=cos_mlp)
+        cos_mlp /= np.multiply(nm, nha, out=tmp)
         # cos_layer = cos(d, h) = (h.a + h.m) / (||d|| ||h||)
-        "cos_layer": dh / (nd * nh),
-        # cos_io = cos(h + d, h)
-        "cos_io": cos_io,
+        np.divide(dh, np.multiply(nd, nh, out=tmp), out=cos_layer)
+        # cos_io = cos(h + d, h) = (hh + d.h) / (||h + d|| ||h||)
+        np.add(hh, dh, out=cos_io)
+        cos_io /= np.multiply(nnext, nh, out=tmp)
         # theta_state = arccos cos(h_l, h_(l+1)) in degrees; h_(l+1) = h + d, so = arccos cos_io
-        "theta_state": degrees(cos_io),
+        degrees(cos_io, out=theta_state)
         # theta_update = arccos cos(d_l, d_(l+1)) = arccos dd_next / (||d_l|| ||d_(l+1)||), with
-        # ||d_(l+1)|| from the next row (block l + 1 of the same token; dd_next is null on the
-        # last block, and so is the angle)
-        "theta_update": degrees(pl.col("dd_next").cast(pl.Float64) / (nd * nd.shift(-1))),
-        # angle_final = arccos cos(h_l, h_L) = arccos h_final / (||h_l|| ||h_L||)
-        "angle_final": degrees(pl.col("h_final").cast(pl.Float64) / (nh * nnext.gather(last))),
-    }
-    return (
-        frame.lazy()
-        .with_columns(**shared)
-        .select("doc", "pos", "block", *(formulas[c].fill_nan(None).alias(c) for c in columns))
-        .collect()
-    )
+        # ||d_(l+1)|| from block l + 1 of the same token; none for the last block
+        np.divide(dd_next[:-1], np.multiply(nd[:-1], nd[1:], out=tmp[:-1]), out=theta_update[:-1])
+        degrees(theta_update[:-1], out=theta_update[:-1])
+        theta_update[-1] = np.nan
+        # angle_final = arccos cos(h_l, h_L) = arccos h_final / (||h_l|| ||h_L||), ||h_L|| the
+        # ||h_(l+1)|| of the token's last block
+        np.divide(h_final, np.multiply(nh, nnext[-1:], out=tmp), out=angle_final)
+        degrees(angle_final, out=angle_final)
+    return geometry
 
 
-def stored_columns(columns: Sequence[str]) -> list[str]:
-    """The ``token_blocks`` columns :func:`token_geometry` reads for the geometry ``columns``."""
-    extra = {"theta_update": "dd_next", "angle_final": "h_final"}
-    return ["doc", "pos", "block", *DOTS[:6], *(extra[c] for c in columns if c in extra)]
+@dataclass
+class BlockStats:
+    """Per block, added up batch by batch: the tokens ``n`` (blocks,) and, per geometry column
+    (rows in :data:`GEOMETRY` order, one column per block), the ``total``, ``count`` and maximum
+    ``top`` of its defined (not NaN) values."""
 
+    n: np.ndarray
+    total: np.ndarray
+    count: np.ndarray
+    top: np.ndarray
 
-def token_batches(info: PartitionInfo, columns: Sequence[str] = GEOMETRY) -> Iterator[pl.DataFrame]:
-    """:func:`token_geometry` (the geometry ``columns``) of every ``token_blocks`` part of
-    ``info``, in batches of :data:`BATCH_TOKENS` whole tokens."""
-    blocks = info.manifest.n_blocks
-    stored = stored_columns(columns)
-    for frame in batches(info.uris("token_blocks"), stored, BATCH_TOKENS * blocks):
-        yield token_geometry(frame, blocks, columns, info.where)
+    @classmethod
+    def empty(cls, blocks: int) -> BlockStats:
+        shape = (len(GEOMETRY), blocks)
+        return cls(
+            np.zeros(blocks, dtype=np.int64),
+            np.zeros(shape),
+            np.zeros(shape, dtype=np.int64),
+            np.full(shape, -np.inf),
+        )
+
+    def add(self, geometry: np.ndarray) -> None:
+        """Add the tokens of a :func:`token_geometry` array."""
+        tokens = geometry.shape[2]
+        total, top = geometry.sum(axis=2), geometry.max(axis=2)
+        count = np.full(total.shape, tokens)
+        for c in np.flatnonzero(np.isnan(total).any(axis=1)):  # a column with NaN: leave it out
+            defined = ~np.isnan(geometry[c])
+            total[c] = np.add.reduce(geometry[c], axis=1, where=defined)
+            count[c] = defined.sum(axis=1)
+            top[c] = np.fmax.reduce(geometry[c], axis=1)  # fmax: NaN left out
+        self.n += tokens
+        self.total += total
+        self.count += count
+        self.top = np.fmax(self.top, top)
+
+    def table(self) -> pl.DataFrame:
+        """Per ``block``: ``n`` and per geometry column c the mean ``c_mean`` (sum / count of
+        the tokens where c is defined) and the maximum ``c_max``, null where c is never
+        defined."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = np.where(self.count > 0, self.total / self.count, np.nan)
+        top = np.where(self.count > 0, self.top, np.nan)
+        return pl.DataFrame(
+            {
+                "block": np.arange(len(self.n)),
+                "n": self.n,
+                **{f"{c}_mean": mean[i] for i, c in enumerate(GEOMETRY)},
+                **{f"{c}_max": top[i] for i, c in enumerate(GEOMETRY)},
+            }
+        ).fill_nan(None)
 
 
 EARLY_STOP_FRACTION = 0.25
@@ -166,7 +239,7 @@ def position_range(pos: np.ndarray) -> np.ndarray:
 
 @dataclass
 class ProfileMoments:
-    """Sums over tokens of the theta_state profiles x (one row per token, one column per block)
+    """Sums over tokens of the theta_state profiles x (one column per token, one row per block)
     and of their outer products x x^T, and the early-stop counts by position range: what the PCA
     of the profiles and ``text_early_stop`` need, added batch by batch (L x L numbers, not
     tokens x L)."""
@@ -182,20 +255,20 @@ class ProfileMoments:
         return cls(0, np.zeros(blocks), np.zeros((blocks, blocks)))
 
     def add(self, profiles: np.ndarray, positions: np.ndarray) -> None:
-        """Add tokens: ``profiles`` (tokens, L) theta_state in degrees (a token with an undefined
+        """Add tokens: ``profiles`` (L, tokens) theta_state in degrees (a token with an undefined
         angle is left out), ``positions`` (tokens,)."""
-        keep = np.isfinite(profiles).all(axis=1)
-        x, pos = profiles[keep], positions[keep]
-        self.n += len(x)
-        self.total += x.sum(axis=0)
-        self.cross += x.T @ x
-        first, second = halves(x.shape[1])
-        is_early = x[:, second].mean(axis=1) < EARLY_STOP_FRACTION * x[:, first].mean(axis=1)
+        keep = np.isfinite(profiles).all(axis=0)
+        x, pos = (profiles, positions) if keep.all() else (profiles[:, keep], positions[keep])
+        self.n += x.shape[1]
+        self.total += x.sum(axis=1)
+        self.cross += x @ x.T
+        first, second = halves(len(x))
+        is_early = x[second].mean(axis=0) < EARLY_STOP_FRACTION * x[first].mean(axis=0)
         ranges = position_range(pos)
-        for r in np.unique(ranges):
-            at = ranges == r
+        tokens, early = np.bincount(ranges), np.bincount(ranges, weights=is_early)
+        for r in np.flatnonzero(tokens):
             n, k = self.early.get(int(r), (0, 0))
-            self.early[int(r)] = (n + int(at.sum()), k + int(is_early[at].sum()))
+            self.early[int(r)] = (n + int(tokens[r]), k + int(early[r]))
 
     def pca(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(mean profile (L,), variances (L,) in decreasing order, components (L, L) as rows,
@@ -213,20 +286,25 @@ class ProfileMoments:
 @dataclass
 class TextPass:
     """What one read of a partition's ``token_blocks`` gives: the per-block sums of every geometry
-    column (:func:`sums`, one frame per batch) and the theta_state profile moments."""
+    column and the theta_state profile moments."""
 
-    sums: list[pl.DataFrame]
+    stats: BlockStats
     moments: ProfileMoments
 
 
 def text_pass(info: PartitionInfo) -> TextPass:
-    """One pass over ``info``'s ``token_blocks``, batch by batch (:func:`token_batches`)."""
+    """One pass over ``info``'s ``token_blocks``, in batches of :data:`BATCH_TOKENS` whole
+    tokens, the same arrays reused from batch to batch (:func:`scratch`)."""
     blocks = info.manifest.n_blocks
-    out = TextPass([], ProfileMoments.empty(blocks))
-    for frame in token_batches(info):
-        out.sums.append(sums(frame, ["block"], GEOMETRY))
-        theta = frame["theta_state"].fill_null(np.nan).to_numpy().reshape(-1, blocks)
-        out.moments.add(theta, frame["pos"].to_numpy()[::blocks])
+    out = TextPass(BlockStats.empty(blocks), ProfileMoments.empty(blocks))
+    columns = ["doc", "pos", "block", *DOTS]
+    dots_buffer = np.empty(len(DOTS) * blocks * BATCH_TOKENS)
+    work_buffer = np.empty((len(GEOMETRY) + WORK) * blocks * BATCH_TOKENS)
+    for batch in info.batches("token_blocks", columns, BATCH_TOKENS * blocks):
+        pos, dots = token_dots(batch, blocks, info.where, dots_buffer)
+        geometry = token_geometry(dots, work_buffer)
+        out.stats.add(geometry)
+        out.moments.add(geometry[THETA_STATE], pos)
     return out
 
 
@@ -239,8 +317,11 @@ def text_passes(ctx: Context) -> dict[str, TextPass]:
     once per analysis run (partitions 4 at a time) and shared through ``ctx.shared``."""
     passes: dict[str, TextPass] = ctx.shared.setdefault(PASSES, {})
     todo = [p for p in ctx.parts if p.where not in passes]
-    for info, done in zip(todo, map_partitions(text_pass, todo), strict=True):
-        passes[info.where] = done
+    # Small matrix products per batch (the profiles' outer products): BLAS threads only add
+    # synchronisation beside the partitions' own threads.
+    with threadpool_limits(1, user_api="blas"):
+        for info, done in zip(todo, map_partitions(text_pass, todo), strict=True):
+            passes[info.where] = done
     return passes
 
 

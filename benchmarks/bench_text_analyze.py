@@ -7,8 +7,14 @@ the store's writer) at each size of ``--sizes`` (a fraction of ``--docs``), then
 peak memory (max RSS). The text analyses read one part file at a time in batches of whole tokens,
 so time should grow with the documents and peak memory should not.
 
+With ``--stages``, it also times in this process the pass over the first model's ``token_blocks``
+(in the store of the last size) stage by stage, each stage a pass of its own that adds one step:
+reading the Arrow batches, the dot products as arrays, the geometry, the per-block sums and
+profile moments (CPU seconds and minor page faults), at each of ``--batch-tokens``.
+
     python benchmarks/bench_text_analyze.py [--store DIR] [--sizes 0.25,1] [--docs 4800]
         [--tokens 1024] [--blocks 32] [--models 2] [--lens] [--skips]
+        [--stages] [--batch-tokens 4096,1024]
 
 Stores are kept under ``--store`` (default: a folder under the system temp directory) and reused
 when one of the same shape is there.
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -66,6 +73,45 @@ def timed_analyze(store: Path, out: Path) -> tuple[float, float, float]:
     return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
+def usage() -> tuple[float, int]:
+    """(CPU seconds of user + system, minor page faults) of this process so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime, r.ru_minflt
+
+
+def stages(store: Path, batch_tokens: int) -> list[tuple[str, float, int]]:
+    """Per stage of the pass over the first partition's ``token_blocks`` (each stage a pass that
+    adds one step to the one before): (stage, CPU s, minor page faults)."""
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+
+    from layerdiv.analyze import text
+    from layerdiv.store import Store
+
+    info = Store(store).select()[0]
+    blocks = info.manifest.n_blocks
+    columns = ["doc", "pos", "block", *text.DOTS]
+    steps = ["read Arrow batches", "+ dot products as arrays", "+ geometry", "+ sums, moments"]
+    out = []
+    with threadpool_limits(1, user_api="blas"):
+        for depth, name in enumerate(steps):
+            stats, moments = text.BlockStats.empty(blocks), text.ProfileMoments.empty(blocks)
+            dots_buffer = np.empty(len(text.DOTS) * blocks * batch_tokens)
+            work_buffer = np.empty((len(text.GEOMETRY) + text.WORK) * blocks * batch_tokens)
+            cpu, faults = usage()
+            for batch in info.batches("token_blocks", columns, batch_tokens * blocks):
+                if depth >= 1:
+                    pos, dots = text.token_dots(batch, blocks, out=dots_buffer)
+                if depth >= 2:
+                    geometry = text.token_geometry(dots, work_buffer)
+                if depth >= 3:
+                    stats.add(geometry)
+                    moments.add(geometry[text.THETA_STATE], pos)
+            cpu_end, faults_end = usage()
+            out.append((name, cpu_end - cpu, faults_end - faults))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", type=Path, default=Path(tempfile.gettempdir()) / "bench-text")
@@ -76,6 +122,8 @@ def main() -> None:
     parser.add_argument("--models", type=int, default=2)
     parser.add_argument("--lens", action="store_true", help="add token_lens (extract --lens)")
     parser.add_argument("--skips", action="store_true", help="add the future-effects tables")
+    parser.add_argument("--stages", action="store_true", help="time the pass stage by stage")
+    parser.add_argument("--batch-tokens", default="4096,1024", help="tokens per batch (--stages)")
     args = parser.parse_args()
     runs = []
     for size in (float(s) for s in args.sizes.split(",")):
@@ -107,6 +155,15 @@ def main() -> None:
             f"{docs:>9,}  {rows:>17,}  {wall:8.1f}  {wall / args.models:14.1f}  {cpu:8.1f}  "
             f"{cpu / args.models:13.1f}  {peak:14.0f}"
         )
+    if args.stages:
+        print(
+            f"\nOne model's token_blocks pass ({runs[-1][0]:,} documents) in this process, stage "
+            "by stage (each a pass adding one step to the one above):"
+        )
+        print(f"{'batch tokens':>12}  {'stage':<26}  {'CPU (s)':>8}  {'page faults':>11}")
+        for tokens in (int(t) for t in args.batch_tokens.split(",")):
+            for name, cpu, faults in stages(Path(f"{args.store}-{runs[-1][0]}"), tokens):
+                print(f"{tokens:>12,}  {name:<26}  {cpu:8.1f}  {faults:>11,}")
 
 
 if __name__ == "__main__":

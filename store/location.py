@@ -12,6 +12,7 @@ standard AWS variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRE
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import re
@@ -187,6 +188,21 @@ def read_table(path: Path | RemotePath) -> pa.Table:
     if isinstance(path, RemotePath):
         return pq.read_table(path.path, filesystem=path.fs)
     return pq.read_table(path)
+
+
+def read_batches(
+    path: Path | RemotePath, columns: Sequence[str], rows: int
+) -> Iterator[pa.RecordBatch]:
+    """The ``columns`` of a Parquet file in order, in record batches of ``rows`` rows (the last
+    one shorter)."""
+    with contextlib.ExitStack() as stack:
+        source = (
+            stack.enter_context(path.fs.open_input_file(path.path))
+            if isinstance(path, RemotePath)
+            else path
+        )
+        file = stack.enter_context(pq.ParquetFile(source))
+        yield from file.iter_batches(batch_size=rows, columns=list(columns), use_threads=False)
 
 
 def arrow_source(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import html
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -32,6 +32,7 @@ from layerdiv.store.location import (
     RemotePath,
     StorePath,
     arrow_source,
+    read_batches,
     read_schema,
     read_table,
     store_root,
@@ -95,6 +96,12 @@ class PartitionInfo(Generic[StorePath]):
     def uris(self, table: str) -> list[str]:
         """:meth:`files` as Polars reads them: local paths, or URLs of a remote store."""
         return [str(f) for f in self.files(table)]
+
+    def batches(self, table: str, columns: Sequence[str], rows: int) -> Iterator[pa.RecordBatch]:
+        """The ``columns`` of ``table`` (:meth:`files`), file by file in order, in record batches
+        of at most ``rows`` rows (exactly ``rows`` but the last of each file)."""
+        for path in self.files(table):
+            yield from read_batches(path, columns, rows)
 
     @cached_property
     def lacking(self) -> dict[str, list[tuple[int, int]]]:

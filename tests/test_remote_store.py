@@ -248,3 +248,18 @@ def test_missing_bucket_and_credentials_are_named(
         assert "AWS_ACCESS_KEY_ID" in line and "AWS_ENDPOINT_URL" in line, line
     assert "there is no bucket 'no-such-bucket' at the endpoint http://127.0.0.1" in said["bucket"]
     assert "cannot read s3://" in said["credentials"]
+
+
+def test_text_analyses_match_the_local_store(s3: Any, tmp_path: Path) -> None:
+    """The running-text analyses read their part files in Arrow batches through the store's
+    filesystem: the same tables from S3 as from the local copy."""
+    from layerdiv.analyze.api import analyze
+    from layerdiv.analyze.synthetic import synthesize_text_store
+
+    root = tmp_path / "text"
+    synthesize_text_store(root, 1, 5, 12, 3, chunk=2, lens=True, skips=True, progress=False)
+    local, far = analyze(root), analyze(publish(s3, root, "stores/text"))
+    names = sorted(n for n in local.tables() if n.startswith("text_"))
+    assert {"text_geometry", "text_lens", "text_skips", "text_profile_pca"} <= set(names)
+    for name in names:
+        assert_frame_equal(far.tables()[name], local.tables()[name])

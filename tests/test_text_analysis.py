@@ -17,8 +17,10 @@ from layerdiv.analyze.text import (
     DOTS,
     EARLY_STOP_FRACTION,
     GEOMETRY,
+    THETA_STATE,
+    BlockStats,
     ProfileMoments,
-    sums,
+    token_dots,
     token_geometry,
 )
 from layerdiv.store import StoreError
@@ -89,6 +91,19 @@ def reference_geometry(h0: np.ndarray, attn: np.ndarray, mlp: np.ndarray) -> dic
     }
 
 
+def geometry_of(frame: pl.DataFrame, blocks: int) -> np.ndarray:
+    """:func:`token_geometry` of ``token_blocks`` rows held in a frame."""
+    return token_geometry(token_dots(frame.to_arrow(), blocks)[1])
+
+
+def stats_of(*frames: pl.DataFrame, blocks: int) -> BlockStats:
+    """The :class:`BlockStats` of batches of ``token_blocks`` rows."""
+    stats = BlockStats.empty(blocks)
+    for frame in frames:
+        stats.add(geometry_of(frame, blocks))
+    return stats
+
+
 @pytest.fixture
 def text() -> tuple[pl.DataFrame, dict[str, np.ndarray], np.ndarray]:
     rng = np.random.default_rng(0)
@@ -99,17 +114,15 @@ def text() -> tuple[pl.DataFrame, dict[str, np.ndarray], np.ndarray]:
 
 def test_token_geometry_matches_the_vectors(text) -> None:
     frame, ref, _ = text
-    geo = token_geometry(frame, 6)
-    for column in GEOMETRY:
-        got = geo[column].cast(pl.Float64).fill_null(np.nan).to_numpy().reshape(-1, 6)
-        np.testing.assert_allclose(got, ref[column], atol=TOL, rtol=TOL, err_msg=column)
+    geo = geometry_of(frame, 6)
+    for i, column in enumerate(GEOMETRY):
+        np.testing.assert_allclose(geo[i].T, ref[column], atol=TOL, rtol=TOL, err_msg=column)
 
 
 @pytest.mark.filterwarnings("ignore:Mean of empty slice", "ignore:All-NaN slice")
 def test_geometry_table_is_token_weighted_means_and_maxima(text) -> None:
     frame, ref, _ = text
-    geo = token_geometry(frame, 6)
-    table = geometry_table([sums(geo, ["block"], GEOMETRY)], 6)
+    table = geometry_table(stats_of(frame, blocks=6), 6)
     assert table["n_tokens"].to_list() == [26] * 6
     np.testing.assert_allclose(table["relative_depth"], np.arange(1, 7) / 6)
     for column in GEOMETRY:
@@ -123,10 +136,9 @@ def test_geometry_table_is_token_weighted_means_and_maxima(text) -> None:
 
 def test_batched_geometry_equals_one_shot(text) -> None:
     frame, _, _ = text
-    one = geometry_table([sums(token_geometry(frame, 6), ["block"], GEOMETRY)], 6)
+    one = geometry_table(stats_of(frame, blocks=6), 6)
     cuts = [0, 6 * 5, 6 * 12, 6 * 13, frame.height]  # whole tokens, across document boundaries
-    parts = [token_geometry(frame[a:b], 6) for a, b in itertools.pairwise(cuts)]
-    many = geometry_table([sums(p, ["block"], GEOMETRY) for p in parts], 6)
+    many = geometry_table(stats_of(*(frame[a:b] for a, b in itertools.pairwise(cuts)), blocks=6), 6)
     for column in one.columns:
         np.testing.assert_allclose(many[column].to_numpy(), one[column].to_numpy(), rtol=1e-12)
 
@@ -134,9 +146,9 @@ def test_batched_geometry_equals_one_shot(text) -> None:
 def test_token_geometry_refuses_unsorted_rows(text) -> None:
     frame, _, _ = text
     with pytest.raises(StoreError, match="sorted"):
-        token_geometry(frame.reverse(), 6)
+        token_dots(frame.reverse().to_arrow(), 6)
     with pytest.raises(StoreError, match="whole tokens"):
-        token_geometry(frame[:-1], 6)
+        token_dots(frame[:-1].to_arrow(), 6)
 
 
 def test_lens_means_over_positions_then_documents() -> None:
@@ -163,11 +175,10 @@ def test_lens_means_over_positions_then_documents() -> None:
 def test_profile_pca_from_moments_equals_numpy(text) -> None:
     frame, ref, pos = text
     theta = ref["theta_state"]
-    geo = token_geometry(frame, 6, ["theta_state"])
     moments = ProfileMoments.empty(6)
-    for part in (geo[: 6 * 9], geo[6 * 9 :]):  # two batches
-        profiles = part["theta_state"].to_numpy().reshape(-1, 6)
-        moments.add(profiles, part["pos"].to_numpy()[::6])
+    for part in (frame[: 6 * 9], frame[6 * 9 :]):  # two batches
+        positions, dots = token_dots(part.to_arrow(), 6)
+        moments.add(token_geometry(dots)[THETA_STATE], positions)
     pca, loadings = pca_tables(moments)
     values, vectors = np.linalg.eigh(np.cov(theta, rowvar=False))
     order = np.argsort(values)[::-1]
@@ -178,7 +189,7 @@ def test_profile_pca_from_moments_equals_numpy(text) -> None:
     assert abs(abs(first["loading"].to_numpy() @ vectors[:, order[0]]) - 1) < 1e-6
     np.testing.assert_allclose(first["mean_theta"], theta.mean(axis=0), rtol=1e-9)
     one = ProfileMoments.empty(6)
-    one.add(theta, pos)
+    one.add(theta.T, pos)
     assert one.early == moments.early and one.n == moments.n == len(theta)
     # blocks 1-2 against blocks 3-4 of 6 (block 0 and the last block left out)
     early = theta[:, 3:5].mean(axis=1) < EARLY_STOP_FRACTION * theta[:, 1:3].mean(axis=1)
@@ -205,16 +216,15 @@ def test_report_sections_draw_their_figures(text, tmp_path) -> None:
     from layerdiv.analyze.registry import ReportContext
 
     frame, ref, pos = text
-    geo = token_geometry(frame, 6)
     moments = ProfileMoments.empty(6)
-    moments.add(ref["theta_state"], pos)
+    moments.add(ref["theta_state"].T, pos)
     pca, loadings = pca_tables(moments)
     names = {"m": "org/model"}
 
     def tagged(f: pl.DataFrame) -> pl.DataFrame:
         return f.select(pl.lit("m").alias("model"), pl.lit("fineweb").alias("task"), pl.all())
 
-    geometry = tagged(geometry_table([sums(geo, ["block"], GEOMETRY)], 6))
+    geometry = tagged(geometry_table(stats_of(frame, blocks=6), 6))
     lens_rows = (
         frame.select("doc", "pos").unique().join(pl.DataFrame({"layer": range(7)}), how="cross")
     )
@@ -291,9 +301,9 @@ def test_analyses_get_only_the_partitions_of_their_kinds(tmp_path) -> None:
     assert mixed.text_geometry.height == 3 and mixed.text_lens.height == 4
 
 
-def test_store_tables_match_numpy_and_batching(tmp_path, monkeypatch) -> None:
-    from layerdiv.analyze import text as text_module
-    from layerdiv.analyze.api import analyze
+def write_vectors(root, lengths: list[int], h0, attn, mlp, chunk: int) -> None:
+    """A text partition of documents of ``lengths`` tokens from residual vectors, written through
+    the store's writer in chunks of ``chunk`` documents."""
     from layerdiv.analyze.synthetic import text_manifest, write_text_partition
     from layerdiv.store.tables import (
         TOKEN_BLOCK_VALUES,
@@ -302,21 +312,13 @@ def test_store_tables_match_numpy_and_batching(tmp_path, monkeypatch) -> None:
         tokens_table,
     )
 
-    rng = np.random.default_rng(7)
-    lengths, blocks = [9, 14, 4, 11, 7], 5
-    doc, _, _, _, _ = raw_vectors(rng, lengths, blocks)
-    n = len(doc)
-    # small integers: every dot product is exact in float32
-    h0 = rng.integers(-4, 5, (n, 6)).astype(float)
-    attn = rng.integers(-3, 4, (n, blocks, 6)).astype(float)
-    mlp = rng.integers(-3, 4, (n, blocks, 6)).astype(float)
     dots = text_dots(h0, attn, mlp)
     values = np.stack([dots[c] for c in TOKEN_BLOCK_VALUES], axis=-1)
+    doc = np.repeat(np.arange(len(lengths)), lengths)
 
     def chunks():
-        for start in range(0, len(lengths), 2):
-            docs = range(start, min(len(lengths), start + 2))
-            at = np.isin(doc, docs)
+        for start in range(0, len(lengths), chunk):
+            docs = range(start, min(len(lengths), start + chunk))
             mine = [lengths[i] for i in docs]
             yield (
                 start,
@@ -324,12 +326,29 @@ def test_store_tables_match_numpy_and_batching(tmp_path, monkeypatch) -> None:
                 {
                     "documents": documents_table(docs, mine, [False] * len(docs)),
                     "tokens": tokens_table(docs, [list(range(t)) for t in mine]),
-                    "token_blocks": token_blocks_table(docs, mine, values[at]),
+                    "token_blocks": token_blocks_table(docs, mine, values[np.isin(doc, docs)]),
                 },
             )
 
-    manifest = text_manifest("org/tiny", "doc", len(lengths), blocks, 14, 2, hidden_size=6)
-    write_text_partition(tmp_path, manifest, chunks())
+    blocks, d = attn.shape[1], attn.shape[2]
+    manifest = text_manifest(
+        "org/tiny", "doc", len(lengths), blocks, max(lengths), chunk, hidden_size=d
+    )
+    write_text_partition(root, manifest, chunks())
+
+
+def test_store_tables_match_numpy_and_batching(tmp_path, monkeypatch) -> None:
+    from layerdiv.analyze import text as text_module
+    from layerdiv.analyze.api import analyze
+
+    rng = np.random.default_rng(7)
+    lengths, blocks = [9, 14, 4, 11, 7], 5
+    n = sum(lengths)
+    # small integers: every dot product is exact in float32
+    h0 = rng.integers(-4, 5, (n, 6)).astype(float)
+    attn = rng.integers(-3, 4, (n, blocks, 6)).astype(float)
+    mlp = rng.integers(-3, 4, (n, blocks, 6)).astype(float)
+    write_vectors(tmp_path, lengths, h0, attn, mlp, chunk=2)
     results = analyze(tmp_path)
     assert results.analyses == ["text_geometry", "text_lens", "text_skips", "text_profiles"]
     ref = reference_geometry(h0, attn, mlp)
@@ -359,3 +378,47 @@ def test_store_tables_match_numpy_and_batching(tmp_path, monkeypatch) -> None:
                 )
             else:
                 assert a[column].to_list() == b[column].to_list()
+
+
+@pytest.mark.filterwarnings("ignore:Mean of empty slice", "ignore:All-NaN slice")
+def test_undefined_quantities_are_left_out_of_counts_means_and_profiles(tmp_path) -> None:
+    from layerdiv.analyze.api import analyze
+
+    rng = np.random.default_rng(3)
+    lengths, blocks = [1, 40, 3, 17], 6  # very different lengths
+    n = sum(lengths)
+    # small integers: every dot product is exact in float32
+    h0 = rng.integers(-4, 5, (n, 5)).astype(float)
+    attn = rng.integers(-3, 4, (n, blocks, 5)).astype(float)
+    mlp = rng.integers(-3, 4, (n, blocks, 5)).astype(float)
+    attn[:, 2] = 0.0  # no attention update in block 2: cos_attn undefined for every token
+    attn[::3, 4] = mlp[::3, 4] = 0.0  # no update of block 4 for a third of the tokens
+    h0[5], attn[5, 0], mlp[5, 0] = 0.0, 0.0, 0.0  # h_0 = h_1 = 0: theta_state undefined
+    with np.errstate(all="ignore"):
+        ref = reference_geometry(h0, attn, mlp)
+    assert np.isnan(ref["cos_attn"][:, 2]).all() and np.isnan(ref["theta_state"][5, 0])
+    runs = []
+    for chunk in (1, len(lengths)):  # one document per part file, and every document in one
+        root = tmp_path / f"chunk{chunk}"
+        write_vectors(root, lengths, h0, attn, mlp, chunk)
+        runs.append(analyze(root))
+    for results in runs:
+        geo = results.text_geometry.sort("block")
+        assert geo["n_tokens"].to_list() == [n] * blocks
+        assert geo["cos_attn_mean"][2] is None and geo["cos_attn_max"][2] is None
+        for column in GEOMETRY:
+            with np.errstate(all="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mean, top = np.nanmean(ref[column], axis=0), np.nanmax(ref[column], axis=0)
+            got = geo[f"{column}_mean"].fill_null(np.nan)
+            np.testing.assert_allclose(got, mean, rtol=TOL, atol=TOL, err_msg=column)
+            got = geo[f"{column}_max"].fill_null(np.nan)
+            np.testing.assert_allclose(got, top, rtol=TOL, atol=TOL, err_msg=column)
+        # the token without a theta_state profile is left out of the PCA and the early stops
+        kept = np.isfinite(ref["theta_state"]).all(axis=1)
+        assert kept.sum() == n - 1
+        pca = results.text_profile_pca
+        assert pca["n_tokens"].to_list() == [n - 1] * len(pca)
+        values = np.sort(np.linalg.eigvalsh(np.cov(ref["theta_state"][kept], rowvar=False)))
+        np.testing.assert_allclose(pca["explained_variance"], values[::-1][:5], rtol=1e-6)
+        assert results.text_early_stop["n_tokens"].sum() == n - 1

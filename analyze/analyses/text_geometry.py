@@ -19,15 +19,15 @@ import polars as pl
 from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
-from layerdiv.analyze.text import GEOMETRY, TEXT_KIND, combine, tag, text_passes
+from layerdiv.analyze.text import TEXT_KIND, BlockStats, tag, text_passes
 
 
-def geometry_table(batch_sums: Iterable[pl.DataFrame], blocks: int) -> pl.DataFrame:
-    """Per block, from the :func:`~layerdiv.analyze.text.sums` of batches: ``relative_depth``,
-    ``n_tokens``, ``<c>_mean`` (token-weighted: sum over every token / token count, METHODS.md
-    section 9) and ``<c>_max`` of every geometry column."""
+def geometry_table(stats: BlockStats, blocks: int) -> pl.DataFrame:
+    """Per block, from the sums over every batch of tokens: ``relative_depth``, ``n_tokens``,
+    ``<c>_mean`` (token-weighted: sum over every token / token count, METHODS.md section 9) and
+    ``<c>_max`` of every geometry column."""
     return (
-        combine(batch_sums, ["block"], GEOMETRY)
+        stats.table()
         .rename({"n": "n_tokens"})
         .with_columns(
             pl.col("block").cast(pl.Int16),
@@ -41,7 +41,7 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     """The registry's entry point: ``text_geometry`` of every selected text partition, from one
     pass over its tokens (:func:`~layerdiv.analyze.text.text_passes`)."""
     passes = text_passes(ctx)
-    frames = [tag(geometry_table(passes[p.where].sums, p.manifest.n_blocks), p) for p in ctx.parts]
+    frames = [tag(geometry_table(passes[p.where].stats, p.manifest.n_blocks), p) for p in ctx.parts]
     return {"text_geometry": pl.concat(frames)}
 
 

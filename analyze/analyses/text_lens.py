@@ -59,7 +59,7 @@ def lens_table(doc_means: pl.DataFrame, blocks: int) -> pl.DataFrame:
 
 def partition_lens(info: PartitionInfo) -> pl.DataFrame:
     """``text_lens`` of one text partition, read batch by batch."""
-    frames = batches(info.uris("token_lens"), ["doc", "layer", *LENS], LENS_ROWS)
+    frames = batches(info, "token_lens", ["doc", "layer", *LENS], LENS_ROWS)
     return tag(lens_table(document_means(frames), info.manifest.n_blocks), info)
 
 

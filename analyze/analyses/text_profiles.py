@@ -136,7 +136,7 @@ def depth_scores(out_max: pl.DataFrame) -> pl.DataFrame:
 def depth_score_table(info: PartitionInfo) -> pl.DataFrame:
     """``text_depth_score`` of one partition, its ``future_output`` read batch by batch."""
     keys = ["sublayer", "doc", "skipped"]
-    frames = batches(info.uris("future_output"), [*keys, "out_change"], OUTPUT_ROWS)
+    frames = batches(info, "future_output", [*keys, "out_change"], OUTPUT_ROWS)
     out_max = combine(
         (
             sums(f.with_columns(pl.col("sublayer").cast(pl.String)), keys, ["out_change"])

@@ -49,7 +49,7 @@ def effects_table(info: PartitionInfo) -> pl.DataFrame:
     max(||d_j||, 1e-6) (METHODS.md section 9, stored per document and split point), its maximum
     and mean over split points and documents per (sublayer, l, j)."""
     keys = ["sublayer", "skipped", "block"]
-    frames = batches(info.uris("future_effects"), [*keys, "rel_change"], SKIP_ROWS)
+    frames = batches(info, "future_effects", [*keys, "rel_change"], SKIP_ROWS)
     table = combine(
         (sums(_with_string_sublayer(f), keys, ["rel_change"]) for f in frames), keys, ["rel_change"]
     )
@@ -61,7 +61,7 @@ def output_table(info: PartitionInfo) -> pl.DataFrame:
     ||softmax(z'_p) - softmax(z_p)||_2 (METHODS.md section 9), its maximum and mean over split
     points and documents per (sublayer, l)."""
     keys = ["sublayer", "skipped"]
-    frames = batches(info.uris("future_output"), [*keys, "out_change"], SKIP_ROWS)
+    frames = batches(info, "future_output", [*keys, "out_change"], SKIP_ROWS)
     table = combine(
         (sums(_with_string_sublayer(f), keys, ["out_change"]) for f in frames), keys, ["out_change"]
     )
