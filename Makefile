@@ -22,9 +22,10 @@ $(BIN)/.installed: pyproject.toml Makefile
 demo: $(BIN)/.installed
 	$(BIN)/layerdiv demo
 
-# The README's figure, regenerated from the demo's report.
+# The README's figures, regenerated from the demo's report.
 docs-figure: demo
 	cp layerdiv-demo/report/figures/fig5_curves_smollm2-135m-instruct.png docs/demo-curves.png
+	cp layerdiv-demo/report/figures/text_skips.png docs/demo-text-skips.png
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
