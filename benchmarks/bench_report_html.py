@@ -14,8 +14,8 @@ bundle, the figures' data, the explorer's data).
 
 With ``--demo PAGE`` it also prints the size (and parts) of that page (``make demo`` writes
 it); with ``--screenshots DIR`` it opens that page in headless Chromium and saves
-``report-html-curves.png`` (the Fig. 5 curves) and ``report-html-explorer.png`` (the explorer)
-into DIR.
+``report-html-curves.png`` (the Fig. 5 curves), ``report-html-explorer.png`` (the explorer) and
+``report-html-running-text.png`` (the running-text future effects) into DIR.
 """
 
 from __future__ import annotations
@@ -84,9 +84,14 @@ def screenshots(page: Path, folder: Path) -> None:
         browser.set_window_size(1400, 1900)
         time.sleep(1)
         browser.save_screenshot(str(folder / "report-html-explorer.png"))
-    print(
-        f"screenshots: {folder / 'report-html-curves.png'}, {folder / 'report-html-explorer.png'}"
-    )
+        browser.set_window_size(1400, 1100)
+        browser.execute_script(
+            "document.querySelector('[id^=\"running-text-future-effects\"]').scrollIntoView()"
+        )
+        time.sleep(1)
+        browser.save_screenshot(str(folder / "report-html-running-text.png"))
+    names = ("curves", "explorer", "running-text")
+    print(f"screenshots: {', '.join(str(folder / f'report-html-{n}.png') for n in names)}")
 
 
 def main() -> None:
