@@ -14,7 +14,7 @@ import torch
 
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.adapters import Adapter, get_module
-from layerdiv.extract.readout import Readout, lens_stats, onloaded
+from layerdiv.extract.readout import LensReference, Readout, lens_stats, onloaded
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
 
@@ -235,10 +235,9 @@ class ComponentCapture:
         blocks = [c for c, (kind, _) in enumerate(self._records) if kind == "attn"]
         states = [prefix[:, c - 1] for c in blocks] + [x]
         dtype = self.readout.head.weight.dtype
-        logp = torch.log_softmax(self.readout.logits(torch.stack(states, 1).to(dtype)), dim=-1)
-        kl, overlap = lens_stats(logp, logp[:, -1:].expand_as(logp))
-        ids = self.option_ids.to(logp.device)
-        return torch.cat([kl[..., None], overlap[..., None], logp[..., ids]], dim=-1).cpu()
+        logits = self.readout.logits(torch.stack(states, 1).to(dtype))
+        ids = self.option_ids.to(logits.device)
+        return lens_stats(logits, LensReference(logits[:, -1:]), ids).cpu()
 
 
 def check_batch(dec: BatchDecomposition, ids: list[int], task: str, tol: float) -> None:

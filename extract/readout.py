@@ -73,10 +73,57 @@ class Readout:
         return out
 
 
-def lens_stats(logp: torch.Tensor, logp_final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """KL(p_l || p_L) and |top5(p_l) & top5(p_L)| / 5 over the last axis (METHODS.md section 9,
-    logit lens) from the log-probabilities of a lens layer and of the model's output."""
-    kl = (logp.exp() * (logp - logp_final)).sum(-1)
-    top, top_final = logp.topk(5, dim=-1).indices, logp_final.topk(5, dim=-1).indices
-    overlap = (top[..., :, None] == top_final[..., None, :]).any(-1).sum(-1) / 5.0
-    return kl, overlap.to(kl.dtype)
+LENS_SLICE = 2**21
+"""Vocabulary entries (rows x V) per slice of the lens statistics: each slice's temporaries stay
+a few MiB, reused from one slice to the next instead of paged in for every layer."""
+
+
+def _slices(n_rows: int, vocab: int) -> list[slice]:
+    step = max(1, LENS_SLICE // vocab)
+    return [slice(a, a + step) for a in range(0, n_rows, step)]
+
+
+def _normalize(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn logits ``z`` (rows, V) into log-probabilities in place; exp(z - max) and its row sums
+    (the same operations for every lens layer and the reference, so that p_L against itself is
+    exactly zero)."""
+    top = z.amax(-1, keepdim=True)
+    e = (z - top).exp_()
+    s = e.sum(-1, keepdim=True)
+    z.sub_(top + s.log())
+    return e, s
+
+
+class LensReference:
+    """The model's output distribution p_L, which every layer of the logit lens is compared with:
+    its log-probabilities (V last) and top five tokens."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        logp = logits.float().clone()
+        flat = logp.reshape(-1, logp.shape[-1])
+        for rows in _slices(flat.shape[0], flat.shape[1]):
+            _normalize(flat[rows])
+        self.logp = logp
+        self.top = logp.topk(5, dim=-1).indices
+
+
+def lens_stats(logits: torch.Tensor, ref: LensReference, ids: torch.Tensor) -> torch.Tensor:
+    """(..., 2 + K): KL(p_l || p_L), |top5(p_l) & top5(p_L)| / 5 and log p_l at ``ids`` (..., K)
+    over the last axis (METHODS.md section 9, logit lens) of a lens layer's float32 ``logits``
+    (overwritten) against ``ref`` (broadcast over the leading axes); row slices of
+    :data:`LENS_SLICE` entries, KL as one batched dot product per row."""
+    vocab = logits.shape[-1]
+    z = logits.reshape(-1, vocab)
+    ref_logp = ref.logp.expand_as(logits).reshape(-1, vocab)
+    ref_top = ref.top.expand(*logits.shape[:-1], 5).reshape(-1, 5)
+    ids = ids.expand(*logits.shape[:-1], ids.shape[-1]).reshape(z.shape[0], -1)
+    out = torch.empty(z.shape[0], 2 + ids.shape[1], device=z.device)
+    for rows in _slices(*z.shape):
+        zr = z[rows]
+        top = zr.topk(5, dim=-1).indices
+        e, s = _normalize(zr)
+        out[rows, 2:] = zr.gather(-1, ids[rows])
+        zr.sub_(ref_logp[rows])  # log p_l - log p_L
+        out[rows, 0] = torch.bmm(e[:, None], zr[:, :, None]).view(-1) / s.view(-1)
+        out[rows, 1] = (top[:, :, None] == ref_top[rows, None, :]).any(-1).sum(-1) / 5.0
+    return out.view(*logits.shape[:-1], -1)

@@ -14,13 +14,13 @@ import torch
 from layerdiv.extract.adapters import Adapter, get_module
 from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.future import FutureRows
-from layerdiv.extract.readout import Readout, lens_stats
+from layerdiv.extract.readout import LensReference, Readout, lens_stats
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
 from layerdiv.store.tables import TOKEN_BLOCK_VALUES
 
-_PAIRS = ((0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2))
-"""(h, a, m) index pairs of ``hh``, ``aa``, ``mm``, ``ha``, ``hm``, ``am``."""
+_PAIRS = ((0, 1, 2, 0, 0, 1), (0, 1, 2, 1, 2, 2))
+"""(h, a, m) row and column indices of ``hh``, ``aa``, ``mm``, ``ha``, ``hm``, ``am``."""
 
 
 @dataclass
@@ -116,11 +116,11 @@ class TextCapture:
 
     def _block_done(self) -> None:
         h, a, m = self._h[-1], self._parts.pop("attn"), self._parts.pop("mlp")
-        x = (h, a, m)
-        self._dots.append(torch.stack([(x[i] * x[j]).sum(-1) for i, j in _PAIRS], dim=-1))
+        x = torch.stack([h, a, m], dim=-2)  # (B, T, 3, d): one batched matmul, every pair
+        self._dots.append((x @ x.transpose(-1, -2))[..., _PAIRS[0], _PAIRS[1]])
         d = a + m
         if self._d:
-            self._dd.append((self._d[0] * d).sum(-1))
+            self._dd.append(torch.linalg.vecdot(self._d[0], d))
         self._d = [d]
 
     def _final_hook(self, module: Any, args: tuple) -> None:
@@ -168,21 +168,22 @@ class TextCapture:
         with ``last-block`` the last block is applied to h_l first."""
         if self._ids is None:
             raise DecompositionError("the lens needs the batch's input ids")
-        logp_final = torch.log_softmax(self.readout.logits(final.to(self._dtype)), dim=-1)
-        nxt = self._ids[:, 1:, None].to(logp_final.device)
+        logits_final = self.readout.logits(final.to(self._dtype))
+        ref = LensReference(logits_final)
+        nxt = self._ids.roll(-1, dims=1)[..., None].to(logits_final.device)  # the next token
         out = []
         for h in [*self._h, None]:
-            if h is None:
-                logp = logp_final
+            if h is None:  # layer L: the model's own output (its logits overwritten last)
+                logits = logits_final
             else:
                 x = h.to(self._dtype)
                 if self.lens == "last-block":
                     x = self._last_block(x)
-                logp = torch.log_softmax(self.readout.logits(x), dim=-1)
-            kl, overlap = lens_stats(logp, logp_final)
-            ce = torch.full_like(kl, float("nan"))
-            ce[:, :-1] = -logp[:, :-1].gather(-1, nxt).squeeze(-1)
-            out.append(torch.stack([kl, overlap, ce], dim=-1))
+                logits = self.readout.logits(x)
+            stats = lens_stats(logits, ref, nxt)
+            stats[..., 2].neg_()  # ce = -log p_l(next token)
+            stats[:, -1, 2] = float("nan")  # none after the last position
+            out.append(stats)
         return torch.stack(out, dim=2)
 
     def _last_block(self, x: torch.Tensor) -> torch.Tensor:

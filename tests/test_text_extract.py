@@ -345,3 +345,24 @@ def test_text_shards_merge_into_one_partition(tmp_path: Path, model_dirs: Any) -
     n = int(docs["n_tokens"].sum())
     assert Store(tmp_path / "m").scan("token_blocks").collect().height == n * 2
     assert Store(tmp_path / "m").scan("token_lens").collect().height == n * 3
+
+
+def test_lens_stats_in_row_slices_match_a_float64_computation(monkeypatch: Any) -> None:
+    """Slices of a few rows (a real vocabulary's case; the tiny models fit in one slice), the
+    reference broadcast over layers as a choice task uses it, and p_L against itself."""
+    from layerdiv.extract import readout
+
+    monkeypatch.setattr(readout, "LENS_SLICE", 3 * 50)  # 3 rows of 50 tokens per slice
+    gen = torch.Generator().manual_seed(0)
+    logits = 4 * torch.randn(2, 7, 50, generator=gen)  # (B, layers, V), layer 6 the output
+    ids = torch.tensor([3, 17])
+    ref = readout.LensReference(logits[:, -1:])
+    got = readout.lens_stats(logits.clone(), ref, ids)
+    logp = logits.double().log_softmax(-1)
+    kl = (logp.exp() * (logp - logp[:, -1:])).sum(-1)
+    top = logp.topk(5, -1).indices
+    overlap = (top[..., :, None] == top[:, -1:, None, :]).any(-1).sum(-1) / 5
+    assert torch.allclose(got[..., 0].double(), kl, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[..., 1].double(), overlap.double())
+    assert torch.allclose(got[..., 2:].double(), logp[..., ids], atol=1e-5)
+    assert torch.all(got[:, -1, 0] == 0) and torch.all(got[:, -1, 1] == 1)

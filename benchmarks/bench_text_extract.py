@@ -1,0 +1,188 @@
+"""Running-text extraction cost on the CPU: ``ModelRunner.run`` for a text task against a plain
+forward pass over the same documents and batches (SmolLM2-135M-Instruct, fp32, BBC News).
+
+    python benchmarks/bench_text_extract.py [--docs 4] [--max-tokens 256] [--batch-size 4]
+                                             [--repeats 3]
+
+``--docs`` packaged BBC News articles (title and first paragraphs, evenly spread over the corpus)
+are tokenized as a text task does (``tokenize_documents``, cut to ``--max-tokens``) and grouped
+into the length-sorted batches of ``ModelRunner.run_chunk`` (``--batch-size`` documents each).
+Rows (:func:`rows`: a list of (name, run, flops) entries; ``run`` takes the batches):
+
+- ``plain``: ``model(**inputs)`` on the left-padded inputs ``ModelRunner`` builds, with its
+  ``use_cache=False`` and ``logits_to_keep=1``;
+- ``text``: ``ModelRunner.run`` of a text task without options (hooks, per-token dot products,
+  moved to the CPU);
+- ``lens``: the same with ``--lens`` (final norm + unembedding over the full vocabulary at every
+  block input and the model's output: KL, top-5 overlap, cross-entropy);
+- ``lens last-block``: ``--lens last-block`` (the last block applied to each block input first).
+
+FLOPs (:func:`flop_counts`), from the model's config, over every padded token the passes compute:
+the forward is 2 x (q, k, v, o and gated-MLP weights) per token and block, plus the attention
+scores and values (4 x heads x head size per token and earlier position in its row, causal), plus
+the unembedding at one position per row; the lens adds L + 1 readouts (2 x d x V per token); its
+softmax, KL and top-k are not counted. ``--lens last-block`` adds L applications of one block.
+
+Targets: ``text`` at most 1.10 x plain; a row that adds FLOPs at most 1.15 x (its FLOPs / the
+forward's). Each repeat runs every row once, in rotating order, after an untimed warm-up on a
+short batch; the table shows median seconds and the median over repeats of (row / plain) within
+a repeat, so that load from other processes on a shared machine matters less.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any
+
+import torch
+
+from layerdiv.demo import DEMO_MODEL, bbc_articles
+from layerdiv.extract.adapters import adapter_for
+from layerdiv.extract.batching import batches, tokenize_documents
+from layerdiv.extract.forward import CPU_TOKEN_BUDGET, ModelRunner, left_padded
+from layerdiv.extract.models import LoadedModel, load_model, load_tokenizer, resolve_source
+
+Batches = list[list[list[int]]]
+"""Batches of documents, each document its token ids."""
+Row = tuple[str, Callable[[Batches], Any], float]
+"""(name, run over the batches, FLOPs of that run)."""
+
+OVERHEAD_TARGET = 1.10
+"""A row that adds no FLOPs to the forward: at most this multiple of the plain forward's time."""
+FLOP_TARGET = 1.15
+"""A row that adds FLOPs: at most this multiple of (its FLOPs / the forward's) in time."""
+
+
+def load() -> LoadedModel:
+    source = resolve_source(DEMO_MODEL, None, None, False)
+    return load_model(source, load_tokenizer(source), torch.device("cpu"), torch.float32)
+
+
+def documents(loaded: LoadedModel, n: int, max_tokens: int, batch_size: int) -> Batches:
+    """``n`` BBC News articles spread over the corpus, tokenized as a text task does, in the
+    length-sorted batches ``ModelRunner.run_chunk`` forms."""
+    rows = bbc_articles(paragraphs=4)
+    texts = [r["text"] for r in rows[:: max(1, len(rows) // n)][:n]]
+    seqs, _ = tokenize_documents(loaded.tokenizer, texts, max_tokens)
+    ids = list(range(len(seqs)))
+    groups = batches([len(s) for s in seqs], ids, batch_size, CPU_TOKEN_BUDGET)
+    return [[seqs[i] for i in group] for group in groups]
+
+
+def flop_counts(config: Any, data: Batches) -> dict[str, float]:
+    """FLOPs over ``data`` (every padded token): ``forward`` (one pass as ``ModelRunner`` runs
+    it), ``block`` (one block applied to every position once), ``readout`` (final norm's
+    negligible cost aside, one unembedding of every position)."""
+    d, n_layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    weights = 2 * d * heads * head_dim + 2 * d * kv * head_dim + 3 * d * config.intermediate_size
+    block = readout = rows = 0.0
+    for batch in data:
+        width = max(len(s) for s in batch)
+        tokens = len(batch) * width
+        causal = len(batch) * width * (width + 1) / 2  # (position, earlier position) pairs
+        block += 2 * weights * tokens + 4 * heads * head_dim * causal
+        readout += 2 * d * vocab * tokens
+        rows += len(batch)
+    forward = n_layers * block + 2 * d * vocab * rows  # logits_to_keep=1: one row each
+    return {"forward": forward, "block": block, "readout": readout, "layers": n_layers}
+
+
+def rows(loaded: LoadedModel, flops: dict[str, float]) -> list[Row]:
+    """The timed rows: the plain forward first (the reference), then ``ModelRunner`` for a text
+    task without options and with each lens."""
+    model = loaded.model
+    pad = loaded.tokenizer.pad_token_id or 0
+    adapter = adapter_for(model.config)
+
+    def plain(data: Batches) -> None:
+        with torch.inference_mode():
+            for batch in data:
+                model(**left_padded(batch, pad), use_cache=False, logits_to_keep=1)
+
+    def runner(lens: str | None) -> Callable[[Batches], None]:
+        tables = ["token_lens"] if lens else []
+
+        def run(data: Batches) -> None:
+            with ModelRunner(
+                loaded, adapter, [], CPU_TOKEN_BUDGET, tables, kind="text", lens=lens
+            ) as text:
+                for batch in data:
+                    text.run(batch)
+
+        return run
+
+    layers, forward = flops["layers"], flops["forward"]
+    lens = forward + (layers + 1) * flops["readout"]
+    return [
+        ("plain", plain, forward),
+        ("text", runner(None), forward),
+        ("lens", runner("final"), lens),
+        ("lens last-block", runner("last-block"), lens + layers * flops["block"]),
+    ]
+
+
+def target(flops: float, forward: float) -> float:
+    """The time ratio to the plain forward a row must stay within."""
+    return OVERHEAD_TARGET if flops == forward else FLOP_TARGET * flops / forward
+
+
+def timed(run: Callable[[Batches], Any], data: Batches) -> float:
+    start = time.perf_counter()
+    run(data)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--docs", type=int, default=4, help="BBC News articles")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens per article (cut)")
+    parser.add_argument("--batch-size", type=int, default=4, help="documents per forward pass")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of every row")
+    args = parser.parse_args()
+    print(f"command: {shlex.join(['python', *sys.argv])}")
+    versions = ", ".join(f"{d} {metadata.version(d)}" for d in ("torch", "transformers"))
+    print(f"machine: {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; {versions}")
+    loaded = load()
+    data = documents(loaded, args.docs, args.max_tokens, args.batch_size)
+    real = sum(len(s) for b in data for s in b)
+    padded = sum(len(b) * max(len(s) for s in b) for b in data)
+    print(f"model: {DEMO_MODEL} fp32 cpu ({loaded.model.config._attn_implementation} attention); "
+          f"{sum(len(b) for b in data)} documents, {real} tokens, {len(data)} batches, "
+          f"{padded} padded tokens")  # fmt: skip
+    flops = flop_counts(loaded.model.config, data)
+    table = rows(loaded, flops)
+    short = [[data[0][0][:32]]]
+    for _, run, _ in table:  # warm-up: first calls, weights paged in
+        run(short)
+    times: dict[str, list[float]] = {name: [] for name, _, _ in table}
+    for r in range(args.repeats):
+        k = r % len(table)
+        for name, run, _ in table[k:] + table[:k]:
+            times[name].append(timed(run, data))
+        done = ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items())
+        print(f"repeat {r + 1}: {done}; load average {os.getloadavg()[0]:.2f}")
+    forward = flops["forward"]
+    print(f"\n{'row':<16} {'median s':>9} {'ratio':>7} {'FLOP ratio':>10} {'target':>7}  result")
+    for name, _, count in table:
+        ratio = statistics.median(a / b for a, b in zip(times[name], times["plain"], strict=True))
+        limit = target(count, forward)
+        verdict = "-" if name == "plain" else ("pass" if ratio <= limit else "FAIL")
+        print(f"{name:<16} {statistics.median(times[name]):9.2f} {ratio:7.3f} "
+              f"{count / forward:10.3f} {limit:7.3f}  {verdict}")  # fmt: skip
+    print(f"\nforward {forward / 1e9:.1f} GFLOP; ratio: median over repeats of (row s / plain s)"
+          f" in the same repeat; target: {OVERHEAD_TARGET} without added FLOPs, else "
+          f"{FLOP_TARGET} x FLOP ratio")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
