@@ -2,7 +2,7 @@
 forward pass over the same documents and batches (SmolLM2-135M-Instruct, fp32, BBC News).
 
     python benchmarks/bench_text_extract.py [--docs 4] [--max-tokens 256] [--batch-size 4]
-                                             [--repeats 3]
+                                             [--repeats 3] [--rows text,lens,...]
 
 ``--docs`` packaged BBC News articles (title and first paragraphs, evenly spread over the corpus)
 are tokenized as a text task does (``tokenize_documents``, cut to ``--max-tokens``) and grouped
@@ -15,13 +15,18 @@ Rows (:func:`rows`: a list of (name, run, flops) entries; ``run`` takes the batc
   moved to the CPU);
 - ``lens``: the same with ``--lens`` (final norm + unembedding over the full vocabulary at every
   block input and the model's output: KL, top-5 overlap, cross-entropy);
-- ``lens last-block``: ``--lens last-block`` (the last block applied to each block input first).
+- ``lens last-block``: ``--lens last-block`` (the last block applied to each block input first);
+- ``skips`` (only when ``--rows`` names it: it costs tens of forwards): ``--skips``, the future
+  effects with the default random split points (documents numbered in batch order).
 
 FLOPs (:func:`flop_counts`), from the model's config, over every padded token the passes compute:
 the forward is 2 x (q, k, v, o and gated-MLP weights) per token and block, plus the attention
 scores and values (4 x heads x head size per token and earlier position in its row, causal), plus
 the unembedding at one position per row; the lens adds L + 1 readouts (2 x d x V per token); its
 softmax, KL and top-k are not counted. ``--lens last-block`` adds L applications of one block.
+``--skips`` adds (:func:`future_flops`), per document and split point t, the blocks l..L-1 over
+the batch's width for every skipped block l, the readout at the positions p >= t once per skipped
+block, and one readout of every padded token (the clean distributions).
 
 Targets: ``text`` at most 1.10 x plain; a row that adds FLOPs at most 1.15 x (its FLOPs / the
 forward's). Each repeat runs every row once, in rotating order, after an untimed warm-up on a
@@ -48,6 +53,7 @@ from layerdiv.demo import DEMO_MODEL, bbc_articles
 from layerdiv.extract.adapters import adapter_for
 from layerdiv.extract.batching import batches, tokenize_documents
 from layerdiv.extract.forward import CPU_TOKEN_BUDGET, ModelRunner, left_padded
+from layerdiv.extract.future import SkipSettings, split_points
 from layerdiv.extract.models import LoadedModel, load_model, load_tokenizer, resolve_source
 
 Batches = list[list[list[int]]]
@@ -95,12 +101,28 @@ def flop_counts(config: Any, data: Batches) -> dict[str, float]:
         readout += 2 * d * vocab * tokens
         rows += len(batch)
     forward = n_layers * block + 2 * d * vocab * rows  # logits_to_keep=1: one row each
-    return {"forward": forward, "block": block, "readout": readout, "layers": n_layers}
+    return {"forward": forward, "block": block, "readout": readout, "layers": n_layers,
+            "weights": weights, "attention": 4 * heads * head_dim}  # fmt: skip
 
 
-def rows(loaded: LoadedModel, flops: dict[str, float]) -> list[Row]:
+def future_flops(config: Any, data: Batches, flops: dict[str, float]) -> float:
+    """FLOPs ``--skips`` adds to the forward over ``data`` (documents numbered in order)."""
+    n_layers, per_token = int(flops["layers"]), 2 * config.hidden_size * config.vocab_size
+    total, doc = flops["readout"], 0  # the clean distributions: one readout of every token
+    for batch in data:
+        width = max(len(s) for s in batch)
+        row = 2 * flops["weights"] * width + flops["attention"] * width * (width + 1) / 2
+        for seq in batch:
+            for t in split_points(len(seq), doc, SkipSettings()):
+                total += sum(n_layers - skipped for skipped in range(n_layers)) * row
+                total += n_layers * per_token * (len(seq) - t)
+            doc += 1
+    return total
+
+
+def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches) -> list[Row]:
     """The timed rows: the plain forward first (the reference), then ``ModelRunner`` for a text
-    task without options and with each lens."""
+    task without options, with each lens and with the future effects."""
     model = loaded.model
     pad = loaded.tokenizer.pad_token_id or 0
     adapter = adapter_for(model.config)
@@ -122,6 +144,15 @@ def rows(loaded: LoadedModel, flops: dict[str, float]) -> list[Row]:
 
         return run
 
+    def skips(data: Batches) -> None:
+        tables = ["future_effects", "future_output"]
+        with ModelRunner(loaded, adapter, [], CPU_TOKEN_BUDGET, tables, kind="text",
+                         skips=SkipSettings()) as text:  # fmt: skip
+            doc = 0
+            for batch in data:
+                text.run(batch, list(range(doc, doc + len(batch))))
+                doc += len(batch)
+
     layers, forward = flops["layers"], flops["forward"]
     lens = forward + (layers + 1) * flops["readout"]
     return [
@@ -129,6 +160,7 @@ def rows(loaded: LoadedModel, flops: dict[str, float]) -> list[Row]:
         ("text", runner(None), forward),
         ("lens", runner("final"), lens),
         ("lens last-block", runner("last-block"), lens + layers * flops["block"]),
+        ("skips", skips, forward + future_flops(model.config, data, flops)),
     ]
 
 
@@ -150,6 +182,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens per article (cut)")
     parser.add_argument("--batch-size", type=int, default=4, help="documents per forward pass")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of every row")
+    parser.add_argument("--rows", default="text,lens,lens last-block",
+                        help="rows besides plain, comma-separated (also: skips)")  # fmt: skip
     args = parser.parse_args()
     print(f"command: {shlex.join(['python', *sys.argv])}")
     versions = ", ".join(f"{d} {metadata.version(d)}" for d in ("torch", "transformers"))
@@ -162,7 +196,8 @@ def main() -> None:
           f"{sum(len(b) for b in data)} documents, {real} tokens, {len(data)} batches, "
           f"{padded} padded tokens")  # fmt: skip
     flops = flop_counts(loaded.model.config, data)
-    table = rows(loaded, flops)
+    wanted = {"plain", *args.rows.split(",")}
+    table = [row for row in rows(loaded, flops, data) if row[0] in wanted]
     short = [[data[0][0][:32]]]
     for _, run, _ in table:  # warm-up: first calls, weights paged in
         run(short)
