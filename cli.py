@@ -581,7 +581,10 @@ def query_command(
         refuse_inside(out, store)
     st = Store(store)
     con = st.duckdb(models, tasks)
-    statements = duckdb.extract_statements(sql)
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as err:
+        raise _bad_sql(err, st, models, tasks) from err
     if not statements:
         raise click.UsageError("no SQL statement given")
     shown = False
@@ -591,10 +594,7 @@ def query_command(
         except duckdb.PermissionException:
             raise
         except duckdb.Error as err:
-            views = ", ".join([*st.tables(models, tasks), "manifests"])
-            raise click.ClickException(
-                f"{one_line(err)} (the views of this store are {views})"
-            ) from err
+            raise _bad_sql(err, st, models, tasks) from err
         last = i == len(statements) - 1
         if out and fmt and last:
             if relation is None:
@@ -613,6 +613,14 @@ def query_command(
     for note in st.incomplete(models, tasks):
         click.echo(f"Note: {note}", err=True)
     fail_after(st.problems(models, tasks))
+
+
+def _bad_sql(
+    err: Exception, st: Any, models: tuple[str, ...], tasks: tuple[str, ...]
+) -> click.ClickException:
+    """DuckDB's refusal of the SQL in one line, with the views this store has."""
+    views = ", ".join([*st.tables(models, tasks), "manifests"])
+    return click.ClickException(f"{one_line(err)} (the views of this store are {views})")
 
 
 def show(frame: Any) -> str:

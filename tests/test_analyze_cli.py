@@ -468,7 +468,8 @@ def test_malformed_sql_gives_one_line(store: Path, tmp_path: Path, sql: str) -> 
     result = run("query", sql, "--store", str(store), "--out", str(tmp_path / "q.parquet"))
     assert result.exit_code == 1
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and "views are" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("Error: ")
+    assert "the views of this store are components, instances, manifests" in lines[0]
     assert list(tmp_path.iterdir()) == []
     assert snapshot(store) == before
 
