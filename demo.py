@@ -177,8 +177,9 @@ def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None)
     changed = [p for p, text in texts.items() if p.exists() and p.read_text() != text]
     if store is not None and store.exists() and changed:
         raise DemoDataError(
-            f"{folder.parent} holds a demo made with another --n or --seed ({changed[0]} "
-            "differs): run the demo again with the same --n and --seed, or give another --out"
+            f"{folder.parent} holds a demo made with another --n or --seed, or by another "
+            f"layerdiv version ({changed[0]} differs): run the demo again with the same --n and "
+            "--seed, give another --out, or delete the folder to make the demo anew"
         )
     folder.mkdir(parents=True, exist_ok=True)
     for p, text in texts.items():
