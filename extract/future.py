@@ -102,6 +102,7 @@ class FutureEffects:
         }
         self.readout = readout
         self._keep: torch.Tensor | None = None  # (R, W, 1): 0 where the addition is removed
+        self._scratch: torch.Tensor | None = None  # the skipped passes' readout buffer
 
     @contextmanager
     def _removing(self, call: int, sublayer: str) -> Iterator[None]:
@@ -166,7 +167,7 @@ class FutureEffects:
                     )
                     rel[[lo + i for i in mine], skipped] = r
                     out[[lo + i for i in mine], skipped] = o
-        self._keep = None
+        self._keep = self._scratch = None
         return self._rows(rows, rel, out, len(docs))
 
     def _skip(
@@ -213,11 +214,26 @@ class FutureEffects:
             self._keep = keep
         # out_change(l) = max_{p >= t} ||softmax(z'_p) - softmax(z_p)||_2, read out at the
         # measured positions only
+        # (a row's measured positions are the last ones of the batch: its distributions are
+        # compared in place with a view of the clean pass's)
         row, pos = mask.nonzero(as_tuple=True)
-        p_skip = torch.softmax(self.readout.logits(x[row, pos]), dim=-1)
-        dist = (p_skip - clean[rows[row], pos]).norm(dim=-1)
-        out = torch.zeros(len(rows), device=dist.device, dtype=dist.dtype)
-        return rel, out.scatter_reduce(0, row, dist, "amax").cpu()
+        p_skip = self.readout.logits(x[row, pos], out=self._buffer(len(row), clean))
+        torch.softmax(p_skip, dim=-1, out=p_skip)
+        out = torch.zeros(len(rows), device=p_skip.device)
+        width = clean.shape[1]
+        parts = p_skip.split(mask.sum(-1).tolist())
+        for i, (b, part) in enumerate(zip(rows.tolist(), parts, strict=True)):
+            if len(part):
+                out[i] = part.sub_(clean[b, width - len(part) :]).norm(dim=-1).amax()
+        return rel, out.cpu()
+
+    def _buffer(self, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """A (rows, V) float32 buffer on the device of ``like`` (..., V) for a skipped pass's
+        readout, reused from one skipped block to the next while large enough."""
+        need = rows * like.shape[-1]
+        if self._scratch is None or self._scratch.numel() < need:
+            self._scratch = torch.empty(need, device=like.device)
+        return self._scratch[:need].view(rows, like.shape[-1])
 
     def _rows(
         self, rows: list[tuple[int, int, str]], rel: torch.Tensor, out: torch.Tensor, n_docs: int

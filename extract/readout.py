@@ -64,13 +64,27 @@ class Readout:
         norm_bias = self.adapter.norm == "layer" and getattr(self.norm, "bias", None) is not None
         return norm_bias or getattr(self.head, "bias", None) is not None
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The model's full-vocabulary logits (float32) read from residual states ``x`` (..., d)
-        exactly as from its last one: final norm, unembedding, soft-cap."""
-        out = self.head(self.norm(x)).float()
+        exactly as from its last one: final norm, unembedding, soft-cap. With ``out`` (float32,
+        (..., V)) they are written into it where the unembedding is a bias-free matrix of that
+        dtype on x's device: a vocabulary-sized buffer reused from call to call instead of fresh
+        memory paged in for each."""
+        normed = self.norm(x)
+        weight = getattr(self.head, "weight", None)
+        if (
+            out is not None
+            and isinstance(weight, torch.Tensor)
+            and getattr(self.head, "bias", None) is None
+            and weight.dtype == normed.dtype == out.dtype
+            and weight.device == normed.device == out.device
+        ):
+            z = torch.matmul(normed, weight.t(), out=out)
+        else:
+            z = self.head(normed).float()
         if self.softcap:
-            out = self.softcap * torch.tanh(out / self.softcap)
-        return out
+            z = z.div_(self.softcap).tanh_().mul_(self.softcap)
+        return z
 
 
 LENS_SLICE = 2**21
@@ -83,47 +97,55 @@ def _slices(n_rows: int, vocab: int) -> list[slice]:
     return [slice(a, a + step) for a in range(0, n_rows, step)]
 
 
-def _normalize(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Turn logits ``z`` (rows, V) into log-probabilities in place; exp(z - max) and its row sums
-    (the same operations for every lens layer and the reference, so that p_L against itself is
-    exactly zero)."""
-    top = z.amax(-1, keepdim=True)
-    e = (z - top).exp_()
-    s = e.sum(-1, keepdim=True)
-    z.sub_(top + s.log())
-    return e, s
+def _softmax(z: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """p = softmax(z) written into ``out`` and log sum_v exp(z_v) (rows, 1) of logits ``z``
+    (rows, V): one fused softmax pass, the log-sum-exp read from the largest entry,
+    log p(v*) = z(v*) - lse with p(v*) = max_v p_v >= 1 / V (the same operations for every lens
+    layer and the reference, so that p_L against itself gives exactly zero)."""
+    p = torch.softmax(z, dim=-1, out=out)
+    return p, z.amax(-1, keepdim=True) - p.amax(-1, keepdim=True).log()
+
+
+def _scratch(z: torch.Tensor) -> torch.Tensor:
+    """One slice's buffer for the probabilities of logits ``z`` (rows, V), reused by every slice."""
+    return z.new_empty(min(z.shape[0], max(1, LENS_SLICE // z.shape[1])), z.shape[1])
 
 
 class LensReference:
     """The model's output distribution p_L, which every layer of the logit lens is compared with:
-    its log-probabilities (V last) and top five tokens."""
+    its logits (V last), their log-sum-exp and its top five tokens."""
 
     def __init__(self, logits: torch.Tensor) -> None:
-        logp = logits.float().clone()
-        flat = logp.reshape(-1, logp.shape[-1])
-        for rows in _slices(flat.shape[0], flat.shape[1]):
-            _normalize(flat[rows])
-        self.logp = logp
-        self.top = logp.topk(5, dim=-1).indices
+        self.logits = logits.float().clone()
+        flat = self.logits.reshape(-1, self.logits.shape[-1])
+        buf = _scratch(flat)
+        lse = [_softmax(flat[rows], buf[: len(flat[rows])])[1] for rows in _slices(*flat.shape)]
+        self.lse = torch.cat(lse).view(*self.logits.shape[:-1], 1)
+        self.top = self.logits.topk(5, dim=-1).indices
 
 
 def lens_stats(logits: torch.Tensor, ref: LensReference, ids: torch.Tensor) -> torch.Tensor:
     """(..., 2 + K): KL(p_l || p_L), |top5(p_l) & top5(p_L)| / 5 and log p_l at ``ids`` (..., K)
     over the last axis (METHODS.md section 9, logit lens) of a lens layer's float32 ``logits``
-    (overwritten) against ``ref`` (broadcast over the leading axes); row slices of
-    :data:`LENS_SLICE` entries, KL as one batched dot product per row."""
+    (overwritten) against ``ref`` (broadcast over the leading axes), per row slice of
+    :data:`LENS_SLICE` entries: a softmax, one difference and one batched dot product per row."""
     vocab = logits.shape[-1]
+    lead = logits.shape[:-1]
     z = logits.reshape(-1, vocab)
-    ref_logp = ref.logp.expand_as(logits).reshape(-1, vocab)
-    ref_top = ref.top.expand(*logits.shape[:-1], 5).reshape(-1, 5)
-    ids = ids.expand(*logits.shape[:-1], ids.shape[-1]).reshape(z.shape[0], -1)
+    ref_z = ref.logits.expand_as(logits).reshape(-1, vocab)
+    ref_lse = ref.lse.expand(*lead, 1).reshape(-1, 1)
+    ref_top = ref.top.expand(*lead, 5).reshape(-1, 5)
+    ids = ids.expand(*lead, ids.shape[-1]).reshape(z.shape[0], -1)
     out = torch.empty(z.shape[0], 2 + ids.shape[1], device=z.device)
+    buf = _scratch(z)
     for rows in _slices(*z.shape):
         zr = z[rows]
         top = zr.topk(5, dim=-1).indices
-        e, s = _normalize(zr)
-        out[rows, 2:] = zr.gather(-1, ids[rows])
-        zr.sub_(ref_logp[rows])  # log p_l - log p_L
-        out[rows, 0] = torch.bmm(e[:, None], zr[:, :, None]).view(-1) / s.view(-1)
+        p, lse = _softmax(zr, buf[: len(zr)])
+        out[rows, 2:] = zr.gather(-1, ids[rows]) - lse  # log p_l(ids)
+        # KL(p_l || p_L) = sum_v p_l (log p_l - log p_L) = sum_v p_l (z_l - z_L) - (lse_l - lse_L)
+        # (sum_v p_l = 1), so that a shift of the logits cancels before any sum
+        kl = torch.linalg.vecdot(p, zr.sub_(ref_z[rows])) - (lse - ref_lse[rows]).view(-1)
+        out[rows, 0] = kl
         out[rows, 1] = (top[:, :, None] == ref_top[rows, None, :]).any(-1).sum(-1) / 5.0
-    return out.view(*logits.shape[:-1], -1)
+    return out.view(*lead, -1)

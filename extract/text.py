@@ -168,23 +168,23 @@ class TextCapture:
         with ``last-block`` the last block is applied to h_l first."""
         if self._ids is None:
             raise DecompositionError("the lens needs the batch's input ids")
-        logits_final = self.readout.logits(final.to(self._dtype))
-        ref = LensReference(logits_final)
-        nxt = self._ids.roll(-1, dims=1)[..., None].to(logits_final.device)  # the next token
+        logits = self.readout.logits(final.to(self._dtype))
+        ref = LensReference(logits)
+        nxt = self._ids.roll(-1, dims=1)[..., None].to(logits.device)  # the next token
         out = []
-        for h in [*self._h, None]:
-            if h is None:  # layer L: the model's own output (its logits overwritten last)
-                logits = logits_final
-            else:
+        # layer L (the model's own output) first: its logits' memory is then every other
+        # layer's readout buffer
+        for h in [None, *self._h]:
+            if h is not None:
                 x = h.to(self._dtype)
                 if self.lens == "last-block":
                     x = self._last_block(x)
-                logits = self.readout.logits(x)
+                logits = self.readout.logits(x, out=logits)
             stats = lens_stats(logits, ref, nxt)
             stats[..., 2].neg_()  # ce = -log p_l(next token)
             stats[:, -1, 2] = float("nan")  # none after the last position
             out.append(stats)
-        return torch.stack(out, dim=2)
+        return torch.stack([*out[1:], out[0]], dim=2)
 
     def _last_block(self, x: torch.Tensor) -> torch.Tensor:
         """The model's last block applied to ``x`` with the arguments of its own call (mask,
