@@ -106,6 +106,29 @@ def _softmax(z: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return p, z.amax(-1, keepdim=True) - p.amax(-1, keepdim=True).log()
 
 
+TOP_BLOCK = 64
+"""Entries per block of :func:`top5`'s first pass."""
+
+
+def top5(z: torch.Tensor) -> torch.Tensor:
+    """(rows, 5): the indices of the five largest entries of each row of ``z`` (rows, V), largest
+    first, as ``torch.topk`` finds them in a third of its time: each row's maxima over blocks of
+    :data:`TOP_BLOCK` entries, then the five largest among the entries of the five blocks with the
+    largest maxima and of the last, partial block (a block holding one of the five largest entries
+    has at most four blocks with a larger maximum)."""
+    rows, vocab = z.shape
+    full = vocab // TOP_BLOCK * TOP_BLOCK
+    if full < 5 * TOP_BLOCK:
+        return z.topk(5, dim=-1).indices
+    best = z[:, :full].unflatten(1, (-1, TOP_BLOCK)).amax(-1).topk(5, dim=-1).indices
+    offsets = torch.arange(TOP_BLOCK, device=z.device)
+    candidates = (best[:, :, None] * TOP_BLOCK + offsets).flatten(1)
+    if full < vocab:
+        tail = torch.arange(full, vocab, device=z.device).expand(rows, -1)
+        candidates = torch.cat([candidates, tail], dim=1)
+    return candidates.gather(-1, z.gather(-1, candidates).topk(5, dim=-1).indices)
+
+
 def _scratch(z: torch.Tensor) -> torch.Tensor:
     """One slice's buffer for the probabilities of logits ``z`` (rows, V), reused by every slice."""
     return z.new_empty(min(z.shape[0], max(1, LENS_SLICE // z.shape[1])), z.shape[1])
@@ -121,7 +144,7 @@ class LensReference:
         buf = _scratch(flat)
         lse = [_softmax(flat[rows], buf[: len(flat[rows])])[1] for rows in _slices(*flat.shape)]
         self.lse = torch.cat(lse).view(*self.logits.shape[:-1], 1)
-        self.top = self.logits.topk(5, dim=-1).indices
+        self.top = top5(flat).view(*self.logits.shape[:-1], 5)
 
 
 def lens_stats(logits: torch.Tensor, ref: LensReference, ids: torch.Tensor) -> torch.Tensor:
@@ -140,7 +163,7 @@ def lens_stats(logits: torch.Tensor, ref: LensReference, ids: torch.Tensor) -> t
     buf = _scratch(z)
     for rows in _slices(*z.shape):
         zr = z[rows]
-        top = zr.topk(5, dim=-1).indices
+        top = top5(zr)
         p, lse = _softmax(zr, buf[: len(zr)])
         out[rows, 2:] = zr.gather(-1, ids[rows]) - lse  # log p_l(ids)
         # KL(p_l || p_L) = sum_v p_l (log p_l - log p_L) = sum_v p_l (z_l - z_L) - (lse_l - lse_L)

@@ -366,3 +366,20 @@ def test_lens_stats_in_row_slices_match_a_float64_computation(monkeypatch: Any) 
     assert torch.equal(got[..., 1].double(), overlap.double())
     assert torch.allclose(got[..., 2:].double(), logp[..., ids], atol=1e-5)
     assert torch.all(got[:, -1, 0] == 0) and torch.all(got[:, -1, 1] == 1)
+
+
+@pytest.mark.parametrize("vocab", [4096, 5000, 300])
+def test_top5_finds_what_topk_finds(vocab: int) -> None:
+    """Random rows, rows whose five largest share one block, and rows whose largest sit in the
+    last, partial block (5000 = 78 x 64 + 8) or in a vocabulary too small for blocks (300)."""
+    from layerdiv.extract import readout
+
+    gen = torch.Generator().manual_seed(vocab)
+    z = torch.randn(40, vocab, generator=gen)
+    z[1, 128:133] += 10  # the five largest in one block
+    z[2, -3:] += 10  # the largest in the last entries
+    z[3, ::64] += 10  # the largest in the first entry of every block
+    z[4, 70] += 20  # one outstanding entry, the other four anywhere
+    got = readout.top5(z)
+    assert torch.equal(got, z.topk(5, dim=-1).indices)
+    assert torch.equal(readout.top5(z[::2]), z[::2].topk(5, dim=-1).indices)  # strided rows
