@@ -242,15 +242,19 @@ def test_smollm2_on_bbc_news_matches_an_independent_float64_forward(tmp_path: Pa
 
 def reference_lens(model: Any, ids: list[int]) -> np.ndarray:
     """(T, L + 1, 3) kl, top5_overlap, ce of the logit lens of one document, float64: p_l from
-    the final norm and unembedding of ``output_hidden_states`` l < L, p_L the model's logits."""
+    the final norm, unembedding and final soft-cap of ``output_hidden_states`` l < L, p_L the
+    model's logits."""
+    cap = getattr(model.config, "final_logit_softcapping", None)
+
+    def readout(h: torch.Tensor) -> torch.Tensor:
+        z = model.lm_head(model.model.norm(h))
+        return cap * torch.tanh(z / cap) if cap else z
+
     with torch.no_grad():
         out = model(torch.tensor([ids]), output_hidden_states=True)
         n = len(model.model.layers)
         final = torch.log_softmax(out.logits[0], -1)
-        layers = [
-            torch.log_softmax(model.lm_head(model.model.norm(out.hidden_states[i][0])), -1)
-            for i in range(n)
-        ]
+        layers = [torch.log_softmax(readout(out.hidden_states[i][0]), -1) for i in range(n)]
     rows = []
     top_final = set_rows(final)
     for logp in [*layers, final]:
@@ -300,6 +304,28 @@ def test_lens_matches_an_independent_float64_readout(
     assert np.allclose(g[..., 2], w[..., 2], rtol=1e-3, atol=1e-5, equal_nan=True)  # ce
     assert abs(g[..., 1].mean() - w[..., 1].mean()) <= 5e-3  # top-5 overlap
     assert np.isnan(g[:, :, 2]).sum() == len(texts) * g.shape[1]  # ce null at each last token
+
+
+def test_lens_of_a_soft_capped_model_caps_every_layer(
+    tmp_path: Path, build_model: Any, tokenizer: Any
+) -> None:
+    """Gemma-2's final logit soft-cap applies to every layer's readout, as to the output's: a
+    cap of 0.1, near the tiny model's logits (about 0.1 in size), so that leaving it out shows."""
+    model = build_model("gemma2_softcap")
+    model.config.final_logit_softcapping = 0.1
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    texts = random_texts(3, seed=4)
+    task = text_task(tmp_path / "task", texts, max_tokens=16)
+    out = extract("--model", str(tmp_path / "model"), "--task", str(task), "--store",
+                  str(tmp_path / "s"), "--lens", "--allow-softcap")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    model = model.to(torch.float64)
+    for doc, text in enumerate(texts):
+        got = lens_values(tmp_path / "s", doc)
+        want = reference_lens(model, tokenizer(text)["input_ids"][:16])
+        assert np.allclose(got[..., 0], want[..., 0], rtol=1e-3, atol=1e-6)  # kl
+        assert np.allclose(got[..., 2], want[..., 2], rtol=1e-3, atol=1e-5, equal_nan=True)
 
 
 def test_choice_lens_matches_an_independent_float64_readout(
@@ -383,3 +409,24 @@ def test_top5_finds_what_topk_finds(vocab: int) -> None:
     got = readout.top5(z)
     assert torch.equal(got, z.topk(5, dim=-1).indices)
     assert torch.equal(readout.top5(z[::2]), z[::2].topk(5, dim=-1).indices)  # strided rows
+
+
+@pytest.mark.parametrize("family", ["llama", "phi", "gemma2_softcap"])
+def test_readout_into_a_buffer_equals_the_readout(family: str, build_model: Any) -> None:
+    """Tied (llama), with an unembedding bias (phi: no buffer, a fresh tensor) and soft-capped
+    (gemma2): the logits written into a reused buffer are those of the model's own readout."""
+    from layerdiv.extract.adapters import adapter_for
+    from layerdiv.extract.readout import Readout
+
+    model = build_model(family)
+    readout = Readout(model, adapter_for(model.config))
+    x = torch.randn(2, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    norm = model.model.final_layernorm if family == "phi" else model.model.norm
+    with torch.no_grad():
+        want = model.lm_head(norm(x))
+        cap = getattr(model.config, "final_logit_softcapping", None)
+        want = cap * torch.tanh(want / cap) if cap else want
+        buffer = torch.full_like(want, float("nan"))
+        got = readout.logits(x, out=buffer)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert (got.data_ptr() == buffer.data_ptr()) == (family != "phi")
