@@ -76,17 +76,37 @@ class FutureRows:
     """(R,) max over measured positions of ||softmax(z') - softmax(z)||_2."""
 
 
-def _expand(value: Any, rows: torch.Tensor, batch: int) -> Any:
-    """``value`` (a block call's argument) with every batch-first tensor repeated by ``rows``."""
+def _expand(value: Any, rows: torch.Tensor, batch: int, memo: dict[int, torch.Tensor]) -> Any:
+    """``value`` (block calls' arguments) with every batch-first tensor repeated by ``rows``;
+    a tensor passed to several calls (the mask, the positions) is repeated once (``memo``)."""
     if isinstance(value, torch.Tensor):
         if value.dim() >= 2 and value.shape[0] == batch:
-            return value.index_select(0, rows.to(value.device))
+            if id(value) not in memo:
+                memo[id(value)] = value.index_select(0, rows.to(value.device))
+            return memo[id(value)]
         return value
     if isinstance(value, tuple | list):
-        return type(value)(_expand(v, rows, batch) for v in value)
+        return type(value)(_expand(v, rows, batch, memo) for v in value)
     if isinstance(value, dict):
-        return {k: _expand(v, rows, batch) for k, v in value.items()}
+        return {k: _expand(v, rows, batch, memo) for k, v in value.items()}
     return value
+
+
+@dataclass
+class _Group:
+    """Rows of a batch's skipped passes that run together (one part, one sublayer): what every
+    skipped block's pass of them shares."""
+
+    rows: torch.Tensor
+    """(r,) each row's document's row in the batch."""
+    keep: torch.Tensor
+    """(r, W, 1): 0 at the positions whose addition is removed, [1, t) of the document."""
+    measured: torch.Tensor
+    """(r, W): the positions p >= t of the document."""
+    calls: list[tuple[tuple, dict]]
+    """Every block call's arguments, repeated for the rows."""
+    scale: list[torch.Tensor]
+    """Per block j, max(||d_j||, 1e-6) of the clean pass (r, W)."""
 
 
 class FutureEffects:
@@ -101,7 +121,7 @@ class FutureEffects:
             for kind in ("attn", "mlp")
         }
         self.readout = readout
-        self._keep: torch.Tensor | None = None  # (R, W, 1): 0 where the addition is removed
+        self._keep: torch.Tensor | None = None  # the running group's keep (_Group.keep)
         self._scratch: torch.Tensor | None = None  # the skipped passes' readout buffer
 
     @contextmanager
@@ -135,9 +155,9 @@ class FutureEffects:
         pass's block inputs and its last residual state (L + 1 tensors (B, W, d), float32),
         ``calls`` each block call's arguments, ``n_tokens``/``docs`` per row; at most
         ``max_rows`` rows run at once."""
-        width = states[0].shape[1]
-        device = states[0].device
+        batch, width = states[0].shape[:2]
         updates = [states[j + 1] - states[j] for j in range(len(self.blocks))]
+        scale = [d.norm(dim=-1).clamp(min=1e-6) for d in updates]
         clean = torch.softmax(self.readout.logits(states[-1].to(dtype)), dim=-1)
         rows = [
             (b, t, sub)
@@ -148,25 +168,26 @@ class FutureEffects:
         n_blocks = len(self.blocks)
         rel = torch.zeros(len(rows), n_blocks, n_blocks)
         out = torch.zeros(len(rows), n_blocks)
-        col = torch.arange(width, device=device)
         for lo in range(0, len(rows), max_rows):
-            part = rows[lo : lo + max_rows]
-            index = torch.tensor([b for b, _, _ in part], device=device)
-            start = torch.tensor([width - n_tokens[b] for b, _, _ in part], device=device)
-            t = torch.tensor([t for _, t, _ in part], device=device)
-            end = torch.where(t > 0, start + t, torch.full_like(t, width))  # removed: [1, t)
-            self._keep = ~((col > start[:, None]) & (col < end[:, None]))
-            self._keep = self._keep[..., None]
-            measured = col >= (start + t)[:, None]  # (r, W): p >= t of the document
-            for sub in dict.fromkeys(s for _, _, s in part):
-                mine = [i for i, (_, _, s) in enumerate(part) if s == sub]
-                sel = torch.tensor(mine, device=device)
+            part = range(lo, min(lo + max_rows, len(rows)))
+            for sub in dict.fromkeys(rows[i][2] for i in part):
+                mine = [i for i in part if rows[i][2] == sub]
+                b = torch.tensor([rows[i][0] for i in mine], device=clean.device)
+                start = width - torch.tensor([n_tokens[rows[i][0]] for i in mine], device=b.device)
+                t = torch.tensor([rows[i][1] for i in mine], device=b.device)
+                end = torch.where(t > 0, start + t, width)  # removed: [1, t)
+                col = torch.arange(width, device=b.device)
+                group = _Group(
+                    rows=b,
+                    keep=(~((col > start[:, None]) & (col < end[:, None])))[..., None],
+                    measured=col >= (start + t)[:, None],
+                    calls=_expand(calls, b, batch, {}),
+                    scale=[s.index_select(0, b) for s in scale],
+                )
                 for skipped in range(n_blocks):
-                    r, o = self._skip(
-                        skipped, sub, states, calls, updates, clean, dtype, index, sel, measured
-                    )
-                    rel[[lo + i for i in mine], skipped] = r
-                    out[[lo + i for i in mine], skipped] = o
+                    r, o = self._skip(skipped, sub, states, updates, clean, dtype, group)
+                    rel[mine, skipped] = r
+                    out[mine, skipped] = o
         self._keep = self._scratch = None
         return self._rows(rows, rel, out, len(docs))
 
@@ -175,43 +196,34 @@ class FutureEffects:
         skipped: int,
         sublayer: str,
         states: list[torch.Tensor],
-        calls: list[tuple[tuple, dict]],
         updates: list[torch.Tensor],
         clean: torch.Tensor,
         dtype: torch.dtype,
-        index: torch.Tensor,
-        sel: torch.Tensor,
-        measured: torch.Tensor,
+        group: _Group,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """rel_change (r, L) and out_change (r,) of the rows ``sel`` of the current part with
-        ``sublayer`` of block call ``skipped`` removed."""
-        batch = states[0].shape[0]
-        rows = index[sel]
-        keep, self._keep = self._keep, self._keep[sel]  # type: ignore[index]
-        mask = measured[sel]
-        n_blocks = len(self.blocks)
-        rel = torch.zeros(len(rows), n_blocks)
+        """rel_change (r, L) and out_change (r,) of the rows of ``group`` with ``sublayer`` of
+        block call ``skipped`` removed."""
+        rows, mask = group.rows, group.measured
+        rel = torch.zeros(len(rows), len(self.blocks))
         x = states[skipped].index_select(0, rows).to(dtype)
-        try:
-            for j in range(skipped, n_blocks):
-                args, kwargs = _expand(calls[j], rows, batch)
-                if args:
-                    args = (x, *args[1:])
-                else:
-                    kwargs = {**kwargs, "hidden_states": x}
-                if j == skipped:
-                    with self._removing(j, sublayer):
-                        y = self.blocks[j](*args, **kwargs)
-                else:
+        self._keep = group.keep
+        for j in range(skipped, len(self.blocks)):
+            args, kwargs = group.calls[j]
+            if args:
+                args = (x, *args[1:])
+            else:
+                kwargs = {**kwargs, "hidden_states": x}
+            if j == skipped:
+                with self._removing(j, sublayer):
                     y = self.blocks[j](*args, **kwargs)
-                y = y[0] if isinstance(y, tuple) else y
-                # rel_change(l, j) = max_{p >= t} ||d'_j - d_j|| / max(||d_j||, 1e-6)
-                d = updates[j].index_select(0, rows)
-                change = (y.float() - x.float() - d).norm(dim=-1) / d.norm(dim=-1).clamp(min=1e-6)
-                rel[:, j] = change.masked_fill(~mask, 0).amax(dim=-1).cpu()
-                x = y
-        finally:
-            self._keep = keep
+            else:
+                y = self.blocks[j](*args, **kwargs)
+            y = y[0] if isinstance(y, tuple) else y
+            # rel_change(l, j) = max_{p >= t} ||d'_j - d_j|| / max(||d_j||, 1e-6)
+            d = updates[j].index_select(0, rows)
+            change = (y.float() - x.float() - d).norm(dim=-1) / group.scale[j]
+            rel[:, j] = change.masked_fill(~mask, 0).amax(dim=-1).cpu()
+            x = y
         # out_change(l) = max_{p >= t} ||softmax(z'_p) - softmax(z_p)||_2, read out at the
         # measured positions only
         # (a row's measured positions are the last ones of the batch: its distributions are

@@ -142,7 +142,7 @@ class LensReference:
         self.logits = logits.float().clone()
         flat = self.logits.reshape(-1, self.logits.shape[-1])
         buf = _scratch(flat)
-        lse = [_softmax(flat[rows], buf[: len(flat[rows])])[1] for rows in _slices(*flat.shape)]
+        lse = [_softmax(z, buf[: len(z)])[1] for z in (flat[rows] for rows in _slices(*flat.shape))]
         self.lse = torch.cat(lse).view(*self.logits.shape[:-1], 1)
         self.top = top5(flat).view(*self.logits.shape[:-1], 5)
 
