@@ -366,6 +366,22 @@ def combine(
     ).sort(keys)
 
 
+def with_table(
+    parts: Sequence[PartitionInfo], table: str, notes: list[str] | None = None, what: str = ""
+) -> list[PartitionInfo]:
+    """The partitions of ``parts`` whose optional ``table`` is complete
+    (:attr:`~layerdiv.store.PartitionInfo.tables`); with ``notes``, a note names those extracted
+    without it (``what`` it holds) and the flag that adds it. One where only some documents have
+    it is left out with the note that names its completing command
+    (:meth:`~layerdiv.store.PartitionInfo.incomplete`, given for every analysis)."""
+    have = [p for p in parts if table in p.tables]
+    never = [f"{p.model}/{p.task}" for p in parts if table not in p.lacking]
+    if notes is not None and never:
+        flag = KINDS[TEXT_KIND].optional[table]
+        notes.append(f"No {what} for {', '.join(never)}: run `layerdiv extract {flag}` on them.")
+    return have
+
+
 def tag(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
     """``frame`` with the partition's ``model`` and ``task`` as its first columns."""
     return frame.select(

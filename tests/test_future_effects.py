@@ -5,6 +5,10 @@ output replaced by its input) or on its attention or MLP (their output zeroed)."
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +17,9 @@ import polars as pl
 import pytest
 import torch
 from click.testing import CliRunner
+from polars.testing import assert_frame_equal
 
+from layerdiv.analyze.api import analyze
 from layerdiv.cli import main
 from layerdiv.store import Store
 from tests.test_text_extract import extract, random_texts, refused, text_task
@@ -205,3 +211,52 @@ def test_smollm2_future_effects_on_bbc_news(tmp_path: Path) -> None:
     tokenizer = load_tokenizer(source)
     loaded = load_model(source, tokenizer, torch.device("cpu"), torch.float64)
     assert check(store, loaded.model, tokenizer, texts, 20, ["block"]) == 1
+
+
+def test_killed_run_shows_its_whole_documents_then_resumes_exactly(
+    tmp_path: Path, model_dirs: Any
+) -> None:
+    """kill -9 during ``extract --skips --lens`` on a text task: ls, query and analyze agree on
+    the documents whose chunks are complete (every optional table read, none reported missing),
+    and the rerun stores each document once, as an uninterrupted run does."""
+    n = 200
+    task = text_task(tmp_path / "task", random_texts(n, seed=9), max_tokens=20)
+    args = ["--model", str(model_dirs("llama")), "--task", str(task), "--chunk-size", "2",
+            "--batch-size", "1", "--skips", "--lens"]  # fmt: skip
+    whole, store = tmp_path / "whole", tmp_path / "store"
+    assert extract(*args, "--store", str(whole)).exit_code == 0
+    cmd = [sys.executable, "-m", "layerdiv.cli", "extract", *args, "--store", str(store)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(list(store.glob("documents/*/*/part-*.parquet"))) >= 3:
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    (info,) = Store(store).partitions
+    done = info.n_done
+    assert 6 <= done < n // 2, "the run must be killed mid-way"
+    assert info.tables == ["token_lens", "future_effects", "future_output"]
+
+    listed = CliRunner().invoke(main, ["ls", "--store", str(store)])
+    assert (
+        listed.exit_code == 0 and f"{done} " in listed.output and "future_output" in listed.output
+    )
+    sql = ("SELECT (SELECT count(*) FROM documents) AS docs, "
+           "(SELECT count(DISTINCT doc) FROM future_output) AS with_splits")  # fmt: skip
+    query = CliRunner().invoke(main, ["query", sql, "--store", str(store), "--out",
+                                      str(tmp_path / "n.csv")])  # fmt: skip
+    assert query.exit_code == 0, query.output
+    counts = pl.read_csv(tmp_path / "n.csv").row(0, named=True)
+    assert counts["docs"] == done and 0 < counts["with_splits"] <= done
+    partial = analyze(store)
+    assert {"text_lens", "text_skips", "text_depth_score"} <= set(partial.names())
+    assert not [note for note in partial.notes if note.startswith("No ")], partial.notes
+    assert partial.text_depth_score["n_documents"].sum() == counts["with_splits"]
+
+    subprocess.run(cmd, check=True, capture_output=True)  # resume
+    for table in ("future_effects", "future_output", "token_lens", "documents"):
+        got, want = (Store(s).scan(table).collect() for s in (store, whole))
+        assert_frame_equal(got.sort(got.columns), want.sort(want.columns))
+    assert_frame_equal(analyze(store).text_skips, analyze(whole).text_skips)

@@ -23,7 +23,7 @@ from layerdiv.analyze.registry import (
     map_partitions,
     register,
 )
-from layerdiv.analyze.text import TEXT_KIND, batches, combine, sums, tag
+from layerdiv.analyze.text import TEXT_KIND, batches, combine, sums, tag, with_table
 from layerdiv.store import PartitionInfo
 
 LENS = ("kl", "top5_overlap", "ce")
@@ -66,12 +66,7 @@ def partition_lens(info: PartitionInfo) -> pl.DataFrame:
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
     """The registry's entry point: ``text_lens`` of the text partitions extracted with
     ``--lens``; a note names the others."""
-    parts = [p for p in ctx.parts if "token_lens" in p.manifest.extra_tables]
-    lacking = [f"{p.model}/{p.task}" for p in ctx.parts if p not in parts]
-    if lacking:
-        ctx.notes.append(
-            f"No logit lens for {', '.join(lacking)}: run `layerdiv extract --lens` on them."
-        )
+    parts = with_table(ctx.parts, "token_lens", ctx.notes, "logit lens")
     if not parts:
         return {}
     return {"text_lens": pl.concat(list(map_partitions(partition_lens, parts)))}

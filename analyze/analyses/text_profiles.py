@@ -51,6 +51,7 @@ from layerdiv.analyze.text import (
     sums,
     tag,
     text_passes,
+    with_table,
 )
 from layerdiv.store import PartitionInfo
 
@@ -183,7 +184,7 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
             found.setdefault(name, []).append(frame)
     result = {name: pl.concat(frames) for name, frames in found.items()}
     result["text_update_fit"] = update_fit(prior["text_geometry"])
-    with_skips = [p for p in ctx.parts if "future_output" in p.manifest.extra_tables]
+    with_skips = with_table(ctx.parts, "future_output")
     if with_skips:
         result["text_depth_score"] = pl.concat(list(map_partitions(depth_score_table, with_skips)))
     return result

@@ -31,13 +31,11 @@ from layerdiv.analyze.registry import (
     map_partitions,
     register,
 )
-from layerdiv.analyze.text import TEXT_KIND, batches, combine, sums, tag
+from layerdiv.analyze.text import TEXT_KIND, batches, combine, sums, tag, with_table
 from layerdiv.store import PartitionInfo
 
 SKIP_ROWS = 1 << 20
 """Rows of ``future_effects`` / ``future_output`` read at once."""
-
-HOW_TO_EXTRACT = "run `layerdiv extract --skips` on them"
 
 
 def _with_string_sublayer(frame: pl.DataFrame) -> pl.DataFrame:
@@ -74,18 +72,9 @@ def _depth(table: pl.DataFrame, blocks: int) -> pl.DataFrame:
     )
 
 
-def skip_parts(parts: list[PartitionInfo], notes: list[str]) -> list[PartitionInfo]:
-    """The text partitions extracted with ``--skips``; a note names the others."""
-    have = [p for p in parts if "future_effects" in p.manifest.extra_tables]
-    lacking = [f"{p.model}/{p.task}" for p in parts if p not in have]
-    if lacking:
-        notes.append(f"No future effects for {', '.join(lacking)}: {HOW_TO_EXTRACT}.")
-    return have
-
-
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
     """The registry's entry point: both tables of the partitions extracted with ``--skips``."""
-    parts = skip_parts(ctx.parts, ctx.notes)
+    parts = with_table(ctx.parts, "future_effects", ctx.notes, "future effects")
     if not parts:
         return {}
     pairs = list(map_partitions(lambda p: (effects_table(p), output_table(p)), parts))

@@ -106,7 +106,7 @@ def partition_data(info: PartitionInfo, n: int | None) -> dict[str, Any]:
         "skips": None,
     }
     keep = pl.col("instance").is_in(ids.tolist())
-    if "heads" in m.extra_tables and info.files("heads"):
+    if "heads" in info.tables:
         heads = pl.scan_parquet(info.uris("heads")).filter(keep).collect()
         attn = sorted(heads["component"].unique().to_list())
         head_ids = sorted(heads["head"].unique().to_list())
@@ -114,7 +114,7 @@ def partition_data(info: PartitionInfo, n: int | None) -> dict[str, Any]:
         values = _dense(heads, ["instance", "component", "head", "option"], shape)
         if values is not None:
             data["heads"] = {"components": attn, "head_ids": head_ids, "logits": _b64(values)}
-    if "skips" in m.extra_tables and info.files("skips"):
+    if "skips" in info.tables:
         skips = pl.scan_parquet(info.uris("skips")).filter(keep).collect()
         blocks = skips["layer"].n_unique()
         values = _dense(skips, ["instance", "layer", "option"], (len(ids), blocks, k_opts))
