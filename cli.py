@@ -130,6 +130,15 @@ def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) ->
     return int(value)
 
 
+def _states_k(value: str | None) -> int | None:
+    """``--states K|all`` as positions per document (0: all)."""
+    if value is None or value == "all":
+        return None if value is None else 0
+    if not value.isdigit() or int(value) < 1:
+        raise click.BadParameter(f"{value!r}: give a number of positions (1 or more) or all")
+    return int(value)
+
+
 _DEFAULTS = ExtractConfig(model="", tasks=[])
 """The defaults of ``extract``'s options."""
 
@@ -242,6 +251,26 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
     "model's output, top-5 overlap, next-token cross-entropy); --lens last-block applies the last "
     "block first.",
 )
+@click.option(
+    "--states",
+    type=str,
+    default=None,
+    help="Text tasks: also store the residual states h_0..h_L at K sampled positions per document "
+    "(K, or all: every position but the first); states are large (L + 1 vectors of width d per "
+    "position).",
+)
+@click.option(
+    "--states-seed",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Seed of the sampled state positions (default 0).",
+)
+@click.option(
+    "--states-dtype",
+    type=click.Choice(["float16", "bfloat16", "float32"]),
+    default=None,
+    help="How states are stored (default float16).",
+)
 def extract(
     model: str,
     tasks: tuple[str, ...],
@@ -265,6 +294,9 @@ def extract(
     skip_seed: int | None,
     gram: bool,
     lens: str | None,
+    states: str | None,
+    states_seed: int | None,
+    states_dtype: str | None,
 ) -> None:
     """Run MODEL once over each task and cache every component's option logits (or, for a text
     task, every token's per-block dot products)."""
@@ -296,6 +328,9 @@ def extract(
         skip_seed=skip_seed,
         gram=gram,
         lens=lens,
+        states=_states_k(states),
+        states_seed=states_seed,
+        states_dtype=states_dtype,
     )
     if shard.source != "--shard":
         click.echo(f"{shard.describe()}, device {cfg.device}")

@@ -74,6 +74,13 @@ class ExtractConfig:
     """Text tasks: also store the logit lens of every block input (``token_lens`` table,
     METHODS.md section 9): ``final`` (final norm and unembedding) or ``last-block`` (the last
     block applied first)."""
+    states: int | None = None
+    """Text tasks: also store the residual states h_0..h_L at this many sampled positions per
+    document (0: ``all``; ``states`` table, METHODS.md section 11); None: no states."""
+    states_seed: int | None = None
+    """Seed of the sampled state positions (None: the partition's own, or 0)."""
+    states_dtype: str | None = None
+    """``float16``, ``bfloat16`` or ``float32`` (None: the partition's own, or float16)."""
     progress: bool = True
     """Show progress bars."""
 

@@ -18,6 +18,7 @@ from layerdiv.extract.future import FutureEffects, SkipSettings
 from layerdiv.extract.heads import HeadCapture
 from layerdiv.extract.models import LoadedModel
 from layerdiv.extract.skips import BlockSkipper
+from layerdiv.extract.states import StateSettings, gather_states
 from layerdiv.extract.text import TextBatch, TextCapture
 from layerdiv.store.tables import (
     components_table,
@@ -29,6 +30,7 @@ from layerdiv.store.tables import (
     instances_table,
     lens_table,
     skips_table,
+    states_table,
     token_blocks_table,
     token_lens_table,
     tokens_table,
@@ -89,6 +91,7 @@ class ModelRunner:
         kind: str = "choice",
         lens: str | None = None,
         skips: SkipSettings | None = None,
+        states: StateSettings | None = None,
     ) -> None:
         self.loaded = loaded
         self.budget = budget
@@ -106,6 +109,8 @@ class ModelRunner:
             else None
         )
         """Text tasks with ``--skips``: the future effects (METHODS.md section 9)."""
+        self.states = states if self.text is not None and "states" in extra_tables else None
+        """Text tasks with ``--states``: which residual states are kept (METHODS.md 11)."""
         self.capture = (
             None
             if self.text is not None
@@ -159,6 +164,10 @@ class ModelRunner:
             with torch.inference_mode():
                 self.loaded.model(**inputs)
                 batch = text.decompose()
+                if self.states is not None and ids is not None:
+                    batch.states = gather_states(
+                        text.states(), [len(s) for s in seqs], ids, self.states
+                    )
                 if self.future is not None and ids is not None:
                     text.paused = True
                     try:
@@ -271,6 +280,11 @@ def text_tables(
     n_tokens = [len(seqs[i]) for i in ids]
     dots = np.concatenate([results[i][0].document(results[i][1], len(seqs[i])) for i in ids])
     optional = future_tables(ids, results)
+    if results[ids[0]][0].states is not None:
+        if any(results[i][0].states is None for i in ids):
+            raise DecompositionError("a document ran without the states")
+        rows = [results[i][0].states[results[i][1]] for i in ids]  # type: ignore[index]
+        optional["states"] = states_table(ids, [p for p, _ in rows], [h for _, h in rows])
     if results[ids[0]][0].lens is not None:
         if any(results[i][0].lens is None for i in ids):
             raise DecompositionError("a document ran without the lens")

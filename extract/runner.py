@@ -41,6 +41,7 @@ from layerdiv.extract.models import (
     resolve_source,
 )
 from layerdiv.extract.provenance import build_manifest, identity
+from layerdiv.extract.states import StateSettings
 from layerdiv.extract.tasks import (
     Instance,
     TaskError,
@@ -75,6 +76,8 @@ class TaskPlan:
     weights load, so that a document without tokens is refused before anything is written)."""
     skips: SkipSettings | None = None
     """Text tasks writing the future-effects tables: how (:func:`_skip_settings`)."""
+    states: StateSettings | None = None
+    """Text tasks writing the ``states`` table: how (:func:`_state_settings`)."""
 
 
 def plan_task(
@@ -102,9 +105,16 @@ def plan_task(
                 "fix the data or the task's text template, or filter such rows out"
             )
         asked = (["token_lens"] if cfg.lens else []) + (list(FUTURE_TABLES) if cfg.skips else [])
+        asked += ["states"] if cfg.states is not None else []
         tables = chunks.extra_tables(writer, asked, cfg.overwrite)
         skips = _skip_settings(writer, cfg) if "future_effects" in tables else None
-        return TaskPlan(spec, items, [], sha, writer, tables, argument, documents, skips)
+        states = _state_settings(writer, cfg) if "states" in tables else None
+        return TaskPlan(spec, items, [], sha, writer, tables, argument, documents, skips, states)
+    if cfg.states is not None:
+        raise TaskError(
+            f"task {spec.name} is a choice task: --states applies to text tasks only in this "
+            "version; extract a text task, or drop --states"
+        )
     given = _skip_flags(cfg)
     if given:
         raise TaskError(
@@ -157,6 +167,36 @@ def _refuse_text_flags(spec: TaskSpec, cfg: ExtractConfig) -> None:
     given = _skip_flags(cfg)
     if given and not cfg.skips:
         raise TaskError(f"task {spec.name}: {', '.join(given)} sets up --skips; add --skips")
+    given = [f for f, v in (("--states-seed", cfg.states_seed), ("--states-dtype",
+             cfg.states_dtype)) if v is not None]  # fmt: skip
+    if given and cfg.states is None:
+        raise TaskError(f"task {spec.name}: {', '.join(given)} sets up --states; add --states")
+
+
+def _state_settings(writer: PartitionWriter, cfg: ExtractConfig) -> StateSettings:
+    """The states settings of this run: those given, else the partition's own, else the
+    defaults; refuse settings other than those of states already stored."""
+    stored = None
+    if not cfg.overwrite and writer.part.manifest.exists():
+        m = read_manifest(writer.part.manifest)
+        if m.states_dtype is not None:
+            stored = StateSettings(m.states_k or 0, m.states_seed or 0, m.states_dtype)
+    base = stored or StateSettings()
+    settings = StateSettings(
+        base.k if cfg.states is None else cfg.states,
+        base.seed if cfg.states_seed is None else cfg.states_seed,
+        cfg.states_dtype or base.dtype,
+    )
+    if stored is not None and settings != stored and writer.part.parts("states"):
+        raise TaskError(
+            f"{writer.part.manifest}: the stored states are {_describe_states(stored)}, this run "
+            f"asks for {_describe_states(settings)}; give those options, or use --overwrite"
+        )
+    return settings
+
+
+def _describe_states(s: StateSettings) -> str:
+    return f"--states {s.k or 'all'} --states-seed {s.seed} --states-dtype {s.dtype}"
 
 
 def _skip_flags(cfg: ExtractConfig) -> list[str]:
@@ -334,7 +374,7 @@ def extract_task(
     unit = KINDS[spec.kind].units
     start_time, notes = time.perf_counter(), []
     with ModelRunner(loaded, adapter, plan.option_ids, budget, tables, n_heads,
-                     spec.kind, cfg.lens, plan.skips) as runner:  # fmt: skip
+                     spec.kind, cfg.lens, plan.skips, plan.states) as runner:  # fmt: skip
         probe = runner.run([seqs[0]])  # the component list, before anything is written
         work.check(probe, [0])
         ident = identity(loaded.source, loaded.dtype, spec, plan.option_ids, plan.data_sha256)
@@ -345,14 +385,20 @@ def extract_task(
         if plan.skips is not None:
             manifest.skip_split, manifest.skip_seed = plan.skips.split, plan.skips.seed
             manifest.skip_sublayers = list(plan.skips.sublayers)
+        if plan.states is not None:
+            manifest.states_k, manifest.states_seed = plan.states.k, plan.states.seed
+            manifest.states_dtype = plan.states.dtype
         stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])
-        settings = ("skip_split", "skip_seed", "skip_sublayers")
-        if plan.skips is not None and any(
-            getattr(stored, f) != getattr(manifest, f) for f in settings
-        ):  # a partition without future effects (or none stored yet) gets this run's
-            for f in settings:
-                setattr(stored, f, getattr(manifest, f))
-            write_manifest(writer.part.manifest, stored)
+        for given, settings in (
+            (plan.skips, ("skip_split", "skip_seed", "skip_sublayers")),
+            (plan.states, ("states_k", "states_seed", "states_dtype")),
+        ):
+            if given is not None and any(
+                getattr(stored, f) != getattr(manifest, f) for f in settings
+            ):  # a partition without these tables (or none stored yet) gets this run's
+                for f in settings:
+                    setattr(stored, f, getattr(manifest, f))
+                write_manifest(writer.part.manifest, stored)
         if lens_table in tables and stored.lens != manifest.lens:
             _refuse_other_lens(writer, stored, manifest)
         grid = stored.chunk_size or _chunk_size(cfg)

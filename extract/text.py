@@ -38,6 +38,9 @@ class TextBatch:
     top5_overlap and ce (NaN at the row's last position)."""
     future: list[FutureRows] | None = None
     """With ``--skips``: per row, its document's future effects."""
+    states: list[tuple[np.ndarray, np.ndarray]] | None = None
+    """With ``--states``: per row, its document's state positions and states
+    (``layerdiv.extract.states.gather_states``)."""
 
     def document(self, row: int, n_tokens: int) -> np.ndarray:
         """(n_tokens, L, 8): the values at the document's own positions (padding dropped)."""

@@ -15,6 +15,8 @@ History:
   ``future_output``; choice tasks gain the optional ``lens``; the manifest gains ``kind``,
   ``max_tokens``, ``lens``, ``skip_split`` and ``skip_seed`` (and, from the first release
   that writes the future-effects tables, ``skip_sublayers``: absent means ``block``).
+- 5: optional table ``states`` on text tasks (the residual states h_0..h_L at sampled positions,
+  METHODS.md section 11); the manifest gains ``states_k``, ``states_seed`` and ``states_dtype``.
 
 The hive partition columns ``model`` and ``task`` are not stored inside the files: they come from
 the directory names (``model=<slug>/task=<task>``) and are typed as strings by every reader.
@@ -28,7 +30,7 @@ import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Version of the on-disk layout and of the column sets below (the one this code writes)."""
 
 OLDEST_READABLE = 1
@@ -337,6 +339,62 @@ FUTURE_OUTPUT = _schema(
   next-token distributions.
 """
 
+STATE_TYPES = {"float16": pa.float16(), "bfloat16": pa.uint16(), "float32": pa.float32()}
+"""``extract --states-dtype`` values and the Arrow element type of the ``state`` list of each
+(Arrow has no bfloat16: a bfloat16 state is stored as its 16 raw bits, the high half of the
+float32 it rounds)."""
+
+
+_STATE_KEY = [
+    pa.field("doc", pa.int32(), nullable=False),
+    pa.field("pos", pa.int32(), nullable=False),
+    pa.field("layer", pa.int16(), nullable=False),
+]
+
+
+def states_schema(width: int, dtype: str) -> pa.Schema:
+    """The ``states`` schema of a partition whose residual stream has ``width`` d, stored as
+    ``dtype`` (one of :data:`STATE_TYPES`)."""
+    state = pa.field("state", pa.list_(STATE_TYPES[dtype], width), nullable=False)
+    return _schema("states", [*_STATE_KEY, state])
+
+
+STATES = _schema("states", [*_STATE_KEY, pa.field("state", pa.list_(pa.float16()), nullable=False)])
+"""Optional (``extract --states K|all`` on a text task). One row per (doc, pos, layer) of the
+sampled positions (METHODS.md section 11), sorted by doc, pos, layer.
+
+- ``doc``: the document's index in the task's order.
+- ``pos``: token position p (0-based; never 0).
+- ``layer``: l = 0..L: h_0 the embedding output, h_l block l-1's output, h_L before the final
+  norm.
+- ``state``: h_l at (doc, pos), a fixed-size list of the partition's d values in the
+  manifest's ``states_dtype`` (:func:`states_schema`: ``float16``, ``float32``, or ``bfloat16``
+  stored as its raw 16 bits). Vectors: read per partition (``layerdiv.store.reader.read_states``),
+  not through the query views.
+"""
+
+
+def schema_matches(table: str, found: pa.Schema, expected: pa.Schema) -> bool:
+    """Whether a part's ``found`` schema is ``table``'s ``expected`` one (``states``: any width
+    and stored dtype of :func:`states_schema`)."""
+    if table != "states":
+        return found.equals(expected, check_metadata=False)
+    state = found.field("state").type if "state" in found.names else None
+    return (
+        isinstance(state, pa.FixedSizeListType)
+        and any(state.value_type == t for t in STATE_TYPES.values())
+        and found.equals(states_schema(state.list_size, _dtype_of(state)), check_metadata=False)
+    )
+
+
+def _dtype_of(state: pa.FixedSizeListType) -> str:
+    return next(k for k, t in STATE_TYPES.items() if state.value_type == t)
+
+
+VECTOR_TABLES = ("states",)
+"""Tables of vectors whose width differs between partitions: not in the query views."""
+
+
 TABLES = {
     "components": COMPONENTS,
     "instances": INSTANCES,
@@ -350,6 +408,7 @@ TABLES = {
     "token_lens": TOKEN_LENS,
     "future_effects": FUTURE_EFFECTS,
     "future_output": FUTURE_OUTPUT,
+    "states": STATES,
 }
 """Every table of the store by name, as this version writes them."""
 
@@ -394,7 +453,12 @@ KINDS = {
         "documents",
         "documents",
         ("tokens", "token_blocks", "documents"),
-        {"token_lens": "--lens", "future_effects": "--skips", "future_output": "--skips"},
+        {
+            "token_lens": "--lens",
+            "future_effects": "--skips",
+            "future_output": "--skips",
+            "states": "--states",
+        },
         "token_lens",
     ),
 }

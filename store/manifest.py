@@ -153,6 +153,13 @@ class Manifest:
     """Seed of the random split points."""
     skip_sublayers: list[str] | None = None
     """Text tasks with ``--skips``: what each skip removed (``layerdiv.schemas.SUBLAYERS``)."""
+    states_k: int | None = None
+    """Text tasks with ``--states``: positions per document (METHODS.md section 11); 0 means
+    ``all`` (every position but the first)."""
+    states_seed: int | None = None
+    """Seed of the sampled state positions (``numpy.random.default_rng([seed, doc])``)."""
+    states_dtype: str | None = None
+    """How the states are stored (``layerdiv.schemas.STATE_TYPES``)."""
 
     @property
     def n_blocks(self) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Generic, cast
 
 import duckdb
+import numpy as np
 import polars as pl
 import pyarrow as pa
 
@@ -23,8 +24,10 @@ from layerdiv.schemas import (
     KINDS,
     PARTITION_COLUMNS,
     TABLES,
+    VECTOR_TABLES,
     Kind,
     SchemaError,
+    schema_matches,
     tables_of,
 )
 from layerdiv.store.atomic import restore
@@ -213,6 +216,48 @@ class PartitionInfo(Generic[StorePath]):
             )
         return rows.select(*keys, *(c for c in components if c not in keys)), inst
 
+    def states(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The ``states`` table as arrays: (doc, pos) of every stored row (n,), their token ids
+        (n,), and the states (n, L + 1, d) in the stored dtype (float16 or float32; bfloat16
+        widened to float32). Refuses a partition without complete states, and rows that do not
+        hold every layer of every (doc, pos) once in order (METHODS.md section 11)."""
+        if "states" not in self.tables:
+            raise StoreError(
+                f"{self.where} has no complete states table; extract it with "
+                f"`{self.extract_command('states')} 1024` (or all)"
+            )
+        table = pa.concat_tables([read_table(f) for f in self.files("states")])
+        layers = self.manifest.n_blocks + 1
+        doc = table["doc"].to_numpy()
+        pos = table["pos"].to_numpy()
+        layer = table["layer"].to_numpy()
+        n = len(doc) // layers
+        flat = table["state"].combine_chunks()
+        values = flat.values.to_numpy(zero_copy_only=False)
+        if pa.types.is_uint16(flat.type.value_type):  # bfloat16 bits: the float32's high half
+            values = (values.astype(np.uint32) << 16).view(np.float32)
+        width = flat.type.list_size
+        ordered = (
+            len(doc) == n * layers
+            and (layer == np.tile(np.arange(layers), n)).all()
+            and (doc.reshape(n, layers) == doc[::layers, None]).all()
+            and (pos.reshape(n, layers) == pos[::layers, None]).all()
+        )
+        key = doc[::layers].astype(np.int64) << 32 | pos[::layers]
+        if not ordered or (np.diff(key) <= 0).any():
+            raise StoreError(
+                f"{self.where}: its states rows do not hold layers 0..{layers - 1} of each "
+                "(doc, pos) once in order; re-extract it with --overwrite"
+            )
+        tokens = self._collect("tokens", pl.scan_parquet(self.uris("tokens")))
+        want = pl.DataFrame({"doc": doc[::layers], "pos": pos[::layers]})
+        ids = want.join(tokens, on=["doc", "pos"], how="left", maintain_order="left")["token"]
+        return (
+            np.stack([doc[::layers], pos[::layers]], axis=1),
+            ids.to_numpy(),
+            values.reshape(n, layers, width),
+        )
+
     def _collect(self, table: str, frame: pl.LazyFrame) -> pl.DataFrame:
         """Collect a scan of ``table``'s parts; a part that cannot be read is named."""
         try:
@@ -359,6 +404,11 @@ class Store:
         that no selected partition holds, naming those there are."""
         parts = self.select(models, tasks)
         have = self.tables(models, tasks)
+        if table in VECTOR_TABLES:
+            raise StoreError(
+                f"{table} holds vectors of each model's width: read it per partition "
+                "(PartitionInfo.states)"
+            )
         if table not in have:
             kind = KIND_OF_TABLE.get(table)
             flag = (
@@ -430,7 +480,7 @@ class Store:
         models, tasks = as_names(models), as_names(tasks)
         parts = self.select(models, tasks)
         con = duckdb.connect(config={"enable_external_access": False})
-        for table in TABLES:
+        for table in (t for t in TABLES if t not in VECTOR_TABLES):
             whole = [p for p in parts if table in p.kind.required or table in p.tables]
             files = [f for p in whole for f in p.files(table)]
             if not files:
@@ -512,7 +562,7 @@ def _check_part_schemas(info: PartitionInfo[Any]) -> None:
                     f"{f}: unreadable Parquet ({_first_line(err)}); re-extract {info.where} "
                     "with --overwrite"
                 ) from err
-            if not found.equals(schemas[table], check_metadata=False):
+            if not schema_matches(table, found, schemas[table]):
                 raise StoreError(
                     f"{f}: columns do not match the {table} schema of version "
                     f"{info.manifest.schema_version}; re-extract {info.where} with --overwrite"

@@ -25,6 +25,7 @@ from layerdiv.schemas import (
     TOKEN_BLOCKS,
     TOKEN_LENS,
     TOKENS,
+    states_schema,
 )
 from layerdiv.store.manifest import ComponentInfo
 
@@ -329,3 +330,31 @@ def future_output_table(
 def _floats(values: np.ndarray, nullable: bool = False) -> pa.Array:
     """float32 column of ``values`` flattened; NaN becomes null where ``nullable``."""
     return pa.array(np.asarray(values, np.float32).reshape(-1), from_pandas=nullable)
+
+
+_STORED = {"float16": "float16", "float32": "float32", "uint16": "bfloat16"}
+"""numpy dtype of stored states -> ``--states-dtype`` (bfloat16 is kept as its raw bits)."""
+
+
+def states_table(
+    docs: Sequence[int], positions: Sequence[np.ndarray], states: Sequence[np.ndarray]
+) -> pa.Table:
+    """Rows (doc, pos, layer) of :data:`~layerdiv.schemas.STATES` (``states_schema(d, dtype)``):
+    ``positions[i]`` the positions of ``docs[i]`` and ``states[i]`` its (k, L + 1, d) states in
+    the stored dtype (float16, float32, or bfloat16 as raw uint16 bits)."""
+    counts = [len(p) for p in positions]
+    _, layers, width = states[0].shape
+    dtype = _STORED[np.asarray(states[0]).dtype.name]
+    values = np.concatenate([np.asarray(s).reshape(-1) for s in states])
+    n = sum(counts)
+    schema = states_schema(width, dtype)
+    flat = pa.array(values, schema.field("state").type.value_type)
+    return pa.table(
+        {
+            "doc": pa.array(np.repeat(np.asarray(docs, np.int32), np.multiply(counts, layers))),
+            "pos": pa.array(np.repeat(np.concatenate(positions).astype(np.int32), layers)),
+            "layer": pa.array(np.tile(np.arange(layers, dtype=np.int16), n)),
+            "state": pa.FixedSizeListArray.from_arrays(flat, width),
+        },
+        schema=schema,
+    )

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import KINDS, OPTIONAL_TABLES, TABLES, SchemaError
+from layerdiv.schemas import KINDS, OPTIONAL_TABLES, TABLES, SchemaError, schema_matches
 from layerdiv.store.atomic import (
     atomic_path,
     host,
@@ -285,7 +285,7 @@ class PartitionWriter:
         schema = TABLES.get(table)
         if schema is None:
             raise ValueError(f"unknown table {table!r}; tables: {', '.join(TABLES)}")
-        if not data.schema.equals(schema, check_metadata=False):
+        if not schema_matches(table, data.schema, schema):
             raise SchemaError(
                 f"chunk {start}: {table} table does not match its schema\n{data.schema}"
             )
