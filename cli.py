@@ -441,10 +441,28 @@ reweight_option = click.option(
 )
 
 
+maps_option = click.option(
+    "--maps",
+    default=None,
+    metavar="all|A:B[,C:D]",
+    help="Also fit ridge maps from every layer of model A's residual states to every layer of "
+    "model B's on one text task extracted with --states (all: every pair of models; METHODS.md "
+    "section 11; tables layer_maps and layer_map_best).",
+)
+maps_ridge_option = click.option(
+    "--maps-ridge",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="The ridge of --maps: lambda = ridge * trace(G) / d (default 1e-3).",
+)
+
+
 def analysis_options(command: Callable[..., None]) -> Callable[..., None]:
     """The store, selection, lens, model-size and analysis options shared by ``analyze`` and
     ``report``."""
     for option in (
+        maps_ridge_option,
+        maps_option,
         reweight_option,
         min_params_option,
         lens_option,
@@ -481,6 +499,8 @@ def analyze_command(
     lens: Any,
     min_params: float,
     reweight: bool,
+    maps: str | None,
+    maps_ridge: float | None,
     out: str,
     fmt: str,
 ) -> None:
@@ -490,7 +510,7 @@ def analyze_command(
     from layerdiv.analyze.output import refuse_inside
 
     refuse_inside(out, store)
-    options = {"reweight": reweight}
+    options = {"reweight": reweight, "maps": maps, "maps_ridge": maps_ridge}
     results = analyze(store, models, tasks, lens, min_params, progress=True, options=options)
     results.write(out, fmt)
     click.echo(f"wrote {len(results.names())} tables ({fmt}) to {out}")
@@ -539,6 +559,8 @@ def report_command(
     lens: Any,
     min_params: float,
     reweight: bool,
+    maps: str | None,
+    maps_ridge: float | None,
     estimator: Any,
     out: str,
     fmt: str,
@@ -562,7 +584,7 @@ def report_command(
                                  param_hint="--explorer-instances")  # fmt: skip
     n_explorer = None if explorer_instances == "all" else int(explorer_instances)
     refuse_inside(out, store)
-    options = {"reweight": reweight}
+    options = {"reweight": reweight, "maps": maps, "maps_ridge": maps_ridge}
     results = analyze(store, models, tasks, lens, min_params, progress=True, options=options)
     path, notes = write_report(results, out, estimator, store, formats, n_explorer)
     click.echo(f"wrote {path}")

@@ -187,6 +187,7 @@ def analyze(
     min_params: float = 0,
     progress: bool = False,
     options: Mapping[str, Any] | None = None,
+    maps: str | None = None,
 ) -> Results:
     """Run every registered analysis (:func:`~layerdiv.analyze.registry.registered`) on the
     selected partitions (``layerdiv.run_analysis``).
@@ -194,7 +195,9 @@ def analyze(
     ``models`` (hub ids or slugs) and ``tasks`` filter the store (a name or a list; empty = all);
     ``lens`` is ``final`` or ``prefix`` (METHODS.md 3); ``min_params`` restricts the
     depth-efficiency tables to models with at least that many parameters (the paper's Fig. 6 uses
-    1e9); ``options`` are analysis-specific switches (e.g. ``{"reweight": True}``). Unknown
+    1e9); ``options`` are analysis-specific switches (e.g. ``{"reweight": True}``); ``maps``
+    (``all`` or ``SOURCE:TARGET[,...]``) also maps every layer of one model's states onto every
+    layer of another's (the ``maps`` option, METHODS.md section 11). Unknown
     names and options raise a ``LayerdivError`` listing the known ones. What could not be
     computed is in ``Results.notes`` and is also warned (``LayerdivWarning``); unreadable
     partitions outside the filters are left out and listed in ``Results.problems``.
@@ -207,6 +210,8 @@ def analyze(
     layerdiv.analyze.api.AnalysisError: unknown option 'reweigth': use one of reweight
     """
     _choice("lens", lens, LENSES)
+    if maps is not None:
+        options = {**(options or {}), "maps": maps}
     analyses = registered()
     known = {k: v for a in analyses for k, v in a.options.items()}
     for key in options or {}:

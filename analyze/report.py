@@ -109,11 +109,12 @@ def render(
         min_params=results.min_params,
         formats=tuple(formats),
     )
-    body = [
-        f"## {a.title}\n\n{a.report(ctx)}"
+    sections = [
+        (a.title, a.report(ctx))
         for a in registered()
         if a.report is not None and a.name in results.analyses
     ]
+    body = [f"## {title}\n\n{text}" for title, text in sections if text]  # "": nothing asked
     n_models, n_tasks = manifests["model"].n_unique(), manifests["task"].n_unique()
     notes = "".join(f"\n\n> {note}" for note in [*results.problems, *ctx.notes])
     header = (

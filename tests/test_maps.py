@@ -1,0 +1,178 @@
+"""Linear maps between two models' layers (``--maps``, METHODS.md section 11): ``layer_maps``
+against a reference of its own (states from plain HF ``output_hidden_states``, float64 ridge
+least squares by ``numpy.linalg.lstsq`` on the augmented system), a model mapped onto itself,
+and the refusals of bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+from click.testing import CliRunner
+
+import layerdiv
+from layerdiv.cli import main
+from tests.test_states import hf_states
+from tests.test_text_extract import random_texts, text_task
+
+MAX_TOKENS = 20
+
+
+def run(*args: str) -> Any:
+    return CliRunner().invoke(main, list(args))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> dict[str, Any]:
+    """A tiny model pair saved with the test tokenizer: llama with 2 blocks of width 32, and
+    with 4 blocks of width 48; the texts and their task."""
+    import transformers as tf
+
+    root = tmp_path_factory.mktemp("maps")
+    folders = {}
+    for name, (layers, width) in {"small": (2, 32), "deep": (4, 48)}.items():
+        torch.manual_seed(layers)
+        config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=width,
+                                intermediate_size=2 * width, num_hidden_layers=layers,
+                                num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=64)  # fmt: skip
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        folders[name] = root / name
+        model.save_pretrained(folders[name])
+        tokenizer.save_pretrained(folders[name])
+    texts = random_texts(16, seed=5)
+    return {"root": root, "folders": folders, "texts": texts,
+            "task": text_task(root / "task", texts, max_tokens=MAX_TOKENS)}  # fmt: skip
+
+
+def extract(pair: dict[str, Any], store: Path, name: str, *flags: str) -> None:
+    r = run("extract", "--model", str(pair["folders"][name]), "--task", str(pair["task"]),
+            "--store", str(store), *flags)  # fmt: skip
+    assert r.exit_code == 0, r.output
+
+
+def reference(
+    x: np.ndarray, y: np.ndarray, docs: np.ndarray, ridge: float = 1e-3
+) -> tuple[np.ndarray, np.ndarray]:
+    """rel_error and r2 of every (i, j): float64, W from lstsq on [Xc; sqrt(lambda) I] W =
+    [Yc; 0] (METHODS.md section 11)."""
+    held = docs % 5 == 4
+    rel = np.empty((x.shape[1], y.shape[1]))
+    r2 = np.empty_like(rel)
+    for i in range(x.shape[1]):
+        xt = x[~held, i]
+        xb = xt.mean(0)
+        xc = xt - xb
+        lam = ridge * np.sum(xc**2) / xc.shape[1]
+        a = np.vstack([xc, np.sqrt(lam) * np.eye(xc.shape[1])])
+        for j in range(y.shape[1]):
+            yt = y[~held, j]
+            yb = yt.mean(0)
+            b = np.vstack([yt - yb, np.zeros((xc.shape[1], yt.shape[1]))])
+            w = np.linalg.lstsq(a, b, rcond=None)[0]
+            yh, yy = (x[held, i] - xb) @ w + yb, y[held, j]
+            err = np.linalg.norm(yh - yy, axis=1)
+            rel[i, j] = np.mean(err / np.maximum(np.linalg.norm(yy, axis=1), 1e-6))
+            r2[i, j] = 1 - np.sum(err**2) / np.sum((yy - yy.mean(0)) ** 2)
+    return rel, r2
+
+
+def hf_rows(pair: dict[str, Any], tokenizer: Any, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Every position 1..T-1 of every document: (doc per row, states (n, L + 1, d) float64)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(pair["folders"][name], dtype=torch.float32)
+    docs, states = [], []
+    for doc, text in enumerate(pair["texts"]):
+        ids = tokenizer(text)["input_ids"][:MAX_TOKENS]
+        states.append(hf_states(model.eval(), ids)[1:])
+        docs += [doc] * (len(ids) - 1)
+    return np.array(docs), np.concatenate(states)
+
+
+def as_grid(frame: pl.DataFrame, space: str, column: str) -> np.ndarray:
+    sub = frame.filter(pl.col("space") == space).sort("source_layer", "target_layer")
+    n = sub["target_layer"].n_unique()
+    return sub[column].to_numpy().reshape(-1, n)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [("float32", 1e-6), ("float16", 3e-3)])
+def test_maps_match_reference(
+    pair: dict[str, Any], tokenizer: Any, tmp_path: Path, dtype: str, tol: float
+) -> None:
+    store = tmp_path / "store"
+    for name in ("small", "deep"):
+        extract(pair, store, name, "--states", "all", "--states-dtype", dtype)
+    small, deep = (str(pair["folders"][n]) for n in ("small", "deep"))
+    results = layerdiv.run_analysis(store, maps=f"{small}:{deep}")
+    maps = results.layer_maps
+    docs, x = hf_rows(pair, tokenizer, "small")
+    _, y = hf_rows(pair, tokenizer, "deep")
+    rel, r2 = reference(x, y, docs)
+    assert as_grid(maps, "states", "rel_error").shape == (3, 5)
+    assert np.abs(as_grid(maps, "states", "rel_error") - rel).max() < tol
+    assert np.abs(as_grid(maps, "states", "r2") - r2).max() < tol
+    rel_u, r2_u = reference(np.diff(x, axis=1), np.diff(y, axis=1), docs)
+    assert np.abs(as_grid(maps, "updates", "rel_error") - rel_u).max() < tol
+    assert np.abs(as_grid(maps, "updates", "r2") - r2_u).max() < tol
+    held = int((docs % 5 == 4).sum())
+    assert maps["n_heldout"].unique().to_list() == [held]
+    assert maps["n_train"].unique().to_list() == [len(docs) - held]
+    best = results.layer_map_best.filter(pl.col("space") == "states").sort("source_layer")
+    want = [int(np.argmin(rel[i, 1:])) + 1 for i in (1, 2)]
+    assert best["target_layer"].to_list() == want
+    assert best["source_depth"].to_list() == [0.5, 1.0]
+    assert best["target_depth"].to_list() == [j / 4 for j in want]
+
+
+def test_identity_and_report(pair: dict[str, Any], tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    extract(pair, store, "small", "--states", "all", "--states-dtype", "float32")
+    slug = layerdiv.Store(store).select()[0].model
+    maps = layerdiv.run_analysis(store, maps=f"{slug}:{slug}").layer_maps
+    for space in ("states", "updates"):
+        grid = as_grid(maps, space, "rel_error")
+        diagonal = np.diag(grid)
+        assert diagonal.max() < 0.02, diagonal
+        assert diagonal.max() < np.min(grid + np.eye(len(grid)) * 9, axis=1).min()
+    out = tmp_path / "report"
+    r = run("report", "--store", str(store), "--maps", f"{slug}:{slug}", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    text = (out / "report.md").read_text()
+    assert "follows relative depth (Spearman 1.00" in text
+    assert (out / "figures" / "layer_maps.png").stat().st_size > 10_000
+
+
+def test_refusals(pair: dict[str, Any], tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    extract(pair, store, "small")  # no states
+    r = run("analyze", "--store", str(store), "--maps", "all", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 1 and "no selected partition has states" in r.output
+    extract(pair, store, "small", "--states", "all")
+    r = run("analyze", "--store", str(store), "--maps", "all", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 1 and "has the states of one model only" in r.output
+    extract(pair, store, "deep")  # a partition without states, named
+    deep = str(pair["folders"]["deep"])
+    small = str(pair["folders"]["small"])
+    r = run("analyze", "--store", str(store), "--maps", f"{small}:{deep}", "--out",
+            str(tmp_path / "o"))  # fmt: skip
+    assert r.exit_code == 1 and "has no states; add them with" in r.output
+    # other tokens: another --states-seed draws other positions
+    extract(pair, store, "deep", "--states", "3", "--states-seed", "1", "--overwrite")
+    extract(pair, store, "small", "--states", "3", "--overwrite")
+    r = run("analyze", "--store", str(store), "--maps", "all", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 1 and "stored row 0 is (doc 0, pos" in r.output
+    assert "another tokenizer, --states K or --states-seed, or other documents" in r.output
+    # two tasks
+    other = text_task(pair["root"] / "other", pair["texts"][:6], max_tokens=8, name="other")
+    r = run("extract", "--model", deep, "--task", str(other), "--store", str(store),
+            "--states", "all")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    r = run("analyze", "--store", str(store), "--maps", "all", "--out", str(tmp_path / "o"))
+    assert r.exit_code == 1 and "states of tasks docs, other; choose one with --task" in r.output
+    for out in (r.output,):
+        assert len([line for line in out.splitlines() if line.startswith("Error")]) == 1
