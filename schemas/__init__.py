@@ -476,13 +476,14 @@ _TABLES_V1 = {
     "instances": _schema("instances", _INSTANCE_FIELDS_V2, version=1),
 }
 
+_TABLES_V4 = {t: s for t, s in TABLES.items() if t != "states"}
 _TABLES_V3 = {t: TABLES[t] for t in ("components", "instances", "skips", "heads", "gram")}
 _TABLES_V2 = {**_TABLES_V3, "instances": _schema("instances", _INSTANCE_FIELDS_V2, version=2)}
 
 
 def tables_of(version: int) -> dict[str, pa.Schema]:
     """The tables (and their schemas) of a store written with schema ``version``."""
-    return {1: _TABLES_V1, 2: _TABLES_V2, 3: _TABLES_V3}.get(version, TABLES)
+    return {1: _TABLES_V1, 2: _TABLES_V2, 3: _TABLES_V3, 4: _TABLES_V4}.get(version, TABLES)
 
 
 def gram_index(a: int, b: int, n: int) -> int:

@@ -123,3 +123,31 @@ def test_float16_overflow_names_bfloat16(
     errors = [line for line in r.output.splitlines() if "Error" in line]
     assert len(errors) == 1 and "does not fit float16; use --states-dtype bfloat16" in errors[0]
     assert not list((store / "states").rglob("*.parquet"))
+
+
+def test_version_4_text_store_still_reads(
+    tmp_path: Path, model_dirs: Any, texts: list[str]
+) -> None:
+    """A text partition written before states existed (schema version 4) reads, analyses, and
+    ``--maps`` says it has no states."""
+    import json
+
+    import layerdiv
+    from layerdiv.schemas import tables_of
+
+    task = text_task(tmp_path / "task", texts, max_tokens=12)
+    store = tmp_path / "store"
+    r = extract("--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store))
+    assert r.exit_code == 0, r.output
+    path = next(store.glob("manifests/*/*/manifest.json"))
+    data = json.loads(path.read_text())
+    for name in ("states_k", "states_seed", "states_dtype"):
+        del data[name]  # fields of version 5
+    data["schema_version"] = 4
+    path.write_text(json.dumps(data))
+    assert "states" not in tables_of(4) and "states" in tables_of(5)
+    (info,) = Store(store).select()
+    assert info.manifest.schema_version == 4 and info.manifest.states_dtype is None
+    assert "text_geometry" in layerdiv.run_analysis(store).names()
+    with pytest.raises(layerdiv.LayerdivError, match="no selected partition has states"):
+        layerdiv.run_analysis(store, maps="all")

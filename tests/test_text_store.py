@@ -27,6 +27,7 @@ from layerdiv.store.tables import (
     future_effects_table,
     future_output_table,
     token_blocks_table,
+    states_table,
     token_lens_table,
     tokens_table,
 )
@@ -67,6 +68,11 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
             docs, [list(range(100 * d, 100 * d + n)) for d, n in zip(docs, n_tok, strict=True)]
         ),
         "token_blocks": token_blocks_table(docs, n_tok, dots),
+        "states": states_table(
+            docs,
+            [np.arange(1, n) for n in n_tok],
+            [rng.normal(size=(n - 1, BLOCKS + 1, 8)).astype(np.float16) for n in n_tok],
+        ),
         "documents": documents_table(
             docs, n_tok, [n > 6 for n in n_tok], [str(d % 2) for d in docs]
         ),
@@ -93,6 +99,9 @@ def test_text_partition_reads_back(text_store: Path) -> None:
     assert info.n_done == len(LENGTHS)
     assert info.tables == list(KINDS["text"].optional) and not info.incomplete()
     assert not (text_store / "components").exists()  # only the text kind's folders are made
+    key, ids, states = info.states()  # every position but the first, its token and L + 1 states
+    assert len(key) == sum(n - 1 for n in LENGTHS) and states.shape[1:] == (BLOCKS + 1, 8)
+    assert key[:4, 1].tolist() == [1, 2, 3, 4] and ids[:5].tolist() == [1, 2, 3, 4, 101]
     con = store.duckdb()
     total = sum(LENGTHS)
     got = con.execute(
@@ -153,7 +162,7 @@ def test_version_3_choice_store_still_reads(tmp_path: Path) -> None:
         del data[name]  # fields of version 4
     data["schema_version"] = 3
     path.write_text(json.dumps(data))
-    assert SCHEMA_VERSION == 4 and "lens" not in tables_of(3) and "tokens" not in tables_of(3)
+    assert SCHEMA_VERSION == 5 and "lens" not in tables_of(3) and "tokens" not in tables_of(3)
     assert "prompt" in tables_of(3)["instances"].names
     store = Store(tmp_path)
     (info,) = store.select()

@@ -1,0 +1,133 @@
+"""Scale benchmark of the layer maps (``analyze --maps``, METHODS.md section 11; a script, not a
+test).
+
+The depth-efficiency paper's shape on synthetic states: a source model of width 1536 with 29
+states (Qwen2.5-1.5B) onto a target of width 5120 with 49 states (Qwen2.5-14B), 32,768 training
+and 8,192 held-out tokens, every one of the 29 x 49 = 1,421 pairs of states and the 28 x 48 pairs
+of updates. The solver (``layerdiv.analyze.layer_maps.fit_maps``) is timed at two token counts,
+and its time compared with its matrix-multiply FLOP count (``map_flops``) at this machine's numpy
+float64 GEMM rate, measured here on a product of the workload's shape. Peak memory is the
+process's max RSS.
+
+Synthetic states are rows of a fixed random pool (float16, ``--pool`` rows per model) permuted
+per layer, so that nothing of the token count's size is held: what memory grows with is the
+solver's alone.
+
+    python benchmarks/bench_maps.py [--train 32768] [--heldout 8192] [--quick]
+
+``--train``/``--heldout`` give the larger token count; the smaller one is half of it.
+``--quick``: tiny sizes, seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from layerdiv.analyze.layer_maps import fit_maps, map_flops
+
+PAPER = {"d_a": 1536, "l_a": 29, "d_b": 5120, "l_b": 49, "train": 32768, "heldout": 8192}
+QUICK = {"d_a": 48, "l_a": 5, "d_b": 96, "l_b": 7, "train": 2048, "heldout": 512}
+
+
+@dataclass
+class PoolLayers:
+    """Synthetic ``Layers``: layer l's row r is row (r * 7919 + 131 l) % pool of a random
+    float16 pool; with ``updates``, the difference of consecutive layers."""
+
+    pool: np.ndarray
+    layers: int
+    updates: bool = False
+
+    @property
+    def n_layers(self) -> int:
+        return self.layers - int(self.updates)
+
+    @property
+    def width(self) -> int:
+        return int(self.pool.shape[1])
+
+    def _state(self, layer: int, start: int, stop: int) -> np.ndarray:
+        index = (np.arange(start, stop) * 7919 + 131 * layer) % len(self.pool)
+        return self.pool[index].astype(np.float64)
+
+    def rows(self, layer: int, start: int, stop: int) -> np.ndarray:
+        h = self._state(layer, start, stop)
+        return self._state(layer + 1, start, stop) - h if self.updates else h
+
+
+def gemm_rate(d_a: int, d_b: int, rows: int = 4096, repeats: int = 3) -> float:
+    """Float64 FLOP/s of numpy's matrix multiply on the solver's block product (d_A x rows)
+    times (rows x d_B), best of ``repeats``."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((rows, d_a)), rng.standard_normal((rows, d_b))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a.T @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * rows * d_a * d_b / best
+
+
+def run(shape: dict[str, int], train: int, heldout: int, pool: int) -> tuple[float, float, float]:
+    """Every pair of states and of updates at ``train`` + ``heldout`` tokens: (wall seconds,
+    CPU seconds, FLOPs)."""
+    rng = np.random.default_rng(1)
+    src = rng.standard_normal((pool, shape["d_a"])).astype(np.float16)
+    tgt = rng.standard_normal((pool, shape["d_b"])).astype(np.float16)
+    flops = 0.0
+    wall, cpu = time.perf_counter(), time.process_time()
+    for updates in (False, True):
+        a, b = PoolLayers(src, shape["l_a"], updates), PoolLayers(tgt, shape["l_b"], updates)
+        fit_maps(a, b, train, heldout)
+        flops += map_flops(a.width, b.width, a.n_layers, b.n_layers, train, heldout)
+    return time.perf_counter() - wall, time.process_time() - cpu, flops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--train", type=int, default=None)
+    parser.add_argument("--heldout", type=int, default=None)
+    parser.add_argument("--pool", type=int, default=2048)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
+    args = parser.parse_args()
+    shape = dict(QUICK if args.quick else PAPER)
+    train, heldout = args.train or shape["train"], args.heldout or shape["heldout"]
+    pairs = shape["l_a"] * shape["l_b"] + (shape["l_a"] - 1) * (shape["l_b"] - 1)
+    print(f"source d {shape['d_a']} x {shape['l_a']} states, target d {shape['d_b']} x "
+          f"{shape['l_b']} states: {pairs} pairs (states and updates); {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f} (other work shares this machine)")  # fmt: skip
+    rate = gemm_rate(shape["d_a"], shape["d_b"])
+    print(f"numpy float64 GEMM rate: {rate / 1e9:.1f} GFLOP/s")
+    results = []
+    for scale in (0.5, 1.0):
+        n_t, n_h = int(train * scale), int(heldout * scale)
+        wall, cpu, flops = run(shape, n_t, n_h, args.pool)
+        at_rate = flops / rate
+        results.append((n_t + n_h, wall))
+        print(
+            f"{n_t} + {n_h} tokens: {wall:.1f} s wall ({cpu:.1f} s CPU), {flops:.3g} FLOPs -> "
+            f"{at_rate:.1f} s at the GEMM rate; ratio {wall / at_rate:.2f} (target <= 2)"
+        )
+    (n0, t0), (n1, t1) = results
+    print(f"time per token: {t0 / n0 * 1e3:.3f} ms at {n0}, {t1 / n1 * 1e3:.3f} ms at {n1} "
+          f"tokens (ratio {t1 / n1 / (t0 / n0):.2f}; 1 is linear)")  # fmt: skip
+    paper_tokens = PAPER["train"] + PAPER["heldout"]
+    if not args.quick and n1 != paper_tokens:
+        slope = (t1 - t0) / (n1 - n0)
+        print(f"extrapolated to {paper_tokens} tokens: {t0 + slope * (paper_tokens - n0):.0f} s")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"peak memory (max RSS): {peak:.2f} GiB (target <= 8)")
+    print(
+        "the paper's maps (AdamW, one per source layer, on GPUs): about 80 GPU-days, as a "
+        "third-party summary puts it"
+    )
+
+
+if __name__ == "__main__":
+    main()
