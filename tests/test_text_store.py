@@ -26,8 +26,8 @@ from layerdiv.store.tables import (
     documents_table,
     future_effects_table,
     future_output_table,
-    token_blocks_table,
     states_table,
+    token_blocks_table,
     token_lens_table,
     tokens_table,
 )
