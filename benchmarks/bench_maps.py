@@ -13,7 +13,8 @@ Synthetic states are rows of a fixed random pool (float16, ``--pool`` rows per m
 per layer, so that nothing of the token count's size is held: what memory grows with is the
 solver's alone.
 
-    python benchmarks/bench_maps.py [--train 32768] [--heldout 8192] [--quick]
+    python benchmarks/bench_maps.py [--train 32768] [--heldout 8192] [--width-divisor 1]
+        [--quick]
 
 ``--train``/``--heldout`` give the larger token count; the smaller one is half of it.
 ``--quick``: tiny sizes, seconds.
@@ -94,9 +95,17 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=None)
     parser.add_argument("--heldout", type=int, default=None)
     parser.add_argument("--pool", type=int, default=2048)
+    parser.add_argument(
+        "--width-divisor",
+        type=int,
+        default=1,
+        help="divide both widths by this (a smaller machine; the layer counts stay)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
     args = parser.parse_args()
     shape = dict(QUICK if args.quick else PAPER)
+    shape["d_a"] //= args.width_divisor
+    shape["d_b"] //= args.width_divisor
     train, heldout = args.train or shape["train"], args.heldout or shape["heldout"]
     pairs = shape["l_a"] * shape["l_b"] + (shape["l_a"] - 1) * (shape["l_b"] - 1)
     print(f"source d {shape['d_a']} x {shape['l_a']} states, target d {shape['d_b']} x "

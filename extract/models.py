@@ -335,3 +335,28 @@ def load_model(
         raise ModelLoadError(f"cannot load the weights of {source.model_id!r}: {err}") from err
     model.eval().requires_grad_(False)
     return LoadedModel(source, model, tokenizer, device, dtype)
+
+
+def save_every_other_block(model: str, folder: Path) -> Path:
+    """Save into ``folder`` (config, weights, tokenizer) a shallower sibling of ``model`` (an id
+    ``resolve_source`` takes): its decoder blocks 0, 2, 4, ... kept and every other one removed,
+    with the same embedding, final norm and unembedding. A real model from the same weights, but
+    a damaged one (nothing is retrained: its blocks read states they were not trained on); the
+    maps between layers (METHODS.md section 11) of two models of one family need no more than
+    two depths of the same residual stream. Returns ``folder``."""
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_source(model, None, None, False)
+    full = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
+    blocks = full.model.layers
+    kept = torch.nn.ModuleList(blocks[i] for i in range(0, len(blocks), 2))
+    for new, block in enumerate(kept):
+        if hasattr(block.self_attn, "layer_idx"):
+            block.self_attn.layer_idx = new
+    full.model.layers = kept
+    full.config.num_hidden_layers = len(kept)
+    if getattr(full.config, "layer_types", None):
+        full.config.layer_types = full.config.layer_types[::2]
+    full.save_pretrained(folder)
+    load_tokenizer(source).save_pretrained(folder)
+    return folder

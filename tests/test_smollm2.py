@@ -51,3 +51,40 @@ def test_demo_writes_a_running_text_task_on_bbc_news(tmp_path: Path) -> None:
     assert (spec.kind, spec.max_tokens, spec.n) == ("text", TEXT_TOKENS, TEXT_DOCS)
     lines = (tmp_path / "tasks" / f"{TEXT_TASK}.jsonl").read_text().splitlines()
     assert len(lines) == TEXT_DOCS and all(len(line) > 200 for line in lines)
+
+
+def test_maps_from_the_15_block_sibling_onto_smollm2(tmp_path: Path) -> None:
+    """SmolLM2's every-other-block sibling (15 of its 30 blocks, a damaged model from the same
+    weights) mapped onto SmolLM2 on BBC News running text: the best target layer of every
+    source layer follows relative depth (METHODS.md section 11). Prints the table and Spearman's
+    correlation (``pytest -s``)."""
+    import json
+    import random
+
+    import layerdiv
+    from layerdiv.analyze.analyses.maps import spearman
+    from layerdiv.demo import bbc_articles
+    from layerdiv.extract.models import save_every_other_block
+
+    sibling = save_every_other_block("smollm2-135m-instruct", tmp_path / "smollm2-15-blocks")
+    rows = random.Random(0).sample(bbc_articles(paragraphs=4), 40)
+    (tmp_path / "bbc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = {"name": "bbc-text", "kind": "text", "data": "bbc.jsonl", "text": "{{ text }}",
+            "max_tokens": 32, "n": len(rows)}  # fmt: skip
+    (tmp_path / "bbc.yaml").write_text(json.dumps(spec))
+    store = tmp_path / "store"
+    for model in ("smollm2-135m-instruct", str(sibling)):
+        args = ["extract", "--model", model, "--task", str(tmp_path / "bbc.yaml"),
+                "--store", str(store), "--states", "all"]  # fmt: skip
+        result = CliRunner().invoke(main, args, catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+    results = layerdiv.run_analysis(store, maps=f"{sibling}:smollm2-135m-instruct")
+    best = results.layer_map_best
+    with pl.Config(tbl_rows=100, tbl_cols=20, tbl_width_chars=200):
+        print(best.drop("task", "source_model", "target_model"))
+        print(spearman(best).drop("task", "source_model", "target_model"))
+    maps = results.layer_maps
+    assert maps.filter(pl.col("space") == "states").height == 16 * 31
+    assert maps.filter(pl.col("space") == "updates").height == 15 * 30
+    rho = spearman(best).filter(pl.col("space") == "states")["spearman"].item()
+    assert rho > 0.9, rho
