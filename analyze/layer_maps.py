@@ -108,14 +108,23 @@ def fit_maps(
         lam = ridge * np.trace(gram) / source.width
         gram[np.diag_indices_from(gram)] += lam
         factor = cho_factor(gram, overwrite_a=True)  # one factorisation, every target layer
+        # With at most d_B held-out rows, (x - x_bar)(G + lambda I)^-1 of every held-out row once
+        # (no larger than W) replaces a solve per target layer.
+        solved = (
+            [cho_solve(factor, (source.rows(i, s, e) - x_bar).T).T for s, e in held]
+            if solve_rows(n_heldout, target.width)
+            else None
+        )
         for j in range(target.n_layers):
             cross = np.zeros((source.width, target.width))
             for s, e in train:  # Xc'Yc = Xc'Y: the centred columns of Xc sum to zero
                 cross += (source.rows(i, s, e) - x_bar).T @ target.rows(j, s, e)
-            w = cho_solve(factor, cross, overwrite_b=True)
+            w = None if solved is not None else cho_solve(factor, cross, overwrite_b=True)
             err_norm, err_sq = [], 0.0
-            for s, e in held:
-                err = (source.rows(i, s, e) - x_bar) @ w
+            for b, (s, e) in enumerate(held):  # y_hat - y = (x - x_bar) W + y_bar - y
+                err = (
+                    solved[b] @ cross if solved is not None else (source.rows(i, s, e) - x_bar) @ w
+                )
                 err += y_bar[j]
                 err -= target.rows(j, s, e)
                 sq = np.einsum("ij,ij->i", err, err)
@@ -128,11 +137,18 @@ def fit_maps(
     return MapScores(rel, r2)
 
 
+def solve_rows(n_heldout: int, d_b: int) -> bool:
+    """Whether :func:`fit_maps` solves for the held-out rows once per source layer (at most d_B
+    of them) rather than for W once per pair."""
+    return n_heldout <= d_b
+
+
 def map_flops(d_a: int, d_b: int, l_a: int, l_b: int, n_train: int, n_heldout: int) -> float:
     """Matrix-multiply and factorisation FLOPs of :func:`fit_maps` for ``l_a`` x ``l_b`` layer
     pairs: per source layer the Gram matrix (2 n_t d_A^2) and its Cholesky (d_A^3 / 3); per pair
-    the cross-product (2 n_t d_A d_B), the solve (2 d_A^2 d_B) and the held-out predictions
-    (2 n_h d_A d_B)."""
-    per_source = 2 * n_train * d_a**2 + d_a**3 / 3
-    per_pair = 2 * (n_train + n_heldout) * d_a * d_b + 2 * d_a**2 * d_b
+    the cross-product (2 n_t d_A d_B) and the held-out predictions (2 n_h d_A d_B); the solve,
+    per source layer for the held-out rows (2 n_h d_A^2) or per pair for W (2 d_A^2 d_B)."""
+    rows = solve_rows(n_heldout, d_b)
+    per_source = 2 * n_train * d_a**2 + d_a**3 / 3 + (2 * n_heldout * d_a**2 if rows else 0)
+    per_pair = 2 * (n_train + n_heldout) * d_a * d_b + (0 if rows else 2 * d_a**2 * d_b)
     return float(l_a * per_source + l_a * l_b * per_pair)

@@ -176,3 +176,20 @@ def test_refusals(pair: dict[str, Any], tmp_path: Path) -> None:
     assert r.exit_code == 1 and "states of tasks docs, other; choose one with --task" in r.output
     for out in (r.output,):
         assert len([line for line in out.splitlines() if line.startswith("Error")]) == 1
+
+
+@pytest.mark.parametrize("d_b", [40, 6])  # held-out rows solved once (12 <= d_B), or W per pair
+def test_fit_maps_against_lstsq(d_b: int) -> None:
+    from layerdiv.analyze.layer_maps import ArrayLayers, fit_maps, solve_rows
+
+    rng = np.random.default_rng(0)
+    docs = np.repeat(np.arange(10), 6)  # documents 4 and 9 held out: 12 rows
+    x = rng.normal(size=(60, 3, 8)) + 5
+    y = np.einsum("nld,de->nle", x, rng.normal(size=(8, d_b)))[:, [0, 1, 2, 2]]
+    y += rng.normal(size=y.shape) * 0.3
+    held = docs % 5 == 4
+    order = np.concatenate([np.flatnonzero(~held), np.flatnonzero(held)])
+    assert solve_rows(int(held.sum()), d_b) == (d_b == 40)
+    got = fit_maps(ArrayLayers(x, order), ArrayLayers(y, order), 48, 12, block_rows=7)
+    rel, r2 = reference(x, y, docs)
+    assert np.abs(got.rel_error - rel).max() < 1e-10 and np.abs(got.r2 - r2).max() < 1e-10

@@ -67,10 +67,10 @@ def test_maps_from_the_15_block_sibling_onto_smollm2(tmp_path: Path) -> None:
     from layerdiv.extract.models import save_every_other_block
 
     sibling = save_every_other_block("smollm2-135m-instruct", tmp_path / "smollm2-15-blocks")
-    rows = random.Random(0).sample(bbc_articles(paragraphs=4), 40)
+    rows = random.Random(0).sample(bbc_articles(paragraphs=4), 20)
     (tmp_path / "bbc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     spec = {"name": "bbc-text", "kind": "text", "data": "bbc.jsonl", "text": "{{ text }}",
-            "max_tokens": 32, "n": len(rows)}  # fmt: skip
+            "max_tokens": 24, "n": len(rows)}  # fmt: skip
     (tmp_path / "bbc.yaml").write_text(json.dumps(spec))
     store = tmp_path / "store"
     for model in ("smollm2-135m-instruct", str(sibling)):
