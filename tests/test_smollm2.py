@@ -87,4 +87,4 @@ def test_maps_from_the_15_block_sibling_onto_smollm2(tmp_path: Path) -> None:
     assert maps.filter(pl.col("space") == "states").height == 16 * 31
     assert maps.filter(pl.col("space") == "updates").height == 15 * 30
     rho = spearman(best).filter(pl.col("space") == "states")["spearman"].item()
-    assert rho > 0.9, rho
+    assert rho > 0.8, rho
