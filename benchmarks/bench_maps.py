@@ -62,17 +62,20 @@ class PoolLayers:
         return self._state(layer + 1, start, stop) - h if self.updates else h
 
 
-def gemm_rate(d_a: int, d_b: int, rows: int = 4096, repeats: int = 3) -> float:
+def gemm_rate(d_a: int, d_b: int, rows: int = 4096, repeats: int = 3) -> tuple[float, float]:
     """Float64 FLOP/s of numpy's matrix multiply on the solver's block product (d_A x rows)
-    times (rows x d_B), best of ``repeats``."""
+    times (rows x d_B), best of ``repeats``: per wall second, and per CPU second of this
+    process (every BLAS thread; the fairer figure on a machine that other work shares)."""
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((rows, d_a)), rng.standard_normal((rows, d_b))
-    best = float("inf")
+    wall, cpu = float("inf"), float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         a.T @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * rows * d_a * d_b / best
+        wall = min(wall, time.perf_counter() - start)
+        cpu = min(cpu, time.process_time() - start_cpu)
+    flops = 2 * rows * d_a * d_b
+    return flops / wall, flops / max(cpu, 1e-9)
 
 
 def run(shape: dict[str, int], train: int, heldout: int, pool: int) -> tuple[float, float, float]:
@@ -111,25 +114,30 @@ def main() -> None:
     print(f"source d {shape['d_a']} x {shape['l_a']} states, target d {shape['d_b']} x "
           f"{shape['l_b']} states: {pairs} pairs (states and updates); {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f} (other work shares this machine)")  # fmt: skip
-    rate = gemm_rate(shape["d_a"], shape["d_b"])
-    print(f"numpy float64 GEMM rate: {rate / 1e9:.1f} GFLOP/s")
+    rate, cpu_rate = gemm_rate(shape["d_a"], shape["d_b"])
+    print(f"numpy float64 GEMM rate: {rate / 1e9:.1f} GFLOP/s per wall second, "
+          f"{cpu_rate / 1e9:.1f} per CPU second")  # fmt: skip
     results = []
     for scale in (0.5, 1.0):
         n_t, n_h = int(train * scale), int(heldout * scale)
         wall, cpu, flops = run(shape, n_t, n_h, args.pool)
         at_rate = flops / rate
-        results.append((n_t + n_h, wall))
+        results.append((n_t + n_h, cpu))
+        at_cpu = flops / cpu_rate
         print(
             f"{n_t} + {n_h} tokens: {wall:.1f} s wall ({cpu:.1f} s CPU), {flops:.3g} FLOPs -> "
-            f"{at_rate:.1f} s at the GEMM rate; ratio {wall / at_rate:.2f} (target <= 2)"
+            f"{at_rate:.1f} s wall ({at_cpu:.1f} s CPU) at the GEMM rate; ratio "
+            f"{wall / at_rate:.2f} wall, {cpu / at_cpu:.2f} CPU (target <= 2)"
         )
     (n0, t0), (n1, t1) = results
-    print(f"time per token: {t0 / n0 * 1e3:.3f} ms at {n0}, {t1 / n1 * 1e3:.3f} ms at {n1} "
+    print(f"CPU time per token: {t0 / n0 * 1e3:.3f} ms at {n0}, {t1 / n1 * 1e3:.3f} ms at {n1} "
           f"tokens (ratio {t1 / n1 / (t0 / n0):.2f}; 1 is linear)")  # fmt: skip
     paper_tokens = PAPER["train"] + PAPER["heldout"]
-    if not args.quick and n1 != paper_tokens:
+    if not args.quick and args.width_divisor == 1 and n1 != paper_tokens:
         slope = (t1 - t0) / (n1 - n0)
-        print(f"extrapolated to {paper_tokens} tokens: {t0 + slope * (paper_tokens - n0):.0f} s")
+        print(
+            f"extrapolated to {paper_tokens} tokens: {t0 + slope * (paper_tokens - n0):.0f} s CPU"
+        )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"peak memory (max RSS): {peak:.2f} GiB (target <= 8)")
     print(
