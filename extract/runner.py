@@ -264,8 +264,8 @@ def _chunk_size(cfg: ExtractConfig) -> int:
 
 
 def _check(dec: BatchDecomposition, ids: list[int], task: str, tol: float) -> None:
-    """The invariants of a batch: components sum to the model's logits (METHODS.md section 1)
-    and, with ``--heads``, heads sum to their attention components (section 8)."""
+    """The invariants of a batch: components sum to the model's logits (methods §1)
+    and, with ``--heads``, heads sum to their attention components (methods §8)."""
     check_batch(dec, ids, task, tol)
     if dec.heads is not None:
         check_head_sums(dec.heads, dec, ids, task, tol)

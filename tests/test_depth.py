@@ -1,4 +1,4 @@
-"""Depth use (METHODS.md section 7) from synthetic stores whose vectors we know.
+"""Depth use (methods §7) from synthetic stores whose vectors we know.
 
 Each partition is made from random component vectors z (N, C, d): the stored columns (out_norm,
 prefix_rms, cos_residual, cos_prev) are computed from them as extraction does, and every table is

@@ -49,8 +49,8 @@ def stratified_sample(correct: np.ndarray, n: int | None) -> np.ndarray:
 def settle_junction(logits: np.ndarray) -> np.ndarray:
     """For (N, C, K) component logits u_c[k]: the first junction j (1-based) from which the
     running prediction argmax_k sum_(c' <= c) u_c'[k] equals the final prediction at every
-    later junction (N,). The final norm's scale is frozen (METHODS.md Eq. 2-3), so
-    the running sums are the prefix logits of lens ``final``."""
+    later junction (N,). The final norm's scale is frozen (methods §1, paper Eqs. 2-3), so
+    the running sums are the prefix logits of scale ``final``."""
     running = np.cumsum(logits.astype(np.float64), axis=1).argmax(axis=2)
     same = running == running[:, -1:]
     # The last junction that differs from the final prediction (-1 when none does).
