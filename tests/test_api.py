@@ -243,5 +243,5 @@ def test_what_a_notebook_user_types_works(store: Path, results: Any) -> None:
     with pytest.raises(KeyError, match="no result table 'score'; the tables are"):
         results["score"]
     assert layerdiv.run_analysis.__name__ == "run_analysis"
-    doc = pydoc.render_doc(layerdiv.run_analysis, renderer=pydoc.plaintext)
+    doc = pydoc.plain(pydoc.render_doc(layerdiv.run_analysis))
     assert "function run_analysis in" in doc and doc.splitlines()[2].startswith("run_analysis(")
