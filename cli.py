@@ -683,12 +683,14 @@ def preview(relation: Any, max_rows: int) -> Iterator[str]:
 def ls_command(store: str, models: tuple[str, ...], tasks: tuple[str, ...]) -> None:
     """List what the store holds: models, tasks, instance counts, extraction dates; and every
     partition that cannot be read (exit 1)."""
-    from layerdiv.analyze.api import ls
+    from layerdiv.analyze.api import ls, weights_notes
     from layerdiv.store import Store
 
     st = Store(store)
     table = ls(st, models, tasks)
-    click.echo(show(table))
+    click.echo(show(table.drop("weights")))
+    for line in weights_notes(table):
+        click.echo(f"Note: {line}")
     for note in st.incomplete(models, tasks):
         click.echo(f"Note: {note}")
     fail_after(st.problems(models, tasks))

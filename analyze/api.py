@@ -352,8 +352,16 @@ def ls(store: StoreLike, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
             "n_params",
             "dtype",
             "created_at",
+            "weights",
         )
     )
+
+
+def weights_notes(manifests: pl.DataFrame) -> list[str]:
+    """One line per model whose weights were made from the files given rather than loaded as
+    they are (the manifests' ``weights``, e.g. a GGUF quantization dequantized to float32)."""
+    rows = manifests.filter(pl.col("weights").is_not_null()).select("model_id", "weights")
+    return [f"{m}: weights {w}" for m, w in rows.unique(maintain_order=True).iter_rows()]
 
 
 def query(store: StoreLike, sql: str, models: Names = (), tasks: Names = ()) -> pl.DataFrame:

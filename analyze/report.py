@@ -18,7 +18,7 @@ import polars as pl
 
 from layerdiv import __version__
 from layerdiv.analyze import methods
-from layerdiv.analyze.api import Results
+from layerdiv.analyze.api import Results, weights_notes
 from layerdiv.analyze.markdown import DASH, markdown_table
 from layerdiv.analyze.methods import PAGE as METHODS_PAGE
 from layerdiv.analyze.methods import cite
@@ -64,7 +64,8 @@ def model_names(manifests: pl.DataFrame) -> dict[str, str]:
 
 
 def provenance_table(manifests: pl.DataFrame) -> str:
-    """Per partition: model id, task, instances done of requested, dtype, revision, date."""
+    """Per partition: model id, task, instances done of requested, dtype, revision, date; and
+    how a model's weights were made when not loaded as they are."""
     rows = [
         [
             r["model_id"],
@@ -88,7 +89,8 @@ def provenance_table(manifests: pl.DataFrame) -> str:
         "Revision",
         "Extracted",
     ]
-    return markdown_table(header, rows)
+    made = "".join(f"\n\n{line}." for line in weights_notes(manifests))
+    return markdown_table(header, rows) + made
 
 
 def render(

@@ -153,6 +153,10 @@ class Manifest:
     """Seed of the random split points."""
     skip_sublayers: list[str] | None = None
     """Text tasks with ``--skips``: what each skip removed (``layerdiv.schemas.SUBLAYERS``)."""
+    weights: str | None = None
+    """How the weights were made from the files given, when not loaded as they are: e.g. a
+    GGUF file's quantization dequantized to float32 (schema version 5; None: loaded as they are,
+    or an older manifest)."""
 
     @property
     def n_blocks(self) -> int:

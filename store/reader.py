@@ -449,9 +449,10 @@ class Store:
                     "approximate": m.approximate,
                     "schema_version": m.schema_version,
                     "created_at": m.created_at,
+                    "weights": m.weights,
                 }
             )
-        return pl.DataFrame(rows)
+        return pl.DataFrame(rows, schema_overrides={"weights": pl.String})
 
     def query(self, sql: str, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
         """Run SQL against the views of :meth:`duckdb` (``layerdiv.query``); the result of the

@@ -25,6 +25,11 @@ def test_smollm2_extract_on_packaged_bbc_news(tmp_path: Path) -> None:
     assert m.model_type == "llama" and m.n_params > 100e6
     assert len(m.components) == 1 + 2 * 30  # embedding + 30 attention + 30 MLP blocks
     assert m.options == ["Business", "Entertainment", "Politics", "Sports", "Technology"]
+    # the demo's model is a quantized GGUF, dequantized: recorded where a reader looks
+    assert m.weights is not None and m.weights.startswith("SmolLM2-135M-Instruct.Q4_1.gguf: ")
+    assert "GGUF Q4_1 (Q4_1 " in m.weights and "dequantized to float32" in m.weights
+    listed = CliRunner().invoke(main, ["ls", "--store", str(store)])
+    assert f"Note: smollm2-135m-instruct: weights {m.weights}" in listed.output
     inst = Store(store).scan("instances").collect()
     comps = Store(store).scan("components").collect()
     assert inst.height == 60 and comps.height == 60 * 61 * 5

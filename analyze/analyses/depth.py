@@ -401,11 +401,12 @@ def _skip_table(info: PartitionInfo) -> pl.DataFrame:
 
 
 def _partition_tables(info: PartitionInfo) -> tuple[dict[str, pl.DataFrame], list[str]]:
-    """The tables one partition can give, and what it lacks (``gram``, ``skips``, ``cos_prev``,
-    ``norms`` or ``norms_gram``, ``blocks``); an optional table that some stored instances lack
-    is left out (``PartitionInfo.incomplete`` says so, once for every analysis)."""
+    """The tables one partition can give, and what it lacks (``cos_prev``, ``norms`` or
+    ``norms_gram``, ``blocks``); an optional table that some stored instances lack is left out
+    (``PartitionInfo.incomplete`` says so, once for every analysis); one never extracted is said
+    in the report's section (:func:`not_extracted`)."""
     extra, out = set(info.tables), {}
-    lacks = [table for table in ("gram", "skips") if table not in info.lacking]
+    lacks: list[str] = []
     if "skips" in extra:
         out["skip_effects"] = _skip_table(info)
     block_keys = ["block", "layer", "relative_depth"]
@@ -472,13 +473,30 @@ def depth_tables(parts: list[PartitionInfo], notes: list[str]) -> dict[str, pl.D
             "prefix scale is the norm of the centred stream; their exact angles are in "
             "gram_blocks (from their gram table)."
         )
-    for table, flag in (("skips", "--skips"), ("gram", "--gram")):
-        if lacking.get(table):
-            notes.append(
-                f"No {table} table for {listing(lacking[table])}: run `layerdiv extract {flag}` "
-                "on them (it extends the partition without re-extracting the components)."
-            )
     return tables
+
+
+_OPTIONAL = {"gram": "Gram-matrix angles", "skips": "Layer skips"}
+"""The optional tables of the section, by what they add (a partition extracted without one is
+said in one line of the section, not in the report's notes: it is the user's choice)."""
+
+
+def not_extracted(manifests: pl.DataFrame, table: str) -> str:
+    """One line naming the choice partitions extracted without the optional ``table`` and the
+    flag that adds it; empty when every partition has it."""
+    rows = manifests.filter(pl.col("kind") == "choice").sort("model", "task")
+    lack = [
+        f"{m}/{t}"
+        for m, t, held in rows.select("model", "task", "tables").iter_rows()
+        if table not in [h.strip() for h in (held or "").split(",")]
+    ]
+    if not lack:
+        return ""
+    which = "any partition" if len(lack) == rows.height else ", ".join(lack)
+    return (
+        f"{_OPTIONAL[table]}: not extracted for {which} (`layerdiv extract --{table}` adds them "
+        "without re-extracting the components)."
+    )
 
 
 def _open(
@@ -894,6 +912,7 @@ def report(ctx: ReportContext) -> str:
             skip_table(tables, ctx.names),
             figure("depth_skips.png", "Layer skips", skip_figure, skip_plotly),
         ]
+    parts += [not_extracted(tables["manifests"], t) for t in _OPTIONAL]
     return "\n\n".join(p for p in parts if p)
 
 

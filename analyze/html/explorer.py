@@ -124,6 +124,8 @@ def partition_data(info: PartitionInfo, n: int | None) -> dict[str, Any]:
 
 
 def explorer_data(parts: list[PartitionInfo], n: int | None = DEFAULT_INSTANCES) -> dict[str, Any]:
-    """The explorer's data of every partition (``n`` instances each at most; None: all)."""
+    """The explorer's data of every partition (``n`` instances each at most; None: all); those
+    with the most optional tables first, so that the explorer opens on one that shows them."""
+    parts = sorted(parts, key=lambda p: -len(set(p.tables) & {"heads", "skips"}))
     partitions = list(map_partitions(lambda p: partition_data(p, n), parts))
     return {"per_partition": n, "late": LATE, "partitions": partitions}
