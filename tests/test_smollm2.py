@@ -10,6 +10,8 @@ from click.testing import CliRunner
 
 from layerdiv.cli import main
 from layerdiv.demo import write_demo_tasks
+from layerdiv.extract import cost
+from layerdiv.extract.models import resolve_source
 from layerdiv.store import Store
 
 
@@ -28,6 +30,8 @@ def test_smollm2_extract_on_packaged_bbc_news(tmp_path: Path) -> None:
     # the demo's model is a quantized GGUF, dequantized: recorded where a reader looks
     assert m.weights is not None and m.weights.startswith("SmolLM2-135M-Instruct.Q4_1.gguf: ")
     assert "GGUF Q4_1 (Q4_1 " in m.weights and "dequantized to float32" in m.weights
+    config = resolve_source("smollm2-135m-instruct", None, None, False).config
+    assert {k: getattr(config, k) for k in cost.SMOLLM2} == cost.SMOLLM2  # the docs' cost table
     listed = CliRunner().invoke(main, ["ls", "--store", str(store)])
     assert f"Note: smollm2-135m-instruct: weights {m.weights}" in listed.output
     inst = Store(store).scan("instances").collect()
