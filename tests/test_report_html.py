@@ -88,7 +88,8 @@ def floats(b64: str) -> np.ndarray:
 
 def test_both_reports_and_nothing_fetched_from_outside(page: Path) -> None:
     out = page.parent
-    assert sorted(p.name for p in out.iterdir()) == ["figures", "index.json", "report.html",
+    assert sorted(p.name for p in out.iterdir()) == ["figures", "index.json", "methods.html",
+                                                      "methods.md", "report.html",
                                                       "report.md"]  # fmt: skip
     text = page.read_text()
     assert "Content-Security-Policy" in text and "default-src 'none'" in text
@@ -197,13 +198,13 @@ def test_bad_format_and_empty_store_are_one_line(store: Path, page: Path, tmp_pa
     assert snapshot(out) == before
 
 
-def test_html_only_writes_one_page(store: Path, tmp_path: Path) -> None:
+def test_html_only_writes_one_page_and_the_methods_it_links(store: Path, tmp_path: Path) -> None:
     out = tmp_path / "r"
     result = run("report", "--store", str(store), "--out", str(out), "--format", "html",
                  "--explorer-instances", "all", "--model", "org/small",
                  "--task", "boolq")  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in out.iterdir()) == ["index.json", "report.html"]
+    assert sorted(p.name for p in out.iterdir()) == ["index.json", "methods.html", "report.html"]
     data = embedded(out / "report.html", "explorer-data")
     assert [len(p["instances"]) for p in data["partitions"]] == [N]
 
