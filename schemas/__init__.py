@@ -18,8 +18,9 @@ History:
 - 5: the manifest gains ``weights`` (how the weights were made from the files given, e.g. a GGUF
   quantization dequantized to float32; absent: loaded as they are).
 
-The hive partition columns ``model`` and ``task`` are not stored inside the files: they come from
-the directory names (``model=<slug>/task=<task>``) and are typed as strings by every reader.
+The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``task``) are not stored
+inside the files: they come from the directory names (``model=<slug>/task=<task>``) and are typed
+as strings by every reader.
 """
 
 from __future__ import annotations
@@ -38,9 +39,6 @@ OLDEST_READABLE = 1
 
 MAX_OPTIONS = 127
 """Most answer options a task may have (the ``option`` column is int8)."""
-
-PARTITION_COLUMNS = ("model", "task")
-"""Hive partition keys, in directory order."""
 
 COMPONENT_KINDS = ("embed", "attn", "mlp", "bias")
 """Values of the ``kind`` column, in the order they can first appear in a model."""
