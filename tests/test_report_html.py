@@ -261,15 +261,17 @@ def test_page_in_chromium(browser: Any, page: Path) -> None:
     figures = embedded(page, "figures-data")
     for name, spec in figures.items():  # a mark per trace at least
         assert marks[name] >= len(spec["data"]) > 0, name
-    parts = [
-        f"{p['model_id']} · {p['task']}" for p in embedded(page, "explorer-data")["partitions"]
-    ]
+    data = embedded(page, "explorer-data")["partitions"]
+    parts = [f"{p['model_id']} · {p['task']}" for p in data]
+    # the explorer opens on a partition with the most of heads and skips
+    have = [bool(p.get("heads")) + bool(p.get("skips")) for p in data]
+    assert have[0] == max(have) and have == sorted(have, reverse=True)
     browser.execute_script(CHOOSE, "ex-part", parts.index("org/small · boolq"))
     marks = dict(browser.execute_script(MARKS))
     assert marks["ex-waterfall"] > 0 and marks["ex-running"] > 0 and marks["ex-heads"] == 1
-    assert (
-        marks["ex-skips"] == 0 and "extract --skips" in browser.find_element("id", "ex-skips").text
-    )
+    skips = browser.find_element("id", "ex-skips")
+    assert marks["ex-skips"] == 0 and "extract --skips" in skips.text
+    assert skips.size["height"] < 60  # one line in place of the figure, not a blank area
     # Another instance redraws the waterfall.
     read = "return Array.from(document.getElementById('ex-waterfall').data[0].y)"
     first = browser.execute_script(read)
@@ -280,6 +282,7 @@ def test_page_in_chromium(browser: Any, page: Path) -> None:
     browser.execute_script(CHOOSE, "ex-filter", "wrong")
     marks = dict(browser.execute_script(MARKS))
     assert marks["ex-skips"] >= 3 and marks["ex-heads"] == 0
+    assert browser.find_element("id", "ex-skips").size["height"] >= 300  # the figure again
     labels = browser.execute_script(
         "return Array.from(document.getElementById('ex-instance').options).map(o => o.text)"
     )
