@@ -283,7 +283,8 @@ def gguf_weights(local: Path) -> str:
         counts[kind] = counts.get(kind, 0) + int(tensor.n_elements)
     total = sum(counts.values())
     kinds = sorted(counts, key=lambda k: -counts[k])
-    shares = ", ".join(f"{k} {counts[k] / total:.0%}" for k in kinds)
+    share = {k: f"{counts[k] / total:.0%}" if counts[k] >= total / 100 else "<1%" for k in kinds}
+    shares = ", ".join(f"{k} {share[k]}" for k in kinds)
     return (
         f"{local.name}: GGUF {kinds[0]} ({shares} of the weights) dequantized to float32; "
         "not the released float weights"
