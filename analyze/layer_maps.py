@@ -1,4 +1,4 @@
-"""Closed-form ridge maps between every layer of two models (METHODS.md section 11), numpy and
+"""Closed-form ridge maps between every layer of two models (methods §11), numpy and
 scipy only: per source layer one centred Gram matrix and one Cholesky factorisation, shared by
 every target layer; every cross-product and prediction in blocks of rows, so that memory holds a
 few d x d matrices whatever the number of tokens; the threads are BLAS's."""
@@ -16,7 +16,7 @@ BLOCK_ROWS = 4096
 """Rows read, centred and multiplied at once."""
 
 NORM_FLOOR = 1e-6
-"""The floor of ||y|| in rel_error (METHODS.md section 11)."""
+"""The floor of ||y|| in rel_error (methods §11)."""
 
 
 class Layers(Protocol):
@@ -78,7 +78,7 @@ def fit_maps(
     progress: Callable[[int], None] | None = None,
 ) -> MapScores:
     """Ridge maps from every source layer i to every target layer j, fitted on rows
-    0..n_train-1 and scored on the next ``n_heldout`` (METHODS.md section 11):
+    0..n_train-1 and scored on the next ``n_heldout`` (methods §11):
     Xc, Yc the train states centred by their train means; G = Xc'Xc; lambda = ridge trace(G)/d_A;
     W = (G + lambda I)^-1 Xc'Yc; on held-out rows y_hat = (x - x_bar) W + y_bar,
     rel_error = mean ||y_hat - y|| / max(||y||, 1e-6),

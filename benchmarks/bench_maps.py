@@ -1,4 +1,4 @@
-"""Scale benchmark of the layer maps (``analyze --maps``, METHODS.md section 11; a script, not a
+"""Scale benchmark of the layer maps (``analyze --maps``, methods §11; a script, not a
 test).
 
 The depth-efficiency paper's shape on synthetic states: a source model of width 1536 with 29

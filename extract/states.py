@@ -1,4 +1,4 @@
-"""Residual states at sampled positions (``extract --states``, METHODS.md section 11): which
+"""Residual states at sampled positions (``extract --states``, methods §11): which
 positions of a document are stored, and the states h_0..h_L there, converted to the stored
 dtype, from the block inputs and last residual state one forward pass captured."""
 
@@ -30,7 +30,7 @@ class StateSettings:
 def state_positions(n_tokens: int, settings: StateSettings, doc: int) -> np.ndarray:
     """The sorted positions of document ``doc`` (``n_tokens`` tokens) whose states are stored:
     K drawn without replacement from 1..T-1 by ``numpy.random.default_rng([seed, doc])``;
-    every one of them when K is 0 (``all``) or K >= T - 1 (METHODS.md section 11)."""
+    every one of them when K is 0 (``all``) or K >= T - 1 (methods §11)."""
     every = np.arange(1, n_tokens)
     if settings.k == 0 or settings.k >= n_tokens - 1:
         return every

@@ -1,4 +1,4 @@
-"""Linear maps between two models' layers (``--maps``, METHODS.md section 11): ``layer_maps``
+"""Linear maps between two models' layers (``--maps``, methods §11): ``layer_maps``
 against a reference of its own (states from plain HF ``output_hidden_states``, float64 ridge
 least squares by ``numpy.linalg.lstsq`` on the augmented system), a model mapped onto itself,
 and the refusals of bad input."""
@@ -59,7 +59,7 @@ def reference(
     x: np.ndarray, y: np.ndarray, docs: np.ndarray, ridge: float = 1e-3
 ) -> tuple[np.ndarray, np.ndarray]:
     """rel_error and r2 of every (i, j): float64, W from lstsq on [Xc; sqrt(lambda) I] W =
-    [Yc; 0] (METHODS.md section 11)."""
+    [Yc; 0] (methods §11)."""
     held = docs % 5 == 4
     rel = np.empty((x.shape[1], y.shape[1]))
     r2 = np.empty_like(rel)

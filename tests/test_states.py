@@ -1,4 +1,4 @@
-"""Residual states (``extract --states``, METHODS.md section 11): the stored states against a
+"""Residual states (``extract --states``, methods §11): the stored states against a
 plain HF forward pass (``output_hidden_states``, and the final norm's input for h_L), the
 sampled positions, the stored dtypes, resume settings and the refusals."""
 

@@ -1,4 +1,4 @@
-"""Linear maps between two models' layers (``--maps``, METHODS.md section 11; the
+"""Linear maps between two models' layers (``--maps``, methods §11; the
 depth-efficiency paper's fourth finding): for two partitions of one task extracted with
 ``--states`` over the same tokens, a closed-form ridge map from every source layer i to every
 target layer j, on the residual states and on the block updates. Not run by default.
@@ -10,7 +10,7 @@ Tables:
   ``n_train`` and ``n_heldout`` rows. ``space`` is ``states`` (layer l = h_l, l = 0..L) or
   ``updates`` (layer l = h_(l+1) - h_l, block l's update, l = 0..L-1).
 - ``layer_map_best``: per source layer the target layer of least rel_error and both relative
-  depths: states i / L_A and j / L_B over i, j >= 1 (METHODS.md section 11); updates, block l's
+  depths: states i / L_A and j / L_B over i, j >= 1 (methods §11); updates, block l's
   output depth (l + 1) / L over every block.
 """
 
@@ -35,13 +35,13 @@ SPACES = ("states", "updates")
 """What is mapped: the residual states, or the block updates (the paper's ``diff_only``)."""
 
 HELD_OUT = (5, 4)
-"""Documents with doc % 5 == 4 are held out (METHODS.md section 11)."""
+"""Documents with doc % 5 == 4 are held out (methods §11)."""
 
 FOLLOWS = 0.5
 """The report says the best target follows relative depth where Spearman's rho exceeds this."""
 
 DEFAULT_RIDGE = 1e-3
-"""lambda = ridge * trace(G) / d_A (METHODS.md section 11)."""
+"""lambda = ridge * trace(G) / d_A (methods §11)."""
 
 
 class MapsError(LayerdivError, ValueError):
@@ -174,7 +174,7 @@ def pair_table(
 
 def best_table(maps: pl.DataFrame) -> pl.DataFrame:
     """``layer_map_best``: per source layer the target layer of least rel_error (states: i, j >=
-    1) with both relative depths (METHODS.md section 11)."""
+    1) with both relative depths (methods §11)."""
     pair = ["task", "source_model", "target_model", "space"]
     key = [*pair, "source_layer"]
     updates = (pl.col("space") == "updates").cast(pl.Int16)
@@ -197,7 +197,7 @@ def best_table(maps: pl.DataFrame) -> pl.DataFrame:
 
 def spearman(best: pl.DataFrame) -> pl.DataFrame:
     """Per (task, source, target, space): Spearman's correlation of the source and best target
-    relative depths over source layers (METHODS.md section 11), and its p-value."""
+    relative depths over source layers (methods §11), and its p-value."""
     rows = []
     for key, group in best.group_by("task", "source_model", "target_model", "space",
                                     maintain_order=True):  # fmt: skip
@@ -266,7 +266,7 @@ def maps_figure(maps: pl.DataFrame, best: pl.DataFrame, path: Path, names: dict[
         ax_best.set_title(f"{space}: best target layer", fontsize=10)
         ax_best.legend(fontsize=7)
         ax_best.grid(alpha=0.3)
-    fig.suptitle("Linear maps between layers (METHODS.md 11)", fontsize=11)
+    fig.suptitle("Linear maps between layers (methods §11)", fontsize=11)
     return plots.save(fig, path)
 
 
@@ -306,9 +306,9 @@ def report(ctx: ReportContext) -> str:
         [
             "A ridge map from every layer i of the source model to every layer j of the target, "
             f"fitted in closed form on {n_train} token rows and scored on {n_held} held-out rows "
-            "(documents with doc % 5 == 4), on the residual states and on the block updates "
-            "(METHODS.md section 11). Where the best target's relative depth rises with the "
-            "source's, the deeper model spreads the same computation over more layers.",
+            "(documents with doc % 5 == 4), on the residual states and on the block updates. "
+            "Where the best target's relative depth rises with the source's, the deeper model "
+            "spreads the same computation over more layers.",
             "\n".join(sentences),
             markdown_table(header, rows),
             plots.figure_link(
@@ -321,7 +321,8 @@ def report(ctx: ReportContext) -> str:
 register(
     Analysis(
         name="maps",
-        title="Linear maps between two models' layers (METHODS.md section 11)",
+        title="Linear maps between two models' layers",
+        methods=(11,),
         tables=tables,
         report=report,
         options={
