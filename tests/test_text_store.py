@@ -183,7 +183,7 @@ def test_version_4_store_reads_without_the_weights_note(tmp_path: Path) -> None:
     del data["weights"]  # the field of version 5
     data["schema_version"] = 4
     path.write_text(json.dumps(data))
-    assert tables_of(4) == tables_of(5)
+    assert set(tables_of(5)) - set(tables_of(4)) == {"states"}  # and the same others
     store = Store(tmp_path)
     (info,) = store.select()
     assert info.manifest.schema_version == 4 and info.manifest.weights is None
