@@ -22,7 +22,7 @@ import polars as pl
 import pyarrow as pa
 from threadpoolctl import threadpool_limits
 
-from layerdiv.analyze.registry import Context, map_partitions
+from layerdiv.analyze.registry import Context, NoData, map_partitions
 from layerdiv.analyze.stats import array_degrees as degrees
 from layerdiv.schemas import KINDS
 from layerdiv.store import PartitionInfo, StoreError
@@ -64,9 +64,14 @@ def batches(
     info: PartitionInfo, table: str, columns: Sequence[str], rows: int
 ) -> Iterator[pl.DataFrame]:
     """The ``columns`` of ``info``'s ``table`` in order, file by file, in frames of at most
-    ``rows`` rows (:meth:`~layerdiv.store.PartitionInfo.batches`)."""
+    ``rows`` rows (:meth:`~layerdiv.store.PartitionInfo.batches`). Raises :class:`NoData` after
+    the last part when the table has no row (e.g. no document long enough for a split point)."""
+    empty = True
     for batch in info.batches(table, columns, rows):
+        empty = empty and batch.num_rows == 0
         yield cast(pl.DataFrame, pl.from_arrow(batch))
+    if empty:
+        raise NoData(f"{info.where} has no {table} rows")
 
 
 WORK = 8
