@@ -5,6 +5,7 @@ A task YAML has these keys (see ``layerdiv/tasks/*.yaml`` for the built-in ones)
     name: sst2                      # store partition name
     dataset: {path: nyu-mll/glue, name: sst2, split: validation}   # a hub dataset, or
     data: reviews.jsonl             # a local .jsonl/.json/.csv/.parquet file next to the YAML
+                                    # (``data_files``, the hub datasets word, is the same key)
     template: "{{ sentence }}\\nQuestion: ... Answer: {{ answer }}"   # Jinja; ends with the answer
     options: [negative, positive]
     label: "{{ label }}"            # Jinja; renders an option string or a 0-based option index
@@ -23,7 +24,11 @@ A running-text task (``kind: text``) has no template, options or label; instead:
     group_field: level              # optional: a field stored with each document (as a string)
 
 Its data is read as a choice task's (a ``.txt`` file: one document per non-empty line, as the
-field ``text``); documents are numbered in file order.
+field ``text``, a Windows line end's ``\r`` removed); documents are numbered in file order.
+
+A field that renders a list or an object (a JSON array in the text field) is refused, naming the
+row: its Python form would enter the text. Join it in the template instead
+(``{{ sentences | join(" ") }}``).
 """
 
 from __future__ import annotations
@@ -141,10 +146,18 @@ def load_task(name_or_path: str) -> TaskSpec:
     return parse_task(raw, base, where=name_or_path)
 
 
+DATA_ALIAS = "data_files"
+"""Accepted in a task YAML for ``data`` (the word of the hub's ``datasets`` library)."""
+
+
 def parse_task(raw: Any, base_dir: Path, where: str) -> TaskSpec:
     """Check a task mapping and build its :class:`TaskSpec`."""
     if not isinstance(raw, dict):
         raise TaskError(f"{where}: a task YAML must be a mapping")
+    if DATA_ALIAS in raw:
+        if "data" in raw:
+            raise TaskError(f"{where}: give 'data' or its alias '{DATA_ALIAS}', not both")
+        raw = {("data" if k == DATA_ALIAS else k): v for k, v in raw.items()}
     allowed = {f for f in TaskSpec.__dataclass_fields__ if f != "base_dir"}
     unknown = set(raw) - allowed
     if unknown:
@@ -268,11 +281,17 @@ def _environment() -> Any:
 
 def _finalize(value: Any) -> Any:
     """Refuse a value that would enter a prompt or label as its Python form (``None``,
-    ``b'...'``)."""
+    ``b'...'``, ``['a', 'b']``, ``{'k': 'v'}``)."""
     if value is None:
         raise TaskError("a field used here is null")
     if isinstance(value, bytes):
         raise TaskError("a field used here is binary data, not text")
+    if isinstance(value, list | tuple | dict):
+        what = "an object" if isinstance(value, dict) else "a list"
+        raise TaskError(
+            f"a field used here is {what}, not text: pick its parts or join them in the template "
+            '(e.g. {{ field | join(" ") }})'
+        )
     return value
 
 
@@ -369,7 +388,9 @@ _READERS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
     ".json": _read_json,
     ".csv": lambda p: pa_csv.read_csv(io.BytesIO(_text(p).encode())).to_pylist(),
     ".parquet": lambda p: pq.read_table(p).to_pylist(),
-    ".txt": lambda p: [{"text": line} for line in _text(p).split("\n") if line.strip()],
+    ".txt": lambda p: [
+        {"text": line.removesuffix("\r")} for line in _text(p).split("\n") if line.strip()
+    ],
 }
 """Local data readers by file suffix (pyarrow: extraction nodes need no dataframe library)."""
 
@@ -396,6 +417,11 @@ def instances(spec: TaskSpec, limit: int | None = None) -> list[Instance]:
                 continue
             prompt = prompt_template.render(**row)
             if label_template is None:
+                if spec.group_field and spec.group_field not in row:
+                    raise TaskError(
+                        f"no field {spec.group_field!r} (the task's group_field); its "
+                        f"fields: {', '.join(map(str, row))}"
+                    )
                 group = spec.group_field and row[spec.group_field]
                 out.append(Instance(prompt, -1, None if group is None else str(group)))
                 continue

@@ -258,3 +258,49 @@ def test_extract_refuses_bad_task_inputs_in_one_line_and_writes_nothing(
     assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
     assert not store.exists()
     assert {p: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def text_spec(folder: Path, data: str, content: bytes, **keys: Any) -> Path:
+    """A text task YAML over the data file ``data`` holding ``content``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / data).write_bytes(content)
+    spec = {"name": "docs", "kind": "text", "text": "{{ text }}", "data": data, **keys}
+    (folder / "docs.yaml").write_text(json.dumps(spec))
+    return folder / "docs.yaml"
+
+
+def test_a_list_or_object_in_a_text_field_is_refused_naming_the_row(tmp_path: Path) -> None:
+    def jsonl(*texts: Any) -> bytes:
+        return "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+
+    path = text_spec(tmp_path, "d.jsonl", jsonl("fine", ["good", "film"]))
+    with pytest.raises(TaskError, match=r"data row 1 of .*d.jsonl: a field used here is a list"):
+        instances(load_task(str(path)))
+    path = text_spec(tmp_path, "e.jsonl", jsonl("fine", "ok", {"a": 1}))
+    with pytest.raises(TaskError, match=r"data row 2 of .*: a field used here is an object"):
+        instances(load_task(str(path)))
+    joined = text_spec(tmp_path, "f.jsonl", jsonl(["good", "film"]), text='{{ text | join(" ") }}')
+    assert [i.prompt for i in instances(load_task(str(joined)))] == ["good film"]
+
+
+def test_crlf_text_files_keep_no_carriage_return(tmp_path: Path) -> None:
+    path = text_spec(tmp_path, "d.txt", b"first line\r\nsecond line\r\n\r\n")
+    assert [i.prompt for i in instances(load_task(str(path)))] == ["first line", "second line"]
+
+
+def test_a_missing_group_field_names_the_row_and_the_field(tmp_path: Path) -> None:
+    rows = b'{"text": "a", "level": 1}\n{"text": "b"}\n'
+    path = text_spec(tmp_path, "d.jsonl", rows, group_field="level")
+    with pytest.raises(TaskError, match=r"data row 1 of .*: no field 'level' \(the task's group"):
+        instances(load_task(str(path)))
+
+
+def test_data_files_is_the_alias_of_data(tmp_path: Path) -> None:
+    path = text_spec(tmp_path, "d.jsonl", b'{"text": "a"}\n')
+    spec = json.loads(path.read_text())
+    spec["data_files"] = spec.pop("data")
+    path.write_text(json.dumps(spec))
+    assert [i.prompt for i in instances(load_task(str(path)))] == ["a"]
+    path.write_text(json.dumps({**spec, "data": "d.jsonl"}))
+    with pytest.raises(TaskError, match="give 'data' or its alias 'data_files', not both"):
+        load_task(str(path))
