@@ -24,8 +24,8 @@ from layerdiv.analyze.decomposition import instance_curves
 from layerdiv.analyze.options import ESTIMATORS, FORMATS, LENSES, Estimator, Lens
 from layerdiv.analyze.registry import Context, NoData, partition_engine, registered
 from layerdiv.analyze.spill import Spill
-from layerdiv.errors import LayerdivError, LayerdivWarning
-from layerdiv.store import Store
+from layerdiv.errors import LayerdivError, LayerdivWarning, one_line
+from layerdiv.store import Store, StoreError
 from layerdiv.store.location import is_url
 from layerdiv.store.reader import Names, as_names
 
@@ -359,6 +359,34 @@ def query(store: StoreLike, sql: str, models: Names = (), tasks: Names = ()) -> 
         relation = con.sql(sql)
         return relation.pl() if relation is not None else pl.DataFrame()
     except duckdb.Error as err:
-        views = ", ".join([*st.tables(models, tasks), "manifests"])
-        first = str(err).strip().splitlines()[0]
-        raise QueryError(f"{first} (the views of this store are {views})") from err
+        raise query_error(err, st, models, tasks) from err
+
+
+def query_error(
+    err: Exception,
+    st: Store,
+    models: Names = (),
+    tasks: Names = (),
+    statement: tuple[int, int] = (1, 1),
+) -> LayerdivError:
+    """DuckDB's refusal or failure of SQL on ``st``'s views, in one line that says which
+    ``statement`` (number, of how many) failed and how, and names the views this store has; a
+    failure to read a part (a damaged page) is the ``StoreError`` naming the part."""
+    import duckdb
+
+    views = ", ".join([*st.tables(models, tasks), "manifests"])
+    which = f"statement {statement[0]} of {statement[1]}: " if statement[1] > 1 else ""
+    message = one_line(err)
+    if isinstance(err, duckdb.PermissionException):
+        return QueryError(
+            f"{which}{message}: SQL here reads only the views of this store ({views}) and "
+            "writes no file; save a result with --out FILE"
+        )
+    if "reading the stream registered as" in message:  # Arrow could not read a part
+        try:
+            st.verify(models, tasks)
+        except StoreError as named:
+            return named
+    refused = (duckdb.ParserException, duckdb.CatalogException, duckdb.BinderException)
+    kind = "refused" if isinstance(err, refused) else "failed while running"
+    return QueryError(f"{which}the SQL {kind}: {message} (the views of this store are {views})")

@@ -10,6 +10,7 @@ partition's fixed chunk grid.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -66,6 +67,22 @@ class StoreConflict(LayerdivError, RuntimeError):
 
 class StoreUnwritable(LayerdivError, RuntimeError):
     """The store folder cannot be created or written."""
+
+
+def flock(fd: int, mode: int, path: Path) -> None:
+    """``fcntl.flock`` on the open lock file ``path``; a file system without advisory locks
+    (``ENOLCK``, ``EOPNOTSUPP``: NFS without lockd, Lustre mounted without ``-o flock``) is a
+    ``StoreUnwritable`` that names the path and what to do."""
+    try:
+        fcntl.flock(fd, mode)
+    except OSError as err:
+        if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
+            raise
+        raise StoreUnwritable(
+            f"{path}: the store's file system does not support locks ({err.strerror}); give a "
+            "--store on a local or lock-capable file system (NFS with lockd, Lustre mounted "
+            "with -o flock), or extract locally and `layerdiv merge` the stores"
+        ) from err
 
 
 class Verdict(Enum):
@@ -167,7 +184,7 @@ class PartitionWriter:
         lock.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # one process at a time decides and replaces
+            flock(fd, fcntl.LOCK_EX, lock)  # one process at a time decides and replaces
             if self.check(manifest.identity(), overwrite, shards) is Verdict.REPLACE:
                 for d in self.part.dirs():
                     shutil.rmtree(d, ignore_errors=True)
@@ -210,9 +227,10 @@ class PartitionWriter:
 
     def _lock(self, chunk: int, mode: int) -> ChunkClaim:
         self._claims.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self._claims / f"chunk-{chunk:07d}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        path = self._claims / f"chunk-{chunk:07d}.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, mode)
+            flock(fd, mode, path)
         except BaseException:
             os.close(fd)
             raise
@@ -296,4 +314,5 @@ class PartitionWriter:
                 compression="zstd",
                 row_group_size=1 << 20,
                 use_dictionary=dictionary_columns(schema),
+                write_page_checksum=True,  # readers verify them (store.location.open_parquet)
             )

@@ -146,7 +146,7 @@ def depth_score_table(info: PartitionInfo) -> pl.DataFrame:
         keys,
         ["out_change"],
     )
-    groups = pl.read_parquet(info.uris("documents"), columns=["doc", "group"])
+    groups = info.scan("documents").select("doc", "group").collect()
     return tag(
         depth_scores(out_max)
         .join(groups, on="doc", how="left")
