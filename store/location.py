@@ -176,13 +176,6 @@ def local_root(root: str | Path, what: str = "--store") -> Path:
     return Path(root)
 
 
-def read_schema(path: Path | RemotePath) -> pa.Schema:
-    """The Arrow schema of a Parquet file, from its footer."""
-    if isinstance(path, RemotePath):
-        return pq.read_schema(path.path, filesystem=path.fs)
-    return pq.read_schema(path)
-
-
 def read_table(path: Path | RemotePath, columns: Sequence[str] | None = None) -> pa.Table:
     """A Parquet file (its ``columns``, default all), every page's checksum verified (the store
     writes them: a damaged page is an ``OSError``, never numbers)."""
@@ -202,7 +195,7 @@ def read_batches(
 @contextlib.contextmanager
 def open_parquet(path: Path | RemotePath) -> Iterator[pq.ParquetFile]:
     """A Parquet file opened to read with the checksum of every page it reads verified (pages
-    written without one, as by layerdiv before schema version 5, are read unverified)."""
+    written without one, by earlier versions of layerdiv, are read unverified)."""
     with contextlib.ExitStack() as stack:
         source = (
             stack.enter_context(path.fs.open_input_file(path.path))

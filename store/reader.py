@@ -16,6 +16,7 @@ from typing import Any, Generic, cast
 import duckdb
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import (
@@ -34,7 +35,6 @@ from layerdiv.store.location import (
     arrow_source,
     open_parquet,
     read_batches,
-    read_schema,
     store_root,
 )
 from layerdiv.store.manifest import Manifest, read_manifest
@@ -93,13 +93,32 @@ class PartitionInfo(Generic[StorePath]):
         lacking = set(self.lacking.get(table, ()))
         return [part.part(table, s, n) for s, n in self.done if (s, n) not in lacking]
 
-    def batches(self, table: str, columns: Sequence[str], rows: int) -> Iterator[pa.RecordBatch]:
+    def batches(
+        self, table: str, columns: Sequence[str], rows: int, unique: Sequence[str] = ()
+    ) -> Iterator[pa.RecordBatch]:
         """The ``columns`` of ``table`` (:meth:`files`), file by file in order, in record batches
         of at most ``rows`` rows (exactly ``rows`` but the last of each file); a part that cannot
-        be read (a damaged page: its checksum does not match) is a ``StoreError`` naming it."""
+        be read (a damaged page: its checksum does not match) is a ``StoreError`` naming it, and
+        so is one where two rows share the key columns ``unique`` (checked after its last
+        batch: rows repeated in a part)."""
+        wanted: list[str] = list(columns)
+        key: list[str] = list(unique)
+        read = list(dict.fromkeys([*wanted, *key]))
         for path in self.files(table):
+            keys = []
             with _naming(path, self.where):
-                yield from read_batches(path, columns, rows)
+                for batch in read_batches(path, read, rows):
+                    if key:
+                        keys.append(batch.select(key))
+                    yield batch if read == wanted else batch.select(wanted)
+            if (
+                keys
+                and pl.DataFrame(pl.from_arrow(pa.Table.from_batches(keys))).is_duplicated().any()
+            ):
+                raise StoreError(
+                    f"{path}: rows repeat a ({', '.join(key)}) key; re-extract {self.where} "
+                    "with --overwrite"
+                )
 
     def scan(self, table: str) -> pl.LazyFrame:
         """A Polars LazyFrame over ``table``'s parts (:meth:`files`), read through Arrow with
@@ -548,18 +567,29 @@ def _open_partition(part: Partition[StorePath]) -> PartitionInfo[StorePath]:
         info = PartitionInfo(part, read_manifest(part.manifest))
     except SchemaError as err:
         raise StoreError(str(err)) from err
-    _check_part_schemas(info)
+    _check_parts(info)
     return info
 
 
-def _check_part_schemas(info: PartitionInfo[Any]) -> None:
-    """Check every part of each table against the schema of the partition's version (cheap:
-    Parquet footers only)."""
+def _check_parts(info: PartitionInfo[Any]) -> None:
+    """Check every part of each table against the schema of the partition's version, and each
+    complete chunk's row counts (:meth:`~layerdiv.store.Manifest.wrong_rows`: a part with rows
+    removed or repeated). Cheap: Parquet footers, and of a text chunk the ``n_tokens`` column of
+    its documents part."""
     schemas = tables_of(info.manifest.schema_version)
-    for table in (*info.kind.required, *info.lacking):
-        for f in info.files(table):
+    lacking = {t: set(chunks) for t, chunks in info.lacking.items()}
+    text = info.kind.name == "text"
+    for start, count in info.done:
+        rows: dict[str, int] = {}
+        for table in (*info.kind.required, *lacking):
+            if (start, count) in lacking.get(table, ()):
+                continue
+            f = info.partition.part(table, start, count)
             try:
-                found: pa.Schema = read_schema(f)
+                with open_parquet(f) as file:
+                    found, rows[table] = file.schema_arrow, file.metadata.num_rows
+                    if text and table == info.kind.marker:
+                        n_tokens = int(pc.sum(file.read(["n_tokens"])["n_tokens"]).as_py() or 0)
             except (OSError, pa.ArrowException) as err:
                 raise StoreError(
                     f"{f}: unreadable Parquet ({_first_line(err)}); re-extract {info.where} "
@@ -570,3 +600,9 @@ def _check_part_schemas(info: PartitionInfo[Any]) -> None:
                     f"{f}: columns do not match the {table} schema of version "
                     f"{info.manifest.schema_version}; re-extract {info.where} with --overwrite"
                 )
+        wrong = info.manifest.wrong_rows(count, rows, n_tokens if text else 0)
+        if wrong:
+            raise StoreError(
+                f"{info.partition.part(wrong[0], start, count)}: {wrong[1]} (rows removed or "
+                f"repeated); re-extract {info.where} with --overwrite"
+            )

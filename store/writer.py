@@ -259,20 +259,14 @@ class PartitionWriter:
                     self.part.part(kind.marker, start, count), columns=["n_tokens"]
                 )
                 n_tokens = int(docs["n_tokens"].to_numpy().sum())
-            expected = manifest.expected_rows(count, n_tokens)
+            rows = {}
             for table in kind.tables:
                 path = self.part.part(table, start, count)
-                if table not in kind.required and not path.exists():
-                    continue
-                rows = pq.read_metadata(path).num_rows
-                if table in expected:
-                    if rows != expected[table]:
-                        return False
-                elif kind.name == "choice" and (rows == 0 or rows % count):
-                    return False  # a choice task's other tables have rows per instance
+                if table in kind.required or path.exists():
+                    rows[table] = pq.read_metadata(path).num_rows
         except (OSError, pa.ArrowInvalid):
             return False
-        return True
+        return manifest.wrong_rows(count, rows, n_tokens) is None
 
     def remove_chunk(self, start: int, count: int) -> None:
         """Delete a chunk's parts, the completion marker first."""

@@ -8,10 +8,12 @@ import errno
 import fcntl
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -50,12 +52,32 @@ def text_manifest(n: int) -> Manifest:
     )
 
 
+def consistent_dots(rng: np.random.Generator, tokens: int, width: int = 4) -> np.ndarray:
+    """(tokens, BLOCKS, 8) dot products of random vectors h, a, m per token and block, as a
+    forward pass stores them (h_(l+1) = h_l + a_l + m_l; dd_next NaN at the last block)."""
+    h = rng.normal(size=(tokens, width))
+    states, adds = [], []
+    for _ in range(BLOCKS):
+        a, m = rng.normal(size=(2, tokens, width))
+        states.append(h)
+        adds.append((a, m))
+        h = h + a + m
+    dots = np.full((tokens, BLOCKS, 8), np.nan)
+    for block, (x, (a, m)) in enumerate(zip(states, adds, strict=True)):
+        pairs = ((x, x), (a, a), (m, m), (x, a), (x, m), (a, m))
+        for i, (u, v) in enumerate(pairs):
+            dots[:, block, i] = (u * v).sum(-1)
+        if block + 1 < BLOCKS:
+            dots[:, block, 6] = ((a + m) * sum(adds[block + 1])).sum(-1)
+        dots[:, block, 7] = (x * h).sum(-1)
+    return dots
+
+
 def chunk(docs: list[int], rng: np.random.Generator) -> dict:
     """Every text table of documents ``docs``."""
     n_tok = [LENGTHS[d] for d in docs]
     total = sum(n_tok)
-    dots = rng.normal(size=(total, BLOCKS, 8))
-    dots[:, -1, 6] = np.nan  # dd_next of the last block
+    dots = consistent_dots(rng, total)
     ce = rng.uniform(size=(total, BLOCKS + 1))
     ce[np.cumsum(n_tok) - 1] = np.nan  # no next token at each document's end
     doc = [d for d in docs for _ in range(BLOCKS)]
@@ -274,3 +296,48 @@ def test_a_partition_killed_before_its_first_chunk_says_how_to_resume(tmp_path: 
                        r".*resume it with `layerdiv extract --model m --task txt --limit 5 "
                        rf"--store {tmp_path}`"):  # fmt: skip
         Store(tmp_path).select()
+
+
+def rewrite(part: Path, change: Any) -> None:
+    """Rewrite a valid part (checksums and all) as ``change`` of its table."""
+    pq.write_table(change(pq.read_table(part)), part, write_page_checksum=True)
+
+
+def test_a_part_with_rows_removed_is_refused_by_readers(text_store: Path) -> None:
+    part = PartitionWriter(text_store, "m", "txt").part.part("token_blocks", 2, 2)
+    rewrite(part, lambda t: t.slice(BLOCKS))  # the first token's rows gone
+    store = Store(text_store)
+    assert not store.partitions
+    with pytest.raises(StoreError, match=rf"^{part}: 27 rows where the chunk needs 30 \(rows "):
+        store.select()
+
+
+def test_a_token_repeated_in_place_of_another_is_refused(text_store: Path) -> None:
+    part = PartitionWriter(text_store, "m", "txt").part.part("token_blocks", 2, 2)
+    rewrite(part, lambda t: pa.concat_tables([t.slice(0, BLOCKS), t.slice(0, t.num_rows - BLOCKS)]))
+    with pytest.raises(StoreError, match="token_blocks rows repeat a token or are out of"):
+        analyze(text_store)
+
+
+@pytest.mark.parametrize("table", ["future_effects", "future_output"])
+def test_future_effects_rows_repeated_in_a_part_are_refused(text_store: Path, table: str) -> None:
+    part = PartitionWriter(text_store, "m", "txt").part.part(table, 2, 2)
+    rewrite(part, lambda t: pa.concat_tables([t, t.slice(0, 1)]))
+    with pytest.raises(
+        StoreError, match=rf"^{part}: rows repeat a \(doc, split, sublayer, skipped"
+    ):
+        analyze(text_store)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_impossible_dot_products_are_never_averaged(text_store: Path, value: float) -> None:
+    part = PartitionWriter(text_store, "m", "txt").part.part("token_blocks", 2, 2)
+    hh = pq.read_table(part)["hh"].to_numpy().copy()
+    hh[4] = value  # doc 2, position 1, block 1
+    column = pq.read_schema(part).get_field_index("hh")
+    rewrite(part, lambda t: t.set_column(column, t.schema.field(column), pa.array(hh)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no raw numpy warning either
+        with pytest.raises(StoreError, match="token_blocks of doc 2 position 1 hold a NaN, an "
+                           "infinite value or a negative squared norm"):  # fmt: skip
+            analyze(text_store)
