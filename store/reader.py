@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Generic, cast
 
 import duckdb
+import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -111,10 +112,7 @@ class PartitionInfo(Generic[StorePath]):
                     if key:
                         keys.append(batch.select(key))
                     yield batch if read == wanted else batch.select(wanted)
-            if (
-                keys
-                and pl.DataFrame(pl.from_arrow(pa.Table.from_batches(keys))).is_duplicated().any()
-            ):
+            if keys and _repeats(pa.Table.from_batches(keys)):
                 raise StoreError(
                     f"{path}: rows repeat a ({', '.join(key)}) key; re-extract {self.where} "
                     "with --overwrite"
@@ -516,6 +514,28 @@ def scan_parts(files: Sequence[StorePath], schema: pa.Schema, where: str) -> pl.
             yield frame.select(wanted)
 
     return register_io_source(io_source=source, schema=columns)
+
+
+def _repeats(keys: pa.Table) -> bool:
+    """Whether two rows of ``keys`` (integer or dictionary columns) are equal: each row packed
+    into one integer by the ranges its columns take, then (rows are written in key order) one
+    comparison of neighbours, a sort only where they are not in increasing order."""
+    packed = np.zeros(keys.num_rows, np.int64)
+    bits = 0
+    for column in keys.columns:
+        values = column.combine_chunks()
+        if pa.types.is_dictionary(values.type):
+            values = values.indices
+        ints = np.asarray(values.to_numpy(zero_copy_only=False), np.int64)
+        if not len(ints):
+            return False
+        ints = ints - ints.min()
+        width = int(ints.max()).bit_length()
+        bits += width
+        if bits > 62:  # too wide to pack: compare the rows themselves
+            return bool(pl.DataFrame(pl.from_arrow(keys)).is_duplicated().any())
+        packed = (packed << width) | ints
+    return bool((np.diff(packed) <= 0).any()) and len(np.unique(packed)) < len(packed)
 
 
 @contextlib.contextmanager

@@ -341,3 +341,10 @@ def test_impossible_dot_products_are_never_averaged(text_store: Path, value: flo
         with pytest.raises(StoreError, match="token_blocks of doc 2 position 1 hold a NaN, an "
                            "infinite value or a negative squared norm"):  # fmt: skip
             analyze(text_store)
+
+
+def test_future_effects_rows_out_of_order_but_unique_are_read(text_store: Path) -> None:
+    part = PartitionWriter(text_store, "m", "txt").part.part("future_effects", 2, 2)
+    before = analyze(text_store).by_name["text_skips"]
+    rewrite(part, lambda t: t.take(list(reversed(range(t.num_rows)))))
+    assert analyze(text_store).by_name["text_skips"].equals(before)
