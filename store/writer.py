@@ -71,12 +71,12 @@ class StoreUnwritable(LayerdivError, RuntimeError):
 
 def flock(fd: int, mode: int, path: Path) -> None:
     """``fcntl.flock`` on the open lock file ``path``; a file system without advisory locks
-    (``ENOLCK``, ``EOPNOTSUPP``: NFS without lockd, Lustre mounted without ``-o flock``) is a
-    ``StoreUnwritable`` that names the path and what to do."""
+    (``ENOLCK``, ``EOPNOTSUPP``, ``ENOSYS``: NFS without lockd, Lustre mounted without
+    ``-o flock``) is a ``StoreUnwritable`` that names the path and what to do."""
     try:
         fcntl.flock(fd, mode)
     except OSError as err:
-        if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
+        if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
             raise
         raise StoreUnwritable(
             f"{path}: the store's file system does not support locks ({err.strerror}); give a "
