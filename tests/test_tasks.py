@@ -12,7 +12,9 @@ import pytest
 from layerdiv.extract.tasks import (
     Instance,
     TaskError,
+    answer_start,
     builtin_tasks,
+    data_sha256,
     instances,
     load_task,
     option_token_ids,
@@ -46,8 +48,11 @@ TEXT_ROWS = {
 }
 
 
+ANSWER_TASKS = ["math-levels", "mquake"]
+
+
 def test_the_papers_eight_tasks_ship() -> None:
-    assert builtin_tasks() == sorted([*PAPER_TASKS, *TEXT_ROWS])
+    assert builtin_tasks() == sorted([*PAPER_TASKS, *TEXT_ROWS, *ANSWER_TASKS])
 
 
 @pytest.mark.parametrize("name", sorted(TEXT_ROWS))
@@ -61,6 +66,91 @@ def test_builtin_text_tasks_render_one_document_per_row(name: str, tmp_path: Pat
     (doc,) = instances(as_local)
     assert doc.gold == -1 and doc.group is None and "{{" not in doc.prompt
     assert TEXT_ROWS[name].get("text", "What is 2 + 2?") in doc.prompt
+
+
+# Handwritten rows in the shape of the hub datasets (MQuAKE-Remastered: JSON; MATH: parquet).
+MQUAKE_ROWS: list[dict[str, Any]] = [
+    {
+        "case_id": 1,
+        "questions": ["In which city is the capital of the country of the Eiffel Tower?", "x"],
+        "answer": "Paris",
+        "orig_triples": [["Eiffel Tower", "country", "France"], ["France", "capital", "Paris"]],
+    },
+    {
+        "case_id": 2,
+        "questions": ["What currency is used where the river through Vienna reaches the sea?"],
+        "answer": "the Romanian leu",
+        "orig_triples": [
+            ["Vienna", "river", "Danube"],
+            ["Danube", "mouth", "Romania"],
+            ["Romania", "currency", "Romanian leu"],
+        ],
+    },
+]
+MATH_ROWS: list[dict[str, Any]] = [
+    {
+        "problem": "Find x > 0 with x^2 = 4.",
+        "level": "Level 2",
+        "type": "Intermediate Algebra",
+        "solution": "Since x > 0, x = \\boxed{2}.",
+    },
+    {
+        "problem": "Solve x^3 = 27.",
+        "level": "Level 5",
+        "type": "Intermediate Algebra",
+        "solution": "x = \\boxed{3}.",
+    },
+]
+
+
+def as_local_file(name: str, tmp_path: Path) -> Any:
+    """A built-in answer task reading its handwritten rows from a local file of the hub format."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    spec = load_task(name)
+    if name == "mquake":
+        path = tmp_path / "cf3k.json"
+        path.write_text(json.dumps(MQUAKE_ROWS))
+    else:
+        path = tmp_path / "test-00000-of-00001.parquet"
+        pq.write_table(pa.Table.from_pylist(MATH_ROWS), path)
+    return type(spec)(**{**spec.__dict__, "dataset": None, "data": str(path)})
+
+
+def test_answer_tasks_build_text_plus_answer_grouped(tmp_path: Path, tokenizer: Any) -> None:
+    """mquake and math-levels: the document is the paper's prompt + answer, the group is hops or
+    level, and the answer start counts the answer's own tokens from the end."""
+    hops = instances(as_local_file("mquake", tmp_path))
+    assert [d.prompt for d in hops] == [
+        f"Question: {r['questions'][0]}\nAnswer: {r['answer']}" for r in MQUAKE_ROWS
+    ]
+    assert [(d.group, d.answer) for d in hops] == [("2", " Paris"), ("3", " the Romanian leu")]
+    levels = instances(as_local_file("math-levels", tmp_path))
+    assert [(d.group, d.answer) for d in levels] == [(r["level"][-1], " " + r["solution"])
+                                                     for r in MATH_ROWS]  # fmt: skip
+    assert levels[0].prompt.startswith("Problem: Find x") and "\nAnswer: Since" in levels[0].prompt
+    for doc in [*hops, *levels]:
+        assert doc.answer is not None
+        start, merged = answer_start(tokenizer, doc.prompt, doc.answer)
+        ids = tokenizer(doc.prompt)["input_ids"]
+        assert len(ids) - start == len(tokenizer(doc.answer, add_special_tokens=False)["input_ids"])
+        assert not merged and tokenizer.decode(ids[start:]).strip() == doc.answer.strip()
+    # the answer enters the data hash; a text task without one keeps its hash and its spec dict
+    assert data_sha256(hops) != data_sha256([Instance(d.prompt, -1, d.group) for d in hops])
+    assert "answer" not in load_task("gsm8k-cot").to_dict()
+
+
+def test_a_group_missing_from_a_row_is_named(tmp_path: Path) -> None:
+    (tmp_path / "d.jsonl").write_text('{"body": "a", "level": 1}\n{"body": "b"}\n')
+    spec = parse_task(
+        {"name": "d", "kind": "text", "data": "d.jsonl", "text": "{{ body }}",
+         "group_field": "level"}, tmp_path, "d",
+    )  # fmt: skip
+    with pytest.raises(TaskError, match=r"data row 1 .*'level'"):
+        instances(spec)
+    with pytest.raises(TaskError, match="belong to text tasks"):
+        parse_task({"name": "d", "data": "d.jsonl", "answer": "{{ x }}"}, tmp_path, "d")
 
 
 def test_a_txt_file_holds_one_document_per_line(tmp_path: Path) -> None:
