@@ -202,8 +202,11 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     print(f"\nExtracting {DEMO_MODEL} on {', '.join(p.stem for p in tasks)} into {store}")
     choice = [str(p) for p in tasks if p.stem != TEXT_TASK]
     text = [str(p) for p in tasks if p.stem == TEXT_TASK]
+    # One choice task with the logit lens too: the lens section draws its last prompt token
+    # beside running text (same readout as the text task).
     for config in (
-        ExtractConfig(DEMO_MODEL, choice, store, gram=True, heads=True),
+        ExtractConfig(DEMO_MODEL, choice[:1], store, gram=True, heads=True, lens="final"),
+        ExtractConfig(DEMO_MODEL, choice[1:], store, gram=True, heads=True),
         ExtractConfig(DEMO_MODEL, text, store, lens="final", skips=True),
     ):
         for s in run_extract(config):

@@ -9,7 +9,6 @@ the store); nothing is typed in.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -108,6 +107,7 @@ def render(
         lens=results.lens,
         min_params=results.min_params,
         formats=tuple(formats),
+        options=results.settings,
     )
     body = [
         f"## {a.title}\n\n{a.report(ctx)}"
@@ -173,8 +173,6 @@ def write_report(
             data = explorer_data(parts, explorer_instances) if parts else None
             if data is None:
                 ctx.notes.append(NO_CHOICE_EXPLORER if store else NO_EXPLORER)
-            page = render_page(text, ctx.interactive, tmp / FIGURES, data)
+            page = render_page(text, ctx.interactive, data)
             (tmp / HTML_NAME).write_text(page)
-            if "md" not in chosen:  # the PNGs drawn for figures without an interactive version
-                shutil.rmtree(tmp / FIGURES, ignore_errors=True)
     return Path(out) / names[chosen[0]], ctx.notes
