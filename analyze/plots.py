@@ -312,6 +312,16 @@ def _mpl_panel(fig: Any, ax: Any, panel: Panel) -> None:
         )
     for axis, scale in (("x", panel.xscale), ("y", panel.yscale)):
         setter = ax.set_xscale if axis == "x" else ax.set_yscale
+        values = [v for s in panel.series for v in (s.x if axis == "x" else s.y)]
+        if not any(isinstance(v, int | float) and 0 < v < math.inf for v in values):
+            continue  # nothing to place on a log axis
+        if scale != "linear":  # plain numbers (60, not 6x10^1) on log axes
+            from matplotlib.ticker import FuncFormatter, NullFormatter
+
+            plain = FuncFormatter(lambda v, _: f"{v:g}")
+            target = ax.xaxis if axis == "x" else ax.yaxis
+            target.set_major_formatter(plain)
+            target.set_minor_formatter(plain if _within_decade(values) else NullFormatter())
         if scale == "log2":
             setter("log", base=2)
         elif scale == "log":
@@ -335,6 +345,13 @@ def _mpl_panel(fig: Any, ax: Any, panel: Panel) -> None:
             fontsize=8,
             bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "0.8"},
         )
+
+
+def _within_decade(values: Sequence[Any]) -> bool:
+    """Whether the positive values span less than a factor of 10 (then a log axis has no major
+    tick inside and its minor ticks carry the labels)."""
+    positive = [v for v in values if isinstance(v, int | float) and 0 < v < math.inf]
+    return bool(positive) and max(positive) < 10 * min(positive)
 
 
 def to_matplotlib(spec: Figure, path: Path) -> Path:
@@ -518,6 +535,8 @@ def to_plotly(spec: Figure) -> dict[str, Any]:
                 **at,
             )
         axis_type = {"linear": "linear", "log": "log", "log2": "log"}
+        if panel.heatmap is not None:  # labels such as layer numbers are categories
+            axis_type = dict.fromkeys(axis_type, "category")
         fig.update_xaxes(
             title_text=panel.xlabel or None,
             type=axis_type[panel.xscale],
@@ -555,6 +574,7 @@ def to_plotly(spec: Figure) -> dict[str, Any]:
         margin={"t": 110 if spec.caption or spec.depth_switch else 80},
         legend={"font": {"size": 12}},
         hovermode="closest",
+        showlegend=bool(spec.legend_names()),
     )
     if spec.depth_switch:
         _depth_switch(fig, absolute, relative, spec.depth_switch)

@@ -12,7 +12,6 @@ import html
 import json
 import re
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from layerdiv.analyze.plots import PLOTLY_CONFIG
