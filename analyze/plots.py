@@ -14,6 +14,7 @@ draws them with the Plotly bundle it inlines (:mod:`layerdiv.analyze.html`).
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,7 +258,10 @@ def _mpl_heatmap(fig: Any, ax: Any, heat: Heatmap) -> None:
     else:
         norm = Normalize(vmin=heat.zmin, vmax=heat.zmax)
     image = ax.imshow(z, cmap=heat.cmap, norm=norm, aspect="auto", origin=heat.origin)
-    fig.colorbar(image, ax=ax, shrink=0.9).set_label(heat.colorbar, fontsize=8)
+    bar = fig.colorbar(image, ax=ax, shrink=0.9)
+    bar.set_label(heat.colorbar, fontsize=8)
+    if heat.log:
+        _plain_ticks(bar.ax.yaxis)
     for axis, labels, setter in ((0, heat.x, ax.set_xticks), (1, heat.y, ax.set_yticks)):
         step = max(1, len(labels) // 12)
         setter(
@@ -311,21 +315,11 @@ def _mpl_panel(fig: Any, ax: Any, panel: Panel) -> None:
             label=line.label or None,
         )
     for axis, scale in (("x", panel.xscale), ("y", panel.yscale)):
-        setter = ax.set_xscale if axis == "x" else ax.set_yscale
         values = [v for s in panel.series for v in (s.x if axis == "x" else s.y)]
-        if not any(isinstance(v, int | float) and 0 < v < math.inf for v in values):
+        if scale == "linear" or not _positive(values):
             continue  # nothing to place on a log axis
-        if scale != "linear":  # plain numbers (60, not 6x10^1) on log axes
-            from matplotlib.ticker import FuncFormatter, NullFormatter
-
-            plain = FuncFormatter(lambda v, _: f"{v:g}")
-            target = ax.xaxis if axis == "x" else ax.yaxis
-            target.set_major_formatter(plain)
-            target.set_minor_formatter(plain if _within_decade(values) else NullFormatter())
-        if scale == "log2":
-            setter("log", base=2)
-        elif scale == "log":
-            setter("log")
+        (ax.set_xscale if axis == "x" else ax.set_yscale)("log", base=2 if scale == "log2" else 10)
+        _plain_ticks(ax.xaxis if axis == "x" else ax.yaxis)
     if panel.xrange:
         ax.set_xlim(*panel.xrange)
     if panel.yrange:
@@ -335,23 +329,22 @@ def _mpl_panel(fig: Any, ax: Any, panel: Panel) -> None:
     ax.set_ylabel(panel.ylabel, fontsize=9)
     if panel.heatmap is None:
         ax.grid(alpha=0.3, which="both" if "log" in panel.xscale + panel.yscale else "major")
-    if panel.notes:
-        ax.text(
-            0.02,
-            0.97,
-            "\n".join(panel.notes),
-            transform=ax.transAxes,
-            va="top",
-            fontsize=8,
-            bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "0.8"},
-        )
+    if panel.notes:  # under the title, where they hide no data
+        lines = textwrap.wrap("; ".join(panel.notes), 70)
+        ax.set_title(panel.title + "\n" + "\n".join(lines), fontsize=9)
 
 
-def _within_decade(values: Sequence[Any]) -> bool:
-    """Whether the positive values span less than a factor of 10 (then a log axis has no major
-    tick inside and its minor ticks carry the labels)."""
-    positive = [v for v in values if isinstance(v, int | float) and 0 < v < math.inf]
-    return bool(positive) and max(positive) < 10 * min(positive)
+def _positive(values: Sequence[Any]) -> list[float]:
+    return [v for v in values if isinstance(v, int | float) and 0 < v < math.inf]
+
+
+def _plain_ticks(axis: Any) -> None:
+    """Plain numbers (60, not 6x10^1) on a log ``axis``, its minor ticks labelled where the
+    axis spans few decades (matplotlib's own choice of which, in plain numbers)."""
+    from matplotlib.ticker import LogFormatter
+
+    axis.set_major_formatter(LogFormatter())
+    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
 
 
 def to_matplotlib(spec: Figure, path: Path) -> Path:
