@@ -204,7 +204,7 @@ def analyze(
     ['boolq', 'mnli']
     >>> analyze(path, options={"reweigth": True})
     Traceback (most recent call last):
-    layerdiv.analyze.api.AnalysisError: unknown option 'reweigth': use one of reweight
+    layerdiv.analyze.api.AnalysisError: unknown option 'reweigth': use one of reweight, future_linear
     """
     _choice("lens", lens, LENSES)
     analyses = registered()
