@@ -15,6 +15,8 @@ History:
   ``future_output``; choice tasks gain the optional ``lens``; the manifest gains ``kind``,
   ``max_tokens``, ``lens``, ``skip_split`` and ``skip_seed`` (and, from the first release
   that writes the future-effects tables, ``skip_sublayers``: absent means ``block``).
+- 5: the manifest gains ``vocab_size`` (V, the unembedding's rows; the logit lens's uniform
+  baseline is log V; absent in older manifests, where the baseline is not drawn).
 
 The hive partition columns ``model`` and ``task`` are not stored inside the files: they come from
 the directory names (``model=<slug>/task=<task>``) and are typed as strings by every reader.
@@ -28,7 +30,7 @@ import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Version of the on-disk layout and of the column sets below (the one this code writes)."""
 
 OLDEST_READABLE = 1
