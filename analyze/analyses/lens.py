@@ -21,21 +21,21 @@ import polars as pl
 from layerdiv.analyze.registry import Analysis, Context, map_partitions, register
 from layerdiv.analyze.text import tag, with_table
 from layerdiv.store import PartitionInfo
+from layerdiv.store.key import KEY
 
 LENS = ("kl", "top5_overlap", "ce")
 """Per-instance lens columns of the ``lens`` table (schemas ``LENS``)."""
 
 
 def lens_tag(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
-    """``frame`` with the partition's ``model``, ``task`` and ``lens`` (the readout recorded in
-    its manifest) first, and its uniform baseline ``uniform_ce`` = log V (METHODS.md section 9)."""
+    """``frame`` with the partition's key columns and ``lens`` (the readout recorded in its
+    manifest) first, and its uniform baseline ``uniform_ce`` = log V (METHODS.md section 9)."""
     m = info.manifest
     uniform = math.log(m.vocab_size) if m.vocab_size else None
     return tag(frame, info).select(
-        "model",
-        "task",
+        *KEY,
         pl.lit(m.lens, pl.String).alias("lens"),
-        pl.exclude("model", "task"),
+        pl.exclude(*KEY),
         pl.lit(uniform, pl.Float64).alias("uniform_ce"),
     )
 

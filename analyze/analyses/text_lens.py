@@ -35,6 +35,7 @@ from layerdiv.analyze.text import (
     with_table,
 )
 from layerdiv.store import PartitionInfo
+from layerdiv.store.key import KEY
 
 LENS = ("kl", "top5_overlap", "ce")
 """Per-token lens columns of ``token_lens``."""
@@ -145,9 +146,8 @@ def report(ctx: ReportContext) -> str:
     table = ctx.tables["text_lens"]
     names = plots.short_names(ctx.names)
     rows = []
-    for (model, task, lens), sub in table.sort("model", "task", "lens", "layer").group_by(
-        "model", "task", "lens", maintain_order=True
-    ):
+    for _key, sub in table.sort(*KEY, "lens", "layer").group_by(*KEY, "lens", maintain_order=True):
+        model, task, lens = sub["model"][0], sub["task"][0], sub["lens"][0]
         mid = sub.filter(pl.col("layer") == sub["layer"].max() // 2)  # type: ignore[operator]
         out = sub.tail(1)
         rows.append(
