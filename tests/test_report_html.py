@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import re
 import shutil
 import time
@@ -368,3 +369,23 @@ def test_figure_checks_catch_what_a_reader_calls_broken(browser: Any, tmp_path: 
         p.startswith('broken.png: axis title "a title over the ticks" overlaps') for p in found
     )
     assert "empty.png: a figure placeholder with no marks" in found
+
+
+DEMO_REPORT = Path(os.environ.get("LAYERDIV_DEMO_REPORT", "layerdiv-demo/report/report.html"))
+"""The demo's page (``make demo``; another with ``LAYERDIV_DEMO_REPORT``)."""
+
+
+def test_demo_report_shows_its_findings(browser: Any) -> None:
+    """The demo's page as a reader sees it: no warning box, every figure drawn with a complete
+    legend and no axis title over another or over ticks, and the logit-lens figure with the
+    last prompt token of the choice task extracted with ``--lens`` beside running text."""
+    from layerdiv.tests.browser import figure_problems, open_page, page_errors
+
+    if not DEMO_REPORT.is_file():
+        pytest.skip(f"{DEMO_REPORT} not found: run `make demo` first")
+    open_page(browser, DEMO_REPORT)
+    assert page_errors(browser) == []
+    assert figure_problems(browser) == []
+    assert "<img" not in DEMO_REPORT.read_text()
+    lens = embedded(DEMO_REPORT, "figures-data")["text_lens.png"]
+    assert any(t["name"].endswith("last prompt token") for t in lens["data"])
