@@ -318,8 +318,9 @@ def _mpl_panel(fig: Any, ax: Any, panel: Panel) -> None:
         values = [v for s in panel.series for v in (s.x if axis == "x" else s.y)]
         if scale == "linear" or not _positive(values):
             continue  # nothing to place on a log axis
-        (ax.set_xscale if axis == "x" else ax.set_yscale)("log", base=2 if scale == "log2" else 10)
-        _plain_ticks(ax.xaxis if axis == "x" else ax.yaxis)
+        base = 2 if scale == "log2" else 10
+        (ax.set_xscale if axis == "x" else ax.set_yscale)("log", base=base)
+        _plain_ticks(ax.xaxis if axis == "x" else ax.yaxis, base)
     if panel.xrange:
         ax.set_xlim(*panel.xrange)
     if panel.yrange:
@@ -338,13 +339,17 @@ def _positive(values: Sequence[Any]) -> list[float]:
     return [v for v in values if isinstance(v, int | float) and 0 < v < math.inf]
 
 
-def _plain_ticks(axis: Any) -> None:
-    """Plain numbers (60, not 6x10^1) on a log ``axis``, its minor ticks labelled where the
-    axis spans few decades (matplotlib's own choice of which, in plain numbers)."""
+def _plain_ticks(axis: Any, base: float = 10) -> None:
+    """Plain numbers (60 and 0.2, not 6x10^1 and 2e-01) on a log ``axis``, its minor ticks
+    labelled where the axis spans few decades (matplotlib's own choice of which)."""
     from matplotlib.ticker import LogFormatter
 
-    axis.set_major_formatter(LogFormatter())
-    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+    class Plain(LogFormatter):
+        def _num_to_string(self, x: float, vmin: float, vmax: float) -> str:
+            return f"{x:g}"
+
+    axis.set_major_formatter(Plain(base=base))
+    axis.set_minor_formatter(Plain(base=base, labelOnlyBase=False, minor_thresholds=(2, 0.5)))
 
 
 def to_matplotlib(spec: Figure, path: Path) -> Path:
@@ -523,8 +528,11 @@ def to_plotly(spec: Figure) -> dict[str, Any]:
             add(
                 line.value,
                 line={"color": line.color, "dash": line.dash, "width": 1},
-                annotation_text=line.label or None,
-                annotation_font_size=10,
+                **(
+                    {"annotation_text": line.label, "annotation_font_size": 10}
+                    if line.label
+                    else {}
+                ),
                 **at,
             )
         axis_type = {"linear": "linear", "log": "log", "log2": "log"}
