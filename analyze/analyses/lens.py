@@ -1,5 +1,5 @@
 """Choice tasks, logit lens at the last prompt token (``extract --lens`` on a choice task,
-METHODS.md section 9): per (model, task, lens, layer), the means over instances of the ``lens``
+methods §9): per (model, task, lens, layer), the means over instances of the ``lens``
 table. Running text draws these beside its own lens curves (:mod:`.text_lens`, dashed).
 
 Table ``lens_curves``: per (model, task, lens, layer l = 0..L; l = L is the model's own output):
@@ -29,7 +29,7 @@ LENS = ("kl", "top5_overlap", "ce")
 
 def lens_tag(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
     """``frame`` with the partition's key columns and ``lens`` (the readout recorded in its
-    manifest) first, and its uniform baseline ``uniform_ce`` = log V (METHODS.md section 9)."""
+    manifest) first, and its uniform baseline ``uniform_ce`` = log V (methods §9)."""
     m = info.manifest
     uniform = math.log(m.vocab_size) if m.vocab_size else None
     return tag(frame, info).select(
@@ -42,7 +42,7 @@ def lens_tag(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
 
 def partition_curves(info: PartitionInfo) -> pl.DataFrame:
     """``lens_curves`` of one choice partition: per layer, the means over its instances
-    (METHODS.md section 9) and ``relative_depth`` l / L."""
+    (methods §9) and ``relative_depth`` l / L."""
     blocks = info.manifest.n_blocks
     frame = (
         pl.scan_parquet(info.uris("lens"))

@@ -1,4 +1,4 @@
-"""The reference paper's analysis (METHODS.md sections 2-6): scores, layer-addition curves, module
+"""The reference paper's analysis (methods §2-6): scores, layer-addition curves, module
 shares, correlations, depth efficiency, saturation and the information-theoretic view, with its
 report section (Table 1, Figs. 3-6) and figures.
 """
@@ -56,14 +56,14 @@ def _component_names(parts: list[PartitionInfo]) -> pl.DataFrame:
 
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
-    """Every table of METHODS.md sections 2-6 for the selected partitions (see
+    """Every table of methods §2-6 for the selected partitions (see
     :class:`~layerdiv.analyze.api.Results` for each table's columns). ``instance_scores`` goes to
     ``ctx.spill`` partition by partition; only per-partition aggregates stay in memory."""
     manifests = prior["manifests"]
 
     def reduce(info: PartitionInfo) -> tuple[pl.DataFrame, dict[str, pl.DataFrame]]:
         """The partition's instance scores (to spill) and the aggregates kept of it."""
-        scores = partition_scores(info, ctx.lens)
+        scores = partition_scores(info, ctx.scale)
         instances = scores.instances.sort("estimator", "instance")
         n_options = manifests.join(
             pl.DataFrame([dict(info.key.items())]), on=[*KEY], how="semi"
@@ -107,7 +107,7 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     curves = (
         gather("curves")
         .join(_component_names(ctx.parts), on=[*KEY, "j"])
-        .with_columns(  # METHODS.md section 7: j / L, so that models of different depth overlay
+        .with_columns(  # methods §7: j / L, so that models of different depth overlay
             (pl.col("j") / pl.col("j").max().over(*KEY)).alias("relative_depth")
         )
         .sort(*KEY, "estimator", "j")
@@ -322,7 +322,7 @@ def saturation_table(ctx: ReportContext) -> str:
 
 
 def information_table(ctx: ReportContext) -> str:
-    """Section 6 per (model, task): n, H(Y), relevancy, I(full stack; Y), the Eq. 12 bounds beside
+    """Methods §6 per (model, task): n, H(Y), relevancy, I(full stack; Y), the Eq. 12 bounds beside
     the measured error, and the mean gain of I per component in each half of the stack."""
     rows = [
         [
@@ -360,7 +360,7 @@ GAIN_WINDOW = 5
 """Marginal gains in Fig. 6 are shown as a centred rolling mean over this many components."""
 
 
-def correlation_spec(ctx: ReportContext, lens: str) -> plots.Figure:
+def correlation_spec(ctx: ReportContext, scale: str) -> plots.Figure:
     """Fig. 3: heatmaps of r (models x tasks + Avg.), one per (method, metric); ``*`` marks
     p < 0.05 in the task columns; Avg. is the Fisher-z mean over tasks."""
     names = plots.short_names(ctx.names)
@@ -417,7 +417,7 @@ def correlation_spec(ctx: ReportContext, lens: str) -> plots.Figure:
         panels,
         cols=len(CORRELATED),
         panel_size=(1.6 + 0.6 * len(columns), 1.5 + 0.38 * len(models)),
-        caption=f"estimator {ctx.estimator}, lens {lens}; * two-sided p < {stats.SIGNIFICANCE}; "
+        caption=f"estimator {ctx.estimator}, scale {scale}; * two-sided p < {stats.SIGNIFICANCE}; "
         "Avg. = Fisher-z mean over tasks",
     )
 
@@ -461,7 +461,7 @@ def module_spec(ctx: ReportContext) -> plots.Figure:
     )
 
 
-def curves_spec(ctx: ReportContext, lens: str, model: str) -> plots.Figure:
+def curves_spec(ctx: ReportContext, scale: str, model: str) -> plots.Figure:
     """Fig. 5 for one model: accuracy, MSE, bias and diversity of the first j components,
     z-scored across j, one panel per task; hover shows the component added at j and the
     metric's value in its unit."""
@@ -505,11 +505,11 @@ def curves_spec(ctx: ReportContext, lens: str, model: str) -> plots.Figure:
         cols=min(4, len(panels)),
         panel_size=(3.6, 2.8),
         depth_switch="components in prefix j",
-        caption=f"estimator {ctx.estimator}, lens {lens}",
+        caption=f"estimator {ctx.estimator}, scale {scale}",
     )
 
 
-def depth_spec(ctx: ReportContext, lens: str, min_params: float) -> plots.Figure:
+def depth_spec(ctx: ReportContext, scale: str, min_params: float) -> plots.Figure:
     """Fig. 6: accuracy and MSE averaged over tasks against the number of components with their
     fits (dashed; R² in the notes), and the marginal accuracy gain per added component (rolling
     mean); the HTML figure switches x between j and j / L so that models overlay."""
@@ -572,7 +572,7 @@ def depth_spec(ctx: ReportContext, lens: str, min_params: float) -> plots.Figure
         cols=3,
         panel_size=(5.0, 4.0),
         depth_switch="components in prefix j",
-        caption=f"estimator {ctx.estimator}, lens {lens}; poor fit: R² < {plots.POOR_FIT_R2:g}",
+        caption=f"estimator {ctx.estimator}, scale {scale}; poor fit: R² < {plots.POOR_FIT_R2:g}",
     )
 
 
@@ -585,7 +585,7 @@ DASHES: dict[str, plots.Dash] = {"-": "solid", "--": "dash", "-.": "dashdot", ":
 def report(ctx: ReportContext) -> str:
     """Table 1, the Fig. 3 correlations, Fig. 4 module shares, Figs. 5-6, saturation and the
     information-theoretic view, with their figures."""
-    est, lens, min_params = ctx.estimator, ctx.lens, ctx.min_params
+    est, scale, min_params = ctx.estimator, ctx.scale, ctx.min_params
     fits = ctx.tables["depth_fits"]
     depth_models = fits["model"].n_unique()
     size_filter = (
@@ -602,7 +602,7 @@ def report(ctx: ReportContext) -> str:
             ctx,
             f"fig5_curves_{m}.png",
             "Fig. 5 standardized curves",
-            partial(curves_spec, ctx, lens, m),
+            partial(curves_spec, ctx, scale, m),
         )
         for m in tqdm(models, desc="Fig. 5", unit="model", disable=None)
     ]
@@ -611,7 +611,7 @@ def report(ctx: ReportContext) -> str:
             ctx,
             "fig6_depth.png",
             "Fig. 6 depth efficiency",
-            lambda: depth_spec(ctx, lens, min_params),
+            lambda: depth_spec(ctx, scale, min_params),
         )
         if fits.height
         else ""
@@ -627,13 +627,13 @@ def report(ctx: ReportContext) -> str:
         "layer-addition curves between accuracy_j and −MSE_j, −bias_j or diversity_j (lower MSE "
         f"and bias are better). `*`: two-sided p < {stats.SIGNIFICANCE} (t test, L − 2 degrees "
         "of freedom). Avg. and the all-models row are Fisher-z averages and are not tested. "
-        f"Estimator `{est}`, lens `{lens}`.",
+        f"Estimator `{est}`, scale `{scale}`.",
         correlation_table(ctx),
         plots.figure_link(
             ctx,
             "fig3_correlations.png",
             "Fig. 3 correlations",
-            lambda: correlation_spec(ctx, lens),
+            lambda: correlation_spec(ctx, scale),
         ),
         "### Fig. 4: share of bias and diversity by module",
         "Paper Eqs. 9-10: the share of module kind X is |X| bias_X / (L bias) (and the same for "
@@ -648,7 +648,7 @@ def report(ctx: ReportContext) -> str:
         ),
         "### Fig. 5: standardized layer-addition curves",
         "Accuracy, MSE, bias and diversity of the first j components, each standardized across j "
-        f"within (model, task) (z-score). Estimator `{est}`, lens `{lens}`.",
+        f"within (model, task) (z-score). Estimator `{est}`, scale `{scale}`.",
         "\n\n".join(link for link in fig5 if link),
         "### Fig. 6: depth efficiency",
         f"Accuracy and MSE averaged over tasks per model ({depth_models} model(s): "
@@ -664,7 +664,7 @@ def report(ctx: ReportContext) -> str:
         "The smallest j such that every prefix of j or more components has accuracy within 1 "
         "point below the full model's (j/L).",
         saturation_table(ctx),
-        "### Information-theoretic view (METHODS.md section 6)",
+        "### Information-theoretic view (methods §6)",
         "Plug-in estimates in bits over the instances of each task, with the argmax predictions "
         "of single components and of prefixes as the variables. The bounds are paper Eq. 12 "
         "(H(Y) − I − 1)/log₂K ≤ error ≤ (H(Y) − I)/2 with I = I(prefix_L; Y). Plug-in mutual "
@@ -677,7 +677,8 @@ def report(ctx: ReportContext) -> str:
 register(
     Analysis(
         name="paper",
-        title="The paper's analysis: bias, diversity and depth (METHODS.md sections 2-6)",
+        title="The paper's analysis: bias, diversity and depth",
+        methods=(1, 2, 3, 4, 5, 6),
         tables=tables,
         report=report,
     )
