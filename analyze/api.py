@@ -222,7 +222,7 @@ def run_analysis(
     ['boolq', 'mnli']
     >>> run_analysis(path, options={"reweigth": True})
     Traceback (most recent call last):
-    layerdiv.analyze.api.AnalysisError: unknown option 'reweigth': use one of reweight
+    layerdiv.analyze.api.AnalysisError: unknown option 'reweigth': use one of reweight, ...
     """
     if lens is not None:
         raise AnalysisError(

@@ -71,6 +71,8 @@ class ReportContext:
     formats: tuple[str, ...] = ("md",)
     """The report formats being written (``md``, ``html``): PNG figures are drawn for ``md``,
     interactive ones for ``html`` (:func:`~layerdiv.analyze.plots.figure_link`)."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """The analysis-specific switches the tables were computed with (``Context.options``)."""
     interactive: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Plotly figures (as JSON-able dicts) by the file name of the PNG they stand for in the
     HTML report."""

@@ -16,7 +16,9 @@ History:
   ``max_tokens``, ``lens``, ``skip_split`` and ``skip_seed`` (and, from the first release
   that writes the future-effects tables, ``skip_sublayers``: absent means ``block``).
 - 5: the manifest gains ``weights`` (how the weights were made from the files given, e.g. a GGUF
-  quantization dequantized to float32; absent: loaded as they are).
+  quantization dequantized to float32; absent: loaded as they are) and ``vocab_size`` (V, the
+  unembedding's rows; the logit lens's uniform baseline is log V; absent in older manifests,
+  where the baseline is not drawn).
 
 The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``task``) are not stored
 inside the files: they come from the directory names (``model=<slug>/task=<task>``) and are typed

@@ -120,6 +120,9 @@ class Manifest:
     j*chunk_size .. (j+1)*chunk_size-1, possibly in several parts (None in older manifests)."""
     hidden_size: int | None = None
     """Width d of the residual stream (schema version 2; None in older manifests)."""
+    vocab_size: int | None = None
+    """Rows V of the unembedding (the model config's ``vocab_size``): the lens's uniform
+    baseline is log V nats (None in older manifests)."""
     norm_eps: float | None = None
     """Epsilon of the final norm (methods §7 needs it for ||r||; None in older
     manifests)."""

@@ -7,6 +7,7 @@
 from layerdiv.analyze.analyses import paper
 from layerdiv.analyze.analyses import depth
 from layerdiv.analyze.analyses import heads
+from layerdiv.analyze.analyses import lens
 from layerdiv.analyze.analyses import text_geometry
 from layerdiv.analyze.analyses import text_lens
 from layerdiv.analyze.analyses import text_skips
@@ -16,6 +17,7 @@ from layerdiv.analyze.analyses import text_groups
 __all__ = [
     "depth",
     "heads",
+    "lens",
     "paper",
     "text_geometry",
     "text_groups",
