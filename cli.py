@@ -680,6 +680,100 @@ def ls_command(store: str, models: tuple[str, ...], tasks: tuple[str, ...]) -> N
     fail_after(st.problems(models, tasks))
 
 
+@main.command("fit-law")
+@click.option(
+    "--points",
+    type=click.Path(dir_okay=False),
+    help="A CSV or Parquet file of points with the columns width, depth, tokens, loss.",
+)
+@click.option("--store", help="A store: one point per model/revision (with --task).")
+@click.option("--task", help="The text task whose model loss the points take (with --store).")
+@click.option(
+    "--exclude-highest",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="Keep the points whose loss is strictly below the N-th highest (the paper: 40 of 245).",
+)
+@click.option(
+    "--bootstrap",
+    type=click.IntRange(min=0),
+    default=200,
+    show_default=True,
+    metavar="B",
+    help="Resamples for the 95% percentile intervals.",
+)
+@click.option(
+    "--heldout",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="K",
+    help="Random 20% splits held out: the mean absolute relative error on them.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Of bootstrap and splits.")
+@click.option(
+    "--out",
+    default="layerdiv-law",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Folder for depth_law, depth_law_fit and depth_law.png (an earlier result is replaced).",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(FORMATS),
+    default=FORMATS[1],
+    show_default=True,
+    help="Table file format.",
+)
+def fit_law_command(
+    points: str | None,
+    store: str | None,
+    task: str | None,
+    exclude_highest: int,
+    bootstrap: int,
+    heldout: int,
+    seed: int,
+    out: str,
+    fmt: str,
+) -> None:
+    """Fit the depth loss law L = c_w w^-a_w + c_l l^-a_l + c_D D^-a_D + E (METHODS.md 12) by
+    least squares on log loss, with standard errors, bootstrap intervals and held-out error."""
+    from layerdiv.analyze import plots
+    from layerdiv.analyze.law import fit_law, law_figure, read_points, store_points
+    from layerdiv.analyze.output import result_dir, write_frame
+    from layerdiv.store import Store
+
+    if (points is None) == (store is None) or (store is not None and task is None):
+        raise click.UsageError("give either --points FILE or --store S --task T")
+    if points is not None:
+        frame = read_points(points)
+    else:
+        assert store is not None and task is not None
+        frame = store_points(Store(store), task)
+    fit = fit_law(frame, exclude_highest, bootstrap, heldout, seed)
+    settings = {"points": points, "store": store, "task": task, "exclude_highest": exclude_highest,
+                "bootstrap": bootstrap, "heldout": heldout, "seed": seed}  # fmt: skip
+    with result_dir(out, {"settings": settings}) as tmp:
+        write_frame(fit.table, tmp / f"depth_law.{fmt}", fmt)
+        write_frame(fit.summary(), tmp / f"depth_law_fit.{fmt}", fmt)
+        if plots.available():
+            law_figure(fit, tmp / "depth_law.png")
+    click.echo(show(fit.table))
+    click.echo(
+        f"objective (mean squared log residual) {fit.objective:.6g} over {fit.n_fitted} of "
+        f"{fit.n_points} points, at the optimum (gradient norm {fit.gradient_norm:.2g}); "
+        f"{fit.n_bootstrap} bootstrap fits"
+    )
+    if fit.heldout_error is not None:
+        click.echo(
+            f"held-out mean absolute relative error {fit.heldout_error:.4g} ({heldout} splits)"
+        )
+    click.echo(f"wrote {out}")
+
+
 @main.command("merge")
 @click.argument("sources", nargs=-1, required=True, type=click.Path(file_okay=False))
 @click.option(
