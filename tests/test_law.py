@@ -150,3 +150,44 @@ def test_within_model_power_fit() -> None:
     c, a, r2 = law.power_fit(layers, 3.0 * layers**-1.1)
     assert (c, a, r2) == pytest.approx((3.0, 1.1, 1.0))
     assert np.isnan(law.power_fit(layers[:1], np.ones(1))[0])
+
+
+def test_within_model_law_from_the_lens_table(tmp_path: Path) -> None:
+    from layerdiv.analyze.analyses.text_lens import delta_ce, lens_law, lens_law_figure
+
+    blocks, own = 12, 2.5
+    layer = np.arange(blocks + 1)
+    ce = own + 4.0 * np.maximum(layer, 1) ** -0.9
+    ce[-1] = own
+    table = pl.DataFrame({"model": "m", "task": "fineweb", "layer": layer, "ce": ce}).with_columns(
+        pl.col("layer").cast(pl.Int16)
+    )
+    deltas = delta_ce(table)
+    assert deltas["layer"].to_list() == list(range(1, blocks))  # l = 1..L-1
+    np.testing.assert_allclose(deltas["delta_ce"], ce[1:blocks] - own)
+    fit = lens_law(table)
+    assert fit.row(0, named=True) == pytest.approx(
+        {"model": "m", "task": "fineweb", "c": 4.0, "alpha": 0.9, "r2": 1.0, "n_layers": 11}
+    )
+    assert lens_law_figure(table, fit, tmp_path / "f.png", {}).stat().st_size > 5_000
+
+
+def test_text_lens_law_only_for_last_block_partitions(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from layerdiv.analyze.api import analyze
+    from layerdiv.analyze.synthetic import text_chunk, text_manifest, write_text_partition
+
+    for name, kind in (("org/final", "final"), ("org/last", "last-block")):
+        manifest = replace(text_manifest(name, "fineweb", 4, 6, 16, 4, True, False), lens=kind)
+        chunk = text_chunk(np.random.default_rng(0), range(4), 16, 6, lens=True)
+        write_text_partition(tmp_path, manifest, [(0, 4, chunk)])
+    results = analyze(tmp_path)
+    assert set(results.text_lens["model"]) == {"org--final", "org--last"}
+    table = results.text_lens_law
+    assert table["model"].to_list() == ["org--last"]
+    rows = results.text_lens.filter(pl.col("model") == "org--last")
+    expect = law.power_fit(
+        np.arange(1, 6, dtype=float), (rows["ce"][1:6] - rows["ce"][6]).to_numpy()
+    )
+    assert (table["c"][0], table["alpha"][0], table["r2"][0]) == pytest.approx(expect)

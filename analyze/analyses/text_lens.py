@@ -5,6 +5,11 @@ Table ``text_lens``: per (model, task, layer l = 0..L; l = L is the model's own 
 ``relative_depth`` l / L, ``n_documents``, and the means of ``kl`` = KL(p_l || p_L),
 ``top5_overlap`` = |top5(p_l) & top5(p_L)| / 5 and ``ce`` = -log p_l(next token): the mean over
 the positions of a document first, then over documents (a document's last position has no ``ce``).
+
+Table ``text_lens_law`` (partitions extracted with ``--lens last-block``, METHODS.md section 12,
+within one model): per (model, task) the fit delta_ce(l) = c l^-alpha on log-log axes, with
+delta_ce(l) = ce at block input l minus the model's own ce, over l = 1..L-1: ``c``, ``alpha``,
+``r2`` (on the log scale) and ``n_layers`` (the l whose delta_ce is positive, those fitted).
 """
 
 from __future__ import annotations
@@ -12,9 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
+from layerdiv.analyze.law import power_fit
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.registry import (
     Analysis,
@@ -69,7 +76,74 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     parts = with_table(ctx.parts, "token_lens", ctx.notes, "logit lens")
     if not parts:
         return {}
-    return {"text_lens": pl.concat(list(map_partitions(partition_lens, parts)))}
+    table = pl.concat(list(map_partitions(partition_lens, parts)))
+    last_block = [(p.model, p.task) for p in parts if p.manifest.lens == "last-block"]
+    if not last_block:
+        return {"text_lens": table}
+    keys = pl.DataFrame(last_block, schema=["model", "task"], orient="row")
+    return {"text_lens": table, "text_lens_law": lens_law(table.join(keys, on=["model", "task"]))}
+
+
+def delta_ce(table: pl.DataFrame) -> pl.DataFrame:
+    """Per (model, task, layer l = 1..L-1) of ``text_lens``: ``delta_ce`` = ce at l minus ce at
+    L, the model's own (METHODS.md 12; ``ce`` is already a mean over documents of per-document
+    means, and every layer has the same positions, so this is the mean of the differences)."""
+    own = table.filter(pl.col("layer") == pl.col("layer").max().over("model", "task"))
+    return (
+        table.join(own.select("model", "task", pl.col("ce").alias("own")), on=["model", "task"])
+        .filter(pl.col("layer").is_between(1, pl.col("layer").max().over("model", "task") - 1))
+        .select("model", "task", "layer", (pl.col("ce") - pl.col("own")).alias("delta_ce"))
+        .sort("model", "task", "layer")
+    )
+
+
+def lens_law(table: pl.DataFrame) -> pl.DataFrame:
+    """``text_lens_law`` from the ``text_lens`` rows of ``--lens last-block`` partitions:
+    delta_ce(l) = c l^-alpha fitted on log-log axes (METHODS.md 12, within one model)."""
+    rows = []
+    for (model, task), sub in delta_ce(table).group_by("model", "task", maintain_order=True):
+        layer, delta = sub["layer"].to_numpy().astype(float), sub["delta_ce"].to_numpy()
+        c, alpha, r2 = power_fit(layer, delta)
+        n = int(((layer > 0) & (delta > 0)).sum())
+        rows.append((model, task, c, alpha, r2, n))
+    return pl.DataFrame(
+        rows,
+        schema={
+            "model": pl.String,
+            "task": pl.String,
+            "c": pl.Float64,
+            "alpha": pl.Float64,
+            "r2": pl.Float64,
+            "n_layers": pl.Int64,
+        },
+        orient="row",
+    )
+
+
+def lens_law_figure(
+    table: pl.DataFrame, law: pl.DataFrame, path: Path, names: dict[str, str]
+) -> Path:
+    """delta_ce(l) against l on log-log axes per (model, task) of ``law``, with the fitted
+    c l^-alpha (METHODS.md 12, within one model)."""
+    deltas = delta_ce(table.join(law.select("model", "task"), on=["model", "task"]))
+    fig = plots.new_figure(figsize=(6.5, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for color, row in zip(plots.colors(law.height), law.iter_rows(named=True), strict=False):
+        sub = deltas.filter((pl.col("model") == row["model"]) & (pl.col("task") == row["task"]))
+        shown = sub.filter(pl.col("delta_ce") > 0)
+        label = f"{names.get(row['model'], row['model'])} {row['task']}"
+        ax.scatter(shown["layer"], shown["delta_ce"], s=12, color=color)
+        grid = np.linspace(1, max(float(sub["layer"].max() or 1), 1.0), 50)  # type: ignore[arg-type]
+        ax.plot(grid, row["c"] * grid ** -row["alpha"], color=color,
+                label=f"{label}: alpha = {row['alpha']:.2f}")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("block input l")
+    ax.set_ylabel("ce of the last-block lens minus the model's (nats)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    ax.set_title("Within one model: delta_ce(l) = c l^-alpha (METHODS.md 12)", fontsize=10)
+    return plots.save(fig, path)
 
 
 # --- report ----------------------------------------------------------------------------------
@@ -156,9 +230,35 @@ def report(ctx: ReportContext) -> str:
                 "Logit lens",
                 lambda p: lens_figure(table, ctx.tables.get("lens_curves"), p, names),
             ),
+            *law_section(ctx, table, names),
         ]
         if p
     )
+
+
+def law_section(ctx: ReportContext, table: pl.DataFrame, names: dict[str, str]) -> list[str]:
+    """The within-model depth law of the ``--lens last-block`` partitions: its table and figure
+    (nothing when there are none)."""
+    law = ctx.tables.get("text_lens_law")
+    if law is None or not law.height:
+        return []
+    rows = [
+        [ctx.names.get(r["model"], r["model"]), r["task"], fmt(r["c"], digits=3),
+         fmt(r["alpha"], digits=3), fmt(r["r2"], digits=3), str(r["n_layers"])]
+        for r in law.iter_rows(named=True)
+    ]  # fmt: skip
+    return [
+        "Within one model (METHODS.md section 12): the cross-entropy of the last-block lens at "
+        "block input l minus the model's own, fitted as c l^-alpha on log-log axes over "
+        "l = 1..L-1 (the inverse-depth paper's law has alpha near 1 across models).",
+        markdown_table(["Model", "Task", "c", "alpha", "r2 (log)", "layers fitted"], rows),
+        plots.figure_link(
+            ctx,
+            "text_lens_law.png",
+            "Within-model depth law",
+            lambda p: lens_law_figure(table, law, p, names),
+        ),
+    ]
 
 
 register(
