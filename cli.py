@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from layerdiv import __version__
-from layerdiv.analyze.options import ESTIMATORS, FORMATS, LENSES
+from layerdiv.analyze.options import ESTIMATORS, EXECUTORS, FORMATS, LENSES
 from layerdiv.errors import LayerdivError, LayerdivWarning
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig
 from layerdiv.extract.launchers import Shard, parse_shard, pick_device
@@ -406,10 +406,30 @@ reweight_option = click.option(
 )
 
 
+executor_option = click.option(
+    "--executor",
+    type=click.Choice(EXECUTORS),
+    default=EXECUTORS[0],
+    show_default=True,
+    help="Where the per-partition work runs: threads here, or Ray tasks on a cluster (the ray "
+    "extra; docs/cluster.md, 'Analysis on Ray'). The tables are the same.",
+)
+
+
+ray_address_option = click.option(
+    "--ray-address",
+    default=None,
+    metavar="HOST:PORT",
+    help="The Ray cluster of --executor ray (default: $RAY_ADDRESS; auto: this node's cluster).",
+)
+
+
 def analysis_options(command: Callable[..., None]) -> Callable[..., None]:
-    """The store, selection, lens, model-size and analysis options shared by ``analyze`` and
-    ``report``."""
+    """The store, selection, lens, model-size, analysis and executor options shared by
+    ``analyze`` and ``report``."""
     for option in (
+        ray_address_option,
+        executor_option,
         reweight_option,
         min_params_option,
         lens_option,
@@ -446,6 +466,8 @@ def analyze_command(
     lens: Any,
     min_params: float,
     reweight: bool,
+    executor: Any,
+    ray_address: str | None,
     out: str,
     fmt: str,
 ) -> None:
@@ -456,7 +478,7 @@ def analyze_command(
 
     refuse_inside(out, store)
     options = {"reweight": reweight}
-    results = analyze(store, models, tasks, lens, min_params, progress=True, options=options)
+    results = analyze(store, models, tasks, lens, min_params, True, options, executor, ray_address)
     results.write(out, fmt)
     click.echo(f"wrote {len(results.names())} tables ({fmt}) to {out}")
     for note in results.notes:
@@ -504,6 +526,8 @@ def report_command(
     lens: Any,
     min_params: float,
     reweight: bool,
+    executor: Any,
+    ray_address: str | None,
     estimator: Any,
     out: str,
     fmt: str,
@@ -528,7 +552,7 @@ def report_command(
     n_explorer = None if explorer_instances == "all" else int(explorer_instances)
     refuse_inside(out, store)
     options = {"reweight": reweight}
-    results = analyze(store, models, tasks, lens, min_params, progress=True, options=options)
+    results = analyze(store, models, tasks, lens, min_params, True, options, executor, ray_address)
     path, notes = write_report(results, out, estimator, store, formats, n_explorer)
     click.echo(f"wrote {path}")
     for note in notes:

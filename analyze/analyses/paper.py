@@ -67,11 +67,11 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     """Every table of METHODS.md sections 2-6 for the selected partitions (see
     :class:`~layerdiv.analyze.api.Results` for each table's columns). ``instance_scores`` goes to
     ``ctx.spill`` partition by partition; only per-partition aggregates stay in memory."""
-    manifests = prior["manifests"]
+    manifests, lens = prior["manifests"], ctx.lens  # what each partition's work reads
 
     def reduce(info: PartitionInfo) -> tuple[pl.DataFrame, dict[str, pl.DataFrame]]:
         """The partition's instance scores (to spill) and the aggregates kept of it."""
-        scores = partition_scores(info, ctx.lens)
+        scores = partition_scores(info, lens)
         instances = scores.instances.sort("estimator", "instance")
         n_options = manifests.filter(
             (pl.col("model") == info.model) & (pl.col("task") == info.task)
