@@ -32,6 +32,7 @@ from layerdiv.analyze.registry import (
 )
 from layerdiv.analyze.text import TEXT_KIND, batches, combine, sums, tag, with_table
 from layerdiv.store import PartitionInfo
+from layerdiv.store.key import KEY
 
 LENS = ("kl", "top5_overlap", "ce")
 """Per-token lens columns of ``token_lens``."""
@@ -77,61 +78,62 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     if not parts:
         return {}
     table = pl.concat(list(map_partitions(partition_lens, parts)))
-    last_block = [(p.model, p.task) for p in parts if p.manifest.lens == "last-block"]
+    last_block = [dict(p.key.items()) for p in parts if p.manifest.lens == "last-block"]
     if not last_block:
         return {"text_lens": table}
-    keys = pl.DataFrame(last_block, schema=["model", "task"], orient="row")
-    return {"text_lens": table, "text_lens_law": lens_law(table.join(keys, on=["model", "task"]))}
+    keys = pl.DataFrame(last_block, schema=dict.fromkeys(KEY, pl.String))
+    return {"text_lens": table, "text_lens_law": lens_law(table.join(keys, on=[*KEY]))}
 
 
 def delta_ce(table: pl.DataFrame) -> pl.DataFrame:
-    """Per (model, task, layer l = 1..L-1) of ``text_lens``: ``delta_ce`` = ce at l minus ce at
-    L, the model's own (METHODS.md 12; ``ce`` is already a mean over documents of per-document
-    means, and every layer has the same positions, so this is the mean of the differences)."""
-    own = table.filter(pl.col("layer") == pl.col("layer").max().over("model", "task"))
+    """Per (partition key, layer l = 1..L-1) of ``text_lens``: ``delta_ce`` = ce at l minus ce
+    at L, the model's own (METHODS.md 12; ``ce`` is already a mean over documents of
+    per-document means, and every layer has the same positions, so this is the mean of the
+    differences)."""
+    last = pl.col("layer").max().over(*KEY)
+    own = table.filter(pl.col("layer") == last).select(*KEY, pl.col("ce").alias("own"))
     return (
-        table.join(own.select("model", "task", pl.col("ce").alias("own")), on=["model", "task"])
-        .filter(pl.col("layer").is_between(1, pl.col("layer").max().over("model", "task") - 1))
-        .select("model", "task", "layer", (pl.col("ce") - pl.col("own")).alias("delta_ce"))
-        .sort("model", "task", "layer")
+        table.join(own, on=[*KEY])
+        .filter(pl.col("layer").is_between(1, last - 1))
+        .select(*KEY, "layer", (pl.col("ce") - pl.col("own")).alias("delta_ce"))
+        .sort(*KEY, "layer")
     )
+
+
+LAW_SCHEMA = {
+    **dict.fromkeys(KEY, pl.String),
+    "c": pl.Float64,
+    "alpha": pl.Float64,
+    "r2": pl.Float64,
+    "n_layers": pl.Int64,
+}
+"""The columns of ``text_lens_law``."""
 
 
 def lens_law(table: pl.DataFrame) -> pl.DataFrame:
     """``text_lens_law`` from the ``text_lens`` rows of ``--lens last-block`` partitions:
     delta_ce(l) = c l^-alpha fitted on log-log axes (METHODS.md 12, within one model)."""
     rows = []
-    for (model, task), sub in delta_ce(table).group_by("model", "task", maintain_order=True):
+    for key, sub in delta_ce(table).group_by(*KEY, maintain_order=True):
         layer, delta = sub["layer"].to_numpy().astype(float), sub["delta_ce"].to_numpy()
         c, alpha, r2 = power_fit(layer, delta)
         n = int(((layer > 0) & (delta > 0)).sum())
-        rows.append((model, task, c, alpha, r2, n))
-    return pl.DataFrame(
-        rows,
-        schema={
-            "model": pl.String,
-            "task": pl.String,
-            "c": pl.Float64,
-            "alpha": pl.Float64,
-            "r2": pl.Float64,
-            "n_layers": pl.Int64,
-        },
-        orient="row",
-    )
+        rows.append((*key, c, alpha, r2, n))
+    return pl.DataFrame(rows, schema=LAW_SCHEMA, orient="row")
 
 
 def lens_law_figure(
     table: pl.DataFrame, law: pl.DataFrame, path: Path, names: dict[str, str]
 ) -> Path:
-    """delta_ce(l) against l on log-log axes per (model, task) of ``law``, with the fitted
+    """delta_ce(l) against l on log-log axes per partition of ``law``, with the fitted
     c l^-alpha (METHODS.md 12, within one model)."""
-    deltas = delta_ce(table.join(law.select("model", "task"), on=["model", "task"]))
+    deltas = delta_ce(table.join(law.select(*KEY), on=[*KEY]))
     fig = plots.new_figure(figsize=(6.5, 4.5), layout="constrained")
     ax = fig.subplots()
     for color, row in zip(plots.colors(law.height), law.iter_rows(named=True), strict=False):
-        sub = deltas.filter((pl.col("model") == row["model"]) & (pl.col("task") == row["task"]))
+        sub = deltas.filter(pl.all_horizontal(pl.col(k) == row[k] for k in KEY))
         shown = sub.filter(pl.col("delta_ce") > 0)
-        label = f"{names.get(row['model'], row['model'])} {row['task']}"
+        label = " ".join([names.get(row[KEY[0]], row[KEY[0]]), *(row[k] for k in KEY[1:])])
         ax.scatter(shown["layer"], shown["delta_ce"], s=12, color=color)
         grid = np.linspace(1, max(float(sub["layer"].max() or 1), 1.0), 50)  # type: ignore[arg-type]
         ax.plot(grid, row["c"] * grid ** -row["alpha"], color=color,
@@ -190,9 +192,8 @@ def report(ctx: ReportContext) -> str:
     table = ctx.tables["text_lens"]
     names = plots.short_names(ctx.names)
     rows = []
-    for (model, task), sub in table.sort("model", "task", "layer").group_by(
-        "model", "task", maintain_order=True
-    ):
+    for _key, sub in table.sort(*KEY, "layer").group_by(*KEY, maintain_order=True):
+        model, task = sub["model"][0], sub["task"][0]
         mid = sub.filter(pl.col("layer") == sub["layer"].max() // 2)  # type: ignore[operator]
         out = sub.tail(1)
         rows.append(
@@ -243,7 +244,7 @@ def law_section(ctx: ReportContext, table: pl.DataFrame, names: dict[str, str]) 
     if law is None or not law.height:
         return []
     rows = [
-        [ctx.names.get(r["model"], r["model"]), r["task"], fmt(r["c"], digits=3),
+        [ctx.names.get(r[KEY[0]], r[KEY[0]]), *(r[k] for k in KEY[1:]), fmt(r["c"], digits=3),
          fmt(r["alpha"], digits=3), fmt(r["r2"], digits=3), str(r["n_layers"])]
         for r in law.iter_rows(named=True)
     ]  # fmt: skip
@@ -251,7 +252,17 @@ def law_section(ctx: ReportContext, table: pl.DataFrame, names: dict[str, str]) 
         "Within one model (METHODS.md section 12): the cross-entropy of the last-block lens at "
         "block input l minus the model's own, fitted as c l^-alpha on log-log axes over "
         "l = 1..L-1 (the inverse-depth paper's law has alpha near 1 across models).",
-        markdown_table(["Model", "Task", "c", "alpha", "r2 (log)", "layers fitted"], rows),
+        markdown_table(
+            [
+                "Model",
+                *(k.capitalize() for k in KEY[1:]),
+                "c",
+                "alpha",
+                "r2 (log)",
+                "layers fitted",
+            ],
+            rows,
+        ),
         plots.figure_link(
             ctx,
             "text_lens_law.png",
