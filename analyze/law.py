@@ -381,7 +381,12 @@ def law_figure(fit: LawFit, path: Path) -> Path:
         ax.plot(grid, term(fit, variable, grid), color="black", label=f"fit, alpha = {alpha:.3g}")
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.tick_params(which="minor", labelbottom=False, labelleft=False)
+        # minor tick labels only on an axis that spans less than a decade (no major tick)
+        ax.tick_params(
+            which="minor",
+            labelbottom=values.max() < 10 * values.min(),
+            labelleft=bool(shown.any()) and partial[shown].max() < 10 * partial[shown].min(),
+        )
         ax.set_xlabel(variable)
         hidden = int((~shown).sum())
         ax.set_title(f"{variable} term" + (f" ({hidden} points <= 0 not shown)" if hidden else ""))
