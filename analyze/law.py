@@ -1,4 +1,4 @@
-"""The depth loss law (METHODS.md section 12): L_hat = c_w w^-a_w + c_l l^-a_l + c_D D^-a_D + E
+"""The depth loss law (methods §12): L_hat = c_w w^-a_w + c_l l^-a_l + c_D D^-a_D + E
 over points (width, depth, tokens, loss), fitted as the inverse-depth paper does, and the
 within-model version delta_ce(l) = c l^-a.
 
@@ -32,7 +32,7 @@ EXPONENT_STARTS = (0.2, 0.6, 1.2)
 FLOOR_STARTS = (0.3, 0.8)
 """Initial E as fractions of the lowest loss: each is combined with every exponent start."""
 HELDOUT_FRACTION = 0.2
-"""Share of the points held out in each split (METHODS.md 12)."""
+"""Share of the points held out in each split (methods §12)."""
 
 
 class LawError(LayerdivError, ValueError):
@@ -128,7 +128,7 @@ def _terms(theta: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 def _log_residuals(theta: np.ndarray, x: np.ndarray, loss: np.ndarray) -> np.ndarray:
-    """log L - log L_hat (METHODS.md 12: the objective is the mean of their squares)."""
+    """log L - log L_hat (methods §12: the objective is the mean of their squares)."""
     return np.log(loss) - np.log(_terms(theta, x).sum(axis=1) + np.exp(theta[6]))
 
 
@@ -205,7 +205,7 @@ def standard_errors(
     theta: np.ndarray, x: np.ndarray, loss: np.ndarray, scale: np.ndarray
 ) -> np.ndarray:
     """Standard errors of the parameters in input units: sigma^2 (J'J)^-1 with J the Jacobian of
-    the residuals L - L_hat and sigma^2 = sum residual^2 / (n - 7) (METHODS.md 12), computed in
+    the residuals L - L_hat and sigma^2 = sum residual^2 / (n - 7) (methods §12), computed in
     the scaled parameters and carried to input units by the chain rule."""
     terms = _terms(theta, x)
     fitted = terms.sum(axis=1) + np.exp(theta[6])
@@ -228,7 +228,7 @@ def fit_law(
     seed: int = 0,
 ) -> LawFit:
     """Fit L_hat = c_w w^-a_w + c_l l^-a_l + c_D D^-a_D + E to ``points`` (columns width, depth,
-    tokens, loss) by least squares on log loss from several starts (METHODS.md 12).
+    tokens, loss) by least squares on log loss from several starts (methods §12).
 
     ``exclude_highest`` N keeps the points whose loss is strictly below the N-th highest;
     ``bootstrap`` B resamples refitted from the optimum give 2.5/97.5 percentile intervals;
@@ -245,7 +245,7 @@ def fit_law(
                 "number below the number of points"
             )
         cut = np.sort(frame["loss"].to_numpy())[::-1][exclude_highest - 1]
-        frame = frame.filter(pl.col("loss") < cut)  # METHODS.md 12: strictly below
+        frame = frame.filter(pl.col("loss") < cut)  # methods §12: strictly below
     if frame.height <= N_PARAMS:
         raise LawError(
             f"{frame.height} point(s) to fit (of {n_points}) but the law has {N_PARAMS} "
@@ -351,7 +351,7 @@ def synthetic_points(
 
 def power_fit(layer: np.ndarray, delta: np.ndarray) -> tuple[float, float, float]:
     """(c, a, r^2) of delta = c l^-a by least squares on log-log axes over the positive deltas
-    (METHODS.md 12, within one model); nan where fewer than two are positive."""
+    (methods §12, within one model); nan where fewer than two are positive."""
     keep = (layer > 0) & (delta > 0)
     if keep.sum() < 2:
         return float("nan"), float("nan"), float("nan")
@@ -394,7 +394,7 @@ def law_figure(fit: LawFit, path: Path) -> Path:
         ax.legend(fontsize=8)
     fig.axes[0].set_ylabel("partial residual L - (L_hat - term)")
     fig.suptitle(
-        "Depth loss law (METHODS.md 12): each term's partial residuals and the fitted term",
+        "Depth loss law (methods §12): each term's partial residuals and the fitted term",
         fontsize=11,
     )
     return plots.save(fig, path)

@@ -1,4 +1,4 @@
-"""The depth loss law (METHODS.md section 12): recovery of known parameters, the protocol's
+"""The depth loss law (methods §12): recovery of known parameters, the protocol's
 options, the output, and bad input refused in one line."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Running text, logit lens (``extract --lens``, METHODS.md section 9): per (model, task, layer),
+"""Running text, logit lens (``extract --lens``, methods §9): per (model, task, layer),
 how far the lens distribution p_l at block input l is from the model's output.
 
 Table ``text_lens``: per (model, task, layer l = 0..L; l = L is the model's own output):
@@ -6,7 +6,7 @@ Table ``text_lens``: per (model, task, layer l = 0..L; l = L is the model's own 
 ``top5_overlap`` = |top5(p_l) & top5(p_L)| / 5 and ``ce`` = -log p_l(next token): the mean over
 the positions of a document first, then over documents (a document's last position has no ``ce``).
 
-Table ``text_lens_law`` (partitions extracted with ``--lens last-block``, METHODS.md section 12,
+Table ``text_lens_law`` (partitions extracted with ``--lens last-block``, methods §12,
 within one model): per (model, task) the fit delta_ce(l) = c l^-alpha on log-log axes, with
 delta_ce(l) = ce at block input l minus the model's own ce, over l = 1..L-1: ``c``, ``alpha``,
 ``r2`` (on the log scale) and ``n_layers`` (the l whose delta_ce is positive, those fitted).
@@ -42,14 +42,14 @@ LENS_ROWS = 1 << 20
 
 
 def document_means(frames: Iterable[pl.DataFrame]) -> pl.DataFrame:
-    """Per (doc, layer): the mean of each lens column over the document's positions (METHODS.md
-    section 9: first over positions within a document), from batches of ``token_lens`` rows (a
+    """Per (doc, layer): the mean of each lens column over the document's positions (methods
+    §9: first over positions within a document), from batches of ``token_lens`` rows (a
     document may span batches: their sums and counts add up)."""
     return combine((sums(f, ["doc", "layer"], LENS) for f in frames), ["doc", "layer"], LENS)
 
 
 def lens_table(doc_means: pl.DataFrame, blocks: int) -> pl.DataFrame:
-    """Per layer: the means over documents of the per-document means (METHODS.md section 9: then
+    """Per layer: the means over documents of the per-document means (methods §9: then
     over documents), ``n_documents`` and ``relative_depth`` l / L."""
     return (
         doc_means.group_by("layer")
@@ -87,7 +87,7 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
 
 def delta_ce(table: pl.DataFrame) -> pl.DataFrame:
     """Per (partition key, layer l = 1..L-1) of ``text_lens``: ``delta_ce`` = ce at l minus ce
-    at L, the model's own (METHODS.md 12; ``ce`` is already a mean over documents of
+    at L, the model's own (methods §12; ``ce`` is already a mean over documents of
     per-document means, and every layer has the same positions, so this is the mean of the
     differences)."""
     last = pl.col("layer").max().over(*KEY)
@@ -112,7 +112,7 @@ LAW_SCHEMA = {
 
 def lens_law(table: pl.DataFrame) -> pl.DataFrame:
     """``text_lens_law`` from the ``text_lens`` rows of ``--lens last-block`` partitions:
-    delta_ce(l) = c l^-alpha fitted on log-log axes (METHODS.md 12, within one model)."""
+    delta_ce(l) = c l^-alpha fitted on log-log axes (methods §12, within one model)."""
     rows = []
     for key, sub in delta_ce(table).group_by(*KEY, maintain_order=True):
         layer, delta = sub["layer"].to_numpy().astype(float), sub["delta_ce"].to_numpy()
@@ -126,7 +126,7 @@ def lens_law_figure(
     table: pl.DataFrame, law: pl.DataFrame, path: Path, names: dict[str, str]
 ) -> Path:
     """delta_ce(l) against l on log-log axes per partition of ``law``, with the fitted
-    c l^-alpha (METHODS.md 12, within one model)."""
+    c l^-alpha (methods §12, within one model)."""
     deltas = delta_ce(table.join(law.select(*KEY), on=[*KEY]))
     fig = plots.new_figure(figsize=(6.5, 4.5), layout="constrained")
     ax = fig.subplots()
@@ -144,7 +144,7 @@ def lens_law_figure(
     ax.set_ylabel("ce of the last-block lens minus the model's (nats)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
-    ax.set_title("Within one model: delta_ce(l) = c l^-alpha (METHODS.md 12)", fontsize=10)
+    ax.set_title("Within one model: delta_ce(l) = c l^-alpha (methods §12)", fontsize=10)
     return plots.save(fig, path)
 
 
@@ -179,7 +179,7 @@ def lens_figure(
         path,
         names,
         "relative depth l / L",
-        "Logit lens at every block input (METHODS.md 9): every token of running text (solid), "
+        "Logit lens at every block input (methods §9): every token of running text (solid), "
         "the last prompt token of the choice tasks (dashed)",
     )
 
@@ -219,8 +219,8 @@ def report(ctx: ReportContext) -> str:
     return "\n\n".join(
         p
         for p in [
-            "The model's own final norm and unembedding read at every block input h_l (METHODS.md "
-            "section 9; layer L is the model's output). Means over the positions of each "
+            "The model's own final norm and unembedding read at every block input h_l (layer L is "
+            "the model's output). Means over the positions of each "
             "document, then over documents; where the same model has choice tasks extracted "
             "with `--lens`, the figure draws their last prompt token beside (dashed: where the "
             "answer is decided against the average token).",
@@ -249,7 +249,7 @@ def law_section(ctx: ReportContext, table: pl.DataFrame, names: dict[str, str]) 
         for r in law.iter_rows(named=True)
     ]  # fmt: skip
     return [
-        "Within one model (METHODS.md section 12): the cross-entropy of the last-block lens at "
+        "Within one model (methods §12): the cross-entropy of the last-block lens at "
         "block input l minus the model's own, fitted as c l^-alpha on log-log axes over "
         "l = 1..L-1 (the inverse-depth paper's law has alpha near 1 across models).",
         markdown_table(
@@ -275,7 +275,8 @@ def law_section(ctx: ReportContext, table: pl.DataFrame, names: dict[str, str]) 
 register(
     Analysis(
         name="text_lens",
-        title="Running text: logit lens (METHODS.md section 9)",
+        title="Running text: logit lens",
+        methods=("logit-lens",),
         tables=tables,
         report=report,
         kinds=(TEXT_KIND,),
