@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -37,6 +38,7 @@ from layerdiv.analyze.registry import (
     Analysis,
     Context,
     ReportContext,
+    map_partitions,
     partition_engine,
     register,
 )
@@ -411,49 +413,57 @@ def heads_tables(
     """Every table of this module for ``parts`` (see the module docstring; the reweighting
     tables are empty unless ``reweight``); partitions without heads get a line in ``notes`` and
     their component-level rows only."""
-    frames: dict[str, list[pl.DataFrame]] = {
-        name: [] for name in ("head_scores", "component_scores", "reweight_weights")
-    }
-    summaries, reweights = [], []
-    for info in parts:
+
+    def partition(info: PartitionInfo) -> tuple[dict[str, Any], int]:
+        """One partition's frames (by table), summary row and reweighting row (None where it
+        is not fitted), and its number of instances."""
         k_opts = len(info.manifest.options)
         wide = load_wide(info)
         heads = load_heads(info) if has_heads(info) else None
         comps = component_scores_of(info, wide)
         head_rows = None if heads is None else head_scores_of(info, heads)
-        frames["component_scores"].append(tagged(comps, info))
-        if head_rows is not None:
-            frames["head_scores"].append(tagged(head_rows, info))
         first_estimator = (
             None if head_rows is None else head_rows.filter(pl.col("estimator") == ESTIMATORS[0])
         )
         summary = summary_row(_full_scores(wide, k_opts), comps, first_estimator)
         n = _n_instances(wide)
-        summaries.append({**dict(info.key.items()), "n_instances": n, **summary})
-        if not reweight:
-            continue
-        if n <= n_train:
+        key = dict(info.key.items())
+        out: dict[str, Any] = {
+            "component_scores": tagged(comps, info),
+            "head_scores": None if head_rows is None else tagged(head_rows, info),
+            "head_summary": {**key, "n_instances": n, **summary},
+            "reweight": None,
+            "reweight_weights": None,
+        }
+        if reweight and n > n_train:
+            row, weights = reweight_partition(info, wide, heads, n_train, seed)
+            out["reweight"] = {**key, **row}
+            out["reweight_weights"] = tagged(weights, info)
+        return out, n
+
+    found: dict[str, list[Any]] = {name: [] for name in TABLES}
+    for info, (out, n) in zip(parts, map_partitions(partition, parts), strict=True):
+        for name, value in out.items():
+            if value is not None:
+                found[name].append(value)
+        if reweight and n <= n_train:
             notes.append(
                 f"Reweighting skipped for {info.key.label}: {n} instances, it needs more "
                 f"than the {n_train} it trains on."
             )
-            continue
-        row, weights = reweight_partition(info, wide, heads, n_train, seed)
-        reweights.append({**dict(info.key.items()), **row})
-        frames["reweight_weights"].append(tagged(weights, info))
     missing = [p.key.label for p in parts if not has_heads(p)]
     if missing:
         notes.append(
             f"No heads stored for {', '.join(missing)} (their components only in the heads "
             f"tables): {HOW_TO_EXTRACT}."
         )
-    out = {
-        name: pl.concat(found) if found else pl.DataFrame(schema=TABLES[name])
-        for name, found in frames.items()
+    rows = ("head_summary", "reweight")
+    return {
+        name: pl.DataFrame(found[name], schema=TABLES[name])
+        if name in rows
+        else (pl.concat(found[name]) if found[name] else pl.DataFrame(schema=TABLES[name]))
+        for name in TABLES
     }
-    out["head_summary"] = pl.DataFrame(summaries, schema=TABLES["head_summary"])
-    out["reweight"] = pl.DataFrame(reweights, schema=TABLES["reweight"])
-    return out
 
 
 _NAMES = dict.fromkeys(KEY, pl.String)

@@ -59,11 +59,11 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     """Every table of methods §2-6 for the selected partitions (see
     :class:`~layerdiv.analyze.api.Results` for each table's columns). ``instance_scores`` goes to
     ``ctx.spill`` partition by partition; only per-partition aggregates stay in memory."""
-    manifests = prior["manifests"]
+    manifests, scale = prior["manifests"], ctx.scale  # what each partition's work reads
 
     def reduce(info: PartitionInfo) -> tuple[pl.DataFrame, dict[str, pl.DataFrame]]:
         """The partition's instance scores (to spill) and the aggregates kept of it."""
-        scores = partition_scores(info, ctx.scale)
+        scores = partition_scores(info, scale)
         instances = scores.instances.sort("estimator", "instance")
         n_options = manifests.join(
             pl.DataFrame([dict(info.key.items())]), on=[*KEY], how="semi"

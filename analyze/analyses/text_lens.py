@@ -8,16 +8,23 @@ the positions of a document first, then over documents (a document's last positi
 ``ce``); ``uniform_ce`` = log V, the uniform distribution's cross-entropy. ``lens`` is the
 readout recorded in the manifest (``final`` or ``last-block``): partitions of different readouts
 are never averaged together.
+
+Table ``text_lens_law`` (partitions extracted with ``--lens last-block``, methods §12,
+within one model): per (model, task) the fit delta_ce(l) = c l^-alpha on log-log axes, with
+delta_ce(l) = ce at block input l minus the model's own ce, over l = 1..L-1: ``c``, ``alpha``,
+``r2`` (on the log scale) and ``n_layers`` (the l whose delta_ce is positive, those fitted).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.analyses.lens import lens_tag
+from layerdiv.analyze.law import power_fit
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.registry import (
     Analysis,
@@ -80,7 +87,77 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     parts = with_table(ctx.parts, "token_lens", ctx.notes, "logit lens")
     if not parts:
         return {}
-    return {"text_lens": pl.concat(list(map_partitions(partition_lens, parts)))}
+    table = pl.concat(list(map_partitions(partition_lens, parts)))
+    last_block = [dict(p.key.items()) for p in parts if p.manifest.lens == "last-block"]
+    if not last_block:
+        return {"text_lens": table}
+    keys = pl.DataFrame(last_block, schema=dict.fromkeys(KEY, pl.String))
+    return {"text_lens": table, "text_lens_law": lens_law(table.join(keys, on=[*KEY]))}
+
+
+def delta_ce(table: pl.DataFrame) -> pl.DataFrame:
+    """Per (partition key, layer l = 1..L-1) of ``text_lens``: ``delta_ce`` = ce at l minus ce
+    at L, the model's own (methods §12; ``ce`` is already a mean over documents of
+    per-document means, and every layer has the same positions, so this is the mean of the
+    differences)."""
+    last = pl.col("layer").max().over(*KEY)
+    own = table.filter(pl.col("layer") == last).select(*KEY, pl.col("ce").alias("own"))
+    return (
+        table.join(own, on=[*KEY])
+        .filter(pl.col("layer").is_between(1, last - 1))
+        .select(*KEY, "layer", (pl.col("ce") - pl.col("own")).alias("delta_ce"))
+        .sort(*KEY, "layer")
+    )
+
+
+LAW_SCHEMA = {
+    **dict.fromkeys(KEY, pl.String),
+    "c": pl.Float64,
+    "alpha": pl.Float64,
+    "r2": pl.Float64,
+    "n_layers": pl.Int64,
+}
+"""The columns of ``text_lens_law``."""
+
+
+def lens_law(table: pl.DataFrame) -> pl.DataFrame:
+    """``text_lens_law`` from the ``text_lens`` rows of ``--lens last-block`` partitions:
+    delta_ce(l) = c l^-alpha fitted on log-log axes (methods §12, within one model)."""
+    rows = []
+    for key, sub in delta_ce(table).group_by(*KEY, maintain_order=True):
+        layer, delta = sub["layer"].to_numpy().astype(float), sub["delta_ce"].to_numpy()
+        c, alpha, r2 = power_fit(layer, delta)
+        n = int(((layer > 0) & (delta > 0)).sum())
+        rows.append((*key, c, alpha, r2, n))
+    return pl.DataFrame(rows, schema=LAW_SCHEMA, orient="row")
+
+
+def lens_law_figure(table: pl.DataFrame, law: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
+    """delta_ce(l) against l on log-log axes per partition of ``law``, with the fitted
+    c l^-alpha (methods §12, within one model)."""
+    deltas = delta_ce(table.join(law.select(*KEY), on=[*KEY]))
+    series = []
+    for color, row in zip(plots.colors(law.height), law.iter_rows(named=True), strict=False):
+        sub = deltas.filter(pl.all_horizontal(pl.col(k) == row[k] for k in KEY))
+        shown = sub.filter(pl.col("delta_ce") > 0)
+        label = " ".join([names.get(row[KEY[0]], row[KEY[0]]), *(row[k] for k in KEY[1:])])
+        grid = np.linspace(1, max(float(sub["layer"].max() or 1), 1.0), 50)  # type: ignore[arg-type]
+        fit = row["c"] * grid ** -row["alpha"]
+        series += [
+            plots.Series(label, shown["layer"].to_list(), shown["delta_ce"].to_list(),
+                         color=color, line=False),
+            plots.Series(f"{label}: fit, alpha = {row['alpha']:.2f}, {plots.r2_text(row['r2'])}",
+                         grid.tolist(), fit.tolist(), color=color, marker=None),
+        ]  # fmt: skip
+    panel = plots.Panel(
+        "delta_ce(l) = c l^-alpha",
+        series,
+        xlabel="block input l",
+        ylabel="ce of the last-block lens minus the model's (nats)",
+        xscale="log",
+        yscale="log",
+    )
+    return plots.Figure("Within one model: the depth law (methods §12)", [panel], cols=1)
 
 
 # --- report ----------------------------------------------------------------------------------
@@ -190,9 +267,45 @@ def report(ctx: ReportContext) -> str:
                 "Logit lens",
                 lambda: lens_spec(table, ctx.tables.get("lens_curves"), names),
             ),
+            *law_section(ctx, table, names),
         ]
         if p
     )
+
+
+def law_section(ctx: ReportContext, table: pl.DataFrame, names: dict[str, str]) -> list[str]:
+    """The within-model depth law of the ``--lens last-block`` partitions: its table and figure
+    (nothing when there are none)."""
+    law = ctx.tables.get("text_lens_law")
+    if law is None or not law.height:
+        return []
+    rows = [
+        [ctx.names.get(r[KEY[0]], r[KEY[0]]), *(r[k] for k in KEY[1:]), fmt(r["c"], digits=3),
+         fmt(r["alpha"], digits=3), fmt(r["r2"], digits=3), str(r["n_layers"])]
+        for r in law.iter_rows(named=True)
+    ]  # fmt: skip
+    return [
+        "Within one model (methods §12): the cross-entropy of the last-block lens at "
+        "block input l minus the model's own, fitted as c l^-alpha on log-log axes over "
+        "l = 1..L-1 (the inverse-depth paper's law has alpha near 1 across models).",
+        markdown_table(
+            [
+                "Model",
+                *(k.capitalize() for k in KEY[1:]),
+                "c",
+                "alpha",
+                "r2 (log)",
+                "layers fitted",
+            ],
+            rows,
+        ),
+        plots.figure_link(
+            ctx,
+            "text_lens_law.png",
+            "Within-model depth law",
+            lambda: lens_law_figure(table, law, names),
+        ),
+    ]
 
 
 register(
