@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -268,6 +268,8 @@ class LoadedModel:
     tokenizer: Any
     device: torch.device
     dtype: torch.dtype
+    facts: dict[str, Any] = field(default_factory=dict)
+    """What the manifest records about the model and its revision (``layerdiv.extract.facts``)."""
 
     @property
     def n_params(self) -> int:

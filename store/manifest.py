@@ -9,6 +9,7 @@ from typing import Any
 
 from layerdiv.schemas import KINDS, OPTIONAL_TABLES, SCHEMA_VERSION, SchemaError, check_version
 from layerdiv.store.atomic import write_bytes
+from layerdiv.store.key import DEFAULT_REVISION
 from layerdiv.store.location import RemotePath
 
 
@@ -32,7 +33,7 @@ class Identity:
     model: str
     """Model id as the user gave it."""
     revision: str | None
-    """Hub commit of the weights, else None."""
+    """The revision as ``extract --revision`` gave it (``main`` by default)."""
     weights_fingerprint: str
     """Hub commit for hub weights, else a fingerprint of the local weight files."""
     dtype: str
@@ -46,6 +47,8 @@ class Identity:
     """Token id scored for each option."""
     schema_version: int = SCHEMA_VERSION
     """Schema version of the files."""
+    commit: str | None = None
+    """Hub commit of the weights, else None."""
 
     def fields(self) -> dict[str, Any]:
         """The identity as manifest fields (JSON types)."""
@@ -79,9 +82,13 @@ class Manifest:
     task: str
     """Task name (the partition's ``task=`` value)."""
     revision: str | None
-    """Hub commit of the weights when known, else None."""
+    """The model's revision as ``extract --revision`` gave it (a hub branch, tag or commit; a
+    label for a local folder), ``main`` by default; the partition's ``revision=`` folder is its
+    slug. Manifests of schema version <= 4 read as ``main`` (their hub commit goes to
+    :attr:`commit`)."""
     weights_fingerprint: str
-    """sha256 over the weight files' names, sizes and first and last MiB."""
+    """sha256 over the weight files' names, sizes and first and last MiB (``hub:<commit>`` for
+    hub weights)."""
     dtype: str
     """Torch dtype the model ran in (``float32``, ``bfloat16``, ``float16``)."""
     model_type: str
@@ -153,6 +160,24 @@ class Manifest:
     """Seed of the random split points."""
     skip_sublayers: list[str] | None = None
     """Text tasks with ``--skips``: what each skip removed (``layerdiv.schemas.SUBLAYERS``)."""
+    commit: str | None = None
+    """Hub commit of the weights when known, else None."""
+    step: int | None = None
+    """Training step of the revision (``--step``, or N of a Pythia-style ``stepN`` revision);
+    None where unknown."""
+    tokens_seen: int | None = None
+    """Training tokens D the revision has seen (``--tokens-seen``, or step x
+    ``--tokens-per-step``); None where unknown."""
+    weights_hash: str | None = None
+    """xxh3-128 over every loaded tensor's name, dtype, shape and bytes (schema version 5;
+    ``layerdiv.extract.facts.weights_hash``): two revisions with equal weights have equal ones."""
+    n_layers: int | None = None
+    """Depth l: the model's decoder blocks (schema version 5)."""
+    vocab_size: int | None = None
+    """Rows of the unembedding: the vocabulary the model scores (schema version 5)."""
+    n_params_non_embedding: int | None = None
+    """:attr:`n_params` less the token (and position) embeddings and an untied unembedding: the
+    non-embedding count of Kaplan et al., beside the total that Chinchilla fits (version 5)."""
 
     @property
     def n_blocks(self) -> int:
@@ -186,6 +211,8 @@ class Manifest:
         missing = [f.name for f in fields(cls) if f.name not in data and _required(cls, f.name)]
         if missing:
             raise SchemaError(f"{where}: manifest lacks {', '.join(missing)}; re-extract it.")
+        if data["schema_version"] <= 4:  # the revision was the hub commit, before the key had it
+            data = {**data, "commit": data.get("revision"), "revision": DEFAULT_REVISION}
         kwargs = {k: v for k, v in data.items() if k in known}
         kwargs["components"] = [ComponentInfo(**c) for c in data["components"]]
         if kwargs.get("kind", "choice") not in KINDS:

@@ -1,12 +1,16 @@
 """Every path of the store is built here, and nowhere else.
 
-Layout (hive-partitioned by model slug and task name)::
+Layout (hive-partitioned by the key, ``layerdiv.store.key``: model slug, revision, task name)::
 
-    <store>/manifests/model=<slug>/task=<task>/manifest.json
-    <store>/manifests/model=<slug>/task=<task>/runs/<utc-time>-<host>-<pid>.json   (one per run)
-    <store>/manifests/model=<slug>/task=<task>/tables/<table>     (optional tables requested)
-    <store>/manifests/model=<slug>/task=<task>/claims/chunk-<j>.lock   (held while computing)
-    <store>/<table>/model=<slug>/task=<task>/part-<start>-<count>.parquet
+    <store>/manifests/<key>/manifest.json
+    <store>/manifests/<key>/runs/<utc-time>-<host>-<pid>.json   (one per run)
+    <store>/manifests/<key>/tables/<table>     (optional tables requested)
+    <store>/manifests/<key>/claims/chunk-<j>.lock   (held while computing)
+    <store>/<table>/<key>/part-<start>-<count>.parquet
+
+with ``<key>`` = ``model=<slug>/revision=<rev>/task=<task>`` (stores of schema version <= 4 have
+no ``revision=`` level: their partitions read as revision ``main``,
+:data:`~layerdiv.store.key.ABSENT`).
 
 ``<table>`` is one of the tables of the partition's task kind (``layerdiv.schemas.KINDS``:
 ``components`` and ``instances`` for choice tasks, ``tokens``, ``token_blocks`` and ``documents``
@@ -24,7 +28,7 @@ from pathlib import Path
 from typing import Generic
 
 from layerdiv.schemas import KINDS, TABLES, SchemaError
-from layerdiv.store.key import KEY, PartitionKey
+from layerdiv.store.key import ABSENT, KEY, PartitionKey
 from layerdiv.store.location import StorePath
 
 MANIFEST_NAME = "manifest.json"
@@ -64,6 +68,8 @@ class Partition(Generic[StorePath]):
 
     root: StorePath
     key: PartitionKey
+    absent: tuple[str, ...] = ()
+    """Key columns its folders lack (a partition of an older layout, :data:`ABSENT`)."""
 
     @property
     def model_slug(self) -> str:
@@ -76,9 +82,18 @@ class Partition(Generic[StorePath]):
     def dir(self, table: str) -> StorePath:
         """Folder of ``table`` (any table of ``layerdiv.schemas.TABLES``, or ``manifests``)."""
         out = self.root / table
-        for name in self.key.dirs():
+        for name in self._dirs():
             out = out / name
         return out
+
+    def _dirs(self) -> list[str]:
+        return [d for d, c in zip(self.key.dirs(), KEY, strict=True) if c not in self.absent]
+
+    def older(self) -> Partition[StorePath] | None:
+        """The same key in the layout of older schema versions (no folder level for the columns
+        of :data:`ABSENT` that have their default value), or None where there is none."""
+        absent = tuple(c for c, v in ABSENT.items() if getattr(self.key, c) == v)
+        return Partition(self.root, self.key, absent) if absent and not self.absent else None
 
     @property
     def manifest(self) -> StorePath:
@@ -88,7 +103,7 @@ class Partition(Generic[StorePath]):
     def open_lock(self) -> StorePath:
         """Lock file serializing the creation and replacement of the partition (outside the
         partition's folders, so that replacing them keeps it)."""
-        *outer, last = self.key.dirs()
+        *outer, last = self._dirs()
         folder = self.root / MANIFESTS
         for name in outer:
             folder = folder / name
@@ -152,25 +167,32 @@ def partition(root: str | Path, key: PartitionKey) -> Partition[Path]:
 
 def list_partitions(root: StorePath) -> list[Partition[StorePath]]:
     """Every partition that has a manifest or any other file but temporaries (dot files: a
-    leftover temporary alone is no partition)."""
-    found: set[PartitionKey] = set()
+    leftover temporary alone is no partition), in either layout (a key found in both is read in
+    today's)."""
+    found: dict[PartitionKey, tuple[str, ...]] = {}
     for table in (MANIFESTS, *TABLES):
-        found.update(_keys(root / table, ()))
-    return [Partition(root, k) for k in sorted(found)]
+        for key, absent in _keys(root / table, (), ()):
+            if not found.get(key, ()) or not absent:
+                found[key] = absent
+    return [Partition(root, k, found[k]) for k in sorted(found)]
 
 
-def _keys(folder: StorePath, values: tuple[str, ...]) -> list[PartitionKey]:
-    """The keys under ``folder`` whose first ``len(values)`` columns are ``values``."""
+def _keys(
+    folder: StorePath, values: tuple[str, ...], absent: tuple[str, ...]
+) -> list[tuple[PartitionKey, tuple[str, ...]]]:
+    """The keys under ``folder`` whose first ``len(values)`` columns are ``values``, each with
+    the columns its folders lack (:data:`ABSENT`)."""
     if len(values) == len(KEY):
-        return (
-            [PartitionKey(*values)]
-            if any(not p.name.startswith(".") for p in _listdir(folder))
-            else []
-        )
-    prefix = f"{KEY[len(values)]}="
-    return [
+        held = any(not p.name.startswith(".") for p in _listdir(folder))
+        return [(PartitionKey(*values), absent)] if held else []
+    column = KEY[len(values)]
+    prefix = f"{column}="
+    out = [
         k
         for sub in _listdir(folder)
         if sub.name.startswith(prefix)
-        for k in _keys(sub, (*values, sub.name[len(prefix) :]))
+        for k in _keys(sub, (*values, sub.name[len(prefix) :]), absent)
     ]
+    if column in ABSENT:  # the layout of older versions: no folder level for this column
+        out += _keys(folder, (*values, ABSENT[column]), (*absent, column))
+    return out

@@ -27,7 +27,7 @@ from layerdiv.schemas import (
     tables_of,
 )
 from layerdiv.store.atomic import restore
-from layerdiv.store.key import KEY, PartitionKey
+from layerdiv.store.key import ABSENT, DEFAULT_REVISION, KEY, MODEL_KEY, PartitionKey
 from layerdiv.store.location import (
     RemotePath,
     StorePath,
@@ -148,8 +148,9 @@ class PartitionInfo(Generic[StorePath]):
         task as the last run that recorded it gave it: a built-in name or a YAML path)."""
         m = self.manifest
         given = [r["task"] for r in m.runs if isinstance(r.get("task"), str) and r["task"]]
+        revision = "" if m.revision in (None, DEFAULT_REVISION) else f"--revision {m.revision} "
         return (
-            f"layerdiv extract --model {m.model} --task {(given or [self.task])[-1]} "
+            f"layerdiv extract --model {m.model} {revision}--task {(given or [self.task])[-1]} "
             f"{self.kind.optional[table]} "
             f"--limit {max(m.n_requested, max((s + n for s, n in self.done), default=0))} "
             f"--store {self.partition.root}"
@@ -379,12 +380,24 @@ class Store:
             )
         # Every version's parts under today's columns: a column an older part lacks is null.
         columns = pl.DataFrame(pl.from_arrow(TABLES[table].empty_table())).schema
-        frame = pl.scan_parquet(
-            self.files(table, parts),
-            schema=columns,
-            hive_partitioning=True,
-            hive_schema=dict.fromkeys(KEY, pl.String),
-            missing_columns="insert",
+        layouts: dict[tuple[str, ...], list[str]] = {}  # the key columns each layout lacks
+        for p in parts:
+            layouts.setdefault(p.partition.absent, []).extend(p.uris(table))
+        frame = pl.concat(
+            [
+                pl.scan_parquet(
+                    files,
+                    schema=columns,
+                    hive_partitioning=True,
+                    hive_schema={c: pl.String for c in KEY if c not in absent},
+                    missing_columns="insert",
+                )
+                .with_columns(pl.lit(ABSENT[c], pl.String).alias(c) for c in absent)
+                .select(*columns, *KEY)
+                for absent, files in layouts.items()
+                if files
+            ]
+            or [pl.LazyFrame(schema={**columns, **dict.fromkeys(KEY, pl.String)})]
         )
         text = [c for c, t in columns.items() if isinstance(t, pl.Categorical | pl.Enum)]
         return frame.with_columns(pl.col(text).cast(pl.String)) if text else frame
@@ -399,7 +412,9 @@ class Store:
                 {
                     **dict(p.key.items()),
                     "model_id": m.model,
-                    "revision": m.revision,
+                    "commit": m.commit,
+                    "step": m.step,
+                    "tokens_seen": m.tokens_seen,
                     "dtype": m.dtype,
                     "n_params": m.n_params,
                     "n_components": len(kinds),
@@ -420,7 +435,33 @@ class Store:
                     "created_at": m.created_at,
                 }
             )
-        return pl.DataFrame(rows)
+        return pl.DataFrame(rows, schema_overrides=_FACTS)
+
+    def models(self, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
+        """One row per (model, revision) of the selected partitions: what the law of METHODS.md
+        section 12 needs to know of a model (:data:`MODEL_COLUMNS`). Partitions of schema
+        version <= 4 did not record them all: their depth is their block calls, the rest null."""
+        rows: dict[tuple[str, ...], dict[str, Any]] = {}
+        for p in self.select(models, tasks, require_data=False):
+            m = p.manifest
+            key = dict((c, v) for c, v in p.key.items() if c in MODEL_KEY)
+            if rows.get(tuple(key.values()), {}).get("weights_hash") is not None:
+                continue  # one partition of a (model, revision) says it (the same weights)
+            rows[tuple(key.values())] = {
+                **key,
+                "model_id": m.model,
+                "revision_name": m.revision,
+                "commit": m.commit,
+                "step": m.step,
+                "tokens_seen": m.tokens_seen,
+                "width": m.hidden_size,
+                "depth": m.n_layers if m.n_layers is not None else m.n_blocks,
+                "vocab_size": m.vocab_size,
+                "n_params": m.n_params,
+                "n_params_non_embedding": m.n_params_non_embedding,
+                "weights_hash": m.weights_hash,
+            }
+        return pl.DataFrame(list(rows.values()), schema=MODEL_COLUMNS).sort(*MODEL_KEY)
 
     def duckdb(self, models: Names = (), tasks: Names = ()) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB connection with the view ``manifests`` and a view of every table
@@ -457,10 +498,102 @@ class Store:
                 ),
                 partition_base_dir=base,
             )
-            con.register(table, dataset)
+            absent = {c for p in whole for c in p.partition.absent}
+            if not absent:
+                con.register(table, dataset)
+                continue
+            # Parts of older layouts lack folder levels: their key columns read as ABSENT says.
+            con.register(f"_{table}", dataset)
+            filled = ", ".join(f"coalesce({c}, '{ABSENT[c]}') AS {c}" for c in sorted(absent))
+            con.execute(f"CREATE VIEW {table} AS SELECT * REPLACE ({filled}) FROM _{table}")
         con.register("manifests", self.manifests(models, tasks).to_arrow())
+        con.register("models", self.models(models, tasks).to_arrow())
         con.execute("SET lock_configuration = true")
         return con
+
+
+_FACTS = {"commit": pl.String, "step": pl.Int64, "tokens_seen": pl.Int64}
+
+MODEL_COLUMNS = pl.Schema(
+    {
+        **dict.fromkeys(MODEL_KEY, pl.String),
+        "model_id": pl.String,
+        "revision_name": pl.String,
+        "commit": pl.String,
+        "step": pl.Int64,
+        "tokens_seen": pl.Int64,
+        "width": pl.Int64,
+        "depth": pl.Int64,
+        "vocab_size": pl.Int64,
+        "n_params": pl.Int64,
+        "n_params_non_embedding": pl.Int64,
+        "weights_hash": pl.String,
+    }
+)
+"""The ``models`` view (:meth:`Store.models`): per (model, revision) the model id and revision
+as given, the hub commit, training step and tokens seen D of the revision (null where unknown),
+width d_model, depth l (decoder blocks), vocabulary, total and non-embedding parameters
+(``Manifest.n_params_non_embedding``) and the fingerprint of the weights."""
+
+LAW_COLUMNS = pl.Schema(
+    {
+        **dict.fromkeys(KEY, pl.String),
+        "width": pl.Int64,
+        "depth": pl.Int64,
+        "tokens_seen": pl.Int64,
+        "loss": pl.Float64,
+        "n_tokens": pl.Int64,
+    }
+)
+"""The columns of :func:`law_points`."""
+
+
+def law_points(store: Store | str | Path, tasks: Names = (), models: Names = ()) -> pl.DataFrame:
+    """The points of the depth law (METHODS.md section 12) the store holds: per (model,
+    revision, text task) the width w, depth l, training tokens D of the revision (null where not
+    recorded: give ``extract --step/--tokens-seen``) and the mean of the model's own next-token
+    cross-entropy ``tokens.loss`` over every token that has one (``n_tokens`` of them; a
+    partition extracted before the loss was stored has none, and is refused)."""
+    st = store if isinstance(store, Store) else Store(store)
+    parts = [p for p in st.select(models, tasks) if p.manifest.kind == "text"]
+    if not parts:
+        raise StoreError("no running-text partition selected: the law needs a text task's loss")
+    old = [
+        p.key.label
+        for p in parts
+        if "loss" not in tables_of(p.manifest.schema_version)["tokens"].names
+    ]
+    if old:
+        raise StoreError(
+            f"{', '.join(old)}: extracted before the model's loss was stored (schema version "
+            "<= 4); re-extract them with --overwrite"
+        )
+    frame = mean_loss(st, parts)
+    facts = st.models(models, tasks).select(*MODEL_KEY, "width", "depth", "tokens_seen")
+    return (
+        frame.join(facts, on=[*MODEL_KEY], how="left")
+        .select(LAW_COLUMNS.names())
+        .cast(LAW_COLUMNS)
+        .sort(*KEY)
+    )
+
+
+def mean_loss(store: Store, parts: Sequence[PartitionInfo[Any]]) -> pl.DataFrame:
+    """Per text partition of ``parts`` (key columns): ``loss``, the mean of ``tokens.loss`` over
+    the ``n_tokens`` tokens that have one (null and 0 for partitions of schema version <= 4)."""
+    schema = {**dict.fromkeys(KEY, pl.String), "loss": pl.Float64, "n_tokens": pl.Int64}
+    text = [p for p in parts if p.manifest.kind == "text"]
+    if not text:
+        return pl.DataFrame(schema=schema)
+    return (
+        store.scan("tokens", [p.model for p in text], [p.task for p in text])
+        .join(pl.LazyFrame([dict(p.key.items()) for p in text]), on=[*KEY], how="semi")
+        .group_by(*KEY)
+        .agg(pl.col("loss").mean(), pl.col("loss").count().alias("n_tokens"))
+        .collect()
+        .cast(schema)  # type: ignore[arg-type]
+        .sort(*KEY)
+    )
 
 
 def _restore(root: Path) -> None:

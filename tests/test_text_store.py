@@ -147,13 +147,13 @@ def test_marker_parts_of_two_kinds_are_refused(text_store: Path) -> None:
 def test_version_3_choice_store_still_reads(tmp_path: Path) -> None:
     logits, gold, rms, kinds = random_partition(np.random.default_rng(0), 8, 2, 3)
     write_partition(tmp_path, "m", "t", logits, gold, kinds, rms, chunk=4)
-    path = next(tmp_path.glob("manifests/*/*/manifest.json"))
+    path = next(tmp_path.glob("manifests/**/manifest.json"))
     data = json.loads(path.read_text())
     for name in ("kind", "max_tokens", "lens", "skip_split", "skip_seed"):
         del data[name]  # fields of version 4
     data["schema_version"] = 3
     path.write_text(json.dumps(data))
-    assert SCHEMA_VERSION == 4 and "lens" not in tables_of(3) and "tokens" not in tables_of(3)
+    assert SCHEMA_VERSION > 3 and "lens" not in tables_of(3) and "tokens" not in tables_of(3)
     assert "prompt" in tables_of(3)["instances"].names
     store = Store(tmp_path)
     (info,) = store.select()
