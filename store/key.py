@@ -8,7 +8,7 @@ here (and, for stores written before it, its value in :data:`ABSENT`).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True, order=True)
@@ -25,7 +25,7 @@ class PartitionKey:
 
     def values(self) -> tuple[str, ...]:
         """The key's values, in :data:`KEY` order."""
-        return astuple(self)
+        return tuple(getattr(self, c) for c in KEY)
 
     def items(self) -> Iterator[tuple[str, str]]:
         """(column, value) pairs, in :data:`KEY` order."""

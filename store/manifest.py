@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Iterable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -207,8 +209,8 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str) -> Manifest:
         check_version(data.get("schema_version"), where)
-        known = {f.name for f in fields(cls)}
-        missing = [f.name for f in fields(cls) if f.name not in data and _required(cls, f.name)]
+        known, required = _names()
+        missing = [name for name in required if name not in data]
         if missing:
             raise SchemaError(f"{where}: manifest lacks {', '.join(missing)}; re-extract it.")
         if data["schema_version"] <= 4:  # the revision was the hub commit, before the key had it
@@ -220,22 +222,31 @@ class Manifest:
         return cls(**kwargs)
 
 
-def _required(cls: type, name: str) -> bool:
-    f = next(f for f in fields(cls) if f.name == name)
-    return f.default is MISSING and f.default_factory is MISSING
+@functools.cache
+def _names() -> tuple[frozenset[str], tuple[str, ...]]:
+    """The fields of :class:`Manifest`, and those without a default (a manifest has them)."""
+    every = fields(Manifest)
+    required = (f.name for f in every if f.default is MISSING and f.default_factory is MISSING)
+    return frozenset(f.name for f in every), tuple(required)
 
 
-def read_manifest(path: Path | RemotePath) -> Manifest:
+def read_manifest(path: Path | RemotePath, listed: Iterable[str] | None = None) -> Manifest:
     """Load and check a manifest (local or on object storage), with its run records and
-    optional-table markers; a clear error names the file when it cannot be trusted."""
+    optional-table markers (``listed``: the names in its folder, where known, so that absent
+    folders are not looked for); a clear error names the file when it cannot be trusted."""
     data = _read_json(path, "manifest", missing="manifest missing")
     manifest = Manifest.from_dict(data, str(path))
-    records: list[Path | RemotePath] = sorted((path.parent / RUNS_DIR).glob("*.json"), key=str)
+    has = (lambda _: True) if listed is None else set(listed).__contains__
+    runs_dir, tables_dir = path.parent / RUNS_DIR, path.parent / TABLES_DIR
+    records: list[Path | RemotePath] = (
+        sorted(runs_dir.glob("*.json"), key=str) if has(RUNS_DIR) else []
+    )
     runs = [_read_json(p, "run record") for p in records]
     manifest.runs = sorted([*manifest.runs, *runs], key=lambda r: str(r.get("started_at", "")))
     asked = [r["n_requested"] for r in runs if isinstance(r.get("n_requested"), int)]
     manifest.n_requested = max([manifest.n_requested, *asked])
-    markers = {m.name for m in (path.parent / TABLES_DIR).glob("*")} & set(OPTIONAL_TABLES)
+    markers = {m.name for m in tables_dir.glob("*")} if has(TABLES_DIR) else set()
+    markers &= set(OPTIONAL_TABLES)
     manifest.extra_tables = sorted({*manifest.extra_tables, *markers})
     return manifest
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Generic
 
@@ -70,6 +72,9 @@ class Partition(Generic[StorePath]):
     key: PartitionKey
     absent: tuple[str, ...] = ()
     """Key columns its folders lack (a partition of an older layout, :data:`ABSENT`)."""
+    listing: Mapping[str, tuple[str, ...]] | None = field(default=None, compare=False)
+    """The file names in each table's folder when the store was listed (:func:`list_partitions`,
+    one walk of every folder), or None: each folder is listed when asked."""
 
     @property
     def model_slug(self) -> str:
@@ -81,11 +86,13 @@ class Partition(Generic[StorePath]):
 
     def dir(self, table: str) -> StorePath:
         """Folder of ``table`` (any table of ``layerdiv.schemas.TABLES``, or ``manifests``)."""
-        out = self.root / table
-        for name in self._dirs():
-            out = out / name
-        return out
+        return self.root / table / self._relative
 
+    @cached_property
+    def _relative(self) -> str:
+        return "/".join(self._dirs)
+
+    @cached_property
     def _dirs(self) -> list[str]:
         return [d for d, c in zip(self.key.dirs(), KEY, strict=True) if c not in self.absent]
 
@@ -103,7 +110,7 @@ class Partition(Generic[StorePath]):
     def open_lock(self) -> StorePath:
         """Lock file serializing the creation and replacement of the partition (outside the
         partition's folders, so that replacing them keeps it)."""
-        *outer, last = self._dirs()
+        *outer, last = self._dirs
         folder = self.root / MANIFESTS
         for name in outer:
             folder = folder / name
@@ -123,11 +130,12 @@ class Partition(Generic[StorePath]):
 
     def parts(self, table: str) -> list[tuple[int, int]]:
         """(start, count) of every part file of ``table``, by start."""
-        return sorted(
-            (int(m.group(1)), int(m.group(2)))
-            for p in _listdir(self.dir(table))
-            if (m := _PART.match(p.name))
+        names = (
+            self.listing.get(table, ())
+            if self.listing is not None
+            else [p.name for p in _listdir(self.dir(table))]
         )
+        return sorted((int(m.group(1)), int(m.group(2))) for n in names if (m := _PART.match(n)))
 
     def done_parts(self) -> list[tuple[int, int]]:
         """(start, count) of every complete chunk (those whose marker part exists: ``instances``
@@ -169,22 +177,26 @@ def list_partitions(root: StorePath) -> list[Partition[StorePath]]:
     """Every partition that has a manifest or any other file but temporaries (dot files: a
     leftover temporary alone is no partition), in either layout (a key found in both is read in
     today's)."""
-    found: dict[PartitionKey, tuple[str, ...]] = {}
+    listings: dict[tuple[PartitionKey, tuple[str, ...]], dict[str, tuple[str, ...]]] = {}
     for table in (MANIFESTS, *TABLES):
-        for key, absent in _keys(root / table, (), ()):
-            if not found.get(key, ()) or not absent:
-                found[key] = absent
-    return [Partition(root, k, found[k]) for k in sorted(found)]
+        for key, absent, names in _keys(root / table, (), ()):
+            listings.setdefault((key, absent), {})[table] = names
+    found: dict[PartitionKey, tuple[str, ...]] = {}
+    for key, absent in listings:
+        if not found.get(key, ()) or not absent:
+            found[key] = absent
+    return [Partition(root, k, found[k], listings[k, found[k]]) for k in sorted(found)]
 
 
 def _keys(
     folder: StorePath, values: tuple[str, ...], absent: tuple[str, ...]
-) -> list[tuple[PartitionKey, tuple[str, ...]]]:
+) -> list[tuple[PartitionKey, tuple[str, ...], tuple[str, ...]]]:
     """The keys under ``folder`` whose first ``len(values)`` columns are ``values``, each with
-    the columns its folders lack (:data:`ABSENT`)."""
+    the columns its folders lack (:data:`ABSENT`) and the names of the files in its folder."""
     if len(values) == len(KEY):
-        held = any(not p.name.startswith(".") for p in _listdir(folder))
-        return [(PartitionKey(*values), absent)] if held else []
+        names = tuple(p.name for p in _listdir(folder))
+        held = any(not n.startswith(".") for n in names)
+        return [(PartitionKey(*values), absent, names)] if held else []
     column = KEY[len(values)]
     prefix = f"{column}="
     out = [

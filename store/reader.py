@@ -38,7 +38,7 @@ from layerdiv.store.location import (
     store_root,
 )
 from layerdiv.store.manifest import Manifest, read_manifest
-from layerdiv.store.paths import Partition, list_partitions, slug
+from layerdiv.store.paths import MANIFEST_NAME, MANIFESTS, Partition, list_partitions, slug
 
 
 class StoreError(LayerdivError, RuntimeError):
@@ -621,13 +621,14 @@ def _first_line(err: BaseException) -> str:
 
 def _open_partition(part: Partition[StorePath]) -> PartitionInfo[StorePath]:
     """A partition's checked manifest and part files; ``StoreError`` says what is wrong."""
-    if not part.manifest.exists():
+    listed = None if part.listing is None else part.listing.get(MANIFESTS, ())
+    if MANIFEST_NAME not in listed if listed is not None else not part.manifest.exists():
         raise StoreError(
             f"{part.key.where} has data but no manifest ({part.manifest}): it cannot be trusted. "
             "Delete it or re-extract it with --overwrite."
         )
     try:
-        info = PartitionInfo(part, read_manifest(part.manifest))
+        info = PartitionInfo(part, read_manifest(part.manifest, listed))
     except SchemaError as err:
         raise StoreError(str(err)) from err
     _check_part_schemas(info)

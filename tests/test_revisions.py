@@ -72,7 +72,7 @@ def test_two_checkpoints_of_smollm2_in_one_store(tmp_path: Path) -> None:
     first = run(*common, "--revision", "step1000")
     assert "weights fingerprint" in first and "of the model load" in first
 
-    again = CliRunner().invoke(main, [*common, "--revision", "copy-of-step1000"])
+    again = CliRunner().invoke(main, [*common, "--revision", "copy-of-step1000", "--step", "1"])
     assert again.exit_code == 1
     (line,) = [x for x in again.output.splitlines() if x.startswith("Error")]
     assert "revision copy-of-step1000 equal those stored as revision step1000" in line
