@@ -39,8 +39,6 @@ def test_the_store_page_snippet_reads_complete_chunks_only(tmp_path: Path) -> No
     scope: dict[str, Any] = {}
     exec(store_page_snippet().replace('"layerdiv-store"', repr(str(store))), scope)
     counts = scope["counts"].sort("model")
-    expected = (
-        Store(store).scan("components").group_by(*KEY).len("rows").sort("model")
-    ).collect()
+    expected = (Store(store).scan("components").group_by(*KEY).len("rows").sort("model")).collect()
     assert counts["rows"].to_list() == [20 * 5 * 2, 12 * 5 * 3]
     assert counts.select(*KEY, pl.col("rows").cast(pl.UInt32)).equals(expected)
