@@ -132,7 +132,7 @@ def to_version_4(root: Path) -> None:
         data = json.loads(path.read_text())
         data.update(schema_version=4, revision=data["commit"])
         for name in ("commit", "step", "tokens_seen", "weights_hash", "n_layers", "vocab_size",
-                     "n_params_non_embedding"):  # fmt: skip
+                     "n_params_non_embedding", "weights"):  # fmt: skip
             del data[name]
         path.write_text(json.dumps(data))
     old = tables_of(4)["tokens"]
