@@ -129,7 +129,7 @@ def test_two_runs_at_once_claim_chunks_instead_of_duplicating(
     one.send_signal(signal.SIGSTOP)  # frozen mid-run, holding the chunk it computes
     try:
         two = start([*base, *second])
-        runs = next(store.glob("manifests/*/*")) / "runs"
+        runs = next(store.glob("manifests/*/*/*")) / "runs"
         wait_for(lambda: len(list(runs.glob("*.json"))) == 2, "the second run's record")
         seen = -1
         while seen != len(parts(store)):  # until the second run has taken what it could
