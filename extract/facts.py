@@ -1,4 +1,4 @@
-"""What a partition records about the model itself (METHODS.md section 12): its revision's
+"""What a partition records about the model itself (methods §12): its revision's
 training step and tokens seen, width, depth, vocabulary, parameter counts, and a fingerprint of
 the tensors it loaded (two revisions that serve equal weights are one checkpoint)."""
 

@@ -177,7 +177,7 @@ class TextCapture:
 
     def _loss(self, final: torch.Tensor) -> torch.Tensor:
         """(B, width): -log p_L(token at p + 1), p_L the model's own output distribution read
-        from h_L as its head reads it (METHODS.md section 12's loss), in slices of
+        from h_L as its head reads it (methods §12's loss), in slices of
         :data:`LOSS_ROWS` positions; NaN at the last position."""
         if self._ids is None:
             raise DecompositionError("the loss needs the batch's input ids")

@@ -255,7 +255,7 @@ TOKENS = _schema("tokens", [*_TOKEN_FIELDS_V4, pa.field("loss", pa.float32(), nu
 - ``pos``: the token's position p = 0..T-1 in its document.
 - ``token``: the token id fed at that position.
 - ``loss`` (version 5): the model's own next-token cross-entropy -log p_L(token at pos + 1) in
-  nats, from its output distribution (METHODS.md section 12, the loss of the depth law); null at
+  nats, from its output distribution (methods §12, the loss of the depth law); null at
   the document's last position (and in stores of version 4).
 """
 

@@ -476,8 +476,8 @@ class Store:
         return pl.DataFrame(rows, schema_overrides=_FACTS)
 
     def models(self, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
-        """One row per (model, revision) of the selected partitions: what the law of METHODS.md
-        section 12 needs to know of a model (:data:`MODEL_COLUMNS`). Partitions of schema
+        """One row per (model, revision) of the selected partitions: what the law of methods §12
+        needs to know of a model (:data:`MODEL_COLUMNS`). Partitions of schema
         version <= 4 did not record them all: their depth is their block calls, the rest null."""
         rows: dict[tuple[str, ...], dict[str, Any]] = {}
         for p in self.select(models, tasks, require_data=False):
@@ -600,7 +600,7 @@ LAW_COLUMNS = pl.Schema(
 
 
 def law_points(store: Store | str | Path, tasks: Names = (), models: Names = ()) -> pl.DataFrame:
-    """The points of the depth law (METHODS.md section 12) the store holds: per (model,
+    """The points of the depth law (methods §12) the store holds: per (model,
     revision, text task) the width w, depth l, training tokens D of the revision (null where not
     recorded: give ``extract --step/--tokens-seen``) and the mean of the model's own next-token
     cross-entropy ``tokens.loss`` over every token that has one (``n_tokens`` of them; a

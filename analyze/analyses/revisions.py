@@ -1,6 +1,6 @@
 """Checkpoints: the main summaries of every revision of a model against its training step, for
-the models that the store holds at several revisions (``extract --revision``; METHODS.md
-section 12 for the loss, sections 2-3 for the full-stack scores)."""
+the models that the store holds at several revisions (``extract --revision``; methods §12 for the
+loss, §2-3 for the full-stack scores)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ QUANTITIES = {
     "loss": "own next-token loss (nats)",
 }
 """What the table follows across revisions: the full-stack scores of a choice task (estimator
-``paper``, METHODS.md section 2) and the model's loss on a text task (METHODS.md section 12)."""
+``paper``, methods §2) and the model's loss on a text task (methods §12)."""
 
 CURVE = [c for c in KEY if c != "revision"]
 """What one line of the figure follows across revisions: a model on a task."""
