@@ -92,9 +92,9 @@ def load_with_facts(
 
 
 def model_facts(loaded: LoadedModel, adapter: Adapter) -> dict[str, Any]:
-    """Depth (decoder blocks), vocabulary (rows of the unembedding) and the non-embedding
-    parameter count: every parameter but those of the embedding tables (tokens, positions) and
-    an untied unembedding, each shared parameter counted once."""
+    """Depth (decoder blocks) and the non-embedding parameter count: every parameter but those
+    of the embedding tables (tokens, positions) and an untied unembedding, each shared parameter
+    counted once."""
     model = loaded.model
     blocks = get_module(model, adapter.blocks)
     head = model.get_output_embeddings()
@@ -103,11 +103,7 @@ def model_facts(loaded: LoadedModel, adapter: Adapter) -> dict[str, Any]:
         id(p): p.numel() for m in [*tables, *([head] if head is not None else [])]
         for p in m.parameters(recurse=False)
     }  # fmt: skip
-    vocab = (
-        head.weight.shape[0] if head is not None else model.get_input_embeddings().num_embeddings
-    )
     return {
         "n_layers": len(blocks),
-        "vocab_size": int(vocab),
         "n_params_non_embedding": loaded.n_params - sum(embedding.values()),
     }

@@ -303,6 +303,11 @@ class LoadedModel:
     facts: dict[str, Any] = field(default_factory=dict)
     """What the manifest records about the model and its revision (``layerdiv.extract.facts``)."""
 
+    def __post_init__(self) -> None:
+        from layerdiv.extract.adapters import prepare_model
+
+        prepare_model(self.model)
+
     @property
     def n_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

@@ -70,6 +70,7 @@ def build_manifest(
         **loaded.facts,
         context_length=loaded.context_length,
         hidden_size=int(src.config.hidden_size),
+        vocab_size=getattr(src.config, "vocab_size", None),
         norm_eps=norm_eps(get_module(loaded.model, adapter.final_norm)),
         options=list(spec.options),
         option_tokens=[str(t) for t in tok.convert_ids_to_tokens(list(ident.option_token_ids))],

@@ -19,10 +19,11 @@ History:
   stores read as revision ``main``); ``tokens`` gains ``loss`` (the model's own next-token
   cross-entropy); the manifest's ``revision`` is the revision as given (older manifests held the
   hub commit there, now ``commit``) and it gains ``step``, ``tokens_seen``, ``weights_hash``
-  (a fingerprint of the loaded tensors), ``n_layers``, ``vocab_size`` and
-  ``n_params_non_embedding``;
-  the manifest gains ``weights`` (how the weights were made from the files given, e.g. a GGUF
-  quantization dequantized to float32; absent: loaded as they are).
+  (a fingerprint of the loaded tensors), ``n_layers`` and ``n_params_non_embedding``; the
+  manifest gains ``weights`` (how the weights were made from the files given, e.g. a GGUF
+  quantization dequantized to float32; absent: loaded as they are) and ``vocab_size`` (V, the
+  unembedding's rows; the logit lens's uniform baseline is log V; absent in older manifests,
+  where the baseline is not drawn).
 
 The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``revision``, ``task``) are not
 stored inside the files: they come from the directory names
@@ -344,6 +345,13 @@ FUTURE_OUTPUT = _schema(
 - ``out_change``: max over p >= t of the L2 distance between the skipped and the clean run's
   next-token distributions.
 """
+
+SKIP_KEYS = {
+    "future_effects": (*(f.name for f in _SKIP_KEY), "block"),
+    "future_output": tuple(f.name for f in _SKIP_KEY),
+}
+"""The key columns of the future-effects tables: no two rows of a part share them (readers
+check it, :meth:`layerdiv.store.PartitionInfo.batches`)."""
 
 TABLES = {
     "components": COMPONENTS,

@@ -5,11 +5,9 @@ loss, §2-3 for the full-stack scores)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 
 import polars as pl
 
-from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.options import ESTIMATORS
 from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
@@ -74,35 +72,8 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     return {"revision_summary": table}
 
 
-def revision_figure(table: pl.DataFrame, path: Path, names: dict[str, str]) -> Path:
-    """One panel per quantity: its value against the training step (the revision's order where a
-    step is unknown), one line per (model, task)."""
-    quantities = [q for q in QUANTITIES if q in set(table["quantity"])]
-    fig = plots.new_figure(figsize=(4.2 * len(quantities), 3.6), layout="constrained")
-    axes = fig.subplots(1, len(quantities), squeeze=False)[0]
-    lines = table.select(CURVE).unique().sort(CURVE).rows(named=True)
-    colors = plots.colors(len(lines))
-    for ax, quantity in zip(axes, quantities, strict=True):
-        for line, color in zip(lines, colors, strict=False):
-            sub = table.filter(pl.col("quantity") == quantity).join(
-                pl.DataFrame([line]), on=CURVE, how="semi"
-            )
-            if sub.height == 0:
-                continue
-            x = sub["step"] if sub["step"].null_count() == 0 else pl.Series(range(sub.height))
-            label = " / ".join(
-                [names.get(line["model"], line["model"]), *(str(line[c]) for c in CURVE[1:])]
-            )
-            ax.plot(x, sub["value"], marker="o", color=color, label=label)
-        ax.set_title(QUANTITIES[quantity], fontsize=10)
-        ax.set_xlabel("training step")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    return plots.save(fig, path)
-
-
 def report(ctx: ReportContext) -> str:
-    """A table of every revision's summaries and their figure against step."""
+    """A table of every revision's summaries, by step."""
     table = ctx.tables["revision_summary"]
     rows = [
         [
@@ -117,7 +88,6 @@ def report(ctx: ReportContext) -> str:
         for r in table.iter_rows(named=True)
     ]
     header = ["Model", "Revision", "Task", "Step", "Tokens seen", "Quantity", "Value"]
-    names = plots.short_names(ctx.names)
     return "\n\n".join(
         [
             "Models stored at several revisions (`extract --revision`, with `--step` and "
@@ -125,12 +95,6 @@ def report(ctx: ReportContext) -> str:
             f"(estimator `{ESTIMATORS[0]}`) and the model's own next-token loss on each text task, "
             "revision by revision.",
             markdown_table(header, rows),
-            plots.figure_link(
-                ctx,
-                "revisions.png",
-                "Summaries against the training step",
-                lambda path: revision_figure(table, path, names),
-            ),
         ]
     )
 

@@ -1,20 +1,23 @@
 """Running text, logit lens (``extract --lens``, methods §9): per (model, task, layer),
 how far the lens distribution p_l at block input l is from the model's output.
 
-Table ``text_lens``: per (model, task, layer l = 0..L; l = L is the model's own output):
+Table ``text_lens``: per (model, task, lens, layer l = 0..L; l = L is the model's own output):
 ``relative_depth`` l / L, ``n_documents``, and the means of ``kl`` = KL(p_l || p_L),
 ``top5_overlap`` = |top5(p_l) & top5(p_L)| / 5 and ``ce`` = -log p_l(next token): the mean over
-the positions of a document first, then over documents (a document's last position has no ``ce``).
+the positions of a document first, then over documents (a document's last position has no
+``ce``); ``uniform_ce`` = log V, the uniform distribution's cross-entropy. ``lens`` is the
+readout recorded in the manifest (``final`` or ``last-block``): partitions of different readouts
+are never averaged together.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 
 import polars as pl
 
 from layerdiv.analyze import plots
+from layerdiv.analyze.analyses.lens import lens_tag
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.registry import (
     Analysis,
@@ -23,7 +26,14 @@ from layerdiv.analyze.registry import (
     map_partitions,
     register,
 )
-from layerdiv.analyze.text import TEXT_KIND, batches, combine, sums, tag, with_table
+from layerdiv.analyze.text import (
+    TEXT_KIND,
+    batches,
+    combine,
+    sums,
+    text_vs_last_token,
+    with_table,
+)
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
 
@@ -61,7 +71,7 @@ def lens_table(doc_means: pl.DataFrame, blocks: int) -> pl.DataFrame:
 def partition_lens(info: PartitionInfo) -> pl.DataFrame:
     """``text_lens`` of one text partition, read batch by batch."""
     frames = batches(info, "token_lens", ["doc", "layer", *LENS], LENS_ROWS)
-    return tag(lens_table(document_means(frames), info.manifest.n_blocks), info)
+    return lens_tag(lens_table(document_means(frames), info.manifest.n_blocks), info)
 
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
@@ -83,30 +93,49 @@ PANELS = (
 
 
 def _by_model(table: pl.DataFrame) -> pl.DataFrame:
-    """Means over a model's tasks, per layer."""
+    """Means over a model's tasks of one lens readout, per layer."""
     return (
-        table.group_by("model", "layer", "relative_depth")
-        .agg(pl.col(c).mean() for c in LENS)
-        .sort("model", "layer")
+        table.group_by("model", "lens", "layer", "relative_depth")
+        .agg(pl.col(c).mean() for c in [*LENS, "uniform_ce"])
+        .sort("model", "lens", "layer")
     )
 
 
-def lens_figure(
-    table: pl.DataFrame, last: pl.DataFrame | None, path: Path, names: dict[str, str]
-) -> Path:
+UNIFORM = (
+    "A lens can be worse than uniform: reading an early state h_l through the final norm and "
+    "unembedding, which were trained on the last layer's states, gives a confident distribution "
+    "over the wrong tokens, and a confident wrong distribution costs more than the uniform one's "
+    "log V nats."
+)
+
+
+def lens_spec(
+    table: pl.DataFrame, last: pl.DataFrame | None, names: dict[str, str]
+) -> plots.Figure:
     """KL, top-5 overlap and cross-entropy of the lens against relative depth (mean over a
-    model's text tasks), models overlaid; dashed, where the model has choice tasks extracted with
-    ``--lens``: the same at their last prompt token (``lens_curves``)."""
-    return plots.text_vs_last_token(
+    model's text tasks of one readout), models overlaid; dashed, where the model has choice tasks
+    extracted with ``--lens`` with the same readout: the same at their last prompt token
+    (``lens_curves``, the gold option's first token). The cross-entropy panel draws the uniform
+    baseline log V."""
+    text = _by_model(table)
+    spec = text_vs_last_token(
         [(column, column, label) for column, label in PANELS],
-        _by_model(table),
+        text,
         None if last is None else _by_model(last),
-        path,
         names,
         "relative depth l / L",
-        "Logit lens at every block input (methods §9): every token of running text (solid), "
-        "the last prompt token of the choice tasks (dashed)",
+        "Logit lens at every block input (methods §9)",
+        by="lens",
     )
+    baselines = sorted({v for v in text["uniform_ce"].drop_nulls()})
+    spec.panels[-1].lines += [
+        plots.RefLine(v, label=f"uniform: log V = {v:.1f} nats", dash="dot") for v in baselines
+    ]
+    spec.caption = (
+        "every token of running text (solid), the last prompt token of the choice "
+        "tasks (dashed); dotted: the uniform distribution's cross-entropy log V"
+    )
+    return spec
 
 
 def report(ctx: ReportContext) -> str:
@@ -117,29 +146,33 @@ def report(ctx: ReportContext) -> str:
     table = ctx.tables["text_lens"]
     names = plots.short_names(ctx.names)
     rows = []
-    for _key, sub in table.sort(*KEY, "layer").group_by(*KEY, maintain_order=True):
-        model, task = sub["model"][0], sub["task"][0]
+    for _key, sub in table.sort(*KEY, "lens", "layer").group_by(*KEY, "lens", maintain_order=True):
+        model, task, lens = sub["model"][0], sub["task"][0], sub["lens"][0]
         mid = sub.filter(pl.col("layer") == sub["layer"].max() // 2)  # type: ignore[operator]
         out = sub.tail(1)
         rows.append(
             [
                 ctx.names.get(str(model), str(model)),
                 str(task),
+                str(lens),
                 str(out["n_documents"][0]),
                 fmt(mid["kl"][0], digits=3),
                 fmt(mid["top5_overlap"][0], digits=3),
                 fmt(mid["ce"][0], digits=3),
                 fmt(out["ce"][0], digits=3),
+                fmt(out["uniform_ce"][0], digits=3),
             ]
         )
     header = [
         "Model",
         "Task",
+        "Lens",
         "Documents",
         "KL at L/2 (nats)",
         "top-5 overlap at L/2",
         "CE at L/2 (nats)",
         "CE of the model (nats)",
+        "Uniform log V (nats)",
     ]
     return "\n\n".join(
         p
@@ -148,13 +181,14 @@ def report(ctx: ReportContext) -> str:
             "the model's output). Means over the positions of each "
             "document, then over documents; where the same model has choice tasks extracted "
             "with `--lens`, the figure draws their last prompt token beside (dashed: where the "
-            "answer is decided against the average token).",
+            "answer is decided against the average token). The dotted line is the uniform "
+            f"distribution's cross-entropy log V (V the vocabulary). {UNIFORM}",
             markdown_table(header, rows),
             plots.figure_link(
                 ctx,
                 "text_lens.png",
                 "Logit lens",
-                lambda p: lens_figure(table, ctx.tables.get("lens_curves"), p, names),
+                lambda: lens_spec(table, ctx.tables.get("lens_curves"), names),
             ),
         ]
         if p
