@@ -127,7 +127,30 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
     help="Built-in task name or task YAML path (repeatable).",
 )
 @local_store_option
-@click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
+@click.option(
+    "--revision",
+    default=None,
+    help="Hub revision (branch, tag or commit); for a local folder, a label. A key of the store: "
+    "each revision is its own partition (default main).",
+)
+@click.option(
+    "--step",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Training step of the revision (default: N of a revision named stepN).",
+)
+@click.option(
+    "--tokens-seen",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Training tokens the revision has seen (default: step x --tokens-per-step).",
+)
+@click.option(
+    "--tokens-per-step",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Training tokens per step (Pythia: 2,097,152), to record the tokens seen of a step.",
+)
 @click.option("--gguf-file", default=None, help="GGUF file in the model folder or repo.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Instances per task.")
 @click.option(
@@ -230,6 +253,9 @@ def extract(
     tasks: tuple[str, ...],
     store: str,
     revision: str | None,
+    step: int | None,
+    tokens_seen: int | None,
+    tokens_per_step: int | None,
     gguf_file: str | None,
     limit: int | None,
     batch_size: int | None,
@@ -261,6 +287,9 @@ def extract(
         tasks=list(tasks),
         store=Path(store),
         revision=revision,
+        step=step,
+        tokens_seen=tokens_seen,
+        tokens_per_step=tokens_per_step,
         gguf_file=gguf_file,
         limit=limit,
         batch_size=batch_size,

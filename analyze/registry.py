@@ -102,10 +102,13 @@ class Analysis:
     """Task kinds (the manifest's ``kind``: ``choice``, ``text``) it applies to: it gets the
     selected partitions of those kinds only, and does not run (no tables, no section) when the
     selection holds none."""
+    among: Callable[[list[PartitionInfo]], list[PartitionInfo]] | None = None
+    """Narrows the partitions of its kinds further (e.g. models with several revisions)."""
 
     def applies_to(self, parts: Iterable[PartitionInfo]) -> list[PartitionInfo]:
         """The partitions of ``parts`` whose task kind this analysis applies to."""
-        return [p for p in parts if p.manifest.kind in self.kinds]
+        mine = [p for p in parts if p.manifest.kind in self.kinds]
+        return self.among(mine) if self.among else mine
 
 
 F = TypeVar("F", bound=Callable[..., Any])

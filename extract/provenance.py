@@ -32,11 +32,13 @@ def identity(
     spec: TaskSpec,
     option_ids: list[int],
     data_sha256: str,
+    revision: str,
 ) -> Identity:
     """The identity of an extraction, known before the weights are loaded."""
     return Identity(
         model=source.model_id,
-        revision=source.revision,
+        revision=revision,
+        commit=source.revision,
         weights_fingerprint=source.weights_fingerprint,
         dtype=str(dtype).removeprefix("torch."),
         template_sha256=spec.sha256(),
@@ -65,6 +67,7 @@ def build_manifest(
         adapter=adapter.family,
         norm=adapter.norm,
         n_params=loaded.n_params,
+        **loaded.facts,
         context_length=loaded.context_length,
         hidden_size=int(src.config.hidden_size),
         vocab_size=getattr(src.config, "vocab_size", None),

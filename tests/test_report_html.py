@@ -219,9 +219,9 @@ def test_version_2_store_says_prompt_not_stored(store: Path, tmp_path: Path) -> 
     old = tmp_path / "v2"
     shutil.copytree(store, old)
     schema = tables_of(2)["instances"]
-    for part in old.glob("instances/*/*/*.parquet"):
+    for part in old.glob("instances/**/*.parquet"):
         pq.write_table(pq.read_table(part).select(schema.names).cast(schema), part)
-    for path in old.glob("manifests/*/*/manifest.json"):
+    for path in old.glob("manifests/**/manifest.json"):
         manifest = json.loads(path.read_text())
         path.write_text(json.dumps({**manifest, "schema_version": 2}))
     assert {p.manifest.schema_version for p in Store(old).partitions} == {2}

@@ -24,6 +24,7 @@ from layerdiv.analyze.text import (
     token_geometry,
 )
 from layerdiv.store import StoreError
+from layerdiv.store.key import KEY
 
 TOL = 1e-6
 
@@ -222,7 +223,8 @@ def test_report_sections_draw_their_figures(text, tmp_path) -> None:
     names = {"m": "org/model"}
 
     def tagged(f: pl.DataFrame) -> pl.DataFrame:
-        return f.select(pl.lit("m").alias("model"), pl.lit("fineweb").alias("task"), pl.all())
+        key = {"model": "m", "revision": "main", "task": "fineweb"}
+        return f.select(*(pl.lit(key[c]).alias(c) for c in KEY), pl.all())
 
     geometry = tagged(geometry_table(stats_of(frame, blocks=6), 6))
     lens_rows = (

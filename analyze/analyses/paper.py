@@ -14,7 +14,15 @@ from tqdm import tqdm
 
 from layerdiv.analyze import plots, stats
 from layerdiv.analyze.decomposition import partition_scores
-from layerdiv.analyze.markdown import AVG, DASH, Cells, fmt, markdown_table, model_task_table
+from layerdiv.analyze.markdown import (
+    AVG,
+    DASH,
+    Cells,
+    fmt,
+    markdown_table,
+    model_label,
+    model_task_table,
+)
 from layerdiv.analyze.metrics import ACCURACY, CORRELATED, METRICS
 from layerdiv.analyze.options import ESTIMATORS
 from layerdiv.analyze.registry import (
@@ -200,9 +208,9 @@ def table1(ctx: ReportContext) -> str:
         unit = metric.unit(ctx.estimator)
         cells: Cells = {
             (m, t): fmt(v, unit.scale, unit.digits)
-            for m, t, v in frame.select(*KEY, metric.name).iter_rows()
+            for m, t, v in frame.select(model_label(), "task", metric.name).iter_rows()
         }
-        avg = frame.group_by("model").agg(pl.col(metric.name).mean())
+        avg = frame.group_by(model_label()).agg(pl.col(metric.name).mean())
         cells.update({(m, None): fmt(v, unit.scale, unit.digits) for m, v in avg.iter_rows()})
         first = [baseline] if metric is ACCURACY else []
         parts.append(
@@ -229,7 +237,8 @@ def correlation_table(ctx: ReportContext) -> str:
         means = means.with_columns(pl.lit("").alias("mark"))
         pairs: dict[tuple[str | None, str | None], dict[str, str]] = {}
         for frame in (tested, means):
-            for m, t, method, r, mark in frame.select(*KEY, "method", "r", "mark").iter_rows():
+            rows = frame.select(model_label(), "task", "method", "r", "mark").iter_rows()
+            for m, t, method, r, mark in rows:
                 pairs.setdefault((m, t), {})[method] = fmt(r, digits=2) + mark
         cells: Cells = {
             key: " / ".join(v.get(x, DASH) for x in stats.METHODS) for key, v in pairs.items()
@@ -315,7 +324,7 @@ def saturation_table(ctx: ReportContext) -> str:
     cells: Cells = {
         (m, t): f"{j}/{n}"
         for m, t, j, n in ctx.tables["saturation"]
-        .select(*KEY, "saturation_j", "n_components")
+        .select(model_label(), "task", "saturation_j", "n_components")
         .iter_rows()
     }
     return model_task_table(cells, ctx.names, avg=False)

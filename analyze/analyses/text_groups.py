@@ -282,11 +282,11 @@ def groups_figure(scores: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
     intervals."""
     block = scores.filter(pl.col("sublayer") == "block")
     panels = []
-    for model, task in block.select(*KEY).unique(maintain_order=True).rows():
+    for key in block.select(*KEY).unique(maintain_order=True).iter_rows(named=True):
+        model, task = key["model"], key["task"]
+        mine = block.join(pl.DataFrame([key]), on=[*KEY], how="semi")
         for effect in EFFECTS:
-            sub = block.filter(
-                (pl.col("model") == model) & (pl.col("task") == task) & (pl.col("effect") == effect)
-            )
+            sub = mine.filter(pl.col("effect") == effect)
             groups = [str(g) for g in sub["group"]]
             paper = plots.Series("paper (maxima first)", groups, sub["paper_score"].to_list(),
                                  color="#bbbbbb", bar=True)  # fmt: skip
