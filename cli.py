@@ -15,12 +15,12 @@ from typing import Any
 
 import click
 
-from layerdiv import __version__
 from layerdiv.analyze.options import ESTIMATORS, FORMATS, LENSES
 from layerdiv.errors import LayerdivError, LayerdivWarning
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig
 from layerdiv.extract.launchers import Shard, parse_shard, pick_device
 from layerdiv.schemas import KINDS, SUBLAYERS
+from layerdiv.version import __version__
 
 DEFAULT_STORE = "layerdiv-store"
 MAX_ROWS = 40

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import polars as pl
 
-from layerdiv import __version__
 from layerdiv.analyze.api import Results
 from layerdiv.analyze.markdown import DASH, markdown_table
 from layerdiv.analyze.options import REPORT_FORMATS, Estimator
@@ -24,6 +23,7 @@ from layerdiv.analyze.output import result_dir
 from layerdiv.analyze.registry import ReportContext, registered
 from layerdiv.errors import LayerdivError
 from layerdiv.store import PartitionInfo, Store
+from layerdiv.version import __version__
 
 REPORT_NAME = "report.md"
 HTML_NAME = "report.html"

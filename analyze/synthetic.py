@@ -255,31 +255,6 @@ def synthesize_store(
     return rows
 
 
-def synthesize_demo_store(root: str | Path, n_instances: int = 300, seed: int = 0) -> Path:
-    """Write a store shaped like that of ``layerdiv demo`` (its model with SmolLM2-135M's 30
-    blocks and 134,515,008 parameters; its tasks, with their option counts; ``n_instances``
-    each) from :func:`random_partition`'s made-up numbers, without the ``gram`` table. Returns
-    ``root``."""
-    from layerdiv.demo import DEMO_MODEL, DEMO_TASKS
-
-    rng = np.random.default_rng(seed)
-    for task in DEMO_TASKS:
-        logits, gold, rms, kinds = random_partition(rng, n_instances, 30, len(task.labels))
-        write_partition(
-            root,
-            DEMO_MODEL,
-            task.name,
-            logits,
-            gold,
-            kinds,
-            rms,
-            n_params=134_515_008,
-            hidden_size=576,
-            norm_eps=1e-5,
-        )
-    return Path(root)
-
-
 def text_dots(h0: np.ndarray, attn: np.ndarray, mlp: np.ndarray) -> dict[str, np.ndarray]:
     """The ``token_blocks`` dot products (METHODS.md section 9) of residual streams given as
     vectors: ``h0`` (tokens, d) the embedding outputs, ``attn`` and ``mlp`` (tokens, L, d) what each

@@ -8,7 +8,7 @@ only that position (B x d per component), never the whole sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -18,15 +18,25 @@ from layerdiv.extract.readout import LensReference, Readout, lens_stats, onloade
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
 
-if TYPE_CHECKING:
-    from layerdiv.extract.heads import HeadDecomposition
-
 SUM_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 """Largest accepted relative decomposition error per dtype (METHODS.md section 1 invariant)."""
 
 
 class DecompositionError(LayerdivError, RuntimeError):
     """The components do not add up to the model's logits, or a value is NaN/Inf."""
+
+
+@dataclass
+class HeadDecomposition:
+    """Per-head option logits of one batch (float32, on the CPU)."""
+
+    components: list[int]
+    """Index (execution order, as in :class:`BatchDecomposition`) of each attention component."""
+    head_ids: list[int]
+    """Head index of each column: 0..H-1, preceded by -1 (the output projection's bias) when
+    the projection has one."""
+    logits: torch.Tensor
+    """(B, A, G, K) u_(b,h)[k]: head G of attention component A's share of option k's logit."""
 
 
 @dataclass

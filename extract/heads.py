@@ -16,21 +16,13 @@ from typing import Any
 import torch
 
 from layerdiv.extract.adapters import Adapter, UnsupportedModel, get_module, norm_eps
-from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
+from layerdiv.extract.capture import (
+    BatchDecomposition,
+    ComponentCapture,
+    DecompositionError,
+    HeadDecomposition,
+)
 from layerdiv.extract.readout import norm_gain, onloaded
-
-
-@dataclass
-class HeadDecomposition:
-    """Per-head option logits of one batch (float32, on the CPU)."""
-
-    components: list[int]
-    """Index (execution order, as in :class:`BatchDecomposition`) of each attention component."""
-    head_ids: list[int]
-    """Head index of each column: 0..H-1, preceded by -1 (the output projection's bias) when
-    the projection has one."""
-    logits: torch.Tensor
-    """(B, A, G, K) u_(b,h)[k]: head G of attention component A's share of option k's logit."""
 
 
 @dataclass

@@ -27,6 +27,9 @@ from layerdiv.schemas import KINDS, TABLES, SchemaError
 from layerdiv.store.location import StorePath
 
 MANIFEST_NAME = "manifest.json"
+INDEX_NAME = "index.json"
+"""Written by ``layerdiv analyze`` into every result folder (how it was made and the files written
+there): a store that holds it at its root is a folder of results, not a store."""
 MANIFESTS = "manifests"
 """Folder of the manifests (and run records, table markers and chunk claims)."""
 _PART = re.compile(r"^part-(\d{7})-(\d{6})\.parquet$")

@@ -38,7 +38,7 @@ from layerdiv.store.location import (
     store_root,
 )
 from layerdiv.store.manifest import Manifest, read_manifest
-from layerdiv.store.paths import Partition, list_partitions, slug
+from layerdiv.store.paths import INDEX_NAME, Partition, list_partitions, slug
 
 
 class StoreError(LayerdivError, RuntimeError):
@@ -246,8 +246,6 @@ class Store:
             raise StoreError(f"no store at {self.root}: run `layerdiv extract` first")
         found: list[Partition[Any]] = list_partitions(cast(Any, self.root))  # either kind
         if not found:
-            from layerdiv.analyze.output import INDEX_NAME
-
             if (self.root / INDEX_NAME).is_file():
                 raise StoreError(
                     f"{self.root} is a folder of analysis results (`layerdiv analyze` wrote it), "

@@ -30,7 +30,7 @@ from layerdiv.cli import main
 from layerdiv.schemas import tables_of
 from layerdiv.store import Store, StoreError
 from layerdiv.store.atomic import temp_path
-from layerdiv.tests.conftest import write_synthetic_store
+from tests.conftest import write_synthetic_store
 
 
 @pytest.fixture(scope="module")

@@ -230,7 +230,7 @@ def test_version_2_store_says_prompt_not_stored(store: Path, tmp_path: Path) -> 
 def browser() -> Iterator[Any]:
     if not (CHROMIUM and DRIVER):
         pytest.skip(NO_BROWSER)
-    from layerdiv.tests.browser import chromium
+    from tests.browser import chromium
 
     with chromium(CHROMIUM, DRIVER) as driver:
         yield driver
@@ -252,7 +252,7 @@ CHOOSE = (
 
 
 def test_page_in_chromium(browser: Any, page: Path) -> None:
-    from layerdiv.tests.browser import open_page, outside_requests, page_errors
+    from tests.browser import open_page, outside_requests, page_errors
 
     open_page(browser, page)
     assert page_errors(browser) == []
@@ -316,7 +316,7 @@ def test_page_in_chromium(browser: Any, page: Path) -> None:
 
 def test_browser_checks_catch_errors_and_requests(browser: Any, tmp_path: Path) -> None:
     """The checks above can fail: a page that requests a URL and throws is caught by both."""
-    from layerdiv.tests.browser import open_page, outside_requests, page_errors
+    from tests.browser import open_page, outside_requests, page_errors
 
     bad = tmp_path / "bad.html"
     bad.write_text(
