@@ -24,6 +24,7 @@ from threadpoolctl import threadpool_limits
 
 from layerdiv.analyze.registry import Context, map_partitions
 from layerdiv.analyze.stats import array_degrees as degrees
+from layerdiv.measurements import optional_tables
 from layerdiv.schemas import KINDS
 from layerdiv.store import PartitionInfo, StoreError
 
@@ -377,7 +378,7 @@ def with_table(
     have = [p for p in parts if table in p.tables]
     never = [f"{p.model}/{p.task}" for p in parts if table not in p.lacking]
     if notes is not None and never:
-        flag = KINDS[TEXT_KIND].optional[table]
+        flag = optional_tables(TEXT_KIND)[table]
         notes.append(f"No {what} for {', '.join(never)}: run `layerdiv extract {flag}` on them.")
     return have
 

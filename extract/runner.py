@@ -51,6 +51,7 @@ from layerdiv.extract.tasks import (
     option_token_ids,
 )
 from layerdiv.extract.text import check_text_batch
+from layerdiv.measurements.lens import LENS
 from layerdiv.schemas import KINDS
 from layerdiv.store.manifest import Manifest, read_manifest, write_manifest
 from layerdiv.store.reader import PartitionInfo
@@ -124,7 +125,7 @@ def plan_task(
 
 def _refuse_other_lens(writer: PartitionWriter, stored: Manifest, manifest: Manifest) -> None:
     """Record the lens of a partition that had none; refuse another lens than the stored one."""
-    table = KINDS[stored.kind].lens_table
+    table = LENS.tables[stored.kind][0]
     if stored.lens is not None and writer.part.parts(table):
         raise TaskError(
             f"{writer.part.manifest}: the stored {table} is --lens {stored.lens}, this run asks "
@@ -340,7 +341,7 @@ def extract_task(
         ident = identity(loaded.source, loaded.dtype, spec, plan.option_ids, plan.data_sha256)
         manifest = build_manifest(loaded, adapter, spec, ident, probe.components, len(items),
                                   _chunk_size(cfg), tol, approximate)  # fmt: skip
-        lens_table = KINDS[spec.kind].lens_table
+        lens_table = LENS.tables[spec.kind][0]
         manifest.lens = cfg.lens if lens_table in tables else None
         if plan.skips is not None:
             manifest.skip_split, manifest.skip_seed = plan.skips.split, plan.skips.seed

@@ -367,15 +367,8 @@ class Kind:
     marker: str
     """The table whose part marks a chunk complete (written after every other part)."""
     required: tuple[str, ...]
-    """Tables every complete chunk has (the marker last)."""
-    optional: dict[str, str]
-    """Optional tables and the ``extract`` flag that writes each."""
-    lens_table: str
-    """The optional table ``extract --lens`` writes."""
-
-    @property
-    def tables(self) -> tuple[str, ...]:
-        return (*self.required, *self.optional)
+    """Tables every complete chunk has (the marker last); the optional ones are declared by the
+    measurements that write them (``layerdiv.measurements``)."""
 
 
 KINDS = {
@@ -385,8 +378,6 @@ KINDS = {
         "instances",
         "instances",
         ("components", "instances"),
-        {"skips": "--skips", "heads": "--heads", "gram": "--gram", "lens": "--lens"},
-        "lens",
     ),
     "text": Kind(
         "text",
@@ -394,18 +385,9 @@ KINDS = {
         "documents",
         "documents",
         ("tokens", "token_blocks", "documents"),
-        {"token_lens": "--lens", "future_effects": "--skips", "future_output": "--skips"},
-        "token_lens",
     ),
 }
 """Every task kind by name."""
-
-KIND_OF_TABLE = {t: k for k in KINDS.values() for t in k.tables}
-"""The kind whose partitions hold each table."""
-
-OPTIONAL_TABLES = tuple(t for k in KINDS.values() for t in k.optional)
-"""Tables a partition has only when extracted with the matching flag (``--skips``, ...); the
-manifest's ``extra_tables`` lists them."""
 
 _TABLES_V1 = {
     "components": _schema("components", _COMPONENT_FIELDS_V1, version=1),

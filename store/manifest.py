@@ -7,7 +7,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from layerdiv.schemas import KINDS, OPTIONAL_TABLES, SCHEMA_VERSION, SchemaError, check_version
+from layerdiv.measurements import all_optional_tables
+from layerdiv.schemas import KINDS, SCHEMA_VERSION, SchemaError, check_version
 from layerdiv.store.atomic import write_bytes
 from layerdiv.store.location import RemotePath
 
@@ -123,7 +124,7 @@ class Manifest:
     """Epsilon of the final norm (METHODS.md section 7 needs it for ||r||; None in older
     manifests)."""
     extra_tables: list[str] = field(default_factory=list)
-    """Optional tables (``layerdiv.schemas.OPTIONAL_TABLES``) requested for this partition
+    """Optional tables (``layerdiv.measurements.all_optional_tables``) requested for this partition
     (filled on read from the markers in ``tables/``); a chunk may still lack one
     (``PartitionWriter.chunks_missing``)."""
     versions: dict[str, str] = field(default_factory=dict)
@@ -208,7 +209,7 @@ def read_manifest(path: Path | RemotePath) -> Manifest:
     manifest.runs = sorted([*manifest.runs, *runs], key=lambda r: str(r.get("started_at", "")))
     asked = [r["n_requested"] for r in runs if isinstance(r.get("n_requested"), int)]
     manifest.n_requested = max([manifest.n_requested, *asked])
-    markers = {m.name for m in (path.parent / TABLES_DIR).glob("*")} & set(OPTIONAL_TABLES)
+    markers = {m.name for m in (path.parent / TABLES_DIR).glob("*")} & set(all_optional_tables())
     manifest.extra_tables = sorted({*manifest.extra_tables, *markers})
     return manifest
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic
 
-from layerdiv.schemas import KINDS, TABLES, SchemaError
+from layerdiv.measurements import table_schemas, tables_of_kind
+from layerdiv.schemas import KINDS, SchemaError
 from layerdiv.store.location import StorePath
 
 MANIFEST_NAME = "manifest.json"
@@ -69,7 +70,8 @@ class Partition(Generic[StorePath]):
     task: str
 
     def dir(self, table: str) -> StorePath:
-        """Folder of ``table`` (any table of ``layerdiv.schemas.TABLES``, or ``manifests``)."""
+        """Folder of ``table`` (a table of ``layerdiv.measurements.table_schemas``, or
+        ``manifests``)."""
         return self.root / table / f"model={self.model_slug}" / f"task={self.task}"
 
     @property
@@ -84,7 +86,8 @@ class Partition(Generic[StorePath]):
 
     def dirs(self, kind: str | None = None) -> list[StorePath]:
         """The manifest folder and every table's folder (of the task ``kind`` only, if given)."""
-        return [self.dir(t) for t in (MANIFESTS, *(KINDS[kind].tables if kind else TABLES))]
+        names: tuple[str, ...] = tables_of_kind(kind) if kind else tuple(table_schemas())
+        return [self.dir(t) for t in (MANIFESTS, *names)]
 
     @staticmethod
     def part_name(start: int, count: int) -> str:
@@ -141,7 +144,7 @@ def list_partitions(root: StorePath) -> list[Partition[StorePath]]:
     """Every (model, task) partition that has a manifest or any other file but temporaries
     (dot files: a leftover temporary alone is no partition)."""
     found: set[tuple[str, str]] = set()
-    for table in (MANIFESTS, *TABLES):
+    for table in (MANIFESTS, *table_schemas()):
         for mdir in _listdir(root / table):
             if not mdir.name.startswith("model="):
                 continue

@@ -18,11 +18,10 @@ import polars as pl
 import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
+from layerdiv.measurements import kind_of_table, optional_tables, table_schemas
 from layerdiv.schemas import (
-    KIND_OF_TABLE,
     KINDS,
     PARTITION_COLUMNS,
-    TABLES,
     Kind,
     SchemaError,
     tables_of,
@@ -109,7 +108,7 @@ class PartitionInfo(Generic[StorePath]):
         of a complete chunk), with the complete chunks that have no part of it: an optional
         table is complete when that list is empty, and only then read (:attr:`tables`)."""
         out = {}
-        for table in self.kind.optional:
+        for table in optional_tables(self.manifest.kind):
             missing = self.partition.lacking(table, self.done)
             if table in self.manifest.extra_tables or len(missing) < len(self.done):
                 out[table] = missing
@@ -141,7 +140,7 @@ class PartitionInfo(Generic[StorePath]):
         given = [r["task"] for r in m.runs if isinstance(r.get("task"), str) and r["task"]]
         return (
             f"layerdiv extract --model {m.model} --task {(given or [self.task])[-1]} "
-            f"{self.kind.optional[table]} "
+            f"{optional_tables(self.manifest.kind)[table]} "
             f"--limit {max(m.n_requested, max((s + n for s, n in self.done), default=0))} "
             f"--store {self.partition.root}"
         )
@@ -309,7 +308,7 @@ class Store:
         that some of them hold (the views of :meth:`duckdb`)."""
         parts = self.select(models, tasks)
         held = {t for p in parts for t in (*p.kind.required, *p.manifest.extra_tables)}
-        return [t for t in TABLES if t in held]
+        return [t for t in table_schemas() if t in held]
 
     def select(
         self, models: Names = (), tasks: Names = (), require_data: bool = True
@@ -358,10 +357,10 @@ class Store:
         parts = self.select(models, tasks)
         have = self.tables(models, tasks)
         if table not in have:
-            kind = KIND_OF_TABLE.get(table)
+            kind = kind_of_table(table)
             flag = (
-                f" (extract with {kind.optional[table]} to add it)"
-                if kind and table in kind.optional
+                f" (extract with {optional_tables(kind)[table]} to add it)"
+                if kind and table in optional_tables(kind)
                 else ""
             )
             raise StoreError(
@@ -369,7 +368,7 @@ class Store:
                 f"{', '.join(have)}"
             )
         # Every version's parts under today's columns: a column an older part lacks is null.
-        columns = pl.DataFrame(pl.from_arrow(TABLES[table].empty_table())).schema
+        columns = pl.DataFrame(pl.from_arrow(table_schemas()[table].empty_table())).schema
         frame = pl.scan_parquet(
             self.files(table, parts),
             schema=columns,
@@ -416,7 +415,8 @@ class Store:
 
     def duckdb(self, models: Names = (), tasks: Names = ()) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB connection with the view ``manifests`` and a view of every table
-        (``layerdiv.schemas.TABLES``) the selected partitions hold: the required tables of their
+        (``layerdiv.measurements.table_schemas``) the selected partitions hold: the required
+        tables of their
         task kinds (``components`` and ``instances``; ``documents``, ``tokens`` and
         ``token_blocks``) and each optional one over the partitions that hold it for every stored
         instance or document (:meth:`incomplete` names the others), and no file-system access:
@@ -428,13 +428,13 @@ class Store:
         models, tasks = as_names(models), as_names(tasks)
         parts = self.select(models, tasks)
         con = duckdb.connect(config={"enable_external_access": False})
-        for table in TABLES:
+        for table, declared in table_schemas().items():
             whole = [p for p in parts if table in p.kind.required or table in p.tables]
             files = [f for p in whole for f in p.files(table)]
             if not files:
                 continue
             # Every version's columns under today's schema: a column an older part lacks is null.
-            schema = TABLES[table]
+            schema = declared
             for name in PARTITION_COLUMNS:
                 schema = schema.append(pa.field(name, pa.string()))
             paths, filesystem, base = arrow_source(files, self.root / table)
@@ -500,7 +500,7 @@ def _open_partition(part: Partition[StorePath]) -> PartitionInfo[StorePath]:
 def _check_part_schemas(info: PartitionInfo[Any]) -> None:
     """Check every part of each table against the schema of the partition's version (cheap:
     Parquet footers only)."""
-    schemas = tables_of(info.manifest.schema_version)
+    schemas = {**table_schemas(), **tables_of(info.manifest.schema_version)}
     for table in (*info.kind.required, *info.lacking):
         for f in info.files(table):
             try:

@@ -18,7 +18,8 @@ from layerdiv.analyze.synthetic import (
 from layerdiv.analyze.synthetic import (
     text_manifest as synthetic_text_manifest,
 )
-from layerdiv.schemas import KINDS, SCHEMA_VERSION, tables_of
+from layerdiv.measurements import optional_tables
+from layerdiv.schemas import SCHEMA_VERSION, tables_of
 from layerdiv.store import Manifest, PartitionWriter, Store
 from layerdiv.store.manifest import read_manifest
 from layerdiv.store.paths import OverlappingParts
@@ -77,7 +78,7 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
 def text_store(tmp_path: Path) -> Path:
     writer = PartitionWriter(tmp_path, "m", "txt")
     writer.open(text_manifest(len(LENGTHS)), overwrite=False)
-    for table in KINDS["text"].optional:
+    for table in optional_tables("text"):
         writer.mark_table(table)
     rng = np.random.default_rng(0)
     for start in range(0, len(LENGTHS), CHUNK):
@@ -91,7 +92,7 @@ def test_text_partition_reads_back(text_store: Path) -> None:
     (info,) = store.select()
     assert info.manifest.kind == "text" and info.manifest.n_blocks == BLOCKS
     assert info.n_done == len(LENGTHS)
-    assert info.tables == list(KINDS["text"].optional) and not info.incomplete()
+    assert info.tables == list(optional_tables("text")) and not info.incomplete()
     assert not (text_store / "components").exists()  # only the text kind's folders are made
     con = store.duckdb()
     total = sum(LENGTHS)
