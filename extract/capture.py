@@ -7,7 +7,8 @@ only that position (B x d per component), never the whole sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,6 +73,9 @@ class BatchDecomposition:
     """(B, L + 1, 2 + K) with ``lens=True``: per layer l = 0..L the logit lens at the last prompt
     token (p_l from block l's input, p_L the model's output): kl, top5_overlap and log p_l of
     each option's token (``layerdiv.schemas.LENS``; ce is that of the gold option)."""
+    measured: dict[str, Sequence[Any]] = field(default_factory=dict)
+    """Each registered measurement's values (``layerdiv.measurements.Capture.result``), one per
+    row, by name."""
 
 
 class ComponentCapture:

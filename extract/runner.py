@@ -4,10 +4,11 @@ thread writes one chunk while the model runs the next). Resumable, shardable, in
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
@@ -51,6 +52,7 @@ from layerdiv.extract.tasks import (
     option_token_ids,
 )
 from layerdiv.extract.text import check_text_batch
+from layerdiv.measurements import Measurement, for_kind, registered
 from layerdiv.measurements.lens import LENS
 from layerdiv.schemas import KINDS
 from layerdiv.store.manifest import Manifest, read_manifest, write_manifest
@@ -76,6 +78,9 @@ class TaskPlan:
     weights load, so that a document without tokens is refused before anything is written)."""
     skips: SkipSettings | None = None
     """Text tasks writing the future-effects tables: how (:func:`_skip_settings`)."""
+    measures: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The settings of each registered measurement outside the decomposition capture that this
+    run writes (:func:`_measure_settings`)."""
 
 
 def plan_task(
@@ -103,9 +108,10 @@ def plan_task(
                 "fix the data or the task's text template, or filter such rows out"
             )
         asked = (["token_lens"] if cfg.lens else []) + (list(FUTURE_TABLES) if cfg.skips else [])
-        tables = chunks.extra_tables(writer, asked, cfg.overwrite)
+        tables = chunks.extra_tables(writer, [*asked, *cfg.measured_tables("text")], cfg.overwrite)
         skips = _skip_settings(writer, cfg) if "future_effects" in tables else None
-        return TaskPlan(spec, items, [], sha, writer, tables, argument, documents, skips)
+        measures = _measure_settings(writer, cfg, spec, tables)
+        return TaskPlan(spec, items, [], sha, writer, tables, argument, documents, skips, measures)
     given = _skip_flags(cfg)
     if given:
         raise TaskError(
@@ -118,9 +124,56 @@ def plan_task(
             "(a choice task keeps the last prompt token alone); use --lens"
         )
     ids = option_token_ids(spec, tokenizer, items[0].prompt)
-    asked = [*cfg.extra_tables, *(["lens"] if cfg.lens else [])]
+    asked = [*cfg.extra_tables, *(["lens"] if cfg.lens else []), *cfg.measured_tables("choice")]
     tables = chunks.extra_tables(writer, asked, cfg.overwrite)
-    return TaskPlan(spec, items, ids, sha, writer, tables, argument)
+    measures = _measure_settings(writer, cfg, spec, tables)
+    return TaskPlan(spec, items, ids, sha, writer, tables, argument, measures=measures)
+
+
+def _measure_settings(
+    writer: PartitionWriter, cfg: ExtractConfig, spec: TaskSpec, tables: list[str]
+) -> dict[str, dict[str, Any]]:
+    """The settings of each registered measurement outside the decomposition capture that this
+    run writes (asked for, or held by the partition): those given, else the partition's own,
+    else the defaults. Refuses (before anything is written) a measurement that does not apply to
+    the task's kind, and settings other than those the partition recorded."""
+    for name in cfg.measures:
+        m = next(m for m in registered() if m.name == name)
+        if spec.kind not in m.tables:
+            raise TaskError(
+                f"task {spec.name} is a {spec.kind} task: {m.flag} applies to "
+                f"{', '.join(m.tables)} tasks only; extract it without"
+            )
+    stored: dict[str, dict[str, Any]] = {}
+    if not cfg.overwrite and writer.part.manifest.exists():
+        stored = read_manifest(writer.part.manifest).settings
+    out = {}
+    for m in for_kind(spec.kind):
+        if m.attach is None or not set(m.tables[spec.kind]) & set(tables):
+            continue
+        given = {k: v for k, v in cfg.measures.get(m.name, {}).items() if v not in (None, ())}
+        base = stored.get(m.name) or {s.name: s.default for s in m.settings}
+        settings = json.loads(json.dumps({**base, **given}))  # as the manifest holds them
+        if m.name in stored and settings != stored[m.name]:
+            raise TaskError(
+                f"{writer.part.manifest}: the stored {m.name} was extracted with "
+                f"{_settings_text(m, stored[m.name])}, this run asks for "
+                f"{_settings_text(m, settings)}; drop these options to keep the stored ones, or "
+                "use --overwrite"
+            )
+        out[m.name] = settings
+    return out
+
+
+def _settings_text(m: Measurement, settings: dict[str, Any]) -> str:
+    """Settings as the ``extract`` options that give them."""
+    opts = {s.name: s.option.opts[0] for s in m.settings}
+    return " ".join(f"{opts.get(k, k)} {v}" for k, v in settings.items())
+
+
+def _measurements_of(kind: str, tables: list[str]) -> list[Measurement]:
+    """The measurements that write some of ``tables`` in ``kind``'s partitions."""
+    return [m for m in for_kind(kind) if set(m.tables[kind]) & set(tables)]
 
 
 def _refuse_other_lens(writer: PartitionWriter, stored: Manifest, manifest: Manifest) -> None:
@@ -328,14 +381,14 @@ def extract_task(
     else:
         seqs, truncated = tokenize(loaded.tokenizer, [it.prompt for it in items],
                                    loaded.context_length)  # fmt: skip
-    readout = bool({"token_lens", "future_effects"} & set(tables))
+    readout = any(spec.kind in m.readout for m in _measurements_of(spec.kind, tables))
     budget = token_budget(loaded.device, loaded.model.config, loaded.dtype, readout)
     tol = SUM_TOLERANCE[loaded.dtype]
     work = _batch_work(plan, seqs, truncated, tol)
     unit = KINDS[spec.kind].units
     start_time, notes = time.perf_counter(), []
     with ModelRunner(loaded, adapter, plan.option_ids, budget, tables, n_heads,
-                     spec.kind, cfg.lens, plan.skips) as runner:  # fmt: skip
+                     spec.kind, cfg.lens, plan.skips, plan.measures) as runner:  # fmt: skip
         probe = runner.run([seqs[0]])  # the component list, before anything is written
         work.check(probe, [0])
         ident = identity(loaded.source, loaded.dtype, spec, plan.option_ids, plan.data_sha256)
@@ -343,6 +396,7 @@ def extract_task(
                                   _chunk_size(cfg), tol, approximate)  # fmt: skip
         lens_table = LENS.tables[spec.kind][0]
         manifest.lens = cfg.lens if lens_table in tables else None
+        manifest.settings = dict(plan.measures)
         if plan.skips is not None:
             manifest.skip_split, manifest.skip_seed = plan.skips.split, plan.skips.seed
             manifest.skip_sublayers = list(plan.skips.sublayers)
@@ -356,6 +410,9 @@ def extract_task(
             write_manifest(writer.part.manifest, stored)
         if lens_table in tables and stored.lens != manifest.lens:
             _refuse_other_lens(writer, stored, manifest)
+        if any(stored.settings.get(k) != v for k, v in plan.measures.items()):
+            stored.settings.update(plan.measures)  # a measurement new to the partition
+            write_manifest(writer.part.manifest, stored)
         grid = stored.chunk_size or _chunk_size(cfg)
         if cfg.chunk_size and grid != cfg.chunk_size:
             notes.append(f"the partition's chunk grid is {grid} {unit} (--chunk-size "

@@ -5,7 +5,8 @@ block input against the model's own output distribution."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,9 @@ class TextBatch:
     top5_overlap and ce (NaN at the row's last position)."""
     future: list[FutureRows] | None = None
     """With ``--skips``: per row, its document's future effects."""
+    measured: dict[str, Sequence[Any]] = field(default_factory=dict)
+    """Each registered measurement's values (``layerdiv.measurements.Capture.result``), one per
+    row, by name."""
 
     def document(self, row: int, n_tokens: int) -> np.ndarray:
         """(n_tokens, L, 8): the values at the document's own positions (padding dropped)."""

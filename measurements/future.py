@@ -47,6 +47,6 @@ FUTURE_EFFECTS = register(
                 0,
             ),
         ),
-        readout=True,
+        readout=("text",),
     )
 )

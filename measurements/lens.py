@@ -22,6 +22,6 @@ LENS = register(
             "applies the last block first (text tasks).",
         ),
         tables={"choice": ("lens",), "text": ("token_lens",)},
-        readout=True,
+        readout=("text",),
     )
 )

@@ -51,8 +51,8 @@ Attach = Callable[[Any, Any, Mapping[str, Any]], Capture]
 """(the model, its ``layerdiv.extract.adapters.Adapter``, the measurement's settings) -> the
 hooks it needs, attached."""
 
-Rows = Callable[[Sequence[int], Sequence[Any], Mapping[str, Any]], dict[str, pa.Table]]
-"""(instances or documents, ascending; the capture's value of each; the settings) -> its tables."""
+Rows = Callable[[Sequence[int], Sequence[Any]], dict[str, pa.Table]]
+"""(instances or documents, ascending; the capture's value of each) -> its tables."""
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,9 @@ class Measurement:
     settings: tuple[Setting, ...] = ()
     """What the manifest records of it, compared on a rerun (a rerun giving another value is
     refused, one giving none keeps the stored one)."""
-    readout: bool = False
-    """Whether its batches hold rows over the vocabulary (fewer tokens per batch)."""
+    readout: tuple[str, ...] = ()
+    """The task kinds in which its batches hold rows over the vocabulary at every token (the
+    batch budget: fewer tokens per batch)."""
     attach: Attach | None = None
     """Its forward hooks, for a measurement outside the decomposition capture (None: built into
     ``layerdiv.extract``'s captures)."""

@@ -15,6 +15,9 @@ History:
   ``future_output``; choice tasks gain the optional ``lens``; the manifest gains ``kind``,
   ``max_tokens``, ``lens``, ``skip_split`` and ``skip_seed`` (and, from the first release
   that writes the future-effects tables, ``skip_sublayers``: absent means ``block``).
+- 5: the manifest gains ``settings``: the settings of each measurement registered outside the
+  decomposition capture (``layerdiv.measurements``), under its name (absent: none recorded);
+  such a measurement's tables carry the schemas it declares.
 
 The hive partition columns ``model`` and ``task`` are not stored inside the files: they come from
 the directory names (``model=<slug>/task=<task>``) and are typed as strings by every reader.
@@ -28,7 +31,7 @@ import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Version of the on-disk layout and of the column sets below (the one this code writes)."""
 
 OLDEST_READABLE = 1

@@ -154,6 +154,9 @@ class Manifest:
     """Seed of the random split points."""
     skip_sublayers: list[str] | None = None
     """Text tasks with ``--skips``: what each skip removed (``layerdiv.schemas.SUBLAYERS``)."""
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The settings of each measurement registered outside the decomposition capture
+    (``layerdiv.measurements``), under its name (schema version 5; empty in older manifests)."""
 
     @property
     def n_blocks(self) -> int:
