@@ -14,14 +14,13 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
+from layerdiv.measurements.future import FUTURE, future_tables
 from layerdiv.schemas import component_names
 from layerdiv.store import ComponentInfo, Manifest, PartitionWriter
 from layerdiv.store.tables import (
     TOKEN_BLOCK_VALUES,
     components_table,
     documents_table,
-    future_effects_table,
-    future_output_table,
     gram_table,
     heads_table,
     instances_table,
@@ -340,8 +339,7 @@ def text_chunk(
         rel = rng.exponential(0.2, (len(keys), blocks)) * later
         out = rng.exponential(0.1, len(keys)) * (1 - np.array(skipped) / blocks)
         sub = ["block"] * len(keys)
-        tables["future_effects"] = future_effects_table(doc_, split, sub, skipped, rel)
-        tables["future_output"] = future_output_table(doc_, split, sub, skipped, out)
+        tables.update(future_tables(doc_, split, sub, skipped, rel, out))
     return tables
 
 
@@ -398,7 +396,7 @@ def write_text_partition(
     writer = PartitionWriter(root, manifest.model, manifest.task)
     writer.open(manifest, overwrite=True)
     optional = ["token_lens"] if manifest.lens else []
-    optional += ["future_effects", "future_output"] if manifest.skip_split else []
+    optional += list(FUTURE.tables["text"]) if manifest.skip_split else []
     for table in optional:
         writer.mark_table(table)
     for start, count, tables in chunks:

@@ -63,7 +63,7 @@ class ExtractConfig:
     section 8); a partition stored without them is extended (backfilled)."""
     skips: bool = False
     """Also store the option logits with each block skipped (``skips`` table, METHODS.md 7); on
-    a text task, the future effects (``future_effects``, ``future_output``, METHODS.md 9)."""
+    a text task, the future effects (``layerdiv.measurements.future``, METHODS.md 9)."""
     skip_split: str | None = None
     """Text tasks with ``skips``: ``random`` (4 seeded split points per document, the default)
     or ``all`` (every position but the first); None keeps the partition's own."""

@@ -20,11 +20,10 @@ from layerdiv.extract.models import LoadedModel
 from layerdiv.extract.skips import BlockSkipper
 from layerdiv.extract.text import TextBatch, TextCapture
 from layerdiv.measurements import for_kind
+from layerdiv.measurements.future import future_rows
 from layerdiv.store.tables import (
     components_table,
     documents_table,
-    future_effects_table,
-    future_output_table,
     gram_table,
     heads_table,
     instances_table,
@@ -104,7 +103,7 @@ class ModelRunner:
         not attached."""
         self.future = (
             FutureEffects(loaded.model, adapter, self.text.readout, skips)
-            if self.text is not None and skips is not None and "future_effects" in extra_tables
+            if self.text is not None and skips is not None
             else None
         )
         """Text tasks with ``--skips``: the future effects (METHODS.md section 9)."""
@@ -304,27 +303,17 @@ def text_tables(
 
 
 def future_tables(ids: list[int], results: dict[int, tuple[TextBatch, int]]) -> dict[str, pa.Table]:
-    """The ``future_effects`` and ``future_output`` tables of documents ``ids`` (ascending) where
-    the run computed them."""
+    """The future-effects tables (:mod:`layerdiv.measurements.future`) of documents ``ids``
+    (ascending) where the run computed them."""
     if results[ids[0]][0].future is None:
         return {}
-    rows = []
+    values = []
     for i in ids:
         batch, row = results[i]
         if batch.future is None:
             raise DecompositionError("a document ran without the future effects")
-        rows.append((i, batch.future[row]))
-    doc = np.concatenate([np.full(len(f.split), i) for i, f in rows])
-    split = np.concatenate([f.split for _, f in rows])
-    sublayer = [s for _, f in rows for s in f.sublayer]
-    skipped = np.concatenate([f.skipped for _, f in rows])
-    blocks = rows[0][1].rel_change.shape[1]
-    rel = np.concatenate([f.rel_change.reshape(-1, blocks) for _, f in rows])
-    out = np.concatenate([f.out_change for _, f in rows])
-    return {
-        "future_effects": future_effects_table(doc, split, sublayer, skipped, rel),
-        "future_output": future_output_table(doc, split, sublayer, skipped, out),
-    }
+        values.append(batch.future[row])
+    return future_rows(ids, values)
 
 
 def optional_tables(

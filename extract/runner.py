@@ -53,6 +53,7 @@ from layerdiv.extract.tasks import (
 )
 from layerdiv.extract.text import check_text_batch
 from layerdiv.measurements import Measurement, for_kind, registered
+from layerdiv.measurements.future import FUTURE
 from layerdiv.measurements.lens import LENS
 from layerdiv.schemas import KINDS
 from layerdiv.store.manifest import Manifest, read_manifest, write_manifest
@@ -107,9 +108,10 @@ def plan_task(
                 f"task {spec.name}: document {empty[0]} tokenizes to no tokens (empty text); "
                 "fix the data or the task's text template, or filter such rows out"
             )
-        asked = (["token_lens"] if cfg.lens else []) + (list(FUTURE_TABLES) if cfg.skips else [])
+        future = list(FUTURE.tables["text"])
+        asked = (["token_lens"] if cfg.lens else []) + (future if cfg.skips else [])
         tables = chunks.extra_tables(writer, [*asked, *cfg.measured_tables("text")], cfg.overwrite)
-        skips = _skip_settings(writer, cfg) if "future_effects" in tables else None
+        skips = _skip_settings(writer, cfg) if future[0] in tables else None
         measures = _measure_settings(writer, cfg, spec, tables)
         return TaskPlan(spec, items, [], sha, writer, tables, argument, documents, skips, measures)
     given = _skip_flags(cfg)
@@ -188,10 +190,6 @@ def _refuse_other_lens(writer: PartitionWriter, stored: Manifest, manifest: Mani
     write_manifest(writer.part.manifest, stored)
 
 
-FUTURE_TABLES = ("future_effects", "future_output")
-"""The tables ``--skips`` writes on a text task."""
-
-
 def _refuse_text_flags(spec: TaskSpec, cfg: ExtractConfig) -> None:
     """Refuse the optional tables a text task cannot have, and ``--skips`` settings without
     ``--skips``."""
@@ -236,7 +234,8 @@ def _skip_settings(writer: PartitionWriter, cfg: ExtractConfig) -> SkipSettings:
         base.seed if cfg.skip_seed is None else cfg.skip_seed,
         tuple(dict.fromkeys(cfg.skip_sublayers)) or base.sublayers,
     )
-    if stored is not None and settings != stored and writer.part.parts("future_effects"):
+    held = any(writer.part.parts(t) for t in FUTURE.tables["text"])
+    if stored is not None and settings != stored and held:
         raise TaskError(
             f"{writer.part.manifest}: the stored future effects are {_describe(stored)}, this "
             f"run asks for {_describe(settings)}; drop these options to keep the stored ones, or "

@@ -19,14 +19,13 @@ from layerdiv.analyze.synthetic import (
     text_manifest as synthetic_text_manifest,
 )
 from layerdiv.measurements import optional_tables
+from layerdiv.measurements.future import future_tables
 from layerdiv.schemas import SCHEMA_VERSION, tables_of
 from layerdiv.store import Manifest, PartitionWriter, Store
 from layerdiv.store.manifest import read_manifest
 from layerdiv.store.paths import OverlappingParts
 from layerdiv.store.tables import (
     documents_table,
-    future_effects_table,
-    future_output_table,
     token_blocks_table,
     token_lens_table,
     tokens_table,
@@ -58,11 +57,13 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
         "token_lens": token_lens_table(
             docs, n_tok, rng.uniform(size=(total, BLOCKS + 1)), np.ones((total, BLOCKS + 1)), ce
         ),
-        "future_effects": future_effects_table(
-            doc, split, sublayer, skipped, rng.uniform(size=(len(doc), BLOCKS))
-        ),
-        "future_output": future_output_table(
-            doc, split, sublayer, skipped, rng.uniform(size=len(doc))
+        **future_tables(
+            doc,
+            split,
+            sublayer,
+            skipped,
+            rng.uniform(size=(len(doc), BLOCKS)),
+            rng.uniform(size=len(doc)),
         ),
         "tokens": tokens_table(
             docs, [list(range(100 * d, 100 * d + n)) for d, n in zip(docs, n_tok, strict=True)]
