@@ -194,7 +194,8 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     from layerdiv.analyze.api import analyze, task_summary
     from layerdiv.analyze.metrics import METRICS
     from layerdiv.analyze.report import write_report
-    from layerdiv.extract.runner import ExtractConfig, run_extract
+    from layerdiv.extract.config import ExtractConfig
+    from layerdiv.extract.runner import run_extract
 
     start = time.perf_counter()
     store, results_dir, report_dir = out / "store", out / "results", out / "report"
