@@ -21,12 +21,12 @@ from layerdiv.errors import LayerdivError
 from layerdiv.measurements import kind_of_table, optional_tables, table_schemas
 from layerdiv.schemas import (
     KINDS,
-    PARTITION_COLUMNS,
     Kind,
     SchemaError,
     tables_of,
 )
 from layerdiv.store.atomic import restore
+from layerdiv.store.key import KEY, PartitionKey
 from layerdiv.store.location import (
     RemotePath,
     StorePath,
@@ -55,7 +55,7 @@ def as_names(names: Names) -> list[str]:
 
 @dataclass(frozen=True)
 class PartitionInfo(Generic[StorePath]):
-    """A checked (model, task) partition (local or remote) and its complete part files."""
+    """A checked partition (local or remote) and its complete part files."""
 
     partition: Partition[StorePath]
     manifest: Manifest
@@ -64,10 +64,19 @@ class PartitionInfo(Generic[StorePath]):
         m = self.manifest
         extra = f", tables +{'+'.join(m.extra_tables)}" if m.extra_tables else ""
         return (
-            f"PartitionInfo(model={self.model!r}, task={self.task!r}: {self.n_done} of "
+            f"PartitionInfo({', '.join(c + '=' + repr(v) for c, v in self.key.items())}: "
+            f"{self.n_done} of "
             f"{m.n_requested} instances, {len(m.components)} components, {len(m.options)} "
             f"options{extra})"
         )
+
+    @property
+    def key(self) -> PartitionKey:
+        return self.partition.key
+
+    def key_columns(self) -> list[pl.Expr]:
+        """The key as literal columns (strings), to tag rows read from this partition."""
+        return [pl.lit(v, pl.String).alias(c) for c, v in self.key.items()]
 
     @property
     def model(self) -> str:
@@ -157,7 +166,7 @@ class PartitionInfo(Generic[StorePath]):
     @property
     def where(self) -> str:
         """``partition model=<slug> task=<task>``, for messages."""
-        return _where(self.partition)
+        return self.key.where
 
     def read(
         self, components: Sequence[str], instances: Sequence[str]
@@ -281,8 +290,7 @@ class Store:
             + "".join(
                 f"<td>{html.escape(str(v))}</td>"
                 for v in (
-                    p.model,
-                    p.task,
+                    *p.key.values(),
                     f"{p.n_done} of {p.manifest.n_requested}",
                     len(p.manifest.components),
                     len(p.manifest.options),
@@ -294,8 +302,7 @@ class Store:
         )
         bad = "".join(f"<li>{html.escape(str(err))}</li>" for _, err in self.unreadable)
         head = "".join(
-            f"<th>{h}</th>"
-            for h in ("model", "task", "instances", "components", "options", "optional tables")
+            f"<th>{h}</th>" for h in (*KEY, "instances", "components", "options", "optional tables")
         )
         return (
             f"<p><b>Store</b> <code>{html.escape(str(self.root))}</code></p>"
@@ -327,7 +334,7 @@ class Store:
         if not chosen:
             if broken:
                 raise broken[0]
-            have = ", ".join(f"{p.model}/{p.task}" for p in self.partitions) or "nothing"
+            have = ", ".join(p.key.label for p in self.partitions) or "nothing"
             raise StoreError(
                 f"no extracted data matches models={sorted(slug(m) for m in models) or 'any'} "
                 f"tasks={sorted(tasks) or 'any'}; the store holds: {have}"
@@ -337,7 +344,7 @@ class Store:
     def problems(self, models: Names = (), tasks: Names = ()) -> list[str]:
         """One line per unreadable partition matching the filters, saying it was left out."""
         match = _matcher(as_names(models), as_names(tasks))
-        return [f"left out {_where(part)}: {err}" for part, err in self.unreadable if match(part)]
+        return [f"left out {part.key.where}: {err}" for part, err in self.unreadable if match(part)]
 
     def incomplete(self, models: Names = (), tasks: Names = ()) -> list[str]:
         """One line per optional table of a selected partition that some of its stored instances
@@ -351,7 +358,7 @@ class Store:
 
     def scan(self, table: str, models: Names = (), tasks: Names = ()) -> pl.LazyFrame:
         """A Polars LazyFrame over one table of the selected partitions (``components``,
-        ``instances``, or an optional table that some of them hold), with model and task columns;
+        ``instances``, or an optional table that some of them hold), with the key columns;
         text columns are ``String``, as in every result table. Refuses (``StoreError``) a table
         that no selected partition holds, naming those there are."""
         parts = self.select(models, tasks)
@@ -373,7 +380,7 @@ class Store:
             self.files(table, parts),
             schema=columns,
             hive_partitioning=True,
-            hive_schema={"model": pl.String, "task": pl.String},
+            hive_schema=dict.fromkeys(KEY, pl.String),
             missing_columns="insert",
         )
         text = [c for c, t in columns.items() if isinstance(t, pl.Categorical | pl.Enum)]
@@ -387,8 +394,7 @@ class Store:
             kinds = [c.kind for c in m.components]
             rows.append(
                 {
-                    "model": p.model,
-                    "task": p.task,
+                    **dict(p.key.items()),
                     "model_id": m.model,
                     "revision": m.revision,
                     "dtype": m.dtype,
@@ -435,7 +441,7 @@ class Store:
                 continue
             # Every version's columns under today's schema: a column an older part lacks is null.
             schema = declared
-            for name in PARTITION_COLUMNS:
+            for name in KEY:
                 schema = schema.append(pa.field(name, pa.string()))
             paths, filesystem, base = arrow_source(files, self.root / table)
             dataset = ds.dataset(
@@ -444,7 +450,7 @@ class Store:
                 schema=schema,
                 format="parquet",
                 partitioning=ds.partitioning(
-                    pa.schema([pa.field(n, pa.string()) for n in PARTITION_COLUMNS]),
+                    pa.schema([pa.field(n, pa.string()) for n in KEY]),
                     flavor="hive",
                 ),
                 partition_base_dir=base,
@@ -470,10 +476,6 @@ def _matcher(models: list[str], tasks: list[str]) -> Callable[[Partition[Any]], 
     )
 
 
-def _where(part: Partition[Any]) -> str:
-    return f"partition model={part.model_slug} task={part.task}"
-
-
 def _count(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
 
@@ -486,7 +488,7 @@ def _open_partition(part: Partition[StorePath]) -> PartitionInfo[StorePath]:
     """A partition's checked manifest and part files; ``StoreError`` says what is wrong."""
     if not part.manifest.exists():
         raise StoreError(
-            f"{_where(part)} has data but no manifest ({part.manifest}): it cannot be trusted. "
+            f"{part.key.where} has data but no manifest ({part.manifest}): it cannot be trusted. "
             "Delete it or re-extract it with --overwrite."
         )
     try:
