@@ -15,6 +15,7 @@ import torch
 
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.adapters import Adapter, get_module
+from layerdiv.extract.hooks import Hooks, unique_blocks
 from layerdiv.extract.readout import LensReference, Readout, lens_stats, onloaded
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
@@ -78,7 +79,7 @@ class BatchDecomposition:
     row, by name."""
 
 
-class ComponentCapture:
+class ComponentCapture(Hooks):
     """Hooks on one model; :meth:`decompose` after each forward pass gives the batch's results."""
 
     def __init__(
@@ -89,11 +90,10 @@ class ComponentCapture:
         gram: bool = False,
         lens: bool = False,
     ):
+        super().__init__()
         self.adapter = adapter
         self.gram = gram
         self.lens = lens
-        self.paused = False
-        """While True the hooks keep nothing (extra passes such as layer skips)."""
         blocks = get_module(model, adapter.blocks)
         self.readout = Readout(model, adapter)
         self.norm, head = self.readout.norm, self.readout.head
@@ -111,17 +111,15 @@ class ComponentCapture:
         self._buffer: torch.Tensor | None = None  # (slots, rows, d) float32, reused every pass
         self._x: torch.Tensor | None = None
         self._head: torch.Tensor | None = None
-        self._handles = [
+        self.add(
             blocks[0].register_forward_pre_hook(self._embed_hook, with_kwargs=True),
             self.norm.register_forward_pre_hook(self._norm_hook),
             head.register_forward_hook(self._head_hook),
-        ]
-        # A block listed twice (shared layers) is hooked once; its hooks fire on every call.
-        unique = list({id(block): block for block in blocks}.values())
-        for i, block in enumerate(unique):
+        )
+        for i, block in enumerate(unique_blocks(model, adapter)):
             for kind in ("attn", "mlp"):
                 module = get_module(block, getattr(adapter, kind))
-                self._handles.append(module.register_forward_hook(self._component_hook(kind, i)))
+                self.add(module.register_forward_hook(self._component_hook(kind, i)))
 
     # hooks -------------------------------------------------------------------------------------
     def _keep(self, kind: str, layer: int, output: Any) -> None:
@@ -157,11 +155,6 @@ class ComponentCapture:
     def _head_hook(self, module: Any, args: tuple, output: Any) -> None:
         out = output[0] if isinstance(output, tuple) else output
         self._head = out[:, -1, self.option_ids].float()
-
-    def remove(self) -> None:
-        """Detach every hook from the model."""
-        for handle in self._handles:
-            handle.remove()
 
     def reset(self) -> None:
         self._records, self._x, self._head = [], None, None

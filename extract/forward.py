@@ -170,8 +170,7 @@ class ModelRunner:
                 batch = text.decompose()
                 batch.measured = self._measured()
                 if self.future is not None and ids is not None:
-                    text.paused = True
-                    try:
+                    with text.pausing():
                         batch.future = self.future.run(
                             text.states(),
                             text.block_args,
@@ -180,8 +179,6 @@ class ModelRunner:
                             ids,
                             max(1, self.budget // inputs["input_ids"].shape[1]),
                         )
-                    finally:
-                        text.paused = False
                 return batch
         capture = self.capture
         assert capture is not None  # a choice runner
@@ -199,11 +196,9 @@ class ModelRunner:
             if self.heads is not None:
                 dec.heads = self.heads.decompose(dec)
             if self.skipper is not None:
-                capture.paused = True  # also pauses the heads capture
-                try:  # METHODS.md section 7: each block skipped, the shared prefix reused
+                with capture.pausing():  # also pauses the heads capture; METHODS.md section 7:
+                    # each block skipped, the shared prefix reused
                     dec.skip_logits = self.skipper.skip_logits(lambda: self.loaded.model(**inputs))
-                finally:
-                    capture.paused = False
         return dec
 
     def _measured(self) -> dict[str, Sequence[Any]]:

@@ -15,6 +15,7 @@ import torch
 from layerdiv.extract.adapters import Adapter, get_module
 from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.future import FutureRows
+from layerdiv.extract.hooks import Hooks, unique_blocks
 from layerdiv.extract.readout import LensReference, Readout, lens_stats
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
@@ -53,28 +54,24 @@ class TextBatch:
         return self.lens[row, self.lens.shape[1] - n_tokens :].numpy()
 
 
-class TextCapture:
+class TextCapture(Hooks):
     """Hooks on every decoder block (its input h, its attention's and MLP's additions a and m)
     and on the final norm (the last residual state h_L); :meth:`decompose` after each pass."""
 
     def __init__(self, model: Any, adapter: Adapter, lens: str | None = None) -> None:
-        self.paused = False
-        """While True the hooks keep nothing (the last block run again for the lens)."""
+        super().__init__()
         self.lens = lens
         """``final`` or ``last-block`` (METHODS.md section 9, logit lens), or None."""
         blocks = get_module(model, adapter.blocks)
         self.readout = Readout(model, adapter)
         self.bias = self.readout.constant_bias
         self.last_block = blocks[-1]
-        self._handles = [self.readout.norm.register_forward_pre_hook(self._final_hook)]
-        unique = list({id(block): block for block in blocks}.values())
-        for i, block in enumerate(unique):
-            self._handles.append(
-                block.register_forward_pre_hook(self._input_hook, with_kwargs=True)
-            )
+        self.add(self.readout.norm.register_forward_pre_hook(self._final_hook))
+        for i, block in enumerate(unique_blocks(model, adapter)):
+            self.add(block.register_forward_pre_hook(self._input_hook, with_kwargs=True))
             for kind in ("attn", "mlp"):
                 module = get_module(block, getattr(adapter, kind))
-                self._handles.append(module.register_forward_hook(self._addition_hook(kind, i)))
+                self.add(module.register_forward_hook(self._addition_hook(kind, i)))
         self.reset()
 
     def reset(self, input_ids: torch.Tensor | None = None) -> None:
@@ -89,11 +86,6 @@ class TextCapture:
         self._parts: dict[str, torch.Tensor] = {}
         self._calls: list[tuple[str, int]] = []
         self._final: torch.Tensor | None = None
-
-    def remove(self) -> None:
-        """Detach every hook from the model."""
-        for handle in self._handles:
-            handle.remove()
 
     # hooks -------------------------------------------------------------------------------------
     def _input_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
@@ -159,11 +151,8 @@ class TextCapture:
         calls = self._calls + ([("bias", -1)] if self.bias else [])
         names = component_names(calls)
         comps = [ComponentInfo(n, k, layer) for n, (k, layer) in zip(names, calls, strict=True)]
-        self.paused = True  # the lens's readouts must not replace h_L (the final-norm hook)
-        try:
+        with self.pausing():  # the lens's readouts must not replace h_L (the final-norm hook)
             lens = self._lens(final) if self.lens else None
-        finally:
-            self.paused = False
         return TextBatch(comps, dots.cpu(), None if lens is None else lens.cpu())
 
     def _lens(self, final: torch.Tensor) -> torch.Tensor:
