@@ -47,9 +47,11 @@ def user_error(err: BaseException) -> str | None:
             "manifests and writes no file; save a result with --out FILE"
         )
     if package in ("duckdb", "_duckdb"):
+        from layerdiv.measurements import all_optional_tables
+
         return (
             f"{one_line(err)} (the views are components, instances, manifests and, where "
-            "extracted, skips, heads and gram)"
+            f"extracted, {', '.join(all_optional_tables())})"
         )
     if package == "polars" or isinstance(err, OSError):
         return f"cannot read or write: {one_line(err)}"
