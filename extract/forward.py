@@ -99,14 +99,14 @@ class ModelRunner:
             if kind == "text"
             else None
         )
-        """Text tasks: the per-token capture (METHODS.md section 9); the choice captures are
+        """Text tasks: the per-token capture (methods §9); the choice captures are
         not attached."""
         self.future = (
             FutureEffects(loaded.model, adapter, self.text.readout, skips)
             if self.text is not None and skips is not None
             else None
         )
-        """Text tasks with ``--skips``: the future effects (METHODS.md section 9)."""
+        """Text tasks with ``--skips``: the future effects (methods §9)."""
         self.capture = (
             None
             if self.text is not None
@@ -123,11 +123,11 @@ class ModelRunner:
             if "heads" in extra_tables and n_heads is not None and self.capture is not None
             else None
         )
-        """With ``--heads``: the per-head capture of ``n_heads`` heads (METHODS.md section 8)."""
+        """With ``--heads``: the per-head capture of ``n_heads`` heads (methods §8)."""
         self.skipper = (
             BlockSkipper(loaded.model, adapter, option_ids) if "skips" in extra_tables else None
         )
-        """With ``--skips``: the block skipper (METHODS.md section 7)."""
+        """With ``--skips``: the block skipper (methods §7)."""
         self.measures = {
             m.name: m.attach(loaded.model, adapter, (measures or {})[m.name])
             for m in for_kind(kind)
@@ -196,7 +196,7 @@ class ModelRunner:
             if self.heads is not None:
                 dec.heads = self.heads.decompose(dec)
             if self.skipper is not None:
-                with capture.pausing():  # also pauses the heads capture; METHODS.md section 7:
+                with capture.pausing():  # also pauses the heads capture; methods §7:
                     # each block skipped, the shared prefix reused
                     dec.skip_logits = self.skipper.skip_logits(lambda: self.loaded.model(**inputs))
         return dec

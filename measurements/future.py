@@ -1,5 +1,5 @@
 """``--skips`` on a text task: the future effects of removing each block's update at the
-positions before a split point (METHODS.md section 9; ``future_effects`` and ``future_output``),
+positions before a split point (methods §9; ``future_effects`` and ``future_output``),
 with the settings ``--skip-split``, ``--skip-sublayer`` and ``--skip-seed`` (recorded in the
 manifest, compared on a rerun)."""
 

@@ -1,4 +1,4 @@
-"""``--heads``: every attention head's option logits (METHODS.md section 8), choice tasks
+"""``--heads``: every attention head's option logits (methods §8), choice tasks
 (``heads`` table)."""
 
 from layerdiv.measurements.registry import Measurement, register

@@ -1,4 +1,4 @@
-"""``--lens``: the logit lens of every block input (METHODS.md section 9): at the last prompt
+"""``--lens``: the logit lens of every block input (methods §9): at the last prompt
 token of a choice task (``lens``), at every token of a text task (``token_lens``), read out by
 the final norm and unembedding (``final``) or with the last block applied first
 (``last-block``, text tasks)."""

@@ -1,4 +1,4 @@
-"""``--skips`` on a choice task: the option logits with each block skipped (METHODS.md section 7,
+"""``--skips`` on a choice task: the option logits with each block skipped (methods §7,
 ``skips`` table). On a text task the same flag writes the future effects
 (:mod:`layerdiv.measurements.future`)."""
 
