@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,8 +14,8 @@ from typing import Any
 
 import click
 
-from layerdiv.analyze.options import ESTIMATORS, FORMATS, SCALES
-from layerdiv.errors import LayerdivError, LayerdivWarning
+from layerdiv.analyze.options import ESTIMATORS, EXECUTORS, FORMATS, SCALES
+from layerdiv.errors import LayerdivError, LayerdivWarning, one_line
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig, measurement_options
 from layerdiv.extract.launchers import Shard, parse_shard, pick_device
 from layerdiv.schemas import KINDS
@@ -27,32 +26,14 @@ MAX_ROWS = 40
 """Rows ``layerdiv query`` prints unless told otherwise."""
 
 
-def one_line(err: BaseException) -> str:
-    """An error message on one line: DuckDB's source excerpt (``LINE 1: ...`` and the caret
-    under it) is dropped, the remaining lines are joined."""
-    lines = [ln.strip() for ln in str(err).splitlines()]
-    kept = [ln for ln in lines if ln and not ln.startswith("LINE ") and set(ln) != {"^"}]
-    return re.sub(r"\s+", " ", " ".join(kept)) or type(err).__name__
-
-
 def user_error(err: BaseException) -> str | None:
     """The one line to print for an error that bad input causes (a ``LayerdivError``, an SQL
     error, a file that cannot be read or written), or None for a bug (shown as a traceback)."""
     package = type(err).__module__.split(".")[0]
     if isinstance(err, LayerdivError):
         return one_line(err)
-    if package in ("duckdb", "_duckdb") and type(err).__name__ == "PermissionException":
-        return (
-            f"{one_line(err)}: layerdiv query reads only the views components, instances and "
-            "manifests and writes no file; save a result with --out FILE"
-        )
     if package in ("duckdb", "_duckdb"):
-        from layerdiv.measurements import all_optional_tables
-
-        return (
-            f"{one_line(err)} (the views are components, instances, manifests and, where "
-            f"extracted, {', '.join(all_optional_tables())})"
-        )
+        return f"the SQL failed: {one_line(err)}"
     if package == "polars" or isinstance(err, OSError):
         return f"cannot read or write: {one_line(err)}"
     return None
@@ -372,10 +353,30 @@ reweight_option = click.option(
 )
 
 
+executor_option = click.option(
+    "--executor",
+    type=click.Choice(EXECUTORS),
+    default=EXECUTORS[0],
+    show_default=True,
+    help="Where the per-partition work runs: threads here, or Ray tasks on a cluster (the ray "
+    "extra; docs/cluster.md, 'Analysis on Ray'). The tables are the same.",
+)
+
+
+ray_address_option = click.option(
+    "--ray-address",
+    default=None,
+    metavar="HOST:PORT",
+    help="The Ray cluster of --executor ray (default: $RAY_ADDRESS; auto: this node's cluster).",
+)
+
+
 def analysis_options(command: Callable[..., None]) -> Callable[..., None]:
-    """The store, selection, junction scale, model-size and analysis options shared by
+    """The store, selection, junction scale, model-size, analysis and executor options shared by
     ``analyze`` and ``report``."""
     for option in (
+        ray_address_option,
+        executor_option,
         reweight_option,
         min_params_option,
         scale_option,
@@ -413,6 +414,8 @@ def analyze_command(
     scale: Any,
     min_params: float,
     reweight: bool,
+    executor: Any,
+    ray_address: str | None,
     out: str,
     fmt: str,
 ) -> None:
@@ -423,7 +426,8 @@ def analyze_command(
 
     refuse_inside(out, store)
     options = {"reweight": reweight}
-    results = analyze(store, models, tasks, scale, min_params, progress=True, options=options)
+    results = analyze(store, models, tasks, scale, min_params, progress=True, options=options,
+                      executor=executor, ray_address=ray_address)  # fmt: skip
     results.write(out, fmt)
     click.echo(f"wrote {len(results.names())} tables ({fmt}) to {out}")
     for note in results.notes:
@@ -471,6 +475,8 @@ def report_command(
     scale: Any,
     min_params: float,
     reweight: bool,
+    executor: Any,
+    ray_address: str | None,
     estimator: Any,
     out: str,
     fmt: str,
@@ -495,7 +501,8 @@ def report_command(
     n_explorer = None if explorer_instances == "all" else int(explorer_instances)
     refuse_inside(out, store)
     options = {"reweight": reweight}
-    results = analyze(store, models, tasks, scale, min_params, progress=True, options=options)
+    results = analyze(store, models, tasks, scale, min_params, progress=True, options=options,
+                      executor=executor, ray_address=ray_address)  # fmt: skip
     path, notes = write_report(results, out, estimator, store, formats, n_explorer)
     click.echo(f"wrote {path}")
     for note in notes:
@@ -551,43 +558,35 @@ def query_command(
     try:
         statements = duckdb.extract_statements(sql)
     except duckdb.Error as err:
-        raise _bad_sql(err, st, models, tasks) from err
+        raise st.query_error(err, models, tasks) from err
     if not statements:
         raise click.UsageError("no SQL statement given")
     shown = False
-    for i, statement in enumerate(statements):
-        try:
-            relation = con.sql(statement.query)
-        except duckdb.PermissionException:
-            raise
-        except duckdb.Error as err:
-            raise _bad_sql(err, st, models, tasks) from err
-        last = i == len(statements) - 1
-        if out and fmt and last:
-            if relation is None:
-                raise click.UsageError("--out needs a last statement that returns rows")
-            with atomic_path(Path(out)) as tmp:
-                write_reader(relation.to_arrow_reader(), tmp, fmt)
-            click.echo(f"wrote {out}")
-        elif relation is not None and not out:
-            if shown:
-                click.echo()
-            for text in preview(relation, max_rows):
-                click.echo(text)
-            shown = True
-    if not out and not shown:
-        click.echo("OK (no statement returns rows)")
-    for note in st.incomplete(models, tasks):
-        click.echo(f"Note: {note}", err=True)
+    try:
+        for i, statement in enumerate(statements):
+            try:
+                relation = con.sql(statement.query)
+                last = i == len(statements) - 1
+                if out and fmt and last:
+                    if relation is None:
+                        raise click.UsageError("--out needs a last statement that returns rows")
+                    with atomic_path(Path(out)) as tmp:
+                        write_reader(relation.to_arrow_reader(), tmp, fmt)
+                    click.echo(f"wrote {out}")
+                elif relation is not None and not out:
+                    if shown:
+                        click.echo()
+                    for text in preview(relation, max_rows):
+                        click.echo(text)
+                    shown = True
+            except duckdb.Error as err:
+                raise st.query_error(err, models, tasks, (i + 1, len(statements))) from err
+        if not out and not shown:
+            click.echo("OK (no statement returns rows)")
+    finally:  # also after a failing statement: what the views leave out
+        for note in st.incomplete(models, tasks):
+            click.echo(f"Note: {note}", err=True)
     fail_after(st.problems(models, tasks))
-
-
-def _bad_sql(
-    err: Exception, st: Any, models: tuple[str, ...], tasks: tuple[str, ...]
-) -> click.ClickException:
-    """DuckDB's refusal of the SQL in one line, with the views this store has."""
-    views = ", ".join([*st.tables(models, tasks), "manifests"])
-    return click.ClickException(f"{one_line(err)} (the views of this store are {views})")
 
 
 def show(frame: Any) -> str:
@@ -647,6 +646,100 @@ def ls_command(store: str, models: tuple[str, ...], tasks: tuple[str, ...]) -> N
     for note in st.incomplete(models, tasks):
         click.echo(f"Note: {note}")
     fail_after(st.problems(models, tasks))
+
+
+@main.command("fit-law")
+@click.option(
+    "--points",
+    type=click.Path(dir_okay=False),
+    help="A CSV or Parquet file of points with the columns width, depth, tokens, loss.",
+)
+@click.option("--store", help="A store: one point per model/revision (with --task).")
+@click.option("--task", help="The text task whose model loss the points take (with --store).")
+@click.option(
+    "--exclude-highest",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="Keep the points whose loss is strictly below the N-th highest (the paper: 40 of 245).",
+)
+@click.option(
+    "--bootstrap",
+    type=click.IntRange(min=0),
+    default=200,
+    show_default=True,
+    metavar="B",
+    help="Resamples for the 95% percentile intervals.",
+)
+@click.option(
+    "--heldout",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="K",
+    help="Random 20% splits held out: the mean absolute relative error on them.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Of bootstrap and splits.")
+@click.option(
+    "--out",
+    default="layerdiv-law",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Folder for depth_law, depth_law_fit and depth_law.png (an earlier result is replaced).",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(FORMATS),
+    default=FORMATS[1],
+    show_default=True,
+    help="Table file format.",
+)
+def fit_law_command(
+    points: str | None,
+    store: str | None,
+    task: str | None,
+    exclude_highest: int,
+    bootstrap: int,
+    heldout: int,
+    seed: int,
+    out: str,
+    fmt: str,
+) -> None:
+    """Fit the depth loss law L = c_w w^-a_w + c_l l^-a_l + c_D D^-a_D + E (methods §12) by
+    least squares on log loss, with standard errors, bootstrap intervals and held-out error."""
+    from layerdiv.analyze import plots
+    from layerdiv.analyze.law import fit_law, law_figure, read_points, store_points
+    from layerdiv.analyze.output import result_dir, write_frame
+    from layerdiv.store import Store
+
+    if (points is None) == (store is None) or (store is not None and task is None):
+        raise click.UsageError("give either --points FILE or --store S --task T")
+    if points is not None:
+        frame = read_points(points)
+    else:
+        assert store is not None and task is not None
+        frame = store_points(Store(store), task)
+    fit = fit_law(frame, exclude_highest, bootstrap, heldout, seed)
+    settings = {"points": points, "store": store, "task": task, "exclude_highest": exclude_highest,
+                "bootstrap": bootstrap, "heldout": heldout, "seed": seed}  # fmt: skip
+    with result_dir(out, {"settings": settings}) as tmp:
+        write_frame(fit.table, tmp / f"depth_law.{fmt}", fmt)
+        write_frame(fit.summary(), tmp / f"depth_law_fit.{fmt}", fmt)
+        if plots.available():
+            law_figure(fit, tmp / "depth_law.png")
+    click.echo(show(fit.table))
+    click.echo(
+        f"objective (mean squared log residual) {fit.objective:.6g} over {fit.n_fitted} of "
+        f"{fit.n_points} points, at the optimum (gradient norm {fit.gradient_norm:.2g}); "
+        f"{fit.n_bootstrap} bootstrap fits"
+    )
+    if fit.heldout_error is not None:
+        click.echo(
+            f"held-out mean absolute relative error {fit.heldout_error:.4g} ({heldout} splits)"
+        )
+    click.echo(f"wrote {out}")
 
 
 @main.command("merge")

@@ -67,6 +67,7 @@ def build_manifest(
         n_params=loaded.n_params,
         context_length=loaded.context_length,
         hidden_size=int(src.config.hidden_size),
+        vocab_size=getattr(src.config, "vocab_size", None),
         norm_eps=norm_eps(get_module(loaded.model, adapter.final_norm)),
         options=list(spec.options),
         option_tokens=[str(t) for t in tok.convert_ids_to_tokens(list(ident.option_token_ids))],

@@ -16,7 +16,9 @@ History:
   ``max_tokens``, ``lens``, ``skip_split`` and ``skip_seed`` (and, from the first release
   that writes the future-effects tables, ``skip_sublayers``: absent means ``block``).
 - 5: the manifest gains ``weights`` (how the weights were made from the files given, e.g. a GGUF
-  quantization dequantized to float32; absent: loaded as they are).
+  quantization dequantized to float32; absent: loaded as they are) and ``vocab_size`` (V, the
+  unembedding's rows; the logit lens's uniform baseline is log V; absent in older manifests,
+  where the baseline is not drawn).
   The manifest also gains ``settings``: the settings of each measurement registered outside the
   decomposition capture (``layerdiv.measurements``), under its name (absent: none recorded);
   such a measurement's tables carry the schemas it declares.
@@ -339,6 +341,13 @@ FUTURE_OUTPUT = _schema(
 - ``out_change``: max over p >= t of the L2 distance between the skipped and the clean run's
   next-token distributions.
 """
+
+SKIP_KEYS = {
+    "future_effects": (*(f.name for f in _SKIP_KEY), "block"),
+    "future_output": tuple(f.name for f in _SKIP_KEY),
+}
+"""The key columns of the future-effects tables: no two rows of a part share them (readers
+check it, :meth:`layerdiv.store.PartitionInfo.batches`)."""
 
 TABLES = {
     "components": COMPONENTS,
