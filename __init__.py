@@ -34,12 +34,12 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from layerdiv.errors import LayerdivError, LayerdivWarning
+from layerdiv.version import __version__
 
 if TYPE_CHECKING:
     from layerdiv.analyze.api import Results, ls, query, run_analysis
     from layerdiv.store.reader import PartitionInfo, Store
 
-__version__ = "0.1.0"
 
 _EXPORTS = {
     "Store": ("layerdiv.store.reader", "Store"),

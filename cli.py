@@ -14,12 +14,12 @@ from typing import Any
 
 import click
 
-from layerdiv import __version__
 from layerdiv.analyze.options import ESTIMATORS, EXECUTORS, FORMATS, SCALES
 from layerdiv.errors import LayerdivError, LayerdivWarning, one_line
-from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig
+from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig, measurement_options
 from layerdiv.extract.launchers import Shard, parse_shard, pick_device
-from layerdiv.schemas import KINDS, SUBLAYERS
+from layerdiv.schemas import KINDS
+from layerdiv.version import __version__
 
 DEFAULT_STORE = "layerdiv-store"
 MAX_ROWS = 40
@@ -117,7 +117,20 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
 """The defaults of ``extract``'s options."""
 
 
-@main.command()
+class _Extract(click.Command):
+    """``extract``, whose options include those of every registered measurement
+    (``layerdiv.measurements``), read when the command runs or shows its help."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        from layerdiv.measurements import registered
+
+        own = self.params
+        measured = [o for m in registered() for o in m.click_options()]
+        help_option = self.get_help_option(ctx)
+        return [*own, *measured, *([help_option] if help_option is not None else [])]
+
+
+@main.command(cls=_Extract)
 @click.option("--model", required=True, help="Hub id, local folder, or smollm2-135m-instruct.")
 @click.option(
     "--task",
@@ -198,56 +211,6 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
     help=f"Instances per chunk of a new partition (default {DEFAULT_CHUNK_SIZE}; the unit of "
     "resumption and sharding); an existing partition keeps its own.",
 )
-@click.option(
-    "--heads",
-    is_flag=True,
-    help="Also store every attention head's option logits (heads table); extends partitions "
-    "stored without them.",
-)
-@click.option(
-    "--skips",
-    is_flag=True,
-    help="Also store the option logits with each block skipped (about half a forward pass per "
-    "block; extends a partition stored without them). On a text task: the future effects of "
-    "removing each block at the positions before a split point.",
-)
-@click.option(
-    "--skip-split",
-    type=click.Choice(["random", "all"]),
-    default=None,
-    help="Text tasks with --skips: 4 seeded split points per document (random, the default) or "
-    "every position but the first (all).",
-)
-@click.option(
-    "--skip-sublayer",
-    "skip_sublayers",
-    type=click.Choice(list(SUBLAYERS)),
-    multiple=True,
-    help="Text tasks with --skips: remove the whole block (default), or only its attention or "
-    "MLP addition; repeat for several.",
-)
-@click.option(
-    "--skip-seed",
-    type=click.IntRange(min=0),
-    default=None,
-    help="Text tasks with --skips: seed of the random split points (default 0).",
-)
-@click.option(
-    "--gram",
-    is_flag=True,
-    help="Also store each instance's Gram matrix of the component outputs (exact angles).",
-)
-@click.option(
-    "--lens",
-    "lens",
-    type=click.Choice(["final", "last-block"]),
-    is_flag=False,
-    flag_value="final",
-    default=None,
-    help="Text tasks: also store the logit lens of every block input at every token (KL to the "
-    "model's output, top-5 overlap, next-token cross-entropy); --lens last-block applies the last "
-    "block first.",
-)
 def extract(
     model: str,
     tasks: tuple[str, ...],
@@ -267,16 +230,10 @@ def extract(
     trust_remote_code: bool,
     allow_softcap: bool,
     chunk_size: int | None,
-    heads: bool,
-    skips: bool,
-    skip_split: str | None,
-    skip_sublayers: tuple[str, ...],
-    skip_seed: int | None,
-    gram: bool,
-    lens: str | None,
+    **measured: Any,
 ) -> None:
     """Run MODEL once over each task and cache every component's option logits (or, for a text
-    task, every token's per-block dot products)."""
+    task, every token's per-block dot products), and the optional measurements asked for."""
     import sys
 
     from layerdiv.extract.interrupt import Interrupted
@@ -301,13 +258,7 @@ def extract(
         trust_remote_code=trust_remote_code,
         allow_softcap=allow_softcap,
         chunk_size=chunk_size,
-        heads=heads,
-        skips=skips,
-        skip_split=skip_split,
-        skip_sublayers=skip_sublayers,
-        skip_seed=skip_seed,
-        gram=gram,
-        lens=lens,
+        **measurement_options(measured),
     )
     if shard.source != "--shard":
         click.echo(f"{shard.describe()}, device {cfg.device}")

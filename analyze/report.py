@@ -15,7 +15,6 @@ from pathlib import Path
 
 import polars as pl
 
-from layerdiv import __version__
 from layerdiv.analyze import methods
 from layerdiv.analyze.api import Results, weights_notes
 from layerdiv.analyze.markdown import DASH, markdown_table
@@ -27,6 +26,7 @@ from layerdiv.analyze.registry import ReportContext, registered
 from layerdiv.errors import LayerdivError
 from layerdiv.store import PartitionInfo, Store
 from layerdiv.store.key import KEY
+from layerdiv.version import __version__
 
 REPORT_NAME = "report.md"
 HTML_NAME = "report.html"

@@ -25,6 +25,7 @@ from threadpoolctl import threadpool_limits
 from layerdiv.analyze import plots
 from layerdiv.analyze.registry import Context, NoData, map_partitions
 from layerdiv.analyze.stats import array_degrees as degrees
+from layerdiv.measurements import optional_tables
 from layerdiv.schemas import KINDS, SKIP_KEYS
 from layerdiv.store import PartitionInfo, StoreError
 
@@ -429,7 +430,7 @@ def with_table(
     have = [p for p in parts if table in p.tables]
     never = [p.key.label for p in parts if table not in p.lacking]
     if notes is not None and never:
-        flag = KINDS[TEXT_KIND].optional[table]
+        flag = optional_tables(TEXT_KIND)[table]
         notes.append(f"No {what} for {', '.join(never)}: run `layerdiv extract {flag}` on them.")
     return have
 

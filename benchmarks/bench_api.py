@@ -50,7 +50,7 @@ def main() -> None:
     root = args.store or Path(tempfile.mkdtemp(prefix="layerdiv-bench-api-")) / "store"
     if root.exists():
         shutil.rmtree(root)
-    from layerdiv.analyze.synthetic import synthesize_demo_store
+    from layerdiv.demo import synthesize_demo_store
 
     synthesize_demo_store(root, args.instances)
     print(f"store: {root} ({args.instances} instances per task)")

@@ -35,7 +35,8 @@ from layerdiv.demo import DEMO_MODEL, write_demo_tasks
 from layerdiv.extract.adapters import adapter_for
 from layerdiv.extract.config import ExtractConfig
 from layerdiv.extract.models import LoadedModel, load_model, load_tokenizer, resolve_source
-from layerdiv.extract.runner import extract_task, plan_task
+from layerdiv.extract.plan import plan_task
+from layerdiv.extract.runner import extract_task
 from layerdiv.store import Store
 
 

@@ -180,8 +180,10 @@ def bench_model(name: str, assets: Path, peak: float, rounds: int, plain_batch: 
 
     from layerdiv.extract.adapters import adapter_for
     from layerdiv.extract.batching import tokenize
+    from layerdiv.extract.config import ExtractConfig
     from layerdiv.extract.models import LoadedModel, ModelSource
-    from layerdiv.extract.runner import ExtractConfig, extract_task, plan_task
+    from layerdiv.extract.plan import plan_task
+    from layerdiv.extract.runner import extract_task
 
     device = torch.device("cuda")
     fields = dict(CONFIGS[name])

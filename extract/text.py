@@ -5,7 +5,8 @@ block input against the model's own output distribution."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -14,6 +15,7 @@ import torch
 from layerdiv.extract.adapters import Adapter, get_module
 from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.future import FutureRows
+from layerdiv.extract.hooks import Hooks, unique_blocks
 from layerdiv.extract.readout import LensReference, Readout, lens_stats
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
@@ -43,6 +45,9 @@ class TextBatch:
     """With ``--skips``: per row, its document's future effects."""
     loss: torch.Tensor | None = None
     """(B, width) float32: the model's own next-token cross-entropy (NaN at the last position)."""
+    measured: dict[str, Sequence[Any]] = field(default_factory=dict)
+    """Each registered measurement's values (``layerdiv.measurements.Capture.result``), one per
+    row, by name."""
 
     def document(self, row: int, n_tokens: int) -> np.ndarray:
         """(n_tokens, L, 8): the values at the document's own positions (padding dropped)."""
@@ -59,28 +64,24 @@ class TextBatch:
         return self.lens[row, self.lens.shape[1] - n_tokens :].numpy()
 
 
-class TextCapture:
+class TextCapture(Hooks):
     """Hooks on every decoder block (its input h, its attention's and MLP's additions a and m)
     and on the final norm (the last residual state h_L); :meth:`decompose` after each pass."""
 
     def __init__(self, model: Any, adapter: Adapter, lens: str | None = None) -> None:
-        self.paused = False
-        """While True the hooks keep nothing (the last block run again for the lens)."""
+        super().__init__()
         self.lens = lens
         """``final`` or ``last-block`` (methods §9, logit lens), or None."""
         blocks = get_module(model, adapter.blocks)
         self.readout = Readout(model, adapter)
         self.bias = self.readout.constant_bias
         self.last_block = blocks[-1]
-        self._handles = [self.readout.norm.register_forward_pre_hook(self._final_hook)]
-        unique = list({id(block): block for block in blocks}.values())
-        for i, block in enumerate(unique):
-            self._handles.append(
-                block.register_forward_pre_hook(self._input_hook, with_kwargs=True)
-            )
+        self.add(self.readout.norm.register_forward_pre_hook(self._final_hook))
+        for i, block in enumerate(unique_blocks(model, adapter)):
+            self.add(block.register_forward_pre_hook(self._input_hook, with_kwargs=True))
             for kind in ("attn", "mlp"):
                 module = get_module(block, getattr(adapter, kind))
-                self._handles.append(module.register_forward_hook(self._addition_hook(kind, i)))
+                self.add(module.register_forward_hook(self._addition_hook(kind, i)))
         self.reset()
 
     def reset(self, input_ids: torch.Tensor | None = None) -> None:
@@ -95,11 +96,6 @@ class TextCapture:
         self._parts: dict[str, torch.Tensor] = {}
         self._calls: list[tuple[str, int]] = []
         self._final: torch.Tensor | None = None
-
-    def remove(self) -> None:
-        """Detach every hook from the model."""
-        for handle in self._handles:
-            handle.remove()
 
     # hooks -------------------------------------------------------------------------------------
     def _input_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
@@ -165,12 +161,9 @@ class TextCapture:
         calls = self._calls + ([("bias", -1)] if self.bias else [])
         names = component_names(calls)
         comps = [ComponentInfo(n, k, layer) for n, (k, layer) in zip(names, calls, strict=True)]
-        self.paused = True  # the lens's readouts must not replace h_L (the final-norm hook)
-        try:
+        with self.pausing():  # the lens's readouts must not replace h_L (the final-norm hook)
             lens = self._lens(final) if self.lens else None
             loss = self._loss(final) if lens is None else lens[:, :, -1, 2]  # the lens's layer L
-        finally:
-            self.paused = False
         return TextBatch(
             comps, dots.cpu(), None if lens is None else lens.cpu(), loss=loss.float().cpu()
         )

@@ -24,6 +24,9 @@ History:
   quantization dequantized to float32; absent: loaded as they are) and ``vocab_size`` (V, the
   unembedding's rows; the logit lens's uniform baseline is log V; absent in older manifests,
   where the baseline is not drawn).
+  The manifest also gains ``settings``: the settings of each measurement registered outside the
+  decomposition capture (``layerdiv.measurements``), under its name (absent: none recorded);
+  such a measurement's tables carry the schemas it declares.
 
 The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``revision``, ``task``) are not
 stored inside the files: they come from the directory names
@@ -383,15 +386,8 @@ class Kind:
     marker: str
     """The table whose part marks a chunk complete (written after every other part)."""
     required: tuple[str, ...]
-    """Tables every complete chunk has (the marker last)."""
-    optional: dict[str, str]
-    """Optional tables and the ``extract`` flag that writes each."""
-    lens_table: str
-    """The optional table ``extract --lens`` writes."""
-
-    @property
-    def tables(self) -> tuple[str, ...]:
-        return (*self.required, *self.optional)
+    """Tables every complete chunk has (the marker last); the optional ones are declared by the
+    measurements that write them (``layerdiv.measurements``)."""
 
 
 KINDS = {
@@ -401,8 +397,6 @@ KINDS = {
         "instances",
         "instances",
         ("components", "instances"),
-        {"skips": "--skips", "heads": "--heads", "gram": "--gram", "lens": "--lens"},
-        "lens",
     ),
     "text": Kind(
         "text",
@@ -410,18 +404,9 @@ KINDS = {
         "documents",
         "documents",
         ("tokens", "token_blocks", "documents"),
-        {"token_lens": "--lens", "future_effects": "--skips", "future_output": "--skips"},
-        "token_lens",
     ),
 }
 """Every task kind by name."""
-
-KIND_OF_TABLE = {t: k for k in KINDS.values() for t in k.tables}
-"""The kind whose partitions hold each table."""
-
-OPTIONAL_TABLES = tuple(t for k in KINDS.values() for t in k.optional)
-"""Tables a partition has only when extracted with the matching flag (``--skips``, ...); the
-manifest's ``extra_tables`` lists them."""
 
 _TABLES_V1 = {
     "components": _schema("components", _COMPONENT_FIELDS_V1, version=1),

@@ -9,7 +9,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from layerdiv.schemas import KINDS, OPTIONAL_TABLES, SCHEMA_VERSION, SchemaError, check_version
+from layerdiv.measurements import all_optional_tables
+from layerdiv.schemas import KINDS, SCHEMA_VERSION, SchemaError, check_version
 from layerdiv.store.atomic import write_bytes
 from layerdiv.store.key import DEFAULT_REVISION
 from layerdiv.store.location import RemotePath
@@ -135,7 +136,7 @@ class Manifest:
     """Epsilon of the final norm (methods §7 needs it for ||r||; None in older
     manifests)."""
     extra_tables: list[str] = field(default_factory=list)
-    """Optional tables (``layerdiv.schemas.OPTIONAL_TABLES``) requested for this partition
+    """Optional tables (``layerdiv.measurements.all_optional_tables``) requested for this partition
     (filled on read from the markers in ``tables/``); a chunk may still lack one
     (``PartitionWriter.chunks_missing``)."""
     versions: dict[str, str] = field(default_factory=dict)
@@ -185,6 +186,9 @@ class Manifest:
     """How the weights were made from the files given, when not loaded as they are: e.g. a
     GGUF file's quantization dequantized to float32 (schema version 5; None: loaded as they are,
     or an older manifest)."""
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The settings of each measurement registered outside the decomposition capture
+    (``layerdiv.measurements``), under its name (schema version 5; empty in older manifests)."""
 
     @property
     def n_blocks(self) -> int:
@@ -266,7 +270,7 @@ def read_manifest(path: Path | RemotePath, listed: Iterable[str] | None = None) 
     asked = [r["n_requested"] for r in runs if isinstance(r.get("n_requested"), int)]
     manifest.n_requested = max([manifest.n_requested, *asked])
     markers = {m.name for m in tables_dir.glob("*")} if has(TABLES_DIR) else set()
-    markers &= set(OPTIONAL_TABLES)
+    markers &= set(all_optional_tables())
     manifest.extra_tables = sorted({*manifest.extra_tables, *markers})
     return manifest
 

@@ -167,6 +167,9 @@ def _same_extraction(first: _Copy, copy: _Copy, where: str) -> None:
     tables_a, tables_b = sorted(first.info.lacking), sorted(copy.info.lacking)
     if tables_a != tables_b:
         diff.append(f"optional tables: {tables_a} vs {tables_b}")
+    for name in ("lens", "skip_split", "skip_seed", "skip_sublayers", "settings"):
+        if getattr(a, name) != getattr(b, name):  # the measurements' settings
+            diff.append(f"{name}: {getattr(a, name)!r} vs {getattr(b, name)!r}")
     if diff:
         raise MergeConflict(
             f"{where}: {first.store} and {copy.store} hold different extractions "

@@ -29,11 +29,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import Generic
 
-from layerdiv.schemas import KINDS, TABLES, SchemaError
+from layerdiv.measurements import table_schemas, tables_of_kind
+from layerdiv.schemas import KINDS, SchemaError
 from layerdiv.store.key import ABSENT, KEY, PartitionKey
 from layerdiv.store.location import StorePath
 
 MANIFEST_NAME = "manifest.json"
+INDEX_NAME = "index.json"
+"""Written by ``layerdiv analyze`` into every result folder (how it was made and the files written
+there): a store that holds it at its root is a folder of results, not a store."""
 MANIFESTS = "manifests"
 """Folder of the manifests (and run records, table markers and chunk claims)."""
 _PART = re.compile(r"^part-(\d{7})-(\d{6})\.parquet$")
@@ -85,7 +89,8 @@ class Partition(Generic[StorePath]):
         return self.key.task
 
     def dir(self, table: str) -> StorePath:
-        """Folder of ``table`` (any table of ``layerdiv.schemas.TABLES``, or ``manifests``)."""
+        """Folder of ``table`` (a table of ``layerdiv.measurements.table_schemas``, or
+        ``manifests``)."""
         return self.root / table / self._relative
 
     @cached_property
@@ -118,7 +123,8 @@ class Partition(Generic[StorePath]):
 
     def dirs(self, kind: str | None = None) -> list[StorePath]:
         """The manifest folder and every table's folder (of the task ``kind`` only, if given)."""
-        return [self.dir(t) for t in (MANIFESTS, *(KINDS[kind].tables if kind else TABLES))]
+        names: tuple[str, ...] = tables_of_kind(kind) if kind else tuple(table_schemas())
+        return [self.dir(t) for t in (MANIFESTS, *names)]
 
     @staticmethod
     def part_name(start: int, count: int) -> str:
@@ -178,7 +184,7 @@ def list_partitions(root: StorePath) -> list[Partition[StorePath]]:
     leftover temporary alone is no partition), in either layout (a key found in both is read in
     today's)."""
     listings: dict[tuple[PartitionKey, tuple[str, ...]], dict[str, tuple[str, ...]]] = {}
-    for table in (MANIFESTS, *TABLES):
+    for table in (MANIFESTS, *table_schemas()):
         for key, absent, names in _keys(root / table, (), ()):
             listings.setdefault((key, absent), {})[table] = names
     found: dict[PartitionKey, tuple[str, ...]] = {}

@@ -20,10 +20,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from layerdiv.errors import LayerdivError, one_line
+from layerdiv.measurements import kind_of_table, optional_tables, table_schemas
 from layerdiv.schemas import (
-    KIND_OF_TABLE,
     KINDS,
-    TABLES,
     Kind,
     SchemaError,
     tables_of,
@@ -39,7 +38,14 @@ from layerdiv.store.location import (
     store_root,
 )
 from layerdiv.store.manifest import Manifest, read_manifest
-from layerdiv.store.paths import MANIFEST_NAME, MANIFESTS, Partition, list_partitions, slug
+from layerdiv.store.paths import (
+    INDEX_NAME,
+    MANIFEST_NAME,
+    MANIFESTS,
+    Partition,
+    list_partitions,
+    slug,
+)
 
 
 class StoreError(LayerdivError, RuntimeError):
@@ -131,7 +137,7 @@ class PartitionInfo(Generic[StorePath]):
         """A Polars LazyFrame over ``table``'s parts (:meth:`files`), read through Arrow with
         every page's checksum verified: a part that cannot be read is a ``StoreError`` naming
         it, never numbers (:func:`scan_parts`)."""
-        return scan_parts(self.files(table), TABLES[table], self.where)
+        return scan_parts(self.files(table), table_schemas()[table], self.where)
 
     @cached_property
     def lacking(self) -> dict[str, list[tuple[int, int]]]:
@@ -139,7 +145,7 @@ class PartitionInfo(Generic[StorePath]):
         of a complete chunk), with the complete chunks that have no part of it: an optional
         table is complete when that list is empty, and only then read (:attr:`tables`)."""
         out = {}
-        for table in self.kind.optional:
+        for table in optional_tables(self.manifest.kind):
             missing = self.partition.lacking(table, self.done)
             if table in self.manifest.extra_tables or len(missing) < len(self.done):
                 out[table] = missing
@@ -170,7 +176,7 @@ class PartitionInfo(Generic[StorePath]):
         m = self.manifest
         given = [r["task"] for r in m.runs if isinstance(r.get("task"), str) and r["task"]]
         revision = "" if m.revision in (None, DEFAULT_REVISION) else f"--revision {m.revision} "
-        flag = f"{self.kind.optional[table]} " if table else ""
+        flag = f"{optional_tables(self.manifest.kind)[table]} " if table else ""
         return (
             f"layerdiv extract --model {m.model} {revision}--task {(given or [self.task])[-1]} "
             f"{flag}"
@@ -251,7 +257,7 @@ class QueryError(LayerdivError, ValueError):
 def _held(parts: Sequence[PartitionInfo[Any]]) -> list[str]:
     """The tables ``parts`` hold, in the schemas' order."""
     held = {t for p in parts for t in (*p.kind.required, *p.manifest.extra_tables)}
-    return [t for t in TABLES if t in held]
+    return [t for t in table_schemas() if t in held]
 
 
 class TableNames(list[str]):
@@ -283,8 +289,6 @@ class Store:
             raise StoreError(f"no store at {self.root}: run `layerdiv extract` first")
         found: list[Partition[Any]] = list_partitions(cast(Any, self.root))  # either kind
         if not found:
-            from layerdiv.analyze.output import INDEX_NAME
-
             if (self.root / INDEX_NAME).is_file():
                 raise StoreError(
                     f"{self.root} is a folder of analysis results (`layerdiv analyze` wrote it), "
@@ -424,10 +428,10 @@ class Store:
         parts = self.select(models, tasks)
         have = self.tables(models, tasks)
         if table not in have:
-            kind = KIND_OF_TABLE.get(table)
+            kind = kind_of_table(table)
             flag = (
-                f" (extract with {kind.optional[table]} to add it)"
-                if kind and table in kind.optional
+                f" (extract with {optional_tables(kind)[table]} to add it)"
+                if kind and table in optional_tables(kind)
                 else ""
             )
             raise StoreError(
@@ -550,7 +554,8 @@ class Store:
 
     def duckdb(self, models: Names = (), tasks: Names = ()) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB connection with the view ``manifests`` and a view of every table
-        (``layerdiv.schemas.TABLES``) the selected partitions hold: the required tables of their
+        (``layerdiv.measurements.table_schemas``) the selected partitions hold: the required
+        tables of their
         task kinds (``components`` and ``instances``; ``documents``, ``tokens`` and
         ``token_blocks``) and each optional one over the partitions that hold it for every stored
         instance or document (:meth:`incomplete` names the others), and no file-system access:
@@ -562,13 +567,13 @@ class Store:
         models, tasks = as_names(models), as_names(tasks)
         parts = self.select(models, tasks)
         con = duckdb.connect(config={"enable_external_access": False})
-        for table in TABLES:
+        for table, declared in table_schemas().items():
             whole = [p for p in parts if table in p.kind.required or table in p.tables]
             files = [f for p in whole for f in p.files(table)]
             if not files:
                 continue
             # Every version's columns under today's schema: a column an older part lacks is null.
-            schema = TABLES[table]
+            schema = declared
             for name in KEY:
                 schema = schema.append(pa.field(name, pa.string()))
             paths, filesystem, base = arrow_source(files, self.root / table)
@@ -795,7 +800,7 @@ def _check_parts(info: PartitionInfo[Any]) -> None:
     complete chunk's row counts (:meth:`~layerdiv.store.Manifest.wrong_rows`: a part with rows
     removed or repeated). Cheap: Parquet footers, and of a text chunk the ``n_tokens`` column of
     its documents part."""
-    schemas = tables_of(info.manifest.schema_version)
+    schemas = {**table_schemas(), **tables_of(info.manifest.schema_version)}
     lacking = {t: set(chunks) for t, chunks in info.lacking.items()}
     text = info.kind.name == "text"
     for start, count in info.done:

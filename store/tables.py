@@ -7,13 +7,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
-from numpy.typing import ArrayLike
 
 from layerdiv.schemas import (
     COMPONENTS,
     DOCUMENTS,
-    FUTURE_EFFECTS,
-    FUTURE_OUTPUT,
     GRAM,
     HEADS,
     INSTANCES,
@@ -21,7 +18,6 @@ from layerdiv.schemas import (
     PROMPT_CHARS,
     PROMPT_HEAD,
     SKIPS,
-    SUBLAYERS,
     TOKEN_BLOCKS,
     TOKEN_LENS,
     TOKENS,
@@ -278,60 +274,6 @@ def token_lens_table(
             "ce": _floats(ce, nullable=True),
         },
         schema=TOKEN_LENS,
-    )
-
-
-def _skip_key(
-    doc: ArrayLike,
-    split: ArrayLike,
-    sublayer: Sequence[str],
-    skipped: ArrayLike,
-    each: int,
-) -> dict[str, pa.Array]:
-    """The key columns of the future-effects tables, each row repeated ``each`` times."""
-    codes = np.array([SUBLAYERS.index(s) for s in sublayer], np.int8)
-    return {
-        "doc": pa.array(np.repeat(np.asarray(doc, np.int32), each)),
-        "split": pa.array(np.repeat(np.asarray(split, np.int32), each)),
-        "sublayer": pa.DictionaryArray.from_arrays(
-            pa.array(np.repeat(codes, each)), pa.array(SUBLAYERS, pa.string())
-        ),
-        "skipped": pa.array(np.repeat(np.asarray(skipped, np.int16), each)),
-    }
-
-
-def future_effects_table(
-    doc: ArrayLike,
-    split: ArrayLike,
-    sublayer: Sequence[str],
-    skipped: ArrayLike,
-    rel_change: np.ndarray,
-) -> pa.Table:
-    """Rows (doc, split, sublayer, skipped, block) of :data:`~layerdiv.schemas.FUTURE_EFFECTS`;
-    ``rel_change`` is (R, L): for each of the R skips given by the key arrays, every block j."""
-    rows, blocks = np.shape(rel_change)
-    return pa.table(
-        {
-            **_skip_key(doc, split, sublayer, skipped, blocks),
-            "block": pa.array(np.tile(np.arange(blocks, dtype=np.int16), rows)),
-            "rel_change": _floats(rel_change),
-        },
-        schema=FUTURE_EFFECTS,
-    )
-
-
-def future_output_table(
-    doc: ArrayLike,
-    split: ArrayLike,
-    sublayer: Sequence[str],
-    skipped: ArrayLike,
-    out_change: np.ndarray,
-) -> pa.Table:
-    """Rows (doc, split, sublayer, skipped) of :data:`~layerdiv.schemas.FUTURE_OUTPUT`;
-    ``out_change`` is (R,)."""
-    return pa.table(
-        {**_skip_key(doc, split, sublayer, skipped, 1), "out_change": _floats(out_change)},
-        schema=FUTURE_OUTPUT,
     )
 
 

@@ -26,7 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import KINDS, OPTIONAL_TABLES, TABLES, SchemaError
+from layerdiv.measurements import all_optional_tables, table_schemas, tables_of_kind
+from layerdiv.schemas import KINDS, SchemaError
 from layerdiv.store.atomic import (
     atomic_path,
     host,
@@ -241,8 +242,9 @@ class PartitionWriter:
 
     def mark_table(self, table: str) -> None:
         """Record that the partition has the optional ``table`` (an exclusive marker file)."""
-        if table not in OPTIONAL_TABLES:
-            raise ValueError(f"{table} is not an optional table ({', '.join(OPTIONAL_TABLES)})")
+        optional = all_optional_tables()
+        if table not in optional:
+            raise ValueError(f"{table} is not an optional table ({', '.join(optional)})")
         write_bytes(self.part.manifest.parent / TABLES_DIR / table, b"", exclusive=True)
 
     def try_claim(self, chunk: int) -> ChunkClaim | None:
@@ -291,7 +293,7 @@ class PartitionWriter:
                 )
                 n_tokens = int(docs["n_tokens"].to_numpy().sum())
             rows = {}
-            for table in kind.tables:
+            for table in tables_of_kind(kind.name):
                 path = self.part.part(table, start, count)
                 if table in kind.required or path.exists():
                     rows[table] = pq.read_metadata(path).num_rows
@@ -302,7 +304,7 @@ class PartitionWriter:
     def remove_chunk(self, start: int, count: int) -> None:
         """Delete a chunk's parts, the completion marker first."""
         markers = [k.marker for k in KINDS.values()]
-        for table in (*markers, *(t for t in TABLES if t not in markers)):
+        for table in (*markers, *(t for t in table_schemas() if t not in markers)):
             self.part.part(table, start, count).unlink(missing_ok=True)
 
     def write_chunk(self, start: int, count: int, tables: Mapping[str, pa.Table]) -> None:
@@ -325,9 +327,10 @@ class PartitionWriter:
     def write_table_part(self, table: str, start: int, count: int, data: pa.Table) -> None:
         """Atomically write ``table``'s part of the chunk at ``start`` (alone, it backfills an
         optional table for an existing chunk)."""
-        schema = TABLES.get(table)
+        schemas = table_schemas()
+        schema = schemas.get(table)
         if schema is None:
-            raise ValueError(f"unknown table {table!r}; tables: {', '.join(TABLES)}")
+            raise ValueError(f"unknown table {table!r}; tables: {', '.join(schemas)}")
         if not data.schema.equals(schema, check_metadata=False):
             raise SchemaError(
                 f"chunk {start}: {table} table does not match its schema\n{data.schema}"

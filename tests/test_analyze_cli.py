@@ -31,7 +31,7 @@ from layerdiv.cli import main
 from layerdiv.schemas import tables_of
 from layerdiv.store import Store, StoreError
 from layerdiv.store.atomic import temp_path
-from layerdiv.tests.conftest import write_synthetic_store
+from tests.conftest import write_synthetic_store
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -195,7 +195,7 @@ def test_home_is_expanded(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_python_api_page_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The examples of docs/python-api.md, on a synthetic store shaped like the demo's."""
-    from layerdiv.analyze.synthetic import synthesize_demo_store
+    from layerdiv.demo import synthesize_demo_store
 
     page = Path(__file__).parents[1] / "docs" / "python-api.md"
     synthesize_demo_store(tmp_path / "layerdiv-demo" / "store")

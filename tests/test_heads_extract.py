@@ -15,15 +15,15 @@ from layerdiv.analyze.analyses.heads import head_scores
 from layerdiv.cli import main
 from layerdiv.extract import adapters, runner
 from layerdiv.extract.adapters import UnsupportedModel, adapter_for, check_heads, get_module
-from layerdiv.extract.capture import BatchDecomposition, DecompositionError
+from layerdiv.extract.capture import BatchDecomposition, DecompositionError, HeadDecomposition
 from layerdiv.extract.forward import ModelRunner
-from layerdiv.extract.heads import HeadDecomposition, check_head_sums
+from layerdiv.extract.heads import check_head_sums
 from layerdiv.extract.models import (
     LoadedModel,
     ModelSource,
 )
 from layerdiv.store import Store
-from layerdiv.tests.test_models import plain_and_offloaded
+from tests.test_models import plain_and_offloaded
 
 FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3",

@@ -204,7 +204,7 @@ def test_points_from_a_store_of_text_extractions(tmp_path: Path, model_dirs: Any
     """``fit-law --store``: the points come from the store's model facts and the model's own loss
     per (model, revision); a revision without its training tokens is named, and two models make
     too few points for the 7 parameters (refused in one line after reading them)."""
-    from layerdiv.tests.test_text_extract import random_texts, text_task
+    from tests.test_text_extract import random_texts, text_task
 
     task = text_task(tmp_path / "task", random_texts(4), max_tokens=16)
 

@@ -27,7 +27,7 @@ from layerdiv.demo import write_demo_tasks
 from layerdiv.extract.launchers import LaunchError, Shard, parse_shard
 from layerdiv.store import Store, atomic
 from layerdiv.store.writer import PartitionWriter
-from layerdiv.tests.conftest import write_synthetic_store
+from tests.conftest import write_synthetic_store
 
 N, CHUNK = 16, 4
 

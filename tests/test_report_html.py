@@ -237,7 +237,7 @@ def test_version_2_store_says_prompt_not_stored(store: Path, tmp_path: Path) -> 
 def browser() -> Iterator[Any]:
     if not (CHROMIUM and DRIVER):
         pytest.skip(NO_BROWSER)
-    from layerdiv.tests.browser import chromium
+    from tests.browser import chromium
 
     with chromium(CHROMIUM, DRIVER) as driver:
         yield driver
@@ -259,7 +259,7 @@ CHOOSE = (
 
 
 def test_page_in_chromium(browser: Any, page: Path) -> None:
-    from layerdiv.tests.browser import figure_problems, open_page, outside_requests, page_errors
+    from tests.browser import figure_problems, open_page, outside_requests, page_errors
 
     open_page(browser, page)
     assert page_errors(browser) == []
@@ -330,7 +330,7 @@ def test_page_in_chromium(browser: Any, page: Path) -> None:
 
 def test_browser_checks_catch_errors_and_requests(browser: Any, tmp_path: Path) -> None:
     """The checks above can fail: a page that requests a URL and throws is caught by both."""
-    from layerdiv.tests.browser import open_page, outside_requests, page_errors
+    from tests.browser import open_page, outside_requests, page_errors
 
     bad = tmp_path / "bad.html"
     bad.write_text(
@@ -347,7 +347,7 @@ def test_figure_checks_catch_what_a_reader_calls_broken(browser: Any, tmp_path: 
     """The checks of ``figure_problems`` can fail: a warning box, a legend that drops a series,
     an axis title over the tick labels and a placeholder with nothing drawn are each caught."""
     from layerdiv.analyze.html import render_page
-    from layerdiv.tests.browser import figure_problems, open_page
+    from tests.browser import figure_problems, open_page
 
     long = ["a long category label number one", "a long category label number two"]
     broken = {
@@ -383,7 +383,7 @@ def test_demo_report_shows_its_findings(browser: Any) -> None:
     """The demo's page as a reader sees it: no warning box, every figure drawn with a complete
     legend and no axis title over another or over ticks, and the logit-lens figure with the
     last prompt token of the choice task extracted with ``--lens`` beside running text."""
-    from layerdiv.tests.browser import figure_problems, open_page, page_errors
+    from tests.browser import figure_problems, open_page, page_errors
 
     if not DEMO_REPORT.is_file():
         pytest.skip(f"{DEMO_REPORT} not found: run `make demo` first")

@@ -16,8 +16,8 @@ from click.testing import CliRunner
 
 from layerdiv.analyze.api import analyze
 from layerdiv.cli import main
-from layerdiv.tests.test_text_analysis import reference_geometry
-from layerdiv.tests.test_text_extract import random_texts, reference_lens, text_task
+from tests.test_text_analysis import reference_geometry
+from tests.test_text_extract import random_texts, reference_lens, text_task
 
 TEXT_SECTIONS = (
     "Running text: geometry of the residual stream",

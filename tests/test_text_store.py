@@ -27,14 +27,14 @@ from layerdiv.analyze.synthetic import (
     text_manifest as synthetic_text_manifest,
 )
 from layerdiv.cli import main
-from layerdiv.schemas import KINDS, SCHEMA_VERSION, tables_of
+from layerdiv.measurements import optional_tables
+from layerdiv.measurements.future import future_tables
+from layerdiv.schemas import SCHEMA_VERSION, tables_of
 from layerdiv.store import Manifest, PartitionWriter, Store, StoreError
 from layerdiv.store.manifest import read_manifest
 from layerdiv.store.paths import OverlappingParts
 from layerdiv.store.tables import (
     documents_table,
-    future_effects_table,
-    future_output_table,
     token_blocks_table,
     token_lens_table,
     tokens_table,
@@ -87,11 +87,13 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
         "token_lens": token_lens_table(
             docs, n_tok, rng.uniform(size=(total, BLOCKS + 1)), np.ones((total, BLOCKS + 1)), ce
         ),
-        "future_effects": future_effects_table(
-            doc, split, sublayer, skipped, rng.uniform(size=(len(doc), BLOCKS))
-        ),
-        "future_output": future_output_table(
-            doc, split, sublayer, skipped, rng.uniform(size=len(doc))
+        **future_tables(
+            doc,
+            split,
+            sublayer,
+            skipped,
+            rng.uniform(size=(len(doc), BLOCKS)),
+            rng.uniform(size=len(doc)),
         ),
         "tokens": tokens_table(
             docs, [list(range(100 * d, 100 * d + n)) for d, n in zip(docs, n_tok, strict=True)]
@@ -107,7 +109,7 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
 def text_store(tmp_path: Path) -> Path:
     writer = PartitionWriter(tmp_path, "m", "txt")
     writer.open(text_manifest(len(LENGTHS)), overwrite=False)
-    for table in KINDS["text"].optional:
+    for table in optional_tables("text"):
         writer.mark_table(table)
     rng = np.random.default_rng(0)
     for start in range(0, len(LENGTHS), CHUNK):
@@ -121,7 +123,7 @@ def test_text_partition_reads_back(text_store: Path) -> None:
     (info,) = store.select()
     assert info.manifest.kind == "text" and info.manifest.n_blocks == BLOCKS
     assert info.n_done == len(LENGTHS)
-    assert info.tables == list(KINDS["text"].optional) and not info.incomplete()
+    assert info.tables == list(optional_tables("text")) and not info.incomplete()
     assert not (text_store / "components").exists()  # only the text kind's folders are made
     con = store.duckdb()
     total = sum(LENGTHS)

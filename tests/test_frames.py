@@ -1,0 +1,69 @@
+"""The stored tables of a ``--gram --skips --heads --lens`` extraction of a choice task and of a
+``--skips --lens`` extraction of a text task on a tiny seeded model, compared frame by frame
+against frames stored under ``tests/data/frames`` (written once by an earlier release of the
+extraction code: restructuring it must not change a stored number).
+
+``LAYERDIV_WRITE_FRAMES=1 pytest tests/test_frames.py`` rewrites them (only when the numbers are
+meant to change)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pytest
+from polars.testing import assert_frame_equal
+
+from layerdiv.store import Store
+from tests.test_text_extract import extract, random_texts, text_task
+
+FRAMES = Path(__file__).parent / "data" / "frames"
+WRITE = os.environ.get("LAYERDIV_WRITE_FRAMES") == "1"
+
+RUNS = {
+    "choice": ["--gram", "--skips", "--heads", "--lens"],
+    "text": ["--skips", "--lens"],
+}
+"""The flags of each task kind's extraction."""
+
+
+def _task(kind: str, folder: Path, make_task: Any) -> Path:
+    if kind == "choice":
+        return make_task(folder, n=6)
+    return text_task(folder, random_texts(4, seed=3), max_tokens=24)
+
+
+def _frames(store: Path) -> dict[str, pl.DataFrame]:
+    """Every table of the store, sorted by all its columns (the order of parts is no promise)."""
+    opened = Store(store)
+    out = {}
+    for table in opened.tables():
+        frame = opened.scan(table).drop("model", "task").collect()
+        out[table] = frame.sort(frame.columns)
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(RUNS))
+def test_stored_tables_equal_the_recorded_frames(
+    kind: str, tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    task = _task(kind, tmp_path / "task", make_task)
+    store = tmp_path / "store"
+    result = extract("--model", str(model_dirs("qwen2")), "--task", str(task), "--store",
+                     str(store), "--device", "cpu", "--dtype", "fp32", "--batch-size", "2",
+                     "--chunk-size", "4", *RUNS[kind])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    frames = _frames(store)
+    folder = FRAMES / kind
+    if WRITE:
+        folder.mkdir(parents=True, exist_ok=True)
+        for table, frame in frames.items():
+            frame.write_parquet(folder / f"{table}.parquet", compression="zstd")
+    recorded = {p.stem: pl.read_parquet(p) for p in sorted(folder.glob("*.parquet"))}
+    assert sorted(frames) == sorted(recorded)
+    assert len(recorded) == 6  # the required tables and every optional one of the kind
+    for table, frame in frames.items():
+        assert frame.height > 0, table
+        assert_frame_equal(frame, recorded[table], check_exact=True)
