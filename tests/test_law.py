@@ -160,15 +160,23 @@ def test_within_model_law_from_the_lens_table(tmp_path: Path) -> None:
     layer = np.arange(blocks + 1)
     ce = own + 4.0 * np.maximum(layer, 1) ** -0.9
     ce[-1] = own
-    table = pl.DataFrame({"model": "m", "task": "fineweb", "layer": layer, "ce": ce}).with_columns(
-        pl.col("layer").cast(pl.Int16)
-    )
+    table = pl.DataFrame(
+        {"model": "m", "revision": "main", "task": "fineweb", "layer": layer, "ce": ce}
+    ).with_columns(pl.col("layer").cast(pl.Int16))
     deltas = delta_ce(table)
     assert deltas["layer"].to_list() == list(range(1, blocks))  # l = 1..L-1
     np.testing.assert_allclose(deltas["delta_ce"], ce[1:blocks] - own)
     fit = lens_law(table)
     assert fit.row(0, named=True) == pytest.approx(
-        {"model": "m", "task": "fineweb", "c": 4.0, "alpha": 0.9, "r2": 1.0, "n_layers": 11}
+        {
+            "model": "m",
+            "revision": "main",
+            "task": "fineweb",
+            "c": 4.0,
+            "alpha": 0.9,
+            "r2": 1.0,
+            "n_layers": 11,
+        }
     )
     from layerdiv.analyze import plots
 

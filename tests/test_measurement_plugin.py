@@ -170,7 +170,7 @@ def test_a_measurement_outside_the_package(
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        if len(list(killed.glob("instances/*/*/part-*.parquet"))) >= 3:
+        if len(list(killed.glob("instances/**/part-*.parquet"))) >= 3:
             break
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
@@ -198,7 +198,7 @@ def test_a_measurement_outside_the_package(
     assert_frame_equal(norms(tmp_path / "merged"), expected)
 
     # Other settings: refused before anything is written; a shard of other settings is not merged.
-    manifest = next(killed.glob("manifests/*/*/manifest.json"))
+    manifest = next(killed.glob("manifests/**/manifest.json"))
     before = {p: p.stat().st_mtime_ns for p in killed.rglob("*") if p.is_file()}
     other = invoke("extract", *args, "--store", str(killed), "--limit", str(n + 8),
                    "--block-norms", "--norm-ord", "1")  # fmt: skip
