@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from paper_store import ensure_store, store_parser, timed
+from paper_store import ensure_store, parse_store_args, store_parser, timed
 
 
 def parts(page: Path) -> str:
@@ -100,7 +100,9 @@ def main() -> None:
     parser.add_argument("--demo", type=Path, help="the demo's report.html: print its size")
     parser.add_argument("--screenshots", type=Path, help="folder for screenshots of --demo")
     parser.add_argument("--skip-scale", action="store_true", help="only --demo/--screenshots")
-    args = parser.parse_args()
+    args = parse_store_args(parser)
+    if args.quick:
+        args.explorer_instances = "10"
     if args.demo:
         print(f"demo page {args.demo}: {parts(args.demo)}")
         print(f"demo page {browser_check(args.demo)}")
