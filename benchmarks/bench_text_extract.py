@@ -244,7 +244,7 @@ def main() -> None:
         done = ", ".join(f"{n} {t[-1][0]:.2f} s ({t[-1][1]:.2f} CPU s)" for n, t in times.items())
         print(f"repeat {r + 1}: {done}; load average {loads[-1]:.2f}")
     results = report(table, times, flops["forward"])
-    split(table, data, statistics.median(t[1] for t in times["plain"]))
+    shares = split(table, data, statistics.median(t[1] for t in times["plain"]))
     loads.append(os.getloadavg()[0])
     if not args.quick:
         suffix = (
@@ -252,7 +252,7 @@ def main() -> None:
         )
         record(f"bench_text_extract{suffix}".replace(" ", "-"), COLUMNS, results, loads,
                formats=FORMATS, forward_gflop=round(flops["forward"] / 1e9, 1),
-               repeats=args.repeats)  # fmt: skip
+               repeats=args.repeats, split=shares)  # fmt: skip
 
 
 COLUMNS = ["row", "wall s", "wall ratio", "CPU s", "CPU ratio", "FLOP ratio", "target", "result"]
@@ -260,12 +260,13 @@ FORMATS = ["", ".2f", ".3f", ".2f", ".3f", ".3f", ".3f", ""]
 """The table's columns (those of the results file) and how the docs print them."""
 
 
-def split(table: list[Row], data: Batches, plain_cpu: float) -> None:
+def split(table: list[Row], data: Batches, plain_cpu: float) -> dict[str, Any]:
     """Run each lens row once more, its readouts and statistics timed: print its CPU time split
-    into the forward (the plain row's median), the readout matmuls, the statistics and the rest."""
+    into the forward (the plain row's median), the readout matmuls, the statistics and the rest;
+    returned as a table for the results file."""
     lens_rows = [(name, run) for name, run, _ in table if name.startswith("lens")]
-    if not lens_rows:
-        return
+    columns = ["row", "CPU s", "forward", "readout", "statistics", "rest"]
+    out: dict[str, Any] = {"columns": columns, "formats": [""] + [".2f"] * 5, "rows": []}
     print("\nsplit of the lens rows' CPU time (one more run each; forward: plain's median)")
     print(f"{'row':<16} {'CPU s':>8} {'forward':>8} {'readout':>8} {'stats':>8} {'rest':>8}")
     for name, run in lens_rows:
@@ -274,6 +275,9 @@ def split(table: list[Row], data: Batches, plain_cpu: float) -> None:
         rest = cpu - plain_cpu - spent["readout"] - spent["statistics"]
         print(f"{name:<16} {cpu:8.2f} {plain_cpu:8.2f} {spent['readout']:8.2f} "
               f"{spent['statistics']:8.2f} {rest:8.2f}")  # fmt: skip
+        values = [cpu, plain_cpu, spent["readout"], spent["statistics"], rest]
+        out["rows"].append([name, *(round(v, 2) for v in values)])
+    return out
 
 
 def report(

@@ -3,10 +3,10 @@ benchmark runs write (``docs/benchmarks/<name>.json``, ``benchmarks/common.py``'
 
 A region of ``docs/benchmarks.md`` or ``README.md`` between ``<!-- bench:NAME -->`` and
 ``<!-- /bench:NAME -->`` is rendered from the results file NAME (its table, with the command,
-date, commit and load average it ran at); the README's ``readme-text`` region quotes the
-running-text extraction rows. ``python scripts/bench_tables.py`` rewrites the regions;
-``--check`` only reports (exit 1) the files whose regions differ from their results files, as
-``tests/test_bench_tables.py`` does.
+date, commit and load average it ran at; ``NAME#KEY``: its table under ``KEY``); the README's
+``readme-text`` region quotes the running-text extraction rows. ``python
+scripts/bench_tables.py`` rewrites the regions; ``--check`` only reports (exit 1) the files whose
+regions differ from their results files, as ``tests/test_bench_tables.py`` does.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "benchmarks"
 FILES = [ROOT / "docs" / "benchmarks.md", ROOT / "README.md"]
 """The files whose regions are rendered."""
-REGION = re.compile(r"(<!-- bench:([\w.-]+) -->\n)(.*?)(<!-- /bench:\2 -->)", re.S)
+REGION = re.compile(r"(<!-- bench:([\w.#-]+) -->\n)(.*?)(<!-- /bench:\2 -->)", re.S)
 
 
 def load(name: str, results: Path = RESULTS) -> dict[str, Any]:
@@ -95,7 +95,12 @@ def render(text: str, results: Path = RESULTS) -> str:
 
     def one(match: re.Match[str]) -> str:
         name = match.group(2)
-        body = SPECIAL[name](results) if name in SPECIAL else table(load(name, results))
+        if name in SPECIAL:
+            body = SPECIAL[name](results)
+        else:  # NAME or NAME#KEY: the results file's table, or its table under KEY
+            file, _, key = name.partition("#")
+            result = load(file, results)
+            body = table({**result, **result[key]} if key else result)
         return match.group(1) + body + match.group(4)
 
     return REGION.sub(one, text)
