@@ -697,7 +697,7 @@ def merge_command(sources: tuple[str, ...], into: str) -> None:
 
     merged = merge_stores(sources, into)
     for p in merged:
-        click.echo(f"model={p.model} task={p.task}: {p.n_done} instances ({p.n_added} new)")
+        click.echo(f"{' '.join(p.key.dirs())}: {p.n_done} instances ({p.n_added} new)")
     click.echo(f"merged {len(sources)} store(s) into {into}")
 
 

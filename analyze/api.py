@@ -4,8 +4,8 @@
 >>> results = layerdiv.run_analysis(path, tasks="boolq")
 >>> results.scores.select("model", "estimator", "accuracy").shape
 (4, 3)
->>> tuple(layerdiv.analyze.task_summary(results).columns[:4])
-('model', 'task', 'n_instances', 'n_components')
+>>> layerdiv.analyze.task_summary(results).columns[-3:]
+['diversity', 'saturation_j', 'saturation_fraction']
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from layerdiv.analyze.registry import Context, partition_engine, registered
 from layerdiv.analyze.spill import Spill
 from layerdiv.errors import LayerdivError, LayerdivWarning
 from layerdiv.store import Store
+from layerdiv.store.key import KEY
 from layerdiv.store.location import is_url
 from layerdiv.store.reader import Names, as_names
 
@@ -272,8 +273,7 @@ def junction_curves(
 
 SUMMARY_SCHEMA = pl.Schema(
     {
-        "model": pl.String,
-        "task": pl.String,
+        **dict.fromkeys(KEY, pl.String),
         "n_instances": pl.Int64,
         "n_components": pl.Int64,
         "accuracy": pl.Float64,
@@ -301,8 +301,8 @@ def task_summary(results: Results, estimator: Estimator = "paper") -> pl.DataFra
     return (
         results.scores.filter(pl.col("estimator") == estimator)
         .join(
-            results.saturation.select("model", "task", "saturation_j", "saturation_fraction"),
-            on=["model", "task"],
+            results.saturation.select(*KEY, "saturation_j", "saturation_fraction"),
+            on=[*KEY],
         )
         .select(SUMMARY_SCHEMA.names())
         .cast(SUMMARY_SCHEMA)
@@ -317,7 +317,7 @@ def ls(store: StoreLike, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
         .manifests(models, tasks)
         .select(
             "model_id",
-            "task",
+            *(c for c in KEY if c != "model"),
             "n_done",
             "n_requested",
             "n_components",

@@ -24,6 +24,7 @@ from layerdiv.analyze.output import result_dir
 from layerdiv.analyze.registry import ReportContext, registered
 from layerdiv.errors import LayerdivError
 from layerdiv.store import PartitionInfo, Store
+from layerdiv.store.key import KEY
 
 REPORT_NAME = "report.md"
 HTML_NAME = "report.html"
@@ -73,7 +74,7 @@ def provenance_table(manifests: pl.DataFrame) -> str:
             r["revision"] or DASH,
             r["created_at"],
         ]
-        for r in manifests.sort("model", "task").iter_rows(named=True)
+        for r in manifests.sort(*KEY).iter_rows(named=True)
     ]
     header = [
         "Model",
@@ -129,11 +130,11 @@ def render(
 def explorer_parts(results: Results, store: str | Path) -> list[PartitionInfo]:
     """The choice partitions of ``store`` that ``results`` analysed (the explorer shows
     instances; running text has its own sections)."""
-    pairs = set(results.manifests.select("model", "task").iter_rows())
+    pairs = set(results.manifests.select(*KEY).iter_rows())
     return [
         p
         for p in Store(store).partitions
-        if (p.model, p.task) in pairs and p.n_done > 0 and p.manifest.kind == "choice"
+        if p.key.values() in pairs and p.n_done > 0 and p.manifest.kind == "choice"
     ]
 
 

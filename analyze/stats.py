@@ -16,13 +16,14 @@ import polars as pl
 
 from layerdiv.analyze.metrics import CORRELATED
 from layerdiv.analyze.options import ESTIMATORS
+from layerdiv.store.key import KEY
 
 METHODS: tuple[Literal["pearson", "spearman"], ...] = ("pearson", "spearman")
 SIGNIFICANCE = 0.05
 """Two-sided p below which a correlation is marked significant (paper Fig. 3)."""
 R_CLIP = 1.0 - 1e-6
 """|r| is clipped to this before arctanh in Fisher-z averages, so that r = +-1 stays finite."""
-_CURVE_KEYS = ["model", "task", "estimator"]
+_CURVE_KEYS = [*KEY, "estimator"]
 
 
 def correlations(curves: pl.DataFrame) -> pl.DataFrame:
@@ -82,12 +83,12 @@ def fisher_z_means(corr: pl.DataFrame) -> pl.DataFrame:
     overall = mean(over_models, []).with_columns(
         pl.lit(None, pl.String).alias("model"), pl.lit(None, pl.String).alias("task")
     )
-    columns = ["model", "task", *keys, "n", "z"]
+    columns = [*KEY, *keys, "n", "z"]
     return (
         pl.concat([f.select(columns) for f in (over_tasks, over_models, overall)])
         .with_columns(pl.col("z").tanh().alias("r"), pl.col("n").cast(pl.UInt32))
         .drop("z")
-        .sort(["model", "task", *keys], nulls_last=True)
+        .sort([*KEY, *keys], nulls_last=True)
     )
 
 
@@ -292,7 +293,7 @@ def information_curves(prefix_preds: pl.DataFrame, n_options: pl.DataFrame) -> p
     """Per (model, task, j): I(prefix_j; Y) of the prefix's argmax prediction, its marginal gain
     over j - 1, the measured error, and the bounds of paper Eq. 12 in bits:
     (H(Y) - I - 1) / log2 K <= error <= (H(Y) - I) / 2, K = number of options."""
-    by = ["model", "task"]
+    by = [*KEY]
     return (
         mutual_information(prefix_preds, [*by, "j"])
         .join(n_options, on=by)
@@ -311,7 +312,7 @@ def information_summary(curves: pl.DataFrame, component_preds: pl.DataFrame) -> 
     """Per (model, task): n, H(Y), relevancy sum_c I(argmax u_c; Y) (paper Eq. 13), I of the full
     stack with its Eq. 12 bounds and measured error, and the mean marginal gain of I per component
     in the first and second half of the stack (submodularity shows as a smaller second half)."""
-    by = ["model", "task"]
+    by = [*KEY]
     relevancy = (
         mutual_information(component_preds, [*by, "component"])
         .group_by(by)
@@ -334,7 +335,7 @@ def module_shares_by_model(modules: pl.DataFrame, estimator: str) -> pl.DataFram
     return (
         modules.filter(pl.col("estimator") == estimator)
         .with_columns(
-            (pl.col("n_components") / pl.col("n_components").sum().over("model", "task")).alias(
+            (pl.col("n_components") / pl.col("n_components").sum().over(*KEY)).alias(
                 "component_share"
             )
         )
@@ -349,12 +350,12 @@ def majority_baseline(golds: pl.DataFrame) -> pl.DataFrame:
     that option, from ``golds`` (model, task, gold, count: the instances with that gold label)."""
     return (
         golds.sort("count", "gold", descending=[True, False])
-        .group_by("model", "task", maintain_order=True)
+        .group_by(*KEY, maintain_order=True)
         .agg(
             pl.col("gold").first().alias("majority_option"),
             (pl.col("count").first() / pl.col("count").sum()).alias("majority_accuracy"),
         )
-        .sort("model", "task")
+        .sort(*KEY)
     )
 
 
@@ -365,7 +366,7 @@ def saturation(curves: pl.DataFrame, tolerance: float = 0.01) -> pl.DataFrame:
     j' >= j has accuracy_j' >= accuracy_L - ``tolerance`` (default 1 point), where accuracy_L is
     the full model's accuracy: from j on, adding layers never leaves the final accuracy's
     tolerance band from below. ``saturation_fraction`` = j / L."""
-    by = ["model", "task"]
+    by = [*KEY]
     acc = curves.filter(pl.col("estimator") == ESTIMATORS[0]).sort([*by, "j"])
     floor = pl.col("accuracy").last().over(by) - tolerance - 1e-12
     suffix_min = pl.col("accuracy").reverse().cum_min().reverse().over(by)

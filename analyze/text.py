@@ -375,7 +375,7 @@ def with_table(
     it is left out with the note that names its completing command
     (:meth:`~layerdiv.store.PartitionInfo.incomplete`, given for every analysis)."""
     have = [p for p in parts if table in p.tables]
-    never = [f"{p.model}/{p.task}" for p in parts if table not in p.lacking]
+    never = [p.key.label for p in parts if table not in p.lacking]
     if notes is not None and never:
         flag = KINDS[TEXT_KIND].optional[table]
         notes.append(f"No {what} for {', '.join(never)}: run `layerdiv extract {flag}` on them.")
@@ -383,7 +383,5 @@ def with_table(
 
 
 def tag(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
-    """``frame`` with the partition's ``model`` and ``task`` as its first columns."""
-    return frame.select(
-        pl.lit(info.model).alias("model"), pl.lit(info.task).alias("task"), pl.all()
-    )
+    """``frame`` with the partition's key columns as its first columns."""
+    return frame.select(*info.key_columns(), pl.all())

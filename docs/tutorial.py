@@ -72,7 +72,9 @@ components.head(3).collect()
 # accuracy, from the store alone:
 
 # %%
-keys = ["model", "task", "instance"]
+from layerdiv.store.key import KEY  # the partition key columns: model, task, ...
+
+keys = [*KEY, "instance"]
 prediction = (
     components.group_by([*keys, "option"])
     .agg(pl.col("logit").sum())

@@ -16,8 +16,9 @@ History:
   ``max_tokens``, ``lens``, ``skip_split`` and ``skip_seed`` (and, from the first release
   that writes the future-effects tables, ``skip_sublayers``: absent means ``block``).
 
-The hive partition columns ``model`` and ``task`` are not stored inside the files: they come from
-the directory names (``model=<slug>/task=<task>``) and are typed as strings by every reader.
+The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``task``) are not stored
+inside the files: they come from the directory names (``model=<slug>/task=<task>``) and are typed
+as strings by every reader.
 """
 
 from __future__ import annotations
@@ -36,9 +37,6 @@ OLDEST_READABLE = 1
 
 MAX_OPTIONS = 127
 """Most answer options a task may have (the ``option`` column is int8)."""
-
-PARTITION_COLUMNS = ("model", "task")
-"""Hive partition keys, in directory order."""
 
 COMPONENT_KINDS = ("embed", "attn", "mlp", "bias")
 """Values of the ``kind`` column, in the order they can first appear in a model."""

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from layerdiv.errors import LayerdivError
 from layerdiv.store.atomic import atomic_path, remove_stale_temps, restore, write_bytes
+from layerdiv.store.key import PartitionKey
 from layerdiv.store.location import local_root
 from layerdiv.store.manifest import TABLES_DIR, Manifest, read_manifest, write_manifest
 from layerdiv.store.paths import Partition
@@ -33,8 +34,7 @@ class MergeConflict(LayerdivError, RuntimeError):
 class MergedPartition:
     """One partition of the merged store."""
 
-    model: str
-    task: str
+    key: PartitionKey
     n_done: int
     """Instances it holds after the merge."""
     n_added: int
@@ -74,10 +74,10 @@ def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[Merged
             if problems := store.problems():
                 raise MergeConflict(f"{src} cannot be merged: {problems[0]}")
             stores.append((src, store))
-    copies: dict[tuple[str, str], list[_Copy]] = {}
+    copies: dict[PartitionKey, list[_Copy]] = {}
     for root, store in stores:
         for info in store.partitions:
-            copies.setdefault((info.model, info.task), []).append(_Copy(root, info))
+            copies.setdefault(info.key, []).append(_Copy(root, info))
     plans = {key: _plan(found) for key, found in copies.items()}
 
     remove_stale_temps(dst.parent, dst.name)
@@ -86,8 +86,8 @@ def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[Merged
         if target is not None:
             _link_tree(dst, stage)
         merged = []
-        for (model, task), (manifest, chunks) in plans.items():
-            out = Partition(stage, model, task)
+        for key, (manifest, chunks) in plans.items():
+            out = Partition(stage, key)
             for (start, count), held in sorted(chunks.items()):
                 files: dict[str, tuple[_Copy, Path]] = {}  # each table from a copy having it
                 for copy in held:
@@ -97,14 +97,14 @@ def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[Merged
                     linked = stage / src.relative_to(copy.store)
                     linked.unlink(missing_ok=True)  # e.g. the target's orphan from a crash
                     _link(src, linked)
-            for copy in copies[model, task]:
+            for copy in copies[key]:
                 _copy_side_files(copy.info.partition, out)
             write_manifest(out.manifest, manifest)
             for table in PartitionInfo(out, read_manifest(out.manifest)).tables:
                 write_bytes(out.manifest.parent / TABLES_DIR / table, b"")
-            before = 0 if target is None else _n_done(target, model, task)
+            before = 0 if target is None else _n_done(target, key)
             n_done = sum(count for _, count in chunks)
-            merged.append(MergedPartition(model, task, n_done, n_done - before))
+            merged.append(MergedPartition(key, n_done, n_done - before))
     return merged
 
 
@@ -128,7 +128,7 @@ def _plan(copies: list[_Copy]) -> tuple[Manifest, dict[tuple[int, int], list[_Co
     """The merged manifest of one partition and, for each chunk, the copies that hold it;
     refuses other extractions, overlapping chunks and differing copies of a chunk."""
     first = copies[0]
-    where = f"model={first.info.model} task={first.info.task}"
+    where = " ".join(first.info.key.dirs())
     chunks: dict[tuple[int, int], list[_Copy]] = {}
     for copy in copies:
         _same_extraction(first, copy, where)
@@ -193,8 +193,8 @@ def _refuse_nested(src: Path, dst: Path) -> None:
         )
 
 
-def _n_done(store: Store, model: str, task: str) -> int:
-    return sum(p.n_done for p in store.partitions if (p.model, p.task) == (model, task))
+def _n_done(store: Store, key: PartitionKey) -> int:
+    return sum(p.n_done for p in store.partitions if p.key == key)
 
 
 def _copy_side_files(src: Partition, dst: Partition) -> None:

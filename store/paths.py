@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Generic
 
 from layerdiv.schemas import KINDS, TABLES, SchemaError
+from layerdiv.store.key import KEY, PartitionKey
 from layerdiv.store.location import StorePath
 
 MANIFEST_NAME = "manifest.json"
@@ -58,16 +59,26 @@ class OverlappingParts(SchemaError):
 
 @dataclass(frozen=True)
 class Partition(Generic[StorePath]):
-    """The files of one (model, task) partition of a store, local (``Path``) or on object
-    storage (``RemotePath``, read-only)."""
+    """The files of one partition (:class:`~layerdiv.store.key.PartitionKey`) of a store, local
+    (``Path``) or on object storage (``RemotePath``, read-only)."""
 
     root: StorePath
-    model_slug: str
-    task: str
+    key: PartitionKey
+
+    @property
+    def model_slug(self) -> str:
+        return self.key.model
+
+    @property
+    def task(self) -> str:
+        return self.key.task
 
     def dir(self, table: str) -> StorePath:
         """Folder of ``table`` (any table of ``layerdiv.schemas.TABLES``, or ``manifests``)."""
-        return self.root / table / f"model={self.model_slug}" / f"task={self.task}"
+        out = self.root / table
+        for name in self.key.dirs():
+            out = out / name
+        return out
 
     @property
     def manifest(self) -> StorePath:
@@ -77,7 +88,11 @@ class Partition(Generic[StorePath]):
     def open_lock(self) -> StorePath:
         """Lock file serializing the creation and replacement of the partition (outside the
         partition's folders, so that replacing them keeps it)."""
-        return self.root / MANIFESTS / f"model={self.model_slug}" / f".task={self.task}.lock"
+        *outer, last = self.key.dirs()
+        folder = self.root / MANIFESTS
+        for name in outer:
+            folder = folder / name
+        return folder / f".{last}.lock"
 
     def dirs(self, kind: str | None = None) -> list[StorePath]:
         """The manifest folder and every table's folder (of the task ``kind`` only, if given)."""
@@ -129,22 +144,33 @@ def _listdir(path: StorePath) -> list[StorePath]:
     return list(path.iterdir()) if path.is_dir() else []
 
 
-def partition(root: str | Path, model_slug: str, task: str) -> Partition[Path]:
-    """The partition of ``model_slug`` x ``task`` under the local store ``root``."""
-    return Partition(Path(root), model_slug, check_task_name(task))
+def partition(root: str | Path, key: PartitionKey) -> Partition[Path]:
+    """The partition ``key`` under the local store ``root``."""
+    check_task_name(key.task)
+    return Partition(Path(root), key)
 
 
 def list_partitions(root: StorePath) -> list[Partition[StorePath]]:
-    """Every (model, task) partition that has a manifest or any other file but temporaries
-    (dot files: a leftover temporary alone is no partition)."""
-    found: set[tuple[str, str]] = set()
+    """Every partition that has a manifest or any other file but temporaries (dot files: a
+    leftover temporary alone is no partition)."""
+    found: set[PartitionKey] = set()
     for table in (MANIFESTS, *TABLES):
-        for mdir in _listdir(root / table):
-            if not mdir.name.startswith("model="):
-                continue
-            for tdir in _listdir(mdir):
-                if tdir.name.startswith("task=") and any(
-                    not p.name.startswith(".") for p in _listdir(tdir)
-                ):
-                    found.add((mdir.name[len("model=") :], tdir.name[len("task=") :]))
-    return [Partition(root, m, t) for m, t in sorted(found)]
+        found.update(_keys(root / table, ()))
+    return [Partition(root, k) for k in sorted(found)]
+
+
+def _keys(folder: StorePath, values: tuple[str, ...]) -> list[PartitionKey]:
+    """The keys under ``folder`` whose first ``len(values)`` columns are ``values``."""
+    if len(values) == len(KEY):
+        return (
+            [PartitionKey(*values)]
+            if any(not p.name.startswith(".") for p in _listdir(folder))
+            else []
+        )
+    prefix = f"{KEY[len(values)]}="
+    return [
+        k
+        for sub in _listdir(folder)
+        if sub.name.startswith(prefix)
+        for k in _keys(sub, (*values, sub.name[len(prefix) :]))
+    ]

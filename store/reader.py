@@ -21,13 +21,13 @@ from layerdiv.errors import LayerdivError
 from layerdiv.schemas import (
     KIND_OF_TABLE,
     KINDS,
-    PARTITION_COLUMNS,
     TABLES,
     Kind,
     SchemaError,
     tables_of,
 )
 from layerdiv.store.atomic import restore
+from layerdiv.store.key import KEY, PartitionKey
 from layerdiv.store.location import (
     RemotePath,
     StorePath,
@@ -56,7 +56,7 @@ def as_names(names: Names) -> list[str]:
 
 @dataclass(frozen=True)
 class PartitionInfo(Generic[StorePath]):
-    """A checked (model, task) partition (local or remote) and its complete part files."""
+    """A checked partition (local or remote) and its complete part files."""
 
     partition: Partition[StorePath]
     manifest: Manifest
@@ -65,10 +65,19 @@ class PartitionInfo(Generic[StorePath]):
         m = self.manifest
         extra = f", tables +{'+'.join(m.extra_tables)}" if m.extra_tables else ""
         return (
-            f"PartitionInfo(model={self.model!r}, task={self.task!r}: {self.n_done} of "
+            f"PartitionInfo({', '.join(c + '=' + repr(v) for c, v in self.key.items())}: "
+            f"{self.n_done} of "
             f"{m.n_requested} instances, {len(m.components)} components, {len(m.options)} "
             f"options{extra})"
         )
+
+    @property
+    def key(self) -> PartitionKey:
+        return self.partition.key
+
+    def key_columns(self) -> list[pl.Expr]:
+        """The key as literal columns (strings), to tag rows read from this partition."""
+        return [pl.lit(v, pl.String).alias(c) for c, v in self.key.items()]
 
     @property
     def model(self) -> str:
@@ -158,7 +167,7 @@ class PartitionInfo(Generic[StorePath]):
     @property
     def where(self) -> str:
         """``partition model=<slug> task=<task>``, for messages."""
-        return _where(self.partition)
+        return self.key.where
 
     def read(
         self, components: Sequence[str], instances: Sequence[str]
@@ -284,8 +293,7 @@ class Store:
             + "".join(
                 f"<td>{html.escape(str(v))}</td>"
                 for v in (
-                    p.model,
-                    p.task,
+                    *p.key.values(),
                     f"{p.n_done} of {p.manifest.n_requested}",
                     len(p.manifest.components),
                     len(p.manifest.options),
@@ -297,8 +305,7 @@ class Store:
         )
         bad = "".join(f"<li>{html.escape(str(err))}</li>" for _, err in self.unreadable)
         head = "".join(
-            f"<th>{h}</th>"
-            for h in ("model", "task", "instances", "components", "options", "optional tables")
+            f"<th>{h}</th>" for h in (*KEY, "instances", "components", "options", "optional tables")
         )
         return (
             f"<p><b>Store</b> <code>{html.escape(str(self.root))}</code></p>"
@@ -330,7 +337,7 @@ class Store:
         if not chosen:
             if broken:
                 raise broken[0]
-            have = ", ".join(f"{p.model}/{p.task}" for p in self.partitions) or "nothing"
+            have = ", ".join(p.key.label for p in self.partitions) or "nothing"
             raise StoreError(
                 f"no extracted data matches models={sorted(slug(m) for m in models) or 'any'} "
                 f"tasks={sorted(tasks) or 'any'}; the store holds: {have}"
@@ -340,7 +347,7 @@ class Store:
     def problems(self, models: Names = (), tasks: Names = ()) -> list[str]:
         """One line per unreadable partition matching the filters, saying it was left out."""
         match = _matcher(as_names(models), as_names(tasks))
-        return [f"left out {_where(part)}: {err}" for part, err in self.unreadable if match(part)]
+        return [f"left out {part.key.where}: {err}" for part, err in self.unreadable if match(part)]
 
     def incomplete(self, models: Names = (), tasks: Names = ()) -> list[str]:
         """One line per optional table of a selected partition that some of its stored instances
@@ -354,7 +361,7 @@ class Store:
 
     def scan(self, table: str, models: Names = (), tasks: Names = ()) -> pl.LazyFrame:
         """A Polars LazyFrame over one table of the selected partitions (``components``,
-        ``instances``, or an optional table that some of them hold), with model and task columns;
+        ``instances``, or an optional table that some of them hold), with the key columns;
         text columns are ``String``, as in every result table. Refuses (``StoreError``) a table
         that no selected partition holds, naming those there are."""
         parts = self.select(models, tasks)
@@ -376,7 +383,7 @@ class Store:
             self.files(table, parts),
             schema=columns,
             hive_partitioning=True,
-            hive_schema={"model": pl.String, "task": pl.String},
+            hive_schema=dict.fromkeys(KEY, pl.String),
             missing_columns="insert",
         )
         text = [c for c, t in columns.items() if isinstance(t, pl.Categorical | pl.Enum)]
@@ -390,8 +397,7 @@ class Store:
             kinds = [c.kind for c in m.components]
             rows.append(
                 {
-                    "model": p.model,
-                    "task": p.task,
+                    **dict(p.key.items()),
                     "model_id": m.model,
                     "revision": m.revision,
                     "dtype": m.dtype,
@@ -437,7 +443,7 @@ class Store:
                 continue
             # Every version's columns under today's schema: a column an older part lacks is null.
             schema = TABLES[table]
-            for name in PARTITION_COLUMNS:
+            for name in KEY:
                 schema = schema.append(pa.field(name, pa.string()))
             paths, filesystem, base = arrow_source(files, self.root / table)
             dataset = ds.dataset(
@@ -446,7 +452,7 @@ class Store:
                 schema=schema,
                 format="parquet",
                 partitioning=ds.partitioning(
-                    pa.schema([pa.field(n, pa.string()) for n in PARTITION_COLUMNS]),
+                    pa.schema([pa.field(n, pa.string()) for n in KEY]),
                     flavor="hive",
                 ),
                 partition_base_dir=base,
@@ -472,10 +478,6 @@ def _matcher(models: list[str], tasks: list[str]) -> Callable[[Partition[Any]], 
     )
 
 
-def _where(part: Partition[Any]) -> str:
-    return f"partition model={part.model_slug} task={part.task}"
-
-
 def _count(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
 
@@ -488,7 +490,7 @@ def _open_partition(part: Partition[StorePath]) -> PartitionInfo[StorePath]:
     """A partition's checked manifest and part files; ``StoreError`` says what is wrong."""
     if not part.manifest.exists():
         raise StoreError(
-            f"{_where(part)} has data but no manifest ({part.manifest}): it cannot be trusted. "
+            f"{part.key.where} has data but no manifest ({part.manifest}): it cannot be trusted. "
             "Delete it or re-extract it with --overwrite."
         )
     try:

@@ -33,6 +33,7 @@ from layerdiv.store.atomic import (
     temp_path,
     write_bytes,
 )
+from layerdiv.store.key import PartitionKey
 from layerdiv.store.manifest import (
     RUNS_DIR,
     TABLES_DIR,
@@ -106,7 +107,7 @@ class PartitionWriter:
     """Writes one partition's chunks; a rerun skips every chunk that is complete and readable."""
 
     def __init__(self, root: str | Path, model: str, task: str):
-        self.part: Partition = partition(root, slug(model), task)
+        self.part: Partition = partition(root, PartitionKey(slug(model), task))
         self._claims = self.part.dir("manifests") / CLAIMS_DIR
 
     def ensure_writable(self) -> None:

@@ -48,9 +48,11 @@ from layerdiv.analyze.registry import (
     register,
 )
 from layerdiv.analyze.stats import POWER_FIT_SCHEMA, degrees, power_law_fit
+from layerdiv.analyze.text import tag as _tag
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import gram_index
 from layerdiv.store import PartitionInfo, Store
+from layerdiv.store.key import KEY
 
 POSITION_NOTE = (
     "Both companion papers average over all token positions of running text; layerdiv measures at "
@@ -213,12 +215,6 @@ def _summary(
     )
 
 
-def _tag(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
-    return frame.select(
-        pl.lit(info.model).alias("model"), pl.lit(info.task).alias("task"), pl.all()
-    )
-
-
 # --- Gram matrix angles (extract --gram) ----------------------------------------------------------
 
 
@@ -368,18 +364,18 @@ def depth_decay(geometry: pl.DataFrame, blocks: pl.DataFrame | None) -> pl.DataF
     the first (relative depth <= 1/2) and the second half of the stack."""
     rows = []
     sizes = pl.DataFrame() if blocks is None else blocks.sort("block")
-    for (model, task), sub in sizes.group_by("model", "task") if sizes.height else []:
+    for key, sub in sizes.group_by(*KEY) if sizes.height else []:
         fit = power_law_fit(
             sub["block"].to_numpy().astype(float), sub["rel_contribution"].to_numpy()
         )
-        rows.append({"model": model, "task": task, **fit})
-    fits = pl.DataFrame(rows, schema={"model": pl.String, "task": pl.String, **POWER_FIT_SCHEMA})
+        rows.append({**dict(zip(KEY, key, strict=True)), **fit})
+    fits = pl.DataFrame(rows, schema={**dict.fromkeys(KEY, pl.String), **POWER_FIT_SCHEMA})
     first = pl.col("relative_depth") <= 0.5
-    halves = geometry.group_by("model", "task").agg(
+    halves = geometry.group_by(*KEY).agg(
         *(pl.col(c).filter(first).mean().alias(f"{c}_first_half") for c in GEOMETRY),
         *(pl.col(c).filter(~first).mean().alias(f"{c}_second_half") for c in GEOMETRY),
     )
-    return halves.join(fits, on=["model", "task"], how="left").sort("model", "task")
+    return halves.join(fits, on=[*KEY], how="left").sort(*KEY)
 
 
 # --- all tables -----------------------------------------------------------------------------------
@@ -389,7 +385,7 @@ def _listing(parts: list[PartitionInfo], most: int = 4) -> str:
     """Partitions by model (``model (task, task)``), the first ``most`` models only."""
     tasks: dict[str, list[str]] = {}
     for p in parts:
-        tasks.setdefault(p.model, []).append(p.task)
+        tasks.setdefault(p.model, []).append(p.key.within_model)
     shown = [f"{m} ({', '.join(t)})" for m, t in list(tasks.items())[:most]]
     more = len(tasks) - most
     return "; ".join(shown) + (f" and {more} more model(s)" if more > 0 else "")
@@ -806,7 +802,7 @@ def skip_summary(skip_effects: pl.DataFrame) -> pl.DataFrame:
     blocks' effects, sum |IE| / sum (|DE| + |IE|) (``share``, METHODS.md section 7)."""
     second = pl.col("relative_depth") > 0.5
     return (
-        skip_effects.group_by("model", "task")
+        skip_effects.group_by(*KEY)
         .agg(
             pl.col("accuracy").first(),
             pl.col("accuracy_without").filter(~second).mean().alias("acc_1"),
@@ -818,7 +814,7 @@ def skip_summary(skip_effects: pl.DataFrame) -> pl.DataFrame:
                 / (pl.col("direct_effect") + pl.col("indirect_effect")).sum()
             ).alias("share"),
         )
-        .sort("model", "task")
+        .sort(*KEY)
     )
 
 

@@ -41,6 +41,7 @@ from layerdiv.analyze.registry import (
     register,
 )
 from layerdiv.store import PartitionInfo, Store, StoreError
+from layerdiv.store.key import KEY
 
 HOW_TO_EXTRACT = (
     "extract them with `layerdiv extract --heads` for the same model and task (it adds the heads "
@@ -62,7 +63,7 @@ def has_heads(info: PartitionInfo) -> bool:
 
 def require_heads(parts: Iterable[PartitionInfo]) -> None:
     """Refuse (one line) partitions without a heads table."""
-    missing = [f"{p.model}/{p.task}" for p in parts if not has_heads(p)]
+    missing = [p.key.label for p in parts if not has_heads(p)]
     if missing:
         raise NoHeadsError(f"no heads stored for {', '.join(missing)}: {HOW_TO_EXTRACT}")
 
@@ -119,7 +120,7 @@ def load_heads(info: PartitionInfo) -> pl.DataFrame:
     )
     if not covered:
         raise StoreError(
-            f"partition model={info.model} task={info.task}: its {rows.height} heads rows do not "
+            f"{info.where}: its {rows.height} heads rows do not "
             f"hold the same heads of every attention component for its {n} instances, each "
             "option once; re-extract it with --heads --overwrite"
         )
@@ -433,19 +434,19 @@ def heads_tables(
         )
         summary = summary_row(_full_scores(wide, k_opts), comps, first_estimator)
         n = _n_instances(wide)
-        summaries.append({"model": info.model, "task": info.task, "n_instances": n, **summary})
+        summaries.append({**dict(info.key.items()), "n_instances": n, **summary})
         if not reweight:
             continue
         if n <= n_train:
             notes.append(
-                f"Reweighting skipped for {info.model}/{info.task}: {n} instances, it needs more "
+                f"Reweighting skipped for {info.key.label}: {n} instances, it needs more "
                 f"than the {n_train} it trains on."
             )
             continue
         row, weights = reweight_partition(info, wide, heads, n_train, seed)
-        reweights.append({"model": info.model, "task": info.task, **row})
+        reweights.append({**dict(info.key.items()), **row})
         frames["reweight_weights"].append(tagged(weights, info))
-    missing = [f"{p.model}/{p.task}" for p in parts if not has_heads(p)]
+    missing = [p.key.label for p in parts if not has_heads(p)]
     if missing:
         notes.append(
             f"No heads stored for {', '.join(missing)} (their components only in the heads "
@@ -460,7 +461,7 @@ def heads_tables(
     return out
 
 
-_NAMES = {"model": pl.String, "task": pl.String}
+_NAMES = dict.fromkeys(KEY, pl.String)
 TABLES: dict[str, dict[str, type[pl.DataType] | pl.DataType]] = {
     "head_scores": {
         **_NAMES,
@@ -649,7 +650,7 @@ def heads_section(ctx: ReportContext) -> str:
     summary, scores = tables["head_summary"], tables["head_scores"]
     scores = scores.filter(pl.col("estimator") == estimator)
     rows = []
-    for r in summary.sort("model", "task").iter_rows(named=True):
+    for r in summary.sort(*KEY).iter_rows(named=True):
         heads = (
             f"no heads stored {DASH} `extract --heads`"
             if r["n_heads"] is None
@@ -711,13 +712,13 @@ def heads_section(ctx: ReportContext) -> str:
     if scores.height:
         top = (
             scores.sort("calibrated_accuracy", "accuracy", descending=True)
-            .group_by("model", "task", maintain_order=True)
+            .group_by(*KEY, maintain_order=True)
             .head(TOP_HEADS)
             .join(
-                summary.select("model", "task", pl.col("accuracy").alias("full")),
-                on=["model", "task"],
+                summary.select(*KEY, pl.col("accuracy").alias("full")),
+                on=[*KEY],
             )
-            .sort("model", "task", "calibrated_accuracy", descending=[False, False, True])
+            .sort(*KEY, "calibrated_accuracy", descending=[False, False, True])
         )
         parts += [
             f"### Top {TOP_HEADS} heads per task by calibrated accuracy",
@@ -785,7 +786,7 @@ def heads_section(ctx: ReportContext) -> str:
                         _pct(r["reweighted_accuracy"]),
                         f"{r['n_nonzero']} of {r['n_members']}",
                     ]
-                    for r in reweight.sort("model", "task").iter_rows(named=True)
+                    for r in reweight.sort(*KEY).iter_rows(named=True)
                 ],
             ),
         ]

@@ -25,25 +25,19 @@ from layerdiv.analyze.registry import (
     map_partitions,
     register,
 )
+from layerdiv.analyze.text import tag as tagged
 from layerdiv.schemas import COMPONENT_KINDS
 from layerdiv.store import PartitionInfo
+from layerdiv.store.key import KEY
 
 # --- tables --------------------------------------------------------------------------------
-
-
-def tagged(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
-    """``frame`` with the partition's ``model`` and ``task`` as its first columns."""
-    return frame.select(
-        pl.lit(info.model).alias("model"), pl.lit(info.task).alias("task"), pl.all()
-    )
 
 
 def _component_names(parts: list[PartitionInfo]) -> pl.DataFrame:
     return pl.DataFrame(
         [
             {
-                "model": p.model,
-                "task": p.task,
+                **dict(p.key.items()),
                 "j": j,
                 "component": j - 1,
                 "name": c.name,
@@ -53,8 +47,7 @@ def _component_names(parts: list[PartitionInfo]) -> pl.DataFrame:
             for j, c in enumerate(p.manifest.components, start=1)
         ],
         schema={
-            "model": pl.String,
-            "task": pl.String,
+            **dict.fromkeys(KEY, pl.String),
             "j": pl.Int16,
             "component": pl.Int16,
             "name": pl.String,
@@ -73,9 +66,9 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
         """The partition's instance scores (to spill) and the aggregates kept of it."""
         scores = partition_scores(info, ctx.lens)
         instances = scores.instances.sort("estimator", "instance")
-        n_options = manifests.filter(
-            (pl.col("model") == info.model) & (pl.col("task") == info.task)
-        ).select("model", "task", "n_options")
+        n_options = manifests.join(
+            pl.DataFrame([dict(info.key.items())]), on=[*KEY], how="semi"
+        ).select(*KEY, "n_options")
         info_curves = stats.information_curves(tagged(scores.prefix_preds, info), n_options)
         return tagged(instances, info), {
             "curves": tagged(scores.curves, info),
@@ -114,11 +107,11 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
 
     curves = (
         gather("curves")
-        .join(_component_names(ctx.parts), on=["model", "task", "j"])
+        .join(_component_names(ctx.parts), on=[*KEY, "j"])
         .with_columns(  # METHODS.md section 7: j / L, so that models of different depth overlay
-            (pl.col("j") / pl.col("j").max().over("model", "task")).alias("relative_depth")
+            (pl.col("j") / pl.col("j").max().over(*KEY)).alias("relative_depth")
         )
-        .sort("model", "task", "estimator", "j")
+        .sort(*KEY, "estimator", "j")
     )
     counts = gather("counts")
     corr = stats.correlations(curves)
@@ -147,15 +140,14 @@ def _score_table(
     curves: pl.DataFrame, counts: pl.DataFrame, golds: pl.DataFrame, manifests: pl.DataFrame
 ) -> pl.DataFrame:
     """The full-stack scores: the curves at j = L, with sizes and the majority baseline."""
-    sizes = manifests.select("model", "task", "n_components", "n_options")
+    sizes = manifests.select(*KEY, "n_components", "n_options")
     return (
-        curves.join(sizes, on=["model", "task"])
+        curves.join(sizes, on=[*KEY])
         .filter(pl.col("j") == pl.col("n_components"))
-        .join(counts, on=["model", "task", "estimator"])
-        .join(stats.majority_baseline(golds), on=["model", "task"])
+        .join(counts, on=[*KEY, "estimator"])
+        .join(stats.majority_baseline(golds), on=[*KEY])
         .select(
-            "model",
-            "task",
+            *KEY,
             "estimator",
             "n_instances",
             "n_components",
@@ -164,7 +156,7 @@ def _score_table(
             "majority_accuracy",
             "majority_option",
         )
-        .sort("model", "task", "estimator")
+        .sort(*KEY, "estimator")
     )
 
 
@@ -172,7 +164,7 @@ def _module_shares(sums: pl.DataFrame, counts: pl.DataFrame) -> pl.DataFrame:
     """bias_X, diversity_X (means over instances and components of kind X) and the shares
     share_X = |X| bias_X / (L bias) = sum over X / sum over all components (paper Eqs. 9-10,
     Fig. 4), from the per-partition sums."""
-    by = ["model", "task", "estimator"]
+    by = [*KEY, "estimator"]
     n = pl.col("n_instances") * pl.col("n_components")
     return (
         sums.join(counts, on=by)
@@ -209,7 +201,7 @@ def table1(ctx: ReportContext) -> str:
         unit = metric.unit(ctx.estimator)
         cells: Cells = {
             (m, t): fmt(v, unit.scale, unit.digits)
-            for m, t, v in frame.select("model", "task", metric.name).iter_rows()
+            for m, t, v in frame.select(*KEY, metric.name).iter_rows()
         }
         avg = frame.group_by("model").agg(pl.col(metric.name).mean())
         cells.update({(m, None): fmt(v, unit.scale, unit.digits) for m, v in avg.iter_rows()})
@@ -238,9 +230,7 @@ def correlation_table(ctx: ReportContext) -> str:
         means = means.with_columns(pl.lit("").alias("mark"))
         pairs: dict[tuple[str | None, str | None], dict[str, str]] = {}
         for frame in (tested, means):
-            for m, t, method, r, mark in frame.select(
-                "model", "task", "method", "r", "mark"
-            ).iter_rows():
+            for m, t, method, r, mark in frame.select(*KEY, "method", "r", "mark").iter_rows():
                 pairs.setdefault((m, t), {})[method] = fmt(r, digits=2) + mark
         cells: Cells = {
             key: " / ".join(v.get(x, DASH) for x in stats.METHODS) for key, v in pairs.items()
@@ -326,7 +316,7 @@ def saturation_table(ctx: ReportContext) -> str:
     cells: Cells = {
         (m, t): f"{j}/{n}"
         for m, t, j, n in ctx.tables["saturation"]
-        .select("model", "task", "saturation_j", "n_components")
+        .select(*KEY, "saturation_j", "n_components")
         .iter_rows()
     }
     return model_task_table(cells, ctx.names, avg=False)
@@ -466,7 +456,7 @@ def module_figure(ctx: ReportContext, path: Path) -> Path:
 def curves_figure(ctx: ReportContext, lens: str, model: str, path: Path) -> Path:
     """Fig. 5 for one model: accuracy, MSE, bias and diversity of the first j components,
     z-scored across j, one panel per task."""
-    by = ["model", "task", "estimator"]
+    by = [*KEY, "estimator"]
     frame = (
         ctx.tables["curves"]
         .filter((pl.col("model") == model) & (pl.col("estimator") == ctx.estimator))
@@ -577,7 +567,7 @@ DASHES = {"-": "solid", "--": "dash", "-.": "dashdot", ":": "dot"}
 def curves_plotly(ctx: ReportContext, lens: str, model: str) -> object:
     """Fig. 5 for one model, interactive: the z-scored curves of :func:`curves_figure`; hover
     shows the component added at j and the metric's value in its unit."""
-    by = ["model", "task", "estimator"]
+    by = [*KEY, "estimator"]
     frame = (
         ctx.tables["curves"]
         .filter((pl.col("model") == model) & (pl.col("estimator") == ctx.estimator))

@@ -20,6 +20,7 @@ from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
 from layerdiv.analyze.text import TEXT_KIND, BlockStats, tag, text_passes
+from layerdiv.store.key import KEY
 
 
 def geometry_table(stats: BlockStats, blocks: int) -> pl.DataFrame:
@@ -158,13 +159,13 @@ def summary_rows(table: pl.DataFrame, names: dict[str, str]) -> list[list[str]]:
     second = pl.col("relative_depth") > 0.5
     columns = ("attn_rel_mean", "mlp_rel_mean", "theta_state_mean", "theta_update_mean")
     halves = (
-        table.group_by("model", "task")
+        table.group_by(*KEY)
         .agg(
             pl.col("n_tokens").first(),
             *(pl.col(c).filter(~second).mean().alias(f"{c}_1") for c in columns),
             *(pl.col(c).filter(second).mean().alias(f"{c}_2") for c in columns),
         )
-        .sort("model", "task")
+        .sort(*KEY)
     )
     return [
         [

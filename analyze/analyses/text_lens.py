@@ -25,6 +25,7 @@ from layerdiv.analyze.registry import (
 )
 from layerdiv.analyze.text import TEXT_KIND, batches, combine, sums, tag, with_table
 from layerdiv.store import PartitionInfo
+from layerdiv.store.key import KEY
 
 LENS = ("kl", "top5_overlap", "ce")
 """Per-token lens columns of ``token_lens``."""
@@ -116,9 +117,8 @@ def report(ctx: ReportContext) -> str:
     table = ctx.tables["text_lens"]
     names = plots.short_names(ctx.names)
     rows = []
-    for (model, task), sub in table.sort("model", "task", "layer").group_by(
-        "model", "task", maintain_order=True
-    ):
+    for _key, sub in table.sort(*KEY, "layer").group_by(*KEY, maintain_order=True):
+        model, task = sub["model"][0], sub["task"][0]
         mid = sub.filter(pl.col("layer") == sub["layer"].max() // 2)  # type: ignore[operator]
         out = sub.tail(1)
         rows.append(

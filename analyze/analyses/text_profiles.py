@@ -54,6 +54,7 @@ from layerdiv.analyze.text import (
     with_table,
 )
 from layerdiv.store import PartitionInfo
+from layerdiv.store.key import KEY
 
 PCA_COMPONENTS = 5
 """Principal components of the theta_state profiles kept per partition."""
@@ -115,13 +116,13 @@ def update_fit(geometry: pl.DataFrame) -> pl.DataFrame:
     """``text_update_fit``: per (model, task, metric), mean update size of block l = a * l^(-beta)
     on log-log axes (METHODS.md section 9), l = block + 1."""
     rows = []
-    for (model, task), sub in geometry.sort("block").group_by("model", "task", maintain_order=True):
+    for key, sub in geometry.sort("block").group_by(*KEY, maintain_order=True):
         depth = sub["block"].to_numpy().astype(float) + 1
         for metric in FIT_METRICS:
             fit = power_law_fit(depth, sub[f"{metric}_mean"].cast(pl.Float64).to_numpy())
-            rows.append({"model": model, "task": task, "metric": metric, **fit})
-    schema = {"model": pl.String, "task": pl.String, "metric": pl.String, **POWER_FIT_SCHEMA}
-    return pl.DataFrame(rows, schema=schema).sort("model", "task", "metric")
+            rows.append({**dict(zip(KEY, key, strict=True)), "metric": metric, **fit})
+    schema = {**dict.fromkeys(KEY, pl.String), "metric": pl.String, **POWER_FIT_SCHEMA}
+    return pl.DataFrame(rows, schema=schema).sort(*KEY, "metric")
 
 
 def depth_scores(out_max: pl.DataFrame) -> pl.DataFrame:
@@ -315,14 +316,13 @@ def report(ctx: ReportContext) -> str:
         tables["text_early_stop"],
     )
     rows = []
-    for (model, task), sub in pca.group_by("model", "task", maintain_order=True):
+    for _key, sub in pca.group_by(*KEY, maintain_order=True):
+        model, task = sub["model"][0], sub["task"][0]
         ratios = sub.sort("component")["explained_ratio"].to_list()
-        fit = fits.filter(
-            (pl.col("model") == model)
-            & (pl.col("task") == task)
-            & (pl.col("metric") == "theta_state")
+        fit = fits.join(sub.select(*KEY).head(1), on=[*KEY], how="semi").filter(
+            pl.col("metric") == "theta_state"
         )
-        stops = early.filter((pl.col("model") == model) & (pl.col("task") == task))
+        stops = early.join(sub.select(*KEY).head(1), on=[*KEY], how="semi")
         share = int(stops["n_early"].sum()) / max(int(stops["n_tokens"].sum()), 1)
         beta = (
             f"{fmt(fit['beta'][0], digits=2)} ± {fmt(fit['beta_se'][0], digits=2)}"

@@ -33,6 +33,7 @@ from layerdiv.analyze.registry import (
 )
 from layerdiv.analyze.text import TEXT_KIND, batches, combine, sums, tag, with_table
 from layerdiv.store import PartitionInfo
+from layerdiv.store.key import KEY
 
 SKIP_ROWS = 1 << 20
 """Rows of ``future_effects`` / ``future_output`` read at once."""
@@ -136,9 +137,9 @@ def report(ctx: ReportContext) -> str:
     names = plots.short_names(ctx.names)
     top = (
         output.sort("out_change_max", descending=True)
-        .group_by("model", "task", "sublayer", maintain_order=True)
+        .group_by(*KEY, "sublayer", maintain_order=True)
         .first()
-        .sort("model", "task", "sublayer")
+        .sort(*KEY, "sublayer")
     )
     rows = [
         [

@@ -88,9 +88,8 @@ def partition_data(info: PartitionInfo, n: int | None) -> dict[str, Any]:
     logits = every[chosen]
     settle = settle_junction(logits)
     data: dict[str, Any] = {
-        "model": info.model,
+        **dict(info.key.items()),
         "model_id": m.model,
-        "task": info.task,
         "schema_version": m.schema_version,
         "options": list(m.options),
         "components": [c.name for c in m.components],
