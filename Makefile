@@ -44,7 +44,7 @@ pytest: $(BIN)/.installed browser
 # (docs/benchmarks.md). Each script's output goes to build/bench-quick/, shown when it fails.
 BENCHMARKS := $(shell grep -l '^if __name__ == "__main__":' benchmarks/*.py)
 
-bench-quick: $(BIN)/.installed
+bench-quick: $(BIN)/.installed browser
 	@mkdir -p build/bench-quick
 	@for script in $(BENCHMARKS); do \
 	  log=build/bench-quick/$$(basename $$script .py).log; start=$$(date +%s); \
