@@ -36,8 +36,7 @@ from typing import TYPE_CHECKING, Any
 from layerdiv.errors import LayerdivError, LayerdivWarning
 
 if TYPE_CHECKING:
-    from layerdiv.analyze.api import Results, ls, query
-    from layerdiv.analyze.api import analyze as run_analysis
+    from layerdiv.analyze.api import Results, ls, query, run_analysis
     from layerdiv.store.reader import PartitionInfo, Store
 
 __version__ = "0.1.0"
@@ -47,7 +46,7 @@ _EXPORTS = {
     "PartitionInfo": ("layerdiv.store.reader", "PartitionInfo"),
     "query": ("layerdiv.analyze.api", "query"),
     "ls": ("layerdiv.analyze.api", "ls"),
-    "run_analysis": ("layerdiv.analyze.api", "analyze"),
+    "run_analysis": ("layerdiv.analyze.api", "run_analysis"),
     "Results": ("layerdiv.analyze.api", "Results"),
 }
 _SUBPACKAGES = ("analyze", "store", "schemas", "tasks", "extract")

@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from layerdiv import __version__
-from layerdiv.analyze.options import ESTIMATORS, FORMATS, LENSES
+from layerdiv.analyze.options import ESTIMATORS, FORMATS, SCALES
 from layerdiv.errors import LayerdivError, LayerdivWarning
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig
 from layerdiv.extract.launchers import Shard, parse_shard, pick_device
@@ -371,13 +371,26 @@ tasks_option = click.option(
     metavar="NAME",
     help="Only this task; repeat for several. Default: all.",
 )
-lens_option = click.option(
-    "--lens",
-    type=click.Choice(LENSES),
-    default=LENSES[0],
+scale_option = click.option(
+    "--scale",
+    type=click.Choice(SCALES),
+    default=SCALES[0],
     show_default=True,
     help="Junction scores with the final norm's scale frozen, or each prefix rescaled by its "
-    "own rms (logit lens; METHODS.md sections 1 and 3).",
+    "own rms (methods §1, §3).",
+)
+
+
+def _renamed_lens(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        raise click.UsageError(
+            f"--lens {value}: the junction scale is now --scale ({' | '.join(SCALES)}); the logit "
+            "lens of running text is an extraction option (layerdiv extract --lens)"
+        )
+
+
+renamed_lens_option = click.option(
+    "--lens", hidden=True, expose_value=False, callback=_renamed_lens, help="Renamed --scale."
 )
 
 
@@ -407,12 +420,13 @@ reweight_option = click.option(
 
 
 def analysis_options(command: Callable[..., None]) -> Callable[..., None]:
-    """The store, selection, lens, model-size and analysis options shared by ``analyze`` and
-    ``report``."""
+    """The store, selection, junction scale, model-size and analysis options shared by
+    ``analyze`` and ``report``."""
     for option in (
         reweight_option,
         min_params_option,
-        lens_option,
+        scale_option,
+        renamed_lens_option,
         tasks_option,
         models_option,
         store_option,
@@ -443,7 +457,7 @@ def analyze_command(
     store: str,
     models: tuple[str, ...],
     tasks: tuple[str, ...],
-    lens: Any,
+    scale: Any,
     min_params: float,
     reweight: bool,
     out: str,
@@ -456,7 +470,7 @@ def analyze_command(
 
     refuse_inside(out, store)
     options = {"reweight": reweight}
-    results = analyze(store, models, tasks, lens, min_params, progress=True, options=options)
+    results = analyze(store, models, tasks, scale, min_params, progress=True, options=options)
     results.write(out, fmt)
     click.echo(f"wrote {len(results.names())} tables ({fmt}) to {out}")
     for note in results.notes:
@@ -471,7 +485,7 @@ def analyze_command(
     type=click.Choice(ESTIMATORS),
     default=ESTIMATORS[0],
     show_default=True,
-    help="Which MSE/bias/diversity estimator the report shows (METHODS.md section 2).",
+    help="Which MSE/bias/diversity estimator the report shows (methods §2).",
 )
 @click.option(
     "--out",
@@ -501,7 +515,7 @@ def report_command(
     store: str,
     models: tuple[str, ...],
     tasks: tuple[str, ...],
-    lens: Any,
+    scale: Any,
     min_params: float,
     reweight: bool,
     estimator: Any,
@@ -528,7 +542,7 @@ def report_command(
     n_explorer = None if explorer_instances == "all" else int(explorer_instances)
     refuse_inside(out, store)
     options = {"reweight": reweight}
-    results = analyze(store, models, tasks, lens, min_params, progress=True, options=options)
+    results = analyze(store, models, tasks, scale, min_params, progress=True, options=options)
     path, notes = write_report(results, out, estimator, store, formats, n_explorer)
     click.echo(f"wrote {path}")
     for note in notes:
@@ -669,12 +683,14 @@ def preview(relation: Any, max_rows: int) -> Iterator[str]:
 def ls_command(store: str, models: tuple[str, ...], tasks: tuple[str, ...]) -> None:
     """List what the store holds: models, tasks, instance counts, extraction dates; and every
     partition that cannot be read (exit 1)."""
-    from layerdiv.analyze.api import ls
+    from layerdiv.analyze.api import ls, weights_notes
     from layerdiv.store import Store
 
     st = Store(store)
     table = ls(st, models, tasks)
-    click.echo(show(table))
+    click.echo(show(table.drop("weights")))
+    for line in weights_notes(table):
+        click.echo(f"Note: {line}")
     for note in st.incomplete(models, tasks):
         click.echo(f"Note: {note}")
     fail_after(st.problems(models, tasks))

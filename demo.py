@@ -111,6 +111,10 @@ DEMO_TASKS = (
 )
 
 
+SKIPS_TASK = "tweets2"
+"""The choice task the demo also extracts with ``--skips`` (the shortest prompts: the layer-skip
+effects cost about (blocks + 1) / 2 forward passes), so that the report shows every section."""
+
 TEXT_TASK = "bbc-text"
 """The demo's running-text task: BBC News articles as running text (extracted with ``--lens``
 and ``--skips``)."""
@@ -200,10 +204,12 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     store, results_dir, report_dir = out / "store", out / "results", out / "report"
     tasks = write_demo_tasks(out / "tasks", n, seed, store)
     print(f"\nExtracting {DEMO_MODEL} on {', '.join(p.stem for p in tasks)} into {store}")
-    choice = [str(p) for p in tasks if p.stem != TEXT_TASK]
+    choice = [str(p) for p in tasks if p.stem not in (TEXT_TASK, SKIPS_TASK)]
+    skips = [str(p) for p in tasks if p.stem == SKIPS_TASK]
     text = [str(p) for p in tasks if p.stem == TEXT_TASK]
     for config in (
         ExtractConfig(DEMO_MODEL, choice, store, gram=True, heads=True),
+        ExtractConfig(DEMO_MODEL, skips, store, gram=True, heads=True, skips=True),
         ExtractConfig(DEMO_MODEL, text, store, lens="final", skips=True),
     ):
         for s in run_extract(config):

@@ -18,11 +18,12 @@ if TYPE_CHECKING:
         ls,
         open_store,
         query,
+        run_analysis,
         scores,
         task_summary,
     )
     from layerdiv.analyze.decomposition import instance_curves
-    from layerdiv.analyze.options import ESTIMATORS, LENSES
+    from layerdiv.analyze.options import ESTIMATORS, SCALES
 
 _EXPORTS = {
     "Results": "api",
@@ -31,10 +32,11 @@ _EXPORTS = {
     "ls": "api",
     "open_store": "api",
     "query": "api",
+    "run_analysis": "api",
     "scores": "api",
     "task_summary": "api",
     "ESTIMATORS": "options",
-    "LENSES": "options",
+    "SCALES": "options",
     "instance_curves": "decomposition",
 }
 
@@ -53,7 +55,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "ESTIMATORS",
-    "LENSES",
+    "SCALES",
     "Results",
     "analyze",
     "instance_curves",
@@ -61,6 +63,7 @@ __all__ = [
     "ls",
     "open_store",
     "query",
+    "run_analysis",
     "scores",
     "task_summary",
 ]

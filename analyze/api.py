@@ -21,7 +21,7 @@ from typing import Any
 import polars as pl
 
 from layerdiv.analyze.decomposition import instance_curves
-from layerdiv.analyze.options import ESTIMATORS, FORMATS, LENSES, Estimator, Lens
+from layerdiv.analyze.options import ESTIMATORS, FORMATS, SCALES, Estimator, Scale
 from layerdiv.analyze.registry import Context, partition_engine, registered
 from layerdiv.analyze.spill import Spill
 from layerdiv.errors import LayerdivError, LayerdivWarning
@@ -34,11 +34,7 @@ StoreLike = Store | str | Path
 
 
 class AnalysisError(LayerdivError, ValueError):
-    """An analysis asked for with an unknown option, estimator or lens."""
-
-
-class QueryError(LayerdivError, ValueError):
-    """SQL that DuckDB refuses on the views of a store."""
+    """An analysis asked for with an unknown option, estimator or scale."""
 
 
 def open_store(store: StoreLike) -> Store:
@@ -58,7 +54,7 @@ class Results:
     components (1 = the embedding alone, L = the full stack).
 
     ``manifests``: per (model, task), provenance of the analysed partitions (``Store.manifests``).
-    The ``paper`` analysis (METHODS.md sections 2-6) adds:
+    The ``paper`` analysis (methods §2-6) adds:
 
     - ``scores``: per (model, task, estimator): accuracy, mse, bias, diversity of the full stack
       (means over instances), n_instances, n_components, n_options, majority_accuracy.
@@ -66,17 +62,17 @@ class Results:
       diversity (spilled: kept on disk, read when asked for).
     - ``curves``: per (model, task, estimator, j): accuracy, mse, bias, diversity of the first j
       components (means over instances), relative_depth j / L, and the index (``component`` =
-      j - 1, as in the store), name and kind of component j (section 3).
+      j - 1, as in the store), name and kind of component j (methods §3).
     - ``modules``: per (model, task, estimator, kind X): n_components |X|, bias and diversity
       (means over instances and the components of kind X), bias_share, diversity_share (Eqs. 9-10).
     - ``correlations``: per (model, task, estimator, metric, method): r, p, significant
-      (section 4); ``correlation_means``: their Fisher-z averages over tasks, models and overall.
+      (methods §4); ``correlation_means``: their Fisher-z averages over tasks, models and overall.
     - ``depth_curves``: per (model, estimator, j): accuracy and mse averaged over tasks, with
       marginal gains; ``depth_fits``: per (model, estimator): acc = a + b log j and
-      mse = c / j^alpha + L0, with errors (section 5).
+      mse = c / j^alpha + L0, with errors (methods §5).
     - ``information_curves``: per (model, task, j): I(prefix_j; Y), its gain, error and Eq. 12
       bounds; ``information``: per (model, task): H(Y), relevancy, I(full; Y), bounds, error, gains
-      by half (section 6).
+      by half (methods §6).
     - ``saturation``: per (model, task): the depth at which accuracy saturates.
 
     Every other registered analysis (:mod:`layerdiv.analyze.registry`) adds its own tables.
@@ -87,7 +83,7 @@ class Results:
 
     by_name: dict[str, pl.DataFrame]
     """The tables held in memory (every table but the spilled ones)."""
-    lens: Lens
+    scale: Scale
     min_params: float
     notes: list[str] = field(default_factory=list)
     """Lines for the user from the analyses (e.g. what could not be computed and how to get it)."""
@@ -96,20 +92,37 @@ class Results:
     spill: Spill = field(default_factory=Spill, repr=False)
     """The spilled tables (their folder is removed with these results)."""
     settings: dict[str, Any] = field(default_factory=dict)
-    """How they were computed (store, models, tasks, lens, min_params, options): what
+    """How they were computed (store, models, tasks, scale, min_params, options): what
     :meth:`write` records in the folder's index."""
     analyses: list[str] = field(default_factory=list)
     """The registered analyses that ran: those whose task kinds the selection holds."""
 
-    def __getattr__(self, name: str) -> pl.DataFrame:
+    def _table(self, name: str) -> pl.DataFrame | None:
         tables = self.__dict__.get("by_name", {})
         if name in tables:
             return tables[name]
         spill = self.__dict__.get("spill")
         if spill is not None and name in spill.names():
             return spill.tables()[name].collect()
-        every = ", ".join([*tables, *(spill.names() if spill is not None else [])])
-        raise AttributeError(f"no result table {name!r}; the tables are {every}")
+        return None
+
+    def _missing(self, name: str) -> str:
+        spill = self.__dict__.get("spill")
+        every = [*self.__dict__.get("by_name", {}), *(spill.names() if spill is not None else [])]
+        return f"no result table {name!r}; the tables are {', '.join(every)}"
+
+    def __getattr__(self, name: str) -> pl.DataFrame:
+        table = self._table(name)
+        if table is None:
+            raise AttributeError(self._missing(name))
+        return table
+
+    def __getitem__(self, name: str) -> pl.DataFrame:
+        """``results["scores"]`` is ``results.scores``."""
+        table = self._table(name)
+        if table is None:
+            raise KeyError(self._missing(name))
+        return table
 
     def __dir__(self) -> list[str]:
         return sorted({*super().__dir__(), *self.names()})
@@ -129,7 +142,7 @@ class Results:
         shapes = self.shapes()
         width = max(map(len, shapes), default=0)
         lines = [
-            f"Results(lens={self.lens!r}, min_params={self.min_params:g}): {len(shapes)} tables",
+            f"Results(scale={self.scale!r}, min_params={self.min_params:g}): {len(shapes)} tables",
             *(
                 f"  {n:<{width}}  {r:>8,} x {c}{'  (empty)' if not r else ''}"
                 for n, (r, c) in shapes.items()
@@ -146,7 +159,7 @@ class Results:
         )
         notes = "".join(f"<li>{html.escape(line)}</li>" for line in [*self.notes, *self.problems])
         return (
-            f"<p><b>Results</b> (lens <code>{html.escape(self.lens)}</code>, min_params "
+            f"<p><b>Results</b> (scale <code>{html.escape(self.scale)}</code>, min_params "
             f"{self.min_params:g}): {len(self.names())} tables, each an attribute "
             "(<code>results.scores</code>)</p>"
             f"<table><tr><th>table</th><th>rows</th><th>columns</th></tr>{rows}</table>"
@@ -180,34 +193,43 @@ class Results:
 
 
 @partition_engine
-def analyze(
+def run_analysis(
     store: StoreLike,
     models: Names = (),
     tasks: Names = (),
-    lens: Lens = "final",
+    scale: Scale = "final",
     min_params: float = 0,
     progress: bool = False,
     options: Mapping[str, Any] | None = None,
+    *,
+    lens: str | None = None,
 ) -> Results:
     """Run every registered analysis (:func:`~layerdiv.analyze.registry.registered`) on the
-    selected partitions (``layerdiv.run_analysis``).
+    selected partitions (``layerdiv.run_analysis``; ``analyze`` in this module is the same
+    function).
 
     ``models`` (hub ids or slugs) and ``tasks`` filter the store (a name or a list; empty = all);
-    ``lens`` is ``final`` or ``prefix`` (METHODS.md 3); ``min_params`` restricts the
+    ``scale`` is ``final`` or ``prefix`` (methods §3; ``lens=``, its former name, is refused
+    with a message naming it); ``min_params`` restricts the
     depth-efficiency tables to models with at least that many parameters (the paper's Fig. 6 uses
     1e9); ``options`` are analysis-specific switches (e.g. ``{"reweight": True}``). Unknown
     names and options raise a ``LayerdivError`` listing the known ones. What could not be
     computed is in ``Results.notes`` and is also warned (``LayerdivWarning``); unreadable
     partitions outside the filters are left out and listed in ``Results.problems``.
 
-    >>> results = analyze(path, models="org/small", tasks=["boolq", "mnli"])
+    >>> results = run_analysis(path, models="org/small", tasks=["boolq", "mnli"])
     >>> sorted(results.scores["task"].unique())
     ['boolq', 'mnli']
-    >>> analyze(path, options={"reweigth": True})
+    >>> run_analysis(path, options={"reweigth": True})
     Traceback (most recent call last):
     layerdiv.analyze.api.AnalysisError: unknown option 'reweigth': use one of reweight
     """
-    _choice("lens", lens, LENSES)
+    if lens is not None:
+        raise AnalysisError(
+            f"lens={lens!r}: the junction scale is now the keyword scale= ({', '.join(SCALES)}); "
+            "the logit lens of running text is extract --lens"
+        )
+    _choice("scale", scale, SCALES)
     analyses = registered()
     known = {k: v for a in analyses for k, v in a.options.items()}
     for key in options or {}:
@@ -217,7 +239,7 @@ def analyze(
     ctx = Context(
         store=st,
         parts=st.select(models, tasks),
-        lens=lens,
+        scale=scale,
         min_params=min_params,
         progress=progress,
         options=dict(options or {}),
@@ -241,25 +263,29 @@ def analyze(
         "store": str(st.root),
         "models": models,
         "tasks": tasks,
-        "lens": lens,
+        "scale": scale,
         "min_params": min_params,
         **dict(options or {}),
     }
     problems = st.problems(models, tasks)
-    return Results(tables, lens, min_params, ctx.notes, problems, ctx.spill, settings, ran)
+    return Results(tables, scale, min_params, ctx.notes, problems, ctx.spill, settings, ran)
+
+
+analyze = run_analysis
+"""The same function under the module's former name (``layerdiv analyze`` calls it)."""
 
 
 def scores(
-    store: StoreLike, models: Names = (), tasks: Names = (), lens: Lens = "final"
+    store: StoreLike, models: Names = (), tasks: Names = (), scale: Scale = "final"
 ) -> pl.DataFrame:
     """Per (model, task, estimator): full-stack accuracy, MSE, bias and diversity with the
     majority-class baseline (``analyze(...).scores``)."""
-    return analyze(store, models, tasks, lens).scores
+    return analyze(store, models, tasks, scale).scores
 
 
 @partition_engine
 def junction_curves(
-    store: StoreLike, models: Names = (), tasks: Names = (), lens: Lens = "final"
+    store: StoreLike, models: Names = (), tasks: Names = (), scale: Scale = "final"
 ) -> pl.DataFrame:
     """Per (model, task, estimator, instance, j): the layer-addition scores of every instance
     before averaging (large: N x L x 2 rows per partition)."""
@@ -267,7 +293,7 @@ def junction_curves(
 
     st = open_store(store)
     return pl.concat(
-        [tagged(instance_curves(info, lens), info) for info in st.select(models, tasks)]
+        [tagged(instance_curves(info, scale), info) for info in st.select(models, tasks)]
     )
 
 
@@ -326,8 +352,16 @@ def ls(store: StoreLike, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
             "n_params",
             "dtype",
             "created_at",
+            "weights",
         )
     )
+
+
+def weights_notes(manifests: pl.DataFrame) -> list[str]:
+    """One line per model whose weights were made from the files given rather than loaded as
+    they are (the manifests' ``weights``, e.g. a GGUF quantization dequantized to float32)."""
+    rows = manifests.filter(pl.col("weights").is_not_null()).select("model_id", "weights")
+    return [f"{m}: weights {w}" for m, w in rows.unique(maintain_order=True).iter_rows()]
 
 
 def query(store: StoreLike, sql: str, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
@@ -347,14 +381,4 @@ def query(store: StoreLike, sql: str, models: Names = (), tasks: Names = ()) -> 
     │ mnli  ┆ 12  │
     └───────┴─────┘
     """
-    import duckdb
-
-    st = open_store(store)
-    con = st.duckdb(models, tasks)
-    try:
-        relation = con.sql(sql)
-        return relation.pl() if relation is not None else pl.DataFrame()
-    except duckdb.Error as err:
-        views = ", ".join([*st.tables(models, tasks), "manifests"])
-        first = str(err).strip().splitlines()[0]
-        raise QueryError(f"{first} (the views of this store are {views})") from err
+    return open_store(store).query(sql, models, tasks)

@@ -1,12 +1,12 @@
-"""Per-instance scores and layer-addition curves of one (model, task) partition (METHODS.md 2-3).
+"""Per-instance scores and layer-addition curves of one (model, task) partition (methods §2-3).
 
 Everything here is a Polars expression over one *wide* frame: one row per (instance, component c)
-in execution order, with the component's option logits ``u0 .. u{K-1}`` (u_c[k], METHODS.md
-section 1) and the instance's ``gold`` option. A junction point j (1-based) is the prefix of the
+in execution order, with the component's option logits ``u0 .. u{K-1}`` (u_c[k], methods
+§1) and the instance's ``gold`` option. A junction point j (1-based) is the prefix of the
 first j components; all its scores come from running sums over c <= j of per-component "member"
-terms, so every junction of every instance costs O(1) after one cumulative sum (``--lens final``).
+terms, so every junction of every instance costs O(1) after one cumulative sum (``--scale final``).
 
-Both estimators are one computation on different ensemble members (METHODS.md section 2):
+Both estimators are one computation on different ensemble members (methods §2):
 
 - ``paper``: the members are the logit vectors u_c; the prediction is softmax(ubar) (Eq. 14);
   diversity is the spread of the u_c around ubar in logit units (Eq. 8).
@@ -15,9 +15,9 @@ Both estimators are one computation on different ensemble members (METHODS.md se
 
 The bias term, mean_k (1/j) sum_c (y_k - p_c[k])^2 (Eq. 14), is the same for both.
 
-With ``--lens prefix`` the prefix's components are seen through the logit lens of junction j: every
+With ``--scale prefix`` the prefix's components are seen through the logit lens of junction j: every
 u_c (c <= j) is multiplied by a_j = final_rms / prefix_rms_j, so that their sum is lens_j of
-METHODS.md section 1. The softmax of a_j u_c depends on j, so the running sums become sums over
+methods §1. The softmax of a_j u_c depends on j, so the running sums become sums over
 all pairs c <= j (O(L^2) per instance); at j = L, a_L = 1 up to float32 rounding.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from layerdiv.analyze.options import ESTIMATORS, LENSES, Estimator, Lens
+from layerdiv.analyze.options import ESTIMATORS, SCALES, Estimator, Scale
 from layerdiv.store import PartitionInfo
 
 # Column names of the running sums over the members c of a prefix (per instance and junction j).
@@ -40,7 +40,7 @@ def _u(k: int) -> pl.Expr:
 
 
 def _y(k: int) -> pl.Expr:
-    """One-hot gold y_k (METHODS.md section 2)."""
+    """One-hot gold y_k (methods §2)."""
     return (pl.col("gold") == k).cast(pl.Float64)
 
 
@@ -67,10 +67,10 @@ def argmax(logits: list[pl.Expr]) -> pl.Expr:
 def with_member_terms(
     frame: pl.LazyFrame, k_opts: int, scale: pl.Expr | None = None
 ) -> pl.LazyFrame:
-    """Add the per-component terms whose sums over a prefix give every score of METHODS.md
-    section 2: u_c[k] (``sum_u{k}``), p_c[k] = softmax(u_c)[k] (Eq. 14, ``sum_p{k}``),
+    """Add the per-component terms whose sums over a prefix give every score of
+    methods §2: u_c[k] (``sum_u{k}``), p_c[k] = softmax(u_c)[k] (Eq. 14, ``sum_p{k}``),
     sum_k u_c[k]^2, sum_k p_c[k]^2 and sum_k (y_k - p_c[k])^2. ``scale`` multiplies each u_c
-    first (a_j of the prefix lens)."""
+    first (a_j of the prefix scale)."""
     u = [_u(k) if scale is None else _u(k) * scale for k in range(k_opts)]
     p = [pl.col(f"{_P}{k}") for k in range(k_opts)]
     return with_softmax(frame, u, _P).with_columns(
@@ -86,7 +86,7 @@ def _sum_names(k_opts: int) -> list[str]:
 
 
 def _prefix_sums_final(terms: pl.DataFrame, k_opts: int) -> pl.DataFrame:
-    """Running sums over c <= j of the member terms, per instance (``--lens final``, O(L))."""
+    """Running sums over c <= j of the member terms, per instance (``--scale final``, O(L))."""
     return terms.select(
         "instance",
         "gold",
@@ -96,21 +96,21 @@ def _prefix_sums_final(terms: pl.DataFrame, k_opts: int) -> pl.DataFrame:
 
 
 LENS_CHUNK_ROWS = 1 << 20
-"""The prefix lens expands each instance's L components into L(L+1)/2 pairs; instances are
+"""The prefix scale expands each instance's L components into L(L+1)/2 pairs; instances are
 processed in chunks of about this many pairs to bound memory."""
 
 
-def _prefix_sums_lens(wide: pl.DataFrame, k_opts: int, n_comp: int) -> pl.DataFrame:
+def _prefix_sums_scaled(wide: pl.DataFrame, k_opts: int, n_comp: int) -> pl.DataFrame:
     """Sums over c <= j of the member terms with every u_c scaled by a_j = final_rms /
-    prefix_rms_j (``--lens prefix``, METHODS.md section 1), from one row per pair (j, c <= j)."""
+    prefix_rms_j (``--scale prefix``, methods §1), from one row per pair (j, c <= j)."""
     per_chunk = n_comp * max(1, LENS_CHUNK_ROWS // (n_comp * (n_comp + 1) // 2))
     return pl.concat(
-        _lens_chunk(wide.slice(start, per_chunk), k_opts, n_comp)
+        _scaled_chunk(wide.slice(start, per_chunk), k_opts, n_comp)
         for start in range(0, wide.height, per_chunk)
     )
 
 
-def _lens_chunk(wide: pl.DataFrame, k_opts: int, n_comp: int) -> pl.DataFrame:
+def _scaled_chunk(wide: pl.DataFrame, k_opts: int, n_comp: int) -> pl.DataFrame:
     # ``wide`` is sorted by (instance, component) with n_comp rows per instance, so the member
     # row of pair (junction row r, component c) is r - component(r) + c.
     pairs = (
@@ -137,7 +137,7 @@ def _lens_chunk(wide: pl.DataFrame, k_opts: int, n_comp: int) -> pl.DataFrame:
 
 
 def _with_estimator_scores(frame: pl.LazyFrame, estimator: Estimator, k_opts: int) -> pl.LazyFrame:
-    """Add mse and diversity at junction j from the prefix sums (METHODS.md section 2, L -> j).
+    """Add mse and diversity at junction j from the prefix sums (methods §2, L -> j).
 
     Members m_c are u_c (``paper``) or p_c (``ensemble``); mbar = (1/j) sum_c m_c.
     diversity = mean_k (1/j) sum_c (mbar_k - m_c[k])^2 = (1/(jK)) sum_c sum_k m_c[k]^2
@@ -163,7 +163,7 @@ def _with_estimator_scores(frame: pl.LazyFrame, estimator: Estimator, k_opts: in
 def junction_scores(sums: pl.DataFrame, k_opts: int) -> pl.LazyFrame:
     """Per (estimator, instance, junction j): pred, correct, mse, bias, diversity.
 
-    pred_j = argmax_k sum_{c<=j} u_c[k] (METHODS.md section 3; a_j > 0 cannot change it);
+    pred_j = argmax_k sum_{c<=j} u_c[k] (methods §3; a_j > 0 cannot change it);
     bias = mean_k (1/j) sum_c (y_k - p_c[k])^2 (Eq. 14)."""
     j = pl.col("j").cast(pl.Float64)
     base = sums.lazy().with_columns(
@@ -223,14 +223,14 @@ class PartitionScores:
     """Per (component, pred, gold): number of instances whose u_c alone predicts ``pred``."""
 
 
-def load_wide(info: PartitionInfo, lens: Lens = "final") -> pl.DataFrame:
+def load_wide(info: PartitionInfo, scale: Scale = "final") -> pl.DataFrame:
     """The partition's components as one row per (instance, component), sorted, with columns
     instance, component, kind, pos (the instance's position 0..N-1), gold, final_rms,
-    u0..u{K-1} (float64) and, for the prefix lens, prefix_rms (rows checked by
+    u0..u{K-1} (float64) and, for the prefix scale, prefix_rms (rows checked by
     :meth:`PartitionInfo.read`)."""
     manifest = info.manifest
     k_opts, n_comp = len(manifest.options), len(manifest.components)
-    extra = ["prefix_rms"] if lens == "prefix" else []
+    extra = ["prefix_rms"] if scale == "prefix" else []
     rows, instances = info.read(["logit", *extra], ["gold", "final_rms"])
     kinds = pl.Series([c.kind for c in manifest.components], dtype=pl.String)
     wide = rows.select(
@@ -254,32 +254,32 @@ class _Prefixes:
     terms: pl.DataFrame
     """Member terms per (instance, component)."""
     frozen: pl.DataFrame
-    """Running sums with the final scale frozen (lens ``final``)."""
+    """Running sums with the final scale frozen (scale ``final``)."""
     sums: pl.DataFrame
-    """Prefix sums of the requested lens."""
+    """Prefix sums of the requested scale."""
 
 
-def _prefixes(info: PartitionInfo, lens: Lens) -> _Prefixes:
-    if lens not in LENSES:
-        raise ValueError(f"unknown lens {lens!r}: use one of {', '.join(LENSES)}")
+def _prefixes(info: PartitionInfo, scale: Scale) -> _Prefixes:
+    if scale not in SCALES:
+        raise ValueError(f"unknown scale {scale!r}: use one of {', '.join(SCALES)}")
     k_opts, n_comp = len(info.manifest.options), len(info.manifest.components)
-    wide = load_wide(info, lens)
+    wide = load_wide(info, scale)
     terms = with_member_terms(wide.lazy(), k_opts).collect()
     frozen = _prefix_sums_final(terms, k_opts)
-    sums = frozen if lens == "final" else _prefix_sums_lens(wide, k_opts, n_comp)
+    sums = frozen if scale == "final" else _prefix_sums_scaled(wide, k_opts, n_comp)
     return _Prefixes(wide, terms, frozen, sums)
 
 
-def instance_curves(info: PartitionInfo, lens: Lens = "final") -> pl.DataFrame:
+def instance_curves(info: PartitionInfo, scale: Scale = "final") -> pl.DataFrame:
     """Per (estimator, instance, junction j) of one partition: gold, pred, correct, mse, bias,
-    diversity (METHODS.md section 3 before the average over instances)."""
-    return junction_scores(_prefixes(info, lens).sums, len(info.manifest.options)).collect()
+    diversity (methods §3 before the average over instances)."""
+    return junction_scores(_prefixes(info, scale).sums, len(info.manifest.options)).collect()
 
 
-def partition_scores(info: PartitionInfo, lens: Lens = "final") -> PartitionScores:
-    """Sections 2-3 of METHODS.md (and the counts section 6 needs) for one partition."""
+def partition_scores(info: PartitionInfo, scale: Scale = "final") -> PartitionScores:
+    """Methods §2-3 (and the counts §6 needs) for one partition."""
     k_opts, n_comp = len(info.manifest.options), len(info.manifest.components)
-    pre = _prefixes(info, lens)
+    pre = _prefixes(info, scale)
     junctions = junction_scores(pre.sums, k_opts)
     curves, instances, prefix_preds, component_preds = pl.collect_all(
         [

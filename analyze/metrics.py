@@ -1,5 +1,5 @@
 """The metrics of the layer-addition curves, declared once: name, correlation sign, title, unit per
-estimator, METHODS.md section and plot style. Tables, correlations, reports and figures read them
+estimator, methods section and plot style. Tables, correlations, reports and figures read them
 from here.
 """
 
@@ -51,7 +51,7 @@ class Metric:
     its correlation with accuracy (paper Fig. 3, footnote 4)."""
     units: Mapping[Estimator, Unit]
     section: str
-    """METHODS.md section that defines it."""
+    """Section of the methods page that defines it (methods §N)."""
     color: str
     line: str
     """Matplotlib line style."""
@@ -94,4 +94,4 @@ METRICS: dict[str, Metric] = {
 """Every metric of a junction point, in table order."""
 
 CORRELATED: tuple[Metric, ...] = tuple(m for m in METRICS.values() if m is not ACCURACY)
-"""The metrics correlated with accuracy across junction points (METHODS.md section 4)."""
+"""The metrics correlated with accuracy across junction points (methods §4)."""

@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Literal
 
 Estimator = Literal["paper", "ensemble"]
-Lens = Literal["final", "prefix"]
+Scale = Literal["final", "prefix"]
 ESTIMATORS: tuple[Estimator, ...] = ("paper", "ensemble")
-"""The estimators of MSE, bias and diversity (METHODS.md section 2); the first is the default."""
-LENSES: tuple[Lens, ...] = ("final", "prefix")
-"""How junction scores scale a prefix (METHODS.md sections 1 and 3); the first is the default."""
+"""The estimators of MSE, bias and diversity (methods §2); the first is the default."""
+SCALES: tuple[Scale, ...] = ("final", "prefix")
+"""How junction scores scale a prefix (methods §1, §3); the first is the default."""
 FORMATS = ("parquet", "csv")
 """File formats of result tables; the first is the default."""
 REPORT_FORMATS = ("md", "html")

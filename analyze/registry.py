@@ -17,7 +17,7 @@ from typing import Any, TypeVar, cast
 
 import polars as pl
 
-from layerdiv.analyze.options import Estimator, Lens
+from layerdiv.analyze.options import Estimator, Scale
 from layerdiv.analyze.spill import Spill
 from layerdiv.store import PartitionInfo, Store
 
@@ -30,7 +30,7 @@ class Context:
     """The opened, checked store."""
     parts: list[PartitionInfo]
     """The selected partitions that hold data."""
-    lens: Lens
+    scale: Scale
     min_params: float
     progress: bool
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -57,8 +57,8 @@ class ReportContext:
     figures: Path
     """Folder for PNG figures; the report links them as ``figures/<file>``."""
     notes: list[str] = field(default_factory=list)
-    lens: Lens = "final"
-    """The lens the tables were computed with (METHODS.md section 3)."""
+    scale: Scale = "final"
+    """The scale the tables were computed with (methods §3)."""
     min_params: float = 0
     """The model-size filter of the depth-efficiency tables."""
     formats: tuple[str, ...] = ("md",)
@@ -84,6 +84,9 @@ class Analysis:
     options: Mapping[str, str] = field(default_factory=dict)
     """The keys of ``Context.options`` it reads, each with what it switches (the keys that
     ``run_analysis(options=...)`` accepts are those of every registered analysis)."""
+    methods: tuple[int | str, ...] = ()
+    """The sections of the methods page (:mod:`layerdiv.analyze.methods`) that define its
+    quantities; its report section links them under its heading."""
     kinds: tuple[str, ...] = ("choice",)
     """Task kinds (the manifest's ``kind``: ``choice``, ``text``) it applies to: it gets the
     selected partitions of those kinds only, and does not run (no tables, no section) when the

@@ -1,5 +1,5 @@
-"""Statistics over the layer-addition curves: correlations (METHODS.md section 4), depth efficiency
-(section 5), the information-theoretic view (section 6), and the demo's summaries.
+"""Statistics over the layer-addition curves: correlations (methods §4), depth efficiency
+(methods §5), the information-theoretic view (methods §6), and the demo's summaries.
 
 Inputs are the frames of :mod:`layerdiv.analyze.api` (``curves`` has one row per model, task,
 estimator and junction j; the count frames one row per prediction/gold pair). SciPy is imported
@@ -67,7 +67,7 @@ def fisher_z(r: pl.Expr) -> pl.Expr:
 
 
 def fisher_z_means(corr: pl.DataFrame) -> pl.DataFrame:
-    """Fisher-z averages of the correlations (METHODS.md section 4): tanh(mean(arctanh r)).
+    """Fisher-z averages of the correlations (methods §4): tanh(mean(arctanh r)).
 
     Rows with ``task`` null average a model over its tasks (the Avg. column); rows with
     ``model`` null average a task over models; the row with both null averages the per-task
@@ -96,7 +96,7 @@ def depth_curves(
     curves: pl.DataFrame, manifests: pl.DataFrame, min_params: float = 0
 ) -> pl.DataFrame:
     """Per (model, estimator, j): accuracy and MSE averaged over the model's tasks, and the
-    marginal gains of adding component j (METHODS.md section 5): accuracy_j - accuracy_{j-1} and
+    marginal gains of adding component j (methods §5): accuracy_j - accuracy_{j-1} and
     mse_{j-1} - mse_j (positive = better). Only models with n_params >= ``min_params``."""
     params = manifests.group_by("model").agg(pl.col("n_params").first())
     keep = params.filter(pl.col("n_params") >= min_params)
@@ -148,7 +148,7 @@ def array_degrees(cos: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 def power_law_fit(depth: np.ndarray, size: np.ndarray) -> dict[str, float | None]:
     """size = a * depth^(-beta): the least-squares line log size = log a - beta log depth
-    (METHODS.md sections 7 and 9; the inverse-depth paper's Fig. 2d) through the points with
+    (methods §7, §9; the inverse-depth paper's Fig. 2d) through the points with
     size > 0, beta with its standard error; ``n_fitted`` points, None for the fit below 3."""
     keep = np.isfinite(size) & (size > 0) & (depth > 0)
     fit: dict[str, float | None] = {"a": None, "beta": None, "beta_se": None, "r2": None}
@@ -228,7 +228,7 @@ def _fit_inverse(j: np.ndarray, loss: np.ndarray) -> dict[str, float | bool]:
 def depth_fits(depth: pl.DataFrame) -> pl.DataFrame:
     """Per (model, estimator): the fits acc(j) = a + b log j (``acc_*``) and
     mse(j) = c / j^alpha + L0 (``loss_*``), each parameter with its standard error (``_se``)
-    and the fit's R^2 (METHODS.md section 5)."""
+    and the fit's R^2 (methods §5)."""
     rows = []
     for (model, estimator), group in depth.group_by("model", "estimator", maintain_order=True):
         j = group["j"].to_numpy().astype(np.float64)

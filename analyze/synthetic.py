@@ -281,7 +281,7 @@ def synthesize_demo_store(root: str | Path, n_instances: int = 300, seed: int = 
 
 
 def text_dots(h0: np.ndarray, attn: np.ndarray, mlp: np.ndarray) -> dict[str, np.ndarray]:
-    """The ``token_blocks`` dot products (METHODS.md section 9) of residual streams given as
+    """The ``token_blocks`` dot products (methods §9) of residual streams given as
     vectors: ``h0`` (tokens, d) the embedding outputs, ``attn`` and ``mlp`` (tokens, L, d) what each
     block's attention and MLP add. Returns (tokens, L) arrays ``hh``, ``aa``, ``mm``, ``ha``,
     ``hm``, ``am``, ``dd_next`` (NaN on the last block) and ``h_final``, in float64."""

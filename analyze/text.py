@@ -1,4 +1,4 @@
-"""Running text (METHODS.md section 9): what the text analyses share. Reading a text partition's
+"""Running text (methods §9): what the text analyses share. Reading a text partition's
 tables part file by part file in record batches of whole tokens (memory flat as documents grow),
 the per-token geometry of every block from the six stored dot products (numpy, one array per
 batch), and accumulating sums, counts, maxima and the profile moments over batches.
@@ -42,7 +42,7 @@ GEOMETRY = (
     "theta_update",
     "angle_final",
 )
-"""Per-token, per-block geometry columns (METHODS.md section 9), in the order of the first axis
+"""Per-token, per-block geometry columns (methods §9), in the order of the first axis
 of :func:`token_geometry`."""
 
 THETA_STATE = GEOMETRY.index("theta_state")
@@ -57,7 +57,7 @@ its arrays from batch to batch (:func:`scratch`; with 32 blocks 26 MiB), so the 
 changes its time little (``benchmarks/bench_text_analyze.py --stages``)."""
 
 EPS = 1e-6
-"""Floor of the norms in the relative sizes (METHODS.md section 9)."""
+"""Floor of the norms in the relative sizes (methods §9)."""
 
 
 def batches(

@@ -6,7 +6,7 @@ options: about 60 million component-option rows), then times, each in a fresh pr
 - ``layerdiv analyze`` (every score, curve, correlation, fit and table),
 - ``layerdiv report`` (Markdown and all PNG figures),
 - ``layerdiv query`` on one model and one task,
-- ``layerdiv analyze --lens prefix`` on one model (the O(L^2) logit-lens curves),
+- ``layerdiv analyze --scale prefix`` on one model (the O(L^2) prefix-scaled curves),
 
 the same single-model, single-task query in-process (store opened, views built, query run) and
 the depth-use tables in-process (what they add to ``layerdiv analyze``), printing wall time and
@@ -64,7 +64,7 @@ def in_process_depth(store: Path) -> tuple[str, float, float]:
     rows = depth.geometry(store)["geometry"].height
     wall = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return f"depth tables (METHODS.md 7), in-process ({rows:,} geometry rows)", wall, peak
+    return f"depth tables (methods §7), in-process ({rows:,} geometry rows)", wall, peak
 
 
 def scaling(args: argparse.Namespace, scales: list[int]) -> None:
@@ -136,14 +136,14 @@ def main() -> None:
             in_process_query(args.store, model, task),
             in_process_depth(args.store),
             timed(
-                f"layerdiv analyze --lens prefix, 1 model x {args.tasks} tasks",
+                f"layerdiv analyze --scale prefix, 1 model x {args.tasks} tasks",
                 [
                     "analyze",
                     "--store",
                     store,
                     "--model",
                     model,
-                    "--lens",
+                    "--scale",
                     "prefix",
                     "--out",
                     f"{tmp}/prefix",

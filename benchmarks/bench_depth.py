@@ -12,7 +12,7 @@ and writing included):
   pass per block);
 - ``--skips`` added to the plain store afterwards (backfill: the components are kept).
 
-Then prints what the depth tables show per task (METHODS.md section 7): the update-size exponent
+Then prints what the depth tables show per task (methods §7): the update-size exponent
 beta, first / second half means of the geometry, and the skip effects by half.
 
     python benchmarks/bench_depth.py [--n 60] [--tasks tweets2,bbc5] [--rounds 3]

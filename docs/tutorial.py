@@ -127,8 +127,8 @@ layerdiv.query(
 # `layerdiv.run_analysis` runs every registered analysis (the [paper's](../analyses/paper/),
 # [how depth is used](../analyses/depth/), [heads](../analyses/heads/)) on the selected partitions,
 # as `layerdiv analyze` does. Its `Results` hold one Polars frame per result table; in a notebook
-# they show as a summary of the tables with their shapes, and the notes of the analyses (here: the
-# demo was extracted without `--skips`, and the note says how to add it).
+# they show as a summary of the tables with their shapes, and the notes of the analyses (what could
+# not be computed, and how to get it).
 
 # %%
 r = layerdiv.run_analysis(store, tasks=["bbc5", "tweets2", "tweets3"])
@@ -166,4 +166,5 @@ plt.show()
 # - `r.write(folder, "parquet", ...)` writes every table as `layerdiv analyze --out` does; the
 #   [Python API reference](../api/) lists every function and its arguments.
 # - The [depth](../analyses/depth/) and [heads](../analyses/heads/) pages describe the other
-#   analyses' tables; `layerdiv extract --skips` adds the block-skipping effects to this store.
+#   analyses' tables; `layerdiv extract --skips` adds the block-skipping effects to the demo's
+#   other tasks (`tweets2` has them).

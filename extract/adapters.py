@@ -2,7 +2,7 @@
 residual stream, and how its final norm scales the residual. The only architecture-specific code
 in layerdiv lives here.
 
-A component is the output of a module that is added to the residual stream (METHODS.md section 1).
+A component is the output of a module that is added to the residual stream (methods §1).
 The embedding component is taken as the input of the first decoder block, so position embeddings
 (GPT-2) and embedding scaling (Gemma) are part of it. Components are recorded in the order their
 modules run, so parallel attention/MLP blocks and shared layers that run twice need no special code.
@@ -41,8 +41,8 @@ class Adapter:
     norm: NormKind
     """``rms``: g * x / rms(x); ``rms_plus_one``: (1 + g) * x / rms(x); ``layer``: LayerNorm."""
     attn_out: str | None = None
-    """Dotted path inside a block to the attention output projection W_O (METHODS.md section
-    8): its input at a position is the concatenation of the heads' outputs a_h, head-major, each
+    """Dotted path inside a block to the attention output projection W_O (methods
+    §8): its input at a position is the concatenation of the heads' outputs a_h, head-major, each
     of width in_features / num_attention_heads. None: the attention cannot be split into heads
     exactly (``--heads`` is refused)."""
     attn_out_transposed: bool = False
@@ -131,7 +131,7 @@ def adapter_for(config: Any) -> Adapter:
 
 def check_heads(config: Any) -> int:
     """The number of attention heads of a config whose attention splits exactly into heads
-    (METHODS.md section 8), or a one-line refusal (checked before the weights load)."""
+    (methods §8), or a one-line refusal (checked before the weights load)."""
     adapter = adapter_for(config)
     model_type = getattr(config, "model_type", None)
     heads = getattr(config, "num_attention_heads", None)

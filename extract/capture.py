@@ -1,5 +1,5 @@
 """Forward hooks that keep the last prompt position of every residual component, and the exact
-logit decomposition of METHODS.md section 1 computed from them.
+logit decomposition of methods §1 computed from them.
 
 Prompts are left-padded, so the last position of every row is its last prompt token; hooks copy
 only that position (B x d per component), never the whole sequence.
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from layerdiv.extract.heads import HeadDecomposition
 
 SUM_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
-"""Largest accepted relative decomposition error per dtype (METHODS.md section 1 invariant)."""
+"""Largest accepted relative decomposition error per dtype (methods §1 invariant)."""
 
 
 class DecompositionError(LayerdivError, RuntimeError):
@@ -36,7 +36,8 @@ class BatchDecomposition:
     components: list[ComponentInfo]
     """Components in execution order (the same for every batch of a model)."""
     logits: torch.Tensor
-    """(B, L, K) u_c[k]: component c's contribution to option k's logit (METHODS.md Eq. 2-3)."""
+    """(B, L, K) u_c[k]: component c's contribution to option k's logit (methods §1, paper
+    Eqs. 2-3)."""
     out_norm: torch.Tensor
     """(B, L) L2 norm of z_c (NaN for the bias component)."""
     prefix_rms: torch.Tensor
@@ -165,7 +166,7 @@ class ComponentCapture:
         return self.readout.constant_bias
 
     def decompose(self) -> BatchDecomposition:
-        """Split the last forward pass's option logits into its components (METHODS.md s. 1)."""
+        """Split the last forward pass's option logits into its components (methods §1)."""
         if self._x is None or self._head is None or self._buffer is None:
             raise DecompositionError("no forward pass was captured")
         # Everything kept is gathered on the device of the first component (a model spread over
@@ -181,7 +182,7 @@ class ComponentCapture:
             prefix_rms = torch.sqrt(prefix.var(dim=-1, unbiased=False) + self.eps)
             z_scaled = z - z.mean(dim=-1, keepdim=True)
         else:
-            # RMSNorm: u_c = W_U (s * z_c) with s = g / rms(x) frozen (METHODS.md Eq. 2-3).
+            # RMSNorm: u_c = W_U (s * z_c) with s = g / rms(x) frozen (methods §1, paper Eqs. 2-3).
             scale_x = torch.sqrt(x.pow(2).mean(dim=-1) + self.eps)
             prefix_rms = torch.sqrt(prefix.pow(2).mean(dim=-1) + self.eps)
             z_scaled = z
@@ -190,7 +191,7 @@ class ComponentCapture:
         out_norm = z.norm(dim=-1)
         cos = torch.full_like(out_norm, float("nan"))
         cos[:, 1:] = torch.nn.functional.cosine_similarity(z[:, 1:], prefix[:, :-1], dim=-1)
-        cos_prev = torch.full_like(out_norm, float("nan"))  # METHODS.md section 7
+        cos_prev = torch.full_like(out_norm, float("nan"))  # methods §7
         cos_prev[:, 1:] = torch.nn.functional.cosine_similarity(z[:, 1:], z[:, :-1], dim=-1)
         if self._has_bias():
             # Constant component: norm bias b through W_U, plus any lm_head bias.
@@ -207,7 +208,7 @@ class ComponentCapture:
             cos_prev = torch.cat([cos_prev, nan], dim=1)
             prefix_rms = torch.cat([prefix_rms, scale_x[:, None]], dim=1)
         gram = None
-        if self.gram:  # METHODS.md section 7: every norm and angle of any partial sum
+        if self.gram:  # methods §7: every norm and angle of any partial sum
             upper = torch.triu_indices(z.shape[1], z.shape[1], device=z.device)
             gram = (z @ z.transpose(1, 2))[:, upper[0], upper[1]].cpu()
         lens = self._lens(prefix, x) if self.lens else None
@@ -229,7 +230,7 @@ class ComponentCapture:
         )
 
     def _lens(self, prefix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The logit lens at the last prompt token (METHODS.md section 9): block l's input h_l is
+        """The logit lens at the last prompt token (methods §9): block l's input h_l is
         the prefix just before its ``attn`` component, read out by the model's own final
         norm and unembedding; layer L is the full residual x."""
         blocks = [c for c, (kind, _) in enumerate(self._records) if kind == "attn"]

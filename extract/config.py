@@ -54,11 +54,11 @@ class ExtractConfig:
     existing partition keeps its own): the unit of resumption, of sharding and of claiming; a
     crash loses at most one chunk per process."""
     heads: bool = False
-    """Also store every attention head's option logits (the ``heads`` table, METHODS.md
-    section 8); a partition stored without them is extended (backfilled)."""
+    """Also store every attention head's option logits (the ``heads`` table, methods
+    §8); a partition stored without them is extended (backfilled)."""
     skips: bool = False
-    """Also store the option logits with each block skipped (``skips`` table, METHODS.md 7); on
-    a text task, the future effects (``future_effects``, ``future_output``, METHODS.md 9)."""
+    """Also store the option logits with each block skipped (``skips`` table, methods §7); on
+    a text task, the future effects (``future_effects``, ``future_output``, methods §9)."""
     skip_split: str | None = None
     """Text tasks with ``skips``: ``random`` (4 seeded split points per document, the default)
     or ``all`` (every position but the first); None keeps the partition's own."""
@@ -72,7 +72,7 @@ class ExtractConfig:
     """Also store each instance's Gram matrix of the component outputs (``gram`` table)."""
     lens: str | None = None
     """Text tasks: also store the logit lens of every block input (``token_lens`` table,
-    METHODS.md section 9): ``final`` (final norm and unembedding) or ``last-block`` (the last
+    methods §9): ``final`` (final norm and unembedding) or ``last-block`` (the last
     block applied first)."""
     progress: bool = True
     """Show progress bars."""

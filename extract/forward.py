@@ -98,14 +98,14 @@ class ModelRunner:
             if kind == "text"
             else None
         )
-        """Text tasks: the per-token capture (METHODS.md section 9); the choice captures are
+        """Text tasks: the per-token capture (methods §9); the choice captures are
         not attached."""
         self.future = (
             FutureEffects(loaded.model, adapter, self.text.readout, skips)
             if self.text is not None and skips is not None and "future_effects" in extra_tables
             else None
         )
-        """Text tasks with ``--skips``: the future effects (METHODS.md section 9)."""
+        """Text tasks with ``--skips``: the future effects (methods §9)."""
         self.capture = (
             None
             if self.text is not None
@@ -122,11 +122,11 @@ class ModelRunner:
             if "heads" in extra_tables and n_heads is not None and self.capture is not None
             else None
         )
-        """With ``--heads``: the per-head capture of ``n_heads`` heads (METHODS.md section 8)."""
+        """With ``--heads``: the per-head capture of ``n_heads`` heads (methods §8)."""
         self.skipper = (
             BlockSkipper(loaded.model, adapter, option_ids) if "skips" in extra_tables else None
         )
-        """With ``--skips``: the block skipper (METHODS.md section 7)."""
+        """With ``--skips``: the block skipper (methods §7)."""
         params = inspect.signature(loaded.model.forward).parameters
         self.extra: dict[str, Any] = {"use_cache": False}
         if "logits_to_keep" in params:
@@ -189,7 +189,7 @@ class ModelRunner:
                 dec.heads = self.heads.decompose(dec)
             if self.skipper is not None:
                 capture.paused = True  # also pauses the heads capture
-                try:  # METHODS.md section 7: each block skipped, the shared prefix reused
+                try:  # methods §7: each block skipped, the shared prefix reused
                     dec.skip_logits = self.skipper.skip_logits(lambda: self.loaded.model(**inputs))
                 finally:
                     capture.paused = False

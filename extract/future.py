@@ -1,4 +1,4 @@
-"""Future effects (``extract --skips`` on a text task, METHODS.md section 9, as the
+"""Future effects (``extract --skips`` on a text task, methods §9, as the
 depth-efficiency paper's code does it): per document and split point t, block l's addition (or
 only its attention's, or only its MLP's) is removed at positions 1..t-1, the blocks after it run
 on, and every later block's update and the output distribution are compared with the clean pass's

@@ -1,4 +1,4 @@
-"""Per-head option logits (METHODS.md section 8), exact and cheap.
+"""Per-head option logits (methods §8), exact and cheap.
 
 The attention component of a block is o(sum_h W_O,h a_h + b_O). For each attention output
 projection the K x d_in matrix M = (W_U[options] * g) W_O (centred over d for LayerNorm models,
@@ -77,7 +77,7 @@ class HeadCapture:
             weight = module.weight.detach().float()
             w_o = weight.T if adapter.attn_out_transposed else weight  # (d, d_in)
             block_rows, post_eps = rows.to(w_o.device), None
-            if adapter.attn_post_norm:  # o = frozen post-attention norm (METHODS.md section 8)
+            if adapter.attn_post_norm:  # o = frozen post-attention norm (methods §8)
                 post = get_module(block, adapter.attn)
                 block_rows = block_rows * norm_gain(post, adapter.norm).to(w_o.device)
                 post_eps = norm_eps(post)
@@ -143,7 +143,7 @@ class HeadCapture:
 def check_head_sums(
     heads: HeadDecomposition, batch: BatchDecomposition, ids: list[int], task: str, tol: float
 ) -> float:
-    """The invariant of METHODS.md section 8: the heads and bias of every attention component
+    """The invariant of methods §8: the heads and bias of every attention component
     sum to its logits, within ``tol`` relative to max(1, sum_h |u_(b,h)[k]|); returns the worst
     relative error, or stops the run naming the instance and the block."""
     total = heads.logits.sum(dim=2)  # (B, A, K)

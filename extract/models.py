@@ -3,6 +3,7 @@ cache) and the offline alias ``smollm2-135m-instruct``."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -120,6 +121,9 @@ class ModelSource:
     config: Any
     """The model's HuggingFace config."""
     trust_remote_code: bool
+    weights: str | None = None
+    """How the weights were made from what was given, when not loaded as they are (a GGUF
+    file's quantization dequantized to float32): the manifest's ``weights``."""
 
 
 def resolve_source(
@@ -145,9 +149,11 @@ def resolve_source(
             f"cannot load the config of {model!r}: the folder {model} does not exist (a hub id "
             "is 'name' or 'org/name')"
         )
+    weights = None
     if gguf:
-        path = str(_converted_gguf(path, gguf, revision))
-        revision = None
+        converted = _converted_gguf(path, gguf, revision)
+        path, revision = str(converted), None
+        weights = json.loads((converted / _CONVERTED).read_text()).get("weights")
     try:
         config = AutoConfig.from_pretrained(
             path, revision=revision, trust_remote_code=trust_remote_code
@@ -158,13 +164,15 @@ def resolve_source(
             "from here (or cached, with HF_HUB_OFFLINE=1), or --trust-remote-code for custom code."
         ) from err
     if Path(path).is_dir():
-        weights = [f for f in Path(path).iterdir() if f.suffix in _WEIGHT_SUFFIXES]
-        if not weights:
+        found = [f for f in Path(path).iterdir() if f.suffix in _WEIGHT_SUFFIXES]
+        if not found:
             raise ModelLoadError(f"no weight files ({', '.join(_WEIGHT_SUFFIXES)}) in {path}")
-        for file in weights:
+        for file in found:
             if file.suffix == ".safetensors":
                 _check_safetensors(file)
-        return ModelSource(model, path, None, fingerprint(weights), config, trust_remote_code)
+        return ModelSource(
+            model, path, None, fingerprint(found), config, trust_remote_code, weights
+        )
     commit = getattr(config, "_commit_hash", None) or revision or "unknown"
     return ModelSource(model, path, commit, f"hub:{commit}", config, trust_remote_code)
 
@@ -211,6 +219,10 @@ def _converted_gguf(path: str, gguf_file: str, revision: str | None) -> Path:
     target = cache_dir() / "models" / f"{local.stem}-{key[:16]}"
     done = target / _CONVERTED  # written last, before the folder is renamed into place
     if done.exists():
+        record = json.loads(done.read_text())
+        if "weights" not in record:  # converted by an older layerdiv: add what it is, once
+            with contextlib.suppress(OSError), atomic_path(done) as tmp:
+                tmp.write_text(json.dumps({**record, "weights": gguf_weights(local)}))
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -256,7 +268,27 @@ def _convert(local: Path, key: str, target: Path) -> None:
     with atomic_path(target, exclusive=True) as tmp:
         fresh.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / _CONVERTED).write_text(json.dumps({"gguf": str(local), "fingerprint": key}))
+        record = {"gguf": str(local), "fingerprint": key, "weights": gguf_weights(local)}
+        (tmp / _CONVERTED).write_text(json.dumps(record))
+
+
+def gguf_weights(local: Path) -> str:
+    """What a model converted from GGUF file ``local`` is: its tensors' quantization types
+    (the most common first, by number of weights), dequantized to float32."""
+    from gguf import GGUFReader
+
+    counts: dict[str, int] = {}
+    for tensor in GGUFReader(local).tensors:
+        kind = tensor.tensor_type.name
+        counts[kind] = counts.get(kind, 0) + int(tensor.n_elements)
+    total = sum(counts.values())
+    kinds = sorted(counts, key=lambda k: -counts[k])
+    share = {k: f"{counts[k] / total:.0%}" if counts[k] >= total / 100 else "<1%" for k in kinds}
+    shares = ", ".join(f"{k} {share[k]}" for k in kinds)
+    return (
+        f"{local.name}: GGUF {kinds[0]} ({shares} of the weights) dequantized to float32; "
+        "not the released float weights"
+    )
 
 
 @dataclass

@@ -73,6 +73,7 @@ def build_manifest(
         task_spec=spec.to_dict(),
         kind=spec.kind,
         max_tokens=spec.max_tokens,
+        weights=src.weights,
         components=components,
         n_requested=n_requested,
         chunk_size=chunk_size,

@@ -50,7 +50,7 @@ class Readout:
 
     def frozen_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Unembedding rows ``rows`` (K, d) (float32, e.g. W_U[options]) times the final norm's
-        gain, centred over d for LayerNorm (centring is linear, METHODS.md section 1): the logit
+        gain, centred over d for LayerNorm (centring is linear, methods §1): the logit
         share of a residual vector z with the final scale s frozen is ``frozen_rows · z / s``."""
         out = rows * self.gain.to(rows.device)
         if self.adapter.norm == "layer":
@@ -158,7 +158,7 @@ def lens_stats(
     logits: torch.Tensor, ref: LensReference, ids: torch.Tensor, rows: int | None = None
 ) -> torch.Tensor:
     """(..., 2 + K): KL(p_l || p_L), |top5(p_l) & top5(p_L)| / 5 and log p_l at ``ids`` (..., K)
-    over the last axis (METHODS.md section 9, logit lens) of a lens layer's float32 ``logits``
+    over the last axis (methods §9, logit lens) of a lens layer's float32 ``logits``
     (overwritten) against ``ref`` (broadcast over the leading axes), per slice of ``rows`` rows
     (default: :data:`LENS_SLICE` entries): a softmax, one difference and one batched dot product
     per row. Each slice's few operations are each one parallel pass over it: the fewer and larger

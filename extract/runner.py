@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 from tqdm.auto import tqdm
 
-from layerdiv.extract import chunks
+from layerdiv.extract import chunks, cost
 from layerdiv.extract.adapters import Adapter, adapter_for, check_heads, check_softcap
 from layerdiv.extract.batching import chunk_runs, tokenize, tokenize_documents
 from layerdiv.extract.capture import SUM_TOLERANCE, BatchDecomposition, check_batch
@@ -208,6 +208,10 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         context = context_length(source.config, tokenizer)
         plans = [plan_task(name, tokenizer, cfg, context) for name in cfg.tasks]
         _refuse_shared_names(plans)
+        docs = [p.documents[0] if p.documents else None for p in plans]
+        cost.announce(source.config, device.type, [
+            cost.job(p.spec.kind, p.extra_tables, cfg.lens, d, [i.prompt for i in p.items],
+                     tokenizer) for p, d in zip(plans, docs, strict=True)])  # fmt: skip
         idents = [identity(source, dtype, p.spec, p.option_ids, p.data_sha256) for p in plans]
         heads = any("heads" in p.extra_tables for p in plans)
         n_heads = check_heads(source.config) if heads else None
@@ -264,8 +268,8 @@ def _chunk_size(cfg: ExtractConfig) -> int:
 
 
 def _check(dec: BatchDecomposition, ids: list[int], task: str, tol: float) -> None:
-    """The invariants of a batch: components sum to the model's logits (METHODS.md section 1)
-    and, with ``--heads``, heads sum to their attention components (section 8)."""
+    """The invariants of a batch: components sum to the model's logits (methods §1)
+    and, with ``--heads``, heads sum to their attention components (methods §8)."""
     check_batch(dec, ids, task, tol)
     if dec.heads is not None:
         check_head_sums(dec.heads, dec, ids, task, tol)

@@ -1,4 +1,4 @@
-"""Layer skips (``extract --skips``, METHODS.md section 7): the model's own option logits with one
+"""Layer skips (``extract --skips``, methods §7): the model's own option logits with one
 decoder block replaced by the identity on every call, for every block.
 
 The blocks before the first call of the skipped block would compute exactly what the full pass

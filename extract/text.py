@@ -1,6 +1,6 @@
 """Running text (task kind ``text``): per token and decoder block, the dot products of the block's
 input h, what its attention adds (a) and what its MLP adds (m), from hooks on one forward pass
-(METHODS.md section 9), reduced on the device in float32; with ``--lens``, the logit lens of every
+(methods §9), reduced on the device in float32; with ``--lens``, the logit lens of every
 block input against the model's own output distribution."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class TextCapture:
         self.paused = False
         """While True the hooks keep nothing (the last block run again for the lens)."""
         self.lens = lens
-        """``final`` or ``last-block`` (METHODS.md section 9, logit lens), or None."""
+        """``final`` or ``last-block`` (methods §9, logit lens), or None."""
         blocks = get_module(model, adapter.blocks)
         self.readout = Readout(model, adapter)
         self.bias = self.readout.constant_bias
@@ -166,7 +166,7 @@ class TextCapture:
 
     def _lens(self, final: torch.Tensor, budget: int | None) -> torch.Tensor:
         """(B, width, L + 1, 3): kl, top5_overlap and ce of p_l = softmax(readout(h_l)) for
-        every block input h_l and (layer L) the model's own output p_L (METHODS.md section 9);
+        every block input h_l and (layer L) the model's own output p_L (methods §9);
         with ``last-block`` the last block is applied to h_l first. The layers' states are read
         out in groups, as many layers' rows stacked into one matmul as ``budget`` rows allow
         (at least one layer), and their statistics taken over ``budget`` rows at a time."""

@@ -15,6 +15,8 @@ History:
   ``future_output``; choice tasks gain the optional ``lens``; the manifest gains ``kind``,
   ``max_tokens``, ``lens``, ``skip_split`` and ``skip_seed`` (and, from the first release
   that writes the future-effects tables, ``skip_sublayers``: absent means ``block``).
+- 5: the manifest gains ``weights`` (how the weights were made from the files given, e.g. a GGUF
+  quantization dequantized to float32; absent: loaded as they are).
 
 The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``task``) are not stored
 inside the files: they come from the directory names (``model=<slug>/task=<task>``) and are typed
@@ -29,7 +31,7 @@ import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Version of the on-disk layout and of the column sets below (the one this code writes)."""
 
 OLDEST_READABLE = 1
@@ -84,13 +86,13 @@ COMPONENTS = _schema(
 """One row per (instance, component, option).
 
 - ``instance``: the instance's index in the task's dataset order (0-based).
-- ``component``: execution-order index c of the component, 0 = embedding (METHODS.md section 1).
+- ``component``: execution-order index c of the component, 0 = embedding (methods §1).
 - ``name``: component name (``embed``, ``attn.<i>``, ``mlp.<i>``, ``bias``; a module that runs
   again in the same forward pass gets ``#<k>`` appended, k = 1, 2, ...).
 - ``kind``: one of :data:`COMPONENT_KINDS`.
 - ``layer``: decoder block index i of the module (-1 for ``embed`` and ``bias``).
 - ``option``: answer option index k (0-based, in the task's option order).
-- ``logit``: u_c[k], the component's contribution to option k's logit (METHODS.md Eq. 2-3),
+- ``logit``: u_c[k], the component's contribution to option k's logit (methods §1, paper Eqs. 2-3),
   in logit units, with the final-norm scale of the full residual frozen.
 - ``out_norm``: L2 norm of the component output z_c at the last prompt token (residual units);
   null for the constant ``bias`` component.
@@ -100,7 +102,7 @@ COMPONENTS = _schema(
 - ``cos_residual``: cosine between z_c and the prefix r_(c-1) it is added to; null for c = 0 and
   for the constant ``bias`` component.
 - ``cos_prev`` (version 2): cosine between z_c and the previous component's output z_(c-1)
-  (METHODS.md section 7); null for c = 0 and for ``bias``.
+  (methods §7); null for c = 0 and for ``bias``.
 The per-component columns repeat for every option of the same (instance, component).
 """
 
@@ -135,7 +137,7 @@ INSTANCES = _schema(
   LayerNorm models).
 - ``model_logits``: the model's own option logits (before any soft-capping), one per option.
 - ``sum_error``: max over options of |sum_c u_c[k] - model_logits[k]|, divided by
-  max(1, max_k sum_c |u_c[k]|): the relative error of the decomposition (METHODS.md section 1).
+  max(1, max_k sum_c |u_c[k]|): the relative error of the decomposition (methods §1).
 - ``prompt`` (version 3): the prompt text the task rendered and the tokenizer encoded (before any
   left truncation; special tokens the tokenizer adds are not shown), at most
   :data:`PROMPT_CHARS` characters: a longer one is cut in the middle at an explicit marker.
@@ -152,7 +154,7 @@ SKIPS = _schema(
 )
 """Optional (``extract --skips``). One row per (instance, skipped block, option).
 
-- ``layer``: decoder block b replaced by the identity on every call (METHODS.md section 7).
+- ``layer``: decoder block b replaced by the identity on every call (methods §7).
 - ``logit``: the model's own option logit with that block skipped (final norm recomputed).
 """
 
@@ -173,7 +175,7 @@ HEADS = _schema(
   to, so a block that runs twice has two sets of heads.
 - ``layer``: decoder block index of that component.
 - ``head``: head index 0..H-1; -1 for the output projection's bias (where the model has one).
-- ``logit``: u_(b,h)[k] (METHODS.md section 8), with the final scale of section 1 frozen; the
+- ``logit``: u_(b,h)[k] (methods §8), with the final scale of methods §1 frozen; the
   heads and the bias of a component sum to its ``logit`` in :data:`COMPONENTS`.
 """
 
@@ -205,7 +207,7 @@ LENS = _schema(
         pa.field("ce", pa.float32(), nullable=False),
     ],
 )
-"""Optional (``extract --lens`` on a choice task; METHODS.md section 9, logit lens at the last
+"""Optional (``extract --lens`` on a choice task; methods §9, logit lens at the last
 prompt token). One row per (instance, layer).
 
 - ``layer``: l = 0..L; p_l = softmax(W_U norm(h_l)) over the full vocabulary from block l's
@@ -263,7 +265,7 @@ TOKEN_BLOCKS = _schema(
         pa.field("h_final", pa.float32(), nullable=False),
     ],
 )
-"""Text tasks: one row per (doc, pos, block), sorted by that key (METHODS.md section 9). With h
+"""Text tasks: one row per (doc, pos, block), sorted by that key (methods §9). With h
 the input of block l, a what its attention sublayer adds to the residual stream, m what its MLP
 adds and d_l = a + m; dot products in residual units squared, computed in the model's dtype and
 reduced in float32.
@@ -312,7 +314,7 @@ FUTURE_EFFECTS = _schema(
         pa.field("rel_change", pa.float32(), nullable=False),
     ],
 )
-"""Optional (``extract --skips`` on a text task; METHODS.md section 9, future effects). One row
+"""Optional (``extract --skips`` on a text task; methods §9, future effects). One row
 per (doc, split, sublayer, skipped, block).
 
 - ``doc``: as in :data:`DOCUMENTS`.

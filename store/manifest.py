@@ -120,7 +120,7 @@ class Manifest:
     hidden_size: int | None = None
     """Width d of the residual stream (schema version 2; None in older manifests)."""
     norm_eps: float | None = None
-    """Epsilon of the final norm (METHODS.md section 7 needs it for ||r||; None in older
+    """Epsilon of the final norm (methods §7 needs it for ||r||; None in older
     manifests)."""
     extra_tables: list[str] = field(default_factory=list)
     """Optional tables (``layerdiv.schemas.OPTIONAL_TABLES``) requested for this partition
@@ -145,7 +145,7 @@ class Manifest:
     max_tokens: int | None = None
     """Text tasks: documents are cut to their first ``max_tokens`` tokens."""
     lens: str | None = None
-    """``final`` or ``last-block`` when extracted with ``--lens`` (METHODS.md section 9)."""
+    """``final`` or ``last-block`` when extracted with ``--lens`` (methods §9)."""
     skip_split: str | None = None
     """Text tasks with ``--skips``: ``random`` (4 seeded split points from 8, 16, ... < T - 4) or
     ``all`` (every position but the first)."""
@@ -153,6 +153,10 @@ class Manifest:
     """Seed of the random split points."""
     skip_sublayers: list[str] | None = None
     """Text tasks with ``--skips``: what each skip removed (``layerdiv.schemas.SUBLAYERS``)."""
+    weights: str | None = None
+    """How the weights were made from the files given, when not loaded as they are: e.g. a
+    GGUF file's quantization dequantized to float32 (schema version 5; None: loaded as they are,
+    or an older manifest)."""
 
     @property
     def n_blocks(self) -> int:

@@ -238,6 +238,28 @@ class PartitionInfo(Generic[StorePath]):
             raise
 
 
+class QueryError(LayerdivError, ValueError):
+    """SQL that DuckDB refuses (a table that is not there, a typo)."""
+
+
+def _held(parts: Sequence[PartitionInfo[Any]]) -> list[str]:
+    """The tables ``parts`` hold, in the schemas' order."""
+    held = {t for p in parts for t in (*p.kind.required, *p.manifest.extra_tables)}
+    return [t for t in TABLES if t in held]
+
+
+class TableNames(list[str]):
+    """Table names (a list) that, called with model and task filters, gives those of a
+    selection instead (:attr:`Store.tables`)."""
+
+    def __init__(self, names: Iterable[str], select: Callable[[Names, Names], list[str]]):
+        super().__init__(names)
+        self._select = select
+
+    def __call__(self, models: Names = (), tasks: Names = ()) -> list[str]:
+        return self._select(models, tasks)
+
+
 class Store:
     """A layerdiv store, in a local folder or (read-only) at a URL of object storage such as
     ``s3://bucket/prefix`` (``layerdiv.store.location``), checked on open: every partition needs
@@ -313,12 +335,15 @@ class Store:
             + (f"<p>Unreadable partitions:</p><ul>{bad}</ul>" if bad else "")
         )
 
-    def tables(self, models: Names = (), tasks: Names = ()) -> list[str]:
-        """The tables that the selected partitions hold: the required ones, and each optional one
-        that some of them hold (the views of :meth:`duckdb`)."""
-        parts = self.select(models, tasks)
-        held = {t for p in parts for t in (*p.kind.required, *p.manifest.extra_tables)}
-        return [t for t in TABLES if t in held]
+    @property
+    def tables(self) -> TableNames:
+        """The tables the store's partitions with data hold (a list: ``store.tables``); called
+        with filters, those of a selection (``store.tables(models, tasks)``): the required ones,
+        and each optional one that some of them hold (the views of :meth:`duckdb`)."""
+        return TableNames(_held([p for p in self.partitions if p.n_done > 0]), self._tables)
+
+    def _tables(self, models: Names = (), tasks: Names = ()) -> list[str]:
+        return _held(self.select(models, tasks))
 
     def select(
         self, models: Names = (), tasks: Names = (), require_data: bool = True
@@ -359,11 +384,23 @@ class Store:
         """The part files of ``table`` of ``parts`` as Polars reads them (paths or URLs)."""
         return [f for p in parts for f in p.uris(table)]
 
-    def scan(self, table: str, models: Names = (), tasks: Names = ()) -> pl.LazyFrame:
+    def scan(
+        self,
+        table: str,
+        models: Names = (),
+        tasks: Names = (),
+        *,
+        model: Names = (),
+        task: Names = (),
+    ) -> pl.LazyFrame:
         """A Polars LazyFrame over one table of the selected partitions (``components``,
         ``instances``, or an optional table that some of them hold), with the key columns;
-        text columns are ``String``, as in every result table. Refuses (``StoreError``) a table
-        that no selected partition holds, naming those there are."""
+        text columns are ``String``, as in every result table. ``model=`` and ``task=`` are the
+        same filters as ``models=`` and ``tasks=``. Refuses (``StoreError``) a table that no
+        selected partition holds, naming those there are."""
+        if (model and models) or (task and tasks):
+            raise StoreError("give models= or model=, tasks= or task=, not both")
+        models, tasks = models or model, tasks or task
         parts = self.select(models, tasks)
         have = self.tables(models, tasks)
         if table not in have:
@@ -418,9 +455,23 @@ class Store:
                     "approximate": m.approximate,
                     "schema_version": m.schema_version,
                     "created_at": m.created_at,
+                    "weights": m.weights,
                 }
             )
-        return pl.DataFrame(rows)
+        return pl.DataFrame(rows, schema_overrides={"weights": pl.String})
+
+    def query(self, sql: str, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
+        """Run SQL against the views of :meth:`duckdb` (``layerdiv.query``); the result of the
+        last statement, as a Polars frame. SQL that DuckDB refuses raises a ``QueryError`` naming
+        the views."""
+        con = self.duckdb(models, tasks)
+        try:
+            relation = con.sql(sql)
+            return relation.pl() if relation is not None else pl.DataFrame()
+        except duckdb.Error as err:
+            views = ", ".join([*self.tables(models, tasks), "manifests"])
+            first = str(err).strip().splitlines()[0]
+            raise QueryError(f"{first} (the views of this store are {views})") from err
 
     def duckdb(self, models: Names = (), tasks: Names = ()) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB connection with the view ``manifests`` and a view of every table

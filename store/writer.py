@@ -173,8 +173,10 @@ class PartitionWriter:
                 for d in self.part.dirs():
                     shutil.rmtree(d, ignore_errors=True)
             write_manifest(self.part.manifest, manifest, exclusive=True)
+            required = {self.part.dir(t) for t in KINDS[manifest.kind].required}
             for d in self.part.dirs(manifest.kind):
-                d.mkdir(parents=True, exist_ok=True)
+                if d in required:  # an optional table's folder comes with its first part
+                    d.mkdir(parents=True, exist_ok=True)
                 remove_stale_temps(d)
             for sub in (RUNS_DIR, TABLES_DIR):
                 remove_stale_temps(self.part.manifest.parent / sub)

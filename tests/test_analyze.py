@@ -1,4 +1,4 @@
-"""Golden and property tests of the analysis stage (METHODS.md sections 2-6).
+"""Golden and property tests of the analysis stage (methods §2-6).
 
 The store is built by hand from numpy arrays; every expected number is recomputed here with plain
 numpy loops over the definitions, independently of the Polars expressions under test.
@@ -95,16 +95,16 @@ def store(tmp_path_factory: pytest.TempPathFactory, parts: list[Part]) -> Path:
 
 
 @pytest.fixture(scope="module", params=["final", "prefix"])
-def lens(request: pytest.FixtureRequest) -> str:
+def scale(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
 @pytest.fixture(scope="module")
-def results(store: Path, lens: str):
-    return analyze(store, lens=lens)  # type: ignore[arg-type]
+def results(store: Path, scale: str):
+    return analyze(store, scale=scale)  # type: ignore[arg-type]
 
 
-# --- the reference: plain loops over METHODS.md ------------------------------------------
+# --- the reference: plain loops over the methods page---------------------------------------
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -112,10 +112,10 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
-def reference_junction(p: Part, i: int, j: int, lens: str) -> dict[str, float]:
-    """Scores of instance i on its first j components (METHODS.md sections 2-3)."""
+def reference_junction(p: Part, i: int, j: int, scale: str) -> dict[str, float]:
+    """Scores of instance i on its first j components (methods §2-3)."""
     k = p.logits.shape[2]
-    a = float(p.final_rms[i]) / float(p.prefix_rms[i, j - 1]) if lens == "prefix" else 1.0
+    a = float(p.final_rms[i]) / float(p.prefix_rms[i, j - 1]) if scale == "prefix" else 1.0
     u = [a * p.logits[i, c].astype(np.float64) for c in range(j)]
     y = np.eye(k)[p.gold[i]]
     probs = [softmax(uc) for uc in u]
@@ -132,10 +132,10 @@ def reference_junction(p: Part, i: int, j: int, lens: str) -> dict[str, float]:
     }
 
 
-def reference_curves(p: Part, lens: str) -> dict[str, np.ndarray]:
+def reference_curves(p: Part, scale: str) -> dict[str, np.ndarray]:
     """Per metric (estimator_metric or accuracy/bias), the curve over j = 1..L (mean over i)."""
     n, n_comp, _ = p.logits.shape
-    rows = [[reference_junction(p, i, j, lens) for i in range(n)] for j in range(1, n_comp + 1)]
+    rows = [[reference_junction(p, i, j, scale) for i in range(n)] for j in range(1, n_comp + 1)]
     keys = rows[0][0].keys()
     out = {key: np.array([np.mean([r[key] for r in row]) for row in rows]) for key in keys}
     out["accuracy"] = out.pop("correct")
@@ -155,12 +155,12 @@ def curve(results, p: Part, estimator: str, metric: str) -> np.ndarray:
     return frame[metric].to_numpy()
 
 
-# --- sections 2 and 3 ----------------------------------------------------------------------
+# --- methods §2 and §3 ----------------------------------------------------------------------
 
 
-def test_junction_curves_match_reference(results, parts: list[Part], lens: str) -> None:
+def test_junction_curves_match_reference(results, parts: list[Part], scale: str) -> None:
     for p in parts:
-        ref = reference_curves(p, lens)
+        ref = reference_curves(p, scale)
         for est in ("paper", "ensemble"):
             close(curve(results, p, est, "accuracy"), ref["accuracy"])
             close(curve(results, p, est, "bias"), ref["bias"])
@@ -176,8 +176,8 @@ def test_junction_curves_match_reference(results, parts: list[Part], lens: str) 
         close(names["relative_depth"], np.arange(1, n_comp + 1) / n_comp)
 
 
-def test_prefix_lens_changes_mse_not_accuracy(store: Path, parts: list[Part]) -> None:
-    final, prefix = analyze(store, lens="final").curves, analyze(store, lens="prefix").curves
+def test_prefix_scale_changes_mse_not_accuracy(store: Path, parts: list[Part]) -> None:
+    final, prefix = analyze(store, scale="final").curves, analyze(store, scale="prefix").curves
     assert final["accuracy"].to_list() == prefix["accuracy"].to_list()
     assert not np.allclose(final["mse"].to_numpy(), prefix["mse"].to_numpy())
     # At j = L the prefix is the whole residual: a_L = final_rms / prefix_rms_L = 1.
@@ -185,7 +185,7 @@ def test_prefix_lens_changes_mse_not_accuracy(store: Path, parts: list[Part]) ->
     close(final.filter(*full)["mse"].to_numpy(), prefix.filter(*full)["mse"].to_numpy())
 
 
-def test_instance_scores_match_reference(results, parts: list[Part], lens: str) -> None:
+def test_instance_scores_match_reference(results, parts: list[Part], scale: str) -> None:
     for p in parts:
         n, n_comp, _ = p.logits.shape
         for est in ("paper", "ensemble"):
@@ -195,7 +195,7 @@ def test_instance_scores_match_reference(results, parts: list[Part], lens: str) 
                 & (pl.col("estimator") == est)
             ).sort("instance")
             assert got["instance"].to_list() == list(range(n))
-            ref = [reference_junction(p, i, n_comp, lens) for i in range(n)]
+            ref = [reference_junction(p, i, n_comp, scale) for i in range(n)]
             assert got["gold"].to_list() == p.gold.tolist()
             assert got["pred"].to_list() == [int(r["pred"]) for r in ref]
             close(got["mse"], [r[f"{est}_mse"] for r in ref])
@@ -203,10 +203,10 @@ def test_instance_scores_match_reference(results, parts: list[Part], lens: str) 
             close(got["diversity"], [r[f"{est}_diversity"] for r in ref])
 
 
-def test_scores_table(results, parts: list[Part], lens: str) -> None:
+def test_scores_table(results, parts: list[Part], scale: str) -> None:
     for p in parts:
         n, n_comp, k = p.logits.shape
-        ref = [reference_junction(p, i, n_comp, lens) for i in range(n)]
+        ref = [reference_junction(p, i, n_comp, scale) for i in range(n)]
         counts = np.bincount(p.gold, minlength=k)
         for est in ("paper", "ensemble"):
             row = results.scores.filter(
@@ -222,7 +222,7 @@ def test_scores_table(results, parts: list[Part], lens: str) -> None:
 
 
 def test_paper_estimator_is_not_an_identity(results) -> None:
-    """METHODS.md: mse = bias - diversity does not hold for the paper's three numbers."""
+    """methods §2: mse = bias - diversity does not hold for the paper's three numbers."""
     paper = results.instance_scores.filter(pl.col("estimator") == "paper")
     gap = (paper["bias"] - paper["diversity"] - paper["mse"]).abs()
     assert gap.max() > 1e-3
@@ -275,16 +275,16 @@ def test_module_split_matches_reference(results, parts: list[Part]) -> None:
             assert weighted == pytest.approx(full["diversity"], rel=1e-9)
 
 
-# --- section 4 -----------------------------------------------------------------------------
+# --- methods §4 -----------------------------------------------------------------------------
 
 
 SIGNS = {"mse": -1.0, "bias": -1.0, "diversity": 1.0}
 
 
 def reference_correlations(
-    p: Part, lens: str, est: str
+    p: Part, scale: str, est: str
 ) -> dict[tuple[str, str], tuple[float, float]]:
-    ref = reference_curves(p, lens)
+    ref = reference_curves(p, scale)
     out = {}
     for metric, sign in SIGNS.items():
         values = sign * (ref["bias"] if metric == "bias" else ref[f"{est}_{metric}"])
@@ -294,7 +294,7 @@ def reference_correlations(
     return out
 
 
-def test_correlations_match_scipy(results, parts: list[Part], lens: str) -> None:
+def test_correlations_match_scipy(results, parts: list[Part], scale: str) -> None:
     for p in parts:
         for est in ("paper", "ensemble"):
             got = results.correlations.filter(
@@ -306,7 +306,7 @@ def test_correlations_match_scipy(results, parts: list[Part], lens: str) -> None
             for metric, method, r, pval, sig, n in got.select(
                 "metric", "method", "r", "p", "significant", "n_points"
             ).iter_rows():
-                ref_r, ref_p = reference_correlations(p, lens, est)[(metric, method)]
+                ref_r, ref_p = reference_correlations(p, scale, est)[(metric, method)]
                 assert n == p.logits.shape[1]
                 assert r == pytest.approx(ref_r, rel=1e-9, abs=1e-12)
                 assert pval == pytest.approx(ref_p, rel=1e-6, abs=1e-12)
@@ -333,7 +333,7 @@ def test_fisher_z_means(results) -> None:
     assert got[(None, None)] == pytest.approx(math.tanh(np.mean(list(task_means.values()))))
 
 
-# --- section 5 -----------------------------------------------------------------------------
+# --- methods §5 -----------------------------------------------------------------------------
 
 
 def test_depth_curves_and_fits(store: Path, parts: list[Part]) -> None:
@@ -401,7 +401,7 @@ def test_inverse_depth_fit_recovers_parameters() -> None:
     assert depth_fits(log_curve).row(0, named=True)["loss_at_bound"]
 
 
-# --- section 6 and the demo's summaries ----------------------------------------------------
+# --- methods §6 and the demo's summaries ----------------------------------------------------
 
 
 def plugin_mi(xs: list[int], ys: list[int]) -> float:
@@ -497,14 +497,14 @@ PROPERTY = settings(
 
 
 @PROPERTY
-@given(part=partitions(), lens=st.sampled_from(["final", "prefix"]))
+@given(part=partitions(), scale=st.sampled_from(["final", "prefix"]))
 def test_ensemble_identity_per_instance(
-    tmp_path_factory: pytest.TempPathFactory, part: Part, lens: str
+    tmp_path_factory: pytest.TempPathFactory, part: Part, scale: str
 ) -> None:
     root = tmp_path_factory.mktemp("prop")
     part.write(root)
     info = Store(root).partitions[0]
-    rows = instance_curves(info, lens).filter(pl.col("estimator") == "ensemble")  # type: ignore[arg-type]
+    rows = instance_curves(info, scale).filter(pl.col("estimator") == "ensemble")  # type: ignore[arg-type]
     assert rows.height == part.logits.shape[0] * part.logits.shape[1]
     gap = (rows["mse"] - (rows["bias"] - rows["diversity"])).abs().max()
     assert gap is not None and gap <= 1e-9  # type: ignore[operator]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,8 @@ from layerdiv.schemas import tables_of
 from layerdiv.store import Store, StoreError
 from layerdiv.store.atomic import temp_path
 from layerdiv.tests.conftest import write_synthetic_store
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +124,7 @@ def test_analyze_replaces_its_own_output_but_nothing_else(store: Path, tmp_path:
     assert snapshot(foreign) == {"notes.txt": hashlib.sha256(b"keep me").hexdigest()}
 
 
-def test_filters_and_lens(store: Path, tmp_path: Path) -> None:
+def test_filters_and_scale(store: Path, tmp_path: Path) -> None:
     out = tmp_path / "r"
     result = run(
         "analyze",
@@ -133,7 +136,7 @@ def test_filters_and_lens(store: Path, tmp_path: Path) -> None:
         "org/large",
         "--task",
         "mnli",
-        "--lens",
+        "--scale",
         "prefix",
         "--min-params",
         "1e9",
@@ -141,7 +144,18 @@ def test_filters_and_lens(store: Path, tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     scores = pl.read_parquet(out / "scores.parquet")
     assert set(zip(scores["model"], scores["task"], strict=True)) == {("org--large", "mnli")}
-    assert json.loads((out / "index.json").read_text())["settings"]["lens"] == "prefix"
+    assert json.loads((out / "index.json").read_text())["settings"]["scale"] == "prefix"
+    old = CliRunner().invoke(main, ["analyze", "--store", str(store), "--lens", "prefix"])
+    assert old.exit_code == 2 and "--lens prefix: the junction scale is now --scale" in old.output
+
+
+def methods_links_resolve(text: str, page: str) -> list[str]:
+    """The anchors of the methods page that ``text`` links as ``page#anchor``."""
+    from layerdiv.analyze import methods
+
+    linked = re.findall(re.escape(page) + r"#([A-Za-z0-9_-]+)", text)
+    assert linked and set(linked) <= methods.anchors(), set(linked) - methods.anchors()
+    return linked
 
 
 def markdown_rows(text: str, heading: str) -> dict[str, list[str]]:
@@ -184,8 +198,12 @@ def test_report(store: Path, tmp_path: Path) -> None:
         "### Saturation",
         "### Information-theoretic",
         "Estimator **`paper`**",
+        "Methods: [methods §1](methods.md#section-1), [§2](methods.md#section-2)",
     ):
         assert heading in text
+    # every section links the methods it uses, to an anchor of the page written beside it
+    assert (out / "methods.md").read_text() == (ROOT / "docs" / "methods.md").read_text()
+    assert {"section-2", "section-3", "section-7"} <= set(methods_links_resolve(text, "methods.md"))
     majority = markdown_rows(text, "#### Accuracy (%)")["*Majority class*"]
     assert len(majority) == 3  # boolq, mnli, Avg.
     pngs = sorted(p.name for p in (out / "figures").glob("*.png"))
@@ -295,6 +313,10 @@ def test_a_text_only_store_summarises_lists_queries_and_reports(tmp_path: Path) 
     assert NO_CHOICE_EXPLORER in result.output and "no store was given" not in result.output
     md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
     assert "## Running text: geometry" in md and "Running text: geometry" in html
+    # the choice analyses' estimator and junction scale are not named where none ran
+    assert "Estimator" not in md and "scale" not in md.split("\n## ")[0]
+    methods_links_resolve(html, "methods.html")
+    assert 'id="section-9"' in (out / "methods.html").read_text()
     assert 'id="explorer"' not in html
     # beside a choice task: the summary has its rows only, with the same columns
     logits, gold, rms, kinds = random_partition(np.random.default_rng(0), 10, 3, 2)

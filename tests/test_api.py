@@ -91,8 +91,10 @@ def test_unknown_names_options_and_estimators_are_refused(store: Path, results: 
         layerdiv.run_analysis(store, tasks="bbc5")
     with pytest.raises(LayerdivError, match="unknown option 'reweigth': use one of reweight"):
         layerdiv.run_analysis(store, options={"reweigth": True})
-    with pytest.raises(LayerdivError, match="unknown lens 'last': use one of final, prefix"):
-        layerdiv.run_analysis(store, lens="last")  # type: ignore[arg-type]
+    with pytest.raises(LayerdivError, match="unknown scale 'last': use one of final, prefix"):
+        layerdiv.run_analysis(store, scale="last")  # type: ignore[arg-type]
+    with pytest.raises(LayerdivError, match=r"lens='prefix': the junction scale is now .*scale="):
+        layerdiv.run_analysis(store, lens="prefix")
     with pytest.raises(LayerdivError, match="unknown estimator 'papers': use one of paper, ens"):
         layerdiv.analyze.task_summary(results, estimator="papers")  # type: ignore[arg-type]
 
@@ -152,7 +154,7 @@ def test_write_has_the_guards_of_the_command_line(store: Path, results: Any, tmp
         assert "--out" not in str(err.value)
     out = results.write(tmp_path / "res")  # settings default to the analysis's own
     index = json.loads((out / "index.json").read_text())
-    assert index["settings"]["store"] == str(store) and index["settings"]["lens"] == "final"
+    assert index["settings"]["store"] == str(store) and index["settings"]["scale"] == "final"
     assert results.write(out, "csv") == out  # an earlier result is replaced
     (out / "mine.txt").write_text("notes")
     with pytest.raises(OutputError, match="layerdiv did not write") as err:
@@ -164,7 +166,7 @@ def test_write_has_the_guards_of_the_command_line(store: Path, results: Any, tmp
 
 def test_reprs_are_short(store: Path, results: Any) -> None:
     text = repr(results)
-    assert len(text) < 4000 and text.startswith("Results(lens='final', min_params=0): 20 tables")
+    assert len(text) < 4000 and text.startswith("Results(scale='final', min_params=0): 20 tables")
     lines = text.splitlines()
     scores = f"{results.scores.height:,} x {results.scores.width}"
     assert any(re.fullmatch(f"  scores +{scores}", line) for line in lines)
@@ -222,3 +224,24 @@ def test_scan_reads_every_schema_version(store: Path, tmp_path: Path) -> None:
     by_model = comps.group_by("model").agg(pl.col("cos_prev").is_not_null().sum())
     assert dict(by_model.iter_rows())["org--large"] == 0
     assert dict(by_model.iter_rows())["org--small"] > 0
+
+
+def test_what_a_notebook_user_types_works(store: Path, results: Any) -> None:
+    st = layerdiv.Store(store)
+    assert st.tables == ["components", "instances"]  # an attribute, a list
+    assert st.tables(tasks="boolq") == ["components", "instances"]  # or called with filters
+    by_task = st.scan("instances", task="boolq").collect()
+    assert by_task.equals(st.scan("instances", tasks="boolq").collect())
+    assert set(by_task["task"]) == {"boolq"}
+    with pytest.raises(StoreError, match="tasks= or task=, not both"):
+        st.scan("instances", tasks="boolq", task="mnli")
+    sql = "SELECT task, count(*) AS n FROM instances GROUP BY task ORDER BY task"
+    assert st.query(sql).equals(layerdiv.query(store, sql))
+    with pytest.raises(LayerdivError, match="views of this store are components, instances"):
+        st.query("SELECT * FROM heads")
+    assert results["scores"].equals(results.scores)
+    with pytest.raises(KeyError, match="no result table 'score'; the tables are"):
+        results["score"]
+    assert layerdiv.run_analysis.__name__ == "run_analysis"
+    doc = pydoc.plain(pydoc.render_doc(layerdiv.run_analysis))
+    assert "function run_analysis in" in doc and doc.splitlines()[2].startswith("run_analysis(")

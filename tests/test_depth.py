@@ -1,4 +1,4 @@
-"""Depth use (METHODS.md section 7) from synthetic stores whose vectors we know.
+"""Depth use (methods §7) from synthetic stores whose vectors we know.
 
 Each partition is made from random component vectors z (N, C, d): the stored columns (out_norm,
 prefix_rms, cos_residual, cos_prev) are computed from them as extraction does, and every table is
@@ -168,12 +168,12 @@ def test_depth_decay_fit_and_halves(
     assert (tables["depth_decay"]["beta"] > 0).all()  # updates were made to shrink with depth
 
 
-def test_missing_tables_are_notes_and_explicit_skip_request_fails(store: Path) -> None:
+def test_tables_not_extracted_are_no_notes_and_explicit_skip_request_fails(store: Path) -> None:
     notes: list[str] = []
     tables = depth.depth_tables(Store(store).select(), notes)
     assert {"geometry", "geometry_blocks", "depth_decay"} <= set(tables)
     assert "skip_effects" not in tables and "gram_blocks" not in tables
-    assert any("--skips" in n for n in notes) and any("--gram" in n for n in notes)
+    assert not any("--skips" in n or "--gram" in n for n in notes)  # the user's choice
     with pytest.raises(depth.DepthError, match=r"no complete skips table for .*extract .*--skips"):
         depth.skip_effects(store)
 
@@ -194,10 +194,14 @@ def test_layernorm_leaves_norm_columns_empty(tmp_path: Path) -> None:
 def test_analyze_and_report_include_depth(store: Path, tmp_path: Path) -> None:
     results = analyze(store)
     assert {"geometry", "geometry_blocks", "depth_decay"} <= set(results.tables())
-    assert any("--skips" in n for n in results.notes)
+    assert not any("--skips" in n for n in results.notes)
     path, _ = write_report(results, tmp_path / "report")
     text = path.read_text()
     section = text[text.index("## How depth is used") :]
+    # what was not extracted is one line of the section, not a note at the top of the report
+    for table, what in (("skips", "Layer skips"), ("gram", "Gram-matrix angles")):
+        line = f"{what}: not extracted for any partition (`layerdiv extract --{table}` adds them"
+        assert line in section and f"--{table}" not in text[: text.index("## ")]
     assert depth.POSITION_NOTE in section
     assert "](figures/depth_geometry.png)" in section
     assert (tmp_path / "report" / "figures" / "depth_geometry.png").stat().st_size > 10_000

@@ -1,4 +1,4 @@
-"""Layer skips and the Gram matrix at extraction (METHODS.md section 7), on tiny random models,
+"""Layer skips and the Gram matrix at extraction (methods §7), on tiny random models,
 checked against the model run by hand (no layerdiv hooks)."""
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ def test_extract_skips_and_gram_backfill_and_analysis(
         atol=1e-4,
     )
     tables = depth.geometry(store)
-    # geometry: means over instances of the direct per-instance values (METHODS.md section 7)
+    # geometry: means over instances of the direct per-instance values (methods §7)
     r = z.cumsum(1)
     rel = (z[:, 1:].norm(dim=-1) / r[:, :-1].norm(dim=-1)).mean(0)
     cos_prev = torch.nn.functional.cosine_similarity(z[:, 1:], z[:, :-1], dim=-1).mean(0)

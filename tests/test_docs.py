@@ -56,3 +56,83 @@ def test_the_docs_schema_tables_describe_every_column_of_every_table() -> None:
         rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| `")]
         assert [r[0].strip("| `") for r in rows] == schema.names
         assert all(r[4].strip(" |") for r in rows), section  # a meaning for every column
+
+
+# --- citations of the methods page ---------------------------------------------------------
+
+CITED = re.compile(r"§ ?(\d+)(?:-(\d+))?")
+"""A citation of a numbered section of the methods page: ``methods §9``, ``§2-6``."""
+LINKED = re.compile(r"methods\.(?:md|html)#([A-Za-z0-9_-]+)")
+"""A link to an anchor of the methods page (docs, report text)."""
+UNCITED = re.compile(r"METHODS\.md|\b[Ss]ections? \d")
+"""A citation the reader cannot follow: the internal spec's name, or a bare "section N"."""
+SKIP = {".venv", "build", "layerdiv-demo", ".git", "layerdiv.egg-info", "node_modules"}
+
+
+def package_texts() -> dict[str, str]:
+    """Every source and documentation file of the package (code, docstrings, report text,
+    docs pages, README), by path relative to the repository; the methods page itself and this
+    test (whose examples are wrong on purpose) left out."""
+    out = {}
+    for path in ROOT.rglob("*"):
+        rel = path.relative_to(ROOT)
+        if set(rel.parts) & SKIP or path.suffix not in {".py", ".md", ".js", ".css", ".yml"}:
+            continue
+        if rel.as_posix() not in {"docs/methods.md", "tests/test_docs.py"} and path.is_file():
+            out[rel.as_posix()] = path.read_text(encoding="utf-8")
+    return out
+
+
+def unresolved_citations(texts: dict[str, str], anchors: set[str]) -> list[str]:
+    """``path: citation`` for every citation of ``texts`` that names no anchor in ``anchors``."""
+    bad = []
+    for path, text in texts.items():
+        for m in CITED.finditer(text):
+            ends = [m.group(1), *([m.group(2)] if m.group(2) else [])]
+            bad += [f"{path}: {m.group(0)}" for n in ends if f"section-{n}" not in anchors]
+        bad += [f"{path}: #{a}" for a in LINKED.findall(text) if a not in anchors]
+        bad += [f"{path}: {m.group(0)!r}" for m in UNCITED.finditer(text)]
+    return bad
+
+
+def test_every_citation_in_the_package_resolves_to_an_anchor_of_the_methods_page() -> None:
+    from layerdiv.analyze import methods
+
+    anchors = methods.anchors()
+    assert {f"section-{n}" for n in range(1, 13)} <= anchors
+    texts = package_texts()
+    assert sum(len(CITED.findall(t)) for t in texts.values()) > 50  # the citations are found
+    assert unresolved_citations(texts, anchors) == []
+
+
+def test_an_unresolvable_citation_is_found() -> None:
+    anchors = {"section-1", "section-2", "logit-lens"}
+    texts = {
+        "a.py": "methods §1, §2; [x](methods.md#logit-lens)",
+        "b.py": "methods §13 and §1-3",
+        "c.md": "[y](../methods.md#nowhere)",
+        "d.py": "see METHODS.md and section 4",
+    }
+    assert unresolved_citations(texts, anchors) == [
+        "b.py: §13",
+        "b.py: §1-3",
+        "c.md: #nowhere",
+        "d.py: 'METHODS.md'",
+        "d.py: 'section 4'",
+    ]
+
+
+def test_the_methods_page_names_each_paper_with_its_arxiv_id_as_the_readme_does() -> None:
+    page = (ROOT / "docs/methods.md").read_text()
+    for arxiv in ("2505.24009", "2505.13898", "2602.05970"):
+        assert f"arXiv:{arxiv}" in page and f"arXiv:{arxiv}" in README.read_text()
+        assert arxiv in (ROOT / "CITATION.cff").read_text()
+
+
+def test_the_methods_page_renders_with_its_anchors_for_the_report() -> None:
+    from layerdiv.analyze import methods
+
+    page = methods.render_html("")
+    for anchor in methods.anchors():
+        assert f'id="{anchor}"' in page
+    assert "{ #" not in page

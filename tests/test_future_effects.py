@@ -1,4 +1,4 @@
-"""Future effects (``extract --skips`` on a text task, METHODS.md section 9) against an
+"""Future effects (``extract --skips`` on a text task, methods §9) against an
 independent reference: a plain HF forward of the whole model per (document, split point, skipped
 block), one document at a time, float64, with the removal done by forward hooks on the block (its
 output replaced by its input) or on its attention or MLP (their output zeroed)."""

@@ -1,4 +1,4 @@
-"""Heads analysis (METHODS.md section 8) and component reweighting on synthetic stores.
+"""Heads analysis (methods §8) and component reweighting on synthetic stores.
 
 Every expected number is recomputed here with numpy loops over the definitions, independently of
 the Polars expressions under test.
@@ -244,7 +244,7 @@ def test_query_has_a_heads_view_over_the_partitions_that_hold_heads(store: Path,
     con = Store(store).duckdb()
     per_model = dict(con.sql("SELECT model, count(*) FROM heads GROUP BY model").fetchall())
     assert per_model == {"org--with-heads": data["heads"].size}
-    # The heads of every attention component add up to its logits (METHODS.md section 8).
+    # The heads of every attention component add up to its logits (methods §8).
     ((worst,),) = con.sql(
         "SELECT max(abs(h.logit - c.logit)) FROM (SELECT model, instance, component, option, "
         "sum(logit) AS logit FROM heads GROUP BY ALL) h JOIN components c USING (model, "

@@ -1,4 +1,4 @@
-"""Per-head logits (METHODS.md section 8) on tiny random models of every supported family."""
+"""Per-head logits (methods §8) on tiny random models of every supported family."""
 
 from __future__ import annotations
 

@@ -88,7 +88,8 @@ def floats(b64: str) -> np.ndarray:
 
 def test_both_reports_and_nothing_fetched_from_outside(page: Path) -> None:
     out = page.parent
-    assert sorted(p.name for p in out.iterdir()) == ["figures", "index.json", "report.html",
+    assert sorted(p.name for p in out.iterdir()) == ["figures", "index.json", "methods.html",
+                                                      "methods.md", "report.html",
                                                       "report.md"]  # fmt: skip
     text = page.read_text()
     assert "Content-Security-Policy" in text and "default-src 'none'" in text
@@ -197,13 +198,13 @@ def test_bad_format_and_empty_store_are_one_line(store: Path, page: Path, tmp_pa
     assert snapshot(out) == before
 
 
-def test_html_only_writes_one_page(store: Path, tmp_path: Path) -> None:
+def test_html_only_writes_one_page_and_the_methods_it_links(store: Path, tmp_path: Path) -> None:
     out = tmp_path / "r"
     result = run("report", "--store", str(store), "--out", str(out), "--format", "html",
                  "--explorer-instances", "all", "--model", "org/small",
                  "--task", "boolq")  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in out.iterdir()) == ["index.json", "report.html"]
+    assert sorted(p.name for p in out.iterdir()) == ["index.json", "methods.html", "report.html"]
     data = embedded(out / "report.html", "explorer-data")
     assert [len(p["instances"]) for p in data["partitions"]] == [N]
 
@@ -260,15 +261,17 @@ def test_page_in_chromium(browser: Any, page: Path) -> None:
     figures = embedded(page, "figures-data")
     for name, spec in figures.items():  # a mark per trace at least
         assert marks[name] >= len(spec["data"]) > 0, name
-    parts = [
-        f"{p['model_id']} · {p['task']}" for p in embedded(page, "explorer-data")["partitions"]
-    ]
+    data = embedded(page, "explorer-data")["partitions"]
+    parts = [f"{p['model_id']} · {p['task']}" for p in data]
+    # the explorer opens on a partition with the most of heads and skips
+    have = [bool(p.get("heads")) + bool(p.get("skips")) for p in data]
+    assert have[0] == max(have) and have == sorted(have, reverse=True)
     browser.execute_script(CHOOSE, "ex-part", parts.index("org/small · boolq"))
     marks = dict(browser.execute_script(MARKS))
     assert marks["ex-waterfall"] > 0 and marks["ex-running"] > 0 and marks["ex-heads"] == 1
-    assert (
-        marks["ex-skips"] == 0 and "extract --skips" in browser.find_element("id", "ex-skips").text
-    )
+    skips = browser.find_element("id", "ex-skips")
+    assert marks["ex-skips"] == 0 and "extract --skips" in skips.text
+    assert skips.size["height"] < 60  # one line in place of the figure, not a blank area
     # Another instance redraws the waterfall.
     read = "return Array.from(document.getElementById('ex-waterfall').data[0].y)"
     first = browser.execute_script(read)
@@ -279,6 +282,7 @@ def test_page_in_chromium(browser: Any, page: Path) -> None:
     browser.execute_script(CHOOSE, "ex-filter", "wrong")
     marks = dict(browser.execute_script(MARKS))
     assert marks["ex-skips"] >= 3 and marks["ex-heads"] == 0
+    assert browser.find_element("id", "ex-skips").size["height"] >= 300  # the figure again
     labels = browser.execute_script(
         "return Array.from(document.getElementById('ex-instance').options).map(o => o.text)"
     )

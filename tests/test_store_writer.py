@@ -110,6 +110,9 @@ def test_run_records_are_one_file_per_run(tmp_path: Path) -> None:
 def test_optional_tables_are_written_first_and_backfilled(tmp_path: Path) -> None:
     writer = synthetic(tmp_path)
     assert writer.chunks_missing("gram") == [(0, 4), (4, 4), (8, 4)]
+    # an optional table's folder is made with its first part, never left empty
+    assert writer.part.dir("instances").is_dir() and not writer.part.dir("gram").exists()
+    assert not any((tmp_path / t).exists() for t in ("gram", "skips", "heads", "lens"))
     writer.mark_table("gram")
     writer.write_table_part("gram", 4, 4, gram([4, 5, 6, 7]))
     assert writer.chunks_missing("gram") == [(0, 4), (8, 4)]

@@ -1,4 +1,4 @@
-"""Running-text analyses (METHODS.md section 9) against numpy on raw residual vectors."""
+"""Running-text analyses (methods §9) against numpy on raw residual vectors."""
 
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ COLUMNS = ["hh", "aa", "mm", "ha", "hm", "am", "dd_next", "h_final"]
 
 
 def geometry(v: np.ndarray) -> dict[str, np.ndarray]:
-    """METHODS.md section 9's per-token geometry from the dot products (last axis COLUMNS)."""
+    """methods §9's per-token geometry from the dot products (last axis COLUMNS)."""
     hh, aa, mm, ha, hm, am = (v[..., i] for i in range(6))
     hn = np.sqrt(hh)
     out_sq = hh + aa + mm + 2 * (ha + hm + am)  # |h + a + m|^2

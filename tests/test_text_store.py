@@ -149,11 +149,11 @@ def test_version_3_choice_store_still_reads(tmp_path: Path) -> None:
     write_partition(tmp_path, "m", "t", logits, gold, kinds, rms, chunk=4)
     path = next(tmp_path.glob("manifests/*/*/manifest.json"))
     data = json.loads(path.read_text())
-    for name in ("kind", "max_tokens", "lens", "skip_split", "skip_seed"):
-        del data[name]  # fields of version 4
+    for name in ("kind", "max_tokens", "lens", "skip_split", "skip_seed", "weights"):
+        del data[name]  # fields of versions 4 and 5
     data["schema_version"] = 3
     path.write_text(json.dumps(data))
-    assert SCHEMA_VERSION == 4 and "lens" not in tables_of(3) and "tokens" not in tables_of(3)
+    assert SCHEMA_VERSION == 5 and "lens" not in tables_of(3) and "tokens" not in tables_of(3)
     assert "prompt" in tables_of(3)["instances"].names
     store = Store(tmp_path)
     (info,) = store.select()
@@ -164,3 +164,20 @@ def test_version_3_choice_store_still_reads(tmp_path: Path) -> None:
     assert n == (8 * len(kinds) * 3,)
     writer = PartitionWriter(tmp_path, "m", "t")
     assert writer.done_instances(read_manifest(path)) == set(range(8))
+
+
+def test_version_4_store_reads_without_the_weights_note(tmp_path: Path) -> None:
+    logits, gold, rms, kinds = random_partition(np.random.default_rng(0), 8, 2, 3)
+    write_partition(tmp_path, "m", "t", logits, gold, kinds, rms, chunk=4)
+    path = next(tmp_path.glob("manifests/*/*/manifest.json"))
+    data = json.loads(path.read_text())
+    del data["weights"]  # the field of version 5
+    data["schema_version"] = 4
+    path.write_text(json.dumps(data))
+    assert tables_of(4) == tables_of(5)
+    store = Store(tmp_path)
+    (info,) = store.select()
+    assert info.manifest.schema_version == 4 and info.manifest.weights is None
+    assert store.manifests()["weights"].to_list() == [None]
+    components, _ = info.read(["logit"], ["gold"])
+    assert components.height == 8 * len(kinds) * 3

@@ -1,4 +1,4 @@
-"""How depth is used (METHODS.md section 7): residual-stream geometry per component and per block,
+"""How depth is used (methods §7): residual-stream geometry per component and per block,
 the decay of block update size with depth, the Gram-matrix angles of ``extract --gram`` and the
 layer-skip effects of ``extract --skips``, from the cache alone.
 
@@ -59,7 +59,7 @@ POSITION_NOTE = (
     "the last prompt token, where the answer is decided."
 )
 GEOMETRY = ("rel_contribution", "cos_residual", "angle_deg", "cos_prev")
-"""Per-component geometry columns (METHODS.md section 7)."""
+"""Per-component geometry columns (methods §7)."""
 BLOCK_GEOMETRY = ("rel_contribution", "cos_residual", "angle_deg", "cos_attn_mlp")
 """Per-block geometry columns (attention and MLP of a block together)."""
 GRAM_ANGLES = ("state_angle_deg", "update_angle_deg", "angle_to_end_deg")
@@ -125,11 +125,11 @@ def paired_blocks(info: PartitionInfo) -> bool:
 
 
 def component_rows(info: PartitionInfo) -> pl.DataFrame:
-    """Per (instance, component) of attention and MLP, sorted: the geometry of METHODS.md section
-    7, with the norms ``r_prev`` = ||r_(c-1)|| and ``r_norm`` = ||r_c|| the block level needs and
+    """Per (instance, component) of attention and MLP, sorted: the geometry of methods §7,
+    with the norms ``r_prev`` = ||r_(c-1)|| and ``r_norm`` = ||r_c|| the block level needs and
     ``is_attn``."""
     d = float(info.manifest.hidden_size or 0)
-    # ||r_c|| = sqrt(d) * sqrt(prefix_rms^2 - eps) (METHODS.md section 7; RMSNorm only).
+    # ||r_c|| = sqrt(d) * sqrt(prefix_rms^2 - eps) (methods §7; RMSNorm only).
     r_norm = (
         (d * (pl.col("prefix_rms").cast(pl.Float64) ** 2 - _eps(info))).clip(0.0).sqrt()
         if _exact_norms(info)
@@ -169,7 +169,7 @@ def component_rows(info: PartitionInfo) -> pl.DataFrame:
 
 def block_rows(rows: pl.DataFrame) -> pl.DataFrame:
     """Per (instance, MLP component m): the geometry of block z_l = z_a + z_m, exact from the
-    component rows (METHODS.md section 7; blocks must be :func:`paired_blocks`). With a = m - 1 the
+    component rows (methods §7; blocks must be :func:`paired_blocks`). With a = m - 1 the
     attention component and r_(a-1) the stream before the block: z_a . z_m = cos_prev_m ||z_a||
     ||z_m|| (the lag-1 term), ||z_l||^2 = ||z_a||^2 + ||z_m||^2 + 2 z_a . z_m, and z_l . r_(a-1) =
     cos_res_a ||z_a|| ||r_(a-1)|| + cos_res_m ||z_m|| ||r_a|| - z_a . z_m (r_a = r_(a-1) + z_a)."""
@@ -284,7 +284,7 @@ def _log_softmax(logit: str, by: list[str]) -> pl.Expr:
 def skip_rows(info: PartitionInfo) -> pl.DataFrame:
     """Per (instance, skipped block b): whether the model is still right without b, the KL
     divergence sum_k p_k log(p_k / q_k) of q = softmax(skip_logits_b) from p = softmax(logits), and
-    the means over options of |TE|, |DE| and |IE| (METHODS.md section 7): TE_b = logits -
+    the means over options of |TE|, |DE| and |IE| (methods §7): TE_b = logits -
     skip_logits_b, DE_b = sum over b's components (every call) of u_c, IE_b = TE_b - DE_b."""
     full = (
         pl.scan_parquet(info.uris("instances"))
@@ -331,7 +331,7 @@ def skip_rows(info: PartitionInfo) -> pl.DataFrame:
 def _skip_summary(rows: pl.DataFrame, n_layers: int) -> pl.DataFrame:
     """Per block: accuracy with all blocks and without this one, mean KL, mean |TE|, |DE|, |IE|
     over instances and options, and the indirect share |IE| / (|DE| + |IE|) of the means
-    (METHODS.md section 7)."""
+    (methods §7)."""
     return (
         rows.group_by("layer")
         .agg(
@@ -359,7 +359,7 @@ def _skip_summary(rows: pl.DataFrame, n_layers: int) -> pl.DataFrame:
 
 def depth_decay(geometry: pl.DataFrame, blocks: pl.DataFrame | None) -> pl.DataFrame:
     """Per (model, task): the least-squares line log rel_contribution_l = log a - beta log l
-    through the mean block update sizes (METHODS.md section 7; the inverse-depth paper's Fig. 2d),
+    through the mean block update sizes (methods §7; the inverse-depth paper's Fig. 2d),
     beta with its standard error, and the mean of every ``geometry`` column over the components in
     the first (relative depth <= 1/2) and the second half of the stack."""
     rows = []
@@ -397,11 +397,12 @@ def _skip_table(info: PartitionInfo) -> pl.DataFrame:
 
 
 def _partition_tables(info: PartitionInfo) -> tuple[dict[str, pl.DataFrame], list[str]]:
-    """The tables one partition can give, and what it lacks (``gram``, ``skips``, ``cos_prev``,
-    ``norms`` or ``norms_gram``, ``blocks``); an optional table that some stored instances lack
-    is left out (``PartitionInfo.incomplete`` says so, once for every analysis)."""
+    """The tables one partition can give, and what it lacks (``cos_prev``, ``norms`` or
+    ``norms_gram``, ``blocks``); an optional table that some stored instances lack is left out
+    (``PartitionInfo.incomplete`` says so, once for every analysis); one never extracted is said
+    in the report's section (:func:`not_extracted`)."""
     extra, out = set(info.tables), {}
-    lacks = [table for table in ("gram", "skips") if table not in info.lacking]
+    lacks: list[str] = []
     if "skips" in extra:
         out["skip_effects"] = _skip_table(info)
     block_keys = ["block", "layer", "relative_depth"]
@@ -468,13 +469,30 @@ def depth_tables(parts: list[PartitionInfo], notes: list[str]) -> dict[str, pl.D
             "prefix scale is the norm of the centred stream; their exact angles are in "
             "gram_blocks (from their gram table)."
         )
-    for table, flag in (("skips", "--skips"), ("gram", "--gram")):
-        if lacking.get(table):
-            notes.append(
-                f"No {table} table for {listing(lacking[table])}: run `layerdiv extract {flag}` "
-                "on them (it extends the partition without re-extracting the components)."
-            )
     return tables
+
+
+_OPTIONAL = {"gram": "Gram-matrix angles", "skips": "Layer skips"}
+"""The optional tables of the section, by what they add (a partition extracted without one is
+said in one line of the section, not in the report's notes: it is the user's choice)."""
+
+
+def not_extracted(manifests: pl.DataFrame, table: str) -> str:
+    """One line naming the choice partitions extracted without the optional ``table`` and the
+    flag that adds it; empty when every partition has it."""
+    rows = manifests.filter(pl.col("kind") == "choice").sort(*KEY)
+    lack = [
+        "/".join(r[:-1])
+        for r in rows.select(*KEY, "tables").iter_rows()
+        if table not in [h.strip() for h in (r[-1] or "").split(",")]
+    ]
+    if not lack:
+        return ""
+    which = "any partition" if len(lack) == rows.height else ", ".join(lack)
+    return (
+        f"{_OPTIONAL[table]}: not extracted for {which} (`layerdiv extract --{table}` adds them "
+        "without re-extracting the components)."
+    )
 
 
 def _open(
@@ -503,7 +521,7 @@ def skip_effects(
     store: Store | str | Path, models: Iterable[str] = (), tasks: Iterable[str] = ()
 ) -> pl.DataFrame:
     """Per (model, task, block): accuracy without the block, KL, |TE|, |DE|, |IE| and the
-    indirect share (METHODS.md section 7). Raises :class:`DepthError` when a selected partition
+    indirect share (methods §7). Raises :class:`DepthError` when a selected partition
     was extracted without ``--skips``."""
     parts = _open(store, models, tasks)
     missing = [p for p in parts if "skips" not in p.tables]
@@ -602,7 +620,7 @@ def geometry_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[
     ax_rel.legend(fontsize=7, ncols=2)
     ax_log.legend(fontsize=7)
     fig.suptitle(
-        "How depth is used (METHODS.md section 7), mean over tasks, at the last prompt token",
+        "How depth is used (methods §7), mean over tasks, at the last prompt token",
         fontsize=11,
     )
     return plots.save(fig, path)
@@ -647,9 +665,7 @@ def skip_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[str,
         ax.set_xlabel("relative depth (b + 1) / blocks")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(
-        "Layer skips (METHODS.md section 7), mean over tasks, at the last prompt token", fontsize=11
-    )
+    fig.suptitle("Layer skips (methods §7), mean over tasks, at the last prompt token", fontsize=11)
     return plots.save(fig, path)
 
 
@@ -707,7 +723,7 @@ def geometry_plotly(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -
                                 f"β = {r['beta']:.2f}")  # fmt: skip
     depth = {"x": "relative_depth", "xtitle": "relative depth c / L"}
     return plots.overlay(
-        "How depth is used (METHODS.md section 7), mean over tasks, at the last prompt token",
+        "How depth is used (methods §7), mean over tasks, at the last prompt token",
         [
             {"title": "Relative contribution per component", "frame": geo, "y": "rel_contribution",
              "ytitle": "||z_c|| / ||r_(c-1)||", "split": "kind", "label": "name", **depth},
@@ -737,7 +753,7 @@ def skip_plotly(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> ob
     depth = {"frame": skips, "x": "relative_depth", "xtitle": "relative depth (b + 1) / blocks",
              "label": "label"}  # fmt: skip
     return plots.overlay(
-        "Layer skips (METHODS.md section 7), mean over tasks, at the last prompt token",
+        "Layer skips (methods §7), mean over tasks, at the last prompt token",
         [
             {"title": "Accuracy without the block", "y": "accuracy_without",
              "ytitle": "accuracy without the block (%)", **depth},
@@ -799,7 +815,7 @@ def decay_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> st
 def skip_summary(skip_effects: pl.DataFrame) -> pl.DataFrame:
     """Per (model, task): accuracy, mean accuracy without a block of the first / second half
     (``acc_1``, ``acc_2``), mean KL by half (``kl_1``, ``kl_2``), and the indirect share of all
-    blocks' effects, sum |IE| / sum (|DE| + |IE|) (``share``, METHODS.md section 7)."""
+    blocks' effects, sum |IE| / sum (|DE| + |IE|) (``share``, methods §7)."""
     second = pl.col("relative_depth") > 0.5
     return (
         skip_effects.group_by(*KEY)
@@ -859,7 +875,7 @@ def report(ctx: ReportContext) -> str:
 
     parts = [
         "The geometry of the residual stream and the effect of skipping blocks, as in the two "
-        f"companion papers (METHODS.md section 7). {POSITION_NOTE} Per component c: relative "
+        f"companion papers (methods §7). {POSITION_NOTE} Per component c: relative "
         "contribution ||z_c|| / ||r_(c-1)|| (a ratio), cosine of z_c with the stream r_(c-1) it "
         "joins (negative: it erases), angle between r_(c-1) and r_c (degrees) and cosine with the "
         "previous component's output. A block is its attention and MLP outputs together; β is "
@@ -885,13 +901,14 @@ def report(ctx: ReportContext) -> str:
         parts += [
             "Skipping block b (`extract --skips`): the model's own option logits with the block "
             "replaced by the identity on every call. TE = logits − skip logits, DE = the block's "
-            "own logit contributions (section 1, final scale frozen), IE = TE − DE: what the block "
-            "does through later blocks and the final norm, which the layer-addition curves do not "
-            "see. Effects are mean absolute values over instances and options, in logit units; "
-            "KL of the skipped model's option distribution from the full one's, in nats.",
+            "own logit contributions (methods §1, final scale frozen), IE = TE − DE: what the "
+            "block does through later blocks and the final norm, which the layer-addition curves "
+            "do not see. Effects are mean absolute values over instances and options, in logit "
+            "units; KL of the skipped model's option distribution from the full one's, in nats.",
             skip_table(tables, ctx.names),
             figure("depth_skips.png", "Layer skips", skip_figure, skip_plotly),
         ]
+    parts += [not_extracted(tables["manifests"], t) for t in _OPTIONAL]
     return "\n\n".join(p for p in parts if p)
 
 
@@ -900,4 +917,6 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     return depth_tables(ctx.parts, ctx.notes)
 
 
-register(Analysis(name="depth", title="How depth is used", tables=tables, report=report))
+register(
+    Analysis(name="depth", title="How depth is used", tables=tables, report=report, methods=(7,))
+)

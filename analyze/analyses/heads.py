@@ -1,10 +1,10 @@
-"""Heads and the parts that beat the whole (METHODS.md section 8), from the cache alone.
+"""Heads and the parts that beat the whole (methods §8), from the cache alone.
 
 Tables (one row per model and task unless said otherwise):
 
 - ``head_scores``: per (model, task, estimator, attention component, head): the head's accuracy
   alone, its calibrated accuracy, its mean gold margin, and its bias and diversity shares within
-  its block (the block's heads as an ensemble, METHODS.md section 2 with the heads as members).
+  its block (the block's heads as an ensemble, methods §2 with the heads as members).
 - ``component_scores``: per (model, task, component): the same three scores for every residual
   component (embedding, attention and MLP blocks), so that partitions without heads have them too.
 - ``head_summary``: the full model's accuracy (and its label-free calibrated accuracy), how many
@@ -138,7 +138,7 @@ def load_heads(info: PartitionInfo) -> pl.DataFrame:
 def with_predictions(frame: pl.LazyFrame, k_opts: int, by: Sequence[str]) -> pl.LazyFrame:
     """Add, per row (one member of one instance), ``correct``: argmax_k u[k] is the gold option;
     ``calibrated_correct``: argmax_k of u[k] minus its mean over the task's instances (the mean
-    taken within the member ``by``; METHODS.md section 8, label-free); ``margin``: u[gold] -
+    taken within the member ``by``; methods §8, label-free); ``margin``: u[gold] -
     max_{k != gold} u[k] (positive when the member alone is right)."""
     u, gold = _u(k_opts), pl.col("gold")
     centred = [pl.col(f"_c{k}") for k in range(k_opts)]
@@ -164,7 +164,7 @@ _SCORES = (
 
 
 def with_block_terms(frame: pl.LazyFrame, k_opts: int) -> pl.LazyFrame:
-    """Add each head's member terms in its block's ensemble (METHODS.md section 2 with the heads
+    """Add each head's member terms in its block's ensemble (methods §2 with the heads
     h >= 0 of one attention component and one instance as the members): ``bias`` = mean_k
     (y_k - p_h[k])^2 with p_h = softmax(u_h) (Eq. 14), and ``diversity_paper`` = mean_k
     (ubar_k - u_h[k])^2 (Eq. 8, logits) and ``diversity_ensemble`` = mean_k (pbar_k - p_h[k])^2
@@ -293,7 +293,7 @@ def reweight_partition(
     the ``reweight`` row and the fitted weights (one row per member)."""
     k_opts = len(info.manifest.options)
     infos = info.manifest.components
-    comp = _members(wide, k_opts)  # (N, L, K); their sum is the full model (METHODS.md s. 1)
+    comp = _members(wide, k_opts)  # (N, L, K); their sum is the full model (methods §1)
     gold = wide.filter(pl.col("component") == 0)["gold"].to_numpy().astype(np.int64)
     instance_ids = wide.filter(pl.col("component") == 0)["instance"].to_numpy()
     keep = [c for c, ci in enumerate(infos) if heads is None or ci.kind != "attn"]
@@ -800,7 +800,8 @@ def _tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Dat
 register(
     Analysis(
         name="heads",
-        title="Heads: the parts that beat the whole (METHODS.md section 8)",
+        title="Heads: the parts that beat the whole",
+        methods=(8, 2),
         tables=_tables,
         report=heads_section,
         options={"reweight": "also fit component reweighting (tables reweight, reweight_weights)"},

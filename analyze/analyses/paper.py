@@ -1,4 +1,4 @@
-"""The reference paper's analysis (METHODS.md sections 2-6): scores, layer-addition curves, module
+"""The reference paper's analysis (methods §2-6): scores, layer-addition curves, module
 shares, correlations, depth efficiency, saturation and the information-theoretic view, with its
 report section (Table 1, Figs. 3-6) and figures.
 """
@@ -57,14 +57,14 @@ def _component_names(parts: list[PartitionInfo]) -> pl.DataFrame:
 
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
-    """Every table of METHODS.md sections 2-6 for the selected partitions (see
+    """Every table of methods §2-6 for the selected partitions (see
     :class:`~layerdiv.analyze.api.Results` for each table's columns). ``instance_scores`` goes to
     ``ctx.spill`` partition by partition; only per-partition aggregates stay in memory."""
     manifests = prior["manifests"]
 
     def reduce(info: PartitionInfo) -> tuple[pl.DataFrame, dict[str, pl.DataFrame]]:
         """The partition's instance scores (to spill) and the aggregates kept of it."""
-        scores = partition_scores(info, ctx.lens)
+        scores = partition_scores(info, ctx.scale)
         instances = scores.instances.sort("estimator", "instance")
         n_options = manifests.join(
             pl.DataFrame([dict(info.key.items())]), on=[*KEY], how="semi"
@@ -108,7 +108,7 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     curves = (
         gather("curves")
         .join(_component_names(ctx.parts), on=[*KEY, "j"])
-        .with_columns(  # METHODS.md section 7: j / L, so that models of different depth overlay
+        .with_columns(  # methods §7: j / L, so that models of different depth overlay
             (pl.col("j") / pl.col("j").max().over(*KEY)).alias("relative_depth")
         )
         .sort(*KEY, "estimator", "j")
@@ -323,7 +323,7 @@ def saturation_table(ctx: ReportContext) -> str:
 
 
 def information_table(ctx: ReportContext) -> str:
-    """Section 6 per (model, task): n, H(Y), relevancy, I(full stack; Y), the Eq. 12 bounds beside
+    """Methods §6 per (model, task): n, H(Y), relevancy, I(full stack; Y), the Eq. 12 bounds beside
     the measured error, and the mean gain of I per component in each half of the stack."""
     rows = [
         [
@@ -361,7 +361,7 @@ GAIN_WINDOW = 5
 """Marginal gains in Fig. 6 are shown as a centred rolling mean over this many components."""
 
 
-def correlation_figure(ctx: ReportContext, path: Path, lens: str) -> Path:
+def correlation_figure(ctx: ReportContext, path: Path, scale: str) -> Path:
     """Fig. 3: heatmaps of r (models x tasks + Avg.), one per (method, metric); ``*`` marks
     p < 0.05 in the task columns; Avg. is the Fisher-z mean over tasks."""
     names = plots.short_names(ctx.names)
@@ -410,7 +410,7 @@ def correlation_figure(ctx: ReportContext, path: Path, lens: str) -> Path:
         fig.colorbar(image, ax=axes, shrink=0.6, label="correlation r across junction points")
     fig.suptitle(
         f"Fig. 3 — correlation with accuracy across junction points j = 1..L\n"
-        f"estimator {ctx.estimator}, lens {lens}; * two-sided p < {stats.SIGNIFICANCE}; "
+        f"estimator {ctx.estimator}, scale {scale}; * two-sided p < {stats.SIGNIFICANCE}; "
         "Avg. = Fisher-z mean over tasks",
         fontsize=11,
     )
@@ -453,7 +453,7 @@ def module_figure(ctx: ReportContext, path: Path) -> Path:
     return plots.save(fig, path)
 
 
-def curves_figure(ctx: ReportContext, lens: str, model: str, path: Path) -> Path:
+def curves_figure(ctx: ReportContext, scale: str, model: str, path: Path) -> Path:
     """Fig. 5 for one model: accuracy, MSE, bias and diversity of the first j components,
     z-scored across j, one panel per task."""
     by = [*KEY, "estimator"]
@@ -504,13 +504,13 @@ def curves_figure(ctx: ReportContext, lens: str, model: str, path: Path) -> Path
     name = plots.short_names(ctx.names).get(model, model)
     fig.suptitle(
         f"Fig. 5 — {name}: standardized layer-addition curves "
-        f"(estimator {ctx.estimator}, lens {lens})",
+        f"(estimator {ctx.estimator}, scale {scale})",
         fontsize=11,
     )
     return plots.save(fig, path)
 
 
-def depth_figure(ctx: ReportContext, path: Path, lens: str, min_params: float) -> Path:
+def depth_figure(ctx: ReportContext, path: Path, scale: str, min_params: float) -> Path:
     """Fig. 6: accuracy and MSE averaged over tasks against the number of components with their
     fits (dashed), and the marginal accuracy gain per added component (rolling mean)."""
     names = plots.short_names(ctx.names)
@@ -553,7 +553,7 @@ def depth_figure(ctx: ReportContext, path: Path, lens: str, min_params: float) -
     axes[0].legend(fontsize=7, ncols=2)
     which = f"models with ≥ {min_params:.3g} parameters" if min_params else "all models"
     fig.suptitle(
-        f"Fig. 6 — depth efficiency, {which} (estimator {ctx.estimator}, lens {lens})",
+        f"Fig. 6 — depth efficiency, {which} (estimator {ctx.estimator}, scale {scale})",
         fontsize=11,
     )
     return plots.save(fig, path)
@@ -564,7 +564,7 @@ def depth_figure(ctx: ReportContext, path: Path, lens: str, min_params: float) -
 DASHES = {"-": "solid", "--": "dash", "-.": "dashdot", ":": "dot"}
 
 
-def curves_plotly(ctx: ReportContext, lens: str, model: str) -> object:
+def curves_plotly(ctx: ReportContext, scale: str, model: str) -> object:
     """Fig. 5 for one model, interactive: the z-scored curves of :func:`curves_figure`; hover
     shows the component added at j and the metric's value in its unit."""
     by = [*KEY, "estimator"]
@@ -604,14 +604,14 @@ def curves_plotly(ctx: ReportContext, lens: str, model: str) -> object:
     fig.update_yaxes(title_text="z-score across j", col=1)
     fig.update_layout(
         title=f"Fig. 5 — {name}: standardized layer-addition curves "
-        f"(estimator {ctx.estimator}, lens {lens})",
+        f"(estimator {ctx.estimator}, scale {scale})",
         height=260 * nrows + 170, margin={"t": 120}, hovermode="closest",
     )  # fmt: skip
     plots.depth_switch(fig, absolute, relative, "components in prefix j")
     return fig
 
 
-def depth_plotly(ctx: ReportContext, lens: str, min_params: float) -> object:
+def depth_plotly(ctx: ReportContext, scale: str, min_params: float) -> object:
     """Fig. 6, interactive: accuracy and MSE over tasks against j with their fits (dashed), and
     the marginal gain; the x axis switches between j and j / L so that models overlay."""
     names = plots.short_names(ctx.names)
@@ -653,7 +653,7 @@ def depth_plotly(ctx: ReportContext, lens: str, min_params: float) -> object:
     fig.update_yaxes(title_text="gain per component (points)", col=3)
     which = f"models with ≥ {min_params:.3g} parameters" if min_params else "all models"
     fig.update_layout(
-        title=f"Fig. 6 — depth efficiency, {which} (estimator {ctx.estimator}, lens {lens})",
+        title=f"Fig. 6 — depth efficiency, {which} (estimator {ctx.estimator}, scale {scale})",
         height=480, margin={"t": 120},
     )  # fmt: skip
     plots.depth_switch(fig, absolute, relative, "components in prefix j")
@@ -696,7 +696,7 @@ def module_plotly(ctx: ReportContext) -> object:
     return fig
 
 
-def correlation_plotly(ctx: ReportContext, lens: str) -> object:
+def correlation_plotly(ctx: ReportContext, scale: str) -> object:
     """Fig. 3, interactive: r per (model, task) and the Fisher-z average, one heatmap per method
     and metric; hover shows r and whether p < the significance level."""
     names = plots.short_names(ctx.names)
@@ -738,7 +738,7 @@ def correlation_plotly(ctx: ReportContext, lens: str) -> object:
     fig.update_yaxes(autorange="reversed")
     fig.update_layout(
         title="Fig. 3 — correlation with accuracy across junction points j = 1..L "
-        f"(estimator {ctx.estimator}, lens {lens}; * p < {stats.SIGNIFICANCE})",
+        f"(estimator {ctx.estimator}, scale {scale}; * p < {stats.SIGNIFICANCE})",
         height=260 * len(methods) + 60 + 14 * len(models),
     )  # fmt: skip
     return fig
@@ -750,7 +750,7 @@ def correlation_plotly(ctx: ReportContext, lens: str) -> object:
 def report(ctx: ReportContext) -> str:
     """Table 1, the Fig. 3 correlations, Fig. 4 module shares, Figs. 5-6, saturation and the
     information-theoretic view, with their figures."""
-    est, lens, min_params = ctx.estimator, ctx.lens, ctx.min_params
+    est, scale, min_params = ctx.estimator, ctx.scale, ctx.min_params
     fits = ctx.tables["depth_fits"]
     depth_models = fits["model"].n_unique()
     size_filter = (
@@ -767,8 +767,8 @@ def report(ctx: ReportContext) -> str:
             ctx,
             f"fig5_curves_{m}.png",
             "Fig. 5 standardized curves",
-            partial(curves_figure, ctx, lens, m),
-            partial(curves_plotly, ctx, lens, m),
+            partial(curves_figure, ctx, scale, m),
+            partial(curves_plotly, ctx, scale, m),
         )
         for m in tqdm(models, desc="Fig. 5", unit="model", disable=None)
     ]
@@ -777,8 +777,8 @@ def report(ctx: ReportContext) -> str:
             ctx,
             "fig6_depth.png",
             "Fig. 6 depth efficiency",
-            lambda path: depth_figure(ctx, path, lens, min_params),
-            lambda: depth_plotly(ctx, lens, min_params),
+            lambda path: depth_figure(ctx, path, scale, min_params),
+            lambda: depth_plotly(ctx, scale, min_params),
         )
         if fits.height
         else ""
@@ -794,14 +794,14 @@ def report(ctx: ReportContext) -> str:
         "layer-addition curves between accuracy_j and −MSE_j, −bias_j or diversity_j (lower MSE "
         f"and bias are better). `*`: two-sided p < {stats.SIGNIFICANCE} (t test, L − 2 degrees "
         "of freedom). Avg. and the all-models row are Fisher-z averages and are not tested. "
-        f"Estimator `{est}`, lens `{lens}`.",
+        f"Estimator `{est}`, scale `{scale}`.",
         correlation_table(ctx),
         plots.figure_link(
             ctx,
             "fig3_correlations.png",
             "Fig. 3 correlations",
-            lambda path: correlation_figure(ctx, path, lens),
-            lambda: correlation_plotly(ctx, lens),
+            lambda path: correlation_figure(ctx, path, scale),
+            lambda: correlation_plotly(ctx, scale),
         ),
         "### Fig. 4: share of bias and diversity by module",
         "Paper Eqs. 9-10: the share of module kind X is |X| bias_X / (L bias) (and the same for "
@@ -817,7 +817,7 @@ def report(ctx: ReportContext) -> str:
         ),
         "### Fig. 5: standardized layer-addition curves",
         "Accuracy, MSE, bias and diversity of the first j components, each standardized across j "
-        f"within (model, task) (z-score). Estimator `{est}`, lens `{lens}`.",
+        f"within (model, task) (z-score). Estimator `{est}`, scale `{scale}`.",
         "\n\n".join(link for link in fig5 if link),
         "### Fig. 6: depth efficiency",
         f"Accuracy and MSE averaged over tasks per model ({depth_models} model(s): "
@@ -833,7 +833,7 @@ def report(ctx: ReportContext) -> str:
         "The smallest j such that every prefix of j or more components has accuracy within 1 "
         "point below the full model's (j/L).",
         saturation_table(ctx),
-        "### Information-theoretic view (METHODS.md section 6)",
+        "### Information-theoretic view (methods §6)",
         "Plug-in estimates in bits over the instances of each task, with the argmax predictions "
         "of single components and of prefixes as the variables. The bounds are paper Eq. 12 "
         "(H(Y) − I − 1)/log₂K ≤ error ≤ (H(Y) − I)/2 with I = I(prefix_L; Y). Plug-in mutual "
@@ -846,7 +846,8 @@ def report(ctx: ReportContext) -> str:
 register(
     Analysis(
         name="paper",
-        title="The paper's analysis: bias, diversity and depth (METHODS.md sections 2-6)",
+        title="The paper's analysis: bias, diversity and depth",
+        methods=(1, 2, 3, 4, 5, 6),
         tables=tables,
         report=report,
     )

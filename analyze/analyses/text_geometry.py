@@ -1,4 +1,4 @@
-"""Running text, geometry of the residual stream (METHODS.md section 9): per (model, task, block),
+"""Running text, geometry of the residual stream (methods §9): per (model, task, block),
 token-weighted means and maxima of every per-token quantity, from the stored dot products.
 
 Table ``text_geometry``: per (model, task, block l = 0..L-1): ``relative_depth`` (l + 1) / L,
@@ -25,7 +25,7 @@ from layerdiv.store.key import KEY
 
 def geometry_table(stats: BlockStats, blocks: int) -> pl.DataFrame:
     """Per block, from the sums over every batch of tokens: ``relative_depth``, ``n_tokens``,
-    ``<c>_mean`` (token-weighted: sum over every token / token count, METHODS.md section 9) and
+    ``<c>_mean`` (token-weighted: sum over every token / token count, methods §9) and
     ``<c>_max`` of every geometry column."""
     return (
         stats.table()
@@ -107,7 +107,7 @@ def geometry_figure(table: pl.DataFrame, path: Path, names: dict[str, str]) -> P
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(
-        "Running text: token-weighted means over every token (dotted: maxima), METHODS.md 9",
+        "Running text: token-weighted means over every token (dotted: maxima), methods §9",
         fontsize=11,
     )
     return plots.save(fig, path)
@@ -119,7 +119,7 @@ SIDE_BY_SIDE = (
     ("cos_layer_mean", "cos_residual", "cos(a + m, h)"),
 )
 """(running-text column, last-token column of ``geometry_blocks``, label): the same quantity at
-every token and at the last prompt token of a choice task (METHODS.md sections 9 and 7)."""
+every token and at the last prompt token of a choice task (methods §9, §7)."""
 
 
 def side_by_side(tables: Mapping[str, pl.DataFrame]) -> pl.DataFrame | None:
@@ -193,7 +193,7 @@ def report(ctx: ReportContext) -> str:
         "θ update 1st / 2nd half (°)",
     ]
     parts = [
-        "Every token of every document (METHODS.md section 9): h is a block's input, a what its "
+        "Every token of every document (methods §9): h is a block's input, a what its "
         "attention adds to the residual stream, m what its MLP adds. Means are token-weighted "
         "(sum over every token of every document / token count, as the depth-efficiency paper's "
         "code), halves split the blocks at relative depth 1/2. θ update near 90° means "
@@ -210,7 +210,7 @@ def report(ctx: ReportContext) -> str:
     if both is not None:
         parts += [
             "The same model on running text and at the last prompt token of its choice tasks "
-            "(the `geometry_blocks` table of section 7): where the answer is decided against the "
+            "(the `geometry_blocks` table of methods §7): where the answer is decided against the "
             "average token.",
             plots.figure_link(
                 ctx,
@@ -225,7 +225,8 @@ def report(ctx: ReportContext) -> str:
 register(
     Analysis(
         name="text_geometry",
-        title="Running text: geometry of the residual stream (METHODS.md section 9)",
+        title="Running text: geometry of the residual stream",
+        methods=(9, 7),
         tables=tables,
         report=report,
         kinds=(TEXT_KIND,),

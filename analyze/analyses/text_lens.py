@@ -1,4 +1,4 @@
-"""Running text, logit lens (``extract --lens``, METHODS.md section 9): per (model, task, layer),
+"""Running text, logit lens (``extract --lens``, methods §9): per (model, task, layer),
 how far the lens distribution p_l at block input l is from the model's output.
 
 Table ``text_lens``: per (model, task, layer l = 0..L; l = L is the model's own output):
@@ -35,14 +35,14 @@ LENS_ROWS = 1 << 20
 
 
 def document_means(frames: Iterable[pl.DataFrame]) -> pl.DataFrame:
-    """Per (doc, layer): the mean of each lens column over the document's positions (METHODS.md
-    section 9: first over positions within a document), from batches of ``token_lens`` rows (a
+    """Per (doc, layer): the mean of each lens column over the document's positions (methods
+    §9: first over positions within a document), from batches of ``token_lens`` rows (a
     document may span batches: their sums and counts add up)."""
     return combine((sums(f, ["doc", "layer"], LENS) for f in frames), ["doc", "layer"], LENS)
 
 
 def lens_table(doc_means: pl.DataFrame, blocks: int) -> pl.DataFrame:
-    """Per layer: the means over documents of the per-document means (METHODS.md section 9: then
+    """Per layer: the means over documents of the per-document means (methods §9: then
     over documents), ``n_documents`` and ``relative_depth`` l / L."""
     return (
         doc_means.group_by("layer")
@@ -104,7 +104,7 @@ def lens_figure(
         path,
         names,
         "relative depth l / L",
-        "Logit lens at every block input (METHODS.md 9): every token of running text (solid), "
+        "Logit lens at every block input (methods §9): every token of running text (solid), "
         "the last prompt token of the choice tasks (dashed)",
     )
 
@@ -144,8 +144,8 @@ def report(ctx: ReportContext) -> str:
     return "\n\n".join(
         p
         for p in [
-            "The model's own final norm and unembedding read at every block input h_l (METHODS.md "
-            "section 9; layer L is the model's output). Means over the positions of each "
+            "The model's own final norm and unembedding read at every block input h_l (layer L is "
+            "the model's output). Means over the positions of each "
             "document, then over documents; where the same model has choice tasks extracted "
             "with `--lens`, the figure draws their last prompt token beside (dashed: where the "
             "answer is decided against the average token).",
@@ -164,7 +164,8 @@ def report(ctx: ReportContext) -> str:
 register(
     Analysis(
         name="text_lens",
-        title="Running text: logit lens (METHODS.md section 9)",
+        title="Running text: logit lens",
+        methods=("logit-lens",),
         tables=tables,
         report=report,
         kinds=(TEXT_KIND,),

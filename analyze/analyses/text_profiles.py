@@ -1,4 +1,4 @@
-"""Running text, profiles and depth (METHODS.md section 9; the inverse-depth paper's Fig. 2 and the
+"""Running text, profiles and depth (methods §9; the inverse-depth paper's Fig. 2 and the
 depth-efficiency paper's depth score).
 
 Tables:
@@ -60,7 +60,7 @@ PCA_COMPONENTS = 5
 """Principal components of the theta_state profiles kept per partition."""
 
 FIT_METRICS = ("theta_state", "layer_rel")
-"""Update sizes fitted against depth (METHODS.md section 9)."""
+"""Update sizes fitted against depth (methods §9)."""
 
 OUTPUT_ROWS = 1 << 20
 """Rows of ``future_output`` read at once."""
@@ -114,7 +114,7 @@ def early_table(moments: ProfileMoments) -> pl.DataFrame:
 
 def update_fit(geometry: pl.DataFrame) -> pl.DataFrame:
     """``text_update_fit``: per (model, task, metric), mean update size of block l = a * l^(-beta)
-    on log-log axes (METHODS.md section 9), l = block + 1."""
+    on log-log axes (methods §9), l = block + 1."""
     rows = []
     for key, sub in geometry.sort("block").group_by(*KEY, maintain_order=True):
         depth = sub["block"].to_numpy().astype(float) + 1
@@ -127,8 +127,7 @@ def update_fit(geometry: pl.DataFrame) -> pl.DataFrame:
 
 def depth_scores(out_max: pl.DataFrame) -> pl.DataFrame:
     """Per (sublayer, doc) from per (sublayer, doc, skipped) maxima over split points of
-    out_change: the depth score sum_l l out_change(l) / sum_l out_change(l) (METHODS.md
-    section 9)."""
+    out_change: the depth score sum_l l out_change(l) / sum_l out_change(l) (methods §9)."""
     block, change = pl.col("skipped").cast(pl.Float64), pl.col("out_change_max")
     return out_max.group_by("sublayer", "doc").agg(  # sum_l l out_change(l) / sum_l out_change(l)
         ((block * change).sum() / change.sum()).alias("depth_score")
@@ -268,7 +267,7 @@ def profiles_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[
     for ax in (ax_pca, ax_early, ax_fit):
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=6)
-    fig.suptitle("Running text: update profiles (METHODS.md 9, inverse-depth paper Fig. 2)")
+    fig.suptitle("Running text: update profiles (methods §9, inverse-depth paper Fig. 2)")
     return plots.save(fig, path)
 
 
@@ -340,7 +339,7 @@ def report(ctx: ReportContext) -> str:
         )
     header = ["Model", "Task", "Explained by PC1 / PC2 / PC3 (%)", "Stop early (%)", "β of θ state"]
     parts = [
-        "Each token's profile of θ(h_l, h_l+1) over the blocks (METHODS.md section 9): principal "
+        "Each token's profile of θ(h_l, h_l+1) over the blocks (methods §9): principal "
         "components over tokens, the share of tokens that stop updating early (their mean θ over "
         "the second half of the blocks, last block left out, below "
         f"{EARLY_STOP_FRACTION:g} of their own mean over the first half, block 0 left out) and "
@@ -387,7 +386,8 @@ def report(ctx: ReportContext) -> str:
 register(
     Analysis(
         name="text_profiles",
-        title="Running text: update profiles and depth scores (METHODS.md section 9)",
+        title="Running text: update profiles and depth scores",
+        methods=(9,),
         tables=tables,
         report=report,
         kinds=(TEXT_KIND,),

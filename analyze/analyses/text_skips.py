@@ -1,4 +1,4 @@
-"""Running text, future effects (``extract --skips`` on a text task, METHODS.md section 9): how
+"""Running text, future effects (``extract --skips`` on a text task, methods §9): how
 much skipping block l at the positions before a split point changes what later blocks do and what
 the model predicts after it.
 
@@ -45,7 +45,7 @@ def _with_string_sublayer(frame: pl.DataFrame) -> pl.DataFrame:
 
 def effects_table(info: PartitionInfo) -> pl.DataFrame:
     """``text_skips`` of one partition: rel_change(l, j) = max over p >= t of ||d'_j - d_j|| /
-    max(||d_j||, 1e-6) (METHODS.md section 9, stored per document and split point), its maximum
+    max(||d_j||, 1e-6) (methods §9, stored per document and split point), its maximum
     and mean over split points and documents per (sublayer, l, j)."""
     keys = ["sublayer", "skipped", "block"]
     frames = batches(info, "future_effects", [*keys, "rel_change"], SKIP_ROWS)
@@ -57,7 +57,7 @@ def effects_table(info: PartitionInfo) -> pl.DataFrame:
 
 def output_table(info: PartitionInfo) -> pl.DataFrame:
     """``text_skip_output`` of one partition: out_change(l) = max over p >= t of
-    ||softmax(z'_p) - softmax(z_p)||_2 (METHODS.md section 9), its maximum and mean over split
+    ||softmax(z'_p) - softmax(z_p)||_2 (methods §9), its maximum and mean over split
     points and documents per (sublayer, l)."""
     keys = ["sublayer", "skipped"]
     frames = batches(info, "future_output", [*keys, "out_change"], SKIP_ROWS)
@@ -124,7 +124,7 @@ def skips_figure(
         ax_bar.set_title("Effect on the output distribution", fontsize=10)
         ax_bar.legend(fontsize=7)
         ax_bar.grid(alpha=0.3, axis="y")
-    fig.suptitle("Running text: future effects of skipping a block (METHODS.md 9)", fontsize=11)
+    fig.suptitle("Running text: future effects of skipping a block (methods §9)", fontsize=11)
     return plots.save(fig, path)
 
 
@@ -157,7 +157,7 @@ def report(ctx: ReportContext) -> str:
         p
         for p in [
             "Block l's output replaced by its input at the positions before a split point t, the "
-            "rest of the model run on (METHODS.md section 9): rel_change(l, j) is the largest "
+            "rest of the model run on (methods §9): rel_change(l, j) is the largest "
             "relative change of block j's update after t, out_change(l) the largest L2 distance "
             "between the next-token distributions after t. The heatmap and bars show the maximum "
             "over split points and documents, as the depth-efficiency paper plots them. The "
@@ -177,7 +177,8 @@ def report(ctx: ReportContext) -> str:
 register(
     Analysis(
         name="text_skips",
-        title="Running text: future effects of skipping a block (METHODS.md section 9)",
+        title="Running text: future effects of skipping a block",
+        methods=("future-effects",),
         tables=tables,
         report=report,
         kinds=(TEXT_KIND,),

@@ -16,6 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from layerdiv.analyze import methods
 from layerdiv.analyze.plots import PLOTLY_CONFIG
 from layerdiv.errors import LayerdivError
 
@@ -89,6 +90,7 @@ def _body(markdown: str, interactive: dict[str, Any], figures: Path) -> tuple[st
         nav.append(f'<a href="#{slug}"{" class=sub" if level == "3" else ""}>{text}</a>')
         return f'<h{level} id="{slug}">{text}</h{level}>'
 
+    body = body.replace(f'href="{methods.PAGE}', f'href="{methods.HTML_PAGE}')
     return _HEADING.sub(heading, _IMAGE.sub(figure, body)), nav
 
 
@@ -121,13 +123,19 @@ def _explorer(data: dict[str, Any]) -> str:
         f"Per (model, task), {how} of the store, chosen deterministically and stratified by "
         "correct / wrong (evenly spaced within each; <code>--explorer-instances N|all</code>). "
         "For the chosen instance: its prompt, gold and predicted option, the waterfall of every "
-        "component's logit for one option (u_c[k] minus its mean over the options, METHODS.md "
-        "Eq. 2-3, final scale frozen), the running option logits over junctions with the "
+        "component's logit for one option (u_c[k] minus its mean over the options, "
+        f'<a href="{methods.HTML_PAGE}#section-1">methods §1</a>, final scale frozen), the '
+        "running option logits over junctions with the "
         "junctions where the prediction flips, and, where extracted, the heads (layer x head) "
         "and the layer skips. <em>Flipped late</em>: the running prediction settles on the "
         f"final answer after {late:.0%} of the junctions."
     )
     return EXPLORER.format(intro=intro)
+
+
+def render_methods() -> str:
+    """The methods page the report links, as HTML with the report's style."""
+    return methods.render_html(resources.files(__name__).joinpath("page.css").read_text())
 
 
 def render_page(

@@ -49,8 +49,8 @@ def stratified_sample(correct: np.ndarray, n: int | None) -> np.ndarray:
 def settle_junction(logits: np.ndarray) -> np.ndarray:
     """For (N, C, K) component logits u_c[k]: the first junction j (1-based) from which the
     running prediction argmax_k sum_(c' <= c) u_c'[k] equals the final prediction at every
-    later junction (N,). The final norm's scale is frozen (METHODS.md Eq. 2-3), so
-    the running sums are the prefix logits of lens ``final``."""
+    later junction (N,). The final norm's scale is frozen (methods §1, paper Eqs. 2-3), so
+    the running sums are the prefix logits of scale ``final``."""
     running = np.cumsum(logits.astype(np.float64), axis=1).argmax(axis=2)
     same = running == running[:, -1:]
     # The last junction that differs from the final prediction (-1 when none does).
@@ -123,6 +123,8 @@ def partition_data(info: PartitionInfo, n: int | None) -> dict[str, Any]:
 
 
 def explorer_data(parts: list[PartitionInfo], n: int | None = DEFAULT_INSTANCES) -> dict[str, Any]:
-    """The explorer's data of every partition (``n`` instances each at most; None: all)."""
+    """The explorer's data of every partition (``n`` instances each at most; None: all); those
+    with the most optional tables first, so that the explorer opens on one that shows them."""
+    parts = sorted(parts, key=lambda p: -len(set(p.tables) & {"heads", "skips"}))
     partitions = list(map_partitions(lambda p: partition_data(p, n), parts))
     return {"per_partition": n, "late": LATE, "partitions": partitions}

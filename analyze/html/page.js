@@ -168,10 +168,16 @@
     drawSkips(p, r, where);
   }
 
+  // A figure without data is one line of text in its place, not a blank area.
+  function absent(div, line) { Plotly.purge(div); div.classList.add("absent"); div.textContent = line; }
+  function present(div) {
+    if (div.classList.contains("absent")) { div.classList.remove("absent"); div.textContent = ""; }
+  }
+
   function drawHeads(p, r, k, where) {
     const div = $("ex-heads");
-    if (!p.heads) { Plotly.purge(div); div.textContent = "No heads stored for this partition (extract --heads)."; return; }
-    if (!div._fullLayout) div.textContent = "";  // a message in place of the figure
+    if (!p.heads) { absent(div, "Heads: not extracted for this partition (extract --heads)."); return; }
+    present(div);
     const A = p.heads.components.length, G = p.heads.head_ids.length, K = p.options.length;
     const z = [];
     for (let a = 0; a < A; a++) {
@@ -195,8 +201,8 @@
 
   function drawSkips(p, r, where) {
     const div = $("ex-skips");
-    if (!p.skips) { Plotly.purge(div); div.textContent = "No layer skips stored for this partition (extract --skips)."; return; }
-    if (!div._fullLayout) div.textContent = "";  // a message in place of the figure
+    if (!p.skips) { absent(div, "Layer skips: not extracted for this partition (extract --skips)."); return; }
+    present(div);
     const B = p.skips.n_blocks, K = p.options.length;
     const full = p._model.subarray(r * K, (r + 1) * K);
     const blocks = Array.from({ length: B }, (_, b) => b);

@@ -1,0 +1,195 @@
+"""What an extraction will cost, known before the weights load: each option's work in plain forward
+passes, counted in FLOPs from the model's shape, and the seconds that takes at the FLOP rates the
+benchmarks measured (docs/benchmarks.md). ``extract`` prints the estimate before a run of more
+than :data:`LONG_RUN` seconds; the docs' cost table is generated from :func:`cost_rows`.
+
+FLOPs are counted as in ``benchmarks/bench_text_extract.py``: per token and block, 2 per weight of
+q, k, v, o and the MLP and the causal attention scores and values; a readout (final norm aside)
+is 2 d V per position. A plain forward reads out one position per sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from layerdiv.extract.future import SPLIT_MARGIN, SPLIT_STEP, SPLITS
+
+CPU_FLOPS = 226.8e9 / 1.35
+"""FLOP rate of a plain forward on 2 CPU cores: SmolLM2-135M in fp32, 226.8 GFLOP in 1.35 s wall
+(docs/benchmarks.md, running-text extraction cost)."""
+GPU_FLOPS = 326e12
+"""Useful FLOP rate of an extraction on one H100 in bf16: Llama-3.1-8B, 326 TFLOP/s
+(docs/benchmarks.md, extraction on a GPU)."""
+LONG_RUN = 600.0
+"""Seconds above which ``extract`` prints its estimate before it starts."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the cost of a pass depends on: width d, blocks L, vocabulary V, the weights of one
+    block and the attention's width."""
+
+    d: int
+    layers: int
+    vocab: int
+    block_weights: int
+    attention: int
+    """4 x heads x head width: the FLOPs per (position, earlier position) pair of one block."""
+
+    @classmethod
+    def from_config(cls, config: Any) -> Shape:
+        """The shape of a HuggingFace config (Llama-style names)."""
+        d, heads = int(config.hidden_size), int(config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or d // heads)
+        kv = int(getattr(config, "num_key_value_heads", None) or heads)
+        ffn = int(getattr(config, "intermediate_size", None) or 4 * d)
+        weights = 2 * d * heads * head_dim + 2 * d * kv * head_dim + 3 * d * ffn
+        return cls(d, int(config.num_hidden_layers), int(config.vocab_size), weights,
+                   4 * heads * head_dim)  # fmt: skip
+
+    def block(self, tokens: int) -> float:
+        """FLOPs of one block over a sequence of ``tokens`` tokens."""
+        return 2 * self.block_weights * tokens + self.attention * tokens * (tokens + 1) / 2
+
+    def readout(self, positions: int = 1) -> float:
+        """FLOPs of the unembedding at ``positions`` positions."""
+        return 2 * self.d * self.vocab * positions
+
+    def forward(self, tokens: int) -> float:
+        """FLOPs of a plain forward pass over one sequence (one position read out)."""
+        return self.layers * self.block(tokens) + self.readout()
+
+
+SMOLLM2 = {
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+}
+"""The config of the demo's model, SmolLM2-135M-Instruct (tests/test_smollm2.py checks it against
+the packaged model's), for the docs' cost table."""
+DOC_TOKENS = {"choice": 46, "text": 256}
+"""Sequence lengths of the docs' cost table: the demo's prompts (45.5 tokens on average) and the
+running-text benchmark's documents."""
+
+
+def split_points(tokens: int) -> list[int]:
+    """The candidate split points of a document (8, 16, ... < T - 4, methods §9)."""
+    return list(range(SPLIT_STEP, tokens - SPLIT_MARGIN, SPLIT_STEP))
+
+
+def passes(shape: Shape, kind: str, option: str, tokens: int) -> float:
+    """The work of ``option`` on one sequence of ``tokens`` tokens of a task of ``kind``
+    (``choice`` or ``text``), in plain forward passes over it (FLOPs): ``""`` (no option),
+    ``heads``, ``gram``, ``skips``, ``lens`` or ``lens last-block``."""
+    L, forward = shape.layers, shape.forward(tokens)
+    if option in ("", "heads", "gram"):
+        extra = 0.0  # their dot products and projections are small against the blocks
+    elif option == "skips" and kind == "choice":  # blocks after b, once per skipped block b
+        extra = L * (L - 1) / 2 * shape.block(tokens) + L * shape.readout()
+    elif option == "skips":  # per split point t: blocks l..L-1 per skipped l, readouts after t
+        cut = split_points(tokens)
+        k, after = min(SPLITS, len(cut)), tokens - sum(cut) / max(len(cut), 1)  # t drawn at random
+        per_split = L * (L + 1) / 2 * shape.block(tokens) + L * shape.readout() * after
+        extra = shape.readout(tokens) + k * per_split
+    elif option in (
+        "lens",
+        "lens last-block",
+    ):  # every token's L + 1 readouts, or the last prompt token's L
+        extra = (L + 1) * shape.readout(tokens) if kind == "text" else L * shape.readout()
+        if option == "lens last-block":
+            extra += L * shape.block(tokens)
+    else:
+        raise ValueError(f"unknown extraction option {option!r}")
+    return (forward + extra) / forward
+
+
+OPTIONS = {
+    "choice": ("", "heads", "gram", "lens", "skips"),
+    "text": ("", "lens", "lens last-block", "skips"),
+}
+"""The options of each task kind whose cost the docs' table gives."""
+
+
+def seconds(shape: Shape, work: float, tokens: int, device: str = "cpu") -> float:
+    """Seconds for ``work`` forward passes over sequences of ``tokens`` tokens each, at the
+    measured FLOP rate of ``device`` (``cpu``, or a GPU)."""
+    return work * shape.forward(tokens) / (CPU_FLOPS if device == "cpu" else GPU_FLOPS)
+
+
+def run_seconds(
+    shape: Shape, jobs: Sequence[tuple[str, Sequence[str], Sequence[int]]], device: str
+) -> float:
+    """Seconds for every job ``(kind, options, token counts of its sequences)``: each sequence
+    costs its plain pass plus what each option adds."""
+    total = 0.0
+    for kind, options, lengths in jobs:
+        for n in lengths:
+            work = 1 + sum(passes(shape, kind, o, n) - 1 for o in options)
+            total += seconds(shape, work, n, device)
+    return total
+
+
+TABLE_OPTION = {"heads": "heads", "gram": "gram", "skips": "skips", "lens": "lens",
+                "token_lens": "lens", "future_effects": "skips"}  # fmt: skip
+"""The option that writes each optional table (its cost is the option's)."""
+SAMPLE = 256
+"""Prompts tokenized to estimate a choice task's prompt lengths."""
+
+
+def job(
+    kind: str,
+    tables: Sequence[str],
+    lens: str | None,
+    documents: Sequence[Sequence[int]] | None,
+    prompts: Sequence[str],
+    tokenizer: Any,
+) -> tuple[str, list[str], list[int]]:
+    """A task's job for :func:`run_seconds`: its options (from the optional ``tables`` it
+    writes) and its sequences' token counts (a text task's documents, or a choice task's prompts,
+    :data:`SAMPLE` of them tokenized and the mean taken for the others)."""
+    options = {TABLE_OPTION[t] for t in tables if t in TABLE_OPTION}
+    named = sorted(f"lens {lens}" if o == "lens" and lens == "last-block" else o for o in options)
+    if documents is not None:
+        return kind, named, [len(d) for d in documents]
+    sample = [len(ids) for ids in tokenizer(list(prompts[:SAMPLE]))["input_ids"]]
+    mean = round(sum(sample) / max(len(sample), 1))
+    return kind, named, [mean] * len(prompts)
+
+
+def announce(config: Any, device: str, jobs: Sequence[tuple[str, list[str], list[int]]]) -> None:
+    """Print the estimate of a long run (:func:`estimate_line`) before it starts."""
+    line = estimate_line(run_seconds(Shape.from_config(config), jobs, device), device)
+    if line is not None:
+        print(line, flush=True)
+
+
+def estimate_line(total: float, device: str) -> str | None:
+    """What ``extract`` prints before a run estimated at ``total`` seconds, or None for a short
+    one."""
+    if total <= LONG_RUN:
+        return None
+    where = "2 CPU cores" if device == "cpu" else "an H100 GPU"
+    return (
+        f"Estimated extraction time: about {total / 60:.0f} min (FLOPs from the model's shape "
+        f"at the rate measured on {where}, docs/benchmarks.md); the progress bar shows the "
+        "time left after the first chunk."
+    )
+
+
+def cost_rows(shape: Shape, tokens: dict[str, int]) -> list[list[str]]:
+    """The docs' cost table: per task kind and option, the forward passes over a sequence of
+    ``tokens[kind]`` tokens and the CPU seconds per 1,000 tokens."""
+    rows = []
+    for kind, options in OPTIONS.items():
+        n = tokens[kind]
+        for option in options:
+            work = passes(shape, kind, option, n)
+            per_1k = seconds(shape, work, n) * 1000 / n
+            flag = f"`--{option}`" if option else "no option"
+            rows.append([kind, str(n), flag, f"{work:.2f}", f"{per_1k:.1f}"])
+    return rows
