@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ import click
 
 from layerdiv import __version__
 from layerdiv.analyze.options import ESTIMATORS, FORMATS, SCALES
-from layerdiv.errors import LayerdivError, LayerdivWarning
+from layerdiv.errors import LayerdivError, LayerdivWarning, one_line
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig
 from layerdiv.extract.launchers import Shard, parse_shard, pick_device
 from layerdiv.schemas import KINDS, SUBLAYERS
@@ -27,30 +26,14 @@ MAX_ROWS = 40
 """Rows ``layerdiv query`` prints unless told otherwise."""
 
 
-def one_line(err: BaseException) -> str:
-    """An error message on one line: DuckDB's source excerpt (``LINE 1: ...`` and the caret
-    under it) is dropped, the remaining lines are joined."""
-    lines = [ln.strip() for ln in str(err).splitlines()]
-    kept = [ln for ln in lines if ln and not ln.startswith("LINE ") and set(ln) != {"^"}]
-    return re.sub(r"\s+", " ", " ".join(kept)) or type(err).__name__
-
-
 def user_error(err: BaseException) -> str | None:
     """The one line to print for an error that bad input causes (a ``LayerdivError``, an SQL
     error, a file that cannot be read or written), or None for a bug (shown as a traceback)."""
     package = type(err).__module__.split(".")[0]
     if isinstance(err, LayerdivError):
         return one_line(err)
-    if package in ("duckdb", "_duckdb") and type(err).__name__ == "PermissionException":
-        return (
-            f"{one_line(err)}: layerdiv query reads only the views components, instances and "
-            "manifests and writes no file; save a result with --out FILE"
-        )
     if package in ("duckdb", "_duckdb"):
-        return (
-            f"{one_line(err)} (the views are components, instances, manifests and, where "
-            "extracted, skips, heads and gram)"
-        )
+        return f"the SQL failed: {one_line(err)}"
     if package == "polars" or isinstance(err, OSError):
         return f"cannot read or write: {one_line(err)}"
     return None
@@ -598,43 +581,35 @@ def query_command(
     try:
         statements = duckdb.extract_statements(sql)
     except duckdb.Error as err:
-        raise _bad_sql(err, st, models, tasks) from err
+        raise st.query_error(err, models, tasks) from err
     if not statements:
         raise click.UsageError("no SQL statement given")
     shown = False
-    for i, statement in enumerate(statements):
-        try:
-            relation = con.sql(statement.query)
-        except duckdb.PermissionException:
-            raise
-        except duckdb.Error as err:
-            raise _bad_sql(err, st, models, tasks) from err
-        last = i == len(statements) - 1
-        if out and fmt and last:
-            if relation is None:
-                raise click.UsageError("--out needs a last statement that returns rows")
-            with atomic_path(Path(out)) as tmp:
-                write_reader(relation.to_arrow_reader(), tmp, fmt)
-            click.echo(f"wrote {out}")
-        elif relation is not None and not out:
-            if shown:
-                click.echo()
-            for text in preview(relation, max_rows):
-                click.echo(text)
-            shown = True
-    if not out and not shown:
-        click.echo("OK (no statement returns rows)")
-    for note in st.incomplete(models, tasks):
-        click.echo(f"Note: {note}", err=True)
+    try:
+        for i, statement in enumerate(statements):
+            try:
+                relation = con.sql(statement.query)
+                last = i == len(statements) - 1
+                if out and fmt and last:
+                    if relation is None:
+                        raise click.UsageError("--out needs a last statement that returns rows")
+                    with atomic_path(Path(out)) as tmp:
+                        write_reader(relation.to_arrow_reader(), tmp, fmt)
+                    click.echo(f"wrote {out}")
+                elif relation is not None and not out:
+                    if shown:
+                        click.echo()
+                    for text in preview(relation, max_rows):
+                        click.echo(text)
+                    shown = True
+            except duckdb.Error as err:
+                raise st.query_error(err, models, tasks, (i + 1, len(statements))) from err
+        if not out and not shown:
+            click.echo("OK (no statement returns rows)")
+    finally:  # also after a failing statement: what the views leave out
+        for note in st.incomplete(models, tasks):
+            click.echo(f"Note: {note}", err=True)
     fail_after(st.problems(models, tasks))
-
-
-def _bad_sql(
-    err: Exception, st: Any, models: tuple[str, ...], tasks: tuple[str, ...]
-) -> click.ClickException:
-    """DuckDB's refusal of the SQL in one line, with the views this store has."""
-    views = ", ".join([*st.tables(models, tasks), "manifests"])
-    return click.ClickException(f"{one_line(err)} (the views of this store are {views})")
 
 
 def show(frame: Any) -> str:

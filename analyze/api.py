@@ -22,7 +22,7 @@ import polars as pl
 
 from layerdiv.analyze.decomposition import instance_curves
 from layerdiv.analyze.options import ESTIMATORS, FORMATS, SCALES, Estimator, Scale
-from layerdiv.analyze.registry import Context, partition_engine, registered
+from layerdiv.analyze.registry import Context, NoData, partition_engine, registered
 from layerdiv.analyze.spill import Spill
 from layerdiv.errors import LayerdivError, LayerdivWarning
 from layerdiv.store import Store
@@ -251,8 +251,12 @@ def run_analysis(
         parts = analysis.applies_to(ctx.parts)
         if not parts:
             continue
+        try:
+            new = analysis.tables(replace(ctx, parts=parts), MappingProxyType(dict(tables)))
+        except NoData as err:
+            ctx.notes.append(f"analysis {analysis.name!r} left out: {err}")
+            continue
         ran.append(analysis.name)
-        new = analysis.tables(replace(ctx, parts=parts), MappingProxyType(dict(tables)))
         clash = sorted(set(new) & (set(tables) | set(ctx.spill.names())))
         if clash:
             raise ValueError(f"analysis {analysis.name!r} returns tables that exist: {clash}")

@@ -19,7 +19,14 @@ import polars as pl
 
 from layerdiv.analyze.options import Estimator, Scale
 from layerdiv.analyze.spill import Spill
+from layerdiv.errors import LayerdivError
 from layerdiv.store import PartitionInfo, Store
+
+
+class NoData(LayerdivError):
+    """An analysis has no rows to compute from (e.g. a text partition whose documents are all
+    too short for a split point): ``analyze`` leaves that analysis out with a note naming it and
+    the message, and runs the others."""
 
 
 @dataclass
@@ -132,6 +139,28 @@ def map_partitions(fn: Callable[[P], T], parts: Iterable[P]) -> Iterator[T]:
                 yield running.popleft().result()
         while running:
             yield running.popleft().result()
+
+
+def with_data(
+    fn: Callable[[PartitionInfo], T], parts: Iterable[PartitionInfo], notes: list[str], what: str
+) -> list[T]:
+    """:func:`map_partitions` of ``fn``, leaving out each partition for which ``fn`` raises
+    :class:`NoData` with a note (``what`` it would have given): a part of an analysis that some
+    partitions cannot feed, while the rest of the analysis runs."""
+
+    def attempt(part: PartitionInfo) -> T | NoData:
+        try:
+            return fn(part)
+        except NoData as err:
+            return err
+
+    out = []
+    for got in map_partitions(attempt, parts):
+        if isinstance(got, NoData):
+            notes.append(f"{what} left out: {got}")
+        else:
+            out.append(got)
+    return out
 
 
 _REGISTRY: dict[str, Analysis] = {}

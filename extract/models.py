@@ -301,6 +301,11 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
 
+    def __post_init__(self) -> None:
+        from layerdiv.extract.adapters import prepare_model
+
+        prepare_model(self.model)
+
     @property
     def n_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

@@ -337,6 +337,13 @@ FUTURE_OUTPUT = _schema(
   next-token distributions.
 """
 
+SKIP_KEYS = {
+    "future_effects": (*(f.name for f in _SKIP_KEY), "block"),
+    "future_output": tuple(f.name for f in _SKIP_KEY),
+}
+"""The key columns of the future-effects tables: no two rows of a part share them (readers
+check it, :meth:`layerdiv.store.PartitionInfo.batches`)."""
+
 TABLES = {
     "components": COMPONENTS,
     "instances": INSTANCES,

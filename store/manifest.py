@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,21 @@ class Manifest:
             return {"documents": count, "tokens": n, "token_blocks": n * blocks,
                     "token_lens": n * (blocks + 1)}  # fmt: skip
         return {"instances": count, "components": count * len(self.components) * len(self.options)}
+
+    def wrong_rows(
+        self, count: int, rows: Mapping[str, int], n_tokens: int = 0
+    ) -> tuple[str, str] | None:
+        """The first table of a chunk of ``count`` instances (documents of ``n_tokens`` tokens)
+        whose part's ``rows`` (by table) cannot be right, with what is wrong; None when every
+        one can. Fixed sizes (:meth:`expected_rows`) are checked exactly; a choice task's other
+        tables need whole rows per instance."""
+        expected = self.expected_rows(count, n_tokens)
+        for table, found in rows.items():
+            if table in expected and found != expected[table]:
+                return table, f"{found} rows where the chunk needs {expected[table]}"
+            if table not in expected and self.kind == "choice" and (found == 0 or found % count):
+                return table, f"{found} rows are not whole rows for each of {count} instances"
+        return None
 
     def identity(self) -> Identity:
         """What a resumed or sharded run must match exactly to write into this partition."""

@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any, Generic, cast
 
 import duckdb
+import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from layerdiv.errors import LayerdivError
+from layerdiv.errors import LayerdivError, one_line
 from layerdiv.schemas import (
     KIND_OF_TABLE,
     KINDS,
@@ -32,9 +34,8 @@ from layerdiv.store.location import (
     RemotePath,
     StorePath,
     arrow_source,
+    open_parquet,
     read_batches,
-    read_schema,
-    read_table,
     store_root,
 )
 from layerdiv.store.manifest import Manifest, read_manifest
@@ -102,15 +103,35 @@ class PartitionInfo(Generic[StorePath]):
         lacking = set(self.lacking.get(table, ()))
         return [part.part(table, s, n) for s, n in self.done if (s, n) not in lacking]
 
-    def uris(self, table: str) -> list[str]:
-        """:meth:`files` as Polars reads them: local paths, or URLs of a remote store."""
-        return [str(f) for f in self.files(table)]
-
-    def batches(self, table: str, columns: Sequence[str], rows: int) -> Iterator[pa.RecordBatch]:
+    def batches(
+        self, table: str, columns: Sequence[str], rows: int, unique: Sequence[str] = ()
+    ) -> Iterator[pa.RecordBatch]:
         """The ``columns`` of ``table`` (:meth:`files`), file by file in order, in record batches
-        of at most ``rows`` rows (exactly ``rows`` but the last of each file)."""
+        of at most ``rows`` rows (exactly ``rows`` but the last of each file); a part that cannot
+        be read (a damaged page: its checksum does not match) is a ``StoreError`` naming it, and
+        so is one where two rows share the key columns ``unique`` (checked after its last
+        batch: rows repeated in a part)."""
+        wanted: list[str] = list(columns)
+        key: list[str] = list(unique)
+        read = list(dict.fromkeys([*wanted, *key]))
         for path in self.files(table):
-            yield from read_batches(path, columns, rows)
+            keys = []
+            with _naming(path, self.where):
+                for batch in read_batches(path, read, rows):
+                    if key:
+                        keys.append(batch.select(key))
+                    yield batch if read == wanted else batch.select(wanted)
+            if keys and _repeats(pa.Table.from_batches(keys)):
+                raise StoreError(
+                    f"{path}: rows repeat a ({', '.join(key)}) key; re-extract {self.where} "
+                    "with --overwrite"
+                )
+
+    def scan(self, table: str) -> pl.LazyFrame:
+        """A Polars LazyFrame over ``table``'s parts (:meth:`files`), read through Arrow with
+        every page's checksum verified: a part that cannot be read is a ``StoreError`` naming
+        it, never numbers (:func:`scan_parts`)."""
+        return scan_parts(self.files(table), TABLES[table], self.where)
 
     @cached_property
     def lacking(self) -> dict[str, list[tuple[int, int]]]:
@@ -142,15 +163,15 @@ class PartitionInfo(Generic[StorePath]):
             if missing
         ]
 
-    def extract_command(self, table: str) -> str:
+    def extract_command(self, table: str | None = None) -> str:
         """The ``layerdiv extract`` command that adds the optional ``table`` to every stored
-        instance or document (the
-        task as the last run that recorded it gave it: a built-in name or a YAML path)."""
+        instance or document, or (None) that resumes the extraction (the task as the last run
+        that recorded it gave it: a built-in name or a YAML path)."""
         m = self.manifest
         given = [r["task"] for r in m.runs if isinstance(r.get("task"), str) and r["task"]]
+        flag = f"{self.kind.optional[table]} " if table else ""
         return (
-            f"layerdiv extract --model {m.model} --task {(given or [self.task])[-1]} "
-            f"{self.kind.optional[table]} "
+            f"layerdiv extract --model {m.model} --task {(given or [self.task])[-1]} {flag}"
             f"--limit {max(m.n_requested, max((s + n for s, n in self.done), default=0))} "
             f"--store {self.partition.root}"
         )
@@ -186,20 +207,18 @@ class PartitionInfo(Generic[StorePath]):
             + pl.col("option").cast(pl.Int64)
         )
         keys = ["instance", "component", "option"]
-        rows = self._collect(
-            "components",
-            pl.scan_parquet(self.uris("components"))
+        rows = (
+            self.scan("components")
             .select(*keys, *(c for c in components if c not in keys))
-            .with_columns(key.alias("_key")),
+            .with_columns(key.alias("_key"))
+            .collect()
         )
         if not rows[
             "_key"
         ].is_sorted():  # extraction writes in order; the store does not promise it
             rows = rows.sort("_key")
         wanted = ["instance", *(c for c in instances if c != "instance")]
-        inst = self._collect(
-            "instances", pl.scan_parquet(self.uris("instances")).select(wanted).sort("instance")
-        )
+        inst = self.scan("instances").select(wanted).sort("instance").collect()
         # Row r must be cell r % cells of the (r // cells)-th instance: every cell once, no others.
         row = pl.int_range(pl.len(), dtype=pl.Int64)
         expected = (
@@ -221,21 +240,6 @@ class PartitionInfo(Generic[StorePath]):
                 "with --overwrite"
             )
         return rows.select(*keys, *(c for c in components if c not in keys)), inst
-
-    def _collect(self, table: str, frame: pl.LazyFrame) -> pl.DataFrame:
-        """Collect a scan of ``table``'s parts; a part that cannot be read is named."""
-        try:
-            return frame.collect()
-        except (pl.exceptions.PolarsError, OSError) as err:
-            for f in self.files(table):
-                try:
-                    read_table(f)
-                except (OSError, pa.ArrowException) as bad:
-                    raise StoreError(
-                        f"{f}: unreadable part ({_first_line(bad)}); re-extract {self.where} "
-                        "with --overwrite"
-                    ) from err
-            raise
 
 
 class QueryError(LayerdivError, ValueError):
@@ -362,6 +366,14 @@ class Store:
         if not chosen:
             if broken:
                 raise broken[0]
+            started = [p for p in self.partitions if match(p.partition)]
+            if started:
+                raise StoreError(
+                    f"{started[0].where} has a manifest but no complete chunk: its extraction "
+                    "stopped (killed) before writing its first chunk, or is still running; "
+                    f"resume it with `{started[0].extract_command()}` and the flags it was "
+                    "started with"
+                )
             have = ", ".join(p.key.label for p in self.partitions) or "nothing"
             raise StoreError(
                 f"no extracted data matches models={sorted(slug(m) for m in models) or 'any'} "
@@ -380,9 +392,15 @@ class Store:
         parts = self.select(models, tasks, require_data=False)
         return [line for p in parts for line in p.incomplete()]
 
-    def files(self, table: str, parts: list[PartitionInfo[Any]]) -> list[str]:
-        """The part files of ``table`` of ``parts`` as Polars reads them (paths or URLs)."""
-        return [f for p in parts for f in p.uris(table)]
+    def verify(self, models: Names = (), tasks: Names = ()) -> None:
+        """Read every part of the selected partitions (the views of :meth:`duckdb`) with every
+        page's checksum verified; a part that cannot be read is a ``StoreError`` naming it (a
+        failed query calls this to say which part failed: it reads the whole selection)."""
+        for p in self.select(models, tasks):
+            for table in (*p.kind.required, *p.tables):
+                for path in p.files(table):
+                    with _naming(path, p.where), open_parquet(path) as file:
+                        file.read(use_threads=False)
 
     def scan(
         self,
@@ -415,14 +433,15 @@ class Store:
                 f"{', '.join(have)}"
             )
         # Every version's parts under today's columns: a column an older part lacks is null.
-        columns = pl.DataFrame(pl.from_arrow(TABLES[table].empty_table())).schema
-        frame = pl.scan_parquet(
-            self.files(table, parts),
-            schema=columns,
-            hive_partitioning=True,
-            hive_schema=dict.fromkeys(KEY, pl.String),
-            missing_columns="insert",
+        frame = pl.concat(
+            [
+                p.scan(table).with_columns(p.key_columns())
+                for p in parts
+                if table in p.kind.required or table in p.lacking
+            ],
+            how="vertical",
         )
+        columns = frame.collect_schema()
         text = [c for c, t in columns.items() if isinstance(t, pl.Categorical | pl.Enum)]
         return frame.with_columns(pl.col(text).cast(pl.String)) if text else frame
 
@@ -469,9 +488,35 @@ class Store:
             relation = con.sql(sql)
             return relation.pl() if relation is not None else pl.DataFrame()
         except duckdb.Error as err:
-            views = ", ".join([*self.tables(models, tasks), "manifests"])
-            first = str(err).strip().splitlines()[0]
-            raise QueryError(f"{first} (the views of this store are {views})") from err
+            raise self.query_error(err, models, tasks) from err
+
+    def query_error(
+        self,
+        err: Exception,
+        models: Names = (),
+        tasks: Names = (),
+        statement: tuple[int, int] = (1, 1),
+    ) -> LayerdivError:
+        """DuckDB's refusal or failure of SQL on the views of :meth:`duckdb`, in one line that
+        says which ``statement`` (number, of how many) failed and how, and names the views this
+        store has; a failure to read a part (a damaged page) is the ``StoreError`` naming the
+        part (:meth:`verify`)."""
+        views = ", ".join([*self.tables(models, tasks), "manifests"])
+        which = f"statement {statement[0]} of {statement[1]}: " if statement[1] > 1 else ""
+        message = one_line(err)
+        if isinstance(err, duckdb.PermissionException):
+            return QueryError(
+                f"{which}{message}: SQL here reads only the views of this store ({views}) and "
+                "writes no file; save a result with --out FILE"
+            )
+        if "reading the stream registered as" in message:  # Arrow could not read a part
+            try:
+                self.verify(models, tasks)
+            except StoreError as named:
+                return named
+        refused = (duckdb.ParserException, duckdb.CatalogException, duckdb.BinderException)
+        kind = "refused" if isinstance(err, refused) else "failed while running"
+        return QueryError(f"{which}the SQL {kind}: {message} (the views of this store are {views})")
 
     def duckdb(self, models: Names = (), tasks: Names = ()) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB connection with the view ``manifests`` and a view of every table
@@ -497,11 +542,12 @@ class Store:
             for name in KEY:
                 schema = schema.append(pa.field(name, pa.string()))
             paths, filesystem, base = arrow_source(files, self.root / table)
+            verified = ds.ParquetFragmentScanOptions(page_checksum_verification=True)
             dataset = ds.dataset(
                 paths,
                 filesystem=filesystem,
                 schema=schema,
-                format="parquet",
+                format=ds.ParquetFileFormat(default_fragment_scan_options=verified),
                 partitioning=ds.partitioning(
                     pa.schema([pa.field(n, pa.string()) for n in KEY]),
                     flavor="hive",
@@ -512,6 +558,75 @@ class Store:
         con.register("manifests", self.manifests(models, tasks).to_arrow())
         con.execute("SET lock_configuration = true")
         return con
+
+
+def scan_parts(files: Sequence[StorePath], schema: pa.Schema, where: str) -> pl.LazyFrame:
+    """A Polars LazyFrame over Parquet part files of one table (``schema``: today's columns; a
+    column an older part lacks is null), read file by file through Arrow with every page's
+    checksum verified (Polars' own reader does not verify them): a part that cannot be read is a
+    ``StoreError`` naming it and ``where`` (its partition)."""
+    from polars.io.plugins import register_io_source
+
+    columns = pl.DataFrame(pl.from_arrow(schema.empty_table())).schema
+
+    def source(
+        with_columns: list[str] | None, predicate: pl.Expr | None, n_rows: int | None, _: Any
+    ) -> Iterator[pl.DataFrame]:
+        wanted: list[str] = with_columns or list(columns)
+        needed = list(
+            dict.fromkeys(
+                [*wanted, *(predicate.meta.root_names() if predicate is not None else [])]
+            )
+        )
+        for path in files:
+            if n_rows is not None and n_rows <= 0:
+                return
+            with _naming(path, where), open_parquet(path) as file:
+                present = [c for c in needed if c in file.schema_arrow.names]
+                frame = cast(pl.DataFrame, pl.from_arrow(file.read(present, use_threads=False)))
+            frame = frame.with_columns(
+                pl.lit(None, columns[c]).alias(c) for c in needed if c not in present
+            )
+            if predicate is not None:
+                frame = frame.filter(predicate)
+            if n_rows is not None:
+                frame, n_rows = frame.head(n_rows), n_rows - min(n_rows, frame.height)
+            yield frame.select(wanted)
+
+    return register_io_source(io_source=source, schema=columns)
+
+
+def _repeats(keys: pa.Table) -> bool:
+    """Whether two rows of ``keys`` (integer or dictionary columns) are equal: each row packed
+    into one integer by the ranges its columns take, then (rows are written in key order) one
+    comparison of neighbours, a sort only where they are not in increasing order."""
+    packed = np.zeros(keys.num_rows, np.int64)
+    bits = 0
+    for column in keys.columns:
+        values = column.combine_chunks()
+        if pa.types.is_dictionary(values.type):
+            values = values.indices
+        ints = np.asarray(values.to_numpy(zero_copy_only=False), np.int64)
+        if not len(ints):
+            return False
+        ints = ints - ints.min()
+        width = int(ints.max()).bit_length()
+        bits += width
+        if bits > 62:  # too wide to pack: compare the rows themselves
+            return bool(pl.DataFrame(pl.from_arrow(keys)).is_duplicated().any())
+        packed = (packed << width) | ints
+    return bool((np.diff(packed) <= 0).any()) and len(np.unique(packed)) < len(packed)
+
+
+@contextlib.contextmanager
+def _naming(path: StorePath, where: str) -> Iterator[None]:
+    """Turn a failure to read the Parquet part ``path`` into a ``StoreError`` naming it."""
+    try:
+        yield
+    except (OSError, pa.ArrowException) as err:
+        raise StoreError(
+            f"{path}: unreadable part ({_first_line(err)}); re-extract {where} with --overwrite"
+        ) from err
 
 
 def _restore(root: Path) -> None:
@@ -548,18 +663,29 @@ def _open_partition(part: Partition[StorePath]) -> PartitionInfo[StorePath]:
         info = PartitionInfo(part, read_manifest(part.manifest))
     except SchemaError as err:
         raise StoreError(str(err)) from err
-    _check_part_schemas(info)
+    _check_parts(info)
     return info
 
 
-def _check_part_schemas(info: PartitionInfo[Any]) -> None:
-    """Check every part of each table against the schema of the partition's version (cheap:
-    Parquet footers only)."""
+def _check_parts(info: PartitionInfo[Any]) -> None:
+    """Check every part of each table against the schema of the partition's version, and each
+    complete chunk's row counts (:meth:`~layerdiv.store.Manifest.wrong_rows`: a part with rows
+    removed or repeated). Cheap: Parquet footers, and of a text chunk the ``n_tokens`` column of
+    its documents part."""
     schemas = tables_of(info.manifest.schema_version)
-    for table in (*info.kind.required, *info.lacking):
-        for f in info.files(table):
+    lacking = {t: set(chunks) for t, chunks in info.lacking.items()}
+    text = info.kind.name == "text"
+    for start, count in info.done:
+        rows: dict[str, int] = {}
+        for table in (*info.kind.required, *lacking):
+            if (start, count) in lacking.get(table, ()):
+                continue
+            f = info.partition.part(table, start, count)
             try:
-                found: pa.Schema = read_schema(f)
+                with open_parquet(f) as file:
+                    found, rows[table] = file.schema_arrow, file.metadata.num_rows
+                    if text and table == info.kind.marker:
+                        n_tokens = int(pc.sum(file.read(["n_tokens"])["n_tokens"]).as_py() or 0)
             except (OSError, pa.ArrowException) as err:
                 raise StoreError(
                     f"{f}: unreadable Parquet ({_first_line(err)}); re-extract {info.where} "
@@ -570,3 +696,9 @@ def _check_part_schemas(info: PartitionInfo[Any]) -> None:
                     f"{f}: columns do not match the {table} schema of version "
                     f"{info.manifest.schema_version}; re-extract {info.where} with --overwrite"
                 )
+        wrong = info.manifest.wrong_rows(count, rows, n_tokens if text else 0)
+        if wrong:
+            raise StoreError(
+                f"{info.partition.part(wrong[0], start, count)}: {wrong[1]} (rows removed or "
+                f"repeated); re-extract {info.where} with --overwrite"
+            )

@@ -10,6 +10,7 @@ partition's fixed chunk grid.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -67,6 +68,22 @@ class StoreConflict(LayerdivError, RuntimeError):
 
 class StoreUnwritable(LayerdivError, RuntimeError):
     """The store folder cannot be created or written."""
+
+
+def flock(fd: int, mode: int, path: Path) -> None:
+    """``fcntl.flock`` on the open lock file ``path``; a file system without advisory locks
+    (``ENOLCK``, ``EOPNOTSUPP``, ``ENOSYS``: NFS without lockd, Lustre mounted without
+    ``-o flock``) is a ``StoreUnwritable`` that names the path and what to do."""
+    try:
+        fcntl.flock(fd, mode)
+    except OSError as err:
+        if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        raise StoreUnwritable(
+            f"{path}: the store's file system does not support locks ({err.strerror}); give a "
+            "--store on a local or lock-capable file system (NFS with lockd, Lustre mounted "
+            "with -o flock), or extract locally and `layerdiv merge` the stores"
+        ) from err
 
 
 class Verdict(Enum):
@@ -168,7 +185,7 @@ class PartitionWriter:
         lock.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # one process at a time decides and replaces
+            flock(fd, fcntl.LOCK_EX, lock)  # one process at a time decides and replaces
             if self.check(manifest.identity(), overwrite, shards) is Verdict.REPLACE:
                 for d in self.part.dirs():
                     shutil.rmtree(d, ignore_errors=True)
@@ -213,9 +230,10 @@ class PartitionWriter:
 
     def _lock(self, chunk: int, mode: int) -> ChunkClaim:
         self._claims.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self._claims / f"chunk-{chunk:07d}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        path = self._claims / f"chunk-{chunk:07d}.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, mode)
+            flock(fd, mode, path)
         except BaseException:
             os.close(fd)
             raise
@@ -244,20 +262,14 @@ class PartitionWriter:
                     self.part.part(kind.marker, start, count), columns=["n_tokens"]
                 )
                 n_tokens = int(docs["n_tokens"].to_numpy().sum())
-            expected = manifest.expected_rows(count, n_tokens)
+            rows = {}
             for table in kind.tables:
                 path = self.part.part(table, start, count)
-                if table not in kind.required and not path.exists():
-                    continue
-                rows = pq.read_metadata(path).num_rows
-                if table in expected:
-                    if rows != expected[table]:
-                        return False
-                elif kind.name == "choice" and (rows == 0 or rows % count):
-                    return False  # a choice task's other tables have rows per instance
+                if table in kind.required or path.exists():
+                    rows[table] = pq.read_metadata(path).num_rows
         except (OSError, pa.ArrowInvalid):
             return False
-        return True
+        return manifest.wrong_rows(count, rows, n_tokens) is None
 
     def remove_chunk(self, start: int, count: int) -> None:
         """Delete a chunk's parts, the completion marker first."""
@@ -299,4 +311,5 @@ class PartitionWriter:
                 compression="zstd",
                 row_group_size=1 << 20,
                 use_dictionary=dictionary_columns(schema),
+                write_page_checksum=True,  # readers verify them (store.location.open_parquet)
             )

@@ -793,7 +793,7 @@ def extra_analysis(monkeypatch: pytest.MonkeyPatch) -> reg.Analysis:
 def test_a_registered_analysis_runs_writes_and_reports(
     chunked: Path, tmp_path: Path, extra_analysis: reg.Analysis
 ) -> None:
-    texts = ["text_geometry", "text_lens", "text_skips", "text_profiles"]
+    texts = ["text_geometry", "text_lens", "text_skips", "text_profiles", "text_groups"]
     assert [a.name for a in reg.registered()] == ["paper", "depth", "heads", *texts, "extra"]
     results = analyze(chunked)
     assert results.extra.rows() == [("org--a", N, 2), ("org--b", N, 2)]

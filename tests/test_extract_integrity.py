@@ -261,3 +261,22 @@ def test_an_unwritable_store_is_refused_before_the_model_loads(
         assert out.exit_code == 1
         assert f"cannot write the store {store}" in out.output
         assert "Loading weights" not in out.output and "Traceback" not in out.output
+
+
+def test_writers_without_working_locks_redo_work_but_store_each_instance_once(
+    tmp_path: Path, model_dirs: Any, make_task: Any, stored: Any
+) -> None:
+    """A file system whose locks do nothing across writers (NFS without lockd, Lustre without
+    ``-o flock``, as a node-local lock acts): three runs at once each compute the chunks they see
+    missing; renames into place keep every part whole, so the store holds each instance once."""
+    n = 18
+    task = make_task(tmp_path / "task", n=n)
+    store = tmp_path / "store"
+    no_locks = "import fcntl, sys; fcntl.flock = lambda fd, op: None; from layerdiv.cli import main; sys.argv[0] = 'layerdiv'; main()"  # noqa: E501
+    base = [sys.executable, "-c", no_locks,
+            *command(model_dirs("llama"), task, store, "--chunk-size", "3", "--batch-size", "1")[3:]]  # fmt: skip  # noqa: E501
+    procs = [start(base) for _ in range(3)]
+    results = [finish(p) for p in procs]
+    assert [r[0] for r in results] == [0, 0, 0], results
+    assert sum(stored(r[1])[2] for r in results) >= n  # work done more than once, maybe
+    check_exact(store, n, 5 * 2)

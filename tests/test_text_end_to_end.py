@@ -111,3 +111,26 @@ def test_report_draws_the_running_text_sections(
         assert title in md and title in html, title
     for figure in ("text_geometry.png", "text_lens.png", "text_profiles.png"):
         assert (out / "figures" / figure).is_file() and f"figures/{figure}" in md
+
+
+def test_an_analysis_without_rows_is_left_out_and_the_others_run(
+    tmp_path: Path, model_dirs: Any
+) -> None:
+    texts = ["the cat sat", "a movie was good", "x"]  # all <= 12 tokens: no split point
+    task = text_task(tmp_path / "task", texts, max_tokens=40)
+    store = tmp_path / "store"
+    model = str(model_dirs("llama"))
+    args = ["extract", "--model", model, "--task", str(task), "--store", str(store), "--skips"]
+    out = CliRunner().invoke(main, [*args, "--lens"])
+    assert out.exit_code == 0, out.output
+    with pytest.warns(UserWarning, match="'text_skips' left out: .* has no future_effects rows"):
+        results = analyze(store)
+    assert "text_skips" not in results.analyses
+    assert {"text_geometry", "text_lens", "text_profiles"} <= set(results.analyses)
+    assert "text_depth_score" not in results.by_name and "text_profile_pca" in results.by_name
+    report = CliRunner().invoke(main, ["report", "--store", str(store), "--out",
+                                       str(tmp_path / "report")])  # fmt: skip
+    assert report.exit_code == 0, report.output
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "Running text: geometry of the residual stream" in md
+    assert "'text_skips' left out" in md

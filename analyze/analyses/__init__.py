@@ -11,5 +11,15 @@ from layerdiv.analyze.analyses import text_geometry
 from layerdiv.analyze.analyses import text_lens
 from layerdiv.analyze.analyses import text_skips
 from layerdiv.analyze.analyses import text_profiles
+from layerdiv.analyze.analyses import text_groups
 
-__all__ = ["depth", "heads", "paper", "text_geometry", "text_lens", "text_profiles", "text_skips"]
+__all__ = [
+    "depth",
+    "heads",
+    "paper",
+    "text_geometry",
+    "text_groups",
+    "text_lens",
+    "text_profiles",
+    "text_skips",
+]

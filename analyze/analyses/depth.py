@@ -140,7 +140,7 @@ def component_rows(info: PartitionInfo) -> pl.DataFrame:
     residual = pl.Series([k in ("attn", "mlp") for k in kinds])
     norm, prev, cos_res = pl.col("out_norm"), pl.col("r_prev"), pl.col("cos_residual")
     return (
-        pl.scan_parquet(info.uris("components"))
+        info.scan("components")
         .filter(pl.col("option") == 0)
         .select(
             "instance",
@@ -220,7 +220,7 @@ def _summary(
 
 def gram_matrices(info: PartitionInfo) -> tuple[np.ndarray, np.ndarray]:
     """(instances (N,), G (N, C, C)): the full Gram matrices z_a . z_b of one partition."""
-    frame = pl.read_parquet(info.uris("gram")).sort("instance")
+    frame = info.scan("gram").collect().sort("instance")
     flat = np.asarray(frame["gram"].to_list(), dtype=np.float64)
     n = len([c for c in info.manifest.components if c.kind != "bias"])
     upper = np.triu_indices(n)
@@ -287,14 +287,14 @@ def skip_rows(info: PartitionInfo) -> pl.DataFrame:
     the means over options of |TE|, |DE| and |IE| (methods §7): TE_b = logits -
     skip_logits_b, DE_b = sum over b's components (every call) of u_c, IE_b = TE_b - DE_b."""
     full = (
-        pl.scan_parquet(info.uris("instances"))
+        info.scan("instances")
         .select("instance", "gold", "model_logits")
         .explode("model_logits")
         .with_columns(pl.int_range(pl.len()).over("instance").cast(pl.Int8).alias("option"))
         .rename({"model_logits": "full"})
     )
     direct = (
-        pl.scan_parquet(info.uris("components"))
+        info.scan("components")
         .filter(pl.col("kind").cast(pl.String).is_in(["attn", "mlp"]))
         .group_by("instance", "layer", "option")
         .agg(pl.col("logit").cast(pl.Float64).sum().alias("de"))
@@ -302,7 +302,7 @@ def skip_rows(info: PartitionInfo) -> pl.DataFrame:
     by = ["instance", "layer"]
     te = pl.col("full") - pl.col("skip")
     return (
-        pl.scan_parquet(info.uris("skips"))
+        info.scan("skips")
         .rename({"logit": "skip"})
         .join(full, on=["instance", "option"])
         .join(direct, on=["instance", "layer", "option"])

@@ -82,7 +82,7 @@ def load_heads(info: PartitionInfo) -> pl.DataFrame:
     manifest = info.manifest
     k_opts = len(manifest.options)
     rows = (
-        pl.scan_parquet(info.uris("heads"))
+        info.scan("heads")
         .select("instance", "component", "layer", "head", "option", "logit")
         .collect()
     )
@@ -95,12 +95,7 @@ def load_heads(info: PartitionInfo) -> pl.DataFrame:
     ) * k_opts + pl.col("option")
     if not rows.select(key.is_sorted()).item():
         rows = rows.sort(key)
-    instances = (
-        pl.scan_parquet(info.uris("instances"))
-        .select("instance", "gold")
-        .sort("instance")
-        .collect()
-    )
+    instances = info.scan("instances").select("instance", "gold").sort("instance").collect()
     n = instances.height
     first = rows.filter(pl.col("instance") == instances["instance"][0]) if n else rows
     cells = first.height

@@ -38,8 +38,8 @@ from layerdiv.analyze.registry import (
     Analysis,
     Context,
     ReportContext,
-    map_partitions,
     register,
+    with_data,
 )
 from layerdiv.analyze.stats import POWER_FIT_SCHEMA, power_law_fit
 from layerdiv.analyze.text import (
@@ -146,7 +146,7 @@ def depth_score_table(info: PartitionInfo) -> pl.DataFrame:
         keys,
         ["out_change"],
     )
-    groups = pl.read_parquet(info.uris("documents"), columns=["doc", "group"])
+    groups = info.scan("documents").select("doc", "group").collect()
     return tag(
         depth_scores(out_max)
         .join(groups, on="doc", how="left")
@@ -185,8 +185,9 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     result = {name: pl.concat(frames) for name, frames in found.items()}
     result["text_update_fit"] = update_fit(prior["text_geometry"])
     with_skips = with_table(ctx.parts, "future_output")
-    if with_skips:
-        result["text_depth_score"] = pl.concat(list(map_partitions(depth_score_table, with_skips)))
+    scores = with_data(depth_score_table, with_skips, ctx.notes, "text_depth_score")
+    if scores:
+        result["text_depth_score"] = pl.concat(scores)
     return result
 
 
