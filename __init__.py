@@ -21,7 +21,7 @@ Store('...'): 2 models x 2 tasks, 4 partitions
 24
 >>> results = layerdiv.run_analysis(store, tasks="boolq")
 >>> results.scores.shape
-(4, 12)
+(4, 13)
 
 The subpackages: ``layerdiv.analyze`` (the analyses and their helpers), ``layerdiv.store`` (the
 store's files and reading), ``layerdiv.schemas`` (its versioned columns), ``layerdiv.extract``

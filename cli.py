@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from layerdiv import __version__
-from layerdiv.analyze.options import ESTIMATORS, FORMATS, SCALES
+from layerdiv.analyze.options import ESTIMATORS, EXECUTORS, FORMATS, SCALES
 from layerdiv.errors import LayerdivError, LayerdivWarning, one_line
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig
 from layerdiv.extract.launchers import Shard, parse_shard, pick_device
@@ -127,7 +127,30 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
     help="Built-in task name or task YAML path (repeatable).",
 )
 @local_store_option
-@click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
+@click.option(
+    "--revision",
+    default=None,
+    help="Hub revision (branch, tag or commit); for a local folder, a label. A key of the store: "
+    "each revision is its own partition (default main).",
+)
+@click.option(
+    "--step",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Training step of the revision (default: N of a revision named stepN).",
+)
+@click.option(
+    "--tokens-seen",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Training tokens the revision has seen (default: step x --tokens-per-step).",
+)
+@click.option(
+    "--tokens-per-step",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Training tokens per step (Pythia: 2,097,152), to record the tokens seen of a step.",
+)
 @click.option("--gguf-file", default=None, help="GGUF file in the model folder or repo.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Instances per task.")
 @click.option(
@@ -230,6 +253,9 @@ def extract(
     tasks: tuple[str, ...],
     store: str,
     revision: str | None,
+    step: int | None,
+    tokens_seen: int | None,
+    tokens_per_step: int | None,
     gguf_file: str | None,
     limit: int | None,
     batch_size: int | None,
@@ -261,6 +287,9 @@ def extract(
         tasks=list(tasks),
         store=Path(store),
         revision=revision,
+        step=step,
+        tokens_seen=tokens_seen,
+        tokens_per_step=tokens_per_step,
         gguf_file=gguf_file,
         limit=limit,
         batch_size=batch_size,
@@ -402,10 +431,30 @@ reweight_option = click.option(
 )
 
 
+executor_option = click.option(
+    "--executor",
+    type=click.Choice(EXECUTORS),
+    default=EXECUTORS[0],
+    show_default=True,
+    help="Where the per-partition work runs: threads here, or Ray tasks on a cluster (the ray "
+    "extra; docs/cluster.md, 'Analysis on Ray'). The tables are the same.",
+)
+
+
+ray_address_option = click.option(
+    "--ray-address",
+    default=None,
+    metavar="HOST:PORT",
+    help="The Ray cluster of --executor ray (default: $RAY_ADDRESS; auto: this node's cluster).",
+)
+
+
 def analysis_options(command: Callable[..., None]) -> Callable[..., None]:
-    """The store, selection, junction scale, model-size and analysis options shared by
+    """The store, selection, junction scale, model-size, analysis and executor options shared by
     ``analyze`` and ``report``."""
     for option in (
+        ray_address_option,
+        executor_option,
         reweight_option,
         min_params_option,
         scale_option,
@@ -443,6 +492,8 @@ def analyze_command(
     scale: Any,
     min_params: float,
     reweight: bool,
+    executor: Any,
+    ray_address: str | None,
     out: str,
     fmt: str,
 ) -> None:
@@ -453,7 +504,8 @@ def analyze_command(
 
     refuse_inside(out, store)
     options = {"reweight": reweight}
-    results = analyze(store, models, tasks, scale, min_params, progress=True, options=options)
+    results = analyze(store, models, tasks, scale, min_params, progress=True, options=options,
+                      executor=executor, ray_address=ray_address)  # fmt: skip
     results.write(out, fmt)
     click.echo(f"wrote {len(results.names())} tables ({fmt}) to {out}")
     for note in results.notes:
@@ -501,6 +553,8 @@ def report_command(
     scale: Any,
     min_params: float,
     reweight: bool,
+    executor: Any,
+    ray_address: str | None,
     estimator: Any,
     out: str,
     fmt: str,
@@ -525,7 +579,8 @@ def report_command(
     n_explorer = None if explorer_instances == "all" else int(explorer_instances)
     refuse_inside(out, store)
     options = {"reweight": reweight}
-    results = analyze(store, models, tasks, scale, min_params, progress=True, options=options)
+    results = analyze(store, models, tasks, scale, min_params, progress=True, options=options,
+                      executor=executor, ray_address=ray_address)  # fmt: skip
     path, notes = write_report(results, out, estimator, store, formats, n_explorer)
     click.echo(f"wrote {path}")
     for note in notes:
@@ -669,6 +724,100 @@ def ls_command(store: str, models: tuple[str, ...], tasks: tuple[str, ...]) -> N
     for note in st.incomplete(models, tasks):
         click.echo(f"Note: {note}")
     fail_after(st.problems(models, tasks))
+
+
+@main.command("fit-law")
+@click.option(
+    "--points",
+    type=click.Path(dir_okay=False),
+    help="A CSV or Parquet file of points with the columns width, depth, tokens, loss.",
+)
+@click.option("--store", help="A store: one point per model/revision (with --task).")
+@click.option("--task", help="The text task whose model loss the points take (with --store).")
+@click.option(
+    "--exclude-highest",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="Keep the points whose loss is strictly below the N-th highest (the paper: 40 of 245).",
+)
+@click.option(
+    "--bootstrap",
+    type=click.IntRange(min=0),
+    default=200,
+    show_default=True,
+    metavar="B",
+    help="Resamples for the 95% percentile intervals.",
+)
+@click.option(
+    "--heldout",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="K",
+    help="Random 20% splits held out: the mean absolute relative error on them.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Of bootstrap and splits.")
+@click.option(
+    "--out",
+    default="layerdiv-law",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Folder for depth_law, depth_law_fit and depth_law.png (an earlier result is replaced).",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(FORMATS),
+    default=FORMATS[1],
+    show_default=True,
+    help="Table file format.",
+)
+def fit_law_command(
+    points: str | None,
+    store: str | None,
+    task: str | None,
+    exclude_highest: int,
+    bootstrap: int,
+    heldout: int,
+    seed: int,
+    out: str,
+    fmt: str,
+) -> None:
+    """Fit the depth loss law L = c_w w^-a_w + c_l l^-a_l + c_D D^-a_D + E (methods §12) by
+    least squares on log loss, with standard errors, bootstrap intervals and held-out error."""
+    from layerdiv.analyze import plots
+    from layerdiv.analyze.law import fit_law, law_figure, read_points, store_points
+    from layerdiv.analyze.output import result_dir, write_frame
+    from layerdiv.store import Store
+
+    if (points is None) == (store is None) or (store is not None and task is None):
+        raise click.UsageError("give either --points FILE or --store S --task T")
+    if points is not None:
+        frame = read_points(points)
+    else:
+        assert store is not None and task is not None
+        frame = store_points(Store(store), task)
+    fit = fit_law(frame, exclude_highest, bootstrap, heldout, seed)
+    settings = {"points": points, "store": store, "task": task, "exclude_highest": exclude_highest,
+                "bootstrap": bootstrap, "heldout": heldout, "seed": seed}  # fmt: skip
+    with result_dir(out, {"settings": settings}) as tmp:
+        write_frame(fit.table, tmp / f"depth_law.{fmt}", fmt)
+        write_frame(fit.summary(), tmp / f"depth_law_fit.{fmt}", fmt)
+        if plots.available():
+            law_figure(fit, tmp / "depth_law.png")
+    click.echo(show(fit.table))
+    click.echo(
+        f"objective (mean squared log residual) {fit.objective:.6g} over {fit.n_fitted} of "
+        f"{fit.n_points} points, at the optimum (gradient norm {fit.gradient_norm:.2g}); "
+        f"{fit.n_bootstrap} bootstrap fits"
+    )
+    if fit.heldout_error is not None:
+        click.echo(
+            f"held-out mean absolute relative error {fit.heldout_error:.4g} ({heldout} splits)"
+        )
+    click.echo(f"wrote {out}")
 
 
 @main.command("merge")

@@ -112,8 +112,9 @@ DEMO_TASKS = (
 
 
 SKIPS_TASK = "tweets2"
-"""The choice task the demo also extracts with ``--skips`` (the shortest prompts: the layer-skip
-effects cost about (blocks + 1) / 2 forward passes), so that the report shows every section."""
+"""The choice task the demo also extracts with ``--skips`` and ``--lens`` (the shortest prompts:
+the layer-skip effects cost about (blocks + 1) / 2 forward passes), so that the report shows
+every section."""
 
 TEXT_TASK = "bbc-text"
 """The demo's running-text task: BBC News articles as running text (extracted with ``--lens``
@@ -207,9 +208,11 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     choice = [str(p) for p in tasks if p.stem not in (TEXT_TASK, SKIPS_TASK)]
     skips = [str(p) for p in tasks if p.stem == SKIPS_TASK]
     text = [str(p) for p in tasks if p.stem == TEXT_TASK]
+    # The skips task gets the logit lens too: the lens section draws its last prompt token
+    # beside running text (same readout as the text task).
     for config in (
         ExtractConfig(DEMO_MODEL, choice, store, gram=True, heads=True),
-        ExtractConfig(DEMO_MODEL, skips, store, gram=True, heads=True, skips=True),
+        ExtractConfig(DEMO_MODEL, skips, store, gram=True, heads=True, skips=True, lens="final"),
         ExtractConfig(DEMO_MODEL, text, store, lens="final", skips=True),
     ):
         for s in run_extract(config):

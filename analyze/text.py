@@ -22,6 +22,7 @@ import polars as pl
 import pyarrow as pa
 from threadpoolctl import threadpool_limits
 
+from layerdiv.analyze import plots
 from layerdiv.analyze.registry import Context, NoData, map_partitions
 from layerdiv.analyze.stats import array_degrees as degrees
 from layerdiv.schemas import KINDS, SKIP_KEYS
@@ -436,3 +437,49 @@ def with_table(
 def tag(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
     """``frame`` with the partition's key columns as its first columns."""
     return frame.select(*info.key_columns(), pl.all())
+
+
+def text_vs_last_token(
+    panels: Sequence[tuple[str, str, str]],
+    text: pl.DataFrame,
+    last: pl.DataFrame | None,
+    names: dict[str, str],
+    xlabel: str,
+    title: str,
+    by: str | None = None,
+) -> plots.Figure:
+    """One panel per (column of ``text``, column of ``last``, label) of ``panels``: per model of
+    ``text`` (and per value of the column ``by``, e.g. the lens readout, when it has several),
+    its running-text curve (solid) and, where ``last`` has rows of it, its curve at the last
+    prompt token of the choice tasks (dashed), both against ``relative_depth``."""
+    keys = ["model", *([by] if by else [])]
+    groups = sorted(text.select(keys).unique().iter_rows())
+    several = by is not None and text[by].n_unique() > 1
+    color = plots.model_colors([str(g) for g in groups])
+    out = [plots.Panel(label, xlabel=xlabel) for _, _, label in panels]
+    for group in groups:
+        pick = pl.all_horizontal(pl.col(k) == v for k, v in zip(keys, group, strict=True))
+        sub = text.filter(pick)
+        other = None if last is None else last.filter(pick)
+        name = names.get(group[0], group[0]) + (f" ({group[1]})" if several else "")
+        for panel, (solid, dashed, _) in zip(out, panels, strict=True):
+            panel.series.append(
+                plots.Series(
+                    f"{name} text",
+                    sub["relative_depth"].to_list(),
+                    sub[solid].to_list(),
+                    color=color[str(group)],
+                )
+            )
+            if other is not None and other.height:
+                panel.series.append(
+                    plots.Series(
+                        f"{name} last prompt token",
+                        other["relative_depth"].to_list(),
+                        other[dashed].to_list(),
+                        color=color[str(group)],
+                        dash="dash",
+                        marker="s",
+                    )
+                )
+    return plots.Figure(title, out, cols=len(out), panel_size=(4.6, 3.8))

@@ -25,7 +25,14 @@ class ExtractConfig:
     store: Path = Path("layerdiv-store")
     """Store directory."""
     revision: str | None = None
-    """Hub revision (branch, tag or commit) of the model."""
+    """Hub revision (branch, tag or commit) of the model; for a local folder, a label. The
+    partition's ``revision=`` key (``main`` when None)."""
+    step: int | None = None
+    """Training step of the revision (None: N of a Pythia-style ``stepN`` revision, or unknown)."""
+    tokens_seen: int | None = None
+    """Training tokens the revision has seen (None: step x ``tokens_per_step`` where given)."""
+    tokens_per_step: int | None = None
+    """Training tokens per optimizer step, to derive ``tokens_seen`` from the step."""
     gguf_file: str | None = None
     """GGUF file inside the model's folder or repo (converted once to safetensors)."""
     limit: int | None = None

@@ -278,7 +278,11 @@ def text_tables(
         optional["token_lens"] = token_lens_table(ids, n_tokens, v[..., 0], v[..., 1], v[..., 2])
     return {
         **optional,
-        "tokens": tokens_table(ids, [seqs[i] for i in ids]),
+        "tokens": tokens_table(
+            ids,
+            [seqs[i] for i in ids],
+            np.concatenate([results[i][0].document_loss(results[i][1], len(seqs[i])) for i in ids]),
+        ),
         "token_blocks": token_blocks_table(ids, n_tokens, dots),
         "documents": documents_table(
             ids, n_tokens, [truncated[i] for i in ids], [groups[i] for i in ids]

@@ -21,6 +21,7 @@ from layerdiv.extract.adapters import Adapter, adapter_for, check_heads, check_s
 from layerdiv.extract.batching import chunk_runs, tokenize, tokenize_documents
 from layerdiv.extract.capture import SUM_TOLERANCE, BatchDecomposition, check_batch
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, ExtractConfig, TaskSummary
+from layerdiv.extract.facts import load_with_facts, revision_facts
 from layerdiv.extract.forward import (
     ModelRunner,
     chunk_tables,
@@ -87,7 +88,7 @@ def plan_task(
     spec = load_task(name)
     rows = instances(spec, max(spec.n, cfg.limit or 0))
     items = rows[: cfg.limit or spec.n]
-    writer = PartitionWriter(cfg.store, cfg.model, spec.name)
+    writer = PartitionWriter(cfg.store, cfg.model, spec.name, revision_facts(cfg)["revision"])
     argument = str(Path(name).resolve()) if Path(name).suffix in (".yaml", ".yml") else name
     sha = data_sha256(rows[: spec.n])
     if spec.kind == "text":
@@ -212,7 +213,9 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         cost.announce(source.config, device.type, [
             cost.job(p.spec.kind, p.extra_tables, cfg.lens, d, [i.prompt for i in p.items],
                      tokenizer) for p, d in zip(plans, docs, strict=True)])  # fmt: skip
-        idents = [identity(source, dtype, p.spec, p.option_ids, p.data_sha256) for p in plans]
+        revision = revision_facts(cfg)["revision"]
+        idents = [identity(source, dtype, p.spec, p.option_ids, p.data_sha256, revision)
+                  for p in plans]  # fmt: skip
         heads = any("heads" in p.extra_tables for p in plans)
         n_heads = check_heads(source.config) if heads else None
         for plan, ident in zip(plans, idents, strict=True):  # all before the weights load
@@ -229,8 +232,13 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
                 summary = TaskSummary(plan.spec.name, len(plan.items), 0, done, 0.0,
                                       kind=plan.spec.kind, notes=notes)  # fmt: skip
             else:
-                loaded = loaded or load_model(source, tokenizer, device, dtype, cfg.device_map)
+                hashing = None  # the fingerprint's cost, said once
+                if loaded is None:
+                    load = partial(load_model, source, tokenizer, device, dtype, cfg.device_map)
+                    loaded, hashing = load_with_facts(cfg, adapter, load)
+                plan.writer.refuse_same_weights(loaded.facts["weights_hash"])
                 summary = extract_task(loaded, adapter, plan, cfg, approximate, n_heads)
+                summary.notes[:0] = [hashing] if hashing else []
             if cfg.overwrite and verdict is Verdict.RESUME:
                 summary.notes.insert(0, f"--overwrite with --shard {cfg.shard[0]}/{cfg.shard[1]}: "
                                      "the partition holds this extraction already (another "
@@ -341,7 +349,8 @@ def extract_task(
                      spec.kind, cfg.lens, plan.skips) as runner:  # fmt: skip
         probe = runner.run([seqs[0]])  # the component list, before anything is written
         work.check(probe, [0])
-        ident = identity(loaded.source, loaded.dtype, spec, plan.option_ids, plan.data_sha256)
+        ident = identity(loaded.source, loaded.dtype, spec, plan.option_ids, plan.data_sha256,
+                         revision_facts(cfg)["revision"])  # fmt: skip
         manifest = build_manifest(loaded, adapter, spec, ident, probe.components, len(items),
                                   _chunk_size(cfg), tol, approximate)  # fmt: skip
         lens_table = KINDS[spec.kind].lens_table

@@ -19,6 +19,9 @@ from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
 from layerdiv.store.tables import TOKEN_BLOCK_VALUES
 
+LOSS_ROWS = 256
+"""Positions per slice of the loss's full-vocabulary logits (256 x 50k float32: 50 MB)."""
+
 _PAIRS = ((0, 1, 2, 0, 0, 1), (0, 1, 2, 1, 2, 2))
 """(h, a, m) row and column indices of ``hh``, ``aa``, ``mm``, ``ha``, ``hm``, ``am``."""
 
@@ -38,10 +41,17 @@ class TextBatch:
     top5_overlap and ce (NaN at the row's last position)."""
     future: list[FutureRows] | None = None
     """With ``--skips``: per row, its document's future effects."""
+    loss: torch.Tensor | None = None
+    """(B, width) float32: the model's own next-token cross-entropy (NaN at the last position)."""
 
     def document(self, row: int, n_tokens: int) -> np.ndarray:
         """(n_tokens, L, 8): the values at the document's own positions (padding dropped)."""
         return self.dots[row, self.dots.shape[1] - n_tokens :].numpy()
+
+    def document_loss(self, row: int, n_tokens: int) -> np.ndarray:
+        """(n_tokens,): the loss at the document's own positions."""
+        assert self.loss is not None
+        return self.loss[row, self.loss.shape[1] - n_tokens :].numpy()
 
     def document_lens(self, row: int, n_tokens: int) -> np.ndarray:
         """(n_tokens, L + 1, 3): the lens values at the document's own positions."""
@@ -160,9 +170,29 @@ class TextCapture:
         self.paused = True  # the lens's readouts must not replace h_L (the final-norm hook)
         try:
             lens = self._lens(final, budget) if self.lens else None
+            loss = self._loss(final) if lens is None else lens[:, :, -1, 2]  # the lens's layer L
         finally:
             self.paused = False
-        return TextBatch(comps, dots.cpu(), None if lens is None else lens.cpu())
+        return TextBatch(
+            comps, dots.cpu(), None if lens is None else lens.cpu(), loss=loss.float().cpu()
+        )
+
+    def _loss(self, final: torch.Tensor) -> torch.Tensor:
+        """(B, width): -log p_L(token at p + 1), p_L the model's own output distribution read
+        from h_L as its head reads it (methods §12's loss), in slices of
+        :data:`LOSS_ROWS` positions; NaN at the last position."""
+        if self._ids is None:
+            raise DecompositionError("the loss needs the batch's input ids")
+        x = final.to(self._dtype).flatten(0, 1)
+        nxt = self._ids.roll(-1, dims=1).flatten().to(x.device)
+        loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        for a in range(0, x.shape[0], LOSS_ROWS):
+            z = self.readout.logits(x[a : a + LOSS_ROWS])
+            gold = z.gather(-1, nxt[a : a + LOSS_ROWS, None])[:, 0]
+            loss[a : a + LOSS_ROWS] = torch.logsumexp(z, dim=-1) - gold
+        loss = loss.view(final.shape[:2])
+        loss[:, -1] = float("nan")  # no next token
+        return loss
 
     def _lens(self, final: torch.Tensor, budget: int | None) -> torch.Tensor:
         """(B, width, L + 1, 3): kl, top5_overlap and ce of p_l = softmax(readout(h_l)) for

@@ -15,12 +15,19 @@ History:
   ``future_output``; choice tasks gain the optional ``lens``; the manifest gains ``kind``,
   ``max_tokens``, ``lens``, ``skip_split`` and ``skip_seed`` (and, from the first release
   that writes the future-effects tables, ``skip_sublayers``: absent means ``block``).
-- 5: the manifest gains ``weights`` (how the weights were made from the files given, e.g. a GGUF
-  quantization dequantized to float32; absent: loaded as they are).
+- 5: the partition key gains ``revision`` (``model=<slug>/revision=<rev>/task=<task>``; older
+  stores read as revision ``main``); ``tokens`` gains ``loss`` (the model's own next-token
+  cross-entropy); the manifest's ``revision`` is the revision as given (older manifests held the
+  hub commit there, now ``commit``) and it gains ``step``, ``tokens_seen``, ``weights_hash``
+  (a fingerprint of the loaded tensors), ``n_layers`` and ``n_params_non_embedding``; the
+  manifest gains ``weights`` (how the weights were made from the files given, e.g. a GGUF
+  quantization dequantized to float32; absent: loaded as they are) and ``vocab_size`` (V, the
+  unembedding's rows; the logit lens's uniform baseline is log V; absent in older manifests,
+  where the baseline is not drawn).
 
-The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``task``) are not stored
-inside the files: they come from the directory names (``model=<slug>/task=<task>``) and are typed
-as strings by every reader.
+The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``revision``, ``task``) are not
+stored inside the files: they come from the directory names
+(``model=<slug>/revision=<rev>/task=<task>``) and are typed as strings by every reader.
 """
 
 from __future__ import annotations
@@ -236,19 +243,21 @@ DOCUMENTS = _schema(
   null without one.
 """
 
-TOKENS = _schema(
-    "tokens",
-    [
-        pa.field("doc", pa.int32(), nullable=False),
-        pa.field("pos", pa.int32(), nullable=False),
-        pa.field("token", pa.int32(), nullable=False),
-    ],
-)
+_TOKEN_FIELDS_V4 = [
+    pa.field("doc", pa.int32(), nullable=False),
+    pa.field("pos", pa.int32(), nullable=False),
+    pa.field("token", pa.int32(), nullable=False),
+]
+
+TOKENS = _schema("tokens", [*_TOKEN_FIELDS_V4, pa.field("loss", pa.float32(), nullable=True)])
 """Text tasks: one row per (doc, pos).
 
 - ``doc``: as in :data:`DOCUMENTS`.
 - ``pos``: the token's position p = 0..T-1 in its document.
 - ``token``: the token id fed at that position.
+- ``loss`` (version 5): the model's own next-token cross-entropy -log p_L(token at pos + 1) in
+  nats, from its output distribution (methods §12, the loss of the depth law); null at
+  the document's last position (and in stores of version 4).
 """
 
 TOKEN_BLOCKS = _schema(
@@ -423,9 +432,12 @@ _TABLES_V3 = {t: TABLES[t] for t in ("components", "instances", "skips", "heads"
 _TABLES_V2 = {**_TABLES_V3, "instances": _schema("instances", _INSTANCE_FIELDS_V2, version=2)}
 
 
+_TABLES_V4 = {**TABLES, "tokens": _schema("tokens", _TOKEN_FIELDS_V4, version=4)}
+
+
 def tables_of(version: int) -> dict[str, pa.Schema]:
     """The tables (and their schemas) of a store written with schema ``version``."""
-    return {1: _TABLES_V1, 2: _TABLES_V2, 3: _TABLES_V3}.get(version, TABLES)
+    return {1: _TABLES_V1, 2: _TABLES_V2, 3: _TABLES_V3, 4: _TABLES_V4}.get(version, TABLES)
 
 
 def gram_index(a: int, b: int, n: int) -> int:

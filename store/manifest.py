@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from layerdiv.schemas import KINDS, OPTIONAL_TABLES, SCHEMA_VERSION, SchemaError, check_version
 from layerdiv.store.atomic import write_bytes
+from layerdiv.store.key import DEFAULT_REVISION
 from layerdiv.store.location import RemotePath
 
 
@@ -33,7 +35,7 @@ class Identity:
     model: str
     """Model id as the user gave it."""
     revision: str | None
-    """Hub commit of the weights, else None."""
+    """The revision as ``extract --revision`` gave it (``main`` by default)."""
     weights_fingerprint: str
     """Hub commit for hub weights, else a fingerprint of the local weight files."""
     dtype: str
@@ -47,6 +49,8 @@ class Identity:
     """Token id scored for each option."""
     schema_version: int = SCHEMA_VERSION
     """Schema version of the files."""
+    commit: str | None = None
+    """Hub commit of the weights, else None."""
 
     def fields(self) -> dict[str, Any]:
         """The identity as manifest fields (JSON types)."""
@@ -80,9 +84,13 @@ class Manifest:
     task: str
     """Task name (the partition's ``task=`` value)."""
     revision: str | None
-    """Hub commit of the weights when known, else None."""
+    """The model's revision as ``extract --revision`` gave it (a hub branch, tag or commit; a
+    label for a local folder), ``main`` by default; the partition's ``revision=`` folder is its
+    slug. Manifests of schema version <= 4 read as ``main`` (their hub commit goes to
+    :attr:`commit`)."""
     weights_fingerprint: str
-    """sha256 over the weight files' names, sizes and first and last MiB."""
+    """sha256 over the weight files' names, sizes and first and last MiB (``hub:<commit>`` for
+    hub weights)."""
     dtype: str
     """Torch dtype the model ran in (``float32``, ``bfloat16``, ``float16``)."""
     model_type: str
@@ -120,6 +128,9 @@ class Manifest:
     j*chunk_size .. (j+1)*chunk_size-1, possibly in several parts (None in older manifests)."""
     hidden_size: int | None = None
     """Width d of the residual stream (schema version 2; None in older manifests)."""
+    vocab_size: int | None = None
+    """Rows V of the unembedding (the model config's ``vocab_size``): the lens's uniform
+    baseline is log V nats (None in older manifests)."""
     norm_eps: float | None = None
     """Epsilon of the final norm (methods §7 needs it for ||r||; None in older
     manifests)."""
@@ -154,6 +165,22 @@ class Manifest:
     """Seed of the random split points."""
     skip_sublayers: list[str] | None = None
     """Text tasks with ``--skips``: what each skip removed (``layerdiv.schemas.SUBLAYERS``)."""
+    commit: str | None = None
+    """Hub commit of the weights when known, else None."""
+    step: int | None = None
+    """Training step of the revision (``--step``, or N of a Pythia-style ``stepN`` revision);
+    None where unknown."""
+    tokens_seen: int | None = None
+    """Training tokens D the revision has seen (``--tokens-seen``, or step x
+    ``--tokens-per-step``); None where unknown."""
+    weights_hash: str | None = None
+    """xxh3-128 over every loaded tensor's name, dtype, shape and bytes (schema version 5;
+    ``layerdiv.extract.facts.weights_hash``): two revisions with equal weights have equal ones."""
+    n_layers: int | None = None
+    """Depth l: the model's decoder blocks (schema version 5)."""
+    n_params_non_embedding: int | None = None
+    """:attr:`n_params` less the token (and position) embeddings and an untied unembedding: the
+    non-embedding count of Kaplan et al., beside the total that Chinchilla fits (version 5)."""
     weights: str | None = None
     """How the weights were made from the files given, when not loaded as they are: e.g. a
     GGUF file's quantization dequantized to float32 (schema version 5; None: loaded as they are,
@@ -202,10 +229,12 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str) -> Manifest:
         check_version(data.get("schema_version"), where)
-        known = {f.name for f in fields(cls)}
-        missing = [f.name for f in fields(cls) if f.name not in data and _required(cls, f.name)]
+        known, required = _names()
+        missing = [name for name in required if name not in data]
         if missing:
             raise SchemaError(f"{where}: manifest lacks {', '.join(missing)}; re-extract it.")
+        if data["schema_version"] <= 4:  # the revision was the hub commit, before the key had it
+            data = {**data, "commit": data.get("revision"), "revision": DEFAULT_REVISION}
         kwargs = {k: v for k, v in data.items() if k in known}
         kwargs["components"] = [ComponentInfo(**c) for c in data["components"]]
         if kwargs.get("kind", "choice") not in KINDS:
@@ -213,22 +242,31 @@ class Manifest:
         return cls(**kwargs)
 
 
-def _required(cls: type, name: str) -> bool:
-    f = next(f for f in fields(cls) if f.name == name)
-    return f.default is MISSING and f.default_factory is MISSING
+@functools.cache
+def _names() -> tuple[frozenset[str], tuple[str, ...]]:
+    """The fields of :class:`Manifest`, and those without a default (a manifest has them)."""
+    every = fields(Manifest)
+    required = (f.name for f in every if f.default is MISSING and f.default_factory is MISSING)
+    return frozenset(f.name for f in every), tuple(required)
 
 
-def read_manifest(path: Path | RemotePath) -> Manifest:
+def read_manifest(path: Path | RemotePath, listed: Iterable[str] | None = None) -> Manifest:
     """Load and check a manifest (local or on object storage), with its run records and
-    optional-table markers; a clear error names the file when it cannot be trusted."""
+    optional-table markers (``listed``: the names in its folder, where known, so that absent
+    folders are not looked for); a clear error names the file when it cannot be trusted."""
     data = _read_json(path, "manifest", missing="manifest missing")
     manifest = Manifest.from_dict(data, str(path))
-    records: list[Path | RemotePath] = sorted((path.parent / RUNS_DIR).glob("*.json"), key=str)
+    has = (lambda _: True) if listed is None else set(listed).__contains__
+    runs_dir, tables_dir = path.parent / RUNS_DIR, path.parent / TABLES_DIR
+    records: list[Path | RemotePath] = (
+        sorted(runs_dir.glob("*.json"), key=str) if has(RUNS_DIR) else []
+    )
     runs = [_read_json(p, "run record") for p in records]
     manifest.runs = sorted([*manifest.runs, *runs], key=lambda r: str(r.get("started_at", "")))
     asked = [r["n_requested"] for r in runs if isinstance(r.get("n_requested"), int)]
     manifest.n_requested = max([manifest.n_requested, *asked])
-    markers = {m.name for m in (path.parent / TABLES_DIR).glob("*")} & set(OPTIONAL_TABLES)
+    markers = {m.name for m in tables_dir.glob("*")} if has(TABLES_DIR) else set()
+    markers &= set(OPTIONAL_TABLES)
     manifest.extra_tables = sorted({*manifest.extra_tables, *markers})
     return manifest
 

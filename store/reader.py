@@ -29,7 +29,7 @@ from layerdiv.schemas import (
     tables_of,
 )
 from layerdiv.store.atomic import restore
-from layerdiv.store.key import KEY, PartitionKey
+from layerdiv.store.key import ABSENT, DEFAULT_REVISION, KEY, MODEL_KEY, PartitionKey
 from layerdiv.store.location import (
     RemotePath,
     StorePath,
@@ -39,7 +39,7 @@ from layerdiv.store.location import (
     store_root,
 )
 from layerdiv.store.manifest import Manifest, read_manifest
-from layerdiv.store.paths import Partition, list_partitions, slug
+from layerdiv.store.paths import MANIFEST_NAME, MANIFESTS, Partition, list_partitions, slug
 
 
 class StoreError(LayerdivError, RuntimeError):
@@ -169,9 +169,11 @@ class PartitionInfo(Generic[StorePath]):
         that recorded it gave it: a built-in name or a YAML path)."""
         m = self.manifest
         given = [r["task"] for r in m.runs if isinstance(r.get("task"), str) and r["task"]]
+        revision = "" if m.revision in (None, DEFAULT_REVISION) else f"--revision {m.revision} "
         flag = f"{self.kind.optional[table]} " if table else ""
         return (
-            f"layerdiv extract --model {m.model} --task {(given or [self.task])[-1]} {flag}"
+            f"layerdiv extract --model {m.model} {revision}--task {(given or [self.task])[-1]} "
+            f"{flag}"
             f"--limit {max(m.n_requested, max((s + n for s, n in self.done), default=0))} "
             f"--store {self.partition.root}"
         )
@@ -455,7 +457,9 @@ class Store:
                 {
                     **dict(p.key.items()),
                     "model_id": m.model,
-                    "revision": m.revision,
+                    "commit": m.commit,
+                    "step": m.step,
+                    "tokens_seen": m.tokens_seen,
                     "dtype": m.dtype,
                     "n_params": m.n_params,
                     "n_components": len(kinds),
@@ -477,7 +481,33 @@ class Store:
                     "weights": m.weights,
                 }
             )
-        return pl.DataFrame(rows, schema_overrides={"weights": pl.String})
+        return pl.DataFrame(rows, schema_overrides=_FACTS)
+
+    def models(self, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
+        """One row per (model, revision) of the selected partitions: what the law of methods §12
+        needs to know of a model (:data:`MODEL_COLUMNS`). Partitions of schema
+        version <= 4 did not record them all: their depth is their block calls, the rest null."""
+        rows: dict[tuple[str, ...], dict[str, Any]] = {}
+        for p in self.select(models, tasks, require_data=False):
+            m = p.manifest
+            key = dict((c, v) for c, v in p.key.items() if c in MODEL_KEY)
+            if rows.get(tuple(key.values()), {}).get("weights_hash") is not None:
+                continue  # one partition of a (model, revision) says it (the same weights)
+            rows[tuple(key.values())] = {
+                **key,
+                "model_id": m.model,
+                "revision_name": m.revision,
+                "commit": m.commit,
+                "step": m.step,
+                "tokens_seen": m.tokens_seen,
+                "width": m.hidden_size,
+                "depth": m.n_layers if m.n_layers is not None else m.n_blocks,
+                "vocab_size": m.vocab_size,
+                "n_params": m.n_params,
+                "n_params_non_embedding": m.n_params_non_embedding,
+                "weights_hash": m.weights_hash,
+            }
+        return pl.DataFrame(list(rows.values()), schema=MODEL_COLUMNS).sort(*MODEL_KEY)
 
     def query(self, sql: str, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
         """Run SQL against the views of :meth:`duckdb` (``layerdiv.query``); the result of the
@@ -501,7 +531,7 @@ class Store:
         says which ``statement`` (number, of how many) failed and how, and names the views this
         store has; a failure to read a part (a damaged page) is the ``StoreError`` naming the
         part (:meth:`verify`)."""
-        views = ", ".join([*self.tables(models, tasks), "manifests"])
+        views = ", ".join([*self.tables(models, tasks), "manifests", "models"])
         which = f"statement {statement[0]} of {statement[1]}: " if statement[1] > 1 else ""
         message = one_line(err)
         if isinstance(err, duckdb.PermissionException):
@@ -554,10 +584,102 @@ class Store:
                 ),
                 partition_base_dir=base,
             )
-            con.register(table, dataset)
+            absent = {c for p in whole for c in p.partition.absent}
+            if not absent:
+                con.register(table, dataset)
+                continue
+            # Parts of older layouts lack folder levels: their key columns read as ABSENT says.
+            con.register(f"_{table}", dataset)
+            filled = ", ".join(f"coalesce({c}, '{ABSENT[c]}') AS {c}" for c in sorted(absent))
+            con.execute(f"CREATE VIEW {table} AS SELECT * REPLACE ({filled}) FROM _{table}")
         con.register("manifests", self.manifests(models, tasks).to_arrow())
+        con.register("models", self.models(models, tasks).to_arrow())
         con.execute("SET lock_configuration = true")
         return con
+
+
+_FACTS = {"commit": pl.String, "step": pl.Int64, "tokens_seen": pl.Int64, "weights": pl.String}
+
+MODEL_COLUMNS = pl.Schema(
+    {
+        **dict.fromkeys(MODEL_KEY, pl.String),
+        "model_id": pl.String,
+        "revision_name": pl.String,
+        "commit": pl.String,
+        "step": pl.Int64,
+        "tokens_seen": pl.Int64,
+        "width": pl.Int64,
+        "depth": pl.Int64,
+        "vocab_size": pl.Int64,
+        "n_params": pl.Int64,
+        "n_params_non_embedding": pl.Int64,
+        "weights_hash": pl.String,
+    }
+)
+"""The ``models`` view (:meth:`Store.models`): per (model, revision) the model id and revision
+as given, the hub commit, training step and tokens seen D of the revision (null where unknown),
+width d_model, depth l (decoder blocks), vocabulary, total and non-embedding parameters
+(``Manifest.n_params_non_embedding``) and the fingerprint of the weights."""
+
+LAW_COLUMNS = pl.Schema(
+    {
+        **dict.fromkeys(KEY, pl.String),
+        "width": pl.Int64,
+        "depth": pl.Int64,
+        "tokens_seen": pl.Int64,
+        "loss": pl.Float64,
+        "n_tokens": pl.Int64,
+    }
+)
+"""The columns of :func:`law_points`."""
+
+
+def law_points(store: Store | str | Path, tasks: Names = (), models: Names = ()) -> pl.DataFrame:
+    """The points of the depth law (methods §12) the store holds: per (model,
+    revision, text task) the width w, depth l, training tokens D of the revision (null where not
+    recorded: give ``extract --step/--tokens-seen``) and the mean of the model's own next-token
+    cross-entropy ``tokens.loss`` over every token that has one (``n_tokens`` of them; a
+    partition extracted before the loss was stored has none, and is refused)."""
+    st = store if isinstance(store, Store) else Store(store)
+    parts = [p for p in st.select(models, tasks) if p.manifest.kind == "text"]
+    if not parts:
+        raise StoreError("no running-text partition selected: the law needs a text task's loss")
+    old = [
+        p.key.label
+        for p in parts
+        if "loss" not in tables_of(p.manifest.schema_version)["tokens"].names
+    ]
+    if old:
+        raise StoreError(
+            f"{', '.join(old)}: extracted before the model's loss was stored (schema version "
+            "<= 4); re-extract them with --overwrite"
+        )
+    frame = mean_loss(st, parts)
+    facts = st.models(models, tasks).select(*MODEL_KEY, "width", "depth", "tokens_seen")
+    return (
+        frame.join(facts, on=[*MODEL_KEY], how="left")
+        .select(LAW_COLUMNS.names())
+        .cast(LAW_COLUMNS)
+        .sort(*KEY)
+    )
+
+
+def mean_loss(store: Store, parts: Sequence[PartitionInfo[Any]]) -> pl.DataFrame:
+    """Per text partition of ``parts`` (key columns): ``loss``, the mean of ``tokens.loss`` over
+    the ``n_tokens`` tokens that have one (null and 0 for partitions of schema version <= 4)."""
+    schema = {**dict.fromkeys(KEY, pl.String), "loss": pl.Float64, "n_tokens": pl.Int64}
+    text = [p for p in parts if p.manifest.kind == "text"]
+    if not text:
+        return pl.DataFrame(schema=schema)
+    return (
+        store.scan("tokens", [p.model for p in text], [p.task for p in text])
+        .join(pl.LazyFrame([dict(p.key.items()) for p in text]), on=[*KEY], how="semi")
+        .group_by(*KEY)
+        .agg(pl.col("loss").mean(), pl.col("loss").count().alias("n_tokens"))
+        .collect()
+        .cast(schema)  # type: ignore[arg-type]
+        .sort(*KEY)
+    )
 
 
 def scan_parts(files: Sequence[StorePath], schema: pa.Schema, where: str) -> pl.LazyFrame:
@@ -654,13 +776,14 @@ def _first_line(err: BaseException) -> str:
 
 def _open_partition(part: Partition[StorePath]) -> PartitionInfo[StorePath]:
     """A partition's checked manifest and part files; ``StoreError`` says what is wrong."""
-    if not part.manifest.exists():
+    listed = None if part.listing is None else part.listing.get(MANIFESTS, ())
+    if MANIFEST_NAME not in listed if listed is not None else not part.manifest.exists():
         raise StoreError(
             f"{part.key.where} has data but no manifest ({part.manifest}): it cannot be trusted. "
             "Delete it or re-extract it with --overwrite."
         )
     try:
-        info = PartitionInfo(part, read_manifest(part.manifest))
+        info = PartitionInfo(part, read_manifest(part.manifest, listed))
     except SchemaError as err:
         raise StoreError(str(err)) from err
     _check_parts(info)

@@ -216,12 +216,21 @@ def _token_key(docs: Sequence[int], n_tokens: Sequence[int]) -> tuple[np.ndarray
     return doc, (np.arange(counts.sum()) - starts).astype(np.int32)
 
 
-def tokens_table(docs: Sequence[int], tokens: Sequence[Sequence[int]]) -> pa.Table:
-    """Rows (doc, pos) of :data:`~layerdiv.schemas.TOKENS`: ``tokens[i]`` the ids of ``docs[i]``."""
+def tokens_table(
+    docs: Sequence[int], tokens: Sequence[Sequence[int]], loss: np.ndarray | None = None
+) -> pa.Table:
+    """Rows (doc, pos) of :data:`~layerdiv.schemas.TOKENS`: ``tokens[i]`` the ids of ``docs[i]``;
+    ``loss`` (sum of the lengths) the model's next-token cross-entropy per token, NaN (stored as
+    null) at each document's last position; None: null everywhere."""
     doc, pos = _token_key(docs, [len(t) for t in tokens])
     ids = np.concatenate([np.asarray(t, np.int32) for t in tokens]) if tokens else np.zeros(0)
     return pa.table(
-        {"doc": pa.array(doc), "pos": pa.array(pos), "token": pa.array(ids.astype(np.int32))},
+        {
+            "doc": pa.array(doc),
+            "pos": pa.array(pos),
+            "token": pa.array(ids.astype(np.int32)),
+            "loss": _floats(np.full(len(doc), np.nan) if loss is None else loss, nullable=True),
+        },
         schema=TOKENS,
     )
 

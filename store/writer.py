@@ -34,7 +34,7 @@ from layerdiv.store.atomic import (
     temp_path,
     write_bytes,
 )
-from layerdiv.store.key import PartitionKey
+from layerdiv.store.key import DEFAULT_REVISION, PartitionKey
 from layerdiv.store.manifest import (
     RUNS_DIR,
     TABLES_DIR,
@@ -43,7 +43,7 @@ from layerdiv.store.manifest import (
     read_manifest,
     write_manifest,
 )
-from layerdiv.store.paths import Partition, partition, slug
+from layerdiv.store.paths import Partition, list_partitions, partition, slug
 
 CLAIMS_DIR = "claims"
 """Folder (beside ``manifest.json``) of the chunk claim lock files."""
@@ -60,6 +60,11 @@ def dictionary_columns(schema: pa.Schema) -> list[str]:
         )
 
     return [f.name for f in schema if not floating(f.type)]
+
+
+def _has_data(part: Partition) -> bool:
+    """Any file but temporaries (dot files) in the partition's folders."""
+    return any(not p.name.startswith(".") for d in part.dirs() if d.is_dir() for p in d.iterdir())
 
 
 class StoreConflict(LayerdivError, RuntimeError):
@@ -123,8 +128,8 @@ class RunRecord:
 class PartitionWriter:
     """Writes one partition's chunks; a rerun skips every chunk that is complete and readable."""
 
-    def __init__(self, root: str | Path, model: str, task: str):
-        self.part: Partition = partition(root, PartitionKey(slug(model), task))
+    def __init__(self, root: str | Path, model: str, task: str, revision: str = DEFAULT_REVISION):
+        self.part: Partition = partition(root, PartitionKey(slug(model), slug(revision), task))
         self._claims = self.part.dir("manifests") / CLAIMS_DIR
 
     def ensure_writable(self) -> None:
@@ -148,8 +153,16 @@ class PartitionWriter:
         replaced; one that holds this extraction is resumed (another shard replaced it already),
         so that the replacement happens once per extraction, not once per shard.
         """
+        older = self.part.older()
+        if older is not None and _has_data(older):
+            if overwrite:
+                return Verdict.REPLACE
+            raise StoreConflict(
+                f"{older.manifest.parent} holds this partition in the layout of schema version 4 "
+                "or older: pass --overwrite to re-extract it, or use another --store"
+            )
         if not self.part.manifest.exists():
-            if not self._has_data():
+            if not _has_data(self.part):
                 return Verdict.NEW
             if overwrite:
                 return Verdict.REPLACE
@@ -172,12 +185,6 @@ class PartitionWriter:
             return Verdict.REPLACE
         return Verdict.RESUME
 
-    def _has_data(self) -> bool:
-        """Any file but temporaries (dot files) in the partition's folders."""
-        return any(
-            not p.name.startswith(".") for d in self.part.dirs() if d.is_dir() for p in d.iterdir()
-        )
-
     def open(self, manifest: Manifest, overwrite: bool, shards: int = 1) -> Manifest:
         """Create (or replace, see :meth:`check`) the partition and return the stored manifest
         (its chunk grid is the partition's, whatever this run asked for)."""
@@ -187,7 +194,8 @@ class PartitionWriter:
         try:
             flock(fd, fcntl.LOCK_EX, lock)  # one process at a time decides and replaces
             if self.check(manifest.identity(), overwrite, shards) is Verdict.REPLACE:
-                for d in self.part.dirs():
+                older = self.part.older()
+                for d in [*self.part.dirs(), *(older.dirs() if older else [])]:
                     shutil.rmtree(d, ignore_errors=True)
             write_manifest(self.part.manifest, manifest, exclusive=True)
             required = {self.part.dir(t) for t in KINDS[manifest.kind].required}
@@ -200,6 +208,26 @@ class PartitionWriter:
         finally:
             os.close(fd)
         return read_manifest(self.part.manifest)
+
+    def refuse_same_weights(self, weights_hash: str) -> None:
+        """Refuse (``StoreConflict``) weights that the store holds under another revision of the
+        same model: one checkpoint under two names (``Manifest.weights_hash``)."""
+        key = self.part.key
+        read: set[str] = set()
+        for other in list_partitions(self.part.root):
+            if other.key.model != key.model or other.key.revision in read | {key.revision}:
+                continue
+            read.add(other.key.revision)
+            try:
+                stored = read_manifest(other.manifest)
+            except (SchemaError, OSError):
+                continue  # no trusted fingerprint there
+            if stored.weights_hash == weights_hash:
+                raise StoreConflict(
+                    f"the weights of {stored.model} revision {key.revision} equal those stored as "
+                    f"revision {other.key.revision} (fingerprint {weights_hash[:12]}, "
+                    f"{other.manifest.parent}): one checkpoint under two names; extract it once"
+                )
 
     def start_run(self, record: dict[str, Any]) -> RunRecord:
         """Write this run's record (it adds ``started_at``, ``host`` and ``pid``)."""

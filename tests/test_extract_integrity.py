@@ -41,7 +41,7 @@ def wait_for(condition: Callable[[], bool], what: str) -> None:
 
 
 def parts(store: Path) -> list[Path]:
-    return sorted(store.glob("instances/*/*/part-*.parquet"))
+    return sorted(store.glob("instances/**/part-*.parquet"))
 
 
 def finish(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
@@ -76,7 +76,7 @@ def first_run(
 
 
 def run_records(store: Path) -> int:
-    return len(list(store.glob("manifests/*/*/runs/*.json")))
+    return len(list(store.glob("manifests/**/runs/*.json")))
 
 
 def test_three_concurrent_shards_store_each_instance_once(
@@ -129,7 +129,7 @@ def test_two_runs_at_once_claim_chunks_instead_of_duplicating(
     one.send_signal(signal.SIGSTOP)  # frozen mid-run, holding the chunk it computes
     try:
         two = start([*base, *second])
-        runs = next(store.glob("manifests/*/*")) / "runs"
+        runs = next(store.glob("manifests/*/*/*")) / "runs"
         wait_for(lambda: len(list(runs.glob("*.json"))) == 2, "the second run's record")
         seen = -1
         while seen != len(parts(store)):  # until the second run has taken what it could
@@ -220,8 +220,8 @@ def test_damaged_parts_are_redone(
     tmp_path: Path, model_dirs: Any, make_task: Any, stored: Any
 ) -> None:
     args, store, _ = first_run(tmp_path, model_dirs, make_task, "--chunk-size", "4")
-    (inst,) = store.glob("instances/*/*/part-0000004-000004.parquet")
-    (comp,) = store.glob("components/*/*/part-0000008-000004.parquet")
+    (inst,) = store.glob("instances/**/part-0000004-000004.parquet")
+    (comp,) = store.glob("components/**/part-0000008-000004.parquet")
     inst.write_bytes(inst.read_bytes()[:-50])  # truncated copies
     comp.write_bytes(comp.read_bytes()[: comp.stat().st_size // 2])
     out = extract(*args)
@@ -236,7 +236,7 @@ def test_a_partition_without_manifest_is_never_adopted(
     tmp_path: Path, model_dirs: Any, make_task: Any
 ) -> None:
     args, store, _ = first_run(tmp_path, model_dirs, make_task, "--limit", "6")
-    (manifest,) = store.glob("manifests/*/*/manifest.json")
+    (manifest,) = store.glob("manifests/**/manifest.json")
     (manifest.parent / ".manifest.json.somehost.1.ab12.tmp").write_text("{")
     out = extract(*args)  # a leftover manifest temporary is no problem
     assert out.exit_code == 0 and "Traceback" not in out.output, out.output

@@ -245,7 +245,7 @@ def test_killed_run_shows_its_whole_documents_then_resumes_exactly(
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        if len(list(store.glob("documents/*/*/part-*.parquet"))) >= 3:
+        if len(list(store.glob("documents/**/part-*.parquet"))) >= 3:
             break
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)

@@ -185,7 +185,7 @@ def test_extract_heads_end_to_end_and_backfill(
     assert "nothing to do" in again.output
     # A later run without --heads still gives the chunks it stores heads: the partition has them.
     for table in ("instances", "heads"):
-        (part,) = store.glob(f"{table}/*/*/part-0000016-000004.parquet")
+        (part,) = store.glob(f"{table}/**/part-0000016-000004.parquet")
         part.unlink()
     more = extract(*model, *common)
     assert more.exit_code == 0, more.output

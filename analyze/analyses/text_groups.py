@@ -27,7 +27,6 @@ Tables:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -277,32 +276,37 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
 # --- report ----------------------------------------------------------------------------------
 
 
-def groups_figure(scores: pl.DataFrame, path: Path, names: dict[str, str]) -> Path:
-    """Per (model, task) one row of panels, one per effect (whole-block skips): the paper's
-    depth score per group as bars, ours (mean of per-document scores) as points with
-    their bootstrap 95% intervals."""
+def groups_figure(scores: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
+    """Per (model, task) and effect (whole-block skips) one panel: the paper's depth score per
+    group as bars, ours (mean of per-document scores) as points with their bootstrap 95%
+    intervals."""
     block = scores.filter(pl.col("sublayer") == "block")
-    keys = block.select(*KEY).unique(maintain_order=True).rows()
-    fig = plots.new_figure(figsize=(10, 3.6 * max(len(keys), 1)), layout="constrained")
-    axes = fig.subplots(max(len(keys), 1), len(EFFECTS), squeeze=False)
-    for row, (model, task) in zip(axes, keys, strict=False):
-        for ax, effect in zip(row, EFFECTS, strict=True):
-            sub = block.filter(
-                (pl.col("model") == model) & (pl.col("task") == task) & (pl.col("effect") == effect)
+    panels = []
+    for key in block.select(*KEY).unique(maintain_order=True).iter_rows(named=True):
+        model, task = key["model"], key["task"]
+        mine = block.join(pl.DataFrame([key]), on=[*KEY], how="semi")
+        for effect in EFFECTS:
+            sub = mine.filter(pl.col("effect") == effect)
+            groups = [str(g) for g in sub["group"]]
+            paper = plots.Series("paper (maxima first)", groups, sub["paper_score"].to_list(),
+                                 color="#bbbbbb", bar=True)  # fmt: skip
+            ours = plots.Series(
+                "mean of documents, 95% CI",
+                groups,
+                sub["mean_score"].to_list(),
+                color="#1f77b4",
+                line=False,
+                interval=(sub["mean_low"].to_list(), sub["mean_high"].to_list()),
             )
-            x = np.arange(sub.height)
-            ax.bar(x, sub["paper_score"], 0.6, color="0.75", label="paper (maxima first)")
-            mean = sub["mean_score"].to_numpy()
-            err = np.abs(np.vstack([sub["mean_low"], sub["mean_high"]]) - mean)
-            ax.errorbar(x, mean, yerr=err, fmt="o", color="C0", capsize=3, label="mean, 95% CI")
-            ax.set_xticks(x, [str(g) for g in sub["group"]])
-            ax.set_xlabel("group")
-            ax.set_ylabel("depth score (block)")
-            ax.set_title(f"{names.get(model, model)}, {task}: {effect} effect", fontsize=10)
-            ax.legend(fontsize=7)
-            ax.grid(alpha=0.3, axis="y")
-    fig.suptitle("Depth score per group, the paper's and per document (methods §10)", fontsize=11)
-    return plots.save(fig, path)
+            panels.append(
+                plots.Panel(
+                    f"{names.get(model, model)}, {task}: {effect} effect",
+                    [paper, ours],
+                    xlabel="group",
+                    ylabel="depth score (block)",
+                )
+            )
+    return plots.Figure("Depth score per group, the paper's and per document (methods §10)", panels)
 
 
 def report(ctx: ReportContext) -> str:
@@ -360,7 +364,7 @@ def report(ctx: ReportContext) -> str:
                 ctx,
                 "text_groups.png",
                 "Depth score per group",
-                lambda p: groups_figure(scores, p, names),
+                lambda: groups_figure(scores, names),
             ),
         ]
         if p
