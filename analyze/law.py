@@ -415,12 +415,21 @@ def law_figure(fit: LawFit, path: Path) -> Path:
 def model_losses(store: Store, task: str) -> pl.DataFrame:
     """Per (model, revision) of ``store`` on ``task``: width, depth, tokens (tokens seen in
     training) and loss (the mean of the model's own per-token cross-entropy): the one place the
-    law reads a store."""
-    raise LawError(
-        f"{store.root}: this version of layerdiv records no model facts (width, depth, tokens "
-        "seen) or model loss in a store, so the law cannot be fitted from it; fit a table of "
-        "points instead (--points FILE with the columns width, depth, tokens, loss)"
-    )
+    law reads a store (:func:`layerdiv.store.reader.law_points`). A revision without its tokens
+    seen is refused, naming it."""
+    from layerdiv.store.reader import law_points
+
+    points = law_points(store, tasks=task).rename({"tokens_seen": "tokens"})
+    unknown = points.filter(pl.col("tokens").is_null())
+    if unknown.height:
+        names = ", ".join(f"{m}@{r}" for m, r in unknown.select("model", "revision").rows())
+        raise LawError(
+            f"{names}: no training tokens recorded on task {task}; re-extract with "
+            "--tokens-seen D (or --step N --tokens-per-step T), or fit a table of points "
+            "(--points FILE)"
+        )
+    checked = check_points(points, f"{store.root}, task {task}")
+    return pl.concat([points.select("model", "revision"), checked], how="horizontal")
 
 
 def store_points(store: Store, task: str) -> pl.DataFrame:

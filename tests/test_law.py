@@ -4,6 +4,7 @@ options, the output, and bad input refused in one line."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -197,3 +198,33 @@ def test_text_lens_law_only_for_last_block_partitions(tmp_path: Path) -> None:
         np.arange(1, 6, dtype=float), (rows["ce"][1:6] - rows["ce"][6]).to_numpy()
     )
     assert (table["c"][0], table["alpha"][0], table["r2"][0]) == pytest.approx(expect)
+
+
+def test_points_from_a_store_of_text_extractions(tmp_path: Path, model_dirs: Any) -> None:
+    """``fit-law --store``: the points come from the store's model facts and the model's own loss
+    per (model, revision); a revision without its training tokens is named, and two models make
+    too few points for the 7 parameters (refused in one line after reading them)."""
+    from layerdiv.tests.test_text_extract import random_texts, text_task
+
+    task = text_task(tmp_path / "task", random_texts(4), max_tokens=16)
+
+    def extract(store: Path, family: str, *extra: str) -> None:
+        args = ["extract", "--model", str(model_dirs(family)), "--task", str(task)]
+        out = CliRunner().invoke(main, [*args, "--store", str(store), *extra])
+        assert out.exit_code == 0, out.output
+
+    def fit(store: Path) -> str:
+        run = ["fit-law", "--store", str(store), "--task", "docs", "--out", str(tmp_path / "law")]
+        return refusal(CliRunner().invoke(main, run))
+
+    for store in (tmp_path / "a", tmp_path / "b"):
+        extract(store, "llama", "--revision", "step1", "--tokens-seen", "1000")
+    extract(tmp_path / "a", "gpt_neox")
+    line = fit(tmp_path / "a")
+    assert "no training tokens recorded" in line and "@main" in line
+    extract(tmp_path / "b", "gpt_neox", "--revision", "step2", "--tokens-seen", "2000")
+    points = law.model_losses(law.Store(str(tmp_path / "b")), "docs")
+    assert points.height == 2 and (points["loss"] > 0).all()
+    assert sorted(points["tokens"].to_list()) == [1000.0, 2000.0]
+    assert points["depth"].to_list() == [2.0, 2.0] and points["width"].to_list() == [32.0, 32.0]
+    assert "give at least 8 points" in fit(tmp_path / "b")

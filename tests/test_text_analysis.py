@@ -367,7 +367,13 @@ def test_store_tables_match_numpy_and_batching(tmp_path, monkeypatch) -> None:
     mlp = rng.integers(-3, 4, (n, blocks, 6)).astype(float)
     write_vectors(tmp_path, lengths, h0, attn, mlp, chunk=2)
     results = analyze(tmp_path)
-    assert results.analyses == ["text_geometry", "text_lens", "text_skips", "text_profiles"]
+    assert results.analyses == [
+        "text_geometry",
+        "text_lens",
+        "text_skips",
+        "text_profiles",
+        "text_groups",
+    ]
     ref = reference_geometry(h0, attn, mlp)
     geo = results.text_geometry.sort("block")
     assert geo["n_tokens"].to_list() == [n] * blocks
