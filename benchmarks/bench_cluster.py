@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from paper_store import ensure_store, store_parser, timed
+from paper_store import ensure_store, parse_store_args, store_parser, timed
 
 from layerdiv.analyze.cluster import local_cluster
 
@@ -29,7 +29,9 @@ def main() -> None:
     parser = store_parser(__doc__ or "")
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_store_args(parser)
+    if args.quick:
+        args.repeat = 1
     ensure_store(args.store, args.models, args.tasks, args.instances)
     out = Path(tempfile.mkdtemp(prefix="layerdiv-bench-cluster-"))
     base = ["analyze", "--store", str(args.store), "--out"]

@@ -14,13 +14,18 @@ from __future__ import annotations
 import argparse
 import time
 
+from common import add_quick
+
 TARGET = 0.05
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
+    add_quick(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.repeat = 1
     import torch
 
     from layerdiv.extract.facts import weights_hash

@@ -11,6 +11,8 @@ import argparse
 import os
 import time
 
+from common import add_quick
+
 from layerdiv.analyze.law import fit_law, synthetic_points
 
 
@@ -19,7 +21,10 @@ def main() -> None:
     parser.add_argument("--points", type=int, default=245)
     parser.add_argument("--bootstrap", type=int, default=200)
     parser.add_argument("--heldout", type=int, default=5)
+    add_quick(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.bootstrap = 10
     points = synthetic_points(0, n=args.points)
     wall, cpu = time.perf_counter(), time.process_time()
     fit = fit_law(points, bootstrap=args.bootstrap, heldout=args.heldout)

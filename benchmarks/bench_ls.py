@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import add_quick
+
 TARGET_S = 2.0
 
 
@@ -58,7 +60,10 @@ def main() -> None:
     parser.add_argument("--revisions", type=int, default=1000)
     parser.add_argument("--tasks", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
+    add_quick(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.revisions, args.tasks, args.repeat = 10, 2, 1
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(tmp) / "store"
         start = time.perf_counter()

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+from common import add_quick
 
 
 def cpu(fn: Callable[[], Any], repeat: int = 3) -> float:
@@ -45,7 +46,10 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=320)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--blocks", type=int, default=32)
+    add_quick(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.docs, args.tokens, args.blocks = 8, 64, 4
 
     import numpy as np
 

@@ -167,7 +167,7 @@ class ModelRunner:
             text.reset(inputs["input_ids"])
             with torch.inference_mode():
                 self.loaded.model(**inputs)
-                batch = text.decompose()
+                batch = text.decompose(self.budget)
                 batch.measured = self._measured()
                 if self.future is not None and ids is not None:
                     with text.pausing():

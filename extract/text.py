@@ -145,8 +145,10 @@ class TextCapture(Hooks):
             raise DecompositionError("no forward pass was captured")
         return [*self._h, self._final]
 
-    def decompose(self) -> TextBatch:
-        """The per-token, per-block dot products of the last forward pass."""
+    def decompose(self, budget: int | None = None) -> TextBatch:
+        """The per-token, per-block dot products of the last forward pass; with the lens, its
+        readouts over ``budget`` rows at a time (the padded tokens of a forward pass; None: one
+        layer at a time)."""
         if self._final is None or not self._dots:
             raise DecompositionError("no forward pass was captured")
         final = self._final
@@ -162,7 +164,7 @@ class TextCapture(Hooks):
         names = component_names(calls)
         comps = [ComponentInfo(n, k, layer) for n, (k, layer) in zip(names, calls, strict=True)]
         with self.pausing():  # the lens's readouts must not replace h_L (the final-norm hook)
-            lens = self._lens(final) if self.lens else None
+            lens = self._lens(final, budget) if self.lens else None
             loss = self._loss(final) if lens is None else lens[:, :, -1, 2]  # the lens's layer L
         return TextBatch(
             comps, dots.cpu(), None if lens is None else lens.cpu(), loss=loss.float().cpu()
@@ -185,29 +187,40 @@ class TextCapture(Hooks):
         loss[:, -1] = float("nan")  # no next token
         return loss
 
-    def _lens(self, final: torch.Tensor) -> torch.Tensor:
+    def _lens(self, final: torch.Tensor, budget: int | None) -> torch.Tensor:
         """(B, width, L + 1, 3): kl, top5_overlap and ce of p_l = softmax(readout(h_l)) for
         every block input h_l and (layer L) the model's own output p_L (methods §9);
-        with ``last-block`` the last block is applied to h_l first."""
+        with ``last-block`` the last block is applied to h_l first. The layers' states are read
+        out in groups, as many layers' rows stacked into one matmul as ``budget`` rows allow
+        (at least one layer), and their statistics taken over ``budget`` rows at a time."""
         if self._ids is None:
             raise DecompositionError("the lens needs the batch's input ids")
+        rows = final[..., 0].numel()
+        group = max(1, (budget or rows) // rows)  # layers per readout matmul
         logits = self.readout.logits(final.to(self._dtype))
-        ref = LensReference(logits)
+        ref = LensReference(logits, budget)
         nxt = self._ids.roll(-1, dims=1)[..., None].to(logits.device)  # the next token
-        out = []
-        # layer L (the model's own output) first: its logits' memory is then every other
-        # layer's readout buffer
-        for h in [None, *self._h]:
-            if h is not None:
-                x = h.to(self._dtype)
-                if self.lens == "last-block":
-                    x = self._last_block(x)
-                logits = self.readout.logits(x, out=logits)
-            stats = lens_stats(logits, ref, nxt)
-            stats[..., 2].neg_()  # ce = -log p_l(next token)
-            stats[:, -1, 2] = float("nan")  # none after the last position
-            out.append(stats)
+        # layer L (the model's own output) first: its logits' memory is then the readout buffer
+        # of every group of one layer
+        out = [self._lens_layer(logits, ref, nxt, budget)]
+        buf = logits[None] if group == 1 else logits.new_empty(group, *logits.shape)
+        for start in range(0, len(self._h), group):
+            xs = [h.to(self._dtype) for h in self._h[start : start + group]]
+            if self.lens == "last-block":
+                xs = [self._last_block(x) for x in xs]
+            stacked = self.readout.logits(torch.stack(xs), out=buf[: len(xs)])
+            out += [self._lens_layer(z, ref, nxt, budget) for z in stacked]
         return torch.stack([*out[1:], out[0]], dim=2)
+
+    @staticmethod
+    def _lens_layer(
+        logits: torch.Tensor, ref: LensReference, nxt: torch.Tensor, budget: int | None
+    ) -> torch.Tensor:
+        """(B, width, 3): one layer's kl, top5_overlap and ce from its ``logits`` (overwritten)."""
+        stats = lens_stats(logits, ref, nxt, budget)
+        stats[..., 2].neg_()  # ce = -log p_l(next token)
+        stats[:, -1, 2] = float("nan")  # none after the last position
+        return stats
 
     def _last_block(self, x: torch.Tensor) -> torch.Tensor:
         """The model's last block applied to ``x`` with the arguments of its own call (mask,

@@ -436,3 +436,39 @@ def test_readout_into_a_buffer_equals_the_readout(family: str, build_model: Any)
         got = readout.logits(x, out=buffer)
     assert torch.allclose(got, want, atol=1e-6)
     assert (got.data_ptr() == buffer.data_ptr()) == (family != "phi")
+
+
+@pytest.mark.parametrize("lens", ["final", "last-block"])
+def test_lens_read_out_in_stacked_groups_equals_one_layer_at_a_time(
+    lens: str, tokenizer: Any
+) -> None:
+    """A budget of a third of a batch's rows (statistics in slices), of one batch (one layer per
+    readout matmul), of two (layers stacked two by two: 5 block inputs leave a partial last
+    group) and of every layer at once: the same lens as each layer read out alone."""
+    import transformers as tf
+
+    from layerdiv.extract.adapters import adapter_for
+    from layerdiv.extract.forward import left_padded
+    from layerdiv.extract.text import TextCapture
+
+    config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(config).eval()
+    seqs = [tokenizer(t)["input_ids"][:12] for t in random_texts(3, seed=5)]
+    inputs = left_padded(seqs, 0)
+    rows = inputs["input_ids"].numel()
+    capture = TextCapture(model, adapter_for(config), lens)
+    got = {}
+    with torch.inference_mode():
+        for budget in (None, rows // 3, rows, 2 * rows, 10 * rows):
+            capture.reset(inputs["input_ids"])
+            model(**inputs, use_cache=False)
+            got[budget] = capture.decompose(budget).lens
+    capture.remove()
+    want = got.pop(None)
+    assert want is not None and want.shape == (3, inputs["input_ids"].shape[1], 6, 3)
+    for lens_values_ in got.values():
+        assert lens_values_ is not None
+        torch.testing.assert_close(lens_values_, want, rtol=1e-5, atol=1e-6, equal_nan=True)
