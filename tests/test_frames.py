@@ -29,6 +29,11 @@ RUNS = {
 }
 """The flags of each task kind's extraction."""
 
+LENS_STATISTICS = ("kl", "ce")
+"""Summed in another order since the frames were recorded (the lens's statistics in larger
+slices, the log-sum-exp read at the top-five's first index): equal to float32 rounding, every
+other column exactly."""
+
 ADDED = {"tokens": {"loss"}}
 """Columns added since the frames were recorded (schema version 5: the model's own loss)."""
 
@@ -72,4 +77,9 @@ def test_stored_tables_equal_the_recorded_frames(
         assert frame.height > 0, table
         assert set(frame.columns) - set(recorded[table].columns) == ADDED.get(table, set())
         kept = recorded[table].columns
-        assert_frame_equal(frame.select(kept).sort(kept), recorded[table], check_exact=True)
+        exact = [c for c in kept if c not in LENS_STATISTICS]
+        got = frame.select(kept).sort(exact)
+        want = recorded[table].sort(exact)
+        assert_frame_equal(got.select(exact), want.select(exact), check_exact=True)
+        close = [c for c in kept if c in LENS_STATISTICS]
+        assert_frame_equal(got.select(close), want.select(close), rtol=1e-5, atol=1e-7)
