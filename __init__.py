@@ -21,7 +21,7 @@ Store('...'): 2 models x 2 tasks, 4 partitions
 24
 >>> results = layerdiv.run_analysis(store, tasks="boolq")
 >>> results.scores.shape
-(4, 12)
+(4, 13)
 
 The subpackages: ``layerdiv.analyze`` (the analyses and their helpers), ``layerdiv.store`` (the
 store's files and reading), ``layerdiv.schemas`` (its versioned columns), ``layerdiv.extract``
@@ -34,12 +34,12 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from layerdiv.errors import LayerdivError, LayerdivWarning
+from layerdiv.version import __version__
 
 if TYPE_CHECKING:
     from layerdiv.analyze.api import Results, ls, query, run_analysis
     from layerdiv.store.reader import PartitionInfo, Store
 
-__version__ = "0.1.0"
 
 _EXPORTS = {
     "Store": ("layerdiv.store.reader", "Store"),

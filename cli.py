@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,24 +14,16 @@ from typing import Any
 
 import click
 
-from layerdiv import __version__
-from layerdiv.analyze.options import ESTIMATORS, FORMATS, SCALES
-from layerdiv.errors import LayerdivError, LayerdivWarning
-from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig
+from layerdiv.analyze.options import ESTIMATORS, EXECUTORS, FORMATS, SCALES
+from layerdiv.errors import LayerdivError, LayerdivWarning, one_line
+from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig, measurement_options
 from layerdiv.extract.launchers import Shard, parse_shard, pick_device
-from layerdiv.schemas import KINDS, SUBLAYERS
+from layerdiv.schemas import KINDS
+from layerdiv.version import __version__
 
 DEFAULT_STORE = "layerdiv-store"
 MAX_ROWS = 40
 """Rows ``layerdiv query`` prints unless told otherwise."""
-
-
-def one_line(err: BaseException) -> str:
-    """An error message on one line: DuckDB's source excerpt (``LINE 1: ...`` and the caret
-    under it) is dropped, the remaining lines are joined."""
-    lines = [ln.strip() for ln in str(err).splitlines()]
-    kept = [ln for ln in lines if ln and not ln.startswith("LINE ") and set(ln) != {"^"}]
-    return re.sub(r"\s+", " ", " ".join(kept)) or type(err).__name__
 
 
 def user_error(err: BaseException) -> str | None:
@@ -41,16 +32,8 @@ def user_error(err: BaseException) -> str | None:
     package = type(err).__module__.split(".")[0]
     if isinstance(err, LayerdivError):
         return one_line(err)
-    if package in ("duckdb", "_duckdb") and type(err).__name__ == "PermissionException":
-        return (
-            f"{one_line(err)}: layerdiv query reads only the views components, instances and "
-            "manifests and writes no file; save a result with --out FILE"
-        )
     if package in ("duckdb", "_duckdb"):
-        return (
-            f"{one_line(err)} (the views are components, instances, manifests and, where "
-            "extracted, skips, heads and gram)"
-        )
+        return f"the SQL failed: {one_line(err)}"
     if package == "polars" or isinstance(err, OSError):
         return f"cannot read or write: {one_line(err)}"
     return None
@@ -130,20 +113,24 @@ def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) ->
     return int(value)
 
 
-def _states_k(value: str | None) -> int | None:
-    """``--states K|all`` as positions per document (0: all)."""
-    if value is None or value == "all":
-        return None if value is None else 0
-    if not value.isdigit() or int(value) < 1:
-        raise click.BadParameter(f"{value!r}: give a number of positions (1 or more) or all")
-    return int(value)
-
-
 _DEFAULTS = ExtractConfig(model="", tasks=[])
 """The defaults of ``extract``'s options."""
 
 
-@main.command()
+class _Extract(click.Command):
+    """``extract``, whose options include those of every registered measurement
+    (``layerdiv.measurements``), read when the command runs or shows its help."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        from layerdiv.measurements import registered
+
+        own = self.params
+        measured = [o for m in registered() for o in m.click_options()]
+        help_option = self.get_help_option(ctx)
+        return [*own, *measured, *([help_option] if help_option is not None else [])]
+
+
+@main.command(cls=_Extract)
 @click.option("--model", required=True, help="Hub id, local folder, or smollm2-135m-instruct.")
 @click.option(
     "--task",
@@ -153,7 +140,30 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
     help="Built-in task name or task YAML path (repeatable).",
 )
 @local_store_option
-@click.option("--revision", default=None, help="Hub revision (branch, tag or commit).")
+@click.option(
+    "--revision",
+    default=None,
+    help="Hub revision (branch, tag or commit); for a local folder, a label. A key of the store: "
+    "each revision is its own partition (default main).",
+)
+@click.option(
+    "--step",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Training step of the revision (default: N of a revision named stepN).",
+)
+@click.option(
+    "--tokens-seen",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Training tokens the revision has seen (default: step x --tokens-per-step).",
+)
+@click.option(
+    "--tokens-per-step",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Training tokens per step (Pythia: 2,097,152), to record the tokens seen of a step.",
+)
 @click.option("--gguf-file", default=None, help="GGUF file in the model folder or repo.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Instances per task.")
 @click.option(
@@ -201,81 +211,14 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
     help=f"Instances per chunk of a new partition (default {DEFAULT_CHUNK_SIZE}; the unit of "
     "resumption and sharding); an existing partition keeps its own.",
 )
-@click.option(
-    "--heads",
-    is_flag=True,
-    help="Also store every attention head's option logits (heads table); extends partitions "
-    "stored without them.",
-)
-@click.option(
-    "--skips",
-    is_flag=True,
-    help="Also store the option logits with each block skipped (about half a forward pass per "
-    "block; extends a partition stored without them). On a text task: the future effects of "
-    "removing each block at the positions before a split point.",
-)
-@click.option(
-    "--skip-split",
-    type=click.Choice(["random", "all"]),
-    default=None,
-    help="Text tasks with --skips: 4 seeded split points per document (random, the default) or "
-    "every position but the first (all).",
-)
-@click.option(
-    "--skip-sublayer",
-    "skip_sublayers",
-    type=click.Choice(list(SUBLAYERS)),
-    multiple=True,
-    help="Text tasks with --skips: remove the whole block (default), or only its attention or "
-    "MLP addition; repeat for several.",
-)
-@click.option(
-    "--skip-seed",
-    type=click.IntRange(min=0),
-    default=None,
-    help="Text tasks with --skips: seed of the random split points (default 0).",
-)
-@click.option(
-    "--gram",
-    is_flag=True,
-    help="Also store each instance's Gram matrix of the component outputs (exact angles).",
-)
-@click.option(
-    "--lens",
-    "lens",
-    type=click.Choice(["final", "last-block"]),
-    is_flag=False,
-    flag_value="final",
-    default=None,
-    help="Text tasks: also store the logit lens of every block input at every token (KL to the "
-    "model's output, top-5 overlap, next-token cross-entropy); --lens last-block applies the last "
-    "block first.",
-)
-@click.option(
-    "--states",
-    type=str,
-    default=None,
-    help="Text tasks: also store the residual states h_0..h_L at K sampled positions per document "
-    "(K, or all: every position but the first); states are large (L + 1 vectors of width d per "
-    "position).",
-)
-@click.option(
-    "--states-seed",
-    type=click.IntRange(min=0),
-    default=None,
-    help="Seed of the sampled state positions (default 0).",
-)
-@click.option(
-    "--states-dtype",
-    type=click.Choice(["float16", "bfloat16", "float32"]),
-    default=None,
-    help="How states are stored (default float16).",
-)
 def extract(
     model: str,
     tasks: tuple[str, ...],
     store: str,
     revision: str | None,
+    step: int | None,
+    tokens_seen: int | None,
+    tokens_per_step: int | None,
     gguf_file: str | None,
     limit: int | None,
     batch_size: int | None,
@@ -287,19 +230,10 @@ def extract(
     trust_remote_code: bool,
     allow_softcap: bool,
     chunk_size: int | None,
-    heads: bool,
-    skips: bool,
-    skip_split: str | None,
-    skip_sublayers: tuple[str, ...],
-    skip_seed: int | None,
-    gram: bool,
-    lens: str | None,
-    states: str | None,
-    states_seed: int | None,
-    states_dtype: str | None,
+    **measured: Any,
 ) -> None:
     """Run MODEL once over each task and cache every component's option logits (or, for a text
-    task, every token's per-block dot products)."""
+    task, every token's per-block dot products), and the optional measurements asked for."""
     import sys
 
     from layerdiv.extract.interrupt import Interrupted
@@ -310,6 +244,9 @@ def extract(
         tasks=list(tasks),
         store=Path(store),
         revision=revision,
+        step=step,
+        tokens_seen=tokens_seen,
+        tokens_per_step=tokens_per_step,
         gguf_file=gguf_file,
         limit=limit,
         batch_size=batch_size,
@@ -321,16 +258,7 @@ def extract(
         trust_remote_code=trust_remote_code,
         allow_softcap=allow_softcap,
         chunk_size=chunk_size,
-        heads=heads,
-        skips=skips,
-        skip_split=skip_split,
-        skip_sublayers=skip_sublayers,
-        skip_seed=skip_seed,
-        gram=gram,
-        lens=lens,
-        states=_states_k(states),
-        states_seed=states_seed,
-        states_dtype=states_dtype,
+        **measurement_options(measured),
     )
     if shard.source != "--shard":
         click.echo(f"{shard.describe()}, device {cfg.device}")
@@ -470,10 +398,30 @@ maps_ridge_option = click.option(
 )
 
 
+executor_option = click.option(
+    "--executor",
+    type=click.Choice(EXECUTORS),
+    default=EXECUTORS[0],
+    show_default=True,
+    help="Where the per-partition work runs: threads here, or Ray tasks on a cluster (the ray "
+    "extra; docs/cluster.md, 'Analysis on Ray'). The tables are the same.",
+)
+
+
+ray_address_option = click.option(
+    "--ray-address",
+    default=None,
+    metavar="HOST:PORT",
+    help="The Ray cluster of --executor ray (default: $RAY_ADDRESS; auto: this node's cluster).",
+)
+
+
 def analysis_options(command: Callable[..., None]) -> Callable[..., None]:
-    """The store, selection, junction scale, model-size and analysis options shared by
+    """The store, selection, junction scale, model-size, analysis and executor options shared by
     ``analyze`` and ``report``."""
     for option in (
+        ray_address_option,
+        executor_option,
         maps_ridge_option,
         maps_option,
         reweight_option,
@@ -515,6 +463,8 @@ def analyze_command(
     reweight: bool,
     maps: str | None,
     maps_ridge: float | None,
+    executor: Any,
+    ray_address: str | None,
     out: str,
     fmt: str,
 ) -> None:
@@ -525,7 +475,8 @@ def analyze_command(
 
     refuse_inside(out, store)
     options = {"reweight": reweight, "maps": maps, "maps_ridge": maps_ridge}
-    results = analyze(store, models, tasks, scale, min_params, progress=True, options=options)
+    results = analyze(store, models, tasks, scale, min_params, progress=True, options=options,
+                      executor=executor, ray_address=ray_address)  # fmt: skip
     results.write(out, fmt)
     click.echo(f"wrote {len(results.names())} tables ({fmt}) to {out}")
     for note in results.notes:
@@ -575,6 +526,8 @@ def report_command(
     reweight: bool,
     maps: str | None,
     maps_ridge: float | None,
+    executor: Any,
+    ray_address: str | None,
     estimator: Any,
     out: str,
     fmt: str,
@@ -599,7 +552,8 @@ def report_command(
     n_explorer = None if explorer_instances == "all" else int(explorer_instances)
     refuse_inside(out, store)
     options = {"reweight": reweight, "maps": maps, "maps_ridge": maps_ridge}
-    results = analyze(store, models, tasks, scale, min_params, progress=True, options=options)
+    results = analyze(store, models, tasks, scale, min_params, progress=True, options=options,
+                      executor=executor, ray_address=ray_address)  # fmt: skip
     path, notes = write_report(results, out, estimator, store, formats, n_explorer)
     click.echo(f"wrote {path}")
     for note in notes:
@@ -655,43 +609,35 @@ def query_command(
     try:
         statements = duckdb.extract_statements(sql)
     except duckdb.Error as err:
-        raise _bad_sql(err, st, models, tasks) from err
+        raise st.query_error(err, models, tasks) from err
     if not statements:
         raise click.UsageError("no SQL statement given")
     shown = False
-    for i, statement in enumerate(statements):
-        try:
-            relation = con.sql(statement.query)
-        except duckdb.PermissionException:
-            raise
-        except duckdb.Error as err:
-            raise _bad_sql(err, st, models, tasks) from err
-        last = i == len(statements) - 1
-        if out and fmt and last:
-            if relation is None:
-                raise click.UsageError("--out needs a last statement that returns rows")
-            with atomic_path(Path(out)) as tmp:
-                write_reader(relation.to_arrow_reader(), tmp, fmt)
-            click.echo(f"wrote {out}")
-        elif relation is not None and not out:
-            if shown:
-                click.echo()
-            for text in preview(relation, max_rows):
-                click.echo(text)
-            shown = True
-    if not out and not shown:
-        click.echo("OK (no statement returns rows)")
-    for note in st.incomplete(models, tasks):
-        click.echo(f"Note: {note}", err=True)
+    try:
+        for i, statement in enumerate(statements):
+            try:
+                relation = con.sql(statement.query)
+                last = i == len(statements) - 1
+                if out and fmt and last:
+                    if relation is None:
+                        raise click.UsageError("--out needs a last statement that returns rows")
+                    with atomic_path(Path(out)) as tmp:
+                        write_reader(relation.to_arrow_reader(), tmp, fmt)
+                    click.echo(f"wrote {out}")
+                elif relation is not None and not out:
+                    if shown:
+                        click.echo()
+                    for text in preview(relation, max_rows):
+                        click.echo(text)
+                    shown = True
+            except duckdb.Error as err:
+                raise st.query_error(err, models, tasks, (i + 1, len(statements))) from err
+        if not out and not shown:
+            click.echo("OK (no statement returns rows)")
+    finally:  # also after a failing statement: what the views leave out
+        for note in st.incomplete(models, tasks):
+            click.echo(f"Note: {note}", err=True)
     fail_after(st.problems(models, tasks))
-
-
-def _bad_sql(
-    err: Exception, st: Any, models: tuple[str, ...], tasks: tuple[str, ...]
-) -> click.ClickException:
-    """DuckDB's refusal of the SQL in one line, with the views this store has."""
-    views = ", ".join([*st.tables(models, tasks), "manifests"])
-    return click.ClickException(f"{one_line(err)} (the views of this store are {views})")
 
 
 def show(frame: Any) -> str:
@@ -751,6 +697,100 @@ def ls_command(store: str, models: tuple[str, ...], tasks: tuple[str, ...]) -> N
     for note in st.incomplete(models, tasks):
         click.echo(f"Note: {note}")
     fail_after(st.problems(models, tasks))
+
+
+@main.command("fit-law")
+@click.option(
+    "--points",
+    type=click.Path(dir_okay=False),
+    help="A CSV or Parquet file of points with the columns width, depth, tokens, loss.",
+)
+@click.option("--store", help="A store: one point per model/revision (with --task).")
+@click.option("--task", help="The text task whose model loss the points take (with --store).")
+@click.option(
+    "--exclude-highest",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="Keep the points whose loss is strictly below the N-th highest (the paper: 40 of 245).",
+)
+@click.option(
+    "--bootstrap",
+    type=click.IntRange(min=0),
+    default=200,
+    show_default=True,
+    metavar="B",
+    help="Resamples for the 95% percentile intervals.",
+)
+@click.option(
+    "--heldout",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="K",
+    help="Random 20% splits held out: the mean absolute relative error on them.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Of bootstrap and splits.")
+@click.option(
+    "--out",
+    default="layerdiv-law",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Folder for depth_law, depth_law_fit and depth_law.png (an earlier result is replaced).",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(FORMATS),
+    default=FORMATS[1],
+    show_default=True,
+    help="Table file format.",
+)
+def fit_law_command(
+    points: str | None,
+    store: str | None,
+    task: str | None,
+    exclude_highest: int,
+    bootstrap: int,
+    heldout: int,
+    seed: int,
+    out: str,
+    fmt: str,
+) -> None:
+    """Fit the depth loss law L = c_w w^-a_w + c_l l^-a_l + c_D D^-a_D + E (methods §12) by
+    least squares on log loss, with standard errors, bootstrap intervals and held-out error."""
+    from layerdiv.analyze import plots
+    from layerdiv.analyze.law import fit_law, law_figure, read_points, store_points
+    from layerdiv.analyze.output import result_dir, write_frame
+    from layerdiv.store import Store
+
+    if (points is None) == (store is None) or (store is not None and task is None):
+        raise click.UsageError("give either --points FILE or --store S --task T")
+    if points is not None:
+        frame = read_points(points)
+    else:
+        assert store is not None and task is not None
+        frame = store_points(Store(store), task)
+    fit = fit_law(frame, exclude_highest, bootstrap, heldout, seed)
+    settings = {"points": points, "store": store, "task": task, "exclude_highest": exclude_highest,
+                "bootstrap": bootstrap, "heldout": heldout, "seed": seed}  # fmt: skip
+    with result_dir(out, {"settings": settings}) as tmp:
+        write_frame(fit.table, tmp / f"depth_law.{fmt}", fmt)
+        write_frame(fit.summary(), tmp / f"depth_law_fit.{fmt}", fmt)
+        if plots.available():
+            law_figure(fit, tmp / "depth_law.png")
+    click.echo(show(fit.table))
+    click.echo(
+        f"objective (mean squared log residual) {fit.objective:.6g} over {fit.n_fitted} of "
+        f"{fit.n_points} points, at the optimum (gradient norm {fit.gradient_norm:.2g}); "
+        f"{fit.n_bootstrap} bootstrap fits"
+    )
+    if fit.heldout_error is not None:
+        click.echo(
+            f"held-out mean absolute relative error {fit.heldout_error:.4g} ({heldout} splits)"
+        )
+    click.echo(f"wrote {out}")
 
 
 @main.command("merge")

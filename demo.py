@@ -112,8 +112,9 @@ DEMO_TASKS = (
 
 
 SKIPS_TASK = "tweets2"
-"""The choice task the demo also extracts with ``--skips`` (the shortest prompts: the layer-skip
-effects cost about (blocks + 1) / 2 forward passes), so that the report shows every section."""
+"""The choice task the demo also extracts with ``--skips`` and ``--lens`` (the shortest prompts:
+the layer-skip effects cost about (blocks + 1) / 2 forward passes), so that the report shows
+every section."""
 
 TEXT_TASK = "bbc-text"
 """The demo's running-text task: BBC News articles as running text (extracted with ``--lens``
@@ -198,7 +199,8 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     from layerdiv.analyze.api import analyze, task_summary
     from layerdiv.analyze.metrics import METRICS
     from layerdiv.analyze.report import write_report
-    from layerdiv.extract.runner import ExtractConfig, run_extract
+    from layerdiv.extract.config import ExtractConfig
+    from layerdiv.extract.runner import run_extract
 
     start = time.perf_counter()
     store, results_dir, report_dir = out / "store", out / "results", out / "report"
@@ -207,9 +209,11 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     choice = [str(p) for p in tasks if p.stem not in (TEXT_TASK, SKIPS_TASK)]
     skips = [str(p) for p in tasks if p.stem == SKIPS_TASK]
     text = [str(p) for p in tasks if p.stem == TEXT_TASK]
+    # The skips task gets the logit lens too: the lens section draws its last prompt token
+    # beside running text (same readout as the text task).
     for config in (
         ExtractConfig(DEMO_MODEL, choice, store, gram=True, heads=True),
-        ExtractConfig(DEMO_MODEL, skips, store, gram=True, heads=True, skips=True),
+        ExtractConfig(DEMO_MODEL, skips, store, gram=True, heads=True, skips=True, lens="final"),
         ExtractConfig(DEMO_MODEL, text, store, lens="final", skips=True),
     ):
         for s in run_extract(config):
@@ -234,3 +238,30 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     print(f"\nReport: {report_dir / 'report.html'} (and report.md)   tables: {results_dir}   "
           f"store: {store}")  # fmt: skip
     print(f"Demo finished in {time.perf_counter() - start:.0f} s.")
+
+
+def synthesize_demo_store(root: str | Path, n_instances: int = 300, seed: int = 0) -> Path:
+    """Write a store shaped like that of ``layerdiv demo`` (its model with SmolLM2-135M's 30
+    blocks and 134,515,008 parameters; its tasks, with their option counts; ``n_instances``
+    each) from ``layerdiv.analyze.synthetic.random_partition``'s made-up numbers, without the
+    ``gram`` table. Returns ``root``."""
+    import numpy as np
+
+    from layerdiv.analyze.synthetic import random_partition, write_partition
+
+    rng = np.random.default_rng(seed)
+    for task in DEMO_TASKS:
+        logits, gold, rms, kinds = random_partition(rng, n_instances, 30, len(task.labels))
+        write_partition(
+            root,
+            DEMO_MODEL,
+            task.name,
+            logits,
+            gold,
+            kinds,
+            rms,
+            n_params=134_515_008,
+            hidden_size=576,
+            norm_eps=1e-5,
+        )
+    return Path(root)

@@ -5,6 +5,8 @@ Every error that bad input, a refused store or an unusable model causes derives 
 shows a traceback for it.
 """
 
+import re
+
 
 class LayerdivError(Exception):
     """Bad input or data that cannot be trusted: the message says what is wrong and what to do."""
@@ -13,3 +15,11 @@ class LayerdivError(Exception):
 class LayerdivWarning(UserWarning):
     """Something an analysis could not compute (a table left empty, rows filtered out): the
     message says why and how to get it. ``Results.notes`` keeps the same lines."""
+
+
+def one_line(err: BaseException) -> str:
+    """An error message on one line: DuckDB's source excerpt (``LINE 1: ...`` and the caret
+    under it) is dropped, the remaining lines are joined."""
+    lines = [ln.strip() for ln in str(err).splitlines()]
+    kept = [ln for ln in lines if ln and not ln.startswith("LINE ") and set(ln) != {"^"}]
+    return re.sub(r"\s+", " ", " ".join(kept)) or type(err).__name__

@@ -20,9 +20,10 @@ from typing import Any
 
 import polars as pl
 
+from layerdiv.analyze import cluster
 from layerdiv.analyze.decomposition import instance_curves
-from layerdiv.analyze.options import ESTIMATORS, FORMATS, SCALES, Estimator, Scale
-from layerdiv.analyze.registry import Context, partition_engine, registered
+from layerdiv.analyze.options import ESTIMATORS, FORMATS, SCALES, Estimator, Executor, Scale
+from layerdiv.analyze.registry import Context, NoData, partition_engine, registered, using
 from layerdiv.analyze.spill import Spill
 from layerdiv.errors import LayerdivError, LayerdivWarning
 from layerdiv.store import Store
@@ -203,6 +204,8 @@ def run_analysis(
     options: Mapping[str, Any] | None = None,
     maps: str | None = None,
     *,
+    executor: Executor = "local",
+    ray_address: str | None = None,
     lens: str | None = None,
 ) -> Results:
     """Run every registered analysis (:func:`~layerdiv.analyze.registry.registered`) on the
@@ -216,16 +219,18 @@ def run_analysis(
     1e9); ``options`` are analysis-specific switches (e.g. ``{"reweight": True}``); ``maps``
     (``all`` or ``SOURCE:TARGET[,...]``) also maps every layer of one model's states onto every
     layer of another's (the ``maps`` option, methods §11). Unknown
-    names and options raise a ``LayerdivError`` listing the known ones. What could not be
-    computed is in ``Results.notes`` and is also warned (``LayerdivWarning``); unreadable
-    partitions outside the filters are left out and listed in ``Results.problems``.
+    names and options raise a ``LayerdivError`` listing the known ones. ``executor`` ``ray``
+    runs the per-partition work as Ray tasks on the cluster at ``ray_address`` (else
+    ``$RAY_ADDRESS``), the reduction here: the same tables (:mod:`layerdiv.analyze.cluster`).
+    What could not be computed is in ``Results.notes`` and is also warned (``LayerdivWarning``);
+    unreadable partitions outside the filters are left out and listed in ``Results.problems``.
 
     >>> results = run_analysis(path, models="org/small", tasks=["boolq", "mnli"])
     >>> sorted(results.scores["task"].unique())
     ['boolq', 'mnli']
     >>> run_analysis(path, options={"reweigth": True})
     Traceback (most recent call last):
-    layerdiv.analyze.api.AnalysisError: unknown option 'reweigth': use one of reweight
+    layerdiv.analyze.api.AnalysisError: unknown option 'reweigth': use one of reweight, ...
     """
     if lens is not None:
         raise AnalysisError(
@@ -252,16 +257,21 @@ def run_analysis(
     )
     tables = {"manifests": st.manifests(models, tasks).filter(pl.col("n_done") > 0)}
     ran = []
-    for analysis in analyses:
-        parts = analysis.applies_to(ctx.parts)
-        if not parts:
-            continue
-        ran.append(analysis.name)
-        new = analysis.tables(replace(ctx, parts=parts), MappingProxyType(dict(tables)))
-        clash = sorted(set(new) & (set(tables) | set(ctx.spill.names())))
-        if clash:
-            raise ValueError(f"analysis {analysis.name!r} returns tables that exist: {clash}")
-        tables.update(new)
+    with cluster.executor(executor, ray_address) as runner, using(runner):
+        for analysis in analyses:
+            parts = analysis.applies_to(ctx.parts)
+            if not parts:
+                continue
+            try:
+                new = analysis.tables(replace(ctx, parts=parts), MappingProxyType(dict(tables)))
+            except NoData as err:
+                ctx.notes.append(f"analysis {analysis.name!r} left out: {err}")
+                continue
+            ran.append(analysis.name)
+            clash = sorted(set(new) & (set(tables) | set(ctx.spill.names())))
+            if clash:
+                raise ValueError(f"analysis {analysis.name!r} returns tables that exist: {clash}")
+            tables.update(new)
     for note in ctx.notes:
         warnings.warn(note, LayerdivWarning, stacklevel=3)
     settings = {

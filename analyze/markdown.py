@@ -5,6 +5,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import polars as pl
+
+from layerdiv.store.key import DEFAULT_REVISION
+
+
+def model_label() -> pl.Expr:
+    """The model column of a models x tasks table: the slug, ``<slug>@<revision>`` for a revision
+    other than the default (a model stored at several checkpoints has a row for each)."""
+    other = pl.col("revision").is_not_null() & (pl.col("revision") != DEFAULT_REVISION)
+    label = pl.when(other).then(pl.col("model") + "@" + pl.col("revision"))
+    return label.otherwise(pl.col("model")).alias("model")
+
+
 AVG = "Avg."
 DASH = "–"
 

@@ -15,3 +15,7 @@ FORMATS = ("parquet", "csv")
 """File formats of result tables; the first is the default."""
 REPORT_FORMATS = ("md", "html")
 """Formats of ``layerdiv report`` (``--format md,html`` writes both); the first is the default."""
+Executor = Literal["local", "ray"]
+EXECUTORS: tuple[Executor, ...] = ("local", "ray")
+"""Where the per-partition work of the analyses runs: threads of this process, or Ray tasks on a
+cluster (``analyze.cluster``); the first is the default."""

@@ -17,12 +17,11 @@ from layerdiv.analyze.options import FORMATS
 from layerdiv.errors import LayerdivError
 from layerdiv.store.atomic import atomic_path, remove_stale_temps, restore
 from layerdiv.store.location import is_url
+from layerdiv.store.paths import INDEX_NAME as INDEX_NAME  # a new run replaces a folder of
+
+# only the files its index lists, and refuses one that holds anything else
 
 Frame = TypeVar("Frame", pl.DataFrame, pl.LazyFrame)
-
-INDEX_NAME = "index.json"
-"""Written into every result folder: how it was made and the files layerdiv wrote there. A new run
-replaces a folder that holds only those files; it refuses one that holds anything else."""
 
 
 class OutputError(LayerdivError, RuntimeError):

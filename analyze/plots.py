@@ -1,32 +1,154 @@
-"""What every analysis's figures share: matplotlib (the ``plot`` extra, imported on first use)
-for the PNG figures of ``report.md``, Plotly (the ``html`` extra) for the interactive figures of
-``report.html``, colours, model labels, saving, and linking a figure into the report.
+"""What every analysis's figures share: the figure spec and its two renderers.
 
-Figures are built with :class:`matplotlib.figure.Figure` directly: no pyplot state, no GUI backend.
-Interactive figures are Plotly figures serialised to JSON-able dicts; the page draws them with the
-Plotly bundle it inlines (:mod:`layerdiv.analyze.html`).
+A figure is declared once, as data (:class:`Figure`: panels of :class:`Series` and
+:class:`Heatmap`, axes, labels, scales, reference lines, notes), and drawn by
+:func:`to_matplotlib` (a PNG for ``report.md``; the ``plot`` extra, imported on first use) and by
+:func:`to_plotly` (an interactive figure for ``report.html``; the ``html`` extra). Analyses build
+specs and link them with :func:`figure_link`; nothing else draws.
+
+Matplotlib figures are built with :class:`matplotlib.figure.Figure` directly: no pyplot state,
+no GUI backend. Plotly figures are serialised to the dicts ``Plotly.newPlot`` takes; the page
+draws them with the Plotly bundle it inlines (:mod:`layerdiv.analyze.html`).
 """
 
 from __future__ import annotations
 
+import math
+import textwrap
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
-
-import polars as pl
+from typing import Any, Literal, cast
 
 from layerdiv.analyze.registry import ReportContext
-
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
 
 DPI = 120
 KIND_COLORS = {"embed": "#7f7f7f", "attn": "#1f77b4", "mlp": "#ff7f0e", "bias": "#2ca02c"}
 """Colour of each component kind, in every figure."""
+PALETTE = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
+"""Line colours (matplotlib's ``tab10``), one per model, in order."""
 NO_MATPLOTLIB = (
     "Figures were not drawn: matplotlib is not installed. Install the plot extra "
     "(`pip install 'layerdiv[plot]'`) and run `layerdiv report` again."
 )
+LEGEND_FONT = 9
+"""Legend font size (points) of the PNG figures."""
+
+Dash = Literal["solid", "dash", "dot", "dashdot"]
+Scale = Literal["linear", "log", "log2"]
+
+
+@dataclass
+class Series:
+    """One line, set of markers or set of bars of a panel."""
+
+    name: str
+    """Its legend entry (series of one name share one entry and toggle together)."""
+    x: Sequence[Any]
+    y: Sequence[Any]
+    color: str | None = None
+    dash: Dash = "solid"
+    marker: str | None = "o"
+    """``o``, ``s`` or None (no markers)."""
+    line: bool = True
+    """False: markers only."""
+    bar: bool = False
+    """Bars (grouped or stacked as the panel says) instead of a line."""
+    legend: bool = True
+    """False: no legend entry of its own (e.g. a fitted line drawn beside its data)."""
+    hover: Sequence[str] | None = None
+    """Per point, a line shown on hover in the HTML report (e.g. the component's name)."""
+    x_relative: Sequence[float] | None = None
+    """The x values on the relative-depth axis, for :attr:`Figure.depth_switch`."""
+    width: float = 1.3
+    interval: tuple[Sequence[float], Sequence[float]] | None = None
+    """Per point, the (low, high) ends of an interval drawn as an error bar around y."""
+
+
+@dataclass
+class Heatmap:
+    """A grid of values: ``z[i][k]`` at row ``y[i]``, column ``x[k]`` (None: no value)."""
+
+    z: Sequence[Sequence[float | None]]
+    x: Sequence[Any]
+    y: Sequence[Any]
+    colorbar: str
+    cmap: Literal["RdBu_r", "viridis"] = "viridis"
+    zmin: float | None = None
+    zmax: float | None = None
+    zmid: float | None = None
+    """Centre of a diverging scale."""
+    log: bool = False
+    """Colour by log10 of the value (values <= 0 are not drawn)."""
+    text: Sequence[Sequence[str]] | None = None
+    """Printed in each cell."""
+    hover: Sequence[Sequence[str]] | None = None
+    origin: Literal["upper", "lower"] = "upper"
+    """``upper``: the first row on top."""
+
+
+@dataclass
+class RefLine:
+    """A horizontal (``axis="y"``) or vertical (``axis="x"``) reference line."""
+
+    value: float
+    axis: Literal["x", "y"] = "y"
+    label: str = ""
+    color: str = "black"
+    dash: Dash = "solid"
+
+
+@dataclass
+class Panel:
+    """One set of axes."""
+
+    title: str
+    series: list[Series] = field(default_factory=list)
+    heatmap: Heatmap | None = None
+    xlabel: str = ""
+    ylabel: str = ""
+    xscale: Scale = "linear"
+    yscale: Scale = "linear"
+    xrange: tuple[float, float] | None = None
+    yrange: tuple[float, float] | None = None
+    lines: list[RefLine] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """Lines written inside the panel (e.g. a fit's R²)."""
+    bars: Literal["group", "stack"] = "group"
+    horizontal: bool = False
+    """Horizontal bars (categories on the y axis, top to bottom)."""
+
+
+@dataclass
+class Figure:
+    """A figure: a title, a grid of panels, and one legend of every named series."""
+
+    title: str
+    panels: list[Panel]
+    cols: int = 2
+    panel_size: tuple[float, float] = (5.5, 3.6)
+    """Width and height of one panel (inches in the PNG; 100 px per inch in the HTML)."""
+    depth_switch: str | None = None
+    """When set (the absolute axis's title), buttons in the HTML report switch every series's x
+    between its absolute values and :attr:`Series.x_relative`."""
+    caption: str = ""
+    """A second title line (e.g. what the colour scale is)."""
+
+    def legend_names(self) -> list[str]:
+        """The names of the legend, once each, in order of first appearance."""
+        names = [s.name for p in self.panels for s in p.series if s.legend]
+        return list(dict.fromkeys(names))
 
 
 def available() -> bool:
@@ -38,25 +160,14 @@ def available() -> bool:
     return True
 
 
-def new_figure(**kwargs: Any) -> Figure:
-    """A matplotlib :class:`Figure` (keyword arguments as for ``Figure``)."""
-    from matplotlib.figure import Figure
-
-    return Figure(**kwargs)
+def colors(n: int) -> list[str]:
+    """``n`` line colours (CSS hex), cycling :data:`PALETTE`."""
+    return [PALETTE[i % len(PALETTE)] for i in range(max(n, 1))]
 
 
-def save(fig: Figure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI)
-    return path
-
-
-def colors(n: int) -> list[tuple[float, float, float, float]]:
-    """``n`` distinguishable line colours."""
-    from matplotlib import colormaps
-
-    cmap = colormaps["tab10" if n <= 10 else "tab20"]
-    return [cmap(i % cmap.N) for i in range(max(n, 1))]
+def model_colors(models: Sequence[str]) -> dict[str, str]:
+    """One colour per model, in the given order."""
+    return dict(zip(models, colors(len(models)), strict=False))
 
 
 def short_names(names: dict[str, str]) -> dict[str, str]:
@@ -65,100 +176,457 @@ def short_names(names: dict[str, str]) -> dict[str, str]:
     return short if len(set(short.values())) == len(short) else dict(names)
 
 
-def text_vs_last_token(
-    panels: Sequence[tuple[str, str, str]],
-    text: pl.DataFrame,
-    last: pl.DataFrame | None,
-    path: Path,
-    names: dict[str, str],
-    xlabel: str,
-    title: str,
-) -> Path:
-    """One panel per (column of ``text``, column of ``last``, label) of ``panels``: per model of
-    ``text``, its running-text curve (solid) and, where ``last`` has rows of the model, its curve
-    at the last prompt token of the choice tasks (dashed), both against ``relative_depth``."""
-    models = sorted(text["model"].unique())
-    color = dict(zip(models, colors(len(models)), strict=False))
-    fig = new_figure(figsize=(13, 4), layout="constrained")
-    for ax, (solid, dashed, label) in zip(fig.subplots(1, len(panels)), panels, strict=True):
-        for model in models:
-            sub = text.filter(pl.col("model") == model)
-            other = None if last is None else last.filter(pl.col("model") == model)
-            name = names.get(model, model)
-            ax.plot(sub["relative_depth"], sub[solid], marker="o", markersize=2.5,
-                    color=color[model], label=f"{name} text")  # fmt: skip
-            if other is not None and other.height:
-                ax.plot(other["relative_depth"], other[dashed], "--", color=color[model],
-                        label=f"{name} last prompt token")  # fmt: skip
-        ax.set_title(label, fontsize=10)
-        ax.set_xlabel(xlabel)
-        ax.grid(alpha=0.3)
-    fig.axes[0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=11)
-    return save(fig, path)
+def grid(
+    cells: dict[tuple[Any, Any], float], rows: Sequence[Any], columns: Sequence[Any]
+) -> list[list[float | None]]:
+    """``cells`` keyed by (row, column) as a dense grid (None where absent)."""
+    return [[cells.get((r, c)) for c in columns] for r in rows]
 
 
-def figure_link(
-    ctx: ReportContext,
-    file: str,
-    caption: str,
-    draw: Callable[[Path], object],
-    interactive: Callable[[], Any] | None = None,
-) -> str:
-    """Draw a figure and return its Markdown link (``figures/<file>``).
+def figure_link(ctx: ReportContext, file: str, caption: str, spec: Callable[[], Figure]) -> str:
+    """Build the figure ``spec()`` once and return its Markdown link (``figures/<file>``).
 
-    For the Markdown report (and for an HTML report when the figure has no ``interactive``
-    version, which then shows the PNG inline) the PNG is drawn with ``draw(ctx.figures / file)``;
-    without matplotlib the link is "" and one note says how to get figures. For the HTML report,
-    ``interactive()`` gives the Plotly figure that stands for the PNG, kept in
-    ``ctx.interactive[file]``."""
-    html = "html" in ctx.formats and interactive is not None
-    if html and interactive is not None:
-        ctx.interactive[file] = as_json(interactive())
-    if "md" in ctx.formats or not html:
+    For the Markdown report the PNG is drawn into ``ctx.figures / file`` (without matplotlib the
+    link is left out and one note says how to get figures); for the HTML report the Plotly
+    figure is kept in ``ctx.interactive[file]`` and stands for the link there."""
+    figure = spec()
+    html = "html" in ctx.formats
+    if html:
+        ctx.interactive[file] = to_plotly(figure)
+    if "md" in ctx.formats:
         if not available():
             if NO_MATPLOTLIB not in ctx.notes:
                 ctx.notes.append(NO_MATPLOTLIB)
             return f"![{caption}](figures/{file})" if html else ""
-        draw(ctx.figures / file)
+        to_matplotlib(figure, ctx.figures / file)
     return f"![{caption}](figures/{file})"
 
 
-# --- interactive figures (Plotly) ----------------------------------------------------------
+# --- matplotlib ------------------------------------------------------------------------------
+
+_MPL_DASH = {"solid": "-", "dash": "--", "dot": ":", "dashdot": "-."}
+
+
+def _categories(series: Sequence[Series], horizontal: bool) -> list[Any]:
+    """The category values of bar series, in order of first appearance."""
+    values = [v for s in series for v in (s.y if horizontal else s.x)]
+    return list(dict.fromkeys(values))
+
+
+def _mpl_bars(ax: Any, panel: Panel) -> dict[Any, Any]:
+    """Draw the panel's bar series; return where each category stands on the axis."""
+    bars = [s for s in panel.series if s.bar]
+    if not bars:
+        return {}
+    cats = _categories(bars, panel.horizontal)
+    numeric = all(isinstance(c, int | float) for c in cats)
+    where = {c: (c if numeric else i) for i, c in enumerate(cats)}
+    base = {c: 0.0 for c in cats}
+    width = 0.8 / (1 if panel.bars == "stack" else len(bars))
+    for i, s in enumerate(bars):
+        cat = list(s.y if panel.horizontal else s.x)
+        value = [
+            float("nan") if v is None else float(v) for v in (s.x if panel.horizontal else s.y)
+        ]
+        if panel.bars == "stack":
+            pos = [where[c] for c in cat]
+            start = [base[c] for c in cat]
+            for c, v in zip(cat, value, strict=True):
+                base[c] += 0 if math.isnan(v) else v
+        else:
+            pos = [where[c] + (i - (len(bars) - 1) / 2) * width for c in cat]
+            start = [0.0] * len(cat)
+        label = s.name if s.legend else None
+        if panel.horizontal:
+            ax.barh(pos, value, width, left=start, color=s.color, label=label)
+        else:
+            ax.bar(pos, value, width, bottom=start, color=s.color, label=label)
+    if not numeric:
+        ticks = ([where[c] for c in cats], [str(c) for c in cats])
+        (ax.set_yticks if panel.horizontal else ax.set_xticks)(*ticks)
+    if panel.horizontal:
+        ax.invert_yaxis()
+    return where
+
+
+def _mpl_heatmap(fig: Any, ax: Any, heat: Heatmap) -> None:
+    import numpy as np
+    from matplotlib.colors import LogNorm, Normalize, TwoSlopeNorm
+
+    z = np.array([[np.nan if v is None else v for v in row] for row in heat.z], dtype=float)
+    if heat.log:
+        z[z <= 0] = np.nan
+        norm: Any = LogNorm(vmin=heat.zmin, vmax=heat.zmax)
+    elif heat.zmid is not None:
+        norm = TwoSlopeNorm(vcenter=heat.zmid, vmin=heat.zmin, vmax=heat.zmax)
+    else:
+        norm = Normalize(vmin=heat.zmin, vmax=heat.zmax)
+    image = ax.imshow(z, cmap=heat.cmap, norm=norm, aspect="auto", origin=heat.origin)
+    bar = fig.colorbar(image, ax=ax, shrink=0.9)
+    bar.set_label(heat.colorbar, fontsize=8)
+    if heat.log:
+        _plain_ticks(bar.ax.yaxis)
+    for axis, labels, setter in ((0, heat.x, ax.set_xticks), (1, heat.y, ax.set_yticks)):
+        step = max(1, len(labels) // 12)
+        setter(
+            range(0, len(labels), step),
+            [str(v) for v in labels[::step]],
+            fontsize=8,
+            **(
+                {"rotation": 45, "ha": "right"}
+                if axis == 0 and step == 1 and any(len(str(v)) > 3 for v in labels)
+                else {}
+            ),
+        )
+    if heat.text is not None:
+        for (i, k), value in np.ndenumerate(z):
+            if not np.isnan(value):
+                ax.text(
+                    k,
+                    i,
+                    heat.text[i][k],
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if abs(norm(value) - 0.5) > 0.3 else "black",
+                )
+
+
+def _mpl_panel(fig: Any, ax: Any, panel: Panel) -> None:
+    if panel.heatmap is not None:
+        _mpl_heatmap(fig, ax, panel.heatmap)
+    where = _mpl_bars(ax, panel)
+    for s in panel.series:
+        if s.bar:
+            continue
+        style = (_MPL_DASH[s.dash] if s.line else "") + (s.marker or "")
+        x = [where.get(v, v) for v in s.x]  # points over categorical bars stand on their bar
+        y = [float("nan") if v is None else v for v in s.y]
+        if s.interval is not None:
+            low, high = s.interval
+            yerr = [[v - lo for v, lo in zip(y, low, strict=True)],
+                    [hi - v for v, hi in zip(y, high, strict=True)]]  # fmt: skip
+            ax.errorbar(x, y, yerr=yerr, fmt="none", color=s.color, capsize=3, linewidth=0.9)
+        ax.plot(
+            x,
+            y,
+            style or "-",
+            color=s.color,
+            linewidth=s.width,
+            markersize=3,
+            label=s.name if s.legend else None,
+        )
+    for line in panel.lines:
+        draw = ax.axhline if line.axis == "y" else ax.axvline
+        draw(
+            line.value,
+            color=line.color,
+            linestyle=_MPL_DASH[line.dash],
+            linewidth=0.9,
+            label=line.label or None,
+        )
+    for axis, scale in (("x", panel.xscale), ("y", panel.yscale)):
+        values = [v for s in panel.series for v in (s.x if axis == "x" else s.y)]
+        if scale == "linear" or not _positive(values):
+            continue  # nothing to place on a log axis
+        base = 2 if scale == "log2" else 10
+        (ax.set_xscale if axis == "x" else ax.set_yscale)("log", base=base)
+        _plain_ticks(ax.xaxis if axis == "x" else ax.yaxis, base)
+    if panel.xrange:
+        ax.set_xlim(*panel.xrange)
+    if panel.yrange:
+        ax.set_ylim(*panel.yrange)
+    ax.set_title(panel.title, fontsize=10)
+    ax.set_xlabel(panel.xlabel, fontsize=9)
+    ax.set_ylabel(panel.ylabel, fontsize=9)
+    if panel.heatmap is None:
+        ax.grid(alpha=0.3, which="both" if "log" in panel.xscale + panel.yscale else "major")
+    if panel.notes:  # under the title, where they hide no data
+        lines = textwrap.wrap("; ".join(panel.notes), 70)
+        ax.set_title(panel.title + "\n" + "\n".join(lines), fontsize=9)
+
+
+def _positive(values: Sequence[Any]) -> list[float]:
+    return [v for v in values if isinstance(v, int | float) and 0 < v < math.inf]
+
+
+def _plain_ticks(axis: Any, base: float = 10) -> None:
+    """Plain numbers (60 and 0.2, not 6x10^1 and 2e-01) on a log ``axis``, its minor ticks
+    labelled where the axis spans few decades (matplotlib's own choice of which)."""
+    from matplotlib.ticker import LogFormatter
+
+    class Plain(LogFormatter):
+        def _num_to_string(self, x: float, vmin: float, vmax: float) -> str:
+            return f"{x:g}"
+
+    axis.set_major_formatter(Plain(base=base))
+    axis.set_minor_formatter(Plain(base=base, labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+
+
+def to_matplotlib(spec: Figure, path: Path) -> Path:
+    """Draw ``spec`` as a PNG at ``path``: its panels in a grid of ``spec.cols`` columns, and
+    below them one legend with an entry per name of :meth:`Figure.legend_names` (and per
+    labelled reference line)."""
+    from matplotlib.figure import Figure as MplFigure
+
+    n = len(spec.panels)
+    cols = min(spec.cols, n)
+    rows = -(-n // cols)
+    width, height = spec.panel_size
+    fig = MplFigure(figsize=(width * cols, height * rows + 1.2), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax, panel in zip(axes, spec.panels, strict=False):
+        _mpl_panel(fig, ax, panel)
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    found: dict[str, Any] = {}
+    for ax in axes[:n]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            found.setdefault(label, handle)
+    if found:
+        ncols = max(1, min(len(found), int(width * cols // 2.2)))
+        fig.legend(
+            list(found.values()),
+            list(found),
+            loc="outside lower center",
+            ncols=ncols,
+            fontsize=LEGEND_FONT,
+            frameon=False,
+        )
+    title = spec.title + (f"\n{spec.caption}" if spec.caption else "")
+    fig.suptitle(title, fontsize=11)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
+# --- Plotly ----------------------------------------------------------------------------------
 
 PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
 """Plotly's options for every figure of the HTML report."""
 
+_PLOTLY_CMAP = {"RdBu_r": ("RdBu", True), "viridis": ("Viridis", False)}
+_PLOTLY_SYMBOL = {"o": "circle", "s": "square"}
 
-def subplots(**kwargs: Any) -> Any:
-    """A Plotly figure with a grid of panels (``plotly.subplots.make_subplots`` arguments)."""
+
+def _fmt(value: Any) -> str:
+    return "%{" + value + (":.4g}" if value in "xy" else "}")
+
+
+def _plotly_series(fig: Any, s: Series, panel: Panel, at: dict[str, int], shown: set[str]) -> None:
+    first = s.legend and s.name not in shown
+    shown.add(s.name) if first else None
+    hover = "%{customdata}<br>" if s.hover is not None else ""
+    what = (panel.ylabel, panel.xlabel) if panel.horizontal else (panel.xlabel, panel.ylabel)
+    common = {
+        "name": s.name,
+        "legendgroup": s.name,
+        "showlegend": first,
+        "customdata": list(s.hover) if s.hover is not None else None,
+        "hovertemplate": f"{s.name}<br>{hover}{what[0] or 'x'} %{{x}}<br>"
+        f"{what[1] or 'y'} %{{y:.4g}}<extra></extra>"
+        if not panel.horizontal
+        else f"{s.name}<br>{hover}%{{y}}: %{{x:.4g}} {panel.xlabel}<extra></extra>",
+    }
+    if s.bar:
+        fig.add_bar(
+            x=list(s.x),
+            y=list(s.y),
+            marker_color=s.color,
+            orientation="h" if panel.horizontal else "v",
+            **common,
+            **at,
+        )
+        return
+    mode = ("lines" if s.line else "") + ("+markers" if s.marker else "")
+    error = (
+        {
+            "type": "data",
+            "symmetric": False,
+            "array": [hi - v for v, hi in zip(s.y, s.interval[1], strict=True)],
+            "arrayminus": [v - lo for v, lo in zip(s.y, s.interval[0], strict=True)],
+        }
+        if s.interval is not None
+        else None
+    )
+    fig.add_scatter(
+        x=list(s.x),
+        y=list(s.y),
+        error_y=error,
+        mode=mode.strip("+"),
+        marker={"size": 5, "symbol": _PLOTLY_SYMBOL.get(s.marker or "o", "circle")},
+        line={"color": s.color, "dash": s.dash, "width": s.width},
+        **common,
+        **at,
+    )
+
+
+def _colorbar(fig: Any, index: int, title: str, log: bool, z: list[list[float | None]]) -> dict:
+    """A colour bar beside panel ``index`` (1-based), its ticks in the data's units when the
+    colours are log10 of them."""
+    suffix = "" if index == 1 else str(index)
+    xd = fig.layout[f"xaxis{suffix}"].domain
+    yd = fig.layout[f"yaxis{suffix}"].domain
+    bar: dict[str, Any] = {
+        "title": {"text": title, "side": "right"},
+        "x": xd[1] + 0.005,
+        "y": (yd[0] + yd[1]) / 2,
+        "len": yd[1] - yd[0],
+        "thickness": 12,
+    }
+    if log:
+        values = [v for row in z for v in row if v is not None]
+        if values:
+            lo, hi = math.floor(min(values)), math.ceil(max(values))
+            ticks = list(range(lo, hi + 1))
+            bar.update(tickvals=ticks, ticktext=[f"{10.0**t:g}" for t in ticks])
+    return bar
+
+
+def _plotly_heatmap(fig: Any, heat: Heatmap, index: int, at: dict[str, int]) -> None:
+    def value(v: float | None) -> float | None:
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return None
+        if heat.log:
+            return math.log10(v) if v > 0 else None
+        return float(v)
+
+    z = [[value(v) for v in row] for row in heat.z]
+    scale, reverse = _PLOTLY_CMAP[heat.cmap]
+    log = (lambda v: None if v is None else math.log10(v)) if heat.log else (lambda v: v)
+    fig.add_heatmap(
+        z=z,
+        x=[str(v) for v in heat.x],
+        y=[str(v) for v in heat.y],
+        colorscale=scale,
+        reversescale=reverse,
+        zmin=log(heat.zmin),
+        zmax=log(heat.zmax),
+        zmid=heat.zmid,
+        text=[list(r) for r in heat.text] if heat.text else None,
+        texttemplate="%{text}" if heat.text else None,
+        customdata=[list(r) for r in heat.hover] if heat.hover else None,
+        hovertemplate=("%{customdata}" if heat.hover else "%{y} · %{x}: %{z:.3g}")
+        + "<extra></extra>",
+        colorbar=_colorbar(fig, index, heat.colorbar, heat.log, z),
+        **at,
+    )
+    if heat.origin == "upper":
+        fig.update_yaxes(autorange="reversed", **at)
+
+
+def to_plotly(spec: Figure) -> dict[str, Any]:
+    """``spec`` as the dict ``Plotly.newPlot`` takes (``data`` and ``layout``): the same panels,
+    series, scales, reference lines and notes as :func:`to_matplotlib`, one legend entry per
+    name (a click toggles the name in every panel), hover with each point's values."""
     from plotly.subplots import make_subplots
 
-    return make_subplots(**kwargs)
-
-
-def as_json(fig: Any) -> dict[str, Any]:
-    """A Plotly figure as the dict ``Plotly.newPlot`` takes (``data`` and ``layout``)."""
+    n = len(spec.panels)
+    cols = min(spec.cols, n)
+    rows = -(-n // cols)
+    heat = any(p.heatmap is not None for p in spec.panels)
+    fig = make_subplots(
+        rows=rows,
+        cols=cols,
+        subplot_titles=[p.title for p in spec.panels],
+        horizontal_spacing=(0.16 if heat else 0.1) if cols > 1 else 0.0,
+        vertical_spacing=min(0.5 / rows, 0.18) if rows > 1 else 0.0,
+    )
+    shown: set[str] = set()
+    absolute: list[Any] = []
+    relative: list[Any] = []
+    for i, panel in enumerate(spec.panels):
+        at = {"row": i // cols + 1, "col": i % cols + 1}
+        if panel.heatmap is not None:
+            _plotly_heatmap(fig, panel.heatmap, i + 1, at)
+            absolute.append(None)
+            relative.append(None)
+        for s in panel.series:
+            _plotly_series(fig, s, panel, at, shown)
+            absolute.append(list(s.x))
+            relative.append(list(s.x_relative) if s.x_relative is not None else list(s.x))
+        for line in panel.lines:
+            add = fig.add_hline if line.axis == "y" else fig.add_vline
+            add(
+                line.value,
+                line={"color": line.color, "dash": line.dash, "width": 1},
+                **(
+                    {"annotation_text": line.label, "annotation_font_size": 10}
+                    if line.label
+                    else {}
+                ),
+                **at,
+            )
+        axis_type = {"linear": "linear", "log": "log", "log2": "log"}
+        if panel.heatmap is not None:  # labels such as layer numbers are categories
+            axis_type = dict.fromkeys(axis_type, "category")
+        fig.update_xaxes(
+            title_text=panel.xlabel or None,
+            type=axis_type[panel.xscale],
+            range=_range(panel.xrange, panel.xscale),
+            **at,
+        )
+        fig.update_yaxes(
+            title_text=panel.ylabel or None,
+            type=axis_type[panel.yscale],
+            range=_range(panel.yrange, panel.yscale),
+            **at,
+        )
+        if panel.horizontal:
+            fig.update_yaxes(autorange="reversed", **at)
+        suffix = "" if i == 0 else str(i + 1)
+        for k, note in enumerate(panel.notes):
+            fig.add_annotation(
+                text=note,
+                xref=f"x{suffix} domain",
+                yref=f"y{suffix} domain",
+                x=0.01,
+                y=0.99 - 0.09 * k,
+                xanchor="left",
+                yanchor="top",
+                showarrow=False,
+                font={"size": 11},
+                bgcolor="rgba(255,255,255,0.8)",
+            )
+    height = spec.panel_size[1]
+    title = spec.title + (f"<br><sub>{spec.caption}</sub>" if spec.caption else "")
+    fig.update_layout(
+        title={"text": title, "font": {"size": 15}},
+        height=round(100 * height * rows + 120 + 40 * rows),
+        barmode=_barmode(spec),
+        margin={"t": 110 if spec.caption or spec.depth_switch else 80},
+        legend={"font": {"size": 12}},
+        hovermode="closest",
+        showlegend=bool(spec.legend_names()),
+    )
+    if spec.depth_switch:
+        _depth_switch(fig, absolute, relative, spec.depth_switch)
     return cast(dict[str, Any], fig.to_plotly_json())
 
 
-def css_color(color: Any) -> str:
-    """A matplotlib colour (RGBA tuple in 0..1, or a CSS string) as a CSS colour."""
-    if isinstance(color, str):
-        return color
-    r, g, b = (round(255 * c) for c in color[:3])
-    return f"rgb({r},{g},{b})"
+def _range(bounds: tuple[float, float] | None, scale: Scale) -> list[float] | None:
+    if bounds is None:
+        return None
+    return [math.log10(b) for b in bounds] if scale != "linear" else list(bounds)
 
 
-def depth_switch(fig: Any, absolute: list[Any], relative: list[Any], label: str) -> None:
-    """Buttons above ``fig`` that switch the x values of its traces between ``absolute`` (one
-    array per trace, e.g. components in the prefix j) and ``relative`` (e.g. j / L), so that
-    models of different depth overlay; ``label`` names the absolute axis."""
+def _barmode(spec: Figure) -> str:
+    return "stack" if any(p.bars == "stack" for p in spec.panels) else "group"
+
+
+def _depth_switch(fig: Any, absolute: list[Any], relative: list[Any], label: str) -> None:
+    """Buttons above ``fig`` that switch the x values of its traces between ``absolute`` (e.g.
+    components in the prefix j) and ``relative`` (e.g. j / L), so that models of different
+    depth overlay; ``label`` names the absolute axis."""
     layout = fig.layout.to_plotly_json()
     axes = [k for k, v in layout.items() if k.startswith("xaxis") and v.get("title")]
+    keep = [i for i, x in enumerate(absolute) if x is not None]
 
     def titles(text: str) -> dict[str, str]:
         return {f"{axis}.title.text": text for axis in axes}
+
+    def update(xs: list[Any], text: str) -> list[Any]:
+        return [{"x": [xs[i] for i in keep]}, titles(text), keep]
 
     fig.update_layout(
         updatemenus=[
@@ -167,70 +635,45 @@ def depth_switch(fig: Any, absolute: list[Any], relative: list[Any], label: str)
                 "direction": "right",
                 "x": 1,
                 "xanchor": "right",
-                "y": 1.12,
+                "y": 1.0,
                 "yanchor": "bottom",
+                "pad": {"b": 30},
                 "showactive": True,
                 "buttons": [
-                    {"label": "absolute depth", "method": "update",
-                     "args": [{"x": absolute}, titles(label)]},
-                    {"label": "relative depth", "method": "update",
-                     "args": [{"x": relative}, titles("relative depth j / L")]},
+                    {
+                        "label": "absolute depth",
+                        "method": "update",
+                        "args": update(absolute, label),
+                    },
+                    {
+                        "label": "relative depth",
+                        "method": "update",
+                        "args": update(relative, "relative depth j / L"),
+                    },
                 ],
             }
         ]
-    )  # fmt: skip
+    )
 
 
-def overlay(
-    title: str,
-    panels: list[dict[str, Any]],
-    names: dict[str, str],
-    height: int = 460,
-) -> Any:
-    """A grid of panels (two per row) overlaying every model's mean-over-tasks curve, one colour
-    per model (a legend entry toggles it in every panel).
+POOR_FIT_R2 = 0.5
+"""A power-law (or logarithmic) fit whose R² is below this explains less than half of the
+variance of what it fits: figures and tables say "poor fit" in words beside its exponent, which
+then describes the data poorly."""
 
-    Each panel is a dict: ``title``, ``frame`` (rows with ``model``, the ``x`` and ``y``
-    columns), ``x``, ``y``, ``xtitle``, ``ytitle``; optionally ``split`` (a column whose values
-    get dash styles, e.g. ``kind``), ``label`` (a column shown in the hover, e.g. the component
-    name), ``log`` (log-log axes) and ``fits`` (model -> (x, y) of a dashed fitted line)."""
-    models = sorted({m for p in panels for m in p["frame"]["model"].unique()})
-    color = dict(zip(models, map(css_color, colors(len(models))), strict=False))
-    rows = -(-len(panels) // 2)
-    fig = subplots(rows=rows, cols=min(2, len(panels)), subplot_titles=[p["title"] for p in panels],
-                   vertical_spacing=0.35 / rows, horizontal_spacing=0.1)  # fmt: skip
-    dashes = ["solid", "dash", "dot", "dashdot"]
-    shown: set[str] = set()
-    for i, panel in enumerate(panels):
-        at = {"row": i // 2 + 1, "col": i % 2 + 1}
-        for model in models:
-            sub = panel["frame"].filter(panel["frame"]["model"] == model)
-            split = panel.get("split")
-            groups = sub.partition_by(split, maintain_order=True) if split else [sub]
-            label = names.get(model, model)
-            for d, group in enumerate(groups):
-                tag = f" {group[split][0]}" if split else ""
-                hover = "%{customdata}<br>" if panel.get("label") else ""
-                fig.add_scatter(
-                    x=group[panel["x"]].to_list(), y=group[panel["y"]].to_list(),
-                    customdata=group[panel["label"]].to_list() if panel.get("label") else None,
-                    mode="lines+markers", marker={"size": 4}, name=label, legendgroup=model,
-                    showlegend=model not in shown,
-                    line={"color": color[model], "dash": dashes[d % len(dashes)], "width": 1.3},
-                    hovertemplate=f"{label}{tag}, mean over tasks<br>{hover}{panel['xtitle']} "
-                    f"%{{x:.3g}}<br>{panel['ytitle']} %{{y:.4g}}<extra></extra>",
-                    **at,
-                )  # fmt: skip
-                shown.add(model)
-            fit = panel.get("fits", {}).get(model)
-            if fit is not None:
-                fig.add_scatter(x=list(fit[0]), y=list(fit[1]), mode="lines", name=label,
-                                legendgroup=model, showlegend=False,
-                                line={"color": color[model], "dash": "dash", "width": 1},
-                                hovertemplate=f"{label}: fit {fit[2]}<extra></extra>",
-                                **at)  # fmt: skip
-        kind = "log" if panel.get("log") else "linear"
-        fig.update_xaxes(title_text=panel["xtitle"], type=kind, **at)
-        fig.update_yaxes(title_text=panel["ytitle"], type=kind, **at)
-    fig.update_layout(title=title, height=height * rows)
-    return fig
+
+def r2_text(r2: float | None) -> str:
+    """``R² = 0.93``, with "(poor fit)" below :data:`POOR_FIT_R2` ("" without a value)."""
+    if r2 is None or math.isnan(r2):
+        return ""
+    return f"R² = {r2:.2f}" + (" (poor fit)" if r2 < POOR_FIT_R2 else "")
+
+
+def fit_note(label: str, beta: float | None, se: float | None, r2: float | None) -> str:
+    """``label`` and the fitted exponent ± its standard error, with :func:`r2_text` ("" when
+    there is no fit)."""
+    if beta is None or math.isnan(beta):
+        return ""
+    spread = "" if se is None or math.isnan(se) else f" ± {se:.2f}"
+    quality = r2_text(r2)
+    return f"{label}β = {beta:.2f}{spread}" + (f", {quality}" if quality else "")

@@ -11,15 +11,24 @@ import functools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import polars as pl
 
 from layerdiv.analyze.options import Estimator, Scale
 from layerdiv.analyze.spill import Spill
+from layerdiv.errors import LayerdivError
 from layerdiv.store import PartitionInfo, Store
+
+
+class NoData(LayerdivError):
+    """An analysis has no rows to compute from (e.g. a text partition whose documents are all
+    too short for a split point): ``analyze`` leaves that analysis out with a note naming it and
+    the message, and runs the others."""
 
 
 @dataclass
@@ -64,6 +73,8 @@ class ReportContext:
     formats: tuple[str, ...] = ("md",)
     """The report formats being written (``md``, ``html``): PNG figures are drawn for ``md``,
     interactive ones for ``html`` (:func:`~layerdiv.analyze.plots.figure_link`)."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """The analysis-specific switches the tables were computed with (``Context.options``)."""
     interactive: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Plotly figures (as JSON-able dicts) by the file name of the PNG they stand for in the
     HTML report."""
@@ -91,10 +102,13 @@ class Analysis:
     """Task kinds (the manifest's ``kind``: ``choice``, ``text``) it applies to: it gets the
     selected partitions of those kinds only, and does not run (no tables, no section) when the
     selection holds none."""
+    among: Callable[[list[PartitionInfo]], list[PartitionInfo]] | None = None
+    """Narrows the partitions of its kinds further (e.g. models with several revisions)."""
 
     def applies_to(self, parts: Iterable[PartitionInfo]) -> list[PartitionInfo]:
         """The partitions of ``parts`` whose task kind this analysis applies to."""
-        return [p for p in parts if p.manifest.kind in self.kinds]
+        mine = [p for p in parts if p.manifest.kind in self.kinds]
+        return self.among(mine) if self.among else mine
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -116,22 +130,76 @@ def partition_engine(fn: F) -> F:
 
 
 PARTITION_WORKERS = 4
-"""Partitions an analysis works on at once (:func:`map_partitions`)."""
+"""Partitions the local executor works on at once (:func:`map_partitions`)."""
+
+
+class PartitionExecutor(Protocol):
+    """Where the per-partition work of the analyses runs; the reduction stays on the driver."""
+
+    def map(self, fn: Callable[[P], T], parts: Iterable[P]) -> Iterator[T]:
+        """``fn(p) for p in parts``, yielded in that order."""
+        ...
+
+
+class LocalExecutor:
+    """Threads of this process, :data:`PARTITION_WORKERS` partitions at a time: one partition's
+    queries are small and leave cores idle, and Polars and Parquet reading release the GIL
+    (docs/benchmarks.md, "Analysis at paper scale"). At most that many results wait to be taken,
+    so memory holds a bounded number of partitions' working sets."""
+
+    def map(self, fn: Callable[[P], T], parts: Iterable[P]) -> Iterator[T]:
+        with ThreadPoolExecutor(PARTITION_WORKERS) as pool:
+            running: deque[Future[T]] = deque()
+            for part in parts:
+                running.append(pool.submit(fn, part))
+                if len(running) == PARTITION_WORKERS:
+                    yield running.popleft().result()
+            while running:
+                yield running.popleft().result()
+
+
+_EXECUTOR: ContextVar[PartitionExecutor | None] = ContextVar("executor", default=None)
+"""The executor of the running analysis (:func:`using`); None: a :class:`LocalExecutor`."""
+
+
+@contextmanager
+def using(executor: PartitionExecutor) -> Iterator[None]:
+    """Run the :func:`map_partitions` calls of this block (this thread) on ``executor``."""
+    token = _EXECUTOR.set(executor)
+    try:
+        yield
+    finally:
+        _EXECUTOR.reset(token)
 
 
 def map_partitions(fn: Callable[[P], T], parts: Iterable[P]) -> Iterator[T]:
-    """``fn(p) for p in parts``, yielded in that order, with :data:`PARTITION_WORKERS` partitions
-    at a time in threads: one partition's queries are small and leave cores idle, and Polars and
-    Parquet reading release the GIL (docs/benchmarks.md, "Analysis at paper scale"). At most that
-    many results wait to be taken, so memory holds a bounded number of partitions' working sets."""
-    with ThreadPoolExecutor(PARTITION_WORKERS) as pool:
-        running: deque[Future[T]] = deque()
-        for part in parts:
-            running.append(pool.submit(fn, part))
-            if len(running) == PARTITION_WORKERS:
-                yield running.popleft().result()
-        while running:
-            yield running.popleft().result()
+    """``fn(p) for p in parts``, yielded in that order, on the executor of the running analysis
+    (:func:`using`; threads of this process unless told otherwise). Every analysis runs its
+    per-partition work through here: ``fn`` must not change what it closes over (on a cluster it
+    runs on a copy)."""
+    return (_EXECUTOR.get() or LocalExecutor()).map(fn, parts)
+
+
+def with_data(
+    fn: Callable[[PartitionInfo], T], parts: Iterable[PartitionInfo], notes: list[str], what: str
+) -> list[T]:
+    """:func:`map_partitions` of ``fn``, leaving out each partition for which ``fn`` raises
+    :class:`NoData` with a note (``what`` it would have given): a part of an analysis that some
+    partitions cannot feed, while the rest of the analysis runs."""
+
+    def attempt(part: PartitionInfo) -> T | NoData:
+        try:
+            return fn(part)
+        except NoData as err:
+            return err
+
+    out = []
+    for got in map_partitions(attempt, parts):
+        if isinstance(got, NoData):
+            notes.append(f"{what} left out: {got}")
+        else:
+            out.append(got)
+    return out
 
 
 _REGISTRY: dict[str, Analysis] = {}

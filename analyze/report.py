@@ -9,14 +9,12 @@ the store); nothing is typed in.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
 import polars as pl
 
-from layerdiv import __version__
 from layerdiv.analyze import methods
 from layerdiv.analyze.api import Results, weights_notes
 from layerdiv.analyze.markdown import DASH, markdown_table
@@ -28,6 +26,7 @@ from layerdiv.analyze.registry import ReportContext, registered
 from layerdiv.errors import LayerdivError
 from layerdiv.store import PartitionInfo, Store
 from layerdiv.store.key import KEY
+from layerdiv.version import __version__
 
 REPORT_NAME = "report.md"
 HTML_NAME = "report.html"
@@ -114,6 +113,7 @@ def render(
         scale=results.scale,
         min_params=results.min_params,
         formats=tuple(formats),
+        options=results.settings,
     )
     sections = [
         (a, a.report(ctx))
@@ -195,9 +195,7 @@ def write_report(
             data = explorer_data(parts, explorer_instances) if parts else None
             if data is None:
                 ctx.notes.append(NO_CHOICE_EXPLORER if store else NO_EXPLORER)
-            page = render_page(text, ctx.interactive, tmp / FIGURES, data)
+            page = render_page(text, ctx.interactive, data)
             (tmp / HTML_NAME).write_text(page)
             (tmp / methods.HTML_PAGE).write_text(render_methods())
-            if "md" not in chosen:  # the PNGs drawn for figures without an interactive version
-                shutil.rmtree(tmp / FIGURES, ignore_errors=True)
     return Path(out) / names[chosen[0]], ctx.notes

@@ -16,7 +16,7 @@ import polars as pl
 
 from layerdiv.analyze.metrics import CORRELATED
 from layerdiv.analyze.options import ESTIMATORS
-from layerdiv.store.key import KEY
+from layerdiv.store.key import KEY, MODEL_KEY
 
 METHODS: tuple[Literal["pearson", "spearman"], ...] = ("pearson", "spearman")
 SIGNIFICANCE = 0.05
@@ -78,11 +78,14 @@ def fisher_z_means(corr: pl.DataFrame) -> pl.DataFrame:
     def mean(frame: pl.DataFrame, by: list[str]) -> pl.DataFrame:
         return frame.group_by([*by, *keys]).agg(pl.col("z").mean(), pl.len().alias("n"))
 
-    over_tasks = mean(finite, ["model"]).with_columns(pl.lit(None, pl.String).alias("task"))
-    over_models = mean(finite, ["task"]).with_columns(pl.lit(None, pl.String).alias("model"))
-    overall = mean(over_models, []).with_columns(
-        pl.lit(None, pl.String).alias("model"), pl.lit(None, pl.String).alias("task")
+    nulls = [pl.lit(None, pl.String).alias(c) for c in KEY]  # one model (revision) per row
+    over_tasks = mean(finite, [*MODEL_KEY]).with_columns(
+        n for n in nulls if n.meta.output_name() not in MODEL_KEY
     )
+    over_models = mean(finite, ["task"]).with_columns(
+        n for n in nulls if n.meta.output_name() != "task"
+    )
+    overall = mean(over_models, []).with_columns(nulls)
     columns = [*KEY, *keys, "n", "z"]
     return (
         pl.concat([f.select(columns) for f in (over_tasks, over_models, overall)])
@@ -98,11 +101,11 @@ def depth_curves(
     """Per (model, estimator, j): accuracy and MSE averaged over the model's tasks, and the
     marginal gains of adding component j (methods §5): accuracy_j - accuracy_{j-1} and
     mse_{j-1} - mse_j (positive = better). Only models with n_params >= ``min_params``."""
-    params = manifests.group_by("model").agg(pl.col("n_params").first())
+    params = manifests.group_by(*MODEL_KEY).agg(pl.col("n_params").first())
     keep = params.filter(pl.col("n_params") >= min_params)
-    by = ["model", "estimator"]
+    by = [*MODEL_KEY, "estimator"]
     return (
-        curves.join(keep, on="model")
+        curves.join(keep, on=[*MODEL_KEY])
         .group_by([*by, "j"])
         .agg(
             pl.col("n_params").first(),
@@ -230,12 +233,11 @@ def depth_fits(depth: pl.DataFrame) -> pl.DataFrame:
     mse(j) = c / j^alpha + L0 (``loss_*``), each parameter with its standard error (``_se``)
     and the fit's R^2 (methods §5)."""
     rows = []
-    for (model, estimator), group in depth.group_by("model", "estimator", maintain_order=True):
+    for key, group in depth.group_by(*MODEL_KEY, "estimator", maintain_order=True):
         j = group["j"].to_numpy().astype(np.float64)
         rows.append(
             {
-                "model": model,
-                "estimator": estimator,
+                **dict(zip([*MODEL_KEY, "estimator"], key, strict=True)),
                 "n_params": group["n_params"][0],
                 "n_components": int(j.max()),
                 **_fit_log(j, group["accuracy"].to_numpy()),
@@ -245,7 +247,7 @@ def depth_fits(depth: pl.DataFrame) -> pl.DataFrame:
     none = np.array([])
     fitted = {**_fit_log(none, none), **_fit_inverse(none, none)}
     schema = {
-        "model": pl.String,
+        **dict.fromkeys(MODEL_KEY, pl.String),
         "estimator": pl.String,
         "n_params": pl.Int64,
         "n_components": pl.Int64,

@@ -14,14 +14,13 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
+from layerdiv.measurements.future import FUTURE, future_tables
 from layerdiv.schemas import component_names
 from layerdiv.store import ComponentInfo, Manifest, PartitionWriter
 from layerdiv.store.tables import (
     TOKEN_BLOCK_VALUES,
     components_table,
     documents_table,
-    future_effects_table,
-    future_output_table,
     gram_table,
     heads_table,
     instances_table,
@@ -255,31 +254,6 @@ def synthesize_store(
     return rows
 
 
-def synthesize_demo_store(root: str | Path, n_instances: int = 300, seed: int = 0) -> Path:
-    """Write a store shaped like that of ``layerdiv demo`` (its model with SmolLM2-135M's 30
-    blocks and 134,515,008 parameters; its tasks, with their option counts; ``n_instances``
-    each) from :func:`random_partition`'s made-up numbers, without the ``gram`` table. Returns
-    ``root``."""
-    from layerdiv.demo import DEMO_MODEL, DEMO_TASKS
-
-    rng = np.random.default_rng(seed)
-    for task in DEMO_TASKS:
-        logits, gold, rms, kinds = random_partition(rng, n_instances, 30, len(task.labels))
-        write_partition(
-            root,
-            DEMO_MODEL,
-            task.name,
-            logits,
-            gold,
-            kinds,
-            rms,
-            n_params=134_515_008,
-            hidden_size=576,
-            norm_eps=1e-5,
-        )
-    return Path(root)
-
-
 def text_dots(h0: np.ndarray, attn: np.ndarray, mlp: np.ndarray) -> dict[str, np.ndarray]:
     """The ``token_blocks`` dot products (methods §9) of residual streams given as
     vectors: ``h0`` (tokens, d) the embedding outputs, ``attn`` and ``mlp`` (tokens, L, d) what each
@@ -365,8 +339,7 @@ def text_chunk(
         rel = rng.exponential(0.2, (len(keys), blocks)) * later
         out = rng.exponential(0.1, len(keys)) * (1 - np.array(skipped) / blocks)
         sub = ["block"] * len(keys)
-        tables["future_effects"] = future_effects_table(doc_, split, sub, skipped, rel)
-        tables["future_output"] = future_output_table(doc_, split, sub, skipped, out)
+        tables.update(future_tables(doc_, split, sub, skipped, rel, out))
     return tables
 
 
@@ -423,7 +396,7 @@ def write_text_partition(
     writer = PartitionWriter(root, manifest.model, manifest.task)
     writer.open(manifest, overwrite=True)
     optional = ["token_lens"] if manifest.lens else []
-    optional += ["future_effects", "future_output"] if manifest.skip_split else []
+    optional += list(FUTURE.tables["text"]) if manifest.skip_split else []
     for table in optional:
         writer.mark_table(table)
     for start, count, tables in chunks:

@@ -22,9 +22,11 @@ import polars as pl
 import pyarrow as pa
 from threadpoolctl import threadpool_limits
 
-from layerdiv.analyze.registry import Context, map_partitions
+from layerdiv.analyze import plots
+from layerdiv.analyze.registry import Context, NoData, map_partitions
 from layerdiv.analyze.stats import array_degrees as degrees
-from layerdiv.schemas import KINDS
+from layerdiv.measurements import optional_tables
+from layerdiv.schemas import KINDS, SKIP_KEYS
 from layerdiv.store import PartitionInfo, StoreError
 
 TEXT_KIND = KINDS["text"].name
@@ -64,9 +66,16 @@ def batches(
     info: PartitionInfo, table: str, columns: Sequence[str], rows: int
 ) -> Iterator[pl.DataFrame]:
     """The ``columns`` of ``info``'s ``table`` in order, file by file, in frames of at most
-    ``rows`` rows (:meth:`~layerdiv.store.PartitionInfo.batches`)."""
-    for batch in info.batches(table, columns, rows):
+    ``rows`` rows (:meth:`~layerdiv.store.PartitionInfo.batches`; a future-effects part whose
+    rows repeat a key, :data:`~layerdiv.schemas.SKIP_KEYS`, is refused). Raises :class:`NoData`
+    after the last part when the table has no row (e.g. no document long enough for a split
+    point)."""
+    empty = True
+    for batch in info.batches(table, columns, rows, SKIP_KEYS.get(table, ())):
+        empty = empty and batch.num_rows == 0
         yield cast(pl.DataFrame, pl.from_arrow(batch))
+    if empty:
+        raise NoData(f"{info.where} has no {table} rows")
 
 
 WORK = 8
@@ -107,7 +116,49 @@ def token_dots(
     dots = scratch(len(DOTS), blocks, len(pos), out)
     for row, name in zip(dots, DOTS, strict=True):
         np.copyto(row, column(name).T)
+    _check_dots(dots, doc[:, 0], pos[:, 0], where)
     return pos[:, 0], dots
+
+
+SQUARES = tuple(DOTS.index(c) for c in ("hh", "aa", "mm"))
+"""The rows of :func:`token_dots` that are squared norms."""
+
+
+def _check_dots(dots: np.ndarray, doc: np.ndarray, pos: np.ndarray, where: str) -> None:
+    """Refuse (``StoreError``, naming the first token) dot products that no forward pass gives:
+    NaN or infinite (``dd_next`` is NaN at the last block only) or a negative squared norm; the
+    analyses never average them."""
+    next_index = DOTS.index("dd_next")
+    finite = np.isfinite(dots)
+    finite[next_index, -1] = True  # no next block
+    bad = ~finite.all(axis=(0, 1))
+    for row in SQUARES:
+        bad |= (dots[row] < 0).any(axis=0)
+    if bad.any():
+        token = int(np.argmax(bad))
+        raise StoreError(
+            f"{where}: token_blocks of doc {doc[token]} position {pos[token]} hold a NaN, an "
+            "infinite value or a negative squared norm (a damaged part); re-extract it with "
+            "--overwrite"
+        )
+
+
+def check_token_order(rows: pa.RecordBatch | pa.Table, blocks: int, after: int, where: str) -> int:
+    """The key (doc, pos) of the last token of ``token_blocks`` rows (whole tokens, as
+    :func:`token_dots` takes them), refusing (``StoreError``) tokens whose keys do not increase
+    strictly from ``after`` (the last key before them, -1 for none): a token repeated or out of
+    order. Parts are read in document order, so keys increase over a whole partition."""
+    doc = np.asarray(rows.column("doc").to_numpy(zero_copy_only=False)[::blocks], np.int64)
+    pos = np.asarray(rows.column("pos").to_numpy(zero_copy_only=False)[::blocks], np.int64)
+    if not len(doc):
+        return after
+    key = (doc << 32) | pos
+    if key[0] <= after or (np.diff(key) <= 0).any():
+        raise StoreError(
+            f"{where}: token_blocks rows repeat a token or are out of (doc, pos) order; "
+            "re-extract it with --overwrite"
+        )
+    return int(key[-1])
 
 
 def token_geometry(dots: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -300,8 +351,10 @@ def text_pass(info: PartitionInfo) -> TextPass:
     columns = ["doc", "pos", "block", *DOTS]
     dots_buffer = np.empty(len(DOTS) * blocks * BATCH_TOKENS)
     work_buffer = np.empty((len(GEOMETRY) + WORK) * blocks * BATCH_TOKENS)
+    last = -1
     for batch in info.batches("token_blocks", columns, BATCH_TOKENS * blocks):
         pos, dots = token_dots(batch, blocks, info.where, dots_buffer)
+        last = check_token_order(batch, blocks, last, info.where)
         geometry = token_geometry(dots, work_buffer)
         out.stats.add(geometry)
         out.moments.add(geometry[THETA_STATE], pos)
@@ -377,7 +430,7 @@ def with_table(
     have = [p for p in parts if table in p.tables]
     never = [p.key.label for p in parts if table not in p.lacking]
     if notes is not None and never:
-        flag = KINDS[TEXT_KIND].optional[table]
+        flag = optional_tables(TEXT_KIND)[table]
         notes.append(f"No {what} for {', '.join(never)}: run `layerdiv extract {flag}` on them.")
     return have
 
@@ -385,3 +438,49 @@ def with_table(
 def tag(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
     """``frame`` with the partition's key columns as its first columns."""
     return frame.select(*info.key_columns(), pl.all())
+
+
+def text_vs_last_token(
+    panels: Sequence[tuple[str, str, str]],
+    text: pl.DataFrame,
+    last: pl.DataFrame | None,
+    names: dict[str, str],
+    xlabel: str,
+    title: str,
+    by: str | None = None,
+) -> plots.Figure:
+    """One panel per (column of ``text``, column of ``last``, label) of ``panels``: per model of
+    ``text`` (and per value of the column ``by``, e.g. the lens readout, when it has several),
+    its running-text curve (solid) and, where ``last`` has rows of it, its curve at the last
+    prompt token of the choice tasks (dashed), both against ``relative_depth``."""
+    keys = ["model", *([by] if by else [])]
+    groups = sorted(text.select(keys).unique().iter_rows())
+    several = by is not None and text[by].n_unique() > 1
+    color = plots.model_colors([str(g) for g in groups])
+    out = [plots.Panel(label, xlabel=xlabel) for _, _, label in panels]
+    for group in groups:
+        pick = pl.all_horizontal(pl.col(k) == v for k, v in zip(keys, group, strict=True))
+        sub = text.filter(pick)
+        other = None if last is None else last.filter(pick)
+        name = names.get(group[0], group[0]) + (f" ({group[1]})" if several else "")
+        for panel, (solid, dashed, _) in zip(out, panels, strict=True):
+            panel.series.append(
+                plots.Series(
+                    f"{name} text",
+                    sub["relative_depth"].to_list(),
+                    sub[solid].to_list(),
+                    color=color[str(group)],
+                )
+            )
+            if other is not None and other.height:
+                panel.series.append(
+                    plots.Series(
+                        f"{name} last prompt token",
+                        other["relative_depth"].to_list(),
+                        other[dashed].to_list(),
+                        color=color[str(group)],
+                        dash="dash",
+                        marker="s",
+                    )
+                )
+    return plots.Figure(title, out, cols=len(out), panel_size=(4.6, 3.8))

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from paper_store import ensure_store, store_parser, timed
+from paper_store import ensure_store, parse_store_args, store_parser, timed
 
 QUERY = (
     "SELECT instance, option, sum(logit) AS logit FROM components "
@@ -100,7 +100,7 @@ def main() -> None:
         default=None,
         help="comma-separated multiples of --models (e.g. 1,10): time analyze at each scale",
     )
-    args = parser.parse_args()
+    args = parse_store_args(parser)
     if args.scales:
         scaling(args, [int(v) for v in args.scales.split(",")])
         return

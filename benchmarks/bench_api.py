@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common import add_quick
+
 SESSION = """
 import sys, time, warnings
 start = time.perf_counter()
@@ -46,11 +48,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", type=Path, default=None)
     parser.add_argument("--instances", type=int, default=300)
+    add_quick(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.instances = 30
     root = args.store or Path(tempfile.mkdtemp(prefix="layerdiv-bench-api-")) / "store"
     if root.exists():
         shutil.rmtree(root)
-    from layerdiv.analyze.synthetic import synthesize_demo_store
+    from layerdiv.demo import synthesize_demo_store
 
     synthesize_demo_store(root, args.instances)
     print(f"store: {root} ({args.instances} instances per task)")

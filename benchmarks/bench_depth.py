@@ -29,13 +29,15 @@ from pathlib import Path
 
 import polars as pl
 import torch
+from common import add_quick, demo_choice_tasks
 
 from layerdiv.analyze.analyses import depth
-from layerdiv.demo import DEMO_MODEL, write_demo_tasks
+from layerdiv.demo import DEMO_MODEL
 from layerdiv.extract.adapters import adapter_for
 from layerdiv.extract.config import ExtractConfig
 from layerdiv.extract.models import LoadedModel, load_model, load_tokenizer, resolve_source
-from layerdiv.extract.runner import extract_task, plan_task
+from layerdiv.extract.plan import plan_task
+from layerdiv.extract.runner import extract_task
 from layerdiv.store import Store
 
 
@@ -62,11 +64,14 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=3, help="plain extractions timed (the median is shown)"
     )
+    add_quick(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.n, args.tasks, args.rounds = 4, "tweets2", 1
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         wanted = args.tasks.split(",")
-        tasks = [str(p) for p in write_demo_tasks(root / "tasks", args.n, args.seed)
+        tasks = [str(p) for p in demo_choice_tasks(root / "tasks", args.n, args.seed)
                  if p.stem in wanted]  # fmt: skip
         source = resolve_source(DEMO_MODEL, None, None, False)
         loaded = load_model(source, load_tokenizer(source), torch.device("cpu"), torch.float32)

@@ -32,6 +32,8 @@ the RSS before the run. Linux only (reads and writes /proc/self).
 Run from the repository root (about 15 minutes with the defaults on 2 cores)::
 
     python benchmarks/bench_extract.py [--n 300] [--rounds 3] [--batch-size 16] [--seed 0]
+
+``--quick``: 6 prompts, one round, batches of 2 (every contender and memory process runs once).
 """
 
 from __future__ import annotations
@@ -56,13 +58,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from common import add_quick
 
 from layerdiv.demo import DEMO_MODEL, DEMO_TASKS, write_demo_tasks
 from layerdiv.extract.adapters import adapter_for, check_softcap
 from layerdiv.extract.batching import batches, tokenize
+from layerdiv.extract.config import ExtractConfig
 from layerdiv.extract.forward import CPU_TOKEN_BUDGET, left_padded
 from layerdiv.extract.models import LoadedModel, load_model, load_tokenizer, resolve_source
-from layerdiv.extract.runner import ExtractConfig, extract_task, plan_task
+from layerdiv.extract.plan import plan_task
+from layerdiv.extract.runner import extract_task
 from layerdiv.extract.tasks import instances, load_task, option_token_ids
 from layerdiv.store.reader import Store
 
@@ -100,18 +105,20 @@ class Contender:
 
 
 def workload(folder: Path, n: int, seed: int, tokenizer: Any) -> list[Task]:
-    """``n`` prompts split evenly over the demo tasks (written into ``folder``)."""
+    """``n`` prompts split evenly over the demo's choice tasks (written into ``folder``), taken
+    by name: the demo also writes its running-text task."""
     counts = [n // len(DEMO_TASKS) + (i < n % len(DEMO_TASKS)) for i in range(len(DEMO_TASKS))]
     # write_demo_tasks balances classes (2, 3 or 5): write a multiple of 30, then take the first.
     written = -(-max(counts) // 30) * 30
+    paths = {path.stem: path for path in write_demo_tasks(folder, written, seed)}
     tasks = []
-    for path, count in zip(write_demo_tasks(folder, written, seed), counts, strict=True):
-        spec = load_task(str(path))
+    for demo, count in zip(DEMO_TASKS, counts, strict=True):
+        spec = load_task(str(paths[demo.name]))
         items = instances(spec, count)
         prompts = [it.prompt for it in items]
         lengths = [len(s) for s in tokenizer(prompts)["input_ids"]]
         ids = option_token_ids(spec, tokenizer, prompts[0])
-        tasks.append(Task(str(path), spec.name, prompts, lengths, ids))
+        tasks.append(Task(str(paths[demo.name]), spec.name, prompts, lengths, ids))
     return tasks
 
 
@@ -433,7 +440,10 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="demo task sampling seed")
     parser.add_argument("--memory-of", choices=NAMES, help=argparse.SUPPRESS)
+    add_quick(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.n, args.rounds, args.batch_size = 6, 1, 2
     if args.memory_of:
         measure_memory(args.memory_of, args.n, args.seed, args.batch_size)
         return

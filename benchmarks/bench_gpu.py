@@ -15,6 +15,10 @@ Prepare the assets on a machine that has them, then run on the GPU node::
 lengths, about 150 tokens: its template around BBC News articles cut to 95 words); with
 ``--prompts demo``, the demo tasks (46 tokens on average) instead.
 
+``--quick`` (no GPU needed) prepares 30 demo prompts in a temporary folder and runs the same
+path on the CPU in float32 with a tiny random Llama (:data:`QUICK_CONFIG`, 2 blocks): the check
+that the script still runs.
+
 Useful FLOPs count only real (unpadded) tokens: 2 x (block linear weights) per token, causal
 attention 2 x 2 x T(T+1)/2 x (heads x head_dim) per layer, and the option-logit head at one
 position. The peak is measured here (an 8192^3 bf16 matmul), not taken from a datasheet.
@@ -34,6 +38,7 @@ from typing import Any
 
 import torch
 import yaml
+from common import add_quick
 
 # Shapes copied from the models' config.json on the hub (weights are random: timing only).
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -48,6 +53,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
     ),
 }  # fmt: skip
+QUICK_CONFIG: dict[str, Any] = dict(
+    model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+    max_position_embeddings=2048, tie_word_embeddings=True,
+)  # fmt: skip
+"""``--quick``'s model: SmolLM2's vocabulary size (its tokenizer), everything else tiny."""
 
 
 PASSAGE_WORDS = 95
@@ -103,7 +114,9 @@ def prepare(folder: Path, n: int, prompts: str) -> None:
     """Write the tokenizer and the tasks into ``folder`` (run where they are installed):
     ``boolq`` writes one BoolQ-shaped task of ``n`` instances (the paper's prompt lengths),
     ``demo`` the demo tasks, ``n`` instances in all."""
-    from layerdiv.demo import DEMO_MODEL, DEMO_TASKS, write_demo_tasks
+    from common import demo_choice_tasks
+
+    from layerdiv.demo import DEMO_MODEL, DEMO_TASKS
     from layerdiv.extract.batching import tokenize
     from layerdiv.extract.models import load_tokenizer, resolve_source
     from layerdiv.extract.tasks import instances, load_task
@@ -113,7 +126,7 @@ def prepare(folder: Path, n: int, prompts: str) -> None:
     if prompts == "boolq":
         tasks = [write_boolq_shaped(folder / "tasks", n)]
     else:
-        tasks = write_demo_tasks(folder / "tasks", n // len(DEMO_TASKS), seed=0)
+        tasks = demo_choice_tasks(folder / "tasks", n // len(DEMO_TASKS), seed=0)
     for path in tasks:
         spec = load_task(str(path))
         prompts_ = [i.prompt for i in instances(spec, spec.n)]
@@ -157,10 +170,16 @@ def useful_flops(model: Any, lengths: list[int]) -> float:
     return total
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's; nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def plain_forward(model: Any, seqs: list[list[int]], batch_size: int, pad: int) -> float:
     """Seconds for a plain ``logits_to_keep=1`` forward over ``seqs`` in arrival order."""
     device = next(model.parameters()).device
-    torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     with torch.inference_mode():
         for k in range(0, len(seqs), batch_size):
@@ -171,34 +190,44 @@ def plain_forward(model: Any, seqs: list[list[int]], batch_size: int, pad: int) 
                 [[0] * (width - len(s)) + [1] * len(s) for s in batch], device=device
             )
             model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
-    torch.cuda.synchronize()
+    synchronize(device)
     return time.perf_counter() - start
 
 
-def bench_model(name: str, assets: Path, peak: float, rounds: int, plain_batch: int) -> None:
+def bench_model(
+    name: str, assets: Path, peak: float | None, rounds: int, plain_batch: int,
+    device: torch.device,
+) -> None:  # fmt: skip
+    """Extraction and plain forward of the model ``name`` (:data:`CONFIGS`, or ``quick``: the
+    tiny :data:`QUICK_CONFIG`) on ``device`` (bf16 on a GPU, fp32 on the CPU); ``peak``: the
+    measured matmul peak the useful throughput is a share of (None on the CPU)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from layerdiv.extract.adapters import adapter_for
     from layerdiv.extract.batching import tokenize
+    from layerdiv.extract.config import ExtractConfig
     from layerdiv.extract.models import LoadedModel, ModelSource
-    from layerdiv.extract.runner import ExtractConfig, extract_task, plan_task
+    from layerdiv.extract.plan import plan_task
+    from layerdiv.extract.runner import extract_task
+    from layerdiv.extract.tasks import load_task
 
-    device = torch.device("cuda")
-    fields = dict(CONFIGS[name])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    fields = dict(QUICK_CONFIG if name == "quick" else CONFIGS[name])
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     t = time.perf_counter()
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     n_params = sum(p.numel() for p in model.parameters())
     print(
-        f"\n== {name}: {n_params / 1e9:.2f}B parameters, built in {time.perf_counter() - t:.0f} s"
+        f"\n== {name}: {n_params / 1e9:.3g}B parameters, built in {time.perf_counter() - t:.0f} s"
     )
     tokenizer = AutoTokenizer.from_pretrained(assets / "tokenizer")
     tokenizer.padding_side = "left"
     source = ModelSource(name, name, None, "random-init", config, False)
-    loaded = LoadedModel(source, model, tokenizer, device, torch.bfloat16)
+    loaded = LoadedModel(source, model, tokenizer, device, dtype)
     adapter = adapter_for(config)
-    tasks = sorted((assets / "tasks").glob("*.yaml"))
+    found = sorted((assets / "tasks").glob("*.yaml"))
+    tasks = [p for p in found if load_task(str(p)).kind == "choice"]  # not the demo's text task
     store = Path(tempfile.mkdtemp(prefix="layerdiv-bench-"))
     try:
         cfg = ExtractConfig(model=name, tasks=[], store=store, progress=False)
@@ -211,32 +240,34 @@ def bench_model(name: str, assets: Path, peak: float, rounds: int, plain_batch: 
         lengths = [len(s) for s in seqs]
         flops = useful_flops(model, lengths)
         times, plain_times, max_err = [], [], 0.0
-        torch.cuda.reset_peak_memory_stats()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         for r in range(rounds):
             cfg_r = ExtractConfig(model=name, tasks=[], store=store / f"r{r}", progress=False)
-            torch.cuda.synchronize()
+            synchronize(device)
             start = time.perf_counter()
             for path in tasks:
                 summary = extract_task(
                     loaded, adapter, plan_task(str(path), tokenizer, cfg_r), cfg_r, False
                 )
                 max_err = max(max_err, summary.max_sum_error)
-            torch.cuda.synchronize()
+            synchronize(device)
             times.append(time.perf_counter() - start)
             plain_times.append(plain_forward(model, seqs, plain_batch, tokenizer.pad_token_id))
         sec, plain = statistics.median(times), statistics.median(plain_times)
-        peak_mem = torch.cuda.max_memory_allocated() / 2**30
+        peak_mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
         print(
             f"instances: {len(seqs)} from {len(tasks)} tasks; tokens/prompt mean "
             f"{statistics.mean(lengths):.0f}, max {max(lengths)}"
         )
         print(
             f"extraction: {sec:.2f} s median of {rounds} -> {len(seqs) / sec:.0f} instances/s, "
-            f"{sum(lengths) / sec:.0f} tokens/s; max decomposition error {max_err:.1e} (bf16)"
+            f"{sum(lengths) / sec:.0f} tokens/s; max decomposition error {max_err:.1e} ({dtype})"
         )
+        share = f" = {flops / sec / 1e12 / peak:.1%}" if peak else ""
         print(
-            f"useful compute: {flops / sec / 1e12:.0f} TFLOP/s = {flops / sec / 1e12 / peak:.1%} "
-            f"of the measured bf16 matmul peak ({peak:.0f} TFLOP/s)"
+            f"useful compute: {flops / sec / 1e12:.3g} TFLOP/s{share} of the measured bf16 matmul "
+            f"peak ({f'{peak:.0f} TFLOP/s' if peak else 'not measured on the CPU'})"
         )
         print(
             f"plain forward (arrival order, batch {plain_batch}, logits_to_keep=1): {plain:.2f} s "
@@ -246,7 +277,8 @@ def bench_model(name: str, assets: Path, peak: float, rounds: int, plain_batch: 
     finally:
         shutil.rmtree(store, ignore_errors=True)
         del model, loaded
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -263,7 +295,13 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--plain-batch", type=int, default=64)
+    add_quick(parser)
     args = parser.parse_args()
+    if args.quick:
+        with tempfile.TemporaryDirectory(prefix="layerdiv-bench-gpu-") as tmp:
+            prepare(Path(tmp), 30, "demo")
+            bench_model("quick", Path(tmp), None, 1, 8, torch.device("cpu"))
+        return
     if args.prepare:
         prepare(args.prepare, args.n, args.prompts)
         return
@@ -276,7 +314,7 @@ def main() -> None:
         f"bf16 matmul peak measured: {peak:.0f} TFLOP/s"
     )
     for name in args.models:
-        bench_model(name, args.assets, peak, args.rounds, args.plain_batch)
+        bench_model(name, args.assets, peak, args.rounds, args.plain_batch, device)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import add_quick
+
 ANALYSE = """
 import sys, time
 from pathlib import Path
@@ -95,7 +97,11 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--tasks", type=int, default=8)
     parser.add_argument("--instances", type=int, default=2000)
+    add_quick(parser)
     args = parser.parse_args()
+    if args.quick:  # a small store beside the paper-scale one
+        args.layers, args.heads, args.tasks, args.instances = 4, 4, 2, 40
+        args.store = Path(f"{args.store}-quick")
 
     rows = ensure_store(args.store, args.layers, args.heads, args.tasks, args.instances)
     with tempfile.TemporaryDirectory() as out:

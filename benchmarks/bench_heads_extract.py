@@ -24,12 +24,14 @@ import time
 from pathlib import Path
 
 import torch
+from common import add_quick, demo_choice_tasks
 
-from layerdiv.demo import DEMO_MODEL, write_demo_tasks
+from layerdiv.demo import DEMO_MODEL
 from layerdiv.extract.adapters import adapter_for, check_heads, check_softcap
 from layerdiv.extract.config import ExtractConfig
 from layerdiv.extract.models import load_model, load_tokenizer, resolve_source
-from layerdiv.extract.runner import extract_task, plan_task
+from layerdiv.extract.plan import plan_task
+from layerdiv.extract.runner import extract_task
 from layerdiv.store import Store
 
 TARGET = 1.10
@@ -42,7 +44,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: its default)")
+    add_quick(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.n, args.rounds = 6, 1
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -53,7 +58,7 @@ def main() -> None:
     n_heads = check_heads(config)
     per_task = -(-args.n // 3)
     with tempfile.TemporaryDirectory(prefix="layerdiv-bench-heads-") as tmp:
-        paths = write_demo_tasks(Path(tmp) / "tasks", -(-per_task // 30) * 30, args.seed)
+        paths = demo_choice_tasks(Path(tmp) / "tasks", -(-per_task // 30) * 30, args.seed)
 
         def run(heads: bool, store: Path) -> tuple[float, float]:
             cfg = ExtractConfig(

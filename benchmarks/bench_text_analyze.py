@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import add_quick
+
 
 def ensure_store(root: Path, shape: dict[str, int | bool]) -> int:
     """Synthesise the store unless one of the same shape is already at ``root``; its rows."""
@@ -124,7 +126,12 @@ def main() -> None:
     parser.add_argument("--skips", action="store_true", help="add the future-effects tables")
     parser.add_argument("--stages", action="store_true", help="time the pass stage by stage")
     parser.add_argument("--batch-tokens", default="4096,1024", help="tokens per batch (--stages)")
+    add_quick(parser)
     args = parser.parse_args()
+    if args.quick:  # small stores beside the full-size ones, every option's code path
+        args.docs, args.tokens, args.blocks, args.sizes, args.batch_tokens = 8, 64, 4, "1", "256"
+        args.lens = args.skips = args.stages = True
+        args.store = Path(f"{args.store}-quick")
     runs = []
     for size in (float(s) for s in args.sizes.split(",")):
         docs = round(args.docs * size)

@@ -2,7 +2,7 @@
 forward pass over the same documents and batches (SmolLM2-135M-Instruct, fp32, BBC News).
 
     python benchmarks/bench_text_extract.py [--docs 4] [--max-tokens 256] [--batch-size 4]
-                                             [--repeats 3] [--rows text,lens,...]
+                                             [--repeats 3] [--rows text,lens,...] [--quick]
 
 ``--docs`` packaged BBC News articles (title and first paragraphs, evenly spread over the corpus)
 are tokenized as a text task does (``tokenize_documents``, cut to ``--max-tokens``) and grouped
@@ -43,18 +43,22 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from typing import Any
 
 import torch
+from common import add_quick, record
 
+import layerdiv.extract.text as text_module
 from layerdiv.demo import DEMO_MODEL, bbc_articles
 from layerdiv.extract.adapters import adapter_for
 from layerdiv.extract.batching import batches, tokenize_documents
 from layerdiv.extract.forward import CPU_TOKEN_BUDGET, ModelRunner, left_padded
 from layerdiv.extract.future import SkipSettings, split_points
 from layerdiv.extract.models import LoadedModel, load_model, load_tokenizer, resolve_source
+from layerdiv.extract.readout import Readout
 
 Batches = list[list[list[int]]]
 """Batches of documents, each document its token ids."""
@@ -176,6 +180,32 @@ def timed(run: Callable[[Batches], Any], data: Batches) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+@contextmanager
+def lens_split() -> Iterator[dict[str, float]]:
+    """CPU seconds spent in the lens's readouts and in its statistics while the context is open
+    (``Readout.logits`` and the ``lens_stats`` the text capture calls, wrapped)."""
+    spent = {"readout": 0.0, "statistics": 0.0}
+    logits, stats = Readout.logits, text_module.lens_stats
+
+    def timed_call(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.process_time() - start
+
+        return call
+
+    Readout.logits = timed_call("readout", logits)  # type: ignore[method-assign]
+    text_module.lens_stats = timed_call("statistics", stats)
+    try:
+        yield spent
+    finally:
+        Readout.logits = logits  # type: ignore[method-assign]
+        text_module.lens_stats = stats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--docs", type=int, default=4, help="BBC News articles")
@@ -184,7 +214,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of every row")
     parser.add_argument("--rows", default="text,lens,lens last-block",
                         help="rows besides plain, comma-separated (also: skips)")  # fmt: skip
+    add_quick(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.docs, args.max_tokens, args.batch_size, args.repeats = 2, 24, 2, 1
     print(f"command: {shlex.join(['python', *sys.argv])}")
     versions = ", ".join(f"{d} {metadata.version(d)}" for d in ("torch", "transformers"))
     print(f"machine: {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; {versions}")
@@ -202,21 +235,61 @@ def main() -> None:
     for _, run, _ in table:  # warm-up: first calls, weights paged in
         run(short)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in table}
+    loads = [os.getloadavg()[0]]
     for r in range(args.repeats):
         k = r % len(table)
         for name, run, _ in table[k:] + table[:k]:
             times[name].append(timed(run, data))
+        loads.append(os.getloadavg()[0])
         done = ", ".join(f"{n} {t[-1][0]:.2f} s ({t[-1][1]:.2f} CPU s)" for n, t in times.items())
-        print(f"repeat {r + 1}: {done}; load average {os.getloadavg()[0]:.2f}")
-    report(table, times, flops["forward"])
+        print(f"repeat {r + 1}: {done}; load average {loads[-1]:.2f}")
+    results = report(table, times, flops["forward"])
+    shares = split(table, data, statistics.median(t[1] for t in times["plain"]))
+    loads.append(os.getloadavg()[0])
+    if not args.quick:
+        suffix = (
+            "" if args.rows == parser.get_default("rows") else "-" + args.rows.replace(",", "-")
+        )
+        record(f"bench_text_extract{suffix}".replace(" ", "-"), COLUMNS, results, loads,
+               formats=FORMATS, forward_gflop=round(flops["forward"] / 1e9, 1),
+               repeats=args.repeats, split=shares)  # fmt: skip
 
 
-def report(table: list[Row], times: dict[str, list[tuple[float, float]]], forward: float) -> None:
+COLUMNS = ["row", "wall s", "wall ratio", "CPU s", "CPU ratio", "FLOP ratio", "target", "result"]
+FORMATS = ["", ".2f", ".3f", ".2f", ".3f", ".3f", ".3f", ""]
+"""The table's columns (those of the results file) and how the docs print them."""
+
+
+def split(table: list[Row], data: Batches, plain_cpu: float) -> dict[str, Any]:
+    """Run each lens row once more, its readouts and statistics timed: print its CPU time split
+    into the forward (the plain row's median), the readout matmuls, the statistics and the rest;
+    returned as a table for the results file."""
+    lens_rows = [(name, run) for name, run, _ in table if name.startswith("lens")]
+    columns = ["row", "CPU s", "forward", "readout", "statistics", "rest"]
+    out: dict[str, Any] = {"columns": columns, "formats": [""] + [".2f"] * 5, "rows": []}
+    print("\nsplit of the lens rows' CPU time (one more run each; forward: plain's median)")
+    print(f"{'row':<16} {'CPU s':>8} {'forward':>8} {'readout':>8} {'stats':>8} {'rest':>8}")
+    for name, run in lens_rows:
+        with lens_split() as spent:
+            _, cpu = timed(run, data)
+        rest = cpu - plain_cpu - spent["readout"] - spent["statistics"]
+        print(f"{name:<16} {cpu:8.2f} {plain_cpu:8.2f} {spent['readout']:8.2f} "
+              f"{spent['statistics']:8.2f} {rest:8.2f}")  # fmt: skip
+        values = [cpu, plain_cpu, spent["readout"], spent["statistics"], rest]
+        out["rows"].append([name, *(round(v, 2) for v in values)])
+    return out
+
+
+def report(
+    table: list[Row], times: dict[str, list[tuple[float, float]]], forward: float
+) -> list[list[Any]]:
     """The table: per row median wall and CPU seconds, their ratios to the plain forward (median
     over repeats of the ratio within a repeat), the FLOP ratio, the target and the verdict (on
-    the CPU-time ratio, which load from other processes on a shared machine disturbs less)."""
+    the CPU-time ratio, which load from other processes on a shared machine disturbs less);
+    returned as the results file's rows."""
     print(f"\n{'row':<16} {'wall s':>8} {'ratio':>6} {'CPU s':>8} {'ratio':>6} "
           f"{'FLOP ratio':>10} {'target':>7}  result")  # fmt: skip
+    out = []
     for name, _, count in table:
         ratios = []
         for k in (0, 1):
@@ -227,9 +300,12 @@ def report(table: list[Row], times: dict[str, list[tuple[float, float]]], forwar
         wall, cpu = (statistics.median(t[k] for t in times[name]) for k in (0, 1))
         print(f"{name:<16} {wall:8.2f} {ratios[0]:6.3f} {cpu:8.2f} {ratios[1]:6.3f} "
               f"{count / forward:10.3f} {limit:7.3f}  {verdict}")  # fmt: skip
+        out.append([name, round(wall, 2), round(ratios[0], 3), round(cpu, 2), round(ratios[1], 3),
+                    round(count / forward, 3), round(limit, 3), verdict])  # fmt: skip
     print(f"\nforward {forward / 1e9:.1f} GFLOP; ratio: median over repeats of (row s / plain s)"
           f" in the same repeat; target: {OVERHEAD_TARGET} without added FLOPs, else "
           f"{FLOP_TARGET} x FLOP ratio; result on the CPU-time ratio")  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

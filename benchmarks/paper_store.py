@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import add_quick
+
 
 def store_parser(doc: str) -> argparse.ArgumentParser:
     """A parser described by the first line of ``doc``, with the store's options: ``--store``
@@ -25,7 +27,18 @@ def store_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--models", type=int, default=16)
     parser.add_argument("--tasks", type=int, default=8)
     parser.add_argument("--instances", type=int, default=2000)
+    add_quick(parser)
     return parser
+
+
+def parse_store_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The parsed options; ``--quick``: a store of 2 models x 2 tasks x 40 instances beside
+    ``--store`` (``<store>-quick``, so that the paper-scale one is kept)."""
+    args = parser.parse_args()
+    if args.quick:
+        args.models, args.tasks, args.instances = 2, 2, 40
+        args.store = Path(f"{args.store}-quick")
+    return args
 
 
 def ensure_store(root: Path, models: int, tasks: int, instances: int) -> int:

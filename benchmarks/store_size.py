@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import yaml
+from common import add_quick
 
 import layerdiv.tasks
 from layerdiv.analyze.synthetic import synthesize_store
@@ -71,11 +72,13 @@ def table_bytes(root: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--store", action="append", default=[], help="a real store to measure")
+    add_quick(parser)
     args = parser.parse_args()
+    n = 40 if args.quick else 2_000
     measured = []
     with tempfile.TemporaryDirectory() as tmp:
-        synthesize_store(tmp, n_models=2, n_tasks=4, n_instances=2_000, progress=False)
-        measured.append(("synthetic, 2 models x 4 tasks x 2,000", *measure(Path(tmp))))
+        synthesize_store(tmp, n_models=2, n_tasks=4, n_instances=n, progress=False)
+        measured.append((f"synthetic, 2 models x 4 tasks x {n:,}", *measure(Path(tmp))))
     for root in args.store:
         held = ", ".join(f"{p.model}/{p.task}" for p in Store(root).partitions)
         measured.append((f"{held} ({root})", *measure(Path(root))))

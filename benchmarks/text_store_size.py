@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from click.testing import CliRunner
+from common import add_quick
 
 from layerdiv.cli import main
 from layerdiv.demo import bbc_articles
@@ -43,7 +44,10 @@ def main_() -> None:
     parser.add_argument("--docs", type=int, default=40)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--store", type=Path, default=None)
+    add_quick(parser)
     args = parser.parse_args()
+    if args.quick:
+        args.docs, args.max_tokens = 2, 24
     store = args.store or Path(tempfile.mkdtemp(prefix="layerdiv-text-")) / "store"
     if not store.exists():
         extract(store, args.docs, args.max_tokens)

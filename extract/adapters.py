@@ -10,6 +10,7 @@ modules run, so parallel attention/MLP blocks and shared layers that run twice n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -51,6 +52,55 @@ class Adapter:
     attn_post_norm: bool = False
     """The attention component (``attn``) is a norm of W_O's output (Gemma-2/3 sandwich norms):
     the heads go through it with its scale frozen at the block's own value."""
+    refuse: Callable[[Any], str | None] | None = None
+    """Of a config of this family: why it cannot be decomposed (one line), or None."""
+    prepare: Callable[[Any], None] | None = None
+    """Gives a loaded model of this family the modules the paths above name (idempotent)."""
+
+
+def _opt_tokens_view(model: Any) -> None:
+    """OPT's MLP has no module of its own and runs on the tokens flattened to rows: its fc2 is
+    wrapped so that its output passes through an identity module ``fc2.tokens`` shaped (batch,
+    positions, d), what the MLP adds to the residual stream (hooks there see and may replace it)."""
+    import torch
+
+    class TokensView(torch.nn.Module):
+        def __init__(self, inner: Any) -> None:
+            super().__init__()
+            self.inner, self.tokens, self.shape = inner, torch.nn.Identity(), (0, 0)
+
+        def forward(self, x: Any) -> Any:
+            y = self.inner(x)
+            return self.tokens(y.view(*self.shape, y.shape[-1])).reshape(y.shape)
+
+    for layer in model.model.decoder.layers:
+        if type(layer.fc2).__name__ == "TokensView":
+            continue
+        view = TokensView(layer.fc2)
+        layer.fc2 = view
+
+        def keep_shape(module: Any, args: Any, kwargs: Any, view: Any = view) -> None:
+            h = args[0] if args else kwargs["hidden_states"]
+            view.shape = tuple(h.shape[:-1])
+
+        layer.register_forward_pre_hook(keep_shape, with_kwargs=True)
+
+
+def _opt_refusal(config: Any) -> str | None:
+    """OPT variants whose residual stream is not the sum of the blocks' additions."""
+    if not getattr(config, "do_layer_norm_before", True):
+        return (
+            "is a post-norm OPT (do_layer_norm_before=False, as OPT-350m): each block layer-norms "
+            "the residual stream after adding to it, so the stream is not a sum of components"
+        )
+    if getattr(config, "word_embed_proj_dim", config.hidden_size) != config.hidden_size:
+        return (
+            "projects its embeddings and final states (word_embed_proj_dim != hidden_size), "
+            "which the readout does not model"
+        )
+    if getattr(config, "_remove_final_layer_norm", False):
+        return "has no final layer norm (_remove_final_layer_norm=True)"
+    return None
 
 
 _LLAMA_LIKE: dict[str, Any] = dict(
@@ -109,6 +159,28 @@ ADAPTERS: tuple[Adapter, ...] = (
         norm="layer",
         attn_out="attention.dense",
     ),
+    Adapter(
+        "gptj",
+        ("gptj",),
+        blocks="transformer.h",
+        attn="attn",
+        mlp="mlp",
+        final_norm="transformer.ln_f",
+        norm="layer",
+        attn_out="attn.out_proj",
+    ),
+    Adapter(
+        "opt",
+        ("opt",),
+        blocks="model.decoder.layers",
+        attn="self_attn",
+        mlp="fc2.tokens",
+        final_norm="model.decoder.final_layer_norm",
+        norm="layer",
+        attn_out="self_attn.out_proj",
+        refuse=_opt_refusal,
+        prepare=_opt_tokens_view,
+    ),
 )
 
 
@@ -121,6 +193,9 @@ def adapter_for(config: Any) -> Adapter:
     model_type = getattr(config, "model_type", None)
     for adapter in ADAPTERS:
         if model_type in adapter.model_types:
+            reason = adapter.refuse(config) if adapter.refuse else None
+            if reason:
+                raise UnsupportedModel(f"this {model_type!r} model {reason}; it is not supported.")
             return adapter
     raise UnsupportedModel(
         f"architecture {model_type!r} is not supported; supported model types: "
@@ -166,6 +241,15 @@ def check_softcap(config: Any, allow: bool) -> bool:
             "partition approximate)."
         )
     return bool(cap)
+
+
+def prepare_model(model: Any) -> Any:
+    """``model`` with the modules its adapter names (:attr:`Adapter.prepare`; idempotent)."""
+    model_type = getattr(model.config, "model_type", None)
+    for adapter in ADAPTERS:
+        if model_type in adapter.model_types and adapter.prepare is not None:
+            adapter.prepare(model)
+    return model
 
 
 def get_module(root: Any, path: str) -> Any:

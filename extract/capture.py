@@ -7,19 +7,18 @@ only that position (B x d per component), never the whole sequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.adapters import Adapter, get_module
+from layerdiv.extract.hooks import Hooks, unique_blocks
 from layerdiv.extract.readout import LensReference, Readout, lens_stats, onloaded
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
-
-if TYPE_CHECKING:
-    from layerdiv.extract.heads import HeadDecomposition
 
 SUM_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 """Largest accepted relative decomposition error per dtype (methods §1 invariant)."""
@@ -27,6 +26,19 @@ SUM_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 class DecompositionError(LayerdivError, RuntimeError):
     """The components do not add up to the model's logits, or a value is NaN/Inf."""
+
+
+@dataclass
+class HeadDecomposition:
+    """Per-head option logits of one batch (float32, on the CPU)."""
+
+    components: list[int]
+    """Index (execution order, as in :class:`BatchDecomposition`) of each attention component."""
+    head_ids: list[int]
+    """Head index of each column: 0..H-1, preceded by -1 (the output projection's bias) when
+    the projection has one."""
+    logits: torch.Tensor
+    """(B, A, G, K) u_(b,h)[k]: head G of attention component A's share of option k's logit."""
 
 
 @dataclass
@@ -63,9 +75,12 @@ class BatchDecomposition:
     """(B, L + 1, 2 + K) with ``lens=True``: per layer l = 0..L the logit lens at the last prompt
     token (p_l from block l's input, p_L the model's output): kl, top5_overlap and log p_l of
     each option's token (``layerdiv.schemas.LENS``; ce is that of the gold option)."""
+    measured: dict[str, Sequence[Any]] = field(default_factory=dict)
+    """Each registered measurement's values (``layerdiv.measurements.Capture.result``), one per
+    row, by name."""
 
 
-class ComponentCapture:
+class ComponentCapture(Hooks):
     """Hooks on one model; :meth:`decompose` after each forward pass gives the batch's results."""
 
     def __init__(
@@ -76,11 +91,10 @@ class ComponentCapture:
         gram: bool = False,
         lens: bool = False,
     ):
+        super().__init__()
         self.adapter = adapter
         self.gram = gram
         self.lens = lens
-        self.paused = False
-        """While True the hooks keep nothing (extra passes such as layer skips)."""
         blocks = get_module(model, adapter.blocks)
         self.readout = Readout(model, adapter)
         self.norm, head = self.readout.norm, self.readout.head
@@ -98,17 +112,15 @@ class ComponentCapture:
         self._buffer: torch.Tensor | None = None  # (slots, rows, d) float32, reused every pass
         self._x: torch.Tensor | None = None
         self._head: torch.Tensor | None = None
-        self._handles = [
+        self.add(
             blocks[0].register_forward_pre_hook(self._embed_hook, with_kwargs=True),
             self.norm.register_forward_pre_hook(self._norm_hook),
             head.register_forward_hook(self._head_hook),
-        ]
-        # A block listed twice (shared layers) is hooked once; its hooks fire on every call.
-        unique = list({id(block): block for block in blocks}.values())
-        for i, block in enumerate(unique):
+        )
+        for i, block in enumerate(unique_blocks(model, adapter)):
             for kind in ("attn", "mlp"):
                 module = get_module(block, getattr(adapter, kind))
-                self._handles.append(module.register_forward_hook(self._component_hook(kind, i)))
+                self.add(module.register_forward_hook(self._component_hook(kind, i)))
 
     # hooks -------------------------------------------------------------------------------------
     def _keep(self, kind: str, layer: int, output: Any) -> None:
@@ -144,11 +156,6 @@ class ComponentCapture:
     def _head_hook(self, module: Any, args: tuple, output: Any) -> None:
         out = output[0] if isinstance(output, tuple) else output
         self._head = out[:, -1, self.option_ids].float()
-
-    def remove(self) -> None:
-        """Detach every hook from the model."""
-        for handle in self._handles:
-            handle.remove()
 
     def reset(self) -> None:
         self._records, self._x, self._head = [], None, None

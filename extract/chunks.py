@@ -11,7 +11,8 @@ import pyarrow as pa
 from layerdiv.extract.batching import chunk_runs
 from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.forward import ModelRunner
-from layerdiv.schemas import KINDS, OPTIONAL_TABLES
+from layerdiv.measurements import all_optional_tables
+from layerdiv.schemas import KINDS
 from layerdiv.store.manifest import Manifest, read_manifest
 from layerdiv.store.writer import ChunkClaim, PartitionWriter
 
@@ -26,9 +27,9 @@ def extra_tables(writer: PartitionWriter, asked: list[str], overwrite: bool) -> 
     with other flags), unless it is to be replaced, so that no chunk stored later lacks them."""
     manifest = writer.part.manifest
     if overwrite or not manifest.exists():
-        return [t for t in OPTIONAL_TABLES if t in asked]
+        return [t for t in all_optional_tables() if t in asked]
     kept = read_manifest(manifest).extra_tables
-    return [t for t in OPTIONAL_TABLES if t in asked or t in kept or writer.part.parts(t)]
+    return [t for t in all_optional_tables() if t in asked or t in kept or writer.part.parts(t)]
 
 
 def pending(

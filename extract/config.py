@@ -3,8 +3,13 @@ the command line reads its choices and defaults from this module)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
+
+from layerdiv.errors import LayerdivError
+from layerdiv.measurements import for_kind, registered
 
 DEFAULT_CHUNK_SIZE = 1024
 """Instances per chunk of a new partition when ``--chunk-size`` is not given."""
@@ -25,7 +30,14 @@ class ExtractConfig:
     store: Path = Path("layerdiv-store")
     """Store directory."""
     revision: str | None = None
-    """Hub revision (branch, tag or commit) of the model."""
+    """Hub revision (branch, tag or commit) of the model; for a local folder, a label. The
+    partition's ``revision=`` key (``main`` when None)."""
+    step: int | None = None
+    """Training step of the revision (None: N of a Pythia-style ``stepN`` revision, or unknown)."""
+    tokens_seen: int | None = None
+    """Training tokens the revision has seen (None: step x ``tokens_per_step`` where given)."""
+    tokens_per_step: int | None = None
+    """Training tokens per optimizer step, to derive ``tokens_seen`` from the step."""
     gguf_file: str | None = None
     """GGUF file inside the model's folder or repo (converted once to safetensors)."""
     limit: int | None = None
@@ -58,7 +70,7 @@ class ExtractConfig:
     §8); a partition stored without them is extended (backfilled)."""
     skips: bool = False
     """Also store the option logits with each block skipped (``skips`` table, methods §7); on
-    a text task, the future effects (``future_effects``, ``future_output``, methods §9)."""
+    a text task, the future effects (``layerdiv.measurements.future``, methods §9)."""
     skip_split: str | None = None
     """Text tasks with ``skips``: ``random`` (4 seeded split points per document, the default)
     or ``all`` (every position but the first); None keeps the partition's own."""
@@ -74,21 +86,45 @@ class ExtractConfig:
     """Text tasks: also store the logit lens of every block input (``token_lens`` table,
     methods §9): ``final`` (final norm and unembedding) or ``last-block`` (the last
     block applied first)."""
-    states: int | None = None
-    """Text tasks: also store the residual states h_0..h_L at this many sampled positions per
-    document (0: ``all``; ``states`` table, methods §11); None: no states."""
-    states_seed: int | None = None
-    """Seed of the sampled state positions (None: the partition's own, or 0)."""
-    states_dtype: str | None = None
-    """``float16``, ``bfloat16`` or ``float32`` (None: the partition's own, or float16)."""
+    measures: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The registered measurements outside the decomposition capture that this run asks for
+    (``layerdiv.measurements``), by name: the settings given (None: not given, the partition's
+    own or the default)."""
     progress: bool = True
     """Show progress bars."""
 
     @property
     def extra_tables(self) -> list[str]:
-        """The optional tables this run writes (and backfills for chunks stored without them)."""
+        """The optional choice-task tables this run writes (and backfills for chunks stored
+        without them), but the lens (whose flag has a value)."""
         flags = (("heads", self.heads), ("skips", self.skips), ("gram", self.gram))
         return [t for t, on in flags if on]
+
+    def measured_tables(self, kind: str) -> list[str]:
+        """The tables of :attr:`measures` for task ``kind``."""
+        return [t for m in for_kind(kind) if m.name in self.measures for t in m.tables[kind]]
+
+
+class OptionError(LayerdivError, ValueError):
+    """A measurement's setting given without the measurement."""
+
+
+def measurement_options(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``ExtractConfig``'s keyword arguments from the values of the measurements' ``extract``
+    options: the built-in ones by their field, the others under ``measures``."""
+    own = {f.name for f in fields(ExtractConfig)}
+    out: dict[str, Any] = {k: v for k, v in values.items() if k in own}
+    measures: dict[str, dict[str, Any]] = {}
+    for m in registered():
+        if m.dest in own:
+            continue
+        settings = {s.name: values.get(s.name) for s in m.settings}
+        if values.get(m.dest):
+            measures[m.name] = settings
+        elif any(v not in (None, ()) for v in settings.values()):
+            given = [s.option.opts[0] for s in m.settings if values.get(s.name) not in (None, ())]
+            raise OptionError(f"{', '.join(given)} sets up {m.flag}; add {m.flag}")
+    return {**out, "measures": measures}
 
 
 @dataclass

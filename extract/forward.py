@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -18,19 +18,17 @@ from layerdiv.extract.future import FutureEffects, SkipSettings
 from layerdiv.extract.heads import HeadCapture
 from layerdiv.extract.models import LoadedModel
 from layerdiv.extract.skips import BlockSkipper
-from layerdiv.extract.states import StateSettings, gather_states
 from layerdiv.extract.text import TextBatch, TextCapture
+from layerdiv.measurements import RowsCapture, for_kind
+from layerdiv.measurements.future import future_rows
 from layerdiv.store.tables import (
     components_table,
     documents_table,
-    future_effects_table,
-    future_output_table,
     gram_table,
     heads_table,
     instances_table,
     lens_table,
     skips_table,
-    states_table,
     token_blocks_table,
     token_lens_table,
     tokens_table,
@@ -91,7 +89,7 @@ class ModelRunner:
         kind: str = "choice",
         lens: str | None = None,
         skips: SkipSettings | None = None,
-        states: StateSettings | None = None,
+        measures: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         self.loaded = loaded
         self.budget = budget
@@ -105,12 +103,10 @@ class ModelRunner:
         not attached."""
         self.future = (
             FutureEffects(loaded.model, adapter, self.text.readout, skips)
-            if self.text is not None and skips is not None and "future_effects" in extra_tables
+            if self.text is not None and skips is not None
             else None
         )
         """Text tasks with ``--skips``: the future effects (methods §9)."""
-        self.states = states if self.text is not None and "states" in extra_tables else None
-        """Text tasks with ``--states``: which residual states are kept (methods §11)."""
         self.capture = (
             None
             if self.text is not None
@@ -132,6 +128,12 @@ class ModelRunner:
             BlockSkipper(loaded.model, adapter, option_ids) if "skips" in extra_tables else None
         )
         """With ``--skips``: the block skipper (methods §7)."""
+        self.measures = {
+            m.name: m.attach_to(loaded.model, adapter, (measures or {})[m.name])
+            for m in for_kind(kind)
+            if m.attach is not None and m.name in (measures or {})
+        }
+        """The registered measurements' hooks (``layerdiv.measurements.Measurement.attach``)."""
         params = inspect.signature(loaded.model.forward).parameters
         self.extra: dict[str, Any] = {"use_cache": False}
         if "logits_to_keep" in params:
@@ -147,7 +149,7 @@ class ModelRunner:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        for capture in (self.capture, self.heads, self.text):
+        for capture in (self.capture, self.heads, self.text, *self.measures.values()):
             if capture is not None:
                 capture.remove()
 
@@ -158,19 +160,19 @@ class ModelRunner:
         device = self.loaded.device
         inputs = {k: v.to(device) for k, v in left_padded(seqs, self.pad_id).items()}
         inputs.update(self.extra)
+        for hooks in self.measures.values():
+            hooks.reset()
+            if isinstance(hooks, RowsCapture):
+                hooks.batch(ids, [len(s) for s in seqs])
         if self.text is not None:
             text = self.text
             text.reset(inputs["input_ids"])
             with torch.inference_mode():
                 self.loaded.model(**inputs)
-                batch = text.decompose()
-                if self.states is not None and ids is not None:
-                    batch.states = gather_states(
-                        text.states(), [len(s) for s in seqs], ids, self.states
-                    )
+                batch = text.decompose(self.budget)
+                batch.measured = self._measured()
                 if self.future is not None and ids is not None:
-                    text.paused = True
-                    try:
+                    with text.pausing():
                         batch.future = self.future.run(
                             text.states(),
                             text.block_args,
@@ -179,8 +181,6 @@ class ModelRunner:
                             ids,
                             max(1, self.budget // inputs["input_ids"].shape[1]),
                         )
-                    finally:
-                        text.paused = False
                 return batch
         capture = self.capture
         assert capture is not None  # a choice runner
@@ -194,15 +194,18 @@ class ModelRunner:
                 with self.skipper.recording():
                     self.loaded.model(**inputs)
             dec = capture.decompose()
+            dec.measured = self._measured()
             if self.heads is not None:
                 dec.heads = self.heads.decompose(dec)
             if self.skipper is not None:
-                capture.paused = True  # also pauses the heads capture
-                try:  # methods §7: each block skipped, the shared prefix reused
+                with capture.pausing():  # also pauses the heads capture; methods §7:
+                    # each block skipped, the shared prefix reused
                     dec.skip_logits = self.skipper.skip_logits(lambda: self.loaded.model(**inputs))
-                finally:
-                    capture.paused = False
         return dec
+
+    def _measured(self) -> dict[str, Sequence[Any]]:
+        """The registered measurements' values of the forward pass just run."""
+        return {name: hooks.result() for name, hooks in self.measures.items()}
 
     def run_chunk(
         self, seqs: list[list[int]], ids: list[int], batch_size: int | None
@@ -280,11 +283,6 @@ def text_tables(
     n_tokens = [len(seqs[i]) for i in ids]
     dots = np.concatenate([results[i][0].document(results[i][1], len(seqs[i])) for i in ids])
     optional = future_tables(ids, results)
-    if results[ids[0]][0].states is not None:
-        if any(results[i][0].states is None for i in ids):
-            raise DecompositionError("a document ran without the states")
-        rows = [results[i][0].states[results[i][1]] for i in ids]  # type: ignore[index]
-        optional["states"] = states_table(ids, [p for p, _ in rows], [h for _, h in rows])
     if results[ids[0]][0].lens is not None:
         if any(results[i][0].lens is None for i in ids):
             raise DecompositionError("a document ran without the lens")
@@ -292,7 +290,12 @@ def text_tables(
         optional["token_lens"] = token_lens_table(ids, n_tokens, v[..., 0], v[..., 1], v[..., 2])
     return {
         **optional,
-        "tokens": tokens_table(ids, [seqs[i] for i in ids]),
+        **measured_tables("text", ids, results),
+        "tokens": tokens_table(
+            ids,
+            [seqs[i] for i in ids],
+            np.concatenate([results[i][0].document_loss(results[i][1], len(seqs[i])) for i in ids]),
+        ),
         "token_blocks": token_blocks_table(ids, n_tokens, dots),
         "documents": documents_table(
             ids, n_tokens, [truncated[i] for i in ids], [groups[i] for i in ids]
@@ -301,27 +304,17 @@ def text_tables(
 
 
 def future_tables(ids: list[int], results: dict[int, tuple[TextBatch, int]]) -> dict[str, pa.Table]:
-    """The ``future_effects`` and ``future_output`` tables of documents ``ids`` (ascending) where
-    the run computed them."""
+    """The future-effects tables (:mod:`layerdiv.measurements.future`) of documents ``ids``
+    (ascending) where the run computed them."""
     if results[ids[0]][0].future is None:
         return {}
-    rows = []
+    values = []
     for i in ids:
         batch, row = results[i]
         if batch.future is None:
             raise DecompositionError("a document ran without the future effects")
-        rows.append((i, batch.future[row]))
-    doc = np.concatenate([np.full(len(f.split), i) for i, f in rows])
-    split = np.concatenate([f.split for _, f in rows])
-    sublayer = [s for _, f in rows for s in f.sublayer]
-    skipped = np.concatenate([f.skipped for _, f in rows])
-    blocks = rows[0][1].rel_change.shape[1]
-    rel = np.concatenate([f.rel_change.reshape(-1, blocks) for _, f in rows])
-    out = np.concatenate([f.out_change for _, f in rows])
-    return {
-        "future_effects": future_effects_table(doc, split, sublayer, skipped, rel),
-        "future_output": future_output_table(doc, split, sublayer, skipped, out),
-    }
+        values.append(batch.future[row])
+    return future_rows(ids, values)
 
 
 def optional_tables(
@@ -352,4 +345,21 @@ def optional_tables(
         lens = stack(lambda d: d.lens)  # (B, L + 1, 2 + K)
         ce = -np.stack([lens[row, :, 2 + gold[i]] for row, i in enumerate(ids)])
         tables["lens"] = lens_table(ids, lens[..., 0], lens[..., 1], ce)
+    return {**tables, **measured_tables("choice", ids, results)}
+
+
+def measured_tables(
+    kind: str, ids: list[int], results: dict[int, tuple[Any, int]]
+) -> dict[str, pa.Table]:
+    """The tables of the registered measurements (``layerdiv.measurements``) that the run of
+    documents or instances ``ids`` (ascending) measured."""
+    first = results[ids[0]][0].measured
+    tables = {}
+    for m in for_kind(kind):
+        if m.name not in first or m.rows is None:
+            continue
+        if any(m.name not in results[i][0].measured for i in ids):
+            raise DecompositionError(f"a row ran without the measurement {m.name}")
+        values = [results[i][0].measured[m.name][results[i][1]] for i in ids]
+        tables.update(m.rows(ids, values))
     return tables

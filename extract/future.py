@@ -14,7 +14,8 @@ Split points (``--skip-split random``, the default): for a document of T tokens,
 are 8, 16, ... < T - 4; up to 4 of them are drawn without replacement by
 ``numpy.random.default_rng([seed, doc])``, so a document's split points do not depend on its batch,
 chunk or shard. A document of 12 tokens or fewer has none (and no rows). ``--skip-split all``
-removes the addition at every position but the first and measures every position (split 0).
+removes the addition at every position but the first and measures every position (split 0); a
+document of one token has no position to remove, so none (and no rows) either.
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ class SkipSettings:
 
 
 def split_points(n_tokens: int, doc: int, settings: SkipSettings) -> list[int]:
-    """The split points t of document ``doc`` of ``n_tokens`` tokens ([0] with ``all``)."""
+    """The split points t of document ``doc`` of ``n_tokens`` tokens ([0] with ``all``, none for
+    a document of one token: nothing would be removed)."""
     if settings.split == "all":
-        return [0]
+        return [0] if n_tokens > 1 else []
     candidates = np.arange(SPLIT_STEP, n_tokens - SPLIT_MARGIN, SPLIT_STEP)
     rng = np.random.default_rng([settings.seed, doc])
     chosen = rng.choice(candidates, size=min(SPLITS, len(candidates)), replace=False)

@@ -16,21 +16,14 @@ from typing import Any
 import torch
 
 from layerdiv.extract.adapters import Adapter, UnsupportedModel, get_module, norm_eps
-from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
+from layerdiv.extract.capture import (
+    BatchDecomposition,
+    ComponentCapture,
+    DecompositionError,
+    HeadDecomposition,
+)
+from layerdiv.extract.hooks import Hooks, unique_blocks
 from layerdiv.extract.readout import norm_gain, onloaded
-
-
-@dataclass
-class HeadDecomposition:
-    """Per-head option logits of one batch (float32, on the CPU)."""
-
-    components: list[int]
-    """Index (execution order, as in :class:`BatchDecomposition`) of each attention component."""
-    head_ids: list[int]
-    """Head index of each column: 0..H-1, preceded by -1 (the output projection's bias) when
-    the projection has one."""
-    logits: torch.Tensor
-    """(B, A, G, K) u_(b,h)[k]: head G of attention component A's share of option k's logit."""
 
 
 @dataclass
@@ -41,7 +34,7 @@ class _Projection:
     post_eps: float | None  # epsilon of the frozen post-attention norm (sandwich models)
 
 
-class HeadCapture:
+class HeadCapture(Hooks):
     """Hooks on every attention output projection of a model with a :class:`ComponentCapture`;
     :meth:`decompose` after each forward pass gives the batch's heads."""
 
@@ -52,9 +45,8 @@ class HeadCapture:
         self.capture = capture
         rows = capture.readout.frozen_rows(capture.w_options)  # (K, d): W_U[k] * g
         self._records: list[tuple[_Projection, torch.Tensor, torch.Tensor | None]] = []
-        self._handles = []
-        blocks = get_module(model, adapter.blocks)
-        unique = list({id(block): block for block in blocks}.values())
+        super().__init__()
+        unique = unique_blocks(model, adapter)
         self.head_ids: list[int] | None = None
         for layer, block in enumerate(unique):
             module = get_module(block, adapter.attn_out)
@@ -63,7 +55,7 @@ class HeadCapture:
             if self.head_ids is not None and ids != self.head_ids:
                 raise UnsupportedModel("--heads: blocks differ in whether W_O has a bias")
             self.head_ids = ids
-            self._handles.append(module.register_forward_hook(self._hook(proj)))
+            self.add(module.register_forward_hook(self._hook(proj)))
 
     @staticmethod
     def _projection(
@@ -109,11 +101,6 @@ class HeadCapture:
 
     def reset(self) -> None:
         self._records = []
-
-    def remove(self) -> None:
-        """Detach every hook from the model."""
-        for handle in self._handles:
-            handle.remove()
 
     def decompose(self, batch: BatchDecomposition) -> HeadDecomposition:
         """The heads of the last forward pass, with the final scale of ``batch`` frozen (and

@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -300,6 +300,13 @@ class LoadedModel:
     tokenizer: Any
     device: torch.device
     dtype: torch.dtype
+    facts: dict[str, Any] = field(default_factory=dict)
+    """What the manifest records about the model and its revision (``layerdiv.extract.facts``)."""
+
+    def __post_init__(self) -> None:
+        from layerdiv.extract.adapters import prepare_model
+
+        prepare_model(self.model)
 
     @property
     def n_params(self) -> int:

@@ -32,11 +32,13 @@ def identity(
     spec: TaskSpec,
     option_ids: list[int],
     data_sha256: str,
+    revision: str,
 ) -> Identity:
     """The identity of an extraction, known before the weights are loaded."""
     return Identity(
         model=source.model_id,
-        revision=source.revision,
+        revision=revision,
+        commit=source.revision,
         weights_fingerprint=source.weights_fingerprint,
         dtype=str(dtype).removeprefix("torch."),
         template_sha256=spec.sha256(),
@@ -65,8 +67,10 @@ def build_manifest(
         adapter=adapter.family,
         norm=adapter.norm,
         n_params=loaded.n_params,
+        **loaded.facts,
         context_length=loaded.context_length,
         hidden_size=int(src.config.hidden_size),
+        vocab_size=getattr(src.config, "vocab_size", None),
         norm_eps=norm_eps(get_module(loaded.model, adapter.final_norm)),
         options=list(spec.options),
         option_tokens=[str(t) for t in tok.convert_ids_to_tokens(list(ident.option_token_ids))],

@@ -88,22 +88,25 @@ class Readout:
 
 
 LENS_SLICE = 2**21
-"""Vocabulary entries (rows x V) per slice of the lens statistics: each slice's temporaries stay
-a few MiB, reused from one slice to the next instead of paged in for every layer."""
+"""Vocabulary entries (rows x V) per slice of the lens statistics where the caller names no row
+count (:func:`lens_stats`'s ``rows``): each slice's temporaries stay a few MiB."""
 
 
-def _slices(n_rows: int, vocab: int) -> list[slice]:
-    step = max(1, LENS_SLICE // vocab)
+def _slices(n_rows: int, vocab: int, rows: int | None = None) -> list[slice]:
+    step = max(1, rows if rows is not None else LENS_SLICE // vocab)
     return [slice(a, a + step) for a in range(0, n_rows, step)]
 
 
-def _softmax(z: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _softmax(
+    z: torch.Tensor, out: torch.Tensor, first: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """p = softmax(z) written into ``out`` and log sum_v exp(z_v) (rows, 1) of logits ``z``
-    (rows, V): one fused softmax pass, the log-sum-exp read from the largest entry,
-    log p(v*) = z(v*) - lse with p(v*) = max_v p_v >= 1 / V (the same operations for every lens
-    layer and the reference, so that p_L against itself gives exactly zero)."""
+    (rows, V) whose largest entries are at ``first`` (rows, 1): one fused softmax pass, the
+    log-sum-exp read from the largest entry, log p(v*) = z(v*) - lse with p(v*) = max_v p_v >=
+    1 / V (gathered, not searched; the same operations for every lens layer and the reference,
+    so that p_L against itself gives exactly zero)."""
     p = torch.softmax(z, dim=-1, out=out)
-    return p, z.amax(-1, keepdim=True) - p.amax(-1, keepdim=True).log()
+    return p, z.gather(-1, first) - p.gather(-1, first).log()
 
 
 TOP_BLOCK = 64
@@ -129,29 +132,38 @@ def top5(z: torch.Tensor) -> torch.Tensor:
     return candidates.gather(-1, z.gather(-1, candidates).topk(5, dim=-1).indices)
 
 
-def _scratch(z: torch.Tensor) -> torch.Tensor:
+def _scratch(z: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """One slice's buffer for the probabilities of logits ``z`` (rows, V), reused by every slice."""
-    return z.new_empty(min(z.shape[0], max(1, LENS_SLICE // z.shape[1])), z.shape[1])
+    return z.new_empty(min(z.shape[0], _slices(z.shape[0], z.shape[1], rows)[0].stop), z.shape[1])
 
 
 class LensReference:
     """The model's output distribution p_L, which every layer of the logit lens is compared with:
     its logits (V last), their log-sum-exp and its top five tokens."""
 
-    def __init__(self, logits: torch.Tensor) -> None:
+    def __init__(self, logits: torch.Tensor, rows: int | None = None) -> None:
         self.logits = logits.float().clone()
         flat = self.logits.reshape(-1, self.logits.shape[-1])
-        buf = _scratch(flat)
-        lse = [_softmax(z, buf[: len(z)])[1] for z in (flat[rows] for rows in _slices(*flat.shape))]
+        top = top5(flat)
+        buf = _scratch(flat, rows)
+        lse = [
+            _softmax(flat[r], buf[: len(flat[r])], top[r, :1])[1]
+            for r in _slices(flat.shape[0], flat.shape[1], rows)
+        ]
         self.lse = torch.cat(lse).view(*self.logits.shape[:-1], 1)
-        self.top = top5(flat).view(*self.logits.shape[:-1], 5)
+        self.top = top.view(*self.logits.shape[:-1], 5)
 
 
-def lens_stats(logits: torch.Tensor, ref: LensReference, ids: torch.Tensor) -> torch.Tensor:
+def lens_stats(
+    logits: torch.Tensor, ref: LensReference, ids: torch.Tensor, rows: int | None = None
+) -> torch.Tensor:
     """(..., 2 + K): KL(p_l || p_L), |top5(p_l) & top5(p_L)| / 5 and log p_l at ``ids`` (..., K)
     over the last axis (methods §9, logit lens) of a lens layer's float32 ``logits``
-    (overwritten) against ``ref`` (broadcast over the leading axes), per row slice of
-    :data:`LENS_SLICE` entries: a softmax, one difference and one batched dot product per row."""
+    (overwritten) against ``ref`` (broadcast over the leading axes), per slice of ``rows`` rows
+    (default: :data:`LENS_SLICE` entries): a softmax, one difference and one batched dot product
+    per row. Each slice's few operations are each one parallel pass over it: the fewer and larger
+    the slices, the less their threads wait for each other (on a busy machine, most of the
+    statistics' time)."""
     vocab = logits.shape[-1]
     lead = logits.shape[:-1]
     z = logits.reshape(-1, vocab)
@@ -160,15 +172,17 @@ def lens_stats(logits: torch.Tensor, ref: LensReference, ids: torch.Tensor) -> t
     ref_top = ref.top.expand(*lead, 5).reshape(-1, 5)
     ids = ids.expand(*lead, ids.shape[-1]).reshape(z.shape[0], -1)
     out = torch.empty(z.shape[0], 2 + ids.shape[1], device=z.device)
-    buf = _scratch(z)
-    for rows in _slices(*z.shape):
-        zr = z[rows]
+    buf = _scratch(z, rows)
+    for sl in _slices(z.shape[0], z.shape[1], rows):
+        zr = z[sl]
         top = top5(zr)
-        p, lse = _softmax(zr, buf[: len(zr)])
-        out[rows, 2:] = zr.gather(-1, ids[rows]) - lse  # log p_l(ids)
+        p, lse = _softmax(zr, buf[: len(zr)], top[:, :1])
+        out[sl, 2:] = zr.gather(-1, ids[sl]) - lse  # log p_l(ids)
         # KL(p_l || p_L) = sum_v p_l (log p_l - log p_L) = sum_v p_l (z_l - z_L) - (lse_l - lse_L)
-        # (sum_v p_l = 1), so that a shift of the logits cancels before any sum
-        kl = torch.linalg.vecdot(p, zr.sub_(ref_z[rows])) - (lse - ref_lse[rows]).view(-1)
-        out[rows, 0] = kl
-        out[rows, 1] = (top[:, :, None] == ref_top[rows, None, :]).any(-1).sum(-1) / 5.0
+        # (sum_v p_l = 1), so that a shift of the logits cancels before any sum; the sum over v
+        # as one batched (1, V) x (V, 1) product per row
+        diff = zr.sub_(ref_z[sl])
+        kl = torch.bmm(p[:, None, :], diff[:, :, None]).view(-1) - (lse - ref_lse[sl]).view(-1)
+        out[sl, 0] = kl
+        out[sl, 1] = (top[:, :, None] == ref_top[sl, None, :]).any(-1).sum(-1) / 5.0
     return out.view(*lead, -1)

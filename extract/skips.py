@@ -19,6 +19,7 @@ import torch
 
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.adapters import Adapter, get_module
+from layerdiv.extract.hooks import unique_blocks
 from layerdiv.extract.readout import Readout
 
 
@@ -37,7 +38,7 @@ class BlockSkipper:
     def __init__(self, model: Any, adapter: Adapter, option_ids: list[int]):
         self.model = model
         blocks = list(get_module(model, adapter.blocks))
-        self.modules = list({id(block): block for block in blocks}.values())
+        self.modules = unique_blocks(model, adapter)
         """Distinct block modules; index = the ``layer`` of the skips table and of components."""
         index = {id(m): i for i, m in enumerate(self.modules)}
         self.calls = [index[id(block)] for block in blocks]

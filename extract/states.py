@@ -1,61 +1,71 @@
-"""Residual states at sampled positions (``extract --states``, methods §11): which
-positions of a document are stored, and the states h_0..h_L there, converted to the stored
-dtype, from the block inputs and last residual state one forward pass captured."""
+"""The hooks of ``extract --states`` (:mod:`layerdiv.measurements.states`, methods §11): the
+block inputs h_0..h_(L-1) and the final norm's input h_L of one forward pass, kept at each
+document's sampled positions in the stored dtype."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+from layerdiv.extract.adapters import Adapter, get_module
 from layerdiv.extract.capture import DecompositionError
+from layerdiv.extract.hooks import Hooks, unique_blocks
+from layerdiv.measurements.states import state_positions
 
 TORCH_TYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 """``--states-dtype`` values (``layerdiv.schemas.STATE_TYPES``) and the torch dtype of each."""
 
 
-@dataclass(frozen=True)
-class StateSettings:
-    """How states are sampled and stored."""
+class StateCapture(Hooks):
+    """Pre-hooks on every decoder block and on the final norm; after each pass, per row, its
+    document's positions and states (k, L + 1, d). Only the first pass after :meth:`batch` is
+    kept (later passes, as the future effects run them, are not the model's own)."""
 
-    k: int = 0
-    """Positions per document; 0 means ``all`` (every position but the first)."""
-    seed: int = 0
-    """Seed of the sampled positions."""
-    dtype: str = "float16"
-    """One of :data:`TORCH_TYPES`."""
+    def __init__(self, model: Any, adapter: Adapter, settings: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.k, self.seed = settings["states"], int(settings["states_seed"])
+        self.dtype = str(settings["states_dtype"])
+        self.n_blocks = len(get_module(model, adapter.blocks))
+        norm = get_module(model, adapter.final_norm)
+        self.add(norm.register_forward_pre_hook(self._final_hook))
+        for block in unique_blocks(model, adapter):
+            self.add(block.register_forward_pre_hook(self._input_hook, with_kwargs=True))
+        self.reset()
 
+    def reset(self) -> None:
+        self._h: list[torch.Tensor] = []
+        self._rows: list[tuple[np.ndarray, np.ndarray]] | None = None
+        self._ids: Sequence[int] | None = None
+        self._lengths: Sequence[int] = ()
 
-def state_positions(n_tokens: int, settings: StateSettings, doc: int) -> np.ndarray:
-    """The sorted positions of document ``doc`` (``n_tokens`` tokens) whose states are stored:
-    K drawn without replacement from 1..T-1 by ``numpy.random.default_rng([seed, doc])``;
-    every one of them when K is 0 (``all``) or K >= T - 1 (methods §11)."""
-    every = np.arange(1, n_tokens)
-    if settings.k == 0 or settings.k >= n_tokens - 1:
-        return every
-    rng = np.random.default_rng([settings.seed, doc])
-    return np.sort(rng.choice(every, size=settings.k, replace=False))
+    def batch(self, ids: Sequence[int] | None, lengths: Sequence[int]) -> None:
+        self._ids, self._lengths = ids, lengths
 
+    def _input_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self._ids is not None and self._rows is None and len(self._h) < self.n_blocks:
+            self._h.append(args[0] if args else kwargs["hidden_states"])
 
-def gather_states(
-    states: list[torch.Tensor],
-    n_tokens: list[int],
-    ids: list[int],
-    settings: StateSettings,
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per row of a left-padded batch (document ``ids[row]`` of ``n_tokens[row]`` tokens): its
-    positions (:func:`state_positions`) and the states there, (k, L + 1, d) in the stored
-    dtype (bfloat16 as its raw bits, uint16), from ``states`` = [h_0, ..., h_L], each
-    (B, width, d). A value that float16 cannot hold is refused, naming bfloat16."""
-    width = states[0].shape[1]
-    stacked = torch.stack(states, dim=2)  # (B, width, L + 1, d)
-    out = []
-    for row, (doc, n) in enumerate(zip(ids, n_tokens, strict=True)):
-        pos = state_positions(n, settings, doc)
-        h = stacked[row, torch.as_tensor(width - n + pos, device=stacked.device)]
-        out.append((pos, to_stored(h, settings.dtype, f"document {doc}")))
-    return out
+    def _final_hook(self, module: Any, args: tuple) -> None:
+        if self._ids is None or self._rows is not None:
+            return
+        stacked = torch.stack([*self._h, args[0]], dim=2)  # (B, width, L + 1, d)
+        width = stacked.shape[1]
+        self._rows = []
+        for row, (doc, n) in enumerate(zip(self._ids, self._lengths, strict=True)):
+            pos = state_positions(n, self.k, self.seed, doc)
+            h = stacked[row, torch.as_tensor(width - n + pos, device=stacked.device)]
+            self._rows.append((pos, to_stored(h, self.dtype, f"document {doc}")))
+        self._h = []
+
+    def result(self) -> Sequence[Any]:
+        if self._ids is None:
+            return [None] * len(self._lengths)
+        if self._rows is None:
+            raise DecompositionError("no forward pass reached the final norm")
+        return self._rows
 
 
 def to_stored(h: torch.Tensor, dtype: str, where: str) -> np.ndarray:

@@ -5,6 +5,7 @@ A task YAML has these keys (see ``layerdiv/tasks/*.yaml`` for the built-in ones)
     name: sst2                      # store partition name
     dataset: {path: nyu-mll/glue, name: sst2, split: validation}   # a hub dataset, or
     data: reviews.jsonl             # a local .jsonl/.json/.csv/.parquet file next to the YAML
+                                    # (``data_files``, the hub datasets word, is the same key)
     template: "{{ sentence }}\\nQuestion: ... Answer: {{ answer }}"   # Jinja; ends with the answer
     options: [negative, positive]
     label: "{{ label }}"            # Jinja; renders an option string or a 0-based option index
@@ -20,10 +21,16 @@ A running-text task (``kind: text``) has no template, options or label; instead:
     kind: text
     text: "Question: {{ question }}\nAnswer: {{ answer }}"   # Jinja; renders one document
     max_tokens: 1024                # optional: documents are cut to their first max_tokens tokens
-    group_field: level              # optional: a field stored with each document (as a string)
+    group_field: level              # optional: a field stored with each document (as a string),
+                                    # or a Jinja expression: "{{ orig_triples | length }}"
+    answer: " {{ solution }}"       # optional: Jinja; the document is text + answer (methods §10)
 
 Its data is read as a choice task's (a ``.txt`` file: one document per non-empty line, as the
-field ``text``); documents are numbered in file order.
+field ``text``, a Windows line end's ``\r`` removed); documents are numbered in file order.
+
+A field that renders a list or an object (a JSON array in the text field) is refused, naming the
+row: its Python form would enter the text. Join it in the template instead
+(``{{ sentences | join(" ") }}``).
 """
 
 from __future__ import annotations
@@ -94,7 +101,11 @@ class TaskSpec:
     """Text tasks: documents are cut to their first ``max_tokens`` tokens (default: the model's
     context length)."""
     group_field: str | None = None
-    """Text tasks: a data field stored with each document as its ``group``."""
+    """Text tasks: a data field stored with each document as its ``group``, or a Jinja expression
+    of the row's fields (it contains ``{{``) rendering it."""
+    answer: str | None = None
+    """Text tasks: Jinja template of the answer; the document is text + answer, the answer's
+    start found as :func:`answer_start` does (methods §10)."""
     base_dir: Path = field(default=Path("."), compare=False)
     """Folder of the YAML file (local data paths are relative to it)."""
 
@@ -102,8 +113,10 @@ class TaskSpec:
         d = asdict(self)
         d.pop("base_dir")
         if self.kind == "choice":  # as before text tasks existed (a stored partition's hash)
-            for key in ("kind", "text", "max_tokens", "group_field"):
+            for key in ("kind", "text", "max_tokens", "group_field", "answer"):
                 d.pop(key)
+        elif self.answer is None:  # as before text tasks could name an answer
+            d.pop("answer")
         return d
 
     def sha256(self) -> str:
@@ -141,10 +154,18 @@ def load_task(name_or_path: str) -> TaskSpec:
     return parse_task(raw, base, where=name_or_path)
 
 
+DATA_ALIAS = "data_files"
+"""Accepted in a task YAML for ``data`` (the word of the hub's ``datasets`` library)."""
+
+
 def parse_task(raw: Any, base_dir: Path, where: str) -> TaskSpec:
     """Check a task mapping and build its :class:`TaskSpec`."""
     if not isinstance(raw, dict):
         raise TaskError(f"{where}: a task YAML must be a mapping")
+    if DATA_ALIAS in raw:
+        if "data" in raw:
+            raise TaskError(f"{where}: give 'data' or its alias '{DATA_ALIAS}', not both")
+        raw = {("data" if k == DATA_ALIAS else k): v for k, v in raw.items()}
     allowed = {f for f in TaskSpec.__dataclass_fields__ if f != "base_dir"}
     unknown = set(raw) - allowed
     if unknown:
@@ -155,7 +176,7 @@ def parse_task(raw: Any, base_dir: Path, where: str) -> TaskSpec:
         return _parse_text_task(raw, base_dir, where)
     if raw.get("kind", "choice") != "choice":
         raise TaskError(f"{where}: 'kind' must be choice or text, got {raw['kind']!r}")
-    choice_only = sorted(set(raw) & {"text", "max_tokens", "group_field"})
+    choice_only = sorted(set(raw) & {"text", "max_tokens", "group_field", "answer"})
     if choice_only:
         raise TaskError(f"{where}: {choice_only} belong to text tasks; add 'kind: text'")
     missing = [k for k in ("name", "template", "options", "label") if k not in raw]
@@ -228,7 +249,7 @@ def _parse_text_task(raw: dict[str, Any], base_dir: Path, where: str) -> TaskSpe
         raise TaskError(
             f"{where}: 'max_tokens' must be a positive whole number, got {max_tokens!r}"
         )
-    for key in ("text", "filter"):
+    for key in ("text", "filter", "answer", "group_field"):
         if raw.get(key) is not None:
             _compile(str(raw[key]), f"{where}: the {key}")
     group = raw.get("group_field")
@@ -243,6 +264,7 @@ def _parse_text_task(raw: dict[str, Any], base_dir: Path, where: str) -> TaskSpe
         text=str(raw["text"]),
         max_tokens=max_tokens,
         group_field=None if group is None else str(group),
+        answer=None if raw.get("answer") is None else str(raw["answer"]),
         base_dir=base_dir,
     )
 
@@ -255,6 +277,8 @@ class Instance:
     gold: int
     group: str | None = None
     """Text tasks: the value of the task's ``group_field`` as a string."""
+    answer: str | None = None
+    """Text tasks with an answer: the rendered answer (the end of ``prompt``)."""
 
 
 def _environment() -> Any:
@@ -268,11 +292,17 @@ def _environment() -> Any:
 
 def _finalize(value: Any) -> Any:
     """Refuse a value that would enter a prompt or label as its Python form (``None``,
-    ``b'...'``)."""
+    ``b'...'``, ``['a', 'b']``, ``{'k': 'v'}``)."""
     if value is None:
         raise TaskError("a field used here is null")
     if isinstance(value, bytes):
         raise TaskError("a field used here is binary data, not text")
+    if isinstance(value, list | tuple | dict):
+        what = "an object" if isinstance(value, dict) else "a list"
+        raise TaskError(
+            f"a field used here is {what}, not text: pick its parts or join them in the template "
+            '(e.g. {{ field | join(" ") }})'
+        )
     return value
 
 
@@ -369,7 +399,9 @@ _READERS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
     ".json": _read_json,
     ".csv": lambda p: pa_csv.read_csv(io.BytesIO(_text(p).encode())).to_pylist(),
     ".parquet": lambda p: pq.read_table(p).to_pylist(),
-    ".txt": lambda p: [{"text": line} for line in _text(p).split("\n") if line.strip()],
+    ".txt": lambda p: [
+        {"text": line.removesuffix("\r")} for line in _text(p).split("\n") if line.strip()
+    ],
 }
 """Local data readers by file suffix (pyarrow: extraction nodes need no dataframe library)."""
 
@@ -384,6 +416,14 @@ def instances(spec: TaskSpec, limit: int | None = None) -> list[Instance]:
         _compile(str(spec.text), f"task {spec.name}: the text") if text else split_template(spec)[0]
     )
     label_template = None if text else _compile(spec.label, f"task {spec.name}: the label")
+    answer_template = (
+        _compile(spec.answer, f"task {spec.name}: the answer") if spec.answer else None
+    )
+    group_template = (
+        _compile(spec.group_field, f"task {spec.name}: the group_field")
+        if spec.group_field and "{{" in spec.group_field
+        else None
+    )
     keep = _compile(spec.filter, f"task {spec.name}: the filter") if spec.filter else None
     source = f" of {spec.base_dir / spec.data}" if spec.data else ""
     out: list[Instance] = []
@@ -396,8 +436,18 @@ def instances(spec: TaskSpec, limit: int | None = None) -> list[Instance]:
                 continue
             prompt = prompt_template.render(**row)
             if label_template is None:
-                group = spec.group_field and row[spec.group_field]
-                out.append(Instance(prompt, -1, None if group is None else str(group)))
+                if group_template is not None:
+                    group = group_template.render(**row).strip()
+                elif spec.group_field and spec.group_field not in row:
+                    raise TaskError(
+                        f"no field {spec.group_field!r} (the task's group_field); its "
+                        f"fields: {', '.join(map(str, row))}"
+                    )
+                else:
+                    group = spec.group_field and row[spec.group_field]
+                answer = None if answer_template is None else answer_template.render(**row)
+                document = prompt if answer is None else prompt + answer
+                out.append(Instance(document, -1, None if group is None else str(group), answer))
                 continue
             label = label_template.render(**row).strip()
         except (UndefinedError, KeyError) as err:
@@ -458,6 +508,19 @@ def data_sha256(items: list[Instance]) -> str:
     h = hashlib.sha256()
     for item in items:
         fields = [item.prompt, item.gold] + ([] if item.group is None else [item.group])
+        fields += [] if item.answer is None else [item.answer]
         h.update(json.dumps(fields).encode())
         h.update(b"\n")
     return h.hexdigest()
+
+
+def answer_start(tokenizer: Any, document: str, answer: str) -> tuple[int, bool]:
+    """Where the answer starts in a document (text + answer) as the depth-efficiency paper's
+    code counts it (methods §10): s = T - A, T the document's tokens (special tokens included,
+    before any cut to ``max_tokens``) and A the answer's tokens alone without special tokens; and
+    whether a token merges across the boundary (the document's first s tokens are not the text's
+    own tokens: that token counts as the answer's)."""
+    ids = tokenizer(document)["input_ids"]
+    start = len(ids) - len(tokenizer(answer, add_special_tokens=False)["input_ids"])
+    text = document[: len(document) - len(answer)]
+    return start, tokenizer(text)["input_ids"] != ids[:start]

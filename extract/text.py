@@ -5,7 +5,8 @@ block input against the model's own output distribution."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -14,10 +15,14 @@ import torch
 from layerdiv.extract.adapters import Adapter, get_module
 from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.future import FutureRows
+from layerdiv.extract.hooks import Hooks, unique_blocks
 from layerdiv.extract.readout import LensReference, Readout, lens_stats
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
 from layerdiv.store.tables import TOKEN_BLOCK_VALUES
+
+LOSS_ROWS = 256
+"""Positions per slice of the loss's full-vocabulary logits (256 x 50k float32: 50 MB)."""
 
 _PAIRS = ((0, 1, 2, 0, 0, 1), (0, 1, 2, 1, 2, 2))
 """(h, a, m) row and column indices of ``hh``, ``aa``, ``mm``, ``ha``, ``hm``, ``am``."""
@@ -38,13 +43,20 @@ class TextBatch:
     top5_overlap and ce (NaN at the row's last position)."""
     future: list[FutureRows] | None = None
     """With ``--skips``: per row, its document's future effects."""
-    states: list[tuple[np.ndarray, np.ndarray]] | None = None
-    """With ``--states``: per row, its document's state positions and states
-    (``layerdiv.extract.states.gather_states``)."""
+    loss: torch.Tensor | None = None
+    """(B, width) float32: the model's own next-token cross-entropy (NaN at the last position)."""
+    measured: dict[str, Sequence[Any]] = field(default_factory=dict)
+    """Each registered measurement's values (``layerdiv.measurements.Capture.result``), one per
+    row, by name."""
 
     def document(self, row: int, n_tokens: int) -> np.ndarray:
         """(n_tokens, L, 8): the values at the document's own positions (padding dropped)."""
         return self.dots[row, self.dots.shape[1] - n_tokens :].numpy()
+
+    def document_loss(self, row: int, n_tokens: int) -> np.ndarray:
+        """(n_tokens,): the loss at the document's own positions."""
+        assert self.loss is not None
+        return self.loss[row, self.loss.shape[1] - n_tokens :].numpy()
 
     def document_lens(self, row: int, n_tokens: int) -> np.ndarray:
         """(n_tokens, L + 1, 3): the lens values at the document's own positions."""
@@ -52,28 +64,24 @@ class TextBatch:
         return self.lens[row, self.lens.shape[1] - n_tokens :].numpy()
 
 
-class TextCapture:
+class TextCapture(Hooks):
     """Hooks on every decoder block (its input h, its attention's and MLP's additions a and m)
     and on the final norm (the last residual state h_L); :meth:`decompose` after each pass."""
 
     def __init__(self, model: Any, adapter: Adapter, lens: str | None = None) -> None:
-        self.paused = False
-        """While True the hooks keep nothing (the last block run again for the lens)."""
+        super().__init__()
         self.lens = lens
         """``final`` or ``last-block`` (methods §9, logit lens), or None."""
         blocks = get_module(model, adapter.blocks)
         self.readout = Readout(model, adapter)
         self.bias = self.readout.constant_bias
         self.last_block = blocks[-1]
-        self._handles = [self.readout.norm.register_forward_pre_hook(self._final_hook)]
-        unique = list({id(block): block for block in blocks}.values())
-        for i, block in enumerate(unique):
-            self._handles.append(
-                block.register_forward_pre_hook(self._input_hook, with_kwargs=True)
-            )
+        self.add(self.readout.norm.register_forward_pre_hook(self._final_hook))
+        for i, block in enumerate(unique_blocks(model, adapter)):
+            self.add(block.register_forward_pre_hook(self._input_hook, with_kwargs=True))
             for kind in ("attn", "mlp"):
                 module = get_module(block, getattr(adapter, kind))
-                self._handles.append(module.register_forward_hook(self._addition_hook(kind, i)))
+                self.add(module.register_forward_hook(self._addition_hook(kind, i)))
         self.reset()
 
     def reset(self, input_ids: torch.Tensor | None = None) -> None:
@@ -88,11 +96,6 @@ class TextCapture:
         self._parts: dict[str, torch.Tensor] = {}
         self._calls: list[tuple[str, int]] = []
         self._final: torch.Tensor | None = None
-
-    def remove(self) -> None:
-        """Detach every hook from the model."""
-        for handle in self._handles:
-            handle.remove()
 
     # hooks -------------------------------------------------------------------------------------
     def _input_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
@@ -142,8 +145,10 @@ class TextCapture:
             raise DecompositionError("no forward pass was captured")
         return [*self._h, self._final]
 
-    def decompose(self) -> TextBatch:
-        """The per-token, per-block dot products of the last forward pass."""
+    def decompose(self, budget: int | None = None) -> TextBatch:
+        """The per-token, per-block dot products of the last forward pass; with the lens, its
+        readouts over ``budget`` rows at a time (the padded tokens of a forward pass; None: one
+        layer at a time)."""
         if self._final is None or not self._dots:
             raise DecompositionError("no forward pass was captured")
         final = self._final
@@ -158,36 +163,64 @@ class TextCapture:
         calls = self._calls + ([("bias", -1)] if self.bias else [])
         names = component_names(calls)
         comps = [ComponentInfo(n, k, layer) for n, (k, layer) in zip(names, calls, strict=True)]
-        self.paused = True  # the lens's readouts must not replace h_L (the final-norm hook)
-        try:
-            lens = self._lens(final) if self.lens else None
-        finally:
-            self.paused = False
-        return TextBatch(comps, dots.cpu(), None if lens is None else lens.cpu())
+        with self.pausing():  # the lens's readouts must not replace h_L (the final-norm hook)
+            lens = self._lens(final, budget) if self.lens else None
+            loss = self._loss(final) if lens is None else lens[:, :, -1, 2]  # the lens's layer L
+        return TextBatch(
+            comps, dots.cpu(), None if lens is None else lens.cpu(), loss=loss.float().cpu()
+        )
 
-    def _lens(self, final: torch.Tensor) -> torch.Tensor:
+    def _loss(self, final: torch.Tensor) -> torch.Tensor:
+        """(B, width): -log p_L(token at p + 1), p_L the model's own output distribution read
+        from h_L as its head reads it (methods §12's loss), in slices of
+        :data:`LOSS_ROWS` positions; NaN at the last position."""
+        if self._ids is None:
+            raise DecompositionError("the loss needs the batch's input ids")
+        x = final.to(self._dtype).flatten(0, 1)
+        nxt = self._ids.roll(-1, dims=1).flatten().to(x.device)
+        loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        for a in range(0, x.shape[0], LOSS_ROWS):
+            z = self.readout.logits(x[a : a + LOSS_ROWS])
+            gold = z.gather(-1, nxt[a : a + LOSS_ROWS, None])[:, 0]
+            loss[a : a + LOSS_ROWS] = torch.logsumexp(z, dim=-1) - gold
+        loss = loss.view(final.shape[:2])
+        loss[:, -1] = float("nan")  # no next token
+        return loss
+
+    def _lens(self, final: torch.Tensor, budget: int | None) -> torch.Tensor:
         """(B, width, L + 1, 3): kl, top5_overlap and ce of p_l = softmax(readout(h_l)) for
         every block input h_l and (layer L) the model's own output p_L (methods §9);
-        with ``last-block`` the last block is applied to h_l first."""
+        with ``last-block`` the last block is applied to h_l first. The layers' states are read
+        out in groups, as many layers' rows stacked into one matmul as ``budget`` rows allow
+        (at least one layer), and their statistics taken over ``budget`` rows at a time."""
         if self._ids is None:
             raise DecompositionError("the lens needs the batch's input ids")
+        rows = final[..., 0].numel()
+        group = max(1, (budget or rows) // rows)  # layers per readout matmul
         logits = self.readout.logits(final.to(self._dtype))
-        ref = LensReference(logits)
+        ref = LensReference(logits, budget)
         nxt = self._ids.roll(-1, dims=1)[..., None].to(logits.device)  # the next token
-        out = []
-        # layer L (the model's own output) first: its logits' memory is then every other
-        # layer's readout buffer
-        for h in [None, *self._h]:
-            if h is not None:
-                x = h.to(self._dtype)
-                if self.lens == "last-block":
-                    x = self._last_block(x)
-                logits = self.readout.logits(x, out=logits)
-            stats = lens_stats(logits, ref, nxt)
-            stats[..., 2].neg_()  # ce = -log p_l(next token)
-            stats[:, -1, 2] = float("nan")  # none after the last position
-            out.append(stats)
+        # layer L (the model's own output) first: its logits' memory is then the readout buffer
+        # of every group of one layer
+        out = [self._lens_layer(logits, ref, nxt, budget)]
+        buf = logits[None] if group == 1 else logits.new_empty(group, *logits.shape)
+        for start in range(0, len(self._h), group):
+            xs = [h.to(self._dtype) for h in self._h[start : start + group]]
+            if self.lens == "last-block":
+                xs = [self._last_block(x) for x in xs]
+            stacked = self.readout.logits(torch.stack(xs), out=buf[: len(xs)])
+            out += [self._lens_layer(z, ref, nxt, budget) for z in stacked]
         return torch.stack([*out[1:], out[0]], dim=2)
+
+    @staticmethod
+    def _lens_layer(
+        logits: torch.Tensor, ref: LensReference, nxt: torch.Tensor, budget: int | None
+    ) -> torch.Tensor:
+        """(B, width, 3): one layer's kl, top5_overlap and ce from its ``logits`` (overwritten)."""
+        stats = lens_stats(logits, ref, nxt, budget)
+        stats[..., 2].neg_()  # ce = -log p_l(next token)
+        stats[:, -1, 2] = float("nan")  # none after the last position
+        return stats
 
     def _last_block(self, x: torch.Tensor) -> torch.Tensor:
         """The model's last block applied to ``x`` with the arguments of its own call (mask,

@@ -15,14 +15,25 @@ History:
   ``future_output``; choice tasks gain the optional ``lens``; the manifest gains ``kind``,
   ``max_tokens``, ``lens``, ``skip_split`` and ``skip_seed`` (and, from the first release
   that writes the future-effects tables, ``skip_sublayers``: absent means ``block``).
-- 5: the manifest gains ``weights`` (how the weights were made from the files given, e.g. a GGUF
-  quantization dequantized to float32; absent: loaded as they are).
-  Optional table ``states`` on text tasks (the residual states h_0..h_L at sampled
-  positions, methods §11); the manifest gains ``states_k``, ``states_seed`` and ``states_dtype``.
+- 5: the partition key gains ``revision`` (``model=<slug>/revision=<rev>/task=<task>``; older
+  stores read as revision ``main``); ``tokens`` gains ``loss`` (the model's own next-token
+  cross-entropy); the manifest's ``revision`` is the revision as given (older manifests held the
+  hub commit there, now ``commit``) and it gains ``step``, ``tokens_seen``, ``weights_hash``
+  (a fingerprint of the loaded tensors), ``n_layers`` and ``n_params_non_embedding``; the
+  manifest gains ``weights`` (how the weights were made from the files given, e.g. a GGUF
+  quantization dequantized to float32; absent: loaded as they are) and ``vocab_size`` (V, the
+  unembedding's rows; the logit lens's uniform baseline is log V; absent in older manifests,
+  where the baseline is not drawn).
+  The manifest also gains ``settings``: the settings of each measurement registered outside the
+  decomposition capture (``layerdiv.measurements``), under its name (absent: none recorded);
+  such a measurement's tables carry the schemas it declares.
+  Optional table ``states`` on text tasks (``extract --states``: the residual states h_0..h_L at
+  sampled positions, methods §11; its settings ``k``, ``seed`` and ``dtype`` under the
+  manifest's ``settings``).
 
-The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``task``) are not stored
-inside the files: they come from the directory names (``model=<slug>/task=<task>``) and are typed
-as strings by every reader.
+The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``revision``, ``task``) are not
+stored inside the files: they come from the directory names
+(``model=<slug>/revision=<rev>/task=<task>``) and are typed as strings by every reader.
 """
 
 from __future__ import annotations
@@ -238,19 +249,21 @@ DOCUMENTS = _schema(
   null without one.
 """
 
-TOKENS = _schema(
-    "tokens",
-    [
-        pa.field("doc", pa.int32(), nullable=False),
-        pa.field("pos", pa.int32(), nullable=False),
-        pa.field("token", pa.int32(), nullable=False),
-    ],
-)
+_TOKEN_FIELDS_V4 = [
+    pa.field("doc", pa.int32(), nullable=False),
+    pa.field("pos", pa.int32(), nullable=False),
+    pa.field("token", pa.int32(), nullable=False),
+]
+
+TOKENS = _schema("tokens", [*_TOKEN_FIELDS_V4, pa.field("loss", pa.float32(), nullable=True)])
 """Text tasks: one row per (doc, pos).
 
 - ``doc``: as in :data:`DOCUMENTS`.
 - ``pos``: the token's position p = 0..T-1 in its document.
 - ``token``: the token id fed at that position.
+- ``loss`` (version 5): the model's own next-token cross-entropy -log p_L(token at pos + 1) in
+  nats, from its output distribution (methods §12, the loss of the depth law); null at
+  the document's last position (and in stores of version 4).
 """
 
 TOKEN_BLOCKS = _schema(
@@ -369,7 +382,7 @@ sampled positions (methods §11), sorted by doc, pos, layer.
   norm.
 - ``state``: h_l at (doc, pos), a fixed-size list of the partition's d values in the
   manifest's ``states_dtype`` (:func:`states_schema`: ``float16``, ``float32``, or ``bfloat16``
-  stored as its raw 16 bits). Vectors: read per partition (``layerdiv.store.reader.read_states``),
+  stored as its raw 16 bits). Vectors: read per partition (``PartitionInfo.states``),
   not through the query views.
 """
 
@@ -394,6 +407,12 @@ def _dtype_of(state: pa.FixedSizeListType) -> str:
 VECTOR_TABLES = ("states",)
 """Tables of vectors whose width differs between partitions: not in the query views."""
 
+SKIP_KEYS = {
+    "future_effects": (*(f.name for f in _SKIP_KEY), "block"),
+    "future_output": tuple(f.name for f in _SKIP_KEY),
+}
+"""The key columns of the future-effects tables: no two rows of a part share them (readers
+check it, :meth:`layerdiv.store.PartitionInfo.batches`)."""
 
 TABLES = {
     "components": COMPONENTS,
@@ -426,15 +445,8 @@ class Kind:
     marker: str
     """The table whose part marks a chunk complete (written after every other part)."""
     required: tuple[str, ...]
-    """Tables every complete chunk has (the marker last)."""
-    optional: dict[str, str]
-    """Optional tables and the ``extract`` flag that writes each."""
-    lens_table: str
-    """The optional table ``extract --lens`` writes."""
-
-    @property
-    def tables(self) -> tuple[str, ...]:
-        return (*self.required, *self.optional)
+    """Tables every complete chunk has (the marker last); the optional ones are declared by the
+    measurements that write them (``layerdiv.measurements``)."""
 
 
 KINDS = {
@@ -444,8 +456,6 @@ KINDS = {
         "instances",
         "instances",
         ("components", "instances"),
-        {"skips": "--skips", "heads": "--heads", "gram": "--gram", "lens": "--lens"},
-        "lens",
     ),
     "text": Kind(
         "text",
@@ -453,32 +463,23 @@ KINDS = {
         "documents",
         "documents",
         ("tokens", "token_blocks", "documents"),
-        {
-            "token_lens": "--lens",
-            "future_effects": "--skips",
-            "future_output": "--skips",
-            "states": "--states",
-        },
-        "token_lens",
     ),
 }
 """Every task kind by name."""
-
-KIND_OF_TABLE = {t: k for k in KINDS.values() for t in k.tables}
-"""The kind whose partitions hold each table."""
-
-OPTIONAL_TABLES = tuple(t for k in KINDS.values() for t in k.optional)
-"""Tables a partition has only when extracted with the matching flag (``--skips``, ...); the
-manifest's ``extra_tables`` lists them."""
 
 _TABLES_V1 = {
     "components": _schema("components", _COMPONENT_FIELDS_V1, version=1),
     "instances": _schema("instances", _INSTANCE_FIELDS_V2, version=1),
 }
 
-_TABLES_V4 = {t: s for t, s in TABLES.items() if t != "states"}
 _TABLES_V3 = {t: TABLES[t] for t in ("components", "instances", "skips", "heads", "gram")}
 _TABLES_V2 = {**_TABLES_V3, "instances": _schema("instances", _INSTANCE_FIELDS_V2, version=2)}
+
+
+_TABLES_V4 = {
+    **{t: s for t, s in TABLES.items() if t != "states"},
+    "tokens": _schema("tokens", _TOKEN_FIELDS_V4, version=4),
+}
 
 
 def tables_of(version: int) -> dict[str, pa.Schema]:

@@ -176,33 +176,33 @@ def local_root(root: str | Path, what: str = "--store") -> Path:
     return Path(root)
 
 
-def read_schema(path: Path | RemotePath) -> pa.Schema:
-    """The Arrow schema of a Parquet file, from its footer."""
-    if isinstance(path, RemotePath):
-        return pq.read_schema(path.path, filesystem=path.fs)
-    return pq.read_schema(path)
-
-
-def read_table(path: Path | RemotePath) -> pa.Table:
-    """A whole Parquet file."""
-    if isinstance(path, RemotePath):
-        return pq.read_table(path.path, filesystem=path.fs)
-    return pq.read_table(path)
+def read_table(path: Path | RemotePath, columns: Sequence[str] | None = None) -> pa.Table:
+    """A Parquet file (its ``columns``, default all), every page's checksum verified (the store
+    writes them: a damaged page is an ``OSError``, never numbers)."""
+    with open_parquet(path) as file:
+        return file.read(columns=None if columns is None else list(columns), use_threads=False)
 
 
 def read_batches(
     path: Path | RemotePath, columns: Sequence[str], rows: int
 ) -> Iterator[pa.RecordBatch]:
     """The ``columns`` of a Parquet file in order, in record batches of ``rows`` rows (the last
-    one shorter)."""
+    one shorter), every page's checksum verified."""
+    with open_parquet(path) as file:
+        yield from file.iter_batches(batch_size=rows, columns=list(columns), use_threads=False)
+
+
+@contextlib.contextmanager
+def open_parquet(path: Path | RemotePath) -> Iterator[pq.ParquetFile]:
+    """A Parquet file opened to read with the checksum of every page it reads verified (pages
+    written without one, by earlier versions of layerdiv, are read unverified)."""
     with contextlib.ExitStack() as stack:
         source = (
             stack.enter_context(path.fs.open_input_file(path.path))
             if isinstance(path, RemotePath)
             else path
         )
-        file = stack.enter_context(pq.ParquetFile(source))
-        yield from file.iter_batches(batch_size=rows, columns=list(columns), use_threads=False)
+        yield stack.enter_context(pq.ParquetFile(source, page_checksum_verification=True))
 
 
 def arrow_source(

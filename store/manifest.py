@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from layerdiv.schemas import KINDS, OPTIONAL_TABLES, SCHEMA_VERSION, SchemaError, check_version
+from layerdiv.measurements import all_optional_tables
+from layerdiv.schemas import KINDS, SCHEMA_VERSION, SchemaError, check_version
 from layerdiv.store.atomic import write_bytes
+from layerdiv.store.key import DEFAULT_REVISION
 from layerdiv.store.location import RemotePath
 
 
@@ -32,7 +36,7 @@ class Identity:
     model: str
     """Model id as the user gave it."""
     revision: str | None
-    """Hub commit of the weights, else None."""
+    """The revision as ``extract --revision`` gave it (``main`` by default)."""
     weights_fingerprint: str
     """Hub commit for hub weights, else a fingerprint of the local weight files."""
     dtype: str
@@ -46,6 +50,8 @@ class Identity:
     """Token id scored for each option."""
     schema_version: int = SCHEMA_VERSION
     """Schema version of the files."""
+    commit: str | None = None
+    """Hub commit of the weights, else None."""
 
     def fields(self) -> dict[str, Any]:
         """The identity as manifest fields (JSON types)."""
@@ -79,9 +85,13 @@ class Manifest:
     task: str
     """Task name (the partition's ``task=`` value)."""
     revision: str | None
-    """Hub commit of the weights when known, else None."""
+    """The model's revision as ``extract --revision`` gave it (a hub branch, tag or commit; a
+    label for a local folder), ``main`` by default; the partition's ``revision=`` folder is its
+    slug. Manifests of schema version <= 4 read as ``main`` (their hub commit goes to
+    :attr:`commit`)."""
     weights_fingerprint: str
-    """sha256 over the weight files' names, sizes and first and last MiB."""
+    """sha256 over the weight files' names, sizes and first and last MiB (``hub:<commit>`` for
+    hub weights)."""
     dtype: str
     """Torch dtype the model ran in (``float32``, ``bfloat16``, ``float16``)."""
     model_type: str
@@ -119,11 +129,14 @@ class Manifest:
     j*chunk_size .. (j+1)*chunk_size-1, possibly in several parts (None in older manifests)."""
     hidden_size: int | None = None
     """Width d of the residual stream (schema version 2; None in older manifests)."""
+    vocab_size: int | None = None
+    """Rows V of the unembedding (the model config's ``vocab_size``): the lens's uniform
+    baseline is log V nats (None in older manifests)."""
     norm_eps: float | None = None
     """Epsilon of the final norm (methods §7 needs it for ||r||; None in older
     manifests)."""
     extra_tables: list[str] = field(default_factory=list)
-    """Optional tables (``layerdiv.schemas.OPTIONAL_TABLES``) requested for this partition
+    """Optional tables (``layerdiv.measurements.all_optional_tables``) requested for this partition
     (filled on read from the markers in ``tables/``); a chunk may still lack one
     (``PartitionWriter.chunks_missing``)."""
     versions: dict[str, str] = field(default_factory=dict)
@@ -153,17 +166,29 @@ class Manifest:
     """Seed of the random split points."""
     skip_sublayers: list[str] | None = None
     """Text tasks with ``--skips``: what each skip removed (``layerdiv.schemas.SUBLAYERS``)."""
+    commit: str | None = None
+    """Hub commit of the weights when known, else None."""
+    step: int | None = None
+    """Training step of the revision (``--step``, or N of a Pythia-style ``stepN`` revision);
+    None where unknown."""
+    tokens_seen: int | None = None
+    """Training tokens D the revision has seen (``--tokens-seen``, or step x
+    ``--tokens-per-step``); None where unknown."""
+    weights_hash: str | None = None
+    """xxh3-128 over every loaded tensor's name, dtype, shape and bytes (schema version 5;
+    ``layerdiv.extract.facts.weights_hash``): two revisions with equal weights have equal ones."""
+    n_layers: int | None = None
+    """Depth l: the model's decoder blocks (schema version 5)."""
+    n_params_non_embedding: int | None = None
+    """:attr:`n_params` less the token (and position) embeddings and an untied unembedding: the
+    non-embedding count of Kaplan et al., beside the total that Chinchilla fits (version 5)."""
     weights: str | None = None
     """How the weights were made from the files given, when not loaded as they are: e.g. a
     GGUF file's quantization dequantized to float32 (schema version 5; None: loaded as they are,
     or an older manifest)."""
-    states_k: int | None = None
-    """Text tasks with ``--states``: positions per document (methods §11); 0 means
-    ``all`` (every position but the first)."""
-    states_seed: int | None = None
-    """Seed of the sampled state positions (``numpy.random.default_rng([seed, doc])``)."""
-    states_dtype: str | None = None
-    """How the states are stored (``layerdiv.schemas.STATE_TYPES``)."""
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The settings of each measurement registered outside the decomposition capture
+    (``layerdiv.measurements``), under its name (schema version 5; empty in older manifests)."""
 
     @property
     def n_blocks(self) -> int:
@@ -179,6 +204,21 @@ class Manifest:
                     "token_lens": n * (blocks + 1)}  # fmt: skip
         return {"instances": count, "components": count * len(self.components) * len(self.options)}
 
+    def wrong_rows(
+        self, count: int, rows: Mapping[str, int], n_tokens: int = 0
+    ) -> tuple[str, str] | None:
+        """The first table of a chunk of ``count`` instances (documents of ``n_tokens`` tokens)
+        whose part's ``rows`` (by table) cannot be right, with what is wrong; None when every
+        one can. Fixed sizes (:meth:`expected_rows`) are checked exactly; a choice task's other
+        tables need whole rows per instance."""
+        expected = self.expected_rows(count, n_tokens)
+        for table, found in rows.items():
+            if table in expected and found != expected[table]:
+                return table, f"{found} rows where the chunk needs {expected[table]}"
+            if table not in expected and self.kind == "choice" and (found == 0 or found % count):
+                return table, f"{found} rows are not whole rows for each of {count} instances"
+        return None
+
     def identity(self) -> Identity:
         """What a resumed or sharded run must match exactly to write into this partition."""
         values = {f.name: getattr(self, f.name) for f in fields(Identity)}
@@ -193,10 +233,12 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str) -> Manifest:
         check_version(data.get("schema_version"), where)
-        known = {f.name for f in fields(cls)}
-        missing = [f.name for f in fields(cls) if f.name not in data and _required(cls, f.name)]
+        known, required = _names()
+        missing = [name for name in required if name not in data]
         if missing:
             raise SchemaError(f"{where}: manifest lacks {', '.join(missing)}; re-extract it.")
+        if data["schema_version"] <= 4:  # the revision was the hub commit, before the key had it
+            data = {**data, "commit": data.get("revision"), "revision": DEFAULT_REVISION}
         kwargs = {k: v for k, v in data.items() if k in known}
         kwargs["components"] = [ComponentInfo(**c) for c in data["components"]]
         if kwargs.get("kind", "choice") not in KINDS:
@@ -204,22 +246,31 @@ class Manifest:
         return cls(**kwargs)
 
 
-def _required(cls: type, name: str) -> bool:
-    f = next(f for f in fields(cls) if f.name == name)
-    return f.default is MISSING and f.default_factory is MISSING
+@functools.cache
+def _names() -> tuple[frozenset[str], tuple[str, ...]]:
+    """The fields of :class:`Manifest`, and those without a default (a manifest has them)."""
+    every = fields(Manifest)
+    required = (f.name for f in every if f.default is MISSING and f.default_factory is MISSING)
+    return frozenset(f.name for f in every), tuple(required)
 
 
-def read_manifest(path: Path | RemotePath) -> Manifest:
+def read_manifest(path: Path | RemotePath, listed: Iterable[str] | None = None) -> Manifest:
     """Load and check a manifest (local or on object storage), with its run records and
-    optional-table markers; a clear error names the file when it cannot be trusted."""
+    optional-table markers (``listed``: the names in its folder, where known, so that absent
+    folders are not looked for); a clear error names the file when it cannot be trusted."""
     data = _read_json(path, "manifest", missing="manifest missing")
     manifest = Manifest.from_dict(data, str(path))
-    records: list[Path | RemotePath] = sorted((path.parent / RUNS_DIR).glob("*.json"), key=str)
+    has = (lambda _: True) if listed is None else set(listed).__contains__
+    runs_dir, tables_dir = path.parent / RUNS_DIR, path.parent / TABLES_DIR
+    records: list[Path | RemotePath] = (
+        sorted(runs_dir.glob("*.json"), key=str) if has(RUNS_DIR) else []
+    )
     runs = [_read_json(p, "run record") for p in records]
     manifest.runs = sorted([*manifest.runs, *runs], key=lambda r: str(r.get("started_at", "")))
     asked = [r["n_requested"] for r in runs if isinstance(r.get("n_requested"), int)]
     manifest.n_requested = max([manifest.n_requested, *asked])
-    markers = {m.name for m in (path.parent / TABLES_DIR).glob("*")} & set(OPTIONAL_TABLES)
+    markers = {m.name for m in tables_dir.glob("*")} if has(TABLES_DIR) else set()
+    markers &= set(all_optional_tables())
     manifest.extra_tables = sorted({*manifest.extra_tables, *markers})
     return manifest
 

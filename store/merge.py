@@ -87,14 +87,18 @@ def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[Merged
             _link_tree(dst, stage)
         merged = []
         for key, (manifest, chunks) in plans.items():
-            out = Partition(stage, key)
+            out = Partition(stage, key)  # in today's layout, whatever the sources' layouts
+            for copy in copies[key]:
+                if copy.store == dst and copy.info.partition.absent:
+                    for d in Partition(stage, key, copy.info.partition.absent).dirs():
+                        shutil.rmtree(d, ignore_errors=True)  # the target's older layout
             for (start, count), held in sorted(chunks.items()):
-                files: dict[str, tuple[_Copy, Path]] = {}  # each table from a copy having it
+                files: dict[str, Path] = {}  # each table from a copy having it
                 for copy in held:
                     for table, src in copy.chunk_files(start, count).items():
-                        files.setdefault(table, (copy, src))
-                for copy, src in files.values():
-                    linked = stage / src.relative_to(copy.store)
+                        files.setdefault(table, src)
+                for table, src in files.items():
+                    linked = out.part(table, start, count)
                     linked.unlink(missing_ok=True)  # e.g. the target's orphan from a crash
                     _link(src, linked)
             for copy in copies[key]:
@@ -163,6 +167,9 @@ def _same_extraction(first: _Copy, copy: _Copy, where: str) -> None:
     tables_a, tables_b = sorted(first.info.lacking), sorted(copy.info.lacking)
     if tables_a != tables_b:
         diff.append(f"optional tables: {tables_a} vs {tables_b}")
+    for name in ("lens", "skip_split", "skip_seed", "skip_sublayers", "settings"):
+        if getattr(a, name) != getattr(b, name):  # the measurements' settings
+            diff.append(f"{name}: {getattr(a, name)!r} vs {getattr(b, name)!r}")
     if diff:
         raise MergeConflict(
             f"{where}: {first.store} and {copy.store} hold different extractions "

@@ -1,12 +1,16 @@
 """Every path of the store is built here, and nowhere else.
 
-Layout (hive-partitioned by model slug and task name)::
+Layout (hive-partitioned by the key, ``layerdiv.store.key``: model slug, revision, task name)::
 
-    <store>/manifests/model=<slug>/task=<task>/manifest.json
-    <store>/manifests/model=<slug>/task=<task>/runs/<utc-time>-<host>-<pid>.json   (one per run)
-    <store>/manifests/model=<slug>/task=<task>/tables/<table>     (optional tables requested)
-    <store>/manifests/model=<slug>/task=<task>/claims/chunk-<j>.lock   (held while computing)
-    <store>/<table>/model=<slug>/task=<task>/part-<start>-<count>.parquet
+    <store>/manifests/<key>/manifest.json
+    <store>/manifests/<key>/runs/<utc-time>-<host>-<pid>.json   (one per run)
+    <store>/manifests/<key>/tables/<table>     (optional tables requested)
+    <store>/manifests/<key>/claims/chunk-<j>.lock   (held while computing)
+    <store>/<table>/<key>/part-<start>-<count>.parquet
+
+with ``<key>`` = ``model=<slug>/revision=<rev>/task=<task>`` (stores of schema version <= 4 have
+no ``revision=`` level: their partitions read as revision ``main``,
+:data:`~layerdiv.store.key.ABSENT`).
 
 ``<table>`` is one of the tables of the partition's task kind (``layerdiv.schemas.KINDS``:
 ``components`` and ``instances`` for choice tasks, ``tokens``, ``token_blocks`` and ``documents``
@@ -19,15 +23,21 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Generic
 
-from layerdiv.schemas import KINDS, TABLES, SchemaError
-from layerdiv.store.key import KEY, PartitionKey
+from layerdiv.measurements import table_schemas, tables_of_kind
+from layerdiv.schemas import KINDS, SchemaError
+from layerdiv.store.key import ABSENT, KEY, PartitionKey
 from layerdiv.store.location import StorePath
 
 MANIFEST_NAME = "manifest.json"
+INDEX_NAME = "index.json"
+"""Written by ``layerdiv analyze`` into every result folder (how it was made and the files written
+there): a store that holds it at its root is a folder of results, not a store."""
 MANIFESTS = "manifests"
 """Folder of the manifests (and run records, table markers and chunk claims)."""
 _PART = re.compile(r"^part-(\d{7})-(\d{6})\.parquet$")
@@ -64,6 +74,11 @@ class Partition(Generic[StorePath]):
 
     root: StorePath
     key: PartitionKey
+    absent: tuple[str, ...] = ()
+    """Key columns its folders lack (a partition of an older layout, :data:`ABSENT`)."""
+    listing: Mapping[str, tuple[str, ...]] | None = field(default=None, compare=False)
+    """The file names in each table's folder when the store was listed (:func:`list_partitions`,
+    one walk of every folder), or None: each folder is listed when asked."""
 
     @property
     def model_slug(self) -> str:
@@ -74,11 +89,23 @@ class Partition(Generic[StorePath]):
         return self.key.task
 
     def dir(self, table: str) -> StorePath:
-        """Folder of ``table`` (any table of ``layerdiv.schemas.TABLES``, or ``manifests``)."""
-        out = self.root / table
-        for name in self.key.dirs():
-            out = out / name
-        return out
+        """Folder of ``table`` (a table of ``layerdiv.measurements.table_schemas``, or
+        ``manifests``)."""
+        return self.root / table / self._relative
+
+    @cached_property
+    def _relative(self) -> str:
+        return "/".join(self._dirs)
+
+    @cached_property
+    def _dirs(self) -> list[str]:
+        return [d for d, c in zip(self.key.dirs(), KEY, strict=True) if c not in self.absent]
+
+    def older(self) -> Partition[StorePath] | None:
+        """The same key in the layout of older schema versions (no folder level for the columns
+        of :data:`ABSENT` that have their default value), or None where there is none."""
+        absent = tuple(c for c, v in ABSENT.items() if getattr(self.key, c) == v)
+        return Partition(self.root, self.key, absent) if absent and not self.absent else None
 
     @property
     def manifest(self) -> StorePath:
@@ -88,7 +115,7 @@ class Partition(Generic[StorePath]):
     def open_lock(self) -> StorePath:
         """Lock file serializing the creation and replacement of the partition (outside the
         partition's folders, so that replacing them keeps it)."""
-        *outer, last = self.key.dirs()
+        *outer, last = self._dirs
         folder = self.root / MANIFESTS
         for name in outer:
             folder = folder / name
@@ -96,7 +123,8 @@ class Partition(Generic[StorePath]):
 
     def dirs(self, kind: str | None = None) -> list[StorePath]:
         """The manifest folder and every table's folder (of the task ``kind`` only, if given)."""
-        return [self.dir(t) for t in (MANIFESTS, *(KINDS[kind].tables if kind else TABLES))]
+        names: tuple[str, ...] = tables_of_kind(kind) if kind else tuple(table_schemas())
+        return [self.dir(t) for t in (MANIFESTS, *names)]
 
     @staticmethod
     def part_name(start: int, count: int) -> str:
@@ -108,11 +136,12 @@ class Partition(Generic[StorePath]):
 
     def parts(self, table: str) -> list[tuple[int, int]]:
         """(start, count) of every part file of ``table``, by start."""
-        return sorted(
-            (int(m.group(1)), int(m.group(2)))
-            for p in _listdir(self.dir(table))
-            if (m := _PART.match(p.name))
+        names = (
+            self.listing.get(table, ())
+            if self.listing is not None
+            else [p.name for p in _listdir(self.dir(table))]
         )
+        return sorted((int(m.group(1)), int(m.group(2))) for n in names if (m := _PART.match(n)))
 
     def done_parts(self) -> list[tuple[int, int]]:
         """(start, count) of every complete chunk (those whose marker part exists: ``instances``
@@ -152,25 +181,36 @@ def partition(root: str | Path, key: PartitionKey) -> Partition[Path]:
 
 def list_partitions(root: StorePath) -> list[Partition[StorePath]]:
     """Every partition that has a manifest or any other file but temporaries (dot files: a
-    leftover temporary alone is no partition)."""
-    found: set[PartitionKey] = set()
-    for table in (MANIFESTS, *TABLES):
-        found.update(_keys(root / table, ()))
-    return [Partition(root, k) for k in sorted(found)]
+    leftover temporary alone is no partition), in either layout (a key found in both is read in
+    today's)."""
+    listings: dict[tuple[PartitionKey, tuple[str, ...]], dict[str, tuple[str, ...]]] = {}
+    for table in (MANIFESTS, *table_schemas()):
+        for key, absent, names in _keys(root / table, (), ()):
+            listings.setdefault((key, absent), {})[table] = names
+    found: dict[PartitionKey, tuple[str, ...]] = {}
+    for key, absent in listings:
+        if not found.get(key, ()) or not absent:
+            found[key] = absent
+    return [Partition(root, k, found[k], listings[k, found[k]]) for k in sorted(found)]
 
 
-def _keys(folder: StorePath, values: tuple[str, ...]) -> list[PartitionKey]:
-    """The keys under ``folder`` whose first ``len(values)`` columns are ``values``."""
+def _keys(
+    folder: StorePath, values: tuple[str, ...], absent: tuple[str, ...]
+) -> list[tuple[PartitionKey, tuple[str, ...], tuple[str, ...]]]:
+    """The keys under ``folder`` whose first ``len(values)`` columns are ``values``, each with
+    the columns its folders lack (:data:`ABSENT`) and the names of the files in its folder."""
     if len(values) == len(KEY):
-        return (
-            [PartitionKey(*values)]
-            if any(not p.name.startswith(".") for p in _listdir(folder))
-            else []
-        )
-    prefix = f"{KEY[len(values)]}="
-    return [
+        names = tuple(p.name for p in _listdir(folder))
+        held = any(not n.startswith(".") for n in names)
+        return [(PartitionKey(*values), absent, names)] if held else []
+    column = KEY[len(values)]
+    prefix = f"{column}="
+    out = [
         k
         for sub in _listdir(folder)
         if sub.name.startswith(prefix)
-        for k in _keys(sub, (*values, sub.name[len(prefix) :]))
+        for k in _keys(sub, (*values, sub.name[len(prefix) :]), absent)
     ]
+    if column in ABSENT:  # the layout of older versions: no folder level for this column
+        out += _keys(folder, (*values, ABSENT[column]), (*absent, column))
+    return out

@@ -17,12 +17,12 @@ import duckdb
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from layerdiv.errors import LayerdivError
+from layerdiv.errors import LayerdivError, one_line
+from layerdiv.measurements import kind_of_table, optional_tables, table_schemas
 from layerdiv.schemas import (
-    KIND_OF_TABLE,
     KINDS,
-    TABLES,
     VECTOR_TABLES,
     Kind,
     SchemaError,
@@ -30,18 +30,24 @@ from layerdiv.schemas import (
     tables_of,
 )
 from layerdiv.store.atomic import restore
-from layerdiv.store.key import KEY, PartitionKey
+from layerdiv.store.key import ABSENT, DEFAULT_REVISION, KEY, MODEL_KEY, PartitionKey
 from layerdiv.store.location import (
     RemotePath,
     StorePath,
     arrow_source,
+    open_parquet,
     read_batches,
-    read_schema,
-    read_table,
     store_root,
 )
 from layerdiv.store.manifest import Manifest, read_manifest
-from layerdiv.store.paths import Partition, list_partitions, slug
+from layerdiv.store.paths import (
+    INDEX_NAME,
+    MANIFEST_NAME,
+    MANIFESTS,
+    Partition,
+    list_partitions,
+    slug,
+)
 
 
 class StoreError(LayerdivError, RuntimeError):
@@ -105,15 +111,35 @@ class PartitionInfo(Generic[StorePath]):
         lacking = set(self.lacking.get(table, ()))
         return [part.part(table, s, n) for s, n in self.done if (s, n) not in lacking]
 
-    def uris(self, table: str) -> list[str]:
-        """:meth:`files` as Polars reads them: local paths, or URLs of a remote store."""
-        return [str(f) for f in self.files(table)]
-
-    def batches(self, table: str, columns: Sequence[str], rows: int) -> Iterator[pa.RecordBatch]:
+    def batches(
+        self, table: str, columns: Sequence[str], rows: int, unique: Sequence[str] = ()
+    ) -> Iterator[pa.RecordBatch]:
         """The ``columns`` of ``table`` (:meth:`files`), file by file in order, in record batches
-        of at most ``rows`` rows (exactly ``rows`` but the last of each file)."""
+        of at most ``rows`` rows (exactly ``rows`` but the last of each file); a part that cannot
+        be read (a damaged page: its checksum does not match) is a ``StoreError`` naming it, and
+        so is one where two rows share the key columns ``unique`` (checked after its last
+        batch: rows repeated in a part)."""
+        wanted: list[str] = list(columns)
+        key: list[str] = list(unique)
+        read = list(dict.fromkeys([*wanted, *key]))
         for path in self.files(table):
-            yield from read_batches(path, columns, rows)
+            keys = []
+            with _naming(path, self.where):
+                for batch in read_batches(path, read, rows):
+                    if key:
+                        keys.append(batch.select(key))
+                    yield batch if read == wanted else batch.select(wanted)
+            if keys and _repeats(pa.Table.from_batches(keys)):
+                raise StoreError(
+                    f"{path}: rows repeat a ({', '.join(key)}) key; re-extract {self.where} "
+                    "with --overwrite"
+                )
+
+    def scan(self, table: str) -> pl.LazyFrame:
+        """A Polars LazyFrame over ``table``'s parts (:meth:`files`), read through Arrow with
+        every page's checksum verified: a part that cannot be read is a ``StoreError`` naming
+        it, never numbers (:func:`scan_parts`)."""
+        return scan_parts(self.files(table), table_schemas()[table], self.where)
 
     @cached_property
     def lacking(self) -> dict[str, list[tuple[int, int]]]:
@@ -121,7 +147,7 @@ class PartitionInfo(Generic[StorePath]):
         of a complete chunk), with the complete chunks that have no part of it: an optional
         table is complete when that list is empty, and only then read (:attr:`tables`)."""
         out = {}
-        for table in self.kind.optional:
+        for table in optional_tables(self.manifest.kind):
             missing = self.partition.lacking(table, self.done)
             if table in self.manifest.extra_tables or len(missing) < len(self.done):
                 out[table] = missing
@@ -145,15 +171,17 @@ class PartitionInfo(Generic[StorePath]):
             if missing
         ]
 
-    def extract_command(self, table: str) -> str:
+    def extract_command(self, table: str | None = None) -> str:
         """The ``layerdiv extract`` command that adds the optional ``table`` to every stored
-        instance or document (the
-        task as the last run that recorded it gave it: a built-in name or a YAML path)."""
+        instance or document, or (None) that resumes the extraction (the task as the last run
+        that recorded it gave it: a built-in name or a YAML path)."""
         m = self.manifest
         given = [r["task"] for r in m.runs if isinstance(r.get("task"), str) and r["task"]]
+        revision = "" if m.revision in (None, DEFAULT_REVISION) else f"--revision {m.revision} "
+        flag = f"{optional_tables(self.manifest.kind)[table]} " if table else ""
         return (
-            f"layerdiv extract --model {m.model} --task {(given or [self.task])[-1]} "
-            f"{self.kind.optional[table]} "
+            f"layerdiv extract --model {m.model} {revision}--task {(given or [self.task])[-1]} "
+            f"{flag}"
             f"--limit {max(m.n_requested, max((s + n for s, n in self.done), default=0))} "
             f"--store {self.partition.root}"
         )
@@ -189,20 +217,18 @@ class PartitionInfo(Generic[StorePath]):
             + pl.col("option").cast(pl.Int64)
         )
         keys = ["instance", "component", "option"]
-        rows = self._collect(
-            "components",
-            pl.scan_parquet(self.uris("components"))
+        rows = (
+            self.scan("components")
             .select(*keys, *(c for c in components if c not in keys))
-            .with_columns(key.alias("_key")),
+            .with_columns(key.alias("_key"))
+            .collect()
         )
         if not rows[
             "_key"
         ].is_sorted():  # extraction writes in order; the store does not promise it
             rows = rows.sort("_key")
         wanted = ["instance", *(c for c in instances if c != "instance")]
-        inst = self._collect(
-            "instances", pl.scan_parquet(self.uris("instances")).select(wanted).sort("instance")
-        )
+        inst = self.scan("instances").select(wanted).sort("instance").collect()
         # Row r must be cell r % cells of the (r // cells)-th instance: every cell once, no others.
         row = pl.int_range(pl.len(), dtype=pl.Int64)
         expected = (
@@ -235,7 +261,11 @@ class PartitionInfo(Generic[StorePath]):
                 f"{self.where} has no complete states table; extract it with "
                 f"`{self.extract_command('states')} 1024` (or all)"
             )
-        table = pa.concat_tables([read_table(f) for f in self.files("states")])
+        parts = []
+        for f in self.files("states"):
+            with _naming(f, self.where), open_parquet(f) as file:
+                parts.append(file.read(use_threads=False))
+        table = pa.concat_tables(parts)
         layers = self.manifest.n_blocks + 1
         doc = table["doc"].to_numpy()
         pos = table["pos"].to_numpy()
@@ -258,7 +288,7 @@ class PartitionInfo(Generic[StorePath]):
                 f"{self.where}: its states rows do not hold layers 0..{layers - 1} of each "
                 "(doc, pos) once in order; re-extract it with --overwrite"
             )
-        tokens = self._collect("tokens", pl.scan_parquet(self.uris("tokens")))
+        tokens = self.scan("tokens").select("doc", "pos", "token").collect()
         want = pl.DataFrame({"doc": doc[::layers], "pos": pos[::layers]})
         ids = want.join(tokens, on=["doc", "pos"], how="left", maintain_order="left")["token"]
         return (
@@ -266,21 +296,6 @@ class PartitionInfo(Generic[StorePath]):
             ids.to_numpy(),
             values.reshape(n, layers, width),
         )
-
-    def _collect(self, table: str, frame: pl.LazyFrame) -> pl.DataFrame:
-        """Collect a scan of ``table``'s parts; a part that cannot be read is named."""
-        try:
-            return frame.collect()
-        except (pl.exceptions.PolarsError, OSError) as err:
-            for f in self.files(table):
-                try:
-                    read_table(f)
-                except (OSError, pa.ArrowException) as bad:
-                    raise StoreError(
-                        f"{f}: unreadable part ({_first_line(bad)}); re-extract {self.where} "
-                        "with --overwrite"
-                    ) from err
-            raise
 
 
 class QueryError(LayerdivError, ValueError):
@@ -290,7 +305,7 @@ class QueryError(LayerdivError, ValueError):
 def _held(parts: Sequence[PartitionInfo[Any]]) -> list[str]:
     """The tables ``parts`` hold, in the schemas' order."""
     held = {t for p in parts for t in (*p.kind.required, *p.manifest.extra_tables)}
-    return [t for t in TABLES if t in held]
+    return [t for t in table_schemas() if t in held]
 
 
 class TableNames(list[str]):
@@ -322,8 +337,6 @@ class Store:
             raise StoreError(f"no store at {self.root}: run `layerdiv extract` first")
         found: list[Partition[Any]] = list_partitions(cast(Any, self.root))  # either kind
         if not found:
-            from layerdiv.analyze.output import INDEX_NAME
-
             if (self.root / INDEX_NAME).is_file():
                 raise StoreError(
                     f"{self.root} is a folder of analysis results (`layerdiv analyze` wrote it), "
@@ -407,6 +420,14 @@ class Store:
         if not chosen:
             if broken:
                 raise broken[0]
+            started = [p for p in self.partitions if match(p.partition)]
+            if started:
+                raise StoreError(
+                    f"{started[0].where} has a manifest but no complete chunk: its extraction "
+                    "stopped (killed) before writing its first chunk, or is still running; "
+                    f"resume it with `{started[0].extract_command()}` and the flags it was "
+                    "started with"
+                )
             have = ", ".join(p.key.label for p in self.partitions) or "nothing"
             raise StoreError(
                 f"no extracted data matches models={sorted(slug(m) for m in models) or 'any'} "
@@ -425,9 +446,15 @@ class Store:
         parts = self.select(models, tasks, require_data=False)
         return [line for p in parts for line in p.incomplete()]
 
-    def files(self, table: str, parts: list[PartitionInfo[Any]]) -> list[str]:
-        """The part files of ``table`` of ``parts`` as Polars reads them (paths or URLs)."""
-        return [f for p in parts for f in p.uris(table)]
+    def verify(self, models: Names = (), tasks: Names = ()) -> None:
+        """Read every part of the selected partitions (the views of :meth:`duckdb`) with every
+        page's checksum verified; a part that cannot be read is a ``StoreError`` naming it (a
+        failed query calls this to say which part failed: it reads the whole selection)."""
+        for p in self.select(models, tasks):
+            for table in (*p.kind.required, *p.tables):
+                for path in p.files(table):
+                    with _naming(path, p.where), open_parquet(path) as file:
+                        file.read(use_threads=False)
 
     def scan(
         self,
@@ -454,10 +481,10 @@ class Store:
                 "(PartitionInfo.states)"
             )
         if table not in have:
-            kind = KIND_OF_TABLE.get(table)
+            kind = kind_of_table(table)
             flag = (
-                f" (extract with {kind.optional[table]} to add it)"
-                if kind and table in kind.optional
+                f" (extract with {optional_tables(kind)[table]} to add it)"
+                if kind and table in optional_tables(kind)
                 else ""
             )
             raise StoreError(
@@ -465,14 +492,15 @@ class Store:
                 f"{', '.join(have)}"
             )
         # Every version's parts under today's columns: a column an older part lacks is null.
-        columns = pl.DataFrame(pl.from_arrow(TABLES[table].empty_table())).schema
-        frame = pl.scan_parquet(
-            self.files(table, parts),
-            schema=columns,
-            hive_partitioning=True,
-            hive_schema=dict.fromkeys(KEY, pl.String),
-            missing_columns="insert",
+        frame = pl.concat(
+            [
+                p.scan(table).with_columns(p.key_columns())
+                for p in parts
+                if table in p.kind.required or table in p.lacking
+            ],
+            how="vertical",
         )
+        columns = frame.collect_schema()
         text = [c for c, t in columns.items() if isinstance(t, pl.Categorical | pl.Enum)]
         return frame.with_columns(pl.col(text).cast(pl.String)) if text else frame
 
@@ -486,7 +514,9 @@ class Store:
                 {
                     **dict(p.key.items()),
                     "model_id": m.model,
-                    "revision": m.revision,
+                    "commit": m.commit,
+                    "step": m.step,
+                    "tokens_seen": m.tokens_seen,
                     "dtype": m.dtype,
                     "n_params": m.n_params,
                     "n_components": len(kinds),
@@ -508,7 +538,33 @@ class Store:
                     "weights": m.weights,
                 }
             )
-        return pl.DataFrame(rows, schema_overrides={"weights": pl.String})
+        return pl.DataFrame(rows, schema_overrides=_FACTS)
+
+    def models(self, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
+        """One row per (model, revision) of the selected partitions: what the law of methods §12
+        needs to know of a model (:data:`MODEL_COLUMNS`). Partitions of schema
+        version <= 4 did not record them all: their depth is their block calls, the rest null."""
+        rows: dict[tuple[str, ...], dict[str, Any]] = {}
+        for p in self.select(models, tasks, require_data=False):
+            m = p.manifest
+            key = dict((c, v) for c, v in p.key.items() if c in MODEL_KEY)
+            if rows.get(tuple(key.values()), {}).get("weights_hash") is not None:
+                continue  # one partition of a (model, revision) says it (the same weights)
+            rows[tuple(key.values())] = {
+                **key,
+                "model_id": m.model,
+                "revision_name": m.revision,
+                "commit": m.commit,
+                "step": m.step,
+                "tokens_seen": m.tokens_seen,
+                "width": m.hidden_size,
+                "depth": m.n_layers if m.n_layers is not None else m.n_blocks,
+                "vocab_size": m.vocab_size,
+                "n_params": m.n_params,
+                "n_params_non_embedding": m.n_params_non_embedding,
+                "weights_hash": m.weights_hash,
+            }
+        return pl.DataFrame(list(rows.values()), schema=MODEL_COLUMNS).sort(*MODEL_KEY)
 
     def query(self, sql: str, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
         """Run SQL against the views of :meth:`duckdb` (``layerdiv.query``); the result of the
@@ -519,13 +575,41 @@ class Store:
             relation = con.sql(sql)
             return relation.pl() if relation is not None else pl.DataFrame()
         except duckdb.Error as err:
-            views = ", ".join([*self.tables(models, tasks), "manifests"])
-            first = str(err).strip().splitlines()[0]
-            raise QueryError(f"{first} (the views of this store are {views})") from err
+            raise self.query_error(err, models, tasks) from err
+
+    def query_error(
+        self,
+        err: Exception,
+        models: Names = (),
+        tasks: Names = (),
+        statement: tuple[int, int] = (1, 1),
+    ) -> LayerdivError:
+        """DuckDB's refusal or failure of SQL on the views of :meth:`duckdb`, in one line that
+        says which ``statement`` (number, of how many) failed and how, and names the views this
+        store has; a failure to read a part (a damaged page) is the ``StoreError`` naming the
+        part (:meth:`verify`)."""
+        tables = [t for t in self.tables(models, tasks) if t not in VECTOR_TABLES]
+        views = ", ".join([*tables, "manifests", "models"])
+        which = f"statement {statement[0]} of {statement[1]}: " if statement[1] > 1 else ""
+        message = one_line(err)
+        if isinstance(err, duckdb.PermissionException):
+            return QueryError(
+                f"{which}{message}: SQL here reads only the views of this store ({views}) and "
+                "writes no file; save a result with --out FILE"
+            )
+        if "reading the stream registered as" in message:  # Arrow could not read a part
+            try:
+                self.verify(models, tasks)
+            except StoreError as named:
+                return named
+        refused = (duckdb.ParserException, duckdb.CatalogException, duckdb.BinderException)
+        kind = "refused" if isinstance(err, refused) else "failed while running"
+        return QueryError(f"{which}the SQL {kind}: {message} (the views of this store are {views})")
 
     def duckdb(self, models: Names = (), tasks: Names = ()) -> duckdb.DuckDBPyConnection:
         """An in-memory DuckDB connection with the view ``manifests`` and a view of every table
-        (``layerdiv.schemas.TABLES``) the selected partitions hold: the required tables of their
+        (``layerdiv.measurements.table_schemas``) the selected partitions hold: the required
+        tables of their
         task kinds (``components`` and ``instances``; ``documents``, ``tokens`` and
         ``token_blocks``) and each optional one over the partitions that hold it for every stored
         instance or document (:meth:`incomplete` names the others), and no file-system access:
@@ -537,31 +621,195 @@ class Store:
         models, tasks = as_names(models), as_names(tasks)
         parts = self.select(models, tasks)
         con = duckdb.connect(config={"enable_external_access": False})
-        for table in (t for t in TABLES if t not in VECTOR_TABLES):
+        for table, declared in table_schemas().items():
+            if table in VECTOR_TABLES:
+                continue
             whole = [p for p in parts if table in p.kind.required or table in p.tables]
             files = [f for p in whole for f in p.files(table)]
             if not files:
                 continue
             # Every version's columns under today's schema: a column an older part lacks is null.
-            schema = TABLES[table]
+            schema = declared
             for name in KEY:
                 schema = schema.append(pa.field(name, pa.string()))
             paths, filesystem, base = arrow_source(files, self.root / table)
+            verified = ds.ParquetFragmentScanOptions(page_checksum_verification=True)
             dataset = ds.dataset(
                 paths,
                 filesystem=filesystem,
                 schema=schema,
-                format="parquet",
+                format=ds.ParquetFileFormat(default_fragment_scan_options=verified),
                 partitioning=ds.partitioning(
                     pa.schema([pa.field(n, pa.string()) for n in KEY]),
                     flavor="hive",
                 ),
                 partition_base_dir=base,
             )
-            con.register(table, dataset)
+            absent = {c for p in whole for c in p.partition.absent}
+            if not absent:
+                con.register(table, dataset)
+                continue
+            # Parts of older layouts lack folder levels: their key columns read as ABSENT says.
+            con.register(f"_{table}", dataset)
+            filled = ", ".join(f"coalesce({c}, '{ABSENT[c]}') AS {c}" for c in sorted(absent))
+            con.execute(f"CREATE VIEW {table} AS SELECT * REPLACE ({filled}) FROM _{table}")
         con.register("manifests", self.manifests(models, tasks).to_arrow())
+        con.register("models", self.models(models, tasks).to_arrow())
         con.execute("SET lock_configuration = true")
         return con
+
+
+_FACTS = {"commit": pl.String, "step": pl.Int64, "tokens_seen": pl.Int64, "weights": pl.String}
+
+MODEL_COLUMNS = pl.Schema(
+    {
+        **dict.fromkeys(MODEL_KEY, pl.String),
+        "model_id": pl.String,
+        "revision_name": pl.String,
+        "commit": pl.String,
+        "step": pl.Int64,
+        "tokens_seen": pl.Int64,
+        "width": pl.Int64,
+        "depth": pl.Int64,
+        "vocab_size": pl.Int64,
+        "n_params": pl.Int64,
+        "n_params_non_embedding": pl.Int64,
+        "weights_hash": pl.String,
+    }
+)
+"""The ``models`` view (:meth:`Store.models`): per (model, revision) the model id and revision
+as given, the hub commit, training step and tokens seen D of the revision (null where unknown),
+width d_model, depth l (decoder blocks), vocabulary, total and non-embedding parameters
+(``Manifest.n_params_non_embedding``) and the fingerprint of the weights."""
+
+LAW_COLUMNS = pl.Schema(
+    {
+        **dict.fromkeys(KEY, pl.String),
+        "width": pl.Int64,
+        "depth": pl.Int64,
+        "tokens_seen": pl.Int64,
+        "loss": pl.Float64,
+        "n_tokens": pl.Int64,
+    }
+)
+"""The columns of :func:`law_points`."""
+
+
+def law_points(store: Store | str | Path, tasks: Names = (), models: Names = ()) -> pl.DataFrame:
+    """The points of the depth law (methods §12) the store holds: per (model,
+    revision, text task) the width w, depth l, training tokens D of the revision (null where not
+    recorded: give ``extract --step/--tokens-seen``) and the mean of the model's own next-token
+    cross-entropy ``tokens.loss`` over every token that has one (``n_tokens`` of them; a
+    partition extracted before the loss was stored has none, and is refused)."""
+    st = store if isinstance(store, Store) else Store(store)
+    parts = [p for p in st.select(models, tasks) if p.manifest.kind == "text"]
+    if not parts:
+        raise StoreError("no running-text partition selected: the law needs a text task's loss")
+    old = [
+        p.key.label
+        for p in parts
+        if "loss" not in tables_of(p.manifest.schema_version)["tokens"].names
+    ]
+    if old:
+        raise StoreError(
+            f"{', '.join(old)}: extracted before the model's loss was stored (schema version "
+            "<= 4); re-extract them with --overwrite"
+        )
+    frame = mean_loss(st, parts)
+    facts = st.models(models, tasks).select(*MODEL_KEY, "width", "depth", "tokens_seen")
+    return (
+        frame.join(facts, on=[*MODEL_KEY], how="left")
+        .select(LAW_COLUMNS.names())
+        .cast(LAW_COLUMNS)
+        .sort(*KEY)
+    )
+
+
+def mean_loss(store: Store, parts: Sequence[PartitionInfo[Any]]) -> pl.DataFrame:
+    """Per text partition of ``parts`` (key columns): ``loss``, the mean of ``tokens.loss`` over
+    the ``n_tokens`` tokens that have one (null and 0 for partitions of schema version <= 4)."""
+    schema = {**dict.fromkeys(KEY, pl.String), "loss": pl.Float64, "n_tokens": pl.Int64}
+    text = [p for p in parts if p.manifest.kind == "text"]
+    if not text:
+        return pl.DataFrame(schema=schema)
+    return (
+        store.scan("tokens", [p.model for p in text], [p.task for p in text])
+        .join(pl.LazyFrame([dict(p.key.items()) for p in text]), on=[*KEY], how="semi")
+        .group_by(*KEY)
+        .agg(pl.col("loss").mean(), pl.col("loss").count().alias("n_tokens"))
+        .collect()
+        .cast(schema)  # type: ignore[arg-type]
+        .sort(*KEY)
+    )
+
+
+def scan_parts(files: Sequence[StorePath], schema: pa.Schema, where: str) -> pl.LazyFrame:
+    """A Polars LazyFrame over Parquet part files of one table (``schema``: today's columns; a
+    column an older part lacks is null), read file by file through Arrow with every page's
+    checksum verified (Polars' own reader does not verify them): a part that cannot be read is a
+    ``StoreError`` naming it and ``where`` (its partition)."""
+    from polars.io.plugins import register_io_source
+
+    columns = pl.DataFrame(pl.from_arrow(schema.empty_table())).schema
+
+    def source(
+        with_columns: list[str] | None, predicate: pl.Expr | None, n_rows: int | None, _: Any
+    ) -> Iterator[pl.DataFrame]:
+        wanted: list[str] = with_columns or list(columns)
+        needed = list(
+            dict.fromkeys(
+                [*wanted, *(predicate.meta.root_names() if predicate is not None else [])]
+            )
+        )
+        for path in files:
+            if n_rows is not None and n_rows <= 0:
+                return
+            with _naming(path, where), open_parquet(path) as file:
+                present = [c for c in needed if c in file.schema_arrow.names]
+                frame = cast(pl.DataFrame, pl.from_arrow(file.read(present, use_threads=False)))
+            frame = frame.with_columns(
+                pl.lit(None, columns[c]).alias(c) for c in needed if c not in present
+            )
+            if predicate is not None:
+                frame = frame.filter(predicate)
+            if n_rows is not None:
+                frame, n_rows = frame.head(n_rows), n_rows - min(n_rows, frame.height)
+            yield frame.select(wanted)
+
+    return register_io_source(io_source=source, schema=columns)
+
+
+def _repeats(keys: pa.Table) -> bool:
+    """Whether two rows of ``keys`` (integer or dictionary columns) are equal: each row packed
+    into one integer by the ranges its columns take, then (rows are written in key order) one
+    comparison of neighbours, a sort only where they are not in increasing order."""
+    packed = np.zeros(keys.num_rows, np.int64)
+    bits = 0
+    for column in keys.columns:
+        values = column.combine_chunks()
+        if pa.types.is_dictionary(values.type):
+            values = values.indices
+        ints = np.asarray(values.to_numpy(zero_copy_only=False), np.int64)
+        if not len(ints):
+            return False
+        ints = ints - ints.min()
+        width = int(ints.max()).bit_length()
+        bits += width
+        if bits > 62:  # too wide to pack: compare the rows themselves
+            return bool(pl.DataFrame(pl.from_arrow(keys)).is_duplicated().any())
+        packed = (packed << width) | ints
+    return bool((np.diff(packed) <= 0).any()) and len(np.unique(packed)) < len(packed)
+
+
+@contextlib.contextmanager
+def _naming(path: StorePath, where: str) -> Iterator[None]:
+    """Turn a failure to read the Parquet part ``path`` into a ``StoreError`` naming it."""
+    try:
+        yield
+    except (OSError, pa.ArrowException) as err:
+        raise StoreError(
+            f"{path}: unreadable part ({_first_line(err)}); re-extract {where} with --overwrite"
+        ) from err
 
 
 def _restore(root: Path) -> None:
@@ -589,27 +837,39 @@ def _first_line(err: BaseException) -> str:
 
 def _open_partition(part: Partition[StorePath]) -> PartitionInfo[StorePath]:
     """A partition's checked manifest and part files; ``StoreError`` says what is wrong."""
-    if not part.manifest.exists():
+    listed = None if part.listing is None else part.listing.get(MANIFESTS, ())
+    if MANIFEST_NAME not in listed if listed is not None else not part.manifest.exists():
         raise StoreError(
             f"{part.key.where} has data but no manifest ({part.manifest}): it cannot be trusted. "
             "Delete it or re-extract it with --overwrite."
         )
     try:
-        info = PartitionInfo(part, read_manifest(part.manifest))
+        info = PartitionInfo(part, read_manifest(part.manifest, listed))
     except SchemaError as err:
         raise StoreError(str(err)) from err
-    _check_part_schemas(info)
+    _check_parts(info)
     return info
 
 
-def _check_part_schemas(info: PartitionInfo[Any]) -> None:
-    """Check every part of each table against the schema of the partition's version (cheap:
-    Parquet footers only)."""
-    schemas = tables_of(info.manifest.schema_version)
-    for table in (*info.kind.required, *info.lacking):
-        for f in info.files(table):
+def _check_parts(info: PartitionInfo[Any]) -> None:
+    """Check every part of each table against the schema of the partition's version, and each
+    complete chunk's row counts (:meth:`~layerdiv.store.Manifest.wrong_rows`: a part with rows
+    removed or repeated). Cheap: Parquet footers, and of a text chunk the ``n_tokens`` column of
+    its documents part."""
+    schemas = {**table_schemas(), **tables_of(info.manifest.schema_version)}
+    lacking = {t: set(chunks) for t, chunks in info.lacking.items()}
+    text = info.kind.name == "text"
+    for start, count in info.done:
+        rows: dict[str, int] = {}
+        for table in (*info.kind.required, *lacking):
+            if (start, count) in lacking.get(table, ()):
+                continue
+            f = info.partition.part(table, start, count)
             try:
-                found: pa.Schema = read_schema(f)
+                with open_parquet(f) as file:
+                    found, rows[table] = file.schema_arrow, file.metadata.num_rows
+                    if text and table == info.kind.marker:
+                        n_tokens = int(pc.sum(file.read(["n_tokens"])["n_tokens"]).as_py() or 0)
             except (OSError, pa.ArrowException) as err:
                 raise StoreError(
                     f"{f}: unreadable Parquet ({_first_line(err)}); re-extract {info.where} "
@@ -620,3 +880,9 @@ def _check_part_schemas(info: PartitionInfo[Any]) -> None:
                     f"{f}: columns do not match the {table} schema of version "
                     f"{info.manifest.schema_version}; re-extract {info.where} with --overwrite"
                 )
+        wrong = info.manifest.wrong_rows(count, rows, n_tokens if text else 0)
+        if wrong:
+            raise StoreError(
+                f"{info.partition.part(wrong[0], start, count)}: {wrong[1]} (rows removed or "
+                f"repeated); re-extract {info.where} with --overwrite"
+            )

@@ -7,13 +7,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
-from numpy.typing import ArrayLike
 
 from layerdiv.schemas import (
     COMPONENTS,
     DOCUMENTS,
-    FUTURE_EFFECTS,
-    FUTURE_OUTPUT,
     GRAM,
     HEADS,
     INSTANCES,
@@ -21,11 +18,9 @@ from layerdiv.schemas import (
     PROMPT_CHARS,
     PROMPT_HEAD,
     SKIPS,
-    SUBLAYERS,
     TOKEN_BLOCKS,
     TOKEN_LENS,
     TOKENS,
-    states_schema,
 )
 from layerdiv.store.manifest import ComponentInfo
 
@@ -217,12 +212,21 @@ def _token_key(docs: Sequence[int], n_tokens: Sequence[int]) -> tuple[np.ndarray
     return doc, (np.arange(counts.sum()) - starts).astype(np.int32)
 
 
-def tokens_table(docs: Sequence[int], tokens: Sequence[Sequence[int]]) -> pa.Table:
-    """Rows (doc, pos) of :data:`~layerdiv.schemas.TOKENS`: ``tokens[i]`` the ids of ``docs[i]``."""
+def tokens_table(
+    docs: Sequence[int], tokens: Sequence[Sequence[int]], loss: np.ndarray | None = None
+) -> pa.Table:
+    """Rows (doc, pos) of :data:`~layerdiv.schemas.TOKENS`: ``tokens[i]`` the ids of ``docs[i]``;
+    ``loss`` (sum of the lengths) the model's next-token cross-entropy per token, NaN (stored as
+    null) at each document's last position; None: null everywhere."""
     doc, pos = _token_key(docs, [len(t) for t in tokens])
     ids = np.concatenate([np.asarray(t, np.int32) for t in tokens]) if tokens else np.zeros(0)
     return pa.table(
-        {"doc": pa.array(doc), "pos": pa.array(pos), "token": pa.array(ids.astype(np.int32))},
+        {
+            "doc": pa.array(doc),
+            "pos": pa.array(pos),
+            "token": pa.array(ids.astype(np.int32)),
+            "loss": _floats(np.full(len(doc), np.nan) if loss is None else loss, nullable=True),
+        },
         schema=TOKENS,
     )
 
@@ -273,88 +277,6 @@ def token_lens_table(
     )
 
 
-def _skip_key(
-    doc: ArrayLike,
-    split: ArrayLike,
-    sublayer: Sequence[str],
-    skipped: ArrayLike,
-    each: int,
-) -> dict[str, pa.Array]:
-    """The key columns of the future-effects tables, each row repeated ``each`` times."""
-    codes = np.array([SUBLAYERS.index(s) for s in sublayer], np.int8)
-    return {
-        "doc": pa.array(np.repeat(np.asarray(doc, np.int32), each)),
-        "split": pa.array(np.repeat(np.asarray(split, np.int32), each)),
-        "sublayer": pa.DictionaryArray.from_arrays(
-            pa.array(np.repeat(codes, each)), pa.array(SUBLAYERS, pa.string())
-        ),
-        "skipped": pa.array(np.repeat(np.asarray(skipped, np.int16), each)),
-    }
-
-
-def future_effects_table(
-    doc: ArrayLike,
-    split: ArrayLike,
-    sublayer: Sequence[str],
-    skipped: ArrayLike,
-    rel_change: np.ndarray,
-) -> pa.Table:
-    """Rows (doc, split, sublayer, skipped, block) of :data:`~layerdiv.schemas.FUTURE_EFFECTS`;
-    ``rel_change`` is (R, L): for each of the R skips given by the key arrays, every block j."""
-    rows, blocks = np.shape(rel_change)
-    return pa.table(
-        {
-            **_skip_key(doc, split, sublayer, skipped, blocks),
-            "block": pa.array(np.tile(np.arange(blocks, dtype=np.int16), rows)),
-            "rel_change": _floats(rel_change),
-        },
-        schema=FUTURE_EFFECTS,
-    )
-
-
-def future_output_table(
-    doc: ArrayLike,
-    split: ArrayLike,
-    sublayer: Sequence[str],
-    skipped: ArrayLike,
-    out_change: np.ndarray,
-) -> pa.Table:
-    """Rows (doc, split, sublayer, skipped) of :data:`~layerdiv.schemas.FUTURE_OUTPUT`;
-    ``out_change`` is (R,)."""
-    return pa.table(
-        {**_skip_key(doc, split, sublayer, skipped, 1), "out_change": _floats(out_change)},
-        schema=FUTURE_OUTPUT,
-    )
-
-
 def _floats(values: np.ndarray, nullable: bool = False) -> pa.Array:
     """float32 column of ``values`` flattened; NaN becomes null where ``nullable``."""
     return pa.array(np.asarray(values, np.float32).reshape(-1), from_pandas=nullable)
-
-
-_STORED = {"float16": "float16", "float32": "float32", "uint16": "bfloat16"}
-"""numpy dtype of stored states -> ``--states-dtype`` (bfloat16 is kept as its raw bits)."""
-
-
-def states_table(
-    docs: Sequence[int], positions: Sequence[np.ndarray], states: Sequence[np.ndarray]
-) -> pa.Table:
-    """Rows (doc, pos, layer) of :data:`~layerdiv.schemas.STATES` (``states_schema(d, dtype)``):
-    ``positions[i]`` the positions of ``docs[i]`` and ``states[i]`` its (k, L + 1, d) states in
-    the stored dtype (float16, float32, or bfloat16 as raw uint16 bits)."""
-    counts = [len(p) for p in positions]
-    _, layers, width = states[0].shape
-    dtype = _STORED[np.asarray(states[0]).dtype.name]
-    values = np.concatenate([np.asarray(s).reshape(-1) for s in states])
-    n = sum(counts)
-    schema = states_schema(width, dtype)
-    flat = pa.array(values, schema.field("state").type.value_type)
-    return pa.table(
-        {
-            "doc": pa.array(np.repeat(np.asarray(docs, np.int32), np.multiply(counts, layers))),
-            "pos": pa.array(np.repeat(np.concatenate(positions).astype(np.int32), layers)),
-            "layer": pa.array(np.tile(np.arange(layers, dtype=np.int16), n)),
-            "state": pa.FixedSizeListArray.from_arrays(flat, width),
-        },
-        schema=schema,
-    )

@@ -10,6 +10,7 @@ partition's fixed chunk grid.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -25,7 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import KINDS, OPTIONAL_TABLES, TABLES, SchemaError, schema_matches
+from layerdiv.measurements import all_optional_tables, table_schemas, tables_of_kind
+from layerdiv.schemas import KINDS, SchemaError, schema_matches
 from layerdiv.store.atomic import (
     atomic_path,
     host,
@@ -33,7 +35,7 @@ from layerdiv.store.atomic import (
     temp_path,
     write_bytes,
 )
-from layerdiv.store.key import PartitionKey
+from layerdiv.store.key import DEFAULT_REVISION, PartitionKey
 from layerdiv.store.manifest import (
     RUNS_DIR,
     TABLES_DIR,
@@ -42,7 +44,7 @@ from layerdiv.store.manifest import (
     read_manifest,
     write_manifest,
 )
-from layerdiv.store.paths import Partition, partition, slug
+from layerdiv.store.paths import Partition, list_partitions, partition, slug
 
 CLAIMS_DIR = "claims"
 """Folder (beside ``manifest.json``) of the chunk claim lock files."""
@@ -61,12 +63,33 @@ def dictionary_columns(schema: pa.Schema) -> list[str]:
     return [f.name for f in schema if not floating(f.type)]
 
 
+def _has_data(part: Partition) -> bool:
+    """Any file but temporaries (dot files) in the partition's folders."""
+    return any(not p.name.startswith(".") for d in part.dirs() if d.is_dir() for p in d.iterdir())
+
+
 class StoreConflict(LayerdivError, RuntimeError):
     """The partition holds another extraction, or data that cannot be trusted."""
 
 
 class StoreUnwritable(LayerdivError, RuntimeError):
     """The store folder cannot be created or written."""
+
+
+def flock(fd: int, mode: int, path: Path) -> None:
+    """``fcntl.flock`` on the open lock file ``path``; a file system without advisory locks
+    (``ENOLCK``, ``EOPNOTSUPP``, ``ENOSYS``: NFS without lockd, Lustre mounted without
+    ``-o flock``) is a ``StoreUnwritable`` that names the path and what to do."""
+    try:
+        fcntl.flock(fd, mode)
+    except OSError as err:
+        if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        raise StoreUnwritable(
+            f"{path}: the store's file system does not support locks ({err.strerror}); give a "
+            "--store on a local or lock-capable file system (NFS with lockd, Lustre mounted "
+            "with -o flock), or extract locally and `layerdiv merge` the stores"
+        ) from err
 
 
 class Verdict(Enum):
@@ -106,8 +129,8 @@ class RunRecord:
 class PartitionWriter:
     """Writes one partition's chunks; a rerun skips every chunk that is complete and readable."""
 
-    def __init__(self, root: str | Path, model: str, task: str):
-        self.part: Partition = partition(root, PartitionKey(slug(model), task))
+    def __init__(self, root: str | Path, model: str, task: str, revision: str = DEFAULT_REVISION):
+        self.part: Partition = partition(root, PartitionKey(slug(model), slug(revision), task))
         self._claims = self.part.dir("manifests") / CLAIMS_DIR
 
     def ensure_writable(self) -> None:
@@ -131,8 +154,16 @@ class PartitionWriter:
         replaced; one that holds this extraction is resumed (another shard replaced it already),
         so that the replacement happens once per extraction, not once per shard.
         """
+        older = self.part.older()
+        if older is not None and _has_data(older):
+            if overwrite:
+                return Verdict.REPLACE
+            raise StoreConflict(
+                f"{older.manifest.parent} holds this partition in the layout of schema version 4 "
+                "or older: pass --overwrite to re-extract it, or use another --store"
+            )
         if not self.part.manifest.exists():
-            if not self._has_data():
+            if not _has_data(self.part):
                 return Verdict.NEW
             if overwrite:
                 return Verdict.REPLACE
@@ -155,12 +186,6 @@ class PartitionWriter:
             return Verdict.REPLACE
         return Verdict.RESUME
 
-    def _has_data(self) -> bool:
-        """Any file but temporaries (dot files) in the partition's folders."""
-        return any(
-            not p.name.startswith(".") for d in self.part.dirs() if d.is_dir() for p in d.iterdir()
-        )
-
     def open(self, manifest: Manifest, overwrite: bool, shards: int = 1) -> Manifest:
         """Create (or replace, see :meth:`check`) the partition and return the stored manifest
         (its chunk grid is the partition's, whatever this run asked for)."""
@@ -168,9 +193,10 @@ class PartitionWriter:
         lock.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # one process at a time decides and replaces
+            flock(fd, fcntl.LOCK_EX, lock)  # one process at a time decides and replaces
             if self.check(manifest.identity(), overwrite, shards) is Verdict.REPLACE:
-                for d in self.part.dirs():
+                older = self.part.older()
+                for d in [*self.part.dirs(), *(older.dirs() if older else [])]:
                     shutil.rmtree(d, ignore_errors=True)
             write_manifest(self.part.manifest, manifest, exclusive=True)
             required = {self.part.dir(t) for t in KINDS[manifest.kind].required}
@@ -184,6 +210,26 @@ class PartitionWriter:
             os.close(fd)
         return read_manifest(self.part.manifest)
 
+    def refuse_same_weights(self, weights_hash: str) -> None:
+        """Refuse (``StoreConflict``) weights that the store holds under another revision of the
+        same model: one checkpoint under two names (``Manifest.weights_hash``)."""
+        key = self.part.key
+        read: set[str] = set()
+        for other in list_partitions(self.part.root):
+            if other.key.model != key.model or other.key.revision in read | {key.revision}:
+                continue
+            read.add(other.key.revision)
+            try:
+                stored = read_manifest(other.manifest)
+            except (SchemaError, OSError):
+                continue  # no trusted fingerprint there
+            if stored.weights_hash == weights_hash:
+                raise StoreConflict(
+                    f"the weights of {stored.model} revision {key.revision} equal those stored as "
+                    f"revision {other.key.revision} (fingerprint {weights_hash[:12]}, "
+                    f"{other.manifest.parent}): one checkpoint under two names; extract it once"
+                )
+
     def start_run(self, record: dict[str, Any]) -> RunRecord:
         """Write this run's record (it adds ``started_at``, ``host`` and ``pid``)."""
         now = datetime.now(timezone.utc)
@@ -196,8 +242,9 @@ class PartitionWriter:
 
     def mark_table(self, table: str) -> None:
         """Record that the partition has the optional ``table`` (an exclusive marker file)."""
-        if table not in OPTIONAL_TABLES:
-            raise ValueError(f"{table} is not an optional table ({', '.join(OPTIONAL_TABLES)})")
+        optional = all_optional_tables()
+        if table not in optional:
+            raise ValueError(f"{table} is not an optional table ({', '.join(optional)})")
         write_bytes(self.part.manifest.parent / TABLES_DIR / table, b"", exclusive=True)
 
     def try_claim(self, chunk: int) -> ChunkClaim | None:
@@ -213,9 +260,10 @@ class PartitionWriter:
 
     def _lock(self, chunk: int, mode: int) -> ChunkClaim:
         self._claims.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self._claims / f"chunk-{chunk:07d}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        path = self._claims / f"chunk-{chunk:07d}.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, mode)
+            flock(fd, mode, path)
         except BaseException:
             os.close(fd)
             raise
@@ -244,25 +292,19 @@ class PartitionWriter:
                     self.part.part(kind.marker, start, count), columns=["n_tokens"]
                 )
                 n_tokens = int(docs["n_tokens"].to_numpy().sum())
-            expected = manifest.expected_rows(count, n_tokens)
-            for table in kind.tables:
+            rows = {}
+            for table in tables_of_kind(kind.name):
                 path = self.part.part(table, start, count)
-                if table not in kind.required and not path.exists():
-                    continue
-                rows = pq.read_metadata(path).num_rows
-                if table in expected:
-                    if rows != expected[table]:
-                        return False
-                elif kind.name == "choice" and (rows == 0 or rows % count):
-                    return False  # a choice task's other tables have rows per instance
+                if table in kind.required or path.exists():
+                    rows[table] = pq.read_metadata(path).num_rows
         except (OSError, pa.ArrowInvalid):
             return False
-        return True
+        return manifest.wrong_rows(count, rows, n_tokens) is None
 
     def remove_chunk(self, start: int, count: int) -> None:
         """Delete a chunk's parts, the completion marker first."""
         markers = [k.marker for k in KINDS.values()]
-        for table in (*markers, *(t for t in TABLES if t not in markers)):
+        for table in (*markers, *(t for t in table_schemas() if t not in markers)):
             self.part.part(table, start, count).unlink(missing_ok=True)
 
     def write_chunk(self, start: int, count: int, tables: Mapping[str, pa.Table]) -> None:
@@ -285,9 +327,10 @@ class PartitionWriter:
     def write_table_part(self, table: str, start: int, count: int, data: pa.Table) -> None:
         """Atomically write ``table``'s part of the chunk at ``start`` (alone, it backfills an
         optional table for an existing chunk)."""
-        schema = TABLES.get(table)
+        schemas = table_schemas()
+        schema = schemas.get(table)
         if schema is None:
-            raise ValueError(f"unknown table {table!r}; tables: {', '.join(TABLES)}")
+            raise ValueError(f"unknown table {table!r}; tables: {', '.join(schemas)}")
         if not schema_matches(table, data.schema, schema):
             raise SchemaError(
                 f"chunk {start}: {table} table does not match its schema\n{data.schema}"
@@ -299,4 +342,5 @@ class PartitionWriter:
                 compression="zstd",
                 row_group_size=1 << 20,
                 use_dictionary=dictionary_columns(schema),
+                write_page_checksum=True,  # readers verify them (store.location.open_parquet)
             )

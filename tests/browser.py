@@ -79,3 +79,39 @@ def outside_requests(browser: Any) -> list[str]:
         if network or (document.startswith("file:") and not url.startswith(("file:", "data:"))):
             found.append(url)
     return found
+
+
+PROBLEMS = r"""
+const found = [];
+const box = (e) => e.getBoundingClientRect();
+const meet = (a, b) => a.width > 0 && b.width > 0 && a.left < b.right - 1 && b.left < a.right - 1
+  && a.top < b.bottom - 1 && b.top < a.bottom - 1;
+document.querySelectorAll('main blockquote').forEach((q) =>
+  found.push('warning box: ' + q.textContent.trim().slice(0, 80)));
+document.querySelectorAll('div.plotly-figure[data-figure]').forEach((div) => {
+  const name = div.dataset.figure;
+  const marks = div.querySelectorAll('.cartesianlayer .trace path, .heatmaplayer image').length;
+  if (!marks) found.push(name + ': a figure placeholder with no marks');
+  const named = new Set((div.data || []).filter((t) => t.name).map((t) => t.name));
+  const entries = div.querySelectorAll('.legend .traces').length;
+  if (entries < named.size)
+    found.push(`${name}: ${entries} legend entries for ${named.size} series`);
+  const titles = Array.from(div.querySelectorAll('.g-xtitle text, .g-ytitle text'));
+  const ticks = Array.from(div.querySelectorAll('.xtick text, .ytick text'));
+  titles.forEach((t, i) => {
+    titles.slice(i + 1).forEach((u) => { if (meet(box(t), box(u)))
+      found.push(`${name}: axis titles "${t.textContent}" and "${u.textContent}" overlap`); });
+    ticks.forEach((u) => { if (meet(box(t), box(u)))
+      found.push(`${name}: axis title "${t.textContent}" overlaps tick ${u.textContent}`); });
+  });
+});
+return found;
+"""
+"""What a reader of the report would call broken, one line each: a warning box, a figure
+placeholder with no marks drawn, a legend with fewer entries than the figure's named series, an
+axis title whose bounding box meets another axis title or a tick label."""
+
+
+def figure_problems(browser: Any) -> list[str]:
+    """:data:`PROBLEMS` of the page open in ``browser``."""
+    return list(browser.execute_script(PROBLEMS))

@@ -66,6 +66,10 @@ def _tiny_config(family: str, vocab: int) -> Any:
         max_position_embeddings=64,
     )
     gqa = dict(common, num_key_value_heads=2)
+    _opt: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
     configs = {
         "llama": lambda: tf.LlamaConfig(**gqa),
         "mistral": lambda: tf.MistralConfig(**gqa),
@@ -81,6 +85,20 @@ def _tiny_config(family: str, vocab: int) -> Any:
         ),
         "gpt_neox": lambda: tf.GPTNeoXConfig(**common, use_parallel_residual=True),
         "gpt_neox_sequential": lambda: tf.GPTNeoXConfig(**common, use_parallel_residual=False),
+        "gptj": lambda: tf.GPTJConfig(
+            vocab_size=vocab,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            rotary_dim=4,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        "opt": lambda: tf.OPTConfig(**_opt, word_embed_proj_dim=32),
+        "opt_post_norm": lambda: tf.OPTConfig(
+            **_opt, word_embed_proj_dim=32, do_layer_norm_before=False
+        ),
         "gemma2_softcap": lambda: tf.Gemma2Config(**gqa, head_dim=8, final_logit_softcapping=5.0),
         "bert": lambda: tf.BertConfig(
             vocab_size=vocab,
@@ -106,6 +124,8 @@ FAMILIES = (
     "gpt2",
     "gpt_neox",
     "gpt_neox_sequential",
+    "gptj",
+    "opt",
 )
 
 

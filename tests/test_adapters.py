@@ -19,7 +19,7 @@ from layerdiv.extract.models import LoadedModel, ModelSource
 
 FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3",
-    "phi", "gpt2", "gpt_neox", "gpt_neox_sequential",
+    "phi", "gpt2", "gpt_neox", "gpt_neox_sequential", "gptj", "opt",
 )  # fmt: skip
 
 # The component-name contract: changing these names breaks users' SQL.

@@ -31,7 +31,7 @@ from layerdiv.cli import main
 from layerdiv.schemas import tables_of
 from layerdiv.store import Store, StoreError
 from layerdiv.store.atomic import temp_path
-from layerdiv.tests.conftest import write_synthetic_store
+from tests.conftest import write_synthetic_store
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -275,8 +275,8 @@ def test_ls(store: Path) -> None:
     result = run("ls", "--store", str(store))
     assert result.exit_code == 0, result.output
     rows = box_rows(result.stdout)
-    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
-        (model, task, "40", "40")
+    assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [
+        (model, "main", task, "40", "40")
         for model in ("org/large", "org/small")
         for task in ("boolq", "mnli")
     ]
@@ -298,8 +298,8 @@ def test_a_text_only_store_summarises_lists_queries_and_reports(tmp_path: Path) 
     assert summary.is_empty() and summary.schema == SUMMARY_SCHEMA
     result = run("ls", "--store", str(store))
     assert result.exit_code == 0, result.output
-    rows = [r[:4] for r in box_rows(result.stdout)]
-    assert rows == [["synth/text-model-00", "fineweb", "6", "6"]]
+    rows = [r[:5] for r in box_rows(result.stdout)]
+    assert rows == [["synth/text-model-00", "main", "fineweb", "6", "6"]]
     sql = "SELECT count(*) AS n, count(DISTINCT doc) AS docs FROM token_blocks"
     result = run("query", sql, "--store", str(store))
     assert result.exit_code == 0, result.output
@@ -336,7 +336,7 @@ ONLY_BROKEN = ["--model", "org/large", "--task", "boolq"]
 
 def _partition_files(root: Path, table: str) -> list[Path]:
     model, task = BROKEN
-    return sorted((root / table / f"model={model}" / f"task={task}").glob("*"))
+    return sorted((root / table / f"model={model}" / "revision=main" / f"task={task}").glob("*"))
 
 
 def _empty(root: Path) -> None:
@@ -459,7 +459,8 @@ def test_one_bad_partition_leaves_the_others_usable(
     assert result.exit_code == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, lines
-    assert lines[0].startswith("Error: left out partition model=org--large task=boolq: ")
+    where = "partition model=org--large revision=main task=boolq"
+    assert lines[0].startswith(f"Error: left out {where}: ")
     assert message in lines[0]
     good = {("org--large", "mnli"), ("org--small", "boolq"), ("org--small", "mnli")}
     if command == "analyze":
@@ -467,7 +468,7 @@ def test_one_bad_partition_leaves_the_others_usable(
         assert set(zip(scores["model"], scores["task"], strict=True)) == good
     elif command == "report":
         text = (out / "report.md").read_text()
-        assert "left out partition model=org--large task=boolq" in text
+        assert "left out partition model=org--large revision=main task=boolq" in text
         assert "| org/large | boolq |" not in text and "| org/large | mnli |" in text
     elif command == "query":
         # 40 instances x components (small: 7, large: 11) x options (boolq: 2, mnli: 3)
@@ -545,10 +546,11 @@ def copy(chunked: Path, tmp_path: Path) -> Path:
     "sql",
     [
         "COPY (SELECT 1 AS x) TO '{chunked}/instances' (FORMAT parquet, OVERWRITE)",
-        "COPY instances TO '{chunked}/instances/model=org--a/task=t/part-0000000-000008.parquet'",
+        "COPY instances TO "
+        "'{chunked}/instances/model=org--a/revision=main/task=t/part-0000000-000008.parquet'",
         "EXPORT DATABASE '{chunked}/exported'",
         "ATTACH '{chunked}/new.duckdb' AS extra",
-        "SELECT * FROM read_parquet('{chunked}/components/*/*/*.parquet')",
+        "SELECT * FROM read_parquet('{chunked}/components/**/*.parquet')",
     ],
 )
 def test_query_touches_no_file(copy: Path, sql: str) -> None:
@@ -572,7 +574,8 @@ def test_query_cannot_lift_its_own_limits(copy: Path) -> None:
 
 def test_query_out_inside_the_store_is_refused(copy: Path) -> None:
     before = snapshot(copy)
-    part = copy / "instances" / "model=org--a" / "task=t" / "part-0000000-000008.parquet"
+    folder = copy / "instances" / "model=org--a" / "revision=main" / "task=t"
+    part = folder / "part-0000000-000008.parquet"
     for target in (part, copy / "q.csv"):
         result = run("query", "SELECT 1 AS x", "--store", str(copy), "--out", str(target))
         assert result.exit_code == 1
@@ -699,7 +702,8 @@ def test_temporary_folders_of_a_killed_run_are_cleaned(chunked: Path, tmp_path: 
 
 
 def test_a_damaged_later_part_is_named(copy: Path, tmp_path: Path) -> None:
-    part = copy / "components" / "model=org--a" / "task=t" / "part-0000008-000008.parquet"
+    folder = copy / "components" / "model=org--a" / "revision=main" / "task=t"
+    part = folder / "part-0000008-000008.parquet"
     part.write_bytes(part.read_bytes()[:-64])
     for args in (
         ["analyze", "--out", str(tmp_path / "r")],
@@ -710,13 +714,15 @@ def test_a_damaged_later_part_is_named(copy: Path, tmp_path: Path) -> None:
         assert result.exit_code == 1
         (line,) = result.stderr.strip().splitlines()
         assert line.startswith(f"Error: {part}: unreadable Parquet (")
-        assert line.endswith("re-extract partition model=org--a task=t with --overwrite")
+        where = "partition model=org--a revision=main task=t"
+        assert line.endswith(f"re-extract {where} with --overwrite")
 
 
 def test_a_part_with_bad_pages_is_named_when_read(copy: Path) -> None:
     """A part whose footer is intact but whose data pages are not: found when its rows are read,
     and the error names the file."""
-    part = copy / "components" / "model=org--b" / "task=t" / "part-0000016-000004.parquet"
+    folder = copy / "components" / "model=org--b" / "revision=main" / "task=t"
+    part = folder / "part-0000016-000004.parquet"
     data = bytearray(part.read_bytes())
     data[8:400] = b"\xab" * 392
     part.write_bytes(bytes(data))
@@ -731,10 +737,10 @@ def downgrade_to_version_1(root: Path) -> None:
     """Rewrite a store as layerdiv wrote it at schema version 1 (no ``cos_prev``, no
     ``hidden_size`` or ``extra_tables`` in the manifest)."""
     for table, schema in tables_of(1).items():
-        for part in root.glob(f"{table}/*/*/*.parquet"):
+        for part in root.glob(f"{table}/**/*.parquet"):
             old = pq.read_table(part)
             pq.write_table(old.select(schema.names).cast(schema), part)
-    for path in root.glob("manifests/*/*/manifest.json"):
+    for path in root.glob("manifests/**/manifest.json"):
         data = json.loads(path.read_text())
         data["schema_version"] = 1
         del data["hidden_size"], data["extra_tables"]
@@ -743,7 +749,7 @@ def downgrade_to_version_1(root: Path) -> None:
 
 def test_version_1_store_is_read_like_today(chunked: Path, copy: Path) -> None:
     downgrade_to_version_1(copy)
-    assert "cos_prev" not in pq.read_schema(next(copy.glob("components/*/*/*.parquet"))).names
+    assert "cos_prev" not in pq.read_schema(next(copy.glob("components/**/*.parquet"))).names
     assert {p.manifest.schema_version for p in Store(copy).partitions} == {1}
     new, old = analyze(chunked), analyze(copy)
     for name in ("scores", "curves", "modules", "correlations", "information"):
@@ -765,7 +771,7 @@ def test_version_1_store_is_read_like_today(chunked: Path, copy: Path) -> None:
 def test_ls_takes_model_and_task(chunked: Path) -> None:
     result = run("ls", "--store", str(chunked), "--model", "org/b", "--task", "t")
     assert result.exit_code == 0, result.output
-    assert [row[:3] for row in box_rows(result.stdout)] == [["org/b", "t", str(N)]]
+    assert [row[:4] for row in box_rows(result.stdout)] == [["org/b", "main", "t", str(N)]]
     result = run("ls", "--store", str(chunked), "--task", "other")
     assert result.exit_code == 1 and "no extracted data matches" in result.stderr
 
@@ -793,12 +799,22 @@ def extra_analysis(monkeypatch: pytest.MonkeyPatch) -> reg.Analysis:
 def test_a_registered_analysis_runs_writes_and_reports(
     chunked: Path, tmp_path: Path, extra_analysis: reg.Analysis
 ) -> None:
-    texts = ["text_geometry", "text_lens", "text_skips", "text_profiles", "maps"]
-    assert [a.name for a in reg.registered()] == ["paper", "depth", "heads", *texts, "extra"]
+    texts = [
+        "text_geometry",
+        "text_lens",
+        "text_skips",
+        "text_profiles",
+        "text_groups",
+        "revisions",
+        "maps",
+    ]
+    names = ["paper", "depth", "heads", "lens_curves", *texts, "extra"]
+    assert [a.name for a in reg.registered()] == names
     results = analyze(chunked)
     assert results.extra.rows() == [("org--a", N, 2), ("org--b", N, 2)]
     # The store has no heads: the heads analysis says so; its and depth's notes come first.
-    assert any(n.startswith("No heads stored for org--a/t, org--b/t") for n in results.notes)
+    missing = "No heads stored for org--a/main/t, org--b/main/t"
+    assert any(n.startswith(missing) for n in results.notes)
     note = results.notes[-1]
     assert note.startswith(
         "extra: saw ['component_scores', 'correlation_means', 'correlations', 'curves'"

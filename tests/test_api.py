@@ -22,6 +22,7 @@ from layerdiv.analyze import api
 from layerdiv.analyze.output import OutputError
 from layerdiv.errors import LayerdivError, LayerdivWarning
 from layerdiv.schemas import SCHEMA_VERSION, TABLES
+from layerdiv.store.key import KEY
 from layerdiv.store.reader import StoreError
 
 from .conftest import write_synthetic_store
@@ -87,7 +88,7 @@ def test_unknown_table_is_refused_at_the_call(store: Path) -> None:
 
 
 def test_unknown_names_options_and_estimators_are_refused(store: Path, results: Any) -> None:
-    with pytest.raises(StoreError, match="the store holds: org--large/boolq"):
+    with pytest.raises(StoreError, match="the store holds: org--large/main/boolq"):
         layerdiv.run_analysis(store, tasks="bbc5")
     with pytest.raises(LayerdivError, match="unknown option 'reweigth': use one of reweight"):
         layerdiv.run_analysis(store, options={"reweigth": True})
@@ -134,7 +135,7 @@ def test_one_dtype_per_column_name(store: Path, results: Any) -> None:
 
 def test_scan_instances_returns_every_stored_column(store: Path) -> None:
     frame = layerdiv.Store(store).scan("instances").collect()
-    assert frame.columns == [*TABLES["instances"].names, "model", "task"]
+    assert frame.columns == [*TABLES["instances"].names, *KEY]
 
 
 def test_notes_are_warned(store: Path) -> None:
@@ -179,9 +180,11 @@ def test_reprs_are_short(store: Path, results: Any) -> None:
     st = layerdiv.Store(store)
     assert repr(st) == f"Store({str(store)!r}): 2 models x 2 tasks, 4 partitions"
     page = st._repr_html_()
-    assert page.count("<tr>") == 1 + 4 and "<td>org--small</td><td>mnli</td><td>6 of 6</td>" in page
+    row = "<td>org--small</td><td>main</td><td>mnli</td><td>6 of 6</td>"
+    assert page.count("<tr>") == 1 + 4 and row in page
     assert repr(st.partitions[0]) == (
-        "PartitionInfo(model='org--large', task='boolq': 6 of 6 instances, 7 components, 2 options)"
+        "PartitionInfo(model='org--large', revision='main', task='boolq': 6 of 6 instances, "
+        "7 components, 2 options)"
     )
 
 
@@ -192,7 +195,7 @@ def test_home_is_expanded(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_python_api_page_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The examples of docs/python-api.md, on a synthetic store shaped like the demo's."""
-    from layerdiv.analyze.synthetic import synthesize_demo_store
+    from layerdiv.demo import synthesize_demo_store
 
     page = Path(__file__).parents[1] / "docs" / "python-api.md"
     synthesize_demo_store(tmp_path / "layerdiv-demo" / "store")
@@ -220,7 +223,7 @@ def test_scan_reads_every_schema_version(store: Path, tmp_path: Path) -> None:
     st = layerdiv.Store(mixed)
     assert {p.manifest.schema_version for p in st.partitions} == {1, SCHEMA_VERSION}
     comps = st.scan("components").collect()
-    assert comps.columns == [*TABLES["components"].names, "model", "task"]
+    assert comps.columns == [*TABLES["components"].names, *KEY]
     by_model = comps.group_by("model").agg(pl.col("cos_prev").is_not_null().sum())
     assert dict(by_model.iter_rows())["org--large"] == 0
     assert dict(by_model.iter_rows())["org--small"] > 0

@@ -106,7 +106,7 @@ def test_resume_after_sigkill_stores_each_instance_once(
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        if len(list(store.glob("instances/*/*/part-*.parquet"))) >= 3:
+        if len(list(store.glob("instances/**/part-*.parquet"))) >= 3:
             break
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
@@ -235,7 +235,7 @@ def test_a_nan_names_the_instance_and_component(
     out = extract("--model", str(folder), "--task", str(task), "--store", str(store))
     assert out.exit_code == 1
     assert "instance 0: component mlp.1 has a NaN or Inf logit" in out.output
-    assert not list(store.glob("*/*/*/part-*.parquet"))
+    assert not list(store.glob("*/**/part-*.parquet"))
     errors = [line for line in out.output.splitlines() if line.startswith("Error")]
     assert len(errors) == 1 and "Traceback" not in out.output
     assert DecompositionError.__name__ not in out.output

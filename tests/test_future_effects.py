@@ -160,6 +160,22 @@ def test_skip_split_all_matches_the_reference(
     assert check(store, model, tokenizer, texts, 8, ["block"], split_all=True) == 3
 
 
+def test_skip_split_all_stores_nothing_for_a_document_of_one_token(
+    tmp_path: Path, model_dirs: Any, tokenizer: Any
+) -> None:
+    texts = [*random_texts(2, seed=6), "x"]
+    assert len(tokenizer("x")["input_ids"]) == 1  # nothing to remove: no row, not a 0.0
+    task = text_task(tmp_path / "task", texts, max_tokens=8)
+    store = tmp_path / "store"
+    out = extract("--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store),
+                  "--skips", "--skip-split", "all")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    effects, output = stored(store)
+    assert effects.filter(pl.col("doc") == 2).height == 0
+    assert output.filter(pl.col("doc") == 2).height == 0
+    assert set(output["doc"].to_list()) == {0, 1}
+
+
 def test_future_effects_resume_backfill_and_settings(tmp_path: Path, model_dirs: Any) -> None:
     texts = random_texts(8, seed=5)
     task = text_task(tmp_path / "task", texts, max_tokens=30)
@@ -229,7 +245,7 @@ def test_killed_run_shows_its_whole_documents_then_resumes_exactly(
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        if len(list(store.glob("documents/*/*/part-*.parquet"))) >= 3:
+        if len(list(store.glob("documents/**/part-*.parquet"))) >= 3:
             break
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)

@@ -15,19 +15,19 @@ from layerdiv.analyze.analyses.heads import head_scores
 from layerdiv.cli import main
 from layerdiv.extract import adapters, runner
 from layerdiv.extract.adapters import UnsupportedModel, adapter_for, check_heads, get_module
-from layerdiv.extract.capture import BatchDecomposition, DecompositionError
+from layerdiv.extract.capture import BatchDecomposition, DecompositionError, HeadDecomposition
 from layerdiv.extract.forward import ModelRunner
-from layerdiv.extract.heads import HeadDecomposition, check_head_sums
+from layerdiv.extract.heads import check_head_sums
 from layerdiv.extract.models import (
     LoadedModel,
     ModelSource,
 )
 from layerdiv.store import Store
-from layerdiv.tests.test_models import plain_and_offloaded
+from tests.test_models import plain_and_offloaded
 
 FAMILIES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3",
-    "phi", "gpt2", "gpt_neox", "gpt_neox_sequential",
+    "phi", "gpt2", "gpt_neox", "gpt_neox_sequential", "gptj", "opt",
 )  # fmt: skip
 PROMPTS = [[5, 17, 33, 40, 41, 42, 60, 7], [9, 12], [100, 101, 102, 103, 104]]
 OPTIONS = [11, 25, 37, 52]
@@ -52,7 +52,7 @@ def test_heads_and_bias_sum_to_the_attention_component(
     model = build_model(family)
     batch, heads = run_heads(model, tokenizer)
     n_heads = model.config.num_attention_heads
-    has_bias = family in ("phi", "gpt2", "gpt_neox", "gpt_neox_sequential")
+    has_bias = family in ("phi", "gpt2", "gpt_neox", "gpt_neox_sequential", "opt")
     assert heads.head_ids == [-1] * has_bias + list(range(n_heads))
     assert [batch.components[c].kind for c in heads.components] == ["attn"] * 2
     assert heads.logits.shape == (len(PROMPTS), 2, n_heads + has_bias, len(OPTIONS))
@@ -185,7 +185,7 @@ def test_extract_heads_end_to_end_and_backfill(
     assert "nothing to do" in again.output
     # A later run without --heads still gives the chunks it stores heads: the partition has them.
     for table in ("instances", "heads"):
-        (part,) = store.glob(f"{table}/*/*/part-0000016-000004.parquet")
+        (part,) = store.glob(f"{table}/**/part-0000016-000004.parquet")
         part.unlink()
     more = extract(*model, *common)
     assert more.exit_code == 0, more.output

@@ -13,6 +13,7 @@ import polars as pl
 
 from layerdiv.analyze.synthetic import decoder_kinds, write_partition
 from layerdiv.store import Store
+from layerdiv.store.key import KEY
 
 STORE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "store.md"
 
@@ -31,15 +32,13 @@ def test_the_store_page_snippet_reads_complete_chunks_only(tmp_path: Path) -> No
         gold = rng.integers(0, k, n)
         write_partition(store, model, "sst2", logits, gold, decoder_kinds(2), chunk=8)
     # What an interrupted run leaves: a components part without its instances part, a temp file.
-    comps = store / "components" / "model=org--a" / "task=sst2"
+    comps = store / "components" / "model=org--a" / "revision=main" / "task=sst2"
     shutil.copy(comps / "part-0000000-000008.parquet", comps / "part-0000020-000008.parquet")
     (comps / ".part-0000028-000008.parquet.x.tmp").write_bytes(b"half")
 
     scope: dict[str, Any] = {}
     exec(store_page_snippet().replace('"layerdiv-store"', repr(str(store))), scope)
     counts = scope["counts"].sort("model")
-    expected = (
-        Store(store).scan("components").group_by("model", "task").len("rows").sort("model")
-    ).collect()
+    expected = (Store(store).scan("components").group_by(*KEY).len("rows").sort("model")).collect()
     assert counts["rows"].to_list() == [20 * 5 * 2, 12 * 5 * 3]
-    assert counts.select("model", "task", pl.col("rows").cast(pl.UInt32)).equals(expected)
+    assert counts.select(*KEY, pl.col("rows").cast(pl.UInt32)).equals(expected)

@@ -178,6 +178,41 @@ def test_refusals(pair: dict[str, Any], tmp_path: Path) -> None:
         assert len([line for line in out.splitlines() if line.startswith("Error")]) == 1
 
 
+def test_two_revisions_of_one_model(pair: dict[str, Any], tmp_path: Path) -> None:
+    """A map is between two (model, revision) partitions of one task: its key holds both
+    revisions, a model with several revisions is named with @REVISION, and the figure spec has
+    a heatmap panel (diagonal and best targets drawn over it) and a best-target curve panel."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from layerdiv.analyze.analyses.maps import PAIR, maps_figure
+
+    store, folder = tmp_path / "store", tmp_path / "m"
+    shutil.copytree(pair["folders"]["small"], folder)
+    checkpoints = {"folders": {"m": folder}, "task": pair["task"]}
+    extract(checkpoints, store, "m", "--states", "all", "--revision", "early")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():  # another checkpoint, with the same states (h_L is before the norm)
+        model.model.norm.weight.mul_(1.5)
+    model.save_pretrained(folder)
+    extract(checkpoints, store, "m", "--states", "all", "--revision", "late")
+    slug = layerdiv.Store(store).select()[0].model
+    r = run("analyze", "--store", str(store), "--maps", f"{slug}:{slug}", "--out",
+            str(tmp_path / "o"))  # fmt: skip
+    assert r.exit_code == 1 and "has revisions early, late on task docs; name one" in r.output
+    results = layerdiv.run_analysis(store, maps=f"{slug}@early:{slug}@late")
+    maps = results.layer_maps
+    assert maps.columns[: len(PAIR)] == list(PAIR)
+    assert maps.select(PAIR).unique().rows() == [("docs", slug, "early", slug, "late")]
+    assert np.diag(as_grid(maps, "states", "rel_error")).max() < 0.02  # the same weights
+    figure = maps_figure(maps, results.layer_map_best, {})
+    heat, curve = figure.panels[:2]
+    assert len(figure.panels) == 4 and heat.heatmap is not None and curve.heatmap is None
+    assert [s.name for s in heat.series] == ["same relative depth", "best target"]
+    assert heat.series[0].x == [0, 1, 2] and "@early -> " in heat.title
+
+
 @pytest.mark.parametrize("d_b", [40, 6])  # held-out rows solved once (12 <= d_B), or W per pair
 def test_fit_maps_against_lstsq(d_b: int) -> None:
     from layerdiv.analyze.layer_maps import ArrayLayers, fit_maps, solve_rows

@@ -109,7 +109,7 @@ def refused(tmp_path: Path, dst: Path, *sources: Path) -> str:
 def test_another_extraction_is_refused(stores: Path, tmp_path: Path) -> None:
     other = tmp_path / "other"
     shutil.copytree(stores / "b", other)
-    (manifest,) = other.glob("manifests/*/*/manifest.json")
+    (manifest,) = other.glob("manifests/**/manifest.json")
     data = json.loads(manifest.read_text())
     data["dtype"] = "bfloat16"
     manifest.write_text(json.dumps(data))
@@ -129,7 +129,7 @@ def test_overlapping_chunks_are_refused(stores: Path, tmp_path: Path) -> None:
 def test_two_different_copies_of_one_chunk_are_refused(stores: Path, tmp_path: Path) -> None:
     other = tmp_path / "other"
     shutil.copytree(stores / "a", other)
-    part = sorted(other.glob("instances/*/*/part-*.parquet"))[1]
+    part = sorted(other.glob("instances/**/part-*.parquet"))[1]
     table = pq.read_table(part)
     table = table.set_column(
         table.schema.get_field_index("sum_error"),
@@ -144,7 +144,7 @@ def test_two_different_copies_of_one_chunk_are_refused(stores: Path, tmp_path: P
 def test_a_source_with_an_unreadable_partition_is_refused(stores: Path, tmp_path: Path) -> None:
     other = tmp_path / "other"
     shutil.copytree(stores / "a", other)
-    part = sorted(other.glob("instances/*/*/part-*.parquet"))[1]
+    part = sorted(other.glob("instances/**/part-*.parquet"))[1]
     part.write_bytes(part.read_bytes()[:100])
     line = refused(tmp_path, tmp_path / "dst", stores / "b", other)
     assert f"{other} cannot be merged" in line and "part-0000008-000004.parquet" in line
@@ -194,14 +194,14 @@ def test_files_beside_the_manifest_are_kept_and_must_agree(stores: Path, tmp_pat
     copies = []
     for name, record in (("a", "r1"), ("b", "r2")):
         shutil.copytree(stores / name, tmp_path / name)
-        (folder,) = (tmp_path / name).glob("manifests/*/task=*")
+        (folder,) = (tmp_path / name).glob("manifests/**/task=*")
         (folder / "runs").mkdir(exist_ok=True)
         (folder / "runs" / f"{record}.json").write_text(json.dumps({"run": record}))
         (folder / ".claim.tmp").write_text("being written")
         copies.append(folder)
     out = run("merge", str(tmp_path / "a"), str(tmp_path / "b"), "--into", str(tmp_path / "m"))
     assert out.exit_code == 0, out.output
-    (merged,) = (tmp_path / "m").glob("manifests/*/task=*")
+    (merged,) = (tmp_path / "m").glob("manifests/**/task=*")
     records = {p.name for c in copies for p in (c / "runs").iterdir()}
     assert {"r1.json", "r2.json"} < records
     assert {p.name for p in (merged / "runs").iterdir()} == records

@@ -27,7 +27,7 @@ from layerdiv.demo import write_demo_tasks
 from layerdiv.extract.launchers import LaunchError, Shard, parse_shard
 from layerdiv.store import Store, atomic
 from layerdiv.store.writer import PartitionWriter
-from layerdiv.tests.conftest import write_synthetic_store
+from tests.conftest import write_synthetic_store
 
 N, CHUNK = 16, 4
 
@@ -45,7 +45,8 @@ def extract(model: Path, task: Path, store: Path, *args: str) -> Result:
 
 def note_command(text: str, table: str) -> list[str]:
     """The arguments of the command a note names to complete ``table``."""
-    m = re.search(rf"{table} left out for partition model=\S+ task=reviews: .*?`(layerdiv [^`]+)`",
+    where = r"partition model=\S+ revision=\S+ task=reviews"
+    m = re.search(rf"{table} left out for {where}: .*?`(layerdiv [^`]+)`",
                   text)  # fmt: skip
     assert m, text
     return shlex.split(m.group(1))[1:]
@@ -122,7 +123,7 @@ def test_shards_with_mixed_flags_never_give_half_a_table(
     assert query.exit_code == 0 and re.search(rf"\b{N}\b", query.output) and not query.stderr
     # a later shard without --heads adds them too: the partition has them
     for table in ("instances", "heads"):
-        (part,) = store.glob(f"{table}/*/*/part-0000012-000004.parquet")
+        (part,) = store.glob(f"{table}/**/part-0000012-000004.parquet")
         part.unlink()
     extract(model, task, store, "--shard", "1/2")
     assert "heads" in Store(store).select()[0].tables
@@ -319,7 +320,7 @@ def gram_store(root: Path, task: str) -> Path:
 def test_merge_keeps_what_it_is_given_and_says_what_is_wrong(tmp_path: Path) -> None:
     src, other = gram_store(tmp_path / "src", "boolq"), gram_store(tmp_path / "other", "mnli")
     # an unfinished addition: one chunk has no gram part yet
-    next(src.glob("gram/*/*/part-0000002-000002.parquet")).unlink()
+    next(src.glob("gram/**/part-0000002-000002.parquet")).unlink()
     listed = run("ls", "--store", str(src))
     assert listed.exit_code == 0 and "gram (incomplete)" in listed.output
     real = tmp_path / "real"

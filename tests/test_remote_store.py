@@ -21,7 +21,7 @@ from click.testing import CliRunner, Result
 from polars.testing import assert_frame_equal
 
 from layerdiv.cli import main
-from layerdiv.tests.conftest import write_synthetic_store
+from tests.conftest import write_synthetic_store
 
 BUCKET = "layerdiv-test"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import re
 import shutil
 import time
@@ -109,13 +110,18 @@ def test_figures_equal_the_curves_table(page: Path, store: Path) -> None:
     for slug in ("org--small", "org--large"):
         for trace in figures[f"fig5_curves_{slug}.png"]["data"]:
             metric = next(m for m in METRICS.values() if m.title == trace["name"])
-            task = re.search(r" · (\w+)<br>", trace["hovertemplate"]).group(1)  # type: ignore[union-attr]
+            # Hover: "<model> · <task><br>j = <j>: <component><br><metric> <value> <unit>".
+            hover = [re.match(r".+ · (\w+)<br>j = (\d+): (.+)<br>.+ (-?[\d.]+) ", h).groups()  # type: ignore[union-attr]
+                     for h in trace["customdata"]]  # fmt: skip
+            task = hover[0][0]
             want = curves.filter((pl.col("model") == slug) & (pl.col("task") == task)).sort("j")
-            assert trace["x"] == want["j"].to_list()
-            assert [c[0] for c in trace["customdata"]] == want["component"].to_list()
-            shown = np.array([c[1] for c in trace["customdata"]])
+            assert trace["x"] == want["j"].to_list() == [int(h[1]) for h in hover]
+            assert [h[2] for h in hover] == [str(c) for c in want["component"]]
+            shown = np.array([float(h[3]) for h in hover])
             np.testing.assert_allclose(shown, want[metric.name] * metric.unit("paper").scale,
-                                       rtol=1e-12)  # fmt: skip
+                                       atol=5e-4)  # fmt: skip
+            z = (want[metric.name] - want[metric.name].mean()) / want[metric.name].std()
+            np.testing.assert_allclose(trace["y"], z, rtol=1e-9, atol=1e-12)
             checked += 1
     assert checked == 2 * 2 * len(METRICS)
 
@@ -213,9 +219,9 @@ def test_version_2_store_says_prompt_not_stored(store: Path, tmp_path: Path) -> 
     old = tmp_path / "v2"
     shutil.copytree(store, old)
     schema = tables_of(2)["instances"]
-    for part in old.glob("instances/*/*/*.parquet"):
+    for part in old.glob("instances/**/*.parquet"):
         pq.write_table(pq.read_table(part).select(schema.names).cast(schema), part)
-    for path in old.glob("manifests/*/*/manifest.json"):
+    for path in old.glob("manifests/**/manifest.json"):
         manifest = json.loads(path.read_text())
         path.write_text(json.dumps({**manifest, "schema_version": 2}))
     assert {p.manifest.schema_version for p in Store(old).partitions} == {2}
@@ -231,7 +237,7 @@ def test_version_2_store_says_prompt_not_stored(store: Path, tmp_path: Path) -> 
 def browser() -> Iterator[Any]:
     if not (CHROMIUM and DRIVER):
         pytest.skip(NO_BROWSER)
-    from layerdiv.tests.browser import chromium
+    from tests.browser import chromium
 
     with chromium(CHROMIUM, DRIVER) as driver:
         yield driver
@@ -253,10 +259,14 @@ CHOOSE = (
 
 
 def test_page_in_chromium(browser: Any, page: Path) -> None:
-    from layerdiv.tests.browser import open_page, outside_requests, page_errors
+    from tests.browser import figure_problems, open_page, outside_requests, page_errors
 
     open_page(browser, page)
     assert page_errors(browser) == []
+    # This store lacks what some analyses need, so the page has its notes (warning boxes);
+    # everything else a reader would call broken is checked.
+    assert [p for p in figure_problems(browser) if not p.startswith("warning box")] == []
+    assert "<img" not in page.read_text()  # every figure has a spec: none is an image
     marks = dict(browser.execute_script(MARKS))
     figures = embedded(page, "figures-data")
     for name, spec in figures.items():  # a mark per trace at least
@@ -320,7 +330,7 @@ def test_page_in_chromium(browser: Any, page: Path) -> None:
 
 def test_browser_checks_catch_errors_and_requests(browser: Any, tmp_path: Path) -> None:
     """The checks above can fail: a page that requests a URL and throws is caught by both."""
-    from layerdiv.tests.browser import open_page, outside_requests, page_errors
+    from tests.browser import open_page, outside_requests, page_errors
 
     bad = tmp_path / "bad.html"
     bad.write_text(
@@ -331,3 +341,55 @@ def test_browser_checks_catch_errors_and_requests(browser: Any, tmp_path: Path) 
     time.sleep(0.5)
     assert outside_requests(browser) == ["http://127.0.0.1:9/x.png"]
     assert any("TypeError" in e for e in page_errors(browser))
+
+
+def test_figure_checks_catch_what_a_reader_calls_broken(browser: Any, tmp_path: Path) -> None:
+    """The checks of ``figure_problems`` can fail: a warning box, a legend that drops a series,
+    an axis title over the tick labels and a placeholder with nothing drawn are each caught."""
+    from layerdiv.analyze.html import render_page
+    from tests.browser import figure_problems, open_page
+
+    long = ["a long category label number one", "a long category label number two"]
+    broken = {
+        "data": [
+            {"type": "scatter", "x": [1, 2], "y": long, "name": "first"},
+            {"type": "scatter", "x": [1, 2], "y": long, "name": "second", "showlegend": False},
+        ],
+        "layout": {
+            "yaxis": {"title": {"text": "a title over the ticks"}, "automargin": False},
+            "margin": {"l": 60},
+            "showlegend": True,
+        },
+    }
+    empty: dict[str, Any] = {"data": [], "layout": {}}
+    markdown = "> a warning\n\n![x](figures/broken.png)\n\n![y](figures/empty.png)\n"
+    bad = tmp_path / "bad.html"
+    bad.write_text(render_page(markdown, {"broken.png": broken, "empty.png": empty}, None))
+    open_page(browser, bad)
+    found = figure_problems(browser)
+    assert any(p.startswith("warning box: a warning") for p in found)
+    assert "broken.png: 1 legend entries for 2 series" in found
+    assert any(
+        p.startswith('broken.png: axis title "a title over the ticks" overlaps') for p in found
+    )
+    assert "empty.png: a figure placeholder with no marks" in found
+
+
+DEMO_REPORT = Path(os.environ.get("LAYERDIV_DEMO_REPORT", "layerdiv-demo/report/report.html"))
+"""The demo's page (``make demo``; another with ``LAYERDIV_DEMO_REPORT``)."""
+
+
+def test_demo_report_shows_its_findings(browser: Any) -> None:
+    """The demo's page as a reader sees it: no warning box, every figure drawn with a complete
+    legend and no axis title over another or over ticks, and the logit-lens figure with the
+    last prompt token of the choice task extracted with ``--lens`` beside running text."""
+    from tests.browser import figure_problems, open_page, page_errors
+
+    if not DEMO_REPORT.is_file():
+        pytest.skip(f"{DEMO_REPORT} not found: run `make demo` first")
+    open_page(browser, DEMO_REPORT)
+    assert page_errors(browser) == []
+    assert figure_problems(browser) == []
+    assert "<img" not in DEMO_REPORT.read_text()
+    lens = embedded(DEMO_REPORT, "figures-data")["text_lens.png"]
+    assert any(t["name"].endswith("last prompt token") for t in lens["data"])

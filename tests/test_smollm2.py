@@ -71,7 +71,7 @@ def test_maps_from_the_15_block_sibling_onto_smollm2(tmp_path: Path) -> None:
     import random
 
     import layerdiv
-    from layerdiv.analyze.analyses.maps import spearman
+    from layerdiv.analyze.analyses.maps import PAIR, spearman
     from layerdiv.demo import bbc_articles
     from layerdiv.extract.models import save_every_other_block
 
@@ -90,8 +90,8 @@ def test_maps_from_the_15_block_sibling_onto_smollm2(tmp_path: Path) -> None:
     results = layerdiv.run_analysis(store, maps=f"{sibling}:smollm2-135m-instruct")
     best = results.layer_map_best
     with pl.Config(tbl_rows=100, tbl_cols=20, tbl_width_chars=200):
-        print(best.drop("task", "source_model", "target_model"))
-        print(spearman(best).drop("task", "source_model", "target_model"))
+        print(best.drop(PAIR))
+        print(spearman(best).drop(PAIR))
     maps = results.layer_maps
     assert maps.filter(pl.col("space") == "states").height == 16 * 31
     assert maps.filter(pl.col("space") == "updates").height == 15 * 30

@@ -60,7 +60,7 @@ def test_states_match_hf(
                 "--states", "5", "--states-dtype", dtype, "--states-seed", "7")  # fmt: skip
     assert r.exit_code == 0, r.output
     key, tokens, states, manifest = stored_states(store)
-    assert (manifest.states_k, manifest.states_seed, manifest.states_dtype) == (5, 7, dtype)
+    assert manifest.settings["states"] == {"states": 5, "states_seed": 7, "states_dtype": dtype}
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for doc, text in enumerate(texts):
         ids = tokenizer(text)["input_ids"][:24]
@@ -92,10 +92,10 @@ def test_states_all_and_refusals(
     key, _, states, manifest = stored_states(store)
     n = [min(len(tokenizer(t)["input_ids"]), 16) for t in texts]
     assert len(key) == sum(k - 1 for k in n) and 0 not in key[:, 1]
-    assert states.dtype == np.float16 and manifest.states_k == 0
+    assert states.dtype == np.float16 and manifest.settings["states"]["states"] == "all"
     # other settings than the stored ones: one line naming both
     r = extract(*args, "--states", "3")
-    assert r.exit_code != 0 and "the stored states are --states all" in r.output
+    assert r.exit_code != 0 and "the stored states was extracted with --states all" in r.output
     assert len(r.output.strip().splitlines()) == 1
     r = extract(*args, "--states-seed", "3")
     assert r.exit_code != 0 and "add --states" in r.output
@@ -132,6 +132,8 @@ def test_version_4_text_store_still_reads(
     ``--maps`` says it has no states."""
     import json
 
+    import pyarrow.parquet as pq
+
     import layerdiv
     from layerdiv.schemas import tables_of
 
@@ -139,15 +141,17 @@ def test_version_4_text_store_still_reads(
     store = tmp_path / "store"
     r = extract("--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store))
     assert r.exit_code == 0, r.output
-    path = next(store.glob("manifests/*/*/manifest.json"))
+    path = next(store.glob("manifests/**/manifest.json"))
     data = json.loads(path.read_text())
-    for name in ("states_k", "states_seed", "states_dtype"):
-        del data[name]  # fields of version 5
+    for name in ("settings", "weights"):
+        data.pop(name, None)  # fields of version 5
     data["schema_version"] = 4
     path.write_text(json.dumps(data))
+    for part in store.glob("tokens/**/*.parquet"):  # version 4's tokens have no loss
+        pq.write_table(pq.read_table(part).drop(["loss"]), part, write_page_checksum=True)
     assert "states" not in tables_of(4) and "states" in tables_of(5)
     (info,) = Store(store).select()
-    assert info.manifest.schema_version == 4 and info.manifest.states_dtype is None
+    assert info.manifest.schema_version == 4 and "states" not in info.manifest.settings
     assert "text_geometry" in layerdiv.run_analysis(store).names()
     with pytest.raises(layerdiv.LayerdivError, match="no selected partition has states"):
         layerdiv.run_analysis(store, maps="all")

@@ -12,7 +12,9 @@ import pytest
 from layerdiv.extract.tasks import (
     Instance,
     TaskError,
+    answer_start,
     builtin_tasks,
+    data_sha256,
     instances,
     load_task,
     option_token_ids,
@@ -46,8 +48,11 @@ TEXT_ROWS = {
 }
 
 
+ANSWER_TASKS = ["math-levels", "mquake"]
+
+
 def test_the_papers_eight_tasks_ship() -> None:
-    assert builtin_tasks() == sorted([*PAPER_TASKS, *TEXT_ROWS])
+    assert builtin_tasks() == sorted([*PAPER_TASKS, *TEXT_ROWS, *ANSWER_TASKS])
 
 
 @pytest.mark.parametrize("name", sorted(TEXT_ROWS))
@@ -61,6 +66,91 @@ def test_builtin_text_tasks_render_one_document_per_row(name: str, tmp_path: Pat
     (doc,) = instances(as_local)
     assert doc.gold == -1 and doc.group is None and "{{" not in doc.prompt
     assert TEXT_ROWS[name].get("text", "What is 2 + 2?") in doc.prompt
+
+
+# Handwritten rows in the shape of the hub datasets (MQuAKE-Remastered: JSON; MATH: parquet).
+MQUAKE_ROWS: list[dict[str, Any]] = [
+    {
+        "case_id": 1,
+        "questions": ["In which city is the capital of the country of the Eiffel Tower?", "x"],
+        "answer": "Paris",
+        "orig_triples": [["Eiffel Tower", "country", "France"], ["France", "capital", "Paris"]],
+    },
+    {
+        "case_id": 2,
+        "questions": ["What currency is used where the river through Vienna reaches the sea?"],
+        "answer": "the Romanian leu",
+        "orig_triples": [
+            ["Vienna", "river", "Danube"],
+            ["Danube", "mouth", "Romania"],
+            ["Romania", "currency", "Romanian leu"],
+        ],
+    },
+]
+MATH_ROWS: list[dict[str, Any]] = [
+    {
+        "problem": "Find x > 0 with x^2 = 4.",
+        "level": "Level 2",
+        "type": "Intermediate Algebra",
+        "solution": "Since x > 0, x = \\boxed{2}.",
+    },
+    {
+        "problem": "Solve x^3 = 27.",
+        "level": "Level 5",
+        "type": "Intermediate Algebra",
+        "solution": "x = \\boxed{3}.",
+    },
+]
+
+
+def as_local_file(name: str, tmp_path: Path) -> Any:
+    """A built-in answer task reading its handwritten rows from a local file of the hub format."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    spec = load_task(name)
+    if name == "mquake":
+        path = tmp_path / "cf3k.json"
+        path.write_text(json.dumps(MQUAKE_ROWS))
+    else:
+        path = tmp_path / "test-00000-of-00001.parquet"
+        pq.write_table(pa.Table.from_pylist(MATH_ROWS), path)
+    return type(spec)(**{**spec.__dict__, "dataset": None, "data": str(path)})
+
+
+def test_answer_tasks_build_text_plus_answer_grouped(tmp_path: Path, tokenizer: Any) -> None:
+    """mquake and math-levels: the document is the paper's prompt + answer, the group is hops or
+    level, and the answer start counts the answer's own tokens from the end."""
+    hops = instances(as_local_file("mquake", tmp_path))
+    assert [d.prompt for d in hops] == [
+        f"Question: {r['questions'][0]}\nAnswer: {r['answer']}" for r in MQUAKE_ROWS
+    ]
+    assert [(d.group, d.answer) for d in hops] == [("2", " Paris"), ("3", " the Romanian leu")]
+    levels = instances(as_local_file("math-levels", tmp_path))
+    assert [(d.group, d.answer) for d in levels] == [(r["level"][-1], " " + r["solution"])
+                                                     for r in MATH_ROWS]  # fmt: skip
+    assert levels[0].prompt.startswith("Problem: Find x") and "\nAnswer: Since" in levels[0].prompt
+    for doc in [*hops, *levels]:
+        assert doc.answer is not None
+        start, merged = answer_start(tokenizer, doc.prompt, doc.answer)
+        ids = tokenizer(doc.prompt)["input_ids"]
+        assert len(ids) - start == len(tokenizer(doc.answer, add_special_tokens=False)["input_ids"])
+        assert not merged and tokenizer.decode(ids[start:]).strip() == doc.answer.strip()
+    # the answer enters the data hash; a text task without one keeps its hash and its spec dict
+    assert data_sha256(hops) != data_sha256([Instance(d.prompt, -1, d.group) for d in hops])
+    assert "answer" not in load_task("gsm8k-cot").to_dict()
+
+
+def test_a_group_missing_from_a_row_is_named(tmp_path: Path) -> None:
+    (tmp_path / "d.jsonl").write_text('{"body": "a", "level": 1}\n{"body": "b"}\n')
+    spec = parse_task(
+        {"name": "d", "kind": "text", "data": "d.jsonl", "text": "{{ body }}",
+         "group_field": "level"}, tmp_path, "d",
+    )  # fmt: skip
+    with pytest.raises(TaskError, match=r"data row 1 .*'level'"):
+        instances(spec)
+    with pytest.raises(TaskError, match="belong to text tasks"):
+        parse_task({"name": "d", "data": "d.jsonl", "answer": "{{ x }}"}, tmp_path, "d")
 
 
 def test_a_txt_file_holds_one_document_per_line(tmp_path: Path) -> None:
@@ -258,3 +348,49 @@ def test_extract_refuses_bad_task_inputs_in_one_line_and_writes_nothing(
     assert len(lines) == 1 and lines[0].startswith("Error: "), result.output
     assert not store.exists()
     assert {p: p.read_bytes() for p in folder.iterdir()} == before
+
+
+def text_spec(folder: Path, data: str, content: bytes, **keys: Any) -> Path:
+    """A text task YAML over the data file ``data`` holding ``content``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / data).write_bytes(content)
+    spec = {"name": "docs", "kind": "text", "text": "{{ text }}", "data": data, **keys}
+    (folder / "docs.yaml").write_text(json.dumps(spec))
+    return folder / "docs.yaml"
+
+
+def test_a_list_or_object_in_a_text_field_is_refused_naming_the_row(tmp_path: Path) -> None:
+    def jsonl(*texts: Any) -> bytes:
+        return "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+
+    path = text_spec(tmp_path, "d.jsonl", jsonl("fine", ["good", "film"]))
+    with pytest.raises(TaskError, match=r"data row 1 of .*d.jsonl: a field used here is a list"):
+        instances(load_task(str(path)))
+    path = text_spec(tmp_path, "e.jsonl", jsonl("fine", "ok", {"a": 1}))
+    with pytest.raises(TaskError, match=r"data row 2 of .*: a field used here is an object"):
+        instances(load_task(str(path)))
+    joined = text_spec(tmp_path, "f.jsonl", jsonl(["good", "film"]), text='{{ text | join(" ") }}')
+    assert [i.prompt for i in instances(load_task(str(joined)))] == ["good film"]
+
+
+def test_crlf_text_files_keep_no_carriage_return(tmp_path: Path) -> None:
+    path = text_spec(tmp_path, "d.txt", b"first line\r\nsecond line\r\n\r\n")
+    assert [i.prompt for i in instances(load_task(str(path)))] == ["first line", "second line"]
+
+
+def test_a_missing_group_field_names_the_row_and_the_field(tmp_path: Path) -> None:
+    rows = b'{"text": "a", "level": 1}\n{"text": "b"}\n'
+    path = text_spec(tmp_path, "d.jsonl", rows, group_field="level")
+    with pytest.raises(TaskError, match=r"data row 1 of .*: no field 'level' \(the task's group"):
+        instances(load_task(str(path)))
+
+
+def test_data_files_is_the_alias_of_data(tmp_path: Path) -> None:
+    path = text_spec(tmp_path, "d.jsonl", b'{"text": "a"}\n')
+    spec = json.loads(path.read_text())
+    spec["data_files"] = spec.pop("data")
+    path.write_text(json.dumps(spec))
+    assert [i.prompt for i in instances(load_task(str(path)))] == ["a"]
+    path.write_text(json.dumps({**spec, "data": "d.jsonl"}))
+    with pytest.raises(TaskError, match="give 'data' or its alias 'data_files', not both"):
+        load_task(str(path))

@@ -24,6 +24,7 @@ from layerdiv.analyze.text import (
     token_geometry,
 )
 from layerdiv.store import StoreError
+from layerdiv.store.key import KEY
 
 TOL = 1e-6
 
@@ -222,7 +223,8 @@ def test_report_sections_draw_their_figures(text, tmp_path) -> None:
     names = {"m": "org/model"}
 
     def tagged(f: pl.DataFrame) -> pl.DataFrame:
-        return f.select(pl.lit("m").alias("model"), pl.lit("fineweb").alias("task"), pl.all())
+        key = {"model": "m", "revision": "main", "task": "fineweb"}
+        return f.select(*(pl.lit(key[c]).alias(c) for c in KEY), pl.all())
 
     geometry = tagged(geometry_table(stats_of(frame, blocks=6), 6))
     lens_rows = (
@@ -245,8 +247,13 @@ def test_report_sections_draw_their_figures(text, tmp_path) -> None:
     )  # fmt: skip
     tables = {
         "text_geometry": geometry,
-        "text_lens": tagged(lens_table(document_means([lens]), 6)),
-        "lens_curves": tagged(lens_table(document_means([lens]), 6)),  # the choice tasks' lens
+        "text_lens": tagged(lens_table(document_means([lens]), 6)).with_columns(
+            lens=pl.lit("final"), uniform_ce=pl.lit(np.log(400))
+        ),
+        # the choice tasks' lens
+        "lens_curves": tagged(lens_table(document_means([lens]), 6)).with_columns(
+            lens=pl.lit("final"), uniform_ce=pl.lit(np.log(400))
+        ),
         "text_skips": tagged(skips),
         "text_skip_output": tagged(output),
         "text_profile_pca": tagged(pca),
@@ -263,7 +270,9 @@ def test_report_sections_draw_their_figures(text, tmp_path) -> None:
             )
         ),
     }
-    ctx = ReportContext(tables=tables, estimator="paper", names=names, figures=tmp_path)
+    ctx = ReportContext(
+        tables=tables, estimator="paper", names=names, figures=tmp_path, formats=("md", "html")
+    )
     text_md = "\n".join(
         module.report(ctx) for module in (text_geometry, text_lens, text_skips, text_profiles)
     )
@@ -277,6 +286,14 @@ def test_report_sections_draw_their_figures(text, tmp_path) -> None:
         "text_vs_last_token.png",
     ]
     assert all(f"figures/{name}" in text_md for name in drawn)
+    # Every figure is interactive too, from the same spec.
+    assert sorted(ctx.interactive) == drawn
+    lens_figure = ctx.interactive["text_lens.png"]
+    traces = {t["name"] for t in lens_figure["data"]}
+    assert traces == {"model text", "model last prompt token"}
+    # The uniform baseline log V on the cross-entropy panel.
+    lines = [s["y0"] for s in lens_figure["layout"]["shapes"]]
+    assert lines == [pytest.approx(np.log(400))]
 
 
 def test_analyses_get_only_the_partitions_of_their_kinds(tmp_path) -> None:
@@ -350,7 +367,13 @@ def test_store_tables_match_numpy_and_batching(tmp_path, monkeypatch) -> None:
     mlp = rng.integers(-3, 4, (n, blocks, 6)).astype(float)
     write_vectors(tmp_path, lengths, h0, attn, mlp, chunk=2)
     results = analyze(tmp_path)
-    assert results.analyses == ["text_geometry", "text_lens", "text_skips", "text_profiles"]
+    assert results.analyses == [
+        "text_geometry",
+        "text_lens",
+        "text_skips",
+        "text_profiles",
+        "text_groups",
+    ]
     ref = reference_geometry(h0, attn, mlp)
     geo = results.text_geometry.sort("block")
     assert geo["n_tokens"].to_list() == [n] * blocks

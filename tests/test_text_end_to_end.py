@@ -4,6 +4,7 @@ report's running-text sections (Markdown and HTML)."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,8 @@ from click.testing import CliRunner
 
 from layerdiv.analyze.api import analyze
 from layerdiv.cli import main
-from layerdiv.tests.test_text_analysis import reference_geometry
-from layerdiv.tests.test_text_extract import random_texts, reference_lens, text_task
+from tests.test_text_analysis import reference_geometry
+from tests.test_text_extract import random_texts, reference_lens, text_task
 
 TEXT_SECTIONS = (
     "Running text: geometry of the residual stream",
@@ -111,3 +112,79 @@ def test_report_draws_the_running_text_sections(
         assert title in md and title in html, title
     for figure in ("text_geometry.png", "text_lens.png", "text_profiles.png"):
         assert (out / "figures" / figure).is_file() and f"figures/{figure}" in md
+
+
+def test_an_analysis_without_rows_is_left_out_and_the_others_run(
+    tmp_path: Path, model_dirs: Any
+) -> None:
+    texts = ["the cat sat", "a movie was good", "x"]  # all <= 12 tokens: no split point
+    task = text_task(tmp_path / "task", texts, max_tokens=40)
+    store = tmp_path / "store"
+    model = str(model_dirs("llama"))
+    args = ["extract", "--model", model, "--task", str(task), "--store", str(store), "--skips"]
+    out = CliRunner().invoke(main, [*args, "--lens"])
+    assert out.exit_code == 0, out.output
+    with pytest.warns(UserWarning, match="'text_skips' left out: .* has no future_effects rows"):
+        results = analyze(store)
+    assert "text_skips" not in results.analyses
+    assert {"text_geometry", "text_lens", "text_profiles"} <= set(results.analyses)
+    assert "text_depth_score" not in results.by_name and "text_profile_pca" in results.by_name
+    report = CliRunner().invoke(main, ["report", "--store", str(store), "--out",
+                                       str(tmp_path / "report")])  # fmt: skip
+    assert report.exit_code == 0, report.output
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "Running text: geometry of the residual stream" in md
+    assert "'text_skips' left out" in md
+
+
+def test_choice_lens_curves_beside_text_and_readouts_never_averaged(
+    tmp_path: Path, model_dirs: Any, make_task: Any, tokenizer: Any
+) -> None:
+    """A choice task extracted with ``--lens`` gives ``lens_curves`` (the means over instances
+    of its ``lens`` table, with log V), drawn dashed beside running text; two text tasks of one
+    model extracted with ``final`` and ``last-block`` stay apart (a ``lens`` column; one curve
+    each in the figure)."""
+    import polars as pl
+
+    from layerdiv.store import Store
+
+    model, store = str(model_dirs("llama")), tmp_path / "store"
+    texts = random_texts(4, seed=5)
+    tasks = [
+        ([str(make_task(tmp_path / "choice", n=6))], ["--lens"]),
+        ([str(text_task(tmp_path / "a", texts, max_tokens=12, name="final-docs"))], ["--lens"]),
+        ([str(text_task(tmp_path / "b", texts, max_tokens=12, name="block-docs"))],
+         ["--lens", "last-block"]),
+    ]  # fmt: skip
+    for task, flags in tasks:
+        args = ["extract", "--model", model, "--task", *task, "--store", str(store), *flags]
+        out = CliRunner().invoke(main, args, catch_exceptions=False)
+        assert out.exit_code == 0, out.output
+    results = analyze(store)
+    curves = results.lens_curves.sort("layer")
+    stored = Store(store).scan("lens").collect()
+    want = stored.group_by("layer").agg(pl.col("kl", "top5_overlap", "ce").mean()).sort("layer")
+    assert curves["lens"].unique().to_list() == ["final"]
+    for column in ("kl", "top5_overlap", "ce"):
+        np.testing.assert_allclose(curves[column], want[column], rtol=1e-6, err_msg=column)
+    assert curves["n_instances"].to_list() == [6] * curves.height
+    np.testing.assert_allclose(curves["uniform_ce"], np.log(len(tokenizer)), rtol=1e-12)
+    text = results.text_lens
+    assert sorted(text.select("task", "lens").unique().iter_rows()) == [
+        ("block-docs", "last-block"),
+        ("final-docs", "final"),
+    ]
+    report = tmp_path / "report"
+    result = CliRunner().invoke(
+        main, ["report", "--store", str(store), "--out", str(report), "--format", "md,html"]
+    )
+    assert result.exit_code == 0, result.output
+    html = (report / "report.html").read_text()
+    lens_figure = re.search(r'"text_lens.png":(\{"data":\[.*?\]),"layout"', html)
+    assert lens_figure is not None
+    names = set(re.findall(r'"name":"([^"]+)"', lens_figure.group(1)))
+    assert {n.split(" ", 1)[1] for n in names} == {
+        "(final) text",
+        "(last-block) text",
+        "(final) last prompt token",
+    }

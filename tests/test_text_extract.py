@@ -15,6 +15,7 @@ import torch
 from click.testing import CliRunner
 
 from layerdiv.cli import main
+from layerdiv.extract.adapters import adapter_for, get_module, prepare_model
 from layerdiv.store import Store
 
 WORDS = [
@@ -61,26 +62,31 @@ def random_texts(n: int, seed: int = 0) -> list[str]:
 
 def reference(model: Any, ids: list[int]) -> np.ndarray:
     """(T, L, 8) of one document from a plain float64 forward pass: h_l from
-    ``output_hidden_states``, a and m from forward hooks on each block's attention and MLP, and
-    h_L = h_(L-1) + a_(L-1) + m_(L-1) (the hidden state HF returns last is after the norm)."""
-    adds: list[torch.Tensor] = []
+    ``output_hidden_states``, a and m from forward hooks on each block's attention and MLP (the
+    modules the family's adapter names), and h_L = h_(L-1) + a_(L-1) + m_(L-1) (the hidden state
+    HF returns last is after the norm)."""
+    adapter = adapter_for(prepare_model(model).config)
+    layers = get_module(model, adapter.blocks)
+    n = len(layers)
+    adds: dict[tuple[int, str], torch.Tensor] = {}
     handles = []
-    for layer in model.model.layers:
-        for module in (layer.self_attn, layer.mlp):
-            handles.append(
-                module.register_forward_hook(
-                    lambda m, a, out: adds.append((out[0] if isinstance(out, tuple) else out)[0])
-                )
-            )
+    for i, layer in enumerate(layers):
+        for kind in ("attn", "mlp"):
+
+            def keep(m: Any, a: Any, out: Any, key: tuple[int, str] = (i, kind)) -> None:
+                adds[key] = (out[0] if isinstance(out, tuple) else out)[0]
+
+            module = get_module(layer, getattr(adapter, kind))
+            handles.append(module.register_forward_hook(keep))
     try:
         with torch.no_grad():
             out = model(torch.tensor([ids]), output_hidden_states=True)
     finally:
         for h in handles:
             h.remove()
-    n = len(model.model.layers)
+    a = [adds[i, "attn"] for i in range(n)]
+    m = [adds[i, "mlp"] for i in range(n)]
     hs = [out.hidden_states[i][0] for i in range(n)]
-    a, m = adds[0::2], adds[1::2]
     final = hs[-1] + a[-1] + m[-1]
     d = [a[i] + m[i] for i in range(n)]
     rows = []
@@ -121,7 +127,7 @@ def check_against_reference(
     store: Path, model: Any, tokenizer: Any, texts: list[str], max_tokens: int
 ) -> None:
     blocks, tokens, docs = stored_values(store)
-    n_blocks = len(model.model.layers)
+    n_blocks = model.config.num_hidden_layers
     docs = docs.sort("doc")
     assert docs["doc"].to_list() == list(range(len(texts)))
     got_all, want_all = [], []
@@ -430,3 +436,39 @@ def test_readout_into_a_buffer_equals_the_readout(family: str, build_model: Any)
         got = readout.logits(x, out=buffer)
     assert torch.allclose(got, want, atol=1e-6)
     assert (got.data_ptr() == buffer.data_ptr()) == (family != "phi")
+
+
+@pytest.mark.parametrize("lens", ["final", "last-block"])
+def test_lens_read_out_in_stacked_groups_equals_one_layer_at_a_time(
+    lens: str, tokenizer: Any
+) -> None:
+    """A budget of a third of a batch's rows (statistics in slices), of one batch (one layer per
+    readout matmul), of two (layers stacked two by two: 5 block inputs leave a partial last
+    group) and of every layer at once: the same lens as each layer read out alone."""
+    import transformers as tf
+
+    from layerdiv.extract.adapters import adapter_for
+    from layerdiv.extract.forward import left_padded
+    from layerdiv.extract.text import TextCapture
+
+    config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(config).eval()
+    seqs = [tokenizer(t)["input_ids"][:12] for t in random_texts(3, seed=5)]
+    inputs = left_padded(seqs, 0)
+    rows = inputs["input_ids"].numel()
+    capture = TextCapture(model, adapter_for(config), lens)
+    got = {}
+    with torch.inference_mode():
+        for budget in (None, rows // 3, rows, 2 * rows, 10 * rows):
+            capture.reset(inputs["input_ids"])
+            model(**inputs, use_cache=False)
+            got[budget] = capture.decompose(budget).lens
+    capture.remove()
+    want = got.pop(None)
+    assert want is not None and want.shape == (3, inputs["input_ids"].shape[1], 6, 3)
+    for lens_values_ in got.values():
+        assert lens_values_ is not None
+        torch.testing.assert_close(lens_values_, want, rtol=1e-5, atol=1e-6, equal_nan=True)

@@ -4,13 +4,21 @@ still read."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import os
+import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
 
+from layerdiv.analyze.api import analyze
 from layerdiv.analyze.synthetic import (
     random_partition,
     write_partition,
@@ -18,19 +26,21 @@ from layerdiv.analyze.synthetic import (
 from layerdiv.analyze.synthetic import (
     text_manifest as synthetic_text_manifest,
 )
-from layerdiv.schemas import KINDS, SCHEMA_VERSION, tables_of
-from layerdiv.store import Manifest, PartitionWriter, Store
+from layerdiv.cli import main
+from layerdiv.measurements import optional_tables
+from layerdiv.measurements.future import future_tables
+from layerdiv.measurements.states import states_table
+from layerdiv.schemas import SCHEMA_VERSION, tables_of
+from layerdiv.store import Manifest, PartitionWriter, Store, StoreError
 from layerdiv.store.manifest import read_manifest
 from layerdiv.store.paths import OverlappingParts
 from layerdiv.store.tables import (
     documents_table,
-    future_effects_table,
-    future_output_table,
-    states_table,
     token_blocks_table,
     token_lens_table,
     tokens_table,
 )
+from layerdiv.store.writer import StoreUnwritable
 
 BLOCKS = 3
 LENGTHS = [5, 9, 3, 7, 4]  # tokens of documents 0..4
@@ -43,12 +53,32 @@ def text_manifest(n: int) -> Manifest:
     )
 
 
+def consistent_dots(rng: np.random.Generator, tokens: int, width: int = 4) -> np.ndarray:
+    """(tokens, BLOCKS, 8) dot products of random vectors h, a, m per token and block, as a
+    forward pass stores them (h_(l+1) = h_l + a_l + m_l; dd_next NaN at the last block)."""
+    h = rng.normal(size=(tokens, width))
+    states, adds = [], []
+    for _ in range(BLOCKS):
+        a, m = rng.normal(size=(2, tokens, width))
+        states.append(h)
+        adds.append((a, m))
+        h = h + a + m
+    dots = np.full((tokens, BLOCKS, 8), np.nan)
+    for block, (x, (a, m)) in enumerate(zip(states, adds, strict=True)):
+        pairs = ((x, x), (a, a), (m, m), (x, a), (x, m), (a, m))
+        for i, (u, v) in enumerate(pairs):
+            dots[:, block, i] = (u * v).sum(-1)
+        if block + 1 < BLOCKS:
+            dots[:, block, 6] = ((a + m) * sum(adds[block + 1])).sum(-1)
+        dots[:, block, 7] = (x * h).sum(-1)
+    return dots
+
+
 def chunk(docs: list[int], rng: np.random.Generator) -> dict:
     """Every text table of documents ``docs``."""
     n_tok = [LENGTHS[d] for d in docs]
     total = sum(n_tok)
-    dots = rng.normal(size=(total, BLOCKS, 8))
-    dots[:, -1, 6] = np.nan  # dd_next of the last block
+    dots = consistent_dots(rng, total)
     ce = rng.uniform(size=(total, BLOCKS + 1))
     ce[np.cumsum(n_tok) - 1] = np.nan  # no next token at each document's end
     doc = [d for d in docs for _ in range(BLOCKS)]
@@ -58,11 +88,13 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
         "token_lens": token_lens_table(
             docs, n_tok, rng.uniform(size=(total, BLOCKS + 1)), np.ones((total, BLOCKS + 1)), ce
         ),
-        "future_effects": future_effects_table(
-            doc, split, sublayer, skipped, rng.uniform(size=(len(doc), BLOCKS))
-        ),
-        "future_output": future_output_table(
-            doc, split, sublayer, skipped, rng.uniform(size=len(doc))
+        **future_tables(
+            doc,
+            split,
+            sublayer,
+            skipped,
+            rng.uniform(size=(len(doc), BLOCKS)),
+            rng.uniform(size=len(doc)),
         ),
         "tokens": tokens_table(
             docs, [list(range(100 * d, 100 * d + n)) for d, n in zip(docs, n_tok, strict=True)]
@@ -83,7 +115,7 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
 def text_store(tmp_path: Path) -> Path:
     writer = PartitionWriter(tmp_path, "m", "txt")
     writer.open(text_manifest(len(LENGTHS)), overwrite=False)
-    for table in KINDS["text"].optional:
+    for table in optional_tables("text"):
         writer.mark_table(table)
     rng = np.random.default_rng(0)
     for start in range(0, len(LENGTHS), CHUNK):
@@ -97,7 +129,7 @@ def test_text_partition_reads_back(text_store: Path) -> None:
     (info,) = store.select()
     assert info.manifest.kind == "text" and info.manifest.n_blocks == BLOCKS
     assert info.n_done == len(LENGTHS)
-    assert info.tables == list(KINDS["text"].optional) and not info.incomplete()
+    assert info.tables == list(optional_tables("text")) and not info.incomplete()
     assert not (text_store / "components").exists()  # only the text kind's folders are made
     key, ids, states = info.states()  # every position but the first, its token and L + 1 states
     assert len(key) == sum(n - 1 for n in LENGTHS) and states.shape[1:] == (BLOCKS + 1, 8)
@@ -156,7 +188,7 @@ def test_marker_parts_of_two_kinds_are_refused(text_store: Path) -> None:
 def test_version_3_choice_store_still_reads(tmp_path: Path) -> None:
     logits, gold, rms, kinds = random_partition(np.random.default_rng(0), 8, 2, 3)
     write_partition(tmp_path, "m", "t", logits, gold, kinds, rms, chunk=4)
-    path = next(tmp_path.glob("manifests/*/*/manifest.json"))
+    path = next(tmp_path.glob("manifests/**/manifest.json"))
     data = json.loads(path.read_text())
     for name in ("kind", "max_tokens", "lens", "skip_split", "skip_seed", "weights"):
         del data[name]  # fields of versions 4 and 5
@@ -178,11 +210,13 @@ def test_version_3_choice_store_still_reads(tmp_path: Path) -> None:
 def test_version_4_store_reads_without_the_weights_note(tmp_path: Path) -> None:
     logits, gold, rms, kinds = random_partition(np.random.default_rng(0), 8, 2, 3)
     write_partition(tmp_path, "m", "t", logits, gold, kinds, rms, chunk=4)
-    path = next(tmp_path.glob("manifests/*/*/manifest.json"))
+    path = next(tmp_path.glob("manifests/**/manifest.json"))
     data = json.loads(path.read_text())
     del data["weights"]  # the field of version 5
     data["schema_version"] = 4
     path.write_text(json.dumps(data))
+    assert all(tables_of(4)[t] == tables_of(5)[t] for t in ("components", "instances"))
+    assert "loss" not in tables_of(4)["tokens"].names
     assert set(tables_of(5)) - set(tables_of(4)) == {"states"}  # and the same others
     store = Store(tmp_path)
     (info,) = store.select()
@@ -190,3 +224,157 @@ def test_version_4_store_reads_without_the_weights_note(tmp_path: Path) -> None:
     assert store.manifests()["weights"].to_list() == [None]
     components, _ = info.read(["logit"], ["gold"])
     assert components.height == 8 * len(kinds) * 3
+
+
+def damage_a_page(part: Path, column: str) -> None:
+    """Change bytes inside ``column``'s data page of ``part`` (footer intact) so that a reader
+    that does not verify page checksums still decodes the page, to other numbers."""
+    meta = pq.ParquetFile(part).metadata.row_group(0)
+    chunk = next(
+        meta.column(i) for i in range(meta.num_columns) if meta.column(i).path_in_schema == column
+    )
+    original = pq.read_table(part, columns=[column])[column]
+    data = part.read_bytes()
+    end = chunk.data_page_offset + chunk.total_compressed_size
+    for at in range(end - 2, chunk.data_page_offset, -1):  # the page's last bytes first
+        damaged = bytearray(data)
+        damaged[at] ^= 0x5A
+        part.write_bytes(bytes(damaged))
+        try:
+            read = pq.read_table(part, columns=[column])[column]
+        except (OSError, ValueError):
+            continue
+        if not read.equals(original):
+            return
+    raise AssertionError(f"no damage of {part} decodes")
+
+
+def test_a_damaged_data_page_is_named_by_every_reader(text_store: Path) -> None:
+    part = PartitionWriter(text_store, "m", "txt").part.part("token_blocks", 2, 2)
+    damage_a_page(part, "hh")  # read unverified, the page gives other numbers
+    assert pq.read_metadata(part).num_rows == sum(LENGTHS[2:4]) * BLOCKS  # footer intact
+    store = Store(text_store)  # footers only: opens
+    (info,) = store.select()
+    named = f"^{part}: unreadable part .*CRC.*re-extract partition model=m revision=main task=txt"
+    with pytest.raises(StoreError, match=named):
+        list(info.batches("token_blocks", ["hh"], 1000))
+    with pytest.raises(StoreError, match=named):
+        store.scan("token_blocks").select("hh").collect()
+    with pytest.raises(StoreError, match=named):
+        analyze(text_store)
+    assert store.scan("tokens").collect().height == sum(LENGTHS)  # the other tables read
+
+
+def query(store: Path, *sql: str) -> Any:
+    return CliRunner().invoke(main, ["query", "--store", str(store), *sql])
+
+
+TEXT_VIEWS = "documents, tokens, token_blocks, token_lens, future_effects, future_output, manifests"
+
+
+@pytest.mark.parametrize(
+    ("sql", "says"),
+    [
+        ("SELECT * FROM components", "the SQL refused: Catalog Error"),
+        ("SELECT * FROM read_parquet('/etc/passwd')", "reads only the views of this store"),
+        ("COPY documents TO '/tmp/x.csv'", "reads only the views of this store"),
+        ("SELECT error('boom') FROM documents", "the SQL failed while running: Invalid Input"),
+        ("SELECT 1; SELECT cast('x' || doc AS INT) FROM documents",
+         "statement 2 of 2: the SQL failed while running: Conversion Error"),
+    ],
+)  # fmt: skip
+def test_query_errors_on_a_text_store_name_its_views(text_store: Path, sql: str, says: str) -> None:
+    result = query(text_store, sql)
+    assert result.exit_code == 1
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith("Error: ") and says in line and TEXT_VIEWS in line
+    assert "components, instances" not in line
+
+
+def test_a_failing_statement_keeps_the_incomplete_note(text_store: Path) -> None:
+    PartitionWriter(text_store, "m", "txt").part.part("token_lens", 2, 2).unlink()
+    result = query(text_store, "SELECT error('boom')")
+    assert result.exit_code == 1
+    assert "Note: token_lens left out for partition model=m revision=main task=txt" in result.output
+
+
+def test_a_damaged_page_is_named_by_query(text_store: Path) -> None:
+    part = PartitionWriter(text_store, "m", "txt").part.part("token_blocks", 2, 2)
+    damage_a_page(part, "hh")
+    result = query(text_store, "SELECT avg(hh) FROM token_blocks")
+    assert result.exit_code == 1
+    assert result.output.startswith(f"Error: {part}: unreadable part (could not verify page")
+
+
+def test_a_file_system_without_locks_is_named_with_a_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_locks(fd: int, mode: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    writer = PartitionWriter(tmp_path, "m", "txt")
+    with pytest.raises(StoreUnwritable, match=r"task=txt.lock: the store's file system does not "
+                       r"support locks \(No locks available\); give a --store on a local or "
+                       r"lock-capable file system"):  # fmt: skip
+        writer.open(text_manifest(len(LENGTHS)), overwrite=False)
+
+
+def test_a_partition_killed_before_its_first_chunk_says_how_to_resume(tmp_path: Path) -> None:
+    PartitionWriter(tmp_path, "m", "txt").open(text_manifest(len(LENGTHS)), overwrite=False)
+    with pytest.raises(StoreError, match=r"task=txt has a manifest but no complete chunk"
+                       r".*resume it with `layerdiv extract --model m --task txt --limit 5 "
+                       rf"--store {tmp_path}`"):  # fmt: skip
+        Store(tmp_path).select()
+
+
+def rewrite(part: Path, change: Any) -> None:
+    """Rewrite a valid part (checksums and all) as ``change`` of its table."""
+    pq.write_table(change(pq.read_table(part)), part, write_page_checksum=True)
+
+
+def test_a_part_with_rows_removed_is_refused_by_readers(text_store: Path) -> None:
+    part = PartitionWriter(text_store, "m", "txt").part.part("token_blocks", 2, 2)
+    rewrite(part, lambda t: t.slice(BLOCKS))  # the first token's rows gone
+    store = Store(text_store)
+    assert not store.partitions
+    with pytest.raises(StoreError, match=rf"^{part}: 27 rows where the chunk needs 30 \(rows "):
+        store.select()
+
+
+def test_a_token_repeated_in_place_of_another_is_refused(text_store: Path) -> None:
+    part = PartitionWriter(text_store, "m", "txt").part.part("token_blocks", 2, 2)
+    rewrite(part, lambda t: pa.concat_tables([t.slice(0, BLOCKS), t.slice(0, t.num_rows - BLOCKS)]))
+    with pytest.raises(StoreError, match="token_blocks rows repeat a token or are out of"):
+        analyze(text_store)
+
+
+@pytest.mark.parametrize("table", ["future_effects", "future_output"])
+def test_future_effects_rows_repeated_in_a_part_are_refused(text_store: Path, table: str) -> None:
+    part = PartitionWriter(text_store, "m", "txt").part.part(table, 2, 2)
+    rewrite(part, lambda t: pa.concat_tables([t, t.slice(0, 1)]))
+    with pytest.raises(
+        StoreError, match=rf"^{part}: rows repeat a \(doc, split, sublayer, skipped"
+    ):
+        analyze(text_store)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_impossible_dot_products_are_never_averaged(text_store: Path, value: float) -> None:
+    part = PartitionWriter(text_store, "m", "txt").part.part("token_blocks", 2, 2)
+    hh = pq.read_table(part)["hh"].to_numpy().copy()
+    hh[4] = value  # doc 2, position 1, block 1
+    column = pq.read_schema(part).get_field_index("hh")
+    rewrite(part, lambda t: t.set_column(column, t.schema.field(column), pa.array(hh)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no raw numpy warning either
+        with pytest.raises(StoreError, match="token_blocks of doc 2 position 1 hold a NaN, an "
+                           "infinite value or a negative squared norm"):  # fmt: skip
+            analyze(text_store)
+
+
+def test_future_effects_rows_out_of_order_but_unique_are_read(text_store: Path) -> None:
+    part = PartitionWriter(text_store, "m", "txt").part.part("future_effects", 2, 2)
+    before = analyze(text_store).by_name["text_skips"]
+    rewrite(part, lambda t: t.take(list(reversed(range(t.num_rows)))))
+    assert analyze(text_store).by_name["text_skips"].equals(before)

@@ -3,22 +3,28 @@
 
 # isort: skip_file
 # Registration order is import order: the paper's analysis first, the others after it
-# (text_profiles uses the table of text_geometry).
+# (text_profiles uses the table of text_geometry; revisions the scores of paper).
 from layerdiv.analyze.analyses import paper
 from layerdiv.analyze.analyses import depth
 from layerdiv.analyze.analyses import heads
+from layerdiv.analyze.analyses import lens
 from layerdiv.analyze.analyses import text_geometry
 from layerdiv.analyze.analyses import text_lens
 from layerdiv.analyze.analyses import text_skips
 from layerdiv.analyze.analyses import text_profiles
+from layerdiv.analyze.analyses import text_groups
+from layerdiv.analyze.analyses import revisions
 from layerdiv.analyze.analyses import maps
 
 __all__ = [
     "depth",
     "heads",
+    "lens",
     "maps",
     "paper",
+    "revisions",
     "text_geometry",
+    "text_groups",
     "text_lens",
     "text_profiles",
     "text_skips",

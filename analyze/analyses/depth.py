@@ -38,7 +38,7 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.markdown import fmt, markdown_table
+from layerdiv.analyze.markdown import DASH, fmt, markdown_table
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -140,7 +140,7 @@ def component_rows(info: PartitionInfo) -> pl.DataFrame:
     residual = pl.Series([k in ("attn", "mlp") for k in kinds])
     norm, prev, cos_res = pl.col("out_norm"), pl.col("r_prev"), pl.col("cos_residual")
     return (
-        pl.scan_parquet(info.uris("components"))
+        info.scan("components")
         .filter(pl.col("option") == 0)
         .select(
             "instance",
@@ -220,7 +220,7 @@ def _summary(
 
 def gram_matrices(info: PartitionInfo) -> tuple[np.ndarray, np.ndarray]:
     """(instances (N,), G (N, C, C)): the full Gram matrices z_a . z_b of one partition."""
-    frame = pl.read_parquet(info.uris("gram")).sort("instance")
+    frame = info.scan("gram").collect().sort("instance")
     flat = np.asarray(frame["gram"].to_list(), dtype=np.float64)
     n = len([c for c in info.manifest.components if c.kind != "bias"])
     upper = np.triu_indices(n)
@@ -287,14 +287,14 @@ def skip_rows(info: PartitionInfo) -> pl.DataFrame:
     the means over options of |TE|, |DE| and |IE| (methods §7): TE_b = logits -
     skip_logits_b, DE_b = sum over b's components (every call) of u_c, IE_b = TE_b - DE_b."""
     full = (
-        pl.scan_parquet(info.uris("instances"))
+        info.scan("instances")
         .select("instance", "gold", "model_logits")
         .explode("model_logits")
         .with_columns(pl.int_range(pl.len()).over("instance").cast(pl.Int8).alias("option"))
         .rename({"model_logits": "full"})
     )
     direct = (
-        pl.scan_parquet(info.uris("components"))
+        info.scan("components")
         .filter(pl.col("kind").cast(pl.String).is_in(["attn", "mlp"]))
         .group_by("instance", "layer", "option")
         .agg(pl.col("logit").cast(pl.Float64).sum().alias("de"))
@@ -302,7 +302,7 @@ def skip_rows(info: PartitionInfo) -> pl.DataFrame:
     by = ["instance", "layer"]
     te = pl.col("full") - pl.col("skip")
     return (
-        pl.scan_parquet(info.uris("skips"))
+        info.scan("skips")
         .rename({"logit": "skip"})
         .join(full, on=["instance", "option"])
         .join(direct, on=["instance", "layer", "option"])
@@ -361,7 +361,10 @@ def depth_decay(geometry: pl.DataFrame, blocks: pl.DataFrame | None) -> pl.DataF
     """Per (model, task): the least-squares line log rel_contribution_l = log a - beta log l
     through the mean block update sizes (methods §7; the inverse-depth paper's Fig. 2d),
     beta with its standard error, and the mean of every ``geometry`` column over the components in
-    the first (relative depth <= 1/2) and the second half of the stack."""
+    the first (relative depth <= 1/2) and the second half of the stack, and over the first half
+    without the embedding and the first block (``<c>_first_half_after_block0``): the embedding is
+    small, so the first block's relative contribution is large and can carry the first half's
+    mean alone."""
     rows = []
     sizes = pl.DataFrame() if blocks is None else blocks.sort("block")
     for key, sub in sizes.group_by(*KEY) if sizes.height else []:
@@ -374,6 +377,13 @@ def depth_decay(geometry: pl.DataFrame, blocks: pl.DataFrame | None) -> pl.DataF
     halves = geometry.group_by(*KEY).agg(
         *(pl.col(c).filter(first).mean().alias(f"{c}_first_half") for c in GEOMETRY),
         *(pl.col(c).filter(~first).mean().alias(f"{c}_second_half") for c in GEOMETRY),
+        *(
+            pl.col(c)
+            .filter(first & (pl.col("kind") != "embed") & (pl.col("layer") > 0))
+            .mean()
+            .alias(f"{c}_first_half_after_block0")
+            for c in GEOMETRY
+        ),
     )
     return halves.join(fits, on=[*KEY], how="left").sort(*KEY)
 
@@ -535,251 +545,201 @@ def skip_effects(
 
 # --- report section -------------------------------------------------------------------------------
 
-_KIND_STYLE = {"attn": ("-", "o"), "mlp": ("--", "s")}
+_KIND_STYLE: dict[str, tuple[plots.Dash, str]] = {"attn": ("solid", "o"), "mlp": ("dash", "s")}
 
 
 def _by_model(frame: pl.DataFrame, keys: list[str], columns: Iterable[str]) -> pl.DataFrame:
-    """Means over a model's tasks of per-task rows (for the overlay figures)."""
+    """Means over a model's tasks of ``columns`` per ``keys``."""
     return (
         frame.group_by("model", *keys).agg(pl.col(c).mean() for c in columns).sort("model", *keys)
     )
 
 
-def _colors(models: list[str]) -> dict[str, tuple[float, float, float, float]]:
-    return dict(zip(models, plots.colors(len(models)), strict=False))
-
-
-def geometry_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[str, str]) -> Path:
+def geometry_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plots.Figure:
     """Relative contribution and cosine to the stream per component (attention and MLP apart),
     the angle between consecutive states per block, and block update size against block index on
-    log-log axes with the fitted a * l^(-beta); models overlay on the relative-depth axis, each
-    curve the mean over the model's tasks."""
-    geo = _by_model(
-        tables["geometry"], ["kind", "relative_depth"], ["rel_contribution", "cos_residual"]
-    )
-    blocks = _by_model(
-        tables["geometry_blocks"], ["block", "relative_depth"], ["angle_deg", "rel_contribution"]
-    )
-    fits = tables["depth_decay"].group_by("model").agg(pl.col("a", "beta").mean())
-    models = sorted(geo["model"].unique())
-    colors = _colors(models)
-    fig = plots.new_figure(figsize=(12, 8.5), layout="constrained")
-    (ax_rel, ax_cos), (ax_angle, ax_log) = fig.subplots(2, 2)
-    for model in models:
-        color, label = colors[model], names.get(model, model)
-        for kind, (style, marker) in _KIND_STYLE.items():
-            sub = geo.filter((pl.col("model") == model) & (pl.col("kind") == kind))
-            for ax, column in ((ax_rel, "rel_contribution"), (ax_cos, "cos_residual")):
-                ax.plot(
-                    sub["relative_depth"],
-                    sub[column],
-                    style,
-                    marker=marker,
-                    markersize=3,
-                    color=color,
-                    linewidth=1.1,
-                    label=f"{label} {kind}",
-                )
-        sub = blocks.filter(pl.col("model") == model)
-        ax_angle.plot(
-            sub["relative_depth"],
-            sub["angle_deg"],
-            marker="o",
-            markersize=3,
-            color=color,
-            label=label,
-        )
-        ax_log.loglog(
-            sub["block"], sub["rel_contribution"], "o", markersize=3, color=color, label=label
-        )
-        fit = fits.filter(pl.col("model") == model)
-        if fit.height and fit["beta"][0] is not None:
-            line = fit["a"][0] * sub["block"].to_numpy() ** (-fit["beta"][0])
-            ax_log.loglog(
-                sub["block"],
-                line,
-                "--",
-                color=color,
-                linewidth=1.0,
-                label=f"{label}: β = {fit['beta'][0]:.2f}",
-            )
-    ax_rel.set_ylabel("||z_c|| / ||r_(c-1)||")
-    ax_rel.set_title("Relative contribution per component")
-    ax_cos.set_ylabel("cos(z_c, r_(c-1))")
-    ax_cos.set_title("Cosine of each component with the stream it joins")
-    ax_cos.axhline(0, color="black", linewidth=0.8)
-    ax_angle.set_ylabel("angle (degrees)")
-    ax_angle.set_title("Angle between the states before and after each block")
-    for ax, label in ((ax_rel, "c / L"), (ax_cos, "c / L"), (ax_angle, "l / blocks")):
-        ax.set_xlabel(f"relative depth {label}")
-        ax.grid(alpha=0.3)
-    ax_log.set_xlabel("block l")
-    ax_log.set_ylabel("||z_attn + z_mlp|| / ||r||")
-    ax_log.set_title("Block update size against depth (dashed: a·l^(−β))")
-    ax_log.grid(alpha=0.3, which="both")
-    ax_rel.legend(fontsize=7, ncols=2)
-    ax_log.legend(fontsize=7)
-    fig.suptitle(
-        "How depth is used (methods §7), mean over tasks, at the last prompt token",
-        fontsize=11,
-    )
-    return plots.save(fig, path)
-
-
-def skip_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[str, str]) -> Path:
-    """Accuracy without each block (dotted: with every block), and the mean |direct| and
-    |total| effect of each block on the option logits; mean over the model's tasks."""
-    skips = _by_model(
-        tables["skip_effects"],
-        ["layer", "relative_depth"],
-        ["accuracy", "accuracy_without", "direct_effect", "total_effect"],
-    )
-    models = sorted(skips["model"].unique())
-    colors = _colors(models)
-    fig = plots.new_figure(figsize=(12, 4.5), layout="constrained")
-    ax_acc, ax_eff = fig.subplots(1, 2)
-    for model in models:
-        sub, color, label = (
-            skips.filter(pl.col("model") == model),
-            colors[model],
-            names.get(model, model),
-        )
-        x = sub["relative_depth"]
-        ax_acc.plot(
-            x, 100 * sub["accuracy_without"], marker="o", markersize=3, color=color, label=label
-        )
-        ax_acc.axhline(100 * sub["accuracy"].mean(), linestyle=":", color=color, linewidth=1.0)  # type: ignore[operator]
-        for column, style, marker, tag in (
-            ("total_effect", "-", "o", "TE"),
-            ("direct_effect", "--", "s", "DE"),
-        ):
-            ax_eff.plot(
-                x, sub[column], style, marker=marker, markersize=3, color=color,
-                label=f"{label} |{tag}|",
-            )  # fmt: skip
-    ax_acc.set_ylabel("accuracy without the block (%)")
-    ax_acc.set_title("Skipping one block (dotted: no block skipped)")
-    ax_eff.set_ylabel("mean |effect| on an option logit (logit units)")
-    ax_eff.set_title("Total vs direct effect of each block")
-    for ax in (ax_acc, ax_eff):
-        ax.set_xlabel("relative depth (b + 1) / blocks")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle("Layer skips (methods §7), mean over tasks, at the last prompt token", fontsize=11)
-    return plots.save(fig, path)
-
-
-def gram_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[str, str]) -> Path:
-    """From the Gram matrices: the angle between consecutive block updates and of each state to
-    the final one, per block; mean over the model's tasks."""
-    gram = _by_model(tables["gram_blocks"], ["block", "relative_depth"], GRAM_ANGLES)
-    models = sorted(gram["model"].unique())
-    colors = _colors(models)
-    fig = plots.new_figure(figsize=(12, 4.5), layout="constrained")
-    axes = fig.subplots(1, 2)
-    titles = {
-        "update_angle_deg": "Angle between consecutive block updates",
-        "angle_to_end_deg": "Angle of each state to the final state",
-    }
-    for ax, (column, title) in zip(axes, titles.items(), strict=True):
-        for model in models:
-            sub = gram.filter(pl.col("model") == model)
-            ax.plot(
-                sub["relative_depth"],
-                sub[column],
-                marker="o",
-                markersize=3,
-                color=colors[model],
-                label=names.get(model, model),
-            )
-        ax.axhline(90, color="black", linewidth=0.8)
-        ax.set_title(title)
-        ax.set_xlabel("relative depth l / blocks")
-        ax.set_ylabel("degrees")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle("Gram-matrix angles (extract --gram), at the last prompt token", fontsize=11)
-    return plots.save(fig, path)
-
-
-def geometry_plotly(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> object:
-    """:func:`geometry_figure`, interactive (hover: model, component, relative depth, value)."""
+    log-log axes with the fitted a * l^(-beta) (β, its s.e. and R² in the notes); models overlay
+    on the relative-depth axis, each curve the mean over the model's tasks."""
     geo = _by_model(
         tables["geometry"], ["kind", "name", "relative_depth"], ["rel_contribution", "cos_residual"]
     ).sort("model", "kind", "relative_depth")
     blocks = _by_model(
         tables["geometry_blocks"], ["block", "relative_depth"], ["angle_deg", "rel_contribution"]
-    ).with_columns(pl.format("block {}", "block").alias("label"))
-    fits = {}
-    for r in (
-        tables["depth_decay"]
-        .group_by("model")
-        .agg(pl.col("a", "beta").mean())
-        .iter_rows(named=True)
-    ):
-        if r["beta"] is not None:
-            x = blocks.filter(pl.col("model") == r["model"])["block"].to_numpy().astype(float)
-            fits[r["model"]] = (x.tolist(), (r["a"] * x ** -r["beta"]).tolist(),
-                                f"β = {r['beta']:.2f}")  # fmt: skip
-    depth = {"x": "relative_depth", "xtitle": "relative depth c / L"}
-    return plots.overlay(
-        "How depth is used (methods §7), mean over tasks, at the last prompt token",
-        [
-            {"title": "Relative contribution per component", "frame": geo, "y": "rel_contribution",
-             "ytitle": "||z_c|| / ||r_(c-1)||", "split": "kind", "label": "name", **depth},
-            {"title": "Cosine of each component with the stream it joins", "frame": geo,
-             "y": "cos_residual", "ytitle": "cos(z_c, r_(c-1))", "split": "kind", "label": "name",
-             **depth},
-            {"title": "Angle between the states before and after each block", "frame": blocks,
-             "x": "relative_depth", "xtitle": "relative depth l / blocks", "y": "angle_deg",
-             "ytitle": "angle (degrees)", "label": "label"},
-            {"title": "Block update size against depth (dashed: a·l^(−β))", "frame": blocks,
-             "x": "block", "xtitle": "block l", "y": "rel_contribution",
-             "ytitle": "||z_attn + z_mlp|| / ||r||", "log": True, "fits": fits},
-        ],
-        names,
-    )  # fmt: skip
-
-
-def skip_plotly(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> object:
-    """:func:`skip_figure`, interactive."""
-    skips = _by_model(
-        tables["skip_effects"], ["layer", "relative_depth"],
-        ["accuracy_without", "direct_effect", "total_effect"],
-    ).with_columns(
-        (100 * pl.col("accuracy_without")).alias("accuracy_without"),
-        pl.format("block {} skipped", "layer").alias("label"),
-    )  # fmt: skip
-    depth = {"frame": skips, "x": "relative_depth", "xtitle": "relative depth (b + 1) / blocks",
-             "label": "label"}  # fmt: skip
-    return plots.overlay(
-        "Layer skips (methods §7), mean over tasks, at the last prompt token",
-        [
-            {"title": "Accuracy without the block", "y": "accuracy_without",
-             "ytitle": "accuracy without the block (%)", **depth},
-            {"title": "Total effect of each block", "y": "total_effect",
-             "ytitle": "mean |TE| on an option logit (logits)", **depth},
-            {"title": "Direct effect of each block", "y": "direct_effect",
-             "ytitle": "mean |DE| on an option logit (logits)", **depth},
-        ],
-        names,
-    )  # fmt: skip
-
-
-def gram_plotly(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> object:
-    """:func:`gram_figure`, interactive."""
-    gram = _by_model(tables["gram_blocks"], ["block", "relative_depth"], GRAM_ANGLES).with_columns(
-        pl.format("block {}", "block").alias("label")
     )
-    depth = {"frame": gram, "x": "relative_depth", "xtitle": "relative depth l / blocks",
-             "ytitle": "degrees", "label": "label"}  # fmt: skip
-    return plots.overlay(
+    fits = tables["depth_decay"].group_by("model").agg(pl.col("a", "beta", "beta_se", "r2").mean())
+    rel = plots.Panel(
+        "Relative contribution per component",
+        xlabel="relative depth c / L",
+        ylabel="||z_c|| / ||r_(c-1)||",
+    )
+    cos = plots.Panel(
+        "Cosine of each component with the stream it joins",
+        xlabel="relative depth c / L",
+        ylabel="cos(z_c, r_(c-1))",
+        lines=[plots.RefLine(0)],
+    )
+    angle = plots.Panel(
+        "Angle between the states before and after each block",
+        xlabel="relative depth l / blocks",
+        ylabel="angle (degrees)",
+    )
+    size = plots.Panel(
+        "Block update size against depth (dashed: a·l^(−β))",
+        xlabel="block l",
+        ylabel="||z_attn + z_mlp|| / ||r||",
+        xscale="log",
+        yscale="log",
+    )
+    for model, color in plots.model_colors(sorted(geo["model"].unique())).items():
+        label = names.get(model, model)
+        for kind, (dash, marker) in _KIND_STYLE.items():
+            sub = geo.filter((pl.col("model") == model) & (pl.col("kind") == kind))
+            for panel, column in ((rel, "rel_contribution"), (cos, "cos_residual")):
+                panel.series.append(
+                    plots.Series(
+                        f"{label} {kind}",
+                        sub["relative_depth"].to_list(),
+                        sub[column].to_list(),
+                        color=color,
+                        dash=dash,
+                        marker=marker,
+                        hover=sub["name"].to_list(),
+                        width=1.1,
+                    )
+                )
+        sub = blocks.filter(pl.col("model") == model)
+        hover = [f"block {b}" for b in sub["block"]]
+        angle.series.append(
+            plots.Series(
+                label,
+                sub["relative_depth"].to_list(),
+                sub["angle_deg"].to_list(),
+                color=color,
+                hover=hover,
+            )
+        )
+        size.series.append(
+            plots.Series(
+                label,
+                sub["block"].to_list(),
+                sub["rel_contribution"].to_list(),
+                color=color,
+                line=False,
+                hover=hover,
+            )
+        )
+        fit = fits.filter(pl.col("model") == model)
+        if fit.height and fit["beta"][0] is not None:
+            x = sub["block"].to_numpy().astype(float)
+            size.series.append(
+                plots.Series(
+                    label,
+                    x.tolist(),
+                    (fit["a"][0] * x ** -fit["beta"][0]).tolist(),
+                    color=color,
+                    dash="dash",
+                    marker=None,
+                    legend=False,
+                    width=1.0,
+                )
+            )
+            size.notes.append(
+                plots.fit_note(f"{label}: ", fit["beta"][0], fit["beta_se"][0], fit["r2"][0])
+            )
+    return plots.Figure(
+        "How depth is used (methods §7), mean over tasks, at the last prompt token",
+        [rel, cos, angle, size],
+        panel_size=(6.0, 3.8),
+        caption=f"β: mean over tasks; poor fit: R² < {plots.POOR_FIT_R2:g}",
+    )
+
+
+def skip_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plots.Figure:
+    """Accuracy without each block (dotted: with every block), and the mean |total| and |direct|
+    effect of each block on the option logits; mean over the model's tasks."""
+    skips = _by_model(
+        tables["skip_effects"],
+        ["layer", "relative_depth"],
+        ["accuracy", "accuracy_without", "direct_effect", "total_effect"],
+    )
+    xlabel = "relative depth (b + 1) / blocks"
+    acc = plots.Panel(
+        "Skipping one block (dotted: no block skipped)",
+        xlabel=xlabel,
+        ylabel="accuracy without the block (%)",
+    )
+    effect = plots.Panel(
+        "Total vs direct effect of each block",
+        xlabel=xlabel,
+        ylabel="mean |effect| on an option logit (logits)",
+    )
+    for model, color in plots.model_colors(sorted(skips["model"].unique())).items():
+        sub, label = skips.filter(pl.col("model") == model), names.get(model, model)
+        x = sub["relative_depth"].to_list()
+        hover = [f"block {b} skipped" for b in sub["layer"]]
+        acc.series.append(
+            plots.Series(
+                label, x, (100 * sub["accuracy_without"]).to_list(), color=color, hover=hover
+            )
+        )
+        whole = float(sub["accuracy"].cast(pl.Float64).fill_null(0).to_numpy().mean())
+        acc.lines.append(plots.RefLine(100 * whole, color=color, dash="dot"))
+        effects: tuple[tuple[str, plots.Dash, str, str], ...] = (
+            ("total_effect", "solid", "o", "TE"),
+            ("direct_effect", "dash", "s", "DE"),
+        )
+        for column, dash, marker, tag in effects:
+            effect.series.append(
+                plots.Series(
+                    f"{label} |{tag}|",
+                    x,
+                    sub[column].to_list(),
+                    color=color,
+                    dash=dash,
+                    marker=marker,
+                    hover=hover,
+                )
+            )
+    return plots.Figure(
+        "Layer skips (methods §7), mean over tasks, at the last prompt token",
+        [acc, effect],
+        panel_size=(6.0, 3.8),
+    )
+
+
+def gram_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plots.Figure:
+    """From the Gram matrices: the angle between consecutive block updates and of each state to
+    the final one, per block; mean over the model's tasks."""
+    gram = _by_model(tables["gram_blocks"], ["block", "relative_depth"], GRAM_ANGLES)
+    panels = [
+        plots.Panel(
+            title,
+            xlabel="relative depth l / blocks",
+            ylabel="degrees",
+            lines=[plots.RefLine(90, label="90°")],
+        )
+        for title in (
+            "Angle between consecutive block updates",
+            "Angle of each state to the final state",
+        )
+    ]
+    for model, color in plots.model_colors(sorted(gram["model"].unique())).items():
+        sub = gram.filter(pl.col("model") == model)
+        hover = [f"block {b}" for b in sub["block"]]
+        for panel, column in zip(panels, ("update_angle_deg", "angle_to_end_deg"), strict=True):
+            panel.series.append(
+                plots.Series(
+                    names.get(model, model),
+                    sub["relative_depth"].to_list(),
+                    sub[column].to_list(),
+                    color=color,
+                    hover=hover,
+                )
+            )
+    return plots.Figure(
         "Gram-matrix angles (extract --gram), at the last prompt token",
-        [
-            {"title": "Angle between consecutive block updates", "y": "update_angle_deg", **depth},
-            {"title": "Angle of each state to the final state", "y": "angle_to_end_deg", **depth},
-        ],
-        names,
+        panels,
+        panel_size=(6.0, 3.8),
     )
 
 
@@ -791,9 +751,10 @@ def decay_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> st
             names.get(r["model"], r["model"]),
             r["task"],
             f"{fmt(r['beta'], digits=2)} ± {fmt(r['beta_se'], digits=2)}",
-            fmt(r["r2"], digits=3),
+            plots.r2_text(r["r2"]) or DASH,
             *(
-                f"{fmt(r[f'{c}_first_half'], digits=3)} / {fmt(r[f'{c}_second_half'], digits=3)}"
+                f"{fmt(r[f'{c}_first_half'], digits=3)} / {fmt(r[f'{c}_second_half'], digits=3)} "
+                f"({fmt(r[f'{c}_first_half_after_block0'], digits=3)})"
                 for c in GEOMETRY
             ),
         ]
@@ -804,10 +765,10 @@ def decay_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> st
         "Task",
         "β (size ∝ l^−β)",
         "R²",
-        "rel. contribution, 1st / 2nd half (ratio)",
-        "cos(z, r), 1st / 2nd half",
-        "angle, 1st / 2nd half (°)",
-        "cos(z_c, z_c−1), 1st / 2nd half",
+        "rel. contribution, 1st / 2nd half (ratio) (1st without block 0)",
+        "cos(z, r), 1st / 2nd half (1st without block 0)",
+        "angle, 1st / 2nd half (°) (1st without block 0)",
+        "cos(z_c, z_c−1), 1st / 2nd half (1st without block 0)",
     ]
     return markdown_table(header, rows)
 
@@ -867,11 +828,8 @@ def report(ctx: ReportContext) -> str:
         return "No partition holds the geometry columns (see the notes above)."
     names = plots.short_names(ctx.names)
 
-    def figure(file: str, caption: str, draw: Any, interactive: Any) -> str:
-        return plots.figure_link(
-            ctx, file, caption, lambda path: draw(tables, path, names),
-            lambda: interactive(tables, names),
-        )  # fmt: skip
+    def figure(file: str, caption: str, spec: Any) -> str:
+        return plots.figure_link(ctx, file, caption, lambda: spec(tables, names))
 
     parts = [
         "The geometry of the residual stream and the effect of skipping blocks, as in the two "
@@ -880,14 +838,15 @@ def report(ctx: ReportContext) -> str:
         "joins (negative: it erases), angle between r_(c-1) and r_c (degrees) and cosine with the "
         "previous component's output. A block is its attention and MLP outputs together; β is "
         "the slope of the least-squares line of log block update size against log block index "
-        "(the inverse-depth paper finds β close to 1). Halves split the components at relative "
-        "depth 1/2.",
+        "(the inverse-depth paper finds β close to 1); poor fit: R² < "
+        f"{plots.POOR_FIT_R2:g}. Halves split the components at relative depth 1/2; in "
+        "brackets, the first half without the embedding and block 0, whose large relative "
+        "contribution (the embedding is small) can carry the first half alone.",
         decay_table(tables, ctx.names),
         figure(
             "depth_geometry.png",
             "Geometry of the residual stream",
-            geometry_figure,
-            geometry_plotly,
+            geometry_spec,
         ),
     ]
     if "gram_blocks" in tables:
@@ -895,7 +854,7 @@ def report(ctx: ReportContext) -> str:
             "Angles from the Gram matrices (`extract --gram`): between consecutive block updates "
             "(90° = uncorrelated, as the inverse-depth paper finds) and of each state to the final "
             "one.",
-            figure("depth_gram.png", "Gram-matrix angles", gram_figure, gram_plotly),
+            figure("depth_gram.png", "Gram-matrix angles", gram_spec),
         ]
     if "skip_effects" in tables:
         parts += [
@@ -906,7 +865,7 @@ def report(ctx: ReportContext) -> str:
             "do not see. Effects are mean absolute values over instances and options, in logit "
             "units; KL of the skipped model's option distribution from the full one's, in nats.",
             skip_table(tables, ctx.names),
-            figure("depth_skips.png", "Layer skips", skip_figure, skip_plotly),
+            figure("depth_skips.png", "Layer skips", skip_spec),
         ]
     parts += [not_extracted(tables["manifests"], t) for t in _OPTIONAL]
     return "\n\n".join(p for p in parts if p)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -37,6 +38,7 @@ from layerdiv.analyze.registry import (
     Analysis,
     Context,
     ReportContext,
+    map_partitions,
     partition_engine,
     register,
 )
@@ -82,7 +84,7 @@ def load_heads(info: PartitionInfo) -> pl.DataFrame:
     manifest = info.manifest
     k_opts = len(manifest.options)
     rows = (
-        pl.scan_parquet(info.uris("heads"))
+        info.scan("heads")
         .select("instance", "component", "layer", "head", "option", "logit")
         .collect()
     )
@@ -95,12 +97,7 @@ def load_heads(info: PartitionInfo) -> pl.DataFrame:
     ) * k_opts + pl.col("option")
     if not rows.select(key.is_sorted()).item():
         rows = rows.sort(key)
-    instances = (
-        pl.scan_parquet(info.uris("instances"))
-        .select("instance", "gold")
-        .sort("instance")
-        .collect()
-    )
+    instances = info.scan("instances").select("instance", "gold").sort("instance").collect()
     n = instances.height
     first = rows.filter(pl.col("instance") == instances["instance"][0]) if n else rows
     cells = first.height
@@ -416,49 +413,57 @@ def heads_tables(
     """Every table of this module for ``parts`` (see the module docstring; the reweighting
     tables are empty unless ``reweight``); partitions without heads get a line in ``notes`` and
     their component-level rows only."""
-    frames: dict[str, list[pl.DataFrame]] = {
-        name: [] for name in ("head_scores", "component_scores", "reweight_weights")
-    }
-    summaries, reweights = [], []
-    for info in parts:
+
+    def partition(info: PartitionInfo) -> tuple[dict[str, Any], int]:
+        """One partition's frames (by table), summary row and reweighting row (None where it
+        is not fitted), and its number of instances."""
         k_opts = len(info.manifest.options)
         wide = load_wide(info)
         heads = load_heads(info) if has_heads(info) else None
         comps = component_scores_of(info, wide)
         head_rows = None if heads is None else head_scores_of(info, heads)
-        frames["component_scores"].append(tagged(comps, info))
-        if head_rows is not None:
-            frames["head_scores"].append(tagged(head_rows, info))
         first_estimator = (
             None if head_rows is None else head_rows.filter(pl.col("estimator") == ESTIMATORS[0])
         )
         summary = summary_row(_full_scores(wide, k_opts), comps, first_estimator)
         n = _n_instances(wide)
-        summaries.append({**dict(info.key.items()), "n_instances": n, **summary})
-        if not reweight:
-            continue
-        if n <= n_train:
+        key = dict(info.key.items())
+        out: dict[str, Any] = {
+            "component_scores": tagged(comps, info),
+            "head_scores": None if head_rows is None else tagged(head_rows, info),
+            "head_summary": {**key, "n_instances": n, **summary},
+            "reweight": None,
+            "reweight_weights": None,
+        }
+        if reweight and n > n_train:
+            row, weights = reweight_partition(info, wide, heads, n_train, seed)
+            out["reweight"] = {**key, **row}
+            out["reweight_weights"] = tagged(weights, info)
+        return out, n
+
+    found: dict[str, list[Any]] = {name: [] for name in TABLES}
+    for info, (out, n) in zip(parts, map_partitions(partition, parts), strict=True):
+        for name, value in out.items():
+            if value is not None:
+                found[name].append(value)
+        if reweight and n <= n_train:
             notes.append(
                 f"Reweighting skipped for {info.key.label}: {n} instances, it needs more "
                 f"than the {n_train} it trains on."
             )
-            continue
-        row, weights = reweight_partition(info, wide, heads, n_train, seed)
-        reweights.append({**dict(info.key.items()), **row})
-        frames["reweight_weights"].append(tagged(weights, info))
     missing = [p.key.label for p in parts if not has_heads(p)]
     if missing:
         notes.append(
             f"No heads stored for {', '.join(missing)} (their components only in the heads "
             f"tables): {HOW_TO_EXTRACT}."
         )
-    out = {
-        name: pl.concat(found) if found else pl.DataFrame(schema=TABLES[name])
-        for name, found in frames.items()
+    rows = ("head_summary", "reweight")
+    return {
+        name: pl.DataFrame(found[name], schema=TABLES[name])
+        if name in rows
+        else (pl.concat(found[name]) if found[name] else pl.DataFrame(schema=TABLES[name]))
+        for name in TABLES
     }
-    out["head_summary"] = pl.DataFrame(summaries, schema=TABLES["head_summary"])
-    out["reweight"] = pl.DataFrame(reweights, schema=TABLES["reweight"])
-    return out
 
 
 _NAMES = dict.fromkeys(KEY, pl.String)
@@ -555,92 +560,59 @@ def _pct(value: float | None) -> str:
     return fmt(value, 100)
 
 
-def heatmap_figure(
-    scores: pl.DataFrame, summary: pl.DataFrame, model: str, path: Path, title: str
-) -> Path:
+def heatmap_spec(
+    scores: pl.DataFrame, summary: pl.DataFrame, model: str, title: str
+) -> plots.Figure:
     """Calibrated accuracy of every head of ``model``: one panel per task, attention components
-    (execution order) by head, coloured around the full model's accuracy (marked in black on each
-    colour bar): red heads beat the whole."""
-    from matplotlib.colors import TwoSlopeNorm
-    from matplotlib.figure import Figure
-
+    (execution order) by head, coloured around the full model's accuracy (named in the panel's
+    title): red heads beat the whole. Hover names the head (``attn.<layer>`` and head index), its
+    plain and calibrated accuracy and the full model's."""
     frame = scores.filter(pl.col("model") == model)
-    tasks = sorted(frame["task"].unique())
     full = dict(summary.filter(pl.col("model") == model).select("task", "accuracy").iter_rows())
-    ncols = min(4, len(tasks))
-    nrows = -(-len(tasks) // ncols)
-    fig = Figure(figsize=(max(5.5, 4.2 * ncols), 3.6 * nrows + 0.7), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    for ax, task in zip(axes.flat, tasks, strict=False):
+    panels = []
+    for task in sorted(frame["task"].unique()):
         sub = frame.filter(pl.col("task") == task)
         comps = sorted(sub["component"].unique())
         heads = sorted(sub["head"].unique())
-        grid = np.full((len(comps), len(heads)), np.nan)
-        for c, h, value in sub.select("component", "head", "calibrated_accuracy").iter_rows():
-            grid[comps.index(c), heads.index(h)] = 100 * value
-        whole = 100 * full[task]
-        # Diverging colours centred on the full model: red heads beat it, blue ones do not.
-        low = min(float(np.nanmin(grid)), whole - 0.5)
-        high = max(float(np.nanmax(grid)), whole + 0.5)
-        norm = TwoSlopeNorm(vcenter=whole, vmin=low, vmax=high)
-        image = ax.imshow(grid, cmap="RdBu_r", norm=norm, aspect="auto")
+        cal = {
+            (c, h): 100 * v
+            for c, h, v in sub.select("component", "head", "calibrated_accuracy").iter_rows()
+        }
+        acc = {
+            (c, h): 100 * v for c, h, v in sub.select("component", "head", "accuracy").iter_rows()
+        }
         layers = dict(sub.select("component", "layer").unique().iter_rows())
-        step = max(1, len(comps) // 8)
-        ax.set_yticks(range(0, len(comps), step), [str(layers[c]) for c in comps[::step]])
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        ax.set_title(task, fontsize=10)
-        bar = fig.colorbar(image, ax=ax, shrink=0.9)
-        bar.ax.axhline(whole, color="black", linewidth=2)
-        bar.set_label("calibrated accuracy (%)", fontsize=8)
-    for ax in list(axes.flat)[len(tasks) :]:
-        ax.set_visible(False)
-    fig.suptitle(title, fontsize=11)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return path
-
-
-def heatmap_plotly(scores: pl.DataFrame, summary: pl.DataFrame, model: str, title: str) -> object:
-    """The heads heatmap of :func:`heatmap_figure`, interactive: hover names the head
-    (``attn.<layer>`` and head index), its plain and calibrated accuracy and the full model's."""
-    frame = scores.filter(pl.col("model") == model)
-    tasks = sorted(frame["task"].unique())
-    full = dict(summary.filter(pl.col("model") == model).select("task", "accuracy").iter_rows())
-    ncols = min(3, len(tasks))
-    nrows = -(-len(tasks) // ncols)
-    fig = plots.subplots(rows=nrows, cols=ncols, subplot_titles=tasks,
-                         horizontal_spacing=0.08, vertical_spacing=0.3 / nrows)  # fmt: skip
-    for i, task in enumerate(tasks):
-        sub = frame.filter(pl.col("task") == task).sort("component", "head")
-        comps = sorted(sub["component"].unique())
-        heads = sorted(sub["head"].unique())
-        grid = np.full((len(comps), len(heads)), np.nan)
-        plain = np.full(grid.shape, np.nan)
-        for c, h, cal, acc in sub.select(
-            "component", "head", "calibrated_accuracy", "accuracy"
-        ).iter_rows():
-            grid[comps.index(c), heads.index(h)] = 100 * cal
-            plain[comps.index(c), heads.index(h)] = 100 * acc
-        layers = dict(sub.select("component", "name").unique().iter_rows())
+        z = plots.grid(cal, comps, heads)
         whole = 100 * full[task]
-        low = min(float(np.nanmin(grid)), whole - 0.5)
-        high = max(float(np.nanmax(grid)), whole + 0.5)
-        fig.add_heatmap(
-            z=[[None if np.isnan(v) else float(v) for v in row] for row in grid],
-            x=[str(h) for h in heads], y=[str(layers[c]).split(".h")[0] for c in comps],
-            customdata=[[None if np.isnan(v) else float(v) for v in row] for row in plain],
-            colorscale="RdBu", reversescale=True, zmin=low, zmax=high,
-            zmid=whole, showscale=False,
-            hovertemplate=f"{task}: %{{y}} head %{{x}}<br>calibrated accuracy %{{z:.1f}}%<br>"
-            f"accuracy %{{customdata:.1f}}%<br>full model {whole:.1f}%<extra></extra>",
-            row=i // ncols + 1, col=i % ncols + 1,
-        )  # fmt: skip
-    fig.update_xaxes(title_text="head")
-    fig.update_yaxes(title_text="attention component", col=1, autorange="reversed")
-    fig.update_yaxes(autorange="reversed")
-    fig.update_layout(title=title.replace("\n", " "), height=420 * nrows + 80)
-    return fig
+        values = [v for row in z for v in row if v is not None]
+        hover = [
+            [
+                f"{task}: layer {layers[c]} head {h}<br>calibrated accuracy {cal[c, h]:.1f}%<br>"
+                f"accuracy {acc[c, h]:.1f}%<br>full model {whole:.1f}%"
+                if (c, h) in cal
+                else ""
+                for h in heads
+            ]
+            for c in comps
+        ]
+        # Diverging colours centred on the full model: red heads beat it, blue ones do not.
+        heat = plots.Heatmap(
+            z,
+            heads,
+            [layers[c] for c in comps],
+            "calibrated accuracy (%)",
+            cmap="RdBu_r",
+            zmin=min(min(values), whole - 0.5),
+            zmax=max(max(values), whole + 0.5),
+            zmid=whole,
+            hover=hover,
+        )
+        panels.append(
+            plots.Panel(
+                f"{task} (full model {whole:.1f}%)", heatmap=heat, xlabel="head", ylabel="layer"
+            )
+        )
+    return plots.Figure(title, panels, cols=min(3, len(panels)), panel_size=(4.6, 3.6))
 
 
 def heads_section(ctx: ReportContext) -> str:
@@ -696,17 +668,13 @@ def heads_section(ctx: ReportContext) -> str:
     ]
     for model in sorted(scores["model"].unique()) if scores.height else []:
         label = names.get(model, model)
-        title = (
-            f"{label}: calibrated accuracy of every head\n"
-            "(red: above the full model; black line: its accuracy)"
-        )
+        title = f"{label}: calibrated accuracy of every head (red: above the full model)"
         parts.append(
             plots.figure_link(
                 ctx,
                 f"heads_{model}.png",
                 f"{label} heads",
-                partial(heatmap_figure, scores, summary, model, title=title),
-                partial(heatmap_plotly, scores, summary, model, title),
+                partial(heatmap_spec, scores, summary, model, title),
             )
         )
     if scores.height:

@@ -5,7 +5,9 @@ target layer j, on the residual states and on the block updates. Not run by defa
 
 Tables:
 
-- ``layer_maps``: per (task, source_model, target_model, space, source_layer, target_layer):
+- ``layer_maps``: per (task, source_model, source_revision, target_model, target_revision, space,
+  source_layer, target_layer) (the source and target columns are ``layerdiv.store.key.KEY``'s
+  model columns; a map is between two (model, revision) partitions of one task):
   ``rel_error`` (mean over held-out rows of ||y_hat - y|| / max(||y||, 1e-6)), ``r2``,
   ``n_train`` and ``n_heldout`` rows. ``space`` is ``states`` (layer l = h_l, l = 0..L) or
   ``updates`` (layer l = h_(l+1) - h_l, block l's update, l = 0..L-1).
@@ -17,7 +19,6 @@ Tables:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -29,6 +30,7 @@ from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
 from layerdiv.errors import LayerdivError
 from layerdiv.store import PartitionInfo
+from layerdiv.store.key import DEFAULT_REVISION, MODEL_KEY, PartitionKey
 from layerdiv.store.paths import slug
 
 SPACES = ("states", "updates")
@@ -42,6 +44,25 @@ FOLLOWS = 0.5
 
 DEFAULT_RIDGE = 1e-3
 """lambda = ridge * trace(G) / d_A (methods §11)."""
+
+
+PAIR = ("task", *(f"source_{c}" for c in MODEL_KEY), *(f"target_{c}" for c in MODEL_KEY))
+"""The key of one map: the task, and the source's and target's (model, revision) key columns."""
+
+
+def _pair_key(a: PartitionInfo, b: PartitionInfo) -> dict[str, str]:
+    """:data:`PAIR`'s values of source ``a`` and target ``b``."""
+    return {
+        "task": a.task,
+        **{f"source_{c}": getattr(a.key, c) for c in MODEL_KEY},
+        **{f"target_{c}": getattr(b.key, c) for c in MODEL_KEY},
+    }
+
+
+def _label(row: Mapping[str, object], side: str, names: dict[str, str]) -> str:
+    """A source's or target's model name, with its revision unless that is ``main``."""
+    model, rev = str(row[f"{side}_model"]), str(row[f"{side}_revision"])
+    return names.get(model, model) + ("" if rev == DEFAULT_REVISION else f"@{rev}")
 
 
 class MapsError(LayerdivError, ValueError):
@@ -78,21 +99,33 @@ def _pairs(parts: list[PartitionInfo], spec: str) -> list[tuple[PartitionInfo, P
     for item in spec.split(","):
         names = item.split(":")
         if len(names) != 2 or not all(names):
-            raise MapsError(f"--maps {spec}: give all, or SOURCE:TARGET pairs (model ids or slugs)")
+            raise MapsError(
+                f"--maps {spec}: give all, or SOURCE:TARGET pairs (model ids or slugs, each "
+                "MODEL@REVISION where the store holds several revisions)"
+            )
         pairs.append((_find(parts, names[0], task), _find(parts, names[1], task)))
     return pairs
 
 
 def _find(parts: list[PartitionInfo], name: str, task: str) -> PartitionInfo:
-    """The partition of model ``name`` (id or slug) on ``task``, refusing one without states."""
+    """The partition of ``name`` (a model id or slug, ``@REVISION`` where the task has several)
+    on ``task``, refusing one without states."""
+    model, _, rev = name.partition("@")
     found = [
         p
         for p in parts
-        if p.task == task and (name in (p.manifest.model, p.model) or p.model == slug(name))
+        if p.task == task
+        and (model in (p.manifest.model, p.model) or p.model == slug(model))
+        and rev in ("", p.key.revision)
     ]
     if not found:
         have = ", ".join(sorted({p.manifest.model for p in parts if p.task == task}))
         raise MapsError(f"--maps: no partition of model {name} on task {task}; it has {have}")
+    if len(found) > 1:
+        revs = ", ".join(p.key.revision for p in found)
+        raise MapsError(
+            f"--maps: model {name} has revisions {revs} on task {task}; name one as {model}@REV"
+        )
     if "states" not in found[0].tables:
         raise MapsError(
             f"--maps: {found[0].where} has no states; add them with "
@@ -138,13 +171,13 @@ States = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def pair_table(
-    a: PartitionInfo, b: PartitionInfo, ridge: float, cache: dict[str, States]
+    a: PartitionInfo, b: PartitionInfo, ridge: float, cache: dict[PartitionKey, States]
 ) -> pl.DataFrame:
     """``layer_maps`` of source partition ``a`` onto target ``b`` (both spaces)."""
     for p in (a, b):
-        if p.model not in cache:
-            cache[p.model] = p.states()
-    (ka, ta, sa), (kb, tb, sb) = cache[a.model], cache[b.model]
+        if p.key not in cache:
+            cache[p.key] = p.states()
+    (ka, ta, sa), (kb, tb, sb) = cache[a.key], cache[b.key]
     _check_rows(a, b, ka, ta, kb, tb)
     order, n_train, n_held = _split(ka, a.where)
     frames = []
@@ -156,9 +189,7 @@ def pair_table(
         frames.append(
             pl.DataFrame(
                 {
-                    "task": a.task,
-                    "source_model": a.model,
-                    "target_model": b.model,
+                    **_pair_key(a, b),
                     "space": space,
                     "source_layer": i.ravel().astype(np.int16),
                     "target_layer": j.ravel().astype(np.int16),
@@ -175,7 +206,7 @@ def pair_table(
 def best_table(maps: pl.DataFrame) -> pl.DataFrame:
     """``layer_map_best``: per source layer the target layer of least rel_error (states: i, j >=
     1) with both relative depths (methods §11)."""
-    pair = ["task", "source_model", "target_model", "space"]
+    pair = [*PAIR, "space"]
     key = [*pair, "source_layer"]
     updates = (pl.col("space") == "updates").cast(pl.Int16)
 
@@ -199,15 +230,10 @@ def spearman(best: pl.DataFrame) -> pl.DataFrame:
     """Per (task, source, target, space): Spearman's correlation of the source and best target
     relative depths over source layers (methods §11), and its p-value."""
     rows = []
-    for key, group in best.group_by("task", "source_model", "target_model", "space",
-                                    maintain_order=True):  # fmt: skip
+    for key, group in best.group_by(*PAIR, "space", maintain_order=True):
         rho, p = spearmanr(group["source_depth"], group["target_depth"])
         rows.append((*key, float(rho), float(p), group.height))
-    return pl.DataFrame(
-        rows,
-        schema=["task", "source_model", "target_model", "space", "spearman", "p_value", "n"],
-        orient="row",
-    )
+    return pl.DataFrame(rows, schema=[*PAIR, "space", "spearman", "p_value", "n"], orient="row")
 
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
@@ -216,7 +242,7 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     if not spec:
         return {}
     ridge = float(ctx.options.get("maps_ridge") or DEFAULT_RIDGE)
-    cache: dict[str, States] = {}
+    cache: dict[PartitionKey, States] = {}
     maps = pl.concat([pair_table(a, b, ridge, cache) for a, b in _pairs(ctx.parts, spec)])
     return {"layer_maps": maps, "layer_map_best": best_table(maps)}
 
@@ -224,50 +250,84 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
 # --- report ----------------------------------------------------------------------------------
 
 
-def maps_figure(maps: pl.DataFrame, best: pl.DataFrame, path: Path, names: dict[str, str]) -> Path:
-    """Per (source, target, space), one row: the source x target heatmap of rel_error on
-    relative-depth axes with the diagonal drawn and the best targets marked, and the best-target
-    curve (relative depth of the best target layer against the source layer's)."""
-    pairs = maps.select("source_model", "target_model", "space").unique(maintain_order=True)
-    fig = plots.new_figure(figsize=(10, 4 * pairs.height), layout="constrained")
-    axes = fig.subplots(pairs.height, 2, squeeze=False)
-    for (ax_map, ax_best), (src, tgt, space) in zip(axes, pairs.iter_rows(), strict=True):
-        sub = maps.filter(
-            (pl.col("source_model") == src)
-            & (pl.col("target_model") == tgt)
-            & (pl.col("space") == space)
-        )
+def _nearest_same_depth(n_a: int, n_b: int, updates: bool) -> list[int]:
+    """Per source layer, the target layer nearest the same relative depth (methods §11: i / L_A
+    = j / L_B for states, (l + 1) / L for block updates): the heatmap's diagonal."""
+    u = int(updates)
+    l_a, l_b = n_a - 1 + u, n_b - 1 + u
+    return [min(n_b - 1, max(0, round((i + u) * l_b / l_a) - u)) for i in range(n_a)]
+
+
+def maps_figure(maps: pl.DataFrame, best: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
+    """Per (pair, space), two panels: the source x target heatmap of held-out rel_error with
+    the same-relative-depth diagonal and the best targets marked, and the best-target curve
+    (the best target's relative depth against the source layer's, beside the diagonal)."""
+    panels = []
+    for key in maps.select(*PAIR, "space").unique(maintain_order=True).iter_rows(named=True):
+        match = [pl.col(c) == v for c, v in key.items()]
+        sub, b = maps.filter(match), best.filter(match)
         n_a = int(sub["source_layer"].max()) + 1  # type: ignore[arg-type]
         n_b = int(sub["target_layer"].max()) + 1  # type: ignore[arg-type]
         grid = np.full((n_a, n_b), np.nan)
         grid[sub["source_layer"].to_numpy(), sub["target_layer"].to_numpy()] = sub["rel_error"]
-        u = int(space == "updates")  # a cell's depth: l / L (states), (l + 1) / L (updates)
-        l_a, l_b = n_a - 1 + u, n_b - 1 + u
-        extent = ((u - 0.5) / l_b, (n_b - 0.5 + u) / l_b, (u - 0.5) / l_a, (n_a - 0.5 + u) / l_a)
-        image = ax_map.imshow(grid, origin="lower", extent=extent, aspect="auto", cmap="viridis")
-        fig.colorbar(image, ax=ax_map, label="held-out rel_error")
-        ax_map.plot([0, 1], [0, 1], "w--", linewidth=1, label="same relative depth")
-        ax_map.set_xlim(extent[0], extent[1])
-        ax_map.set_ylim(extent[2], extent[3])
-        b = best.filter(
-            (pl.col("source_model") == src)
-            & (pl.col("target_model") == tgt)
-            & (pl.col("space") == space)
+        src, tgt, space = _label(key, "source", names), _label(key, "target", names), key["space"]
+        layers = "block" if space == "updates" else "layer"
+        heat = plots.Heatmap(
+            z=[[None if np.isnan(v) else float(v) for v in row] for row in grid],
+            x=list(range(n_b)),
+            y=list(range(n_a)),
+            colorbar="held-out rel_error",
+            origin="lower",
         )
-        ax_map.plot(b["target_depth"], b["source_depth"], "r.", markersize=5, label="best target")
-        ax_map.set_xlabel(f"target relative depth ({names.get(tgt, tgt)})")
-        ax_map.set_ylabel(f"source relative depth ({names.get(src, src)})")
-        ax_map.set_title(f"{space}: rel_error of the map i -> j", fontsize=10)
-        ax_map.legend(fontsize=7, loc="upper left")
-        ax_best.plot(b["source_depth"], b["target_depth"], "o-", markersize=3, label="best target")
-        ax_best.plot([0, 1], [0, 1], "k--", linewidth=1, label="same relative depth")
-        ax_best.set_xlabel("source relative depth")
-        ax_best.set_ylabel("relative depth of the best target")
-        ax_best.set_title(f"{space}: best target layer", fontsize=10)
-        ax_best.legend(fontsize=7)
-        ax_best.grid(alpha=0.3)
-    fig.suptitle("Linear maps between layers (methods §11)", fontsize=11)
-    return plots.save(fig, path)
+        diagonal = _nearest_same_depth(n_a, n_b, space == "updates")
+        panels.append(
+            plots.Panel(
+                f"{src} -> {tgt}, {space}: rel_error of the map i -> j",
+                heatmap=heat,
+                series=[
+                    plots.Series(
+                        "same relative depth",
+                        diagonal,
+                        list(range(n_a)),
+                        color="white",
+                        dash="dash",
+                        marker=None,
+                    ),
+                    plots.Series(
+                        "best target",
+                        b["target_layer"].to_list(),
+                        b["source_layer"].to_list(),
+                        color="red",
+                        line=False,
+                    ),
+                ],
+                xlabel=f"target {layers} j ({tgt})",
+                ylabel=f"source {layers} i ({src})",
+            )
+        )
+        panels.append(
+            plots.Panel(
+                f"{src} -> {tgt}, {space}: best target",
+                series=[
+                    plots.Series(
+                        "best target", b["source_depth"].to_list(), b["target_depth"].to_list()
+                    ),
+                    plots.Series(
+                        "same relative depth",
+                        [0, 1],
+                        [0, 1],
+                        color="black",
+                        dash="dash",
+                        marker=None,
+                    ),
+                ],
+                xlabel="source relative depth",
+                ylabel="relative depth of the best target",
+                xrange=(0, 1.02),
+                yrange=(0, 1.02),
+            )
+        )
+    return plots.Figure("Linear maps between layers (methods §11)", panels, cols=2)
 
 
 def report(ctx: ReportContext) -> str:
@@ -282,15 +342,15 @@ def report(ctx: ReportContext) -> str:
         follows = "follows" if r["spearman"] > FOLLOWS else "does not follow"
         p = f", p {r['p_value']:.2g}" if np.isfinite(r["p_value"]) else ""
         sentences.append(
-            f"- {names.get(r['source_model'], r['source_model'])} -> "
-            f"{names.get(r['target_model'], r['target_model'])}, {r['space']}: the best target "
+            f"- {_label(r, 'source', names)} -> {_label(r, 'target', names)}, {r['space']}: "
+            "the best target "
             f"{follows} relative depth (Spearman {fmt(r['spearman'], digits=2)}{p}, "
             f"{r['n']} source layers)."
         )
     rows = [
         [
-            names.get(r["source_model"], r["source_model"]),
-            names.get(r["target_model"], ""),
+            _label(r, "source", names),
+            _label(r, "target", names),
             r["space"],
             str(r["source_layer"]),
             str(r["target_layer"]),
@@ -312,7 +372,7 @@ def report(ctx: ReportContext) -> str:
             "\n".join(sentences),
             markdown_table(header, rows),
             plots.figure_link(
-                ctx, "layer_maps.png", "Layer maps", lambda p: maps_figure(maps, best, p, names)
+                ctx, "layer_maps.png", "Layer maps", lambda: maps_figure(maps, best, names)
             ),
         ]
     )

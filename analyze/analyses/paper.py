@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -15,7 +14,15 @@ from tqdm import tqdm
 
 from layerdiv.analyze import plots, stats
 from layerdiv.analyze.decomposition import partition_scores
-from layerdiv.analyze.markdown import AVG, DASH, Cells, fmt, markdown_table, model_task_table
+from layerdiv.analyze.markdown import (
+    AVG,
+    DASH,
+    Cells,
+    fmt,
+    markdown_table,
+    model_label,
+    model_task_table,
+)
 from layerdiv.analyze.metrics import ACCURACY, CORRELATED, METRICS
 from layerdiv.analyze.options import ESTIMATORS
 from layerdiv.analyze.registry import (
@@ -60,11 +67,11 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     """Every table of methods §2-6 for the selected partitions (see
     :class:`~layerdiv.analyze.api.Results` for each table's columns). ``instance_scores`` goes to
     ``ctx.spill`` partition by partition; only per-partition aggregates stay in memory."""
-    manifests = prior["manifests"]
+    manifests, scale = prior["manifests"], ctx.scale  # what each partition's work reads
 
     def reduce(info: PartitionInfo) -> tuple[pl.DataFrame, dict[str, pl.DataFrame]]:
         """The partition's instance scores (to spill) and the aggregates kept of it."""
-        scores = partition_scores(info, ctx.scale)
+        scores = partition_scores(info, scale)
         instances = scores.instances.sort("estimator", "instance")
         n_options = manifests.join(
             pl.DataFrame([dict(info.key.items())]), on=[*KEY], how="semi"
@@ -201,9 +208,9 @@ def table1(ctx: ReportContext) -> str:
         unit = metric.unit(ctx.estimator)
         cells: Cells = {
             (m, t): fmt(v, unit.scale, unit.digits)
-            for m, t, v in frame.select(*KEY, metric.name).iter_rows()
+            for m, t, v in frame.select(model_label(), "task", metric.name).iter_rows()
         }
-        avg = frame.group_by("model").agg(pl.col(metric.name).mean())
+        avg = frame.group_by(model_label()).agg(pl.col(metric.name).mean())
         cells.update({(m, None): fmt(v, unit.scale, unit.digits) for m, v in avg.iter_rows()})
         first = [baseline] if metric is ACCURACY else []
         parts.append(
@@ -230,7 +237,8 @@ def correlation_table(ctx: ReportContext) -> str:
         means = means.with_columns(pl.lit("").alias("mark"))
         pairs: dict[tuple[str | None, str | None], dict[str, str]] = {}
         for frame in (tested, means):
-            for m, t, method, r, mark in frame.select(*KEY, "method", "r", "mark").iter_rows():
+            rows = frame.select(model_label(), "task", "method", "r", "mark").iter_rows()
+            for m, t, method, r, mark in rows:
                 pairs.setdefault((m, t), {})[method] = fmt(r, digits=2) + mark
         cells: Cells = {
             key: " / ".join(v.get(x, DASH) for x in stats.METHODS) for key, v in pairs.items()
@@ -316,7 +324,7 @@ def saturation_table(ctx: ReportContext) -> str:
     cells: Cells = {
         (m, t): f"{j}/{n}"
         for m, t, j, n in ctx.tables["saturation"]
-        .select(*KEY, "saturation_j", "n_components")
+        .select(model_label(), "task", "saturation_j", "n_components")
         .iter_rows()
     }
     return model_task_table(cells, ctx.names, avg=False)
@@ -361,212 +369,111 @@ GAIN_WINDOW = 5
 """Marginal gains in Fig. 6 are shown as a centred rolling mean over this many components."""
 
 
-def correlation_figure(ctx: ReportContext, path: Path, scale: str) -> Path:
+def correlation_spec(ctx: ReportContext, scale: str) -> plots.Figure:
     """Fig. 3: heatmaps of r (models x tasks + Avg.), one per (method, metric); ``*`` marks
     p < 0.05 in the task columns; Avg. is the Fisher-z mean over tasks."""
     names = plots.short_names(ctx.names)
-    corr = ctx.tables["correlations"].filter(pl.col("estimator") == ctx.estimator)
+    chosen = pl.col("estimator") == ctx.estimator
+    corr = ctx.tables["correlations"].filter(chosen)
     means = ctx.tables["correlation_means"].filter(
-        (pl.col("estimator") == ctx.estimator)
-        & pl.col("task").is_null()
-        & pl.col("model").is_not_null()
+        chosen & pl.col("task").is_null() & pl.col("model").is_not_null()
     )
     models, tasks = sorted(corr["model"].unique()), sorted(corr["task"].unique())
-    columns = [*tasks, "Avg."]
-    fig = plots.new_figure(
-        figsize=(3 * (1.6 + 0.6 * len(columns)), 2 * (1.2 + 0.38 * len(models))),
-        layout="constrained",
-    )
-    axes = fig.subplots(len(stats.METHODS), len(CORRELATED), squeeze=False)
-    image = None
-    for row, method in enumerate(stats.METHODS):
-        for col, metric in enumerate(CORRELATED):
-            ax = axes[row][col]
-            grid = np.full((len(models), len(columns)), np.nan)
-            marks = np.zeros_like(grid, dtype=bool)
-            chosen = (pl.col("method") == method) & (pl.col("metric") == metric.name)
-            for r in corr.filter(chosen).iter_rows(named=True):
-                i, k = models.index(r["model"]), tasks.index(r["task"])
-                grid[i, k], marks[i, k] = r["r"], r["significant"]
-            for r in means.filter(chosen).iter_rows(named=True):
-                grid[models.index(r["model"]), -1] = r["r"]
-            image = ax.imshow(grid, cmap="RdBu_r", vmin=-1, vmax=1, aspect="auto")
-            for (i, k), value in np.ndenumerate(grid):
-                if not np.isnan(value):
-                    ax.text(
-                        k,
-                        i,
-                        f"{value:.2f}" + ("*" if marks[i, k] else ""),
-                        ha="center",
-                        va="center",
-                        fontsize=7,
-                        color="white" if abs(value) > 0.6 else "black",
-                    )
-            ax.set_xticks(range(len(columns)), columns, rotation=45, ha="right", fontsize=8)
-            ax.set_yticks(range(len(models)), [names.get(m, m) for m in models], fontsize=8)
-            ax.axvline(len(tasks) - 0.5, color="black", linewidth=1)
-            ax.set_title(f"{method.capitalize()}: accuracy vs {metric.signed}", fontsize=10)
-    if image is not None:
-        fig.colorbar(image, ax=axes, shrink=0.6, label="correlation r across junction points")
-    fig.suptitle(
-        f"Fig. 3 — correlation with accuracy across junction points j = 1..L\n"
-        f"estimator {ctx.estimator}, scale {scale}; * two-sided p < {stats.SIGNIFICANCE}; "
+    columns = [*tasks, AVG]
+    labels = [names.get(m, m) for m in models]
+    panels = []
+    for method in stats.METHODS:
+        for metric in CORRELATED:
+            pick = (pl.col("method") == method) & (pl.col("metric") == metric.name)
+            cells = {
+                (r["model"], r["task"]): r["r"] for r in corr.filter(pick).iter_rows(named=True)
+            }
+            stars = {
+                (r["model"], r["task"])
+                for r in corr.filter(pick & pl.col("significant")).iter_rows(named=True)
+            }
+            cells |= {(r["model"], AVG): r["r"] for r in means.filter(pick).iter_rows(named=True)}
+            z = plots.grid(cells, models, columns)
+            text = [
+                [
+                    DASH if v is None else f"{v:.2f}" + ("*" if (m, c) in stars else "")
+                    for v, c in zip(row, columns, strict=True)
+                ]
+                for row, m in zip(z, models, strict=True)
+            ]
+            hover = [
+                [
+                    f"{names.get(m, m)} · {c}<br>{method} r(accuracy, {metric.signed}) = {t}"
+                    for c, t in zip(columns, row, strict=True)
+                ]
+                for m, row in zip(models, text, strict=True)
+            ]
+            heat = plots.Heatmap(
+                z,
+                columns,
+                labels,
+                "correlation r",
+                cmap="RdBu_r",
+                zmin=-1,
+                zmax=1,
+                text=text,
+                hover=hover,
+            )
+            title = f"{method.capitalize()}: accuracy vs {metric.signed}"
+            panels.append(plots.Panel(title, heatmap=heat))
+    return plots.Figure(
+        "Fig. 3 — correlation with accuracy across junction points j = 1..L",
+        panels,
+        cols=len(CORRELATED),
+        panel_size=(1.6 + 0.6 * len(columns), 1.5 + 0.38 * len(models)),
+        caption=f"estimator {ctx.estimator}, scale {scale}; * two-sided p < {stats.SIGNIFICANCE}; "
         "Avg. = Fisher-z mean over tasks",
-        fontsize=11,
     )
-    return plots.save(fig, path)
 
 
-def module_figure(ctx: ReportContext, path: Path) -> Path:
+def module_spec(ctx: ReportContext) -> plots.Figure:
     """Fig. 4: stacked horizontal bars of each module kind's share of bias and of diversity."""
     names = plots.short_names(ctx.names)
     shares = stats.module_shares_by_model(ctx.tables["modules"], ctx.estimator)
     models = sorted(shares["model"].unique())
     kinds = [k for k in COMPONENT_KINDS if k in set(shares["kind"])]
-    fig = plots.new_figure(figsize=(11, 1.5 + 0.4 * len(models)), layout="constrained")
-    axes = fig.subplots(1, 2, sharey=True)
     labels = [names.get(m, m) for m in models]
-    for ax, column, title in zip(
-        axes, ("bias_share", "diversity_share"), ("Bias", "Diversity"), strict=True
+    panels = []
+    for column, title in (
+        ("bias_share", "Bias (Eqs. 9-10)"),
+        ("diversity_share", "Diversity (Eqs. 9-10)"),
     ):
-        left = np.zeros(len(models))
+        series = []
         for kind in kinds:
-            values = np.array(
-                [
-                    (shares.filter((pl.col("model") == m) & (pl.col("kind") == kind))[column].sum())
-                    * 100
-                    for m in models
-                ]
+            values = [
+                100 * shares.filter((pl.col("model") == m) & (pl.col("kind") == kind))[column].sum()
+                for m in models
+            ]
+            series.append(
+                plots.Series(kind, values, labels, color=plots.KIND_COLORS[kind], bar=True)
             )
-            ax.barh(labels, values, left=left, color=plots.KIND_COLORS[kind], label=kind)
-            left += values
-        ax.set_xlim(0, 100)
-        ax.set_xlabel("share of the total (%)")
-        ax.set_title(f"{title} (Eqs. 9-10)")
-        ax.invert_yaxis()
-    axes[1].legend(title="module", loc="lower right", fontsize=8)
-    fig.suptitle(
+        panels.append(
+            plots.Panel(
+                title,
+                series,
+                xlabel="share of the total (%)",
+                xrange=(0, 100),
+                bars="stack",
+                horizontal=True,
+            )
+        )
+    return plots.Figure(
         "Fig. 4 — share of bias and diversity by module, mean over tasks "
         f"(estimator {ctx.estimator})",
-        fontsize=11,
+        panels,
+        panel_size=(5.5, 0.8 + 0.4 * len(models)),
     )
-    return plots.save(fig, path)
 
 
-def curves_figure(ctx: ReportContext, scale: str, model: str, path: Path) -> Path:
+def curves_spec(ctx: ReportContext, scale: str, model: str) -> plots.Figure:
     """Fig. 5 for one model: accuracy, MSE, bias and diversity of the first j components,
-    z-scored across j, one panel per task."""
-    by = [*KEY, "estimator"]
-    frame = (
-        ctx.tables["curves"]
-        .filter((pl.col("model") == model) & (pl.col("estimator") == ctx.estimator))
-        .with_columns(*(stats.zscore(m, by) for m in METRICS))
-        .sort("task", "j")
-    )
-    tasks = sorted(frame["task"].unique())
-    ncols = min(4, len(tasks))
-    nrows = -(-len(tasks) // ncols)
-    width, height = 3.4 * ncols + 0.9, 2.6 * nrows + 1.5
-    # One figure per model: a fixed layout (in inches) draws much faster than a layout engine.
-    fig = plots.new_figure(figsize=(width, height))
-    fig.subplots_adjust(
-        left=0.75 / width,
-        right=1 - 0.15 / width,
-        top=1 - 0.55 / height,
-        bottom=1.0 / height,
-        wspace=0.08,
-        hspace=0.35,
-    )
-    axes = fig.subplots(nrows, ncols, squeeze=False, sharex=True, sharey=True)
-    for ax, task in zip(axes.flat, tasks, strict=False):
-        sub = frame.filter(pl.col("task") == task)
-        for metric in METRICS.values():
-            ax.plot(
-                sub["j"],
-                sub[metric.name],
-                metric.line,
-                color=metric.color,
-                label=metric.title,
-                linewidth=1.3,
-            )
-        ax.set_title(task, fontsize=10)
-        ax.grid(alpha=0.3)
-    for index, ax in enumerate(axes.flat):
-        if index >= len(tasks):
-            ax.set_visible(False)
-        elif index + ncols >= len(tasks):  # the lowest panel of its column
-            ax.xaxis.set_tick_params(labelbottom=True)
-            ax.set_xlabel("components in prefix j")
-    for ax in axes[:, 0]:
-        ax.set_ylabel("z-score across j")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncols=4, frameon=False)
-    name = plots.short_names(ctx.names).get(model, model)
-    fig.suptitle(
-        f"Fig. 5 — {name}: standardized layer-addition curves "
-        f"(estimator {ctx.estimator}, scale {scale})",
-        fontsize=11,
-    )
-    return plots.save(fig, path)
-
-
-def depth_figure(ctx: ReportContext, path: Path, scale: str, min_params: float) -> Path:
-    """Fig. 6: accuracy and MSE averaged over tasks against the number of components with their
-    fits (dashed), and the marginal accuracy gain per added component (rolling mean)."""
-    names = plots.short_names(ctx.names)
-    chosen = pl.col("estimator") == ctx.estimator
-    depth = ctx.tables["depth_curves"].filter(chosen).sort("n_params", "j")
-    fits = {r["model"]: r for r in ctx.tables["depth_fits"].filter(chosen).iter_rows(named=True)}
-    mse = METRICS["mse"].unit(ctx.estimator)
-    fig = plots.new_figure(figsize=(15, 4.6), layout="constrained")
-    axes = fig.subplots(1, 3)
-    colors = iter(plots.colors(len(fits)))
-    for model in depth["model"].unique(maintain_order=True):
-        sub = depth.filter(pl.col("model") == model)
-        j = sub["j"].to_numpy().astype(float)
-        fit, color = fits[model], next(colors)
-        label = names.get(model, model)
-        axes[0].plot(j, 100 * sub["accuracy"].to_numpy(), color=color, label=label, linewidth=1.2)
-        axes[0].plot(
-            j, 100 * (fit["acc_a"] + fit["acc_b"] * np.log(j)), "--", color=color, linewidth=0.9
-        )
-        axes[1].plot(j, mse.scale * sub["mse"].to_numpy(), color=color, label=label, linewidth=1.2)
-        axes[1].plot(
-            j,
-            mse.scale * stats.inverse_depth(j, fit["loss_c"], fit["loss_alpha"], fit["loss_l0"]),
-            "--",
-            color=color,
-            linewidth=0.9,
-        )
-        gain = sub["accuracy_gain"].rolling_mean(GAIN_WINDOW, center=True, min_samples=1)
-        axes[2].plot(j, 100 * gain.to_numpy(), color=color, label=label, linewidth=1.2)
-    axes[0].set_ylabel("accuracy, mean over tasks (%)")
-    axes[0].set_title("Accuracy (dashed: a + b ln j)")
-    axes[1].set_ylabel(f"MSE, mean over tasks ({mse.label})")
-    axes[1].set_title("MSE (dashed: c / j^α + L0)")
-    axes[2].set_ylabel(f"accuracy gain per component (points, rolling mean of {GAIN_WINDOW})")
-    axes[2].set_title("Marginal gain of adding component j")
-    axes[2].axhline(0, color="black", linewidth=0.8)
-    for ax in axes:
-        ax.set_xlabel("components in prefix j")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, ncols=2)
-    which = f"models with ≥ {min_params:.3g} parameters" if min_params else "all models"
-    fig.suptitle(
-        f"Fig. 6 — depth efficiency, {which} (estimator {ctx.estimator}, scale {scale})",
-        fontsize=11,
-    )
-    return plots.save(fig, path)
-
-
-# --- interactive figures (the HTML report) -------------------------------------------------
-
-DASHES = {"-": "solid", "--": "dash", "-.": "dashdot", ":": "dot"}
-
-
-def curves_plotly(ctx: ReportContext, scale: str, model: str) -> object:
-    """Fig. 5 for one model, interactive: the z-scored curves of :func:`curves_figure`; hover
-    shows the component added at j and the metric's value in its unit."""
+    z-scored across j, one panel per task; hover shows the component added at j and the
+    metric's value in its unit."""
     by = [*KEY, "estimator"]
     frame = (
         ctx.tables["curves"]
@@ -574,174 +481,111 @@ def curves_plotly(ctx: ReportContext, scale: str, model: str) -> object:
         .with_columns(*(stats.zscore(m, by).alias(f"z_{m}") for m in METRICS))
         .sort("task", "j")
     )
-    tasks = sorted(frame["task"].unique())
-    ncols = min(4, len(tasks))
-    nrows = -(-len(tasks) // ncols)
-    fig = plots.subplots(
-        rows=nrows, cols=ncols, subplot_titles=tasks, shared_xaxes=True, shared_yaxes=True,
-        vertical_spacing=0.3 / nrows, horizontal_spacing=0.04,
-    )  # fmt: skip
     name = plots.short_names(ctx.names).get(model, model)
-    absolute, relative = [], []
-    for i, task in enumerate(tasks):
+    panels = []
+    for task in sorted(frame["task"].unique()):
         sub = frame.filter(pl.col("task") == task)
+        series = []
         for metric in METRICS.values():
             unit = metric.unit(ctx.estimator)
-            fig.add_scatter(
-                x=sub["j"].to_list(),
-                y=sub[f"z_{metric.name}"].to_list(),
-                customdata=list(zip(sub["component"].to_list(),
-                                    (sub[metric.name] * unit.scale).to_list(), strict=True)),
-                name=metric.title, legendgroup=metric.name, showlegend=i == 0,
-                line={"color": metric.color, "dash": DASHES[metric.line], "width": 1.5},
-                hovertemplate=f"{name} · {task}<br>j = %{{x}}: %{{customdata[0]}}<br>"
-                f"{metric.title} %{{customdata[1]:.3f}} {unit.label} (z %{{y:.2f}})<extra></extra>",
-                row=i // ncols + 1, col=i % ncols + 1,
-            )  # fmt: skip
-            absolute.append(sub["j"].to_list())
-            relative.append(sub["relative_depth"].to_list())
-    fig.update_xaxes(title_text="components in prefix j", row=nrows)
-    fig.update_yaxes(title_text="z-score across j", col=1)
-    fig.update_layout(
-        title=f"Fig. 5 — {name}: standardized layer-addition curves "
-        f"(estimator {ctx.estimator}, scale {scale})",
-        height=260 * nrows + 170, margin={"t": 120}, hovermode="closest",
-    )  # fmt: skip
-    plots.depth_switch(fig, absolute, relative, "components in prefix j")
-    return fig
+            hover = [
+                f"{name} · {task}<br>j = {j}: {c}<br>"
+                f"{metric.title} {v * unit.scale:.3f} {unit.label}"
+                for j, c, v in zip(sub["j"], sub["component"], sub[metric.name], strict=True)
+            ]
+            series.append(
+                plots.Series(
+                    metric.title,
+                    sub["j"].to_list(),
+                    sub[f"z_{metric.name}"].to_list(),
+                    color=metric.color,
+                    dash=DASHES[metric.line],
+                    marker=None,
+                    hover=hover,
+                    x_relative=sub["relative_depth"].to_list(),
+                )
+            )
+        panels.append(
+            plots.Panel(task, series, xlabel="components in prefix j", ylabel="z-score across j")
+        )
+    return plots.Figure(
+        f"Fig. 5 — {name}: standardized layer-addition curves",
+        panels,
+        cols=min(4, len(panels)),
+        panel_size=(3.6, 2.8),
+        depth_switch="components in prefix j",
+        caption=f"estimator {ctx.estimator}, scale {scale}",
+    )
 
 
-def depth_plotly(ctx: ReportContext, scale: str, min_params: float) -> object:
-    """Fig. 6, interactive: accuracy and MSE over tasks against j with their fits (dashed), and
-    the marginal gain; the x axis switches between j and j / L so that models overlay."""
+def depth_spec(ctx: ReportContext, scale: str, min_params: float) -> plots.Figure:
+    """Fig. 6: accuracy and MSE averaged over tasks against the number of components with their
+    fits (dashed; R² in the notes), and the marginal accuracy gain per added component (rolling
+    mean); the HTML figure switches x between j and j / L so that models overlay."""
     names = plots.short_names(ctx.names)
     chosen = pl.col("estimator") == ctx.estimator
     depth = ctx.tables["depth_curves"].filter(chosen).sort("n_params", "j")
     fits = {r["model"]: r for r in ctx.tables["depth_fits"].filter(chosen).iter_rows(named=True)}
     mse = METRICS["mse"].unit(ctx.estimator)
-    fig = plots.subplots(rows=1, cols=3, subplot_titles=(
-        "Accuracy (dashed: a + b ln j)", "MSE (dashed: c / j^α + L0)",
-        "Marginal gain of adding component j"))  # fmt: skip
-    colors = iter(plots.colors(len(fits)))
-    absolute, relative = [], []
-    for model in depth["model"].unique(maintain_order=True):
+    acc = plots.Panel("Accuracy (dashed: a + b ln j)", ylabel="accuracy, mean over tasks (%)")
+    loss = plots.Panel("MSE (dashed: c / j^α + L0)", ylabel=f"MSE, mean over tasks ({mse.label})")
+    gain = plots.Panel(
+        "Marginal gain of adding component j",
+        ylabel=f"gain per component (points, mean of {GAIN_WINDOW})",
+        lines=[plots.RefLine(0)],
+    )
+    models = list(depth["model"].unique(maintain_order=True))
+    for model, color in plots.model_colors(models).items():
         sub = depth.filter(pl.col("model") == model)
         j = sub["j"].to_numpy().astype(float)
-        fit, color, label = fits[model], plots.css_color(next(colors)), names.get(model, model)
-        gain = sub["accuracy_gain"].rolling_mean(GAIN_WINDOW, center=True, min_samples=1)
-        curves = [
-            (1, 100 * sub["accuracy"].to_numpy(), "accuracy", "%", "solid"),
-            (1, 100 * (fit["acc_a"] + fit["acc_b"] * np.log(j)), "accuracy fit", "%", "dash"),
-            (2, mse.scale * sub["mse"].to_numpy(), "MSE", mse.label, "solid"),
-            (2, mse.scale * stats.inverse_depth(j, fit["loss_c"], fit["loss_alpha"],
-                                                fit["loss_l0"]), "MSE fit", mse.label, "dash"),
-            (3, 100 * gain.to_numpy(), "accuracy gain", "points", "solid"),
-        ]  # fmt: skip
-        for col, values, what, unit, dash in curves:
-            fig.add_scatter(
-                x=j.tolist(), y=values.tolist(), name=label, legendgroup=model,
-                showlegend=what == "accuracy", line={"color": color, "dash": dash, "width": 1.3},
-                hovertemplate=f"{label}, mean over tasks<br>j = %{{x}}<br>{what} "
-                f"%{{y:.3f}} {unit}<extra></extra>",
-                row=1, col=col,
-            )  # fmt: skip
-            absolute.append(j.tolist())
-            relative.append((j / j.max()).tolist())
-    fig.update_xaxes(title_text="components in prefix j")
-    fig.update_yaxes(title_text="accuracy, mean over tasks (%)", col=1)
-    fig.update_yaxes(title_text=f"MSE, mean over tasks ({mse.label})", col=2)
-    fig.update_yaxes(title_text="gain per component (points)", col=3)
+        fit, label = fits[model], names.get(model, model)
+        rel = (j / j.max()).tolist()
+        rolled = sub["accuracy_gain"].rolling_mean(GAIN_WINDOW, center=True, min_samples=1)
+        fitted_loss = stats.inverse_depth(j, fit["loss_c"], fit["loss_alpha"], fit["loss_l0"])
+        line = {"color": color, "marker": None, "x_relative": rel}
+        acc.series += [
+            plots.Series(label, j.tolist(), (100 * sub["accuracy"].to_numpy()).tolist(), **line),
+            plots.Series(
+                label,
+                j.tolist(),
+                (100 * (fit["acc_a"] + fit["acc_b"] * np.log(j))).tolist(),
+                dash="dash",
+                legend=False,
+                width=0.9,
+                **line,
+            ),
+        ]
+        loss.series += [
+            plots.Series(label, j.tolist(), (mse.scale * sub["mse"].to_numpy()).tolist(), **line),
+            plots.Series(
+                label,
+                j.tolist(),
+                (mse.scale * fitted_loss).tolist(),
+                dash="dash",
+                legend=False,
+                width=0.9,
+                **line,
+            ),
+        ]
+        gain.series.append(
+            plots.Series(label, j.tolist(), (100 * rolled.to_numpy()).tolist(), **line)
+        )
+        acc.notes.append(f"{label}: {plots.r2_text(fit['acc_r2'])}")
+        loss.notes.append(f"{label}: {plots.r2_text(fit['loss_r2'])}")
+    for panel in (acc, loss, gain):
+        panel.xlabel = "components in prefix j"
     which = f"models with ≥ {min_params:.3g} parameters" if min_params else "all models"
-    fig.update_layout(
-        title=f"Fig. 6 — depth efficiency, {which} (estimator {ctx.estimator}, scale {scale})",
-        height=480, margin={"t": 120},
-    )  # fmt: skip
-    plots.depth_switch(fig, absolute, relative, "components in prefix j")
-    return fig
-
-
-def module_plotly(ctx: ReportContext) -> object:
-    """Fig. 4, interactive: each module kind's share of bias and of diversity per model."""
-    names = plots.short_names(ctx.names)
-    shares = stats.module_shares_by_model(ctx.tables["modules"], ctx.estimator)
-    models = sorted(shares["model"].unique())
-    kinds = [k for k in COMPONENT_KINDS if k in set(shares["kind"])]
-    fig = plots.subplots(
-        rows=1,
-        cols=2,
-        shared_yaxes=True,
-        subplot_titles=("Bias (Eqs. 9-10)", "Diversity (Eqs. 9-10)"),
+    return plots.Figure(
+        f"Fig. 6 — depth efficiency, {which}",
+        [acc, loss, gain],
+        cols=3,
+        panel_size=(5.0, 4.0),
+        depth_switch="components in prefix j",
+        caption=f"estimator {ctx.estimator}, scale {scale}; poor fit: R² < {plots.POOR_FIT_R2:g}",
     )
-    labels = [names.get(m, m) for m in models]
-    for col, column in enumerate(("bias_share", "diversity_share"), start=1):
-        for kind in kinds:
-            values = [
-                100 * shares.filter((pl.col("model") == m) & (pl.col("kind") == kind))[column].sum()
-                for m in models
-            ]
-            fig.add_bar(
-                x=values, y=labels, orientation="h", name=kind, legendgroup=kind,
-                showlegend=col == 1, marker_color=plots.KIND_COLORS[kind],
-                hovertemplate=f"%{{y}}: {kind} %{{x:.1f}}% of the "
-                f"{column.split('_')[0]}<extra></extra>",
-                row=1, col=col,
-            )  # fmt: skip
-    fig.update_xaxes(title_text="share of the total (%)", range=[0, 100])
-    fig.update_yaxes(autorange="reversed")
-    fig.update_layout(
-        barmode="stack", height=180 + 28 * len(models),
-        title="Fig. 4 — share of bias and diversity by module, mean over tasks "
-        f"(estimator {ctx.estimator})",
-    )  # fmt: skip
-    return fig
 
 
-def correlation_plotly(ctx: ReportContext, scale: str) -> object:
-    """Fig. 3, interactive: r per (model, task) and the Fisher-z average, one heatmap per method
-    and metric; hover shows r and whether p < the significance level."""
-    names = plots.short_names(ctx.names)
-    chosen = pl.col("estimator") == ctx.estimator
-    corr = ctx.tables["correlations"].filter(chosen)
-    means = ctx.tables["correlation_means"].filter(
-        chosen & pl.col("task").is_null() & pl.col("model").is_not_null()
-    )
-    models = sorted(corr["model"].unique())
-    tasks = sorted(corr["task"].unique())
-    columns = [*tasks, AVG]
-    methods = list(stats.METHODS)
-    titles = [f"{m.capitalize()}: accuracy vs {c.signed}" for m in methods for c in CORRELATED]
-    fig = plots.subplots(rows=len(methods), cols=len(CORRELATED), subplot_titles=titles,
-                         shared_yaxes=True, vertical_spacing=0.12)  # fmt: skip
-    labels = [names.get(m, m) for m in models]
-    for row, method in enumerate(methods, start=1):
-        for col, metric in enumerate(CORRELATED, start=1):
-            grid = np.full((len(models), len(columns)), np.nan)
-            marks = np.full(grid.shape, "", dtype=object)
-            pick = (pl.col("method") == method) & (pl.col("metric") == metric.name)
-            for r in corr.filter(pick).iter_rows(named=True):
-                i, k = models.index(r["model"]), tasks.index(r["task"])
-                grid[i, k] = r["r"]
-                marks[i, k] = "*" if r["significant"] else ""
-            for r in means.filter(pick).iter_rows(named=True):
-                grid[models.index(r["model"]), -1] = r["r"]
-            text = [[DASH if np.isnan(v) else f"{v:.2f}{m}" for v, m in zip(g, s, strict=True)]
-                    for g, s in zip(grid, marks, strict=True)]  # fmt: skip
-            fig.add_heatmap(
-                z=[[None if np.isnan(v) else float(v) for v in g] for g in grid],
-                x=columns, y=labels, text=text, texttemplate="%{text}",
-                colorscale="RdBu", reversescale=True, zmin=-1, zmax=1, showscale=row == col == 1,
-                colorbar={"title": {"text": "r"}},
-                hovertemplate=f"%{{y}} · %{{x}}<br>{method} r(accuracy, {metric.signed}) = "
-                "%{text}<extra></extra>",
-                row=row, col=col,
-            )  # fmt: skip
-    fig.update_yaxes(autorange="reversed")
-    fig.update_layout(
-        title="Fig. 3 — correlation with accuracy across junction points j = 1..L "
-        f"(estimator {ctx.estimator}, scale {scale}; * p < {stats.SIGNIFICANCE})",
-        height=260 * len(methods) + 60 + 14 * len(models),
-    )  # fmt: skip
-    return fig
+DASHES: dict[str, plots.Dash] = {"-": "solid", "--": "dash", "-.": "dashdot", ":": "dot"}
 
 
 # --- the report section --------------------------------------------------------------------
@@ -767,8 +611,7 @@ def report(ctx: ReportContext) -> str:
             ctx,
             f"fig5_curves_{m}.png",
             "Fig. 5 standardized curves",
-            partial(curves_figure, ctx, scale, m),
-            partial(curves_plotly, ctx, scale, m),
+            partial(curves_spec, ctx, scale, m),
         )
         for m in tqdm(models, desc="Fig. 5", unit="model", disable=None)
     ]
@@ -777,8 +620,7 @@ def report(ctx: ReportContext) -> str:
             ctx,
             "fig6_depth.png",
             "Fig. 6 depth efficiency",
-            lambda path: depth_figure(ctx, path, scale, min_params),
-            lambda: depth_plotly(ctx, scale, min_params),
+            lambda: depth_spec(ctx, scale, min_params),
         )
         if fits.height
         else ""
@@ -800,8 +642,7 @@ def report(ctx: ReportContext) -> str:
             ctx,
             "fig3_correlations.png",
             "Fig. 3 correlations",
-            lambda path: correlation_figure(ctx, path, scale),
-            lambda: correlation_plotly(ctx, scale),
+            lambda: correlation_spec(ctx, scale),
         ),
         "### Fig. 4: share of bias and diversity by module",
         "Paper Eqs. 9-10: the share of module kind X is |X| bias_X / (L bias) (and the same for "
@@ -812,8 +653,7 @@ def report(ctx: ReportContext) -> str:
             ctx,
             "fig4_module_shares.png",
             "Fig. 4 module shares",
-            lambda p: module_figure(ctx, p),
-            lambda: module_plotly(ctx),
+            lambda: module_spec(ctx),
         ),
         "### Fig. 5: standardized layer-addition curves",
         "Accuracy, MSE, bias and diversity of the first j components, each standardized across j "

@@ -12,14 +12,13 @@ zero vector, is left out of its count) and its maximum ``<c>_max``. Angles are i
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 
 import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
-from layerdiv.analyze.text import TEXT_KIND, BlockStats, tag, text_passes
+from layerdiv.analyze.text import TEXT_KIND, BlockStats, tag, text_passes, text_vs_last_token
 from layerdiv.store.key import KEY
 
 
@@ -76,41 +75,42 @@ def _by_model(frame: pl.DataFrame, columns: Iterable[str]) -> pl.DataFrame:
     )
 
 
-def geometry_figure(table: pl.DataFrame, path: Path, names: dict[str, str]) -> Path:
+def geometry_spec(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
     """Six panels of token-weighted means (solid) and maxima (dotted, sizes only) against relative
-    depth, models overlaid."""
+    depth, models overlaid; sizes on a log axis, angles in plain degrees with 90° marked."""
     columns = [f"{c}_mean" for c, _ in PANELS] + [f"{c}_max" for c, _ in PANELS[:3]]
     means = _by_model(table, columns)
-    models = sorted(means["model"].unique())
-    colors = dict(zip(models, plots.colors(len(models)), strict=False))
-    fig = plots.new_figure(figsize=(13, 7.5), layout="constrained")
-    axes = fig.subplots(2, 3).ravel()
-    for ax, (column, label) in zip(axes, PANELS, strict=True):
-        for model in models:
-            sub = means.filter(pl.col("model") == model)
-            ax.plot(
-                sub["relative_depth"],
-                sub[f"{column}_mean"],
-                marker="o",
-                markersize=2.5,
-                color=colors[model],
-                label=names.get(model, model),
-            )
-            if f"{column}_max" in columns:
-                ax.plot(sub["relative_depth"], sub[f"{column}_max"], ":", color=colors[model])
-        if column in ("attn_rel", "mlp_rel", "layer_rel"):
-            ax.set_yscale("log")
+    panels = []
+    for column, label in PANELS:
+        panel = plots.Panel(
+            label,
+            xlabel="relative depth (l + 1) / L",
+            yscale="log" if column.endswith("_rel") else "linear",
+        )
         if column.startswith("theta"):
-            ax.axhline(90, color="black", linewidth=0.6)
-        ax.set_title(label, fontsize=10)
-        ax.set_xlabel("relative depth (l + 1) / L")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle(
+            panel.lines.append(plots.RefLine(90, label="90°"))
+        for model, color in plots.model_colors(sorted(means["model"].unique())).items():
+            sub, name = means.filter(pl.col("model") == model), names.get(model, model)
+            x = sub["relative_depth"].to_list()
+            panel.series.append(plots.Series(name, x, sub[f"{column}_mean"].to_list(), color=color))
+            if f"{column}_max" in columns:
+                panel.series.append(
+                    plots.Series(
+                        f"{name} maximum",
+                        x,
+                        sub[f"{column}_max"].to_list(),
+                        color=color,
+                        dash="dot",
+                        marker=None,
+                    )
+                )
+        panels.append(panel)
+    return plots.Figure(
         "Running text: token-weighted means over every token (dotted: maxima), methods §9",
-        fontsize=11,
+        panels,
+        cols=3,
+        panel_size=(4.4, 3.4),
     )
-    return plots.save(fig, path)
 
 
 SIDE_BY_SIDE = (
@@ -139,23 +139,25 @@ def side_by_side(tables: Mapping[str, pl.DataFrame]) -> pl.DataFrame | None:
     return both if both.height else None
 
 
-def side_by_side_figure(both: pl.DataFrame, path: Path, names: dict[str, str]) -> Path:
+def side_by_side_spec(both: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
     """Running text (solid) against the last prompt token (dashed) per quantity and model."""
-    return plots.text_vs_last_token(
+    spec = text_vs_last_token(
         [(text, f"{last}_last", label) for text, last, label in SIDE_BY_SIDE],
         both,
         both,
-        path,
         names,
         "relative depth (l + 1) / L",
         "Every token of running text (solid) against the last prompt token of the choice tasks "
-        "(dashed), where the answer is decided",
+        "(dashed)",
     )
+    spec.caption = "where the answer is decided against the average token"
+    return spec
 
 
 def summary_rows(table: pl.DataFrame, names: dict[str, str]) -> list[list[str]]:
     """Per (model, task): tokens, and the token-weighted mean over blocks of the first half /
-    second half of the stack of attn_rel, mlp_rel, theta_state and theta_update."""
+    second half of the stack of attn_rel, mlp_rel, theta_state and theta_update, and of the first
+    half without block 0 (the embedding is small, so block 0's relative sizes are large)."""
     second = pl.col("relative_depth") > 0.5
     columns = ("attn_rel_mean", "mlp_rel_mean", "theta_state_mean", "theta_update_mean")
     halves = (
@@ -164,6 +166,10 @@ def summary_rows(table: pl.DataFrame, names: dict[str, str]) -> list[list[str]]:
             pl.col("n_tokens").first(),
             *(pl.col(c).filter(~second).mean().alias(f"{c}_1") for c in columns),
             *(pl.col(c).filter(second).mean().alias(f"{c}_2") for c in columns),
+            *(
+                pl.col(c).filter(~second & (pl.col("block") > 0)).mean().alias(f"{c}_1x")
+                for c in columns
+            ),
         )
         .sort(*KEY)
     )
@@ -172,7 +178,11 @@ def summary_rows(table: pl.DataFrame, names: dict[str, str]) -> list[list[str]]:
             names.get(r["model"], r["model"]),
             r["task"],
             str(r["n_tokens"]),
-            *(f"{fmt(r[f'{c}_1'], digits=3)} / {fmt(r[f'{c}_2'], digits=3)}" for c in columns),
+            *(
+                f"{fmt(r[f'{c}_1'], digits=3)} / {fmt(r[f'{c}_2'], digits=3)} "
+                f"({fmt(r[f'{c}_1x'], digits=3)})"
+                for c in columns
+            ),
         ]
         for r in halves.iter_rows(named=True)
     ]
@@ -187,23 +197,24 @@ def report(ctx: ReportContext) -> str:
         "Model",
         "Task",
         "Tokens",
-        "attn_rel 1st / 2nd half",
-        "mlp_rel 1st / 2nd half",
-        "θ state 1st / 2nd half (°)",
-        "θ update 1st / 2nd half (°)",
+        "attn_rel 1st / 2nd half (1st w/o block 0)",
+        "mlp_rel 1st / 2nd half (1st w/o block 0)",
+        "θ state 1st / 2nd half (°) (1st w/o block 0)",
+        "θ update 1st / 2nd half (°) (1st w/o block 0)",
     ]
     parts = [
         "Every token of every document (methods §9): h is a block's input, a what its "
         "attention adds to the residual stream, m what its MLP adds. Means are token-weighted "
         "(sum over every token of every document / token count, as the depth-efficiency paper's "
-        "code), halves split the blocks at relative depth 1/2. θ update near 90° means "
-        "consecutive updates are uncorrelated.",
+        "code), halves split the blocks at relative depth 1/2 (in brackets: the first half without "
+        "block 0, whose relative sizes are large because the embedding is small). θ update near "
+        "90° means consecutive updates are uncorrelated.",
         markdown_table(header, summary_rows(table, ctx.names)),
         plots.figure_link(
             ctx,
             "text_geometry.png",
             "Running-text geometry",
-            lambda path: geometry_figure(table, path, names),
+            lambda: geometry_spec(table, names),
         ),
     ]
     both = side_by_side(ctx.tables)
@@ -216,7 +227,7 @@ def report(ctx: ReportContext) -> str:
                 ctx,
                 "text_vs_last_token.png",
                 "Running text against the last prompt token",
-                lambda path: side_by_side_figure(both, path, names),
+                lambda: side_by_side_spec(both, names),
             ),
         ]
     return "\n\n".join(p for p in parts if p)

@@ -27,7 +27,6 @@ Tables:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -38,8 +37,8 @@ from layerdiv.analyze.registry import (
     Analysis,
     Context,
     ReportContext,
-    map_partitions,
     register,
+    with_data,
 )
 from layerdiv.analyze.stats import POWER_FIT_SCHEMA, power_law_fit
 from layerdiv.analyze.text import (
@@ -146,7 +145,7 @@ def depth_score_table(info: PartitionInfo) -> pl.DataFrame:
         keys,
         ["out_change"],
     )
-    groups = pl.read_parquet(info.uris("documents"), columns=["doc", "group"])
+    groups = info.scan("documents").select("doc", "group").collect()
     return tag(
         depth_scores(out_max)
         .join(groups, on="doc", how="left")
@@ -185,48 +184,69 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     result = {name: pl.concat(frames) for name, frames in found.items()}
     result["text_update_fit"] = update_fit(prior["text_geometry"])
     with_skips = with_table(ctx.parts, "future_output")
-    if with_skips:
-        result["text_depth_score"] = pl.concat(list(map_partitions(depth_score_table, with_skips)))
+    scores = with_data(depth_score_table, with_skips, ctx.notes, "text_depth_score")
+    if scores:
+        result["text_depth_score"] = pl.concat(scores)
     return result
 
 
 # --- report ----------------------------------------------------------------------------------
 
 
-def profiles_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[str, str]) -> Path:
+def profiles_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plots.Figure:
     """The mean theta_state profile with the first two principal components (mean ± 2 sd along
     each), the share of early-stopping tokens by position, and the update-size fits on log-log
-    axes; models overlaid (first task of each model for the PCA)."""
+    axes (β, its s.e. and R² in the notes); models overlaid (first task of each model for the
+    PCA)."""
     loadings = tables["text_profile_loadings"]
     pca = tables["text_profile_pca"]
     early = tables["text_early_stop"]
     geometry = tables["text_geometry"]
     fits = tables["text_update_fit"].filter(pl.col("metric") == "theta_state")
-    models = sorted(loadings["model"].unique())
-    colors = dict(zip(models, plots.colors(len(models)), strict=False))
-    fig = plots.new_figure(figsize=(13, 4.2), layout="constrained")
-    ax_pca, ax_early, ax_fit = fig.subplots(1, 3)
-    for model in models:
-        color, label = colors[model], names.get(model, model)
+    ax_pca = plots.Panel(
+        "θ(h_l, h_l+1) profiles: mean and principal components",
+        xlabel="relative depth (l + 1) / L",
+        ylabel="degrees",
+    )
+    ax_early = plots.Panel(
+        "Share of tokens that stop updating early",
+        xlabel="position + 1 (ranges 2^k)",
+        ylabel="share of tokens",
+        xscale="log2",
+    )
+    ax_fit = plots.Panel(
+        "Mean θ(h_l, h_l+1) against block l (dashed: a·l^−β)",
+        xlabel="block l",
+        ylabel="degrees",
+        xscale="log",
+        yscale="log",
+    )
+    for model, color in plots.model_colors(sorted(loadings["model"].unique())).items():
+        label = names.get(model, model)
         task = sorted(loadings.filter(pl.col("model") == model)["task"].unique())[0]
         mine = loadings.filter((pl.col("model") == model) & (pl.col("task") == task))
         variances = pca.filter((pl.col("model") == model) & (pl.col("task") == task))
         first = mine.filter(pl.col("component") == 1)
         x, mean = first["relative_depth"].to_numpy(), first["mean_theta"].to_numpy()
-        ax_pca.plot(x, mean, color=color, label=f"{label} mean")
-        for k, style in ((1, "--"), (2, ":")):
+        ax_pca.series.append(
+            plots.Series(f"{label} mean", x.tolist(), mean.tolist(), color=color, marker=None)
+        )
+        pcs: tuple[tuple[int, plots.Dash], ...] = ((1, "dash"), (2, "dot"))
+        for k, dash in pcs:
             comp = mine.filter(pl.col("component") == k)
             var = variances.filter(pl.col("component") == k)
             if not comp.height or not var.height:
                 continue
             sd = float(np.sqrt(var["explained_variance"][0]))
-            ratio = var["explained_ratio"][0]
-            ax_pca.plot(
-                x,
-                mean + 2 * sd * comp["loading"].to_numpy(),
-                style,
-                color=color,
-                label=f"{label} +2 sd PC{k} ({fmt(ratio, 100)}%)",
+            ax_pca.series.append(
+                plots.Series(
+                    f"{label} +2 sd PC{k} ({fmt(var['explained_ratio'][0], 100)}%)",
+                    x.tolist(),
+                    (mean + 2 * sd * comp["loading"].to_numpy()).tolist(),
+                    color=color,
+                    dash=dash,
+                    marker=None,
+                )
             )
         shares = (
             early.filter(pl.col("model") == model)
@@ -234,8 +254,13 @@ def profiles_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[
             .agg(pl.col("n_early").sum() / pl.col("n_tokens").sum())
             .sort("position_from")
         )
-        ax_early.plot(
-            shares["position_from"] + 1, shares["n_early"], marker="o", color=color, label=label
+        ax_early.series.append(
+            plots.Series(
+                label,
+                (shares["position_from"] + 1).to_list(),
+                shares["n_early"].to_list(),
+                color=color,
+            )
         )
         blocks = (
             geometry.filter(pl.col("model") == model)
@@ -244,65 +269,66 @@ def profiles_figure(tables: Mapping[str, pl.DataFrame], path: Path, names: dict[
             .sort("block")
         )
         depth = blocks["block"].to_numpy() + 1
-        ax_fit.loglog(
-            depth, blocks["theta_state_mean"], "o", markersize=3, color=color, label=label
+        ax_fit.series.append(
+            plots.Series(
+                label, depth.tolist(), blocks["theta_state_mean"].to_list(), color=color, line=False
+            )
         )
         fit = fits.filter(pl.col("model") == model)
         if fit.height and fit["beta"][0] is not None:
-            ax_fit.loglog(
-                depth,
-                fit["a"][0] * depth ** (-fit["beta"][0]),
-                "--",
-                color=color,
-                label=f"β = {fit['beta'][0]:.2f} ± {fit['beta_se'][0]:.2f}",
+            ax_fit.series.append(
+                plots.Series(
+                    label,
+                    depth.tolist(),
+                    (fit["a"][0] * depth ** (-fit["beta"][0])).tolist(),
+                    color=color,
+                    dash="dash",
+                    marker=None,
+                    legend=False,
+                )
             )
-    ax_pca.set_title("θ(h_l, h_l+1) profiles: mean and principal components", fontsize=10)
-    ax_pca.set_xlabel("relative depth (l + 1) / L")
-    ax_pca.set_ylabel("degrees")
-    ax_early.set_xscale("log", base=2)
-    ax_early.set_title("Share of tokens that stop updating early", fontsize=10)
-    ax_early.set_xlabel("position + 1 (ranges 2^k)")
-    ax_fit.set_title("Mean θ(h_l, h_l+1) against block l (dashed: a·l^−β)", fontsize=10)
-    ax_fit.set_xlabel("block l")
-    for ax in (ax_pca, ax_early, ax_fit):
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=6)
-    fig.suptitle("Running text: update profiles (methods §9, inverse-depth paper Fig. 2)")
-    return plots.save(fig, path)
+            ax_fit.notes.append(
+                plots.fit_note(f"{label}: ", fit["beta"][0], fit["beta_se"][0], fit["r2"][0])
+            )
+    return plots.Figure(
+        "Running text: update profiles (methods §9, inverse-depth paper Fig. 2)",
+        [ax_pca, ax_early, ax_fit],
+        cols=3,
+        panel_size=(4.6, 3.8),
+        caption=f"poor fit: R² < {plots.POOR_FIT_R2:g}",
+    )
 
 
-def depth_score_figure(table: pl.DataFrame, path: Path, names: dict[str, str]) -> Path:
+def depth_score_spec(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
     """Mean relative depth score per document group (whole blocks skipped), a bar per model."""
     rows = table.filter(pl.col("sublayer") == "block").with_columns(
         pl.col("group").fill_null("all")
     )
     groups = sorted(rows["group"].unique())
-    models = sorted(rows["model"].unique())
-    colors = plots.colors(len(models))
-    fig = plots.new_figure(figsize=(max(5, 1.2 * len(groups) + 3), 4), layout="constrained")
-    ax = fig.subplots()
-    width = 0.8 / len(models)
-    for i, model in enumerate(models):
+    panel = plots.Panel(
+        "Where skipping a block changes the output, by document group",
+        xlabel="document group",
+        ylabel="relative depth score (l + 1) / L",
+    )
+    for model, color in plots.model_colors(sorted(rows["model"].unique())).items():
         sub = (
             rows.filter(pl.col("model") == model)
             .group_by("group")
             .agg(pl.col("relative_depth_score").mean())
         )
         value = dict(sub.iter_rows())
-        ax.bar(
-            np.arange(len(groups)) + i * width,
-            [value.get(g, np.nan) for g in groups],
-            width,
-            color=colors[i],
-            label=names.get(model, model),
+        panel.series.append(
+            plots.Series(
+                names.get(model, model),
+                groups,
+                [value.get(g) for g in groups],
+                color=color,
+                bar=True,
+            )
         )
-    ax.set_xticks(np.arange(len(groups)) + 0.4 - width / 2, groups)
-    ax.set_xlabel("document group")
-    ax.set_ylabel("relative depth score (l + 1) / L")
-    ax.set_title("Where skipping a block changes the output, by document group", fontsize=10)
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=7)
-    return plots.save(fig, path)
+    return plots.Figure(
+        panel.title, [panel], cols=1, panel_size=(max(5.0, 1.2 * len(groups) + 3), 3.6)
+    )
 
 
 def report(ctx: ReportContext) -> str:
@@ -324,10 +350,10 @@ def report(ctx: ReportContext) -> str:
         stops = early.join(sub.select(*KEY).head(1), on=[*KEY], how="semi")
         share = int(stops["n_early"].sum()) / max(int(stops["n_tokens"].sum()), 1)
         beta = (
-            f"{fmt(fit['beta'][0], digits=2)} ± {fmt(fit['beta_se'][0], digits=2)}"
+            plots.fit_note("", fit["beta"][0], fit["beta_se"][0], fit["r2"][0])
             if fit.height
-            else DASH
-        )
+            else ""
+        ) or DASH
         rows.append(
             [
                 ctx.names.get(str(model), str(model)),
@@ -337,7 +363,13 @@ def report(ctx: ReportContext) -> str:
                 beta,
             ]
         )
-    header = ["Model", "Task", "Explained by PC1 / PC2 / PC3 (%)", "Stop early (%)", "β of θ state"]
+    header = [
+        "Model",
+        "Task",
+        "Explained by PC1 / PC2 / PC3 (%)",
+        "Stop early (%)",
+        "β of θ state (R²)",
+    ]
     parts = [
         "Each token's profile of θ(h_l, h_l+1) over the blocks (methods §9): principal "
         "components over tokens, the share of tokens that stop updating early (their mean θ over "
@@ -349,7 +381,7 @@ def report(ctx: ReportContext) -> str:
             ctx,
             "text_profiles.png",
             "Update profiles",
-            lambda p: profiles_figure(tables, p, names),
+            lambda: profiles_spec(tables, names),
         ),
     ]
     if "text_depth_score" in tables:
@@ -377,7 +409,7 @@ def report(ctx: ReportContext) -> str:
                 ctx,
                 "text_depth_score.png",
                 "Depth score by group",
-                lambda p: depth_score_figure(tables["text_depth_score"], p, names),
+                lambda: depth_score_spec(tables["text_depth_score"], names),
             ),
         ]
     return "\n\n".join(p for p in parts if p)

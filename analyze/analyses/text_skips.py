@@ -17,9 +17,7 @@ Tables:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 
-import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
@@ -88,44 +86,105 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
 # --- report ----------------------------------------------------------------------------------
 
 
-def skips_figure(
-    effects: pl.DataFrame, output: pl.DataFrame, path: Path, names: dict[str, str]
-) -> Path:
+LINEAR = "future_linear"
+"""The option (``analyze(..., options={"future_linear": True})``) that draws the heatmap on the
+depth-efficiency paper's linear colour scale instead of the default log scale."""
+
+
+def _cell(skipped: int, block: int, last: int, cells: dict[tuple[int, int], float]) -> str:
+    """Hover text of one cell of the future-effects heatmap."""
+    where = f"skip block {skipped}, block {block}: "
+    if skipped == last:
+        return where + "0 by construction (no later block)"
+    value = cells.get((skipped, block))
+    return where + ("—" if value is None else f"max rel_change {value:.3g}")
+
+
+def skips_spec(
+    effects: pl.DataFrame, output: pl.DataFrame, names: dict[str, str], linear: bool = False
+) -> plots.Figure:
     """Per model (one row of panels each): the skipped x affected heatmap of the maximum
-    rel_change (whole blocks skipped), and the out_change bars per skipped block (maximum, and
-    the mean as a line), over the model's text tasks."""
-    models = sorted(effects["model"].unique())
-    fig = plots.new_figure(figsize=(11, 4.2 * len(models)), layout="constrained")
-    axes = fig.subplots(len(models), 2, squeeze=False)
-    for (ax_map, ax_bar), model in zip(axes, models, strict=True):
+    rel_change (whole blocks skipped), and the out_change bars per skipped block (maximum; the
+    mean as a second bar), over the model's text tasks.
+
+    The heatmap's colours are log10 of rel_change by default: a few cells near the embedding,
+    whose denominator ||d_j|| is near zero, are orders of magnitude above the rest, and on a
+    linear scale (the paper's, with ``linear``) they swamp the contrast between the halves. The
+    last block's row is empty: no block follows it, so its future effect is 0 by construction."""
+    panels = []
+    for model in sorted(effects["model"].unique()):
+        name = names.get(model, model)
         sub = effects.filter((pl.col("model") == model) & (pl.col("sublayer") == "block"))
         blocks = int(sub["block"].max()) + 1  # type: ignore[arg-type]
-        grid = np.full((blocks, blocks), np.nan)
         agg = sub.group_by("skipped", "block").agg(pl.col("rel_change_max").max())
-        grid[agg["skipped"].to_numpy(), agg["block"].to_numpy()] = agg["rel_change_max"]
-        image = ax_map.imshow(grid, origin="lower", cmap="viridis", aspect="auto")
-        fig.colorbar(image, ax=ax_map, label="max rel_change")
-        ax_map.set_xlabel("affected block j")
-        ax_map.set_ylabel("skipped block l")
-        ax_map.set_title(f"{names.get(model, model)}: effect on later blocks", fontsize=10)
+        cells = {(i, j): v for i, j, v in agg.iter_rows()}
+        last = blocks - 1
+        z = [
+            [None if i == last else cells.get((i, j)) for j in range(blocks)] for i in range(blocks)
+        ]
+        hover = [[_cell(i, j, last, cells) for j in range(blocks)] for i in range(blocks)]
+        heat = plots.Heatmap(
+            z,
+            list(range(blocks)),
+            list(range(blocks)),
+            "max rel_change" + ("" if linear else " (log scale)"),
+            log=not linear,
+            hover=hover,
+            origin="lower",
+        )
+        panels.append(
+            plots.Panel(
+                f"{name}: effect on later blocks",
+                heatmap=heat,
+                xlabel="affected block j",
+                ylabel="skipped block l",
+                notes=[f"row l = {last}: no later block, 0 by construction"],
+            )
+        )
         out = (
             output.filter(pl.col("model") == model)
             .group_by("sublayer", "skipped")
             .agg(pl.col("out_change_max").max(), pl.col("out_change_mean").mean())
             .sort("sublayer", "skipped")
         )
-        width = 0.8 / max(out["sublayer"].n_unique(), 1)
-        for i, (sublayer, bars) in enumerate(out.group_by("sublayer", maintain_order=True)):
-            x = bars["skipped"].to_numpy() + i * width
-            ax_bar.bar(x, bars["out_change_max"], width, label=f"{sublayer[0]} (max)")
-            ax_bar.plot(x, bars["out_change_mean"], "k.", markersize=3)
-        ax_bar.set_xlabel("skipped block l")
-        ax_bar.set_ylabel("||p' − p||₂ after the split (dots: mean)")
-        ax_bar.set_title("Effect on the output distribution", fontsize=10)
-        ax_bar.legend(fontsize=7)
-        ax_bar.grid(alpha=0.3, axis="y")
-    fig.suptitle("Running text: future effects of skipping a block (methods §9)", fontsize=11)
-    return plots.save(fig, path)
+        bars = plots.Panel(
+            "Effect on the output distribution",
+            xlabel="skipped block l",
+            ylabel="||p' − p||₂ after the split",
+        )
+        sublayers = out["sublayer"].unique(maintain_order=True).to_list()
+        palette = plots.colors(2 * len(sublayers))
+        for i, sublayer in enumerate(sublayers):
+            rows = out.filter(pl.col("sublayer") == sublayer)
+            x = rows["skipped"].to_list()
+            bars.series += [
+                plots.Series(
+                    f"{sublayer} (max)",
+                    x,
+                    rows["out_change_max"].to_list(),
+                    color=palette[2 * i],
+                    bar=True,
+                ),
+                plots.Series(
+                    f"{sublayer} (mean)",
+                    x,
+                    rows["out_change_mean"].to_list(),
+                    color=palette[2 * i + 1],
+                    bar=True,
+                ),
+            ]
+        panels.append(bars)
+    scale = (
+        "linear colour scale (the paper's)"
+        if linear
+        else "log colour scale: a few cells near the embedding swamp a linear one"
+    )
+    return plots.Figure(
+        "Running text: future effects of skipping a block (methods §9)",
+        panels,
+        panel_size=(5.6, 4.0),
+        caption=scale,
+    )
 
 
 def report(ctx: ReportContext) -> str:
@@ -160,14 +219,19 @@ def report(ctx: ReportContext) -> str:
             "rest of the model run on (methods §9): rel_change(l, j) is the largest "
             "relative change of block j's update after t, out_change(l) the largest L2 distance "
             "between the next-token distributions after t. The heatmap and bars show the maximum "
-            "over split points and documents, as the depth-efficiency paper plots them. The "
-            "table names, per sublayer, the skipped block with the largest out_change.",
+            "over split points and documents, as the depth-efficiency paper plots them, but the "
+            "heatmap's colours are on a log scale: a few cells near the embedding, where the "
+            "denominator ||d_j|| is near zero, are orders of magnitude above the rest and swamp "
+            "the contrast between the halves on the paper's linear scale (`analyze(..., "
+            f"options={{'{LINEAR}': True}})` draws that). The last block's row is empty: no "
+            "block follows it, so its future effect is 0 by construction. The table names, per "
+            "sublayer, the skipped block with the largest out_change.",
             markdown_table(header, rows),
             plots.figure_link(
                 ctx,
                 "text_skips.png",
                 "Future effects",
-                lambda p: skips_figure(effects, output, p, names),
+                lambda: skips_spec(effects, output, names, bool(ctx.options.get(LINEAR))),
             ),
         ]
         if p
@@ -182,5 +246,9 @@ register(
         tables=tables,
         report=report,
         kinds=(TEXT_KIND,),
+        options={
+            LINEAR: "draw the future-effects heatmap on the paper's linear colour scale "
+            "(default: log)"
+        },
     )
 )

@@ -1,19 +1,17 @@
 """The HTML report: one self-contained page (``report.html``) that opens from disk with no
 network. It is the Markdown report converted to HTML (markdown-it-py), its figures replaced by
-the interactive Plotly figures the analyses give (:func:`layerdiv.analyze.plots.figure_link`;
-a figure without one is inlined as its PNG), sortable tables, and the per-instance explorer
+the interactive Plotly figures drawn from the analyses' figure specs
+(:func:`layerdiv.analyze.plots.figure_link`), sortable tables, and the per-instance explorer
 (:mod:`layerdiv.analyze.html.explorer`). Plotly's JavaScript is inlined once from its wheel; a
 Content-Security-Policy lets the page load nothing from anywhere.
 """
 
 from __future__ import annotations
 
-import base64
 import html
 import json
 import re
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from layerdiv.analyze import methods
@@ -64,21 +62,16 @@ _HEADING = re.compile(r"<h([23])>(.*?)</h\1>")
 _IMAGE = re.compile(r'<p><img src="figures/([^"]+)" alt="([^"]*)" ?/?></p>')
 
 
-def _body(markdown: str, interactive: dict[str, Any], figures: Path) -> tuple[str, list[str]]:
+def _body(markdown: str, interactive: dict[str, Any]) -> tuple[str, list[str]]:
     """The Markdown as HTML with its figure links replaced, and the navigation links."""
     from markdown_it import MarkdownIt
 
     body = MarkdownIt("commonmark", {"html": False}).enable("table").render(markdown)
 
     def figure(match: re.Match[str]) -> str:
-        file, caption = match.group(1), match.group(2)
+        file = match.group(1)
         if file in interactive:
             return f'<div class="plotly-figure" data-figure="{html.escape(file)}"></div>'
-        png = figures / file
-        if png.is_file():
-            data = base64.b64encode(png.read_bytes()).decode("ascii")
-            src = f"data:image/png;base64,{data}"
-            return f'<p><img class="static-figure" alt="{caption}" src="{src}"></p>'
         return ""
 
     seen: set[str] = set()
@@ -141,18 +134,17 @@ def render_methods() -> str:
 def render_page(
     markdown: str,
     interactive: dict[str, Any],
-    figures: Path,
     explorer: dict[str, Any] | None,
     title: str = "layerdiv report",
 ) -> str:
     """The whole page: ``markdown`` (the Markdown report) as HTML with the ``interactive``
-    figures (by PNG file name; other PNGs are read from ``figures`` and inlined) and, when
+    figures (by PNG file name: every figure has its spec, so no image is inlined) and, when
     given, the explorer's data (:func:`~layerdiv.analyze.html.explorer.explorer_data`) before
     the provenance section."""
     from plotly.offline import get_plotlyjs
     from plotly.utils import PlotlyJSONEncoder
 
-    body, nav = _body(markdown, interactive, figures)
+    body, nav = _body(markdown, interactive)
     if explorer is not None:
         section = _explorer(explorer)
         marker = '<h2 id="provenance">'

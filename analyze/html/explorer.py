@@ -106,7 +106,7 @@ def partition_data(info: PartitionInfo, n: int | None) -> dict[str, Any]:
     }
     keep = pl.col("instance").is_in(ids.tolist())
     if "heads" in info.tables:
-        heads = pl.scan_parquet(info.uris("heads")).filter(keep).collect()
+        heads = info.scan("heads").filter(keep).collect()
         attn = sorted(heads["component"].unique().to_list())
         head_ids = sorted(heads["head"].unique().to_list())
         shape = (len(ids), len(attn), len(head_ids), k_opts)
@@ -114,7 +114,7 @@ def partition_data(info: PartitionInfo, n: int | None) -> dict[str, Any]:
         if values is not None:
             data["heads"] = {"components": attn, "head_ids": head_ids, "logits": _b64(values)}
     if "skips" in info.tables:
-        skips = pl.scan_parquet(info.uris("skips")).filter(keep).collect()
+        skips = info.scan("skips").filter(keep).collect()
         blocks = skips["layer"].n_unique()
         values = _dense(skips, ["instance", "layer", "option"], (len(ids), blocks, k_opts))
         if values is not None:

@@ -1,0 +1,445 @@
+"""The depth loss law (methods §12): L_hat = c_w w^-a_w + c_l l^-a_l + c_D D^-a_D + E
+over points (width, depth, tokens, loss), fitted as the inverse-depth paper does, and the
+within-model version delta_ce(l) = c l^-a.
+
+numpy and scipy only: :func:`fit_law` takes a frame of points and returns a :class:`LawFit`
+(estimates, standard errors, bootstrap intervals, held-out error, the objective at the optimum).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import product
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+from scipy.optimize import least_squares
+
+from layerdiv.errors import LayerdivError
+from layerdiv.store import Store
+
+VARIABLES = ("width", "depth", "tokens")
+"""The law's variables, as the input columns name them (w, l, D)."""
+COLUMNS = (*VARIABLES, "loss")
+"""The columns a table of points must have."""
+PARAMETERS = ("c_width", "alpha_width", "c_depth", "alpha_depth", "c_tokens", "alpha_tokens", "E")
+"""The 7 parameters, in the order of every parameter vector here."""
+N_PARAMS = len(PARAMETERS)
+EXPONENT_STARTS = (0.2, 0.6, 1.2)
+"""Initial exponents: every combination over the three terms is one start of the solver."""
+FLOOR_STARTS = (0.3, 0.8)
+"""Initial E as fractions of the lowest loss: each is combined with every exponent start."""
+HELDOUT_FRACTION = 0.2
+"""Share of the points held out in each split (methods §12)."""
+
+
+class LawError(LayerdivError, ValueError):
+    """Points the law cannot be fitted to (a missing column, a non-positive value, too few)."""
+
+
+@dataclass
+class LawFit:
+    """The fitted law: estimates in the units of the input columns, with their uncertainty."""
+
+    table: pl.DataFrame
+    """One row per parameter (:data:`PARAMETERS`): estimate, se, ci_low, ci_high."""
+    objective: float
+    """Mean over the fitted points of (log L - log L_hat)^2 at the optimum."""
+    gradient_norm: float
+    """Infinity norm of the objective's gradient at the optimum (scaled units): ~0 = optimum."""
+    n_points: int
+    n_fitted: int
+    """Points kept after ``exclude_highest``."""
+    n_bootstrap: int
+    heldout_error: float | None
+    """Mean absolute relative error |L - L_hat| / L on the held-out points (None: no splits)."""
+    n_heldout: int
+    points: pl.DataFrame = field(repr=False)
+    """The fitted points, with the column ``fitted`` (L_hat)."""
+
+    def summary(self) -> pl.DataFrame:
+        """One row: how the fit was made and how well it fits."""
+        return pl.DataFrame(
+            {
+                "n_points": [self.n_points],
+                "n_fitted": [self.n_fitted],
+                "objective": [self.objective],
+                "gradient_norm": [self.gradient_norm],
+                "n_bootstrap": [self.n_bootstrap],
+                "n_heldout_splits": [self.n_heldout],
+                "heldout_mean_abs_rel_error": [self.heldout_error],
+            }
+        )
+
+
+def check_points(points: pl.DataFrame, where: str) -> pl.DataFrame:
+    """The columns :data:`COLUMNS` of ``points`` as float64, refused in one line (``LawError``)
+    when one is missing, not numeric, null or not positive."""
+    missing = [c for c in COLUMNS if c not in points.columns]
+    if missing:
+        raise LawError(
+            f"{where} lacks the column(s) {', '.join(missing)}: give a table with the columns "
+            f"{', '.join(COLUMNS)}"
+        )
+    try:
+        frame = points.select(pl.col(c).cast(pl.Float64, strict=True) for c in COLUMNS)
+    except pl.exceptions.PolarsError:
+        raise LawError(f"{where}: the columns {', '.join(COLUMNS)} must be numbers") from None
+    for column in COLUMNS:
+        values = frame[column]
+        bad = values.is_null() | ~values.is_finite() | (values <= 0)
+        if bad.any():
+            row = int(bad.arg_max() or 0)
+            raise LawError(
+                f"{where}: {column} must be a positive number on every row, row {row + 1} has "
+                f"{values[row]}; remove or correct that point"
+            )
+    return frame
+
+
+def read_points(path: str | Path) -> pl.DataFrame:
+    """Points from a CSV or Parquet file with the columns width, depth, tokens, loss (checked:
+    :func:`check_points`)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".parquet":
+            frame = pl.read_parquet(path)
+        elif suffix == ".csv":
+            frame = pl.read_csv(path)
+        else:
+            raise LawError(f"{path}: unknown file type; give a .csv or .parquet file")
+    except (OSError, pl.exceptions.PolarsError) as err:
+        raise LawError(f"{path}: cannot be read ({str(err).splitlines()[0]})") from None
+    return check_points(frame, str(path))
+
+
+# --- the model, in scaled units -------------------------------------------------------------
+# Internally each variable is divided by its geometric mean s and every c and E is fitted as its
+# log: theta = (log c'_w, a_w, log c'_l, a_l, log c'_D, a_D, log E), with c = c' s^a.
+
+
+def _terms(theta: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """(n, 3): c'_k x'_k^-a_k for each term k (x: the scaled variables, n x 3)."""
+    logc, alpha = theta[0:6:2], theta[1:6:2]
+    return np.exp(logc - alpha * np.log(x))
+
+
+def _log_residuals(theta: np.ndarray, x: np.ndarray, loss: np.ndarray) -> np.ndarray:
+    """log L - log L_hat (methods §12: the objective is the mean of their squares)."""
+    return np.log(loss) - np.log(_terms(theta, x).sum(axis=1) + np.exp(theta[6]))
+
+
+def _log_jacobian(theta: np.ndarray, x: np.ndarray, loss: np.ndarray) -> np.ndarray:
+    """d(log L - log L_hat)/d theta = -(d L_hat / d theta) / L_hat."""
+    terms = _terms(theta, x)
+    floor = np.exp(theta[6])
+    fitted = terms.sum(axis=1) + floor
+    jac = np.empty((len(loss), N_PARAMS))
+    jac[:, 0:6:2] = terms
+    jac[:, 1:6:2] = -terms * np.log(x)
+    jac[:, 6] = floor
+    return -jac / fitted[:, None]
+
+
+def _solve(theta0: np.ndarray, x: np.ndarray, loss: np.ndarray) -> Any:
+    return least_squares(
+        _log_residuals, theta0, jac=_log_jacobian, args=(x, loss), method="lm", xtol=1e-12,
+        ftol=1e-12, gtol=1e-12, max_nfev=2000,
+    )  # fmt: skip
+
+
+def _starts(loss: np.ndarray) -> list[np.ndarray]:
+    """Initial points: every combination of :data:`EXPONENT_STARTS` and :data:`FLOOR_STARTS`,
+    the rest of the mean loss above E split evenly between the three terms at the scaled
+    variables' geometric mean (x' = 1)."""
+    starts = []
+    for floor, alphas in product(FLOOR_STARTS, product(EXPONENT_STARTS, repeat=3)):
+        e0 = floor * loss.min()
+        c0 = np.log(max(loss.mean() - e0, 1e-3 * loss.mean()) / 3)
+        starts.append(np.array([c0, alphas[0], c0, alphas[1], c0, alphas[2], np.log(e0)]))
+    return starts
+
+
+def _best(starts: list[np.ndarray], x: np.ndarray, loss: np.ndarray) -> Any:
+    """The solution of lowest objective over ``starts`` (the solver's failures skipped)."""
+    best = None
+    for theta0 in starts:
+        with np.errstate(all="ignore"):
+            res = _solve(theta0, x, loss)
+        finite = np.all(np.isfinite(res.x)) and np.isfinite(res.cost)
+        if finite and (best is None or res.cost < best.cost):
+            best = res
+    if best is None:
+        raise LawError("the law could not be fitted from any start: check the points")
+    return best
+
+
+def _to_input_units(theta: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """(c_w, a_w, c_l, a_l, c_D, a_D, E) in the units of the input columns: c = c' s^a."""
+    alpha = theta[1:6:2]
+    out = np.empty(N_PARAMS)
+    out[0:6:2] = np.exp(theta[0:6:2] + alpha * np.log(scale))
+    out[1:6:2] = alpha
+    out[6] = np.exp(theta[6])
+    return out
+
+
+def _unit_jacobian(theta: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """d(parameters in input units) / d theta (for the delta method, exact for Gauss-Newton
+    covariances: they transform with the parameterisation)."""
+    params = _to_input_units(theta, scale)
+    t = np.zeros((N_PARAMS, N_PARAMS))
+    for k in range(3):
+        c, a = 2 * k, 2 * k + 1
+        t[c, c] = params[c]
+        t[c, a] = params[c] * np.log(scale[k])
+        t[a, a] = 1.0
+    t[6, 6] = params[6]
+    return t
+
+
+def standard_errors(
+    theta: np.ndarray, x: np.ndarray, loss: np.ndarray, scale: np.ndarray
+) -> np.ndarray:
+    """Standard errors of the parameters in input units: sigma^2 (J'J)^-1 with J the Jacobian of
+    the residuals L - L_hat and sigma^2 = sum residual^2 / (n - 7) (methods §12), computed in
+    the scaled parameters and carried to input units by the chain rule."""
+    terms = _terms(theta, x)
+    fitted = terms.sum(axis=1) + np.exp(theta[6])
+    residual = loss - fitted
+    jac = np.empty((len(loss), N_PARAMS))  # d(L - L_hat)/d theta
+    jac[:, 0:6:2] = -terms
+    jac[:, 1:6:2] = terms * np.log(x)
+    jac[:, 6] = -np.exp(theta[6])
+    sigma2 = float(residual @ residual) / (len(loss) - N_PARAMS)
+    cov = sigma2 * np.linalg.pinv(jac.T @ jac)
+    t = _unit_jacobian(theta, scale)
+    return np.sqrt(np.clip(np.diag(t @ cov @ t.T), 0, None))
+
+
+def fit_law(
+    points: pl.DataFrame,
+    exclude_highest: int = 0,
+    bootstrap: int = 200,
+    heldout: int = 0,
+    seed: int = 0,
+) -> LawFit:
+    """Fit L_hat = c_w w^-a_w + c_l l^-a_l + c_D D^-a_D + E to ``points`` (columns width, depth,
+    tokens, loss) by least squares on log loss from several starts (methods §12).
+
+    ``exclude_highest`` N keeps the points whose loss is strictly below the N-th highest;
+    ``bootstrap`` B resamples refitted from the optimum give 2.5/97.5 percentile intervals;
+    ``heldout`` K random 20% splits give the mean absolute relative error on the held-out
+    points (each split fitted from every start). ``seed`` fixes both."""
+    frame = check_points(points, "the points")
+    n_points = frame.height
+    if exclude_highest < 0:
+        raise LawError(f"--exclude-highest must be 0 or more, not {exclude_highest}")
+    if exclude_highest:
+        if exclude_highest >= n_points:
+            raise LawError(
+                f"--exclude-highest {exclude_highest} leaves no point of {n_points}: give a "
+                "number below the number of points"
+            )
+        cut = np.sort(frame["loss"].to_numpy())[::-1][exclude_highest - 1]
+        frame = frame.filter(pl.col("loss") < cut)  # methods §12: strictly below
+    if frame.height <= N_PARAMS:
+        raise LawError(
+            f"{frame.height} point(s) to fit (of {n_points}) but the law has {N_PARAMS} "
+            f"parameters: give at least {N_PARAMS + 1} points"
+        )
+    raw = frame.select(VARIABLES).to_numpy()
+    loss = frame["loss"].to_numpy()
+    scale = np.exp(np.log(raw).mean(axis=0))
+    x = raw / scale
+    best = _best(_starts(loss), x, loss)
+    theta = best.x
+    estimate = _to_input_units(theta, scale)
+    se = standard_errors(theta, x, loss, scale)
+    rng = np.random.default_rng(seed)
+    n = len(loss)
+    draws = []
+    for _ in range(bootstrap):
+        idx = rng.integers(0, n, n)
+        with np.errstate(all="ignore"):
+            res = _solve(theta, x[idx], loss[idx])
+        if np.all(np.isfinite(res.x)):
+            draws.append(_to_input_units(res.x, scale))
+    low = high = np.full(N_PARAMS, np.nan)
+    if draws:
+        low, high = np.percentile(np.array(draws), [2.5, 97.5], axis=0)
+    errors = []
+    n_out = max(1, round(HELDOUT_FRACTION * n))
+    for _ in range(heldout):
+        order = rng.permutation(n)
+        out, keep = order[:n_out], order[n_out:]
+        if len(keep) <= N_PARAMS:
+            raise LawError(f"{n} points are too few for held-out splits of 20%: omit --heldout")
+        split = _best(_starts(loss[keep]), x[keep], loss[keep])
+        predicted = _terms(split.x, x[out]).sum(axis=1) + np.exp(split.x[6])
+        errors.append(np.abs(loss[out] - predicted) / loss[out])
+    fitted = _terms(theta, x).sum(axis=1) + np.exp(theta[6])
+    table = pl.DataFrame(
+        {
+            "parameter": list(PARAMETERS),
+            "estimate": estimate,
+            "se": se,
+            "ci_low": low,
+            "ci_high": high,
+        }
+    )
+    return LawFit(
+        table=table,
+        objective=float(2 * best.cost / n),  # least_squares' cost is sum(r^2) / 2
+        gradient_norm=float(best.optimality),
+        n_points=n_points,
+        n_fitted=n,
+        n_bootstrap=len(draws),
+        heldout_error=float(np.mean(np.concatenate(errors))) if errors else None,
+        n_heldout=heldout,
+        points=frame.with_columns(pl.Series("fitted", fitted)),
+    )
+
+
+def term(fit: LawFit, variable: str, values: np.ndarray) -> np.ndarray:
+    """c_k x^-a_k of the term of ``variable`` at ``values`` (input units)."""
+    k = VARIABLES.index(variable)
+    est = fit.table["estimate"].to_numpy()
+    return np.asarray(est[2 * k] * values ** -est[2 * k + 1])
+
+
+def partial_residuals(fit: LawFit, variable: str) -> np.ndarray:
+    """L - (L_hat - term_k): the loss with every other term and E removed, the term of
+    ``variable`` plus the residual (the paper's Fig. 2f)."""
+    values = fit.points[variable].to_numpy()
+    return np.asarray(
+        fit.points["loss"].to_numpy()
+        - fit.points["fitted"].to_numpy()
+        + term(fit, variable, values)
+    )
+
+
+EXAMPLE = {"c_width": 40.0, "alpha_width": 0.5, "c_depth": 1.5, "alpha_depth": 1.0,
+           "c_tokens": 300.0, "alpha_tokens": 0.3, "E": 1.7}  # fmt: skip
+"""Made-up parameters of :func:`synthetic_points` (exponents near the paper's)."""
+
+
+def synthetic_points(
+    seed: int, n: int = 245, noise: float = 0.01, params: dict[str, float] = EXAMPLE
+) -> pl.DataFrame:
+    """``n`` points of the law with ``params``: width log-uniform in [256, 8192], depth uniform
+    in 4..63, tokens log-uniform in [1e9, 1e12], loss times log-normal noise of sd ``noise``
+    (for tests and benchmarks)."""
+    rng = np.random.default_rng(seed)
+    width = np.exp(rng.uniform(np.log(256), np.log(8192), n))
+    depth = rng.integers(4, 64, n).astype(float)
+    tokens = np.exp(rng.uniform(np.log(1e9), np.log(1e12), n))
+    loss = (
+        params["c_width"] * width ** -params["alpha_width"]
+        + params["c_depth"] * depth ** -params["alpha_depth"]
+        + params["c_tokens"] * tokens ** -params["alpha_tokens"]
+        + params["E"]
+    ) * np.exp(rng.normal(0, noise, n))
+    return pl.DataFrame({"width": width, "depth": depth, "tokens": tokens, "loss": loss})
+
+
+# --- within one model ---------------------------------------------------------------------------
+
+
+def power_fit(layer: np.ndarray, delta: np.ndarray) -> tuple[float, float, float]:
+    """(c, a, r^2) of delta = c l^-a by least squares on log-log axes over the positive deltas
+    (methods §12, within one model); nan where fewer than two are positive."""
+    keep = (layer > 0) & (delta > 0)
+    if keep.sum() < 2:
+        return float("nan"), float("nan"), float("nan")
+    lx, ly = np.log(layer[keep]), np.log(delta[keep])
+    slope, intercept = np.polyfit(lx, ly, 1)
+    resid = ly - (intercept + slope * lx)
+    total = float(((ly - ly.mean()) ** 2).sum())
+    r2 = 1 - float((resid**2).sum()) / total if total > 0 else float("nan")
+    return float(np.exp(intercept)), float(-slope), r2
+
+
+def law_figure(fit: LawFit, path: Path) -> Path:
+    """One panel per variable: the partial residuals L - (L_hat - term) of the fitted points
+    against the variable, with the fitted term c x^-a (the paper's Fig. 2f), log-log axes
+    (points whose partial residual is not positive cannot be drawn: the panel counts them);
+    drawn as a PNG at ``path``."""
+    from layerdiv.analyze import plots
+
+    est = dict(zip(PARAMETERS, fit.table["estimate"], strict=True))
+    panels = []
+    for variable in VARIABLES:
+        values = fit.points[variable].to_numpy()
+        partial = partial_residuals(fit, variable)
+        shown = partial > 0
+        grid = np.geomspace(values.min(), values.max(), 100)
+        alpha = est[f"alpha_{variable}"]
+        hidden = int((~shown).sum())
+        panels.append(
+            plots.Panel(
+                f"{variable} term",
+                [
+                    plots.Series(
+                        "points",
+                        values[shown].tolist(),
+                        partial[shown].tolist(),
+                        color="#1f77b4",
+                        line=False,
+                    ),
+                    plots.Series(
+                        f"fit, alpha_{variable} = {alpha:.3g}",
+                        grid.tolist(),
+                        term(fit, variable, grid).tolist(),
+                        color="black",
+                        marker=None,
+                    ),
+                ],
+                xlabel=variable,
+                ylabel="partial residual L - (L_hat - term)",
+                xscale="log",
+                yscale="log",
+                notes=[f"{hidden} points <= 0 not shown"] if hidden else [],
+            )
+        )
+    title = "Depth loss law (methods §12): each term's partial residuals and the fitted term"
+    return plots.to_matplotlib(plots.Figure(title, panels, cols=len(VARIABLES)), path)
+
+
+# --- points from a store ------------------------------------------------------------------------
+
+
+def model_losses(store: Store, task: str) -> pl.DataFrame:
+    """Per (model, revision) of ``store`` on ``task``: width, depth, tokens (tokens seen in
+    training) and loss (the mean of the model's own per-token cross-entropy): the one place the
+    law reads a store (:func:`layerdiv.store.reader.law_points`). A revision without its tokens
+    seen is refused, naming it."""
+    from layerdiv.store.reader import law_points
+
+    points = law_points(store, tasks=task).rename({"tokens_seen": "tokens"})
+    unknown = points.filter(pl.col("tokens").is_null())
+    if unknown.height:
+        names = ", ".join(f"{m}@{r}" for m, r in unknown.select("model", "revision").rows())
+        raise LawError(
+            f"{names}: no training tokens recorded on task {task}; re-extract with "
+            "--tokens-seen D (or --step N --tokens-per-step T), or fit a table of points "
+            "(--points FILE)"
+        )
+    checked = check_points(points, f"{store.root}, task {task}")
+    return pl.concat([points.select("model", "revision"), checked], how="horizontal")
+
+
+def store_points(store: Store, task: str) -> pl.DataFrame:
+    """The law's points of ``task`` in ``store`` (:func:`model_losses`), refused in one line when
+    they come from fewer than two models (a law across models needs several)."""
+    points = model_losses(store, task)
+    models = points["model"].n_unique() if points.height else 0
+    if models < 2:
+        raise LawError(
+            f"{store.root} holds {models} model(s) with a loss on task {task}: the law needs "
+            "points of several models (extract more models, or give --points FILE)"
+        )
+    return points

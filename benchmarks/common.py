@@ -1,0 +1,69 @@
+"""What every benchmark shares: the ``--quick`` flag (tiny sizes, one repeat: the check that the
+script still runs, which ``make bench-quick`` makes of every script), the demo's choice tasks by
+name, and the results file a full run writes (``docs/benchmarks/<name>.json``: its table, with the
+date, commit and load average it ran at), from which ``scripts/bench_tables.py`` renders the
+benchmark tables of the docs and the README."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "benchmarks"
+"""The results files of the full runs, one per benchmark table."""
+
+
+def add_quick(parser: argparse.ArgumentParser) -> None:
+    """The ``--quick`` flag: tiny sizes and one repeat, in seconds; nothing is recorded."""
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes, one repeat: check that it runs"
+    )
+
+
+def demo_choice_tasks(folder: Path, n: int, seed: int) -> list[Path]:
+    """The YAMLs of the demo's choice tasks (``n`` instances each, written into ``folder``) in
+    the order of ``DEMO_TASKS``, taken by name: the demo also writes its running-text task."""
+    from layerdiv.demo import DEMO_TASKS, write_demo_tasks
+
+    paths = {path.stem: path for path in write_demo_tasks(folder, n, seed)}
+    return [paths[task.name] for task in DEMO_TASKS]
+
+
+def _commit() -> str:
+    """The checkout's commit (short), ``+changes`` when its tracked files differ from it."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return done.stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/benchmarks")
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+changes" if dirty else "")
+
+
+def record(name: str, columns: list[str], rows: list[list[Any]], loads: list[float],
+           **extra: Any) -> Path:  # fmt: skip
+    """Write the results file ``name`` (a table: ``columns`` and ``rows``, numbers unformatted)
+    with the command, date (UTC), commit, cores and the load averages seen during the run."""
+    path = RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "command": shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": _commit(),
+        "cores": os.cpu_count(),
+        "load_average": [round(min(loads), 2), round(max(loads), 2)],
+        "columns": columns,
+        "rows": rows,
+        **extra,
+    }
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"results written to {os.path.relpath(path, ROOT)}")
+    return path

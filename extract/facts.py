@@ -1,0 +1,109 @@
+"""What a partition records about the model itself (methods §12): its revision's
+training step and tokens seen, width, depth, vocabulary, parameter counts, and a fingerprint of
+the tensors it loaded (two revisions that serve equal weights are one checkpoint)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import xxhash
+
+from layerdiv.errors import LayerdivError
+from layerdiv.extract.adapters import Adapter, get_module
+from layerdiv.extract.config import ExtractConfig
+from layerdiv.extract.models import LoadedModel
+from layerdiv.store.key import DEFAULT_REVISION
+
+STEP = re.compile(r"^step(\d+)$")
+"""A Pythia-style revision name: ``step<N>`` is the checkpoint after N optimizer steps."""
+
+
+class RevisionError(LayerdivError, ValueError):
+    """``--step``, ``--tokens-seen`` and ``--tokens-per-step`` cannot say the tokens seen."""
+
+
+def revision_facts(cfg: ExtractConfig) -> dict[str, Any]:
+    """``revision``, ``step`` and ``tokens_seen`` as the manifest records them: the step from
+    ``--step`` or a ``stepN`` revision name, the tokens from ``--tokens-seen`` or step x
+    ``--tokens-per-step``; a combination that cannot say them is refused."""
+    revision = cfg.revision or DEFAULT_REVISION
+    named = STEP.match(revision)
+    step = cfg.step if cfg.step is not None else int(named.group(1)) if named else None
+    tokens = cfg.tokens_seen
+    if cfg.tokens_per_step is not None:
+        if cfg.tokens_seen is not None:
+            raise RevisionError("give --tokens-seen or --tokens-per-step, not both")
+        if step is None:
+            raise RevisionError(
+                f"--tokens-per-step needs the step of revision {revision!r}: give --step N (or "
+                "a revision named stepN)"
+            )
+        tokens = step * cfg.tokens_per_step
+    return {"revision": revision, "step": step, "tokens_seen": tokens}
+
+
+def weights_hash(model: Any) -> str:
+    """xxh3-128 over every tensor of the model's state (each shared tensor once): its name, dtype,
+    shape and bytes. Equal for equal weights, whatever files or hub branch they came from."""
+    h = xxhash.xxh3_128()
+    seen: set[tuple[int, torch.dtype, tuple[int, ...]]] = set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
+        if key in seen:  # tied weights
+            continue
+        seen.add(key)
+        h.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        if tensor.device.type != "meta":  # offloaded to disk: its name and shape only
+            flat = tensor.detach().reshape(-1).contiguous().cpu()
+            h.update(memoryview(flat.view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+def load_fingerprinted(load: Callable[[], LoadedModel]) -> tuple[LoadedModel, str, str]:
+    """Run ``load`` and fingerprint what it loaded (:func:`weights_hash`); returns the model,
+    the fingerprint and a line giving its cost beside the load's (CPU seconds)."""
+    start = time.process_time()
+    loaded = load()
+    loading = time.process_time() - start
+    start = time.process_time()
+    digest = weights_hash(loaded.model)
+    hashing = time.process_time() - start
+    cost = (
+        f"weights fingerprint {digest[:12]}: {hashing:.3f} s CPU, {100 * hashing / loading:.1f}% "
+        f"of the model load ({loading:.2f} s CPU)"
+    )
+    return loaded, digest, cost
+
+
+def load_with_facts(
+    cfg: ExtractConfig, adapter: Adapter, load: Callable[[], LoadedModel]
+) -> tuple[LoadedModel, str]:
+    """The loaded model with its :attr:`~LoadedModel.facts` (step and tokens seen, the model's
+    facts, the fingerprint; the revision is the identity's), and the line that gives the
+    fingerprint's cost."""
+    loaded, digest, cost = load_fingerprinted(load)
+    step = {k: v for k, v in revision_facts(cfg).items() if k != "revision"}
+    loaded.facts = {**step, **model_facts(loaded, adapter), "weights_hash": digest}
+    return loaded, cost
+
+
+def model_facts(loaded: LoadedModel, adapter: Adapter) -> dict[str, Any]:
+    """Depth (decoder blocks) and the non-embedding parameter count: every parameter but those
+    of the embedding tables (tokens, positions) and an untied unembedding, each shared parameter
+    counted once."""
+    model = loaded.model
+    blocks = get_module(model, adapter.blocks)
+    head = model.get_output_embeddings()
+    tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    embedding = {
+        id(p): p.numel() for m in [*tables, *([head] if head is not None else [])]
+        for p in m.parameters(recurse=False)
+    }  # fmt: skip
+    return {
+        "n_layers": len(blocks),
+        "n_params_non_embedding": loaded.n_params - sum(embedding.values()),
+    }

@@ -1,0 +1,214 @@
+"""Planning: each task's instances (or documents and their tokens), option tokens, data
+fingerprint, optional tables and measurement settings, all checked before the weights load so
+that bad input is refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from layerdiv.extract import chunks
+from layerdiv.extract.batching import tokenize_documents
+from layerdiv.extract.config import ExtractConfig
+from layerdiv.extract.facts import revision_facts
+from layerdiv.extract.future import SPLIT_MARGIN, SPLIT_STEP, SkipSettings
+from layerdiv.extract.models import context_length
+from layerdiv.extract.tasks import (
+    Instance,
+    TaskError,
+    TaskSpec,
+    data_sha256,
+    instances,
+    load_task,
+    option_token_ids,
+)
+from layerdiv.measurements import Measurement, for_kind, registered
+from layerdiv.measurements.future import FUTURE
+from layerdiv.store.manifest import read_manifest
+from layerdiv.store.writer import PartitionWriter
+
+
+@dataclass
+class TaskPlan:
+    """A task ready to run: its instances, option tokens, data fingerprint and writer."""
+
+    spec: TaskSpec
+    items: list[Instance]
+    option_ids: list[int]
+    data_sha256: str
+    writer: PartitionWriter
+    extra_tables: list[str]
+    """The optional tables to write (:func:`_extra_tables`)."""
+    argument: str = ""
+    """The task as ``--task`` takes it: a built-in name, or the absolute path of its YAML."""
+    documents: tuple[list[list[int]], list[bool]] | None = None
+    """Text tasks: the token ids of every document and whether it was cut (known before the
+    weights load, so that a document without tokens is refused before anything is written)."""
+    skips: SkipSettings | None = None
+    """Text tasks writing the future-effects tables: how (:func:`_skip_settings`)."""
+    measures: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The settings of each registered measurement outside the decomposition capture that this
+    run writes (:func:`_measure_settings`)."""
+
+
+def plan_task(
+    name: str, tokenizer: Any, cfg: ExtractConfig, context: int | None = None
+) -> TaskPlan:
+    """Load a task's instances and option tokens, or a text task's documents and their tokens
+    cut to ``max_tokens`` and the model's ``context`` length (task errors surface before the
+    weights load). The data fingerprint covers the task's first n rows, so a larger ``--limit``
+    extends the same partition."""
+    spec = load_task(name)
+    rows = instances(spec, max(spec.n, cfg.limit or 0))
+    items = rows[: cfg.limit or spec.n]
+    writer = PartitionWriter(cfg.store, cfg.model, spec.name, revision_facts(cfg)["revision"])
+    argument = str(Path(name).resolve()) if Path(name).suffix in (".yaml", ".yml") else name
+    sha = data_sha256(rows[: spec.n])
+    if spec.kind == "text":
+        _refuse_text_flags(spec, cfg)
+        limit = context or context_length(None, tokenizer)
+        texts = [it.prompt for it in items]
+        documents = tokenize_documents(tokenizer, texts, min(spec.max_tokens or limit, limit))
+        empty = [i for i, seq in enumerate(documents[0]) if not seq]
+        if empty:
+            raise TaskError(
+                f"task {spec.name}: document {empty[0]} tokenizes to no tokens (empty text); "
+                "fix the data or the task's text template, or filter such rows out"
+            )
+        future = list(FUTURE.tables["text"])
+        asked = (["token_lens"] if cfg.lens else []) + (future if cfg.skips else [])
+        tables = chunks.extra_tables(writer, [*asked, *cfg.measured_tables("text")], cfg.overwrite)
+        skips = _skip_settings(writer, cfg) if future[0] in tables else None
+        measures = _measure_settings(writer, cfg, spec, tables)
+        return TaskPlan(spec, items, [], sha, writer, tables, argument, documents, skips, measures)
+    given = _skip_flags(cfg)
+    if given:
+        raise TaskError(
+            f"task {spec.name} is a choice task: {', '.join(given)} applies to text tasks only "
+            "(--skips on a choice task skips each block whole at the last prompt token)"
+        )
+    if cfg.lens == "last-block":
+        raise TaskError(
+            f"task {spec.name} is a choice task: --lens last-block applies to text tasks only "
+            "(a choice task keeps the last prompt token alone); use --lens"
+        )
+    ids = option_token_ids(spec, tokenizer, items[0].prompt)
+    asked = [*cfg.extra_tables, *(["lens"] if cfg.lens else []), *cfg.measured_tables("choice")]
+    tables = chunks.extra_tables(writer, asked, cfg.overwrite)
+    measures = _measure_settings(writer, cfg, spec, tables)
+    return TaskPlan(spec, items, ids, sha, writer, tables, argument, measures=measures)
+
+
+def _measure_settings(
+    writer: PartitionWriter, cfg: ExtractConfig, spec: TaskSpec, tables: list[str]
+) -> dict[str, dict[str, Any]]:
+    """The settings of each registered measurement outside the decomposition capture that this
+    run writes (asked for, or held by the partition): those given, else the partition's own,
+    else the defaults. Refuses (before anything is written) a measurement that does not apply to
+    the task's kind, and settings other than those the partition recorded."""
+    for name in cfg.measures:
+        m = next(m for m in registered() if m.name == name)
+        if spec.kind not in m.tables:
+            raise TaskError(
+                f"task {spec.name} is a {spec.kind} task: {m.flag} applies to "
+                f"{', '.join(m.tables)} tasks only; extract it without"
+            )
+    stored: dict[str, dict[str, Any]] = {}
+    if not cfg.overwrite and writer.part.manifest.exists():
+        stored = read_manifest(writer.part.manifest).settings
+    out = {}
+    for m in for_kind(spec.kind):
+        if m.attach is None or not set(m.tables[spec.kind]) & set(tables):
+            continue
+        given = {k: v for k, v in cfg.measures.get(m.name, {}).items() if v not in (None, ())}
+        base = stored.get(m.name) or {s.name: s.default for s in m.settings}
+        settings = json.loads(json.dumps({**base, **given}))  # as the manifest holds them
+        if m.name in stored and settings != stored[m.name]:
+            raise TaskError(
+                f"{writer.part.manifest}: the stored {m.name} was extracted with "
+                f"{_settings_text(m, stored[m.name])}, this run asks for "
+                f"{_settings_text(m, settings)}; drop these options to keep the stored ones, or "
+                "use --overwrite"
+            )
+        out[m.name] = settings
+    return out
+
+
+def _settings_text(m: Measurement, settings: dict[str, Any]) -> str:
+    """Settings as the ``extract`` options that give them."""
+    opts = {s.name: s.option.opts[0] for s in m.settings}
+    return " ".join(f"{opts.get(k, k)} {v}" for k, v in settings.items())
+
+
+def _refuse_text_flags(spec: TaskSpec, cfg: ExtractConfig) -> None:
+    """Refuse the optional tables a text task cannot have, and ``--skips`` settings without
+    ``--skips``."""
+    short = spec.max_tokens is not None and spec.max_tokens <= SPLIT_STEP + SPLIT_MARGIN
+    if cfg.skips and cfg.skip_split != "all" and short:
+        raise TaskError(
+            f"task {spec.name}: --skips needs split points 8, 16, ... < T - 4, and max_tokens "
+            f"{spec.max_tokens} leaves none; raise max_tokens above 12, use --skip-split all, "
+            "or drop --skips"
+        )
+    asked = [f"--{t}" for t in cfg.extra_tables if t != "skips"]
+    if asked:
+        raise TaskError(
+            f"task {spec.name} is a text task: {', '.join(asked)} applies to choice tasks only "
+            "in this version; extract it without"
+        )
+    given = _skip_flags(cfg)
+    if given and not cfg.skips:
+        raise TaskError(f"task {spec.name}: {', '.join(given)} sets up --skips; add --skips")
+
+
+def _skip_flags(cfg: ExtractConfig) -> list[str]:
+    """The future-effects options given on the command line."""
+    given = {"--skip-split": cfg.skip_split, "--skip-seed": cfg.skip_seed,
+             "--skip-sublayer": cfg.skip_sublayers}  # fmt: skip
+    return [flag for flag, value in given.items() if value not in (None, ())]
+
+
+def _skip_settings(writer: PartitionWriter, cfg: ExtractConfig) -> SkipSettings:
+    """The future-effects settings of this run: those given, else the partition's own, else the
+    defaults; refuse settings other than those of future effects already stored."""
+    stored = None
+    if not cfg.overwrite and writer.part.manifest.exists():
+        m = read_manifest(writer.part.manifest)
+        if m.skip_split is not None:
+            stored = SkipSettings(
+                m.skip_split, m.skip_seed or 0, tuple(m.skip_sublayers or ["block"])
+            )
+    base = stored or SkipSettings()
+    settings = SkipSettings(
+        cfg.skip_split or base.split,
+        base.seed if cfg.skip_seed is None else cfg.skip_seed,
+        tuple(dict.fromkeys(cfg.skip_sublayers)) or base.sublayers,
+    )
+    held = any(writer.part.parts(t) for t in FUTURE.tables["text"])
+    if stored is not None and settings != stored and held:
+        raise TaskError(
+            f"{writer.part.manifest}: the stored future effects are {_describe(stored)}, this "
+            f"run asks for {_describe(settings)}; drop these options to keep the stored ones, or "
+            "use --overwrite"
+        )
+    return settings
+
+
+def _describe(settings: SkipSettings) -> str:
+    sublayers = " ".join(f"--skip-sublayer {s}" for s in settings.sublayers)
+    return f"--skip-split {settings.split} --skip-seed {settings.seed} {sublayers}"
+
+
+def refuse_shared_names(plans: list[TaskPlan]) -> None:
+    """Refuse (before anything is written) two tasks of one name: they would be one partition."""
+    first: dict[str, TaskPlan] = {}
+    for plan in plans:
+        other = first.setdefault(plan.spec.name, plan)
+        if other is not plan:
+            raise TaskError(
+                f"--task {other.argument} and --task {plan.argument} are both named "
+                f"{plan.spec.name!r}, and a task's name is its partition: give one of them "
+                "another `name:` (or drop the repeated --task)"
+            )

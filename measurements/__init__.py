@@ -1,0 +1,49 @@
+"""The optional measurements of an extraction (:mod:`layerdiv.measurements.registry`), one module
+each; importing this package registers the built-in ones, in the order of the ``extract``
+options."""
+
+# isort: skip_file
+# Registration order is import order (the order of the optional tables everywhere).
+from layerdiv.measurements import skips  # noqa: F401
+from layerdiv.measurements import heads  # noqa: F401
+from layerdiv.measurements import gram  # noqa: F401
+from layerdiv.measurements import lens  # noqa: F401
+from layerdiv.measurements import future  # noqa: F401
+from layerdiv.measurements import states  # noqa: F401
+from layerdiv.measurements.registry import (
+    ENTRY_POINTS,
+    Capture,
+    Measurement,
+    MeasurementError,
+    RowsCapture,
+    Setting,
+    all_optional_tables,
+    for_kind,
+    kind_of_table,
+    measurement_of,
+    optional_tables,
+    register,
+    registered,
+    table_schemas,
+    tables_of_kind,
+    unregister,
+)
+
+__all__ = [
+    "ENTRY_POINTS",
+    "Capture",
+    "Measurement",
+    "MeasurementError",
+    "RowsCapture",
+    "Setting",
+    "all_optional_tables",
+    "for_kind",
+    "kind_of_table",
+    "measurement_of",
+    "optional_tables",
+    "register",
+    "registered",
+    "table_schemas",
+    "tables_of_kind",
+    "unregister",
+]

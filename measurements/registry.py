@@ -1,0 +1,225 @@
+"""The optional measurements an extraction can add to a partition, declared once each.
+
+A measurement is a :class:`Measurement`: the ``extract`` option that asks for it (and the options
+of its settings), the task kinds it applies to and the tables it writes for each, the settings it
+records in the partition's manifest under its own name, whether its batches need rows over the
+vocabulary (the batch budget), and, for a measurement that is not built into the decomposition
+capture, its forward hooks (:attr:`Measurement.attach`) and how its rows are built
+(:attr:`Measurement.rows`). The command line, ``ExtractConfig``, the completeness check, ``ls``,
+``query``'s views and ``merge`` read these declarations.
+
+Register one with :func:`register`, or from another distribution through the entry point group
+:data:`ENTRY_POINTS` (the entry point names the :class:`Measurement` object); see
+docs/development.md, "Adding a measurement".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import import_module
+from importlib.metadata import entry_points
+from typing import Any, Protocol, runtime_checkable
+
+import click
+import pyarrow as pa
+
+from layerdiv.errors import LayerdivError
+from layerdiv.schemas import KINDS, TABLES
+
+ENTRY_POINTS = "layerdiv.measurements"
+"""The entry point group whose entries (each a :class:`Measurement`) are registered on first
+use."""
+
+
+class MeasurementError(LayerdivError, ValueError):
+    """A measurement that cannot be registered (a taken name, flag or table, an unknown kind)."""
+
+
+class Capture(Protocol):
+    """The forward hooks of a measurement on one model (what :attr:`Measurement.attach` gives):
+    :meth:`reset` before each forward pass, :meth:`result` after it (one value per batch row),
+    :meth:`remove` when the run ends."""
+
+    def reset(self) -> None: ...
+
+    def result(self) -> Sequence[Any]: ...
+
+    def remove(self) -> None: ...
+
+
+@runtime_checkable
+class RowsCapture(Capture, Protocol):
+    """A :class:`Capture` whose values depend on which instance or document each batch row is:
+    :meth:`batch` is called after :meth:`reset`, before the forward pass."""
+
+    def batch(self, ids: Sequence[int] | None, lengths: Sequence[int]) -> None:
+        """The rows' instances or documents (None: a probe pass, whose values are not stored)
+        and their token counts (rows are left-padded)."""
+
+
+Attach = Callable[[Any, Any, Mapping[str, Any]], Capture]
+"""(the model, its ``layerdiv.extract.adapters.Adapter``, the measurement's settings) -> the
+hooks it needs, attached."""
+
+Rows = Callable[[Sequence[int], Sequence[Any]], dict[str, pa.Table]]
+"""(instances or documents, ascending; the capture's value of each) -> its tables."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting of a measurement: the ``extract`` option that gives it, and its default."""
+
+    name: str
+    """The key in the manifest's settings of the measurement (and the option's parameter)."""
+    option: click.Option
+    """The ``extract`` option (its default must be None: not given keeps the stored value)."""
+    default: Any
+    """The value of a new partition when the option is not given."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One optional measurement (see the module's docstring)."""
+
+    name: str
+    """Its name: the key of its settings in the manifest and of its options in
+    ``ExtractConfig.measures``."""
+    flag: str
+    """The ``extract`` option that asks for it (``--gram``)."""
+    tables: Mapping[str, tuple[str, ...]]
+    """Task kind -> the tables it writes in that kind's partitions."""
+    help: str = ""
+    """The flag's help line; empty when another measurement declares the same flag."""
+    option: click.Option | None = None
+    """The flag's option when it is not a plain on/off flag (``--lens [final|last-block]``)."""
+    schemas: Mapping[str, pa.Schema] = field(default_factory=dict)
+    """The schemas of tables declared outside ``layerdiv.schemas`` (a measurement registered
+    from another distribution); every built-in table's schema is in ``layerdiv.schemas``."""
+    settings: tuple[Setting, ...] = ()
+    """What the manifest records of it, compared on a rerun (a rerun giving another value is
+    refused, one giving none keeps the stored one)."""
+    readout: tuple[str, ...] = ()
+    """The task kinds in which its batches hold rows over the vocabulary at every token (the
+    batch budget: fewer tokens per batch)."""
+    attach: Attach | str | None = None
+    """Its forward hooks, for a measurement outside the decomposition capture (None: built into
+    ``layerdiv.extract``'s captures); or ``"module:attribute"`` naming them, imported when an
+    extraction attaches them (a built-in measurement's hooks are in ``layerdiv.extract``, which
+    this package does not import)."""
+    rows: Rows | None = None
+    """How its rows are built from :attr:`attach`'s values."""
+
+    def attach_to(self, model: Any, adapter: Any, settings: Mapping[str, Any]) -> Capture:
+        """:attr:`attach`'s hooks on ``model``, attached (the named ones imported first)."""
+        attach = self.attach
+        if isinstance(attach, str):
+            module, _, name = attach.partition(":")
+            attach = getattr(import_module(module), name)
+        if attach is None:
+            raise MeasurementError(f"measurement {self.name} has no hooks of its own")
+        return attach(model, adapter, settings)
+
+    def schema(self, table: str) -> pa.Schema:
+        """The schema of one of its tables."""
+        return self.schemas.get(table) or TABLES[table]
+
+    @property
+    def dest(self) -> str:
+        """The flag's parameter name (``--skip-x`` -> ``skip_x``)."""
+        return self.flag.lstrip("-").replace("-", "_")
+
+    def click_options(self) -> list[click.Option]:
+        """The ``extract`` options it declares: its flag (unless shared) and its settings'."""
+        flag = self.option or (
+            click.Option([self.flag, self.dest], is_flag=True, default=False, help=self.help)
+            if self.help
+            else None
+        )
+        return [*([flag] if flag is not None else []), *(s.option for s in self.settings)]
+
+
+_REGISTERED: dict[str, Measurement] = {}
+_LOADED: list[bool] = []
+
+
+def register(measurement: Measurement) -> Measurement:
+    """Add ``measurement`` to every extraction, store reader and command; returns it. Refuses a
+    name or table that is taken, and a kind that does not exist."""
+    if measurement.name in _REGISTERED:
+        raise MeasurementError(f"a measurement named {measurement.name!r} is registered already")
+    unknown = [k for k in measurement.tables if k not in KINDS]
+    if unknown:
+        raise MeasurementError(
+            f"measurement {measurement.name}: unknown task kind {unknown[0]!r} "
+            f"(the kinds are {', '.join(KINDS)})"
+        )
+    taken = {t for m in _REGISTERED.values() for ts in m.tables.values() for t in ts}
+    taken |= {t for k in KINDS.values() for t in k.required}
+    mine = [t for ts in measurement.tables.values() for t in ts]
+    clash = [t for t in mine if t in taken or (t not in TABLES and t not in measurement.schemas)]
+    if clash:
+        raise MeasurementError(
+            f"measurement {measurement.name}: table {clash[0]!r} is taken or has no schema "
+            "(declare it in Measurement.schemas)"
+        )
+    _REGISTERED[measurement.name] = measurement
+    return measurement
+
+
+def unregister(name: str) -> None:
+    """Remove a registered measurement (tests)."""
+    _REGISTERED.pop(name, None)
+
+
+def registered() -> list[Measurement]:
+    """Every measurement, built-in first, then those of the entry point group, then those
+    registered by :func:`register`, in registration order."""
+    if not _LOADED:
+        _LOADED.append(True)
+        for entry in entry_points(group=ENTRY_POINTS):
+            if entry.name not in _REGISTERED:
+                register(entry.load())
+    return list(_REGISTERED.values())
+
+
+def for_kind(kind: str) -> list[Measurement]:
+    """The measurements that apply to task kind ``kind``."""
+    return [m for m in registered() if kind in m.tables]
+
+
+def optional_tables(kind: str) -> dict[str, str]:
+    """The optional tables of ``kind``'s partitions and the ``extract`` flag that writes each."""
+    return {t: m.flag for m in for_kind(kind) for t in m.tables[kind]}
+
+
+def all_optional_tables() -> tuple[str, ...]:
+    """Every optional table of every kind."""
+    return tuple(t for k in KINDS for t in optional_tables(k))
+
+
+def measurement_of(table: str) -> Measurement:
+    """The measurement that writes ``table``."""
+    for m in registered():
+        if any(table in ts for ts in m.tables.values()):
+            return m
+    raise KeyError(table)
+
+
+def table_schemas() -> dict[str, pa.Schema]:
+    """Every table's schema: ``layerdiv.schemas.TABLES`` and the registered measurements'."""
+    extra = {t: m.schema(t) for m in registered() for ts in m.tables.values() for t in ts}
+    return {**TABLES, **extra}
+
+
+def kind_of_table(table: str) -> str | None:
+    """The task kind whose partitions hold ``table`` (None: no such table)."""
+    for name, kind in KINDS.items():
+        if table in kind.required or table in optional_tables(name):
+            return name
+    return None
+
+
+def tables_of_kind(kind: str) -> tuple[str, ...]:
+    """The tables of ``kind``'s partitions: the required ones, then the optional ones."""
+    return (*KINDS[kind].required, *optional_tables(kind))

@@ -1,0 +1,46 @@
+"""The benchmark figures of the docs and the README are those of the results files the full
+benchmark runs wrote (``scripts/bench_tables.py`` renders them)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench_tables() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "scripts/bench_tables.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docs_and_readme_quote_the_results_files() -> None:
+    """Every region is rendered from its results file as it stands (rerun
+    ``python scripts/bench_tables.py`` after a full benchmark run), and there are regions."""
+    tables = bench_tables()
+    regions = 0
+    for path in tables.FILES:
+        text = path.read_text()
+        regions += len(tables.REGION.findall(text))
+        assert tables.render(text) == text, f"{path.name}: run python scripts/bench_tables.py"
+    assert regions >= 3
+
+
+def test_a_changed_result_changes_the_readme(tmp_path: Path) -> None:
+    """The README's lens figure follows the results file: a different CPU ratio, another text."""
+    tables = bench_tables()
+    shutil.copytree(tables.RESULTS, tmp_path, dirs_exist_ok=True)
+    path = tmp_path / "bench_text_extract.json"
+    result = json.loads(path.read_text())
+    lens = next(row for row in result["rows"] if row[0] == "lens")
+    lens[4] = 123.456
+    path.write_text(json.dumps(result))
+    readme = (ROOT / "README.md").read_text()
+    assert "123.46 x (FLOP ratio" in tables.render(readme, tmp_path)
+    assert "123.46" not in tables.render(readme)

@@ -1,0 +1,139 @@
+"""The package's layers, pinned: ``schemas`` and ``errors`` import nothing of the package above
+them, ``store`` writes and reads without ``extract`` or ``analyze``, ``analyze`` reads without
+``extract``, the demo or the package root, ``extract`` does not analyse, and no two modules import
+each other (the analysis registry's lazy import of its analyses is the one exception)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import layerdiv
+
+ROOT = Path(layerdiv.__file__).parent
+SKIP = {"tests", "benchmarks", "docs", "examples", "scripts", ".venv", "build"}
+
+FORBIDDEN = {
+    "errors": {"*"},
+    "version": {"*"},
+    "schemas": {"store", "extract", "analyze", "measurements", "demo", "cli", ""},
+    "measurements": {"extract", "analyze", "demo", "cli", ""},
+    "store": {"extract", "analyze", "demo", "cli", ""},
+    "analyze": {"extract", "demo", "cli", ""},
+    "extract": {"analyze", "demo", "cli", ""},
+}
+"""Layer (top-level module or subpackage) -> the layers it must not import (``""``: the package
+root, ``*``: anything of the package but ``errors``)."""
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in SKIP:
+            continue
+        parts = ["layerdiv", *rel.with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every ``layerdiv`` module ``name`` imports (or a name of a module it imports from, as
+    ``layerdiv.module.name``), at its top or inside a function (``TYPE_CHECKING`` blocks left
+    out)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "layerdiv"}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join([*parts[: len(parts) - node.level + 1], base])
+            if base.split(".")[0] == "layerdiv":
+                out |= {f"{base}.{a.name}" for a in node.names}
+    return out
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_no_layer_imports_a_layer_above_it() -> None:
+    modules = _modules()
+    wrong = []
+    for name, path in modules.items():
+        rules = FORBIDDEN.get(_layer(name), set())
+        for target in _imports(name, path):
+            hit = _layer(target)
+            if target not in modules and target.rpartition(".")[0] in modules:
+                hit = _layer(target.rpartition(".")[0])  # ``from layerdiv.x import name``
+            if hit == _layer(name):
+                continue
+            if hit in rules or ("*" in rules and hit != "errors"):
+                wrong.append(f"{name} imports {target}")
+    assert not wrong, wrong
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {
+        name: {t if t in modules else t.rpartition(".")[0] for t in _imports(name, path)}
+        & set(modules) - {name}
+        for name, path in modules.items()
+    }
+
+
+def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    graph = _graph()
+    assert "layerdiv.analyze.analyses" in graph["layerdiv.analyze.registry"]
+    graph["layerdiv.analyze.registry"].discard("layerdiv.analyze.analyses")  # the lazy one
+    assert not _circles(graph), [sorted(c) for c in _circles(graph)]
+
+
+def test_the_rules_see_an_upward_import(tmp_path: Path) -> None:
+    """The walker finds imports inside functions (a lazy import is still an import)."""
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n    from layerdiv.analyze.output import INDEX_NAME\n")
+    assert "layerdiv.analyze.output.INDEX_NAME" in _imports("layerdiv.store.m", path)
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]

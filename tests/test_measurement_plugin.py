@@ -1,0 +1,238 @@
+"""A measurement defined here, outside the package, and registered the public way
+(``layerdiv.measurements.register`` in this process, the ``layerdiv.measurements`` entry point
+group in a fresh one): ``extract --help`` offers it, ``extract`` writes it and resumes it after a
+kill -9, ``ls`` lists it, ``query`` reads it, ``merge`` merges it, and a rerun with other settings
+is refused before anything is written. docs/development.md, "Adding a measurement", walks through
+this module."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pytest
+from click.testing import CliRunner
+from polars.testing import assert_frame_equal
+
+from layerdiv.cli import main
+from layerdiv.measurements import Measurement, Setting, register, unregister
+from layerdiv.store import Store
+
+BLOCK_NORMS_SCHEMA = pa.schema(
+    [
+        pa.field("instance", pa.int32(), nullable=False),
+        pa.field("layer", pa.int16(), nullable=False),
+        pa.field("norm", pa.float32(), nullable=False),
+    ],
+    metadata={"layerdiv.table": "block_norms"},
+)
+"""One row per (instance, block): the p-norm of the block's output at the last prompt token."""
+
+
+class BlockNorms:
+    """Forward hooks on every decoder block; the p-norm of each block's output at the last
+    position (prompts are left-padded, so that is the last prompt token)."""
+
+    def __init__(self, model: Any, adapter: Any, settings: Mapping[str, Any]) -> None:
+        from layerdiv.extract.adapters import get_module
+
+        self.ord = int(settings["norm_ord"])
+        self.norms: list[Any] = []
+        blocks = get_module(model, adapter.blocks)
+        self.handles = [b.register_forward_hook(self._hook) for b in blocks]
+
+    def _hook(self, module: Any, args: Any, out: Any) -> None:
+        hidden = out[0] if isinstance(out, tuple) else out
+        self.norms.append(hidden[:, -1].float().norm(p=self.ord, dim=-1))
+
+    def reset(self) -> None:
+        self.norms = []
+
+    def result(self) -> Sequence[Any]:
+        import torch
+
+        return list(torch.stack(self.norms, dim=1).cpu().numpy())  # one (L,) row per batch row
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def block_norm_rows(ids: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
+    """The ``block_norms`` rows of instances ``ids``."""
+    norms = np.stack(values)  # (instances, L)
+    n_layers = norms.shape[1]
+    return {
+        "block_norms": pa.table(
+            {
+                "instance": pa.array(np.repeat(ids, n_layers).astype(np.int32)),
+                "layer": pa.array(np.tile(np.arange(n_layers), len(ids)).astype(np.int16)),
+                "norm": pa.array(norms.reshape(-1).astype(np.float32)),
+            },
+            schema=BLOCK_NORMS_SCHEMA,
+        )
+    }
+
+
+BLOCK_NORMS = Measurement(
+    name="block_norms",
+    flag="--block-norms",
+    help="Also store the p-norm of every block's output at the last prompt token.",
+    tables={"choice": ("block_norms",)},
+    schemas={"block_norms": BLOCK_NORMS_SCHEMA},
+    settings=(
+        Setting(
+            "norm_ord",
+            click.Option(
+                ["--norm-ord", "norm_ord"],
+                type=int,
+                default=None,
+                help="With --block-norms: p of the norm (default 2).",
+            ),
+            2,
+        ),
+    ),
+    attach=BlockNorms,
+    rows=block_norm_rows,
+)
+"""The measurement: the entry point ``block_norms = tests.test_measurement_plugin:BLOCK_NORMS``
+in the group ``layerdiv.measurements`` registers it in a fresh process."""
+
+
+@pytest.fixture
+def registered() -> Iterator[Measurement]:
+    """The measurement, registered in this process for one test."""
+    register(BLOCK_NORMS)
+    yield BLOCK_NORMS
+    unregister(BLOCK_NORMS.name)
+
+
+def entry_point(folder: Path) -> dict[str, str]:
+    """The environment of a fresh process in which an installed distribution's entry point
+    registers the measurement (a ``.dist-info`` folder on the path, as pip installs one)."""
+    info = folder / "layerdiv_block_norms-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: layerdiv-block-norms\n"
+                                   "Version: 0.1\n")  # fmt: skip
+    (info / "entry_points.txt").write_text(
+        "[layerdiv.measurements]\nblock_norms = tests.test_measurement_plugin:BLOCK_NORMS\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join([str(folder), str(root), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def invoke(*args: str) -> Any:
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def norms(store: Path) -> pl.DataFrame:
+    return (
+        Store(store).scan("block_norms").collect().drop("model", "task").sort("instance", "layer")
+    )
+
+
+def test_a_measurement_outside_the_package(
+    registered: Measurement, tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    help_text = invoke("extract", "--help").output
+    assert "--block-norms" in help_text and "--norm-ord" in help_text
+
+    n = 120
+    task = make_task(tmp_path / "task", n=n)
+    model = str(model_dirs("llama"))
+    args = ["--model", model, "--task", str(task), "--chunk-size", "4", "--batch-size", "1"]
+    whole = tmp_path / "whole"
+    done = invoke("extract", *args, "--store", str(whole), "--block-norms", "--norm-ord", "3")
+    assert done.exit_code == 0, done.output
+    expected = norms(whole)
+    assert expected.height == n * 2 and (expected["norm"] > 0).all()  # two blocks
+    assert Store(whole).select()[0].manifest.settings == {"block_norms": {"norm_ord": 3}}
+
+    # Written by a fresh process that finds the measurement through its entry point, killed
+    # with SIGKILL mid-way, then resumed without the flag (the partition keeps it, and its
+    # settings).
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "layerdiv.cli", "extract", *args, "--store", str(killed)]
+    env = entry_point(tmp_path / "site")
+    proc = subprocess.Popen([*cmd, "--block-norms", "--norm-ord", "3"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(list(killed.glob("instances/**/part-*.parquet"))) >= 3:
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stored_before = len(Store(killed).partitions[0].partition.done_parts())
+    assert 3 <= stored_before < n // 4, "the run must be killed mid-way"
+    resumed = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_frame_equal(norms(killed), expected)
+
+    listed = invoke("ls", "--store", str(killed))
+    assert listed.exit_code == 0 and "block_norms" in listed.output, listed.output
+    sql = "SELECT count(*) AS n, count(DISTINCT instance) AS i FROM block_norms"
+    queried = invoke("query", "--store", str(killed), sql)
+    assert queried.exit_code == 0 and f"{2 * n}" in queried.output, queried.output
+
+    # Shards merged equal the whole.
+    for i in range(2):
+        shard = invoke("extract", *args, "--store", str(tmp_path / f"s{i}"), "--shard", f"{i}/2",
+                       "--block-norms", "--norm-ord", "3")  # fmt: skip
+        assert shard.exit_code == 0, shard.output
+    merged = invoke("merge", str(tmp_path / "s0"), str(tmp_path / "s1"),
+                    "--into", str(tmp_path / "merged"))  # fmt: skip
+    assert merged.exit_code == 0, merged.output
+    assert_frame_equal(norms(tmp_path / "merged"), expected)
+
+    # Other settings: refused before anything is written; a shard of other settings is not merged.
+    manifest = next(killed.glob("manifests/**/manifest.json"))
+    before = {p: p.stat().st_mtime_ns for p in killed.rglob("*") if p.is_file()}
+    other = invoke("extract", *args, "--store", str(killed), "--limit", str(n + 8),
+                   "--block-norms", "--norm-ord", "1")  # fmt: skip
+    assert other.exit_code == 1, other.output
+    assert "--norm-ord 3" in other.output and "--norm-ord 1" in other.output, other.output
+    assert {p: p.stat().st_mtime_ns for p in killed.rglob("*") if p.is_file()} == before
+    assert json.loads(manifest.read_text())["settings"] == {"block_norms": {"norm_ord": 3}}
+    odd = invoke("extract", *args, "--store", str(tmp_path / "odd"), "--shard", "1/2",
+                 "--block-norms", "--norm-ord", "1")  # fmt: skip
+    assert odd.exit_code == 0, odd.output
+    refused = invoke("merge", str(tmp_path / "s0"), str(tmp_path / "odd"),
+                     "--into", str(tmp_path / "mixed"))  # fmt: skip
+    assert refused.exit_code == 1 and "norm_ord" in refused.output, refused.output
+
+
+def test_a_setting_without_its_measurement_and_a_wrong_kind_are_refused(
+    registered: Measurement, tmp_path: Path, model_dirs: Any
+) -> None:
+    from tests.test_text_extract import text_task
+
+    task = text_task(tmp_path / "t", ["the cat sat on the warm mat"] * 2)
+    args = ["extract", "--model", str(model_dirs("llama")), "--task", str(task),
+            "--store", str(tmp_path / "s")]  # fmt: skip
+    lone = invoke(*args, "--norm-ord", "3")
+    assert lone.exit_code == 1 and "--norm-ord sets up --block-norms" in lone.output
+    text = invoke(*args, "--block-norms")
+    assert text.exit_code == 1 and "applies to choice tasks only" in text.output, text.output
+    assert not (tmp_path / "s").exists() or not list((tmp_path / "s").rglob("*.parquet"))
+
+
+def test_a_taken_name_or_table_is_refused(registered: Measurement) -> None:
+    from layerdiv.measurements import MeasurementError
+
+    with pytest.raises(MeasurementError, match="registered already"):
+        register(BLOCK_NORMS)
+    with pytest.raises(MeasurementError, match="'gram' is taken"):
+        register(Measurement("gram2", "--gram2", tables={"choice": ("gram",)}, help="x"))

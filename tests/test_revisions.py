@@ -1,0 +1,184 @@
+"""Revisions of a model as keys of the store: two real checkpoints (SmolLM2 and a copy of it with
+small noise on every weight, a stand-in for a later training step), the same weights under a
+second name refused, the model's facts and loss, and a store of schema version 4."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from layerdiv.analyze.synthetic import (
+    random_partition,
+    text_chunk,
+    text_manifest,
+    write_partition,
+    write_text_partition,
+)
+from layerdiv.cli import main
+from layerdiv.demo import TEXT_TASK, write_demo_tasks
+from layerdiv.schemas import tables_of
+from layerdiv.store import Store
+from layerdiv.store.key import KEY
+from layerdiv.store.reader import law_points
+
+STEP_TOKENS = 2_097_152  # Pythia's tokens per step
+
+
+def run(*args: str) -> str:
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def smollm2_copy(folder: Path) -> Path:
+    """SmolLM2's weights, config and tokenizer in a folder of our own (the model's id)."""
+    from layerdiv.extract.models import resolve_source
+
+    shutil.copytree(resolve_source("smollm2-135m-instruct", None, None, False).path, folder)
+    return folder
+
+
+def perturb(folder: Path, scale: float = 1e-3, seed: int = 0) -> None:
+    """Add Gaussian noise of ``scale`` times each tensor's standard deviation to every weight:
+    the stand-in for the same model a few training steps later."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    for file in folder.glob("*.safetensors"):
+        tensors = load_file(file)
+        for name, t in tensors.items():
+            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32)
+            spread = t.float().std() if t.numel() > 1 else t.float().abs()
+            tensors[name] = (t.float() + scale * spread * noise).to(t.dtype)
+        save_file(tensors, file, metadata={"format": "pt"})
+
+
+@pytest.mark.slow
+def test_two_checkpoints_of_smollm2_in_one_store(tmp_path: Path) -> None:
+    model = smollm2_copy(tmp_path / "smollm2")
+    tasks = {p.stem: p for p in write_demo_tasks(tmp_path / "tasks", n=30, seed=0)}
+    store = tmp_path / "store"
+    common = ["extract", "--model", str(model), "--task", str(tasks[TEXT_TASK]), "--task",
+              str(tasks["bbc5"]), "--limit", "8", "--store", str(store),
+              "--tokens-per-step", str(STEP_TOKENS)]  # fmt: skip
+    first = run(*common, "--revision", "step1000")
+    assert "weights fingerprint" in first and "of the model load" in first
+
+    again = CliRunner().invoke(main, [*common, "--revision", "copy-of-step1000", "--step", "1"])
+    assert again.exit_code == 1
+    (line,) = [x for x in again.output.splitlines() if x.startswith("Error")]
+    assert "revision copy-of-step1000 equal those stored as revision step1000" in line
+
+    perturb(model)
+    run(*common, "--revision", "step2000")
+
+    st = Store(store)
+    assert sorted({(p.key.revision, p.task) for p in st.partitions}) == [
+        ("step1000", TEXT_TASK), ("step1000", "bbc5"), ("step2000", TEXT_TASK), ("step2000", "bbc5")
+    ]  # fmt: skip
+    listing = run("ls", "--store", str(store))
+    assert "step1000" in listing and "step2000" in listing and "copy-of" not in listing
+
+    facts = st.models().sort("step")
+    assert facts["step"].to_list() == [1000, 2000]
+    assert facts["tokens_seen"].to_list() == [1000 * STEP_TOKENS, 2000 * STEP_TOKENS]
+    assert set(facts["width"]) == {576} and set(facts["depth"]) == {30}
+    assert set(facts["vocab_size"]) == {49152}
+    n_total, n_body = facts["n_params"][0], facts["n_params_non_embedding"][0]
+    assert n_total - n_body == 49152 * 576  # tied embeddings: one vocabulary matrix
+    assert facts["weights_hash"].n_unique() == 2
+
+    out = run("query", "--store", str(store), "SELECT revision, count(*) AS n, "
+              "count(loss) AS with_loss FROM tokens GROUP BY ALL ORDER BY revision")  # fmt: skip
+    assert "step1000" in out and "step2000" in out
+    views = st.duckdb()
+    for view in st.tables():
+        assert "revision" in views.sql(f"SELECT * FROM {view} LIMIT 0").columns
+    joined = views.sql(
+        "SELECT m.step, avg(t.loss) FROM tokens t JOIN models m USING (model, revision) "
+        "GROUP BY ALL ORDER BY m.step"
+    ).fetchall()
+    assert [s for s, _ in joined] == [1000, 2000]
+
+    points = law_points(store)
+    assert points.height == 2 and points["loss"].is_finite().all()
+    assert points["tokens_seen"].to_list() == [1000 * STEP_TOKENS, 2000 * STEP_TOKENS]
+    assert 0 < abs(points["loss"][1] - points["loss"][0]) < 0.5  # close, not equal weights
+    assert (points["n_tokens"] > 0).all()
+
+    report = tmp_path / "report"
+    run("report", "--store", str(store), "--out", str(report))
+    text = (report / "report.md").read_text()
+    section = text.split("Checkpoints: summaries against the training step")[1]
+    assert "step1000" in section and "step2000" in section
+
+
+def to_version_4(root: Path) -> None:
+    """Rewrite a store as schema version 4 wrote it: no ``revision=`` folder level, the hub
+    commit in the manifest's ``revision``, no model facts, ``tokens`` without ``loss``."""
+    for folder in sorted(root.glob("*/model=*/revision=*")):
+        for task in folder.iterdir():
+            task.rename(folder.parent / task.name)
+        folder.rmdir()
+    for path in root.glob("manifests/model=*/task=*/manifest.json"):
+        data = json.loads(path.read_text())
+        data.update(schema_version=4, revision=data["commit"])
+        for name in ("commit", "step", "tokens_seen", "weights_hash", "n_layers", "vocab_size",
+                     "n_params_non_embedding", "weights"):  # fmt: skip
+            del data[name]
+        path.write_text(json.dumps(data))
+    old = tables_of(4)["tokens"]
+    for part in root.glob("tokens/model=*/task=*/*.parquet"):
+        pq.write_table(pq.read_table(part).drop(["loss"]).cast(old), part)
+
+
+def test_a_version_4_store_reads_as_revision_main(tmp_path: Path) -> None:
+    out, tmp_path = tmp_path / "out", tmp_path / "store"
+    rng = np.random.default_rng(0)
+    logits, gold, rms, kinds = random_partition(rng, 6, 2, 2)
+    write_partition(tmp_path, "org/m", "choice", logits, gold, kinds, rms, chunk=3)
+    chunks = [(s, 2, text_chunk(rng, range(s, s + 2), 8, 2)) for s in (0, 2)]
+    write_text_partition(tmp_path, text_manifest("org/m", "txt", 4, 2, 8, 2), chunks)
+    to_version_4(tmp_path)
+    assert not list(tmp_path.glob("*/*/revision=*"))
+
+    st = Store(tmp_path)
+    assert not st.unreadable
+    assert {(p.key.revision, p.manifest.schema_version) for p in st.partitions} == {("main", 4)}
+    assert st.manifests()["revision"].to_list() == ["main", "main"]
+    tokens = st.scan("tokens").collect()
+    assert tokens.height > 0 and tokens["loss"].null_count() == tokens.height
+    assert tokens.columns[-len(KEY) :] == list(KEY)
+    assert st.duckdb().sql("SELECT DISTINCT revision FROM tokens").fetchall() == [("main",)]
+    assert st.models()["depth"].to_list() == [2]  # the block calls, where not recorded
+    with pytest.raises(Exception, match="before the model's loss was stored"):
+        law_points(st)
+    run("analyze", "--store", str(tmp_path), "--out", str(out))
+
+    # Extracting into it again under the same key is refused, not stored twice.
+    from layerdiv.store.manifest import Identity
+    from layerdiv.store.writer import PartitionWriter, StoreConflict
+
+    writer = PartitionWriter(tmp_path, "org/m", "choice")
+    ident = Identity("org/m", "main", "x", "float32", "t", None, ())
+    with pytest.raises(StoreConflict, match="layout of schema version 4"):
+        writer.check(ident, overwrite=False)
+
+
+def test_one_partition_key_reads_the_same_in_both_layouts(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    logits, gold, rms, kinds = random_partition(rng, 4, 2, 2)
+    for name in ("new", "old"):
+        write_partition(tmp_path / name, "org/m", "t", logits, gold, kinds, rms, chunk=2)
+    to_version_4(tmp_path / "old")
+    new, old = (Store(tmp_path / n).scan("components").collect() for n in ("new", "old"))
+    assert new.equals(old) and set(new["revision"]) == {"main"}
+    assert pl.Series(Store(tmp_path / "old").partitions[0].key.dirs()).str.contains("=").all()
