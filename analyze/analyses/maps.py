@@ -289,7 +289,7 @@ def maps_figure(maps: pl.DataFrame, best: pl.DataFrame, names: dict[str, str]) -
                         "same relative depth",
                         diagonal,
                         list(range(n_a)),
-                        color="white",
+                        color="gray",
                         dash="dash",
                         marker=None,
                     ),
@@ -310,13 +310,16 @@ def maps_figure(maps: pl.DataFrame, best: pl.DataFrame, names: dict[str, str]) -
                 f"{src} -> {tgt}, {space}: best target",
                 series=[
                     plots.Series(
-                        "best target", b["source_depth"].to_list(), b["target_depth"].to_list()
+                        "best target",
+                        b["source_depth"].to_list(),
+                        b["target_depth"].to_list(),
+                        color="red",
                     ),
                     plots.Series(
                         "same relative depth",
                         [0, 1],
                         [0, 1],
-                        color="black",
+                        color="gray",
                         dash="dash",
                         marker=None,
                     ),
