@@ -82,4 +82,4 @@ def test_stored_tables_equal_the_recorded_frames(
         want = recorded[table].sort(exact)
         assert_frame_equal(got.select(exact), want.select(exact), check_exact=True)
         close = [c for c in kept if c in LENS_STATISTICS]
-        assert_frame_equal(got.select(close), want.select(close), rtol=1e-5, atol=1e-7)
+        assert_frame_equal(got.select(close), want.select(close), rel_tol=1e-5, abs_tol=1e-7)
