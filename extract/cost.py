@@ -183,13 +183,16 @@ def estimate_line(total: float, device: str) -> str | None:
 
 def cost_rows(shape: Shape, tokens: dict[str, int]) -> list[list[str]]:
     """The docs' cost table: per task kind and option, the forward passes over a sequence of
-    ``tokens[kind]`` tokens and the CPU seconds per 1,000 tokens."""
+    ``tokens[kind]`` tokens, the CPU seconds per 1,000 tokens and the GPU milliseconds per 1,000
+    tokens (at the H100 rate of :data:`GPU_FLOPS`, measured on an 8B model: a small model keeps
+    an H100 less busy, so take it as a lower bound)."""
     rows = []
     for kind, options in OPTIONS.items():
         n = tokens[kind]
         for option in options:
             work = passes(shape, kind, option, n)
             per_1k = seconds(shape, work, n) * 1000 / n
+            gpu_ms = seconds(shape, work, n, "gpu") * 1000 / n * 1000
             flag = f"`--{option}`" if option else "no option"
-            rows.append([kind, str(n), flag, f"{work:.2f}", f"{per_1k:.1f}"])
+            rows.append([kind, str(n), flag, f"{work:.2f}", f"{per_1k:.1f}", f"{gpu_ms:.2g}"])
     return rows

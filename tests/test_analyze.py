@@ -383,6 +383,7 @@ def test_inverse_depth_fit_recovers_parameters() -> None:
     frame = pl.DataFrame(
         {
             "model": "m",
+            "revision": "main",
             "estimator": "paper",
             "j": j,
             "n_params": 1,
@@ -467,7 +468,14 @@ def test_saturation_on_a_known_curve() -> None:
 
     acc = [0.30, 0.50, 0.71, 0.60, 0.712, 0.72, 0.715, 0.72]
     frame = pl.DataFrame(
-        {"model": "m", "task": "t", "estimator": "paper", "j": range(1, 9), "accuracy": acc}
+        {
+            "model": "m",
+            "revision": "main",
+            "task": "t",
+            "estimator": "paper",
+            "j": range(1, 9),
+            "accuracy": acc,
+        }
     )
     row = saturation(frame).row(0, named=True)
     # 0.71 is within 1 point of 0.72, but 0.60 after it is not: saturation starts at j = 5.
@@ -534,5 +542,5 @@ def test_partition_with_missing_rows_is_refused(tmp_path: Path, parts: list[Part
     import pyarrow.parquet as pq
 
     pq.write_table(pq.read_table(part_file).slice(0, table.height - 1), part_file)
-    with pytest.raises(StoreError, match="exactly once"):
+    with pytest.raises(StoreError, match="rows where the chunk needs"):
         analyze(tmp_path)

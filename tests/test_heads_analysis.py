@@ -145,10 +145,10 @@ def test_partition_without_heads_is_noted_and_refused_by_the_api(tables, store) 
     frames, notes = tables
     plain = frames["head_summary"].filter(pl.col("model") == "org--plain").row(0, named=True)
     assert plain["n_heads"] is None and plain["n_components"] == 1 + 2 * BLOCKS
-    assert any("org--plain/task" in n and "extract --heads" in n for n in notes)
+    assert any("org--plain/main/task" in n and "extract --heads" in n for n in notes)
     assert frames["reweight"].filter(pl.col("model") == "org--plain")["members"].item() == "blocks"
     with pytest.raises(
-        NoHeadsError, match=r"no heads stored for org--plain/task: .*--heads"
+        NoHeadsError, match=r"no heads stored for org--plain/main/task: .*--heads"
     ) as err:
         head_scores(store, tasks=["task"])
     assert "\n" not in str(err.value)

@@ -686,7 +686,7 @@ def heads_section(ctx: ReportContext) -> str:
                 summary.select(*KEY, pl.col("accuracy").alias("full")),
                 on=[*KEY],
             )
-            .sort(*KEY, "calibrated_accuracy", descending=[False, False, True])
+            .sort(*KEY, "calibrated_accuracy", descending=[*(False for _ in KEY), True])
         )
         parts += [
             f"### Top {TOP_HEADS} heads per task by calibrated accuracy",
