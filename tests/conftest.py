@@ -224,7 +224,7 @@ def make_task() -> Any:
 
 def stored_counts(output: str, task: str = "reviews") -> tuple[int, int, int]:
     """(instances stored, requested, new this run) from ``layerdiv extract``'s summary line."""
-    pattern = rf"\b{task}: (\d+)/(\d+) instances stored \((?:(\d+) new|nothing to do)"
+    pattern = rf"\b{task}: (\d+)/(\d+) instances stored \((?:(\d+) new|none new|nothing to do)"
     m = re.search(pattern, output)
     assert m, output
     return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)

@@ -373,6 +373,7 @@ def test_store_tables_match_numpy_and_batching(tmp_path, monkeypatch) -> None:
         "text_skips",
         "text_profiles",
         "text_groups",
+        "maps",
     ]
     ref = reference_geometry(h0, attn, mlp)
     geo = results.text_geometry.sort("block")
