@@ -4,8 +4,8 @@
 >>> results = layerdiv.run_analysis(path, tasks="boolq")
 >>> results.scores.select("model", "estimator", "accuracy").shape
 (4, 3)
->>> layerdiv.analyze.task_summary(results).columns[-3:]
-['diversity', 'saturation_j', 'saturation_fraction']
+>>> tuple(layerdiv.analyze.task_summary(results).columns[-3:])
+('diversity', 'saturation_j', 'saturation_fraction')
 """
 
 from __future__ import annotations
