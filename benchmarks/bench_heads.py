@@ -16,16 +16,14 @@ when it already has the same shape.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import add_quick
+from common import add_quick, stamp_rows, stored_rows
 
 ANALYSE = """
 import sys, time
@@ -58,11 +56,10 @@ def ensure_store(root: Path, layers: int, heads: int, tasks: int, instances: int
         write_partition,
     )
 
-    stamp = root / "bench.json"
     shape = {"layers": layers, "heads": heads, "tasks": tasks, "instances": instances}
-    if stamp.is_file() and json.loads(stamp.read_text())["shape"] == shape:
-        return int(json.loads(stamp.read_text())["rows"])
-    shutil.rmtree(root, ignore_errors=True)
+    found = stored_rows(root, shape)
+    if found is not None:
+        return found
     rng = np.random.default_rng(0)
     rows, start = 0, time.perf_counter()
     for t in range(tasks):
@@ -84,7 +81,7 @@ def ensure_store(root: Path, layers: int, heads: int, tasks: int, instances: int
         )
         rows += head_logits.size
     print(f"synthesised {rows:,} head-option rows in {time.perf_counter() - start:.1f} s")
-    stamp.write_text(json.dumps({"shape": shape, "rows": rows}))
+    stamp_rows(root, shape, rows)
     return rows
 
 

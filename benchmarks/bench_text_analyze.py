@@ -23,27 +23,25 @@ when one of the same shape is there.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import add_quick
+from common import add_quick, stamp_rows, stored_rows
 
 
 def ensure_store(root: Path, shape: dict[str, int | bool]) -> int:
-    """Synthesise the store unless one of the same shape is already at ``root``; its rows."""
+    """Synthesise the store unless one of the same shape and layout is already at ``root``; its
+    rows."""
     from layerdiv.analyze.synthetic import synthesize_text_store
 
-    stamp = root / "bench.json"
-    if stamp.is_file() and json.loads(stamp.read_text())["shape"] == shape:
-        return int(json.loads(stamp.read_text())["rows"])
-    shutil.rmtree(root, ignore_errors=True)
+    rows = stored_rows(root, shape)
+    if rows is not None:
+        return rows
     start = time.perf_counter()
     rows = synthesize_text_store(
         root,
@@ -55,7 +53,7 @@ def ensure_store(root: Path, shape: dict[str, int | bool]) -> int:
         skips=bool(shape["skips"]),
     )
     print(f"synthesised {rows:,} token_blocks rows in {time.perf_counter() - start:.0f} s")
-    stamp.write_text(json.dumps({"shape": shape, "rows": rows}))
+    stamp_rows(root, shape, rows)
     return rows
 
 

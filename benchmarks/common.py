@@ -7,9 +7,11 @@ benchmark tables of the docs and the README."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -67,3 +69,32 @@ def record(name: str, columns: list[str], rows: list[list[Any]], loads: list[flo
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"results written to {os.path.relpath(path, ROOT)}")
     return path
+
+
+def _layout() -> str:
+    """A digest of the store layout this code writes (the key columns and every table's schema),
+    so that a store synthesised by another release is not reused."""
+    from layerdiv.schemas import SCHEMA_VERSION, tables_of
+    from layerdiv.store.key import KEY
+
+    schemas = sorted((name, str(schema)) for name, schema in tables_of(SCHEMA_VERSION).items())
+    return hashlib.sha256(repr((KEY, schemas)).encode()).hexdigest()
+
+
+def stored_rows(root: Path, shape: dict[str, Any]) -> int | None:
+    """The rows of the synthetic store at ``root`` if it has this ``shape`` and this release's
+    layout (its ``bench.json``); otherwise None, with the folder removed for a new one."""
+    stamp = root / "bench.json"
+    if stamp.is_file():
+        found = json.loads(stamp.read_text())
+        if found.get("shape") == shape and found.get("layout") == _layout():
+            return int(found["rows"])
+    shutil.rmtree(root, ignore_errors=True)
+    return None
+
+
+def stamp_rows(root: Path, shape: dict[str, Any], rows: int) -> None:
+    """Record that the store at ``root`` has this ``shape``, layout and ``rows``."""
+    (root / "bench.json").write_text(
+        json.dumps({"shape": shape, "layout": _layout(), "rows": rows})
+    )

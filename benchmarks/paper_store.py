@@ -5,16 +5,14 @@ a ``layerdiv`` command in a fresh process."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import add_quick
+from common import add_quick, stamp_rows, stored_rows
 
 
 def store_parser(doc: str) -> argparse.ArgumentParser:
@@ -45,15 +43,14 @@ def ensure_store(root: Path, models: int, tasks: int, instances: int) -> int:
     """Synthesise the store unless a store of the same shape is already at ``root``."""
     from layerdiv.analyze.synthetic import synthesize_store
 
-    stamp = root / "bench.json"
     shape = {"models": models, "tasks": tasks, "instances": instances}
-    if stamp.is_file() and json.loads(stamp.read_text())["shape"] == shape:
-        return int(json.loads(stamp.read_text())["rows"])
-    shutil.rmtree(root, ignore_errors=True)
+    rows = stored_rows(root, shape)
+    if rows is not None:
+        return rows
     start = time.perf_counter()
     rows = synthesize_store(root, models, tasks, instances, progress=True)
     print(f"synthesised {rows:,} component-option rows in {time.perf_counter() - start:.1f} s")
-    stamp.write_text(json.dumps({"shape": shape, "rows": rows}))
+    stamp_rows(root, shape, rows)
     return rows
 
 
