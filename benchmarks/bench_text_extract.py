@@ -2,7 +2,8 @@
 forward pass over the same documents and batches (SmolLM2-135M-Instruct, fp32, BBC News).
 
     python benchmarks/bench_text_extract.py [--docs 4] [--max-tokens 256] [--batch-size 4]
-                                             [--repeats 3] [--rows text,lens,...] [--quick]
+                                             [--repeats 3] [--rows text,lens,...] [--threads 1]
+                                             [--quick]
 
 ``--docs`` packaged BBC News articles (title and first paragraphs, evenly spread over the corpus)
 are tokenized as a text task does (``tokenize_documents``, cut to ``--max-tokens``) and grouped
@@ -32,7 +33,10 @@ Targets: ``text`` at most 1.10 x plain; a row that adds FLOPs at most 1.15 x (it
 forward's). Each repeat runs every row once, in rotating order, after an untimed warm-up on a
 short batch; the table shows median wall and CPU seconds (the process's, all threads) and the
 median over repeats of (row / plain) within a repeat. The verdict is on the CPU-time ratio: on a
-machine shared with other work, wall time also measures their load.
+machine shared with other work, wall time also measures their load. Torch runs ``--threads``
+threads (default 1): with one, CPU time is the work itself; with more, on a busy machine, it also
+counts the threads of every parallel operation spinning while they wait for each other, which
+inflates the many small operations of the forward far more than the large readout matmuls.
 """
 
 from __future__ import annotations
@@ -214,10 +218,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of every row")
     parser.add_argument("--rows", default="text,lens,lens last-block",
                         help="rows besides plain, comma-separated (also: skips)")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
     add_quick(parser)
     args = parser.parse_args()
     if args.quick:
         args.docs, args.max_tokens, args.batch_size, args.repeats = 2, 24, 2, 1
+    torch.set_num_threads(args.threads)
     print(f"command: {shlex.join(['python', *sys.argv])}")
     versions = ", ".join(f"{d} {metadata.version(d)}" for d in ("torch", "transformers"))
     print(f"machine: {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; {versions}")
@@ -247,12 +253,13 @@ def main() -> None:
     shares = split(table, data, statistics.median(t[1] for t in times["plain"]))
     loads.append(os.getloadavg()[0])
     if not args.quick:
-        suffix = (
-            "" if args.rows == parser.get_default("rows") else "-" + args.rows.replace(",", "-")
-        )
-        record(f"bench_text_extract{suffix}".replace(" ", "-"), COLUMNS, results, loads,
+        # the defaults' results file, or one named after the rows and threads asked for
+        suffix = "" if args.rows == parser.get_default("rows") else "-" + args.rows
+        suffix += "" if args.threads == parser.get_default("threads") else f"-{args.threads}threads"
+        name = f"bench_text_extract{suffix}".replace(" ", "-").replace(",", "-")
+        record(name, COLUMNS, results, loads,
                formats=FORMATS, forward_gflop=round(flops["forward"] / 1e9, 1),
-               repeats=args.repeats, split=shares)  # fmt: skip
+               repeats=args.repeats, threads=args.threads, split=shares)  # fmt: skip
 
 
 COLUMNS = ["row", "wall s", "wall ratio", "CPU s", "CPU ratio", "FLOP ratio", "target", "result"]

@@ -16,7 +16,8 @@ import torch
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.adapters import Adapter, get_module
 from layerdiv.extract.hooks import Hooks, unique_blocks
-from layerdiv.extract.readout import LensReference, Readout, lens_stats, onloaded
+from layerdiv.extract.lens import Lens, LensReference, lens_stats
+from layerdiv.extract.readout import Readout, onloaded
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
 
@@ -72,7 +73,7 @@ class BatchDecomposition:
     """(B, C(C+1)/2) upper triangle of z_a . z_b over the C components without bias, row by row
     (``layerdiv.schemas.GRAM``); only with ``gram=True``."""
     lens: torch.Tensor | None = None
-    """(B, L + 1, 2 + K) with ``lens=True``: per layer l = 0..L the logit lens at the last prompt
+    """(B, L + 1, 2 + K) with a lens: per layer l = 0..L the logit lens at the last prompt
     token (p_l from block l's input, p_L the model's output): kl, top5_overlap and log p_l of
     each option's token (``layerdiv.schemas.LENS``; ce is that of the gold option)."""
     measured: dict[str, Sequence[Any]] = field(default_factory=dict)
@@ -81,22 +82,24 @@ class BatchDecomposition:
 
 
 class ComponentCapture(Hooks):
-    """Hooks on one model; :meth:`decompose` after each forward pass gives the batch's results."""
+    """Hooks on one model (``readout``: the model's); :meth:`decompose` after each forward pass
+    gives the batch's results, with ``lens`` the logit lens at the last prompt token."""
 
     def __init__(
         self,
         model: Any,
         adapter: Adapter,
+        readout: Readout,
         option_ids: list[int],
         gram: bool = False,
-        lens: bool = False,
+        lens: Lens | None = None,
     ):
         super().__init__()
         self.adapter = adapter
         self.gram = gram
         self.lens = lens
         blocks = get_module(model, adapter.blocks)
-        self.readout = Readout(model, adapter)
+        self.readout = readout
         self.norm, head = self.readout.norm, self.readout.head
         with onloaded(head):  # weights offloaded by accelerate (--device-map) are loaded here
             ids = torch.tensor(option_ids, device=head.weight.device)
@@ -218,7 +221,7 @@ class ComponentCapture(Hooks):
         if self.gram:  # methods §7: every norm and angle of any partial sum
             upper = torch.triu_indices(z.shape[1], z.shape[1], device=z.device)
             gram = (z @ z.transpose(1, 2))[:, upper[0], upper[1]].cpu()
-        lens = self._lens(prefix, x) if self.lens else None
+        lens = None if self.lens is None else self._lens(self.lens, prefix, x)
         total = logits.sum(dim=1)
         spread = logits.abs().sum(dim=1).amax(dim=-1).clamp(min=1.0)
         sum_error = (total - head).abs().amax(dim=-1) / spread
@@ -236,14 +239,14 @@ class ComponentCapture(Hooks):
             lens=lens,
         )
 
-    def _lens(self, prefix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The logit lens at the last prompt token (methods §9): block l's input h_l is
-        the prefix just before its ``attn`` component, read out by the model's own final
-        norm and unembedding; layer L is the full residual x."""
+    def _lens(self, lens: Lens, prefix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The logit ``lens`` at the last prompt token (methods §9): block l's input h_l is
+        the prefix just before its ``attn`` component; layer L is the full residual x (read
+        out as the model reads it: by the ``final`` lens, the one a choice task takes)."""
         blocks = [c for c, (kind, _) in enumerate(self._records) if kind == "attn"]
         states = [prefix[:, c - 1] for c in blocks] + [x]
         dtype = self.readout.head.weight.dtype
-        logits = self.readout.logits(torch.stack(states, 1).to(dtype))
+        logits = lens.logits(torch.stack(states, 1).to(dtype))
         ids = self.option_ids.to(logits.device)
         return lens_stats(logits, LensReference(logits[:, -1:]), ids).cpu()
 

@@ -16,11 +16,14 @@ from layerdiv.extract.batching import batches
 from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
 from layerdiv.extract.future import FutureEffects, SkipSettings
 from layerdiv.extract.heads import HeadCapture
+from layerdiv.extract.lens import make_lens
 from layerdiv.extract.models import LoadedModel
+from layerdiv.extract.readout import Readout
 from layerdiv.extract.skips import BlockSkipper
 from layerdiv.extract.text import TextBatch, TextCapture
 from layerdiv.measurements import RowsCapture, for_kind
 from layerdiv.measurements.future import future_rows
+from layerdiv.measurements.lens import LENS
 from layerdiv.store.tables import (
     components_table,
     documents_table,
@@ -94,15 +97,20 @@ class ModelRunner:
         self.loaded = loaded
         self.budget = budget
         """Padded tokens per batch for automatic batching (lowered on out-of-memory)."""
-        self.text = (
-            TextCapture(loaded.model, adapter, lens if "token_lens" in extra_tables else None)
-            if kind == "text"
+        model = loaded.model
+        self.readout = Readout(model, adapter)
+        """The model's final norm and unembedding, shared by every capture that reads out."""
+        self.lens = (
+            make_lens(lens or "final", model, adapter, self.readout)
+            if set(LENS.tables[kind]) & set(extra_tables)
             else None
         )
+        """With ``--lens``: the logit lens it names (methods §9)."""
+        self.text = TextCapture(model, adapter, self.readout, self.lens) if kind == "text" else None
         """Text tasks: the per-token capture (methods §9); the choice captures are
         not attached."""
         self.future = (
-            FutureEffects(loaded.model, adapter, self.text.readout, skips)
+            FutureEffects(model, adapter, self.readout, skips)
             if self.text is not None and skips is not None
             else None
         )
@@ -111,11 +119,7 @@ class ModelRunner:
             None
             if self.text is not None
             else ComponentCapture(
-                loaded.model,
-                adapter,
-                option_ids,
-                gram="gram" in extra_tables,
-                lens="lens" in extra_tables,
+                model, adapter, self.readout, option_ids, "gram" in extra_tables, self.lens
             )
         )
         self.heads = (

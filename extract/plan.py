@@ -14,6 +14,7 @@ from layerdiv.extract.batching import tokenize_documents
 from layerdiv.extract.config import ExtractConfig
 from layerdiv.extract.facts import revision_facts
 from layerdiv.extract.future import SPLIT_MARGIN, SPLIT_STEP, SkipSettings
+from layerdiv.extract.lens import LENSES
 from layerdiv.extract.models import context_length
 from layerdiv.extract.tasks import (
     Instance,
@@ -26,6 +27,7 @@ from layerdiv.extract.tasks import (
 )
 from layerdiv.measurements import Measurement, for_kind, registered
 from layerdiv.measurements.future import FUTURE
+from layerdiv.measurements.lens import LENS
 from layerdiv.store.manifest import read_manifest
 from layerdiv.store.writer import PartitionWriter
 
@@ -78,7 +80,7 @@ def plan_task(
                 "fix the data or the task's text template, or filter such rows out"
             )
         future = list(FUTURE.tables["text"])
-        asked = (["token_lens"] if cfg.lens else []) + (future if cfg.skips else [])
+        asked = (list(LENS.tables["text"]) if cfg.lens else []) + (future if cfg.skips else [])
         tables = chunks.extra_tables(writer, [*asked, *cfg.measured_tables("text")], cfg.overwrite)
         skips = _skip_settings(writer, cfg) if future[0] in tables else None
         measures = _measure_settings(writer, cfg, spec, tables)
@@ -89,13 +91,14 @@ def plan_task(
             f"task {spec.name} is a choice task: {', '.join(given)} applies to text tasks only "
             "(--skips on a choice task skips each block whole at the last prompt token)"
         )
-    if cfg.lens == "last-block":
+    if cfg.lens is not None and "choice" not in LENSES[cfg.lens].kinds:
         raise TaskError(
-            f"task {spec.name} is a choice task: --lens last-block applies to text tasks only "
+            f"task {spec.name} is a choice task: --lens {cfg.lens} applies to text tasks only "
             "(a choice task keeps the last prompt token alone); use --lens"
         )
     ids = option_token_ids(spec, tokenizer, items[0].prompt)
-    asked = [*cfg.extra_tables, *(["lens"] if cfg.lens else []), *cfg.measured_tables("choice")]
+    lens = list(LENS.tables["choice"]) if cfg.lens else []
+    asked = [*cfg.extra_tables, *lens, *cfg.measured_tables("choice")]
     tables = chunks.extra_tables(writer, asked, cfg.overwrite)
     measures = _measure_settings(writer, cfg, spec, tables)
     return TaskPlan(spec, items, ids, sha, writer, tables, argument, measures=measures)

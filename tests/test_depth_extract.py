@@ -12,6 +12,7 @@ import torch
 
 from layerdiv.extract.adapters import adapter_for, get_module
 from layerdiv.extract.capture import ComponentCapture
+from layerdiv.extract.readout import Readout
 from layerdiv.extract.skips import BlockSkipper
 from layerdiv.schemas import gram_index
 
@@ -124,7 +125,8 @@ def hooked_outputs(
 
 
 def decompose_with_gram(model: Any) -> Any:
-    capture = ComponentCapture(model, adapter_for(model.config), OPTIONS, gram=True)
+    adapter = adapter_for(model.config)
+    capture = ComponentCapture(model, adapter, Readout(model, adapter), OPTIONS, gram=True)
     try:
         with torch.inference_mode():
             model(**batch(PROMPTS), use_cache=False)
