@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 import yaml
-from common import add_quick
+from common import add_quick, record
 
 # Shapes copied from the models' config.json on the hub (weights are random: timing only).
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -197,10 +198,11 @@ def plain_forward(model: Any, seqs: list[list[int]], batch_size: int, pad: int) 
 def bench_model(
     name: str, assets: Path, peak: float | None, rounds: int, plain_batch: int,
     device: torch.device,
-) -> None:  # fmt: skip
+) -> list[Any]:  # fmt: skip
     """Extraction and plain forward of the model ``name`` (:data:`CONFIGS`, or ``quick``: the
     tiny :data:`QUICK_CONFIG`) on ``device`` (bf16 on a GPU, fp32 on the CPU); ``peak``: the
-    measured matmul peak the useful throughput is a share of (None on the CPU)."""
+    measured matmul peak the useful throughput is a share of (None on the CPU). Returns its row of
+    the results file (:data:`COLUMNS`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from layerdiv.extract.adapters import adapter_for
@@ -274,6 +276,10 @@ def bench_model(
             f"-> extraction / plain = {sec / plain:.2f}"
         )
         print(f"peak GPU memory allocated: {peak_mem:.1f} GiB")
+        share_cell = f"{flops / sec / 1e12 / peak:.1%}" if peak else "-"
+        return [f"{name} ({n_params / 1e9:.1f}B)", round(len(seqs) / sec),
+                round(sum(lengths) / sec), round(flops / sec / 1e12), share_cell,
+                round(sec / plain, 2), f"{peak_mem:.1f} GiB"]  # fmt: skip
     finally:
         shutil.rmtree(store, ignore_errors=True)
         del model, loaded
@@ -313,8 +319,19 @@ def main() -> None:
         f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; "
         f"bf16 matmul peak measured: {peak:.0f} TFLOP/s"
     )
-    for name in args.models:
-        bench_model(name, args.assets, peak, args.rounds, args.plain_batch, device)
+    loads = [os.getloadavg()[0]]
+    rows = [bench_model(name, args.assets, peak, args.rounds, args.plain_batch, device)
+            for name in args.models]  # fmt: skip
+    loads.append(os.getloadavg()[0])
+    columns = [*COLUMNS[:4], f"share of measured bf16 matmul peak ({peak:.0f} TFLOP/s)",
+               *COLUMNS[5:]]  # fmt: skip
+    record("bench_gpu", columns, rows, loads, formats=["", ",.0f", ",.0f", ".0f", "", ".2f", ""],
+           machine=f"one {torch.cuda.get_device_name(device)}")  # fmt: skip
+
+
+COLUMNS = ["model", "instances/s", "tokens/s", "useful TFLOP/s", "share of the bf16 matmul peak",
+           "time / plain forward", "peak GPU memory"]  # fmt: skip
+"""The results file's columns."""
 
 
 if __name__ == "__main__":
