@@ -97,11 +97,10 @@ def scaling(args: argparse.Namespace, scales: list[int]) -> None:
         table.append([scale, args.models * scale, rows, round(wall, 1), round(peak),
                       round(per_row, 2), round(peak / peak0, 2)])  # fmt: skip
     loads.append(os.getloadavg()[0])
-    if not args.quick:
-        columns = ["scale", "models", "rows", "wall s", "peak RSS MiB", "wall per row, relative",
-                   "peak, relative"]  # fmt: skip
-        record("bench_analyze-scales", columns, table, loads,
-               formats=["", "", ",", ".1f", ".0f", ".2f", ".2f"])  # fmt: skip
+    columns = ["scale", "models", "rows", "wall s", "peak RSS MiB", "wall per row, relative",
+               "peak, relative"]  # fmt: skip
+    record("bench_analyze-scales", columns, table, loads,
+           formats=["", "", ",", ".1f", ".0f", ".2f", ".2f"])  # fmt: skip
 
 
 def main() -> None:
@@ -172,10 +171,9 @@ def main() -> None:
     for label, wall, peak in results:
         print(f"{label:<{width}}  {wall:9.2f}  {peak:14.0f}")
     loads.append(os.getloadavg()[0])
-    if not args.quick:
-        table = [[label, round(wall, 2), round(peak)] for label, wall, peak in results]
-        record("bench_analyze", ["step", "wall s", "peak RSS MiB"], table, loads,
-               formats=["", ".2f", ".0f"])  # fmt: skip
+    table = [[label, round(wall, 2), round(peak)] for label, wall, peak in results]
+    record("bench_analyze", ["step", "wall s", "peak RSS MiB"], table, loads,
+           formats=["", ".2f", ".0f"])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -56,13 +56,12 @@ def main() -> None:
     local, ray = (statistics.median(walls[k]) for k in ("local", "ray"))
     print(f"median wall: local {local:.1f} s, ray {ray:.1f} s: ray / local = {ray / local:.2f} "
           f"on {os.cpu_count()} cores (target <= 1.3)")  # fmt: skip
-    if not args.quick:
-        rows = [[i + 1, round(walls["local"][i], 1), round(walls["ray"][i], 1),
-                 f"{rss_mib['local'][i]:.0f} / {rss_mib['ray'][i]:.0f}"]
-                for i in range(args.repeat)]  # fmt: skip
-        columns = ["run", "local wall s", "ray wall s", "driver peak RSS MiB (local / ray)"]
-        record("bench_cluster", columns, rows, loads, formats=["", ".1f", ".1f", ""],
-               ray_over_local=round(ray / local, 2))  # fmt: skip
+    rows = [[i + 1, round(walls["local"][i], 1), round(walls["ray"][i], 1),
+             f"{rss_mib['local'][i]:.0f} / {rss_mib['ray'][i]:.0f}"]
+            for i in range(args.repeat)]  # fmt: skip
+    columns = ["run", "local wall s", "ray wall s", "driver peak RSS MiB (local / ray)"]
+    record("bench_cluster", columns, rows, loads, formats=["", ".1f", ".1f", ""],
+           ray_over_local=round(ray / local, 2))  # fmt: skip
 
 
 if __name__ == "__main__":

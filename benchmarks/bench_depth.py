@@ -111,9 +111,8 @@ def main() -> None:
             print(f"{label:<46}{wall:8.1f}{cpu:8.1f}{cpu / plain[1]:12.2f}")
             rows.append([label, round(wall, 1), round(cpu, 1), round(cpu / plain[1], 2)])
         loads.append(os.getloadavg()[0])
-        if not args.quick:
-            record("bench_depth", ["run", "wall s", "CPU s", "CPU time / plain extraction"],
-                   rows, loads, formats=["", ".1f", ".1f", ".2f"])  # fmt: skip
+        record("bench_depth", ["run", "wall s", "CPU s", "CPU time / plain extraction"],
+               rows, loads, formats=["", ".1f", ".1f", ".2f"])  # fmt: skip
         raw = n_comp * (n_comp + 1) // 2 * 4
         print(
             f"Gram table: {gram_bytes / n_inst:,.0f} bytes per instance on disk (zstd Parquet), "

@@ -496,9 +496,8 @@ def main() -> None:
     table = report(times, memory, len(lengths), args.batch_size)
     loads.append(os.getloadavg()[0])
     print(f"\nload average at the end: {loads[-1]:.2f}")
-    if not args.quick:
-        record("bench_extract", COLUMNS, table, loads,
-               formats=["", ".2f", ".1f", ".3f", ".0f", ".3f"])  # fmt: skip
+    record("bench_extract", COLUMNS, table, loads,
+           formats=["", ".2f", ".1f", ".3f", ".0f", ".3f"])  # fmt: skip
 
 
 def _cpu() -> str:

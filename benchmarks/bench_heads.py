@@ -127,14 +127,13 @@ def main() -> None:
     print(f"CPU time of that process (user + system):    {cpu:6.2f} s")
     print(f"peak RSS:                                    {usage.ru_maxrss / 1024:6.0f} MiB")
     loads.append(os.getloadavg()[0])
-    if not args.quick:
-        table: list[tuple[str, float]] = [
-                 ("heads tables (scores, summary, reweighting)", tables_s),
-                 ("heads report section (tables, heatmap PNG)", report_s),
-                 ("whole process, wall (imports included)", wall),
-                 ("whole process, CPU time (user + system)", cpu)]  # fmt: skip
-        record("bench_heads", ["step", "seconds"], [[k, round(v, 2)] for k, v in table], loads,
-               formats=["", ".2f"], peak_rss_mib=round(usage.ru_maxrss / 1024))  # fmt: skip
+    table: list[tuple[str, float]] = [
+             ("heads tables (scores, summary, reweighting)", tables_s),
+             ("heads report section (tables, heatmap PNG)", report_s),
+             ("whole process, wall (imports included)", wall),
+             ("whole process, CPU time (user + system)", cpu)]  # fmt: skip
+    record("bench_heads", ["step", "seconds"], [[k, round(v, 2)] for k, v in table], loads,
+           formats=["", ".2f"], peak_rss_mib=round(usage.ru_maxrss / 1024))  # fmt: skip
 
 
 if __name__ == "__main__":

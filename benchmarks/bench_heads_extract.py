@@ -110,11 +110,10 @@ def main() -> None:
         )
     for table, size in sizes.items():
         print(f"{table} table: {size / n:9.0f} bytes per instance (Parquet, zstd)")
-    if not args.quick:
-        columns = ["measure", "without `--heads` (median s)", "with `--heads` (median s)",
-                   "median per-round ratio"]  # fmt: skip
-        record("bench_heads_extract", columns, rows, loads, formats=["", ".2f", ".2f", ".3f"],
-               threads=torch.get_num_threads())  # fmt: skip
+    columns = ["measure", "without `--heads` (median s)", "with `--heads` (median s)",
+               "median per-round ratio"]  # fmt: skip
+    record("bench_heads_extract", columns, rows, loads, formats=["", ".2f", ".2f", ".3f"],
+           threads=torch.get_num_threads())  # fmt: skip
 
 
 def table_sizes(store: Path) -> dict[str, int]:

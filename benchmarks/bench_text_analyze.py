@@ -162,7 +162,7 @@ def main() -> None:
             f"{cpu / args.models:13.1f}  {peak:14.0f}"
         )
     loads.append(os.getloadavg()[0])
-    if not args.quick and not (args.lens or args.skips):  # the docs' table: token_blocks alone
+    if not (args.lens or args.skips):  # the docs' table: token_blocks alone
         columns = ["documents", "token_blocks rows", "wall (s)", "wall/model (s)", "CPU (s)",
                    "CPU/model (s)", "peak RSS (MiB)"]  # fmt: skip
         table = [[docs, rows, round(wall, 1), round(wall / args.models, 1), round(cpu, 1),

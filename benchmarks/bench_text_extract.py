@@ -252,14 +252,13 @@ def main() -> None:
     results = report(table, times, flops["forward"])
     shares = split(table, data, statistics.median(t[1] for t in times["plain"]))
     loads.append(os.getloadavg()[0])
-    if not args.quick:
-        # the defaults' results file, or one named after the rows and threads asked for
-        suffix = "" if args.rows == parser.get_default("rows") else "-" + args.rows
-        suffix += "" if args.threads == parser.get_default("threads") else f"-{args.threads}threads"
-        name = f"bench_text_extract{suffix}".replace(" ", "-").replace(",", "-")
-        record(name, COLUMNS, results, loads,
-               formats=FORMATS, forward_gflop=round(flops["forward"] / 1e9, 1),
-               repeats=args.repeats, threads=args.threads, split=shares)  # fmt: skip
+    # the defaults' results file, or one named after the rows and threads asked for
+    suffix = "" if args.rows == parser.get_default("rows") else "-" + args.rows
+    suffix += "" if args.threads == parser.get_default("threads") else f"-{args.threads}threads"
+    name = f"bench_text_extract{suffix}".replace(" ", "-").replace(",", "-")
+    record(name, COLUMNS, results, loads,
+           formats=FORMATS, forward_gflop=round(flops["forward"] / 1e9, 1),
+           repeats=args.repeats, threads=args.threads, split=shares)  # fmt: skip
 
 
 COLUMNS = ["row", "wall s", "wall ratio", "CPU s", "CPU ratio", "FLOP ratio", "target", "result"]

@@ -70,7 +70,7 @@ def main_() -> None:
             rows[-1][2] = round(per_block, 2)
         print(line)
     loads.append(os.getloadavg()[0])
-    if not args.quick and args.store is None:  # the docs' table: a fresh extraction
+    if args.store is None:  # the docs' table: a fresh extraction
         columns = ["table", "bytes per token", "bytes per token per block"]
         record("text_store_size", columns, rows, loads, formats=["", ".2f", ".2f"])
     fineweb = 4_800 * 1_024
