@@ -65,3 +65,14 @@ def test_every_table_of_the_benchmarks_page_comes_from_a_results_file() -> None:
         assert {"command", "date", "commit", "columns", "rows"} <= set(result), name
         assert result["load_average"] is not None or result.get("before"), name
         assert result["command"].startswith("python benchmarks/"), name
+
+
+def test_the_cost_estimate_uses_the_measured_gpu_rate() -> None:
+    """``extract.cost.GPU_FLOPS`` is the useful rate the GPU benchmark last measured for
+    Llama-3.1-8B (its results file), to three significant figures."""
+    from layerdiv.extract.cost import GPU_FLOPS
+
+    result = json.loads((Path(__file__).parents[1] / "docs/benchmarks/bench_gpu.json").read_text())
+    rows = {row[0]: dict(zip(result["columns"], row, strict=True)) for row in result["rows"]}
+    llama = next(row for name, row in rows.items() if name.startswith("llama-3.1-8b"))
+    assert float(f"{llama['useful TFLOP/s']:.3g}") * 1e12 == GPU_FLOPS
