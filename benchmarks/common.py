@@ -62,7 +62,7 @@ def record(name: str, columns: list[str], rows: list[list[Any]], loads: list[flo
     with the command, date (UTC), commit, cores and the load averages seen during the run; a
     ``--quick`` run's into a temporary folder (the check that it is still written)."""
     quick = "--quick" in sys.argv[1:]
-    folder = Path(tempfile.gettempdir()) / "layerdiv-bench-quick" if quick else RESULTS
+    folder = Path(tempfile.gettempdir()) / "layerdiv-bench-results-quick" if quick else RESULTS
     path = folder / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     result = {
