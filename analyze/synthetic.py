@@ -15,6 +15,7 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from layerdiv.measurements.future import FUTURE, future_tables
+from layerdiv.measurements.lens import LENS
 from layerdiv.schemas import component_names
 from layerdiv.store import ComponentInfo, Manifest, PartitionWriter
 from layerdiv.store.tables import (
@@ -382,9 +383,10 @@ def text_manifest(
         norm_eps=1e-5,
         kind="text",
         max_tokens=max_tokens,
-        lens="final" if lens else None,
-        skip_split="random" if skips else None,
-        skip_seed=0 if skips else None,
+        settings={
+            **({LENS.name: LENS.defaults()} if lens else {}),
+            **({FUTURE.name: FUTURE.defaults()} if skips else {}),
+        },
     )
 
 
@@ -396,7 +398,7 @@ def write_text_partition(
     writer = PartitionWriter(root, manifest.model, manifest.task)
     writer.open(manifest, overwrite=True)
     optional = ["token_lens"] if manifest.lens else []
-    optional += list(FUTURE.tables["text"]) if manifest.skip_split else []
+    optional += list(FUTURE.tables["text"]) if FUTURE.name in manifest.settings else []
     for table in optional:
         writer.mark_table(table)
     for start, count, tables in chunks:
