@@ -157,8 +157,8 @@ def test_two_runs_opening_one_partition_with_other_settings(
     manifest = read_manifest(writer.part.manifest)
     manifest.settings["future_effects"] = {**manifest.settings["future_effects"], "skip_seed": 5}
     before = files(store)
-    with pytest.raises(StoreConflict, match="the stored future_effects was extracted with .*"
-                       "--skip-seed 0, this run asks for .*--skip-seed 5"):  # fmt: skip
+    with pytest.raises(StoreConflict, match=r"the stored future_effects was extracted with .*"
+                       r"--skip-seed 0, this run asks for .*--skip-seed 5"):  # fmt: skip
         writer.open(manifest, overwrite=False)  # planned before the other run created it
     assert files(store) == before
 
