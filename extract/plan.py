@@ -48,7 +48,7 @@ class TaskPlan:
     """Text tasks: the token ids of every document and whether it was cut (known before the
     weights load, so that a document without tokens is refused before anything is written)."""
     measures: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """The settings of each measurement with settings that this run writes
+    """The settings of each measurement with settings or hooks of its own that this run writes
     (:func:`_measure_settings`)."""
 
     @property
@@ -119,8 +119,8 @@ def plan_task(
 def _measure_settings(
     writer: PartitionWriter, cfg: ExtractConfig, spec: TaskSpec, tables: list[str]
 ) -> dict[str, dict[str, Any]]:
-    """The settings of each measurement with settings that this run writes (asked for, or held
-    by the partition): those given, else the partition's own, else the defaults. Refuses (before
+    """The settings of each measurement with settings or hooks of its own that this run writes
+    (asked for, or held by the partition): those given, else the partition's own, else the defaults. Refuses (before
     anything is written, whether or not work is left) a measurement that does not apply to the
     task's kind, and settings other than those the partition recorded."""
     for name in cfg.measures:
@@ -135,7 +135,8 @@ def _measure_settings(
         stored = read_manifest(writer.part.manifest).settings
     out = {}
     for m in for_kind(spec.kind):
-        if not m.settings or not set(m.tables[spec.kind]) & set(tables):
+        hooks = m.attach is not None  # attached by name in the settings (none: {})
+        if not (m.settings or hooks) or not set(m.tables[spec.kind]) & set(tables):
             continue
         settings = as_json({**(stored.get(m.name) or m.defaults()), **cfg.given(m)})
         if m.name in stored and settings != stored[m.name]:
