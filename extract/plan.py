@@ -120,9 +120,10 @@ def _measure_settings(
     writer: PartitionWriter, cfg: ExtractConfig, spec: TaskSpec, tables: list[str]
 ) -> dict[str, dict[str, Any]]:
     """The settings of each measurement with settings or hooks of its own that this run writes
-    (asked for, or held by the partition): those given, else the partition's own, else the defaults. Refuses (before
-    anything is written, whether or not work is left) a measurement that does not apply to the
-    task's kind, and settings other than those the partition recorded."""
+    (asked for, or held by the partition): those given, else the partition's own, else the
+    defaults. Refuses (before anything is written, whether or not work is left) a measurement
+    that does not apply to the task's kind, and settings other than those the partition
+    recorded."""
     for name in cfg.measures:
         m = next(m for m in registered() if m.name == name)
         if spec.kind not in m.tables:
