@@ -254,8 +254,8 @@ class PartitionWriter:
         opened = self._opened
         if opened is None:
             return
-        try:
-            now = read_manifest(self.part.manifest)
+        try:  # the manifest file alone (not its run records): once or twice per chunk
+            now = read_manifest(self.part.manifest, listed=())
         except SchemaError:
             now = None
         if now is None or now.generation != opened.generation:
