@@ -102,14 +102,16 @@ class ExtractConfig:
 
     def given(self, m: Measurement) -> dict[str, Any]:
         """The settings of measurement ``m`` given on the command line (a built-in one's by its
-        fields, another's under :attr:`measures`); a setting not given is left out."""
+        fields, another's under :attr:`measures`); a setting not given is left out, a repeated
+        option's values once each."""
         own = {f.name for f in fields(self)}
         values = (
             {s.name: getattr(self, s.name) for s in m.settings}
             if m.dest in own
             else self.measures.get(m.name, {})
         )
-        return {k: v for k, v in values.items() if v not in (None, ())}
+        given = {k: v for k, v in values.items() if v not in (None, ())}
+        return {k: tuple(dict.fromkeys(v)) if isinstance(v, tuple) else v for k, v in given.items()}
 
     def measured_tables(self, kind: str) -> list[str]:
         """The tables of :attr:`measures` for task ``kind``."""

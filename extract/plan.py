@@ -178,9 +178,8 @@ def _refuse_no_splits(plan: TaskPlan) -> None:
 
 def _skip_flags(cfg: ExtractConfig) -> list[str]:
     """The future-effects options given on the command line."""
-    given = {"--skip-split": cfg.skip_split, "--skip-seed": cfg.skip_seed,
-             "--skip-sublayer": cfg.skip_sublayers}  # fmt: skip
-    return [flag for flag, value in given.items() if value not in (None, ())]
+    given = cfg.given(FUTURE)
+    return [s.option.opts[0] for s in FUTURE.settings if s.name in given]
 
 
 def refuse_shared_names(plans: list[TaskPlan]) -> None:

@@ -209,7 +209,9 @@ def test_a_writer_stops_when_another_run_replaced_the_partition(
     assert Store(store).select()[0].n_done == 6
 
 
-def test_a_manifest_of_version_4_keeps_its_settings(setup: tuple[list[str], Path]) -> None:
+def test_a_manifest_with_the_older_settings_fields_keeps_them(
+    setup: tuple[list[str], Path],
+) -> None:
     args, store = setup
     assert run(*args, "--lens", "last-block", "--skips", "--skip-seed", "3").exit_code == 0
     (path,) = store.glob("manifests/**/manifest.json")
