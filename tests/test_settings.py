@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -226,3 +228,24 @@ def test_a_manifest_with_the_older_settings_fields_keeps_them(
     again = run(*args)
     assert again.exit_code == 0, again.output
     assert run(*args, "--skips", "--skip-seed", "4").exit_code == 1
+
+
+def test_two_processes_started_at_once_with_other_settings(setup: tuple[list[str], Path]) -> None:
+    args, store = setup
+    base = [sys.executable, "-m", "layerdiv.cli", *args, "--batch-size", "1", "--skips"]
+    procs = [
+        subprocess.Popen(
+            [*base, "--skip-seed", seed], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for seed in ("0", "5")
+    ]
+    ended = [(p.wait(timeout=300), p.communicate()) for p in procs]
+    codes = sorted(code for code, _ in ended)
+    assert codes == [0, 1], ended
+    seed, (_, err) = next((s, out) for s, (code, out) in zip((0, 5), ended, strict=True) if code)
+    winner = 5 - seed
+    assert "the stored future_effects was extracted with" in err
+    assert f"--skip-seed {winner}, this run asks for" in err
+    (info,) = Store(store).select()  # every part checked against the manifest: one extraction
+    assert info.manifest.settings["future_effects"]["skip_seed"] == winner
+    assert info.n_done == 6 and not info.incomplete()
