@@ -116,14 +116,19 @@ def test_a_killed_run_resumes_without_its_flags_and_by_the_command_ls_prints(
     with monkeypatch.context() as patch, pytest.raises(Killed):
         patch.setattr(PartitionWriter, "write_table_part", write_then_die)
         CliRunner().invoke(main, [*args, "--lens", "last-block"], catch_exceptions=False)
+    resumed = run(*args)  # without --lens: the stored lens is completed, with its readout
+    assert resumed.exit_code == 0, resumed.output
+    assert "added token_lens to 4 stored documents" in resumed.output
+    (info,) = Store(store).select()
+    assert "token_lens" in info.tables and info.manifest.lens == "last-block"
+    info.files("token_lens")[0].unlink()  # incomplete again: ls says how to complete it
     listed = run("ls", "--store", str(store))
     command = next(line for line in listed.output.splitlines() if "token_lens left out" in line)
     printed = shlex.split(command.split("`")[1])
     assert printed[printed.index("--lens") + 1] == "last-block"
-    resumed = run(*printed[1:])  # the command that ls prints
-    assert resumed.exit_code == 0, resumed.output
-    assert "token_lens" in Store(store).select()[0].tables
-    assert run(*args).exit_code == 0  # and a plain rerun keeps the lens
+    completed = run(*printed[1:])  # the command that ls prints
+    assert completed.exit_code == 0, completed.output
+    assert "added token_lens to 2 stored documents" in completed.output
     assert settings(store)["lens"] == {"lens": "last-block"}
 
 
