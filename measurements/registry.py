@@ -16,7 +16,6 @@ docs/development.md, "Adding a measurement".
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import import_module
