@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -182,3 +183,42 @@ def test_one_partition_key_reads_the_same_in_both_layouts(tmp_path: Path) -> Non
     new, old = (Store(tmp_path / n).scan("components").collect() for n in ("new", "old"))
     assert new.equals(old) and set(new["revision"]) == {"main"}
     assert pl.Series(Store(tmp_path / "old").partitions[0].key.dirs()).str.contains("=").all()
+
+
+def test_the_weights_fingerprint_is_reused_until_the_files_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, build_model: Any, tokenizer: Any
+) -> None:
+    import os
+
+    import torch
+
+    from layerdiv.extract.facts import cached_weights_hash, weights_hash
+    from layerdiv.extract.models import load_model, resolve_source
+
+    monkeypatch.setenv("LAYERDIV_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    build_model("llama").save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+    def load(dtype: torch.dtype = torch.float32) -> Any:
+        source = resolve_source(str(folder), None, None, False)
+        return load_model(source, tokenizer, torch.device("cpu"), dtype)
+
+    first, entry = cached_weights_hash(load())
+    assert entry is None and first == weights_hash(load().model)
+    again, entry = cached_weights_hash(load())
+    assert again == first and entry is not None and entry.parent.name == "fingerprints"
+    halves, entry = cached_weights_hash(load(torch.bfloat16))  # another dtype: other tensors
+    assert entry is None and halves != first
+
+    build_model("llama", seed=1).save_pretrained(folder)  # new weights in the same files
+    changed, entry = cached_weights_hash(load())
+    assert entry is None and changed != first and changed == weights_hash(load().model)
+
+    (weights,) = folder.glob("*.safetensors")  # a file touched, bytes the same: hashed again
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert cached_weights_hash(load()) == (changed, None)
+    entry = cached_weights_hash(load())[1]
+    assert entry is not None
+    entry.write_text("{not json")  # a damaged cache entry is hashed again, never trusted
+    assert cached_weights_hash(load()) == (changed, None)
