@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from layerdiv.analyze.api import analyze
 from layerdiv.analyze.synthetic import (
     random_partition,
     text_chunk,
@@ -222,3 +223,35 @@ def test_the_weights_fingerprint_is_reused_until_the_files_change(
     assert entry is not None
     entry.write_text("{not json")  # a damaged cache entry is hashed again, never trusted
     assert cached_weights_hash(load()) == (changed, None)
+
+
+def two_revision_text_store(root: Path) -> None:
+    """Two models, each at revisions step1000 and step2000, of made-up running text (with the
+    lens and skip tables)."""
+    from dataclasses import replace
+
+    for i, revision in enumerate(("step1000", "step2000")):
+        for model in ("org/a", "org/b"):
+            manifest = text_manifest(model, "fineweb", 8, 6, 16, 4, lens=True, skips=True)
+            manifest = replace(manifest, revision=revision, step=1000 * (i + 1),
+                               tokens_seen=1000 * (i + 1) * STEP_TOKENS)  # fmt: skip
+            rng = np.random.default_rng([i, len(model)])
+            chunks = [(s, 4, text_chunk(rng, range(s, s + 4), 16, 6, lens=True, skips=True))
+                      for s in (0, 4)]  # fmt: skip
+            write_text_partition(root, manifest, chunks)
+
+
+def test_the_report_draws_revisions_against_the_step_and_never_pools_them(
+    tmp_path: Path,
+) -> None:
+    store, out = tmp_path / "store", tmp_path / "report"
+    two_revision_text_store(store)
+    run("report", "--store", str(store), "--out", str(out))
+    summary = analyze(store).revision_summary.filter(pl.col("quantity") == "loss")
+    assert summary["step"].to_list() == [1000, 2000, 1000, 2000]
+    assert summary["value"].is_not_null().all()
+    assert (out / "figures" / "revisions.png").stat().st_size > 0
+    text = (out / "report.md").read_text()
+    section = text.split("## Running text: geometry")[1].split("\n## ")[0]
+    rows = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| org/")]
+    assert rows == ["| org/a@step1000", "| org/a@step2000", "| org/b@step1000", "| org/b@step2000"]
