@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from layerdiv.analyze import law
 from layerdiv.analyze.api import analyze
 from layerdiv.analyze.synthetic import (
     random_partition,
@@ -255,3 +256,46 @@ def test_the_report_draws_revisions_against_the_step_and_never_pools_them(
     section = text.split("## Running text: geometry")[1].split("\n## ")[0]
     rows = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| org/")]
     assert rows == ["| org/a@step1000", "| org/a@step2000", "| org/b@step1000", "| org/b@step2000"]
+
+
+def sweep_text_store(root: Path, models: int = 4, revisions: int = 3) -> None:
+    """``models`` made-up models of growing depth and width, each at ``revisions`` revisions
+    (step 1000, 2000, ...) of made-up running text: one law point per (model, revision)."""
+    from dataclasses import replace
+
+    for m in range(models):
+        blocks, width = 2 + m, 64 * 2**m
+        for r in range(revisions):
+            step = 1000 * (r + 1)
+            manifest = text_manifest(f"org/m{m}", "fineweb", 4, blocks, 16, 4, hidden_size=width)
+            manifest = replace(manifest, revision=f"step{step}", step=step, n_layers=blocks,
+                               tokens_seen=step * STEP_TOKENS)  # fmt: skip
+            rng = np.random.default_rng([m, r])
+            write_text_partition(root, manifest, [(0, 4, text_chunk(rng, range(4), 16, blocks))])
+
+
+def test_the_report_fits_the_depth_law_from_a_store_or_says_why_not(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    sweep_text_store(store)
+    results = analyze(store)
+    assert results.depth_law["parameter"].to_list() == list(law.PARAMETERS)
+    assert results.depth_law_fit["n_points"].to_list() == [12]
+    # The made-up loss is 8 / blocks above draws shared by every model: the depth term exactly.
+    fitted = dict(results.depth_law.select("parameter", "estimate").iter_rows())
+    assert fitted["alpha_depth"] == pytest.approx(1, abs=1e-3)
+    assert fitted["c_depth"] == pytest.approx(8, rel=1e-3)
+    points = results.depth_law_points
+    assert sorted(set(points["depth"])) == [2.0, 3.0, 4.0, 5.0] and points.height == 12
+    run("report", "--store", str(store), "--out", str(tmp_path / "report"))
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "## The depth loss law across models" in text
+    assert "figures/depth_law_fineweb.png" in text
+    assert (tmp_path / "report" / "figures" / "depth_law_fineweb.png").stat().st_size > 0
+
+    few = tmp_path / "few"
+    sweep_text_store(few, models=2, revisions=2)
+    out = CliRunner().invoke(main, ["report", "--store", str(few), "--out", str(tmp_path / "r2")])
+    assert out.exit_code == 0, out.output
+    (note,) = [line for line in out.output.splitlines() if "depth_law" in line]
+    assert "4 point(s) to fit (of 4) but the law has 7 parameters" in note
+    assert "depth loss law" not in (tmp_path / "r2" / "report.md").read_text()
