@@ -5,9 +5,9 @@ Synthesises the paper-scale store (``paper_store.py``: 16 models x 8 tasks x 2,0
 about 60 million component-option rows; reused when it is there), starts a Ray cluster on this
 machine (``analyze.cluster.local_cluster``: a head node, and ``--workers`` worker nodes started
 apart that share ``--cpus`` CPUs and run every task; with ``--workers 0`` the head node alone,
-bound to 127.0.0.1, with the CPUs; stopped at the end), then times ``layerdiv analyze`` in a fresh process
-with the local executor and with ``--executor ray``, alternating, ``--repeat`` times each, and
-prints each run's wall time and the ratio of the medians (Ray / local). The cluster's start is
+bound to 127.0.0.1, with the CPUs; stopped at the end), then times ``layerdiv analyze`` in a
+fresh process with the local executor and with ``--executor ray``, alternating, ``--repeat``
+times each, and prints each run's wall time and the ratio of the medians (Ray / local). The cluster's start is
 not counted (a cluster is up before analyses are sent to it); connecting to it is.
 
     python benchmarks/bench_cluster.py [--store DIR] [--cpus 2] [--workers 1] [--repeat 3]
