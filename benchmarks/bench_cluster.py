@@ -7,8 +7,9 @@ machine (``analyze.cluster.local_cluster``: a head node, and ``--workers`` worke
 apart that share ``--cpus`` CPUs and run every task; with ``--workers 0`` the head node alone,
 bound to 127.0.0.1, with the CPUs; stopped at the end), then times ``layerdiv analyze`` in a
 fresh process with the local executor and with ``--executor ray``, alternating, ``--repeat``
-times each, and prints each run's wall time and the ratio of the medians (Ray / local). The cluster's start is
-not counted (a cluster is up before analyses are sent to it); connecting to it is.
+times each, and prints each run's wall time and the ratio of the medians (Ray / local). The
+cluster's start is not counted (a cluster is up before analyses are sent to it); connecting to
+it is.
 
     python benchmarks/bench_cluster.py [--store DIR] [--cpus 2] [--workers 1] [--repeat 3]
 """
