@@ -411,8 +411,9 @@ def test_extract_offers_every_lens_class_and_a_choice_task_those_that_apply() ->
     from layerdiv.extract.readout import Readout
     from layerdiv.measurements.lens import LENS
 
-    option = LENS.option
-    assert option is not None and isinstance(option.type, click.Choice)
+    (setting,) = LENS.settings
+    option = setting.option
+    assert isinstance(option.type, click.Choice)
     assert set(option.type.choices) == set(LENSES)
     assert [name for name, lens in LENSES.items() if "choice" in lens.kinds] == ["final"]
     config = tf.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
