@@ -15,14 +15,14 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from layerdiv.measurements.future import FUTURE, future_tables
+from layerdiv.measurements.gram import gram_table
+from layerdiv.measurements.heads import heads_table
 from layerdiv.schemas import component_names
 from layerdiv.store import ComponentInfo, Manifest, PartitionWriter
 from layerdiv.store.tables import (
     TOKEN_BLOCK_VALUES,
     components_table,
     documents_table,
-    gram_table,
-    heads_table,
     instances_table,
     skips_table,
     token_blocks_table,

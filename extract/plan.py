@@ -49,7 +49,7 @@ class TaskPlan:
     skips: SkipSettings | None = None
     """Text tasks writing the future-effects tables: how (:func:`_skip_settings`)."""
     measures: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """The settings of each registered measurement outside the decomposition capture that this
+    """The settings of each registered measurement with hooks of its own that this
     run writes (:func:`_measure_settings`)."""
 
 
@@ -104,7 +104,7 @@ def plan_task(
 def _measure_settings(
     writer: PartitionWriter, cfg: ExtractConfig, spec: TaskSpec, tables: list[str]
 ) -> dict[str, dict[str, Any]]:
-    """The settings of each registered measurement outside the decomposition capture that this
+    """The settings of each registered measurement with hooks of its own that this
     run writes (asked for, or held by the partition): those given, else the partition's own,
     else the defaults. Refuses (before anything is written) a measurement that does not apply to
     the task's kind, and settings other than those the partition recorded."""

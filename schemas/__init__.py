@@ -24,8 +24,8 @@ History:
   quantization dequantized to float32; absent: loaded as they are) and ``vocab_size`` (V, the
   unembedding's rows; the logit lens's uniform baseline is log V; absent in older manifests,
   where the baseline is not drawn).
-  The manifest also gains ``settings``: the settings of each measurement registered outside the
-  decomposition capture (``layerdiv.measurements``), under its name (absent: none recorded);
+  The manifest also gains ``settings``: the settings of each registered measurement that has
+  some (``layerdiv.measurements``), under its name (absent: none recorded);
   such a measurement's tables carry the schemas it declares.
   Optional table ``states`` on text tasks (``extract --states``: the residual states h_0..h_L at
   sampled positions, methods §11; its settings ``k``, ``seed`` and ``dtype`` under the

@@ -187,7 +187,7 @@ class Manifest:
     GGUF file's quantization dequantized to float32 (schema version 5; None: loaded as they are,
     or an older manifest)."""
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """The settings of each measurement registered outside the decomposition capture
+    """The settings of each registered measurement that has some
     (``layerdiv.measurements``), under its name (schema version 5; empty in older manifests)."""
 
     @property
