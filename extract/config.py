@@ -145,6 +145,8 @@ class TaskSummary:
     """Largest relative decomposition error of the new instances."""
     n_truncated: int = 0
     """Prompts left-truncated to the model's context."""
+    n_added: int = 0
+    """Stored instances this run gave the optional tables they lacked (a backfill)."""
     accuracy_new: float | None = None
     """Fraction of new instances whose top option logit is the gold one."""
     kind: str = "choice"

@@ -193,6 +193,7 @@ class _Task:
     correct: int = 0
     max_err: float = 0.0
     n_new: int = 0
+    n_added: int = 0
 
     @property
     def names(self) -> list[str]:
@@ -325,6 +326,7 @@ def backfill(task: _Task, runner: ModelRunner) -> None:
                     names=task.names, check=task.work.check, progress=lambda n: None)  # fmt: skip
     added = chunks.backfill(plan.writer, tables, task.grid, cfg.shard, len(plan.items),
                             lambda run: rerun(runs=[run]), task.work.optional)  # fmt: skip
+    task.n_added = added
     if added:
         unit = KINDS[plan.spec.kind].units
         task.notes.append(f"added {', '.join(tables)} to {added} stored {unit} "
@@ -342,6 +344,7 @@ def summary(task: _Task, seconds: float) -> TaskSummary:
         seconds=seconds,
         max_sum_error=task.max_err,
         n_truncated=sum(task.truncated),
+        n_added=task.n_added,
         accuracy_new=task.correct / n_new if n_new and plan.spec.kind == "choice" else None,
         kind=plan.spec.kind,
         notes=task.notes,

@@ -180,7 +180,7 @@ def test_extract_heads_end_to_end_and_backfill(
     result = extract(*model, *common, "--heads")
     assert result.exit_code == 0, result.output
     assert "added heads to 20 stored instances (their other tables were kept)" in result.output
-    assert "20/20 instances stored (none new)" in result.output
+    assert "20/20 instances stored (none new; tables added to 20 stored instances)" in result.output
     assert {p: p.stat().st_mtime_ns for p in store.rglob("components/**/*.parquet")} == before
     [info] = Store(store).select()
     assert len(info.files("heads")) == len(info.files("instances")) == 3
