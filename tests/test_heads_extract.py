@@ -15,7 +15,7 @@ from layerdiv.analyze.analyses.heads import head_scores
 from layerdiv.cli import main
 from layerdiv.extract import adapters, runner
 from layerdiv.extract.adapters import UnsupportedModel, adapter_for, check_heads, get_module
-from layerdiv.extract.capture import BatchDecomposition, DecompositionError
+from layerdiv.extract.capture import BatchDecomposition, DecompositionError, check_batch
 from layerdiv.extract.forward import ModelRunner
 from layerdiv.extract.heads import HeadCapture, HeadDecomposition, check_head_sums
 from layerdiv.extract.models import (
@@ -121,6 +121,26 @@ def test_violation_names_the_block(build_model: Any, tokenizer: Any) -> None:
     heads.logits[1, 1, 2, 0] += 1.0
     with pytest.raises(DecompositionError, match=r"^instance 8: the heads of attn\.1 "):
         check_head_sums(heads, batch, [7, 8, 9], 1e-4)
+
+
+def test_each_pass_checks_its_heads_unless_the_components_fail_their_own_check(
+    build_model: Any, tokenizer: Any
+) -> None:
+    model = build_model("llama")
+    source = ModelSource("tiny", "tiny", None, "test", model.config, False)
+    loaded = LoadedModel(source, model, tokenizer, torch.device("cpu"), torch.float32)
+    with ModelRunner(loaded, adapter_for(model.config), OPTIONS, 4096, measures={"heads": {}}) as r:
+        batch = r.run(PROMPTS, [7, 8, 9])
+        capture = r.measures["heads"]
+        assert isinstance(capture, HeadCapture)
+        broken = replace(batch, logits=batch.logits.clone(), sum_error=batch.sum_error.clone())
+        broken.logits[1, 1, 0] += 1.0  # attn.0 of instance 8 no longer its heads' sum
+        with pytest.raises(DecompositionError, match=r"^instance 8: the heads of attn\.0 "):
+            capture.decomposed(broken)
+        broken.sum_error[1] = 1.0  # the components do not sum to the model's logits either
+        capture.decomposed(broken)  # left to the decomposition's check, which names them
+        with pytest.raises(DecompositionError, match=r"task t, instance 8: components sum"):
+            check_batch(broken, [7, 8, 9], "t", 1e-4)
 
 
 def test_unsplittable_attention_is_refused_from_the_config(
