@@ -42,15 +42,11 @@ from layerdiv.extract.models import (
 )
 from layerdiv.extract.plan import TaskPlan, plan_task, refuse_shared_names
 from layerdiv.extract.provenance import build_manifest, identity
-from layerdiv.extract.tasks import (
-    TaskError,
-)
 from layerdiv.extract.text import check_text_batch
 from layerdiv.measurements import Measurement, for_kind
 from layerdiv.measurements.heads import HEADS
-from layerdiv.measurements.lens import LENS
 from layerdiv.schemas import KINDS
-from layerdiv.store.manifest import Manifest, read_manifest, write_manifest
+from layerdiv.store.manifest import Manifest, read_manifest
 from layerdiv.store.reader import PartitionInfo
 from layerdiv.store.writer import PartitionWriter, Verdict
 
@@ -58,18 +54,6 @@ from layerdiv.store.writer import PartitionWriter, Verdict
 def _measurements_of(kind: str, tables: list[str]) -> list[Measurement]:
     """The measurements that write some of ``tables`` in ``kind``'s partitions."""
     return [m for m in for_kind(kind) if set(m.tables[kind]) & set(tables)]
-
-
-def _refuse_other_lens(writer: PartitionWriter, stored: Manifest, manifest: Manifest) -> None:
-    """Record the lens of a partition that had none; refuse another lens than the stored one."""
-    table = LENS.tables[stored.kind][0]
-    if stored.lens is not None and writer.part.parts(table):
-        raise TaskError(
-            f"{writer.part.manifest}: the stored {table} is --lens {stored.lens}, this run asks "
-            f"for --lens {manifest.lens}; use --lens {stored.lens}, or --overwrite"
-        )
-    stored.lens = manifest.lens
-    write_manifest(writer.part.manifest, stored)
 
 
 def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
@@ -86,7 +70,7 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         refuse_shared_names(plans)
         docs = [p.documents[0] if p.documents else None for p in plans]
         cost.announce(source.config, device.type, [
-            cost.job(p.spec.kind, p.extra_tables, cfg.lens, d, [i.prompt for i in p.items],
+            cost.job(p.spec.kind, p.extra_tables, p.lens, d, [i.prompt for i in p.items],
                      tokenizer) for p, d in zip(plans, docs, strict=True)])  # fmt: skip
         revision = revision_facts(cfg)["revision"]
         idents = [identity(source, dtype, p.spec, p.option_ids, p.data_sha256, revision)
@@ -223,7 +207,7 @@ def extract_task(
     readout = any(kind in m.readout for m in _measurements_of(kind, tables))
     budget = token_budget(loaded.device, loaded.model.config, loaded.dtype, readout)
     start_time = time.perf_counter()
-    with ModelRunner(loaded, adapter, plan.option_ids, budget, tables, kind, cfg.lens,
+    with ModelRunner(loaded, adapter, plan.option_ids, budget, tables, kind, plan.lens,
                      plan.skips, plan.measures) as runner:  # fmt: skip
         open_partition(task, runner, loaded, adapter, tol, approximate)
         run = plan.writer.start_run({"n_requested": len(plan.items), "shard": list(cfg.shard),
@@ -250,32 +234,15 @@ def open_partition(
     manifest and open (create, resume or replace) the partition with it, recording the settings
     of measurements new to it; sets ``task.stored`` and ``task.grid``."""
     plan, cfg = task.plan, task.cfg
-    spec, writer, tables = plan.spec, plan.writer, plan.extra_tables
+    spec, writer = plan.spec, plan.writer
     probe = runner.run([task.seqs[0]])
     task.work.check(probe, [0])
     ident = identity(loaded.source, loaded.dtype, spec, plan.option_ids, plan.data_sha256,
                      revision_facts(cfg)["revision"])  # fmt: skip
     manifest = build_manifest(loaded, adapter, spec, ident, probe.components, len(plan.items),
                               _chunk_size(cfg), tol, approximate)  # fmt: skip
-    lens_table = LENS.tables[spec.kind][0]
-    manifest.lens = cfg.lens if lens_table in tables else None
-    manifest.settings = {m: v for m, v in plan.measures.items() if v}  # those with settings
-    if plan.skips is not None:
-        manifest.skip_split, manifest.skip_seed = plan.skips.split, plan.skips.seed
-        manifest.skip_sublayers = list(plan.skips.sublayers)
-    stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])
-    settings = ("skip_split", "skip_seed", "skip_sublayers")
-    if plan.skips is not None and any(
-        getattr(stored, f) != getattr(manifest, f) for f in settings
-    ):  # a partition without future effects (or none stored yet) gets this run's
-        for f in settings:
-            setattr(stored, f, getattr(manifest, f))
-        write_manifest(writer.part.manifest, stored)
-    if lens_table in tables and stored.lens != manifest.lens:
-        _refuse_other_lens(writer, stored, manifest)
-    if any(stored.settings.get(k) != v for k, v in manifest.settings.items()):
-        stored.settings.update(manifest.settings)  # a measurement new to the partition
-        write_manifest(writer.part.manifest, stored)
+    manifest.settings = dict(plan.measures)
+    stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])  # records them, or refuses others
     task.stored, task.grid = stored, stored.chunk_size or _chunk_size(cfg)
     if cfg.chunk_size and task.grid != cfg.chunk_size:
         unit = KINDS[spec.kind].units

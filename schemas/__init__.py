@@ -27,6 +27,11 @@ History:
   The manifest also gains ``settings``: the settings of each registered measurement that has
   some (``layerdiv.measurements``), under its name (absent: none recorded);
   such a measurement's tables carry the schemas it declares.
+  Every measurement's settings are there, the lens's and the future effects' too (older
+  manifests' ``lens``, ``skip_split``, ``skip_seed`` and ``skip_sublayers`` are read into it), and
+  each part of a measurement with settings records them in its Parquet key-value metadata
+  (``layerdiv.settings``; absent in older parts); the manifest gains ``generation`` (bumped by
+  each ``--overwrite`` that replaces the partition; absent: 0).
   Optional table ``states`` on text tasks (``extract --states``: the residual states h_0..h_L at
   sampled positions, methods §11; its settings ``k``, ``seed`` and ``dtype`` under the
   manifest's ``settings``).
