@@ -3,11 +3,11 @@
 A measurement is a :class:`Measurement`: the ``extract`` option that asks for it (and the options
 of its settings), the task kinds it applies to and the tables it writes for each, the settings it
 records in the partition's manifest under its own name, whether its batches need rows over the
-vocabulary (the batch budget), and, for a measurement with hooks of its own (all but the lens and
-the skips, which the captures of ``layerdiv.extract`` compute), its forward hooks
-(:attr:`Measurement.attach`) and how its rows are built (:attr:`Measurement.rows`). The command
-line, ``ExtractConfig``, the completeness check, ``ls``, ``query``'s views and ``merge`` read
-these declarations.
+vocabulary (the batch budget), and, for a measurement with hooks of its own (all but the lens,
+the skips and the future effects, which the captures of ``layerdiv.extract`` compute), its forward
+hooks (:attr:`Measurement.attach`) and how its rows are built (:attr:`Measurement.rows`). The
+command line, ``ExtractConfig``, the completeness check, ``ls``, ``query``'s views and ``merge``
+read these declarations.
 
 Register one with :func:`register`, or from another distribution through the entry point group
 :data:`ENTRY_POINTS` (the entry point names the :class:`Measurement` object); see
@@ -126,8 +126,8 @@ class Measurement:
     """The task kinds in which its batches hold rows over the vocabulary at every token (the
     batch budget: fewer tokens per batch)."""
     attach: Attach | str | None = None
-    """Its forward hooks (None: computed by ``layerdiv.extract``'s own captures, the lens and the
-    skips); or ``"module:attribute"`` naming them, imported when an
+    """Its forward hooks (None: computed by ``layerdiv.extract``'s own captures: the lens, the
+    skips, the future effects); or ``"module:attribute"`` naming them, imported when an
     extraction attaches them (a built-in measurement's hooks are in ``layerdiv.extract``, which
     this package does not import)."""
     rows: Rows | None = None
