@@ -87,7 +87,7 @@ class ExtractConfig:
     methods §9): ``final`` (final norm and unembedding) or ``last-block`` (the last
     block applied first)."""
     measures: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """The registered measurements outside the decomposition capture that this run asks for
+    """The registered measurements with hooks of their own that this run asks for
     (``layerdiv.measurements``), by name: the settings given (None: not given, the partition's
     own or the default)."""
     progress: bool = True
@@ -158,6 +158,8 @@ class TaskSummary:
     """Largest relative decomposition error of the new instances."""
     n_truncated: int = 0
     """Prompts left-truncated to the model's context."""
+    n_added: int = 0
+    """Stored instances this run gave the optional tables they lacked (a backfill)."""
     accuracy_new: float | None = None
     """Fraction of new instances whose top option logit is the gold one."""
     kind: str = "choice"

@@ -3,10 +3,11 @@
 A measurement is a :class:`Measurement`: the ``extract`` option that asks for it (and the options
 of its settings), the task kinds it applies to and the tables it writes for each, the settings it
 records in the partition's manifest under its own name, whether its batches need rows over the
-vocabulary (the batch budget), and, for a measurement that is not built into the decomposition
-capture, its forward hooks (:attr:`Measurement.attach`) and how its rows are built
-(:attr:`Measurement.rows`). The command line, ``ExtractConfig``, the completeness check, ``ls``,
-``query``'s views and ``merge`` read these declarations.
+vocabulary (the batch budget), and, for a measurement with hooks of its own (all but the lens,
+the skips and the future effects, which the captures of ``layerdiv.extract`` compute), its forward
+hooks (:attr:`Measurement.attach`) and how its rows are built (:attr:`Measurement.rows`). The
+command line, ``ExtractConfig``, the completeness check, ``ls``, ``query``'s views and ``merge``
+read these declarations.
 
 Register one with :func:`register`, or from another distribution through the entry point group
 :data:`ENTRY_POINTS` (the entry point names the :class:`Measurement` object); see
@@ -60,6 +61,21 @@ class RowsCapture(Capture, Protocol):
         and their token counts (rows are left-padded)."""
 
 
+@runtime_checkable
+class DecompositionCapture(Capture, Protocol):
+    """A choice task's :class:`Capture` whose values derive from the last-token decomposition
+    (methods §1, ``layerdiv.extract.capture.ComponentCapture``): :meth:`bind` once after it is
+    attached, before any forward pass; :meth:`decomposed` after each pass, before
+    :meth:`result`."""
+
+    def bind(self, capture: Any) -> None:
+        """The decomposition capture of the same model: its option rows, readout, component
+        outputs and pause switch (a paused capture keeps nothing)."""
+
+    def decomposed(self, batch: Any) -> None:
+        """The pass's decomposition (``layerdiv.extract.capture.BatchDecomposition``)."""
+
+
 Attach = Callable[[Any, Any, Mapping[str, Any]], Capture]
 """(the model, its ``layerdiv.extract.adapters.Adapter``, the measurement's settings) -> the
 hooks it needs, attached."""
@@ -110,8 +126,8 @@ class Measurement:
     """The task kinds in which its batches hold rows over the vocabulary at every token (the
     batch budget: fewer tokens per batch)."""
     attach: Attach | str | None = None
-    """Its forward hooks, for a measurement outside the decomposition capture (None: built into
-    ``layerdiv.extract``'s captures); or ``"module:attribute"`` naming them, imported when an
+    """Its forward hooks (None: computed by ``layerdiv.extract``'s own captures: the lens, the
+    skips, the future effects); or ``"module:attribute"`` naming them, imported when an
     extraction attaches them (a built-in measurement's hooks are in ``layerdiv.extract``, which
     this package does not import)."""
     rows: Rows | None = None

@@ -24,8 +24,8 @@ History:
   quantization dequantized to float32; absent: loaded as they are) and ``vocab_size`` (V, the
   unembedding's rows; the logit lens's uniform baseline is log V; absent in older manifests,
   where the baseline is not drawn).
-  The manifest also gains ``settings``: the settings of each measurement registered outside the
-  decomposition capture (``layerdiv.measurements``), under its name (absent: none recorded);
+  The manifest also gains ``settings``: the settings of each registered measurement with
+  settings or hooks of its own (``layerdiv.measurements``), under its name (absent: none recorded);
   such a measurement's tables carry the schemas it declares.
   Every measurement's settings are there, the lens's and the future effects' too (older
   manifests' ``lens``, ``skip_split``, ``skip_seed`` and ``skip_sublayers`` are read into it), and
