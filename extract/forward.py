@@ -129,7 +129,7 @@ class ModelRunner:
         )
         """With ``--skips``: the block skipper (methods §7)."""
         self.measures = {
-            m.name: m.attach_to(loaded.model, adapter, (measures or {})[m.name])
+            m.name: m.attach_to(loaded.model, adapter, {**(measures or {})[m.name], "kind": kind})
             for m in for_kind(kind)
             if m.attach is not None and m.name in (measures or {})
         }
