@@ -62,6 +62,26 @@ def test_demo_writes_a_running_text_task_on_bbc_news(tmp_path: Path) -> None:
     assert len(lines) == TEXT_DOCS and all(len(line) > 200 for line in lines)
 
 
+def test_demo_writes_its_small_skips_task_and_its_states_task(tmp_path: Path) -> None:
+    """The demo's ``--skips``/``--lens`` choice task is the first instances of tweets2 (few:
+    the skips cost a forward pass per block), and its states task has more training rows
+    (documents with doc % 5 != 4, every position but the first) than SmolLM2's width."""
+    from layerdiv.demo import SKIPS_N, SKIPS_OF, SKIPS_TASK, STATES_TASK
+    from layerdiv.extract.tasks import instances, load_task
+
+    tasks = {p.stem: p for p in write_demo_tasks(tmp_path / "tasks", n=300, seed=0)}
+    small, whole = load_task(str(tasks[SKIPS_TASK])), load_task(str(tasks[SKIPS_OF]))
+    assert (small.n, small.kind) == (SKIPS_N, "choice") and small.options == whole.options
+    assert [i.prompt for i in instances(small, SKIPS_N)] == [
+        i.prompt for i in instances(whole, whole.n)[:SKIPS_N]
+    ]
+    spec = load_task(str(tasks[STATES_TASK]))
+    train = [d for d in range(spec.n) if d % 5 != 4]
+    assert spec.kind == "text" and len(train) * (spec.max_tokens - 1) > 576
+    assert len(write_demo_tasks(tmp_path / "small", n=10, seed=0)) == len(tasks)  # --n 10
+    assert load_task(str(tmp_path / "small" / f"{SKIPS_TASK}.yaml")).n == 10
+
+
 def test_maps_from_the_15_block_sibling_onto_smollm2(tmp_path: Path) -> None:
     """SmolLM2's every-other-block sibling (15 of its 30 blocks, a damaged model from the same
     weights) mapped onto SmolLM2 on the demo's BBC News states task, with more training rows
