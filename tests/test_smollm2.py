@@ -77,7 +77,8 @@ def test_demo_writes_its_small_skips_task_and_its_states_task(tmp_path: Path) ->
     ]
     spec = load_task(str(tasks[STATES_TASK]))
     train = [d for d in range(spec.n) if d % 5 != 4]
-    assert spec.kind == "text" and len(train) * (spec.max_tokens - 1) > 576
+    assert spec.kind == "text" and spec.max_tokens is not None
+    assert len(train) * (spec.max_tokens - 1) > 576
     assert len(write_demo_tasks(tmp_path / "small", n=10, seed=0)) == len(tasks)  # --n 10
     assert load_task(str(tmp_path / "small" / f"{SKIPS_TASK}.yaml")).n == 10
 
@@ -108,6 +109,6 @@ def test_maps_from_the_15_block_sibling_onto_smollm2(tmp_path: Path) -> None:
     maps = results.layer_maps
     assert maps.filter(pl.col("space") == "states").height == 16 * 31
     assert maps.filter(pl.col("space") == "updates").height == 15 * 30
-    assert maps["n_train"].min() > 576  # more rows than d: the fit is determined
+    assert (maps["n_train"] > 576).all()  # more rows than d: the fit is determined
     rho = spearman(best).filter(pl.col("space") == "states")["spearman"].item()
     assert rho > 0.8, rho
