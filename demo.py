@@ -235,6 +235,8 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     into ``out`` once; the maps between the two (methods §11) analyse :data:`STATES_TASK` alone
     (its partitions hold states only: the running-text sections would say they lack the lens
     and the future effects)."""
+    import polars as pl
+
     from layerdiv.analyze.api import analyze, task_summary
     from layerdiv.analyze.metrics import METRICS
     from layerdiv.analyze.report import write_report
@@ -274,6 +276,8 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     results = analyze(store, tasks=[t for t in by_name if t != STATES_TASK], progress=True)
     maps = analyze(store, tasks=STATES_TASK, maps=f"{sibling}:{DEMO_MODEL}")
     results.by_name.update({t: maps.by_name[t] for t in ("layer_maps", "layer_map_best")})
+    both = [results.by_name["manifests"], maps.by_name["manifests"]]
+    results.by_name["manifests"] = pl.concat(both, how="diagonal_relaxed")  # every partition
     results.write(results_dir)
     write_report(results, report_dir, "paper", str(store), "md,html")
     mse, bias, div = (METRICS[m].unit("paper") for m in ("mse", "bias", "diversity"))
@@ -281,11 +285,13 @@ def run_demo(out: Path, n: int, seed: int) -> None:
         f"\nSummary ({DEMO_MODEL}, `paper` estimator; MSE and bias {mse.label}, "
         f"diversity in {div.label}):"
     )
-    header = f"{'task':<9}{'n':>5}{'accuracy':>10}{'majority':>10}{'MSE':>8}{'bias':>8}"
+    summary = task_summary(results, estimator="paper")
+    w = max(9, *(len(t) + 1 for t in summary["task"]))
+    header = f"{'task':<{w}}{'n':>5}{'accuracy':>10}{'majority':>10}{'MSE':>8}{'bias':>8}"
     print(header + f"{'diversity':>11}  accuracy saturates at")
-    for row in task_summary(results, estimator="paper").iter_rows(named=True):
+    for row in summary.iter_rows(named=True):
         print(
-            f"{row['task']:<9}{row['n_instances']:>5}{100 * row['accuracy']:>9.1f}%"
+            f"{row['task']:<{w}}{row['n_instances']:>5}{100 * row['accuracy']:>9.1f}%"
             f"{100 * row['majority_accuracy']:>9.1f}%{mse.scale * row['mse']:>8.2f}"
             f"{bias.scale * row['bias']:>8.2f}{div.scale * row['diversity']:>11.2f}"
             f"  component {row['saturation_j']} of {row['n_components']}"

@@ -283,7 +283,7 @@ def maps_figure(maps: pl.DataFrame, best: pl.DataFrame, names: dict[str, str]) -
         diagonal = _nearest_same_depth(n_a, n_b, space == "updates")
         panels.append(
             plots.Panel(
-                f"{src} -> {tgt}, {space}: rel_error of the map i -> j",
+                f"{space}: rel_error of the map i -> j",
                 heatmap=heat,
                 series=[
                     plots.Series(
@@ -308,7 +308,7 @@ def maps_figure(maps: pl.DataFrame, best: pl.DataFrame, names: dict[str, str]) -
         )
         panels.append(
             plots.Panel(
-                f"{src} -> {tgt}, {space}: best target",
+                f"{space}: best target of {src}'s layers",
                 series=[
                     plots.Series(
                         "best target",
