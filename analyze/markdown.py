@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import polars as pl
 
@@ -12,8 +13,10 @@ from layerdiv.store.key import DEFAULT_REVISION
 
 def model_label() -> pl.Expr:
     """The model column of a models x tasks table: the slug, ``<slug>@<revision>`` for a revision
-    other than the default (a model stored at several checkpoints has a row for each)."""
+    other than the default (a model stored at several checkpoints has a row for each); a column
+    labelled so already is left as it is."""
     other = pl.col("revision").is_not_null() & (pl.col("revision") != DEFAULT_REVISION)
+    other &= ~pl.col("model").str.ends_with("@" + pl.col("revision"))
     label = pl.when(other).then(pl.col("model") + "@" + pl.col("revision"))
     return label.otherwise(pl.col("model")).alias("model")
 
@@ -37,6 +40,21 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     rule = "|" + "|".join([":--", *["--:"] * (len(header) - 1)]) + "|"
     lines = ["| " + " | ".join(header) + " |", rule]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def key_rows(
+    frame: pl.DataFrame, names: Mapping[str, str], cells: Callable[[dict[str, Any]], Sequence[str]]
+) -> list[list[str]]:
+    """A Markdown row per row of ``frame`` (in its order): the model's display name from
+    ``names`` (``<name>@<revision>`` for a revision other than the default, as
+    :func:`model_label`), the task, then ``cells`` of the row."""
+    rows = []
+    for r in frame.iter_rows(named=True):
+        model = names.get(r["model"], r["model"])
+        if r.get("revision") not in (None, DEFAULT_REVISION):
+            model = f"{model}@{r['revision']}"
+        rows.append([model, str(r["task"]), *cells(r)])
+    return rows
 
 
 def model_task_table(

@@ -24,9 +24,14 @@ History:
   quantization dequantized to float32; absent: loaded as they are) and ``vocab_size`` (V, the
   unembedding's rows; the logit lens's uniform baseline is log V; absent in older manifests,
   where the baseline is not drawn).
-  The manifest also gains ``settings``: the settings of each measurement registered outside the
-  decomposition capture (``layerdiv.measurements``), under its name (absent: none recorded);
+  The manifest also gains ``settings``: the settings of each registered measurement with
+  settings or hooks of its own (``layerdiv.measurements``), under its name (absent: none recorded);
   such a measurement's tables carry the schemas it declares.
+  Every measurement's settings are there, the lens's and the future effects' too (older
+  manifests' ``lens``, ``skip_split``, ``skip_seed`` and ``skip_sublayers`` are read into it), and
+  each part of a measurement with settings records them in its Parquet key-value metadata
+  (``layerdiv.settings``; absent in older parts); the manifest gains ``generation`` (bumped by
+  each ``--overwrite`` that replaces the partition; absent: 0).
   Optional table ``states`` (``extract --states``: the residual states h_0..h_L and the token id
   at sampled positions of a text task's documents, at the last prompt token of a choice task's
   instances, methods §11; its settings ``states``, ``states_seed`` and ``states_dtype`` under the
