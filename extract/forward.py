@@ -137,7 +137,8 @@ class ModelRunner:
         for m in for_kind(kind):
             if m.attach is None or m.name not in measures:
                 continue
-            hooks = attached[m.name] = m.attach_to(self.loaded.model, adapter, measures[m.name])
+            settings = {**measures[m.name], "kind": kind}
+            hooks = attached[m.name] = m.attach_to(self.loaded.model, adapter, settings)
             if isinstance(hooks, DecompositionCapture):
                 assert self.capture is not None  # declared for choice tasks only
                 hooks.bind(self.capture)
