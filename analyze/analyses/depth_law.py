@@ -15,6 +15,17 @@ from layerdiv.analyze import law, plots
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.registry import Analysis, Context, NoData, ReportContext, register
 from layerdiv.errors import LayerdivError
+from layerdiv.store import PartitionInfo
+
+
+def enough_points(parts: list[PartitionInfo]) -> list[PartitionInfo]:
+    """The partitions of the text tasks that hold more (model, revision) points than the law has
+    parameters; on fewer the law cannot be fitted, and the section does not apply (``layerdiv
+    fit-law --store S --task T`` says so in one line)."""
+    points: dict[str, set[tuple[str, str]]] = {}
+    for p in parts:
+        points.setdefault(p.task, set()).add((p.model, p.key.revision))
+    return [p for p in parts if len(points[p.task]) > law.N_PARAMS]
 
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
@@ -90,5 +101,6 @@ register(
         report=report,
         methods=(12,),
         kinds=("text",),
+        among=enough_points,
     )
 )
