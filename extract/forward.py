@@ -200,7 +200,7 @@ class ModelRunner:
             if self.skipper is not None:
                 with capture.pausing():  # also pauses the heads capture; methods §7:
                     # each block skipped, the shared prefix reused
-                    dec.skip_logits = self.skipper.skip_logits(lambda: self.loaded.model(**inputs))
+                    dec.skip_logits = self.skipper.skip_logits()
         return dec
 
     def _measured(self) -> dict[str, Sequence[Any]]:

@@ -6,7 +6,8 @@ at positions p >= t.
 
 Blocks before l are not run again: the clean pass's inputs of block l are reused (kept by
 ``TextCapture``), and each block runs with the arguments of its own clean call (mask, positions),
-repeated for every (document, split point, sublayer) row. So rel_change(l, j) is 0 for j < l by
+repeated for every (document, split point, sublayer) row
+(:class:`~layerdiv.extract.removal.UpdateRemoval`, the intervention the choice skips share). So rel_change(l, j) is 0 for j < l by
 construction, and for j = l too with random split points (block l's update at p >= t only reads
 positions whose inputs did not change).
 
@@ -20,16 +21,15 @@ document of one token has no position to remove, so none (and no rows) either.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from layerdiv.extract.adapters import Adapter, get_module
+from layerdiv.extract.adapters import Adapter
 from layerdiv.extract.readout import Readout
+from layerdiv.extract.removal import UpdateRemoval
 
 SPLIT_STEP = 8
 """Split points are multiples of this."""
@@ -116,33 +116,11 @@ class FutureEffects:
 
     def __init__(self, model: Any, adapter: Adapter, readout: Readout, settings: SkipSettings):
         self.settings = settings
-        self.blocks = list(get_module(model, adapter.blocks))
+        self.removal = UpdateRemoval(model, adapter)
+        self.blocks = self.removal.blocks
         """Block calls in execution order (a shared block appears once per call)."""
-        self.parts = {
-            kind: [get_module(b, getattr(adapter, kind)) for b in self.blocks]
-            for kind in ("attn", "mlp")
-        }
         self.readout = readout
-        self._keep: torch.Tensor | None = None  # the running group's keep (_Group.keep)
         self._scratch: torch.Tensor | None = None  # the skipped passes' readout buffer
-
-    @contextmanager
-    def _removing(self, call: int, sublayer: str) -> Iterator[None]:
-        """Multiply the additions of block call ``call`` named by ``sublayer`` by ``_keep``."""
-
-        def hook(module: Any, args: tuple, output: Any) -> Any:
-            assert self._keep is not None
-            if isinstance(output, tuple):
-                return (output[0] * self._keep.to(output[0].dtype), *output[1:])
-            return output * self._keep.to(output.dtype)
-
-        kinds = ("attn", "mlp") if sublayer == "block" else (sublayer,)
-        handles = [self.parts[k][call].register_forward_hook(hook) for k in kinds]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def run(
         self,
@@ -190,7 +168,7 @@ class FutureEffects:
                     r, o = self._skip(skipped, sub, states, updates, clean, dtype, group)
                     rel[mine, skipped] = r
                     out[mine, skipped] = o
-        self._keep = self._scratch = None
+        self._scratch = None
         return self._rows(rows, rel, out, len(docs))
 
     def _skip(
@@ -208,24 +186,13 @@ class FutureEffects:
         rows, mask = group.rows, group.measured
         rel = torch.zeros(len(rows), len(self.blocks))
         x = states[skipped].index_select(0, rows).to(dtype)
-        self._keep = group.keep
-        for j in range(skipped, len(self.blocks)):
-            args, kwargs = group.calls[j]
-            if args:
-                args = (x, *args[1:])
-            else:
-                kwargs = {**kwargs, "hidden_states": x}
-            if j == skipped:
-                with self._removing(j, sublayer):
-                    y = self.blocks[j](*args, **kwargs)
-            else:
-                y = self.blocks[j](*args, **kwargs)
-            y = y[0] if isinstance(y, tuple) else y
+        run = self.removal.run_on(x, group.calls, skipped, [skipped], sublayer, group.keep)
+        for j, x, y in run:
             # rel_change(l, j) = max_{p >= t} ||d'_j - d_j|| / max(||d_j||, 1e-6)
             d = updates[j].index_select(0, rows)
             change = (y.float() - x.float() - d).norm(dim=-1) / group.scale[j]
             rel[:, j] = change.masked_fill(~mask, 0).amax(dim=-1).cpu()
-            x = y
+        x = y
         # out_change(l) = max_{p >= t} ||softmax(z'_p) - softmax(z_p)||_2, read out at the
         # measured positions only
         # (a row's measured positions are the last ones of the batch: its distributions are
