@@ -8,8 +8,8 @@ Blocks before l are not run again: the clean pass's inputs of block l are reused
 ``TextCapture``), and each block runs with the arguments of its own clean call (mask, positions),
 repeated for every (document, split point, sublayer) row
 (:class:`~layerdiv.extract.removal.UpdateRemoval`, the intervention the choice skips share).
-So rel_change(l, j) is 0 for j < l by construction, and for j = l too with random split points (block l's update at p >= t only reads
-positions whose inputs did not change).
+So rel_change(l, j) is 0 for j < l by construction, and for j = l too with random split points
+(block l's update at p >= t only reads positions whose inputs did not change).
 
 Split points (``--skip-split random``, the default): for a document of T tokens, the candidates
 are 8, 16, ... < T - 4; up to 4 of them are drawn without replacement by
