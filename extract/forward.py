@@ -90,6 +90,7 @@ class ModelRunner:
         lens: str | None = None,
         skips: SkipSettings | None = None,
         measures: Mapping[str, Mapping[str, Any]] | None = None,
+        answers: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         self.loaded = loaded
         self.budget = budget
@@ -102,11 +103,12 @@ class ModelRunner:
         """Text tasks: the per-token capture (methods §9); the choice captures are
         not attached."""
         self.future = (
-            FutureEffects(loaded.model, adapter, self.text.readout, skips)
+            FutureEffects(loaded.model, adapter, self.text.readout, skips, answers)
             if self.text is not None and skips is not None
             else None
         )
-        """Text tasks with ``--skips``: the future effects (methods §9)."""
+        """Text tasks with ``--skips``: the future effects (methods §9; ``answers``, per
+        document its answer's start and length, for answer-anchored split points, §10)."""
         self.capture = (
             None
             if self.text is not None

@@ -13,12 +13,13 @@ from layerdiv.extract import chunks
 from layerdiv.extract.batching import tokenize_documents
 from layerdiv.extract.config import ExtractConfig
 from layerdiv.extract.facts import revision_facts
-from layerdiv.extract.future import SPLIT_MARGIN, SPLIT_STEP, SkipSettings
+from layerdiv.extract.future import ANSWER_MARGIN, SPLIT_MARGIN, SPLIT_STEP, SkipSettings
 from layerdiv.extract.models import context_length
 from layerdiv.extract.tasks import (
     Instance,
     TaskError,
     TaskSpec,
+    answer_start,
     data_sha256,
     instances,
     load_task,
@@ -51,6 +52,12 @@ class TaskPlan:
     measures: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The settings of each registered measurement outside the decomposition capture that this
     run writes (:func:`_measure_settings`)."""
+    answers: list[tuple[int, int]] | None = None
+    """Text tasks with answer-anchored split points: per document, its answer's start s and
+    length A (:func:`_answers`, methods §10)."""
+    notes: list[str] = field(default_factory=list)
+    """What the user should know about the task's documents (answers merged across the
+    boundary)."""
 
 
 def plan_task(
@@ -82,7 +89,10 @@ def plan_task(
         tables = chunks.extra_tables(writer, [*asked, *cfg.measured_tables("text")], cfg.overwrite)
         skips = _skip_settings(writer, cfg) if future[0] in tables else None
         measures = _measure_settings(writer, cfg, spec, tables)
-        return TaskPlan(spec, items, [], sha, writer, tables, argument, documents, skips, measures)
+        plan = TaskPlan(spec, items, [], sha, writer, tables, argument, documents, skips, measures)
+        if skips is not None and skips.anchored is not None:
+            plan.answers, plan.notes = _answers(spec, items, tokenizer, skips)
+        return plan
     given = _skip_flags(cfg)
     if given:
         raise TaskError(
@@ -146,7 +156,7 @@ def _refuse_text_flags(spec: TaskSpec, cfg: ExtractConfig) -> None:
     """Refuse the optional tables a text task cannot have, and ``--skips`` settings without
     ``--skips``."""
     short = spec.max_tokens is not None and spec.max_tokens <= SPLIT_STEP + SPLIT_MARGIN
-    if cfg.skips and cfg.skip_split != "all" and short:
+    if cfg.skips and cfg.skip_split in (None, "random") and short:
         raise TaskError(
             f"task {spec.name}: --skips needs split points 8, 16, ... < T - 4, and max_tokens "
             f"{spec.max_tokens} leaves none; raise max_tokens above 12, use --skip-split all, "
@@ -163,10 +173,50 @@ def _refuse_text_flags(spec: TaskSpec, cfg: ExtractConfig) -> None:
         raise TaskError(f"task {spec.name}: {', '.join(given)} sets up --skips; add --skips")
 
 
+def _answers(
+    spec: TaskSpec, items: list[Instance], tokenizer: Any, skips: SkipSettings
+) -> tuple[list[tuple[int, int]], list[str]]:
+    """Per document, its answer's start s = T - A and length A (methods §10,
+    :func:`~layerdiv.extract.tasks.answer_start`), and a note where a token merges across the
+    boundary; refuses a task without an answer, and with ``answer:N:S`` an answer of fewer than
+    ``ANSWER_MARGIN + 1`` tokens (no offset below A - 4)."""
+    if spec.answer is None:
+        raise TaskError(
+            f"task {spec.name}: --skip-split {skips.split} anchors the split points at the "
+            "answer, and the task names none; add an 'answer' template beside 'text' (the "
+            "document is text + answer), or use --skip-split random"
+        )
+    out, merged = [], []
+    for doc, item in enumerate(items):
+        assert item.answer is not None  # the task renders one for every document
+        start, merges = answer_start(tokenizer, item.prompt, item.answer)
+        length = len(tokenizer(item.answer, add_special_tokens=False)["input_ids"])
+        if skips.split != "answer" and length <= ANSWER_MARGIN:
+            raise TaskError(
+                f"task {spec.name}: document {doc}'s answer is {length} tokens, and --skip-split "
+                f"{skips.split} draws offsets below A - {ANSWER_MARGIN}, so it needs answers of "
+                f"at least {ANSWER_MARGIN + 1}; use --skip-split answer, or filter short answers "
+                "out"
+            )
+        out.append((start, length))
+        if merges:
+            merged.append(doc)
+    notes = (
+        [
+            f"{len(merged)} of {len(items)} documents have a token that merges across the "
+            f"answer's boundary (the first: document {merged[0]}); it counts as the answer's "
+            "(methods §10)"
+        ]
+        if merged
+        else []
+    )
+    return out, notes
+
+
 def _skip_flags(cfg: ExtractConfig) -> list[str]:
     """The future-effects options given on the command line."""
     given = {"--skip-split": cfg.skip_split, "--skip-seed": cfg.skip_seed,
-             "--skip-sublayer": cfg.skip_sublayers}  # fmt: skip
+             "--skip-sublayer": cfg.skip_sublayers, "--skip-mode": cfg.skip_modes}  # fmt: skip
     return [flag for flag, value in given.items() if value not in (None, ())]
 
 
@@ -178,14 +228,23 @@ def _skip_settings(writer: PartitionWriter, cfg: ExtractConfig) -> SkipSettings:
         m = read_manifest(writer.part.manifest)
         if m.skip_split is not None:
             stored = SkipSettings(
-                m.skip_split, m.skip_seed or 0, tuple(m.skip_sublayers or ["block"])
+                m.skip_split,
+                m.skip_seed or 0,
+                tuple(m.skip_sublayers or ["block"]),
+                tuple(m.skip_modes or ["total"]),
             )
     base = stored or SkipSettings()
     settings = SkipSettings(
         cfg.skip_split or base.split,
         base.seed if cfg.skip_seed is None else cfg.skip_seed,
         tuple(dict.fromkeys(cfg.skip_sublayers)) or base.sublayers,
+        tuple(dict.fromkeys(cfg.skip_modes)) or base.modes,
     )
+    if "local" in settings.modes and settings.sublayers != ("block",):
+        raise TaskError(
+            "--skip-mode local removes the whole block's update (methods §10), not a "
+            "sublayer's; drop --skip-sublayer attn/mlp or --skip-mode local"
+        )
     held = any(writer.part.parts(t) for t in FUTURE.tables["text"])
     if stored is not None and settings != stored and held:
         raise TaskError(
@@ -198,7 +257,8 @@ def _skip_settings(writer: PartitionWriter, cfg: ExtractConfig) -> SkipSettings:
 
 def _describe(settings: SkipSettings) -> str:
     sublayers = " ".join(f"--skip-sublayer {s}" for s in settings.sublayers)
-    return f"--skip-split {settings.split} --skip-seed {settings.seed} {sublayers}"
+    modes = " ".join(f"--skip-mode {m}" for m in settings.modes)
+    return f"--skip-split {settings.split} --skip-seed {settings.seed} {sublayers} {modes}"
 
 
 def refuse_shared_names(plans: list[TaskPlan]) -> None:

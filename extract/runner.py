@@ -228,12 +228,13 @@ def extract_task(
                                    loaded.context_length)  # fmt: skip
     tol = SUM_TOLERANCE[loaded.dtype]
     task = _Task(plan, cfg, seqs, truncated, _batch_work(plan, seqs, truncated, tol))
+    task.notes += plan.notes
     kind, tables = plan.spec.kind, plan.extra_tables
     readout = any(kind in m.readout for m in _measurements_of(kind, tables))
     budget = token_budget(loaded.device, loaded.model.config, loaded.dtype, readout)
     start_time = time.perf_counter()
-    with ModelRunner(loaded, adapter, plan.option_ids, budget, tables, n_heads,
-                     kind, cfg.lens, plan.skips, plan.measures) as runner:  # fmt: skip
+    with ModelRunner(loaded, adapter, plan.option_ids, budget, tables, n_heads, kind, cfg.lens,
+                     plan.skips, plan.measures, plan.answers) as runner:  # fmt: skip
         open_partition(task, runner, loaded, adapter, tol, approximate)
         run = plan.writer.start_run({"n_requested": len(plan.items), "shard": list(cfg.shard),
                                      "task": plan.argument, "chunk_size": task.grid,
@@ -272,8 +273,9 @@ def open_partition(
     if plan.skips is not None:
         manifest.skip_split, manifest.skip_seed = plan.skips.split, plan.skips.seed
         manifest.skip_sublayers = list(plan.skips.sublayers)
+        manifest.skip_modes = list(plan.skips.modes)
     stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])
-    settings = ("skip_split", "skip_seed", "skip_sublayers")
+    settings = ("skip_split", "skip_seed", "skip_sublayers", "skip_modes")
     if plan.skips is not None and any(
         getattr(stored, f) != getattr(manifest, f) for f in settings
     ):  # a partition without future effects (or none stored yet) gets this run's

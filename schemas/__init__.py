@@ -27,6 +27,10 @@ History:
   The manifest also gains ``settings``: the settings of each measurement registered outside the
   decomposition capture (``layerdiv.measurements``), under its name (absent: none recorded);
   such a measurement's tables carry the schemas it declares.
+  ``future_effects`` gains ``mode`` (:data:`MODES`: ``extract --skip-mode local`` adds the
+  direct-only effects, methods §10; a part without it reads as ``total``, the field's
+  :data:`DEFAULT`); the manifest gains ``skip_modes`` (absent: ``total``) and ``skip_split``
+  takes ``answer`` and ``answer:N:S`` (answer-anchored split points).
   Optional table ``states`` on text tasks (``extract --states``: the residual states h_0..h_L at
   sampled positions, methods §11; its settings ``k``, ``seed`` and ``dtype`` under the
   manifest's ``settings``).
@@ -321,12 +325,31 @@ _SKIP_KEY = [
     pa.field("skipped", pa.int16(), nullable=False),
 ]
 
+MODES = ("total", "local")
+"""How a future-effects row ran on (methods §10): ``total`` (every later block computes from the
+changed stream) or ``local`` (each later block reads the clean stream minus block l's update at
+the removed positions: the direct effect only)."""
+
+DEFAULT = b"layerdiv.default"
+"""Field metadata key: the value a column takes in parts written before it existed (read as
+null where a field has none)."""
+
+_FUTURE_EFFECT_VALUES = [
+    pa.field("block", pa.int16(), nullable=False),
+    pa.field("rel_change", pa.float32(), nullable=False),
+]
+
 FUTURE_EFFECTS = _schema(
     "future_effects",
     [
         *_SKIP_KEY,
-        pa.field("block", pa.int16(), nullable=False),
-        pa.field("rel_change", pa.float32(), nullable=False),
+        pa.field(
+            "mode",
+            pa.dictionary(pa.int8(), pa.string()),
+            nullable=False,
+            metadata={DEFAULT: b"total"},
+        ),
+        *_FUTURE_EFFECT_VALUES,
     ],
 )
 """Optional (``extract --skips`` on a text task; methods §9, future effects). One row
@@ -337,8 +360,11 @@ per (doc, split, sublayer, skipped, block).
 - ``sublayer``: one of :data:`SUBLAYERS`, what was skipped.
 - ``skipped``: block l whose output (or sublayer's addition) was replaced by its input at
   positions 1..t-1 (every position but the first with ``--skip-split all``).
+- ``mode`` (version 5): one of :data:`MODES`; ``total`` in stores of version 4.
 - ``block``: affected block j.
-- ``rel_change``: max over p >= t of ||d'_j - d_j|| / max(||d_j||, 1e-6).
+- ``rel_change``: max over p >= t of ||d'_j - d_j|| / max(||d_j||, 1e-6), d' the updates of the
+  run of its ``mode`` (``local``: what block j computes from the clean stream minus block l's
+  update at the removed positions, before its output is set back to that stream; methods §10).
 """
 
 FUTURE_OUTPUT = _schema(
@@ -408,7 +434,7 @@ VECTOR_TABLES = ("states",)
 """Tables of vectors whose width differs between partitions: not in the query views."""
 
 SKIP_KEYS = {
-    "future_effects": (*(f.name for f in _SKIP_KEY), "block"),
+    "future_effects": (*(f.name for f in _SKIP_KEY), "mode", "block"),
     "future_output": tuple(f.name for f in _SKIP_KEY),
 }
 """The key columns of the future-effects tables: no two rows of a part share them (readers
@@ -479,6 +505,7 @@ _TABLES_V2 = {**_TABLES_V3, "instances": _schema("instances", _INSTANCE_FIELDS_V
 _TABLES_V4 = {
     **{t: s for t, s in TABLES.items() if t != "states"},
     "tokens": _schema("tokens", _TOKEN_FIELDS_V4, version=4),
+    "future_effects": _schema("future_effects", [*_SKIP_KEY, *_FUTURE_EFFECT_VALUES], version=4),
 }
 
 

@@ -160,12 +160,15 @@ class Manifest:
     lens: str | None = None
     """``final`` or ``last-block`` when extracted with ``--lens`` (methods §9)."""
     skip_split: str | None = None
-    """Text tasks with ``--skips``: ``random`` (4 seeded split points from 8, 16, ... < T - 4) or
-    ``all`` (every position but the first)."""
+    """Text tasks with ``--skips``: ``random`` (4 seeded split points from 8, 16, ... < T - 4),
+    ``all`` (every position but the first), ``answer`` or ``answer:N:S`` (methods §10)."""
     skip_seed: int | None = None
     """Seed of the random split points."""
     skip_sublayers: list[str] | None = None
     """Text tasks with ``--skips``: what each skip removed (``layerdiv.schemas.SUBLAYERS``)."""
+    skip_modes: list[str] | None = None
+    """Text tasks with ``--skips``: how each skip ran on (``layerdiv.schemas.MODES``; absent:
+    ``total``)."""
     commit: str | None = None
     """Hub commit of the weights when known, else None."""
     step: int | None = None

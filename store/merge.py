@@ -167,7 +167,7 @@ def _same_extraction(first: _Copy, copy: _Copy, where: str) -> None:
     tables_a, tables_b = sorted(first.info.lacking), sorted(copy.info.lacking)
     if tables_a != tables_b:
         diff.append(f"optional tables: {tables_a} vs {tables_b}")
-    for name in ("lens", "skip_split", "skip_seed", "skip_sublayers", "settings"):
+    for name in ("lens", "skip_split", "skip_seed", "skip_sublayers", "skip_modes", "settings"):
         if getattr(a, name) != getattr(b, name):  # the measurements' settings
             diff.append(f"{name}: {getattr(a, name)!r} vs {getattr(b, name)!r}")
     if diff:
