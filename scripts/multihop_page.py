@@ -109,7 +109,7 @@ def main() -> None:
         "mode", index=["skipped", "block"], values="rel_change_max"
     )
     later = wide.filter(pl.col("block") > pl.col("skipped") + 1)  # a block between l and j
-    ratio = (later["total"] / later["local"]).median()
+    ratio = float((later["total"] / later["local"]).median())  # type: ignore[arg-type]
     summary = (
         f"Over the {later.height} (l, j) pairs with a block between them, the median ratio of "
         f"the total to the local maximum rel_change is {fmt(ratio, digits=3)}."
