@@ -43,13 +43,14 @@ GEOMETRY = (
     "theta_state",
     "theta_update",
     "angle_final",
+    "proj",
 )
 """Per-token, per-block geometry columns (methods §9), in the order of the first axis
 of :func:`token_geometry`."""
 
 THETA_STATE = GEOMETRY.index("theta_state")
 
-DOTS = ("hh", "aa", "mm", "ha", "hm", "am", "dd_next", "h_final")
+DOTS = ("hh", "aa", "mm", "ha", "hm", "am", "dd_next", "h_final", "h_embed")
 """The float columns of ``token_blocks``."""
 
 BATCH_TOKENS = 4096
@@ -166,12 +167,12 @@ def token_geometry(dots: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
     (len(:data:`GEOMETRY`), blocks, tokens) in float64, NaN where a quantity is undefined (e.g.
     a cosine of a zero vector, or theta_update of the last block). Computed in the start of
     ``out`` when it is large enough for that and :data:`WORK` more rows (:func:`scratch`)."""
-    hh, aa, mm, ha, hm, am, dd_next, h_final = dots
+    hh, aa, mm, ha, hm, am, dd_next, h_final, h_embed = dots
     blocks, tokens = hh.shape
     work = scratch(len(GEOMETRY) + WORK, blocks, tokens, out)
     geometry, (nh, na, nm, nha, nd, dh, nnext, tmp) = work[: len(GEOMETRY)], work[len(GEOMETRY) :]
     attn_rel, mlp_rel, layer_rel, cos_attn, cos_mlp, cos_layer, cos_io, theta_state = geometry[:8]
-    theta_update, angle_final = geometry[8:]
+    theta_update, angle_final, proj = geometry[8:]
     with np.errstate(divide="ignore", invalid="ignore"):
         np.sqrt(hh, out=nh), np.sqrt(aa, out=na), np.sqrt(mm, out=nm)  # ||h||, ||a||, ||m||
         # ||h + a||^2 = hh + 2 ha + aa
@@ -215,6 +216,13 @@ def token_geometry(dots: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
         # ||h_(l+1)|| of the token's last block
         np.divide(h_final, np.multiply(nh, nnext[-1:], out=tmp), out=angle_final)
         degrees(angle_final, out=angle_final)
+        # proj = <h_l - h_0, h_L - h_0> / ||h_L - h_0||^2 (methods §10)
+        #      = (h_l.h_L - h_l.h_0 - h_0.h_L + h_0.h_0) / (h_L.h_L - 2 h_0.h_L + h_0.h_0),
+        # h_0.h_0 and h_0.h_L block 0's hh and h_final, h_L.h_L = ||h_(l+1)||^2 of the last block
+        np.subtract(h_final, h_embed, out=proj)
+        proj += hh[:1] - h_final[:1]
+        proj /= np.square(nnext[-1:]) - 2 * h_final[:1] + hh[:1]
+        proj[0] = 0.0  # h_0 - h_0: exactly 0 at the embedding, not float32 rounding
     return geometry
 
 

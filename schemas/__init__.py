@@ -30,7 +30,8 @@ History:
   ``future_effects`` gains ``mode`` (:data:`MODES`: ``extract --skip-mode local`` adds the
   direct-only effects, methods §10; a part without it reads as ``total``, the field's
   :data:`DEFAULT`); the manifest gains ``skip_modes`` (absent: ``total``) and ``skip_split``
-  takes ``answer`` and ``answer:N:S`` (answer-anchored split points).
+  takes ``answer`` and ``answer:N:S`` (answer-anchored split points); ``token_blocks`` gains
+  ``h_embed`` = h_l . h_0 (the progress ``proj``, methods §10; null in older parts).
   Optional table ``states`` on text tasks (``extract --states``: the residual states h_0..h_L at
   sampled positions, methods §11; its settings ``k``, ``seed`` and ``dtype`` under the
   manifest's ``settings``).
@@ -270,19 +271,20 @@ TOKENS = _schema("tokens", [*_TOKEN_FIELDS_V4, pa.field("loss", pa.float32(), nu
   the document's last position (and in stores of version 4).
 """
 
+_TOKEN_BLOCK_FIELDS_V4 = [
+    pa.field("doc", pa.int32(), nullable=False),
+    pa.field("pos", pa.int32(), nullable=False),
+    pa.field("block", pa.int16(), nullable=False),
+    *(
+        pa.field(name, pa.float32(), nullable=False)
+        for name in ("hh", "aa", "mm", "ha", "hm", "am")
+    ),
+    pa.field("dd_next", pa.float32(), nullable=True),
+    pa.field("h_final", pa.float32(), nullable=False),
+]
+
 TOKEN_BLOCKS = _schema(
-    "token_blocks",
-    [
-        pa.field("doc", pa.int32(), nullable=False),
-        pa.field("pos", pa.int32(), nullable=False),
-        pa.field("block", pa.int16(), nullable=False),
-        *(
-            pa.field(name, pa.float32(), nullable=False)
-            for name in ("hh", "aa", "mm", "ha", "hm", "am")
-        ),
-        pa.field("dd_next", pa.float32(), nullable=True),
-        pa.field("h_final", pa.float32(), nullable=False),
-    ],
+    "token_blocks", [*_TOKEN_BLOCK_FIELDS_V4, pa.field("h_embed", pa.float32(), nullable=True)]
 )
 """Text tasks: one row per (doc, pos, block), sorted by that key (methods §9). With h
 the input of block l, a what its attention sublayer adds to the residual stream, m what its MLP
@@ -298,6 +300,8 @@ reduced in float32.
 - ``am``: a.m.
 - ``dd_next``: d_l . d_(l+1); null for the last block.
 - ``h_final``: h_l . h_L, with h_L the last residual state before the final norm.
+- ``h_embed`` (version 5): h_l . h_0, with h_0 the embedding output (the progress ``proj``,
+  methods §10); null in stores of version 4.
 """
 
 TOKEN_LENS = _schema(
@@ -505,6 +509,7 @@ _TABLES_V2 = {**_TABLES_V3, "instances": _schema("instances", _INSTANCE_FIELDS_V
 _TABLES_V4 = {
     **{t: s for t, s in TABLES.items() if t != "states"},
     "tokens": _schema("tokens", _TOKEN_FIELDS_V4, version=4),
+    "token_blocks": _schema("token_blocks", _TOKEN_BLOCK_FIELDS_V4, version=4),
     "future_effects": _schema("future_effects", [*_SKIP_KEY, *_FUTURE_EFFECT_VALUES], version=4),
 }
 

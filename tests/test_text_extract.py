@@ -61,7 +61,7 @@ def random_texts(n: int, seed: int = 0) -> list[str]:
 
 
 def reference(model: Any, ids: list[int]) -> np.ndarray:
-    """(T, L, 8) of one document from a plain float64 forward pass: h_l from
+    """(T, L, 9) of one document from a plain float64 forward pass: h_l from
     ``output_hidden_states``, a and m from forward hooks on each block's attention and MLP (the
     modules the family's adapter names), and h_L = h_(L-1) + a_(L-1) + m_(L-1) (the hidden state
     HF returns last is after the norm)."""
@@ -94,11 +94,13 @@ def reference(model: Any, ids: list[int]) -> np.ndarray:
         x = (hs[i], a[i], m[i])
         dd = (d[i] * d[i + 1]).sum(-1) if i + 1 < n else torch.full_like(hs[i][:, 0], np.nan)
         pairs = [(x[p] * x[q]).sum(-1) for p, q in ((0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2))]
-        rows.append(torch.stack([*pairs, dd, (hs[i] * final).sum(-1)], dim=-1))
+        rows.append(
+            torch.stack([*pairs, dd, (hs[i] * final).sum(-1), (hs[i] * hs[0]).sum(-1)], dim=-1)
+        )
     return torch.stack(rows, dim=1).numpy()
 
 
-COLUMNS = ["hh", "aa", "mm", "ha", "hm", "am", "dd_next", "h_final"]
+COLUMNS = ["hh", "aa", "mm", "ha", "hm", "am", "dd_next", "h_final", "h_embed"]
 
 
 def geometry(v: np.ndarray) -> dict[str, np.ndarray]:
@@ -138,7 +140,7 @@ def check_against_reference(
         assert (row["n_tokens"], row["truncated"]) == (len(ids), len(full) > max_tokens)
         assert tokens.filter(pl.col("doc") == doc)["token"].to_list() == ids
         got = blocks.filter(pl.col("doc") == doc).select(COLUMNS).to_numpy()
-        got_all.append(got.reshape(len(ids), n_blocks, 8))
+        got_all.append(got.reshape(len(ids), n_blocks, len(COLUMNS)))
         want_all.append(reference(model, ids))
     got, want = np.concatenate(got_all), np.concatenate(want_all)
     # Each dot product to 1e-4 of the product of its two norms (exact up to float32 rounding).
