@@ -253,14 +253,16 @@ def reference_lens(model: Any, ids: list[int]) -> np.ndarray:
     the final norm, unembedding and final soft-cap of ``output_hidden_states`` l < L, p_L the
     model's logits."""
     cap = getattr(model.config, "final_logit_softcapping", None)
+    adapter = adapter_for(prepare_model(model).config)
+    norm, head = get_module(model, adapter.final_norm), model.get_output_embeddings()
 
     def readout(h: torch.Tensor) -> torch.Tensor:
-        z = model.lm_head(model.model.norm(h))
+        z = head(norm(h))
         return cap * torch.tanh(z / cap) if cap else z
 
     with torch.no_grad():
         out = model(torch.tensor([ids]), output_hidden_states=True)
-        n = len(model.model.layers)
+        n = len(get_module(model, adapter.blocks))
         final = torch.log_softmax(out.logits[0], -1)
         layers = [torch.log_softmax(readout(out.hidden_states[i][0]), -1) for i in range(n)]
     rows = []
