@@ -127,11 +127,14 @@ SQUARES = tuple(DOTS.index(c) for c in ("hh", "aa", "mm"))
 
 def _check_dots(dots: np.ndarray, doc: np.ndarray, pos: np.ndarray, where: str) -> None:
     """Refuse (``StoreError``, naming the first token) dot products that no forward pass gives:
-    NaN or infinite (``dd_next`` is NaN at the last block only) or a negative squared norm; the
-    analyses never average them."""
+    NaN or infinite (``dd_next`` is NaN at the last block only, ``h_embed`` everywhere in parts
+    of older versions) or a negative squared norm; the analyses never average them."""
     next_index = DOTS.index("dd_next")
     finite = np.isfinite(dots)
     finite[next_index, -1] = True  # no next block
+    embed = DOTS.index("h_embed")
+    if np.isnan(dots[embed]).all():  # a part written before h_embed was stored: all null
+        finite[embed] = True
     bad = ~finite.all(axis=(0, 1))
     for row in SQUARES:
         bad |= (dots[row] < 0).any(axis=0)
@@ -222,7 +225,8 @@ def token_geometry(dots: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
         np.subtract(h_final, h_embed, out=proj)
         proj += hh[:1] - h_final[:1]
         proj /= np.square(nnext[-1:]) - 2 * h_final[:1] + hh[:1]
-        proj[0] = 0.0  # h_0 - h_0: exactly 0 at the embedding, not float32 rounding
+        # h_0 - h_0: exactly 0 at the embedding, not float32 rounding (NaN without h_embed)
+        proj[0] = np.where(np.isnan(h_embed[0]), np.nan, 0.0)
     return geometry
 
 

@@ -650,13 +650,22 @@ class Store:
                 ),
                 partition_base_dir=base,
             )
+            # Parts of older layouts lack folder levels: their key columns read as ABSENT says;
+            # a column older parts lack reads as its declared default (schemas.DEFAULT).
             absent = {c for p in whole for c in p.partition.absent}
-            if not absent:
+            fills = {c: ABSENT[c] for c in sorted(absent)}
+            fills.update(
+                {
+                    f.name: f.metadata[DEFAULT].decode()
+                    for f in declared
+                    if DEFAULT in (f.metadata or {})
+                }
+            )
+            if not fills:
                 con.register(table, dataset)
                 continue
-            # Parts of older layouts lack folder levels: their key columns read as ABSENT says.
             con.register(f"_{table}", dataset)
-            filled = ", ".join(f"coalesce({c}, '{ABSENT[c]}') AS {c}" for c in sorted(absent))
+            filled = ", ".join(f"coalesce({c}, '{v}') AS {c}" for c, v in fills.items())
             con.execute(f"CREATE VIEW {table} AS SELECT * REPLACE ({filled}) FROM _{table}")
         con.register("manifests", self.manifests(models, tasks).to_arrow())
         con.register("models", self.models(models, tasks).to_arrow())

@@ -197,7 +197,7 @@ def test_local_mode_needs_the_whole_block(tmp_path: Path, model_dirs: Any) -> No
     assert "--skip-mode local removes the whole block's update" in line
 
 
-def test_a_version_4_store_reads_its_future_effects_as_total(
+def test_a_version_4_store_reads_mode_as_total_and_proj_as_null(
     tmp_path: Path, model_dirs: Any
 ) -> None:
     import pyarrow.parquet as pq
@@ -211,7 +211,11 @@ def test_a_version_4_store_reads_its_future_effects_as_total(
                   "--skips")  # fmt: skip
     assert out.exit_code == 0, out.output
     want = Store(store).scan("future_effects").collect()
-    for table, column in (("future_effects", "mode"), ("tokens", "loss")):
+    for table, column in (
+        ("future_effects", "mode"),
+        ("tokens", "loss"),
+        ("token_blocks", "h_embed"),
+    ):
         for part in store.glob(f"{table}/**/*.parquet"):
             old = pq.read_table(part).drop_columns([column])
             pq.write_table(old.cast(tables_of(4)[table]), part, write_page_checksum=True)
@@ -226,7 +230,12 @@ def test_a_version_4_store_reads_its_future_effects_as_total(
     got = Store(store).scan("future_effects").collect()
     assert got["mode"].cast(pl.String).to_list() == ["total"] * want.height
     assert got.drop("mode").equals(want.drop("mode"))
-    assert analyze(store).text_skips.height > 0
+    result = analyze(store)
+    assert result.text_skips.height > 0
+    assert result.text_geometry["proj_mean"].is_null().all()
+    assert result.text_geometry["angle_final_mean"].is_not_null().all()
+    modes = Store(store).duckdb().execute("SELECT DISTINCT mode FROM future_effects").fetchall()
+    assert modes == [("total",)]
 
 
 @pytest.mark.slow
