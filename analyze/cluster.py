@@ -145,9 +145,11 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _node(args: list[str], log: Path, stack: ExitStack) -> tuple[subprocess.Popen[bytes], Path]:
-    """Start one ``ray start --block`` in a process group of its own, stopped (the whole group)
-    when ``stack`` closes."""
+def _node(
+    args: list[str], log: Path, stack: ExitStack, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start one ``ray start --block`` (with ``env`` added to the environment) in a process group
+    of its own, stopped (the whole group) when ``stack`` closes."""
     ray = Path(sys.executable).with_name("ray")
     ports = [f"{flag}={_free_port()}" for flag in AGENT_PORTS]
     with log.open("wb") as out:
@@ -155,6 +157,7 @@ def _node(args: list[str], log: Path, stack: ExitStack) -> tuple[subprocess.Pope
             [str(ray), "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
              *ports, *args],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})},
         )  # fmt: skip
     stack.callback(_stop, proc)
     return proc, log
@@ -193,23 +196,38 @@ binds every interface and swaps 127.0.0.1 for the machine's address, in the node
 process that connects, when Ray is imported)."""
 
 
+JOINING = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+"""The environment of the nodes of a cluster with worker nodes: Ray refuses to add a node to a
+cluster in its one-machine mode (:data:`LOOPBACK`). Its nodes then listen on every interface and
+name themselves by the machine's address (Ray swaps 127.0.0.1 for it); the driver still connects
+through 127.0.0.1."""
+
+
 @contextmanager
-def local_cluster(cpus: int = 2, timeout: float = 180) -> Iterator[str]:
-    """A Ray cluster bound to 127.0.0.1 for trying ``--executor ray`` on one machine (and for the
-    tests): a head node of ``cpus`` CPUs that runs as many worker processes, in a process group
-    of its own, stopped when the block ends (also on failure), its files (a fresh temporary
-    folder) removed. Yields the address to give ``--ray-address``.
+def local_cluster(cpus: int = 2, workers: int = 1, timeout: float = 180) -> Iterator[str]:
+    """A Ray cluster on this machine for trying ``--executor ray`` (and for the tests), started
+    as on several machines: a head node (``ray start --head``), then ``workers`` worker nodes
+    (``ray start --address``, each a process group of its own) that share ``cpus`` CPUs; the head
+    node then only schedules (no CPU), so every task runs on a worker node (:data:`JOINING`: the
+    nodes listen on every interface). With ``workers=0`` the head node alone has the ``cpus``
+    CPUs, bound to 127.0.0.1. Every node is stopped when the block
+    ends (also on failure), the workers first, and the cluster's files (a fresh temporary folder)
+    removed. Yields the address to give ``--ray-address``.
 
     For the block, this process's environment holds :data:`LOOPBACK`, which Ray reads when it is
     imported: import Ray (run the first ``--executor ray`` analysis) inside the block, and
     connect to no other cluster from this process afterwards. Raises ``ExecutorError`` when Ray
-    was imported without it, or when the node is not up within ``timeout`` seconds."""
+    was imported without it, when ``cpus`` cannot give every worker one, or when a node is not up
+    within ``timeout`` seconds."""
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None and getattr(constants, "ENABLE_RAY_CLUSTER", False):
         raise ExecutorError(
             "Ray was imported in this process before the local cluster started: start "
             "local_cluster first (Ray would connect to the machine's address, not 127.0.0.1)"
         )
+    if workers and cpus < workers:
+        raise ExecutorError(f"{workers} worker node(s) need at least as many CPUs, not {cpus}")
+    deadline = time.monotonic() + timeout
     temp = Path(tempfile.mkdtemp(prefix="layerdiv-ray-"))
     port = _free_port()
     saved = {k: os.environ.get(k) for k in LOOPBACK}
@@ -219,10 +237,17 @@ def local_cluster(cpus: int = 2, timeout: float = 180) -> Iterator[str]:
         os.environ.update(LOOPBACK)
         head = _node(
             ["--head", f"--port={port}", f"--temp-dir={temp}", "--include-dashboard=false",
-             f"--num-cpus={cpus}"],
-            temp / "head.log", stack,
+             f"--num-cpus={0 if workers else cpus}"],
+            temp / "head.log", stack, JOINING if workers else None,
         )  # fmt: skip
-        _wait_started([head], time.monotonic() + timeout)
+        _wait_started([head], deadline)
+        shares = [cpus // workers + (i < cpus % workers) for i in range(workers)]
+        nodes = [
+            _node([f"--address=127.0.0.1:{port}", f"--num-cpus={n}"], temp / f"worker{i}.log",
+                  stack, JOINING)
+            for i, n in enumerate(shares)
+        ]  # fmt: skip
+        _wait_started(nodes, deadline)
         yield f"127.0.0.1:{port}"
 
 

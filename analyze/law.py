@@ -8,6 +8,7 @@ numpy and scipy only: :func:`fit_law` takes a frame of points and returns a :cla
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
@@ -304,21 +305,21 @@ def fit_law(
     )
 
 
-def term(fit: LawFit, variable: str, values: np.ndarray) -> np.ndarray:
-    """c_k x^-a_k of the term of ``variable`` at ``values`` (input units)."""
+def term(table: pl.DataFrame, variable: str, values: np.ndarray) -> np.ndarray:
+    """c_k x^-a_k of the term of ``variable`` at ``values`` (input units), with the estimates
+    of ``table`` (:attr:`LawFit.table`)."""
     k = VARIABLES.index(variable)
-    est = fit.table["estimate"].to_numpy()
+    est = table["estimate"].to_numpy()
     return np.asarray(est[2 * k] * values ** -est[2 * k + 1])
 
 
-def partial_residuals(fit: LawFit, variable: str) -> np.ndarray:
-    """L - (L_hat - term_k): the loss with every other term and E removed, the term of
-    ``variable`` plus the residual (the paper's Fig. 2f)."""
-    values = fit.points[variable].to_numpy()
+def partial_residuals(table: pl.DataFrame, points: pl.DataFrame, variable: str) -> np.ndarray:
+    """L - (L_hat - term_k) of the fitted ``points`` (:attr:`LawFit.points`): the loss with
+    every other term and E removed, the term of ``variable`` plus the residual (the paper's
+    Fig. 2f)."""
+    values = points[variable].to_numpy()
     return np.asarray(
-        fit.points["loss"].to_numpy()
-        - fit.points["fitted"].to_numpy()
-        + term(fit, variable, values)
+        points["loss"].to_numpy() - points["fitted"].to_numpy() + term(table, variable, values)
     )
 
 
@@ -363,18 +364,18 @@ def power_fit(layer: np.ndarray, delta: np.ndarray) -> tuple[float, float, float
     return float(np.exp(intercept)), float(-slope), r2
 
 
-def law_figure(fit: LawFit, path: Path) -> Path:
-    """One panel per variable: the partial residuals L - (L_hat - term) of the fitted points
-    against the variable, with the fitted term c x^-a (the paper's Fig. 2f), log-log axes
-    (points whose partial residual is not positive cannot be drawn: the panel counts them);
-    drawn as a PNG at ``path``."""
+def law_spec(table: pl.DataFrame, points: pl.DataFrame, title: str = "") -> Any:
+    """The figure (:class:`layerdiv.analyze.plots.Figure`) of a fit's ``table`` and fitted
+    ``points``: one panel per variable, the partial residuals L - (L_hat - term) against the
+    variable with the fitted term c x^-a (the paper's Fig. 2f), log-log axes (points whose
+    partial residual is not positive cannot be drawn: the panel counts them)."""
     from layerdiv.analyze import plots
 
-    est = dict(zip(PARAMETERS, fit.table["estimate"], strict=True))
+    est = dict(zip(PARAMETERS, table["estimate"], strict=True))
     panels = []
     for variable in VARIABLES:
-        values = fit.points[variable].to_numpy()
-        partial = partial_residuals(fit, variable)
+        values = points[variable].to_numpy()
+        partial = partial_residuals(table, points, variable)
         shown = partial > 0
         grid = np.geomspace(values.min(), values.max(), 100)
         alpha = est[f"alpha_{variable}"]
@@ -393,7 +394,7 @@ def law_figure(fit: LawFit, path: Path) -> Path:
                     plots.Series(
                         f"fit, alpha_{variable} = {alpha:.3g}",
                         grid.tolist(),
-                        term(fit, variable, grid).tolist(),
+                        term(table, variable, grid).tolist(),
                         color="black",
                         marker=None,
                     ),
@@ -405,21 +406,32 @@ def law_figure(fit: LawFit, path: Path) -> Path:
                 notes=[f"{hidden} points <= 0 not shown"] if hidden else [],
             )
         )
-    title = "Depth loss law (methods §12): each term's partial residuals and the fitted term"
-    return plots.to_matplotlib(plots.Figure(title, panels, cols=len(VARIABLES)), path)
+    return plots.Figure(
+        title or "Depth loss law (methods §12): each term's partial residuals and the fitted term",
+        panels,
+        cols=len(VARIABLES),
+        panel_size=(4.2, 3.4),
+    )
+
+
+def law_figure(fit: LawFit, path: Path) -> Path:
+    """:func:`law_spec` of ``fit`` drawn as a PNG at ``path``."""
+    from layerdiv.analyze import plots
+
+    return plots.to_matplotlib(law_spec(fit.table, fit.points), path)
 
 
 # --- points from a store ------------------------------------------------------------------------
 
 
-def model_losses(store: Store, task: str) -> pl.DataFrame:
+def model_losses(store: Store, task: str, models: Sequence[str] = ()) -> pl.DataFrame:
     """Per (model, revision) of ``store`` on ``task``: width, depth, tokens (tokens seen in
     training) and loss (the mean of the model's own per-token cross-entropy): the one place the
     law reads a store (:func:`layerdiv.store.reader.law_points`). A revision without its tokens
     seen is refused, naming it."""
     from layerdiv.store.reader import law_points
 
-    points = law_points(store, tasks=task).rename({"tokens_seen": "tokens"})
+    points = law_points(store, tasks=task, models=models).rename({"tokens_seen": "tokens"})
     unknown = points.filter(pl.col("tokens").is_null())
     if unknown.height:
         names = ", ".join(f"{m}@{r}" for m, r in unknown.select("model", "revision").rows())
@@ -432,14 +444,15 @@ def model_losses(store: Store, task: str) -> pl.DataFrame:
     return pl.concat([points.select("model", "revision"), checked], how="horizontal")
 
 
-def store_points(store: Store, task: str) -> pl.DataFrame:
-    """The law's points of ``task`` in ``store`` (:func:`model_losses`), refused in one line when
-    they come from fewer than two models (a law across models needs several)."""
-    points = model_losses(store, task)
-    models = points["model"].n_unique() if points.height else 0
-    if models < 2:
+def store_points(store: Store, task: str, models: Sequence[str] = ()) -> pl.DataFrame:
+    """The law's points of ``task`` in ``store`` (:func:`model_losses`; of ``models`` only, when
+    given), refused in one line when they come from fewer than two models (a law across models
+    needs several)."""
+    points = model_losses(store, task, models)
+    found = points["model"].n_unique() if points.height else 0
+    if found < 2:
         raise LawError(
-            f"{store.root} holds {models} model(s) with a loss on task {task}: the law needs "
+            f"{store.root} holds {found} model(s) with a loss on task {task}: the law needs "
             "points of several models (extract more models, or give --points FILE)"
         )
     return points

@@ -12,8 +12,10 @@ from layerdiv.store.key import DEFAULT_REVISION
 
 def model_label() -> pl.Expr:
     """The model column of a models x tasks table: the slug, ``<slug>@<revision>`` for a revision
-    other than the default (a model stored at several checkpoints has a row for each)."""
+    other than the default (a model stored at several checkpoints has a row for each); a column
+    labelled so already is left as it is."""
     other = pl.col("revision").is_not_null() & (pl.col("revision") != DEFAULT_REVISION)
+    other &= ~pl.col("model").str.ends_with("@" + pl.col("revision"))
     label = pl.when(other).then(pl.col("model") + "@" + pl.col("revision"))
     return label.otherwise(pl.col("model")).alias("model")
 

@@ -104,6 +104,10 @@ class Analysis:
     selection holds none."""
     among: Callable[[list[PartitionInfo]], list[PartitionInfo]] | None = None
     """Narrows the partitions of its kinds further (e.g. models with several revisions)."""
+    by_revision: bool = False
+    """Its report reads ``model`` and ``revision`` apart (e.g. a figure against the step);
+    every other report gets tables whose ``model`` names the revision too
+    (``layerdiv.analyze.report.revisions_apart``), so that it never pools a model's revisions."""
 
     def applies_to(self, parts: Iterable[PartitionInfo]) -> list[PartitionInfo]:
         """The partitions of ``parts`` whose task kind this analysis applies to."""

@@ -9,7 +9,8 @@ the store); nothing is typed in.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import polars as pl
 
 from layerdiv.analyze import methods
 from layerdiv.analyze.api import Results, weights_notes
-from layerdiv.analyze.markdown import DASH, markdown_table
+from layerdiv.analyze.markdown import DASH, markdown_table, model_label
 from layerdiv.analyze.methods import PAGE as METHODS_PAGE
 from layerdiv.analyze.methods import cite
 from layerdiv.analyze.options import REPORT_FORMATS, Estimator
@@ -59,8 +60,28 @@ def report_formats(spec: str | Iterable[str]) -> tuple[str, ...]:
 
 
 def model_names(manifests: pl.DataFrame) -> dict[str, str]:
-    """Store slug -> the model id as the user gave it at extraction."""
-    return dict(manifests.select("model", "model_id").unique().iter_rows())
+    """Store slug -> the model id as the user gave it at extraction; and each label
+    ``<slug>@<revision>`` of :func:`~layerdiv.analyze.markdown.model_label` ->
+    ``<id>@<revision>``."""
+    pairs = manifests.select(
+        "model", "model_id", label=model_label(), revision=pl.col("revision").fill_null("")
+    ).unique()
+    names = dict(pairs.select("model", "model_id").iter_rows())
+    for _, model_id, label, revision in pairs.iter_rows():
+        names.setdefault(label, f"{model_id}@{revision}")
+    return names
+
+
+def revisions_apart(tables: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
+    """``tables`` with the ``model`` column of every table keyed by revision as
+    :func:`~layerdiv.analyze.markdown.model_label` names it (``<slug>@<revision>`` for a revision
+    other than the default): a section that groups, colours or labels by model then keeps the
+    revisions of one model apart, in its tables and its figures, instead of pooling them."""
+    return {
+        name: frame.with_columns(model_label()) if {"model", "revision"} <= set(frame.columns)
+        else frame
+        for name, frame in tables.items()
+    }  # fmt: skip
 
 
 def provenance_table(manifests: pl.DataFrame) -> str:
@@ -115,8 +136,9 @@ def render(
         formats=tuple(formats),
         options=results.settings,
     )
+    apart = replace(ctx, tables=revisions_apart(ctx.tables))  # notes and figures shared
     sections = [
-        (a, a.report(ctx))
+        (a, a.report(ctx if a.by_revision else apart))
         for a in registered()
         if a.report is not None and a.name in results.analyses
     ]

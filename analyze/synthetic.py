@@ -17,6 +17,7 @@ from tqdm import tqdm
 from layerdiv.measurements.future import FUTURE, future_tables
 from layerdiv.schemas import component_names
 from layerdiv.store import ComponentInfo, Manifest, PartitionWriter
+from layerdiv.store.key import DEFAULT_REVISION
 from layerdiv.store.tables import (
     TOKEN_BLOCK_VALUES,
     components_table,
@@ -313,15 +314,20 @@ def text_chunk(
     """The tables of one chunk of a made-up text partition: ``len(docs)`` documents of
     ``n_tokens`` tokens (``group`` cycling through ``groups``), their ``token_blocks`` from
     :func:`random_text_vectors` and, with ``lens`` / ``skips``, made-up ``token_lens`` (KL falling
-    and top-5 overlap rising with depth) and future effects (4 split points, whole blocks)."""
+    and top-5 overlap rising with depth) and future effects (4 split points, whole blocks); the
+    model's loss per token is made up too (lower for more blocks)."""
     b = len(docs)
     lengths = [n_tokens] * b
     pos = np.tile(np.arange(n_tokens), b)
     dots = text_dots(*random_text_vectors(rng, pos, blocks, d))
     group = [groups[i % len(groups)] for i in docs] if groups else None
+    ids = [rng.integers(0, 50_000, n_tokens).tolist() for _ in docs]
+    own = np.random.default_rng(docs.start)  # the loss's own draws: rng's stream unchanged
+    loss = 2 + own.exponential(1.0, len(pos)) + 8 / blocks  # deeper models: lower loss
+    loss[pos == n_tokens - 1] = np.nan
     tables: dict[str, Any] = {
         "documents": documents_table(docs, lengths, [False] * b, group),
-        "tokens": tokens_table(docs, [rng.integers(0, 50_000, n_tokens).tolist() for _ in docs]),
+        "tokens": tokens_table(docs, ids, loss),
         "token_blocks": token_blocks_table(
             docs, lengths, np.stack([dots[c] for c in TOKEN_BLOCK_VALUES], axis=-1)
         ),
@@ -395,7 +401,9 @@ def write_text_partition(
 ) -> None:
     """Write a text partition through the store's writer: ``chunks`` yields (first document,
     documents, tables) in turn (memory: one chunk)."""
-    writer = PartitionWriter(root, manifest.model, manifest.task)
+    writer = PartitionWriter(
+        root, manifest.model, manifest.task, manifest.revision or DEFAULT_REVISION
+    )
     writer.open(manifest, overwrite=True)
     optional = ["token_lens"] if manifest.lens else []
     optional += list(FUTURE.tables["text"]) if manifest.skip_split else []

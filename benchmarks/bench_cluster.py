@@ -3,13 +3,15 @@ test).
 
 Synthesises the paper-scale store (``paper_store.py``: 16 models x 8 tasks x 2,000 instances,
 about 60 million component-option rows; reused when it is there), starts a Ray cluster on this
-machine bound to 127.0.0.1 (``analyze.cluster.local_cluster``: a head node with ``--cpus`` CPUs,
-its worker processes, stopped at the end), then times ``layerdiv analyze`` in a fresh process
-with the local executor and with ``--executor ray``, alternating, ``--repeat`` times each, and
-prints each run's wall time and the ratio of the medians (Ray / local). The cluster's start is
-not counted (a cluster is up before analyses are sent to it); connecting to it is.
+machine (``analyze.cluster.local_cluster``: a head node, and ``--workers`` worker nodes started
+apart that share ``--cpus`` CPUs and run every task; with ``--workers 0`` the head node alone,
+bound to 127.0.0.1, with the CPUs; stopped at the end), then times ``layerdiv analyze`` in a
+fresh process with the local executor and with ``--executor ray``, alternating, ``--repeat``
+times each, and prints each run's wall time and the ratio of the medians (Ray / local). The
+cluster's start is not counted (a cluster is up before analyses are sent to it); connecting to
+it is.
 
-    python benchmarks/bench_cluster.py [--store DIR] [--cpus 2] [--repeat 3]
+    python benchmarks/bench_cluster.py [--store DIR] [--cpus 2] [--workers 1] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from layerdiv.analyze.cluster import local_cluster
 def main() -> None:
     parser = store_parser(__doc__ or "")
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=3)
     args = parse_store_args(parser)
     if args.quick:
@@ -37,9 +40,9 @@ def main() -> None:
     base = ["analyze", "--store", str(args.store), "--out"]
     walls: dict[str, list[float]] = {"local": [], "ray": []}
     start = time.perf_counter()
-    with local_cluster(cpus=args.cpus) as address:
-        print(f"Ray head on {address} with {args.cpus} CPUs up in "
-              f"{time.perf_counter() - start:.1f} s (not counted)")  # fmt: skip
+    with local_cluster(cpus=args.cpus, workers=args.workers) as address:
+        print(f"Ray head on {address} and {args.workers} worker node(s), {args.cpus} CPUs, up "
+              f"in {time.perf_counter() - start:.1f} s (not counted)")  # fmt: skip
         for i in range(args.repeat):
             for name, extra in (
                 ("local", []),

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 import yaml
-from common import add_quick
+from common import add_quick, record
 
 # Shapes copied from the models' config.json on the hub (weights are random: timing only).
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -176,10 +177,20 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def settle(device: torch.device) -> None:
+    """Before a timed phase: wait for queued work and return the allocator's cached blocks, so
+    that each phase starts from the same memory state (a 32B model leaves 13 GiB of an H100 for
+    activations: blocks cached by the plain forward's batches made the next extraction round
+    spend its time in allocator retries, 2.7x slower)."""
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def plain_forward(model: Any, seqs: list[list[int]], batch_size: int, pad: int) -> float:
     """Seconds for a plain ``logits_to_keep=1`` forward over ``seqs`` in arrival order."""
     device = next(model.parameters()).device
-    synchronize(device)
+    settle(device)
     start = time.perf_counter()
     with torch.inference_mode():
         for k in range(0, len(seqs), batch_size):
@@ -197,10 +208,11 @@ def plain_forward(model: Any, seqs: list[list[int]], batch_size: int, pad: int) 
 def bench_model(
     name: str, assets: Path, peak: float | None, rounds: int, plain_batch: int,
     device: torch.device,
-) -> None:  # fmt: skip
+) -> list[Any]:  # fmt: skip
     """Extraction and plain forward of the model ``name`` (:data:`CONFIGS`, or ``quick``: the
     tiny :data:`QUICK_CONFIG`) on ``device`` (bf16 on a GPU, fp32 on the CPU); ``peak``: the
-    measured matmul peak the useful throughput is a share of (None on the CPU)."""
+    measured matmul peak the useful throughput is a share of (None on the CPU). Returns the
+    model's row of the results table (:data:`COLUMNS`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from layerdiv.extract.adapters import adapter_for
@@ -244,7 +256,7 @@ def bench_model(
             torch.cuda.reset_peak_memory_stats()
         for r in range(rounds):
             cfg_r = ExtractConfig(model=name, tasks=[], store=store / f"r{r}", progress=False)
-            synchronize(device)
+            settle(device)
             start = time.perf_counter()
             for path in tasks:
                 summary = extract_task(
@@ -274,6 +286,11 @@ def bench_model(
             f"-> extraction / plain = {sec / plain:.2f}"
         )
         print(f"peak GPU memory allocated: {peak_mem:.1f} GiB")
+        return [
+            f"{name} ({n_params / 1e9:.1f}B)", statistics.mean(lengths), len(seqs) / sec,
+            sum(lengths) / sec, flops / sec / 1e12, flops / sec / 1e12 / peak if peak else None,
+            sec / plain, peak_mem, max_err,
+        ]  # fmt: skip
     finally:
         shutil.rmtree(store, ignore_errors=True)
         del model, loaded
@@ -313,8 +330,18 @@ def main() -> None:
         f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; "
         f"bf16 matmul peak measured: {peak:.0f} TFLOP/s"
     )
-    for name in args.models:
-        bench_model(name, args.assets, peak, args.rounds, args.plain_batch, device)
+    loads = [os.getloadavg()[0]]
+    rows = [bench_model(m, args.assets, peak, args.rounds, args.plain_batch, device)
+            for m in args.models]  # fmt: skip
+    loads.append(os.getloadavg()[0])
+    columns = [
+        "model", "tokens/prompt", "instances/s", "tokens/s", "useful TFLOP/s",
+        f"share of measured bf16 matmul peak ({peak:.0f} TFLOP/s)", "time / plain forward",
+        "peak GPU memory (GiB)", "max decomposition error (relative)",
+    ]  # fmt: skip
+    formats = ["", ".0f", ",.0f", ",.0f", ".0f", ".1%", ".2f", ".1f", ".1e"]
+    record("bench_gpu", columns, rows, loads, formats=formats,
+           device=torch.cuda.get_device_name(device), rounds=args.rounds)  # fmt: skip
 
 
 if __name__ == "__main__":

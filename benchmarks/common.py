@@ -40,14 +40,18 @@ def demo_choice_tasks(folder: Path, n: int, seed: int) -> list[Path]:
 
 
 def _commit() -> str:
-    """The checkout's commit (short), ``+changes`` when its tracked files differ from it."""
+    """The checkout's commit (short), ``+changes`` when its tracked files differ from it; in a
+    copy without git, the environment's ``LAYERDIV_COMMIT`` (else ``unknown``)."""
 
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
         return done.stdout.strip()
 
     dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/benchmarks")
-    return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+changes" if dirty else "")
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:  # a copy without git (a GPU node): the commit the copy was made from, if named
+        return os.environ.get("LAYERDIV_COMMIT", "unknown")
+    return head + ("+changes" if dirty else "")
 
 
 def record(name: str, columns: list[str], rows: list[list[Any]], loads: list[float],

@@ -19,9 +19,9 @@ from layerdiv.extract.future import SPLIT_MARGIN, SPLIT_STEP, SPLITS
 CPU_FLOPS = 226.8e9 / 1.35
 """FLOP rate of a plain forward on 2 CPU cores: SmolLM2-135M in fp32, 226.8 GFLOP in 1.35 s wall
 (docs/benchmarks.md, running-text extraction cost)."""
-GPU_FLOPS = 326e12
-"""Useful FLOP rate of an extraction on one H100 in bf16: Llama-3.1-8B, 326 TFLOP/s
-(docs/benchmarks.md, extraction on a GPU)."""
+GPU_FLOPS = 422e12
+"""Useful FLOP rate of an extraction on one H100 in bf16: Llama-3.1-8B at the paper's prompt
+lengths, 422 TFLOP/s (``docs/benchmarks/bench_gpu.json``, which a test keeps it equal to)."""
 LONG_RUN = 600.0
 """Seconds above which ``extract`` prints its estimate before it starts."""
 

@@ -4,9 +4,12 @@ the tensors it loaded (two revisions that serve equal weights are one checkpoint
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +18,8 @@ import xxhash
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.adapters import Adapter, get_module
 from layerdiv.extract.config import ExtractConfig
-from layerdiv.extract.models import LoadedModel
+from layerdiv.extract.models import WEIGHT_SUFFIXES, LoadedModel, cache_dir
+from layerdiv.store.atomic import write_bytes
 from layerdiv.store.key import DEFAULT_REVISION
 
 STEP = re.compile(r"^step(\d+)$")
@@ -63,18 +67,76 @@ def weights_hash(model: Any) -> str:
     return h.hexdigest()
 
 
+def weights_stamp(loaded: LoadedModel) -> dict[str, Any] | None:
+    """What the loaded tensors' fingerprint follows from, cheap to check again: the weights'
+    source (a hub commit, immutable; or a local folder's path with each weight file's name,
+    size and modification time, and the sha256 of each file's first and last MiB, which
+    ``resolve_source`` computed anyway), the dtype they were loaded in and where (offloaded
+    tensors hash by name and shape only). None where the source says nothing of its bytes (a hub
+    id of unknown commit)."""
+    source = loaded.source
+    if source.weights_fingerprint == "hub:unknown":
+        return None
+    files: list[list[Any]] = []
+    folder = Path(source.path)
+    if folder.is_dir():
+        for f in sorted(folder.iterdir()):
+            if f.suffix in WEIGHT_SUFFIXES:
+                st = f.stat()
+                files.append([f.name, st.st_size, st.st_mtime_ns])
+    devices = sorted({t.device.type for t in loaded.model.state_dict().values()})
+    return {
+        "hash": "xxh3-128 of name, dtype, shape and bytes",
+        "source": source.weights_fingerprint,
+        "folder": str(folder.resolve()) if folder.is_dir() else source.path,
+        "files": files,
+        "dtype": str(loaded.dtype),
+        "devices": devices,
+    }
+
+
+def cached_weights_hash(loaded: LoadedModel) -> tuple[str, Path | None]:
+    """:func:`weights_hash` of the loaded model, kept in the user cache under its
+    :func:`weights_stamp`: a later load of the same files (the next task, revision or run) reads
+    it back instead of hashing the tensors again. On that reuse the stamp is verified (names,
+    sizes, modification times, first and last MiB of the files; the hub commit), not the bytes
+    between: a file rewritten in place with its size, time and ends kept would keep its old
+    fingerprint (delete ``<cache>/fingerprints`` to hash again). Returns the fingerprint and the
+    cache file it was read from (None: computed now)."""
+    stamp = weights_stamp(loaded)
+    if stamp is None:
+        return weights_hash(loaded.model), None
+    text = json.dumps(stamp, sort_keys=True)
+    entry = cache_dir() / "fingerprints" / f"{xxhash.xxh3_128_hexdigest(text.encode())}.json"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        kept = json.loads(entry.read_text())
+        if kept["stamp"] == stamp and isinstance(kept["weights_hash"], str):
+            return kept["weights_hash"], entry
+    digest = weights_hash(loaded.model)
+    with contextlib.suppress(OSError):  # a cache that cannot be written: hash again next time
+        write_bytes(entry, json.dumps({"stamp": stamp, "weights_hash": digest}).encode())
+    return digest, None
+
+
 def load_fingerprinted(load: Callable[[], LoadedModel]) -> tuple[LoadedModel, str, str]:
-    """Run ``load`` and fingerprint what it loaded (:func:`weights_hash`); returns the model,
-    the fingerprint and a line giving its cost beside the load's (CPU seconds)."""
+    """Run ``load`` and fingerprint what it loaded (:func:`cached_weights_hash`); returns the
+    model, the fingerprint and a line giving its cost beside the load's (CPU seconds) and
+    whether it was computed or reused."""
     start = time.process_time()
     loaded = load()
     loading = time.process_time() - start
     start = time.process_time()
-    digest = weights_hash(loaded.model)
+    digest, entry = cached_weights_hash(loaded)
     hashing = time.process_time() - start
+    how = (
+        "hashed from the loaded tensors"
+        if entry is None
+        else f"reused from {entry} (weight files unchanged: names, sizes, times, first and "
+        "last MiB)"
+    )
     cost = (
-        f"weights fingerprint {digest[:12]}: {hashing:.3f} s CPU, {100 * hashing / loading:.1f}% "
-        f"of the model load ({loading:.2f} s CPU)"
+        f"weights fingerprint {digest[:12]} {how}: {hashing:.3f} s CPU, "
+        f"{100 * hashing / loading:.1f}% of the model load ({loading:.2f} s CPU)"
     )
     return loaded, digest, cost
 

@@ -30,7 +30,7 @@ ALIASES = {
 }
 """Offline aliases: name -> (Python package holding a GGUF file, file name, how to install it)."""
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
 
 class ModelLoadError(LayerdivError, RuntimeError):
@@ -164,9 +164,9 @@ def resolve_source(
             "from here (or cached, with HF_HUB_OFFLINE=1), or --trust-remote-code for custom code."
         ) from err
     if Path(path).is_dir():
-        found = [f for f in Path(path).iterdir() if f.suffix in _WEIGHT_SUFFIXES]
+        found = [f for f in Path(path).iterdir() if f.suffix in WEIGHT_SUFFIXES]
         if not found:
-            raise ModelLoadError(f"no weight files ({', '.join(_WEIGHT_SUFFIXES)}) in {path}")
+            raise ModelLoadError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {path}")
         for file in found:
             if file.suffix == ".safetensors":
                 _check_safetensors(file)

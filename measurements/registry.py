@@ -15,6 +15,7 @@ docs/development.md, "Adding a measurement".
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import import_module
@@ -164,12 +165,14 @@ def register(measurement: Measurement) -> Measurement:
             "(declare it in Measurement.schemas)"
         )
     _REGISTERED[measurement.name] = measurement
+    _tables.cache_clear()
     return measurement
 
 
 def unregister(name: str) -> None:
     """Remove a registered measurement (tests)."""
     _REGISTERED.pop(name, None)
+    _tables.cache_clear()
 
 
 def registered() -> list[Measurement]:
@@ -190,12 +193,22 @@ def for_kind(kind: str) -> list[Measurement]:
 
 def optional_tables(kind: str) -> dict[str, str]:
     """The optional tables of ``kind``'s partitions and the ``extract`` flag that writes each."""
-    return {t: m.flag for m in for_kind(kind) for t in m.tables[kind]}
+    return dict(_tables()[0][kind])
 
 
 def all_optional_tables() -> tuple[str, ...]:
     """Every optional table of every kind."""
-    return tuple(t for k in KINDS for t in optional_tables(k))
+    return tuple(t for k in KINDS for t in _tables()[0][k])
+
+
+@functools.cache
+def _tables() -> tuple[dict[str, dict[str, str]], dict[str, pa.Schema]]:
+    """The optional tables of each kind with their flags, and every table's schema, as the
+    registry stands (recomputed after :func:`register` and :func:`unregister`): a store's
+    reader asks for them once per partition, thousands of times on a checkpoint sweep."""
+    optional = {k: {t: m.flag for m in for_kind(k) for t in m.tables[k]} for k in KINDS}
+    extra = {t: m.schema(t) for m in registered() for ts in m.tables.values() for t in ts}
+    return optional, {**TABLES, **extra}
 
 
 def measurement_of(table: str) -> Measurement:
@@ -208,8 +221,7 @@ def measurement_of(table: str) -> Measurement:
 
 def table_schemas() -> dict[str, pa.Schema]:
     """Every table's schema: ``layerdiv.schemas.TABLES`` and the registered measurements'."""
-    extra = {t: m.schema(t) for m in registered() for ts in m.tables.values() for t in ts}
-    return {**TABLES, **extra}
+    return dict(_tables()[1])
 
 
 def kind_of_table(table: str) -> str | None:

@@ -806,6 +806,7 @@ def test_a_registered_analysis_runs_writes_and_reports(
         "text_profiles",
         "text_groups",
         "revisions",
+        "depth_law",
         "maps",
     ]
     names = ["paper", "depth", "heads", "lens_curves", *texts, "extra"]

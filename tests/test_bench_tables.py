@@ -44,3 +44,14 @@ def test_a_changed_result_changes_the_readme(tmp_path: Path) -> None:
     readme = (ROOT / "README.md").read_text()
     assert "123.46 x (FLOP ratio" in tables.render(readme, tmp_path)
     assert "123.46" not in tables.render(readme)
+
+
+def test_the_cost_estimate_uses_the_measured_gpu_rate() -> None:
+    """``extract.cost.GPU_FLOPS`` is the useful rate the GPU benchmark last measured for
+    Llama-3.1-8B (its results file), to three significant figures."""
+    from layerdiv.extract.cost import GPU_FLOPS
+
+    result = json.loads((Path(__file__).parents[1] / "docs/benchmarks/bench_gpu.json").read_text())
+    rows = {row[0]: dict(zip(result["columns"], row, strict=True)) for row in result["rows"]}
+    llama = next(row for name, row in rows.items() if name.startswith("llama-3.1-8b"))
+    assert float(f"{llama['useful TFLOP/s']:.3g}") * 1e12 == GPU_FLOPS

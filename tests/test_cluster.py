@@ -1,5 +1,6 @@
-"""Analysis on Ray (``--executor ray``): every table equals the local executor's, on a local
-cluster bound to 127.0.0.1 that the test starts and stops."""
+"""Analysis on Ray (``--executor ray``): every table equals the local executor's, on a cluster
+on this machine that the test starts and stops: a head node that only schedules and a worker node
+started apart (``ray start --address``) that runs every task."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from polars.testing import assert_frame_equal
 
 from layerdiv.analyze.api import analyze
-from layerdiv.analyze.cluster import ExecutorError, executor
+from layerdiv.analyze.cluster import ExecutorError, executor, local_cluster
 from layerdiv.analyze.synthetic import (
     random_heads,
     random_partition,
@@ -33,6 +34,10 @@ RTOL, ATOL = 1e-9, 1e-12
 """Floats may differ in their last bits: the local executor differs from itself that much run to
 run (Polars sums groups in an order that varies: ``modules``, ``information``); every other
 column (keys, counts, integers, strings) and the order of the rows must be equal."""
+LOOSE = {"depth_fits": 1e-5}
+"""Tables whose standard errors come from an ill-conditioned fit (the made-up curves of a store
+of 3- and 4-block models), which magnifies those last bits: two local runs differ by about 3e-7
+there (relative), so their ``*_se`` columns are compared to this relative tolerance."""
 LIMIT_S = 600
 """The most the cluster test may run: then it fails, and the cluster is stopped."""
 
@@ -67,12 +72,10 @@ def deadline() -> Iterator[None]:
 
 
 def test_ray_tables_equal_the_local_executor(store: Path, deadline: None) -> None:
-    from layerdiv.analyze.cluster import local_cluster
-
     options = {"reweight": True}
     local = analyze(store, options=options)
     assert {"paper", "depth", "heads", "text_lens", "text_skips"} <= set(local.analyses)
-    with local_cluster(cpus=2) as address:
+    with local_cluster(cpus=2, workers=1) as address:
         remote = analyze(store, options=options, executor="ray", ray_address=address)
         import ray
 
@@ -83,7 +86,12 @@ def test_ray_tables_equal_the_local_executor(store: Path, deadline: None) -> Non
     mine, theirs = local.tables(), remote.tables()
     for name in local.names():
         try:
-            assert_frame_equal(theirs[name], mine[name], rel_tol=RTOL, abs_tol=ATOL)
+            loose = [c for c in mine[name].columns if name in LOOSE and c.endswith("_se")]
+            assert_frame_equal(theirs[name].drop(loose), mine[name].drop(loose), rel_tol=RTOL,
+                               abs_tol=ATOL)  # fmt: skip
+            for c in loose:
+                assert_frame_equal(theirs[name].select(c), mine[name].select(c),
+                                   rel_tol=LOOSE[name], abs_tol=ATOL)  # fmt: skip
         except AssertionError as err:
             raise AssertionError(f"table {name}: {err}") from None
 
@@ -103,5 +111,7 @@ def test_no_address_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(ExecutorError, match="needs a running Ray cluster: give --ray-address"):
         executor("ray").__enter__()
+    with pytest.raises(ExecutorError, match="2 worker node"):
+        local_cluster(cpus=1, workers=2).__enter__()
     with pytest.raises(ExecutorError, match="unknown executor 'spark'"):
         executor("spark").__enter__()  # type: ignore[arg-type]

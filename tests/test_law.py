@@ -141,7 +141,7 @@ def test_a_store_with_one_model_is_refused(monkeypatch: pytest.MonkeyPatch) -> N
     class Fake:
         root = Path("s")
 
-    monkeypatch.setattr(law, "model_losses", lambda store, task: one)
+    monkeypatch.setattr(law, "model_losses", lambda store, task, models: one)
     with pytest.raises(law.LawError, match="holds 1 model"):
         law.store_points(Fake(), "wiki")  # type: ignore[arg-type]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -14,6 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from layerdiv.analyze import law
+from layerdiv.analyze.api import analyze
 from layerdiv.analyze.synthetic import (
     random_partition,
     text_chunk,
@@ -182,3 +185,117 @@ def test_one_partition_key_reads_the_same_in_both_layouts(tmp_path: Path) -> Non
     new, old = (Store(tmp_path / n).scan("components").collect() for n in ("new", "old"))
     assert new.equals(old) and set(new["revision"]) == {"main"}
     assert pl.Series(Store(tmp_path / "old").partitions[0].key.dirs()).str.contains("=").all()
+
+
+def test_the_weights_fingerprint_is_reused_until_the_files_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, build_model: Any, tokenizer: Any
+) -> None:
+    import os
+
+    import torch
+
+    from layerdiv.extract.facts import cached_weights_hash, weights_hash
+    from layerdiv.extract.models import load_model, resolve_source
+
+    monkeypatch.setenv("LAYERDIV_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    build_model("llama").save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+    def load(dtype: torch.dtype = torch.float32) -> Any:
+        source = resolve_source(str(folder), None, None, False)
+        return load_model(source, tokenizer, torch.device("cpu"), dtype)
+
+    first, entry = cached_weights_hash(load())
+    assert entry is None and first == weights_hash(load().model)
+    again, entry = cached_weights_hash(load())
+    assert again == first and entry is not None and entry.parent.name == "fingerprints"
+    halves, entry = cached_weights_hash(load(torch.bfloat16))  # another dtype: other tensors
+    assert entry is None and halves != first
+
+    build_model("llama", seed=1).save_pretrained(folder)  # new weights in the same files
+    changed, entry = cached_weights_hash(load())
+    assert entry is None and changed != first and changed == weights_hash(load().model)
+
+    (weights,) = folder.glob("*.safetensors")  # a file touched, bytes the same: hashed again
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert cached_weights_hash(load()) == (changed, None)
+    entry = cached_weights_hash(load())[1]
+    assert entry is not None
+    entry.write_text("{not json")  # a damaged cache entry is hashed again, never trusted
+    assert cached_weights_hash(load()) == (changed, None)
+
+
+def two_revision_text_store(root: Path) -> None:
+    """Two models, each at revisions step1000 and step2000, of made-up running text (with the
+    lens and skip tables)."""
+    from dataclasses import replace
+
+    for i, revision in enumerate(("step1000", "step2000")):
+        for model in ("org/a", "org/b"):
+            manifest = text_manifest(model, "fineweb", 8, 6, 16, 4, lens=True, skips=True)
+            manifest = replace(manifest, revision=revision, step=1000 * (i + 1),
+                               tokens_seen=1000 * (i + 1) * STEP_TOKENS)  # fmt: skip
+            rng = np.random.default_rng([i, len(model)])
+            chunks = [(s, 4, text_chunk(rng, range(s, s + 4), 16, 6, lens=True, skips=True))
+                      for s in (0, 4)]  # fmt: skip
+            write_text_partition(root, manifest, chunks)
+
+
+def test_the_report_draws_revisions_against_the_step_and_never_pools_them(
+    tmp_path: Path,
+) -> None:
+    store, out = tmp_path / "store", tmp_path / "report"
+    two_revision_text_store(store)
+    run("report", "--store", str(store), "--out", str(out))
+    summary = analyze(store).revision_summary.filter(pl.col("quantity") == "loss")
+    assert summary["step"].to_list() == [1000, 2000, 1000, 2000]
+    assert summary["value"].is_not_null().all()
+    assert (out / "figures" / "revisions.png").stat().st_size > 0
+    text = (out / "report.md").read_text()
+    section = text.split("## Running text: geometry")[1].split("\n## ")[0]
+    rows = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| org/")]
+    assert rows == ["| org/a@step1000", "| org/a@step2000", "| org/b@step1000", "| org/b@step2000"]
+
+
+def sweep_text_store(root: Path, models: int = 4, revisions: int = 3) -> None:
+    """``models`` made-up models of growing depth and width, each at ``revisions`` revisions
+    (step 1000, 2000, ...) of made-up running text: one law point per (model, revision)."""
+    from dataclasses import replace
+
+    for m in range(models):
+        blocks, width = 2 + m, 64 * 2**m
+        for r in range(revisions):
+            step = 1000 * (r + 1)
+            manifest = text_manifest(f"org/m{m}", "fineweb", 4, blocks, 16, 4, hidden_size=width)
+            manifest = replace(manifest, revision=f"step{step}", step=step, n_layers=blocks,
+                               tokens_seen=step * STEP_TOKENS)  # fmt: skip
+            rng = np.random.default_rng([m, r])
+            write_text_partition(root, manifest, [(0, 4, text_chunk(rng, range(4), 16, blocks))])
+
+
+def test_the_report_fits_the_depth_law_from_a_store_or_says_why_not(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    sweep_text_store(store)
+    results = analyze(store)
+    assert results.depth_law["parameter"].to_list() == list(law.PARAMETERS)
+    assert results.depth_law_fit["n_points"].to_list() == [12]
+    # The made-up loss is 8 / blocks above draws shared by every model: the depth term exactly.
+    fitted = dict(results.depth_law.select("parameter", "estimate").iter_rows())
+    assert fitted["alpha_depth"] == pytest.approx(1, abs=1e-3)
+    assert fitted["c_depth"] == pytest.approx(8, rel=1e-3)
+    points = results.depth_law_points
+    assert sorted(set(points["depth"])) == [2.0, 3.0, 4.0, 5.0] and points.height == 12
+    run("report", "--store", str(store), "--out", str(tmp_path / "report"))
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "## The depth loss law across models" in text
+    assert "figures/depth_law_fineweb.png" in text
+    assert (tmp_path / "report" / "figures" / "depth_law_fineweb.png").stat().st_size > 0
+
+    few = tmp_path / "few"
+    sweep_text_store(few, models=2, revisions=2)
+    out = CliRunner().invoke(main, ["report", "--store", str(few), "--out", str(tmp_path / "r2")])
+    assert out.exit_code == 0, out.output
+    (note,) = [line for line in out.output.splitlines() if "depth_law" in line]
+    assert "4 point(s) to fit (of 4) but the law has 7 parameters" in note
+    assert "depth loss law" not in (tmp_path / "r2" / "report.md").read_text()

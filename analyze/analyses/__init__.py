@@ -14,10 +14,12 @@ from layerdiv.analyze.analyses import text_skips
 from layerdiv.analyze.analyses import text_profiles
 from layerdiv.analyze.analyses import text_groups
 from layerdiv.analyze.analyses import revisions
+from layerdiv.analyze.analyses import depth_law
 from layerdiv.analyze.analyses import maps
 
 __all__ = [
     "depth",
+    "depth_law",
     "heads",
     "lens",
     "maps",

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import polars as pl
 
+from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.options import ESTIMATORS
 from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
@@ -72,8 +73,45 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     return {"revision_summary": table}
 
 
+def step_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
+    """One panel per quantity of :data:`QUANTITIES` that ``table`` holds: its value against the
+    training step, a line per (model, task) through that model's revisions (those with a
+    recorded step; the panel counts the others)."""
+    models = sorted(table["model"].unique())
+    colors = plots.model_colors(models)
+    tasks = sorted(table["task"].unique())
+    dashes: list[plots.Dash] = ["solid", "dash", "dot", "dashdot"]
+    panels = []
+    for quantity, title in QUANTITIES.items():
+        rows = table.filter(pl.col("quantity") == quantity)
+        if not rows.height:
+            continue
+        panel = plots.Panel(title, xlabel="training step", ylabel=title)
+        for (model, task), sub in rows.sort("step").group_by(*CURVE, maintain_order=True):
+            known = sub.filter(pl.col("step").is_not_null())
+            panel.series.append(
+                plots.Series(
+                    f"{names.get(str(model), str(model))} · {task}",
+                    known["step"].to_list(),
+                    known["value"].to_list(),
+                    color=colors[str(model)],
+                    dash=dashes[tasks.index(task) % len(dashes)],
+                    hover=[f"revision {r}" for r in known["revision"]],
+                )
+            )
+        unplaced = rows.filter(pl.col("step").is_null()).height
+        if unplaced:
+            panel.notes.append(f"{unplaced} value(s) of revisions without a step not drawn")
+        panels.append(panel)
+    return plots.Figure(
+        "Checkpoints against the training step",
+        panels,
+        cols=min(2, len(panels)),
+    )
+
+
 def report(ctx: ReportContext) -> str:
-    """A table of every revision's summaries, by step."""
+    """A table of every revision's summaries, by step, and the figure of them against it."""
     table = ctx.tables["revision_summary"]
     rows = [
         [
@@ -89,13 +127,23 @@ def report(ctx: ReportContext) -> str:
     ]
     header = ["Model", "Revision", "Task", "Step", "Tokens seen", "Quantity", "Value"]
     return "\n\n".join(
-        [
+        p
+        for p in [
             "Models stored at several revisions (`extract --revision`, with `--step` and "
             "`--tokens-seen` or a `stepN` name): the full-stack scores of each choice task "
             f"(estimator `{ESTIMATORS[0]}`) and the model's own next-token loss on each text task, "
             "revision by revision.",
             markdown_table(header, rows),
+            plots.figure_link(
+                ctx,
+                "revisions.png",
+                "Checkpoints against the training step",
+                lambda: step_figure(table, plots.short_names(ctx.names)),
+            )
+            if table.filter(pl.col("step").is_not_null()).height
+            else "",
         ]
+        if p
     )
 
 
@@ -107,5 +155,6 @@ register(
         report=report,
         kinds=("choice", "text"),
         among=several_revisions,
+        by_revision=True,
     )
 )
