@@ -4,7 +4,7 @@ local (methods §10); the depth-efficiency paper's depth score per hop count bes
 per-document scores with its bootstrap interval, the slope against hops, and the heatmaps. Every
 number and figure of the page is computed here from the store this script extracts.
 
-``python scripts/multihop_page.py`` (about a minute on a CPU; ``--store`` keeps the store
+``python scripts/multihop_page.py`` (a few minutes on a CPU; ``--store`` keeps the store
 elsewhere than ``build/multihop``).
 """
 
@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TASK = ROOT / "tests" / "data" / "multihop" / "multihop.yaml"
 PAGE = ROOT / "docs" / "multihop.md"
 MODEL = "smollm2-135m-instruct"
-FLAGS = ["--skips", "--skip-split", "answer:4:4", "--skip-mode", "total", "--skip-mode", "local"]
-"""The extraction: up to 4 split points among the answer's offsets 0, 4, 8, ... < A - 4 (the
-paper's MATH setting), the total and the local effects."""
+FLAGS = ["--skips", "--skip-split", "answer", "--skip-mode", "total", "--skip-mode", "local"]
+"""The extraction: one split point at the answer's first token (the paper's MQuAKE setting), the
+total and the local effects."""
 
 INTRO = """# Multi-hop questions: the paper's depth score and ours
 

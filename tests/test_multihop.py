@@ -245,14 +245,14 @@ def test_smollm2_answer_splits_and_local_effects(tmp_path: Path) -> None:
     task = multihop_task(tmp_path / "task")
     store = tmp_path / "store"
     out = extract("--model", "smollm2-135m-instruct", "--task", str(task), "--store", str(store),
-                  "--skips", "--skip-split", "answer:2:4", "--skip-mode", "total", "--skip-mode",
-                  "local", "--limit", "3")  # fmt: skip
+                  "--skips", "--skip-split", "answer", "--skip-mode", "total", "--skip-mode",
+                  "local", "--limit", "2")  # fmt: skip
     assert out.exit_code == 0, out.output
     source = resolve_source("smollm2-135m-instruct", None, None, False)
     tokenizer = load_tokenizer(source)
     loaded = load_model(source, tokenizer, torch.device("cpu"), torch.float64)
     model, modes = loaded.model, ["total", "local"]
-    assert check_answer_splits(store, model, tokenizer, "answer:2:4", modes, False, 3) == 6
+    assert check_answer_splits(store, model, tokenizer, "answer", modes, False, 2) == 2
     effects, _ = stored(store)
     by = effects.with_columns(pl.col("mode").cast(pl.String)).sort(
         "doc", "split", "skipped", "block"
