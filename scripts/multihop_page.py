@@ -41,8 +41,8 @@ layerdiv analyze --store build/multihop
 Split points are anchored in the answer ([methods §10](methods.md#section-10)); *Paper* is the
 paper's aggregation (maxima over the group's documents and split points first, then the score),
 *Mean* the mean of the per-document scores with a bootstrap 95% percentile interval over
-documents. With so few questions per group the intervals are wide: the point of the page is the method
-and the uncertainty the paper's single number hides, not a finding about the model.
+documents. With so few questions per group the intervals are wide: the point of the page is the
+method and the uncertainty the paper's single number hides, not a finding about the model.
 """
 
 LOCAL = """## Total and local effects
