@@ -273,7 +273,9 @@ def extract(
             click.echo(f"{s.task}: note: {note}")
         stored = f"{s.task}: {s.n_done}/{s.n_requested} {KINDS[s.kind].units} stored"
         if not s.n_new:
-            click.echo(f"{stored} ({'none new' if s.notes else 'nothing to do'})")
+            units = KINDS[s.kind].units
+            added = f"none new; tables added to {s.n_added} stored {units}" if s.n_added else ""
+            click.echo(f"{stored} ({added or 'nothing to do'})")
             continue
         if s.kind == "text":
             cut = f"; {s.n_truncated} cut to max_tokens" if s.n_truncated else ""

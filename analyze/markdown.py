@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import polars as pl
 
@@ -39,6 +40,21 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     rule = "|" + "|".join([":--", *["--:"] * (len(header) - 1)]) + "|"
     lines = ["| " + " | ".join(header) + " |", rule]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def key_rows(
+    frame: pl.DataFrame, names: Mapping[str, str], cells: Callable[[dict[str, Any]], Sequence[str]]
+) -> list[list[str]]:
+    """A Markdown row per row of ``frame`` (in its order): the model's display name from
+    ``names`` (``<name>@<revision>`` for a revision other than the default, as
+    :func:`model_label`), the task, then ``cells`` of the row."""
+    rows = []
+    for r in frame.iter_rows(named=True):
+        model = names.get(r["model"], r["model"])
+        if r.get("revision") not in (None, DEFAULT_REVISION):
+            model = f"{model}@{r['revision']}"
+        rows.append([model, str(r["task"]), *cells(r)])
+    return rows
 
 
 def model_task_table(

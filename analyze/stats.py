@@ -1,5 +1,6 @@
 """Statistics over the layer-addition curves: correlations (methods §4), depth efficiency
-(methods §5), the information-theoretic view (methods §6), and the demo's summaries.
+(methods §5), the information-theoretic view (methods §6), the demo's summaries, and the depth
+score of an effect profile (methods §10).
 
 Inputs are the frames of :mod:`layerdiv.analyze.api` (``curves`` has one row per model, task,
 estimator and junction j; the count frames one row per prediction/gold pair). SciPy is imported
@@ -24,6 +25,13 @@ SIGNIFICANCE = 0.05
 R_CLIP = 1.0 - 1e-6
 """|r| is clipped to this before arctanh in Fisher-z averages, so that r = +-1 stays finite."""
 _CURVE_KEYS = [*KEY, "estimator"]
+
+
+def depth_score(v: np.ndarray) -> np.ndarray:
+    """sum_l l v(l) / sum_l v(l) over the last axis (methods §10); NaN where v sums to 0."""
+    total = v.sum(-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(total > 0, (v @ np.arange(v.shape[-1], dtype=float)) / total, np.nan)
 
 
 def correlations(curves: pl.DataFrame) -> pl.DataFrame:

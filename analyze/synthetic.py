@@ -14,7 +14,11 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
+from layerdiv.measurements import optional_tables
 from layerdiv.measurements.future import FUTURE, future_tables
+from layerdiv.measurements.gram import gram_table
+from layerdiv.measurements.heads import heads_table
+from layerdiv.measurements.lens import LENS
 from layerdiv.schemas import component_names
 from layerdiv.store import ComponentInfo, Manifest, PartitionWriter
 from layerdiv.store.key import DEFAULT_REVISION
@@ -22,8 +26,6 @@ from layerdiv.store.tables import (
     TOKEN_BLOCK_VALUES,
     components_table,
     documents_table,
-    gram_table,
-    heads_table,
     instances_table,
     skips_table,
     token_blocks_table,
@@ -47,6 +49,56 @@ def component_infos(kinds: Sequence[str]) -> list[ComponentInfo]:
 def decoder_kinds(n_blocks: int, bias: bool = False) -> list[str]:
     """Kinds of a pre-norm decoder: the embedding, then attention and MLP per block."""
     return ["embed"] + ["attn", "mlp"] * n_blocks + (["bias"] if bias else [])
+
+
+def synthetic_manifest(
+    model: str,
+    task: str,
+    components: list[ComponentInfo],
+    n: int,
+    chunk: int,
+    options: int = 0,
+    kind: str = "choice",
+    n_params: int = 1_000_000,
+    created_at: str = "2025-01-01T00:00:00Z",
+    **fields: Any,
+) -> Manifest:
+    """The manifest of a made-up partition of ``n`` instances (documents) in chunks of
+    ``chunk``, with ``options`` options (``option0``, ...); ``fields`` are the manifest's other
+    fields (``context_length``, ``hidden_size``, ...)."""
+    names = [f"option{j}" for j in range(options)]
+    return Manifest(
+        **fields,
+        model=model,
+        n_params=n_params,
+        task=task,
+        revision=None,
+        weights_fingerprint="synthetic",
+        dtype="float32",
+        model_type="synthetic",
+        adapter="synthetic",
+        norm="rms",
+        options=names,
+        option_token_ids=list(range(options)),
+        option_tokens=names,
+        template_sha256="synthetic",
+        data_sha256="synthetic",
+        task_spec={"name": task, **({"kind": kind} if kind != "choice" else {})},
+        components=components,
+        n_requested=n,
+        sum_tolerance=1e-4,
+        chunk_size=chunk,
+        created_at=created_at,
+        kind=kind,
+    )
+
+
+def mark_optional(writer: PartitionWriter, kind: str, tables: Mapping[str, pa.Table]) -> None:
+    """Mark the optional tables of ``kind`` (``layerdiv.measurements.optional_tables``) that a
+    partition's first chunk, ``tables``, holds: every chunk written holds them."""
+    for table in optional_tables(kind):
+        if table in tables:
+            writer.mark_table(table)
 
 
 def write_partition(
@@ -88,27 +140,15 @@ def write_partition(
     rms = np.ones((n, n_comp), np.float32) if prefix_rms is None else prefix_rms
     final = rms[:, -1] if final_rms is None else final_rms
     infos = component_infos(kinds)
-    manifest = Manifest(
-        model=model,
-        task=task,
-        revision=None,
-        weights_fingerprint="synthetic",
-        dtype="float32",
-        model_type="synthetic",
-        adapter="synthetic",
-        norm="rms",
+    manifest = synthetic_manifest(
+        model,
+        task,
+        infos,
+        n,
+        chunk or n,
+        options=k,
         n_params=n_params,
         context_length=2048,
-        options=[f"option{j}" for j in range(k)],
-        option_token_ids=list(range(k)),
-        option_tokens=[f"option{j}" for j in range(k)],
-        template_sha256="synthetic",
-        data_sha256="synthetic",
-        task_spec={"name": task},
-        components=infos,
-        n_requested=n,
-        sum_tolerance=1e-4,
-        chunk_size=chunk or n,
         created_at=created_at,
         hidden_size=hidden_size,
         norm_eps=norm_eps,
@@ -117,11 +157,6 @@ def write_partition(
     geometry = {c: np.full((n, n_comp), v) for c, v in defaults.items()} | dict(columns or {})
     writer = PartitionWriter(root, model, task)
     writer.open(manifest, overwrite=True)
-    if heads is not None:
-        writer.mark_table("heads")
-    for table, values in (("skips", skips), ("gram", gram)):
-        if values is not None:
-            writer.mark_table(table)
     step = chunk or n
     for start in range(0, n, step):
         stop = min(n, start + step)
@@ -159,6 +194,8 @@ def write_partition(
             tables["gram"] = gram_table(ids, gram[start:stop])
         if shuffle is not None:
             tables = {k: t.take(shuffle.permutation(t.num_rows)) for k, t in tables.items()}
+        if start == 0:
+            mark_optional(writer, "choice", tables)
         writer.write_chunk(start, b, tables)
 
 
@@ -364,35 +401,21 @@ def text_manifest(
 ) -> Manifest:
     """The manifest of a made-up text partition (``lens``, ``skips``: extracted with ``--lens``,
     ``--skips``)."""
-    return Manifest(
-        model=model,
-        task=task,
-        revision=None,
-        weights_fingerprint="synthetic",
-        dtype="float32",
-        model_type="synthetic",
-        adapter="synthetic",
-        norm="rms",
-        n_params=1_000_000,
+    return synthetic_manifest(
+        model,
+        task,
+        component_infos(decoder_kinds(blocks)),
+        n_docs,
+        chunk,
         context_length=max_tokens,
-        options=[],
-        option_token_ids=[],
-        option_tokens=[],
-        template_sha256="synthetic",
-        data_sha256="synthetic",
-        task_spec={"name": task, "kind": "text"},
-        components=component_infos(decoder_kinds(blocks)),
-        n_requested=n_docs,
-        sum_tolerance=1e-4,
-        chunk_size=chunk,
-        created_at="2025-01-01T00:00:00Z",
         hidden_size=hidden_size,
         norm_eps=1e-5,
         kind="text",
         max_tokens=max_tokens,
-        lens="final" if lens else None,
-        skip_split="random" if skips else None,
-        skip_seed=0 if skips else None,
+        settings={
+            **({LENS.name: LENS.defaults()} if lens else {}),
+            **({FUTURE.name: FUTURE.defaults()} if skips else {}),
+        },
     )
 
 
@@ -405,11 +428,9 @@ def write_text_partition(
         root, manifest.model, manifest.task, manifest.revision or DEFAULT_REVISION
     )
     writer.open(manifest, overwrite=True)
-    optional = ["token_lens"] if manifest.lens else []
-    optional += list(FUTURE.tables["text"]) if manifest.skip_split else []
-    for table in optional:
-        writer.mark_table(table)
-    for start, count, tables in chunks:
+    for i, (start, count, tables) in enumerate(chunks):
+        if i == 0:
+            mark_optional(writer, manifest.kind, tables)
         writer.write_chunk(start, count, tables)
 
 

@@ -27,7 +27,7 @@ import torch
 from common import add_quick, demo_choice_tasks
 
 from layerdiv.demo import DEMO_MODEL
-from layerdiv.extract.adapters import adapter_for, check_heads, check_softcap
+from layerdiv.extract.adapters import adapter_for, check_softcap
 from layerdiv.extract.config import ExtractConfig
 from layerdiv.extract.models import load_model, load_tokenizer, resolve_source
 from layerdiv.extract.plan import plan_task
@@ -55,7 +55,6 @@ def main() -> None:
     loaded = load_model(source, load_tokenizer(source), torch.device("cpu"), torch.float32)
     adapter, config = adapter_for(source.config), source.config
     approximate = check_softcap(config, False)
-    n_heads = check_heads(config)
     per_task = -(-args.n // 3)
     with tempfile.TemporaryDirectory(prefix="layerdiv-bench-heads-") as tmp:
         paths = demo_choice_tasks(Path(tmp) / "tasks", -(-per_task // 30) * 30, args.seed)
@@ -68,7 +67,7 @@ def main() -> None:
             gc.collect()
             start, cpu = time.perf_counter(), time.process_time()
             for plan in plans:
-                extract_task(loaded, adapter, plan, cfg, approximate, n_heads if heads else None)
+                extract_task(loaded, adapter, plan, cfg, approximate)
             return time.perf_counter() - start, time.process_time() - cpu
 
         times: dict[bool, list[float]] = {False: [], True: []}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import add_quick
+from common import add_quick, timed
 
 TARGET_S = 2.0
 
@@ -72,15 +71,14 @@ def main() -> None:
         print(f"wrote {n:,} manifests ({args.revisions} revisions x {args.tasks} tasks) in "
               f"{time.perf_counter() - start:.1f} s")  # fmt: skip
         cmd = [sys.executable, "-m", "layerdiv.cli", "ls", "--store", str(store)]
-        walls, cpus = [], []
-        for _ in range(args.repeat):
-            before = resource.getrusage(resource.RUSAGE_CHILDREN)
-            start = time.perf_counter()
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            walls.append(time.perf_counter() - start)
-            after = resource.getrusage(resource.RUSAGE_CHILDREN)
-            cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
-        rows = sum(1 for line in out.splitlines() if "step" in line)
+        listed: list[str] = []
+        walls, cpus = timed(
+            lambda: listed.append(
+                subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            ),
+            args.repeat,
+        )
+        rows = sum(1 for line in listed[-1].splitlines() if "step" in line)
         print(f"layerdiv ls: {rows:,} partitions listed, fresh process (import included): wall "
               f"s best {min(walls):.2f}, median {statistics.median(walls):.2f}; CPU s best "
               f"{min(cpus):.2f}, median {statistics.median(cpus):.2f}")  # fmt: skip

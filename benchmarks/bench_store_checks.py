@@ -27,17 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-from common import add_quick
+from common import add_quick, timed
 
 
 def cpu(fn: Callable[[], Any], repeat: int = 3) -> float:
-    """The least CPU time (user + system, this process) of ``repeat`` calls of ``fn``."""
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.process_time()
-        fn()
-        best = min(best, time.process_time() - start)
-    return best
+    """The least CPU time of ``repeat`` calls of ``fn``."""
+    return min(timed(fn, repeat)[1])
 
 
 def main() -> None:

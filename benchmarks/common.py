@@ -1,8 +1,9 @@
 """What every benchmark shares: the ``--quick`` flag (tiny sizes, one repeat: the check that the
-script still runs, which ``make bench-quick`` makes of every script), the demo's choice tasks by
-name, and the results file a full run writes (``docs/benchmarks/<name>.json``: its table, with the
-date, commit and load average it ran at), from which ``scripts/bench_tables.py`` renders the
-benchmark tables of the docs and the README."""
+script still runs, which ``make bench-quick`` makes of every script), wall and CPU timing
+(:func:`timed`), the demo's choice tasks by name, and the results file a full run writes
+(``docs/benchmarks/<name>.json``: its table, with the date, commit and load average it ran at),
+from which ``scripts/bench_tables.py`` renders the benchmark tables of the docs and the
+README."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shlex
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,26 @@ def add_quick(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes, one repeat: check that it runs"
     )
+
+
+def timed(fn: Callable[[], Any], repeat: int = 3) -> tuple[list[float], list[float]]:
+    """The wall seconds and the CPU seconds (user + system, of this process and of the child
+    processes it waited for) of each of ``repeat`` calls of ``fn``."""
+    walls, cpus = [], []
+    for _ in range(repeat):
+        cpu, wall = _cpu_seconds(), time.perf_counter()
+        fn()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(_cpu_seconds() - cpu)
+    return walls, cpus
+
+
+def _cpu_seconds() -> float:
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def demo_choice_tasks(folder: Path, n: int, seed: int) -> list[Path]:

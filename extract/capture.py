@@ -29,19 +29,6 @@ class DecompositionError(LayerdivError, RuntimeError):
 
 
 @dataclass
-class HeadDecomposition:
-    """Per-head option logits of one batch (float32, on the CPU)."""
-
-    components: list[int]
-    """Index (execution order, as in :class:`BatchDecomposition`) of each attention component."""
-    head_ids: list[int]
-    """Head index of each column: 0..H-1, preceded by -1 (the output projection's bias) when
-    the projection has one."""
-    logits: torch.Tensor
-    """(B, A, G, K) u_(b,h)[k]: head G of attention component A's share of option k's logit."""
-
-
-@dataclass
 class BatchDecomposition:
     """Per-instance, per-component results of one batch (all float32, on the CPU)."""
 
@@ -64,13 +51,8 @@ class BatchDecomposition:
     """(B, K) the model's own option logits (lm_head output, before any soft-cap)."""
     sum_error: torch.Tensor
     """(B,) max_k |sum_c u_c[k] - model_logits[k]| / max(1, max_k sum_c |u_c[k]|)."""
-    heads: HeadDecomposition | None = None
-    """Every attention head's option logits (``--heads``, :mod:`layerdiv.extract.heads`)."""
     skip_logits: torch.Tensor | None = None
     """(B, blocks, K) the model's option logits with each block module skipped (``--skips``)."""
-    gram: torch.Tensor | None = None
-    """(B, C(C+1)/2) upper triangle of z_a . z_b over the C components without bias, row by row
-    (``layerdiv.schemas.GRAM``); only with ``gram=True``."""
     lens: torch.Tensor | None = None
     """(B, L + 1, 2 + K) with ``lens=True``: per layer l = 0..L the logit lens at the last prompt
     token (p_l from block l's input, p_L the model's output): kl, top5_overlap and log p_l of
@@ -88,12 +70,10 @@ class ComponentCapture(Hooks):
         model: Any,
         adapter: Adapter,
         option_ids: list[int],
-        gram: bool = False,
         lens: bool = False,
     ):
         super().__init__()
         self.adapter = adapter
-        self.gram = gram
         self.lens = lens
         blocks = get_module(model, adapter.blocks)
         self.readout = Readout(model, adapter)
@@ -172,28 +152,24 @@ class ComponentCapture(Hooks):
     def _has_bias(self) -> bool:
         return self.readout.constant_bias
 
-    def decompose(self) -> BatchDecomposition:
-        """Split the last forward pass's option logits into its components (methods §1)."""
+    def outputs(self) -> torch.Tensor:
+        """(B, L, d) the component outputs z_c of the last forward pass at the last prompt token,
+        in execution order (without the bias component), on the device of the first."""
         if self._x is None or self._head is None or self._buffer is None:
             raise DecompositionError("no forward pass was captured")
+        return self._buffer[: len(self._records), : self._x.shape[0]].transpose(0, 1)
+
+    def decompose(self) -> BatchDecomposition:
+        """Split the last forward pass's option logits into its components (methods §1)."""
+        z = self.outputs()  # (B, L, d)
+        assert self._x is not None and self._head is not None  # checked by outputs()
         # Everything kept is gathered on the device of the first component (a model spread over
         # several devices by --device-map runs its blocks on different ones).
-        dev = self._buffer.device
+        dev = z.device
         x, head, w_options = self._x.to(dev), self._head.to(dev), self.w_options.to(dev)
-        z = self._buffer[: len(self._records), : x.shape[0]].transpose(0, 1)  # (B, L, d)
-        gain = self.readout.gain.to(dev)
         prefix = torch.cumsum(z, dim=1)  # r_c = z_0 + ... + z_c
-        if self.adapter.norm == "layer":
-            # LayerNorm: centering is linear, so u_c = W_U (g * (z_c - mean z_c) / std(x)).
-            scale_x = torch.sqrt(x.var(dim=-1, unbiased=False) + self.eps)
-            prefix_rms = torch.sqrt(prefix.var(dim=-1, unbiased=False) + self.eps)
-            z_scaled = z - z.mean(dim=-1, keepdim=True)
-        else:
-            # RMSNorm: u_c = W_U (s * z_c) with s = g / rms(x) frozen (methods §1, paper Eqs. 2-3).
-            scale_x = torch.sqrt(x.pow(2).mean(dim=-1) + self.eps)
-            prefix_rms = torch.sqrt(prefix.pow(2).mean(dim=-1) + self.eps)
-            z_scaled = z
-        s = gain / scale_x[:, None]  # (B, d)
+        scale_x, prefix_rms, z_scaled = self._scales(z, x, prefix)
+        s = self.readout.gain.to(dev) / scale_x[:, None]  # (B, d)
         logits = torch.einsum("bld,bd,kd->blk", z_scaled, s, w_options)
         out_norm = z.norm(dim=-1)
         cos = torch.full_like(out_norm, float("nan"))
@@ -201,23 +177,12 @@ class ComponentCapture(Hooks):
         cos_prev = torch.full_like(out_norm, float("nan"))  # methods §7
         cos_prev[:, 1:] = torch.nn.functional.cosine_similarity(z[:, 1:], z[:, :-1], dim=-1)
         if self._has_bias():
-            # Constant component: norm bias b through W_U, plus any lm_head bias.
-            const = torch.zeros(len(self.option_ids), device=dev)
-            if self.adapter.norm == "layer" and self.norm_bias is not None:
-                const = const + w_options @ self.norm_bias.to(dev)
-            if self.head_bias is not None:
-                const = const + self.head_bias.to(dev)
-            b = z.shape[0]
-            logits = torch.cat([logits, const.expand(b, 1, -1)], dim=1)
-            nan = torch.full((b, 1), float("nan"), device=z.device)
+            logits = torch.cat([logits, self._bias_logits(w_options, z.shape[0])], dim=1)
+            nan = torch.full((z.shape[0], 1), float("nan"), device=z.device)
             out_norm = torch.cat([out_norm, nan], dim=1)
             cos = torch.cat([cos, nan], dim=1)
             cos_prev = torch.cat([cos_prev, nan], dim=1)
             prefix_rms = torch.cat([prefix_rms, scale_x[:, None]], dim=1)
-        gram = None
-        if self.gram:  # methods §7: every norm and angle of any partial sum
-            upper = torch.triu_indices(z.shape[1], z.shape[1], device=z.device)
-            gram = (z @ z.transpose(1, 2))[:, upper[0], upper[1]].cpu()
         lens = self._lens(prefix, x) if self.lens else None
         total = logits.sum(dim=1)
         spread = logits.abs().sum(dim=1).amax(dim=-1).clamp(min=1.0)
@@ -232,9 +197,33 @@ class ComponentCapture(Hooks):
             final_rms=scale_x.cpu(),
             model_logits=head.cpu(),
             sum_error=sum_error.cpu(),
-            gram=gram,
             lens=lens,
         )
+
+    def _scales(
+        self, z: torch.Tensor, x: torch.Tensor, prefix: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(scale of x, scale of every prefix, the outputs as the frozen norm sees them)."""
+        if self.adapter.norm == "layer":
+            # LayerNorm: centering is linear, so u_c = W_U (g * (z_c - mean z_c) / std(x)).
+            scale_x = torch.sqrt(x.var(dim=-1, unbiased=False) + self.eps)
+            prefix_rms = torch.sqrt(prefix.var(dim=-1, unbiased=False) + self.eps)
+            return scale_x, prefix_rms, z - z.mean(dim=-1, keepdim=True)
+        # RMSNorm: u_c = W_U (s * z_c) with s = g / rms(x) frozen (methods §1, paper Eqs. 2-3).
+        scale_x = torch.sqrt(x.pow(2).mean(dim=-1) + self.eps)
+        prefix_rms = torch.sqrt(prefix.pow(2).mean(dim=-1) + self.eps)
+        return scale_x, prefix_rms, z
+
+    def _bias_logits(self, w_options: torch.Tensor, rows: int) -> torch.Tensor:
+        """(B, 1, K) the constant component: the norm bias b through W_U, plus any lm_head
+        bias."""
+        dev = w_options.device
+        const = torch.zeros(len(self.option_ids), device=dev)
+        if self.adapter.norm == "layer" and self.norm_bias is not None:
+            const = const + w_options @ self.norm_bias.to(dev)
+        if self.head_bias is not None:
+            const = const + self.head_bias.to(dev)
+        return const.expand(rows, 1, -1)
 
     def _lens(self, prefix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The logit lens at the last prompt token (methods §9): block l's input h_l is

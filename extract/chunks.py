@@ -68,15 +68,20 @@ def missing_runs(
     writer: PartitionWriter, j: int, grid: int, n: int, manifest: Manifest
 ) -> tuple[list[list[int]], list[str]]:
     """Under the claim of chunk ``j``: the contiguous runs of its instances (below ``n``) that are
-    not stored, after deleting its parts that are unreadable or have wrong row counts (as the
-    partition's ``manifest`` expects them); and a note per deleted part."""
+    not stored, after deleting its parts that are unreadable, have wrong row counts or record
+    other settings (than the partition's ``manifest``); and a note per deleted part. Refuses
+    (``StoreConflict``) a partition replaced or changed since this run opened it."""
+    writer.recheck()
     lo, hi = j * grid, min(n, (j + 1) * grid)
     inside = [(s, c) for s, c in writer.part.done_parts() if s < hi and s + c > lo]
     notes = []
     marker = KINDS[manifest.kind].marker
     for s, c in writer.unreadable(inside, manifest):
         writer.remove_chunk(s, c)
-        notes.append(f"{writer.part.part(marker, s, c)} was unreadable or incomplete: redone")
+        notes.append(
+            f"{writer.part.part(marker, s, c)} was unreadable, incomplete or of other settings: "
+            "redone"
+        )
     have = writer.done_instances()
     return chunk_runs([i for i in range(lo, hi) if i not in have], grid).get(j, []), notes
 
@@ -109,9 +114,11 @@ def store(
     writer: PartitionWriter, claim: ChunkClaim, parts: list[tuple[list[int], dict[str, pa.Table]]]
 ) -> None:
     """Write a claimed chunk's parts (whole chunks, or optional tables alone for chunks that are
-    stored already: a backfill), then release the claim."""
+    stored already: a backfill), then release the claim; nothing when the partition was replaced
+    or changed since this run opened it (``StoreConflict``)."""
     markers = {k.marker for k in KINDS.values()}
     try:
+        writer.recheck()
         for ids, tables in parts:
             if markers & set(tables):
                 writer.write_chunk(ids[0], len(ids), tables)
@@ -140,10 +147,12 @@ def backfill(
     n = 0
     for j, claim in claimed(writer, sorted(chunk_runs(ids, grid, shard))):
         try:  # what is still lacking, under the claim
+            writer.recheck()
             lacking = {t: set(backfillable(writer, t, n_items)) for t in tables}
             for s, c in sorted({p for ps in lacking.values() for p in ps if p[0] // grid == j}):
                 run = list(range(s, s + c))
                 made = make(run, compute_run(run))
+                writer.recheck()
                 for table in tables:
                     if (s, c) in lacking[table]:
                         writer.write_table_part(table, s, c, made[table])

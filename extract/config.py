@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from layerdiv.errors import LayerdivError
-from layerdiv.measurements import for_kind, registered
+from layerdiv.measurements import Measurement, for_kind, registered
 
 DEFAULT_CHUNK_SIZE = 1024
 """Instances per chunk of a new partition when ``--chunk-size`` is not given."""
@@ -90,7 +90,7 @@ class ExtractConfig:
     methods §9): ``final`` (final norm and unembedding) or ``last-block`` (the last
     block applied first)."""
     measures: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """The registered measurements outside the decomposition capture that this run asks for
+    """The registered measurements with hooks of their own that this run asks for
     (``layerdiv.measurements``), by name: the settings given (None: not given, the partition's
     own or the default)."""
     progress: bool = True
@@ -102,6 +102,19 @@ class ExtractConfig:
         without them), but the lens (whose flag has a value)."""
         flags = (("heads", self.heads), ("skips", self.skips), ("gram", self.gram))
         return [t for t, on in flags if on]
+
+    def given(self, m: Measurement) -> dict[str, Any]:
+        """The settings of measurement ``m`` given on the command line (a built-in one's by its
+        fields, another's under :attr:`measures`); a setting not given is left out, a repeated
+        option's values once each."""
+        own = {f.name for f in fields(self)}
+        values = (
+            {s.name: getattr(self, s.name) for s in m.settings}
+            if m.dest in own
+            else self.measures.get(m.name, {})
+        )
+        given = {k: v for k, v in values.items() if v not in (None, ())}
+        return {k: tuple(dict.fromkeys(v)) if isinstance(v, tuple) else v for k, v in given.items()}
 
     def measured_tables(self, kind: str) -> list[str]:
         """The tables of :attr:`measures` for task ``kind``."""
@@ -148,6 +161,8 @@ class TaskSummary:
     """Largest relative decomposition error of the new instances."""
     n_truncated: int = 0
     """Prompts left-truncated to the model's context."""
+    n_added: int = 0
+    """Stored instances this run gave the optional tables they lacked (a backfill)."""
     accuracy_new: float | None = None
     """Fraction of new instances whose top option logit is the gold one."""
     kind: str = "choice"

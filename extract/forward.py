@@ -15,17 +15,14 @@ from layerdiv.extract.adapters import Adapter
 from layerdiv.extract.batching import batches
 from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
 from layerdiv.extract.future import FutureEffects, SkipSettings
-from layerdiv.extract.heads import HeadCapture
 from layerdiv.extract.models import LoadedModel
 from layerdiv.extract.skips import BlockSkipper
 from layerdiv.extract.text import TextBatch, TextCapture
-from layerdiv.measurements import RowsCapture, for_kind
+from layerdiv.measurements import Capture, DecompositionCapture, RowsCapture, for_kind
 from layerdiv.measurements.future import future_rows
 from layerdiv.store.tables import (
     components_table,
     documents_table,
-    gram_table,
-    heads_table,
     instances_table,
     lens_table,
     skips_table,
@@ -76,7 +73,8 @@ def left_padded(seqs: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
 class ModelRunner:
     """Runs left-padded batches through a model with the capture hooks attached (those of the
     task ``kind``: the last-token decomposition of a choice task, the per-token dot products of a
-    text task); a context manager that always removes its hooks."""
+    text task, and each registered measurement's of ``measures``); a context manager that always
+    removes its hooks."""
 
     def __init__(
         self,
@@ -85,7 +83,6 @@ class ModelRunner:
         option_ids: list[int],
         budget: int,
         extra_tables: Sequence[str] = (),
-        n_heads: int | None = None,
         kind: str = "choice",
         lens: str | None = None,
         skips: SkipSettings | None = None,
@@ -95,52 +92,51 @@ class ModelRunner:
         self.loaded = loaded
         self.budget = budget
         """Padded tokens per batch for automatic batching (lowered on out-of-memory)."""
+        model = loaded.model
         self.text = (
-            TextCapture(loaded.model, adapter, lens if "token_lens" in extra_tables else None)
+            TextCapture(model, adapter, lens if "token_lens" in extra_tables else None)
             if kind == "text"
             else None
         )
         """Text tasks: the per-token capture (methods §9); the choice captures are
         not attached."""
         self.future = (
-            FutureEffects(loaded.model, adapter, self.text.readout, skips, answers)
+            FutureEffects(model, adapter, self.text.readout, skips, answers)
             if self.text is not None and skips is not None
             else None
         )
         """Text tasks with ``--skips``: the future effects (methods §9; ``answers``, per
         document its answer's start and length, for answer-anchored split points, §10)."""
         self.capture = (
-            None
-            if self.text is not None
-            else ComponentCapture(
-                loaded.model,
-                adapter,
-                option_ids,
-                gram="gram" in extra_tables,
-                lens="lens" in extra_tables,
-            )
-        )
-        self.heads = (
-            HeadCapture(loaded.model, adapter, self.capture, n_heads)
-            if "heads" in extra_tables and n_heads is not None and self.capture is not None
+            ComponentCapture(model, adapter, option_ids, lens="lens" in extra_tables)
+            if self.text is None
             else None
         )
-        """With ``--heads``: the per-head capture of ``n_heads`` heads (methods §8)."""
-        self.skipper = (
-            BlockSkipper(loaded.model, adapter, option_ids) if "skips" in extra_tables else None
-        )
+        """Choice tasks: the last-token decomposition (methods §1)."""
+        self.skipper = BlockSkipper(model, adapter, option_ids) if "skips" in extra_tables else None
         """With ``--skips``: the block skipper (methods §7)."""
-        self.measures = {
-            m.name: m.attach_to(loaded.model, adapter, (measures or {})[m.name])
-            for m in for_kind(kind)
-            if m.attach is not None and m.name in (measures or {})
-        }
+        self.measures = self._attach(adapter, kind, measures or {})
         """The registered measurements' hooks (``layerdiv.measurements.Measurement.attach``)."""
-        params = inspect.signature(loaded.model.forward).parameters
+        params = inspect.signature(model.forward).parameters
         self.extra: dict[str, Any] = {"use_cache": False}
         if "logits_to_keep" in params:
             self.extra["logits_to_keep"] = 1
         self.pad_id = loaded.tokenizer.pad_token_id or 0
+
+    def _attach(
+        self, adapter: Adapter, kind: str, measures: Mapping[str, Mapping[str, Any]]
+    ) -> dict[str, Capture]:
+        """The hooks of every measurement of ``kind`` in ``measures`` (by name: its settings),
+        those built on the decomposition bound to :attr:`capture`."""
+        attached: dict[str, Capture] = {}
+        for m in for_kind(kind):
+            if m.attach is None or m.name not in measures:
+                continue
+            hooks = attached[m.name] = m.attach_to(self.loaded.model, adapter, measures[m.name])
+            if isinstance(hooks, DecompositionCapture):
+                assert self.capture is not None  # declared for choice tasks only
+                hooks.bind(self.capture)
+        return attached
 
     def __enter__(self) -> ModelRunner:
         return self
@@ -151,7 +147,7 @@ class ModelRunner:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        for capture in (self.capture, self.heads, self.text, *self.measures.values()):
+        for capture in (self.capture, self.text, *self.measures.values()):
             if capture is not None:
                 capture.remove()
 
@@ -167,42 +163,57 @@ class ModelRunner:
             if isinstance(hooks, RowsCapture):
                 hooks.batch(ids, [len(s) for s in seqs])
         if self.text is not None:
-            text = self.text
-            text.reset(inputs["input_ids"])
+            self.text.reset(inputs["input_ids"])
             with torch.inference_mode():
-                self.loaded.model(**inputs)
-                batch = text.decompose(self.budget)
-                batch.measured = self._measured()
-                if self.future is not None and ids is not None:
-                    with text.pausing():
-                        batch.future = self.future.run(
-                            text.states(),
-                            text.block_args,
-                            text.dtype,
-                            [len(s) for s in seqs],
-                            ids,
-                            max(1, self.budget // inputs["input_ids"].shape[1]),
-                        )
-                return batch
+                return self._run_text(self.text, inputs, [len(s) for s in seqs], ids)
+        if self.capture is not None:
+            self.capture.reset()
+        with torch.inference_mode():
+            return self._run_choice(inputs)
+
+    def _run_text(
+        self,
+        text: TextCapture,
+        inputs: dict[str, Any],
+        lengths: list[int],
+        ids: list[int] | None,
+    ) -> TextBatch:
+        """A text task's pass: the per-token values, the measurements' and (documents ``ids``
+        given) the future effects."""
+        self.loaded.model(**inputs)
+        batch = text.decompose(self.budget)
+        batch.measured = self._measured()
+        if self.future is not None and ids is not None:
+            with text.pausing():
+                batch.future = self.future.run(
+                    text.states(),
+                    text.block_args,
+                    text.dtype,
+                    lengths,
+                    ids,
+                    max(1, self.budget // inputs["input_ids"].shape[1]),
+                )
+        return batch
+
+    def _run_choice(self, inputs: dict[str, Any]) -> BatchDecomposition:
+        """A choice task's pass: the decomposition, the measurements' values and (``--skips``)
+        the option logits with each block skipped."""
         capture = self.capture
         assert capture is not None  # a choice runner
-        capture.reset()
-        if self.heads is not None:
-            self.heads.reset()
-        with torch.inference_mode():
-            if self.skipper is None:
+        if self.skipper is None:
+            self.loaded.model(**inputs)
+        else:
+            with self.skipper.recording():
                 self.loaded.model(**inputs)
-            else:
-                with self.skipper.recording():
-                    self.loaded.model(**inputs)
-            dec = capture.decompose()
-            dec.measured = self._measured()
-            if self.heads is not None:
-                dec.heads = self.heads.decompose(dec)
-            if self.skipper is not None:
-                with capture.pausing():  # also pauses the heads capture; methods §7:
-                    # each block skipped, the shared prefix reused
-                    dec.skip_logits = self.skipper.skip_logits()
+        dec = capture.decompose()
+        for hooks in self.measures.values():
+            if isinstance(hooks, DecompositionCapture):
+                hooks.decomposed(dec)
+        dec.measured = self._measured()
+        if self.skipper is not None:
+            with capture.pausing():  # also pauses the hooks bound to it; methods §7:
+                # each block skipped, the shared prefix reused
+                dec.skip_logits = self.skipper.skip_logits()
         return dec
 
     def _measured(self) -> dict[str, Sequence[Any]]:
@@ -242,7 +253,7 @@ def chunk_tables(
     """The ``components`` and ``instances`` tables of instances ``ids`` (ascending; ``gold``,
     ``seqs``, ``truncated`` and ``prompts`` are indexed by instance), each found
     in ``results`` as (its batch's decomposition, its row there), and the optional tables
-    (``heads``, ``skips``, ``gram``) the decompositions hold."""
+    the decompositions hold (:func:`optional_tables`)."""
 
     def stack(attr: str) -> np.ndarray:
         return np.stack([getattr(results[i][0], attr)[results[i][1]].numpy() for i in ids])
@@ -322,25 +333,16 @@ def future_tables(ids: list[int], results: dict[int, tuple[TextBatch, int]]) -> 
 def optional_tables(
     ids: list[int], results: dict[int, tuple[BatchDecomposition, int]], gold: list[int]
 ) -> dict[str, pa.Table]:
-    """The ``heads``, ``skips``, ``gram`` and ``lens`` tables of instances ``ids`` (ascending;
-    ``gold`` indexed by instance), where the run computed them."""
+    """The optional tables of instances ``ids`` (ascending; ``gold`` indexed by instance) where
+    the run computed them: ``skips``, ``lens`` and the registered measurements'."""
     first = results[ids[0]][0]
 
     def stack(values: Callable[[BatchDecomposition], Any]) -> np.ndarray:
         return np.stack([values(results[i][0])[results[i][1]].numpy() for i in ids])
 
     tables = {}
-    if first.heads is not None:
-        heads = first.heads
-        if any(results[i][0].heads is None for i in ids):
-            raise DecompositionError("an instance ran without the heads capture")
-        layers = [first.components[c].layer for c in heads.components]
-        logits = stack(lambda d: d.heads.logits)  # type: ignore[union-attr]
-        tables["heads"] = heads_table(ids, heads.components, layers, heads.head_ids, logits)
     if first.skip_logits is not None:
         tables["skips"] = skips_table(ids, stack(lambda d: d.skip_logits))
-    if first.gram is not None:
-        tables["gram"] = gram_table(ids, stack(lambda d: d.gram))
     if first.lens is not None:
         if any(results[i][0].lens is None for i in ids):
             raise DecompositionError("an instance ran without the lens")

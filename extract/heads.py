@@ -1,4 +1,5 @@
-"""Per-head option logits (methods §8), exact and cheap.
+"""The hooks of ``extract --heads`` (:mod:`layerdiv.measurements.heads`): per-head option logits
+(methods §8), exact and cheap.
 
 The attention component of a block is o(sum_h W_O,h a_h + b_O). For each attention output
 projection the K x d_in matrix M = (W_U[options] * g) W_O (centred over d for LayerNorm models,
@@ -10,20 +11,35 @@ position only; no per-head d-dimensional vector is ever formed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from layerdiv.extract.adapters import Adapter, UnsupportedModel, get_module, norm_eps
+from layerdiv.extract.adapters import Adapter, UnsupportedModel, check_heads, get_module, norm_eps
 from layerdiv.extract.capture import (
+    SUM_TOLERANCE,
     BatchDecomposition,
     ComponentCapture,
     DecompositionError,
-    HeadDecomposition,
 )
 from layerdiv.extract.hooks import Hooks, unique_blocks
 from layerdiv.extract.readout import norm_gain, onloaded
+from layerdiv.measurements.heads import HeadValues
+
+
+@dataclass
+class HeadDecomposition:
+    """Per-head option logits of one batch (float32, on the CPU)."""
+
+    components: list[int]
+    """Index (execution order, as in :class:`BatchDecomposition`) of each attention component."""
+    head_ids: list[int]
+    """Head index of each column: 0..H-1, preceded by -1 (the output projection's bias) when
+    the projection has one."""
+    logits: torch.Tensor
+    """(B, A, G, K) u_(b,h)[k]: head G of attention component A's share of option k's logit."""
 
 
 @dataclass
@@ -35,23 +51,34 @@ class _Projection:
 
 
 class HeadCapture(Hooks):
-    """Hooks on every attention output projection of a model with a :class:`ComponentCapture`;
-    :meth:`decompose` after each forward pass gives the batch's heads."""
+    """Hooks on every attention output projection of a model, bound to its
+    :class:`ComponentCapture` (``layerdiv.measurements.DecompositionCapture``); after each
+    forward pass, every instance's heads (:class:`HeadValues`), their sums checked against the
+    attention components (methods §8)."""
 
-    def __init__(self, model: Any, adapter: Adapter, capture: ComponentCapture, n_heads: int):
+    def __init__(self, model: Any, adapter: Adapter, settings: Mapping[str, Any]) -> None:
         if adapter.attn_out is None:
             raise UnsupportedModel(f"--heads: no attention output projection for {adapter.family}")
-        self.n_heads = n_heads
+        super().__init__()
+        self.model, self.adapter, self.attn_out = model, adapter, adapter.attn_out
+        self.n_heads = check_heads(model.config)
+        self.tol = SUM_TOLERANCE[model.dtype]
+        self.capture: ComponentCapture | None = None
+        self.heads: HeadDecomposition | None = None
+        """The heads of the last forward pass."""
+        self._layers: list[int] = []
+        self.head_ids: list[int] | None = None
+        self._records: list[tuple[_Projection, torch.Tensor, torch.Tensor | None]] = []
+        self._ids: Sequence[int] | None = None
+
+    def bind(self, capture: ComponentCapture) -> None:
+        """Form M for every block from ``capture``'s option rows and hook the projections."""
         self.capture = capture
         rows = capture.readout.frozen_rows(capture.w_options)  # (K, d): W_U[k] * g
-        self._records: list[tuple[_Projection, torch.Tensor, torch.Tensor | None]] = []
-        super().__init__()
-        unique = unique_blocks(model, adapter)
-        self.head_ids: list[int] | None = None
-        for layer, block in enumerate(unique):
-            module = get_module(block, adapter.attn_out)
-            proj = self._projection(layer, block, module, adapter, rows, n_heads)
-            ids = ([-1] if proj.bias is not None else []) + list(range(n_heads))
+        for layer, block in enumerate(unique_blocks(self.model, self.adapter)):
+            module = get_module(block, self.attn_out)
+            proj = self._projection(layer, block, module, self.adapter, rows, self.n_heads)
+            ids = ([-1] if proj.bias is not None else []) + list(range(self.n_heads))
             if self.head_ids is not None and ids != self.head_ids:
                 raise UnsupportedModel("--heads: blocks differ in whether W_O has a bias")
             self.head_ids = ids
@@ -86,7 +113,7 @@ class HeadCapture(Hooks):
 
     def _hook(self, proj: _Projection) -> Any:
         def hook(module: Any, args: tuple, output: Any) -> None:
-            if self.capture.paused:  # a pass with a block skipped (--skips)
+            if self.capture is None or self.capture.paused:  # a block skipped (--skips)
                 return
             a = args[0][:, -1, :].float()  # (B, d_in): the heads' outputs, head-major
             m = proj.m.to(a.device)  # a no-op unless --device-map moved the block
@@ -100,11 +127,16 @@ class HeadCapture(Hooks):
         return hook
 
     def reset(self) -> None:
-        self._records = []
+        self._records, self.heads = [], None
 
-    def decompose(self, batch: BatchDecomposition) -> HeadDecomposition:
-        """The heads of the last forward pass, with the final scale of ``batch`` frozen (and
-        each sandwich block's own post-norm scale): u_(b,h) = M_h a_h / scale(x) [/ rms_b]."""
+    def batch(self, ids: Sequence[int] | None, lengths: Sequence[int]) -> None:
+        self._ids = ids
+
+    def decomposed(self, batch: BatchDecomposition) -> None:
+        """The heads of the pass just run, with the final scale of ``batch`` frozen (and each
+        sandwich block's own post-norm scale): u_(b,h) = M_h a_h / scale(x) [/ rms_b]; stops
+        the run where they do not sum to their attention components (a batch whose components
+        do not sum to the model's logits is left to the decomposition's own check)."""
         attn = [c for c, info in enumerate(batch.components) if info.kind == "attn"]
         if len(attn) != len(self._records):
             raise DecompositionError(
@@ -124,11 +156,24 @@ class HeadCapture(Hooks):
             if proj.bias is not None:
                 terms = torch.cat([proj.bias.cpu().expand(terms.shape[0], 1, -1), terms], dim=1)
             blocks.append(terms * scale[:, None, None])
-        return HeadDecomposition(attn, list(self.head_ids or []), torch.stack(blocks, dim=1))
+        self.heads = HeadDecomposition(attn, list(self.head_ids or []), torch.stack(blocks, dim=1))
+        self._layers = [batch.components[c].layer for c in attn]
+        sound = (
+            bool(torch.isfinite(batch.logits).all()) and float(batch.sum_error.max()) <= self.tol
+        )
+        if sound:  # else the decomposition's own check (check_batch) names the component
+            ids = list(self._ids) if self._ids is not None else list(range(len(inv_scale)))
+            check_head_sums(self.heads, batch, ids, self.tol)
+
+    def result(self) -> Sequence[HeadValues]:
+        if self.heads is None:
+            raise DecompositionError("--heads: no forward pass was decomposed")
+        heads, layers = self.heads, self._layers
+        return [HeadValues(heads.components, layers, heads.head_ids, r) for r in heads.logits]
 
 
 def check_head_sums(
-    heads: HeadDecomposition, batch: BatchDecomposition, ids: list[int], task: str, tol: float
+    heads: HeadDecomposition, batch: BatchDecomposition, ids: list[int], tol: float
 ) -> float:
     """The invariant of methods §8: the heads and bias of every attention component
     sum to its logits, within ``tol`` relative to max(1, sum_h |u_(b,h)[k]|); returns the worst
@@ -141,8 +186,8 @@ def check_head_sums(
         row, col = divmod(int(bad.argmax()), bad.shape[1])
         name = batch.components[heads.components[col]].name
         raise DecompositionError(
-            f"task {task}, instance {ids[row]}: the heads of {name} sum to its logits only "
-            f"within {float(bad[row, col]):.2e} (relative), above the tolerance {tol:.0e}; the "
+            f"instance {ids[row]}: the heads of {name} sum to its logits only within "
+            f"{float(bad[row, col]):.2e} (relative), above the tolerance {tol:.0e}; the "
             "adapter's head split does not match this model (layerdiv/extract/adapters.py)"
         )
     return float(error.max()) if error.numel() else 0.0

@@ -4,7 +4,6 @@ that bad input is refused before anything is written."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,10 @@ from layerdiv.extract.tasks import (
     load_task,
     option_token_ids,
 )
-from layerdiv.measurements import Measurement, for_kind, registered
+from layerdiv.measurements import for_kind, registered
 from layerdiv.measurements.future import FUTURE
+from layerdiv.measurements.lens import LENS
+from layerdiv.measurements.registry import as_json
 from layerdiv.store.manifest import read_manifest
 from layerdiv.store.writer import PartitionWriter
 
@@ -47,17 +48,35 @@ class TaskPlan:
     documents: tuple[list[list[int]], list[bool]] | None = None
     """Text tasks: the token ids of every document and whether it was cut (known before the
     weights load, so that a document without tokens is refused before anything is written)."""
-    skips: SkipSettings | None = None
-    """Text tasks writing the future-effects tables: how (:func:`_skip_settings`)."""
     measures: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """The settings of each registered measurement outside the decomposition capture that this
-    run writes (:func:`_measure_settings`)."""
+    """The settings of each measurement with settings or hooks of its own that this run writes
+    (:func:`_measure_settings`)."""
     answers: list[tuple[int, int]] | None = None
     """Text tasks with answer-anchored split points: per document, its answer's start s and
     length A (:func:`_answers`, methods §10)."""
     notes: list[str] = field(default_factory=list)
     """What the user should know about the task's documents (answers merged across the
     boundary)."""
+
+    @property
+    def lens(self) -> str | None:
+        """The logit lens's readout, where this run writes the lens."""
+        return self.measures.get(LENS.name, {}).get("lens")
+
+    @property
+    def skips(self) -> SkipSettings | None:
+        """Text tasks writing the future-effects tables: how."""
+        s = self.measures.get(FUTURE.name)
+        return (
+            None
+            if s is None
+            else SkipSettings(
+                s["skip_split"],
+                s["skip_seed"],
+                tuple(s["skip_sublayers"]),
+                tuple(s.get("skip_modes") or ["total"]),  # absent: recorded before local effects
+            )
+        )
 
 
 def plan_task(
@@ -87,9 +106,10 @@ def plan_task(
         future = list(FUTURE.tables["text"])
         asked = (["token_lens"] if cfg.lens else []) + (future if cfg.skips else [])
         tables = chunks.extra_tables(writer, [*asked, *cfg.measured_tables("text")], cfg.overwrite)
-        skips = _skip_settings(writer, cfg) if future[0] in tables else None
         measures = _measure_settings(writer, cfg, spec, tables)
-        plan = TaskPlan(spec, items, [], sha, writer, tables, argument, documents, skips, measures)
+        plan = TaskPlan(spec, items, [], sha, writer, tables, argument, documents, measures)
+        _refuse_no_splits(plan)
+        skips = plan.skips
         if skips is not None and skips.anchored is not None:
             plan.answers, plan.notes = _answers(spec, items, tokenizer, skips)
         return plan
@@ -114,10 +134,11 @@ def plan_task(
 def _measure_settings(
     writer: PartitionWriter, cfg: ExtractConfig, spec: TaskSpec, tables: list[str]
 ) -> dict[str, dict[str, Any]]:
-    """The settings of each registered measurement outside the decomposition capture that this
-    run writes (asked for, or held by the partition): those given, else the partition's own,
-    else the defaults. Refuses (before anything is written) a measurement that does not apply to
-    the task's kind, and settings other than those the partition recorded."""
+    """The settings of each measurement with settings or hooks of its own that this run writes
+    (asked for, or held by the partition): those given, else the partition's own, else the
+    defaults. Refuses (before anything is written, whether or not work is left) a measurement
+    that does not apply to the task's kind, and settings other than those the partition
+    recorded."""
     for name in cfg.measures:
         m = next(m for m in registered() if m.name == name)
         if spec.kind not in m.tables:
@@ -130,38 +151,23 @@ def _measure_settings(
         stored = read_manifest(writer.part.manifest).settings
     out = {}
     for m in for_kind(spec.kind):
-        if m.attach is None or not set(m.tables[spec.kind]) & set(tables):
+        hooks = m.attach is not None  # attached by name in the settings (none: {})
+        if not (m.settings or hooks) or not set(m.tables[spec.kind]) & set(tables):
             continue
-        given = {k: v for k, v in cfg.measures.get(m.name, {}).items() if v not in (None, ())}
-        base = stored.get(m.name) or {s.name: s.default for s in m.settings}
-        settings = json.loads(json.dumps({**base, **given}))  # as the manifest holds them
+        settings = as_json({**(stored.get(m.name) or m.defaults()), **cfg.given(m)})
         if m.name in stored and settings != stored[m.name]:
             raise TaskError(
                 f"{writer.part.manifest}: the stored {m.name} was extracted with "
-                f"{_settings_text(m, stored[m.name])}, this run asks for "
-                f"{_settings_text(m, settings)}; drop these options to keep the stored ones, or "
-                "use --overwrite"
+                f"{m.describe(stored[m.name])}, this run asks for {m.describe(settings)}; drop "
+                "these options to keep the stored ones, or use --overwrite"
             )
         out[m.name] = settings
     return out
 
 
-def _settings_text(m: Measurement, settings: dict[str, Any]) -> str:
-    """Settings as the ``extract`` options that give them."""
-    opts = {s.name: s.option.opts[0] for s in m.settings}
-    return " ".join(f"{opts.get(k, k)} {v}" for k, v in settings.items())
-
-
 def _refuse_text_flags(spec: TaskSpec, cfg: ExtractConfig) -> None:
     """Refuse the optional tables a text task cannot have, and ``--skips`` settings without
     ``--skips``."""
-    short = spec.max_tokens is not None and spec.max_tokens <= SPLIT_STEP + SPLIT_MARGIN
-    if cfg.skips and cfg.skip_split in (None, "random") and short:
-        raise TaskError(
-            f"task {spec.name}: --skips needs split points 8, 16, ... < T - 4, and max_tokens "
-            f"{spec.max_tokens} leaves none; raise max_tokens above 12, use --skip-split all, "
-            "or drop --skips"
-        )
     asked = [f"--{t}" for t in cfg.extra_tables if t != "skips"]
     if asked:
         raise TaskError(
@@ -171,6 +177,24 @@ def _refuse_text_flags(spec: TaskSpec, cfg: ExtractConfig) -> None:
     given = _skip_flags(cfg)
     if given and not cfg.skips:
         raise TaskError(f"task {spec.name}: {', '.join(given)} sets up --skips; add --skips")
+
+
+def _refuse_no_splits(plan: TaskPlan) -> None:
+    """Refuse random split points where ``max_tokens`` leaves none, and local effects of a
+    sublayer (methods §10 defines them for whole blocks)."""
+    spec, skips = plan.spec, plan.skips
+    if skips is not None and "local" in skips.modes and skips.sublayers != ("block",):
+        raise TaskError(
+            "--skip-mode local removes the whole block's update (methods §10), not a "
+            "sublayer's; drop --skip-sublayer attn/mlp or --skip-mode local"
+        )
+    short = spec.max_tokens is not None and spec.max_tokens <= SPLIT_STEP + SPLIT_MARGIN
+    if skips is not None and skips.split == "random" and short:
+        raise TaskError(
+            f"task {spec.name}: --skips needs split points 8, 16, ... < T - 4, and max_tokens "
+            f"{spec.max_tokens} leaves none; raise max_tokens above 12, use --skip-split all, "
+            "or drop --skips"
+        )
 
 
 def _answers(
@@ -215,50 +239,8 @@ def _answers(
 
 def _skip_flags(cfg: ExtractConfig) -> list[str]:
     """The future-effects options given on the command line."""
-    given = {"--skip-split": cfg.skip_split, "--skip-seed": cfg.skip_seed,
-             "--skip-sublayer": cfg.skip_sublayers, "--skip-mode": cfg.skip_modes}  # fmt: skip
-    return [flag for flag, value in given.items() if value not in (None, ())]
-
-
-def _skip_settings(writer: PartitionWriter, cfg: ExtractConfig) -> SkipSettings:
-    """The future-effects settings of this run: those given, else the partition's own, else the
-    defaults; refuse settings other than those of future effects already stored."""
-    stored = None
-    if not cfg.overwrite and writer.part.manifest.exists():
-        m = read_manifest(writer.part.manifest)
-        if m.skip_split is not None:
-            stored = SkipSettings(
-                m.skip_split,
-                m.skip_seed or 0,
-                tuple(m.skip_sublayers or ["block"]),
-                tuple(m.skip_modes or ["total"]),
-            )
-    base = stored or SkipSettings()
-    settings = SkipSettings(
-        cfg.skip_split or base.split,
-        base.seed if cfg.skip_seed is None else cfg.skip_seed,
-        tuple(dict.fromkeys(cfg.skip_sublayers)) or base.sublayers,
-        tuple(dict.fromkeys(cfg.skip_modes)) or base.modes,
-    )
-    if "local" in settings.modes and settings.sublayers != ("block",):
-        raise TaskError(
-            "--skip-mode local removes the whole block's update (methods §10), not a "
-            "sublayer's; drop --skip-sublayer attn/mlp or --skip-mode local"
-        )
-    held = any(writer.part.parts(t) for t in FUTURE.tables["text"])
-    if stored is not None and settings != stored and held:
-        raise TaskError(
-            f"{writer.part.manifest}: the stored future effects are {_describe(stored)}, this "
-            f"run asks for {_describe(settings)}; drop these options to keep the stored ones, or "
-            "use --overwrite"
-        )
-    return settings
-
-
-def _describe(settings: SkipSettings) -> str:
-    sublayers = " ".join(f"--skip-sublayer {s}" for s in settings.sublayers)
-    modes = " ".join(f"--skip-mode {m}" for m in settings.modes)
-    return f"--skip-split {settings.split} --skip-seed {settings.seed} {sublayers} {modes}"
+    given = cfg.given(FUTURE)
+    return [s.option.opts[0] for s in FUTURE.settings if s.name in given]
 
 
 def refuse_shared_names(plans: list[TaskPlan]) -> None:

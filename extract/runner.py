@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from layerdiv.extract import chunks, cost
 from layerdiv.extract.adapters import Adapter, adapter_for, check_heads, check_softcap
 from layerdiv.extract.batching import chunk_runs, tokenize
-from layerdiv.extract.capture import SUM_TOLERANCE, BatchDecomposition, check_batch
+from layerdiv.extract.capture import SUM_TOLERANCE, check_batch
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, ExtractConfig, TaskSummary
 from layerdiv.extract.facts import load_with_facts, revision_facts
 from layerdiv.extract.forward import (
@@ -30,7 +30,6 @@ from layerdiv.extract.forward import (
     text_tables,
     token_budget,
 )
-from layerdiv.extract.heads import check_head_sums
 from layerdiv.extract.interrupt import interruptible
 from layerdiv.extract.models import (
     LoadedModel,
@@ -43,14 +42,11 @@ from layerdiv.extract.models import (
 )
 from layerdiv.extract.plan import TaskPlan, plan_task, refuse_shared_names
 from layerdiv.extract.provenance import build_manifest, identity
-from layerdiv.extract.tasks import (
-    TaskError,
-)
 from layerdiv.extract.text import check_text_batch
 from layerdiv.measurements import Measurement, for_kind
-from layerdiv.measurements.lens import LENS
+from layerdiv.measurements.heads import HEADS
 from layerdiv.schemas import KINDS
-from layerdiv.store.manifest import Manifest, read_manifest, write_manifest
+from layerdiv.store.manifest import Manifest, read_manifest
 from layerdiv.store.reader import PartitionInfo
 from layerdiv.store.writer import PartitionWriter, Verdict
 
@@ -58,18 +54,6 @@ from layerdiv.store.writer import PartitionWriter, Verdict
 def _measurements_of(kind: str, tables: list[str]) -> list[Measurement]:
     """The measurements that write some of ``tables`` in ``kind``'s partitions."""
     return [m for m in for_kind(kind) if set(m.tables[kind]) & set(tables)]
-
-
-def _refuse_other_lens(writer: PartitionWriter, stored: Manifest, manifest: Manifest) -> None:
-    """Record the lens of a partition that had none; refuse another lens than the stored one."""
-    table = LENS.tables[stored.kind][0]
-    if stored.lens is not None and writer.part.parts(table):
-        raise TaskError(
-            f"{writer.part.manifest}: the stored {table} is --lens {stored.lens}, this run asks "
-            f"for --lens {manifest.lens}; use --lens {stored.lens}, or --overwrite"
-        )
-    stored.lens = manifest.lens
-    write_manifest(writer.part.manifest, stored)
 
 
 def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
@@ -86,13 +70,13 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         refuse_shared_names(plans)
         docs = [p.documents[0] if p.documents else None for p in plans]
         cost.announce(source.config, device.type, [
-            cost.job(p.spec.kind, p.extra_tables, cfg.lens, d, [i.prompt for i in p.items],
+            cost.job(p.spec.kind, p.extra_tables, p.lens, d, [i.prompt for i in p.items],
                      tokenizer) for p, d in zip(plans, docs, strict=True)])  # fmt: skip
         revision = revision_facts(cfg)["revision"]
         idents = [identity(source, dtype, p.spec, p.option_ids, p.data_sha256, revision)
                   for p in plans]  # fmt: skip
-        heads = any("heads" in p.extra_tables for p in plans)
-        n_heads = check_heads(source.config) if heads else None
+        if any(HEADS.tables["choice"][0] in p.extra_tables for p in plans):
+            check_heads(source.config)  # refused before the weights load
         for plan, ident in zip(plans, idents, strict=True):  # all before the weights load
             plan.writer.ensure_writable()
             plan.writer.check(ident, cfg.overwrite, cfg.shard[1])
@@ -112,7 +96,7 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
                     load = partial(load_model, source, tokenizer, device, dtype, cfg.device_map)
                     loaded, hashing = load_with_facts(cfg, adapter, load)
                 plan.writer.refuse_same_weights(loaded.facts["weights_hash"])
-                summary = extract_task(loaded, adapter, plan, cfg, approximate, n_heads)
+                summary = extract_task(loaded, adapter, plan, cfg, approximate)
                 summary.notes[:0] = [hashing] if hashing else []
             if cfg.overwrite and verdict is Verdict.RESUME:
                 summary.notes.insert(0, f"--overwrite with --shard {cfg.shard[0]}/{cfg.shard[1]}: "
@@ -135,14 +119,6 @@ def _mark_complete(writer: PartitionWriter, tables: list[str]) -> list[str]:
 
 def _chunk_size(cfg: ExtractConfig) -> int:
     return cfg.chunk_size or DEFAULT_CHUNK_SIZE
-
-
-def _check(dec: BatchDecomposition, ids: list[int], task: str, tol: float) -> None:
-    """The invariants of a batch: components sum to the model's logits (methods §1)
-    and, with ``--heads``, heads sum to their attention components (methods §8)."""
-    check_batch(dec, ids, task, tol)
-    if dec.heads is not None:
-        check_head_sums(dec.heads, dec, ids, task, tol)
 
 
 @dataclass(frozen=True)
@@ -177,7 +153,7 @@ def _batch_work(
         return correct, worst
 
     return _BatchWork(
-        partial(_check, task=spec.name, tol=tol),
+        partial(check_batch, task=spec.name, tol=tol),
         lambda r, res: chunk_tables(r, res, gold, seqs, truncated, prompts),
         tally,
         lambda r, res: optional_tables(r, res, gold),
@@ -201,6 +177,7 @@ class _Task:
     correct: int = 0
     max_err: float = 0.0
     n_new: int = 0
+    n_added: int = 0
 
     @property
     def names(self) -> list[str]:
@@ -215,12 +192,10 @@ def extract_task(
     plan: TaskPlan,
     cfg: ExtractConfig,
     approximate: bool,
-    n_heads: int | None = None,
 ) -> TaskSummary:
     """Run one task through a loaded model and store every chunk of this shard not stored yet,
-    with the optional tables of ``plan.extra_tables`` (``n_heads`` heads per attention block
-    for ``heads``), which are also added to stored chunks that lack them: open the partition,
-    run the chunks, backfill, summarise."""
+    with the optional tables of ``plan.extra_tables``, which are also added to stored chunks
+    that lack them: open the partition, run the chunks, backfill, summarise."""
     if plan.documents is not None:
         seqs, truncated = plan.documents
     else:
@@ -228,12 +203,11 @@ def extract_task(
                                    loaded.context_length)  # fmt: skip
     tol = SUM_TOLERANCE[loaded.dtype]
     task = _Task(plan, cfg, seqs, truncated, _batch_work(plan, seqs, truncated, tol))
-    task.notes += plan.notes
     kind, tables = plan.spec.kind, plan.extra_tables
     readout = any(kind in m.readout for m in _measurements_of(kind, tables))
     budget = token_budget(loaded.device, loaded.model.config, loaded.dtype, readout)
     start_time = time.perf_counter()
-    with ModelRunner(loaded, adapter, plan.option_ids, budget, tables, n_heads, kind, cfg.lens,
+    with ModelRunner(loaded, adapter, plan.option_ids, budget, tables, kind, plan.lens,
                      plan.skips, plan.measures, plan.answers) as runner:  # fmt: skip
         open_partition(task, runner, loaded, adapter, tol, approximate)
         run = plan.writer.start_run({"n_requested": len(plan.items), "shard": list(cfg.shard),
@@ -260,33 +234,15 @@ def open_partition(
     manifest and open (create, resume or replace) the partition with it, recording the settings
     of measurements new to it; sets ``task.stored`` and ``task.grid``."""
     plan, cfg = task.plan, task.cfg
-    spec, writer, tables = plan.spec, plan.writer, plan.extra_tables
+    spec, writer = plan.spec, plan.writer
     probe = runner.run([task.seqs[0]])
     task.work.check(probe, [0])
     ident = identity(loaded.source, loaded.dtype, spec, plan.option_ids, plan.data_sha256,
                      revision_facts(cfg)["revision"])  # fmt: skip
     manifest = build_manifest(loaded, adapter, spec, ident, probe.components, len(plan.items),
                               _chunk_size(cfg), tol, approximate)  # fmt: skip
-    lens_table = LENS.tables[spec.kind][0]
-    manifest.lens = cfg.lens if lens_table in tables else None
     manifest.settings = dict(plan.measures)
-    if plan.skips is not None:
-        manifest.skip_split, manifest.skip_seed = plan.skips.split, plan.skips.seed
-        manifest.skip_sublayers = list(plan.skips.sublayers)
-        manifest.skip_modes = list(plan.skips.modes)
-    stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])
-    settings = ("skip_split", "skip_seed", "skip_sublayers", "skip_modes")
-    if plan.skips is not None and any(
-        getattr(stored, f) != getattr(manifest, f) for f in settings
-    ):  # a partition without future effects (or none stored yet) gets this run's
-        for f in settings:
-            setattr(stored, f, getattr(manifest, f))
-        write_manifest(writer.part.manifest, stored)
-    if lens_table in tables and stored.lens != manifest.lens:
-        _refuse_other_lens(writer, stored, manifest)
-    if any(stored.settings.get(k) != v for k, v in plan.measures.items()):
-        stored.settings.update(plan.measures)  # a measurement new to the partition
-        write_manifest(writer.part.manifest, stored)
+    stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])  # records them, or refuses others
     task.stored, task.grid = stored, stored.chunk_size or _chunk_size(cfg)
     if cfg.chunk_size and task.grid != cfg.chunk_size:
         unit = KINDS[spec.kind].units
@@ -337,6 +293,7 @@ def backfill(task: _Task, runner: ModelRunner) -> None:
                     names=task.names, check=task.work.check, progress=lambda n: None)  # fmt: skip
     added = chunks.backfill(plan.writer, tables, task.grid, cfg.shard, len(plan.items),
                             lambda run: rerun(runs=[run]), task.work.optional)  # fmt: skip
+    task.n_added = added
     if added:
         unit = KINDS[plan.spec.kind].units
         task.notes.append(f"added {', '.join(tables)} to {added} stored {unit} "
@@ -354,6 +311,7 @@ def summary(task: _Task, seconds: float) -> TaskSummary:
         seconds=seconds,
         max_sum_error=task.max_err,
         n_truncated=sum(task.truncated),
+        n_added=task.n_added,
         accuracy_new=task.correct / n_new if n_new and plan.spec.kind == "choice" else None,
         kind=plan.spec.kind,
         notes=task.notes,

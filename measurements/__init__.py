@@ -13,6 +13,7 @@ from layerdiv.measurements import states  # noqa: F401
 from layerdiv.measurements.registry import (
     ENTRY_POINTS,
     Capture,
+    DecompositionCapture,
     Measurement,
     MeasurementError,
     RowsCapture,
@@ -32,6 +33,7 @@ from layerdiv.measurements.registry import (
 __all__ = [
     "ENTRY_POINTS",
     "Capture",
+    "DecompositionCapture",
     "Measurement",
     "MeasurementError",
     "RowsCapture",

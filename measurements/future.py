@@ -181,6 +181,7 @@ FUTURE = register(
                 0,
             ),
         ),
+        legacy=True,
         readout=("text",),
         rows=future_rows,
     )

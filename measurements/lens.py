@@ -5,22 +5,29 @@ the final norm and unembedding (``final``) or with the last block applied first
 
 import click
 
-from layerdiv.measurements.registry import Measurement, register
+from layerdiv.measurements.registry import Measurement, Setting, register
 
 LENS = register(
     Measurement(
         name="lens",
-        flag="--lens",
-        option=click.Option(
-            ["--lens", "lens"],
-            type=click.Choice(["final", "last-block"]),
-            is_flag=False,
-            flag_value="final",
-            default=None,
-            help="Also store the logit lens of every block input (text tasks: at every token; KL "
-            "to the model's output, top-5 overlap, next-token cross-entropy); --lens last-block "
-            "applies the last block first (text tasks).",
+        flag="--lens",  # declared by its setting (it takes the readout)
+        settings=(
+            Setting(
+                "lens",
+                click.Option(
+                    ["--lens", "lens"],
+                    type=click.Choice(["final", "last-block"]),
+                    is_flag=False,
+                    flag_value="final",
+                    default=None,
+                    help="Also store the logit lens of every block input (text tasks: at every "
+                    "token; KL to the model's output, top-5 overlap, next-token cross-entropy); "
+                    "--lens last-block applies the last block first (text tasks).",
+                ),
+                "final",
+            ),
         ),
+        legacy=True,
         tables={"choice": ("lens",), "text": ("token_lens",)},
         readout=("text",),
     )

@@ -3,10 +3,11 @@
 A measurement is a :class:`Measurement`: the ``extract`` option that asks for it (and the options
 of its settings), the task kinds it applies to and the tables it writes for each, the settings it
 records in the partition's manifest under its own name, whether its batches need rows over the
-vocabulary (the batch budget), and, for a measurement that is not built into the decomposition
-capture, its forward hooks (:attr:`Measurement.attach`) and how its rows are built
-(:attr:`Measurement.rows`). The command line, ``ExtractConfig``, the completeness check, ``ls``,
-``query``'s views and ``merge`` read these declarations.
+vocabulary (the batch budget), and, for a measurement with hooks of its own (all but the lens,
+the skips and the future effects, which the captures of ``layerdiv.extract`` compute), its forward
+hooks (:attr:`Measurement.attach`) and how its rows are built (:attr:`Measurement.rows`). The
+command line, ``ExtractConfig``, the completeness check, ``ls``, ``query``'s views and ``merge``
+read these declarations.
 
 Register one with :func:`register`, or from another distribution through the entry point group
 :data:`ENTRY_POINTS` (the entry point names the :class:`Measurement` object); see
@@ -16,6 +17,7 @@ docs/development.md, "Adding a measurement".
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import import_module
@@ -59,6 +61,21 @@ class RowsCapture(Capture, Protocol):
         and their token counts (rows are left-padded)."""
 
 
+@runtime_checkable
+class DecompositionCapture(Capture, Protocol):
+    """A choice task's :class:`Capture` whose values derive from the last-token decomposition
+    (methods §1, ``layerdiv.extract.capture.ComponentCapture``): :meth:`bind` once after it is
+    attached, before any forward pass; :meth:`decomposed` after each pass, before
+    :meth:`result`."""
+
+    def bind(self, capture: Any) -> None:
+        """The decomposition capture of the same model: its option rows, readout, component
+        outputs and pause switch (a paused capture keeps nothing)."""
+
+    def decomposed(self, batch: Any) -> None:
+        """The pass's decomposition (``layerdiv.extract.capture.BatchDecomposition``)."""
+
+
 Attach = Callable[[Any, Any, Mapping[str, Any]], Capture]
 """(the model, its ``layerdiv.extract.adapters.Adapter``, the measurement's settings) -> the
 hooks it needs, attached."""
@@ -98,14 +115,19 @@ class Measurement:
     """The schemas of tables declared outside ``layerdiv.schemas`` (a measurement registered
     from another distribution); every built-in table's schema is in ``layerdiv.schemas``."""
     settings: tuple[Setting, ...] = ()
-    """What the manifest records of it, compared on a rerun (a rerun giving another value is
-    refused, one giving none keeps the stored one)."""
+    """Everything of it that changes a stored number: recorded in the manifest's settings under
+    its name and in the key-value metadata of each of its parts (:data:`SETTINGS_KEY`), compared
+    by every run (a run giving another value is refused, one giving none keeps the stored one),
+    by ``merge`` and by every reader."""
+    legacy: bool = False
+    """Its settings were manifest fields of the same names before the manifest had
+    ``settings`` (read into ``settings`` from such a manifest: :func:`legacy_settings`)."""
     readout: tuple[str, ...] = ()
     """The task kinds in which its batches hold rows over the vocabulary at every token (the
     batch budget: fewer tokens per batch)."""
     attach: Attach | str | None = None
-    """Its forward hooks, for a measurement outside the decomposition capture (None: built into
-    ``layerdiv.extract``'s captures); or ``"module:attribute"`` naming them, imported when an
+    """Its forward hooks (None: computed by ``layerdiv.extract``'s own captures: the lens, the
+    skips, the future effects); or ``"module:attribute"`` naming them, imported when an
     extraction attaches them (a built-in measurement's hooks are in ``layerdiv.extract``, which
     this package does not import)."""
     rows: Rows | None = None
@@ -130,6 +152,24 @@ class Measurement:
         """The flag's parameter name (``--skip-x`` -> ``skip_x``)."""
         return self.flag.lstrip("-").replace("-", "_")
 
+    def defaults(self) -> dict[str, Any]:
+        """Its settings' values for a new partition when no option gives them (JSON types)."""
+        return as_json({s.name: s.default for s in self.settings})
+
+    def command(self, settings: Mapping[str, Any] | None) -> str:
+        """The ``extract`` options that ask for it with ``settings`` (None: its flag alone)."""
+        words = [] if any(s.option.opts[0] == self.flag for s in self.settings) else [self.flag]
+        given = {} if settings is None else settings
+        for s in self.settings if settings is not None else ():
+            value = given.get(s.name, s.default)
+            values = value if isinstance(value, list | tuple) else [value]
+            words += [f"{s.option.opts[0]} {v}" for v in values]
+        return " ".join(words or [self.flag])
+
+    def describe(self, settings: Mapping[str, Any] | None) -> str:
+        """``settings`` as the options that give them, for messages (``none recorded``)."""
+        return "none recorded" if settings is None else self.command(settings)
+
     def click_options(self) -> list[click.Option]:
         """The ``extract`` options it declares: its flag (unless shared) and its settings'."""
         flag = self.option or (
@@ -138,6 +178,28 @@ class Measurement:
             else None
         )
         return [*([flag] if flag is not None else []), *(s.option for s in self.settings)]
+
+
+SETTINGS_KEY = b"layerdiv.settings"
+"""The key, in a part's Parquet key-value metadata, of the settings (JSON) of the measurement
+that wrote it."""
+
+
+def as_json(value: Any) -> Any:
+    """``value`` as a JSON file holds it (tuples as lists): settings compare equal only so."""
+    return json.loads(json.dumps(value))
+
+
+def legacy_settings(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The settings of the measurements whose settings a manifest written before it had
+    ``settings`` kept as fields of their own (``lens``, ``skip_split``, ...): those of each such
+    measurement whose first setting is there, the rest at their defaults."""
+    out = {}
+    for m in registered():
+        if m.legacy and data.get(m.settings[0].name) is not None:
+            given = {s.name: data[s.name] for s in m.settings if data.get(s.name) is not None}
+            out[m.name] = {**m.defaults(), **as_json(given)}
+    return out
 
 
 _REGISTERED: dict[str, Measurement] = {}

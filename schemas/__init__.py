@@ -24,14 +24,20 @@ History:
   quantization dequantized to float32; absent: loaded as they are) and ``vocab_size`` (V, the
   unembedding's rows; the logit lens's uniform baseline is log V; absent in older manifests,
   where the baseline is not drawn).
-  The manifest also gains ``settings``: the settings of each measurement registered outside the
-  decomposition capture (``layerdiv.measurements``), under its name (absent: none recorded);
+  The manifest also gains ``settings``: the settings of each registered measurement with
+  settings or hooks of its own (``layerdiv.measurements``), under its name (absent: none recorded);
   such a measurement's tables carry the schemas it declares.
+  Every measurement's settings are there, the lens's and the future effects' too (older
+  manifests' ``lens``, ``skip_split``, ``skip_seed`` and ``skip_sublayers`` are read into it), and
+  each part of a measurement with settings records them in its Parquet key-value metadata
+  (``layerdiv.settings``; absent in older parts); the manifest gains ``generation`` (bumped by
+  each ``--overwrite`` that replaces the partition; absent: 0).
   ``future_effects`` gains ``mode`` (:data:`MODES`: ``extract --skip-mode local`` adds the
   direct-only effects, methods §10; a part without it reads as ``total``, the field's
-  :data:`DEFAULT`); the manifest gains ``skip_modes`` (absent: ``total``) and ``skip_split``
-  takes ``answer`` and ``answer:N:S`` (answer-anchored split points); ``token_blocks`` gains
-  ``h_embed`` = h_l . h_0 (the progress ``proj``, methods §10; null in older parts).
+  :data:`DEFAULT`); the future effects' settings gain ``skip_modes`` (absent: ``total``)
+  and ``skip_split`` takes ``answer`` and ``answer:N:S`` (answer-anchored split points);
+  ``token_blocks`` gains ``h_embed`` = h_l . h_0 (the progress ``proj``, methods §10; null in
+  older parts).
   Optional table ``states`` on text tasks (``extract --states``: the residual states h_0..h_L at
   sampled positions, methods §11; its settings ``k``, ``seed`` and ``dtype`` under the
   manifest's ``settings``).

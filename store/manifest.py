@@ -9,7 +9,10 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from layerdiv.measurements import all_optional_tables
+from layerdiv.measurements import all_optional_tables, measurement_of
+from layerdiv.measurements.future import FUTURE
+from layerdiv.measurements.lens import LENS
+from layerdiv.measurements.registry import SETTINGS_KEY, legacy_settings
 from layerdiv.schemas import KINDS, SCHEMA_VERSION, SchemaError, check_version
 from layerdiv.store.atomic import write_bytes
 from layerdiv.store.key import DEFAULT_REVISION
@@ -158,18 +161,6 @@ class Manifest:
     partition, so the number of blocks L is the number of ``attn`` components."""
     max_tokens: int | None = None
     """Text tasks: documents are cut to their first ``max_tokens`` tokens."""
-    lens: str | None = None
-    """``final`` or ``last-block`` when extracted with ``--lens`` (methods §9)."""
-    skip_split: str | None = None
-    """Text tasks with ``--skips``: ``random`` (4 seeded split points from 8, 16, ... < T - 4),
-    ``all`` (every position but the first), ``answer`` or ``answer:N:S`` (methods §10)."""
-    skip_seed: int | None = None
-    """Seed of the random split points."""
-    skip_sublayers: list[str] | None = None
-    """Text tasks with ``--skips``: what each skip removed (``layerdiv.schemas.SUBLAYERS``)."""
-    skip_modes: list[str] | None = None
-    """Text tasks with ``--skips``: how each skip ran on (``layerdiv.schemas.MODES``; absent:
-    ``total``)."""
     commit: str | None = None
     """Hub commit of the weights when known, else None."""
     step: int | None = None
@@ -191,8 +182,36 @@ class Manifest:
     GGUF file's quantization dequantized to float32 (schema version 5; None: loaded as they are,
     or an older manifest)."""
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """The settings of each measurement registered outside the decomposition capture
-    (``layerdiv.measurements``), under its name (schema version 5; empty in older manifests)."""
+    """The settings of each measurement the partition has (``layerdiv.measurements``,
+    ``Measurement.settings``), under its name: recorded when a run first writes it, never changed
+    but by ``--overwrite``; each of its parts records its own (:meth:`settings_problem`). Schema
+    version 5; older manifests' ``lens``, ``skip_split``, ``skip_seed`` and ``skip_sublayers`` are
+    read into it (``layerdiv.measurements.registry.legacy_settings``)."""
+    generation: int = 0
+    """Which extraction of the partition this is: 0 when created, one more at each
+    ``--overwrite`` that replaces it. A writer re-reads it before each chunk it commits and stops
+    when it changed (another run replaced the partition under it; schema version 5)."""
+
+    @property
+    def lens(self) -> str | None:
+        """The logit lens's readout (``final`` or ``last-block``; None: no lens recorded)."""
+        return self.settings.get(LENS.name, {}).get("lens")
+
+    def settings_problem(self, table: str, metadata: Mapping[bytes, bytes] | None) -> str | None:
+        """What is wrong with the settings that a part of ``table`` records in its Parquet
+        key-value ``metadata``: None when they are the manifest's, or when it records none (a
+        measurement without settings, or a part written before parts recorded them)."""
+        if not metadata or SETTINGS_KEY not in metadata:
+            return None
+        m = measurement_of(table)
+        try:
+            found = json.loads(metadata[SETTINGS_KEY])
+        except ValueError:
+            return f"its {m.name} settings are unreadable"
+        want = self.settings.get(m.name)
+        if found == want:
+            return None
+        return f"was written with {m.describe(found)}, the manifest records {m.describe(want)}"
 
     @property
     def n_blocks(self) -> int:
@@ -213,9 +232,16 @@ class Manifest:
     ) -> tuple[str, str] | None:
         """The first table of a chunk of ``count`` instances (documents of ``n_tokens`` tokens)
         whose part's ``rows`` (by table) cannot be right, with what is wrong; None when every
-        one can. Fixed sizes (:meth:`expected_rows`) are checked exactly; a choice task's other
-        tables need whole rows per instance."""
+        one can. Fixed sizes (:meth:`expected_rows`) are checked exactly; ``future_effects``
+        holds a row per block of each ``future_output`` row; a choice task's other tables need
+        whole rows per instance."""
         expected = self.expected_rows(count, n_tokens)
+        effects, output = (rows.get(t) for t in FUTURE.tables["text"])
+        if effects is not None and output is not None and effects != output * self.n_blocks:
+            return "future_effects", (
+                f"{effects} rows where the chunk's {output} future_output rows need "
+                f"{output * self.n_blocks} (one per block)"
+            )
         for table, found in rows.items():
             if table in expected and found != expected[table]:
                 return table, f"{found} rows where the chunk needs {expected[table]}"
@@ -243,6 +269,7 @@ class Manifest:
             raise SchemaError(f"{where}: manifest lacks {', '.join(missing)}; re-extract it.")
         if data["schema_version"] <= 4:  # the revision was the hub commit, before the key had it
             data = {**data, "commit": data.get("revision"), "revision": DEFAULT_REVISION}
+        data = {**data, "settings": {**legacy_settings(data), **data.get("settings", {})}}
         kwargs = {k: v for k, v in data.items() if k in known}
         rows = tuple((c["name"], c["kind"], c["layer"]) for c in data["components"])
         kwargs["components"] = list(_components(rows))

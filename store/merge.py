@@ -1,8 +1,9 @@
 """Combining stores extracted on different machines into one (``layerdiv merge``).
 
-A partition found in several stores must hold the same extraction (equal manifest identity and
-optional tables) in each; its chunks come from whichever store has them, and two stores may hold
-the same chunk only as identical files, so no instance is ever stored twice. The merged store is
+A partition found in several stores must hold the same extraction (equal manifest identity,
+optional tables and measurement settings) in each; its chunks come from whichever store has
+them, and two stores may hold the same chunk only as identical files, so no instance is ever
+stored twice. The merged store is
 built beside the target and renamed into place: on any refusal or failure the target is left as
 it was.
 """
@@ -167,9 +168,9 @@ def _same_extraction(first: _Copy, copy: _Copy, where: str) -> None:
     tables_a, tables_b = sorted(first.info.lacking), sorted(copy.info.lacking)
     if tables_a != tables_b:
         diff.append(f"optional tables: {tables_a} vs {tables_b}")
-    for name in ("lens", "skip_split", "skip_seed", "skip_sublayers", "skip_modes", "settings"):
-        if getattr(a, name) != getattr(b, name):  # the measurements' settings
-            diff.append(f"{name}: {getattr(a, name)!r} vs {getattr(b, name)!r}")
+    for name in sorted({*a.settings, *b.settings}):  # the measurements' settings
+        if a.settings.get(name) != b.settings.get(name):
+            diff.append(f"{name}: {a.settings.get(name)!r} vs {b.settings.get(name)!r}")
     if diff:
         raise MergeConflict(
             f"{where}: {first.store} and {copy.store} hold different extractions "

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from layerdiv.errors import LayerdivError, one_line
-from layerdiv.measurements import kind_of_table, optional_tables, table_schemas
+from layerdiv.measurements import kind_of_table, measurement_of, optional_tables, table_schemas
 from layerdiv.schemas import (
     DEFAULT,
     KINDS,
@@ -178,12 +178,14 @@ class PartitionInfo(Generic[StorePath]):
 
     def extract_command(self, table: str | None = None) -> str:
         """The ``layerdiv extract`` command that adds the optional ``table`` to every stored
-        instance or document, or (None) that resumes the extraction (the task as the last run
-        that recorded it gave it: a built-in name or a YAML path)."""
+        instance or document (with the settings the partition records for it), or (None) that
+        resumes the extraction (the task as the last run that recorded it gave it: a built-in
+        name or a YAML path)."""
         m = self.manifest
         given = [r["task"] for r in m.runs if isinstance(r.get("task"), str) and r["task"]]
         revision = "" if m.revision in (None, DEFAULT_REVISION) else f"--revision {m.revision} "
-        flag = f"{optional_tables(self.manifest.kind)[table]} " if table else ""
+        measure = measurement_of(table) if table else None
+        flag = f"{measure.command(m.settings.get(measure.name))} " if measure else ""
         return (
             f"layerdiv extract --model {m.model} {revision}--task {(given or [self.task])[-1]} "
             f"{flag}"
@@ -264,7 +266,11 @@ class PartitionInfo(Generic[StorePath]):
         if "states" not in self.tables:
             raise StoreError(
                 f"{self.where} has no complete states table; extract it with "
-                f"`{self.extract_command('states')} 1024` (or all)"
+                + (
+                    f"`{self.extract_command('states')}`"
+                    if "states" in self.manifest.settings
+                    else f"`{self.extract_command()} --states 1024` (or all)"
+                )
             )
         parts = []
         for f in self.files("states"):
@@ -895,7 +901,8 @@ def _open_partition(part: Partition[StorePath]) -> PartitionInfo[StorePath]:
 
 
 def _check_parts(info: PartitionInfo[Any]) -> None:
-    """Check every part of each table against the schema of the partition's version, and each
+    """Check every part of each table against the schema of the partition's version and the
+    settings of the manifest (:meth:`~layerdiv.store.Manifest.settings_problem`), and each
     complete chunk's row counts (:meth:`~layerdiv.store.Manifest.wrong_rows`: a part with rows
     removed or repeated). Cheap: Parquet footers, and of a text chunk the ``n_tokens`` column of
     its documents part."""
@@ -911,6 +918,7 @@ def _check_parts(info: PartitionInfo[Any]) -> None:
             try:
                 with open_parquet(f) as file:
                     found, rows[table] = file.schema_arrow, file.metadata.num_rows
+                    mixed = info.manifest.settings_problem(table, file.metadata.metadata)
                     if text and table == info.kind.marker:
                         n_tokens = int(pc.sum(file.read(["n_tokens"])["n_tokens"]).as_py() or 0)
             except (OSError, pa.ArrowException) as err:
@@ -918,6 +926,11 @@ def _check_parts(info: PartitionInfo[Any]) -> None:
                     f"{f}: unreadable Parquet ({_first_line(err)}); re-extract {info.where} "
                     "with --overwrite"
                 ) from err
+            if mixed:
+                raise StoreError(
+                    f"{f} {mixed}: a part of another extraction; re-extract {info.where} with "
+                    "--overwrite"
+                )
             if not schema_matches(table, found, schemas[table]):
                 raise StoreError(
                     f"{f}: columns do not match the {table} schema of version "

@@ -1,5 +1,7 @@
 """Arrow tables of one chunk, built from arrays: the one place that turns numbers into the
-table schemas of ``layerdiv.schemas`` (used by extraction and by synthetic stores)."""
+table schemas of ``layerdiv.schemas`` (used by extraction and by synthetic stores); a
+measurement that builds its own rows (``layerdiv.measurements``) has its table's builder in its
+module."""
 
 from __future__ import annotations
 
@@ -11,8 +13,6 @@ import pyarrow as pa
 from layerdiv.schemas import (
     COMPONENTS,
     DOCUMENTS,
-    GRAM,
-    HEADS,
     INSTANCES,
     LENS,
     PROMPT_CHARS,
@@ -112,36 +112,6 @@ def instances_table(
     )
 
 
-def heads_table(
-    instances: Sequence[int],
-    components: Sequence[int],
-    layers: Sequence[int],
-    head_ids: Sequence[int],
-    logits: np.ndarray,
-) -> pa.Table:
-    """Long rows (instance, component, head, option) of :data:`~layerdiv.schemas.HEADS`.
-
-    ``logits`` is (B, A, G, K) u_(b,h)[k] per instance for the A attention ``components`` (their
-    ``layers``) and the G heads ``head_ids`` (-1: the output projection's bias)."""
-    b, n_attn, n_heads, n_opt = logits.shape
-    per_head = n_heads * n_opt
-    return pa.table(
-        {
-            "instance": pa.array(
-                np.repeat(np.asarray(instances, dtype=np.int32), n_attn * per_head)
-            ),
-            "component": pa.array(
-                np.tile(np.repeat(np.asarray(components, np.int16), per_head), b)
-            ),
-            "layer": pa.array(np.tile(np.repeat(np.asarray(layers, np.int16), per_head), b)),
-            "head": pa.array(np.tile(np.repeat(np.asarray(head_ids, np.int16), n_opt), b * n_attn)),
-            "option": pa.array(np.tile(np.arange(n_opt, dtype=np.int8), b * n_attn * n_heads)),
-            "logit": pa.array(np.asarray(logits, dtype=np.float32).reshape(-1)),
-        },
-        schema=HEADS,
-    )
-
-
 def skips_table(instances: Sequence[int], skip_logits: np.ndarray) -> pa.Table:
     """Rows (instance, layer, option) of :data:`~layerdiv.schemas.SKIPS`; ``skip_logits`` is
     (B, blocks, K): the option logits with each block skipped."""
@@ -154,18 +124,6 @@ def skips_table(instances: Sequence[int], skip_logits: np.ndarray) -> pa.Table:
             "logit": pa.array(np.asarray(skip_logits, np.float32).reshape(-1)),
         },
         schema=SKIPS,
-    )
-
-
-def gram_table(instances: Sequence[int], gram: np.ndarray) -> pa.Table:
-    """Rows of :data:`~layerdiv.schemas.GRAM`; ``gram`` is (B, C(C+1)/2), each row the upper
-    triangle of one instance's Gram matrix (``layerdiv.schemas.gram_index``)."""
-    return pa.table(
-        {
-            "instance": pa.array(instances, pa.int32()),
-            "gram": pa.array(list(np.asarray(gram, np.float32)), pa.list_(pa.float32())),
-        },
-        schema=GRAM,
     )
 
 

@@ -26,7 +26,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from layerdiv.errors import LayerdivError
-from layerdiv.measurements import all_optional_tables, table_schemas, tables_of_kind
+from layerdiv.measurements import (
+    all_optional_tables,
+    measurement_of,
+    registered,
+    table_schemas,
+    tables_of_kind,
+)
+from layerdiv.measurements.registry import SETTINGS_KEY, as_json
 from layerdiv.schemas import KINDS, SchemaError, schema_matches
 from layerdiv.store.atomic import (
     atomic_path,
@@ -132,6 +139,8 @@ class PartitionWriter:
     def __init__(self, root: str | Path, model: str, task: str, revision: str = DEFAULT_REVISION):
         self.part: Partition = partition(root, PartitionKey(slug(model), slug(revision), task))
         self._claims = self.part.dir("manifests") / CLAIMS_DIR
+        self._opened: Manifest | None = None
+        """The manifest as :meth:`open` left it (its generation and settings are this run's)."""
 
     def ensure_writable(self) -> None:
         """Refuse a store folder that cannot be created or written (before any model loads)."""
@@ -188,13 +197,17 @@ class PartitionWriter:
 
     def open(self, manifest: Manifest, overwrite: bool, shards: int = 1) -> Manifest:
         """Create (or replace, see :meth:`check`) the partition and return the stored manifest
-        (its chunk grid is the partition's, whatever this run asked for)."""
+        (its chunk grid is the partition's, whatever this run asked for). A replacement's
+        generation is one more than the replaced one's. The settings of ``manifest``'s
+        measurements are recorded for those the partition has none of; settings other than those
+        recorded are refused (``StoreConflict``: two runs started at once with other settings)."""
         lock = self.part.open_lock
         lock.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             flock(fd, fcntl.LOCK_EX, lock)  # one process at a time decides and replaces
             if self.check(manifest.identity(), overwrite, shards) is Verdict.REPLACE:
+                manifest.generation = self._generation() + 1
                 older = self.part.older()
                 for d in [*self.part.dirs(), *(older.dirs() if older else [])]:
                     shutil.rmtree(d, ignore_errors=True)
@@ -206,9 +219,51 @@ class PartitionWriter:
                 remove_stale_temps(d)
             for sub in (RUNS_DIR, TABLES_DIR):
                 remove_stale_temps(self.part.manifest.parent / sub)
+            stored = read_manifest(self.part.manifest)
+            self._refuse_other_settings(stored, manifest.settings)
+            if any(name not in stored.settings for name in manifest.settings):
+                stored.settings = {**manifest.settings, **stored.settings}
+                write_manifest(self.part.manifest, stored)
         finally:
             os.close(fd)
-        return read_manifest(self.part.manifest)
+        self._opened = read_manifest(self.part.manifest)
+        return self._opened
+
+    def _generation(self) -> int:
+        """The stored manifest's generation (-1: none that can be read)."""
+        try:
+            return read_manifest(self.part.manifest).generation
+        except (SchemaError, OSError):
+            return -1
+
+    def _refuse_other_settings(self, stored: Manifest, settings: Mapping[str, Any]) -> None:
+        """Refuse ``settings`` (by measurement) other than those ``stored`` records."""
+        for name, values in settings.items():
+            if name in stored.settings and as_json(values) != stored.settings[name]:
+                m = next(m for m in registered() if m.name == name)
+                raise StoreConflict(
+                    f"{self.part.manifest}: the stored {name} was extracted with "
+                    f"{m.describe(stored.settings[name])}, this run asks for {m.describe(values)}"
+                    "; drop these options to keep the stored ones, or use --overwrite"
+                )
+
+    def recheck(self) -> None:
+        """Refuse to write on (``StoreConflict``) when the partition is no longer the one this
+        run opened: replaced by another run's ``--overwrite`` (another generation), or its
+        settings changed. Called under each chunk's claim, before its parts are written."""
+        opened = self._opened
+        if opened is None:
+            return
+        try:  # the manifest file alone (not its run records): once or twice per chunk
+            now = read_manifest(self.part.manifest, listed=())
+        except SchemaError:
+            now = None
+        if now is None or now.generation != opened.generation:
+            raise StoreConflict(
+                f"{self.part.manifest.parent} was replaced by another run (--overwrite) while "
+                "this run wrote it: this run stopped; rerun it to extend the new extraction"
+            )
+        self._refuse_other_settings(now, opened.settings)
 
     def refuse_same_weights(self, weights_hash: str) -> None:
         """Refuse (``StoreConflict``) weights that the store holds under another revision of the
@@ -296,7 +351,10 @@ class PartitionWriter:
             for table in tables_of_kind(kind.name):
                 path = self.part.part(table, start, count)
                 if table in kind.required or path.exists():
-                    rows[table] = pq.read_metadata(path).num_rows
+                    meta = pq.read_metadata(path)
+                    if manifest.settings_problem(table, meta.metadata):
+                        return False  # a part of another extraction's settings: redone
+                    rows[table] = meta.num_rows
         except (OSError, pa.ArrowInvalid):
             return False
         return manifest.wrong_rows(count, rows, n_tokens) is None
@@ -320,6 +378,23 @@ class PartitionWriter:
         for table in order:
             self.write_table_part(table, start, count, tables[table])
 
+    def _stamp(self, table: str) -> dict[bytes, bytes]:
+        """The key-value metadata of a part of ``table``: the settings of the measurement that
+        writes it, as the partition records them (none for a measurement without settings, or
+        whose settings the partition does not record: a store written by other means than
+        ``extract``)."""
+        if table not in all_optional_tables():
+            return {}
+        m = measurement_of(table)
+        if not m.settings:
+            return {}
+        if self._opened is None and self.part.manifest.exists():
+            self._opened = read_manifest(self.part.manifest)
+        settings = None if self._opened is None else self._opened.settings.get(m.name)
+        if settings is None:
+            return {}
+        return {SETTINGS_KEY: json.dumps(settings, sort_keys=True).encode()}
+
     def chunks_missing(self, table: str) -> list[tuple[int, int]]:
         """Complete chunks that lack a part of the optional ``table`` (to backfill it)."""
         return self.part.lacking(table)
@@ -337,7 +412,7 @@ class PartitionWriter:
             )
         with atomic_path(self.part.part(table, start, count)) as tmp:
             pq.write_table(
-                data.replace_schema_metadata(schema.metadata),
+                data.replace_schema_metadata({**(schema.metadata or {}), **self._stamp(table)}),
                 tmp,
                 compression="zstd",
                 row_group_size=1 << 20,

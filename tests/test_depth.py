@@ -19,7 +19,8 @@ from layerdiv.analyze import analyze
 from layerdiv.analyze.analyses import depth
 from layerdiv.analyze.report import write_report
 from layerdiv.analyze.synthetic import decoder_kinds, write_partition
-from layerdiv.store import Store
+from layerdiv.schemas import gram_index
+from layerdiv.store import Store, StoreError
 
 EPS = 1e-5
 
@@ -207,3 +208,17 @@ def test_analyze_and_report_include_depth(store: Path, tmp_path: Path) -> None:
     assert (tmp_path / "report" / "figures" / "depth_geometry.png").stat().st_size > 10_000
     beta = results.depth_decay.filter(pl.col("model") == "org--deep")["beta"][0]
     assert f"{beta:.2f} ±" in section
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_impossible_gram_values_are_never_averaged(tmp_path: Path, value: float) -> None:
+    v = make_vectors(np.random.default_rng(1), 6, 2, 8, 2)
+    gram = np.einsum("icd,ied->ice", v.z, v.z)  # z_a . z_b of every component (no bias)
+    n = v.z.shape[1]
+    upper = np.triu_indices(n)  # row by row, as gram_index orders them
+    flat = gram[:, upper[0], upper[1]].astype(np.float32)
+    flat[3, gram_index(2, 2, n)] = value  # instance 3: the squared norm of component 2
+    write_partition(tmp_path, "m", "t", v.logits, v.gold, decoder_kinds(2), chunk=3, gram=flat)
+    with pytest.raises(StoreError, match="the gram row of instance 3 holds a NaN, an infinite "
+                       "value or a negative squared norm"):  # fmt: skip
+        analyze(tmp_path)

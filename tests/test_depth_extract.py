@@ -12,6 +12,7 @@ import torch
 
 from layerdiv.extract.adapters import adapter_for, get_module
 from layerdiv.extract.capture import ComponentCapture
+from layerdiv.extract.gram import GramCapture
 from layerdiv.extract.skips import BlockSkipper
 from layerdiv.schemas import gram_index
 
@@ -123,12 +124,19 @@ def hooked_outputs(
     return torch.stack([hidden[0], *outs], dim=1), hidden
 
 
-def decompose_with_gram(model: Any) -> Any:
-    capture = ComponentCapture(model, adapter_for(model.config), OPTIONS, gram=True)
+def decompose_with_gram(model: Any) -> tuple[Any, torch.Tensor]:
+    """The decomposition of :data:`PROMPTS` and the Gram rows (B, C(C+1)/2) of ``--gram``'s
+    capture bound to it."""
+    adapter = adapter_for(model.config)
+    capture = ComponentCapture(model, adapter, OPTIONS)
+    gram = GramCapture(model, adapter, {})
+    gram.bind(capture)
     try:
         with torch.inference_mode():
             model(**batch(PROMPTS), use_cache=False)
-        return capture.decompose()
+        dec = capture.decompose()
+        gram.decomposed(dec)
+        return dec, torch.stack(list(gram.result()))
     finally:
         capture.remove()
 
@@ -136,7 +144,7 @@ def decompose_with_gram(model: Any) -> Any:
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_neox"])
 def test_cos_prev_and_gram_equal_direct_computation(family: str, build_model: Any) -> None:
     model = build_model(family)
-    dec = decompose_with_gram(model)
+    dec, rows = decompose_with_gram(model)
     z, hidden = hooked_outputs(model)
     n = z.shape[1]
     cos_prev = torch.nn.functional.cosine_similarity(z[:, 1:], z[:, :-1], dim=-1)
@@ -144,18 +152,18 @@ def test_cos_prev_and_gram_equal_direct_computation(family: str, build_model: An
     assert torch.isnan(dec.cos_prev[:, 0]).all()
     gram = z @ z.transpose(1, 2)
     a, b = torch.triu_indices(n, n)
-    assert dec.gram.shape == (len(PROMPTS), n * (n + 1) // 2)
+    assert rows.shape == (len(PROMPTS), n * (n + 1) // 2)
     for i, j in [(0, 0), (0, n - 1), (1, 2), (n - 2, n - 1)]:
         k = gram_index(i, j, n)
         assert (int(a[k]), int(b[k])) == (i, j)
-        torch.testing.assert_close(dec.gram[:, k], gram[:, i, j], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(rows[:, k], gram[:, i, j], rtol=1e-4, atol=1e-4)
     # the state after block l (HF hidden_states[l], before the final norm) from the Gram matrix
     for layer in range(1, len(hidden) - 1):
         c = 2 * layer + 1  # embedding + attention and MLP of blocks 0..layer-1
-        norm2 = dec.gram.new_zeros(len(PROMPTS))
+        norm2 = rows.new_zeros(len(PROMPTS))
         for i in range(c):
             for j in range(i, c):
-                norm2 += (1 if i == j else 2) * dec.gram[:, gram_index(i, j, n)]
+                norm2 += (1 if i == j else 2) * rows[:, gram_index(i, j, n)]
         torch.testing.assert_close(norm2.sqrt(), hidden[layer].norm(dim=-1), rtol=1e-4, atol=1e-4)
 
 

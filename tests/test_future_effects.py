@@ -139,7 +139,9 @@ def test_future_effects_match_an_independent_float64_reference(
     assert out.exit_code == 0, out.output
     (info,) = Store(store).partitions
     m = info.manifest
-    assert (m.skip_split, m.skip_seed, m.skip_sublayers) == ("random", 0, ["block", "attn", "mlp"])
+    want = {"skip_split": "random", "skip_seed": 0, "skip_sublayers": ["block", "attn", "mlp"],
+            "skip_modes": ["total"]}  # fmt: skip
+    assert m.settings["future_effects"] == want
     assert {"future_effects", "future_output"} <= set(info.tables)
     model = build_model("llama").to(torch.float64)
     compared = check(store, model, tokenizer, texts, 40, ["block", "attn", "mlp"])
@@ -193,7 +195,7 @@ def test_future_effects_resume_backfill_and_settings(tmp_path: Path, model_dirs:
     assert out.exit_code == 0, out.output
     assert "added future_effects, future_output to 4 stored documents" in out.output
     (info,) = Store(store).partitions
-    assert info.manifest.skip_seed == 7 and not info.incomplete()
+    assert info.manifest.settings["future_effects"]["skip_seed"] == 7 and not info.incomplete()
     _, output = stored(store)
     for doc in range(8):
         n = len(Store(store).scan("tokens").filter(pl.col("doc") == doc).collect())
@@ -201,10 +203,12 @@ def test_future_effects_resume_backfill_and_settings(tmp_path: Path, model_dirs:
         assert got == documented_splits(n, doc, seed=7)
     again = extract(*base, "--skips")  # the stored settings are kept: nothing to do
     assert again.exit_code == 0, again.output
-    assert Store(store).partitions[0].manifest.skip_seed == 7
+    assert Store(store).partitions[0].manifest.settings["future_effects"]["skip_seed"] == 7
     other = CliRunner().invoke(main, ["extract", *base, "--skips", "--skip-split", "all"])
     assert other.exit_code != 0
-    assert "the stored future effects are --skip-split random --skip-seed 7" in other.output
+    assert (
+        "the stored future_effects was extracted with --skips --skip-split random" in other.output
+    )
 
 
 def test_bad_skip_input_is_refused_in_one_line(

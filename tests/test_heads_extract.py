@@ -15,9 +15,9 @@ from layerdiv.analyze.analyses.heads import head_scores
 from layerdiv.cli import main
 from layerdiv.extract import adapters, runner
 from layerdiv.extract.adapters import UnsupportedModel, adapter_for, check_heads, get_module
-from layerdiv.extract.capture import BatchDecomposition, DecompositionError, HeadDecomposition
+from layerdiv.extract.capture import BatchDecomposition, DecompositionError, check_batch
 from layerdiv.extract.forward import ModelRunner
-from layerdiv.extract.heads import check_head_sums
+from layerdiv.extract.heads import HeadCapture, HeadDecomposition, check_head_sums
 from layerdiv.extract.models import (
     LoadedModel,
     ModelSource,
@@ -38,11 +38,15 @@ def run_heads(model: Any, tokenizer: Any) -> tuple[BatchDecomposition, HeadDecom
     source = ModelSource("tiny", "tiny", None, "test", model.config, False)
     loaded = LoadedModel(source, model, tokenizer, torch.device("cpu"), torch.float32)
     adapter = adapter_for(model.config)
-    n_heads = check_heads(model.config)
-    with ModelRunner(loaded, adapter, OPTIONS, 4096, ["heads"], n_heads) as runner:
+    with ModelRunner(loaded, adapter, OPTIONS, 4096, measures={"heads": {}}) as runner:
         batch = runner.run(PROMPTS)
-    assert batch.heads is not None
-    return batch, batch.heads
+        capture = runner.measures["heads"]
+    assert isinstance(capture, HeadCapture) and capture.heads is not None
+    # each instance's values, as the heads table is built from them
+    rows = batch.measured["heads"]
+    assert [r.logits.shape for r in rows] == [capture.heads.logits.shape[1:]] * len(PROMPTS)
+    assert rows[0].layers == [batch.components[c].layer for c in capture.heads.components]
+    return batch, capture.heads
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -58,7 +62,7 @@ def test_heads_and_bias_sum_to_the_attention_component(
     assert heads.logits.shape == (len(PROMPTS), 2, n_heads + has_bias, len(OPTIONS))
     error = (heads.logits.sum(2) - batch.logits[:, heads.components]).abs().max()
     assert float(error) < 1e-5
-    assert check_head_sums(heads, batch, [0, 1, 2], "t", 1e-4) < 1e-5
+    assert check_head_sums(heads, batch, [0, 1, 2], 1e-4) < 1e-5
     # no head is trivially zero: the split is a real one
     assert bool((heads.logits[:, :, has_bias:].abs().amax(dim=-1) > 0).all())
 
@@ -115,8 +119,28 @@ def test_violation_names_the_block(build_model: Any, tokenizer: Any) -> None:
     batch, heads = run_heads(build_model("llama"), tokenizer)
     heads.logits = heads.logits.clone()  # an inference tensor cannot change in place
     heads.logits[1, 1, 2, 0] += 1.0
-    with pytest.raises(DecompositionError, match=r"task t, instance 8: the heads of attn\.1 "):
-        check_head_sums(heads, batch, [7, 8, 9], "t", 1e-4)
+    with pytest.raises(DecompositionError, match=r"^instance 8: the heads of attn\.1 "):
+        check_head_sums(heads, batch, [7, 8, 9], 1e-4)
+
+
+def test_each_pass_checks_its_heads_unless_the_components_fail_their_own_check(
+    build_model: Any, tokenizer: Any
+) -> None:
+    model = build_model("llama")
+    source = ModelSource("tiny", "tiny", None, "test", model.config, False)
+    loaded = LoadedModel(source, model, tokenizer, torch.device("cpu"), torch.float32)
+    with ModelRunner(loaded, adapter_for(model.config), OPTIONS, 4096, measures={"heads": {}}) as r:
+        batch = r.run(PROMPTS, [7, 8, 9])
+        capture = r.measures["heads"]
+        assert isinstance(capture, HeadCapture)
+        broken = replace(batch, logits=batch.logits.clone(), sum_error=batch.sum_error.clone())
+        broken.logits[1, 1, 0] += 1.0  # attn.0 of instance 8 no longer its heads' sum
+        with pytest.raises(DecompositionError, match=r"^instance 8: the heads of attn\.0 "):
+            capture.decomposed(broken)
+        broken.sum_error[1] = 1.0  # the components do not sum to the model's logits either
+        capture.decomposed(broken)  # left to the decomposition's check, which names them
+        with pytest.raises(DecompositionError, match=r"task t, instance 8: components sum"):
+            check_batch(broken, [7, 8, 9], "t", 1e-4)
 
 
 def test_unsplittable_attention_is_refused_from_the_config(
@@ -176,7 +200,7 @@ def test_extract_heads_end_to_end_and_backfill(
     result = extract(*model, *common, "--heads")
     assert result.exit_code == 0, result.output
     assert "added heads to 20 stored instances (their other tables were kept)" in result.output
-    assert "20/20 instances stored (none new)" in result.output
+    assert "20/20 instances stored (none new; tables added to 20 stored instances)" in result.output
     assert {p: p.stat().st_mtime_ns for p in store.rglob("components/**/*.parquet")} == before
     [info] = Store(store).select()
     assert len(info.files("heads")) == len(info.files("instances")) == 3

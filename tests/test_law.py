@@ -194,7 +194,10 @@ def test_text_lens_law_only_for_last_block_partitions(tmp_path: Path) -> None:
     from layerdiv.analyze.synthetic import text_chunk, text_manifest, write_text_partition
 
     for name, kind in (("org/final", "final"), ("org/last", "last-block")):
-        manifest = replace(text_manifest(name, "fineweb", 4, 6, 16, 4, True, False), lens=kind)
+        manifest = replace(
+            text_manifest(name, "fineweb", 4, 6, 16, 4, True, False),
+            settings={"lens": {"lens": kind}},
+        )
         chunk = text_chunk(np.random.default_rng(0), range(4), 16, 6, lens=True)
         write_text_partition(tmp_path, manifest, [(0, 4, chunk)])
     results = analyze(tmp_path)

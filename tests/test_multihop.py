@@ -152,7 +152,7 @@ def test_answer_splits_match_the_float64_reference(
     out = extract("--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store),
                   "--skips", "--skip-split", rule, "--batch-size", "3")  # fmt: skip
     assert out.exit_code == 0, out.output
-    assert Store(store).partitions[0].manifest.skip_split == rule
+    assert Store(store).partitions[0].manifest.settings["future_effects"]["skip_split"] == rule
     model = build_model("llama").to(torch.float64)
     assert check_answer_splits(store, model, tokenizer, rule, ["total"]) >= 12
 
@@ -176,7 +176,8 @@ def test_local_effects_match_the_float64_reference(
                   "--skips", "--skip-split", "answer:2:3", "--skip-mode", "total",
                   "--skip-mode", "local", "--batch-size", "4")  # fmt: skip
     assert out.exit_code == 0, out.output
-    assert Store(store).partitions[0].manifest.skip_modes == ["total", "local"]
+    settings = Store(store).partitions[0].manifest.settings["future_effects"]
+    assert settings["skip_modes"] == ["total", "local"]
     model = build_model("llama").to(torch.float64)
     assert check_answer_splits(store, model, tokenizer, "answer:2:3", ["total", "local"]) >= 12
     effects, output = stored(store)
@@ -222,8 +223,8 @@ def test_a_version_4_store_reads_mode_as_total_and_proj_as_null(
     path = next(store.glob("manifests/**/manifest.json"))
     data = json.loads(path.read_text())
     data["schema_version"] = 4
-    for key in ("weights", "skip_modes"):
-        data.pop(key, None)
+    data.pop("weights", None)
+    data["settings"]["future_effects"].pop("skip_modes")
     path.write_text(json.dumps(data))
     (info,) = Store(store).partitions
     assert info.manifest.schema_version == 4 and "future_effects" in info.tables

@@ -190,7 +190,7 @@ def test_version_3_choice_store_still_reads(tmp_path: Path) -> None:
     write_partition(tmp_path, "m", "t", logits, gold, kinds, rms, chunk=4)
     path = next(tmp_path.glob("manifests/**/manifest.json"))
     data = json.loads(path.read_text())
-    for name in ("kind", "max_tokens", "lens", "skip_split", "skip_seed", "weights"):
+    for name in ("kind", "max_tokens", "weights", "settings", "generation"):
         del data[name]  # fields of versions 4 and 5
     data["schema_version"] = 3
     path.write_text(json.dumps(data))
@@ -349,14 +349,33 @@ def test_a_token_repeated_in_place_of_another_is_refused(text_store: Path) -> No
         analyze(text_store)
 
 
-@pytest.mark.parametrize("table", ["future_effects", "future_output"])
-def test_future_effects_rows_repeated_in_a_part_are_refused(text_store: Path, table: str) -> None:
-    part = PartitionWriter(text_store, "m", "txt").part.part(table, 2, 2)
-    rewrite(part, lambda t: pa.concat_tables([t, t.slice(0, 1)]))
+def test_future_effects_rows_repeated_in_a_part_are_refused(text_store: Path) -> None:
+    part = PartitionWriter(text_store, "m", "txt").part.part
+    rewrite(part("future_output", 2, 2), lambda t: pa.concat_tables([t, t.slice(0, 1)]))
+    rewrite(part("future_effects", 2, 2), lambda t: pa.concat_tables([t, t.slice(0, BLOCKS)]))
+    Store(text_store)  # whole rows: the row counts agree
     with pytest.raises(
-        StoreError, match=rf"^{part}: rows repeat a \(doc, split, sublayer, skipped"
+        StoreError, match=r"future_(effects|output).*: rows repeat a \(doc, split, sublayer"
     ):
         analyze(text_store)
+
+
+@pytest.mark.parametrize(
+    ("table", "change"),
+    [("future_effects", lambda t: t.slice(1)), ("future_output", lambda t: t.slice(1)),
+     ("future_effects", lambda t: pa.concat_tables([t, t.slice(0, 1)]))],
+)  # fmt: skip
+def test_future_effects_rows_removed_or_repeated_are_refused_by_every_reader(
+    text_store: Path, table: str, change: Any
+) -> None:
+    writer = PartitionWriter(text_store, "m", "txt")
+    rewrite(writer.part.part(table, 2, 2), change)
+    effects = writer.part.part("future_effects", 2, 2)
+    with pytest.raises(StoreError, match=rf"^{effects}: \d+ rows where the chunk's \d+ "
+                       "future_output rows need"):  # fmt: skip
+        Store(text_store).select()
+    assert query(text_store, "SELECT count(*) FROM future_effects").exit_code == 1
+    assert writer.done_instances(read_manifest(writer.part.manifest)) == {0, 1, 4}  # redone
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])

@@ -33,7 +33,7 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.markdown import fmt, markdown_table
+from layerdiv.analyze.markdown import fmt, key_rows, markdown_table
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -41,6 +41,7 @@ from layerdiv.analyze.registry import (
     map_partitions,
     register,
 )
+from layerdiv.analyze.stats import depth_score
 from layerdiv.analyze.text import TEXT_KIND, batches, tag, with_table
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
@@ -56,13 +57,6 @@ SKIP_ROWS = 1 << 20
 """Rows of ``future_effects`` / ``future_output`` read at once."""
 EFFECTS = ("layer", "logit")
 """The two profiles scored: the layer effect e(l) and the logit effect o(l)."""
-
-
-def depth_score(v: np.ndarray) -> np.ndarray:
-    """sum_l l v(l) / sum_l v(l) over the last axis (methods §10); NaN where v sums to 0."""
-    total = v.sum(-1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(total > 0, (v @ np.arange(v.shape[-1], dtype=float)) / total, np.nan)
 
 
 def layer_effect(rel: np.ndarray) -> np.ndarray:
@@ -316,13 +310,10 @@ def report(ctx: ReportContext) -> str:
     scores, slopes = ctx.tables["text_group_scores"], ctx.tables["text_group_slope"]
     names = plots.short_names(ctx.names)
 
-    def model(r: dict[str, Any]) -> str:
-        return str(ctx.names.get(r["model"], r["model"]))
-
-    rows = [
-        [
-            model(r),
-            r["task"],
+    rows = key_rows(
+        scores.sort(*KEY, "sublayer", "effect"),
+        ctx.names,
+        lambda r: [
             r["sublayer"],
             r["effect"],
             str(r["group"]),
@@ -330,21 +321,19 @@ def report(ctx: ReportContext) -> str:
             fmt(r["paper_score"], digits=2),
             f"{fmt(r['mean_score'], digits=2)} [{fmt(r['mean_low'], digits=2)}, "
             f"{fmt(r['mean_high'], digits=2)}]",
-        ]
-        for r in scores.sort(*KEY, "sublayer", "effect").iter_rows(named=True)
-    ]
-    slope_rows = [
-        [
-            model(r),
-            r["task"],
+        ],
+    )
+    slope_rows = key_rows(
+        slopes.sort(*KEY, "sublayer", "effect"),
+        ctx.names,
+        lambda r: [
             r["sublayer"],
             r["effect"],
             str(r["n_scored"]),
             f"{fmt(r['slope'], digits=3)} [{fmt(r['slope_low'], digits=3)}, "
             f"{fmt(r['slope_high'], digits=3)}]",
-        ]
-        for r in slopes.sort(*KEY, "sublayer", "effect").iter_rows(named=True)
-    ]
+        ],
+    )
     header = ["Model", "Task", "Skipped", "Effect", "Group", "Documents", "Paper", "Mean [95% CI]"]
     slope_header = ["Model", "Task", "Skipped", "Effect", "Documents", "Slope [95% CI]"]
     return "\n\n".join(

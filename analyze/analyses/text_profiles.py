@@ -32,7 +32,7 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.markdown import DASH, fmt, markdown_table
+from layerdiv.analyze.markdown import DASH, fmt, key_rows, markdown_table
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -40,7 +40,7 @@ from layerdiv.analyze.registry import (
     register,
     with_data,
 )
-from layerdiv.analyze.stats import POWER_FIT_SCHEMA, power_law_fit
+from layerdiv.analyze.stats import POWER_FIT_SCHEMA, depth_score, power_law_fit
 from layerdiv.analyze.text import (
     EARLY_STOP_FRACTION,
     TEXT_KIND,
@@ -126,11 +126,14 @@ def update_fit(geometry: pl.DataFrame) -> pl.DataFrame:
 
 def depth_scores(out_max: pl.DataFrame) -> pl.DataFrame:
     """Per (sublayer, doc) from per (sublayer, doc, skipped) maxima over split points of
-    out_change: the depth score sum_l l out_change(l) / sum_l out_change(l) (methods §9)."""
-    block, change = pl.col("skipped").cast(pl.Float64), pl.col("out_change_max")
-    return out_max.group_by("sublayer", "doc").agg(  # sum_l l out_change(l) / sum_l out_change(l)
-        ((block * change).sum() / change.sum()).alias("depth_score")
-    )
+    out_change: the depth score sum_l l out_change(l) / sum_l out_change(l) (methods §10,
+    ``layerdiv.analyze.stats.depth_score``; a block not skipped counts 0)."""
+    index = out_max.select("sublayer", "doc").unique(maintain_order=True).with_row_index("row")
+    rows = out_max.join(index, on=["sublayer", "doc"])
+    row, skipped = rows["row"].to_numpy(), rows["skipped"].to_numpy()
+    profiles = np.zeros((index.height, int(skipped.max(initial=0)) + 1))
+    profiles[row, skipped] = rows["out_change_max"].to_numpy()
+    return index.drop("row").with_columns(pl.Series("depth_score", depth_score(profiles)))
 
 
 def depth_score_table(info: PartitionInfo) -> pl.DataFrame:
@@ -392,18 +395,17 @@ def report(ctx: ReportContext) -> str:
             "points), as a relative depth, by the task's document group.",
             markdown_table(
                 ["Model", "Task", "Group", "Documents", "Depth score", "Relative"],
-                [
-                    [
-                        ctx.names.get(r["model"], r["model"]),
-                        r["task"],
+                key_rows(
+                    scores,
+                    ctx.names,
+                    lambda r: [
                         r["group"] or "all",
                         str(r["n_documents"]),
                         f"{fmt(r['depth_score'], digits=2)} "
                         f"± {fmt(r['depth_score_std'], digits=2)}",
                         fmt(r["relative_depth_score"], digits=3),
-                    ]
-                    for r in scores.iter_rows(named=True)
-                ],
+                    ],
+                ),
             ),
             plots.figure_link(
                 ctx,

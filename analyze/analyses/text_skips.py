@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.markdown import fmt, markdown_table
+from layerdiv.analyze.markdown import fmt, key_rows, markdown_table
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -214,17 +214,16 @@ def report(ctx: ReportContext) -> str:
         .first()
         .sort(*KEY, "sublayer")
     )
-    rows = [
-        [
-            ctx.names.get(r["model"], r["model"]),
-            r["task"],
+    rows = key_rows(
+        top,
+        ctx.names,
+        lambda r: [
             r["sublayer"],
             str(r["skipped"]),
             fmt(r["out_change_max"], digits=3),
             fmt(r["out_change_mean"], digits=3),
-        ]
-        for r in top.iter_rows(named=True)
-    ]
+        ],
+    )
     header = ["Model", "Task", "Skipped", "Block l", "max out_change", "mean out_change"]
     return "\n\n".join(
         p
