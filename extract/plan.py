@@ -183,6 +183,11 @@ def _refuse_no_splits(plan: TaskPlan) -> None:
     """Refuse random split points where ``max_tokens`` leaves none, and local effects of a
     sublayer (methods §10 defines them for whole blocks)."""
     spec, skips = plan.spec, plan.skips
+    if skips is not None and "total" not in skips.modes:
+        raise TaskError(
+            "--skip-mode local adds the local effects beside the total ones (their output "
+            "change and row counts); give --skip-mode total --skip-mode local"
+        )
     if skips is not None and "local" in skips.modes and skips.sublayers != ("block",):
         raise TaskError(
             "--skip-mode local removes the whole block's update (methods §10), not a "

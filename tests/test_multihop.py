@@ -191,11 +191,16 @@ def test_local_effects_match_the_float64_reference(
     assert np.abs(gap).max() < 1e-6
 
 
-def test_local_mode_needs_the_whole_block(tmp_path: Path, model_dirs: Any) -> None:
+def test_local_mode_needs_the_whole_block_and_the_total_rows(
+    tmp_path: Path, model_dirs: Any
+) -> None:
     task = multihop_task(tmp_path / "task", **SHORT)
-    line = refused(tmp_path, str(model_dirs("llama")), task, "--skips", "--skip-mode", "local",
-                   "--skip-sublayer", "attn")  # fmt: skip
+    model = str(model_dirs("llama"))
+    line = refused(tmp_path, model, task, "--skips", "--skip-mode", "total", "--skip-mode",
+                   "local", "--skip-sublayer", "attn")  # fmt: skip
     assert "--skip-mode local removes the whole block's update" in line
+    line = refused(tmp_path, model, task, "--skips", "--skip-mode", "local")
+    assert "give --skip-mode total --skip-mode local" in line
 
 
 def test_a_version_4_store_reads_mode_as_total_and_proj_as_null(
@@ -212,13 +217,10 @@ def test_a_version_4_store_reads_mode_as_total_and_proj_as_null(
                   "--skips")  # fmt: skip
     assert out.exit_code == 0, out.output
     want = Store(store).scan("future_effects").collect()
-    for table, column in (
-        ("future_effects", "mode"),
-        ("tokens", "loss"),
-        ("token_blocks", "h_embed"),
-    ):
-        for part in store.glob(f"{table}/**/*.parquet"):
-            old = pq.read_table(part).drop_columns([column])
+    dropped = {"future_effects": ["mode"], "tokens": ["loss"], "token_blocks": ["h_embed"]}
+    for table in ("future_effects", "future_output", "tokens", "token_blocks", "documents"):
+        for part in store.glob(f"{table}/**/*.parquet"):  # as version 4 wrote them
+            old = pq.read_table(part).drop_columns(dropped.get(table, []))
             pq.write_table(old.cast(tables_of(4)[table]), part, write_page_checksum=True)
     path = next(store.glob("manifests/**/manifest.json"))
     data = json.loads(path.read_text())
