@@ -22,10 +22,12 @@ $(BIN)/.installed: pyproject.toml Makefile
 demo: $(BIN)/.installed
 	$(BIN)/layerdiv demo
 
-# The README's figures, regenerated from the demo's report.
+# The README's figures, regenerated from the demo's report (and its layer-maps figures, from
+# the demo's results).
 docs-figure: demo
 	cp layerdiv-demo/report/figures/fig5_curves_smollm2-135m-instruct.png docs/demo-curves.png
 	cp layerdiv-demo/report/figures/text_skips.png docs/demo-text-skips.png
+	$(BIN)/python scripts/demo_maps.py
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

@@ -390,7 +390,7 @@ maps_option = click.option(
     default=None,
     metavar="all|A:B[,C:D]",
     help="Also fit ridge maps from every layer of model A's residual states to every layer of "
-    "model B's on one text task extracted with --states (all: every pair of models; methods §11; "
+    "model B's on one task extracted with --states (all: every pair of models; methods §11; "
     "tables layer_maps and layer_map_best).",
 )
 maps_ridge_option = click.option(

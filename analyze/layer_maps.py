@@ -105,7 +105,9 @@ def fit_maps(
         for s, e in train:
             xc = source.rows(i, s, e) - x_bar
             gram += xc.T @ xc
-        lam = ridge * np.trace(gram) / source.width
+        # A constant source layer (trace 0: h_0 of one token shared by every row, as a choice
+        # task's last prompt token can be) maps to W = 0, the train mean, for any lambda > 0.
+        lam = ridge * np.trace(gram) / source.width or 1.0
         gram[np.diag_indices_from(gram)] += lam
         factor = cho_factor(gram, overwrite_a=True)  # one factorisation, every target layer
         # With at most d_B held-out rows, (x - x_bar)(G + lambda I)^-1 of every held-out row once

@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import record
 from paper_store import ensure_store, parse_store_args, store_parser, timed
 
 QUERY = (
@@ -70,6 +71,7 @@ def in_process_depth(store: Path) -> tuple[str, float, float]:
 def scaling(args: argparse.Namespace, scales: list[int]) -> None:
     """Time ``layerdiv analyze`` on stores of ``scale`` x ``--models`` models each."""
     runs = []
+    loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         for scale in scales:
             root = Path(f"{args.store}-x{scale}")
@@ -85,12 +87,20 @@ def scaling(args: argparse.Namespace, scales: list[int]) -> None:
         f"{'wall / rows ratio':>17}  {'peak ratio':>10}"
     )
     _, rows0, wall0, peak0 = runs[0]
+    table = []
     for scale, rows, wall, peak in runs:
         per_row = (wall / rows) / (wall0 / rows0)
         print(
             f"{scale:>5}  {args.models * scale:>6}  {rows:>13,}  {wall:9.1f}  {peak:14.0f}  "
             f"{per_row:17.2f}  {peak / peak0:10.2f}"
         )
+        table.append([scale, args.models * scale, rows, round(wall, 1), round(peak),
+                      round(per_row, 2), round(peak / peak0, 2)])  # fmt: skip
+    loads.append(os.getloadavg()[0])
+    columns = ["scale", "models", "rows", "wall s", "peak RSS MiB", "wall per row, relative",
+               "peak, relative"]  # fmt: skip
+    record("bench_analyze-scales", columns, table, loads,
+           formats=["", "", ",", ".1f", ".0f", ".2f", ".2f"])  # fmt: skip
 
 
 def main() -> None:
@@ -107,6 +117,7 @@ def main() -> None:
 
     rows = ensure_store(args.store, args.models, args.tasks, args.instances)
     store = str(args.store)
+    loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         model, task = "synth/model-00", "task0"
         results = [
@@ -159,6 +170,10 @@ def main() -> None:
     print(f"{'step':<{width}}  {'wall (s)':>9}  {'peak RSS (MiB)':>14}")
     for label, wall, peak in results:
         print(f"{label:<{width}}  {wall:9.2f}  {peak:14.0f}")
+    loads.append(os.getloadavg()[0])
+    table = [[label, round(wall, 2), round(peak)] for label, wall, peak in results]
+    record("bench_analyze", ["step", "wall s", "peak RSS MiB"], table, loads,
+           formats=["", ".2f", ".0f"])  # fmt: skip
 
 
 if __name__ == "__main__":

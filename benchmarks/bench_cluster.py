@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import record
 from paper_store import ensure_store, parse_store_args, store_parser, timed
 
 from layerdiv.analyze.cluster import local_cluster
@@ -39,6 +40,8 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="layerdiv-bench-cluster-"))
     base = ["analyze", "--store", str(args.store), "--out"]
     walls: dict[str, list[float]] = {"local": [], "ray": []}
+    rss_mib: dict[str, list[float]] = {"local": [], "ray": []}
+    loads = [os.getloadavg()[0]]
     start = time.perf_counter()
     with local_cluster(cpus=args.cpus, workers=args.workers) as address:
         print(f"Ray head on {address} and {args.workers} worker node(s), {args.cpus} CPUs, up "
@@ -50,10 +53,18 @@ def main() -> None:
             ):
                 label, wall, rss = timed(name, [*base, str(out / f"{name}{i}"), *extra])
                 walls[name].append(wall)
+                rss_mib[name].append(rss)
+                loads.append(os.getloadavg()[0])
                 print(f"{label:>5} run {i + 1}: {wall:7.1f} s wall, driver peak RSS {rss:,.0f} MiB")
     local, ray = (statistics.median(walls[k]) for k in ("local", "ray"))
     print(f"median wall: local {local:.1f} s, ray {ray:.1f} s: ray / local = {ray / local:.2f} "
           f"on {os.cpu_count()} cores (target <= 1.3)")  # fmt: skip
+    rows = [[i + 1, round(walls["local"][i], 1), round(walls["ray"][i], 1),
+             f"{rss_mib['local'][i]:.0f} / {rss_mib['ray'][i]:.0f}"]
+            for i in range(args.repeat)]  # fmt: skip
+    columns = ["run", "local wall s", "ray wall s", "driver peak RSS MiB (local / ray)"]
+    record("bench_cluster", columns, rows, loads, formats=["", ".1f", ".1f", ""],
+           ray_over_local=round(ray / local, 2))  # fmt: skip
 
 
 if __name__ == "__main__":

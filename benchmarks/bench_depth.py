@@ -29,7 +29,7 @@ from pathlib import Path
 
 import polars as pl
 import torch
-from common import add_quick, demo_choice_tasks
+from common import add_quick, demo_choice_tasks, record
 
 from layerdiv.analyze.analyses import depth
 from layerdiv.demo import DEMO_MODEL
@@ -68,6 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.n, args.tasks, args.rounds = 4, "tweets2", 1
+    loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         wanted = args.tasks.split(",")
@@ -98,15 +99,20 @@ def main() -> None:
         )
         rounds = ", ".join(f"{wall:.1f}/{cpu:.1f}" for wall, cpu in runs)
         print(f"plain extraction, each round (wall/CPU s): {rounds}")
-        print(f"{'run':<44}{'wall s':>8}{'CPU s':>8}{'CPU x plain':>12}")
+        print(f"{'run':<46}{'wall s':>8}{'CPU s':>8}{'CPU x plain':>12}")
         target = (blocks + 2) / 2
+        rows = []
         for label, (wall, cpu) in (
-            (f"layerdiv extract (median of {args.rounds})", plain),
-            ("layerdiv extract --gram", gram),
-            (f"layerdiv extract --skips (target x{target:.1f})", skips),
-            ("--skips added to the plain store (backfill)", backfill),
+            (f"`layerdiv extract` (median of {args.rounds})", plain),
+            ("`layerdiv extract --gram`", gram),
+            (f"`layerdiv extract --skips` (target {target:.1f})", skips),
+            ("`--skips` added to the plain store (backfill)", backfill),
         ):
-            print(f"{label:<44}{wall:8.1f}{cpu:8.1f}{cpu / plain[1]:12.2f}")
+            print(f"{label:<46}{wall:8.1f}{cpu:8.1f}{cpu / plain[1]:12.2f}")
+            rows.append([label, round(wall, 1), round(cpu, 1), round(cpu / plain[1], 2)])
+        loads.append(os.getloadavg()[0])
+        record("bench_depth", ["run", "wall s", "CPU s", "CPU time / plain extraction"],
+               rows, loads, formats=["", ".1f", ".1f", ".2f"])  # fmt: skip
         raw = n_comp * (n_comp + 1) // 2 * 4
         print(
             f"Gram table: {gram_bytes / n_inst:,.0f} bytes per instance on disk (zstd Parquet), "

@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from common import add_quick
+from common import add_quick, record
 
 from layerdiv.demo import DEMO_MODEL, DEMO_TASKS, write_demo_tasks
 from layerdiv.extract.adapters import adapter_for, check_softcap
@@ -378,7 +378,8 @@ def time_rounds(runs: list[Contender], rounds: int) -> dict[str, list[float]]:
 
 def report(
     times: dict[str, list[float]], memory: dict[str, dict[str, float]], n: int, batch_size: int
-) -> None:
+) -> list[list[Any]]:
+    """Print the table and the targets; return the docs' table (:data:`COLUMNS`)."""
     base_t, base_m = times["plain"], memory["plain"]
     ratio = {
         c: statistics.median(a / b for a, b in zip(t, base_t, strict=True))
@@ -425,6 +426,25 @@ def report(
         f"<= {TARGET_RATIO} {_met(floor <= TARGET_RATIO)}"
     )
     print(f"  (batch size {batch_size} for plain, layerdiv-fixed and transformerlens)")
+    return [
+        [LABELS[c].format(batch_size=batch_size), round(statistics.median(t), 2),
+         round(n / statistics.median(t), 1), round(ratio[c], 3), round(memory[c]["peak"]),
+         round(peak[c], 3)]
+        for c, t in times.items()
+    ]  # fmt: skip
+
+
+COLUMNS = ["contender", "median s", "instances/s", "time / plain", "peak RSS MiB", "peak / plain"]
+LABELS = {
+    "plain": "plain forward, `logits_to_keep=1`, batches of {batch_size} in arrival order",
+    "plain-floor": "plain forward over exactly the batches `layerdiv extract` forms (the fair "
+    "floor)",
+    "layerdiv-fixed": "`layerdiv extract`, batches of {batch_size}",
+    "layerdiv-auto": "`layerdiv extract`, `--batch-size auto`",
+    "transformerlens": "TransformerLens (`TransformerBridge`, the same decomposition), batches "
+    "of {batch_size}",
+}
+"""The results file's columns and each contender's row label."""
 
 
 def _met(ok: bool) -> str:
@@ -454,9 +474,10 @@ def main() -> None:
     print(f"command: {shlex.join(['python', *sys.argv])}")
     dists = ["torch", "transformers"] + ["transformer-lens"] * ("transformerlens" in names)
     versions = ", ".join(f"{d} {metadata.version(d)}" for d in dists)
+    loads = [os.getloadavg()[0]]
     print(
         f"machine: {_cpu()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}; "
-        f"load average {os.getloadavg()[0]:.2f}; {versions}"
+        f"load average {loads[0]:.2f}; {versions}"
     )
     loaded = load()
     with tempfile.TemporaryDirectory(prefix="layerdiv-bench-") as tmp:
@@ -472,8 +493,11 @@ def main() -> None:
         times = time_rounds(runs, args.rounds)
     print("\nmemory: one fresh process per contender")
     memory = {name: memory_of(name, args) for name in names}
-    report(times, memory, len(lengths), args.batch_size)
-    print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
+    table = report(times, memory, len(lengths), args.batch_size)
+    loads.append(os.getloadavg()[0])
+    print(f"\nload average at the end: {loads[-1]:.2f}")
+    record("bench_extract", COLUMNS, table, loads,
+           formats=["", ".2f", ".1f", ".3f", ".0f", ".3f"])  # fmt: skip
 
 
 def _cpu() -> str:

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import add_quick, stamp_rows, stored_rows
+from common import add_quick, record, stamp_rows, stored_rows
 
 ANALYSE = """
 import sys, time
@@ -101,6 +101,7 @@ def main() -> None:
         args.store = Path(f"{args.store}-quick")
 
     rows = ensure_store(args.store, args.layers, args.heads, args.tasks, args.instances)
+    loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
         proc = subprocess.Popen(
@@ -125,6 +126,14 @@ def main() -> None:
     cpu = usage.ru_utime + usage.ru_stime
     print(f"CPU time of that process (user + system):    {cpu:6.2f} s")
     print(f"peak RSS:                                    {usage.ru_maxrss / 1024:6.0f} MiB")
+    loads.append(os.getloadavg()[0])
+    table: list[tuple[str, float]] = [
+             ("heads tables (scores, summary, reweighting)", tables_s),
+             ("heads report section (tables, heatmap PNG)", report_s),
+             ("whole process, wall (imports included)", wall),
+             ("whole process, CPU time (user + system)", cpu)]  # fmt: skip
+    record("bench_heads", ["step", "seconds"], [[k, round(v, 2)] for k, v in table], loads,
+           formats=["", ".2f"], peak_rss_mib=round(usage.ru_maxrss / 1024))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import add_quick, demo_choice_tasks
+from common import add_quick, demo_choice_tasks, record
 
 from layerdiv.demo import DEMO_MODEL
 from layerdiv.extract.adapters import adapter_for, check_softcap
@@ -73,6 +73,7 @@ def main() -> None:
         times: dict[bool, list[float]] = {False: [], True: []}
         cpus: dict[bool, list[float]] = {False: [], True: []}
         ratios, cpu_ratios = [], []
+        loads = [os.getloadavg()[0]]
         for r in range(args.rounds + 1):  # round 0 warms up
             order = (False, True) if r % 2 else (True, False)
             got = {}
@@ -87,13 +88,18 @@ def main() -> None:
                     cpus[heads].append(cpu)
                 ratios.append(got[True][0] / got[False][0])
                 cpu_ratios.append(got[True][1] / got[False][1])
+                loads.append(os.getloadavg()[0])
     n = 3 * per_task
     print(
         f"\nSmolLM2-135M-Instruct fp32 CPU ({os.cpu_count()} cores, {torch.get_num_threads()} "
         f"torch threads), {n} prompts (3 demo tasks), {args.rounds} interleaved rounds"
     )
+    rows = []
     for label, values, per_round in (("wall", times, ratios), ("CPU", cpus, cpu_ratios)):
         ratio = statistics.median(per_round)
+        rows.append([f"{label} time" if label == "wall" else "CPU time (process)",
+                     round(statistics.median(values[False]), 2),
+                     round(statistics.median(values[True]), 2), round(ratio, 3)])  # fmt: skip
         verdict = "meets" if ratio <= TARGET else "misses"
         print(
             f"{label} time: without --heads median {statistics.median(values[False]):7.2f} s, "
@@ -103,6 +109,10 @@ def main() -> None:
         )
     for table, size in sizes.items():
         print(f"{table} table: {size / n:9.0f} bytes per instance (Parquet, zstd)")
+    columns = ["measure", "without `--heads` (median s)", "with `--heads` (median s)",
+               "median per-round ratio"]  # fmt: skip
+    record("bench_heads_extract", columns, rows, loads, formats=["", ".2f", ".2f", ".3f"],
+           threads=torch.get_num_threads())  # fmt: skip
 
 
 def table_sizes(store: Path) -> dict[str, int]:

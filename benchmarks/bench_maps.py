@@ -14,9 +14,13 @@ per layer, so that nothing of the token count's size is held: what memory grows 
 solver's alone.
 
     python benchmarks/bench_maps.py [--train 32768] [--heldout 8192] [--width-divisor 1]
-        [--quick]
+        [--source-layers K] [--quick]
 
 ``--train``/``--heldout`` give the larger token count; the smaller one is half of it.
+``--source-layers K``: map only the first K source states (and K - 1 source updates) onto every
+target layer, at the full widths and token counts: a fraction of the work whose cost is linear
+in the source layers (per source layer one Gram matrix and factorisation, per pair the same
+products), extrapolated to every pair by the FLOP count (``map_flops``) at the measured rate.
 ``--quick``: tiny sizes, seconds.
 """
 
@@ -78,16 +82,18 @@ def gemm_rate(d_a: int, d_b: int, rows: int = 4096, repeats: int = 3) -> tuple[f
     return flops / wall, flops / max(cpu, 1e-9)
 
 
-def run(shape: dict[str, int], train: int, heldout: int, pool: int) -> tuple[float, float, float]:
-    """Every pair of states and of updates at ``train`` + ``heldout`` tokens: (wall seconds,
-    CPU seconds, FLOPs)."""
+def run(
+    shape: dict[str, int], train: int, heldout: int, pool: int, sources: int
+) -> tuple[float, float, float]:
+    """Every pair of the first ``sources`` source states (and their updates) with every target
+    layer, at ``train`` + ``heldout`` tokens: (wall seconds, CPU seconds, FLOPs)."""
     rng = np.random.default_rng(1)
     src = rng.standard_normal((pool, shape["d_a"])).astype(np.float16)
     tgt = rng.standard_normal((pool, shape["d_b"])).astype(np.float16)
     flops = 0.0
     wall, cpu = time.perf_counter(), time.process_time()
     for updates in (False, True):
-        a, b = PoolLayers(src, shape["l_a"], updates), PoolLayers(tgt, shape["l_b"], updates)
+        a, b = PoolLayers(src, sources, updates), PoolLayers(tgt, shape["l_b"], updates)
         fit_maps(a, b, train, heldout)
         flops += map_flops(a.width, b.width, a.n_layers, b.n_layers, train, heldout)
     return time.perf_counter() - wall, time.process_time() - cpu, flops
@@ -104,6 +110,12 @@ def main() -> None:
         default=1,
         help="divide both widths by this (a smaller machine; the layer counts stay)",
     )
+    parser.add_argument(
+        "--source-layers",
+        type=int,
+        default=None,
+        help="map only the first K source states (a fraction, extrapolated by FLOPs)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
     args = parser.parse_args()
     shape = dict(QUICK if args.quick else PAPER)
@@ -117,10 +129,15 @@ def main() -> None:
     rate, cpu_rate = gemm_rate(shape["d_a"], shape["d_b"])
     print(f"numpy float64 GEMM rate: {rate / 1e9:.1f} GFLOP/s per wall second, "
           f"{cpu_rate / 1e9:.1f} per CPU second")  # fmt: skip
+    sources = min(args.source_layers or shape["l_a"], shape["l_a"])
+    if sources < shape["l_a"]:
+        print(f"ran: source states 0..{sources - 1} of {shape['l_a']} and source updates "
+              f"0..{sources - 2} of {shape['l_a'] - 1}, each onto every target layer; the "
+              "rest extrapolated by FLOPs")  # fmt: skip
     results = []
     for scale in (0.5, 1.0):
         n_t, n_h = int(train * scale), int(heldout * scale)
-        wall, cpu, flops = run(shape, n_t, n_h, args.pool)
+        wall, cpu, flops = run(shape, n_t, n_h, args.pool, sources)
         at_rate = flops / rate
         results.append((n_t + n_h, cpu))
         at_cpu = flops / cpu_rate
@@ -129,6 +146,14 @@ def main() -> None:
             f"{at_rate:.1f} s wall ({at_cpu:.1f} s CPU) at the GEMM rate; ratio "
             f"{wall / at_rate:.2f} wall, {cpu / at_cpu:.2f} CPU (target <= 2)"
         )
+        if sources < shape["l_a"]:
+            every = sum(
+                map_flops(shape["d_a"], shape["d_b"], shape["l_a"] - u, shape["l_b"] - u, n_t, n_h)
+                for u in (0, 1)
+            )
+            print(f"  every pair: {every:.3g} FLOPs -> {every / rate:.0f} s wall at the GEMM "
+                  f"rate; ours extrapolated at the measured rate: {wall * every / flops:.0f} s "
+                  f"wall ({cpu * every / flops:.0f} s CPU)")  # fmt: skip
     (n0, t0), (n1, t1) = results
     print(f"CPU time per token: {t0 / n0 * 1e3:.3f} ms at {n0}, {t1 / n1 * 1e3:.3f} ms at {n1} "
           f"tokens (ratio {t1 / n1 / (t0 / n0):.2f}; 1 is linear)")  # fmt: skip

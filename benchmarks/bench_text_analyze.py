@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import add_quick, stamp_rows, stored_rows
+from common import add_quick, record, stamp_rows, stored_rows
 
 
 def ensure_store(root: Path, shape: dict[str, int | bool]) -> int:
@@ -131,6 +131,7 @@ def main() -> None:
         args.lens = args.skips = args.stages = True
         args.store = Path(f"{args.store}-quick")
     runs = []
+    loads = [os.getloadavg()[0]]
     for size in (float(s) for s in args.sizes.split(",")):
         docs = round(args.docs * size)
         shape = {
@@ -160,6 +161,15 @@ def main() -> None:
             f"{docs:>9,}  {rows:>17,}  {wall:8.1f}  {wall / args.models:14.1f}  {cpu:8.1f}  "
             f"{cpu / args.models:13.1f}  {peak:14.0f}"
         )
+    loads.append(os.getloadavg()[0])
+    if not (args.lens or args.skips):  # the docs' table: token_blocks alone
+        columns = ["documents", "token_blocks rows", "wall (s)", "wall/model (s)", "CPU (s)",
+                   "CPU/model (s)", "peak RSS (MiB)"]  # fmt: skip
+        table = [[docs, rows, round(wall, 1), round(wall / args.models, 1), round(cpu, 1),
+                  round(cpu / args.models, 1), round(peak)]
+                 for docs, rows, wall, cpu, peak in runs]  # fmt: skip
+        record("bench_text_analyze", columns, table, loads,
+               formats=[",", ",", ".1f", ".1f", ".1f", ".1f", ".0f"])  # fmt: skip
     if args.stages:
         print(
             f"\nOne model's token_blocks pass ({runs[-1][0]:,} documents) in this process, stage "

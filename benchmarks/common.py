@@ -16,6 +16,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -28,7 +29,8 @@ RESULTS = ROOT / "docs" / "benchmarks"
 
 
 def add_quick(parser: argparse.ArgumentParser) -> None:
-    """The ``--quick`` flag: tiny sizes and one repeat, in seconds; nothing is recorded."""
+    """The ``--quick`` flag: tiny sizes and one repeat, in seconds; the results file goes to a
+    temporary folder (:func:`record`), not the docs."""
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes, one repeat: check that it runs"
     )
@@ -81,8 +83,11 @@ def _commit() -> str:
 def record(name: str, columns: list[str], rows: list[list[Any]], loads: list[float],
            **extra: Any) -> Path:  # fmt: skip
     """Write the results file ``name`` (a table: ``columns`` and ``rows``, numbers unformatted)
-    with the command, date (UTC), commit, cores and the load averages seen during the run."""
-    path = RESULTS / f"{name}.json"
+    with the command, date (UTC), commit, cores and the load averages seen during the run; a
+    ``--quick`` run's into a temporary folder (the check that it is still written)."""
+    quick = "--quick" in sys.argv[1:]
+    folder = Path(tempfile.gettempdir()) / "layerdiv-bench-results-quick" if quick else RESULTS
+    path = folder / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "command": shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
@@ -95,7 +100,7 @@ def record(name: str, columns: list[str], rows: list[list[Any]], loads: list[flo
         **extra,
     }
     path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"results written to {os.path.relpath(path, ROOT)}")
+    print(f"results written to {path if quick else os.path.relpath(path, ROOT)}")
     return path
 
 

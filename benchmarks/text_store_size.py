@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
 from click.testing import CliRunner
-from common import add_quick
+from common import add_quick, record
 
 from layerdiv.cli import main
 from layerdiv.demo import bbc_articles
@@ -49,6 +50,7 @@ def main_() -> None:
     if args.quick:
         args.docs, args.max_tokens = 2, 24
     store = args.store or Path(tempfile.mkdtemp(prefix="layerdiv-text-")) / "store"
+    loads = [os.getloadavg()[0]]
     if not store.exists():
         extract(store, args.docs, args.max_tokens)
     (info,) = Store(store).partitions
@@ -57,13 +59,20 @@ def main_() -> None:
     print(f"store {store}: {n_docs} documents, {tokens} tokens, {blocks} blocks "
           f"({info.manifest.model}, {info.manifest.dtype})")  # fmt: skip
     per_block = 0.0
+    rows: list[list[object]] = []
     for table in info.kind.required:
         size = sum(f.stat().st_size for f in info.files(table))
         line = f"  {table:<13} {size:>10,} bytes  {size / tokens:8.2f} bytes/token"
+        rows.append([f"`{table}`", round(size / tokens, 2), ""])
         if table == "token_blocks":
             per_block = size / tokens / blocks
             line += f"  {per_block:6.2f} bytes/token/block"
+            rows[-1][2] = round(per_block, 2)
         print(line)
+    loads.append(os.getloadavg()[0])
+    if args.store is None:  # the docs' table: a fresh extraction
+        columns = ["table", "bytes per token", "bytes per token per block"]
+        record("text_store_size", columns, rows, loads, formats=["", ".2f", ".2f"])
     fineweb = 4_800 * 1_024
     for n_blocks in (30, 32):
         gib = fineweb * n_blocks * per_block / 2**30

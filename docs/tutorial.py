@@ -167,4 +167,4 @@ plt.show()
 #   [Python API reference](../api/) lists every function and its arguments.
 # - The [depth](../analyses/depth/) and [heads](../analyses/heads/) pages describe the other
 #   analyses' tables; `layerdiv extract --skips` adds the block-skipping effects to the demo's
-#   other tasks (`tweets2` has them).
+#   other tasks (`tweets2-skips`, the first 20 instances of `tweets2`, has them).

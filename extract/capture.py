@@ -16,7 +16,8 @@ import torch
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.adapters import Adapter, get_module
 from layerdiv.extract.hooks import Hooks, unique_blocks
-from layerdiv.extract.readout import LensReference, Readout, lens_stats, onloaded
+from layerdiv.extract.lens import Lens, LensReference, lens_stats
+from layerdiv.extract.readout import Readout, onloaded
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
 
@@ -54,7 +55,7 @@ class BatchDecomposition:
     skip_logits: torch.Tensor | None = None
     """(B, blocks, K) the model's option logits with each block module skipped (``--skips``)."""
     lens: torch.Tensor | None = None
-    """(B, L + 1, 2 + K) with ``lens=True``: per layer l = 0..L the logit lens at the last prompt
+    """(B, L + 1, 2 + K) with a lens: per layer l = 0..L the logit lens at the last prompt
     token (p_l from block l's input, p_L the model's output): kl, top5_overlap and log p_l of
     each option's token (``layerdiv.schemas.LENS``; ce is that of the gold option)."""
     measured: dict[str, Sequence[Any]] = field(default_factory=dict)
@@ -63,20 +64,22 @@ class BatchDecomposition:
 
 
 class ComponentCapture(Hooks):
-    """Hooks on one model; :meth:`decompose` after each forward pass gives the batch's results."""
+    """Hooks on one model (``readout``: the model's); :meth:`decompose` after each forward pass
+    gives the batch's results, with ``lens`` the logit lens at the last prompt token."""
 
     def __init__(
         self,
         model: Any,
         adapter: Adapter,
+        readout: Readout,
         option_ids: list[int],
-        lens: bool = False,
+        lens: Lens | None = None,
     ):
         super().__init__()
         self.adapter = adapter
         self.lens = lens
         blocks = get_module(model, adapter.blocks)
-        self.readout = Readout(model, adapter)
+        self.readout = readout
         self.norm, head = self.readout.norm, self.readout.head
         with onloaded(head):  # weights offloaded by accelerate (--device-map) are loaded here
             ids = torch.tensor(option_ids, device=head.weight.device)
@@ -183,7 +186,7 @@ class ComponentCapture(Hooks):
             cos = torch.cat([cos, nan], dim=1)
             cos_prev = torch.cat([cos_prev, nan], dim=1)
             prefix_rms = torch.cat([prefix_rms, scale_x[:, None]], dim=1)
-        lens = self._lens(prefix, x) if self.lens else None
+        lens = None if self.lens is None else self._lens(self.lens, prefix, x)
         total = logits.sum(dim=1)
         spread = logits.abs().sum(dim=1).amax(dim=-1).clamp(min=1.0)
         sum_error = (total - head).abs().amax(dim=-1) / spread
@@ -225,14 +228,14 @@ class ComponentCapture(Hooks):
             const = const + self.head_bias.to(dev)
         return const.expand(rows, 1, -1)
 
-    def _lens(self, prefix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The logit lens at the last prompt token (methods §9): block l's input h_l is
-        the prefix just before its ``attn`` component, read out by the model's own final
-        norm and unembedding; layer L is the full residual x."""
+    def _lens(self, lens: Lens, prefix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The logit ``lens`` at the last prompt token (methods §9): block l's input h_l is
+        the prefix just before its ``attn`` component; layer L is the full residual x (read
+        out as the model reads it: by the ``final`` lens, the one a choice task takes)."""
         blocks = [c for c, (kind, _) in enumerate(self._records) if kind == "attn"]
         states = [prefix[:, c - 1] for c in blocks] + [x]
         dtype = self.readout.head.weight.dtype
-        logits = self.readout.logits(torch.stack(states, 1).to(dtype))
+        logits = lens.logits(torch.stack(states, 1).to(dtype))
         ids = self.option_ids.to(logits.device)
         return lens_stats(logits, LensReference(logits[:, -1:]), ids).cpu()
 

@@ -15,11 +15,14 @@ from layerdiv.extract.adapters import Adapter
 from layerdiv.extract.batching import batches
 from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
 from layerdiv.extract.future import FutureEffects, SkipSettings
+from layerdiv.extract.lens import make_lens
 from layerdiv.extract.models import LoadedModel
+from layerdiv.extract.readout import Readout
 from layerdiv.extract.skips import BlockSkipper
 from layerdiv.extract.text import TextBatch, TextCapture
 from layerdiv.measurements import Capture, DecompositionCapture, RowsCapture, for_kind
 from layerdiv.measurements.future import future_rows
+from layerdiv.measurements.lens import LENS
 from layerdiv.store.tables import (
     components_table,
     documents_table,
@@ -93,22 +96,26 @@ class ModelRunner:
         self.budget = budget
         """Padded tokens per batch for automatic batching (lowered on out-of-memory)."""
         model = loaded.model
-        self.text = (
-            TextCapture(model, adapter, lens if "token_lens" in extra_tables else None)
-            if kind == "text"
+        self.readout = Readout(model, adapter)
+        """The model's final norm and unembedding, shared by every capture that reads out."""
+        self.lens = (
+            make_lens(lens or "final", model, adapter, self.readout)
+            if set(LENS.tables[kind]) & set(extra_tables)
             else None
         )
+        """With ``--lens``: the logit lens it names (methods §9)."""
+        self.text = TextCapture(model, adapter, self.readout, self.lens) if kind == "text" else None
         """Text tasks: the per-token capture (methods §9); the choice captures are
         not attached."""
         self.future = (
-            FutureEffects(model, adapter, self.text.readout, skips, answers)
+            FutureEffects(model, adapter, self.readout, skips, answers)
             if self.text is not None and skips is not None
             else None
         )
         """Text tasks with ``--skips``: the future effects (methods §9; ``answers``, per
         document its answer's start and length, for answer-anchored split points, §10)."""
         self.capture = (
-            ComponentCapture(model, adapter, option_ids, lens="lens" in extra_tables)
+            ComponentCapture(model, adapter, self.readout, option_ids, self.lens)
             if self.text is None
             else None
         )
@@ -132,7 +139,8 @@ class ModelRunner:
         for m in for_kind(kind):
             if m.attach is None or m.name not in measures:
                 continue
-            hooks = attached[m.name] = m.attach_to(self.loaded.model, adapter, measures[m.name])
+            settings = {**measures[m.name], "kind": kind}
+            hooks = attached[m.name] = m.attach_to(self.loaded.model, adapter, settings)
             if isinstance(hooks, DecompositionCapture):
                 assert self.capture is not None  # declared for choice tasks only
                 hooks.bind(self.capture)

@@ -13,6 +13,7 @@ from layerdiv.extract.batching import tokenize_documents
 from layerdiv.extract.config import ExtractConfig
 from layerdiv.extract.facts import revision_facts
 from layerdiv.extract.future import ANSWER_MARGIN, SPLIT_MARGIN, SPLIT_STEP, SkipSettings
+from layerdiv.extract.lens import LENSES
 from layerdiv.extract.models import context_length
 from layerdiv.extract.tasks import (
     Instance,
@@ -104,7 +105,7 @@ def plan_task(
                 "fix the data or the task's text template, or filter such rows out"
             )
         future = list(FUTURE.tables["text"])
-        asked = (["token_lens"] if cfg.lens else []) + (future if cfg.skips else [])
+        asked = (list(LENS.tables["text"]) if cfg.lens else []) + (future if cfg.skips else [])
         tables = chunks.extra_tables(writer, [*asked, *cfg.measured_tables("text")], cfg.overwrite)
         measures = _measure_settings(writer, cfg, spec, tables)
         plan = TaskPlan(spec, items, [], sha, writer, tables, argument, documents, measures)
@@ -119,13 +120,14 @@ def plan_task(
             f"task {spec.name} is a choice task: {', '.join(given)} applies to text tasks only "
             "(--skips on a choice task skips each block whole at the last prompt token)"
         )
-    if cfg.lens == "last-block":
+    if cfg.lens is not None and "choice" not in LENSES[cfg.lens].kinds:
         raise TaskError(
-            f"task {spec.name} is a choice task: --lens last-block applies to text tasks only "
+            f"task {spec.name} is a choice task: --lens {cfg.lens} applies to text tasks only "
             "(a choice task keeps the last prompt token alone); use --lens"
         )
     ids = option_token_ids(spec, tokenizer, items[0].prompt)
-    asked = [*cfg.extra_tables, *(["lens"] if cfg.lens else []), *cfg.measured_tables("choice")]
+    lens = list(LENS.tables["choice"]) if cfg.lens else []
+    asked = [*cfg.extra_tables, *lens, *cfg.measured_tables("choice")]
     tables = chunks.extra_tables(writer, asked, cfg.overwrite)
     measures = _measure_settings(writer, cfg, spec, tables)
     return TaskPlan(spec, items, ids, sha, writer, tables, argument, measures=measures)

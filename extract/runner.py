@@ -6,6 +6,7 @@ interruptible."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +43,7 @@ from layerdiv.extract.models import (
 )
 from layerdiv.extract.plan import TaskPlan, plan_task, refuse_shared_names
 from layerdiv.extract.provenance import build_manifest, identity
+from layerdiv.extract.states import size_warning
 from layerdiv.extract.text import check_text_batch
 from layerdiv.measurements import Measurement, for_kind
 from layerdiv.measurements.heads import HEADS
@@ -210,6 +212,8 @@ def extract_task(
     with ModelRunner(loaded, adapter, plan.option_ids, budget, tables, kind, plan.lens,
                      plan.skips, plan.measures, plan.answers) as runner:  # fmt: skip
         open_partition(task, runner, loaded, adapter, tol, approximate)
+        if "states" in plan.measures:
+            _warn_states_size(task)
         run = plan.writer.start_run({"n_requested": len(plan.items), "shard": list(cfg.shard),
                                      "task": plan.argument, "chunk_size": task.grid,
                                      "device": loaded.device.type})  # fmt: skip
@@ -248,6 +252,21 @@ def open_partition(
         unit = KINDS[spec.kind].units
         task.notes.append(f"the partition's chunk grid is {task.grid} {unit} (--chunk-size "
                           f"{cfg.chunk_size} applies to new partitions only)")  # fmt: skip
+
+
+def _warn_states_size(task: _Task) -> None:
+    """Say so before a run whose states (of units not stored yet, and of stored chunks that lack
+    them) will take more than 10 GiB."""
+    plan, stored = task.plan, task.stored
+    assert stored is not None and stored.hidden_size is not None  # written by this release
+    done = plan.writer.done_instances(stored)
+    lacking = {i for s, n in plan.writer.part.lacking("states") for i in range(s, s + n)}
+    todo = [i for i in range(len(plan.items)) if i not in done or i in lacking]
+    lengths = [len(s) for s in task.seqs]
+    line = size_warning(lengths, todo, plan.spec.kind, plan.measures["states"],
+                        stored.n_blocks, stored.hidden_size)  # fmt: skip
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
 
 
 def run_chunks(task: _Task, runner: ModelRunner) -> None:

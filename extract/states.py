@@ -1,6 +1,7 @@
 """The hooks of ``extract --states`` (:mod:`layerdiv.measurements.states`, methods §11): the
-block inputs h_0..h_(L-1) and the final norm's input h_L of one forward pass, kept at each
-document's sampled positions in the stored dtype."""
+block inputs h_0..h_(L-1) and the final norm's input h_L of one forward pass, kept in the stored
+dtype with their token ids at each document's sampled positions (a text task) or at each
+instance's last prompt token (a choice task)."""
 
 from __future__ import annotations
 
@@ -13,22 +14,32 @@ import torch
 from layerdiv.extract.adapters import Adapter, get_module
 from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.hooks import Hooks, unique_blocks
-from layerdiv.measurements.states import state_positions
+from layerdiv.measurements.states import (
+    LARGE_BYTES,
+    state_positions,
+    state_rows_count,
+    states_size,
+)
+from layerdiv.store.location import human_bytes
 
 TORCH_TYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 """``--states-dtype`` values (``layerdiv.schemas.STATE_TYPES``) and the torch dtype of each."""
 
 
 class StateCapture(Hooks):
-    """Pre-hooks on every decoder block and on the final norm; after each pass, per row, its
-    document's positions and states (k, L + 1, d). Only the first pass after :meth:`batch` is
-    kept (later passes, as the future effects run them, are not the model's own)."""
+    """Pre-hooks on the model, every decoder block and the final norm; after each pass, per
+    row, its positions, their token ids and states (k, L + 1, d). Only the first pass after
+    :meth:`batch` is kept (later passes, as the future effects run them, are not the model's
+    own)."""
 
     def __init__(self, model: Any, adapter: Adapter, settings: Mapping[str, Any]) -> None:
         super().__init__()
         self.k, self.seed = settings["states"], int(settings["states_seed"])
         self.dtype = str(settings["states_dtype"])
+        self.last = settings["kind"] == "choice"
+        """A choice task: the last prompt token alone."""
         self.n_blocks = len(get_module(model, adapter.blocks))
+        self.add(model.register_forward_pre_hook(self._ids_hook, with_kwargs=True))
         norm = get_module(model, adapter.final_norm)
         self.add(norm.register_forward_pre_hook(self._final_hook))
         for block in unique_blocks(model, adapter):
@@ -37,12 +48,17 @@ class StateCapture(Hooks):
 
     def reset(self) -> None:
         self._h: list[torch.Tensor] = []
-        self._rows: list[tuple[np.ndarray, np.ndarray]] | None = None
+        self._input_ids: torch.Tensor | None = None
+        self._rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
         self._ids: Sequence[int] | None = None
         self._lengths: Sequence[int] = ()
 
     def batch(self, ids: Sequence[int] | None, lengths: Sequence[int]) -> None:
         self._ids, self._lengths = ids, lengths
+
+    def _ids_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self._ids is not None and self._input_ids is None:
+            self._input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
 
     def _input_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
         if self._ids is not None and self._rows is None and len(self._h) < self.n_blocks:
@@ -51,13 +67,18 @@ class StateCapture(Hooks):
     def _final_hook(self, module: Any, args: tuple) -> None:
         if self._ids is None or self._rows is not None:
             return
+        if self._input_ids is None:
+            raise DecompositionError("the model was called without input_ids")
         stacked = torch.stack([*self._h, args[0]], dim=2)  # (B, width, L + 1, d)
         width = stacked.shape[1]
+        ids = self._input_ids.cpu().numpy()
         self._rows = []
+        unit = "instance" if self.last else "document"
         for row, (doc, n) in enumerate(zip(self._ids, self._lengths, strict=True)):
-            pos = state_positions(n, self.k, self.seed, doc)
+            pos = np.array([n - 1]) if self.last else state_positions(n, self.k, self.seed, doc)
             h = stacked[row, torch.as_tensor(width - n + pos, device=stacked.device)]
-            self._rows.append((pos, to_stored(h, self.dtype, f"document {doc}")))
+            stored = to_stored(h, self.dtype, f"{unit} {doc}")
+            self._rows.append((pos, ids[row, width - n + pos], stored))
         self._h = []
 
     def result(self) -> Sequence[Any]:
@@ -83,3 +104,20 @@ def to_stored(h: torch.Tensor, dtype: str, where: str) -> np.ndarray:
     if dtype == "bfloat16":
         return stored.view(torch.int16).cpu().numpy().view(np.uint16)
     return stored.cpu().numpy()
+
+
+def size_warning(
+    lengths: Sequence[int], ids: Sequence[int], kind: str, settings: Mapping[str, Any],
+    n_blocks: int, width: int,
+) -> str | None:  # fmt: skip
+    """A line saying how large the states of units ``ids`` will be when that exceeds
+    :data:`~layerdiv.measurements.states.LARGE_BYTES` (None otherwise)."""
+    rows = state_rows_count(lengths, ids, kind, settings["states"])
+    size = states_size(rows, n_blocks + 1, width, str(settings["states_dtype"]))
+    if size <= LARGE_BYTES:
+        return None
+    return (
+        f"Warning: this run will write about {human_bytes(size)} of states ({rows:,} positions "
+        f"x {n_blocks + 1} layers x d {width} x {settings['states_dtype']}); fewer positions "
+        "(--states K) or fewer documents (--limit) write less"
+    )

@@ -16,7 +16,8 @@ from layerdiv.extract.adapters import Adapter, get_module
 from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.future import FutureRows
 from layerdiv.extract.hooks import Hooks, unique_blocks
-from layerdiv.extract.readout import LensReference, Readout, lens_stats
+from layerdiv.extract.lens import Lens, LensReference, lens_stats
+from layerdiv.extract.readout import Readout
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
 from layerdiv.store.tables import TOKEN_BLOCK_VALUES
@@ -66,16 +67,16 @@ class TextBatch:
 
 class TextCapture(Hooks):
     """Hooks on every decoder block (its input h, its attention's and MLP's additions a and m)
-    and on the final norm (the last residual state h_L); :meth:`decompose` after each pass."""
+    and on the final norm (the last residual state h_L); :meth:`decompose` after each pass.
+    ``readout``: the model's; ``lens``: the logit lens to take (methods §9), or None."""
 
-    def __init__(self, model: Any, adapter: Adapter, lens: str | None = None) -> None:
+    def __init__(
+        self, model: Any, adapter: Adapter, readout: Readout, lens: Lens | None = None
+    ) -> None:
         super().__init__()
         self.lens = lens
-        """``final`` or ``last-block`` (methods §9, logit lens), or None."""
-        blocks = get_module(model, adapter.blocks)
-        self.readout = Readout(model, adapter)
+        self.readout = readout
         self.bias = self.readout.constant_bias
-        self.last_block = blocks[-1]
         self.add(self.readout.norm.register_forward_pre_hook(self._final_hook))
         for i, block in enumerate(unique_blocks(model, adapter)):
             self.add(block.register_forward_pre_hook(self._input_hook, with_kwargs=True))
@@ -147,8 +148,8 @@ class TextCapture(Hooks):
 
     def decompose(self, budget: int | None = None) -> TextBatch:
         """The per-token, per-block dot products of the last forward pass; with the lens, its
-        readouts over ``budget`` rows at a time (the padded tokens of a forward pass; None: one
-        layer at a time)."""
+        readouts stacked over as many layers as ``budget`` rows hold (the padded tokens of a
+        forward pass; None: one layer at a time)."""
         if self._final is None or not self._dots:
             raise DecompositionError("no forward pass was captured")
         final = self._final
@@ -166,7 +167,7 @@ class TextCapture(Hooks):
         names = component_names(calls)
         comps = [ComponentInfo(n, k, layer) for n, (k, layer) in zip(names, calls, strict=True)]
         with self.pausing():  # the lens's readouts must not replace h_L (the final-norm hook)
-            lens = self._lens(final, budget) if self.lens else None
+            lens = None if self.lens is None else self._lens(self.lens, final, budget)
             loss = self._loss(final) if lens is None else lens[:, :, -1, 2]  # the lens's layer L
         return TextBatch(
             comps, dots.cpu(), None if lens is None else lens.cpu(), loss=loss.float().cpu()
@@ -189,51 +190,35 @@ class TextCapture(Hooks):
         loss[:, -1] = float("nan")  # no next token
         return loss
 
-    def _lens(self, final: torch.Tensor, budget: int | None) -> torch.Tensor:
-        """(B, width, L + 1, 3): kl, top5_overlap and ce of p_l = softmax(readout(h_l)) for
-        every block input h_l and (layer L) the model's own output p_L (methods §9);
-        with ``last-block`` the last block is applied to h_l first. The layers' states are read
-        out in groups, as many layers' rows stacked into one matmul as ``budget`` rows allow
-        (at least one layer), and their statistics taken over ``budget`` rows at a time."""
+    def _lens(self, lens: Lens, final: torch.Tensor, budget: int | None) -> torch.Tensor:
+        """(B, width, L + 1, 3): kl, top5_overlap and ce of p_l, ``lens``'s distribution of
+        every block input h_l, and (layer L) of the model's own output p_L (methods §9). The
+        layers' states are read out in groups, as many layers' rows stacked into one matmul as
+        ``budget`` rows allow (at least one layer), into one reused buffer."""
         if self._ids is None:
             raise DecompositionError("the lens needs the batch's input ids")
         rows = final[..., 0].numel()
         group = max(1, (budget or rows) // rows)  # layers per readout matmul
         logits = self.readout.logits(final.to(self._dtype))
-        ref = LensReference(logits, budget)
+        ref = LensReference(logits)
         nxt = self._ids.roll(-1, dims=1)[..., None].to(logits.device)  # the next token
         # layer L (the model's own output) first: its logits' memory is then the readout buffer
         # of every group of one layer
-        out = [self._lens_layer(logits, ref, nxt, budget)]
+        out = [self._lens_layer(logits, ref, nxt)]
         buf = logits[None] if group == 1 else logits.new_empty(group, *logits.shape)
         for start in range(0, len(self._h), group):
-            xs = [h.to(self._dtype) for h in self._h[start : start + group]]
-            if self.lens == "last-block":
-                xs = [self._last_block(x) for x in xs]
-            stacked = self.readout.logits(torch.stack(xs), out=buf[: len(xs)])
-            out += [self._lens_layer(z, ref, nxt, budget) for z in stacked]
+            xs = torch.stack([h.to(self._dtype) for h in self._h[start : start + group]])
+            stacked = lens.logits(xs, self.block_args[-1], out=buf[: len(xs)])
+            out += [self._lens_layer(z, ref, nxt) for z in stacked]
         return torch.stack([*out[1:], out[0]], dim=2)
 
     @staticmethod
-    def _lens_layer(
-        logits: torch.Tensor, ref: LensReference, nxt: torch.Tensor, budget: int | None
-    ) -> torch.Tensor:
+    def _lens_layer(logits: torch.Tensor, ref: LensReference, nxt: torch.Tensor) -> torch.Tensor:
         """(B, width, 3): one layer's kl, top5_overlap and ce from its ``logits`` (overwritten)."""
-        stats = lens_stats(logits, ref, nxt, budget)
+        stats = lens_stats(logits, ref, nxt)
         stats[..., 2].neg_()  # ce = -log p_l(next token)
         stats[:, -1, 2] = float("nan")  # none after the last position
         return stats
-
-    def _last_block(self, x: torch.Tensor) -> torch.Tensor:
-        """The model's last block applied to ``x`` with the arguments of its own call (mask,
-        positions); the hooks are paused by the caller."""
-        args, kwargs = self.block_args[-1]
-        if args:
-            args = (x, *args[1:])
-        else:
-            kwargs = {**kwargs, "hidden_states": x}
-        out = self.last_block(*args, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
 
 
 def check_text_batch(batch: TextBatch, ids: list[int], n_tokens: list[int], task: str) -> None:

@@ -77,8 +77,8 @@ class DecompositionCapture(Capture, Protocol):
 
 
 Attach = Callable[[Any, Any, Mapping[str, Any]], Capture]
-"""(the model, its ``layerdiv.extract.adapters.Adapter``, the measurement's settings) -> the
-hooks it needs, attached."""
+"""(the model, its ``layerdiv.extract.adapters.Adapter``, the measurement's settings with
+``kind``, the task's kind, beside them) -> the hooks it needs, attached."""
 
 Rows = Callable[[Sequence[int], Sequence[Any]], dict[str, pa.Table]]
 """(instances or documents, ascending; the capture's value of each) -> its tables."""
@@ -259,8 +259,8 @@ def optional_tables(kind: str) -> dict[str, str]:
 
 
 def all_optional_tables() -> tuple[str, ...]:
-    """Every optional table of every kind."""
-    return tuple(t for k in KINDS for t in _tables()[0][k])
+    """Every optional table of every kind (each once: a table may be of several kinds)."""
+    return tuple(dict.fromkeys(t for k in KINDS for t in _tables()[0][k]))
 
 
 @functools.cache
@@ -287,7 +287,7 @@ def table_schemas() -> dict[str, pa.Schema]:
 
 
 def kind_of_table(table: str) -> str | None:
-    """The task kind whose partitions hold ``table`` (None: no such table)."""
+    """The first task kind whose partitions hold ``table`` (None: no such table)."""
     for name, kind in KINDS.items():
         if table in kind.required or table in optional_tables(name):
             return name

@@ -38,8 +38,9 @@ History:
   and ``skip_split`` takes ``answer`` and ``answer:N:S`` (answer-anchored split points);
   ``token_blocks`` gains ``h_embed`` = h_l . h_0 (the progress ``proj``, methods §10; null in
   older parts).
-  Optional table ``states`` on text tasks (``extract --states``: the residual states h_0..h_L at
-  sampled positions, methods §11; its settings ``k``, ``seed`` and ``dtype`` under the
+  Optional table ``states`` (``extract --states``: the residual states h_0..h_L and the token id
+  at sampled positions of a text task's documents, at the last prompt token of a choice task's
+  instances, methods §11; its settings ``states``, ``states_seed`` and ``states_dtype`` under the
   manifest's ``settings``).
 
 The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``revision``, ``task``) are not
@@ -397,6 +398,7 @@ float32 it rounds)."""
 _STATE_KEY = [
     pa.field("doc", pa.int32(), nullable=False),
     pa.field("pos", pa.int32(), nullable=False),
+    pa.field("token", pa.int32(), nullable=False),
     pa.field("layer", pa.int16(), nullable=False),
 ]
 
@@ -409,11 +411,13 @@ def states_schema(width: int, dtype: str) -> pa.Schema:
 
 
 STATES = _schema("states", [*_STATE_KEY, pa.field("state", pa.list_(pa.float16()), nullable=False)])
-"""Optional (``extract --states K|all`` on a text task). One row per (doc, pos, layer) of the
-sampled positions (methods §11), sorted by doc, pos, layer.
+"""Optional (``extract --states``). One row per (doc, pos, layer) of the stored positions
+(methods §11), sorted by doc, pos, layer: on a text task K sampled positions per document
+(``--states K|all``), on a choice task the last prompt token of each instance.
 
-- ``doc``: the document's index in the task's order.
-- ``pos``: token position p (0-based; never 0).
+- ``doc``: the document's index in the task's order (a choice task: the instance's).
+- ``pos``: token position p (0-based; never 0 on a text task; the prompt's last on a choice task).
+- ``token``: the token id at ``pos`` (two models' rows are mapped where these agree).
 - ``layer``: l = 0..L: h_0 the embedding output, h_l block l-1's output, h_L before the final
   norm.
 - ``state``: h_l at (doc, pos), a fixed-size list of the partition's d values in the

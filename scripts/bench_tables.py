@@ -1,12 +1,14 @@
 """The benchmark figures of the docs and the README, rendered from the results files the full
 benchmark runs write (``docs/benchmarks/<name>.json``, ``benchmarks/common.py``'s ``record``).
 
-A region of ``docs/benchmarks.md`` or ``README.md`` between ``<!-- bench:NAME -->`` and
-``<!-- /bench:NAME -->`` is rendered from the results file NAME (its table, with the command,
-date, commit and load average it ran at; ``NAME#KEY``: its table under ``KEY``); the README's
-``readme-text`` region quotes the running-text extraction rows. ``python
-scripts/bench_tables.py`` rewrites the regions; ``--check`` only reports (exit 1) the files whose
-regions differ from their results files, as ``tests/test_bench_tables.py`` does.
+A region of a file of :data:`FILES` between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``
+is rendered from the results file NAME (its table, after the command, date, commit and load
+average it ran at; ``NAME#KEY``: its table under ``KEY``); the README's ``readme-text`` region
+quotes rows of several (:data:`README_ROWS`). A results file of figures measured before results
+files were written says so (``before``: the figures were in the docs at that commit and date; the
+run's own are not known). ``python scripts/bench_tables.py`` rewrites the regions; ``--check``
+only reports (exit 1) the files whose regions differ from their results files, as
+``tests/test_bench_tables.py`` does.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "benchmarks"
-FILES = [ROOT / "docs" / "benchmarks.md", ROOT / "README.md"]
+FILES = [ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "running-text.md", ROOT / "README.md"]
 """The files whose regions are rendered."""
 REGION = re.compile(r"(<!-- bench:([\w.#-]+) -->\n)(.*?)(<!-- /bench:\2 -->)", re.S)
 
@@ -35,12 +37,29 @@ def load(name: str, results: Path = RESULTS) -> dict[str, Any]:
     return result
 
 
+def when(result: dict[str, Any]) -> str:
+    """The run's date and commit: as recorded, or the commit (and its date) whose docs first held
+    the figures of a run that recorded neither."""
+    if result.get("before"):
+        return f"before commit `{result['commit']}` ({result['date']}; the run's own not recorded)"
+    return f"on {result['date']}, commit `{result['commit']}`"
+
+
+def conditions(result: dict[str, Any]) -> str:
+    """The machine and its load average during the run (or what is known of it)."""
+    machine = result.get("machine") or f"{result['cores']} cores"
+    loads = result.get("load_average")
+    if loads is None:
+        return f"{machine}, {result.get('conditions', 'load average not recorded')}"
+    low, high = loads
+    load = f"{low:.2f}" if low == high else f"{low:.2f} to {high:.2f}"
+    threads = f", {result['threads']} torch thread(s)" if "threads" in result else ""
+    return f"{machine}{threads} at a load average of {load}"
+
+
 def provenance(result: dict[str, Any]) -> str:
     """The run's command, date, commit and load average, as one line."""
-    low, high = result["load_average"]
-    load = f"{low:.2f}" if low == high else f"{low:.2f} to {high:.2f}"
-    return (f"`{result['command']}` on {result['date']}, commit `{result['commit']}`, "
-            f"{result['cores']} cores at a load average of {load}:")  # fmt: skip
+    return f"`{result['command']}` {when(result)}, {conditions(result)}:"
 
 
 def cell(value: Any, fmt: str) -> str:
@@ -60,29 +79,57 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def named_row(result: dict[str, Any], first: Any) -> dict[str, Any]:
+    """The row of ``result`` whose first cell is ``first``, by column."""
+    row = next(r for r in result["rows"] if r[0] == first)
+    return dict(zip(result["columns"], row, strict=True))
+
+
+def ratio(row: dict[str, Any]) -> tuple[str, str]:
+    """A ``bench_text_extract`` row's CPU-time ratio to the plain forward and its target."""
+    if row["FLOP ratio"] == 1.0:
+        return f"{row['CPU ratio']:.2f} x", f"<= {row['target']:.2f} x"
+    figure = f"{row['CPU ratio']:.2f} x (FLOP ratio {row['FLOP ratio']:.2f})"
+    return figure, f"<= {row['target'] / row['FLOP ratio']:.2f} x FLOP ratio ({row['target']:.2f})"
+
+
+def text_analysis(row: dict[str, Any]) -> tuple[str, str]:
+    """A ``bench_text_analyze`` row: CPU seconds per model and peak memory."""
+    return f"{row['CPU/model (s)']:.1f} CPU s per model, peak {row['peak RSS (MiB)']:.0f} MiB", (
+        "<= 60 s, <= 2 GiB"
+    )
+
+
+def block_bytes(row: dict[str, Any]) -> tuple[str, str]:
+    """A ``text_store_size`` row: bytes per token per block."""
+    return f"{row['bytes per token per block']:.2f} bytes per token per block", ""
+
+
+README_ROWS: list[tuple[str, Any, str, Callable[[dict[str, Any]], tuple[str, str]]]] = [
+    ("bench_text_extract", "text",
+     "extraction without options, against a plain forward (`bench_text_extract.py`)", ratio),
+    ("bench_text_extract", "lens", "`--lens`, against a plain forward", ratio),
+    ("bench_text_extract", "lens last-block", "`--lens last-block`, against a plain forward",
+     ratio),
+    ("bench_text_extract-text-skips", "skips",
+     "`--skips`, against a plain forward (`--max-tokens 128 --rows text,skips`)", ratio),
+    ("bench_text_analyze", 4800,
+     "analysis of 4,800 documents x 1,024 tokens x 32 blocks (`bench_text_analyze.py`)",
+     text_analysis),
+    ("text_store_size", "`token_blocks`",
+     "`token_blocks` on disk (`text_store_size.py --docs 40 --max-tokens 256`)", block_bytes),
+]  # fmt: skip
+"""The README's running-text figures: (results file, first cell of its row, what it measures,
+its figure and target)."""
+
+
 def readme_text(results: Path) -> str:
-    """The README's running-text extraction figures (the text and lens rows of
-    ``bench_text_extract``): each CPU-time ratio to the plain forward with its target."""
-    result = load("bench_text_extract", results)
-    rows = {row[0]: dict(zip(result["columns"], row, strict=True)) for row in result["rows"]}
-    what = {
-        "text": "extraction without options, against a plain forward (`bench_text_extract.py`)",
-        "lens": "`--lens`, against a plain forward",
-        "lens last-block": "`--lens last-block`, against a plain forward",
-    }
-    lines = ["| measure | figure | target |", "|---|---|---|"]
-    for name, label in what.items():
-        row = rows[name]
-        if row["FLOP ratio"] == 1.0:
-            figure, limit = f"{row['CPU ratio']:.2f} x", f"<= {row['target']:.2f} x"
-        else:
-            figure = f"{row['CPU ratio']:.2f} x (FLOP ratio {row['FLOP ratio']:.2f})"
-            flop_target = row["target"] / row["FLOP ratio"]
-            limit = f"<= {flop_target:.2f} x FLOP ratio ({row['target']:.2f})"
-        lines.append(f"| {label} | {figure} | {limit} |")
-    low, high = result["load_average"]
-    lines.append(f"| (CPU time; {result['date']}, commit `{result['commit']}`, load average "
-                 f"{low:.1f} to {high:.1f} on {result['cores']} cores) | | |")  # fmt: skip
+    """The README's running-text figures (:data:`README_ROWS`), each with its run."""
+    lines = ["| measure | figure | target | measured |", "|---|---|---|---|"]
+    for name, first, label, figure in README_ROWS:
+        result = load(name, results)
+        value, limit = figure(named_row(result, first))
+        lines.append(f"| {label} | {value} | {limit} | {when(result)}, {conditions(result)} |")
     return "\n".join(lines) + "\n"
 
 

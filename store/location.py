@@ -111,6 +111,23 @@ StorePath = TypeVar("StorePath", Path, RemotePath)
 """A path of a store: local (``Path``) or on object storage (``RemotePath``)."""
 
 
+def human_bytes(n: float) -> str:
+    """``n`` bytes in binary units: ``512 B``, ``3.4 MiB``, ``12.0 GiB``."""
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    power = 0
+    while n >= 1024 and power < len(units) - 1:
+        n, power = n / 1024, power + 1
+    return f"{n:.0f} B" if power == 0 else f"{n:.1f} {units[power]}"
+
+
+def file_sizes(paths: Sequence[Path] | Sequence[RemotePath]) -> list[int]:
+    """The bytes of each file (on object storage, one request for them all)."""
+    if paths and isinstance(paths[0], RemotePath):
+        remote = [p for p in paths if isinstance(p, RemotePath)]
+        return [i.size or 0 for i in remote[0].fs.get_file_info([p.path for p in remote])]
+    return [p.stat().st_size for p in paths if isinstance(p, Path)]
+
+
 def is_url(text: str | Path) -> bool:
     """True when ``text`` is a URL (``scheme://...``) rather than a local path."""
     return isinstance(text, str) and _URL.match(text) is not None

@@ -126,6 +126,19 @@ class Partition(Generic[StorePath]):
         names: tuple[str, ...] = tables_of_kind(kind) if kind else tuple(table_schemas())
         return [self.dir(t) for t in (MANIFESTS, *names)]
 
+    def stored_files(self) -> list[StorePath]:
+        """Every file in the partition's folders but temporaries (dot files)."""
+        return [
+            self.dir(t) / n
+            for t in (MANIFESTS, *table_schemas())
+            for n in (
+                self.listing.get(t, ())
+                if self.listing is not None
+                else [p.name for p in _listdir(self.dir(t))]
+            )
+            if not n.startswith(".")
+        ]
+
     @staticmethod
     def part_name(start: int, count: int) -> str:
         return f"part-{start:07d}-{count:06d}.parquet"

@@ -36,6 +36,7 @@ from layerdiv.store.location import (
     RemotePath,
     StorePath,
     arrow_source,
+    file_sizes,
     open_parquet,
     read_batches,
     store_root,
@@ -259,10 +260,11 @@ class PartitionInfo(Generic[StorePath]):
         return rows.select(*keys, *(c for c in components if c not in keys)), inst
 
     def states(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The ``states`` table as arrays: (doc, pos) of every stored row (n,), their token ids
-        (n,), and the states (n, L + 1, d) in the stored dtype (float16 or float32; bfloat16
-        widened to float32). Refuses a partition without complete states, and rows that do not
-        hold every layer of every (doc, pos) once in order (methods §11)."""
+        """The ``states`` table as arrays: (doc, pos) of every stored row (n, 2; a choice task's
+        doc is the instance), their token ids (n,), and the states (n, L + 1, d) in the stored
+        dtype (float16 or float32; bfloat16 widened to float32). Refuses a partition without
+        complete states, and rows that do not hold every layer of every (doc, pos) once in order
+        (methods §11)."""
         if "states" not in self.tables:
             raise StoreError(
                 f"{self.where} has no complete states table; extract it with "
@@ -299,12 +301,9 @@ class PartitionInfo(Generic[StorePath]):
                 f"{self.where}: its states rows do not hold layers 0..{layers - 1} of each "
                 "(doc, pos) once in order; re-extract it with --overwrite"
             )
-        tokens = self.scan("tokens").select("doc", "pos", "token").collect()
-        want = pl.DataFrame({"doc": doc[::layers], "pos": pos[::layers]})
-        ids = want.join(tokens, on=["doc", "pos"], how="left", maintain_order="left")["token"]
         return (
             np.stack([doc[::layers], pos[::layers]], axis=1),
-            ids.to_numpy(),
+            table["token"].to_numpy()[::layers],
             values.reshape(n, layers, width),
         )
 
@@ -550,6 +549,15 @@ class Store:
                 }
             )
         return pl.DataFrame(rows, schema_overrides=_FACTS)
+
+    def sizes(self, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
+        """One row per partition: its key and ``bytes``, what its files take on disk (every
+        table, complete or not, and its manifest)."""
+        rows = []
+        for p in self.select(models, tasks, require_data=False):
+            files = p.partition.stored_files()
+            rows.append({**dict(p.key.items()), "bytes": sum(file_sizes(files))})
+        return pl.DataFrame(rows, schema={**dict.fromkeys(KEY, pl.String), "bytes": pl.Int64})
 
     def models(self, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
         """One row per (model, revision) of the selected partitions: what the law of methods §12

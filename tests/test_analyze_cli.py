@@ -281,6 +281,17 @@ def test_ls(store: Path) -> None:
         for task in ("boolq", "mnli")
     ]
     assert {r[-1] for r in rows} == {"2025-01-01T00:00:00Z"}
+    # size: every file of the partition's folders (manifest and tables), in binary units
+    from layerdiv.store import Store
+    from layerdiv.store.location import human_bytes
+
+    sizes = Store(store).sizes()
+    for r, row in zip(sizes.iter_rows(named=True), rows, strict=True):
+        key = {f"model={r['model']}", f"task={r['task']}"}
+        files = [f for f in store.rglob("*") if f.is_file() and key <= set(f.parts)]
+        assert r["bytes"] == sum(f.stat().st_size for f in files if f.name[0] != ".") > 10_000
+        assert human_bytes(r["bytes"]) in row
+    assert human_bytes(1023) == "1023 B" and human_bytes(3 * 2**30 + 2**29) == "3.5 GiB"
 
 
 def test_a_text_only_store_summarises_lists_queries_and_reports(tmp_path: Path) -> None:

@@ -46,6 +46,27 @@ def test_a_changed_result_changes_the_readme(tmp_path: Path) -> None:
     assert "123.46" not in tables.render(readme)
 
 
+def test_every_table_of_the_benchmarks_page_comes_from_a_results_file() -> None:
+    """No table line of docs/benchmarks.md outside a rendered region, every results file rendered
+    somewhere, and each with its command, date, commit and load average (or the conditions its
+    figures were recorded under)."""
+    tables = bench_tables()
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    outside = tables.REGION.sub("", page)
+    typed = [line for line in outside.splitlines() if line.lstrip().startswith("|")]
+    assert not typed, f"tables typed into docs/benchmarks.md: {typed[:2]}"
+    names = {m.group(2).partition("#")[0] for p in tables.FILES
+             for m in tables.REGION.finditer(p.read_text())}  # fmt: skip
+    names |= {name for name, *_ in tables.README_ROWS}
+    files = {path.stem for path in tables.RESULTS.glob("*.json")}
+    assert files == names - set(tables.SPECIAL), "results files and regions differ"
+    for name in files:
+        result = tables.load(name)
+        assert {"command", "date", "commit", "columns", "rows"} <= set(result), name
+        assert result["load_average"] is not None or result.get("before"), name
+        assert result["command"].startswith("python benchmarks/"), name
+
+
 def test_the_cost_estimate_uses_the_measured_gpu_rate() -> None:
     """``extract.cost.GPU_FLOPS`` is the useful rate the GPU benchmark last measured for
     Llama-3.1-8B (its results file), to three significant figures."""

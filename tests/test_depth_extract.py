@@ -13,6 +13,7 @@ import torch
 from layerdiv.extract.adapters import adapter_for, get_module
 from layerdiv.extract.capture import ComponentCapture
 from layerdiv.extract.gram import GramCapture
+from layerdiv.extract.readout import Readout
 from layerdiv.extract.skips import BlockSkipper
 from layerdiv.schemas import gram_index
 
@@ -128,7 +129,7 @@ def decompose_with_gram(model: Any) -> tuple[Any, torch.Tensor]:
     """The decomposition of :data:`PROMPTS` and the Gram rows (B, C(C+1)/2) of ``--gram``'s
     capture bound to it."""
     adapter = adapter_for(model.config)
-    capture = ComponentCapture(model, adapter, OPTIONS)
+    capture = ComponentCapture(model, adapter, Readout(model, adapter), OPTIONS)
     gram = GramCapture(model, adapter, {})
     gram.bind(capture)
     try:

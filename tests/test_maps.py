@@ -210,7 +210,7 @@ def test_two_revisions_of_one_model(pair: dict[str, Any], tmp_path: Path) -> Non
     heat, curve = figure.panels[:2]
     assert len(figure.panels) == 4 and heat.heatmap is not None and curve.heatmap is None
     assert [s.name for s in heat.series] == ["same relative depth", "best target"]
-    assert heat.series[0].x == [0, 1, 2] and "@early -> " in heat.title
+    assert heat.series[0].x == [0, 1, 2] and "@early)" in heat.ylabel and "@late)" in heat.xlabel
 
 
 @pytest.mark.parametrize("d_b", [40, 6])  # held-out rows solved once (12 <= d_B), or W per pair

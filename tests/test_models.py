@@ -20,6 +20,7 @@ from layerdiv.cli import main
 from layerdiv.extract.adapters import adapter_for
 from layerdiv.extract.capture import BatchDecomposition, ComponentCapture
 from layerdiv.extract.models import load_model, load_tokenizer, resolve_source
+from layerdiv.extract.readout import Readout
 from layerdiv.store import Store
 
 
@@ -110,7 +111,8 @@ def plain_and_offloaded(model_dir: Path) -> tuple[Any, Any]:
 
 
 def decompose(model: Any, option_ids: list[int], tokenizer: Any) -> BatchDecomposition:
-    capture = ComponentCapture(model, adapter_for(model.config), option_ids)
+    adapter = adapter_for(model.config)
+    capture = ComponentCapture(model, adapter, Readout(model, adapter), option_ids)
     batch = tokenizer(["the movie was great", "a plot"], return_tensors="pt", padding=True)
     with torch.inference_mode():
         model(**batch, use_cache=False)

@@ -62,28 +62,42 @@ def test_demo_writes_a_running_text_task_on_bbc_news(tmp_path: Path) -> None:
     assert len(lines) == TEXT_DOCS and all(len(line) > 200 for line in lines)
 
 
+def test_demo_writes_its_small_skips_task_and_its_states_task(tmp_path: Path) -> None:
+    """The demo's ``--skips``/``--lens`` choice task is the first instances of tweets2 (few:
+    the skips cost a forward pass per block), and its states task has more training rows
+    (documents with doc % 5 != 4, every position but the first) than SmolLM2's width."""
+    from layerdiv.demo import SKIPS_N, SKIPS_OF, SKIPS_TASK, STATES_TASK
+    from layerdiv.extract.tasks import instances, load_task
+
+    tasks = {p.stem: p for p in write_demo_tasks(tmp_path / "tasks", n=300, seed=0)}
+    small, whole = load_task(str(tasks[SKIPS_TASK])), load_task(str(tasks[SKIPS_OF]))
+    assert (small.n, small.kind) == (SKIPS_N, "choice") and small.options == whole.options
+    assert [i.prompt for i in instances(small, SKIPS_N)] == [
+        i.prompt for i in instances(whole, whole.n)[:SKIPS_N]
+    ]
+    spec = load_task(str(tasks[STATES_TASK]))
+    train = [d for d in range(spec.n) if d % 5 != 4]
+    assert spec.kind == "text" and spec.max_tokens is not None
+    assert len(train) * (spec.max_tokens - 1) > 576
+    assert len(write_demo_tasks(tmp_path / "small", n=10, seed=0)) == len(tasks)  # --n 10
+    assert load_task(str(tmp_path / "small" / f"{SKIPS_TASK}.yaml")).n == 10
+
+
 def test_maps_from_the_15_block_sibling_onto_smollm2(tmp_path: Path) -> None:
     """SmolLM2's every-other-block sibling (15 of its 30 blocks, a damaged model from the same
-    weights) mapped onto SmolLM2 on BBC News running text: the best target layer of every
-    source layer follows relative depth (methods §11). Prints the table and Spearman's
-    correlation (``pytest -s``)."""
-    import json
-    import random
-
+    weights) mapped onto SmolLM2 on the demo's BBC News states task, with more training rows
+    than SmolLM2's width: the best target layer of every source layer follows relative depth
+    (methods §11). Prints the table and Spearman's correlation (``pytest -s``)."""
     import layerdiv
     from layerdiv.analyze.analyses.maps import PAIR, spearman
-    from layerdiv.demo import bbc_articles
+    from layerdiv.demo import STATES_TASK
     from layerdiv.extract.models import save_every_other_block
 
     sibling = save_every_other_block("smollm2-135m-instruct", tmp_path / "smollm2-15-blocks")
-    rows = random.Random(0).sample(bbc_articles(paragraphs=4), 20)
-    (tmp_path / "bbc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    spec = {"name": "bbc-text", "kind": "text", "data": "bbc.jsonl", "text": "{{ text }}",
-            "max_tokens": 24, "n": len(rows)}  # fmt: skip
-    (tmp_path / "bbc.yaml").write_text(json.dumps(spec))
+    tasks = {p.stem: p for p in write_demo_tasks(tmp_path / "tasks", n=30, seed=0)}
     store = tmp_path / "store"
     for model in ("smollm2-135m-instruct", str(sibling)):
-        args = ["extract", "--model", model, "--task", str(tmp_path / "bbc.yaml"),
+        args = ["extract", "--model", model, "--task", str(tasks[STATES_TASK]),
                 "--store", str(store), "--states", "all"]  # fmt: skip
         result = CliRunner().invoke(main, args, catch_exceptions=False)
         assert result.exit_code == 0, result.output
@@ -95,5 +109,6 @@ def test_maps_from_the_15_block_sibling_onto_smollm2(tmp_path: Path) -> None:
     maps = results.layer_maps
     assert maps.filter(pl.col("space") == "states").height == 16 * 31
     assert maps.filter(pl.col("space") == "updates").height == 15 * 30
+    assert (maps["n_train"] > 576).all()  # more rows than d: the fit is determined
     rho = spearman(best).filter(pl.col("space") == "states")["spearman"].item()
     assert rho > 0.8, rho

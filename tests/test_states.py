@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 import pytest
 import torch
 from click.testing import CliRunner
@@ -157,3 +158,70 @@ def test_version_4_text_store_still_reads(
     assert "text_geometry" in layerdiv.run_analysis(store).names()
     with pytest.raises(layerdiv.LayerdivError, match="no selected partition has states"):
         layerdiv.run_analysis(store, maps="all")
+
+
+def test_choice_states_last_prompt_token(
+    tmp_path: Path,
+    model_dirs: Any,
+    tokenizer: Any,
+    make_task: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A choice task stores h_0..h_L and the token id at each instance's last prompt token
+    (methods §11) as a plain HF forward pass gives them; it resumes (a larger --limit adds the
+    new instances' states, saying so first where they will be large), backfills onto a
+    partition stored without them, is complete only where every stored chunk has them, and the
+    maps run on them."""
+    import pyarrow.parquet as pq
+    from transformers import AutoModelForCausalLM
+
+    import layerdiv
+
+    folder = model_dirs("llama")
+    task = make_task(tmp_path / "task", n=12)
+    store = tmp_path / "store"
+    args = ["--model", str(folder), "--task", str(task), "--store", str(store),
+            "--chunk-size", "4"]  # fmt: skip
+    r = extract(*args, "--limit", "8", "--states", "all", "--states-dtype", "float32")
+    assert r.exit_code == 0, r.output
+    # the 4 instances still to do, 3 layers x d 32 x float32: more than a lowered threshold
+    monkeypatch.setattr("layerdiv.extract.states.LARGE_BYTES", 4 * 3 * 32 * 4 - 1)
+    r = extract(*args, "--limit", "12", "--states", "all")  # resumes with the stored settings
+    assert r.exit_code == 0, r.output
+    assert (
+        "Warning: this run will write about 1.5 KiB of states (4 positions x 3 layers" in r.output
+    )
+    monkeypatch.setattr("layerdiv.extract.states.LARGE_BYTES", 4 * 3 * 32 * 4)
+    r = extract(*args, "--limit", "12", "--states", "all")
+    assert r.exit_code == 0 and "Warning" not in r.output
+    key, tokens, states, manifest = stored_states(store)
+    assert manifest.settings["states"]["states_dtype"] == "float32"
+    info = Store(store).select()[0]
+    prompts = info.scan("instances").sort("instance").collect()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert key[:, 0].tolist() == list(range(12)) and states.shape[1] == len(model.model.layers) + 1
+    for i, prompt in enumerate(prompts["prompt"]):
+        ids = tokenizer(prompt)["input_ids"]
+        assert key[i, 1] == len(ids) - 1 == prompts["n_tokens"][i] - 1
+        assert tokens[i] == ids[-1]
+        want = hf_states(model, ids)[-1]
+        assert np.abs(states[i] - want).max() <= 1e-5 * np.linalg.norm(want, axis=-1).max()
+    # backfill onto a partition stored without states; one chunk's part removed: incomplete
+    other = [*args[:4], "--store", str(tmp_path / "s2"), "--chunk-size", "4", "--limit", "12"]
+    assert extract(*other).exit_code == 0
+    r = extract(*other, "--states", "all", "--states-dtype", "float32")
+    assert r.exit_code == 0 and "added states" in r.output
+    assert np.array_equal(stored_states(tmp_path / "s2")[2], states)
+    part = sorted((tmp_path / "s2" / "states").rglob("*.parquet"))[1]
+    assert pq.read_table(part).column_names == ["doc", "pos", "token", "layer", "state"]
+    part.unlink()
+    (info,) = Store(tmp_path / "s2").select()
+    assert "states" not in info.tables and "states left out" in info.incomplete()[0]
+    slug = Store(store).select()[0].model
+    maps = layerdiv.run_analysis(store, maps=f"{slug}:{slug}").layer_maps
+    assert set(maps["n_heldout"]) == {2} and set(maps["n_train"]) == {10}
+    assert maps["rel_error"].is_finite().all()
+    # every prompt ends in the same token: h_0 is one vector, fitted (W = 0) by its mean
+    assert len(set(tokens.tolist())) == 1
+    first = maps.filter((pl.col("space") == "states") & (pl.col("source_layer") == 0))
+    assert first.filter(pl.col("target_layer") == 0)["rel_error"].item() < 1e-12

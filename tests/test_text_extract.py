@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import click
 import numpy as np
 import polars as pl
 import pytest
@@ -386,9 +387,9 @@ def test_text_shards_merge_into_one_partition(tmp_path: Path, model_dirs: Any) -
 def test_lens_stats_in_row_slices_match_a_float64_computation(monkeypatch: Any) -> None:
     """Slices of a few rows (a real vocabulary's case; the tiny models fit in one slice), the
     reference broadcast over layers as a choice task uses it, and p_L against itself."""
-    from layerdiv.extract import readout
+    from layerdiv.extract import lens as readout
 
-    monkeypatch.setattr(readout, "LENS_SLICE", 3 * 50)  # 3 rows of 50 tokens per slice
+    monkeypatch.setattr(readout, "LENS_SLICE", 3 * 50)  # 3 rows of 50 tokens per thread
     gen = torch.Generator().manual_seed(0)
     logits = 4 * torch.randn(2, 7, 50, generator=gen)  # (B, layers, V), layer 6 the output
     ids = torch.tensor([3, 17])
@@ -404,11 +405,35 @@ def test_lens_stats_in_row_slices_match_a_float64_computation(monkeypatch: Any) 
     assert torch.all(got[:, -1, 0] == 0) and torch.all(got[:, -1, 1] == 1)
 
 
+def test_extract_offers_every_lens_class_and_a_choice_task_those_that_apply() -> None:
+    """``--lens NAME`` names exactly the lens classes; a choice task offers those whose kinds
+    hold it (``final``), each of them sharing the one readout it was built with."""
+    import transformers as tf
+
+    from layerdiv.extract.adapters import adapter_for
+    from layerdiv.extract.lens import LENSES, make_lens
+    from layerdiv.extract.readout import Readout
+    from layerdiv.measurements.lens import LENS
+
+    (setting,) = LENS.settings
+    option = setting.option
+    assert isinstance(option.type, click.Choice)
+    assert set(option.type.choices) == set(LENSES)
+    assert [name for name, lens in LENSES.items() if "choice" in lens.kinds] == ["final"]
+    config = tf.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=2)  # fmt: skip
+    model = tf.LlamaForCausalLM(config).eval()
+    adapter = adapter_for(config)
+    readout = Readout(model, adapter)
+    for name in LENSES:
+        assert make_lens(name, model, adapter, readout).readout is readout
+
+
 @pytest.mark.parametrize("vocab", [4096, 5000, 300])
 def test_top5_finds_what_topk_finds(vocab: int) -> None:
     """Random rows, rows whose five largest share one block, and rows whose largest sit in the
     last, partial block (5000 = 78 x 64 + 8) or in a vocabulary too small for blocks (300)."""
-    from layerdiv.extract import readout
+    from layerdiv.extract import lens as readout
 
     gen = torch.Generator().manual_seed(vocab)
     z = torch.randn(40, vocab, generator=gen)
@@ -446,13 +471,15 @@ def test_readout_into_a_buffer_equals_the_readout(family: str, build_model: Any)
 def test_lens_read_out_in_stacked_groups_equals_one_layer_at_a_time(
     lens: str, tokenizer: Any
 ) -> None:
-    """A budget of a third of a batch's rows (statistics in slices), of one batch (one layer per
-    readout matmul), of two (layers stacked two by two: 5 block inputs leave a partial last
-    group) and of every layer at once: the same lens as each layer read out alone."""
+    """A budget of a third of a batch's rows, of one batch (one layer per readout matmul), of
+    two (layers stacked two by two: 5 block inputs leave a partial last group) and of every
+    layer at once: the same lens as each layer read out alone."""
     import transformers as tf
 
     from layerdiv.extract.adapters import adapter_for
     from layerdiv.extract.forward import left_padded
+    from layerdiv.extract.lens import make_lens
+    from layerdiv.extract.readout import Readout
     from layerdiv.extract.text import TextCapture
 
     config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
@@ -463,7 +490,9 @@ def test_lens_read_out_in_stacked_groups_equals_one_layer_at_a_time(
     seqs = [tokenizer(t)["input_ids"][:12] for t in random_texts(3, seed=5)]
     inputs = left_padded(seqs, 0)
     rows = inputs["input_ids"].numel()
-    capture = TextCapture(model, adapter_for(config), lens)
+    adapter = adapter_for(config)
+    readout = Readout(model, adapter)
+    capture = TextCapture(model, adapter, readout, make_lens(lens, model, adapter, readout))
     got = {}
     with torch.inference_mode():
         for budget in (None, rows // 3, rows, 2 * rows, 10 * rows):

@@ -104,6 +104,7 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
         "states": states_table(
             docs,
             [np.arange(1, n) for n in n_tok],
+            [np.arange(100 * d + 1, 100 * d + n) for d, n in zip(docs, n_tok, strict=True)],
             [rng.normal(size=(n - 1, BLOCKS + 1, 8)).astype(np.float16) for n in n_tok],
         ),
         "documents": documents_table(

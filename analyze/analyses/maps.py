@@ -1,7 +1,8 @@
 """Linear maps between two models' layers (``--maps``, methods §11; the
 depth-efficiency paper's fourth finding): for two partitions of one task extracted with
-``--states`` over the same tokens, a closed-form ridge map from every source layer i to every
-target layer j, on the residual states and on the block updates. Not run by default.
+``--states`` over the same tokens (a text task's sampled positions, or a choice task's last
+prompt tokens), a closed-form ridge map from every source layer i to every target layer j, on
+the residual states and on the block updates. Not run by default.
 
 Tables:
 
@@ -77,7 +78,7 @@ def _pairs(parts: list[PartitionInfo], spec: str) -> list[tuple[PartitionInfo, P
     tasks = sorted({p.task for p in with_states})
     if not with_states:
         raise MapsError(
-            "--maps: no selected partition has states; extract a text task with --states K|all "
+            "--maps: no selected partition has states; extract one task with --states K|all "
             "for both models"
         )
     if len(tasks) > 1:
@@ -282,7 +283,7 @@ def maps_figure(maps: pl.DataFrame, best: pl.DataFrame, names: dict[str, str]) -
         diagonal = _nearest_same_depth(n_a, n_b, space == "updates")
         panels.append(
             plots.Panel(
-                f"{src} -> {tgt}, {space}: rel_error of the map i -> j",
+                f"{space}: rel_error of the map i -> j",
                 heatmap=heat,
                 series=[
                     plots.Series(
@@ -307,7 +308,7 @@ def maps_figure(maps: pl.DataFrame, best: pl.DataFrame, names: dict[str, str]) -
         )
         panels.append(
             plots.Panel(
-                f"{src} -> {tgt}, {space}: best target",
+                f"{space}: best target of {src}'s layers",
                 series=[
                     plots.Series(
                         "best target",

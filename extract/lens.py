@@ -1,0 +1,190 @@
+"""The logit lens (methods §9): residual states read out as full-vocabulary distributions by the
+model's own readout, and their statistics against the model's output distribution.
+
+A lens is a class that shares the model's one :class:`~layerdiv.extract.readout.Readout` (as
+tuned-lens's ``LogitLens`` and ``TunedLens`` share one ``Unembed``): :class:`Lens` (``final``)
+reads a block input out by the final norm and unembedding, :class:`LastBlockLens`
+(``last-block``) applies the model's last block to it first. :data:`LENSES` names them
+(``extract --lens NAME``); :func:`make_lens` builds the one a run names for a model.
+
+The statistics (:func:`lens_stats`) are taken per slice of rows small enough for its few passes
+over the vocabulary to run from the processor's cache (:data:`LENS_SLICE` entries per torch
+thread) rather than from memory, which a layer's logits (tokens x V float32) far exceed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from layerdiv.extract.adapters import Adapter, get_module
+from layerdiv.extract.readout import Readout
+
+BlockCall = tuple[tuple, dict]
+"""The positional and keyword arguments of one call of a decoder block (mask, positions)."""
+
+
+class Lens:
+    """``final``: a residual state h read out as the model reads out its last one, p =
+    softmax(unembed(norm(h))) (methods §9, logit lens)."""
+
+    name: ClassVar[str] = "final"
+    kinds: ClassVar[tuple[str, ...]] = ("choice", "text")
+    """The task kinds it applies to."""
+
+    def __init__(self, readout: Readout) -> None:
+        self.readout = readout
+
+    @classmethod
+    def for_model(cls, model: Any, adapter: Adapter, readout: Readout) -> Lens:
+        """The lens of ``model`` reading out through its ``readout``."""
+        return cls(readout)
+
+    def transform(self, h: torch.Tensor, call: BlockCall | None) -> torch.Tensor:
+        """What the readout reads of states ``h``: the states themselves."""
+        return h
+
+    def logits(
+        self, h: torch.Tensor, call: BlockCall | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Full-vocabulary float32 logits of residual states ``h`` (..., d, the model's dtype;
+        ``call``: the last block's call in the pass that gave them; ``out``: a buffer, as
+        :meth:`Readout.logits`)."""
+        return self.readout.logits(self.transform(h, call), out=out)
+
+
+class LastBlockLens(Lens):
+    """``last-block``: the model's last block applied to h (with the arguments of its own call in
+    the same pass) before the readout (text tasks)."""
+
+    name = "last-block"
+    kinds = ("text",)
+
+    def __init__(self, readout: Readout, block: Any) -> None:
+        super().__init__(readout)
+        self.block = block
+
+    @classmethod
+    def for_model(cls, model: Any, adapter: Adapter, readout: Readout) -> Lens:
+        return cls(readout, get_module(model, adapter.blocks)[-1])
+
+    def transform(self, h: torch.Tensor, call: BlockCall | None) -> torch.Tensor:
+        """The last block applied to each of the states ``h`` (G, B, T, d) stacked over G."""
+        if call is None:
+            raise ValueError("the last-block lens needs the arguments of the last block's call")
+        args, kwargs = call
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if args:
+                out = self.block(x, *args[1:], **kwargs)
+            else:
+                out = self.block(*args, **{**kwargs, "hidden_states": x})
+            return out[0] if isinstance(out, tuple) else out
+
+        return torch.stack([run(x) for x in h])
+
+
+LENSES: dict[str, type[Lens]] = {lens.name: lens for lens in (Lens, LastBlockLens)}
+"""Every lens by its name (``extract --lens NAME``)."""
+
+
+def make_lens(name: str, model: Any, adapter: Adapter, readout: Readout) -> Lens:
+    """The lens ``name`` of ``model``, reading out through its ``readout``."""
+    return LENSES[name].for_model(model, adapter, readout)
+
+
+LENS_SLICE = 2**20
+"""Vocabulary entries (rows x V: 4 MiB of float32) per torch thread in one slice of the lens
+statistics: a slice's passes after its first read it from the cache."""
+
+
+def _slices(n_rows: int, vocab: int) -> list[slice]:
+    step = max(1, LENS_SLICE * torch.get_num_threads() // vocab)
+    return [slice(a, a + step) for a in range(0, n_rows, step)]
+
+
+def _softmax(
+    z: torch.Tensor, out: torch.Tensor, first: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """p = softmax(z) written into ``out`` and log sum_v exp(z_v) (rows, 1) of logits ``z``
+    (rows, V) whose largest entries are at ``first`` (rows, 1): one fused softmax pass, the
+    log-sum-exp read from the largest entry, log p(v*) = z(v*) - lse with p(v*) = max_v p_v >=
+    1 / V (gathered, not searched; the same operations for every lens layer and the reference,
+    so that p_L against itself gives exactly zero)."""
+    p = torch.softmax(z, dim=-1, out=out)
+    return p, z.gather(-1, first) - p.gather(-1, first).log()
+
+
+TOP_BLOCK = 64
+"""Entries per block of :func:`top5`'s first pass."""
+
+
+def top5(z: torch.Tensor) -> torch.Tensor:
+    """(rows, 5): the indices of the five largest entries of each row of ``z`` (rows, V), largest
+    first, as ``torch.topk`` finds them in a third of its time: each row's maxima over blocks of
+    :data:`TOP_BLOCK` entries, then the five largest among the entries of the five blocks with the
+    largest maxima and of the last, partial block (a block holding one of the five largest entries
+    has at most four blocks with a larger maximum)."""
+    rows, vocab = z.shape
+    full = vocab // TOP_BLOCK * TOP_BLOCK
+    if full < 5 * TOP_BLOCK:
+        return z.topk(5, dim=-1).indices
+    best = z[:, :full].unflatten(1, (-1, TOP_BLOCK)).amax(-1).topk(5, dim=-1).indices
+    offsets = torch.arange(TOP_BLOCK, device=z.device)
+    candidates = (best[:, :, None] * TOP_BLOCK + offsets).flatten(1)
+    if full < vocab:
+        tail = torch.arange(full, vocab, device=z.device).expand(rows, -1)
+        candidates = torch.cat([candidates, tail], dim=1)
+    return candidates.gather(-1, z.gather(-1, candidates).topk(5, dim=-1).indices)
+
+
+def _scratch(z: torch.Tensor) -> torch.Tensor:
+    """One slice's buffer for the probabilities of logits ``z`` (rows, V), reused by every slice."""
+    return z.new_empty(min(z.shape[0], _slices(z.shape[0], z.shape[1])[0].stop), z.shape[1])
+
+
+class LensReference:
+    """The model's output distribution p_L, which every layer of the logit lens is compared with:
+    its logits (V last), their log-sum-exp and its top five tokens."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits.float().clone()
+        flat = self.logits.reshape(-1, self.logits.shape[-1])
+        top = top5(flat)
+        buf = _scratch(flat)
+        lse = [
+            _softmax(flat[r], buf[: len(flat[r])], top[r, :1])[1]
+            for r in _slices(flat.shape[0], flat.shape[1])
+        ]
+        self.lse = torch.cat(lse).view(*self.logits.shape[:-1], 1)
+        self.top = top.view(*self.logits.shape[:-1], 5)
+
+
+def lens_stats(logits: torch.Tensor, ref: LensReference, ids: torch.Tensor) -> torch.Tensor:
+    """(..., 2 + K): KL(p_l || p_L), |top5(p_l) & top5(p_L)| / 5 and log p_l at ``ids`` (..., K)
+    over the last axis (methods §9, logit lens) of a lens layer's float32 ``logits``
+    (overwritten) against ``ref`` (broadcast over the leading axes), slice by slice
+    (:data:`LENS_SLICE`): the top five, a softmax, one difference, one product and one sum per
+    slice, each pass after the first over data in the cache."""
+    vocab = logits.shape[-1]
+    lead = logits.shape[:-1]
+    z = logits.reshape(-1, vocab)
+    ref_z = ref.logits.expand_as(logits).reshape(-1, vocab)
+    ref_lse = ref.lse.expand(*lead, 1).reshape(-1, 1)
+    ref_top = ref.top.expand(*lead, 5).reshape(-1, 5)
+    ids = ids.expand(*lead, ids.shape[-1]).reshape(z.shape[0], -1)
+    out = torch.empty(z.shape[0], 2 + ids.shape[1], device=z.device)
+    buf = _scratch(z)
+    for sl in _slices(z.shape[0], vocab):
+        zr = z[sl]
+        top = top5(zr)
+        p, lse = _softmax(zr, buf[: len(zr)], top[:, :1])
+        out[sl, 2:] = zr.gather(-1, ids[sl]) - lse  # log p_l(ids)
+        # KL(p_l || p_L) = sum_v p_l (log p_l - log p_L) = sum_v p_l (z_l - z_L) - (lse_l - lse_L)
+        # (sum_v p_l = 1), so that a shift of the logits cancels before any sum; the products
+        # in place in p's buffer, summed per row
+        p.mul_(zr.sub_(ref_z[sl]))
+        out[sl, 0] = p.sum(-1) - (lse - ref_lse[sl]).view(-1)
+        out[sl, 1] = (top[:, :, None] == ref_top[sl, None, :]).any(-1).sum(-1) / 5.0
+    return out.view(*lead, -1)

@@ -1,0 +1,72 @@
+"""The README's layer-maps figures, from the demo's results (``make demo``): the region between
+``<!-- demo:maps -->`` and ``<!-- /demo:maps -->`` of README.md (Spearman's correlation per
+space and the best target of every source layer, from ``layer_map_best``) and
+``docs/demo-layer-maps.png`` (the report's ``layer_maps.png``).
+
+    python scripts/demo_maps.py [--demo layerdiv-demo] [--check]
+
+``--check`` only reports (exit 1) a README region that differs from the demo's results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import polars as pl
+
+from layerdiv.analyze.analyses.maps import spearman
+from layerdiv.analyze.markdown import fmt, markdown_table
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+FIGURE = ROOT / "docs" / "demo-layer-maps.png"
+REGION = re.compile(r"(<!-- demo:maps -->\n)(.*?)(<!-- /demo:maps -->)", re.S)
+
+
+def region(results: Path) -> str:
+    """The README's text: one sentence per space, then the best targets of the states."""
+    best = pl.read_parquet(results / "layer_map_best.parquet")
+    maps = pl.read_parquet(results / "layer_maps.parquet")
+    rho = {r["space"]: r for r in spearman(best).iter_rows(named=True)}
+    n_train, n_held = maps["n_train"][0], maps["n_heldout"][0]
+    states = best.filter(pl.col("space") == "states").sort("source_layer")
+    rows = [
+        [str(r["source_layer"]), fmt(r["source_depth"], digits=2), str(r["target_layer"]),
+         fmt(r["target_depth"], digits=2), fmt(r["rel_error"], digits=3)]
+        for r in states.iter_rows(named=True)
+    ]  # fmt: skip
+    table = markdown_table(
+        ["sibling layer i", "i / L_A", "best SmolLM2 layer j", "j / L_B", "rel_error"], rows
+    )
+    return (
+        f"Fitted on {n_train:,} token rows, scored on {n_held:,} held-out rows: the best "
+        "target's relative depth against the source's has Spearman's correlation "
+        f"{rho['states']['spearman']:.2f} on the residual states and "
+        f"{rho['updates']['spearman']:.2f} on the block updates.\n\n{table}\n"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--demo", type=Path, default=ROOT / "layerdiv-demo")
+    parser.add_argument("--check", action="store_true", help="report a stale README, change none")
+    args = parser.parse_args()
+    old = README.read_text()
+    body = region(args.demo / "results")
+    new = REGION.sub(lambda m: m.group(1) + body + m.group(3), old)
+    if args.check:
+        if new != old:
+            print("README.md: the layer-maps region differs from the demo's results")
+            sys.exit(1)
+        return
+    README.write_text(new)
+    shutil.copyfile(args.demo / "report" / "figures" / "layer_maps.png", FIGURE)
+    print(f"README.md and {FIGURE.relative_to(ROOT)} rewritten from {args.demo}")
+
+
+if __name__ == "__main__":
+    main()
