@@ -296,7 +296,8 @@ def text_dots(h0: np.ndarray, attn: np.ndarray, mlp: np.ndarray) -> dict[str, np
     """The ``token_blocks`` dot products (methods §9) of residual streams given as
     vectors: ``h0`` (tokens, d) the embedding outputs, ``attn`` and ``mlp`` (tokens, L, d) what each
     block's attention and MLP add. Returns (tokens, L) arrays ``hh``, ``aa``, ``mm``, ``ha``,
-    ``hm``, ``am``, ``dd_next`` (NaN on the last block) and ``h_final``, in float64."""
+    ``hm``, ``am``, ``dd_next`` (NaN on the last block), ``h_final`` and ``h_embed``, in
+    float64."""
     update = attn + mlp
     h = h0[:, None, :] + np.cumsum(update, axis=1) - update  # h_l, the input of block l
     h_last = h0 + update.sum(axis=1)
@@ -315,6 +316,7 @@ def text_dots(h0: np.ndarray, attn: np.ndarray, mlp: np.ndarray) -> dict[str, np
         "am": dot(attn, mlp),
         "dd_next": dd_next,
         "h_final": np.einsum("tld,td->tl", h, h_last),
+        "h_embed": np.einsum("tld,td->tl", h, h0),
     }
 
 

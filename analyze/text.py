@@ -43,13 +43,14 @@ GEOMETRY = (
     "theta_state",
     "theta_update",
     "angle_final",
+    "proj",
 )
 """Per-token, per-block geometry columns (methods §9), in the order of the first axis
 of :func:`token_geometry`."""
 
 THETA_STATE = GEOMETRY.index("theta_state")
 
-DOTS = ("hh", "aa", "mm", "ha", "hm", "am", "dd_next", "h_final")
+DOTS = ("hh", "aa", "mm", "ha", "hm", "am", "dd_next", "h_final", "h_embed")
 """The float columns of ``token_blocks``."""
 
 BATCH_TOKENS = 4096
@@ -126,11 +127,14 @@ SQUARES = tuple(DOTS.index(c) for c in ("hh", "aa", "mm"))
 
 def _check_dots(dots: np.ndarray, doc: np.ndarray, pos: np.ndarray, where: str) -> None:
     """Refuse (``StoreError``, naming the first token) dot products that no forward pass gives:
-    NaN or infinite (``dd_next`` is NaN at the last block only) or a negative squared norm; the
-    analyses never average them."""
+    NaN or infinite (``dd_next`` is NaN at the last block only, ``h_embed`` everywhere in parts
+    of older versions) or a negative squared norm; the analyses never average them."""
     next_index = DOTS.index("dd_next")
     finite = np.isfinite(dots)
     finite[next_index, -1] = True  # no next block
+    embed = DOTS.index("h_embed")
+    if np.isnan(dots[embed]).all():  # a part written before h_embed was stored: all null
+        finite[embed] = True
     bad = ~finite.all(axis=(0, 1))
     for row in SQUARES:
         bad |= (dots[row] < 0).any(axis=0)
@@ -166,12 +170,12 @@ def token_geometry(dots: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
     (len(:data:`GEOMETRY`), blocks, tokens) in float64, NaN where a quantity is undefined (e.g.
     a cosine of a zero vector, or theta_update of the last block). Computed in the start of
     ``out`` when it is large enough for that and :data:`WORK` more rows (:func:`scratch`)."""
-    hh, aa, mm, ha, hm, am, dd_next, h_final = dots
+    hh, aa, mm, ha, hm, am, dd_next, h_final, h_embed = dots
     blocks, tokens = hh.shape
     work = scratch(len(GEOMETRY) + WORK, blocks, tokens, out)
     geometry, (nh, na, nm, nha, nd, dh, nnext, tmp) = work[: len(GEOMETRY)], work[len(GEOMETRY) :]
     attn_rel, mlp_rel, layer_rel, cos_attn, cos_mlp, cos_layer, cos_io, theta_state = geometry[:8]
-    theta_update, angle_final = geometry[8:]
+    theta_update, angle_final, proj = geometry[8:]
     with np.errstate(divide="ignore", invalid="ignore"):
         np.sqrt(hh, out=nh), np.sqrt(aa, out=na), np.sqrt(mm, out=nm)  # ||h||, ||a||, ||m||
         # ||h + a||^2 = hh + 2 ha + aa
@@ -215,6 +219,14 @@ def token_geometry(dots: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
         # ||h_(l+1)|| of the token's last block
         np.divide(h_final, np.multiply(nh, nnext[-1:], out=tmp), out=angle_final)
         degrees(angle_final, out=angle_final)
+        # proj = <h_l - h_0, h_L - h_0> / ||h_L - h_0||^2 (methods §10)
+        #      = (h_l.h_L - h_l.h_0 - h_0.h_L + h_0.h_0) / (h_L.h_L - 2 h_0.h_L + h_0.h_0),
+        # h_0.h_0 and h_0.h_L block 0's hh and h_final, h_L.h_L = ||h_(l+1)||^2 of the last block
+        np.subtract(h_final, h_embed, out=proj)
+        proj += hh[:1] - h_final[:1]
+        proj /= np.square(nnext[-1:]) - 2 * h_final[:1] + hh[:1]
+        # h_0 - h_0: exactly 0 at the embedding, not float32 rounding (NaN without h_embed)
+        proj[0] = np.where(np.isnan(h_embed[0]), np.nan, 0.0)
     return geometry
 
 

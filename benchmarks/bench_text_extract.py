@@ -18,7 +18,9 @@ Rows (:func:`rows`: a list of (name, run, flops) entries; ``run`` takes the batc
   block input and the model's output: KL, top-5 overlap, cross-entropy);
 - ``lens last-block``: ``--lens last-block`` (the last block applied to each block input first);
 - ``skips`` (only when ``--rows`` names it: it costs tens of forwards): ``--skips``, the future
-  effects with the default random split points (documents numbered in batch order).
+  effects with the default random split points (documents numbered in batch order);
+  ``skips answer`` with ``--skip-split answer:4:4`` and ``skips local`` with ``--skip-mode local``
+  as well (each article's second half taken as its answer; also only when named).
 
 FLOPs (:func:`flop_counts`), from the model's config, over every padded token the passes compute:
 the forward is 2 x (q, k, v, o and gated-MLP weights) per token and block, plus the attention
@@ -115,19 +117,45 @@ def flop_counts(config: Any, data: Batches) -> dict[str, float]:
             "weights": weights, "attention": 4 * heads * head_dim}  # fmt: skip
 
 
-def future_flops(config: Any, data: Batches, flops: dict[str, float]) -> float:
-    """FLOPs ``--skips`` adds to the forward over ``data`` (documents numbered in order)."""
+def answers(data: Batches) -> list[tuple[int, int]]:
+    """Per document (numbered in order) an answer (start s, length A): its second half, for the
+    answer-anchored rows (the BBC articles name none)."""
+    return [(len(seq) // 2, len(seq) - len(seq) // 2) for batch in data for seq in batch]
+
+
+def future_flops(
+    config: Any,
+    data: Batches,
+    flops: dict[str, float],
+    settings: SkipSettings,
+    answer: list[tuple[int, int]] | None = None,
+) -> float:
+    """FLOPs ``--skips`` with ``settings`` adds to the forward over ``data`` (documents numbered
+    in order; ``answer`` per document for answer-anchored split points): per split point, a
+    ``total`` row runs blocks l..L-1 and a readout after t per skipped block l, a ``local`` row
+    blocks l+1..L-1 and no readout."""
     n_layers, per_token = int(flops["layers"]), 2 * config.hidden_size * config.vocab_size
     total, doc = flops["readout"], 0  # the clean distributions: one readout of every token
     for batch in data:
         width = max(len(s) for s in batch)
         row = 2 * flops["weights"] * width + flops["attention"] * width * (width + 1) / 2
         for seq in batch:
-            for t in split_points(len(seq), doc, SkipSettings()):
-                total += sum(n_layers - skipped for skipped in range(n_layers)) * row
-                total += n_layers * per_token * (len(seq) - t)
+            where = None if answer is None else answer[doc]
+            for t in split_points(len(seq), doc, settings, where):
+                for mode in settings.modes:
+                    blocks = n_layers if mode == "total" else n_layers - 1
+                    total += sum(blocks - skipped for skipped in range(n_layers)) * row
+                    if mode == "total":
+                        total += n_layers * per_token * (len(seq) - t)
             doc += 1
     return total
+
+
+ANSWER = SkipSettings(split="answer:4:4")
+"""The answer-anchored row: up to 4 split points among the answer's offsets 0, 4, 8, ...
+(methods §10; the answer is each article's second half)."""
+LOCAL = SkipSettings(split="answer:4:4", modes=("local",))
+"""The local row: the same split points, local (direct-only) effects."""
 
 
 def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches) -> list[Row]:
@@ -154,14 +182,24 @@ def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches) -> list[Ro
 
         return run
 
-    def skips(data: Batches) -> None:
-        tables = ["future_effects", "future_output"]
-        with ModelRunner(loaded, adapter, [], CPU_TOKEN_BUDGET, tables, kind="text",
-                         skips=SkipSettings()) as text:  # fmt: skip
-            doc = 0
-            for batch in data:
-                text.run(batch, list(range(doc, doc + len(batch))))
-                doc += len(batch)
+    def skips(settings: SkipSettings) -> Callable[[Batches], None]:
+        def run(data: Batches) -> None:
+            tables = ["future_effects", "future_output"]
+            with ModelRunner(loaded, adapter, [], CPU_TOKEN_BUDGET, tables, kind="text",
+                             skips=settings, answers=answers(data)) as text:  # fmt: skip
+                doc = 0
+                for batch in data:
+                    text.run(batch, list(range(doc, doc + len(batch))))
+                    doc += len(batch)
+
+        return run
+
+    def future(settings: SkipSettings) -> float:
+        return (
+            forward
+            + flops["readout"]
+            + future_flops(model.config, data, flops, settings, answers(data))
+        )
 
     layers, forward = flops["layers"], flops["forward"]
     lens = forward + (layers + 1) * flops["readout"]
@@ -170,7 +208,9 @@ def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches) -> list[Ro
         ("text", runner(None), forward + flops["readout"]),  # the loss: every token read out
         ("lens", runner("final"), lens),
         ("lens last-block", runner("last-block"), lens + layers * flops["block"]),
-        ("skips", skips, forward + flops["readout"] + future_flops(model.config, data, flops)),
+        ("skips", skips(SkipSettings()), future(SkipSettings())),
+        ("skips answer", skips(ANSWER), future(ANSWER)),
+        ("skips local", skips(LOCAL), future(LOCAL)),
     ]
 
 

@@ -80,6 +80,9 @@ class ExtractConfig:
     skip_seed: int | None = None
     """Text tasks with ``skips``: the seed of the random split points (None: the partition's
     own, or 0)."""
+    skip_modes: tuple[str, ...] = ()
+    """Text tasks with ``skips``: how each skip runs on, of ``total`` and ``local`` (methods §10;
+    empty: the partition's own, or ``total``)."""
     gram: bool = False
     """Also store each instance's Gram matrix of the component outputs (``gram`` table)."""
     lens: str | None = None

@@ -90,6 +90,7 @@ class ModelRunner:
         lens: str | None = None,
         skips: SkipSettings | None = None,
         measures: Mapping[str, Mapping[str, Any]] | None = None,
+        answers: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         self.loaded = loaded
         self.budget = budget
@@ -107,11 +108,12 @@ class ModelRunner:
         """Text tasks: the per-token capture (methods §9); the choice captures are
         not attached."""
         self.future = (
-            FutureEffects(model, adapter, self.readout, skips)
+            FutureEffects(model, adapter, self.readout, skips, answers)
             if self.text is not None and skips is not None
             else None
         )
-        """Text tasks with ``--skips``: the future effects (methods §9)."""
+        """Text tasks with ``--skips``: the future effects (methods §9; ``answers``, per
+        document its answer's start and length, for answer-anchored split points, §10)."""
         self.capture = (
             ComponentCapture(model, adapter, self.readout, option_ids, self.lens)
             if self.text is None
@@ -219,7 +221,7 @@ class ModelRunner:
         if self.skipper is not None:
             with capture.pausing():  # also pauses the hooks bound to it; methods §7:
                 # each block skipped, the shared prefix reused
-                dec.skip_logits = self.skipper.skip_logits(lambda: self.loaded.model(**inputs))
+                dec.skip_logits = self.skipper.skip_logits()
         return dec
 
     def _measured(self) -> dict[str, Sequence[Any]]:

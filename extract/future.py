@@ -6,9 +6,10 @@ at positions p >= t.
 
 Blocks before l are not run again: the clean pass's inputs of block l are reused (kept by
 ``TextCapture``), and each block runs with the arguments of its own clean call (mask, positions),
-repeated for every (document, split point, sublayer) row. So rel_change(l, j) is 0 for j < l by
-construction, and for j = l too with random split points (block l's update at p >= t only reads
-positions whose inputs did not change).
+repeated for every (document, split point, sublayer) row
+(:class:`~layerdiv.extract.removal.UpdateRemoval`, the intervention the choice skips share).
+So rel_change(l, j) is 0 for j < l by construction, and for j = l too with random split points
+(block l's update at p >= t only reads positions whose inputs did not change).
 
 Split points (``--skip-split random``, the default): for a document of T tokens, the candidates
 are 8, 16, ... < T - 4; up to 4 of them are drawn without replacement by
@@ -20,16 +21,17 @@ document of one token has no position to remove, so none (and no rows) either.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from layerdiv.extract.adapters import Adapter, get_module
+from layerdiv.extract.adapters import Adapter
 from layerdiv.extract.readout import Readout
+from layerdiv.extract.removal import UpdateRemoval
+from layerdiv.measurements.future import SplitError, parse_split
 
 SPLIT_STEP = 8
 """Split points are multiples of this."""
@@ -39,32 +41,60 @@ SPLITS = 4
 """Split points drawn per document."""
 
 
+ANSWER_MARGIN = 4
+"""``answer:N:S`` draws offsets below A - ANSWER_MARGIN of an answer of A tokens (methods §10)."""
+
+
 @dataclass(frozen=True)
 class SkipSettings:
     """How ``--skips`` runs on a text task (recorded in the partition's manifest)."""
 
     split: str = "random"
-    """``random`` (seeded split points) or ``all`` (every position but the first)."""
+    """``random`` (seeded split points), ``all`` (every position but the first), ``answer`` (the
+    answer's first token) or ``answer:N:S`` (N seeded offsets 0, S, 2S, ... into the answer)."""
     seed: int = 0
     """Seed of the random split points (with the document number)."""
     sublayers: tuple[str, ...] = ("block",)
     """What is removed: ``block`` (attention and MLP), ``attn``, ``mlp`` (each a row set)."""
+    modes: tuple[str, ...] = ("total",)
+    """How the model runs on: ``total``, ``local`` (direct-only, methods §10; each a row set)."""
+
+    @property
+    def anchored(self) -> tuple[int, int] | None:
+        """(N, S) of ``answer:N:S``, (1, 0) for ``answer``, None for the other rules."""
+        return parse_split(self.split)
 
 
-def split_points(n_tokens: int, doc: int, settings: SkipSettings) -> list[int]:
+def split_points(
+    n_tokens: int, doc: int, settings: SkipSettings, answer: tuple[int, int] | None = None
+) -> list[int]:
     """The split points t of document ``doc`` of ``n_tokens`` tokens ([0] with ``all``, none for
-    a document of one token: nothing would be removed)."""
+    a document of one token: nothing would be removed); with an answer-anchored rule, ``answer``
+    is (s, A), the answer's start and length (methods §10), and only points 1 < t < n_tokens (a
+    position removed, one measured: the cut to ``max_tokens`` may leave fewer) are kept."""
     if settings.split == "all":
         return [0] if n_tokens > 1 else []
-    candidates = np.arange(SPLIT_STEP, n_tokens - SPLIT_MARGIN, SPLIT_STEP)
     rng = np.random.default_rng([settings.seed, doc])
-    chosen = rng.choice(candidates, size=min(SPLITS, len(candidates)), replace=False)
+    anchored = settings.anchored
+    if anchored is None:
+        candidates = np.arange(SPLIT_STEP, n_tokens - SPLIT_MARGIN, SPLIT_STEP)
+        chosen = rng.choice(candidates, size=min(SPLITS, len(candidates)), replace=False)
+        return sorted(int(t) for t in chosen)
+    assert answer is not None, "an answer-anchored split needs the answer's start"
+    start, length = answer
+    if settings.split == "answer":
+        return [start] if 1 < start < n_tokens else []
+    n, step = anchored
+    # methods §10: s + {0, S, 2S, ...} with offsets < A - 4, drawn without replacement
+    candidates = start + np.arange(0, length - ANSWER_MARGIN, step)
+    candidates = candidates[(candidates > 1) & (candidates < n_tokens)]
+    chosen = rng.choice(candidates, size=min(n, len(candidates)), replace=False)
     return sorted(int(t) for t in chosen)
 
 
 @dataclass
 class FutureRows:
-    """One document's future effects: R rows of (split, sublayer, skipped)."""
+    """One document's future effects: R rows of (split, sublayer, mode, skipped)."""
 
     split: np.ndarray
     """(R,) split point t (0 with ``all``)."""
@@ -75,7 +105,10 @@ class FutureRows:
     rel_change: np.ndarray
     """(R, L) max over measured positions of ||d'_j - d_j|| / max(||d_j||, 1e-6), every j."""
     out_change: np.ndarray
-    """(R,) max over measured positions of ||softmax(z') - softmax(z)||_2."""
+    """(R,) max over measured positions of ||softmax(z') - softmax(z)||_2 (0 for a ``local``
+    row: none is defined)."""
+    mode: list[str]
+    """(R,) how the row ran on: ``total`` or ``local`` (methods §10)."""
 
 
 def _expand(value: Any, rows: torch.Tensor, batch: int, memo: dict[int, torch.Tensor]) -> Any:
@@ -114,35 +147,23 @@ class _Group:
 class FutureEffects:
     """Runs the skipped passes of one batch after its clean pass (see the module docstring)."""
 
-    def __init__(self, model: Any, adapter: Adapter, readout: Readout, settings: SkipSettings):
+    def __init__(
+        self,
+        model: Any,
+        adapter: Adapter,
+        readout: Readout,
+        settings: SkipSettings,
+        answers: Sequence[tuple[int, int]] | None = None,
+    ):
         self.settings = settings
-        self.blocks = list(get_module(model, adapter.blocks))
+        self.answers = answers
+        """Per document (its number), the answer's start s and length A (answer-anchored split
+        points, methods §10)."""
+        self.removal = UpdateRemoval(model, adapter)
+        self.blocks = self.removal.blocks
         """Block calls in execution order (a shared block appears once per call)."""
-        self.parts = {
-            kind: [get_module(b, getattr(adapter, kind)) for b in self.blocks]
-            for kind in ("attn", "mlp")
-        }
         self.readout = readout
-        self._keep: torch.Tensor | None = None  # the running group's keep (_Group.keep)
         self._scratch: torch.Tensor | None = None  # the skipped passes' readout buffer
-
-    @contextmanager
-    def _removing(self, call: int, sublayer: str) -> Iterator[None]:
-        """Multiply the additions of block call ``call`` named by ``sublayer`` by ``_keep``."""
-
-        def hook(module: Any, args: tuple, output: Any) -> Any:
-            assert self._keep is not None
-            if isinstance(output, tuple):
-                return (output[0] * self._keep.to(output[0].dtype), *output[1:])
-            return output * self._keep.to(output.dtype)
-
-        kinds = ("attn", "mlp") if sublayer == "block" else (sublayer,)
-        handles = [self.parts[k][call].register_forward_hook(hook) for k in kinds]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def run(
         self,
@@ -162,18 +183,19 @@ class FutureEffects:
         scale = [d.norm(dim=-1).clamp(min=1e-6) for d in updates]
         clean = torch.softmax(self.readout.logits(states[-1].to(dtype)), dim=-1)
         rows = [
-            (b, t, sub)
+            (b, t, sub, mode)
             for b, (n, doc) in enumerate(zip(n_tokens, docs, strict=True))
-            for t in split_points(n, doc, self.settings)
+            for t in split_points(n, doc, self.settings, self._answer(doc))
             for sub in self.settings.sublayers
+            for mode in self.settings.modes
         ]
         n_blocks = len(self.blocks)
         rel = torch.zeros(len(rows), n_blocks, n_blocks)
         out = torch.zeros(len(rows), n_blocks)
         for lo in range(0, len(rows), max_rows):
             part = range(lo, min(lo + max_rows, len(rows)))
-            for sub in dict.fromkeys(rows[i][2] for i in part):
-                mine = [i for i in part if rows[i][2] == sub]
+            for sub, mode in dict.fromkeys((rows[i][2], rows[i][3]) for i in part):
+                mine = [i for i in part if (rows[i][2], rows[i][3]) == (sub, mode)]
                 b = torch.tensor([rows[i][0] for i in mine], device=clean.device)
                 start = width - torch.tensor([n_tokens[rows[i][0]] for i in mine], device=b.device)
                 t = torch.tensor([rows[i][1] for i in mine], device=b.device)
@@ -187,10 +209,13 @@ class FutureEffects:
                     scale=[s.index_select(0, b) for s in scale],
                 )
                 for skipped in range(n_blocks):
+                    if mode == "local":
+                        rel[mine, skipped] = self._local(skipped, states, updates, dtype, group)
+                        continue
                     r, o = self._skip(skipped, sub, states, updates, clean, dtype, group)
                     rel[mine, skipped] = r
                     out[mine, skipped] = o
-        self._keep = self._scratch = None
+        self._scratch = None
         return self._rows(rows, rel, out, len(docs))
 
     def _skip(
@@ -208,24 +233,13 @@ class FutureEffects:
         rows, mask = group.rows, group.measured
         rel = torch.zeros(len(rows), len(self.blocks))
         x = states[skipped].index_select(0, rows).to(dtype)
-        self._keep = group.keep
-        for j in range(skipped, len(self.blocks)):
-            args, kwargs = group.calls[j]
-            if args:
-                args = (x, *args[1:])
-            else:
-                kwargs = {**kwargs, "hidden_states": x}
-            if j == skipped:
-                with self._removing(j, sublayer):
-                    y = self.blocks[j](*args, **kwargs)
-            else:
-                y = self.blocks[j](*args, **kwargs)
-            y = y[0] if isinstance(y, tuple) else y
+        run = self.removal.run_on(x, group.calls, skipped, [skipped], sublayer, group.keep)
+        for j, x, y in run:
             # rel_change(l, j) = max_{p >= t} ||d'_j - d_j|| / max(||d_j||, 1e-6)
             d = updates[j].index_select(0, rows)
             change = (y.float() - x.float() - d).norm(dim=-1) / group.scale[j]
             rel[:, j] = change.masked_fill(~mask, 0).amax(dim=-1).cpu()
-            x = y
+        x = y
         # out_change(l) = max_{p >= t} ||softmax(z'_p) - softmax(z_p)||_2, read out at the
         # measured positions only
         # (a row's measured positions are the last ones of the batch: its distributions are
@@ -241,6 +255,42 @@ class FutureEffects:
                 out[i] = part.sub_(clean[b, width - len(part) :]).norm(dim=-1).amax()
         return rel, out.cpu()
 
+    def _local(
+        self,
+        skipped: int,
+        states: list[torch.Tensor],
+        updates: list[torch.Tensor],
+        dtype: torch.dtype,
+        group: _Group,
+    ) -> torch.Tensor:
+        """rel_change_local (r, L) of the rows of ``group`` (methods §10): every block i > l
+        reads the clean stream minus block l's clean update d_l at the removed positions (block l
+        itself reads the clean stream: its change is 0 and it does not run)."""
+        rows, mask = group.rows, group.measured
+        rel = torch.zeros(len(rows), len(self.blocks))
+        removed = updates[skipped].index_select(0, rows) * ~group.keep  # d_l at [1, t)
+
+        def stream(j: int, _: torch.Tensor | None = None) -> torch.Tensor:
+            """The input of block j + 1: block j's clean output minus d_l at [1, t)."""
+            return (states[j + 1].index_select(0, rows) - removed).to(dtype)
+
+        for j, x, y in self.removal.run_on(
+            stream(skipped), group.calls, skipped + 1, override=stream
+        ):
+            # rel_change_local(l, j) = max_{p >= t} ||d'_j - d_j|| / max(||d_j||, 1e-6)
+            d = updates[j].index_select(0, rows)
+            change = (y.float() - x.float() - d).norm(dim=-1) / group.scale[j]
+            rel[:, j] = change.masked_fill(~mask, 0).amax(dim=-1).cpu()
+        return rel
+
+    def _answer(self, doc: int) -> tuple[int, int] | None:
+        """The answer's (start, length) of document ``doc`` where the split rule needs it."""
+        if self.settings.anchored is None:
+            return None
+        if self.answers is None:
+            raise SplitError(f"--skip-split {self.settings.split} needs the documents' answers")
+        return self.answers[doc]
+
     def _buffer(self, rows: int, like: torch.Tensor) -> torch.Tensor:
         """A (rows, V) float32 buffer on the device of ``like`` (..., V) for a skipped pass's
         readout, reused from one skipped block to the next while large enough."""
@@ -250,9 +300,13 @@ class FutureEffects:
         return self._scratch[:need].view(rows, like.shape[-1])
 
     def _rows(
-        self, rows: list[tuple[int, int, str]], rel: torch.Tensor, out: torch.Tensor, n_docs: int
+        self,
+        rows: list[tuple[int, int, str, str]],
+        rel: torch.Tensor,
+        out: torch.Tensor,
+        n_docs: int,
     ) -> list[FutureRows]:
-        """Per document of the batch, its rows, one per (split, sublayer, skipped)."""
+        """Per document of the batch, its rows, one per (split, sublayer, mode, skipped)."""
         n_blocks = len(self.blocks)
         result = []
         for b in range(n_docs):
@@ -262,6 +316,7 @@ class FutureEffects:
                     split=np.repeat([rows[i][1] for i in mine], n_blocks).astype(np.int64),
                     sublayer=[rows[i][2] for i in mine for _ in range(n_blocks)],
                     skipped=np.tile(np.arange(n_blocks), len(mine)),
+                    mode=[rows[i][3] for i in mine for _ in range(n_blocks)],
                     rel_change=rel[mine].reshape(-1, n_blocks).numpy(),
                     out_change=out[mine].reshape(-1).numpy(),
                 )

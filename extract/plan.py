@@ -12,13 +12,14 @@ from layerdiv.extract import chunks
 from layerdiv.extract.batching import tokenize_documents
 from layerdiv.extract.config import ExtractConfig
 from layerdiv.extract.facts import revision_facts
-from layerdiv.extract.future import SPLIT_MARGIN, SPLIT_STEP, SkipSettings
+from layerdiv.extract.future import ANSWER_MARGIN, SPLIT_MARGIN, SPLIT_STEP, SkipSettings
 from layerdiv.extract.lens import LENSES
 from layerdiv.extract.models import context_length
 from layerdiv.extract.tasks import (
     Instance,
     TaskError,
     TaskSpec,
+    answer_start,
     data_sha256,
     instances,
     load_task,
@@ -51,6 +52,12 @@ class TaskPlan:
     measures: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The settings of each measurement with settings or hooks of its own that this run writes
     (:func:`_measure_settings`)."""
+    answers: list[tuple[int, int]] | None = None
+    """Text tasks with answer-anchored split points: per document, its answer's start s and
+    length A (:func:`_answers`, methods §10)."""
+    notes: list[str] = field(default_factory=list)
+    """What the user should know about the task's documents (answers merged across the
+    boundary)."""
 
     @property
     def lens(self) -> str | None:
@@ -64,7 +71,12 @@ class TaskPlan:
         return (
             None
             if s is None
-            else SkipSettings(s["skip_split"], s["skip_seed"], tuple(s["skip_sublayers"]))
+            else SkipSettings(
+                s["skip_split"],
+                s["skip_seed"],
+                tuple(s["skip_sublayers"]),
+                tuple(s.get("skip_modes") or ["total"]),  # absent: recorded before local effects
+            )
         )
 
 
@@ -98,6 +110,9 @@ def plan_task(
         measures = _measure_settings(writer, cfg, spec, tables)
         plan = TaskPlan(spec, items, [], sha, writer, tables, argument, documents, measures)
         _refuse_no_splits(plan)
+        skips = plan.skips
+        if skips is not None and skips.anchored is not None:
+            plan.answers, plan.notes = _answers(spec, items, tokenizer, skips)
         return plan
     given = _skip_flags(cfg)
     if given:
@@ -167,15 +182,66 @@ def _refuse_text_flags(spec: TaskSpec, cfg: ExtractConfig) -> None:
 
 
 def _refuse_no_splits(plan: TaskPlan) -> None:
-    """Refuse random split points where ``max_tokens`` leaves none."""
+    """Refuse random split points where ``max_tokens`` leaves none, and local effects of a
+    sublayer (methods §10 defines them for whole blocks)."""
     spec, skips = plan.spec, plan.skips
+    if skips is not None and "total" not in skips.modes:
+        raise TaskError(
+            "--skip-mode local adds the local effects beside the total ones (their output "
+            "change and row counts); give --skip-mode total --skip-mode local"
+        )
+    if skips is not None and "local" in skips.modes and skips.sublayers != ("block",):
+        raise TaskError(
+            "--skip-mode local removes the whole block's update (methods §10), not a "
+            "sublayer's; drop --skip-sublayer attn/mlp or --skip-mode local"
+        )
     short = spec.max_tokens is not None and spec.max_tokens <= SPLIT_STEP + SPLIT_MARGIN
-    if skips is not None and skips.split != "all" and short:
+    if skips is not None and skips.split == "random" and short:
         raise TaskError(
             f"task {spec.name}: --skips needs split points 8, 16, ... < T - 4, and max_tokens "
             f"{spec.max_tokens} leaves none; raise max_tokens above 12, use --skip-split all, "
             "or drop --skips"
         )
+
+
+def _answers(
+    spec: TaskSpec, items: list[Instance], tokenizer: Any, skips: SkipSettings
+) -> tuple[list[tuple[int, int]], list[str]]:
+    """Per document, its answer's start s = T - A and length A (methods §10,
+    :func:`~layerdiv.extract.tasks.answer_start`), and a note where a token merges across the
+    boundary; refuses a task without an answer, and with ``answer:N:S`` an answer of fewer than
+    ``ANSWER_MARGIN + 1`` tokens (no offset below A - 4)."""
+    if spec.answer is None:
+        raise TaskError(
+            f"task {spec.name}: --skip-split {skips.split} anchors the split points at the "
+            "answer, and the task names none; add an 'answer' template beside 'text' (the "
+            "document is text + answer), or use --skip-split random"
+        )
+    out, merged = [], []
+    for doc, item in enumerate(items):
+        assert item.answer is not None  # the task renders one for every document
+        start, merges = answer_start(tokenizer, item.prompt, item.answer)
+        length = len(tokenizer(item.answer, add_special_tokens=False)["input_ids"])
+        if skips.split != "answer" and length <= ANSWER_MARGIN:
+            raise TaskError(
+                f"task {spec.name}: document {doc}'s answer is {length} tokens, and --skip-split "
+                f"{skips.split} draws offsets below A - {ANSWER_MARGIN}, so it needs answers of "
+                f"at least {ANSWER_MARGIN + 1}; use --skip-split answer, or filter short answers "
+                "out"
+            )
+        out.append((start, length))
+        if merges:
+            merged.append(doc)
+    notes = (
+        [
+            f"{len(merged)} of {len(items)} documents have a token that merges across the "
+            f"answer's boundary (the first: document {merged[0]}); it counts as the answer's "
+            "(methods §10)"
+        ]
+        if merged
+        else []
+    )
+    return out, notes
 
 
 def _skip_flags(cfg: ExtractConfig) -> list[str]:

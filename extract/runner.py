@@ -210,7 +210,7 @@ def extract_task(
     budget = token_budget(loaded.device, loaded.model.config, loaded.dtype, readout)
     start_time = time.perf_counter()
     with ModelRunner(loaded, adapter, plan.option_ids, budget, tables, kind, plan.lens,
-                     plan.skips, plan.measures) as runner:  # fmt: skip
+                     plan.skips, plan.measures, plan.answers) as runner:  # fmt: skip
         open_partition(task, runner, loaded, adapter, tol, approximate)
         if "states" in plan.measures:
             _warn_states_size(task)

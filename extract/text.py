@@ -36,7 +36,7 @@ class TextBatch:
     components: list[ComponentInfo]
     """embed, attn.<i>, mlp.<i> (and bias) in execution order, as a choice partition lists them."""
     dots: torch.Tensor
-    """(B, width, L, 8) float32 on the CPU: per row, position and block the values of
+    """(B, width, L, 9) float32 on the CPU: per row, position and block the values of
     ``layerdiv.store.tables.TOKEN_BLOCK_VALUES`` (``dd_next`` NaN at the last block); a
     document of T tokens is the last T positions of its row."""
     lens: torch.Tensor | None = None
@@ -157,8 +157,10 @@ class TextCapture(Hooks):
         nan = torch.full_like(self._dots[0][..., 0], float("nan"))
         dd = torch.stack([*self._dd, nan], dim=-1)  # (B, T, L)
         h_final = torch.stack([(h * final).sum(-1) for h in self._h[:blocks]], dim=-1)
+        h_embed = torch.stack([(h * self._h[0]).sum(-1) for h in self._h[:blocks]], dim=-1)
         dots = torch.cat(
-            [torch.stack(self._dots, dim=2), dd[..., None], h_final[..., None]], dim=-1
+            [torch.stack(self._dots, dim=2), dd[..., None], h_final[..., None], h_embed[..., None]],
+            dim=-1,
         )
         assert dots.shape[-1] == len(TOKEN_BLOCK_VALUES)
         calls = self._calls + ([("bias", -1)] if self.bias else [])

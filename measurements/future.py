@@ -11,8 +11,46 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import ArrayLike
 
+from layerdiv.errors import LayerdivError
 from layerdiv.measurements.registry import Measurement, Setting, register
-from layerdiv.schemas import FUTURE_EFFECTS, FUTURE_OUTPUT, SUBLAYERS
+from layerdiv.schemas import FUTURE_EFFECTS, FUTURE_OUTPUT, MODES, SUBLAYERS
+
+
+class SplitError(LayerdivError, ValueError):
+    """A ``--skip-split`` value that names no split rule, or one the task cannot follow."""
+
+
+def parse_split(value: str) -> tuple[int, int] | None:
+    """The (N, S) of an answer-anchored split rule (methods §10; ``answer``: (1, 0)), None for
+    ``random`` and ``all``; :class:`SplitError` naming the accepted forms for anything else."""
+    if value in ("random", "all"):
+        return None
+    if value == "answer":
+        return (1, 0)
+    parts = value.split(":")
+    if (
+        len(parts) == 3
+        and parts[0] == "answer"
+        and all(p.isdigit() and int(p) > 0 for p in parts[1:])
+    ):
+        return (int(parts[1]), int(parts[2]))
+    raise SplitError(
+        f"--skip-split {value!r}: use random, all, answer, or answer:N:S with N split points "
+        "and a step S, both positive integers (e.g. answer:4:4)"
+    )
+
+
+class SplitRule(click.ParamType):
+    """``--skip-split``: ``random``, ``all``, ``answer`` or ``answer:N:S`` (:func:`parse_split`)."""
+
+    name = "random|all|answer|answer:N:S"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        try:
+            parse_split(str(value))
+        except SplitError as err:
+            self.fail(str(err), param, ctx)
+        return str(value)
 
 
 def _skip_key(
@@ -37,19 +75,35 @@ def future_tables(
     skipped: ArrayLike,
     rel_change: np.ndarray,
     out_change: np.ndarray,
+    mode: Sequence[str] | None = None,
 ) -> dict[str, pa.Table]:
     """The rows of :data:`~layerdiv.schemas.FUTURE_EFFECTS` (doc, split, sublayer, skipped,
-    block) and :data:`~layerdiv.schemas.FUTURE_OUTPUT` (doc, split, sublayer, skipped) of R
-    skips given by the key arrays: ``rel_change`` is (R, L), every block j; ``out_change`` (R,)."""
+    mode, block) and :data:`~layerdiv.schemas.FUTURE_OUTPUT` (doc, split, sublayer, skipped) of
+    R skips given by the key arrays: ``rel_change`` is (R, L), every block j; ``out_change`` (R,),
+    read for the ``total`` rows only (``mode``, default all ``total``: a ``local`` run has no
+    output change, methods §10)."""
     rows, blocks = np.shape(rel_change)
+    modes = np.array(
+        [MODES.index(m) for m in mode] if mode is not None else np.zeros(rows), np.int8
+    )
     effects = {
         **_skip_key(doc, split, sublayer, skipped, blocks),
+        "mode": pa.DictionaryArray.from_arrays(
+            pa.array(np.repeat(modes, blocks)), pa.array(MODES, pa.string())
+        ),
         "block": pa.array(np.tile(np.arange(blocks, dtype=np.int16), rows)),
         "rel_change": pa.array(np.asarray(rel_change, np.float32).reshape(-1)),
     }
+    total = modes == MODES.index("total")
     output = {
-        **_skip_key(doc, split, sublayer, skipped, 1),
-        "out_change": pa.array(np.asarray(out_change, np.float32).reshape(-1)),
+        **_skip_key(
+            np.broadcast_to(doc, rows)[total],
+            np.broadcast_to(split, rows)[total],
+            [s for s, keep in zip(sublayer, total, strict=True) if keep],
+            np.broadcast_to(skipped, rows)[total],
+            1,
+        ),
+        "out_change": pa.array(np.asarray(out_change, np.float32).reshape(-1)[total]),
     }
     return {
         "future_effects": pa.table(effects, schema=FUTURE_EFFECTS),
@@ -59,7 +113,8 @@ def future_tables(
 
 def future_rows(docs: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
     """The tables of documents ``docs`` from each one's future effects
-    (``layerdiv.extract.future.FutureRows``: split, sublayer, skipped, rel_change, out_change)."""
+    (``layerdiv.extract.future.FutureRows``: split, sublayer, skipped, mode, rel_change,
+    out_change)."""
     doc = np.concatenate([np.full(len(f.split), i) for i, f in zip(docs, values, strict=True)])
     blocks = values[0].rel_change.shape[1]
     return future_tables(
@@ -69,6 +124,7 @@ def future_rows(docs: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Tabl
         np.concatenate([f.skipped for f in values]),
         np.concatenate([f.rel_change.reshape(-1, blocks) for f in values]),
         np.concatenate([f.out_change for f in values]),
+        [m for f in values for m in f.mode],
     )
 
 
@@ -82,10 +138,12 @@ FUTURE = register(
                 "skip_split",
                 click.Option(
                     ["--skip-split"],
-                    type=click.Choice(["random", "all"]),
+                    type=SplitRule(),
                     default=None,
                     help="Text tasks with --skips: 4 seeded split points per document (random, "
-                    "the default) or every position but the first (all).",
+                    "the default), every position but the first (all), the answer's first token "
+                    "(answer) or N seeded points among the answer's offsets 0, S, 2S, ... < A - 4 "
+                    "(answer:N:S); the answer rules need a task with an 'answer' template.",
                 ),
                 "random",
             ),
@@ -99,6 +157,18 @@ FUTURE = register(
                     "attention or MLP addition; repeat for several.",
                 ),
                 ("block",),
+            ),
+            Setting(
+                "skip_modes",
+                click.Option(
+                    ["--skip-mode", "skip_modes"],
+                    type=click.Choice(list(MODES)),
+                    multiple=True,
+                    help="Text tasks with --skips: the total future effects (default), or the "
+                    "local ones (every later block reads the clean stream minus the removed "
+                    "update: the direct effect, methods §10); repeat for both.",
+                ),
+                ("total",),
             ),
             Setting(
                 "skip_seed",

@@ -32,6 +32,12 @@ History:
   each part of a measurement with settings records them in its Parquet key-value metadata
   (``layerdiv.settings``; absent in older parts); the manifest gains ``generation`` (bumped by
   each ``--overwrite`` that replaces the partition; absent: 0).
+  ``future_effects`` gains ``mode`` (:data:`MODES`: ``extract --skip-mode local`` adds the
+  direct-only effects, methods §10; a part without it reads as ``total``, the field's
+  :data:`DEFAULT`); the future effects' settings gain ``skip_modes`` (absent: ``total``)
+  and ``skip_split`` takes ``answer`` and ``answer:N:S`` (answer-anchored split points);
+  ``token_blocks`` gains ``h_embed`` = h_l . h_0 (the progress ``proj``, methods §10; null in
+  older parts).
   Optional table ``states`` (``extract --states``: the residual states h_0..h_L and the token id
   at sampled positions of a text task's documents, at the last prompt token of a choice task's
   instances, methods §11; its settings ``states``, ``states_seed`` and ``states_dtype`` under the
@@ -272,19 +278,20 @@ TOKENS = _schema("tokens", [*_TOKEN_FIELDS_V4, pa.field("loss", pa.float32(), nu
   the document's last position (and in stores of version 4).
 """
 
+_TOKEN_BLOCK_FIELDS_V4 = [
+    pa.field("doc", pa.int32(), nullable=False),
+    pa.field("pos", pa.int32(), nullable=False),
+    pa.field("block", pa.int16(), nullable=False),
+    *(
+        pa.field(name, pa.float32(), nullable=False)
+        for name in ("hh", "aa", "mm", "ha", "hm", "am")
+    ),
+    pa.field("dd_next", pa.float32(), nullable=True),
+    pa.field("h_final", pa.float32(), nullable=False),
+]
+
 TOKEN_BLOCKS = _schema(
-    "token_blocks",
-    [
-        pa.field("doc", pa.int32(), nullable=False),
-        pa.field("pos", pa.int32(), nullable=False),
-        pa.field("block", pa.int16(), nullable=False),
-        *(
-            pa.field(name, pa.float32(), nullable=False)
-            for name in ("hh", "aa", "mm", "ha", "hm", "am")
-        ),
-        pa.field("dd_next", pa.float32(), nullable=True),
-        pa.field("h_final", pa.float32(), nullable=False),
-    ],
+    "token_blocks", [*_TOKEN_BLOCK_FIELDS_V4, pa.field("h_embed", pa.float32(), nullable=True)]
 )
 """Text tasks: one row per (doc, pos, block), sorted by that key (methods §9). With h
 the input of block l, a what its attention sublayer adds to the residual stream, m what its MLP
@@ -300,6 +307,8 @@ reduced in float32.
 - ``am``: a.m.
 - ``dd_next``: d_l . d_(l+1); null for the last block.
 - ``h_final``: h_l . h_L, with h_L the last residual state before the final norm.
+- ``h_embed`` (version 5): h_l . h_0, with h_0 the embedding output (the progress ``proj``,
+  methods §10); null in stores of version 4.
 """
 
 TOKEN_LENS = _schema(
@@ -327,12 +336,31 @@ _SKIP_KEY = [
     pa.field("skipped", pa.int16(), nullable=False),
 ]
 
+MODES = ("total", "local")
+"""How a future-effects row ran on (methods §10): ``total`` (every later block computes from the
+changed stream) or ``local`` (each later block reads the clean stream minus block l's update at
+the removed positions: the direct effect only)."""
+
+DEFAULT = b"layerdiv.default"
+"""Field metadata key: the value a column takes in parts written before it existed (read as
+null where a field has none)."""
+
+_FUTURE_EFFECT_VALUES = [
+    pa.field("block", pa.int16(), nullable=False),
+    pa.field("rel_change", pa.float32(), nullable=False),
+]
+
 FUTURE_EFFECTS = _schema(
     "future_effects",
     [
         *_SKIP_KEY,
-        pa.field("block", pa.int16(), nullable=False),
-        pa.field("rel_change", pa.float32(), nullable=False),
+        pa.field(
+            "mode",
+            pa.dictionary(pa.int8(), pa.string()),
+            nullable=False,
+            metadata={DEFAULT: b"total"},
+        ),
+        *_FUTURE_EFFECT_VALUES,
     ],
 )
 """Optional (``extract --skips`` on a text task; methods §9, future effects). One row
@@ -343,8 +371,11 @@ per (doc, split, sublayer, skipped, block).
 - ``sublayer``: one of :data:`SUBLAYERS`, what was skipped.
 - ``skipped``: block l whose output (or sublayer's addition) was replaced by its input at
   positions 1..t-1 (every position but the first with ``--skip-split all``).
+- ``mode`` (version 5): one of :data:`MODES`; ``total`` in stores of version 4.
 - ``block``: affected block j.
-- ``rel_change``: max over p >= t of ||d'_j - d_j|| / max(||d_j||, 1e-6).
+- ``rel_change``: max over p >= t of ||d'_j - d_j|| / max(||d_j||, 1e-6), d' the updates of the
+  run of its ``mode`` (``local``: what block j computes from the clean stream minus block l's
+  update at the removed positions, before its output is set back to that stream; methods §10).
 """
 
 FUTURE_OUTPUT = _schema(
@@ -417,7 +448,7 @@ VECTOR_TABLES = ("states",)
 """Tables of vectors whose width differs between partitions: not in the query views."""
 
 SKIP_KEYS = {
-    "future_effects": (*(f.name for f in _SKIP_KEY), "block"),
+    "future_effects": (*(f.name for f in _SKIP_KEY), "mode", "block"),
     "future_output": tuple(f.name for f in _SKIP_KEY),
 }
 """The key columns of the future-effects tables: no two rows of a part share them (readers
@@ -488,6 +519,8 @@ _TABLES_V2 = {**_TABLES_V3, "instances": _schema("instances", _INSTANCE_FIELDS_V
 _TABLES_V4 = {
     **{t: s for t, s in TABLES.items() if t != "states"},
     "tokens": _schema("tokens", _TOKEN_FIELDS_V4, version=4),
+    "token_blocks": _schema("token_blocks", _TOKEN_BLOCK_FIELDS_V4, version=4),
+    "future_effects": _schema("future_effects", [*_SKIP_KEY, *_FUTURE_EFFECT_VALUES], version=4),
 }
 
 

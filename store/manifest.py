@@ -237,10 +237,12 @@ class Manifest:
         whole rows per instance."""
         expected = self.expected_rows(count, n_tokens)
         effects, output = (rows.get(t) for t in FUTURE.tables["text"])
-        if effects is not None and output is not None and effects != output * self.n_blocks:
+        # a row per block and mode (total, local) of each (total) future_output row
+        modes = len(self.settings.get(FUTURE.name, {}).get("skip_modes") or ["total"])
+        if effects is not None and output is not None and effects != output * self.n_blocks * modes:
             return "future_effects", (
                 f"{effects} rows where the chunk's {output} future_output rows need "
-                f"{output * self.n_blocks} (one per block)"
+                f"{output * self.n_blocks * modes} (one per block and mode)"
             )
         for table, found in rows.items():
             if table in expected and found != expected[table]:

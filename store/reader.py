@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 from layerdiv.errors import LayerdivError, one_line
 from layerdiv.measurements import kind_of_table, measurement_of, optional_tables, table_schemas
 from layerdiv.schemas import (
+    DEFAULT,
     KINDS,
     VECTOR_TABLES,
     Kind,
@@ -123,10 +124,14 @@ class PartitionInfo(Generic[StorePath]):
         wanted: list[str] = list(columns)
         key: list[str] = list(unique)
         read = list(dict.fromkeys([*wanted, *key]))
+        schema = table_schemas()[table]
+        older = set(read) - set(tables_of(self.manifest.schema_version)[table].names)
         for path in self.files(table):
             keys = []
             with _naming(path, self.where):
-                for batch in read_batches(path, read, rows):
+                for batch in _with_defaults(
+                    read_batches(path, [c for c in read if c not in older], rows), schema, read
+                ):
                     if key:
                         keys.append(batch.select(key))
                     yield batch if read == wanted else batch.select(wanted)
@@ -659,13 +664,22 @@ class Store:
                 ),
                 partition_base_dir=base,
             )
+            # Parts of older layouts lack folder levels: their key columns read as ABSENT says;
+            # a column older parts lack reads as its declared default (schemas.DEFAULT).
             absent = {c for p in whole for c in p.partition.absent}
-            if not absent:
+            fills = {c: ABSENT[c] for c in sorted(absent)}
+            fills.update(
+                {
+                    f.name: f.metadata[DEFAULT].decode()
+                    for f in declared
+                    if DEFAULT in (f.metadata or {})
+                }
+            )
+            if not fills:
                 con.register(table, dataset)
                 continue
-            # Parts of older layouts lack folder levels: their key columns read as ABSENT says.
             con.register(f"_{table}", dataset)
-            filled = ", ".join(f"coalesce({c}, '{ABSENT[c]}') AS {c}" for c in sorted(absent))
+            filled = ", ".join(f"coalesce({c}, '{v}') AS {c}" for c, v in fills.items())
             con.execute(f"CREATE VIEW {table} AS SELECT * REPLACE ({filled}) FROM _{table}")
         con.register("manifests", self.manifests(models, tasks).to_arrow())
         con.register("models", self.models(models, tasks).to_arrow())
@@ -759,12 +773,16 @@ def mean_loss(store: Store, parts: Sequence[PartitionInfo[Any]]) -> pl.DataFrame
 
 def scan_parts(files: Sequence[StorePath], schema: pa.Schema, where: str) -> pl.LazyFrame:
     """A Polars LazyFrame over Parquet part files of one table (``schema``: today's columns; a
-    column an older part lacks is null), read file by file through Arrow with every page's
-    checksum verified (Polars' own reader does not verify them): a part that cannot be read is a
-    ``StoreError`` naming it and ``where`` (its partition)."""
+    column an older part lacks is null, or its declared default: ``schemas.DEFAULT``), read file
+    by file through Arrow with every page's checksum verified (Polars' own reader does not verify
+    them): a part that cannot be read is a ``StoreError`` naming it and ``where`` (its
+    partition)."""
     from polars.io.plugins import register_io_source
 
     columns = pl.DataFrame(pl.from_arrow(schema.empty_table())).schema
+    defaults = {
+        f.name: f.metadata[DEFAULT].decode() for f in schema if DEFAULT in (f.metadata or {})
+    }
 
     def source(
         with_columns: list[str] | None, predicate: pl.Expr | None, n_rows: int | None, _: Any
@@ -782,7 +800,11 @@ def scan_parts(files: Sequence[StorePath], schema: pa.Schema, where: str) -> pl.
                 present = [c for c in needed if c in file.schema_arrow.names]
                 frame = cast(pl.DataFrame, pl.from_arrow(file.read(present, use_threads=False)))
             frame = frame.with_columns(
-                pl.lit(None, columns[c]).alias(c) for c in needed if c not in present
+                pl.lit(defaults.get(c), pl.String if c in defaults else columns[c])
+                .cast(columns[c])
+                .alias(c)
+                for c in needed
+                if c not in present
             )
             if predicate is not None:
                 frame = frame.filter(predicate)
@@ -791,6 +813,27 @@ def scan_parts(files: Sequence[StorePath], schema: pa.Schema, where: str) -> pl.
             yield frame.select(wanted)
 
     return register_io_source(io_source=source, schema=columns)
+
+
+def _with_defaults(
+    batches: Iterator[pa.RecordBatch], schema: pa.Schema, columns: list[str]
+) -> Iterator[pa.RecordBatch]:
+    """``batches`` with ``columns`` in order, those they lack (a part of an older schema version)
+    filled with the field's declared default (``schemas.DEFAULT``), else null."""
+    for batch in batches:
+        if batch.schema.names == columns:
+            yield batch
+            continue
+        arrays = []
+        for name in columns:
+            if name in batch.schema.names:
+                arrays.append(batch.column(name))
+                continue
+            f = schema.field(name)
+            value = (f.metadata or {}).get(DEFAULT)
+            fill = pa.array([None if value is None else value.decode()] * batch.num_rows)
+            arrays.append(fill.cast(f.type))
+        yield pa.RecordBatch.from_arrays(arrays, names=columns)
 
 
 def _repeats(keys: pa.Table) -> bool:

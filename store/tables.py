@@ -189,14 +189,14 @@ def tokens_table(
     )
 
 
-TOKEN_BLOCK_VALUES = ("hh", "aa", "mm", "ha", "hm", "am", "dd_next", "h_final")
+TOKEN_BLOCK_VALUES = ("hh", "aa", "mm", "ha", "hm", "am", "dd_next", "h_final", "h_embed")
 """The float columns of :data:`~layerdiv.schemas.TOKEN_BLOCKS`, in the order
 :func:`token_blocks_table` takes them."""
 
 
 def token_blocks_table(docs: Sequence[int], n_tokens: Sequence[int], dots: np.ndarray) -> pa.Table:
     """Rows (doc, pos, block) of :data:`~layerdiv.schemas.TOKEN_BLOCKS`; ``dots`` is
-    (sum n_tokens, L, 8): per token (documents in order) and block the values of
+    (sum n_tokens, L, 9): per token (documents in order) and block the values of
     :data:`TOKEN_BLOCK_VALUES` (``dd_next`` NaN, stored as null, at the last block)."""
     n, blocks, _ = dots.shape
     doc, pos = _token_key(docs, n_tokens)
@@ -207,7 +207,7 @@ def token_blocks_table(docs: Sequence[int], n_tokens: Sequence[int], dots: np.nd
             "pos": pa.array(np.repeat(pos, blocks)),
             "block": pa.array(np.tile(np.arange(blocks, dtype=np.int16), n)),
             **{
-                c: _floats(values[:, i], nullable=c == "dd_next")
+                c: _floats(values[:, i], nullable=TOKEN_BLOCKS.field(c).nullable)
                 for i, c in enumerate(TOKEN_BLOCK_VALUES)
             },
         },

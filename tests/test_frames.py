@@ -34,8 +34,9 @@ LENS_STATISTICS = ("kl", "ce")
 slices, the log-sum-exp read at the top-five's first index): equal to float32 rounding, every
 other column exactly."""
 
-ADDED = {"tokens": {"loss"}}
-"""Columns added since the frames were recorded (schema version 5: the model's own loss)."""
+ADDED = {"tokens": {"loss"}, "future_effects": {"mode"}, "token_blocks": {"h_embed"}}
+"""Columns added since the frames were recorded (schema version 5: the model's own loss, the
+future effects' mode, h_l . h_0 of the progress proj)."""
 
 
 def _task(kind: str, folder: Path, make_task: Any) -> Path:

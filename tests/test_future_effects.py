@@ -21,6 +21,7 @@ from polars.testing import assert_frame_equal
 
 from layerdiv.analyze.api import analyze
 from layerdiv.cli import main
+from layerdiv.extract.adapters import adapter_for, get_module, prepare_model
 from layerdiv.store import Store
 from tests.test_text_extract import extract, random_texts, refused, text_task
 
@@ -42,7 +43,7 @@ def run(model: Any, ids: list[int], hook: Any = None) -> tuple[list[torch.Tensor
         h = args[0] if args else kwargs["hidden_states"]
         updates.append(((out[0] if isinstance(out, tuple) else out) - h)[0])
 
-    handles = [layer.register_forward_hook(keep, with_kwargs=True) for layer in model.model.layers]
+    handles = [layer.register_forward_hook(keep, with_kwargs=True) for layer in layers_of(model)]
     if hook is not None:
         handles.append(hook[0].register_forward_hook(hook[1], with_kwargs=True, prepend=True))
     try:
@@ -54,10 +55,16 @@ def run(model: Any, ids: list[int], hook: Any = None) -> tuple[list[torch.Tensor
     return updates, torch.softmax(logits, dim=-1)
 
 
+def layers_of(model: Any) -> list[Any]:
+    """The model's decoder blocks, found through its family's adapter."""
+    return list(get_module(model, adapter_for(prepare_model(model).config).blocks))
+
+
 def removal(model: Any, block: int, sublayer: str, lo: int, hi: int) -> tuple[Any, Any]:
     """A forward hook removing ``sublayer`` of ``block`` at positions lo..hi-1."""
-    layer = model.model.layers[block]
-    module = {"block": layer, "attn": layer.self_attn, "mlp": layer.mlp}[sublayer]
+    layer = layers_of(model)[block]
+    adapter = adapter_for(model.config)
+    module = layer if sublayer == "block" else get_module(layer, getattr(adapter, sublayer))
 
     def hook(mod: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         first = out[0] if isinstance(out, tuple) else out
@@ -75,7 +82,7 @@ def reference(model: Any, ids: list[int], t: int, sublayer: str) -> tuple[np.nda
     """rel_change (L, L) and out_change (L,) of one document and split point t (0: every
     position but the first removed, every position measured)."""
     d, p = run(model, ids)
-    n = len(model.model.layers)
+    n = len(layers_of(model))
     lo, hi, measured = 1, (t if t else len(ids)), t
     rel, out = np.zeros((n, n)), np.zeros(n)
     for block in range(n):
@@ -98,7 +105,7 @@ def check(store: Path, model: Any, tokenizer: Any, texts: list[str], max_tokens:
           sublayers: list[str], split_all: bool = False) -> int:  # fmt: skip
     """Compare every stored row with the reference; return the rows compared."""
     effects, output = stored(store)
-    n = len(model.model.layers)
+    n = len(layers_of(model))
     compared = 0
     for doc, text in enumerate(texts):
         ids = tokenizer(text)["input_ids"][:max_tokens]
@@ -132,7 +139,8 @@ def test_future_effects_match_an_independent_float64_reference(
     assert out.exit_code == 0, out.output
     (info,) = Store(store).partitions
     m = info.manifest
-    want = {"skip_split": "random", "skip_seed": 0, "skip_sublayers": ["block", "attn", "mlp"]}
+    want = {"skip_split": "random", "skip_seed": 0, "skip_sublayers": ["block", "attn", "mlp"],
+            "skip_modes": ["total"]}  # fmt: skip
     assert m.settings["future_effects"] == want
     assert {"future_effects", "future_output"} <= set(info.tables)
     model = build_model("llama").to(torch.float64)

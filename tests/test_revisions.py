@@ -141,6 +141,9 @@ def to_version_4(root: Path) -> None:
     old = tables_of(4)["tokens"]
     for part in root.glob("tokens/model=*/task=*/*.parquet"):
         pq.write_table(pq.read_table(part).drop(["loss"]).cast(old), part)
+    for part in root.glob("token_blocks/model=*/task=*/*.parquet"):  # nor h_embed
+        table = pq.read_table(part).drop(["h_embed"])
+        pq.write_table(table.cast(tables_of(4)["token_blocks"]), part)
 
 
 def test_a_version_4_store_reads_as_revision_main(tmp_path: Path) -> None:

@@ -89,6 +89,9 @@ def reference_geometry(h0: np.ndarray, attn: np.ndarray, mlp: np.ndarray) -> dic
         "theta_state": deg(cos(h, h_next)),
         "theta_update": theta_update,
         "angle_final": deg(cos(h, np.broadcast_to(h_last, h.shape))),
+        # methods §10: <h_l - h_0, h_L - h_0> / ||h_L - h_0||^2
+        "proj": np.sum((h - h0[:, None]) * (h_last - h0[:, None]), axis=-1)
+        / np.sum((h_last - h0[:, None]) ** 2, axis=-1),
     }
 
 
@@ -128,10 +131,16 @@ def test_geometry_table_is_token_weighted_means_and_maxima(text) -> None:
     np.testing.assert_allclose(table["relative_depth"], np.arange(1, 7) / 6)
     for column in GEOMETRY:
         np.testing.assert_allclose(
-            table[f"{column}_mean"].fill_null(np.nan), np.nanmean(ref[column], axis=0), rtol=TOL
+            table[f"{column}_mean"].fill_null(np.nan),
+            np.nanmean(ref[column], axis=0),
+            rtol=TOL,
+            atol=1e-12,  # proj is 0 at block 0, the reference 0 to rounding
         )
         np.testing.assert_allclose(
-            table[f"{column}_max"].fill_null(np.nan), np.nanmax(ref[column], axis=0), rtol=TOL
+            table[f"{column}_max"].fill_null(np.nan),
+            np.nanmax(ref[column], axis=0),
+            rtol=TOL,
+            atol=1e-12,
         )
 
 
@@ -232,7 +241,7 @@ def test_report_sections_draw_their_figures(text, tmp_path) -> None:
     )
     lens = lens_rows.with_columns(kl=pl.lit(0.5), top5_overlap=pl.lit(0.4), ce=pl.lit(2.0))
     skips = pl.DataFrame(
-        {"sublayer": ["block"] * 36, "skipped": [i // 6 for i in range(36)],
+        {"sublayer": ["block"] * 36, "mode": ["total"] * 36, "skipped": [i // 6 for i in range(36)],
          "block": [i % 6 for i in range(36)], "rel_change_max": np.linspace(0, 1, 36),
          "rel_change_mean": np.linspace(0, 0.5, 36), "n": [4] * 36}
     )  # fmt: skip

@@ -62,7 +62,7 @@ def random_texts(n: int, seed: int = 0) -> list[str]:
 
 
 def reference(model: Any, ids: list[int]) -> np.ndarray:
-    """(T, L, 8) of one document from a plain float64 forward pass: h_l from
+    """(T, L, 9) of one document from a plain float64 forward pass: h_l from
     ``output_hidden_states``, a and m from forward hooks on each block's attention and MLP (the
     modules the family's adapter names), and h_L = h_(L-1) + a_(L-1) + m_(L-1) (the hidden state
     HF returns last is after the norm)."""
@@ -95,11 +95,13 @@ def reference(model: Any, ids: list[int]) -> np.ndarray:
         x = (hs[i], a[i], m[i])
         dd = (d[i] * d[i + 1]).sum(-1) if i + 1 < n else torch.full_like(hs[i][:, 0], np.nan)
         pairs = [(x[p] * x[q]).sum(-1) for p, q in ((0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2))]
-        rows.append(torch.stack([*pairs, dd, (hs[i] * final).sum(-1)], dim=-1))
+        rows.append(
+            torch.stack([*pairs, dd, (hs[i] * final).sum(-1), (hs[i] * hs[0]).sum(-1)], dim=-1)
+        )
     return torch.stack(rows, dim=1).numpy()
 
 
-COLUMNS = ["hh", "aa", "mm", "ha", "hm", "am", "dd_next", "h_final"]
+COLUMNS = ["hh", "aa", "mm", "ha", "hm", "am", "dd_next", "h_final", "h_embed"]
 
 
 def geometry(v: np.ndarray) -> dict[str, np.ndarray]:
@@ -139,7 +141,7 @@ def check_against_reference(
         assert (row["n_tokens"], row["truncated"]) == (len(ids), len(full) > max_tokens)
         assert tokens.filter(pl.col("doc") == doc)["token"].to_list() == ids
         got = blocks.filter(pl.col("doc") == doc).select(COLUMNS).to_numpy()
-        got_all.append(got.reshape(len(ids), n_blocks, 8))
+        got_all.append(got.reshape(len(ids), n_blocks, len(COLUMNS)))
         want_all.append(reference(model, ids))
     got, want = np.concatenate(got_all), np.concatenate(want_all)
     # Each dot product to 1e-4 of the product of its two norms (exact up to float32 rounding).
@@ -252,14 +254,16 @@ def reference_lens(model: Any, ids: list[int]) -> np.ndarray:
     the final norm, unembedding and final soft-cap of ``output_hidden_states`` l < L, p_L the
     model's logits."""
     cap = getattr(model.config, "final_logit_softcapping", None)
+    adapter = adapter_for(prepare_model(model).config)
+    norm, head = get_module(model, adapter.final_norm), model.get_output_embeddings()
 
     def readout(h: torch.Tensor) -> torch.Tensor:
-        z = model.lm_head(model.model.norm(h))
+        z = head(norm(h))
         return cap * torch.tanh(z / cap) if cap else z
 
     with torch.no_grad():
         out = model(torch.tensor([ids]), output_hidden_states=True)
-        n = len(model.model.layers)
+        n = len(get_module(model, adapter.blocks))
         final = torch.log_softmax(out.logits[0], -1)
         layers = [torch.log_softmax(readout(out.hidden_states[i][0]), -1) for i in range(n)]
     rows = []

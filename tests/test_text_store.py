@@ -54,7 +54,7 @@ def text_manifest(n: int) -> Manifest:
 
 
 def consistent_dots(rng: np.random.Generator, tokens: int, width: int = 4) -> np.ndarray:
-    """(tokens, BLOCKS, 8) dot products of random vectors h, a, m per token and block, as a
+    """(tokens, BLOCKS, 9) dot products of random vectors h, a, m per token and block, as a
     forward pass stores them (h_(l+1) = h_l + a_l + m_l; dd_next NaN at the last block)."""
     h = rng.normal(size=(tokens, width))
     states, adds = [], []
@@ -63,7 +63,7 @@ def consistent_dots(rng: np.random.Generator, tokens: int, width: int = 4) -> np
         states.append(h)
         adds.append((a, m))
         h = h + a + m
-    dots = np.full((tokens, BLOCKS, 8), np.nan)
+    dots = np.full((tokens, BLOCKS, 9), np.nan)
     for block, (x, (a, m)) in enumerate(zip(states, adds, strict=True)):
         pairs = ((x, x), (a, a), (m, m), (x, a), (x, m), (a, m))
         for i, (u, v) in enumerate(pairs):
@@ -71,6 +71,7 @@ def consistent_dots(rng: np.random.Generator, tokens: int, width: int = 4) -> np
         if block + 1 < BLOCKS:
             dots[:, block, 6] = ((a + m) * sum(adds[block + 1])).sum(-1)
         dots[:, block, 7] = (x * h).sum(-1)
+        dots[:, block, 8] = (x * states[0]).sum(-1)  # h_embed = h_l . h_0
     return dots
 
 

@@ -3,7 +3,9 @@ token-weighted means and maxima of every per-token quantity, from the stored dot
 
 Table ``text_geometry``: per (model, task, block l = 0..L-1): ``relative_depth`` (l + 1) / L,
 ``n_tokens``, and for each of attn_rel, mlp_rel, layer_rel, cos_attn, cos_mlp, cos_layer, cos_io,
-theta_state, theta_update and angle_final (:data:`~layerdiv.analyze.text.GEOMETRY`) its mean
+theta_state, theta_update, angle_final and proj (the progress <h_l - h_0, h_L - h_0> /
+||h_L - h_0||^2, methods §10; null for stores without ``h_embed``)
+(:data:`~layerdiv.analyze.text.GEOMETRY`) its mean
 ``<c>_mean`` (the sum over every token of every document divided by the token count, as the
 depth-efficiency paper's code does; a token where the quantity is undefined, e.g. a cosine of a
 zero vector, is left out of its count) and its maximum ``<c>_max``. Angles are in degrees.
@@ -54,8 +56,9 @@ PANELS = (
     ("cos_layer", "cos(a + m, h)"),
     ("theta_state", "θ(h_l, h_l+1) (°)"),
     ("theta_update", "θ(d_l, d_l+1) (°)"),
+    ("proj", "progress proj_l (0: h_0, 1: h_L)"),
 )
-"""The geometry figure's panels: column and axis label."""
+"""The geometry figure's panels: column and axis label (``proj``: methods §10)."""
 
 
 def _by_model(frame: pl.DataFrame, columns: Iterable[str]) -> pl.DataFrame:
@@ -76,7 +79,7 @@ def _by_model(frame: pl.DataFrame, columns: Iterable[str]) -> pl.DataFrame:
 
 
 def geometry_spec(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
-    """Six panels of token-weighted means (solid) and maxima (dotted, sizes only) against relative
+    """Seven panels of token-weighted means (solid) and maxima (dotted, sizes only) against relative
     depth, models overlaid; sizes on a log axis, angles in plain degrees with 90° marked."""
     columns = [f"{c}_mean" for c, _ in PANELS] + [f"{c}_max" for c, _ in PANELS[:3]]
     means = _by_model(table, columns)
@@ -108,7 +111,7 @@ def geometry_spec(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
     return plots.Figure(
         "Running text: token-weighted means over every token (dotted: maxima), methods §9",
         panels,
-        cols=3,
+        cols=4,
         panel_size=(4.4, 3.4),
     )
 

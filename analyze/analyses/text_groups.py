@@ -240,11 +240,11 @@ def frame_tables(
 def partition_tables(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
     """``text_group_scores`` and ``text_group_slope`` of one partition, its skip tables read
     batch by batch."""
-    rel = maxima(
-        batches(info, "future_effects", [*EFFECT_KEYS, "rel_change"], SKIP_ROWS),
-        EFFECT_KEYS,
-        "rel_change",
+    total = (  # the scores are of the total effects (methods §10; local rows are not)
+        f.filter(pl.col("mode").cast(pl.String) == "total").drop("mode")
+        for f in batches(info, "future_effects", [*EFFECT_KEYS, "mode", "rel_change"], SKIP_ROWS)
     )
+    rel = maxima(total, EFFECT_KEYS, "rel_change")
     out = maxima(
         batches(info, "future_output", [*OUTPUT_KEYS, "out_change"], SKIP_ROWS),
         OUTPUT_KEYS,

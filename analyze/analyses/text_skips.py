@@ -4,14 +4,18 @@ the model predicts after it.
 
 Tables:
 
-- ``text_skips``: per (model, task, sublayer, skipped block l, affected block j): ``n`` (rows:
+- ``text_skips``: per (model, task, sublayer, mode, skipped block l, affected block j): ``n`` (rows:
   documents x split points), ``rel_change_max`` (the maximum over split points and documents, as
   the depth-efficiency paper plots its heatmap) and ``rel_change_mean``; ``relative_depth`` of
   the skipped block (l + 1) / L.
 - ``text_skip_output``: per (model, task, sublayer, skipped block l): ``n``, ``out_change_max``
   (the paper's bars) and ``out_change_mean``, with ``relative_depth``.
 
-``sublayer`` says what was skipped: ``block`` (attention and MLP), ``attn`` or ``mlp``.
+``sublayer`` says what was skipped: ``block`` (attention and MLP), ``attn`` or ``mlp``;
+``mode`` how the model ran on (methods §10): ``total`` (every later block computes from the
+changed stream) or ``local`` (``--skip-mode local``: each later block reads the clean stream minus
+block l's update, the direct effect only). Total minus local is what the blocks between l and j
+pass on: the indirect part of the effect.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from layerdiv.analyze.registry import (
     register,
 )
 from layerdiv.analyze.text import TEXT_KIND, batches, combine, sums, tag, with_table
+from layerdiv.schemas import MODES
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
 
@@ -38,14 +43,14 @@ SKIP_ROWS = 1 << 20
 
 
 def _with_string_sublayer(frame: pl.DataFrame) -> pl.DataFrame:
-    return frame.with_columns(pl.col("sublayer").cast(pl.String))
+    return frame.with_columns(pl.col(c).cast(pl.String) for c in ("sublayer", "mode") if c in frame)
 
 
 def effects_table(info: PartitionInfo) -> pl.DataFrame:
     """``text_skips`` of one partition: rel_change(l, j) = max over p >= t of ||d'_j - d_j|| /
-    max(||d_j||, 1e-6) (methods §9, stored per document and split point), its maximum
-    and mean over split points and documents per (sublayer, l, j)."""
-    keys = ["sublayer", "skipped", "block"]
+    max(||d_j||, 1e-6) (methods §9, stored per document and split point; local: §10), its
+    maximum and mean over split points and documents per (sublayer, mode, l, j)."""
+    keys = ["sublayer", "mode", "skipped", "block"]
     frames = batches(info, "future_effects", [*keys, "rel_change"], SKIP_ROWS)
     table = combine(
         (sums(_with_string_sublayer(f), keys, ["rel_change"]) for f in frames), keys, ["rel_change"]
@@ -100,11 +105,43 @@ def _cell(skipped: int, block: int, last: int, cells: dict[tuple[int, int], floa
     return where + ("—" if value is None else f"max rel_change {value:.3g}")
 
 
+TITLES = {"total": "", "local": " (local: direct only)"}
+"""What each mode's heatmap title adds (methods §10; total minus local is the indirect part)."""
+
+
+def _heatmap(sub: pl.DataFrame, title: str, linear: bool) -> plots.Panel:
+    """The skipped x affected heatmap of the maximum rel_change of ``sub`` (one model, one
+    mode, whole blocks skipped)."""
+    blocks = int(sub["block"].max()) + 1  # type: ignore[arg-type]
+    agg = sub.group_by("skipped", "block").agg(pl.col("rel_change_max").max())
+    cells = {(i, j): v for i, j, v in agg.iter_rows()}
+    last = blocks - 1
+    z = [[None if i == last else cells.get((i, j)) for j in range(blocks)] for i in range(blocks)]
+    hover = [[_cell(i, j, last, cells) for j in range(blocks)] for i in range(blocks)]
+    heat = plots.Heatmap(
+        z,
+        list(range(blocks)),
+        list(range(blocks)),
+        "max rel_change" + ("" if linear else " (log scale)"),
+        log=not linear,
+        hover=hover,
+        origin="lower",
+    )
+    return plots.Panel(
+        title,
+        heatmap=heat,
+        xlabel="affected block j",
+        ylabel="skipped block l",
+        notes=[f"row l = {last}: no later block, 0 by construction"],
+    )
+
+
 def skips_spec(
     effects: pl.DataFrame, output: pl.DataFrame, names: dict[str, str], linear: bool = False
 ) -> plots.Figure:
     """Per model (one row of panels each): the skipped x affected heatmap of the maximum
-    rel_change (whole blocks skipped), and the out_change bars per skipped block (maximum; the
+    rel_change (whole blocks skipped; with ``--skip-mode local`` the local one beside it), and the
+    out_change bars per skipped block (maximum; the
     mean as a second bar), over the model's text tasks.
 
     The heatmap's colours are log10 of rel_change by default: a few cells near the embedding,
@@ -115,32 +152,9 @@ def skips_spec(
     for model in sorted(effects["model"].unique()):
         name = names.get(model, model)
         sub = effects.filter((pl.col("model") == model) & (pl.col("sublayer") == "block"))
-        blocks = int(sub["block"].max()) + 1  # type: ignore[arg-type]
-        agg = sub.group_by("skipped", "block").agg(pl.col("rel_change_max").max())
-        cells = {(i, j): v for i, j, v in agg.iter_rows()}
-        last = blocks - 1
-        z = [
-            [None if i == last else cells.get((i, j)) for j in range(blocks)] for i in range(blocks)
-        ]
-        hover = [[_cell(i, j, last, cells) for j in range(blocks)] for i in range(blocks)]
-        heat = plots.Heatmap(
-            z,
-            list(range(blocks)),
-            list(range(blocks)),
-            "max rel_change" + ("" if linear else " (log scale)"),
-            log=not linear,
-            hover=hover,
-            origin="lower",
-        )
-        panels.append(
-            plots.Panel(
-                f"{name}: effect on later blocks",
-                heatmap=heat,
-                xlabel="affected block j",
-                ylabel="skipped block l",
-                notes=[f"row l = {last}: no later block, 0 by construction"],
-            )
-        )
+        for mode in sorted(sub["mode"].unique(), key=MODES.index):
+            title = f"{name}: effect on later blocks" + TITLES[mode]
+            panels.append(_heatmap(sub.filter(pl.col("mode") == mode), title, linear))
         out = (
             output.filter(pl.col("model") == model)
             .group_by("sublayer", "skipped")
