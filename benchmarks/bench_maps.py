@@ -21,7 +21,8 @@ solver's alone.
 target layer, at the full widths and token counts: a fraction of the work whose cost is linear
 in the source layers (per source layer one Gram matrix and factorisation, per pair the same
 products), extrapolated to every pair by the FLOP count (``map_flops``) at the measured rate.
-``--quick``: tiny sizes, seconds.
+``--quick``: tiny sizes, seconds. The figures are written to ``docs/benchmarks/bench_maps.json``
+(rendered into docs/benchmarks.md by ``scripts/bench_tables.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from common import add_quick, record
 
 from layerdiv.analyze.layer_maps import fit_maps, map_flops
 
@@ -116,7 +118,7 @@ def main() -> None:
         default=None,
         help="map only the first K source states (a fraction, extrapolated by FLOPs)",
     )
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
+    add_quick(parser)
     args = parser.parse_args()
     shape = dict(QUICK if args.quick else PAPER)
     shape["d_a"] //= args.width_divisor
@@ -134,13 +136,14 @@ def main() -> None:
         print(f"ran: source states 0..{sources - 1} of {shape['l_a']} and source updates "
               f"0..{sources - 2} of {shape['l_a'] - 1}, each onto every target layer; the "
               "rest extrapolated by FLOPs")  # fmt: skip
-    results = []
+    results, rows, loads = [], [], [os.getloadavg()[0]]
     for scale in (0.5, 1.0):
         n_t, n_h = int(train * scale), int(heldout * scale)
         wall, cpu, flops = run(shape, n_t, n_h, args.pool, sources)
         at_rate = flops / rate
         results.append((n_t + n_h, cpu))
         at_cpu = flops / cpu_rate
+        loads.append(os.getloadavg()[0])
         print(
             f"{n_t} + {n_h} tokens: {wall:.1f} s wall ({cpu:.1f} s CPU), {flops:.3g} FLOPs -> "
             f"{at_rate:.1f} s wall ({at_cpu:.1f} s CPU) at the GEMM rate; ratio "
@@ -154,6 +157,8 @@ def main() -> None:
             print(f"  every pair: {every:.3g} FLOPs -> {every / rate:.0f} s wall at the GEMM "
                   f"rate; ours extrapolated at the measured rate: {wall * every / flops:.0f} s "
                   f"wall ({cpu * every / flops:.0f} s CPU)")  # fmt: skip
+        rows.append([f"{n_t:,} + {n_h:,}", wall, cpu, flops / 1e12, at_rate, wall / at_rate,
+                     cpu / at_cpu, 2.0])  # fmt: skip
     (n0, t0), (n1, t1) = results
     print(f"CPU time per token: {t0 / n0 * 1e3:.3f} ms at {n0}, {t1 / n1 * 1e3:.3f} ms at {n1} "
           f"tokens (ratio {t1 / n1 / (t0 / n0):.2f}; 1 is linear)")  # fmt: skip
@@ -165,6 +170,27 @@ def main() -> None:
         )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"peak memory (max RSS): {peak:.2f} GiB (target <= 8)")
+    record(
+        "bench_maps",
+        [
+            "train + held-out tokens",
+            "wall s",
+            "CPU s",
+            "TFLOP",
+            "wall s at the GEMM rate",
+            "wall ratio",
+            "CPU ratio",
+            "target",
+        ],
+        rows,
+        loads,
+        formats=["", ".1f", ".1f", ".2f", ".1f", ".2f", ".2f", ".0f"],
+        shape=shape,
+        source_layers=sources,
+        gemm_gflops={"wall": rate / 1e9, "cpu": cpu_rate / 1e9},
+        linearity=t1 / n1 / (t0 / n0),
+        peak_gib=peak,
+    )
     print(
         "the paper's maps (AdamW, one per source layer, on GPUs): about 80 GPU-days, as a "
         "third-party summary puts it"
