@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -133,7 +134,22 @@ def readme_text(results: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-SPECIAL: dict[str, Callable[[Path], str]] = {"readme-text": readme_text}
+def cluster_median(results: Path) -> str:
+    """The medians of ``bench_cluster``'s Ray and local wall times, and their ratio."""
+    result = load("bench_cluster", results)
+    local, ray = (
+        statistics.median(row[result["columns"].index(column)] for row in result["rows"])
+        for column in ("local wall s", "ray wall s")
+    )
+    return (
+        f"Median Ray / local: {ray:.1f} / {local:.1f} = {ray / local:.2f} (target: at most 1.3).\n"
+    )
+
+
+SPECIAL: dict[str, Callable[[Path], str]] = {
+    "readme-text": readme_text,
+    "cluster-median": cluster_median,
+}
 """Regions rendered otherwise than as a results file's whole table."""
 
 
