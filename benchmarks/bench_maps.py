@@ -129,7 +129,7 @@ def main() -> None:
     print(f"source d {shape['d_a']} x {shape['l_a']} states, target d {shape['d_b']} x "
           f"{shape['l_b']} states: {pairs} pairs (states and updates); {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f} (other work shares this machine)")  # fmt: skip
-    rate, cpu_rate = gemm_rate(shape["d_a"], shape["d_b"])
+    rate, cpu_rate = gemm_rate(shape["d_a"], shape["d_b"], repeats=10)
     print(f"numpy float64 GEMM rate: {rate / 1e9:.1f} GFLOP/s per wall second, "
           f"{cpu_rate / 1e9:.1f} per CPU second")  # fmt: skip
     sources = min(args.source_layers or shape["l_a"], shape["l_a"])
