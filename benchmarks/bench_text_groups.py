@@ -11,18 +11,22 @@ Prints wall and CPU seconds of each stage.
     python benchmarks/bench_text_groups.py [--quick] [--docs 500] [--groups 5] [--blocks 30]
         [--splits 4] [--resamples 1000]
 
-``--quick``: 100 documents per group and 12 blocks.
+``--quick``: 100 documents per group and 12 blocks. The figures are written to
+``docs/benchmarks/bench_text_groups.json`` (rendered into docs/benchmarks.md). Target: the whole
+in under 10 s.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 import numpy as np
 import polars as pl
+from common import add_quick, record
 
 from layerdiv.analyze.analyses import text_groups
 
@@ -63,19 +67,22 @@ def synthetic(docs: int, blocks: int, splits: int, groups: int) -> tuple[pl.Data
     return effects, output, documents
 
 
+STAGES: list[list[object]] = []
+"""(stage, wall seconds, CPU seconds) of each :func:`timed` call, in order."""
+
+
 def timed(label: str, fn: Callable[[], T]) -> T:
     wall, cpu = time.perf_counter(), time.process_time()
     result = fn()
-    print(
-        f"{label:<44} wall {time.perf_counter() - wall:7.2f} s   "
-        f"cpu {time.process_time() - cpu:7.2f} s"
-    )
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    print(f"{label:<44} wall {wall:7.2f} s   cpu {cpu:7.2f} s")
+    STAGES.append([label.strip(), wall, cpu])
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true")
+    add_quick(parser)
     parser.add_argument("--docs", type=int, default=500, help="documents per group")
     parser.add_argument("--groups", type=int, default=5)
     parser.add_argument("--blocks", type=int, default=30)
@@ -91,7 +98,7 @@ def main() -> None:
         f"{args.docs} documents x {args.groups} groups, {args.blocks} blocks, {args.splits} "
         f"split points ({effects.height:,} future_effects rows), {args.resamples} resamples"
     )
-    start = time.perf_counter()
+    start, start_cpu, loads = time.perf_counter(), time.process_time(), [os.getloadavg()[0]]
     rel = timed(
         "maxima over split points (Polars)",
         lambda: text_groups.maxima([effects], text_groups.EFFECT_KEYS, "rel_change"),
@@ -104,9 +111,23 @@ def main() -> None:
         "scores, bootstrap intervals, slopes (numpy)",
         lambda: text_groups.frame_tables(rel, out, documents, args.blocks),
     )
-    print(f"{'total':<44} wall {time.perf_counter() - start:7.2f} s")
+    wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    print(f"{'total':<44} wall {wall:7.2f} s   cpu {cpu:7.2f} s   (target: under 10 s)")
+    loads.append(os.getloadavg()[0])
     print(scores.select("group", "effect", "n_scored", "paper_score", "mean_low", "mean_high"))
     print(slopes)
+    record(
+        "bench_text_groups",
+        ["stage", "wall s", "CPU s"],
+        [*STAGES, ["total (target: under 10 s)", wall, cpu]],
+        loads,
+        formats=["", ".2f", ".2f"],
+        documents=n,
+        groups=args.groups,
+        blocks=args.blocks,
+        splits=args.splits,
+        resamples=args.resamples,
+    )
 
 
 if __name__ == "__main__":
