@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from layerdiv.extract.future import SPLIT_MARGIN, SPLIT_STEP, SPLITS
+from layerdiv.measurements import measurement_of
 
 CPU_FLOPS = 226.8e9 / 1.35
 """FLOP rate of a plain forward on 2 CPU cores: SmolLM2-135M in fp32, 226.8 GFLOP in 1.35 s wall
@@ -134,9 +135,6 @@ def run_seconds(
     return total
 
 
-TABLE_OPTION = {"heads": "heads", "gram": "gram", "skips": "skips", "lens": "lens",
-                "token_lens": "lens", "future_effects": "skips"}  # fmt: skip
-"""The option that writes each optional table (its cost is the option's)."""
 SAMPLE = 256
 """Prompts tokenized to estimate a choice task's prompt lengths."""
 
@@ -152,7 +150,8 @@ def job(
     """A task's job for :func:`run_seconds`: its options (from the optional ``tables`` it
     writes) and its sequences' token counts (a text task's documents, or a choice task's prompts,
     :data:`SAMPLE` of them tokenized and the mean taken for the others)."""
-    options = {TABLE_OPTION[t] for t in tables if t in TABLE_OPTION}
+    # the option that writes each table, where it costs more than its copies (OPTIONS)
+    options = {measurement_of(t).dest for t in tables} & set(OPTIONS[kind])
     named = sorted(f"lens {lens}" if o == "lens" and lens == "last-block" else o for o in options)
     if documents is not None:
         return kind, named, [len(d) for d in documents]

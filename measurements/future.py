@@ -3,7 +3,7 @@ positions before a split point (methods §9; ``future_effects`` and ``future_out
 with the settings ``--skip-split``, ``--skip-sublayer`` and ``--skip-seed`` (recorded in the
 manifest, compared on a rerun)."""
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import click
@@ -111,6 +111,21 @@ def future_tables(
     }
 
 
+def future_row_counts(
+    rows: Mapping[str, int], blocks: int, settings: Mapping[str, Any]
+) -> tuple[str, str] | None:
+    """``future_effects`` holds a row per block and mode (total, local) of each (total)
+    ``future_output`` row of the chunk."""
+    effects, output = rows.get("future_effects"), rows.get("future_output")
+    modes = len(settings.get("skip_modes") or ["total"])
+    if effects is None or output is None or effects == output * blocks * modes:
+        return None
+    return "future_effects", (
+        f"{effects} rows where the chunk's {output} future_output rows need "
+        f"{output * blocks * modes} (one per block and mode)"
+    )
+
+
 def future_rows(docs: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
     """The tables of documents ``docs`` from each one's future effects
     (``layerdiv.extract.future.FutureRows``: split, sublayer, skipped, mode, rel_change,
@@ -184,5 +199,6 @@ FUTURE = register(
         legacy=True,
         readout=("text",),
         rows=future_rows,
+        check_rows=future_row_counts,
     )
 )

@@ -83,6 +83,10 @@ Attach = Callable[[Any, Any, Mapping[str, Any]], Capture]
 Rows = Callable[[Sequence[int], Sequence[Any]], dict[str, pa.Table]]
 """(instances or documents, ascending; the capture's value of each) -> its tables."""
 
+CheckRows = Callable[[Mapping[str, int], int, Mapping[str, Any]], tuple[str, str] | None]
+"""(the row count of each table of one chunk's parts, the model's blocks, the measurement's
+settings) -> (the first table whose count cannot be right, what is wrong), or None."""
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -132,6 +136,10 @@ class Measurement:
     this package does not import)."""
     rows: Rows | None = None
     """How its rows are built from :attr:`attach`'s values."""
+    check_rows: CheckRows | None = None
+    """How the row counts of its tables in one chunk relate (read from the parts' footers when
+    a store is opened: every reader relies on it); None: only whole rows per instance of a
+    choice task are checked."""
 
     def attach_to(self, model: Any, adapter: Any, settings: Mapping[str, Any]) -> Capture:
         """:attr:`attach`'s hooks on ``model``, attached (the named ones imported first)."""

@@ -9,8 +9,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from layerdiv.measurements import all_optional_tables, measurement_of
-from layerdiv.measurements.future import FUTURE
+from layerdiv.measurements import all_optional_tables, for_kind, measurement_of
 from layerdiv.measurements.lens import LENS
 from layerdiv.measurements.registry import SETTINGS_KEY, legacy_settings
 from layerdiv.schemas import KINDS, SCHEMA_VERSION, SchemaError, check_version
@@ -232,18 +231,15 @@ class Manifest:
     ) -> tuple[str, str] | None:
         """The first table of a chunk of ``count`` instances (documents of ``n_tokens`` tokens)
         whose part's ``rows`` (by table) cannot be right, with what is wrong; None when every
-        one can. Fixed sizes (:meth:`expected_rows`) are checked exactly; ``future_effects``
-        holds a row per block of each ``future_output`` row; a choice task's other tables need
-        whole rows per instance."""
+        one can: what each measurement declares (``Measurement.check_rows``), then the fixed
+        sizes (:meth:`expected_rows`) exactly; a choice task's other tables need whole rows per
+        instance."""
         expected = self.expected_rows(count, n_tokens)
-        effects, output = (rows.get(t) for t in FUTURE.tables["text"])
-        # a row per block and mode (total, local) of each (total) future_output row
-        modes = len(self.settings.get(FUTURE.name, {}).get("skip_modes") or ["total"])
-        if effects is not None and output is not None and effects != output * self.n_blocks * modes:
-            return "future_effects", (
-                f"{effects} rows where the chunk's {output} future_output rows need "
-                f"{output * self.n_blocks * modes} (one per block and mode)"
-            )
+        for m in for_kind(self.kind):
+            if m.check_rows is not None:
+                wrong = m.check_rows(rows, self.n_blocks, self.settings.get(m.name, {}))
+                if wrong is not None:
+                    return wrong
         for table, found in rows.items():
             if table in expected and found != expected[table]:
                 return table, f"{found} rows where the chunk needs {expected[table]}"
