@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from click.testing import CliRunner
 from polars.testing import assert_frame_equal
 
 from layerdiv.cli import main
-from layerdiv.measurements import Measurement, Setting, register, unregister
+from layerdiv.measurements import Attachment, Measurement, Setting, register, unregister
 from layerdiv.store import Store
 
 BLOCK_NORMS_SCHEMA = pa.schema(
@@ -44,12 +44,12 @@ class BlockNorms:
     """Forward hooks on every decoder block; the p-norm of each block's output at the last
     position (prompts are left-padded, so that is the last prompt token)."""
 
-    def __init__(self, model: Any, adapter: Any, settings: Mapping[str, Any]) -> None:
+    def __init__(self, ctx: Attachment) -> None:
         from layerdiv.extract.adapters import get_module
 
-        self.ord = int(settings["norm_ord"])
+        self.ord = int(ctx.settings["norm_ord"])
         self.norms: list[Any] = []
-        blocks = get_module(model, adapter.blocks)
+        blocks = get_module(ctx.model, ctx.adapter.blocks)
         self.handles = [b.register_forward_hook(self._hook) for b in blocks]
 
     def _hook(self, module: Any, args: Any, out: Any) -> None:
