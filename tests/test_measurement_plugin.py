@@ -214,6 +214,20 @@ def test_a_measurement_outside_the_package(
     assert refused.exit_code == 1 and "norm_ord" in refused.output, refused.output
 
 
+def test_its_values_are_of_the_model_pass_alone_beside_the_skips(
+    registered: Measurement, tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    """Hooks not bound to the decomposition see the passes with each block skipped (``--skips``
+    runs them after the model's own pass): their values are taken before those run."""
+    task = make_task(tmp_path / "task", n=6)
+    args = ["--model", str(model_dirs("llama")), "--task", str(task), "--batch-size", "3"]
+    for name, flags in (("plain", []), ("skips", ["--skips"])):
+        done = invoke("extract", *args, "--store", str(tmp_path / name), "--block-norms", *flags)
+        assert done.exit_code == 0, done.output
+    assert Store(tmp_path / "skips").scan("skips").collect().height > 0
+    assert_frame_equal(norms(tmp_path / "skips"), norms(tmp_path / "plain"))
+
+
 def test_a_setting_without_its_measurement_and_a_wrong_kind_are_refused(
     registered: Measurement, tmp_path: Path, model_dirs: Any
 ) -> None:
