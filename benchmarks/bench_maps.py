@@ -17,10 +17,10 @@ solver's alone.
         [--source-layers K] [--quick]
 
 ``--train``/``--heldout`` give the larger token count; the smaller one is half of it.
-``--source-layers K``: map only the first K source states (and K - 1 source updates) onto every
-target layer, at the full widths and token counts: a fraction of the work whose cost is linear
-in the source layers (per source layer one Gram matrix and factorisation, per pair the same
-products), extrapolated to every pair by the FLOP count (``map_flops``) at the measured rate.
+``--source-layers K``: map only the first K source states and the first K source updates onto
+every target layer, at the full widths and token counts: a fraction of the work whose cost is
+linear in the source layers (per source layer one Gram matrix and factorisation, per pair the
+same products), extrapolated to every pair by the FLOP count (``map_flops``) at the measured rate.
 ``--quick``: tiny sizes, seconds. The figures are written to ``docs/benchmarks/bench_maps.json``
 (rendered into docs/benchmarks.md by ``scripts/bench_tables.py``).
 """
@@ -87,7 +87,7 @@ def gemm_rate(d_a: int, d_b: int, rows: int = 4096, repeats: int = 3) -> tuple[f
 def run(
     shape: dict[str, int], train: int, heldout: int, pool: int, sources: int
 ) -> tuple[float, float, float]:
-    """Every pair of the first ``sources`` source states (and their updates) with every target
+    """Every pair of the first ``sources`` source states (and as many updates) with every target
     layer, at ``train`` + ``heldout`` tokens: (wall seconds, CPU seconds, FLOPs)."""
     rng = np.random.default_rng(1)
     src = rng.standard_normal((pool, shape["d_a"])).astype(np.float16)
@@ -95,7 +95,8 @@ def run(
     flops = 0.0
     wall, cpu = time.perf_counter(), time.process_time()
     for updates in (False, True):
-        a, b = PoolLayers(src, sources, updates), PoolLayers(tgt, shape["l_b"], updates)
+        layers = min(sources + 1, shape["l_a"]) if updates else sources
+        a, b = PoolLayers(src, layers, updates), PoolLayers(tgt, shape["l_b"], updates)
         fit_maps(a, b, train, heldout)
         flops += map_flops(a.width, b.width, a.n_layers, b.n_layers, train, heldout)
     return time.perf_counter() - wall, time.process_time() - cpu, flops
@@ -128,13 +129,13 @@ def main() -> None:
     print(f"source d {shape['d_a']} x {shape['l_a']} states, target d {shape['d_b']} x "
           f"{shape['l_b']} states: {pairs} pairs (states and updates); {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f} (other work shares this machine)")  # fmt: skip
-    rate, cpu_rate = gemm_rate(shape["d_a"], shape["d_b"])
+    rate, cpu_rate = gemm_rate(shape["d_a"], shape["d_b"], repeats=10)
     print(f"numpy float64 GEMM rate: {rate / 1e9:.1f} GFLOP/s per wall second, "
           f"{cpu_rate / 1e9:.1f} per CPU second")  # fmt: skip
     sources = min(args.source_layers or shape["l_a"], shape["l_a"])
     if sources < shape["l_a"]:
         print(f"ran: source states 0..{sources - 1} of {shape['l_a']} and source updates "
-              f"0..{sources - 2} of {shape['l_a'] - 1}, each onto every target layer; the "
+              f"0..{sources - 1} of {shape['l_a'] - 1}, each onto every target layer; the "
               "rest extrapolated by FLOPs")  # fmt: skip
     results, rows, loads = [], [], [os.getloadavg()[0]]
     for scale in (0.5, 1.0):
