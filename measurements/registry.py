@@ -6,9 +6,8 @@ records in the partition's manifest under its own name, whether its batches need
 vocabulary (the batch budget), and, for a measurement with hooks of its own (all but the future
 effects and a text task's lens, which the captures of ``layerdiv.extract`` compute), its forward
 hooks (:attr:`Measurement.attach`, given an :class:`Attachment`) and how its rows are built
-(:attr:`Measurement.rows`). The
-command line, ``ExtractConfig``, the completeness check, ``ls``, ``query``'s views and ``merge``
-read these declarations.
+(:attr:`Measurement.rows`). The command line, ``ExtractConfig``, the completeness check, ``ls``,
+``query``'s views and ``merge`` read these declarations.
 
 Register one with :func:`register`, or from another distribution through the entry point group
 :data:`ENTRY_POINTS` (the entry point names the :class:`Measurement` object); see
