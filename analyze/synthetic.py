@@ -19,6 +19,7 @@ from layerdiv.measurements.future import FUTURE, future_tables
 from layerdiv.measurements.gram import gram_table
 from layerdiv.measurements.heads import heads_table
 from layerdiv.measurements.lens import LENS
+from layerdiv.measurements.skips import skips_table
 from layerdiv.schemas import component_names
 from layerdiv.store import ComponentInfo, Manifest, PartitionWriter
 from layerdiv.store.key import DEFAULT_REVISION
@@ -27,7 +28,6 @@ from layerdiv.store.tables import (
     components_table,
     documents_table,
     instances_table,
-    skips_table,
     token_blocks_table,
     token_lens_table,
     tokens_table,

@@ -67,6 +67,7 @@ from layerdiv.extract.forward import CPU_TOKEN_BUDGET, ModelRunner, left_padded
 from layerdiv.extract.future import SkipSettings, split_points
 from layerdiv.extract.models import LoadedModel, load_model, load_tokenizer, resolve_source
 from layerdiv.extract.readout import Readout
+from layerdiv.measurements.lens import LENS
 
 Batches = list[list[list[int]]]
 """Batches of documents, each document its token ids."""
@@ -171,11 +172,11 @@ def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches) -> list[Ro
                 model(**left_padded(batch, pad), use_cache=False, logits_to_keep=1)
 
     def runner(lens: str | None) -> Callable[[Batches], None]:
-        tables = ["token_lens"] if lens else []
+        measures = {LENS.name: {"lens": lens}} if lens else {}
 
         def run(data: Batches) -> None:
             with ModelRunner(
-                loaded, adapter, [], CPU_TOKEN_BUDGET, tables, kind="text", lens=lens
+                loaded, adapter, [], CPU_TOKEN_BUDGET, kind="text", measures=measures
             ) as text:
                 for batch in data:
                     text.run(batch)
@@ -184,8 +185,7 @@ def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches) -> list[Ro
 
     def skips(settings: SkipSettings) -> Callable[[Batches], None]:
         def run(data: Batches) -> None:
-            tables = ["future_effects", "future_output"]
-            with ModelRunner(loaded, adapter, [], CPU_TOKEN_BUDGET, tables, kind="text",
+            with ModelRunner(loaded, adapter, [], CPU_TOKEN_BUDGET, kind="text",
                              skips=settings, answers=answers(data)) as text:  # fmt: skip
                 doc = 0
                 for batch in data:

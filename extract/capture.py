@@ -16,7 +16,6 @@ import torch
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.adapters import Adapter, get_module
 from layerdiv.extract.hooks import Hooks, unique_blocks
-from layerdiv.extract.lens import Lens, LensReference, lens_stats
 from layerdiv.extract.readout import Readout, onloaded
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
@@ -52,12 +51,6 @@ class BatchDecomposition:
     """(B, K) the model's own option logits (lm_head output, before any soft-cap)."""
     sum_error: torch.Tensor
     """(B,) max_k |sum_c u_c[k] - model_logits[k]| / max(1, max_k sum_c |u_c[k]|)."""
-    skip_logits: torch.Tensor | None = None
-    """(B, blocks, K) the model's option logits with each block module skipped (``--skips``)."""
-    lens: torch.Tensor | None = None
-    """(B, L + 1, 2 + K) with a lens: per layer l = 0..L the logit lens at the last prompt
-    token (p_l from block l's input, p_L the model's output): kl, top5_overlap and log p_l of
-    each option's token (``layerdiv.schemas.LENS``; ce is that of the gold option)."""
     measured: dict[str, Sequence[Any]] = field(default_factory=dict)
     """Each registered measurement's values (``layerdiv.measurements.Capture.result``), one per
     row, by name."""
@@ -65,7 +58,8 @@ class BatchDecomposition:
 
 class ComponentCapture(Hooks):
     """Hooks on one model (``readout``: the model's); :meth:`decompose` after each forward pass
-    gives the batch's results, with ``lens`` the logit lens at the last prompt token."""
+    gives the batch's results. While :attr:`paused` (the passes of a capture bound to it) the
+    hooks keep nothing."""
 
     def __init__(
         self,
@@ -73,11 +67,9 @@ class ComponentCapture(Hooks):
         adapter: Adapter,
         readout: Readout,
         option_ids: list[int],
-        lens: Lens | None = None,
     ):
         super().__init__()
         self.adapter = adapter
-        self.lens = lens
         blocks = get_module(model, adapter.blocks)
         self.readout = readout
         self.norm, head = self.readout.norm, self.readout.head
@@ -134,9 +126,12 @@ class ComponentCapture(Hooks):
         return hook
 
     def _norm_hook(self, module: Any, args: tuple) -> None:
-        self._x = args[0][:, -1, :].to(torch.float32, copy=True)
+        if not self.paused:
+            self._x = args[0][:, -1, :].to(torch.float32, copy=True)
 
     def _head_hook(self, module: Any, args: tuple, output: Any) -> None:
+        if self.paused:
+            return
         out = output[0] if isinstance(output, tuple) else output
         self._head = out[:, -1, self.option_ids].float()
 
@@ -162,6 +157,13 @@ class ComponentCapture(Hooks):
             raise DecompositionError("no forward pass was captured")
         return self._buffer[: len(self._records), : self._x.shape[0]].transpose(0, 1)
 
+    def final_input(self) -> torch.Tensor:
+        """(B, d) float32: the full residual x (the final norm's input) of the last forward pass
+        at the last prompt token."""
+        if self._x is None:
+            raise DecompositionError("no forward pass was captured")
+        return self._x
+
     def decompose(self) -> BatchDecomposition:
         """Split the last forward pass's option logits into its components (methods §1)."""
         z = self.outputs()  # (B, L, d)
@@ -186,7 +188,6 @@ class ComponentCapture(Hooks):
             cos = torch.cat([cos, nan], dim=1)
             cos_prev = torch.cat([cos_prev, nan], dim=1)
             prefix_rms = torch.cat([prefix_rms, scale_x[:, None]], dim=1)
-        lens = None if self.lens is None else self._lens(self.lens, prefix, x)
         total = logits.sum(dim=1)
         spread = logits.abs().sum(dim=1).amax(dim=-1).clamp(min=1.0)
         sum_error = (total - head).abs().amax(dim=-1) / spread
@@ -200,7 +201,6 @@ class ComponentCapture(Hooks):
             final_rms=scale_x.cpu(),
             model_logits=head.cpu(),
             sum_error=sum_error.cpu(),
-            lens=lens,
         )
 
     def _scales(
@@ -227,17 +227,6 @@ class ComponentCapture(Hooks):
         if self.head_bias is not None:
             const = const + self.head_bias.to(dev)
         return const.expand(rows, 1, -1)
-
-    def _lens(self, lens: Lens, prefix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The logit ``lens`` at the last prompt token (methods §9): block l's input h_l is
-        the prefix just before its ``attn`` component; layer L is the full residual x (read
-        out as the model reads it: by the ``final`` lens, the one a choice task takes)."""
-        blocks = [c for c, (kind, _) in enumerate(self._records) if kind == "attn"]
-        states = [prefix[:, c - 1] for c in blocks] + [x]
-        dtype = self.readout.head.weight.dtype
-        logits = lens.logits(torch.stack(states, 1).to(dtype))
-        ids = self.option_ids.to(logits.device)
-        return lens_stats(logits, LensReference(logits[:, -1:]), ids).cpu()
 
 
 def check_batch(dec: BatchDecomposition, ids: list[int], task: str, tol: float) -> None:

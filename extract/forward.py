@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -18,17 +19,20 @@ from layerdiv.extract.future import FutureEffects, SkipSettings
 from layerdiv.extract.lens import make_lens
 from layerdiv.extract.models import LoadedModel
 from layerdiv.extract.readout import Readout
-from layerdiv.extract.skips import BlockSkipper
 from layerdiv.extract.text import TextBatch, TextCapture
-from layerdiv.measurements import Capture, DecompositionCapture, RowsCapture, for_kind
+from layerdiv.measurements import (
+    Attachment,
+    Capture,
+    DecompositionCapture,
+    RowsCapture,
+    for_kind,
+)
 from layerdiv.measurements.future import future_rows
 from layerdiv.measurements.lens import LENS
 from layerdiv.store.tables import (
     components_table,
     documents_table,
     instances_table,
-    lens_table,
-    skips_table,
     token_blocks_table,
     token_lens_table,
     tokens_table,
@@ -76,8 +80,9 @@ def left_padded(seqs: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
 class ModelRunner:
     """Runs left-padded batches through a model with the capture hooks attached (those of the
     task ``kind``: the last-token decomposition of a choice task, the per-token dot products of a
-    text task, and each registered measurement's of ``measures``); a context manager that always
-    removes its hooks."""
+    text task, with its lens and future effects, and each registered measurement's of
+    ``measures``, by name: its settings); a context manager that always removes its hooks.
+    ``option_ids`` and ``gold`` (by instance): a choice task's option tokens and gold options."""
 
     def __init__(
         self,
@@ -85,28 +90,23 @@ class ModelRunner:
         adapter: Adapter,
         option_ids: list[int],
         budget: int,
-        extra_tables: Sequence[str] = (),
         kind: str = "choice",
-        lens: str | None = None,
         skips: SkipSettings | None = None,
         measures: Mapping[str, Mapping[str, Any]] | None = None,
         answers: Sequence[tuple[int, int]] | None = None,
+        gold: Sequence[int] = (),
     ) -> None:
         self.loaded = loaded
         self.budget = budget
         """Padded tokens per batch for automatic batching (lowered on out-of-memory)."""
-        model = loaded.model
+        model, measures = loaded.model, measures or {}
         self.readout = Readout(model, adapter)
         """The model's final norm and unembedding, shared by every capture that reads out."""
-        self.lens = (
-            make_lens(lens or "final", model, adapter, self.readout)
-            if set(LENS.tables[kind]) & set(extra_tables)
-            else None
-        )
-        """With ``--lens``: the logit lens it names (methods §9)."""
-        self.text = TextCapture(model, adapter, self.readout, self.lens) if kind == "text" else None
-        """Text tasks: the per-token capture (methods §9); the choice captures are
-        not attached."""
+        lens = measures.get(LENS.name) if kind == "text" else None  # a choice task's: attached
+        text_lens = None if lens is None else make_lens(lens["lens"], model, adapter, self.readout)
+        self.text = TextCapture(model, adapter, self.readout, text_lens) if kind == "text" else None
+        """Text tasks: the per-token capture, with ``--lens`` its logit lens (methods §9); the
+        choice captures are not attached."""
         self.future = (
             FutureEffects(model, adapter, self.readout, skips, answers)
             if self.text is not None and skips is not None
@@ -115,14 +115,13 @@ class ModelRunner:
         """Text tasks with ``--skips``: the future effects (methods §9; ``answers``, per
         document its answer's start and length, for answer-anchored split points, §10)."""
         self.capture = (
-            ComponentCapture(model, adapter, self.readout, option_ids, self.lens)
+            ComponentCapture(model, adapter, self.readout, option_ids)
             if self.text is None
             else None
         )
         """Choice tasks: the last-token decomposition (methods §1)."""
-        self.skipper = BlockSkipper(model, adapter, option_ids) if "skips" in extra_tables else None
-        """With ``--skips``: the block skipper (methods §7)."""
-        self.measures = self._attach(adapter, kind, measures or {})
+        base = Attachment(model, adapter, kind, {}, self.readout, tuple(option_ids), tuple(gold))
+        self.measures = self._attach(base, measures)
         """The registered measurements' hooks (``layerdiv.measurements.Measurement.attach``)."""
         params = inspect.signature(model.forward).parameters
         self.extra: dict[str, Any] = {"use_cache": False}
@@ -131,16 +130,19 @@ class ModelRunner:
         self.pad_id = loaded.tokenizer.pad_token_id or 0
 
     def _attach(
-        self, adapter: Adapter, kind: str, measures: Mapping[str, Mapping[str, Any]]
+        self, base: Attachment, measures: Mapping[str, Mapping[str, Any]]
     ) -> dict[str, Capture]:
-        """The hooks of every measurement of ``kind`` in ``measures`` (by name: its settings),
-        those built on the decomposition bound to :attr:`capture`."""
+        """The hooks of every measurement of ``base.kind`` in ``measures`` (by name: its
+        settings) that has hooks of its own for that kind, those built on the decomposition
+        bound to :attr:`capture`."""
         attached: dict[str, Capture] = {}
-        for m in for_kind(kind):
+        for m in for_kind(base.kind):
             if m.attach is None or m.name not in measures:
                 continue
-            settings = {**measures[m.name], "kind": kind}
-            hooks = attached[m.name] = m.attach_to(self.loaded.model, adapter, settings)
+            hooks = m.attach_to(replace(base, settings=measures[m.name]))
+            if hooks is None:  # computed by the task kind's own capture (a text task's lens)
+                continue
+            attached[m.name] = hooks
             if isinstance(hooks, DecompositionCapture):
                 assert self.capture is not None  # declared for choice tasks only
                 hooks.bind(self.capture)
@@ -204,29 +206,24 @@ class ModelRunner:
         return batch
 
     def _run_choice(self, inputs: dict[str, Any]) -> BatchDecomposition:
-        """A choice task's pass: the decomposition, the measurements' values and (``--skips``)
-        the option logits with each block skipped."""
+        """A choice task's pass: the decomposition and the measurements' values, those of the
+        hooks not bound to the decomposition taken before the bound ones run (a bound capture
+        may run passes of its own, the skips', with the decomposition paused)."""
         capture = self.capture
         assert capture is not None  # a choice runner
-        if self.skipper is None:
-            self.loaded.model(**inputs)
-        else:
-            with self.skipper.recording():
-                self.loaded.model(**inputs)
+        self.loaded.model(**inputs)
         dec = capture.decompose()
-        for hooks in self.measures.values():
-            if isinstance(hooks, DecompositionCapture):
-                hooks.decomposed(dec)
-        dec.measured = self._measured()
-        if self.skipper is not None:
-            with capture.pausing():  # also pauses the hooks bound to it; methods §7:
-                # each block skipped, the shared prefix reused
-                dec.skip_logits = self.skipper.skip_logits()
+        bound = {n: h for n, h in self.measures.items() if isinstance(h, DecompositionCapture)}
+        dec.measured = self._measured([n for n in self.measures if n not in bound])
+        for hooks in bound.values():
+            hooks.decomposed(dec)
+        dec.measured.update(self._measured(list(bound)))
         return dec
 
-    def _measured(self) -> dict[str, Sequence[Any]]:
-        """The registered measurements' values of the forward pass just run."""
-        return {name: hooks.result() for name, hooks in self.measures.items()}
+    def _measured(self, names: Sequence[str] | None = None) -> dict[str, Sequence[Any]]:
+        """The registered measurements' values (those of ``names``; None: all) of the forward
+        pass just run."""
+        return {n: self.measures[n].result() for n in (self.measures if names is None else names)}
 
     def run_chunk(
         self, seqs: list[list[int]], ids: list[int], batch_size: int | None
@@ -260,14 +257,14 @@ def chunk_tables(
 ) -> dict[str, pa.Table]:
     """The ``components`` and ``instances`` tables of instances ``ids`` (ascending; ``gold``,
     ``seqs``, ``truncated`` and ``prompts`` are indexed by instance), each found
-    in ``results`` as (its batch's decomposition, its row there), and the optional tables
-    the decompositions hold (:func:`optional_tables`)."""
+    in ``results`` as (its batch's decomposition, its row there), and the tables of the
+    measurements the decompositions hold (:func:`measured_tables`)."""
 
     def stack(attr: str) -> np.ndarray:
         return np.stack([getattr(results[i][0], attr)[results[i][1]].numpy() for i in ids])
 
     return {
-        **optional_tables(ids, results, gold),
+        **measured_tables("choice", ids, results),
         "components": components_table(
             ids,
             results[ids[0]][0].components,
@@ -336,28 +333,6 @@ def future_tables(ids: list[int], results: dict[int, tuple[TextBatch, int]]) -> 
             raise DecompositionError("a document ran without the future effects")
         values.append(batch.future[row])
     return future_rows(ids, values)
-
-
-def optional_tables(
-    ids: list[int], results: dict[int, tuple[BatchDecomposition, int]], gold: list[int]
-) -> dict[str, pa.Table]:
-    """The optional tables of instances ``ids`` (ascending; ``gold`` indexed by instance) where
-    the run computed them: ``skips``, ``lens`` and the registered measurements'."""
-    first = results[ids[0]][0]
-
-    def stack(values: Callable[[BatchDecomposition], Any]) -> np.ndarray:
-        return np.stack([values(results[i][0])[results[i][1]].numpy() for i in ids])
-
-    tables = {}
-    if first.skip_logits is not None:
-        tables["skips"] = skips_table(ids, stack(lambda d: d.skip_logits))
-    if first.lens is not None:
-        if any(results[i][0].lens is None for i in ids):
-            raise DecompositionError("an instance ran without the lens")
-        lens = stack(lambda d: d.lens)  # (B, L + 1, 2 + K)
-        ce = -np.stack([lens[row, :, 2 + gold[i]] for row, i in enumerate(ids)])
-        tables["lens"] = lens_table(ids, lens[..., 0], lens[..., 1], ce)
-    return {**tables, **measured_tables("choice", ids, results)}
 
 
 def measured_tables(

@@ -4,13 +4,12 @@ partial sum), from the outputs the decomposition capture keeps; no hooks of its 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
-from layerdiv.extract.adapters import Adapter
 from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
+from layerdiv.measurements import Attachment
 
 
 class GramCapture:
@@ -18,7 +17,7 @@ class GramCapture:
     after each forward pass, every instance's upper triangle of z_a . z_b over the components
     without the bias, row by row (``layerdiv.schemas.GRAM``)."""
 
-    def __init__(self, model: Any, adapter: Adapter, settings: Mapping[str, Any]) -> None:
+    def __init__(self, ctx: Attachment) -> None:
         self.capture: ComponentCapture | None = None
         self._gram: torch.Tensor | None = None
 

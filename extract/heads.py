@@ -11,7 +11,7 @@ position only; no per-head d-dimensional vector is ever formed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from layerdiv.extract.capture import (
 )
 from layerdiv.extract.hooks import Hooks, unique_blocks
 from layerdiv.extract.readout import norm_gain, onloaded
+from layerdiv.measurements import Attachment
 from layerdiv.measurements.heads import HeadValues
 
 
@@ -56,7 +57,8 @@ class HeadCapture(Hooks):
     forward pass, every instance's heads (:class:`HeadValues`), their sums checked against the
     attention components (methods §8)."""
 
-    def __init__(self, model: Any, adapter: Adapter, settings: Mapping[str, Any]) -> None:
+    def __init__(self, ctx: Attachment) -> None:
+        model, adapter = ctx.model, ctx.adapter
         if adapter.attn_out is None:
             raise UnsupportedModel(f"--heads: no attention output projection for {adapter.family}")
         super().__init__()

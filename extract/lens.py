@@ -6,6 +6,8 @@ tuned-lens's ``LogitLens`` and ``TunedLens`` share one ``Unembed``): :class:`Len
 reads a block input out by the final norm and unembedding, :class:`LastBlockLens`
 (``last-block``) applies the model's last block to it first. :data:`LENSES` names them
 (``extract --lens NAME``); :func:`make_lens` builds the one a run names for a model.
+:func:`last_token_lens` gives the hooks of ``--lens`` (:mod:`layerdiv.measurements.lens`) on a
+choice task: :class:`LastTokenLens`, bound to the last-token decomposition.
 
 The statistics (:func:`lens_stats`) are taken per slice of rows small enough for its few passes
 over the vocabulary to run from the processor's cache (:data:`LENS_SLICE` entries per torch
@@ -14,12 +16,16 @@ thread) rather than from memory, which a layer's logits (tokens x V float32) far
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from layerdiv.extract.adapters import Adapter, get_module
+from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
 from layerdiv.extract.readout import Readout
+from layerdiv.measurements import Attachment
 
 BlockCall = tuple[tuple, dict]
 """The positional and keyword arguments of one call of a decoder block (mask, positions)."""
@@ -188,3 +194,66 @@ def lens_stats(logits: torch.Tensor, ref: LensReference, ids: torch.Tensor) -> t
         out[sl, 0] = p.sum(-1) - (lse - ref_lse[sl]).view(-1)
         out[sl, 1] = (top[:, :, None] == ref_top[sl, None, :]).any(-1).sum(-1) / 5.0
     return out.view(*lead, -1)
+
+
+class LastTokenLens:
+    """The logit lens at the last prompt token of a choice task (methods §9), bound to its
+    :class:`ComponentCapture` (``layerdiv.measurements.DecompositionCapture``, and a
+    ``RowsCapture``: which instance each row is gives its gold option); no hooks of its own.
+    Block l's input h_l is the prefix of the component outputs just before its ``attn``
+    component; layer L is the full residual x, read out as the model reads it (the ``final``
+    lens, the one a choice task takes). After each pass, per instance and layer l = 0..L: kl,
+    top5_overlap and the cross-entropy of the gold option's first token
+    (``layerdiv.schemas.LENS``)."""
+
+    def __init__(self, ctx: Attachment) -> None:
+        self.lens = make_lens(ctx.settings["lens"], ctx.model, ctx.adapter, ctx.readout)
+        self.gold = ctx.gold
+        self.capture: ComponentCapture | None = None
+        self._ids: Sequence[int] | None = None
+        self._n = 0
+        self._rows: torch.Tensor | None = None
+
+    def bind(self, capture: ComponentCapture) -> None:
+        self.capture = capture
+
+    def reset(self) -> None:
+        self._rows = None
+
+    def batch(self, ids: Sequence[int] | None, lengths: Sequence[int]) -> None:
+        self._ids, self._n = ids, len(lengths)
+
+    def decomposed(self, batch: BatchDecomposition) -> None:
+        if self._ids is None:  # a probe pass: nothing of it is stored
+            return
+        capture = self.capture
+        assert capture is not None  # bound before any pass
+        z = capture.outputs()  # (B, C, d)
+        prefix = torch.cumsum(z, dim=1)  # r_c = z_0 + ... + z_c
+        blocks = [c for c, info in enumerate(batch.components) if info.kind == "attn"]
+        states = [prefix[:, c - 1] for c in blocks] + [capture.final_input().to(z.device)]
+        with capture.pausing():  # its final-norm and head hooks keep the model's own pass
+            logits = self.lens.logits(torch.stack(states, 1).to(capture.readout.head.weight.dtype))
+        ids = capture.option_ids.to(logits.device)
+        stats = lens_stats(logits, LensReference(logits[:, -1:]), ids).cpu()  # (B, L + 1, 2 + K)
+        gold = torch.tensor([self.gold[i] for i in self._ids])
+        ce = -stats[torch.arange(len(gold)), :, 2 + gold]  # -log p_l(gold option's token)
+        self._rows = torch.stack([stats[..., 0], stats[..., 1], ce], dim=-1)
+
+    def result(self) -> Sequence[np.ndarray | None]:
+        if self._ids is None:
+            return [None] * self._n
+        if self._rows is None:
+            raise DecompositionError("--lens: no forward pass was decomposed")
+        return list(self._rows.numpy())
+
+    def remove(self) -> None:
+        """No hooks of its own to remove."""
+
+
+def last_token_lens(ctx: Attachment) -> LastTokenLens | None:
+    """The hooks of ``--lens`` (:mod:`layerdiv.measurements.lens`): on a choice task,
+    :class:`LastTokenLens`. None on a text task: its lens reads every block input at every
+    position, which the task's per-token capture (``layerdiv.extract.text.TextCapture``) keeps
+    already (a second copy would double the pass's memory), so that capture computes it."""
+    return LastTokenLens(ctx) if ctx.kind == "choice" else None

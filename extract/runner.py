@@ -27,7 +27,7 @@ from layerdiv.extract.facts import load_with_facts, revision_facts
 from layerdiv.extract.forward import (
     ModelRunner,
     chunk_tables,
-    optional_tables,
+    measured_tables,
     text_tables,
     token_budget,
 )
@@ -158,7 +158,7 @@ def _batch_work(
         partial(check_batch, task=spec.name, tol=tol),
         lambda r, res: chunk_tables(r, res, gold, seqs, truncated, prompts),
         tally,
-        lambda r, res: optional_tables(r, res, gold),
+        lambda r, res: measured_tables("choice", r, res),
     )
 
 
@@ -209,8 +209,8 @@ def extract_task(
     readout = any(kind in m.readout for m in _measurements_of(kind, tables))
     budget = token_budget(loaded.device, loaded.model.config, loaded.dtype, readout)
     start_time = time.perf_counter()
-    with ModelRunner(loaded, adapter, plan.option_ids, budget, tables, kind, plan.lens,
-                     plan.skips, plan.measures, plan.answers) as runner:  # fmt: skip
+    with ModelRunner(loaded, adapter, plan.option_ids, budget, kind, plan.skips, plan.measures,
+                     plan.answers, [it.gold for it in plan.items]) as runner:  # fmt: skip
         open_partition(task, runner, loaded, adapter, tol, approximate)
         if "states" in plan.measures:
             _warn_states_size(task)

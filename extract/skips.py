@@ -1,5 +1,6 @@
-"""Layer skips (``extract --skips``, methods §7): the model's own option logits with one
-decoder block replaced by the identity on every call, for every block.
+"""The hooks of ``extract --skips`` on a choice task (:mod:`layerdiv.measurements.skips`, methods
+§7): the model's own option logits with one decoder block replaced by the identity on every call,
+for every block.
 
 The blocks before the first call of the skipped block would compute exactly what the full pass
 already computed, so they do not run again: during the full pass every block call's arguments are
@@ -11,59 +12,71 @@ clean calls; the model's own final norm and unembedding read the last position.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
 from layerdiv.errors import LayerdivError
-from layerdiv.extract.adapters import Adapter, get_module
-from layerdiv.extract.hooks import unique_blocks
-from layerdiv.extract.readout import Readout
+from layerdiv.extract.adapters import get_module
+from layerdiv.extract.capture import BatchDecomposition, ComponentCapture
+from layerdiv.extract.hooks import Hooks, unique_blocks
 from layerdiv.extract.removal import Call, UpdateRemoval, hidden_of
+from layerdiv.measurements import Attachment
 
 
 class SkipError(LayerdivError, ValueError):
     """The model's blocks cannot be bypassed one at a time."""
 
 
-class BlockSkipper:
-    """Option logits of one batch with each decoder block skipped in turn (:meth:`skip_logits`),
-    reusing the block calls kept by :meth:`recording` during the batch's full pass."""
+class SkipCapture(Hooks):
+    """Pre-hooks on every distinct decoder block that keep each block call's arguments
+    (references, no copies) during a batch's full pass, bound to its :class:`ComponentCapture`
+    (``layerdiv.measurements.DecompositionCapture``): after the pass, the option logits with
+    each block skipped in turn, run with the decomposition capture (and every hook bound to it)
+    paused, so that the skip passes are nobody's values but these, and this capture keeps no
+    call of its own passes."""
 
-    def __init__(self, model: Any, adapter: Adapter, option_ids: list[int]):
-        blocks = list(get_module(model, adapter.blocks))
-        self.modules = unique_blocks(model, adapter)
+    def __init__(self, ctx: Attachment) -> None:
+        super().__init__()
+        blocks = list(get_module(ctx.model, ctx.adapter.blocks))
+        self.modules = unique_blocks(ctx.model, ctx.adapter)
         """Distinct block modules; index = the ``layer`` of the skips table and of components."""
         index = {id(m): i for i, m in enumerate(self.modules)}
         self.calls = [index[id(block)] for block in blocks]
         """Module index of every block call, in execution order."""
-        self.removal = UpdateRemoval(model, adapter)
-        readout = Readout(model, adapter)
-        self.norm, self.head = readout.norm, readout.head
-        self.option_ids = torch.tensor(option_ids, device=self.head.weight.device)
+        self.removal = UpdateRemoval(ctx.model, ctx.adapter)
+        self.norm, self.head = ctx.readout.norm, ctx.readout.head
+        self.option_ids = torch.tensor(list(ctx.option_ids), device=self.head.weight.device)
+        self.capture: ComponentCapture | None = None
         self._calls: list[Call] = []  # every block call's arguments in the full pass
+        self._logits: torch.Tensor | None = None
+        for module in self.modules:
+            self.add(module.register_forward_pre_hook(self._keep, with_kwargs=True))
 
-    @contextmanager
-    def recording(self) -> Iterator[None]:
-        """Keep every block call's arguments (references, no copies) while the model runs its
-        full pass inside this context."""
-        self._calls = []
+    def bind(self, capture: ComponentCapture) -> None:
+        self.capture = capture
 
-        def keep(module: Any, args: tuple, kwargs: dict) -> None:
+    def _keep(self, module: object, args: tuple, kwargs: dict) -> None:
+        if self.capture is not None and not self.capture.paused:  # the full pass only
             self._calls.append((args, kwargs))
 
-        handles = [m.register_forward_pre_hook(keep, with_kwargs=True) for m in self.modules]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
+    def reset(self) -> None:
+        self._calls, self._logits = [], None
+
+    def decomposed(self, batch: BatchDecomposition) -> None:
+        assert self.capture is not None  # bound before any pass
+        with self.capture.pausing():  # also pauses the hooks bound to it
+            self._logits = self.skip_logits()
+        self._calls = []  # the full pass's states are not kept beyond it
+
+    def result(self) -> Sequence[torch.Tensor]:
+        if self._logits is None:
+            raise SkipError("--skips: no forward pass was decomposed")
+        return list(self._logits)
 
     def skip_logits(self) -> torch.Tensor:
         """(B, modules, K) float32 option logits (before any soft-cap, as ``model_logits``) with
-        each block module skipped on every call, from the recorded batch's block calls."""
+        each block module skipped on every call, from the full pass's recorded block calls."""
         if len(self._calls) != len(self.calls):
             raise SkipError("no full pass was recorded for this batch")
         seen = []

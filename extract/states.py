@@ -11,9 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from layerdiv.extract.adapters import Adapter, get_module
+from layerdiv.extract.adapters import get_module
 from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.hooks import Hooks, unique_blocks
+from layerdiv.measurements import Attachment
 from layerdiv.measurements.states import (
     LARGE_BYTES,
     state_positions,
@@ -32,11 +33,12 @@ class StateCapture(Hooks):
     :meth:`batch` is kept (later passes, as the future effects run them, are not the model's
     own)."""
 
-    def __init__(self, model: Any, adapter: Adapter, settings: Mapping[str, Any]) -> None:
+    def __init__(self, ctx: Attachment) -> None:
         super().__init__()
+        model, adapter, settings = ctx.model, ctx.adapter, ctx.settings
         self.k, self.seed = settings["states"], int(settings["states_seed"])
         self.dtype = str(settings["states_dtype"])
-        self.last = settings["kind"] == "choice"
+        self.last = ctx.kind == "choice"
         """A choice task: the last prompt token alone."""
         self.n_blocks = len(get_module(model, adapter.blocks))
         self.add(model.register_forward_pre_hook(self._ids_hook, with_kwargs=True))

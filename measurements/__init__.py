@@ -12,6 +12,7 @@ from layerdiv.measurements import future  # noqa: F401
 from layerdiv.measurements import states  # noqa: F401
 from layerdiv.measurements.registry import (
     ENTRY_POINTS,
+    Attachment,
     Capture,
     DecompositionCapture,
     Measurement,
@@ -32,6 +33,7 @@ from layerdiv.measurements.registry import (
 
 __all__ = [
     "ENTRY_POINTS",
+    "Attachment",
     "Capture",
     "DecompositionCapture",
     "Measurement",

@@ -3,11 +3,11 @@
 A measurement is a :class:`Measurement`: the ``extract`` option that asks for it (and the options
 of its settings), the task kinds it applies to and the tables it writes for each, the settings it
 records in the partition's manifest under its own name, whether its batches need rows over the
-vocabulary (the batch budget), and, for a measurement with hooks of its own (all but the lens,
-the skips and the future effects, which the captures of ``layerdiv.extract`` compute), its forward
-hooks (:attr:`Measurement.attach`) and how its rows are built (:attr:`Measurement.rows`). The
-command line, ``ExtractConfig``, the completeness check, ``ls``, ``query``'s views and ``merge``
-read these declarations.
+vocabulary (the batch budget), and, for a measurement with hooks of its own (all but the future
+effects and a text task's lens, which the captures of ``layerdiv.extract`` compute), its forward
+hooks (:attr:`Measurement.attach`, given an :class:`Attachment`) and how its rows are built
+(:attr:`Measurement.rows`). The command line, ``ExtractConfig``, the completeness check, ``ls``,
+``query``'s views and ``merge`` read these declarations.
 
 Register one with :func:`register`, or from another distribution through the entry point group
 :data:`ENTRY_POINTS` (the entry point names the :class:`Measurement` object); see
@@ -70,15 +70,41 @@ class DecompositionCapture(Capture, Protocol):
 
     def bind(self, capture: Any) -> None:
         """The decomposition capture of the same model: its option rows, readout, component
-        outputs and pause switch (a paused capture keeps nothing)."""
+        outputs and pause switch (a paused capture keeps nothing: hooks bound to it keep nothing
+        either, so that passes of a bound capture's own, the skips', leave the others' values
+        alone)."""
 
     def decomposed(self, batch: Any) -> None:
         """The pass's decomposition (``layerdiv.extract.capture.BatchDecomposition``)."""
 
 
-Attach = Callable[[Any, Any, Mapping[str, Any]], Capture]
-"""(the model, its ``layerdiv.extract.adapters.Adapter``, the measurement's settings with
-``kind``, the task's kind, beside them) -> the hooks it needs, attached."""
+@dataclass(frozen=True)
+class Attachment:
+    """What a measurement's hooks are attached with (:attr:`Measurement.attach`'s one argument):
+    one model, as one task's extraction runs it."""
+
+    model: Any
+    """The model (a ``transformers`` causal LM, its weights loaded)."""
+    adapter: Any
+    """Its ``layerdiv.extract.adapters.Adapter``: where its blocks, norms and sublayers are."""
+    kind: str
+    """The task's kind (``choice``, ``text``): a measurement of several kinds hooks each its
+    own way."""
+    settings: Mapping[str, Any]
+    """The measurement's settings (:attr:`Measurement.settings`), as this run resolved them."""
+    readout: Any
+    """The model's final norm and unembedding (``layerdiv.extract.readout.Readout``), built once
+    per model and shared by every capture that reads residual states out."""
+    option_ids: Sequence[int] = ()
+    """Choice tasks: the token id of each option (the task's, the same for every instance)."""
+    gold: Sequence[int] = ()
+    """Choice tasks: each instance's gold option (an index into :attr:`option_ids`), by
+    instance (:meth:`RowsCapture.batch` says which instance each batch row is)."""
+
+
+Attach = Callable[[Attachment], Capture | None]
+"""The model and task (:class:`Attachment`) -> the hooks the measurement needs, attached (None:
+none of its own for this task kind, whose captures in ``layerdiv.extract`` compute it)."""
 
 Rows = Callable[[Sequence[int], Sequence[Any]], dict[str, pa.Table]]
 """(instances or documents, ascending; the capture's value of each) -> its tables."""
@@ -130,10 +156,10 @@ class Measurement:
     """The task kinds in which its batches hold rows over the vocabulary at every token (the
     batch budget: fewer tokens per batch)."""
     attach: Attach | str | None = None
-    """Its forward hooks (None: computed by ``layerdiv.extract``'s own captures: the lens, the
-    skips, the future effects); or ``"module:attribute"`` naming them, imported when an
-    extraction attaches them (a built-in measurement's hooks are in ``layerdiv.extract``, which
-    this package does not import)."""
+    """Its forward hooks (None: computed by ``layerdiv.extract``'s own captures: the future
+    effects); or ``"module:attribute"`` naming them, imported when an extraction attaches them
+    (a built-in measurement's hooks are in ``layerdiv.extract``, which this package does not
+    import)."""
     rows: Rows | None = None
     """How its rows are built from :attr:`attach`'s values."""
     check_rows: CheckRows | None = None
@@ -141,15 +167,15 @@ class Measurement:
     a store is opened: every reader relies on it); None: only whole rows per instance of a
     choice task are checked."""
 
-    def attach_to(self, model: Any, adapter: Any, settings: Mapping[str, Any]) -> Capture:
-        """:attr:`attach`'s hooks on ``model``, attached (the named ones imported first)."""
+    def attach_to(self, ctx: Attachment) -> Capture | None:
+        """:attr:`attach`'s hooks on ``ctx.model``, attached (the named ones imported first)."""
         attach = self.attach
         if isinstance(attach, str):
             module, _, name = attach.partition(":")
             attach = getattr(import_module(module), name)
         if attach is None:
             raise MeasurementError(f"measurement {self.name} has no hooks of its own")
-        return attach(model, adapter, settings)
+        return attach(ctx)
 
     def schema(self, table: str) -> pa.Schema:
         """The schema of one of its tables."""

@@ -1,8 +1,38 @@
 """``--skips`` on a choice task: the option logits with each block skipped (methods §7,
-``skips`` table). On a text task the same flag writes the future effects
-(:mod:`layerdiv.measurements.future`)."""
+``skips`` table). The hooks are :class:`layerdiv.extract.skips.SkipCapture`. On a text task the
+same flag writes the future effects (:mod:`layerdiv.measurements.future`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
 
 from layerdiv.measurements.registry import Measurement, register
+from layerdiv.schemas import SKIPS as SKIPS_SCHEMA
+
+
+def skips_table(instances: Sequence[int], skip_logits: np.ndarray) -> pa.Table:
+    """Rows (instance, layer, option) of :data:`~layerdiv.schemas.SKIPS`; ``skip_logits`` is
+    (B, blocks, K): the option logits with each block skipped."""
+    b, n_layers, n_opt = skip_logits.shape
+    return pa.table(
+        {
+            "instance": pa.array(np.repeat(np.asarray(instances, np.int32), n_layers * n_opt)),
+            "layer": pa.array(np.tile(np.repeat(np.arange(n_layers, dtype=np.int16), n_opt), b)),
+            "option": pa.array(np.tile(np.arange(n_opt, dtype=np.int8), b * n_layers)),
+            "logit": pa.array(np.asarray(skip_logits, np.float32).reshape(-1)),
+        },
+        schema=SKIPS_SCHEMA,
+    )
+
+
+def skip_rows(instances: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
+    """The ``skips`` rows of ``instances`` from each one's (blocks, K) option logits."""
+    return {"skips": skips_table(instances, np.stack([np.asarray(v) for v in values]))}
+
 
 SKIPS = register(
     Measurement(
@@ -12,5 +42,7 @@ SKIPS = register(
         "per block; extends a partition stored without them). On a text task: the future effects "
         "of removing each block at the positions before a split point.",
         tables={"choice": ("skips",)},
+        attach="layerdiv.extract.skips:SkipCapture",
+        rows=skip_rows,
     )
 )

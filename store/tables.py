@@ -14,10 +14,8 @@ from layerdiv.schemas import (
     COMPONENTS,
     DOCUMENTS,
     INSTANCES,
-    LENS,
     PROMPT_CHARS,
     PROMPT_HEAD,
-    SKIPS,
     TOKEN_BLOCKS,
     TOKEN_LENS,
     TOKENS,
@@ -109,38 +107,6 @@ def instances_table(
             "prompt": pa.array([bounded_prompt(p) for p in prompts], pa.string()),
         },
         schema=INSTANCES,
-    )
-
-
-def skips_table(instances: Sequence[int], skip_logits: np.ndarray) -> pa.Table:
-    """Rows (instance, layer, option) of :data:`~layerdiv.schemas.SKIPS`; ``skip_logits`` is
-    (B, blocks, K): the option logits with each block skipped."""
-    b, n_layers, n_opt = skip_logits.shape
-    return pa.table(
-        {
-            "instance": pa.array(np.repeat(np.asarray(instances, np.int32), n_layers * n_opt)),
-            "layer": pa.array(np.tile(np.repeat(np.arange(n_layers, dtype=np.int16), n_opt), b)),
-            "option": pa.array(np.tile(np.arange(n_opt, dtype=np.int8), b * n_layers)),
-            "logit": pa.array(np.asarray(skip_logits, np.float32).reshape(-1)),
-        },
-        schema=SKIPS,
-    )
-
-
-def lens_table(
-    instances: Sequence[int], kl: np.ndarray, top5: np.ndarray, ce: np.ndarray
-) -> pa.Table:
-    """Rows (instance, layer) of :data:`~layerdiv.schemas.LENS`; each array is (B, L + 1)."""
-    b, layers = np.shape(kl)
-    return pa.table(
-        {
-            "instance": pa.array(np.repeat(np.asarray(instances, np.int32), layers)),
-            "layer": pa.array(np.tile(np.arange(layers, dtype=np.int16), b)),
-            "kl": _floats(kl),
-            "top5_overlap": _floats(top5),
-            "ce": _floats(ce),
-        },
-        schema=LENS,
     )
 
 

@@ -14,7 +14,8 @@ from layerdiv.extract.adapters import adapter_for, get_module
 from layerdiv.extract.capture import ComponentCapture
 from layerdiv.extract.gram import GramCapture
 from layerdiv.extract.readout import Readout
-from layerdiv.extract.skips import BlockSkipper
+from layerdiv.extract.skips import SkipCapture
+from layerdiv.measurements import Attachment
 from layerdiv.schemas import gram_index
 
 PROMPTS = [[5, 17, 33, 40, 41, 42, 60, 7], [9, 12], [100, 101, 102, 103, 104]]
@@ -64,13 +65,27 @@ def plain_logits(model: Any) -> torch.Tensor:
         return model(**batch(PROMPTS), use_cache=False).logits[:, -1, OPTIONS]
 
 
+def attachment(model: Any, capture: ComponentCapture) -> Attachment:
+    """What an extraction attaches a measurement's hooks with, on a choice task of
+    :data:`OPTIONS` whose every instance's gold option is the first."""
+    return Attachment(model, capture.adapter, "choice", {}, capture.readout, OPTIONS, [0] * 3)
+
+
 def skip_logits(model: Any) -> torch.Tensor:
-    skipper = BlockSkipper(model, adapter_for(model.config), OPTIONS)
-    inputs = batch(PROMPTS)
-    with torch.inference_mode():
-        with skipper.recording():
-            model(**inputs, use_cache=False)
-        return skipper.skip_logits()
+    """(B, blocks, K): ``--skips``'s values of :data:`PROMPTS`, bound to the decomposition as an
+    extraction binds them."""
+    adapter = adapter_for(model.config)
+    capture = ComponentCapture(model, adapter, Readout(model, adapter), OPTIONS)
+    skips = SkipCapture(attachment(model, capture))
+    skips.bind(capture)
+    try:
+        with torch.inference_mode():
+            model(**batch(PROMPTS), use_cache=False)
+            skips.decomposed(capture.decompose())
+        return torch.stack(list(skips.result()))
+    finally:
+        capture.remove()
+        skips.remove()
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3", "phi", "gpt2", "gpt_neox"])
@@ -130,7 +145,7 @@ def decompose_with_gram(model: Any) -> tuple[Any, torch.Tensor]:
     capture bound to it."""
     adapter = adapter_for(model.config)
     capture = ComponentCapture(model, adapter, Readout(model, adapter), OPTIONS)
-    gram = GramCapture(model, adapter, {})
+    gram = GramCapture(attachment(model, capture))
     gram.bind(capture)
     try:
         with torch.inference_mode():

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from click.testing import CliRunner
 from polars.testing import assert_frame_equal
 
 from layerdiv.cli import main
-from layerdiv.measurements import Measurement, Setting, register, unregister
+from layerdiv.measurements import Attachment, Measurement, Setting, register, unregister
 from layerdiv.store import Store
 
 BLOCK_NORMS_SCHEMA = pa.schema(
@@ -44,12 +44,12 @@ class BlockNorms:
     """Forward hooks on every decoder block; the p-norm of each block's output at the last
     position (prompts are left-padded, so that is the last prompt token)."""
 
-    def __init__(self, model: Any, adapter: Any, settings: Mapping[str, Any]) -> None:
+    def __init__(self, ctx: Attachment) -> None:
         from layerdiv.extract.adapters import get_module
 
-        self.ord = int(settings["norm_ord"])
+        self.ord = int(ctx.settings["norm_ord"])
         self.norms: list[Any] = []
-        blocks = get_module(model, adapter.blocks)
+        blocks = get_module(ctx.model, ctx.adapter.blocks)
         self.handles = [b.register_forward_hook(self._hook) for b in blocks]
 
     def _hook(self, module: Any, args: Any, out: Any) -> None:
@@ -214,6 +214,20 @@ def test_a_measurement_outside_the_package(
     refused = invoke("merge", str(tmp_path / "s0"), str(tmp_path / "odd"),
                      "--into", str(tmp_path / "mixed"))  # fmt: skip
     assert refused.exit_code == 1 and "norm_ord" in refused.output, refused.output
+
+
+def test_its_values_are_of_the_model_pass_alone_beside_the_skips(
+    registered: Measurement, tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    """Hooks not bound to the decomposition see the passes with each block skipped (``--skips``
+    runs them after the model's own pass): their values are taken before those run."""
+    task = make_task(tmp_path / "task", n=6)
+    args = ["--model", str(model_dirs("llama")), "--task", str(task), "--batch-size", "3"]
+    for name, flags in (("plain", []), ("skips", ["--skips"])):
+        done = invoke("extract", *args, "--store", str(tmp_path / name), "--block-norms", *flags)
+        assert done.exit_code == 0, done.output
+    assert Store(tmp_path / "skips").scan("skips").collect().height > 0
+    assert_frame_equal(norms(tmp_path / "skips"), norms(tmp_path / "plain"))
 
 
 def test_a_setting_without_its_measurement_and_a_wrong_kind_are_refused(
