@@ -106,6 +106,14 @@ def block_bytes(row: dict[str, Any]) -> tuple[str, str]:
     return f"{row['bytes per token per block']:.2f} bytes per token per block", ""
 
 
+def maps_ratio(row: dict[str, Any]) -> tuple[str, str]:
+    """A ``bench_maps`` row: its time against the matrix multiplies' at the GEMM rate."""
+    return (
+        f"{row['CPU ratio']:.2f} x the GEMM time in CPU s ({row['wall ratio']:.2f} x in wall s)",
+        f"<= {row['target']:.0f} x",
+    )
+
+
 README_ROWS: list[tuple[str, Any, str, Callable[[dict[str, Any]], tuple[str, str]]]] = [
     ("bench_text_extract", "text",
      "extraction without options, against a plain forward (`bench_text_extract.py`)", ratio),
@@ -119,6 +127,9 @@ README_ROWS: list[tuple[str, Any, str, Callable[[dict[str, Any]], tuple[str, str
      text_analysis),
     ("text_store_size", "`token_blocks`",
      "`token_blocks` on disk (`text_store_size.py --docs 40 --max-tokens 256`)", block_bytes),
+    ("bench_maps", "32,768 + 8,192",
+     "`analyze --maps` at the depth-efficiency paper's shape, every pair extrapolated from one "
+     "source layer of each space (`bench_maps.py --source-layers 1`)", maps_ratio),
 ]  # fmt: skip
 """The README's running-text figures: (results file, first cell of its row, what it measures,
 its figure and target)."""
@@ -146,9 +157,37 @@ def cluster_median(results: Path) -> str:
     )
 
 
+def maps_summary(results: Path) -> str:
+    """``bench_maps``'s GEMM rate, its full-size row extrapolated to every pair by the FLOP count
+    (``layer_maps.map_flops``), its linearity and peak memory, beside the paper's cost."""
+    from layerdiv.analyze.layer_maps import map_flops
+
+    result = load("bench_maps", results)
+    full = dict(zip(result["columns"], result["rows"][-1], strict=True))
+    shape, rate = result["shape"], result["gemm_gflops"]
+    every = sum(
+        map_flops(shape["d_a"], shape["d_b"], shape["l_a"] - u, shape["l_b"] - u,
+                  shape["train"], shape["heldout"])
+        for u in (0, 1)
+    )  # fmt: skip
+    share = every / (full["TFLOP"] * 1e12)
+    return (
+        f"numpy float64 GEMM rate {rate['wall']:.1f} GFLOP/s per wall second, {rate['cpu']:.1f} "
+        f"per CPU second. Every pair of both spaces at the full token count: {every / 1e15:.2f} "
+        f"PFLOP, {every / rate['wall'] / 1e9 / 3600:.1f} h at the GEMM rate; ours, extrapolated "
+        f"from the run above ({result['source_layers']} source layer(s) of each space): "
+        f"{full['CPU s'] * share / 3600:.1f} CPU hours, {full['wall s'] * share / 3600:.1f} h wall "
+        f"on these 2 cores (the paper's AdamW maps: about 80 GPU-days, as a third-party summary "
+        f"puts it). CPU time per token at all of the tokens against half of them: "
+        f"{result['linearity']:.2f} (1 is linear). Peak memory (max RSS): "
+        f"{result['peak_gib']:.2f} GiB (target: at most 8).\n"
+    )
+
+
 SPECIAL: dict[str, Callable[[Path], str]] = {
     "readme-text": readme_text,
     "cluster-median": cluster_median,
+    "maps-summary": maps_summary,
 }
 """Regions rendered otherwise than as a results file's whole table."""
 
