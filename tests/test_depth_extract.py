@@ -71,28 +71,29 @@ def attachment(model: Any, capture: ComponentCapture) -> Attachment:
     return Attachment(model, capture.adapter, "choice", {}, capture.readout, OPTIONS, [0] * 3)
 
 
-def skip_logits(model: Any) -> torch.Tensor:
-    """(B, blocks, K): ``--skips``'s values of :data:`PROMPTS`, bound to the decomposition as an
-    extraction binds them."""
+def bound_values(model: Any, hooks: Any) -> tuple[Any, torch.Tensor]:
+    """The decomposition of :data:`PROMPTS` and the values (stacked by row) of the capture class
+    ``hooks`` bound to it as an extraction binds it (``--skips``' or ``--gram``'s)."""
     adapter = adapter_for(model.config)
     capture = ComponentCapture(model, adapter, Readout(model, adapter), OPTIONS)
-    skips = SkipCapture(attachment(model, capture))
-    skips.bind(capture)
+    bound = hooks(attachment(model, capture))
+    bound.bind(capture)
     try:
         with torch.inference_mode():
             model(**batch(PROMPTS), use_cache=False)
-            skips.decomposed(capture.decompose())
-        return torch.stack(list(skips.result()))
+            dec = capture.decompose()
+            bound.decomposed(dec)
+        return dec, torch.stack(list(bound.result()))
     finally:
         capture.remove()
-        skips.remove()
+        bound.remove()
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3", "phi", "gpt2", "gpt_neox"])
 def test_skip_logits_equal_model_without_the_block(family: str, build_model: Any) -> None:
     model = build_model(family)
     before = plain_logits(model)
-    got = skip_logits(model)
+    got = bound_values(model, SkipCapture)[1]
     n_blocks = len(get_module(model, adapter_for(model.config).blocks))
     assert got.shape == (len(PROMPTS), n_blocks, len(OPTIONS))
     for b in range(n_blocks):
@@ -110,7 +111,7 @@ def test_skips_of_a_shared_block_cover_every_call(build_model: Any) -> None:
     blocks = model.model.layers
     model.model.layers = torch.nn.ModuleList([blocks[0], blocks[1], blocks[0], blocks[1]])
     model.config.num_hidden_layers = 4
-    got = skip_logits(model)
+    got = bound_values(model, SkipCapture)[1]
     assert got.shape[1] == 2
     for b in range(2):
         torch.testing.assert_close(got[:, b], without_block(model, b), rtol=1e-4, atol=1e-5)
@@ -140,27 +141,10 @@ def hooked_outputs(
     return torch.stack([hidden[0], *outs], dim=1), hidden
 
 
-def decompose_with_gram(model: Any) -> tuple[Any, torch.Tensor]:
-    """The decomposition of :data:`PROMPTS` and the Gram rows (B, C(C+1)/2) of ``--gram``'s
-    capture bound to it."""
-    adapter = adapter_for(model.config)
-    capture = ComponentCapture(model, adapter, Readout(model, adapter), OPTIONS)
-    gram = GramCapture(attachment(model, capture))
-    gram.bind(capture)
-    try:
-        with torch.inference_mode():
-            model(**batch(PROMPTS), use_cache=False)
-        dec = capture.decompose()
-        gram.decomposed(dec)
-        return dec, torch.stack(list(gram.result()))
-    finally:
-        capture.remove()
-
-
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_neox"])
 def test_cos_prev_and_gram_equal_direct_computation(family: str, build_model: Any) -> None:
     model = build_model(family)
-    dec, rows = decompose_with_gram(model)
+    dec, rows = bound_values(model, GramCapture)
     z, hidden = hooked_outputs(model)
     n = z.shape[1]
     cos_prev = torch.nn.functional.cosine_similarity(z[:, 1:], z[:, :-1], dim=-1)
