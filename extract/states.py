@@ -5,7 +5,7 @@ instance's last prompt token (a choice task)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,9 +29,10 @@ TORCH_TYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": 
 
 class StateCapture(Hooks):
     """Pre-hooks on the model, every decoder block and the final norm; after each pass, per
-    row, its positions, their token ids and states (k, L + 1, d). Only the first pass after
-    :meth:`batch` is kept (later passes, as the future effects run them, are not the model's
-    own)."""
+    row, its positions, their token ids and states (k, L + 1, d). Each hook keeps only the
+    sampled positions, converted to the stored dtype at once (nothing of the pass's own size
+    outlives it). Only the first pass after :meth:`batch` is kept (later passes, as the future
+    effects run them, are not the model's own)."""
 
     def __init__(self, ctx: Attachment) -> None:
         super().__init__()
@@ -49,14 +50,21 @@ class StateCapture(Hooks):
         self.reset()
 
     def reset(self) -> None:
-        self._h: list[torch.Tensor] = []
+        self._h: list[torch.Tensor] = []  # per layer so far: (positions, d) in the stored dtype
+        self._index: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._row_of = np.zeros(0, np.int64)  # the batch row of each kept position
         self._input_ids: torch.Tensor | None = None
         self._rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
         self._ids: Sequence[int] | None = None
         self._lengths: Sequence[int] = ()
+        self._pos: list[np.ndarray] = []  # the sampled positions of each row
 
     def batch(self, ids: Sequence[int] | None, lengths: Sequence[int]) -> None:
         self._ids, self._lengths = ids, lengths
+        self._pos = [
+            np.array([n - 1]) if self.last else state_positions(n, self.k, self.seed, doc)
+            for doc, n in zip(ids or (), lengths, strict=False)
+        ]
 
     def _ids_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
         if self._ids is not None and self._input_ids is None:
@@ -64,23 +72,40 @@ class StateCapture(Hooks):
 
     def _input_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
         if self._ids is not None and self._rows is None and len(self._h) < self.n_blocks:
-            self._h.append(args[0] if args else kwargs["hidden_states"])
+            self._keep(args[0] if args else kwargs["hidden_states"])
+
+    def _keep(self, h: torch.Tensor) -> None:
+        """Keep the sampled positions of every row of ``h`` (B, width, d), stored dtype."""
+        if self._index is None:  # rows are left-padded to the pass's width
+            width = h.shape[1]
+            self._row_of = np.repeat(np.arange(len(self._pos)), [len(p) for p in self._pos])
+            cols = np.concatenate(
+                [width - n + p for n, p in zip(self._lengths, self._pos, strict=True)]
+            )
+            self._index = (
+                torch.as_tensor(self._row_of, device=h.device),
+                torch.as_tensor(cols, device=h.device),
+            )
+        self._h.append(to_stored(h[self._index], self.dtype, self._unit))
+
+    def _unit(self, position: int) -> str:
+        """The instance or document of kept position ``position``, for messages."""
+        assert self._ids is not None  # a pass after batch()
+        return f"{'instance' if self.last else 'document'} {self._ids[self._row_of[position]]}"
 
     def _final_hook(self, module: Any, args: tuple) -> None:
         if self._ids is None or self._rows is not None:
             return
         if self._input_ids is None:
             raise DecompositionError("the model was called without input_ids")
-        stacked = torch.stack([*self._h, args[0]], dim=2)  # (B, width, L + 1, d)
-        width = stacked.shape[1]
-        ids = self._input_ids.cpu().numpy()
-        self._rows = []
-        unit = "instance" if self.last else "document"
-        for row, (doc, n) in enumerate(zip(self._ids, self._lengths, strict=True)):
-            pos = np.array([n - 1]) if self.last else state_positions(n, self.k, self.seed, doc)
-            h = stacked[row, torch.as_tensor(width - n + pos, device=stacked.device)]
-            stored = to_stored(h, self.dtype, f"{unit} {doc}")
-            self._rows.append((pos, ids[row, width - n + pos], stored))
+        self._keep(args[0])
+        values = as_numpy(torch.stack(self._h, dim=1))  # (positions, L + 1, d)
+        ids, width = self._input_ids.cpu().numpy(), self._input_ids.shape[1]
+        ends = np.cumsum([len(p) for p in self._pos])
+        self._rows = [
+            (pos, ids[row, width - n + pos], values[end - len(pos) : end])
+            for row, (pos, n, end) in enumerate(zip(self._pos, self._lengths, ends, strict=True))
+        ]
         self._h = []
 
     def result(self) -> Sequence[Any]:
@@ -91,19 +116,30 @@ class StateCapture(Hooks):
         return self._rows
 
 
-def to_stored(h: torch.Tensor, dtype: str, where: str) -> np.ndarray:
-    """``h`` as stored with ``--states-dtype dtype``; refuses a non-finite state, and with
-    float16 a value beyond its range (about 65504)."""
-    if not torch.isfinite(h).all():
-        raise DecompositionError(f"{where}: a residual state is NaN or Inf (try --dtype fp32)")
-    stored = h.to(TORCH_TYPES[dtype])
-    if dtype == "float16" and not torch.isfinite(stored).all():
-        big = float(h.abs().max())
+def to_stored(h: torch.Tensor, dtype: str, unit: Callable[[int], str]) -> torch.Tensor:
+    """``h`` (rows, d) as stored with ``--states-dtype dtype``; refuses a non-finite state, and
+    with float16 a value beyond its range (about 65504), naming the first such row's ``unit``."""
+    finite = torch.isfinite(h).all(dim=-1)
+    if not bool(finite.all()):
+        first = int((~finite).nonzero()[0])
         raise DecompositionError(
-            f"{where}: a residual state value ({big:.6g}) does not fit float16; use "
-            "--states-dtype bfloat16 (or float32)"
+            f"{unit(first)}: a residual state is NaN or Inf (try --dtype fp32)"
         )
-    if dtype == "bfloat16":
+    stored = h.to(TORCH_TYPES[dtype])
+    if dtype == "float16":
+        fits = torch.isfinite(stored).all(dim=-1)
+        if not bool(fits.all()):
+            first = int((~fits).nonzero()[0])
+            raise DecompositionError(
+                f"{unit(first)}: a residual state value ({float(h[first].abs().max()):.6g}) does "
+                "not fit float16; use --states-dtype bfloat16 (or float32)"
+            )
+    return stored
+
+
+def as_numpy(stored: torch.Tensor) -> np.ndarray:
+    """Stored states on the CPU as numpy (bfloat16 as its raw bits, uint16)."""
+    if stored.dtype == torch.bfloat16:
         return stored.view(torch.int16).cpu().numpy().view(np.uint16)
     return stored.cpu().numpy()
 

@@ -59,13 +59,13 @@ CLAIMS_DIR = "claims"
 
 def dictionary_columns(schema: pa.Schema) -> list[str]:
     """The columns worth dictionary-encoding in Parquet: all but the floating-point ones (and
-    lists of them), whose values rarely repeat, so that a dictionary only adds its indices (the
-    docs page "The store", "Scale of a store", has the bytes measured with and without)."""
+    lists and fixed-size lists of them: the residual states), whose values rarely repeat, so
+    that a dictionary only adds its indices (the docs page "The store", "Scale of a store", has
+    the bytes measured with and without)."""
 
     def floating(kind: pa.DataType) -> bool:
-        return pa.types.is_floating(kind) or (
-            pa.types.is_list(kind) and pa.types.is_floating(kind.value_type)
-        )
+        lists = pa.types.is_list(kind) or pa.types.is_fixed_size_list(kind)
+        return pa.types.is_floating(kind) or (lists and pa.types.is_floating(kind.value_type))
 
     return [f.name for f in schema if not floating(f.type)]
 
