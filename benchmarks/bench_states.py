@@ -2,13 +2,19 @@
 (fp32, CPU) on BBC News running text, a plain text extraction against the same with every
 position's residual states, each into a fresh store.
 
-    python benchmarks/bench_states.py [--docs 16] [--max-tokens 256] [--repeats 3] [--quick]
+    python benchmarks/bench_states.py [--docs 16] [--max-tokens 256] [--repeats 3] [--threads 1]
+        [--quick]
 
 Each repeat runs both extractions (in rotating order) through ``run_extract``; the time of one is
 that of its ``extract_task`` (the partition opened, every chunk computed and written, the model
 already loaded): CPU seconds of the process (every thread, the background writer's included) and
 wall seconds. The disk's speed is measured here: the states' byte count written to a file in
 the same folder and fsynced.
+
+Torch runs ``--threads`` threads (default 1, as ``bench_text_extract.py``): the states' Parquet
+part is written by the extraction's background writer thread while the next chunk's forward
+runs, and with as many torch threads as cores the threads of every parallel operation spin while
+the writer holds one of them, which counts the wait, not the work, in CPU time.
 
 Targets: ``--states all`` at most 1.15 x the plain extraction's CPU time plus its bytes at the
 disk's speed; the ``states`` files on disk within 1.10 x rows x (L + 1) x d x dtype bytes
@@ -27,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from common import add_quick, record
 
 import layerdiv.extract.runner as runner_module
@@ -93,8 +100,10 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
     add_quick(parser)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     if args.quick:
         args.docs, args.max_tokens, args.repeats = 2, 32, 1
     loads = [os.getloadavg()[0]]
@@ -147,6 +156,7 @@ def main() -> None:
                 ["states on disk / (rows x (L + 1) x d x dtype)", round(ratio, 3), "<= 1.10"],
             ],
             loads,
+            threads=args.threads,
         )
 
 
