@@ -433,7 +433,7 @@ class PartitionWriter:
                 data.replace_schema_metadata({**(schema.metadata or {}), **self._stamp(table)}),
                 tmp,
                 compression="zstd",
-                row_group_size=row_group_rows(schema),
+                row_group_size=row_group_rows(data.schema),
                 use_dictionary=dictionary_columns(schema),
                 write_page_checksum=True,  # readers verify them (store.location.open_parquet)
             )
