@@ -16,12 +16,19 @@ import pytest
 
 from layerdiv.analyze.synthetic import random_partition, write_partition
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import GRAM, SchemaError
+from layerdiv.schemas import GRAM, SchemaError, states_schema
 from layerdiv.store import Store
 from layerdiv.store.atomic import atomic_path, is_stale_temp, temp_path, write_bytes
 from layerdiv.store.manifest import read_manifest
 from layerdiv.store.paths import OverlappingParts, list_partitions
-from layerdiv.store.writer import PartitionWriter, StoreConflict, Verdict, dictionary_columns
+from layerdiv.store.writer import (
+    ROW_GROUP_BYTES,
+    PartitionWriter,
+    StoreConflict,
+    Verdict,
+    dictionary_columns,
+    row_group_rows,
+)
 
 N, CHUNK = 12, 4
 
@@ -147,12 +154,21 @@ def test_float_columns_are_not_dictionary_encoded(tmp_path: Path) -> None:
     meta = pq.ParquetFile(path).metadata.row_group(0)
     encodings = {meta.column(i).path_in_schema: meta.column(i).encodings for i in range(2)}
     assert not any("DICTIONARY" in e for e in encodings["gram.list.element"])
+    # the vector's elements carry no min/max statistics; its key does
+    assert not meta.column(1).is_stats_set and meta.column(0).is_stats_set
     # noise does not compress: the file holds the raw floats and little else (a dictionary
     # made it about 1.5 times as large)
     assert path.stat().st_size < 1.05 * rows.nbytes
     assert np.array_equal(
         np.stack(pq.read_table(path)["gram"].to_numpy(zero_copy_only=False)), rows
     )
+
+
+def test_wide_rows_are_written_in_row_groups_of_about_16_mib() -> None:
+    states = states_schema(576, "float16")  # SmolLM2's states: 1,152 bytes a row
+    assert row_group_rows(states) == ROW_GROUP_BYTES // 1152
+    assert row_group_rows(states_schema(8192, "float32")) == 1024  # never fewer
+    assert row_group_rows(GRAM) == 1 << 20  # a variable-length list: rows of any width
 
 
 def test_unreadable_parts_are_not_counted_done(tmp_path: Path) -> None:
