@@ -378,8 +378,9 @@ def time_rounds(runs: list[Contender], rounds: int) -> dict[str, list[float]]:
 
 def report(
     times: dict[str, list[float]], memory: dict[str, dict[str, float]], n: int, batch_size: int
-) -> list[list[Any]]:
-    """Print the table and the targets; return the docs' table (:data:`COLUMNS`)."""
+) -> tuple[float, list[list[Any]]]:
+    """Print the table and the targets; return layerdiv-auto / plain-floor (the median of
+    per-round ratios) and the docs' table (:data:`COLUMNS`)."""
     base_t, base_m = times["plain"], memory["plain"]
     ratio = {
         c: statistics.median(a / b for a, b in zip(t, base_t, strict=True))
@@ -426,7 +427,7 @@ def report(
         f"<= {TARGET_RATIO} {_met(floor <= TARGET_RATIO)}"
     )
     print(f"  (batch size {batch_size} for plain, layerdiv-fixed and transformerlens)")
-    return [
+    return floor, [
         [LABELS[c].format(batch_size=batch_size), round(statistics.median(t), 2),
          round(n / statistics.median(t), 1), round(ratio[c], 3), round(memory[c]["peak"]),
          round(peak[c], 3)]
@@ -493,11 +494,12 @@ def main() -> None:
         times = time_rounds(runs, args.rounds)
     print("\nmemory: one fresh process per contender")
     memory = {name: memory_of(name, args) for name in names}
-    table = report(times, memory, len(lengths), args.batch_size)
+    own, table = report(times, memory, len(lengths), args.batch_size)
     loads.append(os.getloadavg()[0])
     print(f"\nload average at the end: {loads[-1]:.2f}")
     record("bench_extract", COLUMNS, table, loads,
-           formats=["", ".2f", ".1f", ".3f", ".0f", ".3f"])  # fmt: skip
+           formats=["", ".2f", ".1f", ".3f", ".0f", ".3f"],
+           own_overhead=round(own, 3), target=TARGET_RATIO)  # fmt: skip
 
 
 def _cpu() -> str:

@@ -106,6 +106,11 @@ def block_bytes(row: dict[str, Any]) -> tuple[str, str]:
     return f"{row['bytes per token per block']:.2f} bytes per token per block", ""
 
 
+def states_cost(row: dict[str, Any]) -> tuple[str, str]:
+    """A ``bench_states`` row: its figure and target as the results file gives them."""
+    return f"{row['figure']}", f"{row['target']}"
+
+
 def maps_ratio(row: dict[str, Any]) -> tuple[str, str]:
     """A ``bench_maps`` row: its time against the matrix multiplies' at the GEMM rate."""
     return (
@@ -131,6 +136,13 @@ README_ROWS: list[tuple[str, Any, str, Callable[[dict[str, Any]], tuple[str, str
      text_analysis),
     ("text_store_size", "`token_blocks`",
      "`token_blocks` on disk (`text_store_size.py --docs 40 --max-tokens 256`)", block_bytes),
+    ("bench_states", "--states all / plain, CPU",
+     "`--states all`, CPU time against a plain text extraction (`bench_states.py`)", states_cost),
+    ("bench_states", "--states all, CPU s",
+     "`--states all`, CPU s (target: 1.15 x plain + the states' bytes at the disk's speed)",
+     states_cost),
+    ("bench_states", "states on disk / (rows x (L + 1) x d x dtype)",
+     "`states` on disk against the vectors' bytes", states_cost),
     ("bench_maps", "32,768 + 8,192",
      "`analyze --maps` at the depth-efficiency paper's shape, every pair extrapolated from one "
      "source layer of each space (`bench_maps.py --source-layers 1`)", maps_ratio),
@@ -158,6 +170,18 @@ def cluster_median(results: Path) -> str:
     )
     return (
         f"Median Ray / local: {ray:.1f} / {local:.1f} = {ray / local:.2f} (target: at most 1.3).\n"
+    )
+
+
+def extract_overhead(results: Path) -> str:
+    """``bench_extract``'s layerdiv-auto / plain-floor: layerdiv's own work over the same
+    forward passes."""
+    result = load("bench_extract", results)
+    own, target = result["own_overhead"], result["target"]
+    verdict = "met" if own <= target else f"missed by {own / target - 1:.1%}"
+    return (
+        f"**{own:.3f}** times the floor's time in the run above (the median of per-round "
+        f"ratios; target at most {target}: {verdict}).\n"
     )
 
 
@@ -192,6 +216,7 @@ SPECIAL: dict[str, Callable[[Path], str]] = {
     "readme-text": readme_text,
     "cluster-median": cluster_median,
     "maps-summary": maps_summary,
+    "extract-overhead": extract_overhead,
 }
 """Regions rendered otherwise than as a results file's whole table."""
 
