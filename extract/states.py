@@ -61,10 +61,14 @@ class StateCapture(Hooks):
 
     def batch(self, ids: Sequence[int] | None, lengths: Sequence[int]) -> None:
         self._ids, self._lengths = ids, lengths
-        self._pos = [
-            np.array([n - 1]) if self.last else state_positions(n, self.k, self.seed, doc)
-            for doc, n in zip(ids or (), lengths, strict=False)
-        ]
+        self._pos = (
+            []
+            if ids is None
+            else [  # a probe pass (ids None) keeps nothing
+                np.array([n - 1]) if self.last else state_positions(n, self.k, self.seed, doc)
+                for doc, n in zip(ids, lengths, strict=True)
+            ]
+        )
 
     def _ids_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
         if self._ids is not None and self._input_ids is None:
