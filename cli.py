@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,12 +16,11 @@ import click
 
 from layerdiv.analyze.options import ESTIMATORS, EXECUTORS, FORMATS, SCALES
 from layerdiv.errors import LayerdivError, LayerdivWarning, one_line
-from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, DTYPES, ExtractConfig, measurement_options
-from layerdiv.extract.launchers import Shard, parse_shard, pick_device
+from layerdiv.extract.config import DEFAULT_STORE, ExtractConfig
+from layerdiv.extract.launchers import Shard, pick_device
 from layerdiv.schemas import KINDS
 from layerdiv.version import __version__
 
-DEFAULT_STORE = "layerdiv-store"
 MAX_ROWS = 40
 """Rows ``layerdiv query`` prints unless told otherwise."""
 
@@ -81,158 +79,21 @@ store_option = click.option(
 )
 
 
-def _local_store(ctx: click.Context, param: click.Parameter, value: str) -> str:
-    from layerdiv.store.location import local_root
-
-    local_root(value)
-    return value
-
-
-local_store_option = click.option(
-    "--store",
-    default=DEFAULT_STORE,
-    show_default=True,
-    type=click.Path(file_okay=False),
-    callback=_local_store,
-    help="Store (cache) folder, local: publish a finished store to object storage by a sync.",
-)
-
-
 # --- extraction commands -------------------------------------------------------------------
 
 
-def _parse_shard(ctx: click.Context, param: click.Parameter, value: str) -> Shard:
-    from_env = ctx.get_parameter_source("shard") is click.core.ParameterSource.ENVIRONMENT
-    return parse_shard(value, os.environ, "LAYERDIV_SHARD" if from_env else "--shard")
-
-
-def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
-    if value == "auto":
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise click.BadParameter("a positive integer or 'auto'")
-    return int(value)
-
-
-_DEFAULTS = ExtractConfig(model="", tasks=[])
-"""The defaults of ``extract``'s options."""
-
-
 class _Extract(click.Command):
-    """``extract``, whose options include those of every registered measurement
-    (``layerdiv.measurements``), read when the command runs or shows its help."""
+    """``extract``, whose options are those ``ExtractConfig`` declares (its fields' and every
+    registered measurement's, ``layerdiv.measurements``), read when the command runs or shows
+    its help."""
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
-        from layerdiv.measurements import registered
-
-        own = self.params
-        measured = [o for m in registered() for o in m.click_options()]
         help_option = self.get_help_option(ctx)
-        return [*own, *measured, *([help_option] if help_option is not None else [])]
+        return [*ExtractConfig.options(), *([help_option] if help_option is not None else [])]
 
 
 @main.command(cls=_Extract)
-@click.option("--model", required=True, help="Hub id, local folder, or smollm2-135m-instruct.")
-@click.option(
-    "--task",
-    "tasks",
-    multiple=True,
-    required=True,
-    help="Built-in task name or task YAML path (repeatable).",
-)
-@local_store_option
-@click.option(
-    "--revision",
-    default=None,
-    help="Hub revision (branch, tag or commit); for a local folder, a label. A key of the store: "
-    "each revision is its own partition (default main).",
-)
-@click.option(
-    "--step",
-    type=click.IntRange(min=0),
-    default=None,
-    help="Training step of the revision (default: N of a revision named stepN).",
-)
-@click.option(
-    "--tokens-seen",
-    type=click.IntRange(min=0),
-    default=None,
-    help="Training tokens the revision has seen (default: step x --tokens-per-step).",
-)
-@click.option(
-    "--tokens-per-step",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Training tokens per step (Pythia: 2,097,152), to record the tokens seen of a step.",
-)
-@click.option("--gguf-file", default=None, help="GGUF file in the model folder or repo.")
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="Instances per task.")
-@click.option(
-    "--batch-size",
-    default=str(_DEFAULTS.batch_size or "auto"),
-    show_default=True,
-    callback=_parse_batch_size,
-    help="Instances per batch, or auto (length-sorted batches up to a token budget).",
-)
-@click.option(
-    "--dtype", type=click.Choice(list(DTYPES)), default=_DEFAULTS.dtype, show_default=True
-)
-@click.option(
-    "--device", default=_DEFAULTS.device, show_default=True, help="auto, cuda, cuda:1, mps, cpu."
-)
-@click.option(
-    "--device-map",
-    type=click.Choice(["auto"]),
-    default=None,
-    help="auto: spread a model larger than one GPU over the GPUs, CPU and disk (accelerate).",
-)
-@click.option(
-    "--shard",
-    default="/".join(map(str, _DEFAULTS.shard)),
-    show_default=True,
-    envvar="LAYERDIV_SHARD",
-    callback=_parse_shard,
-    help="Do chunk share i of N; auto: i and N from a SLURM job array, torchrun or (auto/N) "
-    "a Kubernetes indexed job. Also read from $LAYERDIV_SHARD.",
-)
-@click.option(
-    "--overwrite",
-    is_flag=True,
-    help="Replace a partition holding another extraction (with --shard i/N, N > 1: only one "
-    "holding another extraction; one holding this extraction is resumed).",
-)
-@click.option("--trust-remote-code", is_flag=True, help="Run model code from its hub repo.")
-@click.option(
-    "--allow-softcap", is_flag=True, help="Decompose pre-soft-cap logits (flagged approximate)."
-)
-@click.option(
-    "--chunk-size",
-    type=click.IntRange(min=1),
-    default=_DEFAULTS.chunk_size,
-    help=f"Instances per chunk of a new partition (default {DEFAULT_CHUNK_SIZE}; the unit of "
-    "resumption and sharding); an existing partition keeps its own.",
-)
-def extract(
-    model: str,
-    tasks: tuple[str, ...],
-    store: str,
-    revision: str | None,
-    step: int | None,
-    tokens_seen: int | None,
-    tokens_per_step: int | None,
-    gguf_file: str | None,
-    limit: int | None,
-    batch_size: int | None,
-    dtype: str,
-    device: str,
-    device_map: str | None,
-    shard: Shard,
-    overwrite: bool,
-    trust_remote_code: bool,
-    allow_softcap: bool,
-    chunk_size: int | None,
-    **measured: Any,
-) -> None:
+def extract(**options: Any) -> None:
     """Run MODEL once over each task and cache every component's option logits (or, for a text
     task, every token's per-block dot products), and the optional measurements asked for."""
     import sys
@@ -240,26 +101,9 @@ def extract(
     from layerdiv.extract.interrupt import Interrupted
     from layerdiv.extract.runner import run_extract
 
-    cfg = ExtractConfig(
-        model=model,
-        tasks=list(tasks),
-        store=Path(store),
-        revision=revision,
-        step=step,
-        tokens_seen=tokens_seen,
-        tokens_per_step=tokens_per_step,
-        gguf_file=gguf_file,
-        limit=limit,
-        batch_size=batch_size,
-        dtype=dtype,
-        device=_device_for(device, shard),
-        device_map=device_map,
-        shard=(shard.index, shard.count),
-        overwrite=overwrite,
-        trust_remote_code=trust_remote_code,
-        allow_softcap=allow_softcap,
-        chunk_size=chunk_size,
-        **measurement_options(measured),
+    shard: Shard = options["shard"]
+    cfg = ExtractConfig.from_options(
+        options, device=_device_for(options["device"], shard), shard=(shard.index, shard.count)
     )
     if shard.source != "--shard":
         click.echo(f"{shard.describe()}, device {cfg.device}")
@@ -288,7 +132,7 @@ def extract(
             + (f"; {s.n_truncated} prompts left-truncated to the context" if s.n_truncated else "")
             + ")"
         )
-    click.echo(f"store: {store}")
+    click.echo(f"store: {cfg.store}")
 
 
 def _device_for(device: str, shard: Shard) -> str:

@@ -240,7 +240,7 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     from layerdiv.analyze.api import analyze, task_summary
     from layerdiv.analyze.metrics import METRICS
     from layerdiv.analyze.report import write_report
-    from layerdiv.extract.config import ExtractConfig
+    from layerdiv.extract.config import ExtractConfig, measurement_options
     from layerdiv.extract.models import save_every_other_block
     from layerdiv.extract.runner import run_extract
 
@@ -256,18 +256,17 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     states = {"states": {"states": "all"}}
     # The skips task gets the logit lens too: the lens section draws its last prompt token
     # beside running text (same readout as the text task).
+    gram_heads = measurement_options({"gram": True, "heads": True})
+    lens_skips = measurement_options({"skips": True, "lens": "final"})
     for config in (
-        ExtractConfig(DEMO_MODEL, choice, store, gram=True, heads=True),
+        ExtractConfig(DEMO_MODEL, choice, store, measures=gram_heads),
         ExtractConfig(
             DEMO_MODEL,
             [by_name[SKIPS_TASK]],
             store,
-            gram=True,
-            heads=True,
-            skips=True,
-            lens="final",
+            measures={**gram_heads, **lens_skips},
         ),
-        ExtractConfig(DEMO_MODEL, [by_name[TEXT_TASK]], store, lens="final", skips=True),
+        ExtractConfig(DEMO_MODEL, [by_name[TEXT_TASK]], store, measures=lens_skips),
         ExtractConfig(DEMO_MODEL, [by_name[STATES_TASK]], store, measures=states),
         ExtractConfig(str(sibling), [by_name[STATES_TASK]], store, measures=states),
     ):

@@ -34,7 +34,7 @@ from common import add_quick, demo_choice_tasks, record
 from layerdiv.analyze.analyses import depth
 from layerdiv.demo import DEMO_MODEL
 from layerdiv.extract.adapters import adapter_for
-from layerdiv.extract.config import ExtractConfig
+from layerdiv.extract.config import ExtractConfig, measurement_options
 from layerdiv.extract.models import LoadedModel, load_model, load_tokenizer, resolve_source
 from layerdiv.extract.plan import plan_task
 from layerdiv.extract.runner import extract_task
@@ -47,7 +47,8 @@ def timed_extract(
     """(wall seconds, CPU seconds of this process) of extracting ``tasks`` into ``store`` with the
     model already loaded (the real path: ``plan_task`` and ``extract_task``). On a shared machine
     the CPU time is the fairer measure of the work done."""
-    cfg = ExtractConfig(DEMO_MODEL, tasks, store, skips=skips, gram=gram, progress=False)
+    measures = measurement_options({"skips": skips, "gram": gram})
+    cfg = ExtractConfig(DEMO_MODEL, tasks, store, measures=measures, progress=False)
     adapter = adapter_for(loaded.model.config)
     plans = [plan_task(t, loaded.tokenizer, cfg) for t in tasks]
     wall, cpu = time.perf_counter(), time.process_time()

@@ -28,7 +28,7 @@ from common import add_quick, demo_choice_tasks, record
 
 from layerdiv.demo import DEMO_MODEL
 from layerdiv.extract.adapters import adapter_for, check_softcap
-from layerdiv.extract.config import ExtractConfig
+from layerdiv.extract.config import ExtractConfig, measurement_options
 from layerdiv.extract.models import load_model, load_tokenizer, resolve_source
 from layerdiv.extract.plan import plan_task
 from layerdiv.extract.runner import extract_task
@@ -60,9 +60,9 @@ def main() -> None:
         paths = demo_choice_tasks(Path(tmp) / "tasks", -(-per_task // 30) * 30, args.seed)
 
         def run(heads: bool, store: Path) -> tuple[float, float]:
-            cfg = ExtractConfig(
-                model=DEMO_MODEL, tasks=[], store=store, limit=per_task, progress=False, heads=heads
-            )
+            measures = measurement_options({"heads": heads})
+            cfg = ExtractConfig(DEMO_MODEL, [], store, limit=per_task, progress=False,
+                                measures=measures)  # fmt: skip
             plans = [plan_task(str(p), loaded.tokenizer, cfg) for p in paths]
             gc.collect()
             start, cpu = time.perf_counter(), time.process_time()

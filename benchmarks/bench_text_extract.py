@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from common import add_quick, record
 
-import layerdiv.extract.text as text_module
+import layerdiv.extract.lens as lens_module
 from layerdiv.demo import DEMO_MODEL, bbc_articles
 from layerdiv.extract.adapters import adapter_for
 from layerdiv.extract.batching import batches, tokenize_documents
@@ -67,6 +67,7 @@ from layerdiv.extract.forward import CPU_TOKEN_BUDGET, ModelRunner, left_padded
 from layerdiv.extract.future import SkipSettings, split_points
 from layerdiv.extract.models import LoadedModel, load_model, load_tokenizer, resolve_source
 from layerdiv.extract.readout import Readout
+from layerdiv.measurements.future import FUTURE
 from layerdiv.measurements.lens import LENS
 
 Batches = list[list[list[int]]]
@@ -185,8 +186,11 @@ def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches) -> list[Ro
 
     def skips(settings: SkipSettings) -> Callable[[Batches], None]:
         def run(data: Batches) -> None:
-            with ModelRunner(loaded, adapter, [], CPU_TOKEN_BUDGET, kind="text",
-                             skips=settings, answers=answers(data)) as text:  # fmt: skip
+            measures = {FUTURE.name: {"skip_split": settings.split, "skip_seed": settings.seed,
+                                      "skip_sublayers": list(settings.sublayers),
+                                      "skip_modes": list(settings.modes)}}  # fmt: skip
+            with ModelRunner(loaded, adapter, [], CPU_TOKEN_BUDGET, kind="text", measures=measures,
+                             planned={FUTURE.name: answers(data)}) as text:  # fmt: skip
                 doc = 0
                 for batch in data:
                     text.run(batch, list(range(doc, doc + len(batch))))
@@ -229,9 +233,9 @@ def timed(run: Callable[[Batches], Any], data: Batches) -> tuple[float, float]:
 @contextmanager
 def lens_split() -> Iterator[dict[str, float]]:
     """CPU seconds spent in the lens's readouts and in its statistics while the context is open
-    (``Readout.logits`` and the ``lens_stats`` the text capture calls, wrapped)."""
+    (``Readout.logits`` and the ``lens_stats`` the text task's lens calls, wrapped)."""
     spent = {"readout": 0.0, "statistics": 0.0}
-    logits, stats = Readout.logits, text_module.lens_stats
+    logits, stats = Readout.logits, lens_module.lens_stats
 
     def timed_call(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -244,12 +248,12 @@ def lens_split() -> Iterator[dict[str, float]]:
         return call
 
     Readout.logits = timed_call("readout", logits)  # type: ignore[method-assign]
-    text_module.lens_stats = timed_call("statistics", stats)
+    lens_module.lens_stats = timed_call("statistics", stats)
     try:
         yield spent
     finally:
         Readout.logits = logits  # type: ignore[method-assign]
-        text_module.lens_stats = stats
+        lens_module.lens_stats = stats
 
 
 def main() -> None:

@@ -204,26 +204,6 @@ def adapter_for(config: Any) -> Adapter:
     )
 
 
-def check_heads(config: Any) -> int:
-    """The number of attention heads of a config whose attention splits exactly into heads
-    (methods §8), or a one-line refusal (checked before the weights load)."""
-    adapter = adapter_for(config)
-    model_type = getattr(config, "model_type", None)
-    heads = getattr(config, "num_attention_heads", None)
-    if adapter.attn_out is None:
-        raise UnsupportedModel(
-            f"--heads: the attention of {model_type!r} models cannot be split into heads exactly "
-            "(no per-head output projection in layerdiv/extract/adapters.py); extract without "
-            "--heads."
-        )
-    if not isinstance(heads, int) or heads < 1:
-        raise UnsupportedModel(
-            f"--heads: the {model_type!r} config gives no num_attention_heads ({heads!r}); "
-            "extract without --heads."
-        )
-    return heads
-
-
 def final_softcap(config: Any) -> float | None:
     """The final logit soft-cap of a config (Gemma-2 style), or None when there is none."""
     cap = getattr(config, "final_logit_softcapping", None)

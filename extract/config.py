@@ -1,15 +1,23 @@
 """What one ``layerdiv extract`` run is asked to do, and what it reports back (no torch here:
-the command line reads its choices and defaults from this module)."""
+the command line reads its options from this module, each declared once, by the field it sets
+or by the measurement it asks for)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import click
+
 from layerdiv.errors import LayerdivError
+from layerdiv.extract.launchers import Shard, parse_shard
 from layerdiv.measurements import Measurement, for_kind, registered
+
+DEFAULT_STORE = "layerdiv-store"
+"""The store folder when ``--store`` is not given."""
 
 DEFAULT_CHUNK_SIZE = 1024
 """Instances per chunk of a new partition when ``--chunk-size`` is not given."""
@@ -19,100 +27,229 @@ DTYPES = {"auto": "", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 (``layerdiv.extract.models.resolve_dtype``)."""
 
 
+def _option(*decls: str, **attrs: Any) -> dict[str, click.Option]:
+    """A field's ``extract`` option (the field's metadata): ``decls`` and ``attrs`` as
+    ``click.Option`` takes them, the parameter named after the field."""
+    return {"option": click.Option(list(decls), **attrs)}
+
+
+def _parse_batch_size(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise click.BadParameter("a positive integer or 'auto'")
+    return int(value)
+
+
+def _parse_shard(ctx: click.Context, param: click.Parameter, value: str) -> Shard:
+    from_env = ctx.get_parameter_source("shard") is click.core.ParameterSource.ENVIRONMENT
+    return parse_shard(value, os.environ, "LAYERDIV_SHARD" if from_env else "--shard")
+
+
+def _local_store(ctx: click.Context, param: click.Parameter, value: str) -> Path:
+    from layerdiv.store.location import local_root
+
+    local_root(value)
+    return Path(value)
+
+
 @dataclass
 class ExtractConfig:
-    """Everything one ``layerdiv extract`` run needs."""
+    """Everything one ``layerdiv extract`` run needs; each field the command line sets carries
+    its option (:meth:`options`)."""
 
-    model: str
+    model: str = field(
+        metadata=_option(
+            "--model", required=True, help="Hub id, local folder, or smollm2-135m-instruct."
+        )
+    )
     """Hub id, local folder, or the alias ``smollm2-135m-instruct``."""
-    tasks: list[str]
+    tasks: list[str] = field(
+        metadata=_option(
+            "--task",
+            "tasks",
+            multiple=True,
+            required=True,
+            callback=lambda ctx, param, value: list(value),
+            help="Built-in task name or task YAML path (repeatable).",
+        )
+    )
     """Built-in task names or task YAML paths."""
-    store: Path = Path("layerdiv-store")
+    store: Path = field(
+        default=Path(DEFAULT_STORE),
+        metadata=_option(
+            "--store",
+            default=DEFAULT_STORE,
+            show_default=True,
+            type=click.Path(file_okay=False),
+            callback=_local_store,
+            help="Store (cache) folder, local: publish a finished store to object storage by a "
+            "sync.",
+        ),
+    )
     """Store directory."""
-    revision: str | None = None
+    revision: str | None = field(
+        default=None,
+        metadata=_option(
+            "--revision",
+            help="Hub revision (branch, tag or commit); for a local folder, a label. A key of the "
+            "store: each revision is its own partition (default main).",
+        ),
+    )
     """Hub revision (branch, tag or commit) of the model; for a local folder, a label. The
     partition's ``revision=`` key (``main`` when None)."""
-    step: int | None = None
+    step: int | None = field(
+        default=None,
+        metadata=_option(
+            "--step",
+            type=click.IntRange(min=0),
+            help="Training step of the revision (default: N of a revision named stepN).",
+        ),
+    )
     """Training step of the revision (None: N of a Pythia-style ``stepN`` revision, or unknown)."""
-    tokens_seen: int | None = None
+    tokens_seen: int | None = field(
+        default=None,
+        metadata=_option(
+            "--tokens-seen",
+            type=click.IntRange(min=0),
+            help="Training tokens the revision has seen (default: step x --tokens-per-step).",
+        ),
+    )
     """Training tokens the revision has seen (None: step x ``tokens_per_step`` where given)."""
-    tokens_per_step: int | None = None
+    tokens_per_step: int | None = field(
+        default=None,
+        metadata=_option(
+            "--tokens-per-step",
+            type=click.IntRange(min=1),
+            help="Training tokens per step (Pythia: 2,097,152), to record the tokens seen of a "
+            "step.",
+        ),
+    )
     """Training tokens per optimizer step, to derive ``tokens_seen`` from the step."""
-    gguf_file: str | None = None
+    gguf_file: str | None = field(
+        default=None, metadata=_option("--gguf-file", help="GGUF file in the model folder or repo.")
+    )
     """GGUF file inside the model's folder or repo (converted once to safetensors)."""
-    limit: int | None = None
+    limit: int | None = field(
+        default=None,
+        metadata=_option("--limit", type=click.IntRange(min=1), help="Instances per task."),
+    )
     """Instances per task (default: each task's n)."""
-    batch_size: int | None = None
+    batch_size: int | None = field(
+        default=None,
+        metadata=_option(
+            "--batch-size",
+            default="auto",
+            show_default=True,
+            callback=_parse_batch_size,
+            help="Instances per batch, or auto (length-sorted batches up to a token budget).",
+        ),
+    )
     """Instances per batch; None packs length-sorted batches up to a token budget."""
-    dtype: str = "auto"
+    dtype: str = field(
+        default="auto",
+        metadata=_option(
+            "--dtype", type=click.Choice(list(DTYPES)), default="auto", show_default=True
+        ),
+    )
     """One of :data:`DTYPES`."""
-    device: str = "auto"
+    device: str = field(
+        default="auto",
+        metadata=_option(
+            "--device", default="auto", show_default=True, help="auto, cuda, cuda:1, mps, cpu."
+        ),
+    )
     """auto (cuda, mps, cpu), or a torch device string."""
-    device_map: str | None = None
+    device_map: str | None = field(
+        default=None,
+        metadata=_option(
+            "--device-map",
+            type=click.Choice(["auto"]),
+            help="auto: spread a model larger than one GPU over the GPUs, CPU and disk "
+            "(accelerate).",
+        ),
+    )
     """None: the whole model on ``device``; ``auto``: spread over the GPUs, then CPU and disk
     offload, by accelerate (models larger than one GPU)."""
-    shard: tuple[int, int] = (0, 1)
-    """(i, N): this process does the chunks whose index is i modulo N."""
-    overwrite: bool = False
+    shard: tuple[int, int] = field(
+        default=(0, 1),
+        metadata=_option(
+            "--shard",
+            default="0/1",
+            show_default=True,
+            envvar="LAYERDIV_SHARD",
+            callback=_parse_shard,
+            help="Do chunk share i of N; auto: i and N from a SLURM job array, torchrun or "
+            "(auto/N) a Kubernetes indexed job. Also read from $LAYERDIV_SHARD.",
+        ),
+    )
+    """(i, N): this process does the chunks whose index is i modulo N (the command line's
+    option gives a ``layerdiv.extract.launchers.Shard``)."""
+    overwrite: bool = field(
+        default=False,
+        metadata=_option(
+            "--overwrite",
+            is_flag=True,
+            help="Replace a partition holding another extraction (with --shard i/N, N > 1: only "
+            "one holding another extraction; one holding this extraction is resumed).",
+        ),
+    )
     """Replace a partition that holds a different extraction (with N > 1 shards, a partition
     that holds this extraction is resumed instead: see ``PartitionWriter.check``)."""
-    trust_remote_code: bool = False
+    trust_remote_code: bool = field(
+        default=False,
+        metadata=_option(
+            "--trust-remote-code", is_flag=True, help="Run model code from its hub repo."
+        ),
+    )
     """Allow models whose code lives in their hub repo (e.g. MobileLLM)."""
-    allow_softcap: bool = False
+    allow_softcap: bool = field(
+        default=False,
+        metadata=_option(
+            "--allow-softcap",
+            is_flag=True,
+            help="Decompose pre-soft-cap logits (flagged approximate).",
+        ),
+    )
     """Decompose the pre-soft-cap logits of models with final logit soft-capping (flagged
     ``approximate`` in the manifest) instead of refusing them."""
-    chunk_size: int | None = None
+    chunk_size: int | None = field(
+        default=None,
+        metadata=_option(
+            "--chunk-size",
+            type=click.IntRange(min=1),
+            help=f"Instances per chunk of a new partition (default {DEFAULT_CHUNK_SIZE}; the unit "
+            "of resumption and sharding); an existing partition keeps its own.",
+        ),
+    )
     """Instances per chunk of a new partition's grid (None: :data:`DEFAULT_CHUNK_SIZE`; an
     existing partition keeps its own): the unit of resumption, of sharding and of claiming; a
     crash loses at most one chunk per process."""
-    heads: bool = False
-    """Also store every attention head's option logits (the ``heads`` table, methods
-    §8); a partition stored without them is extended (backfilled)."""
-    skips: bool = False
-    """Also store the option logits with each block skipped (``skips`` table, methods §7); on
-    a text task, the future effects (``layerdiv.measurements.future``, methods §9)."""
-    skip_split: str | None = None
-    """Text tasks with ``skips``: ``random`` (4 seeded split points per document, the default)
-    or ``all`` (every position but the first); None keeps the partition's own."""
-    skip_sublayers: tuple[str, ...] = ()
-    """Text tasks with ``skips``: what is removed, of ``block``, ``attn``, ``mlp`` (empty: the
-    partition's own, or ``block``)."""
-    skip_seed: int | None = None
-    """Text tasks with ``skips``: the seed of the random split points (None: the partition's
-    own, or 0)."""
-    skip_modes: tuple[str, ...] = ()
-    """Text tasks with ``skips``: how each skip runs on, of ``total`` and ``local`` (methods §10;
-    empty: the partition's own, or ``total``)."""
-    gram: bool = False
-    """Also store each instance's Gram matrix of the component outputs (``gram`` table)."""
-    lens: str | None = None
-    """Text tasks: also store the logit lens of every block input (``token_lens`` table,
-    methods §9): ``final`` (final norm and unembedding) or ``last-block`` (the last
-    block applied first)."""
     measures: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """The registered measurements with hooks of their own that this run asks for
-    (``layerdiv.measurements``), by name: the settings given (None: not given, the partition's
-    own or the default)."""
+    """The registered measurements (``layerdiv.measurements``) this run asks for, by name: the
+    settings given (a setting left out, None or empty: not given, the partition's own or the
+    default). :func:`measurement_options` makes it from ``extract``'s options."""
     progress: bool = True
     """Show progress bars."""
 
-    @property
-    def extra_tables(self) -> list[str]:
-        """The optional choice-task tables this run writes (and backfills for chunks stored
-        without them), but the lens (whose flag has a value)."""
-        flags = (("heads", self.heads), ("skips", self.skips), ("gram", self.gram))
-        return [t for t, on in flags if on]
+    @classmethod
+    def options(cls) -> list[click.Option]:
+        """``extract``'s options: those of the fields that carry one, then every registered
+        measurement's (``Measurement.click_options``)."""
+        own = [f.metadata["option"] for f in fields(cls) if "option" in f.metadata]
+        return [*own, *(o for m in registered() for o in m.click_options())]
+
+    @classmethod
+    def from_options(cls, values: Mapping[str, Any], **given: Any) -> ExtractConfig:
+        """The run that ``extract``'s option ``values`` (by parameter name) ask for, the fields
+        in ``given`` replaced; the measurements' by :func:`measurement_options`."""
+        own = {f.name: values[f.name] for f in fields(cls) if "option" in f.metadata}
+        return cls(**{**own, **given}, measures=measurement_options(values))
 
     def given(self, m: Measurement) -> dict[str, Any]:
-        """The settings of measurement ``m`` given on the command line (a built-in one's by its
-        fields, another's under :attr:`measures`); a setting not given is left out, a repeated
-        option's values once each."""
-        own = {f.name for f in fields(self)}
-        values = (
-            {s.name: getattr(self, s.name) for s in m.settings}
-            if m.dest in own
-            else self.measures.get(m.name, {})
-        )
+        """The settings of measurement ``m`` given (under :attr:`measures`); a setting not
+        given is left out, a repeated option's values once each."""
+        values = self.measures.get(m.name, {})
         given = {k: v for k, v in values.items() if v not in (None, ())}
         return {k: tuple(dict.fromkeys(v)) if isinstance(v, tuple) else v for k, v in given.items()}
 
@@ -125,22 +262,20 @@ class OptionError(LayerdivError, ValueError):
     """A measurement's setting given without the measurement."""
 
 
-def measurement_options(values: Mapping[str, Any]) -> dict[str, Any]:
-    """``ExtractConfig``'s keyword arguments from the values of the measurements' ``extract``
-    options: the built-in ones by their field, the others under ``measures``."""
-    own = {f.name for f in fields(ExtractConfig)}
-    out: dict[str, Any] = {k: v for k, v in values.items() if k in own}
+def measurement_options(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """:attr:`ExtractConfig.measures` from the values of the measurements' ``extract`` options
+    (by parameter name: a flag's, a setting's; ``{"skips": True, "lens": "final"}``): every
+    measurement whose flag is given, with its settings. Refuses a setting given without its
+    measurement's flag."""
     measures: dict[str, dict[str, Any]] = {}
     for m in registered():
-        if m.dest in own:
-            continue
         settings = {s.name: values.get(s.name) for s in m.settings}
         if values.get(m.dest):
             measures[m.name] = settings
         elif any(v not in (None, ()) for v in settings.values()):
             given = [s.option.opts[0] for s in m.settings if values.get(s.name) not in (None, ())]
             raise OptionError(f"{', '.join(given)} sets up {m.flag}; add {m.flag}")
-    return {**out, "measures": measures}
+    return measures
 
 
 @dataclass

@@ -1,7 +1,8 @@
-"""What an extraction will cost, known before the weights load: each option's work in plain forward
-passes, counted in FLOPs from the model's shape, and the seconds that takes at the FLOP rates the
-benchmarks measured (docs/benchmarks.md). ``extract`` prints the estimate before a run of more
-than :data:`LONG_RUN` seconds; the docs' cost table is generated from :func:`cost_rows`.
+"""What an extraction will cost, known before the weights load: the work of each measurement it
+writes, in plain forward passes, counted in FLOPs from the model's shape (what each measurement
+declares, ``Measurement.cost``), and the seconds that takes at the FLOP rates the benchmarks
+measured (docs/benchmarks.md). ``extract`` prints the estimate before a run of more than
+:data:`LONG_RUN` seconds; the docs' cost table is generated from :func:`cost_rows`.
 
 FLOPs are counted as in ``benchmarks/bench_text_extract.py``: per token and block, 2 per weight of
 q, k, v, o and the MLP and the causal attention scores and values; a readout (final norm aside)
@@ -10,12 +11,11 @@ is 2 d V per position. A plain forward reads out one position per sequence.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from layerdiv.extract.future import SPLIT_MARGIN, SPLIT_STEP, SPLITS
-from layerdiv.measurements import measurement_of
+from layerdiv.measurements import for_kind
 
 CPU_FLOPS = 226.8e9 / 1.35
 """FLOP rate of a plain forward on 2 CPU cores: SmolLM2-135M in fp32, 226.8 GFLOP in 1.35 s wall
@@ -78,42 +78,20 @@ DOC_TOKENS = {"choice": 46, "text": 256}
 running-text benchmark's documents."""
 
 
-def split_points(tokens: int) -> list[int]:
-    """The candidate split points of a document (8, 16, ... < T - 4, methods §9)."""
-    return list(range(SPLIT_STEP, tokens - SPLIT_MARGIN, SPLIT_STEP))
+Measures = Mapping[str, Mapping[str, Any]]
+"""The measurements of a run, by name: their settings (``TaskPlan.measures``)."""
 
 
-def passes(shape: Shape, kind: str, option: str, tokens: int) -> float:
-    """The work of ``option`` on one sequence of ``tokens`` tokens of a task of ``kind``
-    (``choice`` or ``text``), in plain forward passes over it (FLOPs): ``""`` (no option),
-    ``heads``, ``gram``, ``skips``, ``lens`` or ``lens last-block``."""
-    L, forward = shape.layers, shape.forward(tokens)
-    if option in ("", "heads", "gram"):
-        extra = 0.0  # their dot products and projections are small against the blocks
-    elif option == "skips" and kind == "choice":  # blocks after b, once per skipped block b
-        extra = L * (L - 1) / 2 * shape.block(tokens) + L * shape.readout()
-    elif option == "skips":  # per split point t: blocks l..L-1 per skipped l, readouts after t
-        cut = split_points(tokens)
-        k, after = min(SPLITS, len(cut)), tokens - sum(cut) / max(len(cut), 1)  # t drawn at random
-        per_split = L * (L + 1) / 2 * shape.block(tokens) + L * shape.readout() * after
-        extra = shape.readout(tokens) + k * per_split
-    elif option in (
-        "lens",
-        "lens last-block",
-    ):  # every token's L + 1 readouts, or the last prompt token's L
-        extra = (L + 1) * shape.readout(tokens) if kind == "text" else L * shape.readout()
-        if option == "lens last-block":
-            extra += L * shape.block(tokens)
-    else:
-        raise ValueError(f"unknown extraction option {option!r}")
+def passes(shape: Shape, kind: str, tokens: int, measures: Measures) -> float:
+    """The work on one sequence of ``tokens`` tokens of a task of ``kind`` (``choice`` or
+    ``text``) with the registered measurements ``measures`` (by name: their settings; those of
+    other kinds left out), in plain
+    forward passes over it (FLOPs): the plain pass and what each measurement adds
+    (``Measurement.flops``)."""
+    forward = shape.forward(tokens)
+    extra = sum(m.flops(shape, kind, tokens, measures[m.name]) for m in for_kind(kind)
+                if m.name in measures)  # fmt: skip
     return (forward + extra) / forward
-
-
-OPTIONS = {
-    "choice": ("", "heads", "gram", "lens", "skips"),
-    "text": ("", "lens", "lens last-block", "skips"),
-}
-"""The options of each task kind whose cost the docs' table gives."""
 
 
 def seconds(shape: Shape, work: float, tokens: int, device: str = "cpu") -> float:
@@ -122,16 +100,18 @@ def seconds(shape: Shape, work: float, tokens: int, device: str = "cpu") -> floa
     return work * shape.forward(tokens) / (CPU_FLOPS if device == "cpu" else GPU_FLOPS)
 
 
-def run_seconds(
-    shape: Shape, jobs: Sequence[tuple[str, Sequence[str], Sequence[int]]], device: str
-) -> float:
-    """Seconds for every job ``(kind, options, token counts of its sequences)``: each sequence
-    costs its plain pass plus what each option adds."""
+Job = tuple[str, Measures, Sequence[int]]
+"""One task of a run: its kind, its measurements (by name: their settings) and the token
+counts of its sequences."""
+
+
+def run_seconds(shape: Shape, jobs: Sequence[Job], device: str) -> float:
+    """Seconds for every job: each sequence costs its plain pass plus what each measurement
+    adds (:func:`passes`)."""
     total = 0.0
-    for kind, options, lengths in jobs:
+    for kind, measures, lengths in jobs:
         for n in lengths:
-            work = 1 + sum(passes(shape, kind, o, n) - 1 for o in options)
-            total += seconds(shape, work, n, device)
+            total += seconds(shape, passes(shape, kind, n, measures), n, device)
     return total
 
 
@@ -141,26 +121,22 @@ SAMPLE = 256
 
 def job(
     kind: str,
-    tables: Sequence[str],
-    lens: str | None,
+    measures: Measures,
     documents: Sequence[Sequence[int]] | None,
     prompts: Sequence[str],
     tokenizer: Any,
-) -> tuple[str, list[str], list[int]]:
-    """A task's job for :func:`run_seconds`: its options (from the optional ``tables`` it
-    writes) and its sequences' token counts (a text task's documents, or a choice task's prompts,
-    :data:`SAMPLE` of them tokenized and the mean taken for the others)."""
-    # the option that writes each table, where it costs more than its copies (OPTIONS)
-    options = {measurement_of(t).dest for t in tables} & set(OPTIONS[kind])
-    named = sorted(f"lens {lens}" if o == "lens" and lens == "last-block" else o for o in options)
+) -> Job:
+    """A task's job for :func:`run_seconds`: its measurements (by name: their settings) and its
+    sequences' token counts (a text task's documents, or a choice task's prompts, :data:`SAMPLE`
+    of them tokenized and the mean taken for the others)."""
     if documents is not None:
-        return kind, named, [len(d) for d in documents]
+        return kind, measures, [len(d) for d in documents]
     sample = [len(ids) for ids in tokenizer(list(prompts[:SAMPLE]))["input_ids"]]
     mean = round(sum(sample) / max(len(sample), 1))
-    return kind, named, [mean] * len(prompts)
+    return kind, measures, [mean] * len(prompts)
 
 
-def announce(config: Any, device: str, jobs: Sequence[tuple[str, list[str], list[int]]]) -> None:
+def announce(config: Any, device: str, jobs: Sequence[Job]) -> None:
     """Print the estimate of a long run (:func:`estimate_line`) before it starts."""
     line = estimate_line(run_seconds(Shape.from_config(config), jobs, device), device)
     if line is not None:
@@ -180,18 +156,29 @@ def estimate_line(total: float, device: str) -> str | None:
     )
 
 
+def costed(kind: str) -> list[tuple[str, Measures]]:
+    """What the docs' cost table shows for task ``kind``: no option, then each registered
+    measurement of the kind at its defaults (its flag) and with each of the further settings it
+    declares (``Measurement.costed``: its options)."""
+    rows: list[tuple[str, Measures]] = [("no option", {})]
+    for m in for_kind(kind):
+        rows.append((f"`{m.flag}`", {m.name: m.defaults()}))
+        for given in m.costed.get(kind, ()):
+            settings = {**m.defaults(), **given}
+            rows.append((f"`{m.command(settings)}`", {m.name: settings}))
+    return rows
+
+
 def cost_rows(shape: Shape, tokens: dict[str, int]) -> list[list[str]]:
-    """The docs' cost table: per task kind and option, the forward passes over a sequence of
-    ``tokens[kind]`` tokens, the CPU seconds per 1,000 tokens and the GPU milliseconds per 1,000
-    tokens (at the H100 rate of :data:`GPU_FLOPS`, measured on an 8B model: a small model keeps
-    an H100 less busy, so take it as a lower bound)."""
+    """The docs' cost table: per task kind and measurement (:func:`costed`), the forward passes
+    over a sequence of ``tokens[kind]`` tokens, the CPU seconds per 1,000 tokens and the GPU
+    milliseconds per 1,000 tokens (at the H100 rate of :data:`GPU_FLOPS`, measured on an 8B
+    model: a small model keeps an H100 less busy, so take it as a lower bound)."""
     rows = []
-    for kind, options in OPTIONS.items():
-        n = tokens[kind]
-        for option in options:
-            work = passes(shape, kind, option, n)
+    for kind, n in tokens.items():
+        for label, measures in costed(kind):
+            work = passes(shape, kind, n, measures)
             per_1k = seconds(shape, work, n) * 1000 / n
             gpu_ms = seconds(shape, work, n, "gpu") * 1000 / n * 1000
-            flag = f"`--{option}`" if option else "no option"
-            rows.append([kind, str(n), flag, f"{work:.2f}", f"{per_1k:.1f}", f"{gpu_ms:.2g}"])
+            rows.append([kind, str(n), label, f"{work:.2f}", f"{per_1k:.1f}", f"{gpu_ms:.2g}"])
     return rows

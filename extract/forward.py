@@ -15,8 +15,6 @@ import torch
 from layerdiv.extract.adapters import Adapter
 from layerdiv.extract.batching import batches
 from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
-from layerdiv.extract.future import FutureEffects, SkipSettings
-from layerdiv.extract.lens import make_lens
 from layerdiv.extract.models import LoadedModel
 from layerdiv.extract.readout import Readout
 from layerdiv.extract.text import TextBatch, TextCapture
@@ -24,17 +22,16 @@ from layerdiv.measurements import (
     Attachment,
     Capture,
     DecompositionCapture,
+    GradientCapture,
     RowsCapture,
     for_kind,
+    registered,
 )
-from layerdiv.measurements.future import future_rows
-from layerdiv.measurements.lens import LENS
 from layerdiv.store.tables import (
     components_table,
     documents_table,
     instances_table,
     token_blocks_table,
-    token_lens_table,
     tokens_table,
 )
 
@@ -50,8 +47,9 @@ def token_budget(
 ) -> int:
     """Padded tokens per batch for ``--batch-size auto``: a fixed budget on the CPU; on a GPU,
     half the free memory over an estimate of one token's transient activations in one block
-    (residual, normed copy, q/k/v/o and three MLP-width tensors), and with ``readout`` (the
-    logit lens, future effects) three float32 rows over the vocabulary. Halved on
+    (residual, normed copy, q/k/v/o and three MLP-width tensors), and with ``readout`` (a
+    measurement that reads every token out, ``Measurement.readout``) three float32 rows over
+    the vocabulary. Halved on
     out-of-memory."""
     if device.type != "cuda":
         return CPU_TOKEN_BUDGET
@@ -78,11 +76,12 @@ def left_padded(seqs: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 class ModelRunner:
-    """Runs left-padded batches through a model with the capture hooks attached (those of the
-    task ``kind``: the last-token decomposition of a choice task, the per-token dot products of a
-    text task, with its lens and future effects, and each registered measurement's of
-    ``measures``, by name: its settings); a context manager that always removes its hooks.
-    ``option_ids`` and ``gold`` (by instance): a choice task's option tokens and gold options."""
+    """Runs left-padded batches through a model with the capture hooks attached: the task
+    ``kind``'s own capture (the last-token decomposition of a choice task, the per-token dot
+    products of a text task) and each registered measurement's of ``measures`` (by name: its
+    settings; ``planned``, by name: what its check of the plan gave), those derived from the
+    kind's capture bound to it; a context manager that always removes its hooks. ``option_ids``
+    and ``gold`` (by instance): a choice task's option tokens and gold options."""
 
     def __init__(
         self,
@@ -91,38 +90,28 @@ class ModelRunner:
         option_ids: list[int],
         budget: int,
         kind: str = "choice",
-        skips: SkipSettings | None = None,
         measures: Mapping[str, Mapping[str, Any]] | None = None,
-        answers: Sequence[tuple[int, int]] | None = None,
         gold: Sequence[int] = (),
+        planned: Mapping[str, Any] | None = None,
     ) -> None:
         self.loaded = loaded
         self.budget = budget
         """Padded tokens per batch for automatic batching (lowered on out-of-memory)."""
-        model, measures = loaded.model, measures or {}
+        model = loaded.model
         self.readout = Readout(model, adapter)
         """The model's final norm and unembedding, shared by every capture that reads out."""
-        lens = measures.get(LENS.name) if kind == "text" else None  # a choice task's: attached
-        text_lens = None if lens is None else make_lens(lens["lens"], model, adapter, self.readout)
-        self.text = TextCapture(model, adapter, self.readout, text_lens) if kind == "text" else None
-        """Text tasks: the per-token capture, with ``--lens`` its logit lens (methods §9); the
-        choice captures are not attached."""
-        self.future = (
-            FutureEffects(model, adapter, self.readout, skips, answers)
-            if self.text is not None and skips is not None
-            else None
+        self.capture: ComponentCapture | TextCapture = (
+            TextCapture(model, adapter, self.readout)
+            if kind == "text"
+            else ComponentCapture(model, adapter, self.readout, option_ids)
         )
-        """Text tasks with ``--skips``: the future effects (methods §9; ``answers``, per
-        document its answer's start and length, for answer-anchored split points, §10)."""
-        self.capture = (
-            ComponentCapture(model, adapter, self.readout, option_ids)
-            if self.text is None
-            else None
-        )
-        """Choice tasks: the last-token decomposition (methods §1)."""
+        """The task kind's own capture: a text task's per-token dot products (methods §9), a
+        choice task's last-token decomposition (methods §1)."""
         base = Attachment(model, adapter, kind, {}, self.readout, tuple(option_ids), tuple(gold))
-        self.measures = self._attach(base, measures)
+        self.measures = self._attach(base, measures or {}, planned or {})
         """The registered measurements' hooks (``layerdiv.measurements.Measurement.attach``)."""
+        self.graded = {m.name for m in registered() if m.needs_grad and m.name in self.measures}
+        """The measurements whose hooks take gradients, each run in a pass of its own."""
         params = inspect.signature(model.forward).parameters
         self.extra: dict[str, Any] = {"use_cache": False}
         if "logits_to_keep" in params:
@@ -130,21 +119,23 @@ class ModelRunner:
         self.pad_id = loaded.tokenizer.pad_token_id or 0
 
     def _attach(
-        self, base: Attachment, measures: Mapping[str, Mapping[str, Any]]
+        self,
+        base: Attachment,
+        measures: Mapping[str, Mapping[str, Any]],
+        planned: Mapping[str, Any],
     ) -> dict[str, Capture]:
         """The hooks of every measurement of ``base.kind`` in ``measures`` (by name: its
-        settings) that has hooks of its own for that kind, those built on the decomposition
-        bound to :attr:`capture`."""
+        settings), those built on the kind's own capture bound to :attr:`capture`."""
         attached: dict[str, Capture] = {}
         for m in for_kind(base.kind):
             if m.attach is None or m.name not in measures:
                 continue
-            hooks = m.attach_to(replace(base, settings=measures[m.name]))
-            if hooks is None:  # computed by the task kind's own capture (a text task's lens)
+            ctx = replace(base, settings=measures[m.name], planned=planned.get(m.name))
+            hooks = m.attach_to(ctx)
+            if hooks is None:
                 continue
             attached[m.name] = hooks
             if isinstance(hooks, DecompositionCapture):
-                assert self.capture is not None  # declared for choice tasks only
                 hooks.bind(self.capture)
         return attached
 
@@ -157,73 +148,68 @@ class ModelRunner:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        for capture in (self.capture, self.text, *self.measures.values()):
-            if capture is not None:
-                capture.remove()
+        for capture in (self.capture, *self.measures.values()):
+            capture.remove()
 
     def run(self, seqs: list[list[int]], ids: list[int] | None = None) -> Any:
         """One forward pass over ``seqs`` (left-padded) and its :data:`Batch`
-        (``BatchDecomposition`` for a choice task, ``TextBatch`` for a text task; with
-        ``--skips``, the future effects of documents ``ids`` when given)."""
+        (``BatchDecomposition`` for a choice task, ``TextBatch`` for a text task), with the
+        values of the measurements (of instances or documents ``ids``; None: a probe pass, whose
+        values are not stored)."""
         device = self.loaded.device
         inputs = {k: v.to(device) for k, v in left_padded(seqs, self.pad_id).items()}
         inputs.update(self.extra)
-        for hooks in self.measures.values():
-            hooks.reset()
-            if isinstance(hooks, RowsCapture):
-                hooks.batch(ids, [len(s) for s in seqs])
-        if self.text is not None:
-            self.text.reset(inputs["input_ids"])
-            with torch.inference_mode():
-                return self._run_text(self.text, inputs, [len(s) for s in seqs], ids)
-        if self.capture is not None:
-            self.capture.reset()
-        with torch.inference_mode():
-            return self._run_choice(inputs)
-
-    def _run_text(
-        self,
-        text: TextCapture,
-        inputs: dict[str, Any],
-        lengths: list[int],
-        ids: list[int] | None,
-    ) -> TextBatch:
-        """A text task's pass: the per-token values, the measurements' and (documents ``ids``
-        given) the future effects."""
-        self.loaded.model(**inputs)
-        batch = text.decompose(self.budget)
-        batch.measured = self._measured()
-        if self.future is not None and ids is not None:
-            with text.pausing():
-                batch.future = self.future.run(
-                    text.states(),
-                    text.block_args,
-                    text.dtype,
-                    lengths,
-                    ids,
-                    max(1, self.budget // inputs["input_ids"].shape[1]),
-                )
-        return batch
-
-    def _run_choice(self, inputs: dict[str, Any]) -> BatchDecomposition:
-        """A choice task's pass: the decomposition and the measurements' values, those of the
-        hooks not bound to the decomposition taken before the bound ones run (a bound capture
-        may run passes of its own, the skips', with the decomposition paused)."""
+        lengths = [len(s) for s in seqs]
+        graded = {n: self._graded(self.measures[n], inputs, ids, lengths) for n in self.graded}
+        for name, hooks in self.measures.items():
+            if name not in graded:
+                hooks.reset()
+                if isinstance(hooks, RowsCapture):
+                    hooks.batch(ids, lengths)
         capture = self.capture
-        assert capture is not None  # a choice runner
-        self.loaded.model(**inputs)
-        dec = capture.decompose()
-        bound = {n: h for n, h in self.measures.items() if isinstance(h, DecompositionCapture)}
-        dec.measured = self._measured([n for n in self.measures if n not in bound])
-        for hooks in bound.values():
-            hooks.decomposed(dec)
-        dec.measured.update(self._measured(list(bound)))
-        return dec
+        with torch.inference_mode():
+            if isinstance(capture, TextCapture):
+                capture.reset(inputs["input_ids"])
+                self.loaded.model(**inputs)
+                text = capture.decompose(self.budget)
+                self._measure(text, graded)
+                if text.loss is None:  # no bound measurement read h_L out
+                    text.loss = capture.loss()
+                return text
+            capture.reset()
+            self.loaded.model(**inputs)
+            dec = capture.decompose()
+            self._measure(dec, graded)
+            return dec
 
-    def _measured(self, names: Sequence[str] | None = None) -> dict[str, Sequence[Any]]:
-        """The registered measurements' values (those of ``names``; None: all) of the forward
-        pass just run."""
-        return {n: self.measures[n].result() for n in (self.measures if names is None else names)}
+    def _graded(
+        self, hooks: Capture, inputs: dict[str, Any], ids: list[int] | None, lengths: list[int]
+    ) -> Sequence[Any]:
+        """The values of a measurement declared with ``needs_grad`` (a ``GradientCapture``):
+        the batch run again for it alone, out of inference mode with gradients on and the
+        kind's own capture paused."""
+        hooks.reset()
+        if isinstance(hooks, RowsCapture):
+            hooks.batch(ids, lengths)
+        assert isinstance(hooks, GradientCapture)  # declared with needs_grad
+        with self.capture.pausing(), torch.inference_mode(False), torch.enable_grad():
+            hooks.backward(self.loaded.model(**inputs))
+        return hooks.result()
+
+    def _measure(self, batch: Batch, graded: dict[str, Sequence[Any]]) -> None:
+        """The measurements' values of the pass just run into ``batch.measured``: those of the
+        hooks not bound to the kind's capture taken before the bound ones run (a bound capture
+        may run passes of its own, the skips', with the kind's capture paused)."""
+        bound = [n for n, h in self.measures.items() if isinstance(h, DecompositionCapture)]
+        plain = [n for n in self.measures if n not in bound and n not in graded]
+        batch.measured = {**graded, **self._measured(plain)}
+        for name in bound:
+            self.measures[name].decomposed(batch)  # type: ignore[attr-defined]
+        batch.measured.update(self._measured(bound))
+
+    def _measured(self, names: Sequence[str]) -> dict[str, Sequence[Any]]:
+        """The values of the measurements ``names`` of the forward pass just run."""
+        return {n: self.measures[n].result() for n in names}
 
     def run_chunk(
         self, seqs: list[list[int]], ids: list[int], batch_size: int | None
@@ -294,20 +280,13 @@ def text_tables(
     truncated: list[bool],
     groups: list[str | None],
 ) -> dict[str, pa.Table]:
-    """The ``tokens``, ``token_blocks`` and ``documents`` tables (and ``token_lens`` where the run
-    computed it) of documents ``ids``
+    """The ``tokens``, ``token_blocks`` and ``documents`` tables of documents ``ids``
     (ascending; ``seqs``, ``truncated`` and ``groups`` are indexed by document), each found in
-    ``results`` as (its batch, its row there)."""
+    ``results`` as (its batch, its row there), and the tables of the measurements the batches
+    hold (:func:`measured_tables`)."""
     n_tokens = [len(seqs[i]) for i in ids]
     dots = np.concatenate([results[i][0].document(results[i][1], len(seqs[i])) for i in ids])
-    optional = future_tables(ids, results)
-    if results[ids[0]][0].lens is not None:
-        if any(results[i][0].lens is None for i in ids):
-            raise DecompositionError("a document ran without the lens")
-        v = np.concatenate([results[i][0].document_lens(results[i][1], len(seqs[i])) for i in ids])
-        optional["token_lens"] = token_lens_table(ids, n_tokens, v[..., 0], v[..., 1], v[..., 2])
     return {
-        **optional,
         **measured_tables("text", ids, results),
         "tokens": tokens_table(
             ids,
@@ -319,20 +298,6 @@ def text_tables(
             ids, n_tokens, [truncated[i] for i in ids], [groups[i] for i in ids]
         ),
     }
-
-
-def future_tables(ids: list[int], results: dict[int, tuple[TextBatch, int]]) -> dict[str, pa.Table]:
-    """The future-effects tables (:mod:`layerdiv.measurements.future`) of documents ``ids``
-    (ascending) where the run computed them."""
-    if results[ids[0]][0].future is None:
-        return {}
-    values = []
-    for i in ids:
-        batch, row = results[i]
-        if batch.future is None:
-            raise DecompositionError("a document ran without the future effects")
-        values.append(batch.future[row])
-    return future_rows(ids, values)
 
 
 def measured_tables(

@@ -1,8 +1,8 @@
-"""Future effects (``extract --skips`` on a text task, methods §9, as the
-depth-efficiency paper's code does it): per document and split point t, block l's addition (or
-only its attention's, or only its MLP's) is removed at positions 1..t-1, the blocks after it run
-on, and every later block's update and the output distribution are compared with the clean pass's
-at positions p >= t.
+"""Future effects (``extract --skips`` on a text task, :mod:`layerdiv.measurements.future`,
+methods §9, as the depth-efficiency paper's code does it): per document and split point t, block
+l's addition (or only its attention's, or only its MLP's) is removed at positions 1..t-1, the
+blocks after it run on, and every later block's update and the output distribution are compared
+with the clean pass's at positions p >= t.
 
 Blocks before l are not run again: the clean pass's inputs of block l are reused (kept by
 ``TextCapture``), and each block runs with the arguments of its own clean call (mask, positions),
@@ -29,20 +29,18 @@ import numpy as np
 import torch
 
 from layerdiv.extract.adapters import Adapter
+from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.readout import Readout
 from layerdiv.extract.removal import UpdateRemoval
-from layerdiv.measurements.future import SplitError, parse_split
-
-SPLIT_STEP = 8
-"""Split points are multiples of this."""
-SPLIT_MARGIN = 4
-"""A split point t is below T - SPLIT_MARGIN."""
-SPLITS = 4
-"""Split points drawn per document."""
-
-
-ANSWER_MARGIN = 4
-"""``answer:N:S`` draws offsets below A - ANSWER_MARGIN of an answer of A tokens (methods §10)."""
+from layerdiv.measurements import Attachment
+from layerdiv.measurements.future import (
+    ANSWER_MARGIN,
+    SPLIT_MARGIN,
+    SPLIT_STEP,
+    SPLITS,
+    SplitError,
+    parse_split,
+)
 
 
 @dataclass(frozen=True)
@@ -322,3 +320,57 @@ class FutureEffects:
                 )
             )
         return result
+
+
+class FutureCapture:
+    """The hooks of ``--skips`` on a text task (``layerdiv.measurements.DecompositionCapture``
+    and ``RowsCapture``), bound to its per-token capture (``layerdiv.extract.text.TextCapture``,
+    which keeps the clean pass's block inputs and calls): after each pass of stored documents,
+    their future effects (:class:`FutureEffects`, run with the per-token capture paused)."""
+
+    def __init__(self, ctx: Attachment) -> None:
+        s = ctx.settings
+        settings = SkipSettings(
+            s["skip_split"],
+            s["skip_seed"],
+            tuple(s["skip_sublayers"]),
+            tuple(s.get("skip_modes") or ["total"]),  # absent: recorded before local effects
+        )
+        self.effects = FutureEffects(ctx.model, ctx.adapter, ctx.readout, settings, ctx.planned)
+        self.text: Any = None
+        self._ids: Sequence[int] | None = None
+        self._lengths: list[int] = []
+        self._rows: list[FutureRows] | None = None
+
+    def bind(self, capture: Any) -> None:
+        self.text = capture
+
+    def reset(self) -> None:
+        self._rows = None
+
+    def batch(self, ids: Sequence[int] | None, lengths: Sequence[int]) -> None:
+        self._ids, self._lengths = ids, list(lengths)
+
+    def decomposed(self, batch: Any) -> None:
+        if self._ids is None:  # a probe pass: nothing of it is stored
+            return
+        text = self.text
+        with text.pausing():
+            self._rows = self.effects.run(
+                text.states(),
+                text.block_args,
+                text.dtype,
+                self._lengths,
+                list(self._ids),
+                max(1, batch.budget // batch.dots.shape[1]),
+            )
+
+    def result(self) -> Sequence[FutureRows | None]:
+        if self._ids is None:
+            return [None] * len(self._lengths)
+        if self._rows is None:
+            raise DecompositionError("--skips: no forward pass was decomposed")
+        return self._rows
+
+    def remove(self) -> None:
+        """No hooks of its own to remove."""

@@ -17,7 +17,13 @@ from typing import Any
 
 import torch
 
-from layerdiv.extract.adapters import Adapter, UnsupportedModel, check_heads, get_module, norm_eps
+from layerdiv.extract.adapters import (
+    Adapter,
+    UnsupportedModel,
+    adapter_for,
+    get_module,
+    norm_eps,
+)
 from layerdiv.extract.capture import (
     SUM_TOLERANCE,
     BatchDecomposition,
@@ -28,6 +34,27 @@ from layerdiv.extract.hooks import Hooks, unique_blocks
 from layerdiv.extract.readout import norm_gain, onloaded
 from layerdiv.measurements import Attachment
 from layerdiv.measurements.heads import HeadValues
+
+
+def check_heads(config: Any) -> int:
+    """The number of attention heads of a config whose attention splits exactly into heads
+    (methods §8), or a one-line refusal: ``--heads``'s check of the model
+    (:mod:`layerdiv.measurements.heads`), before the weights load."""
+    adapter = adapter_for(config)
+    model_type = getattr(config, "model_type", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if adapter.attn_out is None:
+        raise UnsupportedModel(
+            f"--heads: the attention of {model_type!r} models cannot be split into heads exactly "
+            "(no per-head output projection in layerdiv/extract/adapters.py); extract without "
+            "--heads."
+        )
+    if not isinstance(heads, int) or heads < 1:
+        raise UnsupportedModel(
+            f"--heads: the {model_type!r} config gives no num_attention_heads ({heads!r}); "
+            "extract without --heads."
+        )
+    return heads
 
 
 @dataclass

@@ -6,8 +6,9 @@ tuned-lens's ``LogitLens`` and ``TunedLens`` share one ``Unembed``): :class:`Len
 reads a block input out by the final norm and unembedding, :class:`LastBlockLens`
 (``last-block``) applies the model's last block to it first. :data:`LENSES` names them
 (``extract --lens NAME``); :func:`make_lens` builds the one a run names for a model.
-:func:`last_token_lens` gives the hooks of ``--lens`` (:mod:`layerdiv.measurements.lens`) on a
-choice task: :class:`LastTokenLens`, bound to the last-token decomposition.
+:func:`lens_hooks` gives the hooks of ``--lens`` (:mod:`layerdiv.measurements.lens`): on a choice
+task :class:`LastTokenLens`, bound to the last-token decomposition; on a text task
+:class:`TokenLens`, bound to the per-token capture.
 
 The statistics (:func:`lens_stats`) are taken per slice of rows small enough for its few passes
 over the vocabulary to run from the processor's cache (:data:`LENS_SLICE` entries per torch
@@ -25,7 +26,9 @@ import torch
 from layerdiv.extract.adapters import Adapter, get_module
 from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
 from layerdiv.extract.readout import Readout
+from layerdiv.extract.text import TextBatch, TextCapture
 from layerdiv.measurements import Attachment
+from layerdiv.measurements.lens import READOUTS
 
 BlockCall = tuple[tuple, dict]
 """The positional and keyword arguments of one call of a decoder block (mask, positions)."""
@@ -36,8 +39,8 @@ class Lens:
     softmax(unembed(norm(h))) (methods §9, logit lens)."""
 
     name: ClassVar[str] = "final"
-    kinds: ClassVar[tuple[str, ...]] = ("choice", "text")
-    """The task kinds it applies to."""
+    kinds: ClassVar[tuple[str, ...]] = READOUTS["final"]
+    """The task kinds it applies to (declared by the measurement)."""
 
     def __init__(self, readout: Readout) -> None:
         self.readout = readout
@@ -65,7 +68,7 @@ class LastBlockLens(Lens):
     the same pass) before the readout (text tasks)."""
 
     name = "last-block"
-    kinds = ("text",)
+    kinds = READOUTS["last-block"]
 
     def __init__(self, readout: Readout, block: Any) -> None:
         super().__init__(readout)
@@ -251,9 +254,84 @@ class LastTokenLens:
         """No hooks of its own to remove."""
 
 
-def last_token_lens(ctx: Attachment) -> LastTokenLens | None:
-    """The hooks of ``--lens`` (:mod:`layerdiv.measurements.lens`): on a choice task,
-    :class:`LastTokenLens`. None on a text task: its lens reads every block input at every
-    position, which the task's per-token capture (``layerdiv.extract.text.TextCapture``) keeps
-    already (a second copy would double the pass's memory), so that capture computes it."""
-    return LastTokenLens(ctx) if ctx.kind == "choice" else None
+class TokenLens:
+    """The logit lens at every token of a text task (methods §9), bound to its
+    :class:`~layerdiv.extract.text.TextCapture` (``layerdiv.measurements.DecompositionCapture``,
+    and a ``RowsCapture``: each row's token count): no hooks of its own, it reads the block
+    inputs, the last block's call, h_L and the token ids the capture keeps (a second copy would
+    double the pass's memory). After each pass, per position and layer l = 0..L: kl,
+    top5_overlap and the next token's cross-entropy (``layerdiv.schemas.TOKEN_LENS``); its layer
+    L is the model's own loss, which the pass's ``TextBatch`` takes from it."""
+
+    def __init__(self, ctx: Attachment) -> None:
+        self.lens = make_lens(ctx.settings["lens"], ctx.model, ctx.adapter, ctx.readout)
+        self.readout = ctx.readout
+        self.text: TextCapture | None = None
+        self._lengths: Sequence[int] = ()
+        self._values: torch.Tensor | None = None
+
+    def bind(self, capture: TextCapture) -> None:
+        self.text = capture
+
+    def reset(self) -> None:
+        self._values = None
+
+    def batch(self, ids: Sequence[int] | None, lengths: Sequence[int]) -> None:
+        self._lengths = lengths
+
+    def decomposed(self, batch: TextBatch) -> None:
+        text = self.text
+        assert text is not None  # bound before any pass
+        *h, final = text.states()
+        with text.pausing():  # the readouts must not replace h_L (the final-norm hook)
+            self._values = self._lens(text, h, final, batch.budget).cpu()
+        batch.loss = self._values[:, :, -1, 2]  # layer L: the model's own loss
+
+    def _lens(
+        self, text: TextCapture, h: list[torch.Tensor], final: torch.Tensor, budget: int | None
+    ) -> torch.Tensor:
+        """(B, width, L + 1, 3): kl, top5_overlap and ce of p_l, the lens's distribution of
+        every block input h_l, and (layer L) of the model's own output p_L (methods §9). The
+        layers' states are read out in groups, as many layers' rows stacked into one matmul as
+        ``budget`` rows allow (at least one layer), into one reused buffer."""
+        if text.input_ids is None:
+            raise DecompositionError("the lens needs the batch's input ids")
+        dtype = text.dtype
+        rows = final[..., 0].numel()
+        group = max(1, (budget or rows) // rows)  # layers per readout matmul
+        logits = self.readout.logits(final.to(dtype))
+        ref = LensReference(logits)
+        nxt = text.input_ids.roll(-1, dims=1)[..., None].to(logits.device)  # the next token
+        # layer L (the model's own output) first: its logits' memory is then the readout buffer
+        # of every group of one layer
+        out = [self._layer(logits, ref, nxt)]
+        buf = logits[None] if group == 1 else logits.new_empty(group, *logits.shape)
+        for start in range(0, len(h), group):
+            xs = torch.stack([x.to(dtype) for x in h[start : start + group]])
+            stacked = self.lens.logits(xs, text.block_args[-1], out=buf[: len(xs)])
+            out += [self._layer(z, ref, nxt) for z in stacked]
+        return torch.stack([*out[1:], out[0]], dim=2)
+
+    @staticmethod
+    def _layer(logits: torch.Tensor, ref: LensReference, nxt: torch.Tensor) -> torch.Tensor:
+        """(B, width, 3): one layer's kl, top5_overlap and ce from its ``logits`` (overwritten)."""
+        stats = lens_stats(logits, ref, nxt)
+        stats[..., 2].neg_()  # ce = -log p_l(next token)
+        stats[:, -1, 2] = float("nan")  # none after the last position
+        return stats
+
+    def result(self) -> Sequence[np.ndarray]:
+        """Per row, (T, L + 1, 3): the values at its document's own T positions."""
+        if self._values is None:
+            raise DecompositionError("--lens: no forward pass was decomposed")
+        width = self._values.shape[1]
+        return [self._values[row, width - n :].numpy() for row, n in enumerate(self._lengths)]
+
+    def remove(self) -> None:
+        """No hooks of its own to remove."""
+
+
+def lens_hooks(ctx: Attachment) -> LastTokenLens | TokenLens:
+    """The hooks of ``--lens`` (:mod:`layerdiv.measurements.lens`): :class:`LastTokenLens` on a
+    choice task, :class:`TokenLens` on a text task."""
+    return LastTokenLens(ctx) if ctx.kind == "choice" else TokenLens(ctx)

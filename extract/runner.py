@@ -19,7 +19,7 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 from layerdiv.extract import chunks, cost
-from layerdiv.extract.adapters import Adapter, adapter_for, check_heads, check_softcap
+from layerdiv.extract.adapters import Adapter, adapter_for, check_softcap
 from layerdiv.extract.batching import chunk_runs, tokenize
 from layerdiv.extract.capture import SUM_TOLERANCE, check_batch
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, ExtractConfig, TaskSummary
@@ -43,10 +43,8 @@ from layerdiv.extract.models import (
 )
 from layerdiv.extract.plan import TaskPlan, plan_task, refuse_shared_names
 from layerdiv.extract.provenance import build_manifest, identity
-from layerdiv.extract.states import size_warning
 from layerdiv.extract.text import check_text_batch
-from layerdiv.measurements import Measurement, for_kind
-from layerdiv.measurements.heads import HEADS
+from layerdiv.measurements import Measurement, for_kind, registered
 from layerdiv.schemas import KINDS
 from layerdiv.store.manifest import Manifest, read_manifest
 from layerdiv.store.reader import PartitionInfo
@@ -72,13 +70,14 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         refuse_shared_names(plans)
         docs = [p.documents[0] if p.documents else None for p in plans]
         cost.announce(source.config, device.type, [
-            cost.job(p.spec.kind, p.extra_tables, p.lens, d, [i.prompt for i in p.items],
-                     tokenizer) for p, d in zip(plans, docs, strict=True)])  # fmt: skip
+            cost.job(p.spec.kind, p.measures, d, [i.prompt for i in p.items], tokenizer)
+            for p, d in zip(plans, docs, strict=True)])  # fmt: skip
         revision = revision_facts(cfg)["revision"]
         idents = [identity(source, dtype, p.spec, p.option_ids, p.data_sha256, revision)
                   for p in plans]  # fmt: skip
-        if any(HEADS.tables["choice"][0] in p.extra_tables for p in plans):
-            check_heads(source.config)  # refused before the weights load
+        for m in registered():  # each measurement's check of the model, before the weights load
+            if any(m.name in p.measures for p in plans):
+                m.check_config(source.config)
         for plan, ident in zip(plans, idents, strict=True):  # all before the weights load
             plan.writer.ensure_writable()
             plan.writer.check(ident, cfg.overwrite, cfg.shard[1])
@@ -204,16 +203,17 @@ def extract_task(
         seqs, truncated = tokenize(loaded.tokenizer, [it.prompt for it in plan.items],
                                    loaded.context_length)  # fmt: skip
     tol = SUM_TOLERANCE[loaded.dtype]
-    task = _Task(plan, cfg, seqs, truncated, _batch_work(plan, seqs, truncated, tol))
+    task = _Task(plan, cfg, seqs, truncated, _batch_work(plan, seqs, truncated, tol),
+                 notes=list(plan.notes))  # fmt: skip
     kind, tables = plan.spec.kind, plan.extra_tables
     readout = any(kind in m.readout for m in _measurements_of(kind, tables))
     budget = token_budget(loaded.device, loaded.model.config, loaded.dtype, readout)
     start_time = time.perf_counter()
-    with ModelRunner(loaded, adapter, plan.option_ids, budget, kind, plan.skips, plan.measures,
-                     plan.answers, [it.gold for it in plan.items]) as runner:  # fmt: skip
+    with ModelRunner(loaded, adapter, plan.option_ids, budget, kind, plan.measures,
+                     [it.gold for it in plan.items], plan.planned) as runner:  # fmt: skip
         open_partition(task, runner, loaded, adapter, tol, approximate)
-        if "states" in plan.measures:
-            _warn_states_size(task)
+        for m in _measurements_of(kind, tables):
+            _warn_size(task, m)
         run = plan.writer.start_run({"n_requested": len(plan.items), "shard": list(cfg.shard),
                                      "task": plan.argument, "chunk_size": task.grid,
                                      "device": loaded.device.type})  # fmt: skip
@@ -254,17 +254,19 @@ def open_partition(
                           f"{cfg.chunk_size} applies to new partitions only)")  # fmt: skip
 
 
-def _warn_states_size(task: _Task) -> None:
-    """Say so before a run whose states (of units not stored yet, and of stored chunks that lack
-    them) will take more than 10 GiB."""
-    plan, stored = task.plan, task.stored
+def _warn_size(task: _Task, m: Measurement) -> None:
+    """Print measurement ``m``'s line (``Measurement.size_warning``) before a run whose tables
+    of it (of units not stored yet, and of stored chunks that lack them) will be large."""
+    plan, stored, kind = task.plan, task.stored, task.plan.spec.kind
+    if m.size_warning is None:
+        return
     assert stored is not None and stored.hidden_size is not None  # written by this release
     done = plan.writer.done_instances(stored)
-    lacking = {i for s, n in plan.writer.part.lacking("states") for i in range(s, s + n)}
+    lacking = {i for t in m.tables[kind] for s, n in plan.writer.part.lacking(t)
+               for i in range(s, s + n)}  # fmt: skip
     todo = [i for i in range(len(plan.items)) if i not in done or i in lacking]
     lengths = [len(s) for s in task.seqs]
-    line = size_warning(lengths, todo, plan.spec.kind, plan.measures["states"],
-                        stored.n_blocks, stored.hidden_size)  # fmt: skip
+    line = m.warn(lengths, todo, kind, plan.measures[m.name], stored.n_blocks, stored.hidden_size)
     if line is not None:
         print(line, file=sys.stderr, flush=True)
 

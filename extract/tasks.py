@@ -105,7 +105,7 @@ class TaskSpec:
     of the row's fields (it contains ``{{``) rendering it."""
     answer: str | None = None
     """Text tasks: Jinja template of the answer; the document is text + answer, the answer's
-    start found as :func:`answer_start` does (methods §10)."""
+    start found as ``layerdiv.measurements.future.answer_start`` does (methods §10)."""
     base_dir: Path = field(default=Path("."), compare=False)
     """Folder of the YAML file (local data paths are relative to it)."""
 
@@ -512,15 +512,3 @@ def data_sha256(items: list[Instance]) -> str:
         h.update(json.dumps(fields).encode())
         h.update(b"\n")
     return h.hexdigest()
-
-
-def answer_start(tokenizer: Any, document: str, answer: str) -> tuple[int, bool]:
-    """Where the answer starts in a document (text + answer) as the depth-efficiency paper's
-    code counts it (methods §10): s = T - A, T the document's tokens (special tokens included,
-    before any cut to ``max_tokens``) and A the answer's tokens alone without special tokens; and
-    whether a token merges across the boundary (the document's first s tokens are not the text's
-    own tokens: that token counts as the answer's)."""
-    ids = tokenizer(document)["input_ids"]
-    start = len(ids) - len(tokenizer(answer, add_special_tokens=False)["input_ids"])
-    text = document[: len(document) - len(answer)]
-    return start, tokenizer(text)["input_ids"] != ids[:start]

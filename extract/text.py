@@ -1,7 +1,8 @@
 """Running text (task kind ``text``): per token and decoder block, the dot products of the block's
 input h, what its attention adds (a) and what its MLP adds (m), from hooks on one forward pass
-(methods §9), reduced on the device in float32; with ``--lens``, the logit lens of every
-block input against the model's own output distribution."""
+(methods §9), reduced on the device in float32, and the model's own next-token loss. The
+measurements bound to it (``layerdiv.measurements.DecompositionCapture``: the lens, the future
+effects) read the states it keeps."""
 
 from __future__ import annotations
 
@@ -14,9 +15,7 @@ import torch
 
 from layerdiv.extract.adapters import Adapter, get_module
 from layerdiv.extract.capture import DecompositionError
-from layerdiv.extract.future import FutureRows
 from layerdiv.extract.hooks import Hooks, unique_blocks
-from layerdiv.extract.lens import Lens, LensReference, lens_stats
 from layerdiv.extract.readout import Readout
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
@@ -39,13 +38,13 @@ class TextBatch:
     """(B, width, L, 9) float32 on the CPU: per row, position and block the values of
     ``layerdiv.store.tables.TOKEN_BLOCK_VALUES`` (``dd_next`` NaN at the last block); a
     document of T tokens is the last T positions of its row."""
-    lens: torch.Tensor | None = None
-    """With ``--lens``: (B, width, L + 1, 3) float32, per layer l = 0..L the logit lens's kl,
-    top5_overlap and ce (NaN at the row's last position)."""
-    future: list[FutureRows] | None = None
-    """With ``--skips``: per row, its document's future effects."""
+    budget: int
+    """Padded tokens of a forward pass the runner's batches hold (the rows a readout of the
+    bound measurements may stack)."""
     loss: torch.Tensor | None = None
-    """(B, width) float32: the model's own next-token cross-entropy (NaN at the last position)."""
+    """(B, width) float32: the model's own next-token cross-entropy (NaN at the last position;
+    set by a bound measurement that reads h_L out anyway, the lens, else by
+    :meth:`TextCapture.loss`)."""
     measured: dict[str, Sequence[Any]] = field(default_factory=dict)
     """Each registered measurement's values (``layerdiv.measurements.Capture.result``), one per
     row, by name."""
@@ -59,22 +58,14 @@ class TextBatch:
         assert self.loss is not None
         return self.loss[row, self.loss.shape[1] - n_tokens :].numpy()
 
-    def document_lens(self, row: int, n_tokens: int) -> np.ndarray:
-        """(n_tokens, L + 1, 3): the lens values at the document's own positions."""
-        assert self.lens is not None
-        return self.lens[row, self.lens.shape[1] - n_tokens :].numpy()
-
 
 class TextCapture(Hooks):
     """Hooks on every decoder block (its input h, its attention's and MLP's additions a and m)
     and on the final norm (the last residual state h_L); :meth:`decompose` after each pass.
-    ``readout``: the model's; ``lens``: the logit lens to take (methods §9), or None."""
+    ``readout``: the model's."""
 
-    def __init__(
-        self, model: Any, adapter: Adapter, readout: Readout, lens: Lens | None = None
-    ) -> None:
+    def __init__(self, model: Any, adapter: Adapter, readout: Readout) -> None:
         super().__init__()
-        self.lens = lens
         self.readout = readout
         self.bias = self.readout.constant_bias
         self.add(self.readout.norm.register_forward_pre_hook(self._final_hook))
@@ -86,8 +77,9 @@ class TextCapture(Hooks):
         self.reset()
 
     def reset(self, input_ids: torch.Tensor | None = None) -> None:
-        """Forget the last pass; ``input_ids`` (B, width) of the next one (the lens's ce)."""
-        self._ids = input_ids
+        """Forget the last pass; ``input_ids`` (B, width) of the next one (the loss's)."""
+        self.input_ids = input_ids
+        """The last pass's token ids (B, width)."""
         self.block_args: list[tuple[tuple, dict]] = []  # every block call's arguments
         self._dtype = torch.float32
         self._h: list[torch.Tensor] = []  # block inputs, float32
@@ -146,10 +138,9 @@ class TextCapture(Hooks):
             raise DecompositionError("no forward pass was captured")
         return [*self._h, self._final]
 
-    def decompose(self, budget: int | None = None) -> TextBatch:
-        """The per-token, per-block dot products of the last forward pass; with the lens, its
-        readouts stacked over as many layers as ``budget`` rows hold (the padded tokens of a
-        forward pass; None: one layer at a time)."""
+    def decompose(self, budget: int) -> TextBatch:
+        """The per-token, per-block dot products of the last forward pass (``budget``: the
+        padded tokens of a forward pass, for the bound measurements' readouts)."""
         if self._final is None or not self._dots:
             raise DecompositionError("no forward pass was captured")
         final = self._final
@@ -166,21 +157,24 @@ class TextCapture(Hooks):
         calls = self._calls + ([("bias", -1)] if self.bias else [])
         names = component_names(calls)
         comps = [ComponentInfo(n, k, layer) for n, (k, layer) in zip(names, calls, strict=True)]
-        with self.pausing():  # the lens's readouts must not replace h_L (the final-norm hook)
-            lens = None if self.lens is None else self._lens(self.lens, final, budget)
-            loss = self._loss(final) if lens is None else lens[:, :, -1, 2]  # the lens's layer L
-        return TextBatch(
-            comps, dots.cpu(), None if lens is None else lens.cpu(), loss=loss.float().cpu()
-        )
+        return TextBatch(comps, dots.cpu(), budget)
+
+    def loss(self) -> torch.Tensor:
+        """(B, width) float32 on the CPU: the last pass's loss (:meth:`_loss`), read out with the
+        hooks paused (a readout must not replace h_L: the final-norm hook)."""
+        if self._final is None:
+            raise DecompositionError("no forward pass was captured")
+        with self.pausing():
+            return self._loss(self._final).float().cpu()
 
     def _loss(self, final: torch.Tensor) -> torch.Tensor:
         """(B, width): -log p_L(token at p + 1), p_L the model's own output distribution read
         from h_L as its head reads it (methods §12's loss), in slices of
         :data:`LOSS_ROWS` positions; NaN at the last position."""
-        if self._ids is None:
+        if self.input_ids is None:
             raise DecompositionError("the loss needs the batch's input ids")
         x = final.to(self._dtype).flatten(0, 1)
-        nxt = self._ids.roll(-1, dims=1).flatten().to(x.device)
+        nxt = self.input_ids.roll(-1, dims=1).flatten().to(x.device)
         loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         for a in range(0, x.shape[0], LOSS_ROWS):
             z = self.readout.logits(x[a : a + LOSS_ROWS])
@@ -189,36 +183,6 @@ class TextCapture(Hooks):
         loss = loss.view(final.shape[:2])
         loss[:, -1] = float("nan")  # no next token
         return loss
-
-    def _lens(self, lens: Lens, final: torch.Tensor, budget: int | None) -> torch.Tensor:
-        """(B, width, L + 1, 3): kl, top5_overlap and ce of p_l, ``lens``'s distribution of
-        every block input h_l, and (layer L) of the model's own output p_L (methods §9). The
-        layers' states are read out in groups, as many layers' rows stacked into one matmul as
-        ``budget`` rows allow (at least one layer), into one reused buffer."""
-        if self._ids is None:
-            raise DecompositionError("the lens needs the batch's input ids")
-        rows = final[..., 0].numel()
-        group = max(1, (budget or rows) // rows)  # layers per readout matmul
-        logits = self.readout.logits(final.to(self._dtype))
-        ref = LensReference(logits)
-        nxt = self._ids.roll(-1, dims=1)[..., None].to(logits.device)  # the next token
-        # layer L (the model's own output) first: its logits' memory is then the readout buffer
-        # of every group of one layer
-        out = [self._lens_layer(logits, ref, nxt)]
-        buf = logits[None] if group == 1 else logits.new_empty(group, *logits.shape)
-        for start in range(0, len(self._h), group):
-            xs = torch.stack([h.to(self._dtype) for h in self._h[start : start + group]])
-            stacked = lens.logits(xs, self.block_args[-1], out=buf[: len(xs)])
-            out += [self._lens_layer(z, ref, nxt) for z in stacked]
-        return torch.stack([*out[1:], out[0]], dim=2)
-
-    @staticmethod
-    def _lens_layer(logits: torch.Tensor, ref: LensReference, nxt: torch.Tensor) -> torch.Tensor:
-        """(B, width, 3): one layer's kl, top5_overlap and ce from its ``logits`` (overwritten)."""
-        stats = lens_stats(logits, ref, nxt)
-        stats[..., 2].neg_()  # ce = -log p_l(next token)
-        stats[:, -1, 2] = float("nan")  # none after the last position
-        return stats
 
 
 def check_text_batch(batch: TextBatch, ids: list[int], n_tokens: list[int], task: str) -> None:

@@ -1,7 +1,10 @@
 """``--skips`` on a text task: the future effects of removing each block's update at the
 positions before a split point (methods §9; ``future_effects`` and ``future_output``),
-with the settings ``--skip-split``, ``--skip-sublayer`` and ``--skip-seed`` (recorded in the
-manifest, compared on a rerun)."""
+with the settings ``--skip-split``, ``--skip-sublayer``, ``--skip-mode`` and ``--skip-seed``
+(recorded in the manifest, compared on a rerun). Its check of the plan (:func:`plan_future`)
+refuses settings a task cannot follow and finds each document's answer for the answer-anchored
+split points; its hooks are :class:`layerdiv.extract.future.FutureCapture`, bound to the text
+task's per-token capture."""
 
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -12,8 +15,17 @@ import pyarrow as pa
 from numpy.typing import ArrayLike
 
 from layerdiv.errors import LayerdivError
-from layerdiv.measurements.registry import Measurement, Setting, register
+from layerdiv.measurements.registry import Measurement, ModelShape, Planning, Setting, register
 from layerdiv.schemas import FUTURE_EFFECTS, FUTURE_OUTPUT, MODES, SUBLAYERS
+
+SPLIT_STEP = 8
+"""Random split points are multiples of this."""
+SPLIT_MARGIN = 4
+"""A random split point t is below T - SPLIT_MARGIN."""
+SPLITS = 4
+"""Random split points drawn per document."""
+ANSWER_MARGIN = 4
+"""``answer:N:S`` draws offsets below A - ANSWER_MARGIN of an answer of A tokens (methods §10)."""
 
 
 class SplitError(LayerdivError, ValueError):
@@ -143,6 +155,96 @@ def future_rows(docs: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Tabl
     )
 
 
+def answer_start(tokenizer: Any, document: str, answer: str) -> tuple[int, bool]:
+    """Where the answer starts in a document (text + answer) as the depth-efficiency paper's
+    code counts it (methods §10): s = T - A, T the document's tokens (special tokens included,
+    before any cut to ``max_tokens``) and A the answer's tokens alone without special tokens; and
+    whether a token merges across the boundary (the document's first s tokens are not the text's
+    own tokens: that token counts as the answer's)."""
+    ids = tokenizer(document)["input_ids"]
+    start = len(ids) - len(tokenizer(answer, add_special_tokens=False)["input_ids"])
+    text = document[: len(document) - len(answer)]
+    return start, tokenizer(text)["input_ids"] != ids[:start]
+
+
+def plan_future(plan: Planning) -> list[tuple[int, int]] | None:
+    """The future effects' check of a text task's plan: refuses local effects without the
+    total ones or of a sublayer (methods §10 defines them for whole blocks) and random split
+    points where ``max_tokens`` leaves none; with an answer-anchored rule, per document its
+    answer's start s and length A (:func:`answers`; None for the other rules)."""
+    spec, settings = plan.task, plan.settings
+    modes = tuple(settings.get("skip_modes") or ["total"])  # absent: recorded before local
+    if "total" not in modes:
+        raise SplitError(
+            "--skip-mode local adds the local effects beside the total ones (their output "
+            "change and row counts); give --skip-mode total --skip-mode local"
+        )
+    if "local" in modes and tuple(settings["skip_sublayers"]) != ("block",):
+        raise SplitError(
+            "--skip-mode local removes the whole block's update (methods §10), not a "
+            "sublayer's; drop --skip-sublayer attn/mlp or --skip-mode local"
+        )
+    short = spec.max_tokens is not None and spec.max_tokens <= SPLIT_STEP + SPLIT_MARGIN
+    if settings["skip_split"] == "random" and short:
+        raise SplitError(
+            f"task {spec.name}: --skips needs split points 8, 16, ... < T - 4, and max_tokens "
+            f"{spec.max_tokens} leaves none; raise max_tokens above 12, use --skip-split all, "
+            "or drop --skips"
+        )
+    return None if parse_split(settings["skip_split"]) is None else answers(plan)
+
+
+def answers(plan: Planning) -> list[tuple[int, int]]:
+    """Per document, its answer's start s = T - A and length A (methods §10,
+    :func:`answer_start`), and a note where a token merges across the boundary; refuses a task
+    without an answer, and with ``answer:N:S`` an answer of fewer than ``ANSWER_MARGIN + 1``
+    tokens (no offset below A - 4)."""
+    spec, split, tokenizer = plan.task, plan.settings["skip_split"], plan.tokenizer
+    if spec.answer is None:
+        raise SplitError(
+            f"task {spec.name}: --skip-split {split} anchors the split points at the "
+            "answer, and the task names none; add an 'answer' template beside 'text' (the "
+            "document is text + answer), or use --skip-split random"
+        )
+    out, merged = [], []
+    for doc, item in enumerate(plan.items):
+        assert item.answer is not None  # the task renders one for every document
+        start, merges = answer_start(tokenizer, item.prompt, item.answer)
+        length = len(tokenizer(item.answer, add_special_tokens=False)["input_ids"])
+        if split != "answer" and length <= ANSWER_MARGIN:
+            raise SplitError(
+                f"task {spec.name}: document {doc}'s answer is {length} tokens, and --skip-split "
+                f"{split} draws offsets below A - {ANSWER_MARGIN}, so it needs answers of "
+                f"at least {ANSWER_MARGIN + 1}; use --skip-split answer, or filter short answers "
+                "out"
+            )
+        out.append((start, length))
+        if merges:
+            merged.append(doc)
+    if merged:
+        plan.notes.append(
+            f"{len(merged)} of {len(plan.items)} documents have a token that merges across the "
+            f"answer's boundary (the first: document {merged[0]}); it counts as the answer's "
+            "(methods §10)"
+        )
+    return out
+
+
+def random_splits(tokens: int) -> list[int]:
+    """The candidate random split points of a document (8, 16, ... < T - 4, methods §9)."""
+    return list(range(SPLIT_STEP, tokens - SPLIT_MARGIN, SPLIT_STEP))
+
+
+def future_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]) -> float:
+    """FLOPs of the future effects of a document: the clean readout of every token, and per
+    random split point t (drawn at random: its mean), blocks l..L-1 per removed block l and
+    their readouts after t."""
+    L, cut = shape.layers, random_splits(tokens)
+    k, after = min(SPLITS, len(cut)), tokens - sum(cut) / max(len(cut), 1)
+    per_split = L * (L + 1) / 2 * shape.block(tokens) + L * shape.readout() * after
+    return shape.readout(tokens) + k * per_split
+
+
 FUTURE = register(
     Measurement(
         name="future_effects",
@@ -198,7 +300,10 @@ FUTURE = register(
         ),
         legacy=True,
         readout=("text",),
+        attach="layerdiv.extract.future:FutureCapture",
         rows=future_rows,
         check_rows=future_row_counts,
+        cost=future_cost,
+        plan=plan_future,
     )
 )

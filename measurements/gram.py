@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from layerdiv.measurements.registry import Measurement, register
+from layerdiv.measurements.registry import Measurement, negligible, register
 from layerdiv.schemas import GRAM as GRAM_SCHEMA
 
 
@@ -38,5 +38,6 @@ GRAM = register(
         tables={"choice": ("gram",)},
         attach="layerdiv.extract.gram:GramCapture",
         rows=gram_rows,
+        cost=negligible,
     )
 )

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from layerdiv.measurements.registry import Measurement, register
+from layerdiv.measurements.registry import Measurement, negligible, register
 from layerdiv.schemas import HEADS as HEADS_SCHEMA
 
 
@@ -75,5 +75,7 @@ HEADS = register(
         tables={"choice": ("heads",)},
         attach="layerdiv.extract.heads:HeadCapture",
         rows=head_rows,
+        cost=negligible,
+        check_model="layerdiv.extract.heads:check_heads",
     )
 )

@@ -3,11 +3,14 @@
 A measurement is a :class:`Measurement`: the ``extract`` option that asks for it (and the options
 of its settings), the task kinds it applies to and the tables it writes for each, the settings it
 records in the partition's manifest under its own name, whether its batches need rows over the
-vocabulary (the batch budget), and, for a measurement with hooks of its own (all but the future
-effects and a text task's lens, which the captures of ``layerdiv.extract`` compute), its forward
-hooks (:attr:`Measurement.attach`, given an :class:`Attachment`) and how its rows are built
-(:attr:`Measurement.rows`). The command line, ``ExtractConfig``, the completeness check, ``ls``,
-``query``'s views and ``merge`` read these declarations.
+vocabulary (the batch budget), whether its passes need gradients, its forward hooks on each task
+kind (:attr:`Measurement.attach`, given an :class:`Attachment`; bound to the kind's own capture
+where they derive from it), how its rows are built (:attr:`Measurement.rows`) and their counts
+checked (:attr:`Measurement.check_rows`), its cost in forward passes (:attr:`Measurement.cost`),
+and its checks of a plan (:attr:`Measurement.plan`) and of a model
+(:attr:`Measurement.check_model`). The command line, ``ExtractConfig``, the extraction, its cost
+estimate, the completeness check, ``ls``, ``query``'s views and ``merge`` read these
+declarations.
 
 Register one with :func:`register`, or from another distribution through the entry point group
 :data:`ENTRY_POINTS` (the entry point names the :class:`Measurement` object); see
@@ -63,19 +66,35 @@ class RowsCapture(Capture, Protocol):
 
 @runtime_checkable
 class DecompositionCapture(Capture, Protocol):
-    """A choice task's :class:`Capture` whose values derive from the last-token decomposition
-    (methods §1, ``layerdiv.extract.capture.ComponentCapture``): :meth:`bind` once after it is
-    attached, before any forward pass; :meth:`decomposed` after each pass, before
+    """A :class:`Capture` whose values derive from the task kind's own capture: a choice task's
+    last-token decomposition (methods §1, ``layerdiv.extract.capture.ComponentCapture``, each
+    pass's ``BatchDecomposition``) or a text task's per-token capture (methods §9,
+    ``layerdiv.extract.text.TextCapture``, each pass's ``TextBatch``): :meth:`bind` once after it
+    is attached, before any forward pass; :meth:`decomposed` after each pass, before
     :meth:`result`."""
 
     def bind(self, capture: Any) -> None:
-        """The decomposition capture of the same model: its option rows, readout, component
-        outputs and pause switch (a paused capture keeps nothing: hooks bound to it keep nothing
-        either, so that passes of a bound capture's own, the skips', leave the others' values
-        alone)."""
+        """The kind's own capture of the same model (a choice task's: its option rows, readout,
+        component outputs; a text task's: its block inputs, block calls and input ids) and its
+        pause switch (a paused capture keeps nothing: hooks bound to it keep nothing either, so
+        that passes of a bound capture's own, the skips', leave the others' values alone)."""
 
     def decomposed(self, batch: Any) -> None:
-        """The pass's decomposition (``layerdiv.extract.capture.BatchDecomposition``)."""
+        """The pass's decomposition (``BatchDecomposition``, or ``TextBatch``: its ``loss`` may
+        be set here, from a readout of h_L the hooks take anyway)."""
+
+
+@runtime_checkable
+class GradientCapture(Capture, Protocol):
+    """The :class:`Capture` of a measurement declared with ``needs_grad``: before the model's
+    pass (inference mode, whose tensors keep no graph), the batch runs for it alone with
+    gradients on and the task kind's own capture paused, and :meth:`backward` gets that pass's
+    output. Its hooks keep nothing while gradients are off (``torch.is_grad_enabled()``: every
+    other pass), and the values of other hooks in its pass are reset before theirs."""
+
+    def backward(self, output: Any) -> None:
+        """Its pass's model output (``logits`` of the last position): take the gradients
+        (``torch.autograd.grad`` of a target w.r.t. the states its hooks kept)."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +119,47 @@ class Attachment:
     gold: Sequence[int] = ()
     """Choice tasks: each instance's gold option (an index into :attr:`option_ids`), by
     instance (:meth:`RowsCapture.batch` says which instance each batch row is)."""
+    planned: Any = None
+    """What the measurement's check of the plan (:attr:`Measurement.plan`) gave, for its
+    hooks (the future effects: each document's answer span)."""
+
+
+@dataclass(frozen=True)
+class Planning:
+    """What a measurement's check of a task's plan (:attr:`Measurement.plan`) is given, before
+    the weights load."""
+
+    task: Any
+    """The task (``layerdiv.extract.tasks.TaskSpec``: ``name``, ``kind``, ``max_tokens``,
+    ``answer``, ...)."""
+    items: Sequence[Any]
+    """Its instances or documents (``prompt``, ``answer``, ...), as this run takes them."""
+    tokenizer: Any
+    """The model's tokenizer."""
+    settings: Mapping[str, Any]
+    """The measurement's settings, as this run resolved them."""
+    notes: list[str] = field(default_factory=list)
+    """What the user should know (the check appends to it; printed with the task's summary)."""
+
+
+class ModelShape(Protocol):
+    """What a pass costs (``layerdiv.extract.cost.Shape``): blocks L, width d, vocabulary V and
+    the FLOPs of a block, a readout and a plain forward pass."""
+
+    @property
+    def layers(self) -> int: ...
+
+    @property
+    def d(self) -> int: ...
+
+    @property
+    def vocab(self) -> int: ...
+
+    def block(self, tokens: int) -> float: ...
+
+    def readout(self, positions: int = 1) -> float: ...
+
+    def forward(self, tokens: int) -> float: ...
 
 
 Attach = Callable[[Attachment], Capture | None]
@@ -108,6 +168,30 @@ none of its own for this task kind, whose captures in ``layerdiv.extract`` compu
 
 Rows = Callable[[Sequence[int], Sequence[Any]], dict[str, pa.Table]]
 """(instances or documents, ascending; the capture's value of each) -> its tables."""
+
+Cost = Callable[[ModelShape, str, int, Mapping[str, Any]], float]
+"""(the model's shape, the task kind, a sequence's tokens, the measurement's settings) -> the
+FLOPs it adds to the plain forward pass over that sequence."""
+
+
+def negligible(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]) -> float:
+    """The :data:`Cost` of a measurement whose work (dot products, projections, copies of
+    states the pass computes anyway) is small against the blocks': none."""
+    return 0.0
+
+
+Plan = Callable[[Planning], Any]
+"""A task's plan -> what the measurement's hooks get as :attr:`Attachment.planned`; refuses
+(a ``layerdiv.errors.LayerdivError``, one line) settings the task cannot follow."""
+
+CheckModel = Callable[[Any], Any]
+"""A model's config -> a refusal (``layerdiv.errors.LayerdivError``, one line) where the
+measurement cannot measure it (checked before the weights load)."""
+
+SizeWarning = Callable[[Sequence[int], Sequence[int], str, Mapping[str, Any], int, int], str | None]
+"""(each unit's token count, the units a run computes it for, the task kind, its settings, the
+model's blocks L and width d) -> a line to print before that run, where its tables will be
+large, or None."""
 
 CheckRows = Callable[[Mapping[str, int], int, Mapping[str, Any]], tuple[str, str] | None]
 """(the row count of each table of one chunk's parts, the model's blocks, the measurement's
@@ -155,27 +239,70 @@ class Measurement:
     readout: tuple[str, ...] = ()
     """The task kinds in which its batches hold rows over the vocabulary at every token (the
     batch budget: fewer tokens per batch)."""
+    needs_grad: bool = False
+    """Its hooks take gradients (a :class:`GradientCapture`): the batch runs again for them
+    alone, out of inference mode (every other pass stays in it)."""
     attach: Attach | str | None = None
-    """Its forward hooks (None: computed by ``layerdiv.extract``'s own captures: the future
-    effects); or ``"module:attribute"`` naming them, imported when an extraction attaches them
-    (a built-in measurement's hooks are in ``layerdiv.extract``, which this package does not
-    import)."""
+    """Its forward hooks on each task kind; or ``"module:attribute"`` naming them, imported
+    when an extraction attaches them (a built-in measurement's hooks are in
+    ``layerdiv.extract``, which this package does not import)."""
     rows: Rows | None = None
     """How its rows are built from :attr:`attach`'s values."""
     check_rows: CheckRows | None = None
     """How the row counts of its tables in one chunk relate (read from the parts' footers when
     a store is opened: every reader relies on it); None: only whole rows per instance of a
     choice task are checked."""
+    cost: Cost | None = None
+    """The FLOPs it adds to a sequence's plain forward pass (``extract``'s estimate, the docs'
+    cost table); None: one more plain pass."""
+    costed: Mapping[str, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)
+    """Task kind -> further settings the docs' cost table shows it with, beside its
+    defaults."""
+    plan: Plan | str | None = None
+    """Its check of a task's plan (or ``"module:attribute"``), before the weights load."""
+    check_model: CheckModel | str | None = None
+    """Its check of the model's config (or ``"module:attribute"``), before the weights load."""
+    size_warning: SizeWarning | str | None = None
+    """What a run prints before it starts where its tables will be large (or
+    ``"module:attribute"``)."""
 
     def attach_to(self, ctx: Attachment) -> Capture | None:
         """:attr:`attach`'s hooks on ``ctx.model``, attached (the named ones imported first)."""
-        attach = self.attach
-        if isinstance(attach, str):
-            module, _, name = attach.partition(":")
-            attach = getattr(import_module(module), name)
-        if attach is None:
-            raise MeasurementError(f"measurement {self.name} has no hooks of its own")
-        return attach(ctx)
+        if self.attach is None:
+            raise MeasurementError(f"measurement {self.name} has no hooks")
+        return _resolve(self.attach)(ctx)
+
+    def check_plan(self, planning: Planning) -> Any:
+        """:attr:`plan`'s check of a task's plan (None where it declares none)."""
+        return None if self.plan is None else _resolve(self.plan)(planning)
+
+    def check_config(self, config: Any) -> None:
+        """:attr:`check_model`'s check of a model's config (none declared: every model)."""
+        if self.check_model is not None:
+            _resolve(self.check_model)(config)
+
+    def warn(
+        self,
+        lengths: Sequence[int],
+        units: Sequence[int],
+        kind: str,
+        settings: Mapping[str, Any],
+        blocks: int,
+        width: int,
+    ) -> str | None:
+        """:attr:`size_warning`'s line for a run computing it for ``units`` (None: none)."""
+        if self.size_warning is None:
+            return None
+        return _resolve(self.size_warning)(lengths, units, kind, settings, blocks, width)
+
+    def flops(
+        self, shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]
+    ) -> float:
+        """The FLOPs it adds to a plain pass over a sequence of ``tokens`` tokens
+        (:attr:`cost`; none declared: one plain pass)."""
+        if self.cost is None:
+            return shape.forward(tokens)
+        return self.cost(shape, kind, tokens, settings)
 
     def schema(self, table: str) -> pa.Schema:
         """The schema of one of its tables."""
@@ -212,6 +339,14 @@ class Measurement:
             else None
         )
         return [*([flag] if flag is not None else []), *(s.option for s in self.settings)]
+
+
+def _resolve(value: Any) -> Any:
+    """``value``, or the attribute that ``"module:attribute"`` names (imported)."""
+    if not isinstance(value, str):
+        return value
+    module, _, name = value.partition(":")
+    return getattr(import_module(module), name)
 
 
 SETTINGS_KEY = b"layerdiv.settings"

@@ -4,13 +4,13 @@ same flag writes the future effects (:mod:`layerdiv.measurements.future`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from layerdiv.measurements.registry import Measurement, register
+from layerdiv.measurements.registry import Measurement, ModelShape, register
 from layerdiv.schemas import SKIPS as SKIPS_SCHEMA
 
 
@@ -34,6 +34,13 @@ def skip_rows(instances: Sequence[int], values: Sequence[Any]) -> dict[str, pa.T
     return {"skips": skips_table(instances, np.stack([np.asarray(v) for v in values]))}
 
 
+def skip_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]) -> float:
+    """FLOPs of the skips of a choice task's prompt: blocks after b, once per skipped block b,
+    and a readout of the last prompt token per skipped block."""
+    L = shape.layers
+    return L * (L - 1) / 2 * shape.block(tokens) + L * shape.readout()
+
+
 SKIPS = register(
     Measurement(
         name="skips",
@@ -44,5 +51,6 @@ SKIPS = register(
         tables={"choice": ("skips",)},
         attach="layerdiv.extract.skips:SkipCapture",
         rows=skip_rows,
+        cost=skip_cost,
     )
 )

@@ -13,7 +13,7 @@ import click
 import numpy as np
 import pyarrow as pa
 
-from layerdiv.measurements.registry import Measurement, Setting, register
+from layerdiv.measurements.registry import Measurement, Setting, negligible, register
 from layerdiv.schemas import STATE_TYPES, states_schema
 
 
@@ -143,5 +143,7 @@ STATES = register(
         ),
         attach="layerdiv.extract.states:StateCapture",
         rows=state_rows,
+        cost=negligible,
+        size_warning="layerdiv.extract.states:size_warning",
     )
 )

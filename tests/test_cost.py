@@ -4,42 +4,71 @@ model's shape, the line ``extract`` prints before a long run, the docs' table.""
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
+import pyarrow as pa
 import pytest
 
 from layerdiv.extract import cost
+from layerdiv.measurements import Measurement, register, unregister
+from layerdiv.measurements.future import FUTURE
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = cost.Shape.from_config(SimpleNamespace(**cost.SMOLLM2))
 
 
+LENS = {"lens": {"lens": "final"}}
+LAST_BLOCK = {"lens": {"lens": "last-block"}}
+SKIPS = {"skips": {}, "future_effects": FUTURE.defaults()}
+
+
 def test_passes_follow_the_model_shape() -> None:
     L, T = SHAPE.layers, 256
     forward = L * SHAPE.block(T) + 2 * SHAPE.d * SHAPE.vocab
-    for option in ("", "heads", "gram"):
-        assert cost.passes(SHAPE, "choice", option, 46) == 1.0
+    runs: list[cost.Measures] = [{}, {"heads": {}}, {"gram": {}}, {"heads": {}, "gram": {}}]
+    for measures in runs:
+        assert cost.passes(SHAPE, "choice", 46, measures) == 1.0
     # --lens on running text: L + 1 full-vocabulary readouts of every token
     lens = (forward + (L + 1) * 2 * SHAPE.d * SHAPE.vocab * T) / forward
-    assert cost.passes(SHAPE, "text", "lens", T) == pytest.approx(lens, rel=1e-12)
-    assert cost.passes(SHAPE, "text", "lens last-block", T) == pytest.approx(
+    assert cost.passes(SHAPE, "text", T, LENS) == pytest.approx(lens, rel=1e-12)
+    assert cost.passes(SHAPE, "text", T, LAST_BLOCK) == pytest.approx(
         lens + L * SHAPE.block(T) / forward, rel=1e-12
     )
     # --skips on a choice task: about (L + 1) / 2 passes (blocks b+1..L-1 for every b)
-    assert cost.passes(SHAPE, "choice", "skips", 46) == pytest.approx((L + 1) / 2, rel=0.01)
+    assert cost.passes(SHAPE, "choice", 46, SKIPS) == pytest.approx((L + 1) / 2, rel=0.01)
     # on running text: grows with the split points a document has (none up to 12 tokens)
-    short, long = (cost.passes(SHAPE, "text", "skips", n) for n in (12, 128))
+    short, long = (cost.passes(SHAPE, "text", n, SKIPS) for n in (12, 128))
     assert short < 1.5 and long > 4 * (L + 1) / 2  # short: the clean readouts only
-    with pytest.raises(ValueError, match="unknown extraction option 'lense'"):
-        cost.passes(SHAPE, "text", "lense", 10)
+    # the measurements of a run add up
+    both = cost.passes(SHAPE, "text", T, {**LENS, **SKIPS})
+    alone = cost.passes(SHAPE, "text", T, LENS) + cost.passes(SHAPE, "text", T, SKIPS) - 1
+    assert both == pytest.approx(alone, rel=1e-12)
+
+
+def test_a_measurement_without_a_declared_cost_costs_a_pass() -> None:
+    """A registered measurement costs what it declares; one that declares nothing is costed as
+    one more plain pass (never as free)."""
+    schema = pa.schema([pa.field("instance", pa.int32(), nullable=False)])
+    undeclared = Measurement("undeclared", "--undeclared", {"choice": ("undeclared",)},
+                             schemas={"undeclared": schema})  # fmt: skip
+    register(undeclared)
+    try:
+        assert cost.passes(SHAPE, "choice", 46, {"undeclared": {}}) == pytest.approx(2.0)
+        twice = replace(
+            undeclared, cost=lambda shape, kind, tokens, settings: 2 * shape.forward(tokens)
+        )
+        assert twice.flops(SHAPE, "choice", 46, {}) == 2 * SHAPE.forward(46)
+    finally:
+        unregister(undeclared.name)
 
 
 def test_the_estimate_is_printed_before_a_long_run_only(capsys: pytest.CaptureFixture) -> None:
     config = SimpleNamespace(**cost.SMOLLM2)
-    cost.announce(config, "cpu", [("choice", ["heads"], [46] * 300)])
+    cost.announce(config, "cpu", [("choice", {"heads": {}}, [46] * 300)])
     assert capsys.readouterr().out == ""
-    big = [("text", ["skips"], [256] * 200), ("choice", ["skips"], [46] * 3000)]
+    big = [("text", SKIPS, [256] * 200), ("choice", SKIPS, [46] * 3000)]
     seconds = cost.run_seconds(SHAPE, big, "cpu")
     assert seconds > cost.LONG_RUN
     cost.announce(config, "cpu", big)
@@ -49,16 +78,13 @@ def test_the_estimate_is_printed_before_a_long_run_only(capsys: pytest.CaptureFi
     assert cost.run_seconds(SHAPE, big, "cuda") < seconds / 100
 
 
-def test_a_job_reads_its_options_from_the_tables_and_its_lengths_from_the_data() -> None:
+def test_a_job_takes_its_lengths_from_the_data() -> None:
     def tokenizer(prompts: list[str]) -> dict[str, list[list[int]]]:
         return {"input_ids": [[0] * len(p.split()) for p in prompts]}
 
-    kind, options, lengths = cost.job(
-        "choice", ["heads", "skips"], None, None, ["a b", "a b c d"], tokenizer
-    )
-    assert (kind, options, lengths) == ("choice", ["heads", "skips"], [3, 3])
-    job = cost.job("text", ["token_lens", "future_effects"], "last-block", [[1] * 5], [], None)
-    assert job == ("text", ["lens last-block", "skips"], [5])
+    job = cost.job("choice", SKIPS, None, ["a b", "a b c d"], tokenizer)
+    assert job == ("choice", SKIPS, [3, 3])
+    assert cost.job("text", LAST_BLOCK, [[1] * 5], [], None) == ("text", LAST_BLOCK, [5])
 
 
 def test_the_docs_cost_table_is_generated_from_the_estimate() -> None:
@@ -69,5 +95,7 @@ def test_the_docs_cost_table_is_generated_from_the_estimate() -> None:
     page = hook.on_page_markdown(f"x\n{hook.MARKER}\ny")
     rows = [r.strip("| ").split(" | ") for r in page.splitlines() if r.startswith("| choice")]
     skips = next(r for r in rows if r[2] == "`--skips`")
-    assert float(skips[3]) == round(cost.passes(SHAPE, "choice", "skips", 46), 2)
+    assert float(skips[3]) == round(cost.passes(SHAPE, "choice", 46, SKIPS), 2)
+    text = [r.strip("| ").split(" | ")[2] for r in page.splitlines() if r.startswith("| text")]
+    assert "`--lens last-block`" in text and "`--skips`" in text
     assert hook.MARKER in (ROOT / "docs/extract.md").read_text()

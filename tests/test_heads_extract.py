@@ -14,10 +14,10 @@ from click.testing import CliRunner
 from layerdiv.analyze.analyses.heads import head_scores
 from layerdiv.cli import main
 from layerdiv.extract import adapters, runner
-from layerdiv.extract.adapters import UnsupportedModel, adapter_for, check_heads, get_module
+from layerdiv.extract.adapters import UnsupportedModel, adapter_for, get_module
 from layerdiv.extract.capture import BatchDecomposition, DecompositionError, check_batch
 from layerdiv.extract.forward import ModelRunner
-from layerdiv.extract.heads import HeadCapture, HeadDecomposition, check_head_sums
+from layerdiv.extract.heads import HeadCapture, HeadDecomposition, check_head_sums, check_heads
 from layerdiv.extract.models import (
     LoadedModel,
     ModelSource,

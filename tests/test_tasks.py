@@ -12,7 +12,6 @@ import pytest
 from layerdiv.extract.tasks import (
     Instance,
     TaskError,
-    answer_start,
     builtin_tasks,
     data_sha256,
     instances,
@@ -21,6 +20,7 @@ from layerdiv.extract.tasks import (
     parse_task,
     split_template,
 )
+from layerdiv.measurements.future import answer_start
 from layerdiv.schemas import MAX_OPTIONS
 
 PAPER_TASKS = ["ag_news", "arc", "boolq", "mnli", "qqp", "rte", "sst2", "wic"]

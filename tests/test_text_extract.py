@@ -478,9 +478,10 @@ def test_lens_read_out_in_stacked_groups_equals_one_layer_at_a_time(
 
     from layerdiv.extract.adapters import adapter_for
     from layerdiv.extract.forward import left_padded
-    from layerdiv.extract.lens import make_lens
+    from layerdiv.extract.lens import TokenLens
     from layerdiv.extract.readout import Readout
     from layerdiv.extract.text import TextCapture
+    from layerdiv.measurements import Attachment
 
     config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                             num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
@@ -492,15 +493,21 @@ def test_lens_read_out_in_stacked_groups_equals_one_layer_at_a_time(
     rows = inputs["input_ids"].numel()
     adapter = adapter_for(config)
     readout = Readout(model, adapter)
-    capture = TextCapture(model, adapter, readout, make_lens(lens, model, adapter, readout))
+    capture = TextCapture(model, adapter, readout)
+    hooks = TokenLens(Attachment(model, adapter, "text", {"lens": lens}, readout))
+    hooks.bind(capture)
+    width = inputs["input_ids"].shape[1]
     got = {}
     with torch.inference_mode():
-        for budget in (None, rows // 3, rows, 2 * rows, 10 * rows):
+        for budget in (0, rows // 3, rows, 2 * rows, 10 * rows):  # 0: one layer at a time
             capture.reset(inputs["input_ids"])
+            hooks.reset()
+            hooks.batch(None, [width] * len(seqs))  # every position of every row
             model(**inputs, use_cache=False)
-            got[budget] = capture.decompose(budget).lens
+            hooks.decomposed(capture.decompose(budget))
+            got[budget] = torch.from_numpy(np.stack(hooks.result()))
     capture.remove()
-    want = got.pop(None)
+    want = got.pop(0)
     assert want is not None and want.shape == (3, inputs["input_ids"].shape[1], 6, 3)
     for lens_values_ in got.values():
         assert lens_values_ is not None
