@@ -252,3 +252,146 @@ def test_a_taken_name_or_table_is_refused(registered: Measurement) -> None:
         register(BLOCK_NORMS)
     with pytest.raises(MeasurementError, match="'gram' is taken"):
         register(Measurement("gram2", "--gram2", tables={"choice": ("gram",)}, help="x"))
+
+
+BLOCK_GRADS_SCHEMA = pa.schema(
+    [
+        pa.field("instance", pa.int32(), nullable=False),
+        pa.field("layer", pa.int16(), nullable=False),
+        pa.field("grad_norm", pa.float32(), nullable=False),
+    ],
+    metadata={"layerdiv.table": "block_grads"},
+)
+"""One row per (instance, block): the norm of the gradient of the model's top logit at the last
+prompt token w.r.t. the block's output (every position)."""
+
+
+class BlockGrads:
+    """A ``layerdiv.measurements.GradientCapture``: in its own pass (gradients on), the first
+    block's input is made a leaf that requires a gradient (the extraction's weights require
+    none) and every block's output is kept; :meth:`backward` takes the gradient of each row's top
+    logit at the last position w.r.t. them (rows are independent: one backward for the batch)."""
+
+    def __init__(self, ctx: Attachment) -> None:
+        from layerdiv.extract.adapters import get_module
+
+        blocks = get_module(ctx.model, ctx.adapter.blocks)
+        self.outputs: list[Any] = []
+        self.norms: Any = None
+        self.handles = [blocks[0].register_forward_pre_hook(self._leaf, with_kwargs=True)]
+        self.handles += [b.register_forward_hook(self._keep) for b in blocks]
+
+    def _leaf(self, module: Any, args: tuple, kwargs: dict) -> Any:
+        import torch
+
+        if not torch.is_grad_enabled():  # every pass but its own
+            return None
+        if args:
+            return (args[0].detach().requires_grad_(), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"].detach().requires_grad_()}
+
+    def _keep(self, module: Any, args: Any, out: Any) -> None:
+        import torch
+
+        if torch.is_grad_enabled():
+            self.outputs.append(out[0] if isinstance(out, tuple) else out)
+
+    def reset(self) -> None:
+        self.outputs, self.norms = [], None
+
+    def backward(self, output: Any) -> None:
+        import torch
+
+        target = output.logits[:, -1].max(dim=-1).values.sum()
+        grads = torch.autograd.grad(target, self.outputs)
+        self.norms = torch.stack([g.flatten(1).norm(dim=-1) for g in grads], dim=1)
+        self.outputs = []
+
+    def result(self) -> Sequence[Any]:
+        return list(self.norms.cpu().numpy())  # one (L,) row per batch row
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def block_grad_rows(ids: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
+    """The ``block_grads`` rows of instances ``ids``."""
+    norms = np.stack(values)  # (instances, L)
+    n_layers = norms.shape[1]
+    return {
+        "block_grads": pa.table(
+            {
+                "instance": pa.array(np.repeat(ids, n_layers).astype(np.int32)),
+                "layer": pa.array(np.tile(np.arange(n_layers), len(ids)).astype(np.int16)),
+                "grad_norm": pa.array(norms.reshape(-1).astype(np.float32)),
+            },
+            schema=BLOCK_GRADS_SCHEMA,
+        )
+    }
+
+
+BLOCK_GRADS = Measurement(
+    name="block_grads",
+    flag="--block-grads",
+    help="Also store the norm of the gradient of the top logit w.r.t. every block's output.",
+    tables={"choice": ("block_grads",)},
+    schemas={"block_grads": BLOCK_GRADS_SCHEMA},
+    needs_grad=True,
+    attach=BlockGrads,
+    rows=block_grad_rows,
+    cost=lambda shape, kind, tokens, settings: 3 * shape.forward(tokens),  # forward + backward
+)
+"""A measurement that needs gradients (``needs_grad``)."""
+
+
+@pytest.fixture
+def gradients() -> Iterator[Measurement]:
+    """The gradient measurement, registered in this process for one test."""
+    register(BLOCK_GRADS)
+    yield BLOCK_GRADS
+    unregister(BLOCK_GRADS.name)
+
+
+def test_a_measurement_that_needs_gradients(
+    gradients: Measurement, tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    """Its pass runs out of inference mode: gradients flow, each instance's equal to those of
+    its prompt run alone through the model (no padding, no other hooks), with or without
+    ``--skips`` beside it; every other table keeps the values of a run without it."""
+    import torch
+    import transformers as tf
+
+    task = make_task(tmp_path / "task", n=6)
+    model_dir = model_dirs("llama")
+    args = ["--model", str(model_dir), "--task", str(task), "--batch-size", "3"]
+    for name, flags in (("plain", []), ("grads", ["--block-grads"]),
+                        ("skips", ["--block-grads", "--skips"])):  # fmt: skip
+        done = invoke("extract", *args, "--store", str(tmp_path / name), *flags)
+        assert done.exit_code == 0, done.output
+    grads = Store(tmp_path / "grads")
+    got = grads.scan("block_grads").collect().drop("model", "task").sort("instance", "layer")
+    assert got.height == 6 * 2 and (got["grad_norm"] > 0).all()
+    beside = Store(tmp_path / "skips").scan("block_grads").collect().sort("instance", "layer")
+    np.testing.assert_allclose(beside["grad_norm"].to_numpy(), got["grad_norm"].to_numpy(),
+                               rtol=1e-5)  # fmt: skip
+    for table in ("components", "instances"):
+        plain = Store(tmp_path / "plain").scan(table).collect().drop("model", "task")
+        assert_frame_equal(grads.scan(table).collect().drop("model", "task"), plain)
+
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    tokenizer = tf.AutoTokenizer.from_pretrained(model_dir)
+    prompts = grads.scan("instances").collect().sort("instance")["prompt"].to_list()
+    outputs: list[Any] = []
+    handles = [b.register_forward_hook(lambda m, a, o: outputs.append(o[0] if isinstance(o, tuple)
+               else o)) for b in model.model.layers]  # fmt: skip
+    for i, prompt in enumerate(prompts):
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+        outputs.clear()
+        top = model(inputs_embeds=embeds).logits[0, -1].max()
+        want = [float(g.norm()) for g in torch.autograd.grad(top, outputs)]
+        mine = got.filter(pl.col("instance") == i)["grad_norm"].to_list()
+        np.testing.assert_allclose(mine, want, rtol=1e-4)
+    for handle in handles:
+        handle.remove()
