@@ -222,8 +222,7 @@ class Manifest:
         holding ``n_tokens`` tokens in all, for text tasks)."""
         if self.kind == "text":
             n, blocks = n_tokens, self.n_blocks
-            return {"documents": count, "tokens": n, "token_blocks": n * blocks,
-                    "token_lens": n * (blocks + 1)}  # fmt: skip
+            return {"documents": count, "tokens": n, "token_blocks": n * blocks}
         return {"instances": count, "components": count * len(self.components) * len(self.options)}
 
     def wrong_rows(
@@ -231,18 +230,19 @@ class Manifest:
     ) -> tuple[str, str] | None:
         """The first table of a chunk of ``count`` instances (documents of ``n_tokens`` tokens)
         whose part's ``rows`` (by table) cannot be right, with what is wrong; None when every
-        one can: what each measurement declares (``Measurement.check_rows``), then the fixed
-        sizes (:meth:`expected_rows`) exactly; a choice task's other tables need whole rows per
-        instance."""
+        one can: the fixed sizes (:meth:`expected_rows`) exactly, then what each measurement
+        declares (``Measurement.check_rows``, relative to them); a choice task's other tables
+        need whole rows per instance."""
         expected = self.expected_rows(count, n_tokens)
+        for table, found in rows.items():
+            if table in expected and found != expected[table]:
+                return table, f"{found} rows where the chunk needs {expected[table]}"
         for m in for_kind(self.kind):
             if m.check_rows is not None:
                 wrong = m.check_rows(rows, self.n_blocks, self.settings.get(m.name, {}))
                 if wrong is not None:
                     return wrong
         for table, found in rows.items():
-            if table in expected and found != expected[table]:
-                return table, f"{found} rows where the chunk needs {expected[table]}"
             if table not in expected and self.kind == "choice" and (found == 0 or found % count):
                 return table, f"{found} rows are not whole rows for each of {count} instances"
         return None
