@@ -200,8 +200,9 @@ class ModelRunner:
         """The measurements' values of the pass just run into ``batch.measured``: those of the
         hooks not bound to the kind's capture taken before the bound ones run (a bound capture
         may run passes of its own, the skips', with the kind's capture paused)."""
-        bound = [n for n, h in self.measures.items() if isinstance(h, DecompositionCapture)]
-        plain = [n for n in self.measures if n not in bound and n not in graded]
+        mine = {n: h for n, h in self.measures.items() if n not in graded}
+        bound = [n for n, h in mine.items() if isinstance(h, DecompositionCapture)]
+        plain = [n for n in mine if n not in bound]
         batch.measured = {**graded, **self._measured(plain)}
         for name in bound:
             self.measures[name].decomposed(batch)  # type: ignore[attr-defined]

@@ -316,19 +316,9 @@ class BlockGrads:
 
 
 def block_grad_rows(ids: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
-    """The ``block_grads`` rows of instances ``ids``."""
-    norms = np.stack(values)  # (instances, L)
-    n_layers = norms.shape[1]
-    return {
-        "block_grads": pa.table(
-            {
-                "instance": pa.array(np.repeat(ids, n_layers).astype(np.int32)),
-                "layer": pa.array(np.tile(np.arange(n_layers), len(ids)).astype(np.int16)),
-                "grad_norm": pa.array(norms.reshape(-1).astype(np.float32)),
-            },
-            schema=BLOCK_GRADS_SCHEMA,
-        )
-    }
+    """The ``block_grads`` rows of instances ``ids`` (laid out as ``block_norms``)."""
+    rows = block_norm_rows(ids, values)["block_norms"]
+    return {"block_grads": rows.rename_columns(BLOCK_GRADS_SCHEMA.names).cast(BLOCK_GRADS_SCHEMA)}
 
 
 BLOCK_GRADS = Measurement(
