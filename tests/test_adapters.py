@@ -59,6 +59,7 @@ def reference(
     return hidden, seen["x"], out.logits[0, -1]
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("family", FAMILIES)
 def test_components_sum_to_model_logits_and_match_hidden_states(
     family: str, build_model: Any, tokenizer: Any
@@ -121,6 +122,7 @@ def test_shared_layers_give_one_component_per_call(build_model: Any, tokenizer: 
     assert float(dec.sum_error.max()) < 1e-5
 
 
+@pytest.mark.numerical
 def test_geometry_columns(build_model: Any, tokenizer: Any) -> None:
     model = build_model("llama")
     dec = decompose(model, tokenizer, PROMPTS[:1])
@@ -139,6 +141,7 @@ def test_unknown_architecture_lists_supported(build_model: Any) -> None:
     assert "gpt_neox" in supported_model_types()
 
 
+@pytest.mark.numerical
 def test_capture_buffer_grows_with_calls_and_rows(build_model: Any, tokenizer: Any) -> None:
     """More component calls than preallocated slots (a block run 40 times) and a larger batch
     after a smaller one: the reused buffer grows and the numbers stay exact."""

@@ -89,6 +89,7 @@ def bound_values(model: Any, hooks: Any) -> tuple[Any, torch.Tensor]:
         bound.remove()
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3", "phi", "gpt2", "gpt_neox"])
 def test_skip_logits_equal_model_without_the_block(family: str, build_model: Any) -> None:
     model = build_model(family)
@@ -106,6 +107,7 @@ def test_skip_logits_equal_model_without_the_block(family: str, build_model: Any
     )
 
 
+@pytest.mark.numerical
 def test_skips_of_a_shared_block_cover_every_call(build_model: Any) -> None:
     model = build_model("llama")
     blocks = model.model.layers
@@ -141,6 +143,7 @@ def hooked_outputs(
     return torch.stack([hidden[0], *outs], dim=1), hidden
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_neox"])
 def test_cos_prev_and_gram_equal_direct_computation(family: str, build_model: Any) -> None:
     model = build_model(family)
@@ -205,6 +208,7 @@ def direct_z(model_dir: Path, task: Path) -> tuple[torch.Tensor, torch.Tensor, t
     return torch.stack(zs), torch.stack(logits), torch.stack(skipped)
 
 
+@pytest.mark.numerical
 def test_extract_skips_and_gram_backfill_and_analysis(
     tmp_path: Path, model_dirs: Any, make_task: Any
 ) -> None:

@@ -43,6 +43,7 @@ def rows(store: Path, table: str) -> pl.DataFrame:
     return Store(store).scan(table).collect().sort(["instance"])
 
 
+@pytest.mark.numerical
 def test_extract_writes_a_checked_store(
     tmp_path: Path, model_dirs: Any, make_task: Any, stored: Any
 ) -> None:
@@ -78,6 +79,7 @@ def test_extract_writes_a_checked_store(
     assert pq.read_schema(info.files("instances")[0]).equals(INSTANCES, check_metadata=False)
 
 
+@pytest.mark.numerical
 def test_batch_size_does_not_change_the_numbers(
     tmp_path: Path, model_dirs: Any, make_task: Any
 ) -> None:

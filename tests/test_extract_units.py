@@ -69,6 +69,7 @@ def _runner(model: Any, tokenizer: Any, budget: int) -> ModelRunner:
     return ModelRunner(loaded, adapter_for(model.config), [11, 25], budget)
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("batch_size", [None, 8])
 def test_out_of_memory_halves_the_batch_and_the_budget(
     batch_size: int | None, build_model: Any, tokenizer: Any

@@ -127,6 +127,7 @@ def check(store: Path, model: Any, tokenizer: Any, texts: list[str], max_tokens:
     return compared
 
 
+@pytest.mark.numerical
 def test_future_effects_match_an_independent_float64_reference(
     tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
 ) -> None:
@@ -156,6 +157,7 @@ def test_future_effects_match_an_independent_float64_reference(
     assert effects.filter(pl.col("block") > pl.col("skipped"))["rel_change"].to_numpy().min() > 0
 
 
+@pytest.mark.numerical
 def test_skip_split_all_matches_the_reference(
     tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
 ) -> None:
@@ -223,6 +225,7 @@ def test_bad_skip_input_is_refused_in_one_line(
     assert "add --skips" in refused(tmp_path, model, text, "--skip-sublayer", "attn")
 
 
+@pytest.mark.numerical
 @pytest.mark.slow
 def test_smollm2_future_effects_on_bbc_news(tmp_path: Path) -> None:
     from layerdiv.demo import bbc_articles

@@ -67,6 +67,7 @@ def test_heads_and_bias_sum_to_the_attention_component(
     assert bool((heads.logits[:, :, has_bias:].abs().amax(dim=-1) > 0).all())
 
 
+@pytest.mark.numerical
 def test_llama_heads_by_hand(build_model: Any, tokenizer: Any) -> None:
     """u_(b,h)[k] = W_U[k] . (g * W_O[:, h] a_h / rms(x)) from the attention module's own
     input to o_proj and the final norm's input, computed here without layerdiv's code."""
@@ -102,6 +103,7 @@ def test_llama_heads_by_hand(build_model: Any, tokenizer: Any) -> None:
             assert torch.allclose(got, want.detach(), atol=1e-5), (layer, h)
 
 
+@pytest.mark.numerical
 def test_shared_blocks_give_heads_per_call(build_model: Any, tokenizer: Any) -> None:
     model = build_model("llama")
     blocks = model.model.layers
@@ -245,6 +247,7 @@ def test_extract_heads_refused_before_weights_load(
     assert not store.exists()
 
 
+@pytest.mark.numerical
 def test_offloaded_weights_give_identical_heads(model_dirs: Any, tokenizer: Any) -> None:
     """Odd blocks, embedding, final norm and head on disk (accelerate loads them for each
     forward pass): M is formed from the loaded weights and the heads are those of the CPU

@@ -143,6 +143,7 @@ def check_answer_splits(
     return compared
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("rule", ["answer", "answer:3:2"])
 def test_answer_splits_match_the_float64_reference(
     rule: str, tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
@@ -167,6 +168,7 @@ def test_bad_answer_split_input_is_refused_in_one_line(tmp_path: Path, model_dir
     assert "document 0's answer is" in line and "at least 5" in line
 
 
+@pytest.mark.numerical
 def test_local_effects_match_the_float64_reference(
     tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
 ) -> None:

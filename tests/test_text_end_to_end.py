@@ -68,6 +68,7 @@ def extracted(tmp_path_factory: pytest.TempPathFactory, model_dirs: Any) -> tupl
     return store, texts
 
 
+@pytest.mark.numerical
 def test_analysis_of_an_extracted_store_matches_float64_numpy(
     extracted: tuple[Path, list[str]], build_model: Any, tokenizer: Any
 ) -> None:
@@ -137,6 +138,7 @@ def test_an_analysis_without_rows_is_left_out_and_the_others_run(
     assert "'text_skips' left out" in md
 
 
+@pytest.mark.numerical
 def test_choice_lens_curves_beside_text_and_readouts_never_averaged(
     tmp_path: Path, model_dirs: Any, make_task: Any, tokenizer: Any
 ) -> None:

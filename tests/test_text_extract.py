@@ -157,6 +157,7 @@ def check_against_reference(
         assert np.allclose(a, b, rtol=1e-3, atol=1e-9), (name, a, b)
 
 
+@pytest.mark.numerical
 def test_text_extract_matches_an_independent_float64_forward(
     tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
 ) -> None:
@@ -231,6 +232,7 @@ def test_bad_text_input_is_refused_in_one_line(
     assert "text tasks only" in refused(tmp_path, model, choice, "--lens", "last-block")
 
 
+@pytest.mark.numerical
 @pytest.mark.slow
 def test_smollm2_on_bbc_news_matches_an_independent_float64_forward(tmp_path: Path) -> None:
     from layerdiv.demo import bbc_articles
@@ -288,6 +290,7 @@ def lens_values(store: Path, doc: int) -> np.ndarray:
     return frame.reshape(-1, int(lens["layer"].n_unique()), 3)
 
 
+@pytest.mark.numerical
 def test_lens_matches_an_independent_float64_readout(
     tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
 ) -> None:
@@ -317,6 +320,7 @@ def test_lens_matches_an_independent_float64_readout(
     assert np.isnan(g[:, :, 2]).sum() == len(texts) * g.shape[1]  # ce null at each last token
 
 
+@pytest.mark.numerical
 def test_lens_of_a_soft_capped_model_caps_every_layer(
     tmp_path: Path, build_model: Any, tokenizer: Any
 ) -> None:
@@ -339,6 +343,7 @@ def test_lens_of_a_soft_capped_model_caps_every_layer(
         assert np.allclose(got[..., 2], want[..., 2], rtol=1e-3, atol=1e-5, equal_nan=True)
 
 
+@pytest.mark.numerical
 def test_choice_lens_matches_an_independent_float64_readout(
     tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any, make_task: Any
 ) -> None:
@@ -384,6 +389,7 @@ def test_text_shards_merge_into_one_partition(tmp_path: Path, model_dirs: Any) -
     assert Store(tmp_path / "m").scan("token_lens").collect().height == n * 3
 
 
+@pytest.mark.numerical
 def test_lens_stats_in_row_slices_match_a_float64_computation(monkeypatch: Any) -> None:
     """Slices of a few rows (a real vocabulary's case; the tiny models fit in one slice), the
     reference broadcast over layers as a choice task uses it, and p_L against itself."""
@@ -446,6 +452,7 @@ def test_top5_finds_what_topk_finds(vocab: int) -> None:
     assert torch.equal(readout.top5(z[::2]), z[::2].topk(5, dim=-1).indices)  # strided rows
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("family", ["llama", "phi", "gemma2_softcap"])
 def test_readout_into_a_buffer_equals_the_readout(family: str, build_model: Any) -> None:
     """Tied (llama), with an unembedding bias (phi: no buffer, a fresh tensor) and soft-capped
@@ -467,6 +474,7 @@ def test_readout_into_a_buffer_equals_the_readout(family: str, build_model: Any)
     assert (got.data_ptr() == buffer.data_ptr()) == (family != "phi")
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("lens", ["final", "last-block"])
 def test_lens_read_out_in_stacked_groups_equals_one_layer_at_a_time(
     lens: str, tokenizer: Any

@@ -25,6 +25,7 @@ from tests.test_text_extract import (
 )
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("family", ["gpt_neox", "gptj", "phi", "opt"])
 def test_text_geometry_matches_the_float64_reference(
     family: str, tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
@@ -45,6 +46,7 @@ def test_post_norm_opt_is_refused_in_one_line(tmp_path: Path, model_dirs: Any) -
     assert "do_layer_norm_before=False" in line and "post-norm" in line
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("family", ["gpt_neox", "gptj", "phi"])
 def test_parallel_families_lens_and_future_effects_match_the_float64_references(
     family: str, tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
