@@ -120,6 +120,19 @@ def geometry(v: np.ndarray) -> dict[str, np.ndarray]:
     }
 
 
+def dot_scales(v: np.ndarray) -> np.ndarray:
+    """||x|| ||y|| of each dot product x . y of ``v`` (T, L, COLUMNS): h, a, m from the first
+    three, d_l = a + m, d_(l+1) of the next block (NaN after the last), h_L = h + a + m of the
+    last block, h_0 of the first."""
+    hh, aa, mm, ha, hm, am = (v[..., i] for i in range(6))
+    h, a, m = np.sqrt(hh), np.sqrt(aa), np.sqrt(mm)
+    d = np.sqrt(aa + mm + 2 * am)
+    d_next = np.concatenate([d[:, 1:], np.full_like(d[:, :1], np.nan)], axis=1)
+    h_last = np.sqrt(hh + aa + mm + 2 * (ha + hm + am))[:, -1:]
+    return np.stack([h * h, a * a, m * m, h * a, h * m, a * m, d * d_next, h * h_last,
+                     h * h[:, :1]], axis=-1)  # fmt: skip
+
+
 def stored_values(store: Path) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
     st = Store(store)
     blocks = st.scan("token_blocks").collect().sort("doc", "pos", "block")
@@ -144,12 +157,17 @@ def check_against_reference(
         got_all.append(got.reshape(len(ids), n_blocks, len(COLUMNS)))
         want_all.append(reference(model, ids))
     got, want = np.concatenate(got_all), np.concatenate(want_all)
-    # Each dot product to 1e-4 of the product of its two norms (exact up to float32 rounding).
-    norms = np.sqrt(np.stack([got[..., 0], got[..., 1], got[..., 2]], axis=-1))
-    scale = np.stack([norms[..., p] * norms[..., q] for p, q in
-                      ((0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2))], axis=-1)  # fmt: skip
-    assert np.all(np.abs(got[..., :6] - want[..., :6]) <= 1e-4 * scale + 1e-12)
-    assert np.allclose(got[..., 6:], want[..., 6:], rtol=1e-3, atol=1e-6, equal_nan=True)
+    # Each dot product x . y to 1e-4 of ||x|| ||y|| (the reference's norms): the stored value is
+    # a float32 sum over d features of states computed in float32 through every block before it
+    # (unit roundoff 2^-24 ~ 6e-8 per operation, the error of the states growing with depth),
+    # which stays inside 1e-4 of the product of the norms whatever the kernel's order of
+    # summation; a tolerance relative to the value itself fails where the terms cancel.
+    assert np.array_equal(np.isnan(got), np.isnan(want))  # dd_next of the last block
+    scale = dot_scales(want)
+    measured = ~np.isnan(want)
+    assert np.all(np.abs(got - want)[measured] <= 1e-4 * scale[measured] + 1e-12), np.nanmax(
+        np.abs(got - want) / scale, axis=(0, 1)
+    )
     # Token-weighted means of the derived geometry, per block, to 1e-3 relative.
     g, w = geometry(got.astype(np.float64)), geometry(want)
     for name in g:
