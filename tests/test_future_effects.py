@@ -24,6 +24,7 @@ from layerdiv.cli import main
 from layerdiv.extract.adapters import adapter_for, get_module, prepare_model
 from layerdiv.store import Store
 from tests.test_text_extract import extract, random_texts, refused, text_task
+from tests.tolerance import FLOAT32
 
 
 def documented_splits(n_tokens: int, doc: int, seed: int = 0) -> list[int]:
@@ -99,27 +100,19 @@ def reference(model: Any, ids: list[int], t: int, sublayer: str) -> tuple[np.nda
     return rel, out
 
 
-FLOAT32_BUDGET = 1e-5
-"""The rounding of a float32 pass, relative to the magnitudes it computes with: each block's
-input and output are float32 states (unit roundoff 2^-24 ~ 6e-8 per operation, accumulated over
-sums of d features and every block before), so a stored difference of two of them is off by about
-1e-5 of their norm."""
-
-
 def rounding(model: Any, ids: list[int], t: int) -> tuple[np.ndarray, float]:
     """The float32 rounding of the stored future effects of one document and split point t, from
-    its clean float64 pass (:data:`FLOAT32_BUDGET` of the magnitudes each is computed from):
-    per block j, rel_change(l, j) = max ||d'_j - d_j|| / max(||d_j||, 1e-6) holds updates that are
-    differences of states of norm ||h_j||, so FLOAT32_BUDGET * ||h_j|| / max(||d_j||, 1e-6) at
+    its clean float64 pass (:data:`~tests.tolerance.FLOAT32` of the magnitudes each is computed
+    from): per block j, rel_change(l, j) = max ||d'_j - d_j|| / max(||d_j||, 1e-6) holds updates
+    that are differences of states of norm ||h_j||, so FLOAT32 * ||h_j|| / max(||d_j||, 1e-6) at
     the measured positions; out_change = max ||softmax(z') - softmax(z)||_2, with d softmax(z) =
-    p * (dz - p . dz) for logit errors dz of FLOAT32_BUDGET * max |z|, so 2 FLOAT32_BUDGET *
-    max |z| * ||p||_2."""
+    p * (dz - p . dz) for logit errors dz of FLOAT32 * max |z|, so 2 FLOAT32 * max |z| * ||p||_2."""
     h, d, z = run(model, ids)
     rel = [(hj.norm(dim=-1) / dj.norm(dim=-1).clamp(min=1e-6))[t:].max().item()
            for hj, dj in zip(h, d, strict=True)]  # fmt: skip
     p = torch.softmax(z, dim=-1)[t:]
     out = 2 * z[t:].abs().amax(dim=-1) * p.norm(dim=-1)
-    return FLOAT32_BUDGET * np.array(rel), FLOAT32_BUDGET * out.max().item()
+    return FLOAT32 * np.array(rel), FLOAT32 * out.max().item()
 
 
 def stored(store: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
