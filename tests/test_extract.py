@@ -71,7 +71,7 @@ def test_extract_writes_a_checked_store(
         .agg(pl.col("logit").sum(), pl.col("logit").abs().sum().alias("terms"))
         .sort("instance", "option")
     )
-    assert inst["sum_error"].to_numpy().max() <= FLOAT32 * totals["terms"].max()
+    assert inst["sum_error"].to_numpy().max() <= FLOAT32 * totals["terms"].to_numpy().max()
     # The rendered prompts are stored (schema 3).
     assert inst["prompt"].to_list() == [it.prompt for it in instances(load_task(str(task)), 20)]
     model_logits = np.array(inst["model_logits"].to_list()).reshape(-1)

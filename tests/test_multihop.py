@@ -135,8 +135,8 @@ def check_answer_splits(
                 got = rows.sort("skipped", "block")["rel_change"].to_numpy().reshape(n, n)
                 if mode == "total":
                     rel, out = reference(model, ids, t, "block")
-                    o = output.filter((pl.col("doc") == doc) & (pl.col("split") == t))
-                    o = o.sort("skipped")["out_change"].to_numpy()
+                    mine_out = output.filter((pl.col("doc") == doc) & (pl.col("split") == t))
+                    o = mine_out.sort("skipped")["out_change"].to_numpy()
                     assert np.all(np.abs(o - out) <= 2e-3 * out + out_rounding), (doc, t, o, out)
                 else:
                     rel = local_reference(model, ids, t)
