@@ -482,7 +482,7 @@ class Grid:
     cells: tuple[str, ...]
 
 
-GRIDS = {
+GRIDS: dict[str, Grid] = {
     "components": Grid(("instance",), ("component", "option")),
     "heads": Grid(("instance",), ("component", "head", "option")),
     "states": Grid(("doc", "pos"), ("layer",)),

@@ -21,21 +21,20 @@ import pyarrow as pa
 from layerdiv.errors import LayerdivError, one_line
 from layerdiv.measurements import kind_of_table, measurement_of, optional_tables, table_schemas
 from layerdiv.schemas import (
-    DEFAULT,
     GRIDS,
     KINDS,
     VECTOR_TABLES,
+    Grid,
     Kind,
     SchemaError,
     tables_of,
 )
 from layerdiv.store.atomic import restore
 from layerdiv.store.checks import check_partition, check_sums, stray_parts
-from layerdiv.store.key import ABSENT, DEFAULT_REVISION, KEY, MODEL_KEY, PartitionKey
+from layerdiv.store.key import DEFAULT_REVISION, KEY, MODEL_KEY, PartitionKey
 from layerdiv.store.location import (
     RemotePath,
     StorePath,
-    arrow_source,
     file_sizes,
     open_parquet,
     read_batches,
@@ -61,6 +60,7 @@ from layerdiv.store.paths import (
     list_partitions,
     slug,
 )
+from layerdiv.store.views import NOT_FINITE, connect
 
 Names = str | Iterable[str]
 """One name, or any number of them (an empty list: no filter)."""
@@ -239,13 +239,13 @@ class PartitionInfo(Generic[StorePath]):
         that do not sum to the stored model logits (:func:`~layerdiv.store.checks.check_sums`),
         and names the file of a part that cannot be read or holds a NaN or an infinite value."""
         m = self.manifest
-        grid = GRIDS["components"]
-        keys = [*grid.units, *grid.cells]
-        rows = self.scan("components").select(list(dict.fromkeys([*keys, "logit", *components])))
-        rows = in_key_order(rows.collect(), keys)
-        wanted = ["instance", *(c for c in instances if c != "instance")]
-        inst = self.scan("instances").select(list(dict.fromkeys([*wanted, "model_logits"])))
-        inst = inst.sort("instance").collect()
+        grid: Grid = GRIDS["components"]
+        keys: list[str] = [*grid.units, *grid.cells]
+        read = list(dict.fromkeys([*keys, "logit", *components]))
+        rows = in_key_order(self.scan("components").select(read).collect(), keys)
+        wanted: list[str] = ["instance", *(c for c in instances if c != "instance")]
+        both = list(dict.fromkeys([*wanted, "model_logits"]))
+        inst = self.scan("instances").select(both).sort("instance").collect()
         n_comp, k_opts = len(m.components), len(m.options)
         cells = pl.DataFrame({"component": np.repeat(np.arange(n_comp), k_opts),
                               "option": np.tile(np.arange(k_opts), n_comp)})  # fmt: skip
@@ -289,7 +289,7 @@ class PartitionInfo(Generic[StorePath]):
             values.append(got)
         table = pa.concat_tables(parts)
         layers = self.manifest.n_blocks + 1
-        grid = GRIDS["states"]
+        grid: Grid = GRIDS["states"]
         key = cast(pl.DataFrame, pl.from_arrow(table.select([*grid.units, *grid.cells])))
         units = key.select(grid.units).gather_every(layers)
         dense(key, "states", units, pl.DataFrame({"layer": np.arange(layers)}), self.where)
@@ -452,13 +452,15 @@ class Store:
 
     def verify(self, models: Names = (), tasks: Names = ()) -> None:
         """Read every part of the selected partitions (the views of :meth:`duckdb`) with every
-        page's checksum verified; a part that cannot be read is a ``StoreError`` naming it (a
-        failed query calls this to say which part failed: it reads the whole selection)."""
+        page's checksum verified; a part that cannot be read, or holds a NaN or an infinite
+        value, is a ``StoreError`` naming it (a failed query calls this to say which part failed:
+        it reads the whole selection)."""
         for p in self.select(models, tasks):
             for table in (*p.kind.required, *p.tables):
                 for path in p.files(table):
                     with naming(path, p.where), open_parquet(path) as file:
-                        file.read(use_threads=False)
+                        read = file.read(use_threads=False)
+                    refuse_not_finite(not_finite(read), table, path, p.where)
 
     def scan(
         self,
@@ -599,8 +601,8 @@ class Store:
     ) -> LayerdivError:
         """DuckDB's refusal or failure of SQL on the views of :meth:`duckdb`, in one line that
         says which ``statement`` (number, of how many) failed and how, and names the views this
-        store has; a failure to read a part (a damaged page) is the ``StoreError`` naming the
-        part (:meth:`verify`)."""
+        store has; a failure to read a part (a damaged page) or a NaN or an infinite value read
+        is the ``StoreError`` naming the part (:meth:`verify`)."""
         tables = [t for t in self.tables(models, tasks) if t not in VECTOR_TABLES]
         views = ", ".join([*tables, "manifests", "models"])
         which = f"statement {statement[0]} of {statement[1]}: " if statement[1] > 1 else ""
@@ -610,7 +612,7 @@ class Store:
                 f"{which}{message}: SQL here reads only the views of this store ({views}) and "
                 "writes no file; save a result with --out FILE"
             )
-        if "reading the stream registered as" in message:  # Arrow could not read a part
+        if "reading the stream registered as" in message or NOT_FINITE in message:
             try:
                 self.verify(models, tasks)
             except StoreError as named:
@@ -620,65 +622,16 @@ class Store:
         return QueryError(f"{which}the SQL {kind}: {message} (the views of this store are {views})")
 
     def duckdb(self, models: Names = (), tasks: Names = ()) -> duckdb.DuckDBPyConnection:
-        """An in-memory DuckDB connection with the view ``manifests`` and a view of every table
-        (``layerdiv.measurements.table_schemas``) the selected partitions hold: the required
-        tables of their
-        task kinds (``components`` and ``instances``; ``documents``, ``tokens`` and
-        ``token_blocks``) and each optional one over the partitions that hold it for every stored
-        instance or document (:meth:`incomplete` names the others), and no file-system access:
-        SQL run on it
-        cannot read or write any file (the views scan the checked parts through Arrow), so the
-        store cannot be changed through it."""
-        import pyarrow.dataset as ds  # only here: it takes a third of a second to import
-
+        """An in-memory DuckDB connection with the views ``manifests``, ``models`` and one of
+        every table the selected partitions hold whole (:func:`~layerdiv.store.views.connect`):
+        SQL run on it cannot read or write any file, and a NaN or an infinite value it reads is
+        an error."""
         models, tasks = as_names(models), as_names(tasks)
-        parts = self.select(models, tasks)
-        con = duckdb.connect(config={"enable_external_access": False})
-        for table, declared in table_schemas().items():
-            if table in VECTOR_TABLES:
-                continue
-            whole = [p for p in parts if table in p.kind.required or table in p.tables]
-            files = [f for p in whole for f in p.files(table)]
-            if not files:
-                continue
-            # Every version's columns under today's schema: a column an older part lacks is null.
-            schema = declared
-            for name in KEY:
-                schema = schema.append(pa.field(name, pa.string()))
-            paths, filesystem, base = arrow_source(files, self.root / table)
-            verified = ds.ParquetFragmentScanOptions(page_checksum_verification=True)
-            dataset = ds.dataset(
-                paths,
-                filesystem=filesystem,
-                schema=schema,
-                format=ds.ParquetFileFormat(default_fragment_scan_options=verified),
-                partitioning=ds.partitioning(
-                    pa.schema([pa.field(n, pa.string()) for n in KEY]),
-                    flavor="hive",
-                ),
-                partition_base_dir=base,
-            )
-            # Parts of older layouts lack folder levels: their key columns read as ABSENT says;
-            # a column older parts lack reads as its declared default (schemas.DEFAULT).
-            absent = {c for p in whole for c in p.partition.absent}
-            fills = {c: ABSENT[c] for c in sorted(absent)}
-            fills.update(
-                {
-                    f.name: f.metadata[DEFAULT].decode()
-                    for f in declared
-                    if DEFAULT in (f.metadata or {})
-                }
-            )
-            if not fills:
-                con.register(table, dataset)
-                continue
-            con.register(f"_{table}", dataset)
-            filled = ", ".join(f"coalesce({c}, '{v}') AS {c}" for c, v in fills.items())
-            con.execute(f"CREATE VIEW {table} AS SELECT * REPLACE ({filled}) FROM _{table}")
-        con.register("manifests", self.manifests(models, tasks).to_arrow())
-        con.register("models", self.models(models, tasks).to_arrow())
-        con.execute("SET lock_configuration = true")
-        return con
+        return connect(
+            self.root,
+            self.select(models, tasks),
+            {"manifests": self.manifests(models, tasks), "models": self.models(models, tasks)},
+        )
 
 
 _FACTS = {"commit": pl.String, "step": pl.Int64, "tokens_seen": pl.Int64, "weights": pl.String}

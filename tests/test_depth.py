@@ -227,6 +227,8 @@ def test_impossible_gram_values_are_never_averaged(
     upper = np.triu_indices(n)  # row by row, as gram_index orders them
     flat = gram[:, upper[0], upper[1]].astype(np.float32)
     flat[3, gram_index(2, 2, n)] = value  # instance 3: the squared norm of component 2
-    write_partition(tmp_path, "m", "t", v.logits, v.gold, decoder_kinds(2), chunk=3, gram=flat)
+    write_partition(
+        tmp_path, "m", "t", v.logits, v.gold, decoder_kinds(2), chunk=3, optional={"gram": flat}
+    )
     with pytest.raises(StoreError, match=refusal):
         analyze(tmp_path)

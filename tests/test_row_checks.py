@@ -161,17 +161,21 @@ def test_non_finite_logits_are_refused_naming_the_part(
         part(store, "components"),
         column("logit", lambda v: np.where(np.arange(len(v)) == 9, value, v)),
     )
-    result = cli("analyze", "--store", str(store), "--out", str(store.parent / "out"))
-    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
-    assert str(part(store, "components")) in result.output
-    assert re.search(message, result.output), result.output
+    for args in (("analyze", "--out", str(store.parent / "out")),
+                 ("query", "SELECT avg(logit) FROM components")):  # fmt: skip
+        result = cli(*args, "--store", str(store))
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        assert f"Error: {part(store, 'components')}: " in result.output, result.output
+        assert re.search(message, result.output), result.output
 
 
 def test_a_nan_in_an_optional_table_is_refused_naming_the_part(tmp_path: Path) -> None:
     logits, gold, rms, kinds = random_partition(np.random.default_rng(3), N, 3, 2)
     skips = np.random.default_rng(4).normal(size=(N, 3, 2))
     skips[5, 1, 0] = np.nan
-    write_partition(tmp_path, "org/m", "boolq", logits, gold, kinds, rms, chunk=CHUNK, skips=skips)
+    write_partition(
+        tmp_path, "org/m", "boolq", logits, gold, kinds, rms, chunk=CHUNK, optional={"skips": skips}
+    )
     skipped = PartitionWriter(tmp_path, "org/m", "boolq").part.part("skips", 4, CHUNK)
     with pytest.raises(StoreError, match=rf"^{skipped}: skips\.logit holds a NaN"):
         Store(tmp_path).scan("skips").collect()
