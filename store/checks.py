@@ -23,7 +23,7 @@ from layerdiv.measurements import table_schemas, tables_of_kind
 from layerdiv.schemas import schema_matches, tables_of
 from layerdiv.store.key import DEFAULT_REVISION
 from layerdiv.store.location import open_parquet
-from layerdiv.store.parts import StoreError, first_line
+from layerdiv.store.parts import StoreError, first_line, naming
 from layerdiv.store.paths import slug
 
 if TYPE_CHECKING:
@@ -139,11 +139,11 @@ def check_chunk(info: PartitionInfo[Any], start: int, count: int, tables: list[s
                 rows[table] = meta.num_rows
                 mixed = m.settings_problem(table, meta.metadata)
                 key = unit if unit in found.names else "doc" if "doc" in found.names else None
-                read = [
-                    c for c in (key, "n_tokens" if table == marker else None) if c in found.names
-                ]
+                text = table == marker and info.kind.name == "text"
+                read = [c for c in (key, "n_tokens" if text else None) if c]
                 if key and (table == marker or table in _fixed(info)):
-                    got = file.read(read, use_threads=False)
+                    with naming(f, info.where):  # its data pages, past the footer
+                        got = file.read(read, use_threads=False)
                     ids[table] = got[key].to_numpy()
                     if "n_tokens" in read:
                         n_tokens = got["n_tokens"].to_numpy().astype(np.int64)
