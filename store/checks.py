@@ -84,6 +84,8 @@ def manifest_problem(info: PartitionInfo[Any]) -> str | None:
         return f"its options {m.options} are not its task's {listed}"
     words = [o.strip().lower() for o in m.options]
     tokens = [_token_text(t) for t in m.option_tokens]
+    if all(t and w.startswith(t) for w, t in zip(words, tokens, strict=True)):
+        return None  # each option starts with its own token
     for i, word in enumerate(words):
         starts = [bool(t) and word.startswith(t) for t in tokens]
         if not starts[i] and any(starts):
@@ -105,11 +107,11 @@ def stray_parts(info: PartitionInfo[Any]) -> list[tuple[str, int, int]]:
     """(table, start, count) of every part outside the partition's complete chunks: the parts of
     a chunk being written (a live run), of a run that stopped (killed) before the chunk's
     marker, or of a chunk whose marker was removed."""
-    done, marker = set(info.done), info.kind.marker
+    done, marker, listing = set(info.done), info.kind.marker, info.partition.listing
     return sorted(
         (table, s, n)
         for table in tables_of_kind(info.kind.name)
-        if table != marker
+        if table != marker and (listing is None or listing.get(table))  # a folder with files
         for s, n in info.partition.parts(table)
         if (s, n) not in done
     )
