@@ -19,7 +19,9 @@ import polars as pl
 from scipy.optimize import least_squares
 
 from layerdiv.errors import LayerdivError
-from layerdiv.store import Store
+from layerdiv.schemas import tables_of
+from layerdiv.store.key import KEY, MODEL_KEY
+from layerdiv.store.reader import Names, PartitionInfo, Store, StoreError
 
 VARIABLES = ("width", "depth", "tokens")
 """The law's variables, as the input columns name them (w, l, D)."""
@@ -424,13 +426,72 @@ def law_figure(fit: LawFit, path: Path) -> Path:
 # --- points from a store ------------------------------------------------------------------------
 
 
+LAW_COLUMNS = pl.Schema(
+    {
+        **dict.fromkeys(KEY, pl.String),
+        "width": pl.Int64,
+        "depth": pl.Int64,
+        "tokens_seen": pl.Int64,
+        "loss": pl.Float64,
+        "n_tokens": pl.Int64,
+    }
+)
+"""The columns of :func:`law_points`."""
+
+
+def law_points(store: Store | str | Path, tasks: Names = (), models: Names = ()) -> pl.DataFrame:
+    """The points of the depth law (methods §12) the store holds: per (model,
+    revision, text task) the width w, depth l, training tokens D of the revision (null where not
+    recorded: give ``extract --step/--tokens-seen``) and the mean of the model's own next-token
+    cross-entropy ``tokens.loss`` over every token that has one (``n_tokens`` of them; a
+    partition extracted before the loss was stored has none, and is refused)."""
+    st = store if isinstance(store, Store) else Store(store)
+    parts = [p for p in st.select(models, tasks) if p.manifest.kind == "text"]
+    if not parts:
+        raise StoreError("no running-text partition selected: the law needs a text task's loss")
+    old = [
+        p.key.label
+        for p in parts
+        if "loss" not in tables_of(p.manifest.schema_version)["tokens"].names
+    ]
+    if old:
+        raise StoreError(
+            f"{', '.join(old)}: extracted before the model's loss was stored (schema version "
+            "<= 4); re-extract them with --overwrite"
+        )
+    frame = mean_loss(st, parts)
+    facts = st.models(models, tasks).select(*MODEL_KEY, "width", "depth", "tokens_seen")
+    return (
+        frame.join(facts, on=[*MODEL_KEY], how="left")
+        .select(LAW_COLUMNS.names())
+        .cast(LAW_COLUMNS)
+        .sort(*KEY)
+    )
+
+
+def mean_loss(store: Store, parts: Sequence[PartitionInfo[Any]]) -> pl.DataFrame:
+    """Per text partition of ``parts`` (key columns): ``loss``, the mean of ``tokens.loss`` over
+    the ``n_tokens`` tokens that have one (null and 0 for partitions of schema version <= 4)."""
+    schema = {**dict.fromkeys(KEY, pl.String), "loss": pl.Float64, "n_tokens": pl.Int64}
+    text = [p for p in parts if p.manifest.kind == "text"]
+    if not text:
+        return pl.DataFrame(schema=schema)
+    return (
+        store.scan("tokens", [p.model for p in text], [p.task for p in text])
+        .join(pl.LazyFrame([dict(p.key.items()) for p in text]), on=[*KEY], how="semi")
+        .group_by(*KEY)
+        .agg(pl.col("loss").mean(), pl.col("loss").count().alias("n_tokens"))
+        .collect()
+        .cast(schema)  # type: ignore[arg-type]
+        .sort(*KEY)
+    )
+
+
 def model_losses(store: Store, task: str, models: Sequence[str] = ()) -> pl.DataFrame:
     """Per (model, revision) of ``store`` on ``task``: width, depth, tokens (tokens seen in
     training) and loss (the mean of the model's own per-token cross-entropy): the one place the
-    law reads a store (:func:`layerdiv.store.reader.law_points`). A revision without its tokens
-    seen is refused, naming it."""
-    from layerdiv.store.reader import law_points
-
+    law reads a store (:func:`law_points`). A revision without its tokens seen is refused,
+    naming it."""
     points = law_points(store, tasks=task, models=models).rename({"tokens_seen": "tokens"})
     unknown = points.filter(pl.col("tokens").is_null())
     if unknown.height:

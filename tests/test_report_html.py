@@ -49,14 +49,14 @@ def write_store(root: Path) -> Path:
     for model, blocks in (("org/small", 3), ("org/large", 5)):
         for task, k in (("boolq", 2), ("mnli", 3)):
             logits, gold, rms, kinds = random_partition(rng, N, blocks, k)
-            heads = head_ids = None
+            optional: dict[str, np.ndarray] = {}
+            head_ids: list[int] = []
             if model == "org/small":
-                logits, heads, head_ids = random_heads(rng, logits, gold, kinds, 4)
-            skips = (
-                rng.normal(size=(N, blocks, k)) if (model, task) == ("org/large", "mnli") else None
-            )
-            write_partition(root, model, task, logits, gold, kinds, rms, heads=heads,
-                            head_ids=head_ids or (), skips=skips, chunk=25)  # fmt: skip
+                logits, optional["heads"], head_ids = random_heads(rng, logits, gold, kinds, 4)
+            if (model, task) == ("org/large", "mnli"):
+                optional["skips"] = rng.normal(size=(N, blocks, k))
+            write_partition(root, model, task, logits, gold, kinds, rms, optional=optional,
+                            head_ids=head_ids, chunk=25)  # fmt: skip
     return root
 
 

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from layerdiv.analyze import law
 from layerdiv.analyze.api import analyze
+from layerdiv.analyze.law import law_points
 from layerdiv.analyze.synthetic import (
     random_partition,
     text_chunk,
@@ -29,7 +30,6 @@ from layerdiv.demo import TEXT_TASK, write_demo_tasks
 from layerdiv.schemas import tables_of
 from layerdiv.store import Store
 from layerdiv.store.key import KEY
-from layerdiv.store.reader import law_points
 
 STEP_TOKENS = 2_097_152  # Pythia's tokens per step
 

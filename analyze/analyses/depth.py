@@ -220,19 +220,20 @@ def _summary(
 
 def gram_matrices(info: PartitionInfo) -> tuple[np.ndarray, np.ndarray]:
     """(instances (N,), G (N, C, C)): the full Gram matrices z_a . z_b of one partition.
-    Refuses (``StoreError``, naming the first instance) a NaN or infinite entry or a negative
-    squared norm z_c . z_c, which no forward pass gives: never averaged."""
+    Refuses (``StoreError``, naming the first instance) a negative squared norm z_c . z_c,
+    which no forward pass gives (a NaN or infinite entry is refused as the part is read,
+    ``PartitionInfo.scan``): never averaged."""
     frame = info.scan("gram").collect().sort("instance")
     flat = np.asarray(frame["gram"].to_list(), dtype=np.float64)
     n = len([c for c in info.manifest.components if c.kind != "bias"])
     upper = np.triu_indices(n)
     index = np.array([gram_index(int(a), int(b), n) for a, b in zip(*upper, strict=True)])
     squares = [gram_index(c, c, n) for c in range(n)]
-    bad = ~np.isfinite(flat).all(axis=1) | (flat[:, squares] < 0).any(axis=1)
+    bad = (flat[:, squares] < 0).any(axis=1)
     if bad.any():
         raise StoreError(
             f"{info.where}: the gram row of instance {frame['instance'][int(np.argmax(bad))]} "
-            "holds a NaN, an infinite value or a negative squared norm (a damaged part); "
+            "holds a negative squared norm (a damaged part); "
             "re-extract it with --overwrite"
         )
     gram = np.zeros((len(frame), n, n))
