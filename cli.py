@@ -800,7 +800,8 @@ def fit_law_command(
     )
     if fit.heldout_error is not None:
         click.echo(
-            f"held-out mean absolute relative error {fit.heldout_error:.4g} ({heldout} splits)"
+            f"held-out mean absolute relative error {fit.heldout_error:.4g} ({fit.n_heldout} "
+            f"of {heldout} splits identify the law)"
         )
     click.echo(f"wrote {out}")
 
