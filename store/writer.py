@@ -157,6 +157,28 @@ class RunRecord:
         write_bytes(self.path, json.dumps(self.data, indent=2, sort_keys=True).encode())
 
 
+def one_checkpoint_twice(
+    key: PartitionKey, weights_hash: str | None, other: Partition[Any], stored: Manifest
+) -> str | None:
+    """The rule against one checkpoint under two names, for ``extract`` and ``merge`` alike:
+    weights of fingerprint ``weights_hash`` (``Manifest.weights_hash``) stored as ``key`` equal
+    those of ``other`` (manifest ``stored``), another revision of the same model. The problem in
+    words, or None (another model or revision, or a fingerprint not recorded: before schema
+    version 5)."""
+    if (
+        other.key.model != key.model
+        or other.key.revision == key.revision
+        or weights_hash is None
+        or stored.weights_hash != weights_hash
+    ):
+        return None
+    return (
+        f"the weights of {stored.model} revision {key.revision} equal those stored as "
+        f"revision {other.key.revision} (fingerprint {weights_hash[:12]}, "
+        f"{other.manifest.parent}): one checkpoint under two names"
+    )
+
+
 class PartitionWriter:
     """Writes one partition's chunks; a rerun skips every chunk that is complete and readable."""
 
@@ -291,7 +313,7 @@ class PartitionWriter:
 
     def refuse_same_weights(self, weights_hash: str) -> None:
         """Refuse (``StoreConflict``) weights that the store holds under another revision of the
-        same model: one checkpoint under two names (``Manifest.weights_hash``)."""
+        same model (:func:`one_checkpoint_twice`)."""
         key = self.part.key
         read: set[str] = set()
         for other in list_partitions(self.part.root):
@@ -302,12 +324,8 @@ class PartitionWriter:
                 stored = read_manifest(other.manifest)
             except (SchemaError, OSError):
                 continue  # no trusted fingerprint there
-            if stored.weights_hash == weights_hash:
-                raise StoreConflict(
-                    f"the weights of {stored.model} revision {key.revision} equal those stored as "
-                    f"revision {other.key.revision} (fingerprint {weights_hash[:12]}, "
-                    f"{other.manifest.parent}): one checkpoint under two names; extract it once"
-                )
+            if problem := one_checkpoint_twice(key, weights_hash, other, stored):
+                raise StoreConflict(f"{problem}; extract it once")
 
     def start_run(self, record: dict[str, Any]) -> RunRecord:
         """Write this run's record (it adds ``started_at``, ``host`` and ``pid``)."""
