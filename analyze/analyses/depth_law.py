@@ -19,13 +19,13 @@ from layerdiv.store import PartitionInfo
 
 
 def enough_points(parts: list[PartitionInfo]) -> list[PartitionInfo]:
-    """The partitions of the text tasks that hold more (model, revision) points than the law has
-    parameters; on fewer the law cannot be fitted, and the section does not apply (``layerdiv
-    fit-law --store S --task T`` says so in one line)."""
+    """The partitions of the text tasks that hold at least :data:`~layerdiv.analyze.law.MIN_POINTS`
+    (model, revision) points; on fewer the law cannot be fitted, and the section does not apply
+    (``layerdiv fit-law --store S --task T`` says so in one line)."""
     points: dict[str, set[tuple[str, str]]] = {}
     for p in parts:
         points.setdefault(p.task, set()).add((p.model, p.key.revision))
-    return [p for p in parts if len(points[p.task]) > law.N_PARAMS]
+    return [p for p in parts if len(points[p.task]) >= law.MIN_POINTS]
 
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
