@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import textwrap
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -149,6 +149,24 @@ class Figure:
         """The names of the legend, once each, in order of first appearance."""
         names = [s.name for p in self.panels for s in p.series if s.legend]
         return list(dict.fromkeys(names))
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def drawable(spec: Figure) -> Figure:
+    """``spec`` without its series that have no value to draw (every value missing, e.g. a
+    quantity a store lacks): they would stand in the legend with nothing behind them. Both
+    renderers draw this."""
+
+    def kept(panel: Panel) -> list[Series]:
+        def values(s: Series) -> Sequence[Any]:
+            return s.x if s.bar and panel.horizontal else s.y
+
+        return [s for s in panel.series if not all(_missing(v) for v in values(s))]
+
+    return replace(spec, panels=[replace(p, series=kept(p)) for p in spec.panels])
 
 
 def available() -> bool:
@@ -369,6 +387,7 @@ def to_matplotlib(spec: Figure, path: Path) -> Path:
     labelled reference line)."""
     from matplotlib.figure import Figure as MplFigure
 
+    spec = drawable(spec)
     n = len(spec.panels)
     cols = min(spec.cols, n)
     rows = -(-n // cols)
@@ -521,6 +540,7 @@ def to_plotly(spec: Figure) -> dict[str, Any]:
     name (a click toggles the name in every panel), hover with each point's values."""
     from plotly.subplots import make_subplots
 
+    spec = drawable(spec)
     n = len(spec.panels)
     cols = min(spec.cols, n)
     rows = -(-n // cols)
@@ -557,18 +577,15 @@ def to_plotly(spec: Figure) -> dict[str, Any]:
                 ),
                 **at,
             )
-        axis_type = {"linear": "linear", "log": "log", "log2": "log"}
-        if panel.heatmap is not None:  # labels such as layer numbers are categories
-            axis_type = dict.fromkeys(axis_type, "category")
         fig.update_xaxes(
             title_text=panel.xlabel or None,
-            type=axis_type[panel.xscale],
+            type=axis_type(panel, "x"),
             range=_range(panel.xrange, panel.xscale),
             **at,
         )
         fig.update_yaxes(
             title_text=panel.ylabel or None,
-            type=axis_type[panel.yscale],
+            type=axis_type(panel, "y"),
             range=_range(panel.yrange, panel.yscale),
             **at,
         )
@@ -602,6 +619,16 @@ def to_plotly(spec: Figure) -> dict[str, Any]:
     if spec.depth_switch:
         _depth_switch(fig, absolute, relative, spec.depth_switch)
     return cast(dict[str, Any], fig.to_plotly_json())
+
+
+def axis_type(panel: Panel, axis: Literal["x", "y"]) -> str:
+    """The Plotly type of a panel's ``axis``: ``category`` for a heatmap's (labels such as layer
+    numbers are categories) and wherever a series places text on it (a linear axis would draw
+    nothing there), else the panel's scale."""
+    values = [v for s in panel.series for v in (s.x if axis == "x" else s.y)]
+    if panel.heatmap is not None or any(isinstance(v, str) for v in values):
+        return "category"
+    return "linear" if (panel.xscale if axis == "x" else panel.yscale) == "linear" else "log"
 
 
 def _range(bounds: tuple[float, float] | None, scale: Scale) -> list[float] | None:

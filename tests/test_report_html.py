@@ -362,9 +362,23 @@ def test_figure_checks_catch_what_a_reader_calls_broken(browser: Any, tmp_path: 
         },
     }
     empty: dict[str, Any] = {"data": [], "layout": {}}
-    markdown = "> a warning\n\n![x](figures/broken.png)\n\n![y](figures/empty.png)\n"
+    # Bars and points at text categories on an axis typed linear: placeholders drawn, no bar.
+    groups = ["one", "two", "three"]
+    linear = {
+        "data": [
+            {"type": "bar", "x": groups, "y": [1.0, None, 2.0], "name": "bars"},
+            {"type": "scatter", "x": groups, "y": [1, 2, 3], "mode": "markers", "name": "pts"},
+            {"type": "scatter", "x": [1, 2], "y": [None, None], "name": "none"},
+        ],
+        "layout": {"xaxis": {"type": "linear"}},
+    }
+    markdown = (
+        "> a warning\n\n![x](figures/broken.png)\n\n![y](figures/empty.png)\n\n"
+        "![z](figures/linear.png)\n"
+    )
     bad = tmp_path / "bad.html"
-    bad.write_text(render_page(markdown, {"broken.png": broken, "empty.png": empty}, None))
+    figures = {"broken.png": broken, "empty.png": empty, "linear.png": linear}
+    bad.write_text(render_page(markdown, figures, None))
     open_page(browser, bad)
     found = figure_problems(browser)
     assert any(p.startswith("warning box: a warning") for p in found)
@@ -373,6 +387,22 @@ def test_figure_checks_catch_what_a_reader_calls_broken(browser: Any, tmp_path: 
         p.startswith('broken.png: axis title "a title over the ticks" overlaps') for p in found
     )
     assert "empty.png: a figure placeholder with no marks" in found
+    assert 'linear.png: trace 0 (bar "bars"): 0 marks drawn for 2 values' in found
+    assert 'linear.png: trace 1 (scatter "pts"): 0 marks drawn for 3 values' in found
+    assert 'linear.png: trace 2 (scatter "none"): no values to draw' in found
+    assert not any(p.startswith("broken.png: trace") for p in found)  # its points are drawn
+
+
+def test_text_categories_are_a_category_axis() -> None:
+    """Bars at text categories get a category axis in the interactive figure (a linear one
+    would draw none of them); numbers keep the panel's scale."""
+    from layerdiv.analyze import plots
+
+    text = plots.Panel("p", [plots.Series("a", ["x", "y"], [1, 2], bar=True)])
+    numbers = plots.Panel("q", [plots.Series("b", [1, 2], [1, 2])], yscale="log")
+    layout = plots.to_plotly(plots.Figure("t", [text, numbers]))["layout"]
+    assert layout["xaxis"]["type"] == "category" and layout["yaxis"]["type"] == "linear"
+    assert layout["xaxis2"]["type"] == "linear" and layout["yaxis2"]["type"] == "log"
 
 
 DEMO_REPORT = Path(os.environ.get("LAYERDIV_DEMO_REPORT", "layerdiv-demo/report/report.html"))
