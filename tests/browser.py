@@ -139,8 +139,8 @@ return found;
 """What a reader of the report would call broken, one line each: a warning box, a figure
 placeholder with no marks drawn, a series or heatmap with no values, one with fewer marks drawn
 than it has values (the bars, the markers, a line's path, a heatmap's cells placed on its axes:
-e.g. text categories on a linear axis draw nothing), a legend with fewer entries than the figure's named series, an
-axis title whose bounding box meets another axis title or a tick label."""
+e.g. text categories on a linear axis draw nothing), a legend with fewer entries than the
+figure's named series, an axis title whose bounding box meets another axis title or a tick label."""
 
 
 def figure_problems(browser: Any) -> list[str]:

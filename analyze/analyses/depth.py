@@ -39,6 +39,7 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import DASH, fmt, markdown_table
+from layerdiv.analyze.overlap import independent, lone_subsets
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -558,8 +559,12 @@ def skip_effects(
 _KIND_STYLE: dict[str, tuple[plots.Dash, str]] = {"attn": ("solid", "o"), "mlp": ("dash", "s")}
 
 
-def _by_model(frame: pl.DataFrame, keys: list[str], columns: Iterable[str]) -> pl.DataFrame:
-    """Means over a model's tasks of ``columns`` per ``keys``."""
+def _by_model(
+    tables: Mapping[str, pl.DataFrame], name: str, keys: list[str], columns: Iterable[str]
+) -> pl.DataFrame:
+    """Means over a model's tasks of ``columns`` of table ``name`` per ``keys`` (a task whose
+    instances another task of the table holds left out)."""
+    frame = independent(tables[name], tables["manifests"])
     return (
         frame.group_by("model", *keys).agg(pl.col(c).mean() for c in columns).sort("model", *keys)
     )
@@ -571,12 +576,12 @@ def geometry_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
     log-log axes with the fitted a * l^(-beta) (β, its s.e. and R² in the notes); models overlay
     on the relative-depth axis, each curve the mean over the model's tasks."""
     geo = _by_model(
-        tables["geometry"], ["kind", "name", "relative_depth"], ["rel_contribution", "cos_residual"]
+        tables, "geometry", ["kind", "name", "relative_depth"], ["rel_contribution", "cos_residual"]
     ).sort("model", "kind", "relative_depth")
     blocks = _by_model(
-        tables["geometry_blocks"], ["block", "relative_depth"], ["angle_deg", "rel_contribution"]
+        tables, "geometry_blocks", ["block", "relative_depth"], ["angle_deg", "rel_contribution"]
     )
-    fits = tables["depth_decay"].group_by("model").agg(pl.col("a", "beta", "beta_se", "r2").mean())
+    fits = _by_model(tables, "depth_decay", [], ["a", "beta", "beta_se", "r2"])
     rel = plots.Panel(
         "Relative contribution per component",
         xlabel="relative depth c / L",
@@ -668,7 +673,8 @@ def skip_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plot
     """Accuracy without each block (dotted: with every block), and the mean |total| and |direct|
     effect of each block on the option logits; mean over the model's tasks."""
     skips = _by_model(
-        tables["skip_effects"],
+        tables,
+        "skip_effects",
         ["layer", "relative_depth"],
         ["accuracy", "accuracy_without", "direct_effect", "total_effect"],
     )
@@ -714,13 +720,14 @@ def skip_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plot
         "Layer skips (methods §7), mean over tasks, at the last prompt token",
         [acc, effect],
         panel_size=(6.0, 3.8),
+        caption=lone_subsets(tables["skip_effects"], tables["manifests"]),
     )
 
 
 def gram_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plots.Figure:
     """From the Gram matrices: the angle between consecutive block updates and of each state to
     the final one, per block; mean over the model's tasks."""
-    gram = _by_model(tables["gram_blocks"], ["block", "relative_depth"], GRAM_ANGLES)
+    gram = _by_model(tables, "gram_blocks", ["block", "relative_depth"], GRAM_ANGLES)
     panels = [
         plots.Panel(
             title,
@@ -873,7 +880,8 @@ def report(ctx: ReportContext) -> str:
             "own logit contributions (methods §1, final scale frozen), IE = TE − DE: what the "
             "block does through later blocks and the final norm, which the layer-addition curves "
             "do not see. Effects are mean absolute values over instances and options, in logit "
-            "units; KL of the skipped model's option distribution from the full one's, in nats.",
+            "units; KL of the skipped model's option distribution from the full one's, in nats. "
+            + lone_subsets(tables["skip_effects"], tables["manifests"]),
             skip_table(tables, ctx.names),
             figure("depth_skips.png", "Layer skips", skip_spec),
         ]

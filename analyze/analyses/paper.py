@@ -25,6 +25,7 @@ from layerdiv.analyze.markdown import (
 )
 from layerdiv.analyze.metrics import ACCURACY, CORRELATED, METRICS
 from layerdiv.analyze.options import ESTIMATORS
+from layerdiv.analyze.overlap import independent
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -134,7 +135,7 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
         "curves": curves,
         "modules": _module_shares(gather("modules"), counts),
         "correlations": corr,
-        "correlation_means": stats.fisher_z_means(corr),
+        "correlation_means": stats.fisher_z_means(corr, manifests),
         "depth_curves": depth,
         "depth_fits": stats.depth_fits(depth),
         "information_curves": gather("information_curves"),
@@ -196,12 +197,14 @@ def table1(ctx: ReportContext) -> str:
     model's tasks), in the metric's unit for the estimator; the accuracy table starts with the
     majority-class baseline."""
     frame = ctx.tables["scores"].filter(pl.col("estimator") == ctx.estimator)
+    distinct = independent(frame, ctx.tables["manifests"])  # what Avg. averages
     majority = frame.group_by("task").agg(pl.col("majority_accuracy").mean()).sort("task")
     pct = ACCURACY.unit(ctx.estimator)
+    over_tasks = distinct.group_by("task").agg(pl.col("majority_accuracy").mean())
     baseline = [
         "*Majority class*",
         *(fmt(v, pct.scale, pct.digits) for v in majority["majority_accuracy"]),
-        fmt(majority["majority_accuracy"].mean(), pct.scale, pct.digits),  # type: ignore[arg-type]
+        fmt(over_tasks["majority_accuracy"].mean(), pct.scale, pct.digits),  # type: ignore[arg-type]
     ]
     parts = []
     for metric in METRICS.values():
@@ -210,7 +213,7 @@ def table1(ctx: ReportContext) -> str:
             (m, t): fmt(v, unit.scale, unit.digits)
             for m, t, v in frame.select(model_label(), "task", metric.name).iter_rows()
         }
-        avg = frame.group_by(model_label()).agg(pl.col(metric.name).mean())
+        avg = distinct.group_by(model_label()).agg(pl.col(metric.name).mean())
         cells.update({(m, None): fmt(v, unit.scale, unit.digits) for m, v in avg.iter_rows()})
         first = [baseline] if metric is ACCURACY else []
         parts.append(
@@ -250,7 +253,9 @@ def correlation_table(ctx: ReportContext) -> str:
 def module_table(ctx: ReportContext) -> str:
     """Fig. 4: per model, the share of bias and of diversity held by each module kind (paper
     Eqs. 9-10), averaged over tasks, beside the share of components of that kind."""
-    shares = stats.module_shares_by_model(ctx.tables["modules"], ctx.estimator)
+    shares = stats.module_shares_by_model(
+        ctx.tables["modules"], ctx.estimator, ctx.tables["manifests"]
+    )
     kinds = [k for k in COMPONENT_KINDS if k in set(shares["kind"])]
     columns = ("component_share", "bias_share", "diversity_share")
     values = {(m, k): r for m, k, *r in shares.select("model", "kind", *columns).iter_rows()}
@@ -434,7 +439,9 @@ def correlation_spec(ctx: ReportContext, scale: str) -> plots.Figure:
 def module_spec(ctx: ReportContext) -> plots.Figure:
     """Fig. 4: stacked horizontal bars of each module kind's share of bias and of diversity."""
     names = plots.short_names(ctx.names)
-    shares = stats.module_shares_by_model(ctx.tables["modules"], ctx.estimator)
+    shares = stats.module_shares_by_model(
+        ctx.tables["modules"], ctx.estimator, ctx.tables["manifests"]
+    )
     models = sorted(shares["model"].unique())
     kinds = [k for k in COMPONENT_KINDS if k in set(shares["kind"])]
     labels = [names.get(m, m) for m in models]
