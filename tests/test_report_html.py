@@ -159,6 +159,62 @@ def test_explorer_equals_store_and_instance_scores(page: Path, store: Path) -> N
         assert (p["skips"] is not None) == ((p["model"], p["task"]) == ("org--large", "mnli"))
 
 
+def table_shapes(markdown: str) -> list[tuple[str, list[int]]]:
+    """Per Markdown table of ``markdown``: its header line and the cell count of every row
+    (a pipe escaped as ``\\|`` is part of a cell, not a border)."""
+    found: list[tuple[str, list[int]]] = []
+    previous = ""
+    for line in markdown.splitlines():
+        if line.startswith("|"):
+            cells = len(re.split(r"(?<!\\)\|", line.strip())) - 2
+            if not previous.startswith("|"):
+                found.append((line, []))
+            found[-1][1].append(cells)
+        previous = line
+    return found
+
+
+def assert_tables_parse(markdown: str) -> None:
+    """Every table of ``markdown`` has as many cells in each row as in its header, and renders
+    as one HTML table with that many columns in every row."""
+    from markdown_it import MarkdownIt
+
+    tables = table_shapes(markdown)
+    assert tables
+    for header, counts in tables:
+        assert len(set(counts)) == 1, f"{header}: rows of {counts} cells"
+    body = MarkdownIt("commonmark").enable("table").render(markdown)
+    assert body.count("<table>") == len(tables)
+    for (_, counts), html in zip(tables, body.split("<table>")[1:], strict=True):
+        rows = re.findall(r"<tr>(.*?)</tr>", html.split("</table>")[0], re.S)
+        assert len(rows) == len(counts) - 1  # the rule is no row
+        assert {len(re.findall(r"<t[hd]", r)) for r in rows} == {counts[0]}
+
+
+def test_tables_parse(page: Path) -> None:
+    assert_tables_parse((page.parent / "report.md").read_text())
+
+
+def test_demo_tables_parse() -> None:
+    """Every table of the demo's report.md is well-formed (e.g. the skip table's header, whose
+    |IE| / (|DE| + |IE|) holds pipes)."""
+    report = DEMO_REPORT.with_name("report.md")
+    if not report.is_file():
+        pytest.skip(f"{report} not found: run `make demo` first")
+    assert_tables_parse(report.read_text())
+
+
+def test_cells_are_escaped() -> None:
+    from layerdiv.analyze.markdown import TableShapeError, markdown_table
+
+    text = markdown_table(["a", "|IE| / (|DE| + |IE|)"], [["x", "1\n2"]])
+    assert text.splitlines()[0] == "| a | \\|IE\\| / (\\|DE\\| + \\|IE\\|) |"
+    assert text.splitlines()[2] == "| x | 1 2 |"
+    assert table_shapes(text) == [(text.splitlines()[0], [2, 2, 2])]
+    with pytest.raises(TableShapeError, match="1 cells for 2 columns"):
+        markdown_table(["a", "b"], [["x"]])
+
+
 def test_sample_is_stratified_deterministic_and_bounded() -> None:
     correct = np.array([True] * 70 + [False] * 30)
     picked = stratified_sample(correct, 10)

@@ -33,6 +33,7 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import DASH, fmt, key_rows, markdown_table
+from layerdiv.analyze.overlap import independent
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -203,8 +204,8 @@ def profiles_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
     PCA)."""
     loadings = tables["text_profile_loadings"]
     pca = tables["text_profile_pca"]
-    early = tables["text_early_stop"]
-    geometry = tables["text_geometry"]
+    early = independent(tables["text_early_stop"], tables["manifests"])  # pooled over tasks
+    geometry = independent(tables["text_geometry"], tables["manifests"])
     fits = tables["text_update_fit"].filter(pl.col("metric") == "theta_state")
     ax_pca = plots.Panel(
         "θ(h_l, h_l+1) profiles: mean and principal components",
@@ -411,7 +412,9 @@ def report(ctx: ReportContext) -> str:
                 ctx,
                 "text_depth_score.png",
                 "Depth score by group",
-                lambda: depth_score_spec(tables["text_depth_score"], names),
+                lambda: depth_score_spec(
+                    independent(tables["text_depth_score"], tables["manifests"]), names
+                ),
             ),
         ]
     return "\n\n".join(p for p in parts if p)

@@ -26,6 +26,7 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import fmt, key_rows, markdown_table
+from layerdiv.analyze.overlap import independent
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -244,7 +245,12 @@ def report(ctx: ReportContext) -> str:
                 ctx,
                 "text_skips.png",
                 "Future effects",
-                lambda: skips_spec(effects, output, names, bool(ctx.options.get(LINEAR))),
+                lambda: skips_spec(
+                    independent(effects, ctx.tables["manifests"]),
+                    independent(output, ctx.tables["manifests"]),
+                    names,
+                    bool(ctx.options.get(LINEAR)),
+                ),
             ),
         ]
         if p
