@@ -287,7 +287,6 @@ def test_report_sections_draw_their_figures(text, tmp_path) -> None:
     )
     drawn = sorted(p.name for p in ctx.figures.iterdir())
     assert drawn == [
-        "text_depth_score.png",
         "text_geometry.png",
         "text_lens.png",
         "text_profiles.png",
