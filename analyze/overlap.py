@@ -121,8 +121,8 @@ def lone_subsets(frame: pl.DataFrame, manifests: pl.DataFrame) -> str:
     kept = independent(frame, manifests).select(*KEY).unique()
     lone = manifests.join(kept, on=[*KEY], how="semi").filter(pl.col("subset_of").is_not_null())
     said = [
-        f"{r['task']} ({r['model']}) holds only n = {r['n_done']} instances, all of them also "
-        f"in {' and '.join(r['subset_of'])}, whose own partition lacks these measurements"
+        f"{r['task']} alone, n = {r['n_done']} instances ({r['model']}; a subset of "
+        f"{' and '.join(r['subset_of'])}, which lacks these measurements)"
         for r in lone.sort(*KEY).iter_rows(named=True)
     ]
     return ("; ".join(said) + ".") if said else ""

@@ -60,7 +60,7 @@ class Series:
     color: str | None = None
     dash: Dash = "solid"
     marker: str | None = "o"
-    """``o``, ``s`` or None (no markers)."""
+    """``o`` (circle), ``s`` (square), ``^`` (triangle) or None (no markers)."""
     line: bool = True
     """False: markers only."""
     bar: bool = False
@@ -144,6 +144,11 @@ class Figure:
     between its absolute values and :attr:`Series.x_relative`."""
     caption: str = ""
     """A second title line (e.g. what the colour scale is)."""
+
+    def caption_lines(self) -> list[str]:
+        """The caption wrapped to the figure's width (about 11 characters per inch of it)."""
+        width = self.panel_size[0] * min(self.cols, len(self.panels))
+        return textwrap.wrap(self.caption, max(40, int(11 * width)))
 
     def legend_names(self) -> list[str]:
         """The names of the legend, once each, in order of first appearance."""
@@ -412,8 +417,7 @@ def to_matplotlib(spec: Figure, path: Path) -> Path:
             fontsize=LEGEND_FONT,
             frameon=False,
         )
-    title = spec.title + (f"\n{spec.caption}" if spec.caption else "")
-    fig.suptitle(title, fontsize=11)
+    fig.suptitle("\n".join([spec.title, *spec.caption_lines()]), fontsize=11)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI)
     return path
@@ -425,7 +429,7 @@ PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
 """Plotly's options for every figure of the HTML report."""
 
 _PLOTLY_CMAP = {"RdBu_r": ("RdBu", True), "viridis": ("Viridis", False)}
-_PLOTLY_SYMBOL = {"o": "circle", "s": "square"}
+_PLOTLY_SYMBOL = {"o": "circle", "s": "square", "^": "triangle-up"}
 
 
 def _fmt(value: Any) -> str:
@@ -480,15 +484,17 @@ def _plotly_series(fig: Any, s: Series, panel: Panel, at: dict[str, int], shown:
     )
 
 
-def _colorbar(fig: Any, index: int, title: str, log: bool, z: list[list[float | None]]) -> dict:
-    """A colour bar beside panel ``index`` (1-based), its ticks in the data's units when the
-    colours are log10 of them."""
+def _colorbar(
+    fig: Any, index: int, title: str, log: bool, z: list[list[float | None]], whole: bool = False
+) -> dict:
+    """A colour bar beside panel ``index`` (1-based), or at the right of the figure (``whole``),
+    its ticks in the data's units when the colours are log10 of them."""
     suffix = "" if index == 1 else str(index)
     xd = fig.layout[f"xaxis{suffix}"].domain
-    yd = fig.layout[f"yaxis{suffix}"].domain
+    yd = (0.0, 1.0) if whole else fig.layout[f"yaxis{suffix}"].domain
     bar: dict[str, Any] = {
         "title": {"text": title, "side": "right"},
-        "x": xd[1] + 0.005,
+        "x": 1.01 if whole else xd[1] + 0.005,
         "y": (yd[0] + yd[1]) / 2,
         "len": yd[1] - yd[0],
         "thickness": 12,
@@ -502,7 +508,20 @@ def _colorbar(fig: Any, index: int, title: str, log: bool, z: list[list[float | 
     return bar
 
 
-def _plotly_heatmap(fig: Any, heat: Heatmap, index: int, at: dict[str, int]) -> None:
+def _shared_scale(spec: Figure) -> bool:
+    """Whether the figure's heatmaps (two or more) share one fixed colour scale: then one colour
+    bar, at the right of the figure, stands for all of them."""
+    heats = [p.heatmap for p in spec.panels if p.heatmap is not None]
+    scales = {(h.colorbar, h.cmap, h.zmin, h.zmax, h.zmid, h.log) for h in heats}
+    return len(heats) > 1 and len(scales) == 1 and None not in (heats[0].zmin, heats[0].zmax)
+
+
+def _plotly_heatmap(
+    fig: Any, heat: Heatmap, index: int, at: dict[str, int], bar: bool | Literal["figure"]
+) -> None:
+    """Panel ``index``'s heatmap with its colour bar beside it (``bar`` True), one for the whole
+    figure at its right (``"figure"``) or none (False)."""
+
     def value(v: float | None) -> float | None:
         if v is None or (isinstance(v, float) and math.isnan(v)):
             return None
@@ -527,7 +546,8 @@ def _plotly_heatmap(fig: Any, heat: Heatmap, index: int, at: dict[str, int]) -> 
         customdata=[list(r) for r in heat.hover] if heat.hover else None,
         hovertemplate=("%{customdata}" if heat.hover else "%{y} · %{x}: %{z:.3g}")
         + "<extra></extra>",
-        colorbar=_colorbar(fig, index, heat.colorbar, heat.log, z),
+        colorbar=_colorbar(fig, index, heat.colorbar, heat.log, z, bar == "figure"),
+        showscale=bool(bar),
         **at,
     )
     if heat.origin == "upper":
@@ -544,7 +564,9 @@ def to_plotly(spec: Figure) -> dict[str, Any]:
     n = len(spec.panels)
     cols = min(spec.cols, n)
     rows = -(-n // cols)
-    heat = any(p.heatmap is not None for p in spec.panels)
+    shared = _shared_scale(spec)
+    # room for a colour bar beside each heatmap, unless one stands for all
+    heat = not shared and any(p.heatmap is not None for p in spec.panels)
     fig = make_subplots(
         rows=rows,
         cols=cols,
@@ -558,7 +580,11 @@ def to_plotly(spec: Figure) -> dict[str, Any]:
     for i, panel in enumerate(spec.panels):
         at = {"row": i // cols + 1, "col": i % cols + 1}
         if panel.heatmap is not None:
-            _plotly_heatmap(fig, panel.heatmap, i + 1, at)
+            bar: bool | Literal["figure"] = ("figure" if i == 0 else False) if shared else True
+            _plotly_heatmap(fig, panel.heatmap, i + 1, at, bar)
+            row_first = spec.panels[i - i % cols].heatmap
+            if i % cols and row_first is not None and list(row_first.y) == list(panel.heatmap.y):
+                fig.update_yaxes(showticklabels=False, **at)  # the row's first panel names them
             absolute.append(None)
             relative.append(None)
         for s in panel.series:
@@ -606,12 +632,14 @@ def to_plotly(spec: Figure) -> dict[str, Any]:
                 bgcolor="rgba(255,255,255,0.8)",
             )
     height = spec.panel_size[1]
-    title = spec.title + (f"<br><sub>{spec.caption}</sub>" if spec.caption else "")
+    caption = spec.caption_lines()
+    title = "<br>".join([spec.title, *(f"<sub>{line}</sub>" for line in caption)])
+    top = 80 + 18 * len(caption) + (30 if caption or spec.depth_switch else 0)
     fig.update_layout(
         title={"text": title, "font": {"size": 15}},
-        height=round(100 * height * rows + 120 + 40 * rows),
+        height=round(100 * height * rows + 120 + 40 * rows + top - 80),
         barmode=_barmode(spec),
-        margin={"t": 110 if spec.caption or spec.depth_switch else 80},
+        margin={"t": top},
         legend={"font": {"size": 12}},
         hovermode="closest",
         showlegend=bool(spec.legend_names()),

@@ -72,7 +72,7 @@ def test_a_lone_subset_stays_and_says_its_n(store: Path) -> None:
     frame = pl.DataFrame({"model": ["org--m"] * 2, "revision": ["main"] * 2,
                           "task": ["part", "other"], "v": [1.0, 2.0]})  # fmt: skip
     assert independent(frame, manifests).height == 2  # big is not in the frame
-    assert "part (org--m) holds only n = 15 instances" in lone_subsets(frame, manifests)
+    assert "part alone, n = 15 instances (org--m; a subset of big" in lone_subsets(frame, manifests)
     both = pl.concat([frame, frame.with_columns(pl.lit("big").alias("task"))])
     assert sorted(independent(both, manifests)["task"]) == ["big", "big", "other"]
     assert lone_subsets(both, manifests) == ""

@@ -557,6 +557,8 @@ def skip_effects(
 # --- report section -------------------------------------------------------------------------------
 
 _KIND_STYLE: dict[str, tuple[plots.Dash, str]] = {"attn": ("solid", "o"), "mlp": ("dash", "s")}
+_BLOCK_STYLE: dict[str, Any] = {"dash": "dot", "marker": "^"}
+"""A whole block's series, unlike either kind's."""
 
 
 def _by_model(
@@ -582,10 +584,11 @@ def geometry_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
         tables, "geometry_blocks", ["block", "relative_depth"], ["angle_deg", "rel_contribution"]
     )
     fits = _by_model(tables, "depth_decay", [], ["a", "beta", "beta_se", "r2"])
-    rel = plots.Panel(
-        "Relative contribution per component",
+    rel = plots.Panel(  # log: the first MLP's ratio (the embedding is small) is tens of times
+        "Relative contribution per component",  # the others'
         xlabel="relative depth c / L",
         ylabel="||z_c|| / ||r_(c-1)||",
+        yscale="log",
     )
     cos = plots.Panel(
         "Cosine of each component with the stream it joins",
@@ -624,23 +627,26 @@ def geometry_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
                 )
         sub = blocks.filter(pl.col("model") == model)
         hover = [f"block {b}" for b in sub["block"]]
+        block = f"{label} block (attn + mlp)"  # its own style: not one of the kinds'
         angle.series.append(
             plots.Series(
-                label,
+                block,
                 sub["relative_depth"].to_list(),
                 sub["angle_deg"].to_list(),
                 color=color,
                 hover=hover,
+                **_BLOCK_STYLE,
             )
         )
         size.series.append(
             plots.Series(
-                label,
+                block,
                 sub["block"].to_list(),
                 sub["rel_contribution"].to_list(),
                 color=color,
                 line=False,
                 hover=hover,
+                marker=_BLOCK_STYLE["marker"],
             )
         )
         fit = fits.filter(pl.col("model") == model)

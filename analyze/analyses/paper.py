@@ -562,23 +562,37 @@ def depth_spec(ctx: ReportContext, scale: str, min_params: float) -> plots.Figur
                 **line,
             ),
         ]
-        loss.series += [
-            plots.Series(label, j.tolist(), (mse.scale * sub["mse"].to_numpy()).tolist(), **line),
-            plots.Series(
-                label,
-                j.tolist(),
-                (mse.scale * fitted_loss).tolist(),
-                dash="dash",
-                legend=False,
-                width=0.9,
-                **line,
-            ),
-        ]
+        shown = mse.scale * sub["mse"].to_numpy()
+        loss.series.append(plots.Series(label, j.tolist(), shown.tolist(), **line))
+        if not fit["loss_at_bound"]:  # else c, α and L0 mean nothing (the table's †): no line
+            loss.series.append(
+                plots.Series(
+                    label,
+                    j.tolist(),
+                    (mse.scale * fitted_loss).tolist(),
+                    dash="dash",
+                    legend=False,
+                    width=0.9,
+                    **line,
+                )
+            )
         gain.series.append(
             plots.Series(label, j.tolist(), (100 * rolled.to_numpy()).tolist(), **line)
         )
         acc.notes.append(f"{label}: {plots.r2_text(fit['acc_r2'])}")
-        loss.notes.append(f"{label}: {plots.r2_text(fit['loss_r2'])}")
+        low, high = float(np.nanmin(shown)), float(np.nanmax(shown))
+        loss.notes.append(
+            f"{label}: "
+            + (
+                "no fit drawn (α at an end of its range, †)"
+                if fit["loss_at_bound"]
+                else plots.r2_text(fit["loss_r2"])
+            )
+            + f"; MSE spans {low:.3g} to {high:.3g} ({mse.label}), "
+            f"{100 * (high - low) / high:.2g}% of its largest value"
+        )
+    if not any(s.dash == "dash" for s in loss.series):
+        loss.title = "MSE"
     for panel in (acc, loss, gain):
         panel.xlabel = "components in prefix j"
     which = f"models with ≥ {min_params:.3g} parameters" if min_params else "all models"

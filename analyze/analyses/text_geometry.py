@@ -160,6 +160,9 @@ def side_by_side_spec(both: pl.DataFrame, names: dict[str, str]) -> plots.Figure
         "(dashed)",
     )
     spec.caption = "where the answer is decided against the average token"
+    for panel, (column, _, _) in zip(spec.panels, SIDE_BY_SIDE, strict=True):
+        if column.startswith("layer_rel"):  # a ratio, block 0's tens of times the others'
+            panel.yscale = "log"
     return spec
 
 

@@ -211,6 +211,7 @@ def lens_spec(
         by="lens",
     )
     baselines = sorted({v for v in text["uniform_ce"].drop_nulls()})
+    spec.panels[-1].yscale = "log"  # the embedding's lens costs ten times the later layers'
     spec.panels[-1].lines += [
         plots.RefLine(v, label=f"uniform: log V = {v:.1f} nats", dash="dot") for v in baselines
     ]
@@ -219,7 +220,7 @@ def lens_spec(
         "tasks (dashed); dotted: the uniform distribution's cross-entropy log V"
     )
     if last is not None and (lone := lone_subsets(last, manifests)):
-        spec.caption += f"; dashed: {lone}"
+        spec.caption += f". Dashed: {lone}"
     return spec
 
 

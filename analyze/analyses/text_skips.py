@@ -102,6 +102,8 @@ def _cell(skipped: int, block: int, last: int, cells: dict[tuple[int, int], floa
     where = f"skip block {skipped}, block {block}: "
     if skipped == last:
         return where + "0 by construction (no later block)"
+    if block <= skipped:
+        return where + "0 by construction (not after the skipped block)"
     value = cells.get((skipped, block))
     return where + ("—" if value is None else f"max rel_change {value:.3g}")
 
@@ -117,7 +119,9 @@ def _heatmap(sub: pl.DataFrame, title: str, linear: bool) -> plots.Panel:
     agg = sub.group_by("skipped", "block").agg(pl.col("rel_change_max").max())
     cells = {(i, j): v for i, j, v in agg.iter_rows()}
     last = blocks - 1
-    z = [[None if i == last else cells.get((i, j)) for j in range(blocks)] for i in range(blocks)]
+    # blocks j <= l (and every block of the last row) are unchanged by construction: no cell, so
+    # that their zeros (or rounding noise) take no part of the colour scale
+    z = [[cells.get((i, j)) if i < j else None for j in range(blocks)] for i in range(blocks)]
     hover = [[_cell(i, j, last, cells) for j in range(blocks)] for i in range(blocks)]
     heat = plots.Heatmap(
         z,
