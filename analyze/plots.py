@@ -426,6 +426,9 @@ def to_matplotlib(spec: Figure, path: Path) -> Path:
 # --- Plotly ----------------------------------------------------------------------------------
 
 PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
+HTML_WIDTH = 1000
+"""About how wide (px) a figure of the HTML report is drawn: what titles and the legend are
+wrapped to."""
 """Plotly's options for every figure of the HTML report."""
 
 _PLOTLY_CMAP = {"RdBu_r": ("RdBu", True), "viridis": ("Viridis", False)}
@@ -564,13 +567,14 @@ def to_plotly(spec: Figure) -> dict[str, Any]:
     n = len(spec.panels)
     cols = min(spec.cols, n)
     rows = -(-n // cols)
+    titles = [textwrap.wrap(p.title, HTML_WIDTH // (9 * cols)) for p in spec.panels]
     shared = _shared_scale(spec)
     # room for a colour bar beside each heatmap, unless one stands for all
     heat = not shared and any(p.heatmap is not None for p in spec.panels)
     fig = make_subplots(
         rows=rows,
         cols=cols,
-        subplot_titles=[p.title for p in spec.panels],
+        subplot_titles=["<br>".join(lines) for lines in titles],
         horizontal_spacing=(0.16 if heat else 0.1) if cols > 1 else 0.0,
         vertical_spacing=min(0.5 / rows, 0.18) if rows > 1 else 0.0,
     )
@@ -603,18 +607,19 @@ def to_plotly(spec: Figure) -> dict[str, Any]:
                 ),
                 **at,
             )
-        fig.update_xaxes(
-            title_text=panel.xlabel or None,
-            type=axis_type(panel, "x"),
-            range=_range(panel.xrange, panel.xscale),
-            **at,
+        axes: tuple[tuple[Any, Literal["x", "y"], str, Any, Scale], ...] = (
+            (fig.update_xaxes, "x", panel.xlabel, panel.xrange, panel.xscale),
+            (fig.update_yaxes, "y", panel.ylabel, panel.yrange, panel.yscale),
         )
-        fig.update_yaxes(
-            title_text=panel.ylabel or None,
-            type=axis_type(panel, "y"),
-            range=_range(panel.yrange, panel.yscale),
-            **at,
-        )
+        for update, axis, label, bounds, scale in axes:
+            kind = axis_type(panel, axis)
+            update(
+                title_text=label or None,
+                type=kind,
+                range=_range(bounds, scale),
+                dtick="D2" if kind == "log" else None,  # labels at 1, 2 and 5 of each decade
+                **at,
+            )
         if panel.horizontal:
             fig.update_yaxes(autorange="reversed", **at)
         suffix = "" if i == 0 else str(i + 1)
@@ -635,12 +640,24 @@ def to_plotly(spec: Figure) -> dict[str, Any]:
     caption = spec.caption_lines()
     title = "<br>".join([spec.title, *(f"<sub>{line}</sub>" for line in caption)])
     top = 80 + 18 * len(caption) + (30 if caption or spec.depth_switch else 0)
+    top += 20 * max(0, *(len(t) - 1 for t in titles[:cols]))  # the first row's wrapped titles
+    # the legend below the panels, as in the PNG: the panels keep the page's width
+    legend_rows = -(-sum(60 + 7 * len(n) for n in spec.legend_names()) // HTML_WIDTH)
+    bottom = 80 + 24 * legend_rows
     fig.update_layout(
         title={"text": title, "font": {"size": 15}},
-        height=round(100 * height * rows + 120 + 40 * rows + top - 80),
+        height=round(100 * height * rows + 120 + 40 * rows + top - 80 + bottom - 80),
         barmode=_barmode(spec),
-        margin={"t": top},
-        legend={"font": {"size": 12}},
+        margin={"t": top, "b": bottom},
+        legend={
+            "font": {"size": 12},
+            "orientation": "h",
+            "yref": "container",
+            "y": 0,
+            "yanchor": "bottom",
+            "x": 0.5,
+            "xanchor": "center",
+        },
         hovermode="closest",
         showlegend=bool(spec.legend_names()),
     )

@@ -654,7 +654,7 @@ def geometry_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
             x = sub["block"].to_numpy().astype(float)
             size.series.append(
                 plots.Series(
-                    label,
+                    block,
                     x.tolist(),
                     (fit["a"][0] * x ** -fit["beta"][0]).tolist(),
                     color=color,

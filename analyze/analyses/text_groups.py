@@ -289,7 +289,10 @@ def groups_figure(scores: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
         mine = block.join(pl.DataFrame([key]), on=[*KEY], how="semi")
         for effect in EFFECTS:
             sub = mine.filter(pl.col("effect") == effect)
-            groups = [str(g) for g in sub["group"]]
+            groups = [
+                f"{'all' if g is None else g} (n = {n})"
+                for g, n in zip(sub["group"], sub["n_scored"], strict=True)
+            ]
             paper = plots.Series("paper (maxima first)", groups, sub["paper_score"].to_list(),
                                  color="#bbbbbb", bar=True)  # fmt: skip
             ours = plots.Series(
@@ -308,7 +311,11 @@ def groups_figure(scores: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
                     ylabel="depth score (block)",
                 )
             )
-    return plots.Figure("Depth score per group, the paper's and per document (methods §10)", panels)
+    return plots.Figure(
+        "Depth score per group, the paper's and per document (methods §10)",
+        panels,
+        caption=f"n: documents scored; no interval below n = {MIN_INTERVAL_N}",
+    )
 
 
 def interval(low: float | None, high: float | None, digits: int) -> str:

@@ -233,7 +233,9 @@ def profiles_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
         first = mine.filter(pl.col("component") == 1)
         x, mean = first["relative_depth"].to_numpy(), first["mean_theta"].to_numpy()
         ax_pca.series.append(
-            plots.Series(f"{label} mean", x.tolist(), mean.tolist(), color=color, marker=None)
+            plots.Series(
+                f"{label} mean profile", x.tolist(), mean.tolist(), color=color, marker=None
+            )
         )
         pcs: tuple[tuple[int, plots.Dash], ...] = ((1, "dash"), (2, "dot"))
         for k, dash in pcs:
@@ -260,10 +262,11 @@ def profiles_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
         )
         ax_early.series.append(
             plots.Series(
-                label,
+                f"{label} share stopping early",
                 (shares["position_from"] + 1).to_list(),
                 shares["n_early"].to_list(),
                 color=color,
+                marker="s",
             )
         )
         blocks = (
@@ -273,16 +276,22 @@ def profiles_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
             .sort("block")
         )
         depth = blocks["block"].to_numpy() + 1
+        per_block = f"{label} mean θ of block l"
         ax_fit.series.append(
             plots.Series(
-                label, depth.tolist(), blocks["theta_state_mean"].to_list(), color=color, line=False
+                per_block,
+                depth.tolist(),
+                blocks["theta_state_mean"].to_list(),
+                color=color,
+                line=False,
+                marker="^",
             )
         )
         fit = fits.filter(pl.col("model") == model)
         if fit.height and fit["beta"][0] is not None:
             ax_fit.series.append(
                 plots.Series(
-                    label,
+                    per_block,
                     depth.tolist(),
                     (fit["a"][0] * depth ** (-fit["beta"][0])).tolist(),
                     color=color,
