@@ -597,11 +597,18 @@ def to_plotly(spec: Figure) -> dict[str, Any]:
             relative.append(list(s.x_relative) if s.x_relative is not None else list(s.x))
         for line in panel.lines:
             add = fig.add_hline if line.axis == "y" else fig.add_vline
+            # an annotation on a log axis is placed at log10 of the value (the line is not)
+            log = (panel.yscale if line.axis == "y" else panel.xscale) != "linear"
+            where = math.log10(line.value) if log and line.value > 0 else line.value
             add(
                 line.value,
                 line={"color": line.color, "dash": line.dash, "width": 1},
                 **(
-                    {"annotation_text": line.label, "annotation_font_size": 10}
+                    {
+                        "annotation_text": line.label,
+                        "annotation_font_size": 10,
+                        "annotation": {line.axis: where},
+                    }
                     if line.label
                     else {}
                 ),

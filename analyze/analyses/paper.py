@@ -579,18 +579,18 @@ def depth_spec(ctx: ReportContext, scale: str, min_params: float) -> plots.Figur
         gain.series.append(
             plots.Series(label, j.tolist(), (100 * rolled.to_numpy()).tolist(), **line)
         )
-        acc.notes.append(f"{label}: {plots.r2_text(fit['acc_r2'])}")
+        whose = f"{label}: " if len(models) > 1 else ""  # one model: the legend names it
+        acc.notes.append(whose + plots.r2_text(fit["acc_r2"]))
         low, high = float(np.nanmin(shown)), float(np.nanmax(shown))
-        loss.notes.append(
-            f"{label}: "
+        loss.notes += [
+            whose
             + (
-                "no fit drawn (α at an end of its range, †)"
+                "no fit: α at an end of its range (†)"
                 if fit["loss_at_bound"]
                 else plots.r2_text(fit["loss_r2"])
-            )
-            + f"; MSE spans {low:.3g} to {high:.3g} ({mse.label}), "
-            f"{100 * (high - low) / high:.2g}% of its largest value"
-        )
+            ),
+            f"{whose}range {low:.4g} to {high:.4g}: {100 * (high - low) / high:.2g}% of the MSE",
+        ]
     if not any(s.dash == "dash" for s in loss.series):
         loss.title = "MSE"
     for panel in (acc, loss, gain):
