@@ -511,6 +511,15 @@ def _colorbar(
     return bar
 
 
+def _row_labels(panel: Panel) -> list[str]:
+    """The text labels of a panel's y axis: a heatmap's rows, horizontal bars' categories."""
+    if panel.heatmap is not None:
+        return [str(v) for v in panel.heatmap.y]
+    if not panel.horizontal:
+        return []
+    return [str(c) for c in _categories([s for s in panel.series if s.bar], True)]
+
+
 def _shared_scale(spec: Figure) -> bool:
     """Whether the figure's heatmaps (two or more) share one fixed colour scale: then one colour
     bar, at the right of the figure, stands for all of them."""
@@ -586,11 +595,11 @@ def to_plotly(spec: Figure) -> dict[str, Any]:
         if panel.heatmap is not None:
             bar: bool | Literal["figure"] = ("figure" if i == 0 else False) if shared else True
             _plotly_heatmap(fig, panel.heatmap, i + 1, at, bar)
-            row_first = spec.panels[i - i % cols].heatmap
-            if i % cols and row_first is not None and list(row_first.y) == list(panel.heatmap.y):
-                fig.update_yaxes(showticklabels=False, **at)  # the row's first panel names them
             absolute.append(None)
             relative.append(None)
+        labels = _row_labels(panel)
+        if i % cols and labels and labels == _row_labels(spec.panels[i - i % cols]):
+            fig.update_yaxes(showticklabels=False, **at)  # the row's first panel names them
         for s in panel.series:
             _plotly_series(fig, s, panel, at, shown)
             absolute.append(list(s.x))

@@ -699,9 +699,14 @@ def skip_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plot
         sub, label = skips.filter(pl.col("model") == model), names.get(model, model)
         x = sub["relative_depth"].to_list()
         hover = [f"block {b} skipped" for b in sub["layer"]]
-        acc.series.append(
+        acc.series.append(  # its own marker: the effects' series share the colour
             plots.Series(
-                label, x, (100 * sub["accuracy_without"]).to_list(), color=color, hover=hover
+                f"{label} accuracy",
+                x,
+                (100 * sub["accuracy_without"]).to_list(),
+                color=color,
+                hover=hover,
+                marker="^",
             )
         )
         whole = float(sub["accuracy"].cast(pl.Float64).fill_null(0).to_numpy().mean())
