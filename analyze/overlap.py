@@ -113,6 +113,16 @@ def subset_notes(manifests: pl.DataFrame, names: dict[str, str]) -> list[str]:
     ]
 
 
+def left_out(frame: pl.DataFrame, manifests: pl.DataFrame) -> str:
+    """A sentence naming the tasks of ``frame`` that :func:`independent` leaves out of its
+    averages over tasks ("" when none)."""
+    covered = _covered(frame, manifests)
+    if not covered.height:
+        return ""
+    tasks = ", ".join(sorted(set(covered["task"])))
+    return f"Averages over tasks leave out {tasks}: every instance of it is in another task."
+
+
 def lone_subsets(frame: pl.DataFrame, manifests: pl.DataFrame) -> str:
     """A sentence naming the partitions of ``frame`` that are a subset of another task and the
     only data here, with their n ("" when there is none)."""

@@ -64,6 +64,7 @@ def test_averages_over_tasks_leave_the_subset_out(store: Path, tmp_path: Path) -
     assert row is not None
     assert float(row.group(1).split("|")[-1]) == pytest.approx(want, abs=0.051)
     assert "part (org/m): its 15 instances are all also in big (same model, same prompts)" in text
+    assert "Averages over tasks leave out part: every instance of it is in another task." in text
     assert "| org/m | part | 15/15 |" in text and text.rstrip().endswith("| big |")
 
 

@@ -39,7 +39,7 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import DASH, fmt, markdown_table
-from layerdiv.analyze.overlap import independent, lone_subsets
+from layerdiv.analyze.overlap import independent, left_out, lone_subsets
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -869,7 +869,8 @@ def report(ctx: ReportContext) -> str:
         "(the inverse-depth paper finds β close to 1); poor fit: R² < "
         f"{plots.POOR_FIT_R2:g}. Halves split the components at relative depth 1/2; in "
         "brackets, the first half without the embedding and block 0, whose large relative "
-        "contribution (the embedding is small) can carry the first half alone.",
+        "contribution (the embedding is small) can carry the first half alone. The figures "
+        "average over tasks. " + left_out(tables["geometry"], tables["manifests"]),
         decay_table(tables, ctx.names),
         figure(
             "depth_geometry.png",

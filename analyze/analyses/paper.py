@@ -25,7 +25,7 @@ from layerdiv.analyze.markdown import (
 )
 from layerdiv.analyze.metrics import ACCURACY, CORRELATED, METRICS
 from layerdiv.analyze.options import ESTIMATORS
-from layerdiv.analyze.overlap import independent
+from layerdiv.analyze.overlap import independent, left_out
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -646,18 +646,19 @@ def report(ctx: ReportContext) -> str:
         if fits.height
         else ""
     )
+    overlap = left_out(ctx.tables["scores"], ctx.tables["manifests"])
     sections = [
         "### Table 1: full-stack scores",
         f"Means over instances, accuracy in %, {units}. Estimator `{est}`. Avg. is the mean over "
         "the model's tasks. The majority class row is the accuracy of always answering the most "
-        "frequent gold option.",
+        f"frequent gold option. {overlap}",
         table1(ctx),
         "### Fig. 3: correlation of accuracy with MSE, bias and diversity across junction points",
         "Each cell: Pearson r / Spearman ρ across the junction points j = 1..L of the "
         "layer-addition curves between accuracy_j and −MSE_j, −bias_j or diversity_j (lower MSE "
         f"and bias are better). `*`: two-sided p < {stats.SIGNIFICANCE} (t test, L − 2 degrees "
         "of freedom). Avg. and the all-models row are Fisher-z averages and are not tested. "
-        f"Estimator `{est}`, scale `{scale}`.",
+        f"Estimator `{est}`, scale `{scale}`. {overlap}",
         correlation_table(ctx),
         plots.figure_link(
             ctx,
@@ -668,7 +669,7 @@ def report(ctx: ReportContext) -> str:
         "### Fig. 4: share of bias and diversity by module",
         "Paper Eqs. 9-10: the share of module kind X is |X| bias_X / (L bias) (and the same for "
         "diversity), averaged over tasks; the shares of a model sum to 100. The component column "
-        f"is |X| / L for comparison. Estimator `{est}`.",
+        f"is |X| / L for comparison. Estimator `{est}`. {overlap}",
         module_table(ctx),
         plots.figure_link(
             ctx,
@@ -687,7 +688,7 @@ def report(ctx: ReportContext) -> str:
         f"half of the stack. Estimator `{est}`. †: the best α lies at an end of the range "
         f"searched ({stats.ALPHA_GRID[0]:g} to {stats.ALPHA_GRID[-1]:g}): the MSE curve is not "
         "an inverse power of depth (α → 0 means it is closer to a logarithm), so c, α and L0 "
-        "are not meaningful.",
+        f"are not meaningful. {overlap}",
         depth_table(ctx) if depth_models else "No model passes the size filter.",
         fig6,
         "### Saturation depth",
