@@ -886,6 +886,7 @@ def report(ctx: ReportContext) -> str:
             figure("depth_gram.png", "Gram-matrix angles", gram_spec),
         ]
     if "skip_effects" in tables:
+        lone = lone_subsets(tables["skip_effects"], tables["manifests"])
         parts += [
             "Skipping block b (`extract --skips`): the model's own option logits with the block "
             "replaced by the identity on every call. TE = logits − skip logits, DE = the block's "
@@ -893,7 +894,7 @@ def report(ctx: ReportContext) -> str:
             "block does through later blocks and the final norm, which the layer-addition curves "
             "do not see. Effects are mean absolute values over instances and options, in logit "
             "units; KL of the skipped model's option distribution from the full one's, in nats. "
-            + lone_subsets(tables["skip_effects"], tables["manifests"]),
+            + (f"They rest on {lone}" if lone else ""),
             skip_table(tables, ctx.names),
             figure("depth_skips.png", "Layer skips", skip_spec),
         ]
