@@ -75,26 +75,36 @@ def mark_subsets(manifests: pl.DataFrame, parts: Sequence[PartitionInfo]) -> pl.
     return manifests.join(found, on=[*KEY], how="left")
 
 
-def _covered(frame: pl.DataFrame, manifests: pl.DataFrame) -> pl.DataFrame:
-    """The keys of ``frame``'s partitions that are a subset of another task ``frame`` holds."""
+def _covered(frame: pl.DataFrame, manifests: pl.DataFrame, by: Sequence[str]) -> pl.DataFrame:
+    """The keys (and ``by`` values) of ``frame``'s rows of a partition that is a subset of
+    another task whose rows ``frame`` holds with the same ``by`` values."""
     if "subset_of" not in manifests.columns:
-        return manifests.select(*KEY).clear()
-    held = frame.select(*MODEL_KEY, pl.col("task").alias("subset_of")).unique()
-    return (
+        return frame.select(*KEY, *by).clear()
+    held = frame.select(*MODEL_KEY, *by, pl.col("task").alias("subset_of")).unique()
+    subsets = (
         manifests.filter(pl.col("subset_of").is_not_null())
         .select(*KEY, "subset_of")
         .explode("subset_of")
-        .join(held, on=[*MODEL_KEY, "subset_of"], how="semi")
-        .select(*KEY)
+    )
+    return (
+        frame.select(*KEY, *by)
+        .unique()
+        .join(subsets, on=[*KEY])
+        .join(held, on=[*MODEL_KEY, *by, "subset_of"], how="semi")
+        .select(*KEY, *by)
         .unique()
     )
 
 
-def independent(frame: pl.DataFrame, manifests: pl.DataFrame) -> pl.DataFrame:
+def independent(
+    frame: pl.DataFrame, manifests: pl.DataFrame, by: Sequence[str] = ()
+) -> pl.DataFrame:
     """``frame`` (with the key columns) without the rows of a partition whose instances are a
     subset of another task's that ``frame`` also holds: what every average over tasks reads.
-    A subset whose larger task lacks these rows stays (it is then their only data)."""
-    return frame.join(_covered(frame, manifests), on=[*KEY], how="anti")
+    With ``by`` (columns of a setting the average keeps apart, e.g. the lens readout), only
+    where the larger task has rows of the same setting. A subset whose larger task lacks these
+    rows stays (it is then their only data)."""
+    return frame.join(_covered(frame, manifests, by), on=[*KEY, *by], how="anti")
 
 
 def subset_notes(manifests: pl.DataFrame, names: dict[str, str]) -> list[str]:
@@ -103,10 +113,11 @@ def subset_notes(manifests: pl.DataFrame, names: dict[str, str]) -> list[str]:
     if "subset_of" not in manifests.columns:
         return []
     return [
-        f"{r['task']} ({names.get(r['model'], r['model'])}): its {r['n_done']} instances are all "
-        f"also in {' and '.join(r['subset_of'])} (same model, same "
-        f"{'documents' if r['kind'] == 'text' else 'prompts'}); its own rows are shown, and every "
-        "average over tasks leaves it out"
+        f"{r['task']} ({names.get(r['model'], r['model'])}): its {r['n_done']} "
+        f"{'documents' if r['kind'] == 'text' else 'instances'} are all also in "
+        f"{' and '.join(r['subset_of'])} (same model, same "
+        f"{'token sequences' if r['kind'] == 'text' else 'prompts'}); its own rows are shown, and "
+        "every average over tasks leaves it out"
         for r in manifests.filter(pl.col("subset_of").is_not_null())
         .sort(*KEY)
         .iter_rows(named=True)
@@ -116,19 +127,19 @@ def subset_notes(manifests: pl.DataFrame, names: dict[str, str]) -> list[str]:
 def left_out(frame: pl.DataFrame, manifests: pl.DataFrame) -> str:
     """A sentence naming the tasks of ``frame`` that :func:`independent` leaves out of its
     averages over tasks ("" when none)."""
-    covered = _covered(frame, manifests)
+    covered = _covered(frame, manifests, ())
     if not covered.height:
         return ""
     tasks = ", ".join(sorted(set(covered["task"])))
     return f"Averages over tasks leave out {tasks}: every instance of it is in another task."
 
 
-def lone_subsets(frame: pl.DataFrame, manifests: pl.DataFrame) -> str:
+def lone_subsets(frame: pl.DataFrame, manifests: pl.DataFrame, by: Sequence[str] = ()) -> str:
     """A sentence naming the partitions of ``frame`` that are a subset of another task and the
-    only data here, with their n ("" when there is none)."""
+    only data here (:func:`independent` keeps them), with their n ("" when there is none)."""
     if "subset_of" not in manifests.columns:
         return ""
-    kept = independent(frame, manifests).select(*KEY).unique()
+    kept = independent(frame, manifests, by).select(*KEY).unique()
     lone = manifests.join(kept, on=[*KEY], how="semi").filter(pl.col("subset_of").is_not_null())
     said = [
         f"{r['task']} alone, n = {r['n_done']} instances ({r['model']}; a subset of "

@@ -82,3 +82,9 @@ def test_a_lone_subset_stays_and_says_its_n(store: Path) -> None:
     both = pl.concat([frame, frame.with_columns(pl.lit("big").alias("task"))])
     assert sorted(independent(both, manifests)["task"]) == ["big", "big", "other"]
     assert lone_subsets(both, manifests) == ""
+    # a setting averaged apart (e.g. the lens readout): big's rows of another one cover nothing
+    lens = both.with_columns(
+        lens=pl.when(pl.col("task") == "big").then(pl.lit("b")).otherwise(pl.lit("a"))
+    )
+    assert independent(lens, manifests, by=["lens"]).height == 4
+    assert "part alone" in lone_subsets(lens, manifests, by=["lens"])

@@ -174,7 +174,7 @@ def _by_model(table: pl.DataFrame, manifests: pl.DataFrame) -> pl.DataFrame:
     """Means over a model's tasks of one lens readout, per layer (a task whose instances another
     task of the table holds left out)."""
     return (
-        independent(table, manifests)
+        independent(table, manifests, by=["lens"])  # readouts are never averaged together
         .group_by("model", "lens", "layer", "relative_depth")
         .agg(pl.col(c).mean() for c in [*LENS, "uniform_ce"])
         .sort("model", "lens", "layer")
@@ -219,7 +219,7 @@ def lens_spec(
         "every token of running text (solid), the last prompt token of the choice "
         "tasks (dashed); dotted: the uniform distribution's cross-entropy log V"
     )
-    if last is not None and (lone := lone_subsets(last, manifests)):
+    if last is not None and (lone := lone_subsets(last, manifests, by=["lens"])):
         spec.caption += f". Dashed: {lone}"
     return spec
 

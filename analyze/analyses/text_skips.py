@@ -250,8 +250,8 @@ def report(ctx: ReportContext) -> str:
                 "text_skips.png",
                 "Future effects",
                 lambda: skips_spec(
-                    independent(effects, ctx.tables["manifests"]),
-                    independent(output, ctx.tables["manifests"]),
+                    independent(effects, ctx.tables["manifests"], by=["sublayer", "mode"]),
+                    independent(output, ctx.tables["manifests"], by=["sublayer"]),
                     names,
                     bool(ctx.options.get(LINEAR)),
                 ),
