@@ -317,14 +317,17 @@ def test_the_report_fits_the_depth_law_from_a_store_or_says_why_not(tmp_path: Pa
     assert "figures/depth_law_fineweb.png" in text
     assert (tmp_path / "report" / "figures" / "depth_law_fineweb.png").stat().st_size > 0
 
-    # Fewer points than parameters: the section does not apply (no warning in the report);
+    # Fewer points than parameters: the section says why and what adds points (no warning);
     # fit-law says why in one line.
     few = tmp_path / "few"
     sweep_text_store(few, models=2, revisions=2)
     out = CliRunner().invoke(main, ["report", "--store", str(few), "--out", str(tmp_path / "r2")])
     assert out.exit_code == 0, out.output
     assert not [line for line in out.output.splitlines() if "depth_law" in line]
-    assert "depth loss law" not in (tmp_path / "r2" / "report.md").read_text()
+    text = (tmp_path / "r2" / "report.md").read_text()
+    section = text.split("## The depth loss law across models")[1].split("\n## ")[0]
+    assert "Not fitted: the law has 7 parameters" in section
+    assert "this store holds 4 on fineweb" in section and "`layerdiv extract" in section
     out = CliRunner().invoke(
         main, ["fit-law", "--store", str(few), "--task", "fineweb", "--out", str(tmp_path / "f")]
     )
