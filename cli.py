@@ -21,6 +21,8 @@ from layerdiv.extract.launchers import Shard, pick_device
 from layerdiv.schemas import KINDS
 from layerdiv.version import __version__
 
+HELP_OPTIONS = ["-h", "--help"]
+"""Every command's help option."""
 MAX_ROWS = 40
 """Rows ``layerdiv query`` prints unless told otherwise."""
 
@@ -61,7 +63,7 @@ def fail_after(problems: list[str]) -> None:
         raise click.exceptions.Exit(1)
 
 
-@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Main, context_settings={"help_option_names": HELP_OPTIONS})
 @click.version_option(__version__, prog_name="layerdiv")
 def main() -> None:
     """Bias-diversity decomposition of a language model's residual stream.
@@ -86,6 +88,14 @@ class _Extract(click.Command):
     """``extract``, whose options are those ``ExtractConfig`` declares (its fields' and every
     registered measurement's, ``layerdiv.measurements``), read when the command runs or shows
     its help."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from layerdiv.measurements.registry import reserve
+
+        super().__init__(*args, **kwargs)
+        reserve(
+            self.name or "extract", [*ExtractConfig.field_options(), click.Option(HELP_OPTIONS)]
+        )
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
         help_option = self.get_help_option(ctx)
@@ -644,7 +654,8 @@ def fit_law_command(
     )
     if fit.heldout_error is not None:
         click.echo(
-            f"held-out mean absolute relative error {fit.heldout_error:.4g} ({heldout} splits)"
+            f"held-out mean absolute relative error {fit.heldout_error:.4g} ({fit.n_heldout} "
+            f"of {heldout} splits identify the law)"
         )
     click.echo(f"wrote {out}")
 

@@ -233,11 +233,15 @@ class ExtractConfig:
     """Show progress bars."""
 
     @classmethod
+    def field_options(cls) -> list[click.Option]:
+        """The ``extract`` options of the fields that carry one."""
+        return [f.metadata["option"] for f in fields(cls) if "option" in f.metadata]
+
+    @classmethod
     def options(cls) -> list[click.Option]:
-        """``extract``'s options: those of the fields that carry one, then every registered
+        """``extract``'s options: the fields' (:meth:`field_options`), then every registered
         measurement's (``Measurement.click_options``)."""
-        own = [f.metadata["option"] for f in fields(cls) if "option" in f.metadata]
-        return [*own, *(o for m in registered() for o in m.click_options())]
+        return [*cls.field_options(), *(o for m in registered() for o in m.click_options())]
 
     @classmethod
     def from_options(cls, values: Mapping[str, Any], **given: Any) -> ExtractConfig:
