@@ -51,7 +51,7 @@ def test_a_measurement_without_a_declared_cost_costs_a_pass() -> None:
     """A registered measurement costs what it declares; one that declares nothing is costed as
     one more plain pass (never as free)."""
     schema = pa.schema([pa.field("instance", pa.int32(), nullable=False)])
-    undeclared = Measurement("undeclared", "--undeclared", {"choice": ("undeclared",)},
+    undeclared = Measurement("undeclared", "--undeclared", {"choice": ("undeclared",)}, help="x",
                              schemas={"undeclared": schema})  # fmt: skip
     register(undeclared)
     try:
