@@ -401,3 +401,34 @@ def zscore(column: str, by: list[str]) -> pl.Expr:
     x = pl.col(column)
     std = x.std().over(by)
     return pl.when(std > 0).then((x - x.mean().over(by)) / std).otherwise(0.0).alias(column)
+
+
+# --- bootstrap over documents ----------------------------------------------------------------
+
+RESAMPLES = 1000
+"""Bootstrap resamples of the documents (methods §10, §15, §16)."""
+SEED = 0
+"""Seed of the bootstrap's generator (one fresh generator per interval: the same data give the
+same interval whatever else is analysed)."""
+LEVEL = 95.0
+"""Percentile interval, in percent."""
+
+
+def percentile_interval(samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The bootstrap :data:`LEVEL` percentile interval of ``samples`` (resamples on the first
+    axis; those whose statistic is undefined, NaN, left out): (low, high), each of the shape of
+    one sample, NaN where no resample defines it."""
+    tail = (100.0 - LEVEL) / 2
+    samples = np.asarray(samples, dtype=float)
+    defined = np.isfinite(samples).any(axis=0)
+    filled = np.where(defined, samples, 0.0)  # no all-NaN slice for nanpercentile to warn about
+    low, high = np.nanpercentile(filled, [tail, 100.0 - tail], axis=0)
+    return np.where(defined, low, np.nan), np.where(defined, high, np.nan)
+
+
+def resample_weights(n: int, resamples: int = RESAMPLES) -> np.ndarray:
+    """(resamples, n): how often each of ``n`` units (documents) is drawn in each bootstrap
+    resample of them (``n`` draws with replacement), from a fresh generator seeded with
+    :data:`SEED`. A statistic of weighted sums is then one matrix product for every resample."""
+    rng = np.random.default_rng(SEED)
+    return rng.multinomial(n, np.full(n, 1.0 / n), size=resamples).astype(np.float64)

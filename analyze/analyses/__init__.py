@@ -13,6 +13,7 @@ from layerdiv.analyze.analyses import text_lens
 from layerdiv.analyze.analyses import text_skips
 from layerdiv.analyze.analyses import text_profiles
 from layerdiv.analyze.analyses import text_groups
+from layerdiv.analyze.analyses import effective_depth
 from layerdiv.analyze.analyses import revisions
 from layerdiv.analyze.analyses import depth_law
 from layerdiv.analyze.analyses import maps
@@ -20,6 +21,7 @@ from layerdiv.analyze.analyses import maps
 __all__ = [
     "depth",
     "depth_law",
+    "effective_depth",
     "heads",
     "lens",
     "maps",
