@@ -305,7 +305,7 @@ def text_tables(
         if any(results[i][0].lens is None for i in ids):
             raise DecompositionError("a document ran without the lens")
         v = np.concatenate([results[i][0].document_lens(results[i][1], len(seqs[i])) for i in ids])
-        optional["token_lens"] = token_lens_table(ids, n_tokens, v[..., 0], v[..., 1], v[..., 2])
+        optional["token_lens"] = token_lens_table(ids, n_tokens, v)
     return {
         **optional,
         **measured_tables("text", ids, results),

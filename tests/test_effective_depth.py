@@ -64,9 +64,7 @@ def reference(store: Path, model: str) -> dict[str, float | None]:
     return {"cos": ed_cos, "kl": ed_kl, "top5": ed_top5}
 
 
-def test_effective_depth_equals_the_reference(
-    store: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_effective_depth_equals_the_reference(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # batches of 5 tokens: documents of 12 tokens are split over batches
     monkeypatch.setattr(effective_depth, "BATCH_TOKENS", 5)
     table = analyze(store).effective_depth

@@ -34,9 +34,16 @@ LENS_STATISTICS = ("kl", "ce")
 slices, the log-sum-exp read at the top-five's first index): equal to float32 rounding, every
 other column exactly."""
 
-ADDED = {"tokens": {"loss"}, "future_effects": {"mode"}, "token_blocks": {"h_embed"}}
+ADDED = {
+    "tokens": {"loss"},
+    "future_effects": {"mode"},
+    "token_blocks": {"h_embed"},
+    "token_lens": {"final_rank", "top1"},
+    "lens": {"final_rank", "top1"},
+}
 """Columns added since the frames were recorded (schema version 5: the model's own loss, the
-future effects' mode, h_l . h_0 of the progress proj)."""
+future effects' mode, h_l . h_0 of the progress proj; version 6: the lens's rank of the model's
+own top-1 token and its own top-1 token)."""
 
 
 def _task(kind: str, folder: Path, make_task: Any) -> Path:
