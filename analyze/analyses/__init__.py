@@ -14,11 +14,13 @@ from layerdiv.analyze.analyses import text_skips
 from layerdiv.analyze.analyses import text_profiles
 from layerdiv.analyze.analyses import text_groups
 from layerdiv.analyze.analyses import effective_depth
+from layerdiv.analyze.analyses import decided_depth
 from layerdiv.analyze.analyses import revisions
 from layerdiv.analyze.analyses import depth_law
 from layerdiv.analyze.analyses import maps
 
 __all__ = [
+    "decided_depth",
     "depth",
     "depth_law",
     "effective_depth",

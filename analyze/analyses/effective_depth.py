@@ -259,13 +259,12 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
 # --- report ------------------------------------------------------------------------------------
 
 
-def _interval(rows: pl.DataFrame) -> tuple[list[float], list[float]]:
-    """The (low, high) ends of ``rows``' intervals, the estimate where one is missing."""
-    low = [lo if lo is not None else r for lo, r in zip(rows["ci_low"], rows["ratio"], strict=True)]
-    high = [
-        hi if hi is not None else r for hi, r in zip(rows["ci_high"], rows["ratio"], strict=True)
-    ]
-    return low, high
+def interval_ends(rows: pl.DataFrame, value: str) -> tuple[list[float], list[float]]:
+    """The (low, high) ends of the intervals ``ci_low``/``ci_high`` of ``rows``' ``value``, the
+    value itself where an end is missing (a point drawn without a bar)."""
+    pairs = zip(rows[value], rows["ci_low"], rows["ci_high"], strict=True)
+    ends = [(v if lo is None else lo, v if hi is None else hi) for v, lo, hi in pairs]
+    return [lo for lo, _ in ends], [hi for _, hi in ends]
 
 
 def ratio_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
@@ -292,7 +291,7 @@ def ratio_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
                         sub["ratio"].to_list(),
                         color=color[task],
                         line=False,
-                        interval=_interval(sub),
+                        interval=interval_ends(sub, "ratio"),
                     )
                 )
         none = table.filter(pl.col("measure") == measure, pl.col("ratio").is_null()).height
@@ -331,7 +330,7 @@ def step_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
                     sub["ratio"].to_list(),
                     color=color[str(model)],
                     dash=dashes[tasks.index(task) % len(dashes)],
-                    interval=_interval(sub),
+                    interval=interval_ends(sub, "ratio"),
                     hover=[f"revision {r}" for r in sub["revision"]],
                 )
             )
