@@ -16,6 +16,7 @@ thread) rather than from memory, which a layer's logits (tokens x V float32) far
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -175,17 +176,54 @@ STATS = LENS_VALUES[: LENS_VALUES.index("ce")]
 values but the cross-entropy, which its callers take from those."""
 
 
-def final_rank(z: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """(rows,): the rank under logits ``z`` (rows, V) of the tokens ``first`` (rows, 1) (methods
-    §16): 1 + the entries greater than its own + the entries of a smaller index equal to it. Two
-    counting passes; the index comparison only for the rare rows where another entry ties."""
+def ranks_fused(
+    z: torch.Tensor, first: torch.Tensor, top: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rank, top1), each (rows,), of logits ``z`` (rows, V) as one expression without a host
+    synchronisation (methods §16): the rank of the tokens ``first`` (rows, 1), 1 + the entries
+    greater than its own + the entries of a smaller index equal to it, and the first largest entry
+    (the smallest index among ties) from the five largest ``top`` (rows, 5; :func:`top5`), the
+    row's argmax where all five tie. Compiled on a GPU (:func:`ranks`) it is one fused reduction
+    over the row."""
     own = z.gather(-1, first)
-    rank = (z > own).sum(-1) + 1
-    tied = ((z == own).sum(-1) > 1).nonzero()[:, 0]
+    index = torch.arange(z.shape[-1], device=z.device)
+    rank = ((z > own) | ((z == own) & (index < first))).sum(-1) + 1
+    values = z.gather(-1, top)
+    tie = values == values[:, :1]
+    smallest = torch.where(tie, top, z.shape[-1]).amin(-1)
+    return rank, torch.where(tie[:, -1], z.argmax(-1), smallest)
+
+
+@functools.cache
+def _compiled_ranks() -> Any:
+    return torch.compile(ranks_fused, dynamic=True)
+
+
+def ranks(
+    z: torch.Tensor, first: torch.Tensor, top: torch.Tensor, scratch: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ranks_fused`'s (rank, top1). On a GPU it is compiled: one fused reduction (in eager
+    mode its five passes and the argmax cost more than half the lens statistics on an H100). On
+    the processor, where a synchronisation costs nothing, the same by counts: the entries greater
+    than y's and equal to it, each comparison written as 0/1 floats into ``scratch`` (rows, V) and
+    summed (exact up to 2^24, several times faster than a sum of booleans), the index comparison
+    only for the rare rows where another entry ties, and the row's argmax only where all five
+    largest tie."""
+    if z.is_cuda:
+        return _compiled_ranks()(z, first, top)  # type: ignore[no-any-return]
+    own = z.gather(-1, first)
+    rank = torch.gt(z, own, out=scratch).sum(-1) + 1
+    tied = (torch.eq(z, own, out=scratch).sum(-1) > 1).nonzero()[:, 0]
     if len(tied):
         index = torch.arange(z.shape[-1], device=z.device)
         rank[tied] += ((z[tied] == own[tied]) & (index < first[tied])).sum(-1)
-    return rank
+    values = z.gather(-1, top)
+    tie = values == values[:, :1]
+    first_top = torch.where(tie, top, z.shape[-1]).amin(-1)
+    full = tie[:, -1].nonzero()[:, 0]
+    if len(full):
+        first_top[full] = z[full].argmax(-1)
+    return rank, first_top
 
 
 def lens_stats(logits: torch.Tensor, ref: LensReference, ids: torch.Tensor) -> torch.Tensor:
@@ -193,9 +231,8 @@ def lens_stats(logits: torch.Tensor, ref: LensReference, ids: torch.Tensor) -> t
     p_L's top-1 token y under p_l and p_l's own top-1 token (methods §9, §16; token ids exact in
     float32 up to 2^24), then log p_l at ``ids`` (..., K), over the last axis of a lens layer's
     float32 ``logits`` (overwritten) against ``ref`` (broadcast over the leading axes), slice by
-    slice (:data:`LENS_SLICE`): the top five, the rank's counts, the argmax, a softmax, one
-    difference, one product and one sum per slice, each pass after the first over data in the
-    cache."""
+    slice (:data:`LENS_SLICE`): the top five, the rank's two counts, a softmax, one difference,
+    one product and one sum per slice, each pass after the first over data in the cache."""
     vocab = logits.shape[-1]
     lead = logits.shape[:-1]
     z = logits.reshape(-1, vocab)
@@ -210,8 +247,7 @@ def lens_stats(logits: torch.Tensor, ref: LensReference, ids: torch.Tensor) -> t
     for sl in _slices(z.shape[0], vocab):
         zr = z[sl]
         top = top5(zr)
-        out[sl, 2] = final_rank(zr, ref_first[sl])
-        out[sl, 3] = zr.argmax(-1)  # the first largest entry: the smallest id among ties
+        out[sl, 2], out[sl, 3] = ranks(zr, ref_first[sl], top, buf[: len(zr)])  # before softmax
         p, lse = _softmax(zr, buf[: len(zr)], top[:, :1])
         out[sl, n:] = zr.gather(-1, ids[sl]) - lse  # log p_l(ids)
         # KL(p_l || p_L) = sum_v p_l (log p_l - log p_L) = sum_v p_l (z_l - z_L) - (lse_l - lse_L)

@@ -85,7 +85,7 @@ def check_ranks(store: Path, model: Any, docs: list[list[int]]) -> None:
     (info,) = st.partitions
     blocks = info.manifest.n_blocks
     predicted = decided_depth.predictions(info).sort("doc", "pos")
-    want_decided = []
+    earliest, latest = [], []
     for doc, ids in enumerate(docs):
         y, low, high = float64_ranks(model, ids)
         rows = lens.filter(pl.col("doc") == doc)
@@ -93,16 +93,19 @@ def check_ranks(store: Path, model: Any, docs: list[list[int]]) -> None:
         top1 = rows["top1"].to_numpy().reshape(len(ids), blocks + 1)
         assert (rank[:, -1] == 1).all() and (top1[:, -1] == y).all()
         assert ((low <= rank[:, :-1]) & (rank[:, :-1] <= high)).all()
-        # where no layer's first place is in doubt, the decided depth is exact
-        assert not ((low == 1) & (high > 1)).any(), "a near tie at the top: pick another seed"
-        want_decided.append(decided_of(low)[:-1])  # p < T - 1
+        # decided(p) falls as ranks fall: the near ties allow decided(low) .. decided(high),
+        # one value where no layer's first place is in doubt (p < T - 1)
+        earliest.append(decided_of(low)[:-1])
+        latest.append(decided_of(high)[:-1])
         got = predicted.filter(pl.col("doc") == doc)
         assert got["pos"].to_list() == list(range(len(ids) - 1))
-        assert got["decided"].to_list() == want_decided[-1].tolist()
+        decided = got["decided"].to_numpy()
+        assert ((earliest[-1] <= decided) & (decided <= latest[-1])).all()
         assert got["top1"].to_list() == y[:-1].tolist()
+    first, last = np.concatenate(earliest), np.concatenate(latest)
+    assert (first == last).mean() >= 0.9  # near ties at the top are rare
     mean = analyze(store).decided_depth.filter(pl.col("group") == "all")["mean"][0]
-    want = (np.concatenate(want_decided) + 1) / blocks
-    assert mean == pytest.approx(want.mean(), abs=1e-4)
+    assert ((first + 1) / blocks).mean() - 1e-4 <= mean <= ((last + 1) / blocks).mean() + 1e-4
 
 
 def test_final_rank_matches_a_float64_hook_computation(
@@ -184,3 +187,26 @@ def test_a_version_5_store_reads_with_the_ranks_null(tmp_path: Path) -> None:
     results = analyze(store)
     assert "decided_depth" not in results.by_name and "effective_depth" in results.by_name
     assert any("No decided-at depth for" in n and info.key.label in n for n in results.notes)
+
+
+def test_ranks_by_counts_equal_the_fused_expression() -> None:
+    """The processor's counting path of ``ranks`` and the one expression a GPU compiles give the
+    same ranks and top-1 tokens, on logits with planted ties: at y's logit (before and after y)
+    and at the maximum (two-way, and all of a row, more than the five largest hold)."""
+    from layerdiv.extract import lens as readout
+
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(9, 300, generator=gen).round(decimals=1)  # many exact ties
+    z[7] = 0.0  # every entry ties
+    z[8, [4, 40]] = z[8].max() + 1  # a two-way tie at the top
+    first = torch.tensor([[0], [5], [17], [299], [100], [3], [250], [123], [40]])
+    top = readout.top5(z)
+    want_rank, want_top1 = readout.ranks_fused(z, first, top)
+    rank, top1 = readout.ranks(z, first, top, torch.empty_like(z))
+    assert torch.equal(rank.long(), want_rank) and torch.equal(top1.long(), want_top1)
+    own = z.gather(-1, first)
+    plain = [1 + sum(int(v > o or (v == o and i < f)) for i, v in enumerate(row.tolist()))
+             for row, o, f in zip(z, own[:, 0].tolist(), first[:, 0].tolist(), strict=True)]  # fmt: skip
+    assert rank.long().tolist() == plain
+    assert top1.long().tolist() == [int(np.flatnonzero(row == row.max())[0]) for row in z.numpy()]
+    assert top1[7] == 0 and top1[8] == 4 and rank[7] == 124
