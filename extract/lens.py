@@ -210,7 +210,7 @@ def ranks(
     only for the rare rows where another entry ties, and the row's argmax only where all five
     largest tie."""
     if z.is_cuda:
-        return _compiled_ranks()(z, first, top)  # type: ignore[no-any-return]
+        return _compiled_ranks()(z, first, top)
     own = z.gather(-1, first)
     rank = torch.gt(z, own, out=scratch).sum(-1) + 1
     tied = (torch.eq(z, own, out=scratch).sum(-1) > 1).nonzero()[:, 0]

@@ -32,10 +32,10 @@ def decided_of(rank: np.ndarray) -> np.ndarray:
     out = []
     for row in rank:
         d = blocks
-        for l in range(blocks - 1, -1, -1):
-            if row[l] != 1:
+        for block in range(blocks - 1, -1, -1):
+            if row[block] != 1:
                 break
-            d = l
+            d = block
         out.append(d)
     return np.array(out)
 
@@ -205,8 +205,9 @@ def test_ranks_by_counts_equal_the_fused_expression() -> None:
     rank, top1 = readout.ranks(z, first, top, torch.empty_like(z))
     assert torch.equal(rank.long(), want_rank) and torch.equal(top1.long(), want_top1)
     own = z.gather(-1, first)
+    pairs = zip(z, own[:, 0].tolist(), first[:, 0].tolist(), strict=True)
     plain = [1 + sum(int(v > o or (v == o and i < f)) for i, v in enumerate(row.tolist()))
-             for row, o, f in zip(z, own[:, 0].tolist(), first[:, 0].tolist(), strict=True)]  # fmt: skip
+             for row, o, f in pairs]  # fmt: skip
     assert rank.long().tolist() == plain
     assert top1.long().tolist() == [int(np.flatnonzero(row == row.max())[0]) for row in z.numpy()]
     assert top1[7] == 0 and top1[8] == 4 and rank[7] == 124

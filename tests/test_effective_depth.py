@@ -40,9 +40,9 @@ def reference(store: Path, model: str) -> dict[str, float | None]:
             "mlp": (hm + am) / math.sqrt(mm * (hh + 2 * ha + aa)),
             "layer": (ha + hm) / math.sqrt((aa + 2 * am + mm) * hh),
         }
-        for c, v in values.items():
-            sums[c][r["block"]] += v
-            counts[c][r["block"]] += 1
+        for k, v in values.items():
+            sums[k][r["block"]] += v
+            counts[k][r["block"]] += 1
     c = [sum(sums[k][b] / counts[k][b] for k in sums) / 3 for b in range(BLOCKS)]
     ed_cos = None
     for b in range(BLOCKS - 1):

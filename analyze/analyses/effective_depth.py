@@ -147,11 +147,11 @@ def cosine_sums(info: PartitionInfo) -> tuple[np.ndarray, np.ndarray, np.ndarray
         raise NoData(f"{info.where} has no token_blocks rows")
     # a document split over two batches: its two parts add up
     found, where = np.unique(np.concatenate(docs), return_inverse=True)
-    total = np.zeros((3, blocks, len(found)))
-    count = np.zeros((3, blocks, len(found)))
-    np.add.at(total, (slice(None), slice(None), where), np.concatenate(sums, axis=2))
-    np.add.at(count, (slice(None), slice(None), where), np.concatenate(counts, axis=2))
-    return found, total.transpose(2, 0, 1), count.transpose(2, 0, 1)
+    total = np.zeros((len(found), 3, blocks))
+    count = np.zeros((len(found), 3, blocks))
+    np.add.at(total, where, np.concatenate(sums, axis=2).transpose(2, 0, 1))
+    np.add.at(count, where, np.concatenate(counts, axis=2).transpose(2, 0, 1))
+    return found, total, count
 
 
 def lens_means(info: PartitionInfo, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -228,7 +228,7 @@ def partition_depth(info: PartitionInfo, lens: bool) -> pl.DataFrame:
             }
         )
     schema = {k: v for k, v in SCHEMA.items() if k != "step"}
-    return pl.DataFrame(rows, schema=schema)  # type: ignore[arg-type]
+    return pl.DataFrame(rows, schema=schema)
 
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
