@@ -16,7 +16,7 @@ never enters a maximum or a search):
 The interval: :data:`~layerdiv.analyze.stats.RESAMPLES` resamples of the documents (seeded), each
 recomputing the per-block means from its documents' sums (the cosines: token sums and counts; the
 lens: per-document means) and then the scalar; the 2.5 and 97.5 percentiles of the ratio over the
-resamples that have one.
+resamples that have one (none where the data themselves have no crossing).
 
 Table ``effective_depth``: per (model, revision, task, ``measure``): ``step`` (the revision's
 training step, null where unknown), ``n_blocks`` L, ``n_documents``, ``ed``, ``ratio``,
@@ -213,7 +213,9 @@ def partition_depth(info: PartitionInfo, lens: bool) -> pl.DataFrame:
     rows = []
     for measure, ed in point.items():
         ratio = (samples[measure] + 1) / blocks
-        low, high = percentile_interval(ratio)
+        # no interval around an estimate that does not exist (``defined`` still tells how many
+        # resamples found a crossing)
+        low, high = percentile_interval(ratio if np.isfinite(ed[0]) else np.full(1, np.nan))
         rows.append(
             {
                 **dict(info.key.items()),
