@@ -375,7 +375,9 @@ def text_chunk(
         top5 = np.clip(depth + rng.normal(0, 0.1, kl.shape), 0, 1).round(1)
         ce = 3 + kl + rng.exponential(0.5, kl.shape)
         ce[pos == n_tokens - 1] = np.nan
-        rank, top1 = made_up_ranks(rng, np.concatenate(ids), pos, n_tokens, blocks)
+        # the ranks' own draws: rng's stream (the skips after it) as before they were stored
+        ranks = np.random.default_rng(docs.start + 1)
+        rank, top1 = made_up_ranks(ranks, np.concatenate(ids), pos, n_tokens, blocks)
         values = np.stack([kl, np.clip(top5, 0, 1), rank, top1, ce], axis=-1)
         tables["token_lens"] = token_lens_table(docs, lengths, values)
     if skips:
