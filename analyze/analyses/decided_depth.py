@@ -10,7 +10,8 @@ Tables:
 - ``decided_depth``: per (model, revision, task, ``group``): ``n_tokens``, ``n_documents``,
   ``mean`` relative decided depth over the group's tokens (token-weighted), ``ci_low``/
   ``ci_high`` (bootstrap 95% percentile interval over documents, 1,000 seeded resamples, the
-  mean recomputed from the resampled documents' tokens). Groups: ``all``; ``correct`` /
+  mean recomputed from the resampled documents' tokens; none from fewer than
+  :data:`~layerdiv.analyze.stats.MIN_INTERVAL_N` documents). Groups: ``all``; ``correct`` /
   ``incorrect`` (y_p is / is not the actual next token); ``q1``..``q4``, the frequency quartile
   of y_p: the predictions ordered by y_p's count among the partition's tokens (ties by token id)
   and cut into four of equal size (q1 the rarest).
@@ -36,7 +37,13 @@ from layerdiv.analyze.registry import (
     map_partitions,
     register,
 )
-from layerdiv.analyze.stats import LEVEL, RESAMPLES, percentile_interval, resample_weights
+from layerdiv.analyze.stats import (
+    LEVEL,
+    MIN_INTERVAL_N,
+    RESAMPLES,
+    percentile_interval,
+    resample_weights,
+)
 from layerdiv.analyze.text import BATCH_TOKENS, TEXT_KIND, batches, tag, with_table
 from layerdiv.schemas import tables_of
 from layerdiv.store import PartitionInfo, StoreError
@@ -142,13 +149,15 @@ def partition_decided(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
         sums = np.bincount(index[keep], tokens["relative"].to_numpy()[keep], minlength=len(docs))
         counts = np.bincount(index[keep], minlength=len(docs)).astype(float)
         with np.errstate(invalid="ignore", divide="ignore"):
-            low, high = percentile_interval((weights @ sums) / (weights @ counts))
+            means = (weights @ sums) / (weights @ counts)
+        n_docs = int((counts > 0).sum())
+        low, high = percentile_interval(means if n_docs >= MIN_INTERVAL_N else np.full(1, np.nan))
         n = int(counts.sum())
         rows.append(
             {
                 "group": group,
                 "n_tokens": n,
-                "n_documents": int((counts > 0).sum()),
+                "n_documents": n_docs,
                 "mean": float(sums.sum() / n) if n else None,
                 "ci_low": None if np.isnan(low) else float(low),
                 "ci_high": None if np.isnan(high) else float(high),

@@ -16,7 +16,8 @@ never enters a maximum or a search):
 The interval: :data:`~layerdiv.analyze.stats.RESAMPLES` resamples of the documents (seeded), each
 recomputing the per-block means from its documents' sums (the cosines: token sums and counts; the
 lens: per-document means) and then the scalar; the 2.5 and 97.5 percentiles of the ratio over the
-resamples that have one (none where the data themselves have no crossing).
+resamples that have one (none where the data themselves have no crossing, or below
+:data:`~layerdiv.analyze.stats.MIN_INTERVAL_N` documents).
 
 Table ``effective_depth``: per (model, revision, task, ``measure``): ``step`` (the revision's
 training step, null where unknown), ``n_blocks`` L, ``n_documents``, ``ed``, ``ratio``,
@@ -41,7 +42,13 @@ from layerdiv.analyze.registry import (
     map_partitions,
     register,
 )
-from layerdiv.analyze.stats import LEVEL, RESAMPLES, percentile_interval, resample_weights
+from layerdiv.analyze.stats import (
+    LEVEL,
+    MIN_INTERVAL_N,
+    RESAMPLES,
+    percentile_interval,
+    resample_weights,
+)
 from layerdiv.analyze.text import (
     BATCH_TOKENS,
     DOTS,
@@ -214,8 +221,9 @@ def partition_depth(info: PartitionInfo, lens: bool) -> pl.DataFrame:
     for measure, ed in point.items():
         ratio = (samples[measure] + 1) / blocks
         # no interval around an estimate that does not exist (``defined`` still tells how many
-        # resamples found a crossing)
-        low, high = percentile_interval(ratio if np.isfinite(ed[0]) else np.full(1, np.nan))
+        # resamples found a crossing), nor from fewer than MIN_INTERVAL_N documents
+        given = np.isfinite(ed[0]) and len(docs) >= MIN_INTERVAL_N
+        low, high = percentile_interval(ratio if given else np.full(1, np.nan))
         rows.append(
             {
                 **dict(info.key.items()),
