@@ -196,19 +196,23 @@ def ranks_fused(
 
 @functools.cache
 def _compiled_ranks() -> Any:
-    return torch.compile(ranks_fused, dynamic=True)
+    """:func:`ranks_fused` compiled where Triton can build its GPU kernel, else as it is (eager:
+    slower, same values)."""
+    from torch.utils._triton import has_triton
+
+    return torch.compile(ranks_fused, dynamic=True) if has_triton() else ranks_fused
 
 
 def ranks(
     z: torch.Tensor, first: torch.Tensor, top: torch.Tensor, scratch: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`ranks_fused`'s (rank, top1). On a GPU it is compiled: one fused reduction (in eager
-    mode its five passes and the argmax cost more than half the lens statistics on an H100). On
-    the processor, where a synchronisation costs nothing, the same by counts: the entries greater
-    than y's and equal to it, each comparison written as 0/1 floats into ``scratch`` (rows, V) and
-    summed (exact up to 2^24, several times faster than a sum of booleans), the index comparison
-    only for the rare rows where another entry ties, and the row's argmax only where all five
-    largest tie."""
+    """:func:`ranks_fused`'s (rank, top1). On a GPU it is compiled where Triton is installed
+    (:func:`_compiled_ranks`): one fused reduction (in eager mode its five passes and the argmax
+    cost more than half the lens statistics on an H100). On the processor, where a
+    synchronisation costs nothing, the same by counts: the entries greater than y's and equal to
+    it, each comparison written as 0/1 floats into ``scratch`` (rows, V) and summed (exact up to
+    2^24, several times faster than a sum of booleans), the index comparison only for the rare
+    rows where another entry ties, and the row's argmax only where all five largest tie."""
     if z.is_cuda:
         return _compiled_ranks()(z, first, top)
     own = z.gather(-1, first)
