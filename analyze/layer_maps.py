@@ -6,6 +6,7 @@ threads are BLAS's."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -167,8 +168,8 @@ def fit_maps(
     bounds = list(folds) if cv else [0, n_train]
     if cv and (len(bounds) < 3 or bounds[0] != 0 or bounds[-1] != n_train):
         raise ValueError(f"folds {bounds}: boundaries 0 < ... < {n_train}, at least two folds")
-    parts = [_blocks(a, b, block_rows) for a, b in zip(bounds, bounds[1:], strict=False)]
-    sizes = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    parts = [_blocks(a, b, block_rows) for a, b in itertools.pairwise(bounds)]
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
     held = _blocks(n_train, n_train + n_heldout, block_rows)
     y_bar, y_norm, y_ss, mean_rel = [], [], [], []
     y_sums: list[list[np.ndarray]] = []  # per target layer and fold: sum of (y - y_bar)
@@ -206,7 +207,7 @@ def fit_maps(
                 g_f += xc.T @ xc
             sums.append(s_f)
             grams.append(g_f)
-        gram = sum(grams)
+        gram = np.sum(grams, axis=0)
         e_all, v_all, scale = _eigh(gram)  # one decomposition, every target layer and ridge
         cv_folds = _folds(sums, grams, sizes, gram) if cv else []
         # With at most d_B held-out rows, (x - x_bar) V of every held-out row once (no larger
@@ -223,7 +224,7 @@ def fit_maps(
                 for s, e in p:
                     c += (source.rows(i, s, e) - x_bar).T @ target.rows(j, s, e)
                 fold_cross.append(c)
-            cross = sum(fold_cross)  # Xc'Yc
+            cross = np.sum(fold_cross, axis=0)  # Xc'Yc
             ridge = (
                 _cv_ridge(cv_folds, cross, fold_cross, y_sums[j], y_squares[j], ridges)
                 if cv

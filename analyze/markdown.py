@@ -104,4 +104,5 @@ def verdict(
         outcome, tail = "does not agree", f" {other} {t}"
     else:
         outcome, tail = "cannot tell", f" spans {t}"
-    return f"**Verdict: {outcome}.** {finding}: {shown}{tail} (n = {n} {unit}; at least {min_n} needed)."
+    count = f"n = {n} {unit}; at least {min_n} needed"
+    return f"**Verdict: {outcome}.** {finding}: {shown}{tail} ({count})."

@@ -262,19 +262,17 @@ def best_table(maps: pl.DataFrame) -> pl.DataFrame:
     first = (updates == 1) | ((pl.col("source_layer") >= 1) & (pl.col("target_layer") >= 1))
     maps = maps.with_columns(depth("source_layer"), depth("target_layer")).filter(first)
     sources = maps.select(*key, "source_depth").unique(maintain_order=True)
+    columns = ["target_layer", "rel_error", "r2", "mean_rel_error", "ridge"]
     best = (
         maps.filter("beats_mean")
         .sort([*key, "rel_error"])
         .group_by(key, maintain_order=True)
         .first()
-        .select(
-            *key, "target_layer", "rel_error", "r2", "mean_rel_error", "ridge", "target_depth"
-        )  # fmt: skip
+        .select(*key, *columns, "target_depth")
     )
     return sources.join(best, on=key, how="left", nulls_equal=True).select(
-        *key, "target_layer", "rel_error", "r2", "mean_rel_error", "ridge", "source_depth",
-        "target_depth",
-    )  # fmt: skip
+        *key, *columns, "source_depth", "target_depth"
+    )
 
 
 def spearman(best: pl.DataFrame) -> pl.DataFrame:
