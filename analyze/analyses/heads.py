@@ -33,7 +33,7 @@ from layerdiv.analyze import plots
 from layerdiv.analyze.analyses import reweight as rw
 from layerdiv.analyze.analyses.paper import tagged
 from layerdiv.analyze.decomposition import argmax, load_wide, with_softmax
-from layerdiv.analyze.markdown import DASH, fmt, markdown_table
+from layerdiv.analyze.markdown import DASH, fmt, markdown_table, verdict
 from layerdiv.analyze.options import ESTIMATORS
 from layerdiv.analyze.registry import (
     Analysis,
@@ -626,6 +626,30 @@ def heatmap_spec(
     return plots.Figure(title, panels, cols=min(3, len(panels)), panel_size=(4.6, 3.6))
 
 
+MIN_INSTANCES = 30
+"""Instances below which the accuracy of a part against the whole's cannot tell."""
+
+
+def beat_verdicts(summary: pl.DataFrame, names: dict[str, str]) -> str:
+    """Per (model, task) with heads: the verdict on "a head beats the whole", like with like:
+    the best calibrated head's accuracy minus the calibrated full model's (points), with the
+    normal interval of two proportions over the n instances (optimistic: the best of many heads,
+    chosen on the same instances)."""
+    lines = []
+    for r in summary.filter(pl.col("n_heads").is_not_null()).sort(*KEY).iter_rows(named=True):
+        n, head, whole = r["n_instances"], r["best_head_calibrated_accuracy"], r[
+            "calibrated_accuracy"]  # fmt: skip
+        diff = 100 * (head - whole)
+        se = 100 * np.sqrt((head * (1 - head) + whole * (1 - whole)) / max(n, 1))
+        lines.append("- " + verdict(
+            f"{names.get(r['model'], r['model'])}, {r['task']}: a head beats the whole "
+            f"(calibrated; best of {r['n_heads']} heads, chosen on the same instances)",
+            "best calibrated head − calibrated full model (points)", diff,
+            (diff - 1.96 * se, diff + 1.96 * se), n, 0.0, min_n=MIN_INSTANCES,
+            unit="instances", digits=1))  # fmt: skip
+    return "\n".join(lines)
+
+
 def heads_section(ctx: ReportContext) -> str:
     """The report's heads section: the parts that beat the whole, the heatmaps (drawn into
     ``ctx.figures``), the top heads and the reweighting results."""
@@ -678,6 +702,7 @@ def heads_section(ctx: ReportContext) -> str:
             ],
             rows,
         ),
+        beat_verdicts(summary, names),
     ]
     for model in sorted(scores["model"].unique()) if scores.height else []:
         label = names.get(model, model)

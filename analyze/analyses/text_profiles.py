@@ -32,6 +32,7 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
+from layerdiv.analyze.analyses.depth import decay_verdict
 from layerdiv.analyze.markdown import DASH, fmt, key_rows, markdown_table
 from layerdiv.analyze.registry import (
     Analysis,
@@ -343,7 +344,7 @@ def report(ctx: ReportContext) -> str:
         tables["text_update_fit"],
         tables["text_early_stop"],
     )
-    rows = []
+    rows, verdicts = [], []
     for _key, sub in pca.group_by(*KEY, maintain_order=True):
         model, task = sub["model"][0], sub["task"][0]
         ratios = sub.sort("component")["explained_ratio"].to_list()
@@ -357,6 +358,10 @@ def report(ctx: ReportContext) -> str:
             if fit.height
             else ""
         ) or DASH
+        if fit.height:
+            who = f"{ctx.names.get(str(model), str(model))}, {task}"
+            finding = f"{who}: the mean update θ(h_l, h_l+1) falls roughly as 1/l"
+            verdicts.append("- " + decay_verdict(finding, fit.row(0, named=True)))
         rows.append(
             [
                 ctx.names.get(str(model), str(model)),
@@ -380,6 +385,7 @@ def report(ctx: ReportContext) -> str:
         f"{EARLY_STOP_FRACTION:g} of their own mean over the first half, block 0 left out) and "
         "the fit of the mean θ of block l to a·l^−β.",
         markdown_table(header, rows),
+        "\n".join(verdicts),
         plots.figure_link(
             ctx,
             "text_profiles.png",
