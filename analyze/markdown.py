@@ -88,16 +88,18 @@ def verdict(
     """One line saying whether this model and data agree with a paper's ``finding``, which holds
     where ``statistic`` exceeds ``threshold`` (``above``) or lies below it: *agrees* where the
     95% ``interval`` (the value alone without one) lies wholly on the finding's side, *does not
-    agree* wholly on the other, *cannot tell* where it spans the threshold, *too few to tell*
-    with fewer than ``min_n`` ``unit`` (or no value)."""
+    agree* wholly on the other, *cannot tell* where it spans the threshold (or the value or an
+    interval asked for is undefined), *too few to tell* with fewer than ``min_n`` ``unit``."""
     side, other = (">", "<=") if above else ("<", ">=")
     shown = f"{statistic} {fmt(value, digits=digits)}"
     low, high = interval if interval is not None else (value, value)
     if interval is not None:
         shown += f" [{fmt(low, digits=digits)}, {fmt(high, digits=digits)}]"
     t = fmt(threshold, digits=digits)
-    if n < min_n or value is None or low is None or high is None or math.isnan(value):
+    if n < min_n:
         outcome, tail = "too few to tell", ""
+    elif value is None or math.isnan(value) or low is None or high is None:
+        outcome, tail = "cannot tell", " (undefined)"
     elif low > threshold if above else high < threshold:
         outcome, tail = "agrees", f" {side} {t}"
     elif high <= threshold if above else low >= threshold:

@@ -64,8 +64,10 @@ def test_demo_writes_a_running_text_task_on_bbc_news(tmp_path: Path) -> None:
 
 def test_demo_writes_its_small_skips_task_and_its_states_task(tmp_path: Path) -> None:
     """The demo's ``--skips``/``--lens`` choice task is the first instances of tweets2 (few:
-    the skips cost a forward pass per block), and its states task has more training rows
-    (documents with doc % 5 != 4, every position but the first) than SmolLM2's width."""
+    the skips cost a forward pass per block), and its states task has at least 10 training rows
+    (documents with doc % 5 != 4, every position but the first) per dimension of SmolLM2's
+    width, so that no map is flagged ``few_rows``."""
+    from layerdiv.analyze.analyses.maps import ROWS_PER_DIM
     from layerdiv.demo import SKIPS_N, SKIPS_OF, SKIPS_TASK, STATES_TASK
     from layerdiv.extract.tasks import instances, load_task
 
@@ -78,7 +80,7 @@ def test_demo_writes_its_small_skips_task_and_its_states_task(tmp_path: Path) ->
     spec = load_task(str(tasks[STATES_TASK]))
     train = [d for d in range(spec.n) if d % 5 != 4]
     assert spec.kind == "text" and spec.max_tokens is not None
-    assert len(train) * (spec.max_tokens - 1) > 576
+    assert len(train) * (spec.max_tokens - 1) >= ROWS_PER_DIM * 576
     assert len(write_demo_tasks(tmp_path / "small", n=10, seed=0)) == len(tasks)  # --n 10
     assert load_task(str(tmp_path / "small" / f"{SKIPS_TASK}.yaml")).n == 10
 

@@ -31,8 +31,8 @@ def outcome(line: str) -> str:
         (0.2, (0.1, 0.4), 10, False, "agrees"),
         (0.8, (0.6, 0.9), 10, False, "does not agree"),
         (0.8, None, 10, True, "agrees"),
-        (0.8, (None, None), 10, True, "too few to tell"),
-        (float("nan"), None, 10, True, "too few to tell"),
+        (0.8, (None, None), 10, True, "cannot tell"),
+        (float("nan"), None, 10, True, "cannot tell"),
     ],
 )
 def test_verdict_outcomes(
