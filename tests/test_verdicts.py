@@ -86,7 +86,7 @@ def test_depth_verdicts_flip() -> None:
     fit = {"n_fitted": 30, "beta": 0.9, "beta_se": 0.05, "r2": 0.9}
     assert outcome(decay_verdict("f", fit)) == "agrees"
     assert outcome(decay_verdict("f", {**fit, "beta": 0.22, "r2": 0.2})) == "does not agree"
-    assert "poor fit" in decay_verdict("f", {**fit, "beta": 0.22, "r2": 0.2})
+    assert "(power law R² 0.20, a poor fit)" in decay_verdict("f", {**fit, "beta": 0.22, "r2": 0.2})
     assert outcome(decay_verdict("f", {**fit, "beta": 0.5, "beta_se": 0.2})) == "cannot tell"
     assert outcome(decay_verdict("f", {**fit, "n_fitted": 4})) == "too few to tell"
 

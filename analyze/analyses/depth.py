@@ -852,11 +852,12 @@ def decay_verdict(finding: str, fit: Mapping[str, Any]) -> str:
     """The verdict on the inverse-depth paper's mean update ∝ 1/l from a
     :func:`power_law_fit` row: beta above :data:`DECAY` with its t interval (n - 2 degrees of
     freedom), its R² named."""
-    n = fit["n_fitted"] or 0
-    quality = plots.r2_text(fit["r2"])
-    statistic = f"β ({quality})" if quality else "β"
+    n, r2 = fit["n_fitted"] or 0, fit["r2"]
+    if r2 is not None and np.isfinite(r2):
+        poor = ", a poor fit" if r2 < plots.POOR_FIT_R2 else ""
+        finding += f" (power law R² {r2:.2f}{poor})"
     interval = t_interval(fit["beta"], fit["beta_se"], n - 2)
-    return verdict(finding, statistic, fit["beta"], interval, n, DECAY, min_n=MIN_BLOCKS,
+    return verdict(finding, "β", fit["beta"], interval, n, DECAY, min_n=MIN_BLOCKS,
                    unit="blocks fitted")  # fmt: skip
 
 
