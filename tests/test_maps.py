@@ -293,3 +293,15 @@ def test_cross_validated_ridge_against_refits() -> None:
                        / np.linalg.norm(yy, axis=2), axis=0)  # fmt: skip
     assert np.abs(got.mean_rel_error - mean_rel).max() < 1e-12
     assert (got.r2[:, 2] < 0.05).all() and got.r2[0, 0] > 0.5  # y_2 is noise; y_0 is x_0 A
+
+
+def test_maps_ridge_option() -> None:
+    """``--maps-ridge``: cv (or none) cross-validates over the grid, a positive number fixes the
+    ridge, anything else is refused in one line."""
+    from layerdiv.analyze.analyses.maps import MapsError, ridges
+
+    assert ridges(None) == ridges("cv") == RIDGES and len(RIDGES) > 1
+    assert ridges("0.01") == ridges(0.01) == (0.01,)
+    for bad in ("0", "-1", "nan", "often"):
+        with pytest.raises(MapsError, match=f"--maps-ridge {bad}: give cv or a positive number"):
+            ridges(bad)
