@@ -49,7 +49,9 @@ def region(results: Path) -> str:
 
     def space(name: str) -> str:
         r = rho[name]
-        found = f"{r['n']} of {r['n_sources']} source layers beat the mean predictor"
+        found = (
+            f"{r['n']} of {r['n_sources']} source layers have a map that beats the mean predictor"
+        )
         if r["spearman"] is None:
             return f"{found} on the {name} (too few for a correlation)"
         return (

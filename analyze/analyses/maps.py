@@ -53,7 +53,7 @@ MIN_LAYERS = 5
 """Source layers with a best target below which Spearman's rho cannot tell (with 4 points no
 ranking reaches p < 0.05)."""
 
-RIDGES = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+RIDGES = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
 """The ridge values cross-validated per map (lambda = ridge * trace(G) / d_A, methods §11)."""
 
 ROWS_PER_DIM = 10
@@ -431,12 +431,19 @@ def report(ctx: ReportContext) -> str:
     header = ["Source", "Target", "Space", "i", "best j", "i / L_A", "j / L_B", "rel_error",
               "mean predictor's rel_error", "R²", "ridge"]  # fmt: skip
     n_train, n_held = maps["n_train"][0], maps["n_heldout"][0]
+    cv = len(ridges(ctx.options.get("maps_ridge"))) > 1
     ridge = (
         f"its ridge cross-validated per map over the training documents' folds (doc % 5 = 0..3;"
         f" ridge in {', '.join(f'{r:g}' for r in RIDGES)})"
-        if len(ridges(ctx.options.get("maps_ridge"))) > 1
+        if cv
         else f"with ridge {maps['ridge'][0]:g}"
     )
+    edge = maps.filter(pl.col("ridge") == max(RIDGES)).height if cv else 0
+    if edge:
+        ridge += (
+            f"; {edge} of {maps.height} maps chose the largest ridge of the grid, so their best "
+            "may lie beyond it"
+        )
     few = maps.filter("few_rows").select(*PAIR).unique().height
     warning = (
         f"**Warning: {n_train} training rows, fewer than {ROWS_PER_DIM} x d_A for "
