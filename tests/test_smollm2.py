@@ -87,9 +87,10 @@ def test_demo_writes_its_small_skips_task_and_its_states_task(tmp_path: Path) ->
 
 def test_maps_from_the_15_block_sibling_onto_smollm2(tmp_path: Path) -> None:
     """SmolLM2's every-other-block sibling (15 of its 30 blocks, a damaged model from the same
-    weights) mapped onto SmolLM2 on the demo's BBC News states task, with more training rows
-    than SmolLM2's width: the best target layer of every source layer follows relative depth
-    (methods §11). Prints the table and Spearman's correlation (``pytest -s``)."""
+    weights) mapped onto SmolLM2 on the demo's BBC News states task, with at least 10 training
+    rows per dimension of SmolLM2's width: the best target layer of every source layer (among the
+    maps that beat the mean predictor) follows relative depth (methods §11). Prints the table
+    and Spearman's correlation (``pytest -s``)."""
     import layerdiv
     from layerdiv.analyze.analyses.maps import PAIR, spearman
     from layerdiv.demo import STATES_TASK
@@ -111,6 +112,7 @@ def test_maps_from_the_15_block_sibling_onto_smollm2(tmp_path: Path) -> None:
     maps = results.layer_maps
     assert maps.filter(pl.col("space") == "states").height == 16 * 31
     assert maps.filter(pl.col("space") == "updates").height == 15 * 30
-    assert (maps["n_train"] > 576).all()  # more rows than d: the fit is determined
-    rho = spearman(best).filter(pl.col("space") == "states")["spearman"].item()
-    assert rho > 0.8, rho
+    assert not maps["few_rows"].any()  # at least 10 x d training rows
+    assert (best.drop_nulls("target_layer")["r2"] > 0).all()  # only maps that beat the mean
+    rho = spearman(best).filter(pl.col("space") == "states").row(0, named=True)
+    assert rho["spearman"] > 0.8 and rho["low"] > 0.5, rho

@@ -4,6 +4,7 @@ below its minimum n."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -137,7 +138,7 @@ def test_law_heads_and_maps_verdicts_flip() -> None:
     assert outcome(beat_verdicts(summary(0.81), {})) == "cannot tell"
     assert outcome(beat_verdicts(summary(0.95, n=20), {})) == "too few to tell"
 
-    def best(target: list[float | None]) -> pl.DataFrame:
+    def best(target: Sequence[float | None]) -> pl.DataFrame:
         n = len(target)
         return pl.DataFrame(
             {**{c: "x" for c in PAIR}, "space": "states", "source_layer": range(n),
