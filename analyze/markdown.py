@@ -35,11 +35,30 @@ def fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return f"{value * scale:.{digits}f}"
 
 
+class TableShapeError(ValueError):
+    """A table row whose cell count differs from its header's (a bug in the section that built
+    it, never bad input)."""
+
+
+def cell(text: str) -> str:
+    """``text`` as one table cell: a pipe escaped (``\\|``, else it would split the cell) and a
+    line break as a space (a row is one line)."""
+    one_line = str(text).replace("\r\n", " ").replace("\n", " ")
+    return one_line.replace("\\|", "|").replace("|", "\\|")
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A GitHub-flavoured Markdown table (first column left-aligned, the rest right-aligned)."""
+    """A GitHub-flavoured Markdown table (first column left-aligned, the rest right-aligned),
+    every cell escaped with :func:`cell`; a row with another cell count than the header is
+    refused."""
+    short = [r for r in rows if len(r) != len(header)]
+    if short:
+        raise TableShapeError(
+            f"a table row has {len(short[0])} cells for {len(header)} columns: {list(short[0])}"
+        )
     rule = "|" + "|".join([":--", *["--:"] * (len(header) - 1)]) + "|"
-    lines = ["| " + " | ".join(header) + " |", rule]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+    lines = ["| " + " | ".join(map(cell, header)) + " |", rule]
+    return "\n".join(lines + ["| " + " | ".join(map(cell, r)) + " |" for r in rows])
 
 
 def key_rows(

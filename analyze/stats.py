@@ -17,6 +17,7 @@ import polars as pl
 
 from layerdiv.analyze.metrics import CORRELATED
 from layerdiv.analyze.options import ESTIMATORS
+from layerdiv.analyze.overlap import independent
 from layerdiv.store.key import KEY, MODEL_KEY
 
 METHODS: tuple[Literal["pearson", "spearman"], ...] = ("pearson", "spearman")
@@ -74,26 +75,29 @@ def fisher_z(r: pl.Expr) -> pl.Expr:
     return r.clip(-R_CLIP, R_CLIP).arctanh()
 
 
-def fisher_z_means(corr: pl.DataFrame) -> pl.DataFrame:
+def fisher_z_means(corr: pl.DataFrame, manifests: pl.DataFrame) -> pl.DataFrame:
     """Fisher-z averages of the correlations (methods §4): tanh(mean(arctanh r)).
 
     Rows with ``task`` null average a model over its tasks (the Avg. column); rows with
     ``model`` null average a task over models; the row with both null averages the per-task
-    means over tasks. NaN correlations are left out; ``n`` counts the ones averaged."""
+    means over tasks. NaN correlations are left out, and so are, in the averages over tasks, the
+    tasks whose instances another task holds (:func:`~layerdiv.analyze.overlap.independent`);
+    ``n`` counts the ones averaged."""
     keys = ["estimator", "metric", "method"]
     finite = corr.filter(pl.col("r").is_not_nan()).with_columns(fisher_z(pl.col("r")).alias("z"))
+    distinct = independent(finite, manifests)
 
     def mean(frame: pl.DataFrame, by: list[str]) -> pl.DataFrame:
         return frame.group_by([*by, *keys]).agg(pl.col("z").mean(), pl.len().alias("n"))
 
     nulls = [pl.lit(None, pl.String).alias(c) for c in KEY]  # one model (revision) per row
-    over_tasks = mean(finite, [*MODEL_KEY]).with_columns(
+    over_tasks = mean(distinct, [*MODEL_KEY]).with_columns(
         n for n in nulls if n.meta.output_name() not in MODEL_KEY
     )
     over_models = mean(finite, ["task"]).with_columns(
         n for n in nulls if n.meta.output_name() != "task"
     )
-    overall = mean(over_models, []).with_columns(nulls)
+    overall = mean(mean(distinct, ["task"]), []).with_columns(nulls)
     columns = [*KEY, *keys, "n", "z"]
     return (
         pl.concat([f.select(columns) for f in (over_tasks, over_models, overall)])
@@ -106,14 +110,16 @@ def fisher_z_means(corr: pl.DataFrame) -> pl.DataFrame:
 def depth_curves(
     curves: pl.DataFrame, manifests: pl.DataFrame, min_params: float = 0
 ) -> pl.DataFrame:
-    """Per (model, estimator, j): accuracy and MSE averaged over the model's tasks, and the
-    marginal gains of adding component j (methods §5): accuracy_j - accuracy_{j-1} and
+    """Per (model, estimator, j): accuracy and MSE averaged over the model's tasks (those whose
+    instances another task holds left out, :func:`~layerdiv.analyze.overlap.independent`), and
+    the marginal gains of adding component j (methods §5): accuracy_j - accuracy_{j-1} and
     mse_{j-1} - mse_j (positive = better). Only models with n_params >= ``min_params``."""
     params = manifests.group_by(*MODEL_KEY).agg(pl.col("n_params").first())
     keep = params.filter(pl.col("n_params") >= min_params)
     by = [*MODEL_KEY, "estimator"]
     return (
-        curves.join(keep, on=[*MODEL_KEY])
+        independent(curves, manifests)
+        .join(keep, on=[*MODEL_KEY])
         .group_by([*by, "j"])
         .agg(
             pl.col("n_params").first(),
@@ -339,11 +345,14 @@ def information_summary(curves: pl.DataFrame, component_preds: pl.DataFrame) -> 
     return full.join(relevancy, on=by).join(gains, on=by).sort(by)
 
 
-def module_shares_by_model(modules: pl.DataFrame, estimator: str) -> pl.DataFrame:
+def module_shares_by_model(
+    modules: pl.DataFrame, estimator: str, manifests: pl.DataFrame
+) -> pl.DataFrame:
     """Per (model, kind): bias and diversity shares averaged over the model's tasks (paper
-    Fig. 4), and the kind's share of the components |X| / L."""
+    Fig. 4; those whose instances another task holds left out), and the kind's share of the
+    components |X| / L."""
     return (
-        modules.filter(pl.col("estimator") == estimator)
+        independent(modules.filter(pl.col("estimator") == estimator), manifests)
         .with_columns(
             (pl.col("n_components") / pl.col("n_components").sum().over(*KEY)).alias(
                 "component_share"

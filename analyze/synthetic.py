@@ -6,7 +6,7 @@ store in every respect (manifest, schemas, complete-chunk markers); only the num
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,13 +114,11 @@ def write_partition(
     chunk: int | None = None,
     created_at: str = "2025-01-01T00:00:00Z",
     shuffle: np.random.Generator | None = None,
-    heads: np.ndarray | None = None,
+    optional: Mapping[str, np.ndarray] | None = None,
     head_ids: Sequence[int] = (),
     columns: Mapping[str, np.ndarray] | None = None,
     hidden_size: int | None = None,
     norm_eps: float | None = None,
-    skips: np.ndarray | None = None,
-    gram: np.ndarray | None = None,
 ) -> None:
     """Write one (model, task) partition from arrays.
 
@@ -128,11 +126,12 @@ def write_partition(
     component kinds in execution order; ``prefix_rms`` (N, L) rms of each prefix (default 1, and
     ``final_rms`` defaults to its last column). Instances are written in chunks of ``chunk``;
     with ``shuffle`` the rows of each chunk are permuted (the store promises no row order).
-    ``heads`` (N, A, G, K), with ``head_ids`` the G head indices (-1: the output projection's
-    bias), adds the ``heads`` table for the A attention components in execution order.
-    ``columns`` gives (N, L) values of ``out_norm``, ``cos_residual`` or ``cos_prev`` (default 1,
-    0, 0; NaN is stored as null); ``hidden_size`` and ``norm_eps`` go to the manifest; ``skips``
-    (N, blocks, K) skip logits and ``gram`` (N, C(C+1)/2) Gram rows fill the optional tables.
+    ``optional`` fills optional tables, by name (:data:`OPTIONAL_PARTS`): ``heads`` (N, A, G, K)
+    for the A attention components in execution order, with ``head_ids`` the G head indices
+    (-1: the output projection's bias); ``skips`` (N, blocks, K) skip logits; ``gram``
+    (N, C(C+1)/2) Gram rows. ``columns`` gives (N, L) values of ``out_norm``, ``cos_residual``
+    or ``cos_prev`` (default 1, 0, 0; NaN is stored as null); ``hidden_size`` and ``norm_eps``
+    go to the manifest.
     """
     n, n_comp, k = logits.shape
     if len(kinds) != n_comp or gold.shape != (n,):
@@ -183,20 +182,31 @@ def write_partition(
                 [f"Synthetic prompt of instance {i} of {task}." for i in ids],
             ),
         }
-        if heads is not None:
-            attn = [c for c, info in enumerate(infos) if info.kind == "attn"]
-            tables["heads"] = heads_table(
-                ids, attn, [infos[c].layer for c in attn], head_ids, heads[start:stop]
-            )
-        if skips is not None:
-            tables["skips"] = skips_table(ids, skips[start:stop])
-        if gram is not None:
-            tables["gram"] = gram_table(ids, gram[start:stop])
+        for table, values in (optional or {}).items():
+            tables[table] = OPTIONAL_PARTS[table](ids, values[start:stop], infos, head_ids)
         if shuffle is not None:
             tables = {k: t.take(shuffle.permutation(t.num_rows)) for k, t in tables.items()}
         if start == 0:
             mark_optional(writer, "choice", tables)
         writer.write_chunk(start, b, tables)
+
+
+def _heads_part(
+    ids: range, values: np.ndarray, infos: list[ComponentInfo], head_ids: Sequence[int]
+) -> pa.Table:
+    attn = [c for c, info in enumerate(infos) if info.kind == "attn"]
+    return heads_table(ids, attn, [infos[c].layer for c in attn], head_ids, values)
+
+
+OPTIONAL_PARTS: dict[
+    str, Callable[[range, np.ndarray, list[ComponentInfo], Sequence[int]], pa.Table]
+] = {
+    "heads": _heads_part,
+    "skips": lambda ids, values, *_: skips_table(ids, values),
+    "gram": lambda ids, values, *_: gram_table(ids, values),
+}
+"""How :func:`write_partition` makes a chunk's part of each optional table it fills, from the
+chunk's instances, their rows of the table's array, the components and the head ids."""
 
 
 def random_partition(

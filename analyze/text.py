@@ -126,24 +126,17 @@ SQUARES = tuple(DOTS.index(c) for c in ("hh", "aa", "mm"))
 
 
 def _check_dots(dots: np.ndarray, doc: np.ndarray, pos: np.ndarray, where: str) -> None:
-    """Refuse (``StoreError``, naming the first token) dot products that no forward pass gives:
-    NaN or infinite (``dd_next`` is NaN at the last block only, ``h_embed`` everywhere in parts
-    of older versions) or a negative squared norm; the analyses never average them."""
-    next_index = DOTS.index("dd_next")
-    finite = np.isfinite(dots)
-    finite[next_index, -1] = True  # no next block
-    embed = DOTS.index("h_embed")
-    if np.isnan(dots[embed]).all():  # a part written before h_embed was stored: all null
-        finite[embed] = True
-    bad = ~finite.all(axis=(0, 1))
+    """Refuse (``StoreError``, naming the first token) a negative squared norm, which no forward
+    pass gives (NaN and infinite values are refused as the part is read,
+    ``PartitionInfo.batches``); the analyses never average them."""
+    bad = np.zeros(dots.shape[2], bool)
     for row in SQUARES:
         bad |= (dots[row] < 0).any(axis=0)
     if bad.any():
         token = int(np.argmax(bad))
         raise StoreError(
-            f"{where}: token_blocks of doc {doc[token]} position {pos[token]} hold a NaN, an "
-            "infinite value or a negative squared norm (a damaged part); re-extract it with "
-            "--overwrite"
+            f"{where}: token_blocks of doc {doc[token]} position {pos[token]} hold a negative "
+            "squared norm (a damaged part); re-extract it with --overwrite"
         )
 
 

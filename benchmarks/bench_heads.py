@@ -76,7 +76,7 @@ def ensure_store(root: Path, layers: int, heads: int, tasks: int, instances: int
             rms,
             n_params=int(7e9),
             chunk=1024,
-            heads=head_logits,
+            optional={"heads": head_logits},
             head_ids=ids,
         )
         rows += head_logits.size

@@ -11,10 +11,13 @@ machine better than wall time), each check against the reading it guards:
 - reading every ``token_blocks`` part with page checksums verified against unverified;
 - the checks of the dot products (finite, squared norms >= 0) and of the (doc, pos) order against
   the pass over ``token_blocks`` that computes the geometry;
-- the key uniqueness check of ``future_effects`` against reading the table.
+- the key uniqueness check of ``future_effects`` against reading the table;
+- opening a choice store (one synthetic partition of ``--instances`` instances, 40 blocks, 4
+  options, in chunks of 1,024) against the part of it that reads the instance ids of each
+  chunk's parts (the row check of every reader: each instance's rows counted).
 
     python benchmarks/bench_store_checks.py [--store DIR] [--docs 320] [--tokens 1024]
-        [--blocks 32]
+        [--blocks 32] [--instances 4096]
 """
 
 from __future__ import annotations
@@ -41,15 +44,16 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=320)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--blocks", type=int, default=32)
+    parser.add_argument("--instances", type=int, default=4096)
     add_quick(parser)
     args = parser.parse_args()
     if args.quick:
-        args.docs, args.tokens, args.blocks = 8, 64, 4
+        args.docs, args.tokens, args.blocks, args.instances = 8, 64, 4, 64
 
     import numpy as np
 
     from layerdiv.analyze import text
-    from layerdiv.analyze.synthetic import synthesize_text_store
+    from layerdiv.analyze.synthetic import random_partition, synthesize_text_store, write_partition
     from layerdiv.schemas import SKIP_KEYS
     from layerdiv.store import Store
 
@@ -109,6 +113,24 @@ def main() -> None:
     unchecked, checked = cpu(lambda: effects(())), cpu(lambda: effects(key))
     print(f"read future_effects: {unchecked:.3f} s CPU, {checked:.3f} s with its keys checked "
           f"unique per part ({checked / unchecked:.2f} x)")  # fmt: skip
+
+    choice = root.with_name(root.name + "-choice")
+    if not (choice / "manifests").is_dir():
+        logits, gold, rms, kinds = random_partition(np.random.default_rng(0), args.instances, 40, 4)
+        write_partition(choice, "synth/choice", "task", logits, gold, kinds, rms, chunk=1024)
+    (part,) = Store(choice).partitions
+    n_rows = sum(pq.read_metadata(f).num_rows for f in part.files("components"))
+    opening = cpu(lambda: Store(choice))
+    ids = cpu(
+        lambda: [
+            pq.read_table(f, columns=["instance"])
+            for t in ("components", "instances")
+            for f in part.files(t)
+        ]
+    )
+    print(f"open a choice store ({part.n_done} instances, {n_rows:,} components rows, "
+          f"{len(part.done)} chunks): {opening:.3f} s CPU, of which reading the instance ids "
+          f"{ids:.3f} s ({ids / opening:.0%})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from layerdiv.extract.config import ExtractConfig
 from layerdiv.extract.models import WEIGHT_SUFFIXES, LoadedModel, cache_dir
 from layerdiv.store.atomic import write_bytes
 from layerdiv.store.key import DEFAULT_REVISION
+from layerdiv.store.paths import slug
 
 STEP = re.compile(r"^step(\d+)$")
 """A Pythia-style revision name: ``step<N>`` is the checkpoint after N optimizer steps."""
@@ -33,8 +34,10 @@ class RevisionError(LayerdivError, ValueError):
 def revision_facts(cfg: ExtractConfig) -> dict[str, Any]:
     """``revision``, ``step`` and ``tokens_seen`` as the manifest records them: the step from
     ``--step`` or a ``stepN`` revision name, the tokens from ``--tokens-seen`` or step x
-    ``--tokens-per-step``; a combination that cannot say them is refused."""
+    ``--tokens-per-step``; a combination that cannot say them, and a revision that makes no store
+    name, are refused."""
     revision = cfg.revision or DEFAULT_REVISION
+    slug(revision, "revision")  # one that makes no store name is refused, naming it
     named = STEP.match(revision)
     step = cfg.step if cfg.step is not None else int(named.group(1)) if named else None
     tokens = cfg.tokens_seen

@@ -63,6 +63,7 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
     with interruptible():
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
+        revision = revision_facts(cfg)["revision"]
         source = resolve_source(cfg.model, cfg.revision, cfg.gguf_file, cfg.trust_remote_code)
         adapter = adapter_for(source.config)
         approximate = check_softcap(source.config, cfg.allow_softcap)
@@ -74,7 +75,6 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         cost.announce(source.config, device.type, [
             cost.job(p.spec.kind, p.extra_tables, p.lens, d, [i.prompt for i in p.items],
                      tokenizer) for p, d in zip(plans, docs, strict=True)])  # fmt: skip
-        revision = revision_facts(cfg)["revision"]
         idents = [identity(source, dtype, p.spec, p.option_ids, p.data_sha256, revision)
                   for p in plans]  # fmt: skip
         if any(HEADS.tables["choice"][0] in p.extra_tables for p in plans):

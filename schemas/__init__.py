@@ -473,6 +473,26 @@ TABLES = {
 
 
 @dataclass(frozen=True)
+class Grid:
+    """The key of a dense table: every unit (the values of the ``units`` columns) holds the same
+    cells (the values of the ``cells`` columns), each once, rows in key order (readers check it
+    in one place, ``layerdiv.store.parts.dense``)."""
+
+    units: tuple[str, ...]
+    cells: tuple[str, ...]
+
+
+GRIDS: dict[str, Grid] = {
+    "components": Grid(("instance",), ("component", "option")),
+    "heads": Grid(("instance",), ("component", "head", "option")),
+    "states": Grid(("doc", "pos"), ("layer",)),
+}
+"""The key grid of each table read whole into dense arrays: ``components`` every component and
+option of each instance; ``heads`` the same heads and options of each instance; ``states``
+every layer 0..L of each stored (doc, pos)."""
+
+
+@dataclass(frozen=True)
 class Kind:
     """The tables of one task kind's partitions."""
 

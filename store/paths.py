@@ -29,6 +29,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Generic
 
+from layerdiv.errors import LayerdivError
 from layerdiv.measurements import table_schemas, tables_of_kind
 from layerdiv.schemas import KINDS, SchemaError
 from layerdiv.store.key import ABSENT, KEY, PartitionKey
@@ -44,12 +45,19 @@ _PART = re.compile(r"^part-(\d{7})-(\d{6})\.parquet$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
-def slug(model: str) -> str:
-    """Directory-safe name of a model id: ``org/name`` becomes ``org--name``."""
-    text = model.rstrip("/").replace("/", "--")
+class StoreNameError(LayerdivError, ValueError):
+    """A model id or revision that makes no directory name."""
+
+
+def slug(name: str, what: str = "model") -> str:
+    """Directory-safe name of a model id (or of a revision, ``what``): ``org/name`` becomes
+    ``org--name``; one with no letter or digit left is refused, naming it as ``what``."""
+    text = name.rstrip("/").replace("/", "--")
     out = _UNSAFE.sub("_", text).strip("._-")
     if not out:
-        raise ValueError(f"cannot make a store name from model {model!r}")
+        raise StoreNameError(
+            f"cannot make a store name from {what} {name!r}: give a {what} with a letter or digit"
+        )
     return out
 
 

@@ -17,31 +17,41 @@ import duckdb
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from layerdiv.errors import LayerdivError, one_line
 from layerdiv.measurements import kind_of_table, measurement_of, optional_tables, table_schemas
 from layerdiv.schemas import (
-    DEFAULT,
+    GRIDS,
     KINDS,
     VECTOR_TABLES,
+    Grid,
     Kind,
     SchemaError,
-    schema_matches,
     tables_of,
 )
 from layerdiv.store.atomic import restore
-from layerdiv.store.key import ABSENT, DEFAULT_REVISION, KEY, MODEL_KEY, PartitionKey
+from layerdiv.store.checks import check_partition, check_sums, stray_parts
+from layerdiv.store.key import DEFAULT_REVISION, KEY, MODEL_KEY, PartitionKey
 from layerdiv.store.location import (
     RemotePath,
     StorePath,
-    arrow_source,
     file_sizes,
     open_parquet,
     read_batches,
     store_root,
 )
 from layerdiv.store.manifest import Manifest, read_manifest
+from layerdiv.store.parts import (
+    StoreError,
+    dense,
+    in_key_order,
+    naming,
+    not_finite,
+    refuse_not_finite,
+    repeats,
+    scan_parts,
+    with_defaults,
+)
 from layerdiv.store.paths import (
     INDEX_NAME,
     MANIFEST_NAME,
@@ -50,11 +60,7 @@ from layerdiv.store.paths import (
     list_partitions,
     slug,
 )
-
-
-class StoreError(LayerdivError, RuntimeError):
-    """The store is empty, unreadable, or holds nothing that matches the request."""
-
+from layerdiv.store.views import NOT_FINITE, connect
 
 Names = str | Iterable[str]
 """One name, or any number of them (an empty list: no filter)."""
@@ -118,9 +124,9 @@ class PartitionInfo(Generic[StorePath]):
     ) -> Iterator[pa.RecordBatch]:
         """The ``columns`` of ``table`` (:meth:`files`), file by file in order, in record batches
         of at most ``rows`` rows (exactly ``rows`` but the last of each file); a part that cannot
-        be read (a damaged page: its checksum does not match) is a ``StoreError`` naming it, and
-        so is one where two rows share the key columns ``unique`` (checked after its last
-        batch: rows repeated in a part)."""
+        be read (a damaged page: its checksum does not match) or holds a NaN or an infinite value
+        is a ``StoreError`` naming it, and so is one where two rows share the key columns
+        ``unique`` (checked after its last batch: rows repeated in a part)."""
         wanted: list[str] = list(columns)
         key: list[str] = list(unique)
         read = list(dict.fromkeys([*wanted, *key]))
@@ -128,14 +134,15 @@ class PartitionInfo(Generic[StorePath]):
         older = set(read) - set(tables_of(self.manifest.schema_version)[table].names)
         for path in self.files(table):
             keys = []
-            with _naming(path, self.where):
-                for batch in _with_defaults(
+            with naming(path, self.where):
+                for batch in with_defaults(
                     read_batches(path, [c for c in read if c not in older], rows), schema, read
                 ):
+                    refuse_not_finite(not_finite(batch), table, path, self.where)
                     if key:
                         keys.append(batch.select(key))
                     yield batch if read == wanted else batch.select(wanted)
-            if keys and _repeats(pa.Table.from_batches(keys)):
+            if keys and repeats(pa.Table.from_batches(keys)):
                 raise StoreError(
                     f"{path}: rows repeat a ({', '.join(key)}) key; re-extract {self.where} "
                     "with --overwrite"
@@ -143,9 +150,9 @@ class PartitionInfo(Generic[StorePath]):
 
     def scan(self, table: str) -> pl.LazyFrame:
         """A Polars LazyFrame over ``table``'s parts (:meth:`files`), read through Arrow with
-        every page's checksum verified: a part that cannot be read is a ``StoreError`` naming
-        it, never numbers (:func:`scan_parts`)."""
-        return scan_parts(self.files(table), table_schemas()[table], self.where)
+        every page's checksum verified: a part that cannot be read, or holds a NaN or an infinite
+        value, is a ``StoreError`` naming it, never numbers (:func:`scan_parts`)."""
+        return scan_parts(self.files(table), table, table_schemas()[table], self.where)
 
     @cached_property
     def lacking(self) -> dict[str, list[tuple[int, int]]]:
@@ -175,6 +182,19 @@ class PartitionInfo(Generic[StorePath]):
             f"`{self.extract_command(table)}`"
             for table, missing in self.lacking.items()
             if missing
+        ] + self.stopped()
+
+    def stopped(self) -> list[str]:
+        """One line when parts lie outside the complete chunks (a run stopped, or still running,
+        before their chunk's marker: ``checks.stray_parts``; refused on open once every run has
+        finished), with the command that completes them."""
+        stray = {(s, n) for _, s, n in stray_parts(self)}
+        if not stray:
+            return []
+        return [
+            f"{sum(n for _, n in stray)} {self.kind.units} of {self.where} have parts but no "
+            f"{self.kind.marker} part (a run stopped before it, or is still running): left out; "
+            f"complete them with `{self.extract_command()}`"
         ]
 
     def extract_command(self, table: str | None = None) -> str:
@@ -215,56 +235,37 @@ class PartitionInfo(Generic[StorePath]):
         key, and the ``instances`` columns of every instance, sorted by instance.
 
         Refuses (``StoreError``) rows that do not hold every (instance, component, option) of the
-        partition's instances exactly once, and names the file of a part that cannot be read."""
-        manifest = self.manifest
-        k_opts, n_comp = len(manifest.options), len(manifest.components)
-        cells = n_comp * k_opts
-        key = (
-            pl.col("instance").cast(pl.Int64) * cells
-            + pl.col("component").cast(pl.Int64) * k_opts
-            + pl.col("option").cast(pl.Int64)
-        )
-        keys = ["instance", "component", "option"]
-        rows = (
-            self.scan("components")
-            .select(*keys, *(c for c in components if c not in keys))
-            .with_columns(key.alias("_key"))
-            .collect()
-        )
-        if not rows[
-            "_key"
-        ].is_sorted():  # extraction writes in order; the store does not promise it
-            rows = rows.sort("_key")
-        wanted = ["instance", *(c for c in instances if c != "instance")]
-        inst = self.scan("instances").select(wanted).sort("instance").collect()
-        # Row r must be cell r % cells of the (r // cells)-th instance: every cell once, no others.
-        row = pl.int_range(pl.len(), dtype=pl.Int64)
-        expected = (
-            pl.lit(inst["instance"].cast(pl.Int64)).gather(row // cells) * cells + row % cells
-        )
-        covered = (
-            rows.height == inst.height * cells
-            and rows.select(
-                (pl.col("_key") == expected).all()
-                & pl.col("option").is_between(0, k_opts - 1).all()
-                & pl.col("component").is_between(0, n_comp - 1).all()
-            ).item()
-            and inst["instance"].is_unique().all()
-        )
-        if not covered:
-            raise StoreError(
-                f"{self.where}: its {rows.height} components rows do not hold {inst.height} "
-                f"instances x {n_comp} components x {k_opts} options exactly once; re-extract it "
-                "with --overwrite"
-            )
-        return rows.select(*keys, *(c for c in components if c not in keys)), inst
+        partition's instances exactly once (:func:`~layerdiv.store.parts.dense`), components
+        that do not sum to the stored model logits (:func:`~layerdiv.store.checks.check_sums`),
+        and names the file of a part that cannot be read or holds a NaN or an infinite value."""
+        m = self.manifest
+        grid: Grid = GRIDS["components"]
+        keys: list[str] = [*grid.units, *grid.cells]
+        read = list(dict.fromkeys([*keys, "logit", *components]))
+        rows = in_key_order(self.scan("components").select(read).collect(), keys)
+        wanted: list[str] = ["instance", *(c for c in instances if c != "instance")]
+        both = list(dict.fromkeys([*wanted, "model_logits"]))
+        inst = self.scan("instances").select(both).sort("instance").collect()
+        n_comp, k_opts = len(m.components), len(m.options)
+        cells = pl.DataFrame({"component": np.repeat(np.arange(n_comp), k_opts),
+                              "option": np.tile(np.arange(k_opts), n_comp)})  # fmt: skip
+        dense(rows, "components", inst.select(grid.units), cells, self.where)
+        model = inst["model_logits"].explode().to_numpy()
+        if len(model) != inst.height * k_opts:
+            raise StoreError(f"{self.where}: its instances hold model logits of other than "
+                             f"{k_opts} options; re-extract it with --overwrite")  # fmt: skip
+        logits = rows["logit"].to_numpy().reshape(inst.height, n_comp, k_opts)
+        check_sums(inst["instance"].to_numpy(), logits.astype(np.float64),
+                   model.reshape(-1, k_opts), m, self.where)  # fmt: skip
+        return rows.select(*keys, *(c for c in components if c not in keys)), inst.select(wanted)
 
     def states(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The ``states`` table as arrays: (doc, pos) of every stored row (n, 2; a choice task's
         doc is the instance), their token ids (n,), and the states (n, L + 1, d) in the stored
         dtype (float16 or float32; bfloat16 widened to float32). Refuses a partition without
-        complete states, and rows that do not hold every layer of every (doc, pos) once in order
-        (methods §11)."""
+        complete states, rows that do not hold every layer of every (doc, pos) once in order
+        (methods §11; :func:`~layerdiv.store.parts.dense`), and a part holding a NaN or an
+        infinite state, naming it."""
         if "states" not in self.tables:
             raise StoreError(
                 f"{self.where} has no complete states table; extract it with "
@@ -274,37 +275,30 @@ class PartitionInfo(Generic[StorePath]):
                     else f"`{self.extract_command()} --states 1024` (or all)"
                 )
             )
-        parts = []
+        parts, values = [], []
         for f in self.files("states"):
-            with _naming(f, self.where), open_parquet(f) as file:
-                parts.append(file.read(use_threads=False))
+            with naming(f, self.where), open_parquet(f) as file:
+                part = file.read(use_threads=False)
+            flat = part["state"].combine_chunks()
+            got = flat.values.to_numpy(zero_copy_only=False)
+            if pa.types.is_uint16(flat.type.value_type):  # bfloat16 bits: the float32's high half
+                got = (got.astype(np.uint32) << 16).view(np.float32)
+            if not np.isfinite(got).all():
+                refuse_not_finite("state", "states", f, self.where)
+            parts.append(part.drop_columns(["state"]))
+            values.append(got)
         table = pa.concat_tables(parts)
         layers = self.manifest.n_blocks + 1
-        doc = table["doc"].to_numpy()
-        pos = table["pos"].to_numpy()
-        layer = table["layer"].to_numpy()
-        n = len(doc) // layers
-        flat = table["state"].combine_chunks()
-        values = flat.values.to_numpy(zero_copy_only=False)
-        if pa.types.is_uint16(flat.type.value_type):  # bfloat16 bits: the float32's high half
-            values = (values.astype(np.uint32) << 16).view(np.float32)
-        width = flat.type.list_size
-        ordered = (
-            len(doc) == n * layers
-            and (layer == np.tile(np.arange(layers), n)).all()
-            and (doc.reshape(n, layers) == doc[::layers, None]).all()
-            and (pos.reshape(n, layers) == pos[::layers, None]).all()
-        )
-        key = doc[::layers].astype(np.int64) << 32 | pos[::layers]
-        if not ordered or (np.diff(key) <= 0).any():
-            raise StoreError(
-                f"{self.where}: its states rows do not hold layers 0..{layers - 1} of each "
-                "(doc, pos) once in order; re-extract it with --overwrite"
-            )
+        grid: Grid = GRIDS["states"]
+        key = cast(pl.DataFrame, pl.from_arrow(table.select([*grid.units, *grid.cells])))
+        units = key.select(grid.units).gather_every(layers)
+        dense(key, "states", units, pl.DataFrame({"layer": np.arange(layers)}), self.where)
+        stacked = np.concatenate(values) if values else np.zeros(0, np.float32)
+        width = len(stacked) // max(1, table.num_rows)
         return (
-            np.stack([doc[::layers], pos[::layers]], axis=1),
+            units.to_numpy(),
             table["token"].to_numpy()[::layers],
-            values.reshape(n, layers, width),
+            stacked.reshape(units.height, layers, width),
         )
 
 
@@ -458,13 +452,15 @@ class Store:
 
     def verify(self, models: Names = (), tasks: Names = ()) -> None:
         """Read every part of the selected partitions (the views of :meth:`duckdb`) with every
-        page's checksum verified; a part that cannot be read is a ``StoreError`` naming it (a
-        failed query calls this to say which part failed: it reads the whole selection)."""
+        page's checksum verified; a part that cannot be read, or holds a NaN or an infinite
+        value, is a ``StoreError`` naming it (a failed query calls this to say which part failed:
+        it reads the whole selection)."""
         for p in self.select(models, tasks):
             for table in (*p.kind.required, *p.tables):
                 for path in p.files(table):
-                    with _naming(path, p.where), open_parquet(path) as file:
-                        file.read(use_threads=False)
+                    with naming(path, p.where), open_parquet(path) as file:
+                        read = file.read(use_threads=False)
+                    refuse_not_finite(not_finite(read), table, path, p.where)
 
     def scan(
         self,
@@ -605,8 +601,8 @@ class Store:
     ) -> LayerdivError:
         """DuckDB's refusal or failure of SQL on the views of :meth:`duckdb`, in one line that
         says which ``statement`` (number, of how many) failed and how, and names the views this
-        store has; a failure to read a part (a damaged page) is the ``StoreError`` naming the
-        part (:meth:`verify`)."""
+        store has; a failure to read a part (a damaged page) or a NaN or an infinite value read
+        is the ``StoreError`` naming the part (:meth:`verify`)."""
         tables = [t for t in self.tables(models, tasks) if t not in VECTOR_TABLES]
         views = ", ".join([*tables, "manifests", "models"])
         which = f"statement {statement[0]} of {statement[1]}: " if statement[1] > 1 else ""
@@ -616,7 +612,7 @@ class Store:
                 f"{which}{message}: SQL here reads only the views of this store ({views}) and "
                 "writes no file; save a result with --out FILE"
             )
-        if "reading the stream registered as" in message:  # Arrow could not read a part
+        if "reading the stream registered as" in message or NOT_FINITE in message:
             try:
                 self.verify(models, tasks)
             except StoreError as named:
@@ -626,65 +622,16 @@ class Store:
         return QueryError(f"{which}the SQL {kind}: {message} (the views of this store are {views})")
 
     def duckdb(self, models: Names = (), tasks: Names = ()) -> duckdb.DuckDBPyConnection:
-        """An in-memory DuckDB connection with the view ``manifests`` and a view of every table
-        (``layerdiv.measurements.table_schemas``) the selected partitions hold: the required
-        tables of their
-        task kinds (``components`` and ``instances``; ``documents``, ``tokens`` and
-        ``token_blocks``) and each optional one over the partitions that hold it for every stored
-        instance or document (:meth:`incomplete` names the others), and no file-system access:
-        SQL run on it
-        cannot read or write any file (the views scan the checked parts through Arrow), so the
-        store cannot be changed through it."""
-        import pyarrow.dataset as ds  # only here: it takes a third of a second to import
-
+        """An in-memory DuckDB connection with the views ``manifests``, ``models`` and one of
+        every table the selected partitions hold whole (:func:`~layerdiv.store.views.connect`):
+        SQL run on it cannot read or write any file, and a NaN or an infinite value it reads is
+        an error."""
         models, tasks = as_names(models), as_names(tasks)
-        parts = self.select(models, tasks)
-        con = duckdb.connect(config={"enable_external_access": False})
-        for table, declared in table_schemas().items():
-            if table in VECTOR_TABLES:
-                continue
-            whole = [p for p in parts if table in p.kind.required or table in p.tables]
-            files = [f for p in whole for f in p.files(table)]
-            if not files:
-                continue
-            # Every version's columns under today's schema: a column an older part lacks is null.
-            schema = declared
-            for name in KEY:
-                schema = schema.append(pa.field(name, pa.string()))
-            paths, filesystem, base = arrow_source(files, self.root / table)
-            verified = ds.ParquetFragmentScanOptions(page_checksum_verification=True)
-            dataset = ds.dataset(
-                paths,
-                filesystem=filesystem,
-                schema=schema,
-                format=ds.ParquetFileFormat(default_fragment_scan_options=verified),
-                partitioning=ds.partitioning(
-                    pa.schema([pa.field(n, pa.string()) for n in KEY]),
-                    flavor="hive",
-                ),
-                partition_base_dir=base,
-            )
-            # Parts of older layouts lack folder levels: their key columns read as ABSENT says;
-            # a column older parts lack reads as its declared default (schemas.DEFAULT).
-            absent = {c for p in whole for c in p.partition.absent}
-            fills = {c: ABSENT[c] for c in sorted(absent)}
-            fills.update(
-                {
-                    f.name: f.metadata[DEFAULT].decode()
-                    for f in declared
-                    if DEFAULT in (f.metadata or {})
-                }
-            )
-            if not fills:
-                con.register(table, dataset)
-                continue
-            con.register(f"_{table}", dataset)
-            filled = ", ".join(f"coalesce({c}, '{v}') AS {c}" for c, v in fills.items())
-            con.execute(f"CREATE VIEW {table} AS SELECT * REPLACE ({filled}) FROM _{table}")
-        con.register("manifests", self.manifests(models, tasks).to_arrow())
-        con.register("models", self.models(models, tasks).to_arrow())
-        con.execute("SET lock_configuration = true")
-        return con
+        return connect(
+            self.root,
+            self.select(models, tasks),
+            {"manifests": self.manifests(models, tasks), "models": self.models(models, tasks)},
+        )
 
 
 _FACTS = {"commit": pl.String, "step": pl.Int64, "tokens_seen": pl.Int64, "weights": pl.String}
@@ -710,164 +657,6 @@ as given, the hub commit, training step and tokens seen D of the revision (null 
 width d_model, depth l (decoder blocks), vocabulary, total and non-embedding parameters
 (``Manifest.n_params_non_embedding``) and the fingerprint of the weights."""
 
-LAW_COLUMNS = pl.Schema(
-    {
-        **dict.fromkeys(KEY, pl.String),
-        "width": pl.Int64,
-        "depth": pl.Int64,
-        "tokens_seen": pl.Int64,
-        "loss": pl.Float64,
-        "n_tokens": pl.Int64,
-    }
-)
-"""The columns of :func:`law_points`."""
-
-
-def law_points(store: Store | str | Path, tasks: Names = (), models: Names = ()) -> pl.DataFrame:
-    """The points of the depth law (methods §12) the store holds: per (model,
-    revision, text task) the width w, depth l, training tokens D of the revision (null where not
-    recorded: give ``extract --step/--tokens-seen``) and the mean of the model's own next-token
-    cross-entropy ``tokens.loss`` over every token that has one (``n_tokens`` of them; a
-    partition extracted before the loss was stored has none, and is refused)."""
-    st = store if isinstance(store, Store) else Store(store)
-    parts = [p for p in st.select(models, tasks) if p.manifest.kind == "text"]
-    if not parts:
-        raise StoreError("no running-text partition selected: the law needs a text task's loss")
-    old = [
-        p.key.label
-        for p in parts
-        if "loss" not in tables_of(p.manifest.schema_version)["tokens"].names
-    ]
-    if old:
-        raise StoreError(
-            f"{', '.join(old)}: extracted before the model's loss was stored (schema version "
-            "<= 4); re-extract them with --overwrite"
-        )
-    frame = mean_loss(st, parts)
-    facts = st.models(models, tasks).select(*MODEL_KEY, "width", "depth", "tokens_seen")
-    return (
-        frame.join(facts, on=[*MODEL_KEY], how="left")
-        .select(LAW_COLUMNS.names())
-        .cast(LAW_COLUMNS)
-        .sort(*KEY)
-    )
-
-
-def mean_loss(store: Store, parts: Sequence[PartitionInfo[Any]]) -> pl.DataFrame:
-    """Per text partition of ``parts`` (key columns): ``loss``, the mean of ``tokens.loss`` over
-    the ``n_tokens`` tokens that have one (null and 0 for partitions of schema version <= 4)."""
-    schema = {**dict.fromkeys(KEY, pl.String), "loss": pl.Float64, "n_tokens": pl.Int64}
-    text = [p for p in parts if p.manifest.kind == "text"]
-    if not text:
-        return pl.DataFrame(schema=schema)
-    return (
-        store.scan("tokens", [p.model for p in text], [p.task for p in text])
-        .join(pl.LazyFrame([dict(p.key.items()) for p in text]), on=[*KEY], how="semi")
-        .group_by(*KEY)
-        .agg(pl.col("loss").mean(), pl.col("loss").count().alias("n_tokens"))
-        .collect()
-        .cast(schema)  # type: ignore[arg-type]
-        .sort(*KEY)
-    )
-
-
-def scan_parts(files: Sequence[StorePath], schema: pa.Schema, where: str) -> pl.LazyFrame:
-    """A Polars LazyFrame over Parquet part files of one table (``schema``: today's columns; a
-    column an older part lacks is null, or its declared default: ``schemas.DEFAULT``), read file
-    by file through Arrow with every page's checksum verified (Polars' own reader does not verify
-    them): a part that cannot be read is a ``StoreError`` naming it and ``where`` (its
-    partition)."""
-    from polars.io.plugins import register_io_source
-
-    columns = pl.DataFrame(pl.from_arrow(schema.empty_table())).schema
-    defaults = {
-        f.name: f.metadata[DEFAULT].decode() for f in schema if DEFAULT in (f.metadata or {})
-    }
-
-    def source(
-        with_columns: list[str] | None, predicate: pl.Expr | None, n_rows: int | None, _: Any
-    ) -> Iterator[pl.DataFrame]:
-        wanted: list[str] = with_columns or list(columns)
-        needed = list(
-            dict.fromkeys(
-                [*wanted, *(predicate.meta.root_names() if predicate is not None else [])]
-            )
-        )
-        for path in files:
-            if n_rows is not None and n_rows <= 0:
-                return
-            with _naming(path, where), open_parquet(path) as file:
-                present = [c for c in needed if c in file.schema_arrow.names]
-                frame = cast(pl.DataFrame, pl.from_arrow(file.read(present, use_threads=False)))
-            frame = frame.with_columns(
-                pl.lit(defaults.get(c), pl.String if c in defaults else columns[c])
-                .cast(columns[c])
-                .alias(c)
-                for c in needed
-                if c not in present
-            )
-            if predicate is not None:
-                frame = frame.filter(predicate)
-            if n_rows is not None:
-                frame, n_rows = frame.head(n_rows), n_rows - min(n_rows, frame.height)
-            yield frame.select(wanted)
-
-    return register_io_source(io_source=source, schema=columns)
-
-
-def _with_defaults(
-    batches: Iterator[pa.RecordBatch], schema: pa.Schema, columns: list[str]
-) -> Iterator[pa.RecordBatch]:
-    """``batches`` with ``columns`` in order, those they lack (a part of an older schema version)
-    filled with the field's declared default (``schemas.DEFAULT``), else null."""
-    for batch in batches:
-        if batch.schema.names == columns:
-            yield batch
-            continue
-        arrays = []
-        for name in columns:
-            if name in batch.schema.names:
-                arrays.append(batch.column(name))
-                continue
-            f = schema.field(name)
-            value = (f.metadata or {}).get(DEFAULT)
-            fill = pa.array([None if value is None else value.decode()] * batch.num_rows)
-            arrays.append(fill.cast(f.type))
-        yield pa.RecordBatch.from_arrays(arrays, names=columns)
-
-
-def _repeats(keys: pa.Table) -> bool:
-    """Whether two rows of ``keys`` (integer or dictionary columns) are equal: each row packed
-    into one integer by the ranges its columns take, then (rows are written in key order) one
-    comparison of neighbours, a sort only where they are not in increasing order."""
-    packed = np.zeros(keys.num_rows, np.int64)
-    bits = 0
-    for column in keys.columns:
-        values = column.combine_chunks()
-        if pa.types.is_dictionary(values.type):
-            values = values.indices
-        ints = np.asarray(values.to_numpy(zero_copy_only=False), np.int64)
-        if not len(ints):
-            return False
-        ints = ints - ints.min()
-        width = int(ints.max()).bit_length()
-        bits += width
-        if bits > 62:  # too wide to pack: compare the rows themselves
-            return bool(pl.DataFrame(pl.from_arrow(keys)).is_duplicated().any())
-        packed = (packed << width) | ints
-    return bool((np.diff(packed) <= 0).any()) and len(np.unique(packed)) < len(packed)
-
-
-@contextlib.contextmanager
-def _naming(path: StorePath, where: str) -> Iterator[None]:
-    """Turn a failure to read the Parquet part ``path`` into a ``StoreError`` naming it."""
-    try:
-        yield
-    except (OSError, pa.ArrowException) as err:
-        raise StoreError(
-            f"{path}: unreadable part ({_first_line(err)}); re-extract {where} with --overwrite"
-        ) from err
-
 
 def _restore(root: Path) -> None:
     """Put back a store folder that a killed replacement (``merge``) left aside
@@ -888,10 +677,6 @@ def _count(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
 
 
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
 def _open_partition(part: Partition[StorePath]) -> PartitionInfo[StorePath]:
     """A partition's checked manifest and part files; ``StoreError`` says what is wrong."""
     listed = None if part.listing is None else part.listing.get(MANIFESTS, ())
@@ -904,49 +689,5 @@ def _open_partition(part: Partition[StorePath]) -> PartitionInfo[StorePath]:
         info = PartitionInfo(part, read_manifest(part.manifest, listed))
     except SchemaError as err:
         raise StoreError(str(err)) from err
-    _check_parts(info)
+    check_partition(info)
     return info
-
-
-def _check_parts(info: PartitionInfo[Any]) -> None:
-    """Check every part of each table against the schema of the partition's version and the
-    settings of the manifest (:meth:`~layerdiv.store.Manifest.settings_problem`), and each
-    complete chunk's row counts (:meth:`~layerdiv.store.Manifest.wrong_rows`: a part with rows
-    removed or repeated). Cheap: Parquet footers, and of a text chunk the ``n_tokens`` column of
-    its documents part."""
-    schemas = {**table_schemas(), **tables_of(info.manifest.schema_version)}
-    lacking = {t: set(chunks) for t, chunks in info.lacking.items()}
-    text = info.kind.name == "text"
-    for start, count in info.done:
-        rows: dict[str, int] = {}
-        for table in (*info.kind.required, *lacking):
-            if (start, count) in lacking.get(table, ()):
-                continue
-            f = info.partition.part(table, start, count)
-            try:
-                with open_parquet(f) as file:
-                    found, rows[table] = file.schema_arrow, file.metadata.num_rows
-                    mixed = info.manifest.settings_problem(table, file.metadata.metadata)
-                    if text and table == info.kind.marker:
-                        n_tokens = int(pc.sum(file.read(["n_tokens"])["n_tokens"]).as_py() or 0)
-            except (OSError, pa.ArrowException) as err:
-                raise StoreError(
-                    f"{f}: unreadable Parquet ({_first_line(err)}); re-extract {info.where} "
-                    "with --overwrite"
-                ) from err
-            if mixed:
-                raise StoreError(
-                    f"{f} {mixed}: a part of another extraction; re-extract {info.where} with "
-                    "--overwrite"
-                )
-            if not schema_matches(table, found, schemas[table]):
-                raise StoreError(
-                    f"{f}: columns do not match the {table} schema of version "
-                    f"{info.manifest.schema_version}; re-extract {info.where} with --overwrite"
-                )
-        wrong = info.manifest.wrong_rows(count, rows, n_tokens if text else 0)
-        if wrong:
-            raise StoreError(
-                f"{info.partition.part(wrong[0], start, count)}: {wrong[1]} (rows removed or "
-                f"repeated); re-extract {info.where} with --overwrite"
-            )

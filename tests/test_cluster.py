@@ -51,7 +51,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rng = np.random.default_rng(3)
     logits, gold, rms, kinds = random_partition(rng, 40, 3, 3)
     logits, heads, ids = random_heads(rng, logits, gold, kinds, 2)
-    write_partition(root, "org/heads", "task", logits, gold, kinds, rms, heads=heads,
+    write_partition(root, "org/heads", "task", logits, gold, kinds, rms, optional={"heads": heads},
                     head_ids=ids)  # fmt: skip
     synthesize_text_store(root, 2, 6, 20, 3, chunk=4, lens=True, skips=True, progress=False)
     return root

@@ -210,15 +210,25 @@ def test_analyze_and_report_include_depth(store: Path, tmp_path: Path) -> None:
     assert f"{beta:.2f} ±" in section
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
-def test_impossible_gram_values_are_never_averaged(tmp_path: Path, value: float) -> None:
+@pytest.mark.parametrize(
+    ("value", "refusal"),
+    [
+        (float("nan"), "part-0000003-000003.parquet: gram.gram holds a NaN or an infinite value"),
+        (float("inf"), "part-0000003-000003.parquet: gram.gram holds a NaN or an infinite value"),
+        (-1.0, "the gram row of instance 3 holds a negative squared norm"),
+    ],
+)
+def test_impossible_gram_values_are_never_averaged(
+    tmp_path: Path, value: float, refusal: str
+) -> None:
     v = make_vectors(np.random.default_rng(1), 6, 2, 8, 2)
     gram = np.einsum("icd,ied->ice", v.z, v.z)  # z_a . z_b of every component (no bias)
     n = v.z.shape[1]
     upper = np.triu_indices(n)  # row by row, as gram_index orders them
     flat = gram[:, upper[0], upper[1]].astype(np.float32)
     flat[3, gram_index(2, 2, n)] = value  # instance 3: the squared norm of component 2
-    write_partition(tmp_path, "m", "t", v.logits, v.gold, decoder_kinds(2), chunk=3, gram=flat)
-    with pytest.raises(StoreError, match="the gram row of instance 3 holds a NaN, an infinite "
-                       "value or a negative squared norm"):  # fmt: skip
+    write_partition(
+        tmp_path, "m", "t", v.logits, v.gold, decoder_kinds(2), chunk=3, optional={"gram": flat}
+    )
+    with pytest.raises(StoreError, match=refusal):
         analyze(tmp_path)

@@ -58,7 +58,7 @@ def store(tmp_path_factory: pytest.TempPathFactory, data: dict[str, np.ndarray])
         data["rms"],
         chunk=16,
         shuffle=np.random.default_rng(2),
-        heads=data["heads"],
+        optional={"heads": data["heads"]},
         head_ids=data["ids"].tolist(),
     )
     write_partition(root, "org/plain", "task", data["logits"], data["gold"], kinds, data["rms"])
@@ -178,7 +178,7 @@ def test_incomplete_heads_are_refused(tmp_path: Path, data) -> None:
         data["logits"],
         data["gold"],
         kinds,
-        heads=data["heads"],
+        optional={"heads": data["heads"]},
         head_ids=data["ids"].tolist(),
     )
     info = Store(tmp_path).select()[0]

@@ -14,6 +14,7 @@ import polars as pl
 from layerdiv.analyze.synthetic import decoder_kinds, write_partition
 from layerdiv.store import Store
 from layerdiv.store.key import KEY
+from layerdiv.store.writer import PartitionWriter
 
 STORE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "store.md"
 
@@ -31,7 +32,9 @@ def test_the_store_page_snippet_reads_complete_chunks_only(tmp_path: Path) -> No
         logits = rng.normal(size=(n, 5, k)).astype(np.float32)
         gold = rng.integers(0, k, n)
         write_partition(store, model, "sst2", logits, gold, decoder_kinds(2), chunk=8)
-    # What an interrupted run leaves: a components part without its instances part, a temp file.
+    # What an interrupted run leaves: its record without an end, a components part without its
+    # instances part, a temp file.
+    PartitionWriter(store, "org/a", "sst2").start_run({"n_requested": 28})
     comps = store / "components" / "model=org--a" / "revision=main" / "task=sst2"
     shutil.copy(comps / "part-0000000-000008.parquet", comps / "part-0000020-000008.parquet")
     (comps / ".part-0000028-000008.parquet.x.tmp").write_bytes(b"half")

@@ -147,6 +147,10 @@ def test_maps_match_reference(
     assert best["target_layer"].to_list() == want
     assert best["source_depth"].to_list() == [0.5, 1.0]
     assert best["target_depth"].to_list() == [None if j is None else j / 4 for j in want]
+    # block updates: l / L too (methods §11), l = 0..L-1 of the small model's 2 blocks
+    updates = results.layer_map_best.filter(pl.col("space") == "updates").sort("source_layer")
+    assert updates["source_depth"].to_list() == [0.0, 0.5]
+    assert set(updates["target_depth"].drop_nulls()) <= {j / 4 for j in range(4)}
 
 
 def test_identity_and_report(pair: dict[str, Any], tmp_path: Path) -> None:

@@ -313,7 +313,17 @@ def gram_store(root: Path, task: str) -> Path:
     """A synthetic partition of 6 instances in chunks of 2 with a (made-up) gram table."""
     rng = np.random.default_rng(7)
     logits, gold, rms, kinds = random_partition(rng, 6, 2, 2)
-    write_partition(root, "org/m", task, logits, gold, kinds, rms, chunk=2, gram=rng.random((6, 3)))
+    write_partition(
+        root,
+        "org/m",
+        task,
+        logits,
+        gold,
+        kinds,
+        rms,
+        chunk=2,
+        optional={"gram": rng.random((6, 3))},
+    )
     return root
 
 

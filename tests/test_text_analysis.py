@@ -255,6 +255,7 @@ def test_report_sections_draw_their_figures(text, tmp_path) -> None:
          "relative_depth_score": [0.4, 0.6]}
     )  # fmt: skip
     tables = {
+        "manifests": tagged(pl.DataFrame({"kind": ["text"]})),  # no subset_of: nothing overlaps
         "text_geometry": geometry,
         "text_lens": tagged(lens_table(document_means([lens]), 6)).with_columns(
             lens=pl.lit("final"), uniform_ce=pl.lit(np.log(400))
@@ -287,7 +288,6 @@ def test_report_sections_draw_their_figures(text, tmp_path) -> None:
     )
     drawn = sorted(p.name for p in ctx.figures.iterdir())
     assert drawn == [
-        "text_depth_score.png",
         "text_geometry.png",
         "text_lens.png",
         "text_profiles.png",
@@ -382,6 +382,7 @@ def test_store_tables_match_numpy_and_batching(tmp_path, monkeypatch) -> None:
         "text_skips",
         "text_profiles",
         "text_groups",
+        "depth_law",  # it runs on text tasks, and says why it fits nothing on one model
         "maps",
     ]
     ref = reference_geometry(h0, attn, mlp)

@@ -59,11 +59,24 @@ def test_paper_verdicts_flip() -> None:
              "estimator": "paper", "metric": "diversity", "method": "spearman", "r": rs}
         )  # fmt: skip
 
-    assert outcome(correlation_verdicts(ctx({"correlations": corr([0.8, 0.7, 0.9])}))) == "agrees"
+    none = pl.DataFrame()  # no manifests' subset_of: every task is independent
+    high = corr([0.8, 0.7, 0.9])
+    assert outcome(correlation_verdicts(ctx({"correlations": high, "manifests": none}))) == (
+        "agrees"
+    )
     low = corr([-0.8, -0.7, -0.9])
-    assert outcome(correlation_verdicts(ctx({"correlations": low}))) == "does not agree"
+    assert outcome(correlation_verdicts(ctx({"correlations": low, "manifests": none}))) == (
+        "does not agree"
+    )
     two = corr([0.8, 0.7])
-    assert outcome(correlation_verdicts(ctx({"correlations": two}))) == "too few to tell"
+    assert outcome(correlation_verdicts(ctx({"correlations": two, "manifests": none}))) == (
+        "too few to tell"
+    )
+    subset = pl.DataFrame({"model": ["m"] * 3, "revision": "main", "task": ["t0", "t1", "t2"],
+                           "subset_of": [None, None, ["t0"]]})  # fmt: skip
+    assert outcome(correlation_verdicts(ctx({"correlations": high, "manifests": subset}))) == (
+        "too few to tell"  # t2 is t0's subset: two tasks left
+    )
 
     def curves(gains: np.ndarray) -> pl.DataFrame:
         j = np.arange(1, len(gains) + 1)

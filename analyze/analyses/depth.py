@@ -39,6 +39,7 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import DASH, fmt, markdown_table, verdict
+from layerdiv.analyze.overlap import independent, left_out, lone_subsets
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -226,19 +227,20 @@ def _summary(
 
 def gram_matrices(info: PartitionInfo) -> tuple[np.ndarray, np.ndarray]:
     """(instances (N,), G (N, C, C)): the full Gram matrices z_a . z_b of one partition.
-    Refuses (``StoreError``, naming the first instance) a NaN or infinite entry or a negative
-    squared norm z_c . z_c, which no forward pass gives: never averaged."""
+    Refuses (``StoreError``, naming the first instance) a negative squared norm z_c . z_c,
+    which no forward pass gives (a NaN or infinite entry is refused as the part is read,
+    ``PartitionInfo.scan``): never averaged."""
     frame = info.scan("gram").collect().sort("instance")
     flat = np.asarray(frame["gram"].to_list(), dtype=np.float64)
     n = len([c for c in info.manifest.components if c.kind != "bias"])
     upper = np.triu_indices(n)
     index = np.array([gram_index(int(a), int(b), n) for a, b in zip(*upper, strict=True)])
     squares = [gram_index(c, c, n) for c in range(n)]
-    bad = ~np.isfinite(flat).all(axis=1) | (flat[:, squares] < 0).any(axis=1)
+    bad = (flat[:, squares] < 0).any(axis=1)
     if bad.any():
         raise StoreError(
             f"{info.where}: the gram row of instance {frame['instance'][int(np.argmax(bad))]} "
-            "holds a NaN, an infinite value or a negative squared norm (a damaged part); "
+            "holds a negative squared norm (a damaged part); "
             "re-extract it with --overwrite"
         )
     gram = np.zeros((len(frame), n, n))
@@ -562,10 +564,16 @@ def skip_effects(
 # --- report section -------------------------------------------------------------------------------
 
 _KIND_STYLE: dict[str, tuple[plots.Dash, str]] = {"attn": ("solid", "o"), "mlp": ("dash", "s")}
+_BLOCK_STYLE: dict[str, Any] = {"dash": "dot", "marker": "^"}
+"""A whole block's series, unlike either kind's."""
 
 
-def _by_model(frame: pl.DataFrame, keys: list[str], columns: Iterable[str]) -> pl.DataFrame:
-    """Means over a model's tasks of ``columns`` per ``keys``."""
+def _by_model(
+    tables: Mapping[str, pl.DataFrame], name: str, keys: list[str], columns: Iterable[str]
+) -> pl.DataFrame:
+    """Means over a model's tasks of ``columns`` of table ``name`` per ``keys`` (a task whose
+    instances another task of the table holds left out)."""
+    frame = independent(tables[name], tables["manifests"])
     return (
         frame.group_by("model", *keys).agg(pl.col(c).mean() for c in columns).sort("model", *keys)
     )
@@ -577,16 +585,17 @@ def geometry_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
     log-log axes with the fitted a * l^(-beta) (β, its s.e. and R² in the notes); models overlay
     on the relative-depth axis, each curve the mean over the model's tasks."""
     geo = _by_model(
-        tables["geometry"], ["kind", "name", "relative_depth"], ["rel_contribution", "cos_residual"]
+        tables, "geometry", ["kind", "name", "relative_depth"], ["rel_contribution", "cos_residual"]
     ).sort("model", "kind", "relative_depth")
     blocks = _by_model(
-        tables["geometry_blocks"], ["block", "relative_depth"], ["angle_deg", "rel_contribution"]
+        tables, "geometry_blocks", ["block", "relative_depth"], ["angle_deg", "rel_contribution"]
     )
-    fits = tables["depth_decay"].group_by("model").agg(pl.col("a", "beta", "beta_se", "r2").mean())
-    rel = plots.Panel(
-        "Relative contribution per component",
+    fits = _by_model(tables, "depth_decay", [], ["a", "beta", "beta_se", "r2"])
+    rel = plots.Panel(  # log: the first MLP's ratio (the embedding is small) is tens of times
+        "Relative contribution per component",  # the others'
         xlabel="relative depth c / L",
         ylabel="||z_c|| / ||r_(c-1)||",
+        yscale="log",
     )
     cos = plots.Panel(
         "Cosine of each component with the stream it joins",
@@ -625,23 +634,26 @@ def geometry_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
                 )
         sub = blocks.filter(pl.col("model") == model)
         hover = [f"block {b}" for b in sub["block"]]
+        block = f"{label} block (attn + mlp)"  # its own style: not one of the kinds'
         angle.series.append(
             plots.Series(
-                label,
+                block,
                 sub["relative_depth"].to_list(),
                 sub["angle_deg"].to_list(),
                 color=color,
                 hover=hover,
+                **_BLOCK_STYLE,
             )
         )
         size.series.append(
             plots.Series(
-                label,
+                block,
                 sub["block"].to_list(),
                 sub["rel_contribution"].to_list(),
                 color=color,
                 line=False,
                 hover=hover,
+                marker=_BLOCK_STYLE["marker"],
             )
         )
         fit = fits.filter(pl.col("model") == model)
@@ -649,7 +661,7 @@ def geometry_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
             x = sub["block"].to_numpy().astype(float)
             size.series.append(
                 plots.Series(
-                    label,
+                    block,
                     x.tolist(),
                     (fit["a"][0] * x ** -fit["beta"][0]).tolist(),
                     color=color,
@@ -674,7 +686,8 @@ def skip_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plot
     """Accuracy without each block (dotted: with every block), and the mean |total| and |direct|
     effect of each block on the option logits; mean over the model's tasks."""
     skips = _by_model(
-        tables["skip_effects"],
+        tables,
+        "skip_effects",
         ["layer", "relative_depth"],
         ["accuracy", "accuracy_without", "direct_effect", "total_effect"],
     )
@@ -693,9 +706,14 @@ def skip_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plot
         sub, label = skips.filter(pl.col("model") == model), names.get(model, model)
         x = sub["relative_depth"].to_list()
         hover = [f"block {b} skipped" for b in sub["layer"]]
-        acc.series.append(
+        acc.series.append(  # its own marker: the effects' series share the colour
             plots.Series(
-                label, x, (100 * sub["accuracy_without"]).to_list(), color=color, hover=hover
+                f"{label} accuracy",
+                x,
+                (100 * sub["accuracy_without"]).to_list(),
+                color=color,
+                hover=hover,
+                marker="^",
             )
         )
         whole = float(sub["accuracy"].cast(pl.Float64).fill_null(0).to_numpy().mean())
@@ -720,13 +738,14 @@ def skip_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plot
         "Layer skips (methods §7), mean over tasks, at the last prompt token",
         [acc, effect],
         panel_size=(6.0, 3.8),
+        caption=lone_subsets(tables["skip_effects"], tables["manifests"]),
     )
 
 
 def gram_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plots.Figure:
     """From the Gram matrices: the angle between consecutive block updates and of each state to
     the final one, per block; mean over the model's tasks."""
-    gram = _by_model(tables["gram_blocks"], ["block", "relative_depth"], GRAM_ANGLES)
+    gram = _by_model(tables, "gram_blocks", ["block", "relative_depth"], GRAM_ANGLES)
     panels = [
         plots.Panel(
             title,
@@ -922,7 +941,8 @@ def report(ctx: ReportContext) -> str:
         "(the inverse-depth paper finds β close to 1); poor fit: R² < "
         f"{plots.POOR_FIT_R2:g}. Halves split the components at relative depth 1/2; in "
         "brackets, the first half without the embedding and block 0, whose large relative "
-        "contribution (the embedding is small) can carry the first half alone.",
+        "contribution (the embedding is small) can carry the first half alone. The figures "
+        "average over tasks. " + left_out(tables["geometry"], tables["manifests"]),
         decay_table(tables, ctx.names),
         decay_verdicts(tables, ctx.names),
         figure(
@@ -939,13 +959,15 @@ def report(ctx: ReportContext) -> str:
             figure("depth_gram.png", "Gram-matrix angles", gram_spec),
         ]
     if "skip_effects" in tables:
+        lone = lone_subsets(tables["skip_effects"], tables["manifests"])
         parts += [
             "Skipping block b (`extract --skips`): the model's own option logits with the block "
             "replaced by the identity on every call. TE = logits − skip logits, DE = the block's "
             "own logit contributions (methods §1, final scale frozen), IE = TE − DE: what the "
             "block does through later blocks and the final norm, which the layer-addition curves "
             "do not see. Effects are mean absolute values over instances and options, in logit "
-            "units; KL of the skipped model's option distribution from the full one's, in nats.",
+            "units; KL of the skipped model's option distribution from the full one's, in nats. "
+            + (f"They rest on {lone}" if lone else ""),
             skip_table(tables, ctx.names),
             skip_verdicts(tables, ctx.names),
             figure("depth_skips.png", "Layer skips", skip_spec),

@@ -43,8 +43,10 @@ from layerdiv.analyze.registry import (
     partition_engine,
     register,
 )
+from layerdiv.schemas import GRIDS
 from layerdiv.store import PartitionInfo, Store, StoreError
 from layerdiv.store.key import KEY
+from layerdiv.store.parts import dense, in_key_order
 
 HOW_TO_EXTRACT = (
     "extract them with `layerdiv extract --heads` for the same model and task (it adds the heads "
@@ -81,48 +83,23 @@ def load_heads(info: PartitionInfo) -> pl.DataFrame:
     u0..u{K-1} (u_(b,h)[k] in float64; head -1 is the output projection's bias).
 
     Refuses (``StoreError``) rows that do not hold the same heads of every attention component
-    for every instance, each option once."""
+    for every instance, each option once (``layerdiv.store.parts.dense``)."""
     manifest = info.manifest
     k_opts = len(manifest.options)
-    rows = (
-        info.scan("heads")
-        .select("instance", "component", "layer", "head", "option", "logit")
-        .collect()
-    )
-    # Sort by (instance, component, head, option) unless extraction's order is still there.
-    span = int(rows.select(pl.col("head").max()).item() or 0) + 2
-    key = (
-        (pl.col("instance").cast(pl.Int64) * len(manifest.components) + pl.col("component")) * span
-        + pl.col("head")
-        + 1
-    ) * k_opts + pl.col("option")
-    if not rows.select(key.is_sorted()).item():
-        rows = rows.sort(key)
+    grid = GRIDS["heads"]
+    keys = [*grid.units, *grid.cells]
+    rows = in_key_order(info.scan("heads").select(*keys, "layer", "logit").collect(), keys)
     instances = info.scan("instances").select("instance", "gold").sort("instance").collect()
-    n = instances.height
-    first = rows.filter(pl.col("instance") == instances["instance"][0]) if n else rows
-    cells = first.height
+    first = rows.filter(pl.col("instance") == rows["instance"][0]) if rows.height else rows
+    pairs = first.select("component", "head").unique(maintain_order=True)
     attn = {c for c, comp in enumerate(manifest.components) if comp.kind == "attn"}
-    row = pl.int_range(pl.len(), dtype=pl.Int64)
-    covered = (
-        n > 0
-        and cells % k_opts == 0
-        and rows.height == n * cells
-        and set(first["component"].unique()) == attn
-        and rows.select(
-            (pl.col("instance") == pl.lit(instances["instance"]).gather(row // cells)).all()
-            & (pl.col("component") == pl.lit(first["component"]).gather(row % cells)).all()
-            & (pl.col("head") == pl.lit(first["head"]).gather(row % cells)).all()
-            & (pl.col("option").cast(pl.Int64) == row % k_opts).all()
-        ).item()
+    if set(pairs["component"]) != attn:  # every attention component, no other
+        pairs = pairs.clear()
+    cells = pairs.select(pl.all().repeat_by(k_opts).explode()).with_columns(
+        option=pl.int_range(pl.len()) % k_opts
     )
-    if not covered:
-        raise StoreError(
-            f"{info.where}: its {rows.height} heads rows do not "
-            f"hold the same heads of every attention component for its {n} instances, each "
-            "option once; re-extract it with --heads --overwrite"
-        )
-    groups = cells // k_opts
+    dense(rows, "heads", instances.select(grid.units), cells, info.where, "--heads ")
+    groups = cells.height // k_opts
     wide = rows.select(
         *(pl.col(c).gather_every(k_opts) for c in ("instance", "component", "layer", "head")),
         *(

@@ -17,9 +17,9 @@ Tables:
   ``space`` is ``states`` (layer l = h_l, l = 0..L) or ``updates`` (layer l = h_(l+1) - h_l,
   block l's update, l = 0..L-1).
 - ``layer_map_best``: per source layer the target layer of least rel_error among the maps that
-  beat the mean predictor (null where none does) and both relative depths: states i / L_A and
-  j / L_B over i, j >= 1 (methods §11); updates, block l's output depth (l + 1) / L over every
-  block.
+  beat the mean predictor (null where none does) and both relative depths i / L_A and j / L_B
+  (methods §11; L the model's blocks): states over i, j >= 1, updates (block l's,
+  l = 0..L-1) over every block.
 """
 
 from __future__ import annotations
@@ -254,8 +254,8 @@ def best_table(maps: pl.DataFrame) -> pl.DataFrame:
     key = [*pair, "source_layer"]
     updates = (pl.col("space") == "updates").cast(pl.Int16)
 
-    def depth(layer: str) -> pl.Expr:  # i / L (states), (l + 1) / L (updates, L = blocks)
-        return ((pl.col(layer) + updates) / (pl.col(layer).max().over(pair) + updates)).alias(
+    def depth(layer: str) -> pl.Expr:  # i / L, L = blocks (states 0..L, updates 0..L-1)
+        return (pl.col(layer) / (pl.col(layer).max().over(pair) + updates)).alias(
             layer.replace("layer", "depth")
         )
 
@@ -312,10 +312,9 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
 
 def _nearest_same_depth(n_a: int, n_b: int, updates: bool) -> list[int]:
     """Per source layer, the target layer nearest the same relative depth (methods §11: i / L_A
-    = j / L_B for states, (l + 1) / L for block updates): the heatmap's diagonal."""
-    u = int(updates)
-    l_a, l_b = n_a - 1 + u, n_b - 1 + u
-    return [min(n_b - 1, max(0, round((i + u) * l_b / l_a) - u)) for i in range(n_a)]
+    = j / L_B, L the blocks: n - 1 states, n block updates): the heatmap's diagonal."""
+    l_a, l_b = (n_a, n_b) if updates else (n_a - 1, n_b - 1)
+    return [min(n_b - 1, round(i * l_b / l_a)) for i in range(n_a)]
 
 
 def maps_figure(maps: pl.DataFrame, best: pl.DataFrame, names: dict[str, str]) -> plots.Figure:

@@ -9,12 +9,12 @@ from collections.abc import Mapping
 import polars as pl
 
 from layerdiv.analyze import plots
+from layerdiv.analyze.law import mean_loss
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.options import ESTIMATORS
 from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY, MODEL_KEY
-from layerdiv.store.reader import mean_loss
 
 QUANTITIES = {
     "accuracy": "full-stack accuracy",
