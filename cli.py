@@ -23,6 +23,8 @@ from layerdiv.schemas import KINDS
 from layerdiv.version import __version__
 
 DEFAULT_STORE = "layerdiv-store"
+HELP_OPTIONS = ["-h", "--help"]
+"""Every command's help option."""
 MAX_ROWS = 40
 """Rows ``layerdiv query`` prints unless told otherwise."""
 
@@ -63,7 +65,7 @@ def fail_after(problems: list[str]) -> None:
         raise click.exceptions.Exit(1)
 
 
-@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Main, context_settings={"help_option_names": HELP_OPTIONS})
 @click.version_option(__version__, prog_name="layerdiv")
 def main() -> None:
     """Bias-diversity decomposition of a language model's residual stream.
@@ -121,6 +123,12 @@ _DEFAULTS = ExtractConfig(model="", tasks=[])
 class _Extract(click.Command):
     """``extract``, whose options include those of every registered measurement
     (``layerdiv.measurements``), read when the command runs or shows its help."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from layerdiv.measurements.registry import reserve
+
+        super().__init__(*args, **kwargs)
+        reserve(self.name or "extract", [*self.params, click.Option(HELP_OPTIONS)])
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
         from layerdiv.measurements import registered
@@ -395,9 +403,10 @@ maps_option = click.option(
 )
 maps_ridge_option = click.option(
     "--maps-ridge",
-    type=click.FloatRange(min=0, min_open=True),
     default=None,
-    help="The ridge of --maps: lambda = ridge * trace(G) / d (default 1e-3).",
+    metavar="cv|RIDGE",
+    help="The ridge of --maps, lambda = ridge * trace(G) / d: cv (the default) cross-validates "
+    "it per map over the training documents, a positive number fixes it.",
 )
 
 
@@ -465,7 +474,7 @@ def analyze_command(
     min_params: float,
     reweight: bool,
     maps: str | None,
-    maps_ridge: float | None,
+    maps_ridge: str | None,
     executor: Any,
     ray_address: str | None,
     out: str,
@@ -528,7 +537,7 @@ def report_command(
     min_params: float,
     reweight: bool,
     maps: str | None,
-    maps_ridge: float | None,
+    maps_ridge: str | None,
     executor: Any,
     ray_address: str | None,
     estimator: Any,
@@ -800,7 +809,8 @@ def fit_law_command(
     )
     if fit.heldout_error is not None:
         click.echo(
-            f"held-out mean absolute relative error {fit.heldout_error:.4g} ({heldout} splits)"
+            f"held-out mean absolute relative error {fit.heldout_error:.4g} ({fit.n_heldout} "
+            f"of {heldout} splits identify the law)"
         )
     click.echo(f"wrote {out}")
 

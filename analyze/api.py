@@ -23,6 +23,7 @@ import polars as pl
 from layerdiv.analyze import cluster
 from layerdiv.analyze.decomposition import instance_curves
 from layerdiv.analyze.options import ESTIMATORS, FORMATS, SCALES, Estimator, Executor, Scale
+from layerdiv.analyze.overlap import mark_subsets
 from layerdiv.analyze.registry import Context, NoData, partition_engine, registered, using
 from layerdiv.analyze.spill import Spill
 from layerdiv.errors import LayerdivError, LayerdivWarning
@@ -54,7 +55,9 @@ class Results:
     (``results.scores``). Scores are fractions (accuracy 0.55, not 55) and ``j`` counts
     components (1 = the embedding alone, L = the full stack).
 
-    ``manifests``: per (model, task), provenance of the analysed partitions (``Store.manifests``).
+    ``manifests``: per (model, task), provenance of the analysed partitions (``Store.manifests``),
+    and ``subset_of``: the other tasks of the same model that hold every one of its instances
+    (null: none; :mod:`layerdiv.analyze.overlap`), left out of every average over tasks.
     The ``paper`` analysis (methods §2-6) adds:
 
     - ``scores``: per (model, task, estimator): accuracy, mse, bias, diversity of the full stack
@@ -255,7 +258,8 @@ def run_analysis(
         options=dict(options or {}),
         notes=st.incomplete(models, tasks),
     )
-    tables = {"manifests": st.manifests(models, tasks).filter(pl.col("n_done") > 0)}
+    manifests = st.manifests(models, tasks).filter(pl.col("n_done") > 0)
+    tables = {"manifests": mark_subsets(manifests, ctx.parts)}
     ran = []
     with cluster.executor(executor, ray_address) as runner, using(runner):
         for analysis in analyses:

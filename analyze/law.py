@@ -36,10 +36,20 @@ FLOOR_STARTS = (0.3, 0.8)
 """Initial E as fractions of the lowest loss: each is combined with every exponent start."""
 HELDOUT_FRACTION = 0.2
 """Share of the points held out in each split (methods §12)."""
+POINT_MARGIN = 3
+"""Points beyond the 7 parameters a fit needs: sigma^2 = sum residual^2 / (n - 7) then rests on at
+least this many residual degrees of freedom."""
+MIN_POINTS = N_PARAMS + POINT_MARGIN
+"""The fewest points a fit (and each held-out split's fit) takes."""
+RANK_RTOL = 1e-8
+"""A Jacobian whose smallest singular value is below this fraction of its largest is taken as
+rank-deficient: (J'J)^-1 then squares its condition past 1e16, and no digit of the standard errors
+is right (nor does the solver repeat its steps there)."""
 
 
 class LawError(LayerdivError, ValueError):
-    """Points the law cannot be fitted to (a missing column, a non-positive value, too few)."""
+    """Points the law cannot be fitted to (a missing column, a non-positive value, too few, or
+    points that do not identify the 7 parameters)."""
 
 
 @dataclass
@@ -56,9 +66,11 @@ class LawFit:
     n_fitted: int
     """Points kept after ``exclude_highest``."""
     n_bootstrap: int
+    """Resamples whose refit is identified (:func:`_identified_fit`): the intervals' draws."""
     heldout_error: float | None
     """Mean absolute relative error |L - L_hat| / L on the held-out points (None: no splits)."""
     n_heldout: int
+    """Held-out splits whose fit is identified: those the error averages."""
     points: pl.DataFrame = field(repr=False)
     """The fitted points, with the column ``fitted`` (L_hat)."""
 
@@ -180,6 +192,53 @@ def _best(starts: list[np.ndarray], x: np.ndarray, loss: np.ndarray) -> Any:
     return best
 
 
+def _single_value(raw: np.ndarray) -> str | None:
+    """Why the points (n x 3, :data:`VARIABLES`) cannot identify the law before any fit: a
+    variable with one value, whose term c x^-a is then a constant beside E; None if each varies."""
+    for k, variable in enumerate(VARIABLES):
+        values = np.unique(raw[:, k])
+        if len(values) < 2:
+            return (
+                f"every point has {variable} {values[0]:g}, so c_{variable} and alpha_{variable} "
+                f"cannot be told from E; give points of at least two values of {variable}"
+            )
+    return None
+
+
+def _rank_deficiency(theta: np.ndarray, x: np.ndarray, loss: np.ndarray) -> str | None:
+    """Why the fit at ``theta`` does not identify the 7 parameters: the Jacobian of the log
+    residuals without full rank (:data:`RANK_RTOL`), naming the parameters that its null space
+    moves; None at an identified optimum."""
+    with np.errstate(all="ignore"):
+        jac = _log_jacobian(theta, x, loss)
+    if not np.all(np.isfinite(jac)):
+        return "the Jacobian at the optimum is not finite"
+    _, sv, vt = np.linalg.svd(jac, full_matrices=False)
+    rank = int(np.sum(sv > RANK_RTOL * sv[0])) if sv[0] > 0 else 0
+    if rank == N_PARAMS:
+        return None
+    weak = (vt[rank:] ** 2).sum(axis=0)  # each parameter's share of the unconstrained directions
+    names = [PARAMETERS[i] for i in np.argsort(-weak) if weak[i] > 0.1]
+    return (
+        f"the Jacobian at the optimum has rank {rank} of {N_PARAMS} (the points leave "
+        f"{', '.join(names)} undetermined)"
+    )
+
+
+def _identified_fit(starts: list[np.ndarray], x: np.ndarray, loss: np.ndarray) -> Any | None:
+    """:func:`_best` over ``starts`` of a resample or split, or None where its points cannot
+    identify the law (one value of a variable, no start converging, or a rank-deficient Jacobian
+    at its optimum): such a fit is left out, as its solution is arbitrary (and the solver does
+    not even repeat it from the same start)."""
+    if _single_value(x) is not None:
+        return None
+    try:
+        res = _best(starts, x, loss)
+    except LawError:
+        return None
+    return None if _rank_deficiency(res.x, x, loss) else res
+
+
 def _to_input_units(theta: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """(c_w, a_w, c_l, a_l, c_D, a_D, E) in the units of the input columns: c = c' s^a."""
     alpha = theta[1:6:2]
@@ -236,7 +295,10 @@ def fit_law(
     ``exclude_highest`` N keeps the points whose loss is strictly below the N-th highest;
     ``bootstrap`` B resamples refitted from the optimum give 2.5/97.5 percentile intervals;
     ``heldout`` K random 20% splits give the mean absolute relative error on the held-out
-    points (each split fitted from every start). ``seed`` fixes both."""
+    points (each split fitted from every start). ``seed`` fixes both. Points that cannot
+    identify the 7 parameters are refused (``LawError``): fewer than :data:`MIN_POINTS`, a
+    variable with one value, or a Jacobian without full rank at the optimum; a resample or
+    split that cannot is left out of the intervals or the error."""
     frame = check_points(points, "the points")
     n_points = frame.height
     if exclude_highest < 0:
@@ -249,17 +311,25 @@ def fit_law(
             )
         cut = np.sort(frame["loss"].to_numpy())[::-1][exclude_highest - 1]
         frame = frame.filter(pl.col("loss") < cut)  # methods §12: strictly below
-    if frame.height <= N_PARAMS:
+    if frame.height < MIN_POINTS:
         raise LawError(
             f"{frame.height} point(s) to fit (of {n_points}) but the law has {N_PARAMS} "
-            f"parameters: give at least {N_PARAMS + 1} points"
+            f"parameters: give at least {MIN_POINTS} points (the parameters plus {POINT_MARGIN} "
+            "for the residual variance)"
         )
     raw = frame.select(VARIABLES).to_numpy()
     loss = frame["loss"].to_numpy()
+    if problem := _single_value(raw):
+        raise LawError(f"the law cannot be identified from these points: {problem}")
     scale = np.exp(np.log(raw).mean(axis=0))
     x = raw / scale
     best = _best(_starts(loss), x, loss)
     theta = best.x
+    if problem := _rank_deficiency(theta, x, loss):
+        raise LawError(
+            f"the law cannot be identified from these points: {problem}; give points that vary "
+            "width, depth and tokens more widely (or more of them)"
+        )
     estimate = _to_input_units(theta, scale)
     se = standard_errors(theta, x, loss, scale)
     rng = np.random.default_rng(seed)
@@ -267,23 +337,26 @@ def fit_law(
     draws = []
     for _ in range(bootstrap):
         idx = rng.integers(0, n, n)
-        with np.errstate(all="ignore"):
-            res = _solve(theta, x[idx], loss[idx])
-        if np.all(np.isfinite(res.x)):
+        res = _identified_fit([theta], x[idx], loss[idx])
+        if res is not None:
             draws.append(_to_input_units(res.x, scale))
     low = high = np.full(N_PARAMS, np.nan)
     if draws:
         low, high = np.percentile(np.array(draws), [2.5, 97.5], axis=0)
     errors = []
     n_out = max(1, round(HELDOUT_FRACTION * n))
+    if heldout and n - n_out < MIN_POINTS:
+        raise LawError(
+            f"{n} points are too few for held-out splits of 20% (each split fits at least "
+            f"{MIN_POINTS}): omit --heldout"
+        )
     for _ in range(heldout):
         order = rng.permutation(n)
         out, keep = order[:n_out], order[n_out:]
-        if len(keep) <= N_PARAMS:
-            raise LawError(f"{n} points are too few for held-out splits of 20%: omit --heldout")
-        split = _best(_starts(loss[keep]), x[keep], loss[keep])
-        predicted = _terms(split.x, x[out]).sum(axis=1) + np.exp(split.x[6])
-        errors.append(np.abs(loss[out] - predicted) / loss[out])
+        split = _identified_fit(_starts(loss[keep]), x[keep], loss[keep])
+        if split is not None:
+            predicted = _terms(split.x, x[out]).sum(axis=1) + np.exp(split.x[6])
+            errors.append(np.abs(loss[out] - predicted) / loss[out])
     fitted = _terms(theta, x).sum(axis=1) + np.exp(theta[6])
     table = pl.DataFrame(
         {
@@ -302,7 +375,7 @@ def fit_law(
         n_fitted=n,
         n_bootstrap=len(draws),
         heldout_error=float(np.mean(np.concatenate(errors))) if errors else None,
-        n_heldout=heldout,
+        n_heldout=len(errors),
         points=frame.with_columns(pl.Series("fitted", fitted)),
     )
 

@@ -35,11 +35,30 @@ def fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return f"{value * scale:.{digits}f}"
 
 
+class TableShapeError(ValueError):
+    """A table row whose cell count differs from its header's (a bug in the section that built
+    it, never bad input)."""
+
+
+def cell(text: str) -> str:
+    """``text`` as one table cell: a pipe escaped (``\\|``, else it would split the cell) and a
+    line break as a space (a row is one line)."""
+    one_line = str(text).replace("\r\n", " ").replace("\n", " ")
+    return one_line.replace("\\|", "|").replace("|", "\\|")
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A GitHub-flavoured Markdown table (first column left-aligned, the rest right-aligned)."""
+    """A GitHub-flavoured Markdown table (first column left-aligned, the rest right-aligned),
+    every cell escaped with :func:`cell`; a row with another cell count than the header is
+    refused."""
+    short = [r for r in rows if len(r) != len(header)]
+    if short:
+        raise TableShapeError(
+            f"a table row has {len(short[0])} cells for {len(header)} columns: {list(short[0])}"
+        )
     rule = "|" + "|".join([":--", *["--:"] * (len(header) - 1)]) + "|"
-    lines = ["| " + " | ".join(header) + " |", rule]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+    lines = ["| " + " | ".join(map(cell, header)) + " |", rule]
+    return "\n".join(lines + ["| " + " | ".join(map(cell, r)) + " |" for r in rows])
 
 
 def key_rows(
@@ -70,3 +89,41 @@ def model_task_table(
     if any(m is None for m, _ in cells):
         rows.append(["*All models (Fisher-z)*", *(cells.get((None, t), DASH) for t in columns)])
     return markdown_table(["Model", *tasks, *([AVG] if avg else [])], rows)
+
+
+def verdict(
+    finding: str,
+    statistic: str,
+    value: float | None,
+    interval: tuple[float | None, float | None] | None,
+    n: int,
+    threshold: float,
+    *,
+    min_n: int,
+    unit: str,
+    above: bool = True,
+    digits: int = 2,
+) -> str:
+    """One line saying whether this model and data agree with a paper's ``finding``, which holds
+    where ``statistic`` exceeds ``threshold`` (``above``) or lies below it: *agrees* where the
+    95% ``interval`` (the value alone without one) lies wholly on the finding's side, *does not
+    agree* wholly on the other, *cannot tell* where it spans the threshold (or the value or an
+    interval asked for is undefined), *too few to tell* with fewer than ``min_n`` ``unit``."""
+    side, other = (">", "<=") if above else ("<", ">=")
+    shown = f"{statistic} {fmt(value, digits=digits)}"
+    low, high = interval if interval is not None else (value, value)
+    if interval is not None:
+        shown += f" [{fmt(low, digits=digits)}, {fmt(high, digits=digits)}]"
+    t = fmt(threshold, digits=digits)
+    if n < min_n:
+        outcome, tail = "too few to tell", ""
+    elif value is None or math.isnan(value) or low is None or high is None:
+        outcome, tail = "cannot tell", " (undefined)"
+    elif low > threshold if above else high < threshold:
+        outcome, tail = "agrees", f" {side} {t}"
+    elif high <= threshold if above else low >= threshold:
+        outcome, tail = "does not agree", f" {other} {t}"
+    else:
+        outcome, tail = "cannot tell", f" spans {t}"
+    count = f"n = {n} {unit}; at least {min_n} needed"
+    return f"**Verdict: {outcome}.** {finding}: {shown}{tail} ({count})."

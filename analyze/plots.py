@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import textwrap
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -60,7 +60,7 @@ class Series:
     color: str | None = None
     dash: Dash = "solid"
     marker: str | None = "o"
-    """``o``, ``s`` or None (no markers)."""
+    """``o`` (circle), ``s`` (square), ``^`` (triangle) or None (no markers)."""
     line: bool = True
     """False: markers only."""
     bar: bool = False
@@ -145,10 +145,33 @@ class Figure:
     caption: str = ""
     """A second title line (e.g. what the colour scale is)."""
 
+    def caption_lines(self) -> list[str]:
+        """The caption wrapped to the figure's width (about 11 characters per inch of it)."""
+        width = self.panel_size[0] * min(self.cols, len(self.panels))
+        return textwrap.wrap(self.caption, max(40, int(11 * width)))
+
     def legend_names(self) -> list[str]:
         """The names of the legend, once each, in order of first appearance."""
         names = [s.name for p in self.panels for s in p.series if s.legend]
         return list(dict.fromkeys(names))
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def drawable(spec: Figure) -> Figure:
+    """``spec`` without its series that have no value to draw (every value missing, e.g. a
+    quantity a store lacks): they would stand in the legend with nothing behind them. Both
+    renderers draw this."""
+
+    def kept(panel: Panel) -> list[Series]:
+        def values(s: Series) -> Sequence[Any]:
+            return s.x if s.bar and panel.horizontal else s.y
+
+        return [s for s in panel.series if not all(_missing(v) for v in values(s))]
+
+    return replace(spec, panels=[replace(p, series=kept(p)) for p in spec.panels])
 
 
 def available() -> bool:
@@ -369,6 +392,7 @@ def to_matplotlib(spec: Figure, path: Path) -> Path:
     labelled reference line)."""
     from matplotlib.figure import Figure as MplFigure
 
+    spec = drawable(spec)
     n = len(spec.panels)
     cols = min(spec.cols, n)
     rows = -(-n // cols)
@@ -393,8 +417,7 @@ def to_matplotlib(spec: Figure, path: Path) -> Path:
             fontsize=LEGEND_FONT,
             frameon=False,
         )
-    title = spec.title + (f"\n{spec.caption}" if spec.caption else "")
-    fig.suptitle(title, fontsize=11)
+    fig.suptitle("\n".join([spec.title, *spec.caption_lines()]), fontsize=11)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI)
     return path
@@ -403,10 +426,13 @@ def to_matplotlib(spec: Figure, path: Path) -> Path:
 # --- Plotly ----------------------------------------------------------------------------------
 
 PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
+HTML_WIDTH = 1000
+"""About how wide (px) a figure of the HTML report is drawn: what titles and the legend are
+wrapped to."""
 """Plotly's options for every figure of the HTML report."""
 
 _PLOTLY_CMAP = {"RdBu_r": ("RdBu", True), "viridis": ("Viridis", False)}
-_PLOTLY_SYMBOL = {"o": "circle", "s": "square"}
+_PLOTLY_SYMBOL = {"o": "circle", "s": "square", "^": "triangle-up"}
 
 
 def _fmt(value: Any) -> str:
@@ -461,15 +487,17 @@ def _plotly_series(fig: Any, s: Series, panel: Panel, at: dict[str, int], shown:
     )
 
 
-def _colorbar(fig: Any, index: int, title: str, log: bool, z: list[list[float | None]]) -> dict:
-    """A colour bar beside panel ``index`` (1-based), its ticks in the data's units when the
-    colours are log10 of them."""
+def _colorbar(
+    fig: Any, index: int, title: str, log: bool, z: list[list[float | None]], whole: bool = False
+) -> dict:
+    """A colour bar beside panel ``index`` (1-based), or at the right of the figure (``whole``),
+    its ticks in the data's units when the colours are log10 of them."""
     suffix = "" if index == 1 else str(index)
     xd = fig.layout[f"xaxis{suffix}"].domain
-    yd = fig.layout[f"yaxis{suffix}"].domain
+    yd = (0.0, 1.0) if whole else fig.layout[f"yaxis{suffix}"].domain
     bar: dict[str, Any] = {
         "title": {"text": title, "side": "right"},
-        "x": xd[1] + 0.005,
+        "x": 1.01 if whole else xd[1] + 0.005,
         "y": (yd[0] + yd[1]) / 2,
         "len": yd[1] - yd[0],
         "thickness": 12,
@@ -483,7 +511,29 @@ def _colorbar(fig: Any, index: int, title: str, log: bool, z: list[list[float | 
     return bar
 
 
-def _plotly_heatmap(fig: Any, heat: Heatmap, index: int, at: dict[str, int]) -> None:
+def _row_labels(panel: Panel) -> list[str]:
+    """The text labels of a panel's y axis: a heatmap's rows, horizontal bars' categories."""
+    if panel.heatmap is not None:
+        return [str(v) for v in panel.heatmap.y]
+    if not panel.horizontal:
+        return []
+    return [str(c) for c in _categories([s for s in panel.series if s.bar], True)]
+
+
+def _shared_scale(spec: Figure) -> bool:
+    """Whether the figure's heatmaps (two or more) share one fixed colour scale: then one colour
+    bar, at the right of the figure, stands for all of them."""
+    heats = [p.heatmap for p in spec.panels if p.heatmap is not None]
+    scales = {(h.colorbar, h.cmap, h.zmin, h.zmax, h.zmid, h.log) for h in heats}
+    return len(heats) > 1 and len(scales) == 1 and None not in (heats[0].zmin, heats[0].zmax)
+
+
+def _plotly_heatmap(
+    fig: Any, heat: Heatmap, index: int, at: dict[str, int], bar: bool | Literal["figure"]
+) -> None:
+    """Panel ``index``'s heatmap with its colour bar beside it (``bar`` True), one for the whole
+    figure at its right (``"figure"``) or none (False)."""
+
     def value(v: float | None) -> float | None:
         if v is None or (isinstance(v, float) and math.isnan(v)):
             return None
@@ -508,7 +558,8 @@ def _plotly_heatmap(fig: Any, heat: Heatmap, index: int, at: dict[str, int]) -> 
         customdata=[list(r) for r in heat.hover] if heat.hover else None,
         hovertemplate=("%{customdata}" if heat.hover else "%{y} · %{x}: %{z:.3g}")
         + "<extra></extra>",
-        colorbar=_colorbar(fig, index, heat.colorbar, heat.log, z),
+        colorbar=_colorbar(fig, index, heat.colorbar, heat.log, z, bar == "figure"),
+        showscale=bool(bar),
         **at,
     )
     if heat.origin == "upper":
@@ -521,14 +572,18 @@ def to_plotly(spec: Figure) -> dict[str, Any]:
     name (a click toggles the name in every panel), hover with each point's values."""
     from plotly.subplots import make_subplots
 
+    spec = drawable(spec)
     n = len(spec.panels)
     cols = min(spec.cols, n)
     rows = -(-n // cols)
-    heat = any(p.heatmap is not None for p in spec.panels)
+    titles = [textwrap.wrap(p.title, HTML_WIDTH // (9 * cols)) for p in spec.panels]
+    shared = _shared_scale(spec)
+    # room for a colour bar beside each heatmap, unless one stands for all
+    heat = not shared and any(p.heatmap is not None for p in spec.panels)
     fig = make_subplots(
         rows=rows,
         cols=cols,
-        subplot_titles=[p.title for p in spec.panels],
+        subplot_titles=["<br>".join(lines) for lines in titles],
         horizontal_spacing=(0.16 if heat else 0.1) if cols > 1 else 0.0,
         vertical_spacing=min(0.5 / rows, 0.18) if rows > 1 else 0.0,
     )
@@ -538,40 +593,49 @@ def to_plotly(spec: Figure) -> dict[str, Any]:
     for i, panel in enumerate(spec.panels):
         at = {"row": i // cols + 1, "col": i % cols + 1}
         if panel.heatmap is not None:
-            _plotly_heatmap(fig, panel.heatmap, i + 1, at)
+            bar: bool | Literal["figure"] = ("figure" if i == 0 else False) if shared else True
+            _plotly_heatmap(fig, panel.heatmap, i + 1, at, bar)
             absolute.append(None)
             relative.append(None)
+        labels = _row_labels(panel)
+        if i % cols and labels and labels == _row_labels(spec.panels[i - i % cols]):
+            fig.update_yaxes(showticklabels=False, **at)  # the row's first panel names them
         for s in panel.series:
             _plotly_series(fig, s, panel, at, shown)
             absolute.append(list(s.x))
             relative.append(list(s.x_relative) if s.x_relative is not None else list(s.x))
         for line in panel.lines:
             add = fig.add_hline if line.axis == "y" else fig.add_vline
+            # an annotation on a log axis is placed at log10 of the value (the line is not)
+            log = (panel.yscale if line.axis == "y" else panel.xscale) != "linear"
+            where = math.log10(line.value) if log and line.value > 0 else line.value
             add(
                 line.value,
                 line={"color": line.color, "dash": line.dash, "width": 1},
                 **(
-                    {"annotation_text": line.label, "annotation_font_size": 10}
+                    {
+                        "annotation_text": line.label,
+                        "annotation_font_size": 10,
+                        "annotation": {line.axis: where},
+                    }
                     if line.label
                     else {}
                 ),
                 **at,
             )
-        axis_type = {"linear": "linear", "log": "log", "log2": "log"}
-        if panel.heatmap is not None:  # labels such as layer numbers are categories
-            axis_type = dict.fromkeys(axis_type, "category")
-        fig.update_xaxes(
-            title_text=panel.xlabel or None,
-            type=axis_type[panel.xscale],
-            range=_range(panel.xrange, panel.xscale),
-            **at,
+        axes: tuple[tuple[Any, Literal["x", "y"], str, Any, Scale], ...] = (
+            (fig.update_xaxes, "x", panel.xlabel, panel.xrange, panel.xscale),
+            (fig.update_yaxes, "y", panel.ylabel, panel.yrange, panel.yscale),
         )
-        fig.update_yaxes(
-            title_text=panel.ylabel or None,
-            type=axis_type[panel.yscale],
-            range=_range(panel.yrange, panel.yscale),
-            **at,
-        )
+        for update, axis, label, bounds, scale in axes:
+            kind = axis_type(panel, axis)
+            update(
+                title_text=label or None,
+                type=kind,
+                range=_range(bounds, scale),
+                dtick="D2" if kind == "log" else None,  # labels at 1, 2 and 5 of each decade
+                **at,
+            )
         if panel.horizontal:
             fig.update_yaxes(autorange="reversed", **at)
         suffix = "" if i == 0 else str(i + 1)
@@ -589,19 +653,43 @@ def to_plotly(spec: Figure) -> dict[str, Any]:
                 bgcolor="rgba(255,255,255,0.8)",
             )
     height = spec.panel_size[1]
-    title = spec.title + (f"<br><sub>{spec.caption}</sub>" if spec.caption else "")
+    caption = spec.caption_lines()
+    title = "<br>".join([spec.title, *(f"<sub>{line}</sub>" for line in caption)])
+    top = 80 + 18 * len(caption) + (30 if caption or spec.depth_switch else 0)
+    top += 20 * max(0, *(len(t) - 1 for t in titles[:cols]))  # the first row's wrapped titles
+    # the legend below the panels, as in the PNG: the panels keep the page's width
+    legend_rows = -(-sum(60 + 7 * len(n) for n in spec.legend_names()) // HTML_WIDTH)
+    bottom = 80 + 24 * legend_rows
     fig.update_layout(
         title={"text": title, "font": {"size": 15}},
-        height=round(100 * height * rows + 120 + 40 * rows),
+        height=round(100 * height * rows + 120 + 40 * rows + top - 80 + bottom - 80),
         barmode=_barmode(spec),
-        margin={"t": 110 if spec.caption or spec.depth_switch else 80},
-        legend={"font": {"size": 12}},
+        margin={"t": top, "b": bottom},
+        legend={
+            "font": {"size": 12},
+            "orientation": "h",
+            "yref": "container",
+            "y": 0,
+            "yanchor": "bottom",
+            "x": 0.5,
+            "xanchor": "center",
+        },
         hovermode="closest",
         showlegend=bool(spec.legend_names()),
     )
     if spec.depth_switch:
         _depth_switch(fig, absolute, relative, spec.depth_switch)
     return cast(dict[str, Any], fig.to_plotly_json())
+
+
+def axis_type(panel: Panel, axis: Literal["x", "y"]) -> str:
+    """The Plotly type of a panel's ``axis``: ``category`` for a heatmap's (labels such as layer
+    numbers are categories) and wherever a series places text on it (a linear axis would draw
+    nothing there), else the panel's scale."""
+    values = [v for s in panel.series for v in (s.x if axis == "x" else s.y)]
+    if panel.heatmap is not None or any(isinstance(v, str) for v in values):
+        return "category"
+    return "linear" if (panel.xscale if axis == "x" else panel.yscale) == "linear" else "log"
 
 
 def _range(bounds: tuple[float, float] | None, scale: Scale) -> list[float] | None:

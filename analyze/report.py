@@ -23,6 +23,7 @@ from layerdiv.analyze.methods import PAGE as METHODS_PAGE
 from layerdiv.analyze.methods import cite
 from layerdiv.analyze.options import REPORT_FORMATS, Estimator
 from layerdiv.analyze.output import result_dir
+from layerdiv.analyze.overlap import subset_notes
 from layerdiv.analyze.registry import ReportContext, registered
 from layerdiv.errors import LayerdivError
 from layerdiv.store import PartitionInfo, Store
@@ -97,6 +98,7 @@ def provenance_table(manifests: pl.DataFrame) -> str:
             r["dtype"],
             r["revision"] or DASH,
             r["created_at"],
+            ", ".join(r.get("subset_of") or []) or DASH,
         ]
         for r in manifests.sort(*KEY).iter_rows(named=True)
     ]
@@ -109,6 +111,7 @@ def provenance_table(manifests: pl.DataFrame) -> str:
         "dtype",
         "Revision",
         "Extracted",
+        "Subset of",
     ]
     made = "".join(f"\n\n{line}." for line in weights_notes(manifests))
     return markdown_table(header, rows) + made
@@ -146,7 +149,8 @@ def render(
         f"## {a.title}\n\n{_methods_line(a.methods)}{text}" for a, text in sections if text
     ]
     n_models, n_tasks = manifests["model"].n_unique(), manifests["task"].n_unique()
-    notes = "".join(f"\n\n> {note}" for note in [*results.problems, *ctx.notes])
+    notes = "".join(f"\n\n{line}." for line in subset_notes(manifests, ctx.names))
+    notes += "".join(f"\n\n> {note}" for note in [*results.problems, *ctx.notes])
     choice = "paper" in results.analyses  # estimator and scale apply to the choice analyses only
     how = (
         f"Estimator **`{estimator}`** ({cite(2)}), junction scale **`{results.scale}`** "

@@ -17,6 +17,7 @@ import polars as pl
 
 from layerdiv.analyze.metrics import CORRELATED
 from layerdiv.analyze.options import ESTIMATORS
+from layerdiv.analyze.overlap import independent
 from layerdiv.store.key import KEY, MODEL_KEY
 
 METHODS: tuple[Literal["pearson", "spearman"], ...] = ("pearson", "spearman")
@@ -74,26 +75,29 @@ def fisher_z(r: pl.Expr) -> pl.Expr:
     return r.clip(-R_CLIP, R_CLIP).arctanh()
 
 
-def fisher_z_means(corr: pl.DataFrame) -> pl.DataFrame:
+def fisher_z_means(corr: pl.DataFrame, manifests: pl.DataFrame) -> pl.DataFrame:
     """Fisher-z averages of the correlations (methods §4): tanh(mean(arctanh r)).
 
     Rows with ``task`` null average a model over its tasks (the Avg. column); rows with
     ``model`` null average a task over models; the row with both null averages the per-task
-    means over tasks. NaN correlations are left out; ``n`` counts the ones averaged."""
+    means over tasks. NaN correlations are left out, and so are, in the averages over tasks, the
+    tasks whose instances another task holds (:func:`~layerdiv.analyze.overlap.independent`);
+    ``n`` counts the ones averaged."""
     keys = ["estimator", "metric", "method"]
     finite = corr.filter(pl.col("r").is_not_nan()).with_columns(fisher_z(pl.col("r")).alias("z"))
+    distinct = independent(finite, manifests)
 
     def mean(frame: pl.DataFrame, by: list[str]) -> pl.DataFrame:
         return frame.group_by([*by, *keys]).agg(pl.col("z").mean(), pl.len().alias("n"))
 
     nulls = [pl.lit(None, pl.String).alias(c) for c in KEY]  # one model (revision) per row
-    over_tasks = mean(finite, [*MODEL_KEY]).with_columns(
+    over_tasks = mean(distinct, [*MODEL_KEY]).with_columns(
         n for n in nulls if n.meta.output_name() not in MODEL_KEY
     )
     over_models = mean(finite, ["task"]).with_columns(
         n for n in nulls if n.meta.output_name() != "task"
     )
-    overall = mean(over_models, []).with_columns(nulls)
+    overall = mean(mean(distinct, ["task"]), []).with_columns(nulls)
     columns = [*KEY, *keys, "n", "z"]
     return (
         pl.concat([f.select(columns) for f in (over_tasks, over_models, overall)])
@@ -106,14 +110,16 @@ def fisher_z_means(corr: pl.DataFrame) -> pl.DataFrame:
 def depth_curves(
     curves: pl.DataFrame, manifests: pl.DataFrame, min_params: float = 0
 ) -> pl.DataFrame:
-    """Per (model, estimator, j): accuracy and MSE averaged over the model's tasks, and the
-    marginal gains of adding component j (methods §5): accuracy_j - accuracy_{j-1} and
+    """Per (model, estimator, j): accuracy and MSE averaged over the model's tasks (those whose
+    instances another task holds left out, :func:`~layerdiv.analyze.overlap.independent`), and
+    the marginal gains of adding component j (methods §5): accuracy_j - accuracy_{j-1} and
     mse_{j-1} - mse_j (positive = better). Only models with n_params >= ``min_params``."""
     params = manifests.group_by(*MODEL_KEY).agg(pl.col("n_params").first())
     keep = params.filter(pl.col("n_params") >= min_params)
     by = [*MODEL_KEY, "estimator"]
     return (
-        curves.join(keep, on=[*MODEL_KEY])
+        independent(curves, manifests)
+        .join(keep, on=[*MODEL_KEY])
         .group_by([*by, "j"])
         .agg(
             pl.col("n_params").first(),
@@ -339,11 +345,14 @@ def information_summary(curves: pl.DataFrame, component_preds: pl.DataFrame) -> 
     return full.join(relevancy, on=by).join(gains, on=by).sort(by)
 
 
-def module_shares_by_model(modules: pl.DataFrame, estimator: str) -> pl.DataFrame:
+def module_shares_by_model(
+    modules: pl.DataFrame, estimator: str, manifests: pl.DataFrame
+) -> pl.DataFrame:
     """Per (model, kind): bias and diversity shares averaged over the model's tasks (paper
-    Fig. 4), and the kind's share of the components |X| / L."""
+    Fig. 4; those whose instances another task holds left out), and the kind's share of the
+    components |X| / L."""
     return (
-        modules.filter(pl.col("estimator") == estimator)
+        independent(modules.filter(pl.col("estimator") == estimator), manifests)
         .with_columns(
             (pl.col("n_components") / pl.col("n_components").sum().over(*KEY)).alias(
                 "component_share"
@@ -401,3 +410,89 @@ def zscore(column: str, by: list[str]) -> pl.Expr:
     x = pl.col(column)
     std = x.std().over(by)
     return pl.when(std > 0).then((x - x.mean().over(by)) / std).otherwise(0.0).alias(column)
+
+
+# --- bootstrap over documents ----------------------------------------------------------------
+
+RESAMPLES = 1000
+"""Bootstrap resamples of the documents (methods §10, §15, §16)."""
+SEED = 0
+"""Seed of the bootstrap's generator (one fresh generator per interval: the same data give the
+same interval whatever else is analysed)."""
+LEVEL = 95.0
+"""Percentile interval, in percent."""
+MIN_INTERVAL_N = 5
+"""Fewest documents a bootstrap interval is given for: resampling one to four documents gives
+intervals such as [9.05, 9.05] that say nothing about the spread (the interval is null below)."""
+
+
+def percentile_interval(samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The bootstrap :data:`LEVEL` percentile interval of ``samples`` (resamples on the first
+    axis; those whose statistic is undefined, NaN, left out): (low, high), each of the shape of
+    one sample, NaN where no resample defines it."""
+    tail = (100.0 - LEVEL) / 2
+    samples = np.asarray(samples, dtype=float)
+    defined = np.isfinite(samples).any(axis=0)
+    filled = np.where(defined, samples, 0.0)  # no all-NaN slice for nanpercentile to warn about
+    low, high = np.nanpercentile(filled, [tail, 100.0 - tail], axis=0)
+    return np.where(defined, low, np.nan), np.where(defined, high, np.nan)
+
+
+def resample_weights(n: int, resamples: int = RESAMPLES) -> np.ndarray:
+    """(resamples, n): how often each of ``n`` units (documents) is drawn in each bootstrap
+    resample of them (``n`` draws with replacement), from a fresh generator seeded with
+    :data:`SEED`. A statistic of weighted sums is then one matrix product for every resample."""
+    rng = np.random.default_rng(SEED)
+    return rng.multinomial(n, np.full(n, 1.0 / n), size=resamples).astype(np.float64)
+
+
+Interval = tuple[float | None, float | None]
+"""A 95% interval (low, high); None where too few values make one."""
+
+
+def t_interval(estimate: float | None, se: float | None, dof: float) -> Interval:
+    """estimate ± t_(0.975, dof) se; None without a finite standard error or dof < 1."""
+    if estimate is None or se is None or not math.isfinite(se) or dof < 1:
+        return None, None
+    from scipy import stats as sps
+
+    half = float(sps.t.ppf(0.975, dof)) * se
+    return estimate - half, estimate + half
+
+
+def difference(a: np.ndarray, b: np.ndarray) -> tuple[float, Interval]:
+    """mean(a) - mean(b) over their finite values and its Welch t interval (Welch-Satterthwaite
+    degrees of freedom); no interval below 2 values per group."""
+    a, b = a[np.isfinite(a)], b[np.isfinite(b)]
+    if len(a) == 0 or len(b) == 0:
+        return float("nan"), (None, None)
+    diff = float(a.mean() - b.mean())
+    if len(a) < 2 or len(b) < 2:
+        return diff, (None, None)
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    se = math.sqrt(va + vb)
+    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if se > 0 else 1.0
+    return diff, t_interval(diff, se, dof)
+
+
+def fisher_mean(r: np.ndarray) -> tuple[float, Interval]:
+    """The Fisher-z average tanh(mean arctanh r) of the finite correlations ``r`` (one per
+    task: the tasks are the units) and its interval tanh(mean z ± t_(0.975, k - 1) sd(z) /
+    sqrt(k)); no interval below 2 values."""
+    z = np.arctanh(np.clip(r[np.isfinite(r)], -R_CLIP, R_CLIP))
+    if len(z) == 0:
+        return float("nan"), (None, None)
+    mean = float(z.mean())
+    low, high = t_interval(mean, float(z.std(ddof=1)) / math.sqrt(len(z)) if len(z) > 1 else None,
+                           len(z) - 1)  # fmt: skip
+    back = (None if v is None else math.tanh(v) for v in (low, high))
+    return math.tanh(mean), tuple(back)  # type: ignore[return-value]
+
+
+def halves(values: np.ndarray, first: np.ndarray) -> tuple[float, Interval, int]:
+    """mean of ``values`` where ``first`` minus their mean elsewhere (:func:`difference`), its
+    interval, and the finite values of the smaller half."""
+    values = np.asarray(values, dtype=float)
+    a, b = values[first], values[~first]
+    diff, interval = difference(a, b)
+    return diff, interval, int(min(np.isfinite(a).sum(), np.isfinite(b).sum()))

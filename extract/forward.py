@@ -29,6 +29,7 @@ from layerdiv.measurements import (
 )
 from layerdiv.measurements.future import future_rows
 from layerdiv.measurements.lens import LENS
+from layerdiv.measurements.registry import MeasurementError, plugin_errors
 from layerdiv.store.tables import (
     components_table,
     documents_table,
@@ -123,6 +124,11 @@ class ModelRunner:
         base = Attachment(model, adapter, kind, {}, self.readout, tuple(option_ids), tuple(gold))
         self.measures = self._attach(base, measures)
         """The registered measurements' hooks (``layerdiv.measurements.Measurement.attach``)."""
+        self.hooked = [
+            (m, self.measures[m.name]) for m in for_kind(kind) if m.name in self.measures
+        ]
+        """Each measurement with its hooks: an exception in a plug-in's names it
+        (``layerdiv.measurements.registry.plugin_errors``)."""
         params = inspect.signature(model.forward).parameters
         self.extra: dict[str, Any] = {"use_cache": False}
         if "logits_to_keep" in params:
@@ -139,13 +145,14 @@ class ModelRunner:
         for m in for_kind(base.kind):
             if m.attach is None or m.name not in measures:
                 continue
-            hooks = m.attach_to(replace(base, settings=measures[m.name]))
-            if hooks is None:  # computed by the task kind's own capture (a text task's lens)
-                continue
-            attached[m.name] = hooks
-            if isinstance(hooks, DecompositionCapture):
-                assert self.capture is not None  # declared for choice tasks only
-                hooks.bind(self.capture)
+            with plugin_errors([(m, None)], "attaching its hooks"):
+                hooks = m.attach_to(replace(base, settings=measures[m.name]))
+                if hooks is None:  # computed by the task kind's own capture (a text task's lens)
+                    continue
+                attached[m.name] = hooks
+                if isinstance(hooks, DecompositionCapture):
+                    assert self.capture is not None  # declared for choice tasks only
+                    hooks.bind(self.capture)
         return attached
 
     def __enter__(self) -> ModelRunner:
@@ -157,14 +164,19 @@ class ModelRunner:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        for capture in (self.capture, self.text, *self.measures.values()):
-            if capture is not None:
-                capture.remove()
+        with plugin_errors(self.hooked, "removing its hooks"):
+            for capture in (self.capture, self.text, *self.measures.values()):
+                if capture is not None:
+                    capture.remove()
 
     def run(self, seqs: list[list[int]], ids: list[int] | None = None) -> Any:
         """One forward pass over ``seqs`` (left-padded) and its :data:`Batch`
         (``BatchDecomposition`` for a choice task, ``TextBatch`` for a text task; with
         ``--skips``, the future effects of documents ``ids`` when given)."""
+        with plugin_errors(self.hooked, "its hooks"):
+            return self._run(seqs, ids)
+
+    def _run(self, seqs: list[list[int]], ids: list[int] | None) -> Any:
         device = self.loaded.device
         inputs = {k: v.to(device) for k, v in left_padded(seqs, self.pad_id).items()}
         inputs.update(self.extra)
@@ -305,7 +317,7 @@ def text_tables(
         if any(results[i][0].lens is None for i in ids):
             raise DecompositionError("a document ran without the lens")
         v = np.concatenate([results[i][0].document_lens(results[i][1], len(seqs[i])) for i in ids])
-        optional["token_lens"] = token_lens_table(ids, n_tokens, v[..., 0], v[..., 1], v[..., 2])
+        optional["token_lens"] = token_lens_table(ids, n_tokens, v)
     return {
         **optional,
         **measured_tables("text", ids, results),
@@ -348,5 +360,13 @@ def measured_tables(
         if any(m.name not in results[i][0].measured for i in ids):
             raise DecompositionError(f"a row ran without the measurement {m.name}")
         values = [results[i][0].measured[m.name][results[i][1]] for i in ids]
-        tables.update(m.rows(ids, values))
+        with plugin_errors([(m, None)], "its rows"):
+            made = m.rows(ids, values)
+        if sorted(made) != sorted(m.tables[kind]):
+            raise MeasurementError(
+                f"measurement {m.name} ({m.flag}): its rows give the tables {sorted(made)}, it "
+                f"declares {sorted(m.tables[kind])} for {kind} tasks; nothing of this chunk was "
+                "written"
+            )
+        tables.update(made)
     return tables

@@ -8,8 +8,10 @@ Blocks before l are not run again: the clean pass's inputs of block l are reused
 ``TextCapture``), and each block runs with the arguments of its own clean call (mask, positions),
 repeated for every (document, split point, sublayer) row
 (:class:`~layerdiv.extract.removal.UpdateRemoval`, the intervention the choice skips share).
-So rel_change(l, j) is 0 for j < l by construction, and for j = l too with random split points
-(block l's update at p >= t only reads positions whose inputs did not change).
+So rel_change(l, j) is 0 for j < l by construction, and for j = l too with the random and
+answer-anchored split points (block l's update at p >= t only reads positions whose inputs did not
+change), as is the output change of the last block with those split points (no block runs after
+it): these are stored as exact zeros, not computed.
 
 Split points (``--skip-split random``, the default): for a document of T tokens, the candidates
 are 8, 16, ... < T - 4; up to 4 of them are drawn without replacement by
@@ -142,6 +144,10 @@ class _Group:
     """Every block call's arguments, repeated for the rows."""
     scale: list[torch.Tensor]
     """Per block j, max(||d_j||, 1e-6) of the clean pass (r, W)."""
+    before: bool
+    """Every row's removed positions precede its measured ones (t > 0: the random and
+    answer-anchored split rules; ``all`` measures the removed positions, t = 0): the skipped
+    block's own update and the output of a skipped last block are then unchanged at p >= t."""
 
 
 class FutureEffects:
@@ -207,8 +213,14 @@ class FutureEffects:
                     measured=col >= (start + t)[:, None],
                     calls=_expand(calls, b, batch, {}),
                     scale=[s.index_select(0, b) for s in scale],
+                    before=bool((t > 0).all()),
                 )
                 for skipped in range(n_blocks):
+                    if group.before and skipped == n_blocks - 1:
+                        # Nothing runs after the last block and its update at p >= t reads
+                        # unchanged inputs: rel_change and out_change are 0 by construction,
+                        # stored as exact zeros (the rows of rel and out are zeros already).
+                        continue
                     if mode == "local":
                         rel[mine, skipped] = self._local(skipped, states, updates, dtype, group)
                         continue
@@ -235,6 +247,8 @@ class FutureEffects:
         x = states[skipped].index_select(0, rows).to(dtype)
         run = self.removal.run_on(x, group.calls, skipped, [skipped], sublayer, group.keep)
         for j, x, y in run:
+            if j == skipped and group.before:
+                continue  # block l's update at p >= t reads unchanged inputs: 0 by construction
             # rel_change(l, j) = max_{p >= t} ||d'_j - d_j|| / max(||d_j||, 1e-6)
             d = updates[j].index_select(0, rows)
             change = (y.float() - x.float() - d).norm(dim=-1) / group.scale[j]

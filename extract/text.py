@@ -18,12 +18,17 @@ from layerdiv.extract.future import FutureRows
 from layerdiv.extract.hooks import Hooks, unique_blocks
 from layerdiv.extract.lens import Lens, LensReference, lens_stats
 from layerdiv.extract.readout import Readout
+from layerdiv.measurements.lens import LENS_VALUES
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
 from layerdiv.store.tables import TOKEN_BLOCK_VALUES
 
 LOSS_ROWS = 256
 """Positions per slice of the loss's full-vocabulary logits (256 x 50k float32: 50 MB)."""
+
+CE = LENS_VALUES.index("ce")
+"""The column of the cross-entropy in the lens values (after :data:`~layerdiv.extract.lens.STATS`,
+the log-probability :func:`~layerdiv.extract.lens.lens_stats` gives of the next token)."""
 
 _PAIRS = ((0, 1, 2, 0, 0, 1), (0, 1, 2, 1, 2, 2))
 """(h, a, m) row and column indices of ``hh``, ``aa``, ``mm``, ``ha``, ``hm``, ``am``."""
@@ -40,8 +45,8 @@ class TextBatch:
     ``layerdiv.store.tables.TOKEN_BLOCK_VALUES`` (``dd_next`` NaN at the last block); a
     document of T tokens is the last T positions of its row."""
     lens: torch.Tensor | None = None
-    """With ``--lens``: (B, width, L + 1, 3) float32, per layer l = 0..L the logit lens's kl,
-    top5_overlap and ce (NaN at the row's last position)."""
+    """With ``--lens``: (B, width, L + 1, 5) float32, per layer l = 0..L the logit lens's
+    ``layerdiv.measurements.lens.LENS_VALUES`` (ce NaN at the row's last position)."""
     future: list[FutureRows] | None = None
     """With ``--skips``: per row, its document's future effects."""
     loss: torch.Tensor | None = None
@@ -60,7 +65,7 @@ class TextBatch:
         return self.loss[row, self.loss.shape[1] - n_tokens :].numpy()
 
     def document_lens(self, row: int, n_tokens: int) -> np.ndarray:
-        """(n_tokens, L + 1, 3): the lens values at the document's own positions."""
+        """(n_tokens, L + 1, 5): the lens values at the document's own positions."""
         assert self.lens is not None
         return self.lens[row, self.lens.shape[1] - n_tokens :].numpy()
 
@@ -168,7 +173,7 @@ class TextCapture(Hooks):
         comps = [ComponentInfo(n, k, layer) for n, (k, layer) in zip(names, calls, strict=True)]
         with self.pausing():  # the lens's readouts must not replace h_L (the final-norm hook)
             lens = None if self.lens is None else self._lens(self.lens, final, budget)
-            loss = self._loss(final) if lens is None else lens[:, :, -1, 2]  # the lens's layer L
+            loss = self._loss(final) if lens is None else lens[:, :, -1, CE]  # the lens's layer L
         return TextBatch(
             comps, dots.cpu(), None if lens is None else lens.cpu(), loss=loss.float().cpu()
         )
@@ -191,8 +196,8 @@ class TextCapture(Hooks):
         return loss
 
     def _lens(self, lens: Lens, final: torch.Tensor, budget: int | None) -> torch.Tensor:
-        """(B, width, L + 1, 3): kl, top5_overlap and ce of p_l, ``lens``'s distribution of
-        every block input h_l, and (layer L) of the model's own output p_L (methods §9). The
+        """(B, width, L + 1, 5): the ``LENS_VALUES`` of p_l, ``lens``'s distribution of every
+        block input h_l, and (layer L) of the model's own output p_L (methods §9, §16). The
         layers' states are read out in groups, as many layers' rows stacked into one matmul as
         ``budget`` rows allow (at least one layer), into one reused buffer."""
         if self._ids is None:
@@ -214,10 +219,10 @@ class TextCapture(Hooks):
 
     @staticmethod
     def _lens_layer(logits: torch.Tensor, ref: LensReference, nxt: torch.Tensor) -> torch.Tensor:
-        """(B, width, 3): one layer's kl, top5_overlap and ce from its ``logits`` (overwritten)."""
+        """(B, width, 5): one layer's ``LENS_VALUES`` from its ``logits`` (overwritten)."""
         stats = lens_stats(logits, ref, nxt)
-        stats[..., 2].neg_()  # ce = -log p_l(next token)
-        stats[:, -1, 2] = float("nan")  # none after the last position
+        stats[..., CE].neg_()  # ce = -log p_l(next token)
+        stats[:, -1, CE] = float("nan")  # none after the last position
         return stats
 
 

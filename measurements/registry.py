@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import import_module
 from importlib.metadata import entry_points
@@ -36,7 +37,8 @@ use."""
 
 
 class MeasurementError(LayerdivError, ValueError):
-    """A measurement that cannot be registered (a taken name, flag or table, an unknown kind)."""
+    """A measurement that cannot be registered (a taken name, flag, option, setting or table, an
+    unknown kind), or one declared outside layerdiv whose code failed or whose rows are wrong."""
 
 
 class Capture(Protocol):
@@ -213,6 +215,16 @@ class Measurement:
         )
         return [*([flag] if flag is not None else []), *(s.option for s in self.settings)]
 
+    def modules(self, capture: Any = None) -> set[str]:
+        """The modules of its code outside layerdiv (its hooks, the class of their ``capture``
+        where given, its rows); empty for a built-in measurement."""
+        attach = self.attach
+        named = attach.partition(":")[0] if isinstance(attach, str) else None
+        found = {named, *(getattr(f, "__module__", None) for f in (attach, self.rows))}
+        if capture is not None:
+            found.add(type(capture).__module__)
+        return {m for m in found if isinstance(m, str) and m.split(".")[0] != "layerdiv"}
+
 
 SETTINGS_KEY = b"layerdiv.settings"
 """The key, in a part's Parquet key-value metadata, of the settings (JSON) of the measurement
@@ -238,13 +250,71 @@ def legacy_settings(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 _REGISTERED: dict[str, Measurement] = {}
 _LOADED: list[bool] = []
+_RESERVED: dict[str, str] = {}
+"""The option strings and parameter names of the ``extract`` command's own options (not a
+measurement's), each with its owner: :func:`reserve`."""
+
+
+def option_names(options: Iterable[click.Parameter]) -> dict[str, click.Parameter]:
+    """Every option string (``--lens``, ``-h``) and parameter name (``lens``) of ``options``: the
+    names two options of one command may not share."""
+    return {n: o for o in options for n in (*o.opts, *o.secondary_opts, o.name) if n}
+
+
+def reserve(owner: str, options: Iterable[click.Parameter]) -> None:
+    """Record the names of a command's own ``options`` (``extract``'s: a measurement adds its
+    options beside them), which :func:`register` then refuses; a measurement registered before
+    that takes one is refused now (``MeasurementError``)."""
+    for name in option_names(options):
+        _RESERVED.setdefault(name, owner)
+    for m in list(_REGISTERED.values()):
+        if problem := _name_taken(m):
+            unregister(m.name)
+            raise MeasurementError(problem)
+
+
+def _name_taken(measurement: Measurement) -> str | None:
+    """Why ``measurement``'s options cannot be added to ``extract``'s: a name (option string,
+    parameter or setting name) that the command or another measurement has, a setting whose
+    name is not its option's parameter, or a flag that no option declares; None if none."""
+    m = measurement
+    taken = dict(_RESERVED)
+    for other in _REGISTERED.values():
+        if other.name != m.name:
+            taken.update(
+                dict.fromkeys(option_names(other.click_options()), f"measurement {other.name}")
+            )
+    mine = option_names(m.click_options())
+    for name in mine:
+        if name in taken:
+            return (
+                f"measurement {m.name}: the option name {name!r} is taken by {taken[name]}; "
+                "give its flag, options and settings names of their own"
+            )
+    for s in m.settings:
+        if s.name != s.option.name:
+            return (
+                f"measurement {m.name}: setting {s.name!r} is given by an option whose parameter "
+                f"is {s.option.name!r}; name the setting as its option's parameter"
+            )
+    if m.flag not in mine and not any(
+        m.flag in option_names(o.click_options()) for o in _REGISTERED.values()
+    ):
+        return (
+            f"measurement {m.name}: its flag {m.flag} is declared by no option; give it a help "
+            "line (Measurement.help) or an option (Measurement.option)"
+        )
+    return None
 
 
 def register(measurement: Measurement) -> Measurement:
     """Add ``measurement`` to every extraction, store reader and command; returns it. Refuses a
-    name or table that is taken, and a kind that does not exist."""
+    name, table, flag, option or setting name that is taken (by another measurement, or by
+    ``extract`` itself: :func:`reserve`), and a kind that does not exist."""
     if measurement.name in _REGISTERED:
         raise MeasurementError(f"a measurement named {measurement.name!r} is registered already")
+    if problem := _name_taken(measurement):
+        raise MeasurementError(problem)
     unknown = [k for k in measurement.tables if k not in KINDS]
     if unknown:
         raise MeasurementError(
@@ -331,3 +401,32 @@ def kind_of_table(table: str) -> str | None:
 def tables_of_kind(kind: str) -> tuple[str, ...]:
     """The tables of ``kind``'s partitions: the required ones, then the optional ones."""
     return (*KINDS[kind].required, *optional_tables(kind))
+
+
+@contextmanager
+def plugin_errors(measurements: Iterable[tuple[Measurement, Any]], what: str) -> Iterator[None]:
+    """Re-raise an exception whose traceback passes through the code of a measurement declared
+    outside layerdiv (:meth:`Measurement.modules`; ``measurements`` pairs each with its attached
+    capture, or None) as one line naming it (``MeasurementError``); ``what``: what ran (its
+    hooks, its rows). Other exceptions, and running out of accelerator memory (the batch is
+    halved), pass unchanged."""
+    try:
+        yield
+    except MeasurementError:
+        raise
+    except Exception as err:
+        if type(err).__name__ == "OutOfMemoryError":
+            raise
+        owners = {mod: m for m, capture in measurements for mod in m.modules(capture)}
+        frames, tb = [], err.__traceback__
+        while tb is not None:
+            frames.append(tb.tb_frame.f_globals.get("__name__"))
+            tb = tb.tb_next
+        culprit = next((owners[f] for f in reversed(frames) if f in owners), None)
+        if culprit is None:
+            raise
+        raise MeasurementError(
+            f"measurement {culprit.name} ({culprit.flag}) failed in {what}: "
+            f"{type(err).__name__}: {err}; nothing of this chunk was written; fix the "
+            f"measurement, or extract without {culprit.flag}"
+        ) from err

@@ -3,9 +3,9 @@
 A partition found in several stores must hold the same extraction (equal manifest identity,
 optional tables and measurement settings) in each; its chunks come from whichever store has
 them, and two stores may hold the same chunk only as identical files, so no instance is ever
-stored twice. The merged store is
-built beside the target and renamed into place: on any refusal or failure the target is left as
-it was.
+stored twice. Two revisions of one model with equal weights are refused, as ``extract`` refuses
+them in one store. The merged store is built beside the target and renamed into place: on any
+refusal or failure the target is left as it was.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from layerdiv.store.location import local_root
 from layerdiv.store.manifest import TABLES_DIR, Manifest, read_manifest, write_manifest
 from layerdiv.store.paths import Partition
 from layerdiv.store.reader import PartitionInfo, Store, StoreError
+from layerdiv.store.writer import one_checkpoint_twice
 
 
 class MergeConflict(LayerdivError, RuntimeError):
@@ -79,6 +80,7 @@ def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[Merged
     for root, store in stores:
         for info in store.partitions:
             copies.setdefault(info.key, []).append(_Copy(root, info))
+    _refuse_one_checkpoint_twice(copies)
     plans = {key: _plan(found) for key, found in copies.items()}
 
     remove_stale_temps(dst.parent, dst.name)
@@ -160,6 +162,24 @@ def _plan(copies: list[_Copy]) -> tuple[Manifest, dict[tuple[int, int], list[_Co
     manifest.n_requested = max(m.n_requested for m in manifests)
     manifest.created_at = min((m.created_at for m in manifests if m.created_at), default="")
     return manifest, chunks
+
+
+def _refuse_one_checkpoint_twice(copies: dict[PartitionKey, list[_Copy]]) -> None:
+    """Refuse two revisions of one model whose weights are equal, in one store or in two
+    (:func:`~layerdiv.store.writer.one_checkpoint_twice`, the rule of ``extract``)."""
+    revisions: dict[tuple[str, str], _Copy] = {}  # (model, revision): a copy recording it
+    for key, found in copies.items():
+        for copy, seen in itertools.product(found, list(revisions.values())):
+            info = seen.info
+            problem = one_checkpoint_twice(
+                key, copy.info.manifest.weights_hash, info.partition, info.manifest
+            )
+            if problem:
+                raise MergeConflict(
+                    f"{copy.info.partition.manifest.parent}: {problem}; merge only one of the "
+                    "two revisions (leave the other's store out, or remove it from its store)"
+                )
+        revisions.setdefault((key.model, key.revision), found[0])
 
 
 def _same_extraction(first: _Copy, copy: _Copy, where: str) -> None:

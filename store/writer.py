@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from layerdiv.errors import LayerdivError
@@ -33,8 +34,8 @@ from layerdiv.measurements import (
     table_schemas,
     tables_of_kind,
 )
-from layerdiv.measurements.registry import SETTINGS_KEY, as_json
-from layerdiv.schemas import KINDS, SchemaError, schema_matches
+from layerdiv.measurements.registry import SETTINGS_KEY, MeasurementError, as_json
+from layerdiv.schemas import KINDS, TABLES, SchemaError, schema_matches
 from layerdiv.store.atomic import (
     atomic_path,
     host,
@@ -79,6 +80,22 @@ def _float_list(kind: pa.DataType) -> bool:
     """A list or fixed-size list of floats (a stored vector: the residual states, the Gram rows)."""
     lists = pa.types.is_list(kind) or pa.types.is_fixed_size_list(kind)
     return lists and pa.types.is_floating(kind.value_type)
+
+
+def _not_finite(data: pa.Table) -> str | None:
+    """The first float column of ``data`` (or list of floats, at any depth) holding a NaN or an
+    infinite value (nulls are not values), or None."""
+    for name, column in zip(data.column_names, data.columns, strict=True):
+        values: pa.ChunkedArray | pa.Array = column
+        while (
+            pa.types.is_list(values.type)
+            or pa.types.is_large_list(values.type)
+            or (pa.types.is_fixed_size_list(values.type))
+        ):
+            values = pc.list_flatten(values)
+        if pa.types.is_floating(values.type) and pc.any(pc.invert(pc.is_finite(values))).as_py():
+            return name
+    return None
 
 
 def dictionary_columns(schema: pa.Schema) -> list[str]:
@@ -155,6 +172,28 @@ class RunRecord:
     def write(self, **fields: Any) -> None:
         self.data.update(fields)
         write_bytes(self.path, json.dumps(self.data, indent=2, sort_keys=True).encode())
+
+
+def one_checkpoint_twice(
+    key: PartitionKey, weights_hash: str | None, other: Partition[Any], stored: Manifest
+) -> str | None:
+    """The rule against one checkpoint under two names, for ``extract`` and ``merge`` alike:
+    weights of fingerprint ``weights_hash`` (``Manifest.weights_hash``) stored as ``key`` equal
+    those of ``other`` (manifest ``stored``), another revision of the same model. The problem in
+    words, or None (another model or revision, or a fingerprint not recorded: before schema
+    version 5)."""
+    if (
+        other.key.model != key.model
+        or other.key.revision == key.revision
+        or weights_hash is None
+        or stored.weights_hash != weights_hash
+    ):
+        return None
+    return (
+        f"the weights of {stored.model} revision {key.revision} equal those stored as "
+        f"revision {other.key.revision} (fingerprint {weights_hash[:12]}, "
+        f"{other.manifest.parent}): one checkpoint under two names"
+    )
 
 
 class PartitionWriter:
@@ -291,7 +330,7 @@ class PartitionWriter:
 
     def refuse_same_weights(self, weights_hash: str) -> None:
         """Refuse (``StoreConflict``) weights that the store holds under another revision of the
-        same model: one checkpoint under two names (``Manifest.weights_hash``)."""
+        same model (:func:`one_checkpoint_twice`)."""
         key = self.part.key
         read: set[str] = set()
         for other in list_partitions(self.part.root):
@@ -302,12 +341,8 @@ class PartitionWriter:
                 stored = read_manifest(other.manifest)
             except (SchemaError, OSError):
                 continue  # no trusted fingerprint there
-            if stored.weights_hash == weights_hash:
-                raise StoreConflict(
-                    f"the weights of {stored.model} revision {key.revision} equal those stored as "
-                    f"revision {other.key.revision} (fingerprint {weights_hash[:12]}, "
-                    f"{other.manifest.parent}): one checkpoint under two names; extract it once"
-                )
+            if problem := one_checkpoint_twice(key, weights_hash, other, stored):
+                raise StoreConflict(f"{problem}; extract it once")
 
     def start_run(self, record: dict[str, Any]) -> RunRecord:
         """Write this run's record (it adds ``started_at``, ``host`` and ``pid``)."""
@@ -391,16 +426,74 @@ class PartitionWriter:
 
     def write_chunk(self, start: int, count: int, tables: Mapping[str, pa.Table]) -> None:
         """Write one chunk: optional tables first, then the required ones, the kind's marker
-        (``instances``, ``documents``) last. Every table is checked against its schema."""
+        (``instances``, ``documents``) last. The tables are checked together first
+        (:meth:`check_parts`): nothing of a chunk that fails is written."""
         kind = next((k for k in KINDS.values() if k.marker in tables), None)
         missing = [t for t in kind.required if t not in tables] if kind else ["instances"]
         if kind is None or missing:
             raise ValueError(f"chunk {start}: no {', '.join(missing)} table")
+        self.check_parts(start, count, tables)
         order = sorted(
             tables, key=lambda t: kind.required.index(t) + 1 if t in kind.required else 0
         )
         for table in order:
             self.write_table_part(table, start, count, tables[table])
+
+    def check_parts(self, start: int, count: int, tables: Mapping[str, pa.Table]) -> None:
+        """Refuse parts of the chunk at ``start`` that readers would refuse: a table that does not
+        match its schema (``SchemaError``), a row count that cannot be right
+        (``Manifest.wrong_rows``, the readers' rule), or, in a table of a measurement declared
+        outside layerdiv, a float that is not finite (NaN or infinite; null where its schema
+        allows). A measurement's table is refused naming it (``MeasurementError``)."""
+        schemas = table_schemas()
+        for table, data in tables.items():
+            schema = schemas.get(table)
+            if schema is None:
+                raise ValueError(f"unknown table {table!r}; tables: {', '.join(schemas)}")
+            if not schema_matches(table, data.schema, schema):
+                raise self._refusal(
+                    start, table, f"{table} table does not match its schema\n{data.schema}"
+                )
+        manifest = self._manifest()
+        text = manifest is not None and manifest.kind == "text"
+        n_tokens = self._n_tokens(start, count, tables) if text else 0
+        if manifest is not None and n_tokens is not None:
+            rows = {t: d.num_rows for t, d in tables.items()}
+            wrong = manifest.wrong_rows(count, rows, n_tokens)
+            if wrong is not None:
+                raise self._refusal(start, wrong[0], f"{wrong[0]}: {wrong[1]}")
+        for table, data in tables.items():
+            column = None if table in TABLES else _not_finite(data)
+            if column is not None:
+                raise self._refusal(start, table, f"{table}.{column} holds NaN or infinite values")
+
+    def _refusal(self, start: int, table: str, problem: str) -> LayerdivError:
+        """The error refusing ``table``'s part of the chunk at ``start``, naming the measurement
+        that writes it when it is declared outside layerdiv."""
+        m = measurement_of(table) if table in all_optional_tables() else None
+        if m is None or not m.modules():
+            return SchemaError(f"chunk {start}: {problem}")
+        return MeasurementError(
+            f"measurement {m.name} ({m.flag}), chunk {start} of {self.part.manifest.parent}: "
+            f"{problem.splitlines()[0]}; nothing of this chunk was written"
+        )
+
+    def _manifest(self) -> Manifest | None:
+        """The manifest this writer opened, else the stored one (None: none yet)."""
+        if self._opened is None and self.part.manifest.exists():
+            self._opened = read_manifest(self.part.manifest)
+        return self._opened
+
+    def _n_tokens(self, start: int, count: int, tables: Mapping[str, pa.Table]) -> int | None:
+        """The tokens of a text chunk's documents (its ``documents`` table, given or stored);
+        None where neither is there yet (the chunk's other parts are written first)."""
+        docs = tables.get("documents")
+        if docs is None:
+            path = self.part.part("documents", start, count)
+            if not path.exists():
+                return None
+            docs = pq.read_table(path, columns=["n_tokens"])
+        return int(pc.sum(docs["n_tokens"]).as_py() or 0)
 
     def _stamp(self, table: str) -> dict[bytes, bytes]:
         """The key-value metadata of a part of ``table``: the settings of the measurement that
@@ -412,9 +505,8 @@ class PartitionWriter:
         m = measurement_of(table)
         if not m.settings:
             return {}
-        if self._opened is None and self.part.manifest.exists():
-            self._opened = read_manifest(self.part.manifest)
-        settings = None if self._opened is None else self._opened.settings.get(m.name)
+        manifest = self._manifest()
+        settings = None if manifest is None else manifest.settings.get(m.name)
         if settings is None:
             return {}
         return {SETTINGS_KEY: json.dumps(settings, sort_keys=True).encode()}
@@ -425,15 +517,9 @@ class PartitionWriter:
 
     def write_table_part(self, table: str, start: int, count: int, data: pa.Table) -> None:
         """Atomically write ``table``'s part of the chunk at ``start`` (alone, it backfills an
-        optional table for an existing chunk)."""
-        schemas = table_schemas()
-        schema = schemas.get(table)
-        if schema is None:
-            raise ValueError(f"unknown table {table!r}; tables: {', '.join(schemas)}")
-        if not schema_matches(table, data.schema, schema):
-            raise SchemaError(
-                f"chunk {start}: {table} table does not match its schema\n{data.schema}"
-            )
+        optional table for an existing chunk), checked first (:meth:`check_parts`)."""
+        self.check_parts(start, count, {table: data})
+        schema = table_schemas()[table]
         with atomic_path(self.part.part(table, start, count)) as tmp:
             pq.write_table(
                 data.replace_schema_metadata({**(schema.metadata or {}), **self._stamp(table)}),

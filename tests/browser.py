@@ -84,6 +84,8 @@ def outside_requests(browser: Any) -> list[str]:
 PROBLEMS = r"""
 const found = [];
 const box = (e) => e.getBoundingClientRect();
+const finite = (v) => v !== null && v !== undefined && v !== '' && Number.isFinite(Number(v));
+const present = (v) => v !== null && v !== undefined && !(typeof v === 'number' && isNaN(v));
 const meet = (a, b) => a.width > 0 && b.width > 0 && a.left < b.right - 1 && b.left < a.right - 1
   && a.top < b.bottom - 1 && b.top < a.bottom - 1;
 document.querySelectorAll('main blockquote').forEach((q) =>
@@ -92,6 +94,33 @@ document.querySelectorAll('div.plotly-figure[data-figure]').forEach((div) => {
   const name = div.dataset.figure;
   const marks = div.querySelectorAll('.cartesianlayer .trace path, .heatmaplayer image').length;
   if (!marks) found.push(name + ': a figure placeholder with no marks');
+  const groups = {};
+  div.querySelectorAll('.cartesianlayer .trace, .heatmaplayer .hm').forEach((g) => {
+    const cd = g.__data__;
+    if (cd && cd[0] && cd[0].trace) groups[cd[0].trace.index] = g;
+  });
+  (div._fullData || []).filter((t) => t.visible === true).forEach((t) => {
+    const g = groups[t.index];
+    const drawn = (selector) => (g ? Array.from(g.querySelectorAll(selector)) : [])
+      .filter((p) => { const d = p.getAttribute('d'); return d && d !== 'M0,0Z'; }).length;
+    let want, got;
+    if (t.type === 'heatmap') {  // its cells are one image, placed from their edges
+      want = t.z.flat().filter(finite).length;
+      const cd = g && g.__data__[0];
+      const image = g && g.querySelector('image');
+      const placed = cd && cd.x && cd.y && cd.x.every(finite) && cd.y.every(finite);
+      got = image && image.href.baseVal && placed ? want : 0;
+    } else {
+      const [value, where] = t.orientation === 'h' ? [t.x, t.y] : [t.y, t.x];
+      want = value.filter((v, i) => present(v) && present(where[i])).length;
+      if (t.type === 'bar') got = drawn('.point path');
+      else if ((t.mode || '').includes('markers')) got = drawn('path.point');
+      else got = want > 1 && drawn('path.js-line') ? want : 0;  // a line: its path
+    }
+    const label = `${name}: trace ${t.index} (${t.type} "${t.name || ''}")`;
+    if (!want) found.push(`${label}: no values to draw`);
+    else if (got < want) found.push(`${label}: ${got} marks drawn for ${want} values`);
+  });
   const named = new Set((div.data || []).filter((t) => t.name).map((t) => t.name));
   const entries = div.querySelectorAll('.legend .traces').length;
   if (entries < named.size)
@@ -108,8 +137,10 @@ document.querySelectorAll('div.plotly-figure[data-figure]').forEach((div) => {
 return found;
 """
 """What a reader of the report would call broken, one line each: a warning box, a figure
-placeholder with no marks drawn, a legend with fewer entries than the figure's named series, an
-axis title whose bounding box meets another axis title or a tick label."""
+placeholder with no marks drawn, a series or heatmap with no values, one with fewer marks drawn
+than it has values (the bars, the markers, a line's path, a heatmap's cells placed on its axes:
+e.g. text categories on a linear axis draw nothing), a legend with fewer entries than the
+figure's named series, an axis title whose bounding box meets another axis title or a tick label."""
 
 
 def figure_problems(browser: Any) -> list[str]:

@@ -14,6 +14,31 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _kernels() -> str:
+    """torch's CPU kernels and threads, checked against ``ATEN_CPU_CAPABILITY`` and
+    ``OMP_NUM_THREADS`` where they are set (``make numerical``: the portable kernels, one
+    thread), so that a pass meant to run on them cannot silently run on others."""
+    import torch
+
+    capability, threads = torch.backends.cpu.get_cpu_capability(), torch.get_num_threads()
+    want = os.environ.get("ATEN_CPU_CAPABILITY")
+    if want and capability.lower() != want.lower():
+        raise pytest.UsageError(f"ATEN_CPU_CAPABILITY={want} but torch runs {capability}")
+    want_threads = os.environ.get("OMP_NUM_THREADS")
+    if want_threads and threads != int(want_threads):
+        raise pytest.UsageError(f"OMP_NUM_THREADS={want_threads} but torch runs {threads}")
+    return f"torch CPU kernels: {capability}, {threads} thread(s)"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _kernels()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return _kernels()
+
+
 TINY_PARAMS = 1_000_000
 WORDS = [
     "the",

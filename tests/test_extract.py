@@ -22,6 +22,7 @@ from layerdiv.schemas import COMPONENTS, INSTANCES, PROMPT_CHARS, PROMPT_HEAD
 from layerdiv.store import Store
 from layerdiv.store.manifest import read_manifest
 from layerdiv.store.tables import bounded_prompt
+from tests.tolerance import FLOAT32, assert_within
 
 
 def extract(*args: str) -> Any:
@@ -43,6 +44,7 @@ def rows(store: Path, table: str) -> pl.DataFrame:
     return Store(store).scan(table).collect().sort(["instance"])
 
 
+@pytest.mark.numerical
 def test_extract_writes_a_checked_store(
     tmp_path: Path, model_dirs: Any, make_task: Any, stored: Any
 ) -> None:
@@ -62,15 +64,18 @@ def test_extract_writes_a_checked_store(
     comps, inst = rows(store, "components"), rows(store, "instances")
     assert comps.height == 20 * 5 * 2 and inst.height == 20
     assert inst["instance"].to_list() == list(range(20))
-    assert inst["sum_error"].to_numpy().max() < 1e-5
+    # Components add up to the model's own logits, per instance and option, within FLOAT32 of
+    # the sum of their magnitudes (and so does the stored sum error).
+    totals = (
+        comps.group_by("instance", "option")
+        .agg(pl.col("logit").sum(), pl.col("logit").abs().sum().alias("terms"))
+        .sort("instance", "option")
+    )
+    assert inst["sum_error"].to_numpy().max() <= FLOAT32 * totals["terms"].to_numpy().max()
     # The rendered prompts are stored (schema 3).
     assert inst["prompt"].to_list() == [it.prompt for it in instances(load_task(str(task)), 20)]
-    # Components add up to the model's own logits, per instance and option.
-    totals = (
-        comps.group_by("instance", "option").agg(pl.col("logit").sum()).sort("instance", "option")
-    )
     model_logits = np.array(inst["model_logits"].to_list()).reshape(-1)
-    assert np.allclose(totals["logit"].to_numpy(), model_logits, atol=1e-4)
+    assert_within(totals["logit"].to_numpy(), model_logits, totals["terms"].to_numpy())
     # Files carry exactly the declared schemas.
     import pyarrow.parquet as pq
 
@@ -78,6 +83,7 @@ def test_extract_writes_a_checked_store(
     assert pq.read_schema(info.files("instances")[0]).equals(INSTANCES, check_metadata=False)
 
 
+@pytest.mark.numerical
 def test_batch_size_does_not_change_the_numbers(
     tmp_path: Path, model_dirs: Any, make_task: Any
 ) -> None:
@@ -90,8 +96,10 @@ def test_batch_size_does_not_change_the_numbers(
     one = rows(tmp_path / "1", "components").sort("instance", "component", "option")
     eight = rows(tmp_path / "8", "components").sort("instance", "component", "option")
     assert one.height == eight.height == 24 * 6 * 2
-    assert np.allclose(one["logit"].to_numpy(), eight["logit"].to_numpy(), atol=1e-4)
-    assert np.allclose(one["prefix_rms"].to_numpy(), eight["prefix_rms"].to_numpy(), rtol=1e-4)
+    # each within FLOAT32 of its column's scale (padding runs other kernels)
+    for column in ("logit", "prefix_rms"):
+        want = eight[column].to_numpy()
+        assert_within(one[column].to_numpy(), want, np.abs(want).max(), what=column)
 
 
 def test_resume_after_sigkill_stores_each_instance_once(

@@ -14,6 +14,7 @@ from layerdiv.extract.batching import MAX_BATCH_ROWS, batches, chunk_runs, token
 from layerdiv.extract.forward import ModelRunner
 from layerdiv.extract.models import LoadedModel, ModelSource
 from layerdiv.schemas import component_names
+from tests.tolerance import assert_within
 
 
 def test_fixed_batches_are_longest_first() -> None:
@@ -69,6 +70,7 @@ def _runner(model: Any, tokenizer: Any, budget: int) -> ModelRunner:
     return ModelRunner(loaded, adapter_for(model.config), [11, 25], budget)
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("batch_size", [None, 8])
 def test_out_of_memory_halves_the_batch_and_the_budget(
     batch_size: int | None, build_model: Any, tokenizer: Any
@@ -92,7 +94,8 @@ def test_out_of_memory_halves_the_batch_and_the_budget(
         assert rows[:3] == [8, 4, 2]
         assert sum(r for r in rows if r <= 2) == 8  # each instance ran once, in halves
         assert sorted(got) == list(range(8))
-        assert all(torch.allclose(got[i], want[i], atol=1e-5) for i in range(8))
+        for i in range(8):  # halved batches run other kernels: within FLOAT32 of the scale
+            assert_within(got[i], want[i], want[i].abs().max(), what=f"instance {i}")
         if batch_size is None:
             assert runner.budget == 2 * 8  # kept for later chunks
         rows.clear()

@@ -252,3 +252,157 @@ def test_a_taken_name_or_table_is_refused(registered: Measurement) -> None:
         register(BLOCK_NORMS)
     with pytest.raises(MeasurementError, match="'gram' is taken"):
         register(Measurement("gram2", "--gram2", tables={"choice": ("gram",)}, help="x"))
+
+
+def test_a_taken_flag_option_or_setting_name_is_refused(registered: Measurement) -> None:
+    """A flag, option or setting name that ``extract`` or another measurement has is refused
+    by ``register`` (before, ``--lens`` and ``--limit`` were accepted: ``--help`` listed them
+    twice and the built-in ``--lens`` broke)."""
+    from dataclasses import replace
+
+    from layerdiv.measurements import MeasurementError
+    from layerdiv.measurements import registered as all_registered
+
+    def setting(*names: str) -> Setting:
+        return Setting(names[-1], click.Option(list(names), type=int, default=None), 0)
+
+    before = [m.name for m in all_registered()]
+    cases = {
+        "'--lens' is taken by measurement lens": replace(BLOCK_NORMS, name="x", flag="--lens"),
+        "'--limit' is taken by extract": replace(
+            BLOCK_NORMS, name="x", flag="--x", tables={"choice": ("x",)},
+            schemas={"x": BLOCK_NORMS_SCHEMA}, settings=(setting("--limit", "x_limit"),),
+        ),
+        "'skip_seed' is taken by measurement future_effects": replace(
+            BLOCK_NORMS, name="x", flag="--x", tables={"choice": ("x",)},
+            schemas={"x": BLOCK_NORMS_SCHEMA}, settings=(setting("--x-seed", "skip_seed"),),
+        ),
+        "'--norm-ord' is taken by measurement block_norms": replace(
+            BLOCK_NORMS, name="x", flag="--x", tables={"choice": ("x",)},
+            schemas={"x": BLOCK_NORMS_SCHEMA},
+        ),
+        "'-h' is taken by extract": replace(
+            BLOCK_NORMS, name="x", flag="--x", tables={"choice": ("x",)},
+            schemas={"x": BLOCK_NORMS_SCHEMA}, settings=(setting("-h", "x_h"),),
+        ),
+    }  # fmt: skip
+    for why, plugin in cases.items():
+        with pytest.raises(MeasurementError, match=why):
+            register(plugin)
+        assert [m.name for m in all_registered()] == before
+    help_text = invoke("extract", "--help").output
+    for option in ("--lens", "--limit", "--norm-ord", "--block-norms"):  # each declared once
+        assert [x.split()[:1] for x in help_text.splitlines()].count([option]) == 1, option
+
+
+def plugin_run(tmp_path: Path, model_dirs: Any, make_task: Any, **changes: Any) -> tuple[Any, Path]:
+    """``extract --block-norms`` over 8 instances in chunks of 4 with the measurement changed
+    by ``changes`` (registered for this run alone); the run's result and its store."""
+    from dataclasses import replace
+
+    store = tmp_path / "store"
+    task = make_task(tmp_path / "task", n=8)
+    args = ["extract", "--model", str(model_dirs("llama")), "--task", str(task), "--chunk-size",
+            "4", "--batch-size", "2", "--store", str(store), "--block-norms"]  # fmt: skip
+    register(replace(BLOCK_NORMS, **changes))
+    try:
+        return CliRunner().invoke(main, args), store
+    finally:
+        unregister(BLOCK_NORMS.name)
+
+
+def spoiled(at: int, spoil: Any) -> Any:
+    """:func:`block_norm_rows` with ``spoil`` applied to the rows of the chunk starting at
+    ``at`` (the chunk before it is stored as it should be)."""
+
+    def rows(ids: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
+        tables = block_norm_rows(ids, values)
+        return {k: spoil(t) if ids[0] == at else t for k, t in tables.items()}
+
+    return rows
+
+
+def one_line_naming_the_plugin(result: Any) -> str:
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    (line,) = result.output.strip().splitlines()[-1:]
+    errors = [x for x in result.output.splitlines() if x.startswith("Error")]
+    assert errors == [line] and "measurement block_norms (--block-norms)" in line, line
+    return line
+
+
+def chunks_stored(store: Path) -> dict[str, list[str]]:
+    """The parts of each table under ``store``, by file name."""
+    return {t: sorted(p.name for p in store.glob(f"{t}/**/part-*.parquet"))
+            for t in ("instances", "components", "block_norms")}  # fmt: skip
+
+
+def test_a_plugins_wrong_rows_are_refused_before_anything_of_the_chunk_is_written(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    """3 rows fewer, or a NaN: refused in one line naming the plug-in, the chunk not written
+    (before, both were stored with exit 0 and the partition was then refused by every reader,
+    or averaged the NaN); the chunk before it is stored whole and read."""
+
+    def fewer(t: pa.Table) -> pa.Table:
+        return t.slice(0, t.num_rows - 3)
+
+    def nan(t: pa.Table) -> pa.Table:
+        norm = t["norm"].to_numpy().copy()
+        norm[1] = np.nan
+        return t.set_column(2, t.schema.field("norm"), pa.array(norm, pa.float32()))
+
+    for spoil, why in ((fewer, "5 rows are not whole rows for each of 4 instances"),
+                       (nan, "block_norms.norm holds NaN or infinite values")):  # fmt: skip
+        result, store = plugin_run(tmp_path / spoil.__name__, model_dirs, make_task,
+                                   rows=spoiled(4, spoil))  # fmt: skip
+        line = one_line_naming_the_plugin(result)
+        assert why in line and "chunk 4" in line and "nothing of this chunk was written" in line
+        first = ["part-0000000-000004.parquet"]
+        assert chunks_stored(store) == {"instances": first, "components": first,
+                                        "block_norms": first}  # fmt: skip
+        assert not [p for p in store.rglob("*") if p.name.startswith(".")
+                    and p.suffix == ".tmp"]  # fmt: skip
+        listed = CliRunner().invoke(main, ["ls", "--store", str(store)])
+        assert listed.exit_code == 0 and "Error" not in listed.output, listed.output
+
+
+class Raising(BlockNorms):
+    """:class:`BlockNorms` whose hook raises in the passes of the second chunk (instances 4..7)."""
+
+    ids: Sequence[int] | None = None
+
+    def batch(self, ids: Sequence[int] | None, lengths: Sequence[int]) -> None:
+        self.ids = ids
+
+    def _hook(self, module: Any, args: Any, out: Any) -> None:
+        if self.ids is not None and min(self.ids) >= 4:
+            raise RuntimeError("the plug-in's hook broke")
+        super()._hook(module, args, out)
+
+
+def test_an_exception_in_a_plugin_is_one_line_naming_it(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    """Raised in the plug-in's hooks (in the forward pass), in its rows, or when its hooks are
+    attached: one line naming the plug-in and the exception, nothing of that chunk written
+    (before, a traceback)."""
+
+    def broken(ids: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
+        raise ValueError("the plug-in's rows broke")
+
+    def unattachable(ctx: Attachment) -> Any:
+        raise KeyError("norm_ord")
+
+    cases = (
+        ({"attach": Raising}, "failed in its hooks: RuntimeError: the plug-in's hook broke", 1),
+        ({"rows": spoiled(4, lambda t: broken([], []))},
+         "failed in its rows: ValueError: the plug-in's rows broke", 1),
+        ({"attach": unattachable}, "failed in attaching its hooks: KeyError: 'norm_ord'", 0),
+    )  # fmt: skip
+    for k, (changes, why, chunks) in enumerate(cases):
+        result, store = plugin_run(tmp_path / str(k), model_dirs, make_task, **changes)
+        assert why in one_line_naming_the_plugin(result)
+        first = ["part-0000000-000004.parquet"][:chunks]
+        assert chunks_stored(store) == {"instances": first, "components": first,
+                                        "block_norms": first}  # fmt: skip

@@ -209,3 +209,27 @@ def test_files_beside_the_manifest_are_kept_and_must_agree(stores: Path, tmp_pat
     (copies[1] / "runs" / "r1.json").write_text(json.dumps({"run": "another"}))
     line = refused(tmp_path, tmp_path / "dst", tmp_path / "a", tmp_path / "b")
     assert "r1.json differs from the file of that name in another store" in line
+
+
+def test_one_checkpoint_under_two_revisions_is_refused_as_extract_refuses_it(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    """Two revisions of identical weights, extracted into two stores: `merge` refuses them in
+    one line naming both revisions, with the rule `extract` applies to the pair in one store."""
+    task = make_task(tmp_path / "task", n=8)
+    common = ["extract", "--model", str(model_dirs("llama")), "--task", str(task), "--limit", "4"]
+    for revision in ("r1", "r2"):
+        out = run(*common, "--revision", revision, "--store", str(tmp_path / revision))
+        assert out.exit_code == 0, out.output
+    same = "revision r2 equal those stored as revision r1"
+    line = refused(tmp_path, tmp_path / "dst", tmp_path / "r1", tmp_path / "r2")
+    assert same in line and "one checkpoint under two names" in line
+    assert "merge only one of the two revisions" in line and not (tmp_path / "dst").exists()
+    into = refused(tmp_path, tmp_path / "r1", tmp_path / "r2")  # the target holds r1
+    assert same in into
+
+    extract = run(*common, "--revision", "r2", "--store", str(tmp_path / "r1"))
+    assert extract.exit_code == 1
+    (error,) = [x for x in extract.output.splitlines() if x.startswith("Error")]
+    rule = error.split(": ", 1)[1].rsplit(";", 1)[0]  # the problem, without the hint
+    assert rule in line

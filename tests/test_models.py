@@ -120,6 +120,7 @@ def decompose(model: Any, option_ids: list[int], tokenizer: Any) -> BatchDecompo
     return capture.decompose()
 
 
+@pytest.mark.numerical
 @pytest.mark.parametrize("family", ["llama", "gpt2", "phi"])
 def test_cpu_and_disk_offload_gives_identical_components(
     family: str, model_dirs: Any, tokenizer: Any

@@ -159,6 +159,62 @@ def test_explorer_equals_store_and_instance_scores(page: Path, store: Path) -> N
         assert (p["skips"] is not None) == ((p["model"], p["task"]) == ("org--large", "mnli"))
 
 
+def table_shapes(markdown: str) -> list[tuple[str, list[int]]]:
+    """Per Markdown table of ``markdown``: its header line and the cell count of every row
+    (a pipe escaped as ``\\|`` is part of a cell, not a border)."""
+    found: list[tuple[str, list[int]]] = []
+    previous = ""
+    for line in markdown.splitlines():
+        if line.startswith("|"):
+            cells = len(re.split(r"(?<!\\)\|", line.strip())) - 2
+            if not previous.startswith("|"):
+                found.append((line, []))
+            found[-1][1].append(cells)
+        previous = line
+    return found
+
+
+def assert_tables_parse(markdown: str) -> None:
+    """Every table of ``markdown`` has as many cells in each row as in its header, and renders
+    as one HTML table with that many columns in every row."""
+    from markdown_it import MarkdownIt
+
+    tables = table_shapes(markdown)
+    assert tables
+    for header, counts in tables:
+        assert len(set(counts)) == 1, f"{header}: rows of {counts} cells"
+    body = MarkdownIt("commonmark").enable("table").render(markdown)
+    assert body.count("<table>") == len(tables)
+    for (_, counts), html in zip(tables, body.split("<table>")[1:], strict=True):
+        rows = re.findall(r"<tr>(.*?)</tr>", html.split("</table>")[0], re.S)
+        assert len(rows) == len(counts) - 1  # the rule is no row
+        assert {len(re.findall(r"<t[hd]", r)) for r in rows} == {counts[0]}
+
+
+def test_tables_parse(page: Path) -> None:
+    assert_tables_parse((page.parent / "report.md").read_text())
+
+
+def test_demo_tables_parse() -> None:
+    """Every table of the demo's report.md is well-formed (e.g. the skip table's header, whose
+    |IE| / (|DE| + |IE|) holds pipes)."""
+    report = DEMO_REPORT.with_name("report.md")
+    if not report.is_file():
+        pytest.skip(f"{report} not found: run `make demo` first")
+    assert_tables_parse(report.read_text())
+
+
+def test_cells_are_escaped() -> None:
+    from layerdiv.analyze.markdown import TableShapeError, markdown_table
+
+    text = markdown_table(["a", "|IE| / (|DE| + |IE|)"], [["x", "1\n2"]])
+    assert text.splitlines()[0] == "| a | \\|IE\\| / (\\|DE\\| + \\|IE\\|) |"
+    assert text.splitlines()[2] == "| x | 1 2 |"
+    assert table_shapes(text) == [(text.splitlines()[0], [2, 2, 2])]
+    with pytest.raises(TableShapeError, match="1 cells for 2 columns"):
+        markdown_table(["a", "b"], [["x"]])
+
+
 def test_sample_is_stratified_deterministic_and_bounded() -> None:
     correct = np.array([True] * 70 + [False] * 30)
     picked = stratified_sample(correct, 10)
@@ -362,9 +418,23 @@ def test_figure_checks_catch_what_a_reader_calls_broken(browser: Any, tmp_path: 
         },
     }
     empty: dict[str, Any] = {"data": [], "layout": {}}
-    markdown = "> a warning\n\n![x](figures/broken.png)\n\n![y](figures/empty.png)\n"
+    # Bars and points at text categories on an axis typed linear: placeholders drawn, no bar.
+    groups = ["one", "two", "three"]
+    linear = {
+        "data": [
+            {"type": "bar", "x": groups, "y": [1.0, None, 2.0], "name": "bars"},
+            {"type": "scatter", "x": groups, "y": [1, 2, 3], "mode": "markers", "name": "pts"},
+            {"type": "scatter", "x": [1, 2], "y": [None, None], "name": "none"},
+        ],
+        "layout": {"xaxis": {"type": "linear"}},
+    }
+    markdown = (
+        "> a warning\n\n![x](figures/broken.png)\n\n![y](figures/empty.png)\n\n"
+        "![z](figures/linear.png)\n"
+    )
     bad = tmp_path / "bad.html"
-    bad.write_text(render_page(markdown, {"broken.png": broken, "empty.png": empty}, None))
+    figures = {"broken.png": broken, "empty.png": empty, "linear.png": linear}
+    bad.write_text(render_page(markdown, figures, None))
     open_page(browser, bad)
     found = figure_problems(browser)
     assert any(p.startswith("warning box: a warning") for p in found)
@@ -373,6 +443,22 @@ def test_figure_checks_catch_what_a_reader_calls_broken(browser: Any, tmp_path: 
         p.startswith('broken.png: axis title "a title over the ticks" overlaps') for p in found
     )
     assert "empty.png: a figure placeholder with no marks" in found
+    assert 'linear.png: trace 0 (bar "bars"): 0 marks drawn for 2 values' in found
+    assert 'linear.png: trace 1 (scatter "pts"): 0 marks drawn for 3 values' in found
+    assert 'linear.png: trace 2 (scatter "none"): no values to draw' in found
+    assert not any(p.startswith("broken.png: trace") for p in found)  # its points are drawn
+
+
+def test_text_categories_are_a_category_axis() -> None:
+    """Bars at text categories get a category axis in the interactive figure (a linear one
+    would draw none of them); numbers keep the panel's scale."""
+    from layerdiv.analyze import plots
+
+    text = plots.Panel("p", [plots.Series("a", ["x", "y"], [1, 2], bar=True)])
+    numbers = plots.Panel("q", [plots.Series("b", [1, 2], [1, 2])], yscale="log")
+    layout = plots.to_plotly(plots.Figure("t", [text, numbers]))["layout"]
+    assert layout["xaxis"]["type"] == "category" and layout["yaxis"]["type"] == "linear"
+    assert layout["xaxis2"]["type"] == "linear" and layout["yaxis2"]["type"] == "log"
 
 
 DEMO_REPORT = Path(os.environ.get("LAYERDIV_DEMO_REPORT", "layerdiv-demo/report/report.html"))

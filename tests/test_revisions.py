@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -261,20 +262,38 @@ def test_the_report_draws_revisions_against_the_step_and_never_pools_them(
     assert rows == ["| org/a@step1000", "| org/a@step2000", "| org/b@step1000", "| org/b@step2000"]
 
 
-def sweep_text_store(root: Path, models: int = 4, revisions: int = 3) -> None:
-    """``models`` made-up models of growing depth and width, each at ``revisions`` revisions
-    (step 1000, 2000, ...) of made-up running text: one law point per (model, revision)."""
+SWEEP_LAW = {"c_width": 40.0, "alpha_width": 0.5, "c_tokens": 300.0, "alpha_tokens": 0.3}
+"""The width and tokens terms added to the made-up loss (its depth term is 8 / blocks)."""
+
+
+def sweep_text_store(
+    root: Path, models: int = 6, revisions: int = 3, law_of: dict[str, float] = SWEEP_LAW
+) -> None:
+    """``models`` made-up models of growing depth and of widths in another order, each at
+    ``revisions`` revisions (step 1000, 2000, ...) of made-up running text: one law point per
+    (model, revision), whose loss has the width and tokens terms of ``law_of`` (none where
+    empty) besides its depth term."""
     from dataclasses import replace
 
     for m in range(models):
-        blocks, width = 2 + m, 64 * 2**m
+        blocks, width = 2 + m, 64 * 2 ** (2 * m % 5)
         for r in range(revisions):
             step = 1000 * (r + 1)
             manifest = text_manifest(f"org/m{m}", "fineweb", 4, blocks, 16, 4, hidden_size=width)
             manifest = replace(manifest, revision=f"step{step}", step=step, n_layers=blocks,
                                tokens_seen=step * STEP_TOKENS)  # fmt: skip
             rng = np.random.default_rng([m, r])
-            write_text_partition(root, manifest, [(0, 4, text_chunk(rng, range(4), 16, blocks))])
+            chunk = text_chunk(rng, range(4), 16, blocks)
+            tokens = chunk["tokens"]
+            terms = (law_of["c_width"] * width ** -law_of["alpha_width"]
+                     + law_of["c_tokens"] * (step * STEP_TOKENS) ** -law_of["alpha_tokens"]
+                     if law_of else 0.0)  # fmt: skip
+            loss = tokens["loss"].to_numpy(zero_copy_only=False) + terms
+            chunk["tokens"] = tokens.set_column(
+                tokens.schema.get_field_index("loss"), tokens.schema.field("loss"),
+                pa.array(loss, tokens.schema.field("loss").type, from_pandas=True),
+            )  # fmt: skip
+            write_text_partition(root, manifest, [(0, 4, chunk)])
 
 
 def test_the_report_fits_the_depth_law_from_a_store_or_says_why_not(tmp_path: Path) -> None:
@@ -282,29 +301,53 @@ def test_the_report_fits_the_depth_law_from_a_store_or_says_why_not(tmp_path: Pa
     sweep_text_store(store)
     results = analyze(store)
     assert results.depth_law["parameter"].to_list() == list(law.PARAMETERS)
-    assert results.depth_law_fit["n_points"].to_list() == [12]
-    # The made-up loss is 8 / blocks above draws shared by every model: the depth term exactly.
+    assert results.depth_law_fit["n_points"].to_list() == [18]
+    # The made-up loss is 8 / blocks plus the width and tokens terms of SWEEP_LAW above draws
+    # shared by every model: the law exactly.
     fitted = dict(results.depth_law.select("parameter", "estimate").iter_rows())
     assert fitted["alpha_depth"] == pytest.approx(1, abs=1e-3)
     assert fitted["c_depth"] == pytest.approx(8, rel=1e-3)
+    for name, value in SWEEP_LAW.items():
+        assert fitted[name] == pytest.approx(value, rel=1e-3), name
     points = results.depth_law_points
-    assert sorted(set(points["depth"])) == [2.0, 3.0, 4.0, 5.0] and points.height == 12
+    assert sorted(set(points["depth"])) == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0] and points.height == 18
     run("report", "--store", str(store), "--out", str(tmp_path / "report"))
     text = (tmp_path / "report" / "report.md").read_text()
     assert "## The depth loss law across models" in text
     assert "figures/depth_law_fineweb.png" in text
     assert (tmp_path / "report" / "figures" / "depth_law_fineweb.png").stat().st_size > 0
 
-    # Fewer points than parameters: the section does not apply (no warning in the report);
+    # Fewer points than parameters: the section says why and what adds points (no warning);
     # fit-law says why in one line.
     few = tmp_path / "few"
     sweep_text_store(few, models=2, revisions=2)
     out = CliRunner().invoke(main, ["report", "--store", str(few), "--out", str(tmp_path / "r2")])
     assert out.exit_code == 0, out.output
     assert not [line for line in out.output.splitlines() if "depth_law" in line]
-    assert "depth loss law" not in (tmp_path / "r2" / "report.md").read_text()
+    text = (tmp_path / "r2" / "report.md").read_text()
+    section = text.split("## The depth loss law across models")[1].split("\n## ")[0]
+    assert "Not fitted: the law has 7 parameters" in section
+    assert "this store holds 4 on fineweb" in section and "`layerdiv extract" in section
     out = CliRunner().invoke(
         main, ["fit-law", "--store", str(few), "--task", "fineweb", "--out", str(tmp_path / "f")]
     )
     assert out.exit_code != 0
     assert "4 point(s) to fit (of 4) but the law has 7 parameters" in out.output
+
+
+def test_a_sweep_whose_loss_follows_depth_alone_is_refused(tmp_path: Path) -> None:
+    """Eighteen points whose loss has no width or tokens term: c_width and c_tokens go to 0,
+    where alpha_width and alpha_tokens are anything; one line naming them (before, seven
+    "estimates", exit 0)."""
+    store = tmp_path / "store"
+    sweep_text_store(store, law_of={})
+    out = CliRunner().invoke(
+        main, ["fit-law", "--store", str(store), "--task", "fineweb", "--out", str(tmp_path / "f")]
+    )
+    assert out.exit_code == 1 and "Traceback" not in out.output
+    (line,) = out.output.strip().splitlines()
+    assert "the law cannot be identified from these points" in line
+    assert "c_width" in line and "c_tokens" in line and "undetermined" in line
+    results = analyze(store)
+    assert "depth_law" not in results.tables()
+    assert any("depth_law" in n and "cannot be identified" in n for n in results.notes)

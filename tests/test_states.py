@@ -49,6 +49,7 @@ def texts() -> list[str]:
 
 @pytest.mark.parametrize(("dtype", "tol"), [("float32", 1e-5), ("float16", 1e-3),
                                              ("bfloat16", 8e-3)])  # fmt: skip
+@pytest.mark.numerical
 def test_states_match_hf(
     tmp_path: Path, model_dirs: Any, tokenizer: Any, texts: list[str], dtype: str, tol: float
 ) -> None:
@@ -81,6 +82,7 @@ def test_states_match_hf(
         assert got.shape[1] == len(model.model.layers) + 1
 
 
+@pytest.mark.numerical
 def test_states_all_and_refusals(
     tmp_path: Path, model_dirs: Any, tokenizer: Any, texts: list[str]
 ) -> None:
@@ -160,6 +162,7 @@ def test_version_4_text_store_still_reads(
         layerdiv.run_analysis(store, maps="all")
 
 
+@pytest.mark.numerical
 def test_choice_states_last_prompt_token(
     tmp_path: Path,
     model_dirs: Any,

@@ -11,6 +11,7 @@ import polars as pl
 import pytest
 
 from layerdiv.analyze.analyses.text_groups import (
+    MIN_INTERVAL_N,
     bootstrap_mean,
     bootstrap_slope,
     group_scores,
@@ -58,20 +59,29 @@ def test_group_scores_match_a_hand_computed_example() -> None:
     layer3 = by(rows, "layer", "3")
     assert (layer3["n_documents"], layer3["n_scored"]) == (2, 1)
     assert layer3["paper_score"] == pytest.approx(4 / 3) == layer3["mean_score"]
-    assert layer3["mean_low"] == pytest.approx(4 / 3) == layer3["mean_high"]
+    # one scored document: no interval (below MIN_INTERVAL_N), not [4/3, 4/3]
+    assert np.isnan(layer3["mean_low"]) and np.isnan(layer3["mean_high"])
     assert by(rows, "logit", "3")["paper_score"] == 0.0
     # slope of the logit score on the group: (2, 1/2), (2, 3/2), (3, 0) -> -1
     (logit_slope,) = [s for s in slopes if s["effect"] == "logit"]
     assert logit_slope["slope"] == pytest.approx(-1.0)
     assert (logit_slope["n_scored"], logit_slope["n_groups"]) == (3, 2)
-    assert logit_slope["slope_low"] <= -1.0 <= logit_slope["slope_high"]
+    assert np.isnan(logit_slope["slope_low"]) and np.isnan(logit_slope["slope_high"])
 
 
 def test_bootstrap_intervals() -> None:
-    # resampled means of (0, 1) are 0, 1/2, 1 with probabilities 1/4, 1/2, 1/4: the 2.5% and
-    # 97.5% percentiles are 0 and 1
-    assert bootstrap_mean(np.array([0.0, 1.0])) == (0.5, 0.0, 1.0)
-    assert bootstrap_mean(np.array([0.0, 1.0])) == bootstrap_mean(np.array([0.0, 1.0]))
+    # resampled means of (0, 1) x 5 are k / 10, k binomial(10, 1/2): the 2.5% and 97.5%
+    # percentiles are 0.2 and 0.8 (P(k <= 1) = 0.011, P(k <= 2) = 0.055)
+    scores = np.tile([0.0, 1.0], 5)
+    mean, low, high = bootstrap_mean(scores)
+    assert (
+        mean == 0.5 and low == pytest.approx(0.2, abs=0.1) and high == pytest.approx(0.8, abs=0.1)
+    )
+    assert bootstrap_mean(scores) == (mean, low, high)
+    # fewer than MIN_INTERVAL_N scores: the mean, no interval
+    few = np.array([0.0, 1.0] * (MIN_INTERVAL_N // 2))[: MIN_INTERVAL_N - 1]
+    assert bootstrap_mean(few)[0] == pytest.approx(few.mean())
+    assert np.isnan(bootstrap_mean(few)[1:]).all() and np.isnan(bootstrap_slope(few, few)[1:]).all()
     # an exact line: every resample with two distinct x has the same slope
     x = np.repeat([1.0, 2.0, 3.0, 4.0], 10)
     assert bootstrap_slope(x, 3 * x + 1) == pytest.approx((3.0, 3.0, 3.0))

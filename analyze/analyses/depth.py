@@ -38,7 +38,8 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.markdown import DASH, fmt, markdown_table
+from layerdiv.analyze.markdown import DASH, fmt, markdown_table, verdict
+from layerdiv.analyze.overlap import independent, left_out, lone_subsets
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -47,7 +48,13 @@ from layerdiv.analyze.registry import (
     partition_engine,
     register,
 )
-from layerdiv.analyze.stats import POWER_FIT_SCHEMA, degrees, power_law_fit
+from layerdiv.analyze.stats import (
+    POWER_FIT_SCHEMA,
+    degrees,
+    halves,
+    power_law_fit,
+    t_interval,
+)
 from layerdiv.analyze.text import tag as _tag
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import gram_index
@@ -557,10 +564,16 @@ def skip_effects(
 # --- report section -------------------------------------------------------------------------------
 
 _KIND_STYLE: dict[str, tuple[plots.Dash, str]] = {"attn": ("solid", "o"), "mlp": ("dash", "s")}
+_BLOCK_STYLE: dict[str, Any] = {"dash": "dot", "marker": "^"}
+"""A whole block's series, unlike either kind's."""
 
 
-def _by_model(frame: pl.DataFrame, keys: list[str], columns: Iterable[str]) -> pl.DataFrame:
-    """Means over a model's tasks of ``columns`` per ``keys``."""
+def _by_model(
+    tables: Mapping[str, pl.DataFrame], name: str, keys: list[str], columns: Iterable[str]
+) -> pl.DataFrame:
+    """Means over a model's tasks of ``columns`` of table ``name`` per ``keys`` (a task whose
+    instances another task of the table holds left out)."""
+    frame = independent(tables[name], tables["manifests"])
     return (
         frame.group_by("model", *keys).agg(pl.col(c).mean() for c in columns).sort("model", *keys)
     )
@@ -572,16 +585,17 @@ def geometry_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
     log-log axes with the fitted a * l^(-beta) (β, its s.e. and R² in the notes); models overlay
     on the relative-depth axis, each curve the mean over the model's tasks."""
     geo = _by_model(
-        tables["geometry"], ["kind", "name", "relative_depth"], ["rel_contribution", "cos_residual"]
+        tables, "geometry", ["kind", "name", "relative_depth"], ["rel_contribution", "cos_residual"]
     ).sort("model", "kind", "relative_depth")
     blocks = _by_model(
-        tables["geometry_blocks"], ["block", "relative_depth"], ["angle_deg", "rel_contribution"]
+        tables, "geometry_blocks", ["block", "relative_depth"], ["angle_deg", "rel_contribution"]
     )
-    fits = tables["depth_decay"].group_by("model").agg(pl.col("a", "beta", "beta_se", "r2").mean())
-    rel = plots.Panel(
-        "Relative contribution per component",
+    fits = _by_model(tables, "depth_decay", [], ["a", "beta", "beta_se", "r2"])
+    rel = plots.Panel(  # log: the first MLP's ratio (the embedding is small) is tens of times
+        "Relative contribution per component",  # the others'
         xlabel="relative depth c / L",
         ylabel="||z_c|| / ||r_(c-1)||",
+        yscale="log",
     )
     cos = plots.Panel(
         "Cosine of each component with the stream it joins",
@@ -620,23 +634,26 @@ def geometry_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
                 )
         sub = blocks.filter(pl.col("model") == model)
         hover = [f"block {b}" for b in sub["block"]]
+        block = f"{label} block (attn + mlp)"  # its own style: not one of the kinds'
         angle.series.append(
             plots.Series(
-                label,
+                block,
                 sub["relative_depth"].to_list(),
                 sub["angle_deg"].to_list(),
                 color=color,
                 hover=hover,
+                **_BLOCK_STYLE,
             )
         )
         size.series.append(
             plots.Series(
-                label,
+                block,
                 sub["block"].to_list(),
                 sub["rel_contribution"].to_list(),
                 color=color,
                 line=False,
                 hover=hover,
+                marker=_BLOCK_STYLE["marker"],
             )
         )
         fit = fits.filter(pl.col("model") == model)
@@ -644,7 +661,7 @@ def geometry_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
             x = sub["block"].to_numpy().astype(float)
             size.series.append(
                 plots.Series(
-                    label,
+                    block,
                     x.tolist(),
                     (fit["a"][0] * x ** -fit["beta"][0]).tolist(),
                     color=color,
@@ -669,7 +686,8 @@ def skip_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plot
     """Accuracy without each block (dotted: with every block), and the mean |total| and |direct|
     effect of each block on the option logits; mean over the model's tasks."""
     skips = _by_model(
-        tables["skip_effects"],
+        tables,
+        "skip_effects",
         ["layer", "relative_depth"],
         ["accuracy", "accuracy_without", "direct_effect", "total_effect"],
     )
@@ -688,9 +706,14 @@ def skip_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plot
         sub, label = skips.filter(pl.col("model") == model), names.get(model, model)
         x = sub["relative_depth"].to_list()
         hover = [f"block {b} skipped" for b in sub["layer"]]
-        acc.series.append(
+        acc.series.append(  # its own marker: the effects' series share the colour
             plots.Series(
-                label, x, (100 * sub["accuracy_without"]).to_list(), color=color, hover=hover
+                f"{label} accuracy",
+                x,
+                (100 * sub["accuracy_without"]).to_list(),
+                color=color,
+                hover=hover,
+                marker="^",
             )
         )
         whole = float(sub["accuracy"].cast(pl.Float64).fill_null(0).to_numpy().mean())
@@ -715,13 +738,14 @@ def skip_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plot
         "Layer skips (methods §7), mean over tasks, at the last prompt token",
         [acc, effect],
         panel_size=(6.0, 3.8),
+        caption=lone_subsets(tables["skip_effects"], tables["manifests"]),
     )
 
 
 def gram_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plots.Figure:
     """From the Gram matrices: the angle between consecutive block updates and of each state to
     the final one, per block; mean over the model's tasks."""
-    gram = _by_model(tables["gram_blocks"], ["block", "relative_depth"], GRAM_ANGLES)
+    gram = _by_model(tables, "gram_blocks", ["block", "relative_depth"], GRAM_ANGLES)
     panels = [
         plots.Panel(
             title,
@@ -831,6 +855,71 @@ def skip_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str
     return markdown_table(header, rows)
 
 
+MIN_BLOCKS = 5
+"""Blocks below which a power-law fit of the update sizes cannot tell (3 parameters' worth of
+points and two degrees of freedom left)."""
+
+MIN_HALF = 4
+"""Components (or blocks) per half of the stack below which the halves cannot be compared."""
+
+DECAY = 0.5
+"""The inverse-depth paper's finding (update size ∝ 1/l, beta = 1) holds where beta's interval
+lies above this: halfway between no decay (0) and 1/l."""
+
+
+def decay_verdict(finding: str, fit: Mapping[str, Any]) -> str:
+    """The verdict on the inverse-depth paper's mean update ∝ 1/l from a
+    :func:`power_law_fit` row: beta above :data:`DECAY` with its t interval (n - 2 degrees of
+    freedom), its R² named."""
+    n, r2 = fit["n_fitted"] or 0, fit["r2"]
+    if r2 is not None and np.isfinite(r2):
+        poor = ", a poor fit" if r2 < plots.POOR_FIT_R2 else ""
+        finding += f" (power law R² {r2:.2f}{poor})"
+    interval = t_interval(fit["beta"], fit["beta_se"], n - 2)
+    return verdict(finding, "β", fit["beta"], interval, n, DECAY, min_n=MIN_BLOCKS,
+                   unit="blocks fitted")  # fmt: skip
+
+
+def decay_verdicts(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str:
+    """Per (model, task): the verdict on the inverse-depth paper's mean update ∝ 1/l (beta
+    above :data:`DECAY`, its t interval) and on the depth-efficiency paper's first finding (a
+    component of the second half contributes less: relative contribution, first half without
+    the embedding and block 0 minus the second half, its Welch interval)."""
+    geometry = tables["geometry"]
+    lines = []
+    for r in tables["depth_decay"].iter_rows(named=True):
+        who = f"{names.get(r['model'], r['model'])}, {r['task']}"
+        lines.append("- " + decay_verdict(f"{who}: block update size falls roughly as 1/l", r))
+        sub = geometry.filter(*[pl.col(k) == r[k] for k in KEY])
+        first = (sub["relative_depth"] <= 0.5) & (sub["kind"] != "embed") & (sub["layer"] > 0)
+        second = sub["relative_depth"] > 0.5
+        keep = (first | second).to_numpy()
+        diff, interval, n_half = halves(sub["rel_contribution"].to_numpy()[keep],
+                                        first.to_numpy()[keep])  # fmt: skip
+        lines.append("- " + verdict(
+            f"{who}: a component of the second half contributes less",
+            "relative contribution, 1st half without block 0 − 2nd half", diff, interval,
+            n_half, 0.0, min_n=MIN_HALF, unit="components per half", digits=3))  # fmt: skip
+    return "\n".join(lines)
+
+
+def skip_verdicts(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str:
+    """Per (model, task): the verdict on the depth-efficiency paper's second finding (skipping a
+    block of the second half changes the output less): mean KL of the first half's skips minus
+    the second's, its Welch interval over blocks."""
+    lines = []
+    effects = tables["skip_effects"]
+    for key, sub in effects.group_by(*KEY, maintain_order=True):
+        row = dict(zip(KEY, key, strict=True))
+        first = (sub["relative_depth"] <= 0.5).to_numpy()
+        diff, interval, n = halves(sub["kl"].to_numpy(), first)
+        lines.append("- " + verdict(
+            f"{names.get(row['model'], row['model'])}, {row['task']}: skipping a block of the "
+            "second half changes the output less", "mean KL, 1st − 2nd half (nats)", diff,
+            interval, n, 0.0, min_n=MIN_HALF, unit="blocks per half", digits=3))  # fmt: skip
+    return "\n".join(lines)
+
+
 def report(ctx: ReportContext) -> str:
     """The "How depth is used" section: the depth-decay table and the geometry figure, the Gram
     angles and the skip effects where extracted."""
@@ -852,8 +941,10 @@ def report(ctx: ReportContext) -> str:
         "(the inverse-depth paper finds β close to 1); poor fit: R² < "
         f"{plots.POOR_FIT_R2:g}. Halves split the components at relative depth 1/2; in "
         "brackets, the first half without the embedding and block 0, whose large relative "
-        "contribution (the embedding is small) can carry the first half alone.",
+        "contribution (the embedding is small) can carry the first half alone. The figures "
+        "average over tasks. " + left_out(tables["geometry"], tables["manifests"]),
         decay_table(tables, ctx.names),
+        decay_verdicts(tables, ctx.names),
         figure(
             "depth_geometry.png",
             "Geometry of the residual stream",
@@ -868,14 +959,17 @@ def report(ctx: ReportContext) -> str:
             figure("depth_gram.png", "Gram-matrix angles", gram_spec),
         ]
     if "skip_effects" in tables:
+        lone = lone_subsets(tables["skip_effects"], tables["manifests"])
         parts += [
             "Skipping block b (`extract --skips`): the model's own option logits with the block "
             "replaced by the identity on every call. TE = logits − skip logits, DE = the block's "
             "own logit contributions (methods §1, final scale frozen), IE = TE − DE: what the "
             "block does through later blocks and the final norm, which the layer-addition curves "
             "do not see. Effects are mean absolute values over instances and options, in logit "
-            "units; KL of the skipped model's option distribution from the full one's, in nats.",
+            "units; KL of the skipped model's option distribution from the full one's, in nats. "
+            + (f"They rest on {lone}" if lone else ""),
             skip_table(tables, ctx.names),
+            skip_verdicts(tables, ctx.names),
             figure("depth_skips.png", "Layer skips", skip_spec),
         ]
     parts += [not_extracted(tables["manifests"], t) for t in _OPTIONAL]

@@ -22,9 +22,11 @@ from layerdiv.analyze.markdown import (
     markdown_table,
     model_label,
     model_task_table,
+    verdict,
 )
 from layerdiv.analyze.metrics import ACCURACY, CORRELATED, METRICS
 from layerdiv.analyze.options import ESTIMATORS
+from layerdiv.analyze.overlap import independent, left_out
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -134,7 +136,7 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
         "curves": curves,
         "modules": _module_shares(gather("modules"), counts),
         "correlations": corr,
-        "correlation_means": stats.fisher_z_means(corr),
+        "correlation_means": stats.fisher_z_means(corr, manifests),
         "depth_curves": depth,
         "depth_fits": stats.depth_fits(depth),
         "information_curves": gather("information_curves"),
@@ -196,12 +198,14 @@ def table1(ctx: ReportContext) -> str:
     model's tasks), in the metric's unit for the estimator; the accuracy table starts with the
     majority-class baseline."""
     frame = ctx.tables["scores"].filter(pl.col("estimator") == ctx.estimator)
+    distinct = independent(frame, ctx.tables["manifests"])  # what Avg. averages
     majority = frame.group_by("task").agg(pl.col("majority_accuracy").mean()).sort("task")
     pct = ACCURACY.unit(ctx.estimator)
+    over_tasks = distinct.group_by("task").agg(pl.col("majority_accuracy").mean())
     baseline = [
         "*Majority class*",
         *(fmt(v, pct.scale, pct.digits) for v in majority["majority_accuracy"]),
-        fmt(majority["majority_accuracy"].mean(), pct.scale, pct.digits),  # type: ignore[arg-type]
+        fmt(over_tasks["majority_accuracy"].mean(), pct.scale, pct.digits),  # type: ignore[arg-type]
     ]
     parts = []
     for metric in METRICS.values():
@@ -210,7 +214,7 @@ def table1(ctx: ReportContext) -> str:
             (m, t): fmt(v, unit.scale, unit.digits)
             for m, t, v in frame.select(model_label(), "task", metric.name).iter_rows()
         }
-        avg = frame.group_by(model_label()).agg(pl.col(metric.name).mean())
+        avg = distinct.group_by(model_label()).agg(pl.col(metric.name).mean())
         cells.update({(m, None): fmt(v, unit.scale, unit.digits) for m, v in avg.iter_rows()})
         first = [baseline] if metric is ACCURACY else []
         parts.append(
@@ -250,7 +254,9 @@ def correlation_table(ctx: ReportContext) -> str:
 def module_table(ctx: ReportContext) -> str:
     """Fig. 4: per model, the share of bias and of diversity held by each module kind (paper
     Eqs. 9-10), averaged over tasks, beside the share of components of that kind."""
-    shares = stats.module_shares_by_model(ctx.tables["modules"], ctx.estimator)
+    shares = stats.module_shares_by_model(
+        ctx.tables["modules"], ctx.estimator, ctx.tables["manifests"]
+    )
     kinds = [k for k in COMPONENT_KINDS if k in set(shares["kind"])]
     columns = ("component_share", "bias_share", "diversity_share")
     values = {(m, k): r for m, k, *r in shares.select("model", "kind", *columns).iter_rows()}
@@ -317,6 +323,57 @@ def depth_table(ctx: ReportContext) -> str:
         "Mean acc. gain per layer, 1st / 2nd half (points)",
     ]
     return markdown_table(header, rows)
+
+
+MIN_TASKS = 3
+"""Tasks below which a model's correlation averaged over tasks cannot tell (its interval is
+taken over tasks)."""
+
+MIN_HALF = 4
+"""Components per half of the stack below which the gains of the halves cannot be compared."""
+
+
+def correlation_verdicts(ctx: ReportContext) -> str:
+    """Per model and correlated metric, the verdict on the reference paper's finding that
+    accuracy rises with the metric (signed) across junction points: Spearman's rho averaged
+    over the independent tasks by Fisher z, its interval over tasks (:func:`stats.fisher_mean`),
+    above 0."""
+    corr = independent(ctx.tables["correlations"], ctx.tables["manifests"]).filter(
+        (pl.col("estimator") == ctx.estimator) & (pl.col("method") == "spearman")
+    )  # a task whose instances are another's subset is not counted twice
+    lines = []
+    for (model,), sub in corr.group_by(model_label(), maintain_order=True):
+        for metric in CORRELATED:
+            r = sub.filter(pl.col("metric") == metric.name)["r"].to_numpy()
+            if len(r) == 0:
+                continue
+            rho, interval = stats.fisher_mean(r)
+            finding = (
+                f"{ctx.names.get(str(model), str(model))}: accuracy rises with {metric.signed}"
+            )
+            lines.append("- " + verdict(finding, "mean Spearman ρ over tasks", rho, interval,
+                                        int(np.isfinite(r).sum()), 0.0, min_n=MIN_TASKS,
+                                        unit="tasks"))  # fmt: skip
+    return "\n".join(lines)
+
+
+def submodularity_verdicts(ctx: ReportContext) -> str:
+    """Per model, the verdict on the reference paper's submodularity (the marginal accuracy
+    gain of a component diminishes with depth): the mean gain per component of the first half
+    of the stack minus the second's, its Welch interval (:func:`stats.difference`), above 0."""
+    depth = ctx.tables["depth_curves"].filter(pl.col("estimator") == ctx.estimator)
+    lines = []
+    for (model,), sub in depth.group_by(model_label(), maintain_order=True):
+        first = (sub["j"] <= sub["j"].max() / 2).to_numpy()  # type: ignore[operator]
+        diff, interval, n = stats.halves(100 * sub["accuracy_gain"].to_numpy(), first)
+        finding = (
+            f"{ctx.names.get(str(model), str(model))}: accuracy gains diminish with depth "
+            "(submodularity)"
+        )
+        lines.append("- " + verdict(finding, "mean gain per component, 1st − 2nd half (points)",
+                                    diff, interval, n, 0.0, min_n=MIN_HALF,
+                                    unit="components per half"))  # fmt: skip
+    return "\n".join(lines)
 
 
 def saturation_table(ctx: ReportContext) -> str:
@@ -434,7 +491,9 @@ def correlation_spec(ctx: ReportContext, scale: str) -> plots.Figure:
 def module_spec(ctx: ReportContext) -> plots.Figure:
     """Fig. 4: stacked horizontal bars of each module kind's share of bias and of diversity."""
     names = plots.short_names(ctx.names)
-    shares = stats.module_shares_by_model(ctx.tables["modules"], ctx.estimator)
+    shares = stats.module_shares_by_model(
+        ctx.tables["modules"], ctx.estimator, ctx.tables["manifests"]
+    )
     models = sorted(shares["model"].unique())
     kinds = [k for k in COMPONENT_KINDS if k in set(shares["kind"])]
     labels = [names.get(m, m) for m in models]
@@ -555,23 +614,37 @@ def depth_spec(ctx: ReportContext, scale: str, min_params: float) -> plots.Figur
                 **line,
             ),
         ]
-        loss.series += [
-            plots.Series(label, j.tolist(), (mse.scale * sub["mse"].to_numpy()).tolist(), **line),
-            plots.Series(
-                label,
-                j.tolist(),
-                (mse.scale * fitted_loss).tolist(),
-                dash="dash",
-                legend=False,
-                width=0.9,
-                **line,
-            ),
-        ]
+        shown = mse.scale * sub["mse"].to_numpy()
+        loss.series.append(plots.Series(label, j.tolist(), shown.tolist(), **line))
+        if not fit["loss_at_bound"]:  # else c, α and L0 mean nothing (the table's †): no line
+            loss.series.append(
+                plots.Series(
+                    label,
+                    j.tolist(),
+                    (mse.scale * fitted_loss).tolist(),
+                    dash="dash",
+                    legend=False,
+                    width=0.9,
+                    **line,
+                )
+            )
         gain.series.append(
             plots.Series(label, j.tolist(), (100 * rolled.to_numpy()).tolist(), **line)
         )
-        acc.notes.append(f"{label}: {plots.r2_text(fit['acc_r2'])}")
-        loss.notes.append(f"{label}: {plots.r2_text(fit['loss_r2'])}")
+        whose = f"{label}: " if len(models) > 1 else ""  # one model: the legend names it
+        acc.notes.append(whose + plots.r2_text(fit["acc_r2"]))
+        low, high = float(np.nanmin(shown)), float(np.nanmax(shown))
+        loss.notes += [
+            whose
+            + (
+                "no fit: α at an end of its range (†)"
+                if fit["loss_at_bound"]
+                else plots.r2_text(fit["loss_r2"])
+            ),
+            f"{whose}range {low:.4g} to {high:.4g}: {100 * (high - low) / high:.2g}% of the MSE",
+        ]
+    if not any(s.dash == "dash" for s in loss.series):
+        loss.title = "MSE"
     for panel in (acc, loss, gain):
         panel.xlabel = "components in prefix j"
     which = f"models with ≥ {min_params:.3g} parameters" if min_params else "all models"
@@ -625,19 +698,21 @@ def report(ctx: ReportContext) -> str:
         if fits.height
         else ""
     )
+    overlap = left_out(ctx.tables["scores"], ctx.tables["manifests"])
     sections = [
         "### Table 1: full-stack scores",
         f"Means over instances, accuracy in %, {units}. Estimator `{est}`. Avg. is the mean over "
         "the model's tasks. The majority class row is the accuracy of always answering the most "
-        "frequent gold option.",
+        f"frequent gold option. {overlap}",
         table1(ctx),
         "### Fig. 3: correlation of accuracy with MSE, bias and diversity across junction points",
         "Each cell: Pearson r / Spearman ρ across the junction points j = 1..L of the "
         "layer-addition curves between accuracy_j and −MSE_j, −bias_j or diversity_j (lower MSE "
         f"and bias are better). `*`: two-sided p < {stats.SIGNIFICANCE} (t test, L − 2 degrees "
         "of freedom). Avg. and the all-models row are Fisher-z averages and are not tested. "
-        f"Estimator `{est}`, scale `{scale}`.",
+        f"Estimator `{est}`, scale `{scale}`. {overlap}",
         correlation_table(ctx),
+        correlation_verdicts(ctx),
         plots.figure_link(
             ctx,
             "fig3_correlations.png",
@@ -647,7 +722,7 @@ def report(ctx: ReportContext) -> str:
         "### Fig. 4: share of bias and diversity by module",
         "Paper Eqs. 9-10: the share of module kind X is |X| bias_X / (L bias) (and the same for "
         "diversity), averaged over tasks; the shares of a model sum to 100. The component column "
-        f"is |X| / L for comparison. Estimator `{est}`.",
+        f"is |X| / L for comparison. Estimator `{est}`. {overlap}",
         module_table(ctx),
         plots.figure_link(
             ctx,
@@ -666,8 +741,9 @@ def report(ctx: ReportContext) -> str:
         f"half of the stack. Estimator `{est}`. †: the best α lies at an end of the range "
         f"searched ({stats.ALPHA_GRID[0]:g} to {stats.ALPHA_GRID[-1]:g}): the MSE curve is not "
         "an inverse power of depth (α → 0 means it is closer to a logarithm), so c, α and L0 "
-        "are not meaningful.",
+        f"are not meaningful. {overlap}",
         depth_table(ctx) if depth_models else "No model passes the size filter.",
+        submodularity_verdicts(ctx) if depth_models else "",
         fig6,
         "### Saturation depth",
         "The smallest j such that every prefix of j or more components has accuracy within 1 "

@@ -19,6 +19,7 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import fmt, markdown_table
+from layerdiv.analyze.overlap import independent
 from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
 from layerdiv.analyze.text import TEXT_KIND, BlockStats, tag, text_passes, text_vs_last_token
 from layerdiv.store.key import KEY
@@ -61,12 +62,14 @@ PANELS = (
 """The geometry figure's panels: column and axis label (``proj``: methods §10)."""
 
 
-def _by_model(frame: pl.DataFrame, columns: Iterable[str]) -> pl.DataFrame:
+def _by_model(frame: pl.DataFrame, manifests: pl.DataFrame, columns: Iterable[str]) -> pl.DataFrame:
     """Token-weighted means over a model's text tasks, per block (null where no task has the
-    column, e.g. theta_update of the last block)."""
+    column, e.g. theta_update of the last block; a task whose documents another task holds left
+    out)."""
     columns = list(columns)
     return (
-        frame.group_by("model", "block", "relative_depth")
+        independent(frame, manifests)
+        .group_by("model", "block", "relative_depth")
         .agg(
             *(
                 (pl.col(c) * pl.col("n_tokens")).sum()
@@ -78,11 +81,13 @@ def _by_model(frame: pl.DataFrame, columns: Iterable[str]) -> pl.DataFrame:
     )
 
 
-def geometry_spec(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
+def geometry_spec(
+    table: pl.DataFrame, manifests: pl.DataFrame, names: dict[str, str]
+) -> plots.Figure:
     """Seven panels of token-weighted means (solid) and maxima (dotted, sizes only) against relative
     depth, models overlaid; sizes on a log axis, angles in plain degrees with 90° marked."""
     columns = [f"{c}_mean" for c, _ in PANELS] + [f"{c}_max" for c, _ in PANELS[:3]]
-    means = _by_model(table, columns)
+    means = _by_model(table, manifests, columns)
     panels = []
     for column, label in PANELS:
         panel = plots.Panel(
@@ -131,9 +136,10 @@ def side_by_side(tables: Mapping[str, pl.DataFrame]) -> pl.DataFrame | None:
     tasks); None when no model has both."""
     if "geometry_blocks" not in tables:
         return None
-    text = _by_model(tables["text_geometry"], [c for c, _, _ in SIDE_BY_SIDE])
+    manifests = tables["manifests"]
+    text = _by_model(tables["text_geometry"], manifests, [c for c, _, _ in SIDE_BY_SIDE])
     last = (
-        tables["geometry_blocks"]
+        independent(tables["geometry_blocks"], manifests)
         .with_columns((pl.col("block") - 1).cast(pl.Int16))
         .group_by("model", "block")
         .agg(pl.col(c).mean().alias(f"{c}_last") for _, c, _ in SIDE_BY_SIDE)
@@ -154,6 +160,9 @@ def side_by_side_spec(both: pl.DataFrame, names: dict[str, str]) -> plots.Figure
         "(dashed)",
     )
     spec.caption = "where the answer is decided against the average token"
+    for panel, (column, _, _) in zip(spec.panels, SIDE_BY_SIDE, strict=True):
+        if column.startswith("layer_rel"):  # a ratio, block 0's tens of times the others'
+            panel.yscale = "log"
     return spec
 
 
@@ -217,7 +226,7 @@ def report(ctx: ReportContext) -> str:
             ctx,
             "text_geometry.png",
             "Running-text geometry",
-            lambda: geometry_spec(table, names),
+            lambda: geometry_spec(table, ctx.tables["manifests"], names),
         ),
     ]
     both = side_by_side(ctx.tables)

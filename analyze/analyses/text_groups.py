@@ -41,18 +41,18 @@ from layerdiv.analyze.registry import (
     map_partitions,
     register,
 )
-from layerdiv.analyze.stats import depth_score
+from layerdiv.analyze.stats import (
+    LEVEL,
+    MIN_INTERVAL_N,
+    RESAMPLES,
+    SEED,
+    depth_score,
+    percentile_interval,
+)
 from layerdiv.analyze.text import TEXT_KIND, batches, tag, with_table
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
 
-RESAMPLES = 1000
-"""Bootstrap resamples of the documents (methods §10)."""
-SEED = 0
-"""Seed of the bootstrap's generator (one fresh generator per interval: the same data give the
-same interval whatever else is analysed)."""
-LEVEL = 95.0
-"""Percentile interval, in percent."""
 SKIP_ROWS = 1 << 20
 """Rows of ``future_effects`` / ``future_output`` read at once."""
 EFFECTS = ("layer", "logit")
@@ -68,17 +68,17 @@ def layer_effect(rel: np.ndarray) -> np.ndarray:
 def _interval(samples: np.ndarray) -> tuple[float, float]:
     """The bootstrap percentile interval of ``samples`` (resamples whose statistic is undefined,
     NaN, left out)."""
-    tail = (100.0 - LEVEL) / 2
-    if not np.isfinite(samples).any():
-        return np.nan, np.nan
-    low, high = np.nanpercentile(samples, [tail, 100.0 - tail])
+    low, high = percentile_interval(samples)
     return float(low), float(high)
 
 
 def bootstrap_mean(scores: np.ndarray, resamples: int = RESAMPLES) -> tuple[float, float, float]:
-    """The mean of ``scores`` and its bootstrap 95% percentile interval over them."""
+    """The mean of ``scores`` and its bootstrap 95% percentile interval over them (NaN below
+    :data:`MIN_INTERVAL_N` scores)."""
     if not len(scores):
         return np.nan, np.nan, np.nan
+    if len(scores) < MIN_INTERVAL_N:
+        return float(scores.mean()), np.nan, np.nan
     rng = np.random.default_rng(SEED)
     means = scores[rng.integers(0, len(scores), (resamples, len(scores)))].mean(1)
     return (float(scores.mean()), *_interval(means))
@@ -96,9 +96,11 @@ def bootstrap_slope(
     x: np.ndarray, y: np.ndarray, resamples: int = RESAMPLES
 ) -> tuple[float, float, float]:
     """The least-squares slope of ``y`` on ``x`` and its bootstrap 95% percentile interval over
-    the (x, y) pairs."""
+    the (x, y) pairs (NaN below :data:`MIN_INTERVAL_N` pairs)."""
     if len(x) < 2:
         return np.nan, np.nan, np.nan
+    if len(x) < MIN_INTERVAL_N:
+        return float(_slopes(x, y)), np.nan, np.nan
     rng = np.random.default_rng(SEED)
     pick = rng.integers(0, len(x), (resamples, len(x)))
     return (float(_slopes(x, y)), *_interval(_slopes(x[pick], y[pick])))
@@ -281,7 +283,10 @@ def groups_figure(scores: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
         mine = block.join(pl.DataFrame([key]), on=[*KEY], how="semi")
         for effect in EFFECTS:
             sub = mine.filter(pl.col("effect") == effect)
-            groups = [str(g) for g in sub["group"]]
+            groups = [
+                f"{'all' if g is None else g} (n = {n})"
+                for g, n in zip(sub["group"], sub["n_scored"], strict=True)
+            ]
             paper = plots.Series("paper (maxima first)", groups, sub["paper_score"].to_list(),
                                  color="#bbbbbb", bar=True)  # fmt: skip
             ours = plots.Series(
@@ -300,7 +305,18 @@ def groups_figure(scores: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
                     ylabel="depth score (block)",
                 )
             )
-    return plots.Figure("Depth score per group, the paper's and per document (methods §10)", panels)
+    return plots.Figure(
+        "Depth score per group, the paper's and per document (methods §10)",
+        panels,
+        caption=f"n: documents scored; no interval below n = {MIN_INTERVAL_N}",
+    )
+
+
+def interval(low: float | None, high: float | None, digits: int) -> str:
+    """`` [low, high]`` of a bootstrap interval; "" where there is none (too few documents)."""
+    if low is None or high is None or np.isnan(low) or np.isnan(high):
+        return ""
+    return f" [{fmt(low, digits=digits)}, {fmt(high, digits=digits)}]"
 
 
 def report(ctx: ReportContext) -> str:
@@ -319,8 +335,7 @@ def report(ctx: ReportContext) -> str:
             str(r["group"]),
             str(r["n_scored"]),
             fmt(r["paper_score"], digits=2),
-            f"{fmt(r['mean_score'], digits=2)} [{fmt(r['mean_low'], digits=2)}, "
-            f"{fmt(r['mean_high'], digits=2)}]",
+            fmt(r["mean_score"], digits=2) + interval(r["mean_low"], r["mean_high"], 2),
         ],
     )
     slope_rows = key_rows(
@@ -330,8 +345,7 @@ def report(ctx: ReportContext) -> str:
             r["sublayer"],
             r["effect"],
             str(r["n_scored"]),
-            f"{fmt(r['slope'], digits=3)} [{fmt(r['slope_low'], digits=3)}, "
-            f"{fmt(r['slope_high'], digits=3)}]",
+            fmt(r["slope"], digits=3) + interval(r["slope_low"], r["slope_high"], 3),
         ],
     )
     header = ["Model", "Task", "Skipped", "Effect", "Group", "Documents", "Paper", "Mean [95% CI]"]
@@ -344,10 +358,14 @@ def report(ctx: ReportContext) -> str:
             "the logit effect o(l) (out_change). *Paper*: maxima over the group's documents and "
             "split points first, then the score, as the depth-efficiency paper computes it. "
             f"*Mean*: the mean of per-document scores with a bootstrap {LEVEL:g}% percentile "
-            f"interval over documents ({RESAMPLES} resamples).",
+            f"interval over documents ({RESAMPLES} resamples; none below {MIN_INTERVAL_N} scored "
+            "documents, where resampling says nothing about the spread). *Documents*: those "
+            "whose score is defined.",
             markdown_table(header, rows),
-            "The slope of the per-document score against the group value (numeric groups only), "
-            "with its bootstrap interval: does the depth used rise with the group?",
+            "The slope of the per-document score against the group value, with its bootstrap "
+            "interval: does the depth used rise with the group?"
+            if slope_rows
+            else "The groups are not all numbers: no slope of the score against them.",
             markdown_table(slope_header, slope_rows) if slope_rows else "",
             plots.figure_link(
                 ctx,

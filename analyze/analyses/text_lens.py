@@ -26,6 +26,7 @@ from layerdiv.analyze import plots
 from layerdiv.analyze.analyses.lens import lens_tag
 from layerdiv.analyze.law import power_fit
 from layerdiv.analyze.markdown import fmt, markdown_table
+from layerdiv.analyze.overlap import independent, lone_subsets
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -169,10 +170,12 @@ PANELS = (
 )
 
 
-def _by_model(table: pl.DataFrame) -> pl.DataFrame:
-    """Means over a model's tasks of one lens readout, per layer."""
+def _by_model(table: pl.DataFrame, manifests: pl.DataFrame) -> pl.DataFrame:
+    """Means over a model's tasks of one lens readout, per layer (a task whose instances another
+    task of the table holds left out)."""
     return (
-        table.group_by("model", "lens", "layer", "relative_depth")
+        independent(table, manifests, by=["lens"])  # readouts are never averaged together
+        .group_by("model", "lens", "layer", "relative_depth")
         .agg(pl.col(c).mean() for c in [*LENS, "uniform_ce"])
         .sort("model", "lens", "layer")
     )
@@ -187,24 +190,28 @@ UNIFORM = (
 
 
 def lens_spec(
-    table: pl.DataFrame, last: pl.DataFrame | None, names: dict[str, str]
+    table: pl.DataFrame,
+    last: pl.DataFrame | None,
+    manifests: pl.DataFrame,
+    names: dict[str, str],
 ) -> plots.Figure:
     """KL, top-5 overlap and cross-entropy of the lens against relative depth (mean over a
     model's text tasks of one readout), models overlaid; dashed, where the model has choice tasks
     extracted with ``--lens`` with the same readout: the same at their last prompt token
     (``lens_curves``, the gold option's first token). The cross-entropy panel draws the uniform
     baseline log V."""
-    text = _by_model(table)
+    text = _by_model(table, manifests)
     spec = text_vs_last_token(
         [(column, column, label) for column, label in PANELS],
         text,
-        None if last is None else _by_model(last),
+        None if last is None else _by_model(last, manifests),
         names,
         "relative depth l / L",
         "Logit lens at every block input (methods §9)",
         by="lens",
     )
     baselines = sorted({v for v in text["uniform_ce"].drop_nulls()})
+    spec.panels[-1].yscale = "log"  # the embedding's lens costs ten times the later layers'
     spec.panels[-1].lines += [
         plots.RefLine(v, label=f"uniform: log V = {v:.1f} nats", dash="dot") for v in baselines
     ]
@@ -212,6 +219,8 @@ def lens_spec(
         "every token of running text (solid), the last prompt token of the choice "
         "tasks (dashed); dotted: the uniform distribution's cross-entropy log V"
     )
+    if last is not None and (lone := lone_subsets(last, manifests, by=["lens"])):
+        spec.caption += f". Dashed: {lone}"
     return spec
 
 
@@ -265,7 +274,9 @@ def report(ctx: ReportContext) -> str:
                 ctx,
                 "text_lens.png",
                 "Logit lens",
-                lambda: lens_spec(table, ctx.tables.get("lens_curves"), names),
+                lambda: lens_spec(
+                    table, ctx.tables.get("lens_curves"), ctx.tables["manifests"], names
+                ),
             ),
             *law_section(ctx, table, names),
         ]

@@ -32,7 +32,9 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.markdown import DASH, fmt, key_rows, markdown_table
+from layerdiv.analyze.analyses.depth import decay_verdict
+from layerdiv.analyze.markdown import DASH, fmt, markdown_table
+from layerdiv.analyze.overlap import independent
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -203,8 +205,8 @@ def profiles_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
     PCA)."""
     loadings = tables["text_profile_loadings"]
     pca = tables["text_profile_pca"]
-    early = tables["text_early_stop"]
-    geometry = tables["text_geometry"]
+    early = independent(tables["text_early_stop"], tables["manifests"])  # pooled over tasks
+    geometry = independent(tables["text_geometry"], tables["manifests"])
     fits = tables["text_update_fit"].filter(pl.col("metric") == "theta_state")
     ax_pca = plots.Panel(
         "θ(h_l, h_l+1) profiles: mean and principal components",
@@ -232,7 +234,9 @@ def profiles_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
         first = mine.filter(pl.col("component") == 1)
         x, mean = first["relative_depth"].to_numpy(), first["mean_theta"].to_numpy()
         ax_pca.series.append(
-            plots.Series(f"{label} mean", x.tolist(), mean.tolist(), color=color, marker=None)
+            plots.Series(
+                f"{label} mean profile", x.tolist(), mean.tolist(), color=color, marker=None
+            )
         )
         pcs: tuple[tuple[int, plots.Dash], ...] = ((1, "dash"), (2, "dot"))
         for k, dash in pcs:
@@ -259,10 +263,11 @@ def profiles_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
         )
         ax_early.series.append(
             plots.Series(
-                label,
+                f"{label} share stopping early",
                 (shares["position_from"] + 1).to_list(),
                 shares["n_early"].to_list(),
                 color=color,
+                marker="s",
             )
         )
         blocks = (
@@ -272,16 +277,22 @@ def profiles_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
             .sort("block")
         )
         depth = blocks["block"].to_numpy() + 1
+        per_block = f"{label} mean θ of block l"
         ax_fit.series.append(
             plots.Series(
-                label, depth.tolist(), blocks["theta_state_mean"].to_list(), color=color, line=False
+                per_block,
+                depth.tolist(),
+                blocks["theta_state_mean"].to_list(),
+                color=color,
+                line=False,
+                marker="^",
             )
         )
         fit = fits.filter(pl.col("model") == model)
         if fit.height and fit["beta"][0] is not None:
             ax_fit.series.append(
                 plots.Series(
-                    label,
+                    per_block,
                     depth.tolist(),
                     (fit["a"][0] * depth ** (-fit["beta"][0])).tolist(),
                     color=color,
@@ -302,38 +313,6 @@ def profiles_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
     )
 
 
-def depth_score_spec(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
-    """Mean relative depth score per document group (whole blocks skipped), a bar per model."""
-    rows = table.filter(pl.col("sublayer") == "block").with_columns(
-        pl.col("group").fill_null("all")
-    )
-    groups = sorted(rows["group"].unique())
-    panel = plots.Panel(
-        "Where skipping a block changes the output, by document group",
-        xlabel="document group",
-        ylabel="relative depth score (l + 1) / L",
-    )
-    for model, color in plots.model_colors(sorted(rows["model"].unique())).items():
-        sub = (
-            rows.filter(pl.col("model") == model)
-            .group_by("group")
-            .agg(pl.col("relative_depth_score").mean())
-        )
-        value = dict(sub.iter_rows())
-        panel.series.append(
-            plots.Series(
-                names.get(model, model),
-                groups,
-                [value.get(g) for g in groups],
-                color=color,
-                bar=True,
-            )
-        )
-    return plots.Figure(
-        panel.title, [panel], cols=1, panel_size=(max(5.0, 1.2 * len(groups) + 3), 3.6)
-    )
-
-
 def report(ctx: ReportContext) -> str:
     """The profiles section: the PCA and fit table, the profile figure and the depth scores."""
     tables = ctx.tables
@@ -343,7 +322,7 @@ def report(ctx: ReportContext) -> str:
         tables["text_update_fit"],
         tables["text_early_stop"],
     )
-    rows = []
+    rows, verdicts = [], []
     for _key, sub in pca.group_by(*KEY, maintain_order=True):
         model, task = sub["model"][0], sub["task"][0]
         ratios = sub.sort("component")["explained_ratio"].to_list()
@@ -351,18 +330,28 @@ def report(ctx: ReportContext) -> str:
             pl.col("metric") == "theta_state"
         )
         stops = early.join(sub.select(*KEY).head(1), on=[*KEY], how="semi")
-        share = int(stops["n_early"].sum()) / max(int(stops["n_tokens"].sum()), 1)
+        sink = pl.col("position_from") == 0  # the first token: an attention sink
+
+        def share(where: pl.Expr, stops: pl.DataFrame = stops) -> float | None:
+            n = stops.filter(where).select(pl.col("n_early", "n_tokens").sum())
+            return n["n_early"][0] / n["n_tokens"][0] if n["n_tokens"][0] else None
+
         beta = (
             plots.fit_note("", fit["beta"][0], fit["beta_se"][0], fit["r2"][0])
             if fit.height
             else ""
         ) or DASH
+        if fit.height:
+            who = f"{ctx.names.get(str(model), str(model))}, {task}"
+            finding = f"{who}: the mean update θ(h_l, h_l+1) falls roughly as 1/l"
+            verdicts.append("- " + decay_verdict(finding, fit.row(0, named=True)))
         rows.append(
             [
                 ctx.names.get(str(model), str(model)),
                 str(task),
                 " / ".join(fmt(r, 100) for r in ratios[:3]),
-                fmt(share, 100, digits=2),
+                fmt(share(~sink), 100, digits=2),
+                fmt(share(sink), 100, digits=2),
                 beta,
             ]
         )
@@ -370,7 +359,8 @@ def report(ctx: ReportContext) -> str:
         "Model",
         "Task",
         "Explained by PC1 / PC2 / PC3 (%)",
-        "Stop early (%)",
+        "Stop early, positions ≥ 1 (%)",
+        "Stop early, position 0 (%)",
         "β of θ state (R²)",
     ]
     parts = [
@@ -378,8 +368,10 @@ def report(ctx: ReportContext) -> str:
         "components over tokens, the share of tokens that stop updating early (their mean θ over "
         "the second half of the blocks, last block left out, below "
         f"{EARLY_STOP_FRACTION:g} of their own mean over the first half, block 0 left out) and "
-        "the fit of the mean θ of block l to a·l^−β.",
+        "the fit of the mean θ of block l to a·l^−β. The first token of a document (position 0) "
+        "is an attention sink: its share is given apart from that of every other position.",
         markdown_table(header, rows),
+        "\n".join(verdicts),
         plots.figure_link(
             ctx,
             "text_profiles.png",
@@ -387,33 +379,6 @@ def report(ctx: ReportContext) -> str:
             lambda: profiles_spec(tables, names),
         ),
     ]
-    if "text_depth_score" in tables:
-        scores = tables["text_depth_score"].filter(pl.col("sublayer") == "block")
-        parts += [
-            "Depth score of a document, sum_l l·out_change(l) / sum_l out_change(l) over the "
-            "skipped blocks l (`--skips`, whole blocks, out_change the maximum over its split "
-            "points), as a relative depth, by the task's document group.",
-            markdown_table(
-                ["Model", "Task", "Group", "Documents", "Depth score", "Relative"],
-                key_rows(
-                    scores,
-                    ctx.names,
-                    lambda r: [
-                        r["group"] or "all",
-                        str(r["n_documents"]),
-                        f"{fmt(r['depth_score'], digits=2)} "
-                        f"± {fmt(r['depth_score_std'], digits=2)}",
-                        fmt(r["relative_depth_score"], digits=3),
-                    ],
-                ),
-            ),
-            plots.figure_link(
-                ctx,
-                "text_depth_score.png",
-                "Depth score by group",
-                lambda: depth_score_spec(tables["text_depth_score"], names),
-            ),
-        ]
     return "\n\n".join(p for p in parts if p)
 
 

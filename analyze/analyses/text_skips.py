@@ -26,6 +26,7 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import fmt, key_rows, markdown_table
+from layerdiv.analyze.overlap import independent
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -101,6 +102,8 @@ def _cell(skipped: int, block: int, last: int, cells: dict[tuple[int, int], floa
     where = f"skip block {skipped}, block {block}: "
     if skipped == last:
         return where + "0 by construction (no later block)"
+    if block <= skipped:
+        return where + "0 by construction (not after the skipped block)"
     value = cells.get((skipped, block))
     return where + ("—" if value is None else f"max rel_change {value:.3g}")
 
@@ -116,7 +119,9 @@ def _heatmap(sub: pl.DataFrame, title: str, linear: bool) -> plots.Panel:
     agg = sub.group_by("skipped", "block").agg(pl.col("rel_change_max").max())
     cells = {(i, j): v for i, j, v in agg.iter_rows()}
     last = blocks - 1
-    z = [[None if i == last else cells.get((i, j)) for j in range(blocks)] for i in range(blocks)]
+    # blocks j <= l (and every block of the last row) are unchanged by construction: no cell, so
+    # that their zeros (or rounding noise) take no part of the colour scale
+    z = [[cells.get((i, j)) if i < j else None for j in range(blocks)] for i in range(blocks)]
     hover = [[_cell(i, j, last, cells) for j in range(blocks)] for i in range(blocks)]
     heat = plots.Heatmap(
         z,
@@ -244,7 +249,12 @@ def report(ctx: ReportContext) -> str:
                 ctx,
                 "text_skips.png",
                 "Future effects",
-                lambda: skips_spec(effects, output, names, bool(ctx.options.get(LINEAR))),
+                lambda: skips_spec(
+                    independent(effects, ctx.tables["manifests"], by=["sublayer", "mode"]),
+                    independent(output, ctx.tables["manifests"], by=["sublayer"]),
+                    names,
+                    bool(ctx.options.get(LINEAR)),
+                ),
             ),
         ]
         if p
