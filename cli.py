@@ -249,9 +249,10 @@ maps_option = click.option(
 )
 maps_ridge_option = click.option(
     "--maps-ridge",
-    type=click.FloatRange(min=0, min_open=True),
     default=None,
-    help="The ridge of --maps: lambda = ridge * trace(G) / d (default 1e-3).",
+    metavar="cv|RIDGE",
+    help="The ridge of --maps, lambda = ridge * trace(G) / d: cv (the default) cross-validates "
+    "it per map over the training documents, a positive number fixes it.",
 )
 
 
@@ -319,7 +320,7 @@ def analyze_command(
     min_params: float,
     reweight: bool,
     maps: str | None,
-    maps_ridge: float | None,
+    maps_ridge: str | None,
     executor: Any,
     ray_address: str | None,
     out: str,
@@ -382,7 +383,7 @@ def report_command(
     min_params: float,
     reweight: bool,
     maps: str | None,
-    maps_ridge: float | None,
+    maps_ridge: str | None,
     executor: Any,
     ray_address: str | None,
     estimator: Any,

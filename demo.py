@@ -125,10 +125,10 @@ TEXT_DOCS, TEXT_TOKENS = 8, 24
 STATES_TASK = "bbc-states"
 """The running-text task whose residual states the demo stores (``--states all``) for SmolLM2
 and for its every-other-block sibling (:data:`SIBLING`), mapped onto each other (``maps``)."""
-STATES_DOCS, STATES_TOKENS = 48, 32
-"""Documents of :data:`STATES_TASK` and the tokens each is cut to: 48 x 31 stored positions, of
-which the training documents' (doc % 5 != 4) outnumber SmolLM2's width d = 576, so that every
-ridge map is determined by its data rather than by its ridge."""
+STATES_DOCS, STATES_TOKENS = 100, 80
+"""Documents of :data:`STATES_TASK` and the tokens each is cut to (every article has more):
+100 x 79 stored positions, of which the training documents' (doc % 5 != 4, 80 x 79) are more
+than 10 x SmolLM2's width d = 576, so that no map is flagged ``few_rows``."""
 SIBLING = "smollm2-15-blocks"
 """The folder (in the demo's) of SmolLM2 with every other block removed
 (``layerdiv.extract.models.save_every_other_block``): a real, damaged 15-block model."""

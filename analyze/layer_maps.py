@@ -1,16 +1,17 @@
-"""Closed-form ridge maps between every layer of two models (methods §11), numpy and
-scipy only: per source layer one centred Gram matrix and one Cholesky factorisation, shared by
-every target layer; every cross-product and prediction in blocks of rows, so that memory holds a
-few d x d matrices whatever the number of tokens; the threads are BLAS's."""
+"""Closed-form ridge maps between every layer of two models (methods §11), numpy only: per
+source layer one centred Gram matrix and one eigendecomposition, shared by every target layer
+and every ridge value (and one per cross-validation fold); every cross-product and prediction
+in blocks of rows, so that memory holds a few d x d matrices whatever the number of tokens; the
+threads are BLAS's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-from scipy.linalg import cho_factor, cho_solve
 
 BLOCK_ROWS = 4096
 """Rows read, centred and multiplied at once."""
@@ -58,14 +59,88 @@ class ArrayLayers:
 
 @dataclass(frozen=True)
 class MapScores:
-    """rel_error and r2 of every (source layer i, target layer j): (L_A', L_B') each."""
+    """Every (source layer i, target layer j): ``rel_error``, ``r2`` and the ``ridge`` its map
+    was fitted with, (L_A', L_B') each; per target layer the mean predictor's rel_error
+    (``mean_rel_error``, (L_B',)): y_hat = y_bar, the train mean, whatever the source."""
 
     rel_error: np.ndarray
     r2: np.ndarray
+    ridge: np.ndarray
+    mean_rel_error: np.ndarray
 
 
 def _blocks(start: int, stop: int, size: int) -> list[tuple[int, int]]:
     return [(s, min(s + size, stop)) for s in range(start, stop, size)]
+
+
+def _eigh(gram: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """Eigenvalues, eigenvectors and lambda's scale trace(G) / d of a centred Gram matrix G;
+    a constant layer (trace 0: h_0 of one token shared by every row, as a choice task's last
+    prompt token can be) has scale 1, and its map W = 0 (the train mean) for any lambda > 0."""
+    e, v = np.linalg.eigh(gram)
+    return e, v, float(np.trace(gram)) / len(gram) or 1.0
+
+
+@dataclass
+class _Fold:
+    """One fold f of the train rows, held out from the fit T of the others (methods §11's
+    cross-validation): its row count n_f, the sum s_f of its rows (centred by the train mean),
+    T's mean m relative to the train mean, G_T's eigenvalues ``e``, eigenvectors ``v`` and
+    lambda scale, and ``m_rot`` = V' A_f V, A_f = sum over f's rows of (x - m)(x - m)'."""
+
+    n: int
+    s: np.ndarray
+    m: np.ndarray
+    e: np.ndarray
+    v: np.ndarray
+    scale: float
+    m_rot: np.ndarray
+
+
+def _folds(
+    sums: list[np.ndarray], grams: list[np.ndarray], sizes: list[int], gram: np.ndarray
+) -> list[_Fold]:
+    """Per fold, its :class:`_Fold` from the fold's row count, sum and Gram matrix (centred by
+    the train mean) and the whole train Gram matrix: G_T = G - G_f - n_T m m', m = -s_f / n_T,
+    A_f = G_f - s_f m' - m s_f' + n_f m m'."""
+    n_train, out = sum(sizes), []
+    for s, g, n in zip(sums, grams, sizes, strict=True):
+        n_t = n_train - n
+        m = -s / n_t
+        e, v, scale = _eigh(gram - g - n_t * np.outer(m, m))
+        a = g - np.outer(s, m) - np.outer(m, s) + n * np.outer(m, m)
+        out.append(_Fold(n, s, m, e, v, scale, v.T @ a @ v))
+    return out
+
+
+def _cv_ridge(
+    folds: list[_Fold],
+    cross: np.ndarray,
+    fold_cross: list[np.ndarray],
+    y_sums: list[np.ndarray],
+    y_squares: list[float],
+    ridges: Sequence[float],
+) -> float:
+    """The ridge of least cross-validated squared error: per fold f, W_T(lambda) =
+    (G_T + lambda I)^-1 C_T fitted on the other folds (lambda = ridge trace(G_T) / d_A) and
+    sum over f's rows of ||(x - m) W_T - (y - m_y)||^2 = d'(M o QQ')d - 2 d'rowsum(Q o P) + c,
+    with G_T = V diag(e) V', d = 1 / (e + lambda), Q = V'C_T, P = V'B_f, M = V'A_f V,
+    B_f = sum (x - m)(y - m_y)', c = sum ||y - m_y||^2 over f's rows (no row read again);
+    summed over folds."""
+    err = np.zeros(len(ridges))
+    for fold, c_f, s_y, q in zip(folds, fold_cross, y_sums, y_squares, strict=True):
+        n_t = sum(f.n for f in folds) - fold.n
+        m_y = -s_y / n_t
+        c_t = cross - c_f - n_t * np.outer(fold.m, m_y)
+        b_f = c_f - np.outer(fold.s, m_y) - np.outer(fold.m, s_y) + fold.n * np.outer(fold.m, m_y)
+        rot = fold.v.T @ c_t
+        quad = fold.m_rot * (rot @ rot.T)
+        lin = np.einsum("ij,ij->i", rot, fold.v.T @ b_f)
+        const = q - 2 * float(m_y @ s_y) + fold.n * float(m_y @ m_y)
+        for r, ridge in enumerate(ridges):
+            d = 1.0 / (fold.e + ridge * fold.scale)
+            err[r] += float(d @ quad @ d) - 2 * float(d @ lin) + const
+    return float(ridges[int(np.argmin(err))])
 
 
 def fit_maps(
@@ -73,60 +148,94 @@ def fit_maps(
     target: Layers,
     n_train: int,
     n_heldout: int,
-    ridge: float = 1e-3,
+    ridges: Sequence[float] = (1e-3,),
+    folds: Sequence[int] = (),
     block_rows: int = BLOCK_ROWS,
     progress: Callable[[int], None] | None = None,
 ) -> MapScores:
     """Ridge maps from every source layer i to every target layer j, fitted on rows
     0..n_train-1 and scored on the next ``n_heldout`` (methods §11):
-    Xc, Yc the train states centred by their train means; G = Xc'Xc; lambda = ridge trace(G)/d_A;
-    W = (G + lambda I)^-1 Xc'Yc; on held-out rows y_hat = (x - x_bar) W + y_bar,
-    rel_error = mean ||y_hat - y|| / max(||y||, 1e-6),
-    r2 = 1 - sum ||y_hat - y||^2 / sum ||y - mean_heldout(y)||^2.
-    ``progress`` is called with each source layer done."""
-    train = _blocks(0, n_train, block_rows)
+    Xc, Yc the train states centred by their train means; G = Xc'Xc = V diag(e) V';
+    lambda = ridge trace(G)/d_A; W = V diag(1 / (e + lambda)) V' Xc'Yc; on held-out rows
+    y_hat = (x - x_bar) W + y_bar, rel_error = mean ||y_hat - y|| / max(||y||, 1e-6),
+    r2 = 1 - sum ||y_hat - y||^2 / sum ||y - mean_heldout(y)||^2; the mean predictor's
+    rel_error with y_hat = y_bar. One ``ridges`` value: every map's ridge. Several: per map
+    the value of least squared error cross-validated over ``folds`` (the boundaries of the
+    train rows' folds, rows folds[f]..folds[f+1]-1; at least two folds), one Gram matrix and
+    cross-product per fold and one eigendecomposition per fit, every ridge value solved from
+    them. ``progress`` is called with each source layer done."""
+    cv = len(ridges) > 1
+    bounds = list(folds) if cv else [0, n_train]
+    if cv and (len(bounds) < 3 or bounds[0] != 0 or bounds[-1] != n_train):
+        raise ValueError(f"folds {bounds}: boundaries 0 < ... < {n_train}, at least two folds")
+    parts = [_blocks(a, b, block_rows) for a, b in itertools.pairwise(bounds)]
+    sizes = [b - a for a, b in itertools.pairwise(bounds)]
     held = _blocks(n_train, n_train + n_heldout, block_rows)
-    y_bar, y_norm, y_ss = [], [], []
+    y_bar, y_norm, y_ss, mean_rel = [], [], [], []
+    y_sums: list[list[np.ndarray]] = []  # per target layer and fold: sum of (y - y_bar)
+    y_squares: list[list[float]] = []  # ... and sum of ||y - y_bar||^2
     for j in range(target.n_layers):  # per target layer: train mean, held-out norms and spread
-        y_bar.append(sum(target.rows(j, s, e).sum(0) for s, e in train) / n_train)
+        y_bar.append(sum(target.rows(j, s, e).sum(0) for p in parts for s, e in p) / n_train)
+        if cv:
+            y_sums.append([np.zeros(target.width) for _ in parts])
+            y_squares.append([0.0 for _ in parts])
+            for f, p in enumerate(parts):
+                for s, e in p:
+                    y = target.rows(j, s, e) - y_bar[j]
+                    y_sums[j][f] += y.sum(0)
+                    y_squares[j][f] += float(np.sum(y**2))
         h_bar = sum(target.rows(j, s, e).sum(0) for s, e in held) / n_heldout
-        norms, spread = [], 0.0
+        norms, mean_err, spread = [], [], 0.0
         for s, e in held:
             y = target.rows(j, s, e)
             norms.append(np.maximum(np.linalg.norm(y, axis=1), NORM_FLOOR))
+            mean_err.append(np.linalg.norm(y - y_bar[j], axis=1))
             spread += float(np.sum((y - h_bar) ** 2))
         y_norm.append(np.concatenate(norms))
+        mean_rel.append(float(np.mean(np.concatenate(mean_err) / y_norm[j])))
         y_ss.append(spread)  # sum ||y - mean_heldout(y)||^2
     rel = np.empty((source.n_layers, target.n_layers))
-    r2 = np.empty_like(rel)
+    r2, chosen = np.empty_like(rel), np.empty_like(rel)
     for i in range(source.n_layers):
-        x_bar = sum(source.rows(i, s, e).sum(0) for s, e in train) / n_train
-        gram = np.zeros((source.width, source.width))
-        for s, e in train:
-            xc = source.rows(i, s, e) - x_bar
-            gram += xc.T @ xc
-        # A constant source layer (trace 0: h_0 of one token shared by every row, as a choice
-        # task's last prompt token can be) maps to W = 0, the train mean, for any lambda > 0.
-        lam = ridge * np.trace(gram) / source.width or 1.0
-        gram[np.diag_indices_from(gram)] += lam
-        factor = cho_factor(gram, overwrite_a=True)  # one factorisation, every target layer
-        # With at most d_B held-out rows, (x - x_bar)(G + lambda I)^-1 of every held-out row once
-        # (no larger than W) replaces a solve per target layer.
-        solved = (
-            [cho_solve(factor, (source.rows(i, s, e) - x_bar).T).T for s, e in held]
+        x_bar = sum(source.rows(i, s, e).sum(0) for p in parts for s, e in p) / n_train
+        sums, grams = [], []
+        for p in parts:  # per fold: sum and Gram matrix of x - x_bar
+            s_f, g_f = np.zeros(source.width), np.zeros((source.width, source.width))
+            for s, e in p:
+                xc = source.rows(i, s, e) - x_bar
+                s_f += xc.sum(0)
+                g_f += xc.T @ xc
+            sums.append(s_f)
+            grams.append(g_f)
+        gram = np.sum(grams, axis=0)
+        e_all, v_all, scale = _eigh(gram)  # one decomposition, every target layer and ridge
+        cv_folds = _folds(sums, grams, sizes, gram) if cv else []
+        # With at most d_B held-out rows, (x - x_bar) V of every held-out row once (no larger
+        # than W) replaces W = V diag(d) V'C per target layer.
+        rotated = (
+            [(source.rows(i, s, e) - x_bar) @ v_all for s, e in held]
             if solve_rows(n_heldout, target.width)
             else None
         )
         for j in range(target.n_layers):
-            cross = np.zeros((source.width, target.width))
-            for s, e in train:  # Xc'Yc = Xc'Y: the centred columns of Xc sum to zero
-                cross += (source.rows(i, s, e) - x_bar).T @ target.rows(j, s, e)
-            w = None if solved is not None else cho_solve(factor, cross, overwrite_b=True)
+            fold_cross = []
+            for p, s_f in zip(parts, sums, strict=True):  # sum (x - x_bar)(y - y_bar)' per fold
+                c = -np.outer(s_f, y_bar[j])
+                for s, e in p:
+                    c += (source.rows(i, s, e) - x_bar).T @ target.rows(j, s, e)
+                fold_cross.append(c)
+            cross = np.sum(fold_cross, axis=0)  # Xc'Yc
+            ridge = (
+                _cv_ridge(cv_folds, cross, fold_cross, y_sums[j], y_squares[j], ridges)
+                if cv
+                else float(ridges[0])
+            )
+            solved = (v_all.T @ cross) / (e_all + ridge * scale)[:, None]  # diag(d) V'Xc'Yc
+            w = None if rotated is not None else v_all @ solved
             err_norm, err_sq = [], 0.0
             for b, (s, e) in enumerate(held):  # y_hat - y = (x - x_bar) W + y_bar - y
-                err = (
-                    solved[b] @ cross if solved is not None else (source.rows(i, s, e) - x_bar) @ w
-                )
+                err = rotated[b] @ solved if rotated is not None else (
+                    source.rows(i, s, e) - x_bar) @ w  # fmt: skip
                 err += y_bar[j]
                 err -= target.rows(j, s, e)
                 sq = np.einsum("ij,ij->i", err, err)
@@ -134,23 +243,31 @@ def fit_maps(
                 err_sq += float(sq.sum())
             rel[i, j] = float(np.mean(np.concatenate(err_norm) / y_norm[j]))
             r2[i, j] = 1.0 - err_sq / y_ss[j] if y_ss[j] > 0 else float("nan")
+            chosen[i, j] = ridge
         if progress is not None:
             progress(i)
-    return MapScores(rel, r2)
+    return MapScores(rel, r2, chosen, np.array(mean_rel))
 
 
 def solve_rows(n_heldout: int, d_b: int) -> bool:
-    """Whether :func:`fit_maps` solves for the held-out rows once per source layer (at most d_B
-    of them) rather than for W once per pair."""
+    """Whether :func:`fit_maps` rotates the held-out rows once per source layer (at most d_B
+    of them) rather than forming W once per pair."""
     return n_heldout <= d_b
 
 
-def map_flops(d_a: int, d_b: int, l_a: int, l_b: int, n_train: int, n_heldout: int) -> float:
-    """Matrix-multiply and factorisation FLOPs of :func:`fit_maps` for ``l_a`` x ``l_b`` layer
-    pairs: per source layer the Gram matrix (2 n_t d_A^2) and its Cholesky (d_A^3 / 3); per pair
-    the cross-product (2 n_t d_A d_B) and the held-out predictions (2 n_h d_A d_B); the solve,
-    per source layer for the held-out rows (2 n_h d_A^2) or per pair for W (2 d_A^2 d_B)."""
+def map_flops(
+    d_a: int, d_b: int, l_a: int, l_b: int, n_train: int, n_heldout: int, folds: int = 0
+) -> float:
+    """Matrix-multiply and decomposition FLOPs of :func:`fit_maps` for ``l_a`` x ``l_b`` layer
+    pairs: per source layer the Gram matrix (2 n_t d_A^2) and its eigendecomposition (about
+    4 d_A^3); per pair the cross-product (2 n_t d_A d_B), V'C (2 d_A^2 d_B) and the held-out
+    predictions (2 n_h d_A d_B); W = V (diag(d) V'C) per pair (2 d_A^2 d_B) or the held-out
+    rows rotated per source layer (2 n_h d_A^2). Cross-validated over ``folds`` folds: per
+    source layer and fold an eigendecomposition and V'A_f V (8 d_A^3), per pair and fold
+    V'C_T, V'B_f and QQ' (6 d_A^2 d_B)."""
     rows = solve_rows(n_heldout, d_b)
-    per_source = 2 * n_train * d_a**2 + d_a**3 / 3 + (2 * n_heldout * d_a**2 if rows else 0)
-    per_pair = 2 * (n_train + n_heldout) * d_a * d_b + (0 if rows else 2 * d_a**2 * d_b)
+    per_source = 2 * n_train * d_a**2 + 4 * d_a**3 + (2 * n_heldout * d_a**2 if rows else 0)
+    per_pair = 2 * (n_train + n_heldout) * d_a * d_b + 2 * d_a**2 * d_b * (1 if rows else 2)
+    per_source += folds * 8 * d_a**3
+    per_pair += folds * 6 * d_a**2 * d_b
     return float(l_a * per_source + l_a * l_b * per_pair)

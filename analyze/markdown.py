@@ -89,3 +89,41 @@ def model_task_table(
     if any(m is None for m, _ in cells):
         rows.append(["*All models (Fisher-z)*", *(cells.get((None, t), DASH) for t in columns)])
     return markdown_table(["Model", *tasks, *([AVG] if avg else [])], rows)
+
+
+def verdict(
+    finding: str,
+    statistic: str,
+    value: float | None,
+    interval: tuple[float | None, float | None] | None,
+    n: int,
+    threshold: float,
+    *,
+    min_n: int,
+    unit: str,
+    above: bool = True,
+    digits: int = 2,
+) -> str:
+    """One line saying whether this model and data agree with a paper's ``finding``, which holds
+    where ``statistic`` exceeds ``threshold`` (``above``) or lies below it: *agrees* where the
+    95% ``interval`` (the value alone without one) lies wholly on the finding's side, *does not
+    agree* wholly on the other, *cannot tell* where it spans the threshold (or the value or an
+    interval asked for is undefined), *too few to tell* with fewer than ``min_n`` ``unit``."""
+    side, other = (">", "<=") if above else ("<", ">=")
+    shown = f"{statistic} {fmt(value, digits=digits)}"
+    low, high = interval if interval is not None else (value, value)
+    if interval is not None:
+        shown += f" [{fmt(low, digits=digits)}, {fmt(high, digits=digits)}]"
+    t = fmt(threshold, digits=digits)
+    if n < min_n:
+        outcome, tail = "too few to tell", ""
+    elif value is None or math.isnan(value) or low is None or high is None:
+        outcome, tail = "cannot tell", " (undefined)"
+    elif low > threshold if above else high < threshold:
+        outcome, tail = "agrees", f" {side} {t}"
+    elif high <= threshold if above else low >= threshold:
+        outcome, tail = "does not agree", f" {other} {t}"
+    else:
+        outcome, tail = "cannot tell", f" spans {t}"
+    count = f"n = {n} {unit}; at least {min_n} needed"
+    return f"**Verdict: {outcome}.** {finding}: {shown}{tail} ({count})."

@@ -410,3 +410,89 @@ def zscore(column: str, by: list[str]) -> pl.Expr:
     x = pl.col(column)
     std = x.std().over(by)
     return pl.when(std > 0).then((x - x.mean().over(by)) / std).otherwise(0.0).alias(column)
+
+
+# --- bootstrap over documents ----------------------------------------------------------------
+
+RESAMPLES = 1000
+"""Bootstrap resamples of the documents (methods §10, §15, §16)."""
+SEED = 0
+"""Seed of the bootstrap's generator (one fresh generator per interval: the same data give the
+same interval whatever else is analysed)."""
+LEVEL = 95.0
+"""Percentile interval, in percent."""
+MIN_INTERVAL_N = 5
+"""Fewest documents a bootstrap interval is given for: resampling one to four documents gives
+intervals such as [9.05, 9.05] that say nothing about the spread (the interval is null below)."""
+
+
+def percentile_interval(samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The bootstrap :data:`LEVEL` percentile interval of ``samples`` (resamples on the first
+    axis; those whose statistic is undefined, NaN, left out): (low, high), each of the shape of
+    one sample, NaN where no resample defines it."""
+    tail = (100.0 - LEVEL) / 2
+    samples = np.asarray(samples, dtype=float)
+    defined = np.isfinite(samples).any(axis=0)
+    filled = np.where(defined, samples, 0.0)  # no all-NaN slice for nanpercentile to warn about
+    low, high = np.nanpercentile(filled, [tail, 100.0 - tail], axis=0)
+    return np.where(defined, low, np.nan), np.where(defined, high, np.nan)
+
+
+def resample_weights(n: int, resamples: int = RESAMPLES) -> np.ndarray:
+    """(resamples, n): how often each of ``n`` units (documents) is drawn in each bootstrap
+    resample of them (``n`` draws with replacement), from a fresh generator seeded with
+    :data:`SEED`. A statistic of weighted sums is then one matrix product for every resample."""
+    rng = np.random.default_rng(SEED)
+    return rng.multinomial(n, np.full(n, 1.0 / n), size=resamples).astype(np.float64)
+
+
+Interval = tuple[float | None, float | None]
+"""A 95% interval (low, high); None where too few values make one."""
+
+
+def t_interval(estimate: float | None, se: float | None, dof: float) -> Interval:
+    """estimate ± t_(0.975, dof) se; None without a finite standard error or dof < 1."""
+    if estimate is None or se is None or not math.isfinite(se) or dof < 1:
+        return None, None
+    from scipy import stats as sps
+
+    half = float(sps.t.ppf(0.975, dof)) * se
+    return estimate - half, estimate + half
+
+
+def difference(a: np.ndarray, b: np.ndarray) -> tuple[float, Interval]:
+    """mean(a) - mean(b) over their finite values and its Welch t interval (Welch-Satterthwaite
+    degrees of freedom); no interval below 2 values per group."""
+    a, b = a[np.isfinite(a)], b[np.isfinite(b)]
+    if len(a) == 0 or len(b) == 0:
+        return float("nan"), (None, None)
+    diff = float(a.mean() - b.mean())
+    if len(a) < 2 or len(b) < 2:
+        return diff, (None, None)
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    se = math.sqrt(va + vb)
+    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if se > 0 else 1.0
+    return diff, t_interval(diff, se, dof)
+
+
+def fisher_mean(r: np.ndarray) -> tuple[float, Interval]:
+    """The Fisher-z average tanh(mean arctanh r) of the finite correlations ``r`` (one per
+    task: the tasks are the units) and its interval tanh(mean z ± t_(0.975, k - 1) sd(z) /
+    sqrt(k)); no interval below 2 values."""
+    z = np.arctanh(np.clip(r[np.isfinite(r)], -R_CLIP, R_CLIP))
+    if len(z) == 0:
+        return float("nan"), (None, None)
+    mean = float(z.mean())
+    low, high = t_interval(mean, float(z.std(ddof=1)) / math.sqrt(len(z)) if len(z) > 1 else None,
+                           len(z) - 1)  # fmt: skip
+    back = (None if v is None else math.tanh(v) for v in (low, high))
+    return math.tanh(mean), tuple(back)  # type: ignore[return-value]
+
+
+def halves(values: np.ndarray, first: np.ndarray) -> tuple[float, Interval, int]:
+    """mean of ``values`` where ``first`` minus their mean elsewhere (:func:`difference`), its
+    interval, and the finite values of the smaller half."""
+    values = np.asarray(values, dtype=float)
+    a, b = values[first], values[~first]
+    diff, interval = difference(a, b)
+    return diff, interval, int(min(np.isfinite(a).sum(), np.isfinite(b).sum()))

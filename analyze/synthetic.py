@@ -385,7 +385,11 @@ def text_chunk(
         top5 = np.clip(depth + rng.normal(0, 0.1, kl.shape), 0, 1).round(1)
         ce = 3 + kl + rng.exponential(0.5, kl.shape)
         ce[pos == n_tokens - 1] = np.nan
-        tables["token_lens"] = token_lens_table(docs, lengths, kl, np.clip(top5, 0, 1), ce)
+        # the ranks' own draws: rng's stream (the skips after it) as before they were stored
+        ranks = np.random.default_rng(docs.start + 1)
+        rank, top1 = made_up_ranks(ranks, np.concatenate(ids), pos, n_tokens, blocks)
+        values = np.stack([kl, np.clip(top5, 0, 1), rank, top1, ce], axis=-1)
+        tables["token_lens"] = token_lens_table(docs, lengths, values)
     if skips:
         splits = [8 * (k + 1) for k in range(4)]
         keys = [(doc, t, b) for doc in docs for t in splits for b in range(blocks)]
@@ -396,6 +400,23 @@ def text_chunk(
         sub = ["block"] * len(keys)
         tables.update(future_tables(doc_, split, sub, skipped, rel, out))
     return tables
+
+
+def made_up_ranks(
+    rng: np.random.Generator, ids: np.ndarray, pos: np.ndarray, n_tokens: int, blocks: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Made-up ``final_rank`` and ``top1`` (tokens, L + 1) of tokens ``ids`` at positions ``pos``
+    of documents of ``n_tokens`` tokens (methods §16): each token's prediction y is the next token
+    about half the time, else another id; it is decided at a random block, deeper for later
+    positions (rank 1 from there on, a rank above 1 before, where p_l's top-1 is another id)."""
+    n = len(ids)
+    nxt = np.roll(ids, -1)
+    y = np.where(rng.random(n) < 0.5, nxt, rng.integers(0, 50_000, n))
+    decided = np.minimum(rng.integers(0, blocks + 1, n) + pos * blocks // (2 * n_tokens), blocks)
+    layer = np.arange(blocks + 1)[None, :]
+    rank = np.where(layer >= decided[:, None], 1, 2 + rng.geometric(0.01, (n, blocks + 1)))
+    other = (y[:, None] + 1 + rng.integers(0, 1000, (n, blocks + 1))) % 50_000
+    return rank, np.where(rank == 1, y[:, None], other)
 
 
 def text_manifest(

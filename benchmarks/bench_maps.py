@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from common import add_quick, record
 
+from layerdiv.analyze.analyses.maps import HELD_OUT, RIDGES
 from layerdiv.analyze.layer_maps import fit_maps, map_flops
 
 PAPER = {"d_a": 1536, "l_a": 29, "d_b": 5120, "l_b": 49, "train": 32768, "heldout": 8192}
@@ -84,6 +85,15 @@ def gemm_rate(d_a: int, d_b: int, rows: int = 4096, repeats: int = 3) -> tuple[f
     return flops / wall, flops / max(cpu, 1e-9)
 
 
+FOLDS = HELD_OUT[1]
+"""The cross-validation folds of the ridge (the training documents' doc % 5 = 0..3)."""
+
+
+def folds(train: int) -> list[int]:
+    """The boundaries of :data:`FOLDS` equal folds of ``train`` rows."""
+    return [train * f // FOLDS for f in range(FOLDS + 1)]
+
+
 def run(
     shape: dict[str, int], train: int, heldout: int, pool: int, sources: int
 ) -> tuple[float, float, float]:
@@ -97,8 +107,8 @@ def run(
     for updates in (False, True):
         layers = min(sources + 1, shape["l_a"]) if updates else sources
         a, b = PoolLayers(src, layers, updates), PoolLayers(tgt, shape["l_b"], updates)
-        fit_maps(a, b, train, heldout)
-        flops += map_flops(a.width, b.width, a.n_layers, b.n_layers, train, heldout)
+        fit_maps(a, b, train, heldout, RIDGES, folds(train))
+        flops += map_flops(a.width, b.width, a.n_layers, b.n_layers, train, heldout, FOLDS)
     return time.perf_counter() - wall, time.process_time() - cpu, flops
 
 
@@ -152,9 +162,10 @@ def main() -> None:
         )
         if sources < shape["l_a"]:
             every = sum(
-                map_flops(shape["d_a"], shape["d_b"], shape["l_a"] - u, shape["l_b"] - u, n_t, n_h)
+                map_flops(shape["d_a"], shape["d_b"], shape["l_a"] - u, shape["l_b"] - u, n_t, n_h,
+                          FOLDS)
                 for u in (0, 1)
-            )
+            )  # fmt: skip
             print(f"  every pair: {every:.3g} FLOPs -> {every / rate:.0f} s wall at the GEMM "
                   f"rate; ours extrapolated at the measured rate: {wall * every / flops:.0f} s "
                   f"wall ({cpu * every / flops:.0f} s CPU)")  # fmt: skip

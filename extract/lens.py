@@ -17,6 +17,7 @@ thread) rather than from memory, which a layer's logits (tokens x V float32) far
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -28,7 +29,7 @@ from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, Decom
 from layerdiv.extract.readout import Readout
 from layerdiv.extract.text import TextBatch, TextCapture
 from layerdiv.measurements import Attachment
-from layerdiv.measurements.lens import READOUTS
+from layerdiv.measurements.lens import LENS_VALUES, READOUTS
 
 BlockCall = tuple[tuple, dict]
 """The positional and keyword arguments of one call of a decoder block (mask, positions)."""
@@ -155,12 +156,14 @@ def _scratch(z: torch.Tensor) -> torch.Tensor:
 
 class LensReference:
     """The model's output distribution p_L, which every layer of the logit lens is compared with:
-    its logits (V last), their log-sum-exp and its top five tokens."""
+    its logits (V last), their log-sum-exp, its top five tokens and its own top-1 token y (the
+    first largest entry: the smallest id among ties, methods §16)."""
 
     def __init__(self, logits: torch.Tensor) -> None:
         self.logits = logits.float().clone()
         flat = self.logits.reshape(-1, self.logits.shape[-1])
         top = top5(flat)
+        self.first = flat.argmax(-1).view(*self.logits.shape[:-1], 1)
         buf = _scratch(flat)
         lse = [
             _softmax(flat[r], buf[: len(flat[r])], top[r, :1])[1]
@@ -170,26 +173,92 @@ class LensReference:
         self.top = top.view(*self.logits.shape[:-1], 5)
 
 
+STATS = LENS_VALUES[: LENS_VALUES.index("ce")]
+"""The columns :func:`lens_stats` gives before the log-probabilities of its ``ids``: the lens
+values but the cross-entropy, which its callers take from those."""
+CE = LENS_VALUES.index("ce")
+"""The column of the cross-entropy in the lens values (after :data:`STATS`, the
+log-probability :func:`lens_stats` gives of the next token)."""
+
+
+def ranks_fused(
+    z: torch.Tensor, first: torch.Tensor, top: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rank, top1), each (rows,), of logits ``z`` (rows, V) as one expression without a host
+    synchronisation (methods §16): the rank of the tokens ``first`` (rows, 1), 1 + the entries
+    greater than its own + the entries of a smaller index equal to it, and the first largest entry
+    (the smallest index among ties) from the five largest ``top`` (rows, 5; :func:`top5`), the
+    row's argmax where all five tie. Compiled on a GPU (:func:`ranks`) it is one fused reduction
+    over the row."""
+    own = z.gather(-1, first)
+    index = torch.arange(z.shape[-1], device=z.device)
+    rank = ((z > own) | ((z == own) & (index < first))).sum(-1) + 1
+    values = z.gather(-1, top)
+    tie = values == values[:, :1]
+    smallest = torch.where(tie, top, z.shape[-1]).amin(-1)
+    return rank, torch.where(tie[:, -1], z.argmax(-1), smallest)
+
+
+@functools.cache
+def _compiled_ranks() -> Any:
+    """:func:`ranks_fused` compiled where Triton can build its GPU kernel, else as it is (eager:
+    slower, same values)."""
+    from torch.utils._triton import has_triton
+
+    return torch.compile(ranks_fused, dynamic=True) if has_triton() else ranks_fused
+
+
+def ranks(
+    z: torch.Tensor, first: torch.Tensor, top: torch.Tensor, scratch: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ranks_fused`'s (rank, top1). On a GPU it is compiled where Triton is installed
+    (:func:`_compiled_ranks`): one fused reduction (in eager mode its five passes and the argmax
+    cost more than half the lens statistics on an H100). On the processor, where a
+    synchronisation costs nothing, the same by counts: the entries greater than y's and equal to
+    it, each comparison written as 0/1 floats into ``scratch`` (rows, V) and summed (exact up to
+    2^24, several times faster than a sum of booleans), the index comparison only for the rare
+    rows where another entry ties, and the row's argmax only where all five largest tie."""
+    if z.is_cuda:
+        return _compiled_ranks()(z, first, top)
+    own = z.gather(-1, first)
+    rank = torch.gt(z, own, out=scratch).sum(-1) + 1
+    tied = (torch.eq(z, own, out=scratch).sum(-1) > 1).nonzero()[:, 0]
+    if len(tied):
+        index = torch.arange(z.shape[-1], device=z.device)
+        rank[tied] += ((z[tied] == own[tied]) & (index < first[tied])).sum(-1)
+    values = z.gather(-1, top)
+    tie = values == values[:, :1]
+    first_top = torch.where(tie, top, z.shape[-1]).amin(-1)
+    full = tie[:, -1].nonzero()[:, 0]
+    if len(full):
+        first_top[full] = z[full].argmax(-1)
+    return rank, first_top
+
+
 def lens_stats(logits: torch.Tensor, ref: LensReference, ids: torch.Tensor) -> torch.Tensor:
-    """(..., 2 + K): KL(p_l || p_L), |top5(p_l) & top5(p_L)| / 5 and log p_l at ``ids`` (..., K)
-    over the last axis (methods §9, logit lens) of a lens layer's float32 ``logits``
-    (overwritten) against ``ref`` (broadcast over the leading axes), slice by slice
-    (:data:`LENS_SLICE`): the top five, a softmax, one difference, one product and one sum per
-    slice, each pass after the first over data in the cache."""
+    """(..., 4 + K): the :data:`STATS` KL(p_l || p_L), |top5(p_l) & top5(p_L)| / 5, the rank of
+    p_L's top-1 token y under p_l and p_l's own top-1 token (methods §9, §16; token ids exact in
+    float32 up to 2^24), then log p_l at ``ids`` (..., K), over the last axis of a lens layer's
+    float32 ``logits`` (overwritten) against ``ref`` (broadcast over the leading axes), slice by
+    slice (:data:`LENS_SLICE`): the top five, the rank's two counts, a softmax, one difference,
+    one product and one sum per slice, each pass after the first over data in the cache."""
     vocab = logits.shape[-1]
     lead = logits.shape[:-1]
     z = logits.reshape(-1, vocab)
     ref_z = ref.logits.expand_as(logits).reshape(-1, vocab)
     ref_lse = ref.lse.expand(*lead, 1).reshape(-1, 1)
     ref_top = ref.top.expand(*lead, 5).reshape(-1, 5)
+    ref_first = ref.first.expand(*lead, 1).reshape(-1, 1)
     ids = ids.expand(*lead, ids.shape[-1]).reshape(z.shape[0], -1)
-    out = torch.empty(z.shape[0], 2 + ids.shape[1], device=z.device)
+    n = len(STATS)
+    out = torch.empty(z.shape[0], n + ids.shape[1], device=z.device)
     buf = _scratch(z)
     for sl in _slices(z.shape[0], vocab):
         zr = z[sl]
         top = top5(zr)
+        out[sl, 2], out[sl, 3] = ranks(zr, ref_first[sl], top, buf[: len(zr)])  # before softmax
         p, lse = _softmax(zr, buf[: len(zr)], top[:, :1])
-        out[sl, 2:] = zr.gather(-1, ids[sl]) - lse  # log p_l(ids)
+        out[sl, n:] = zr.gather(-1, ids[sl]) - lse  # log p_l(ids)
         # KL(p_l || p_L) = sum_v p_l (log p_l - log p_L) = sum_v p_l (z_l - z_L) - (lse_l - lse_L)
         # (sum_v p_l = 1), so that a shift of the logits cancels before any sum; the products
         # in place in p's buffer, summed per row
@@ -205,8 +274,8 @@ class LastTokenLens:
     ``RowsCapture``: which instance each row is gives its gold option); no hooks of its own.
     Block l's input h_l is the prefix of the component outputs just before its ``attn``
     component; layer L is the full residual x, read out as the model reads it (the ``final``
-    lens, the one a choice task takes). After each pass, per instance and layer l = 0..L: kl,
-    top5_overlap and the cross-entropy of the gold option's first token
+    lens, the one a choice task takes). After each pass, per instance and layer l = 0..L: the
+    :data:`STATS` and the cross-entropy of the gold option's first token
     (``layerdiv.schemas.LENS``)."""
 
     def __init__(self, ctx: Attachment) -> None:
@@ -238,10 +307,10 @@ class LastTokenLens:
         with capture.pausing():  # its final-norm and head hooks keep the model's own pass
             logits = self.lens.logits(torch.stack(states, 1).to(capture.readout.head.weight.dtype))
         ids = capture.option_ids.to(logits.device)
-        stats = lens_stats(logits, LensReference(logits[:, -1:]), ids).cpu()  # (B, L + 1, 2 + K)
+        stats = lens_stats(logits, LensReference(logits[:, -1:]), ids).cpu()  # (B, L + 1, 4 + K)
         gold = torch.tensor([self.gold[i] for i in self._ids])
-        ce = -stats[torch.arange(len(gold)), :, 2 + gold]  # -log p_l(gold option's token)
-        self._rows = torch.stack([stats[..., 0], stats[..., 1], ce], dim=-1)
+        ce = -stats[torch.arange(len(gold)), :, len(STATS) + gold]  # -log p_l(gold's token)
+        self._rows = torch.cat([stats[..., : len(STATS)], ce[..., None]], dim=-1)
 
     def result(self) -> Sequence[np.ndarray | None]:
         if self._ids is None:
@@ -285,13 +354,13 @@ class TokenLens:
         *h, final = text.states()
         with text.pausing():  # the readouts must not replace h_L (the final-norm hook)
             self._values = self._lens(text, h, final, batch.budget).cpu()
-        batch.loss = self._values[:, :, -1, 2]  # layer L: the model's own loss
+        batch.loss = self._values[:, :, -1, CE]  # layer L: the model's own loss
 
     def _lens(
         self, text: TextCapture, h: list[torch.Tensor], final: torch.Tensor, budget: int | None
     ) -> torch.Tensor:
-        """(B, width, L + 1, 3): kl, top5_overlap and ce of p_l, the lens's distribution of
-        every block input h_l, and (layer L) of the model's own output p_L (methods §9). The
+        """(B, width, L + 1, 5): the :data:`LENS_VALUES` of p_l, the lens's distribution of
+        every block input h_l, and (layer L) of the model's own output p_L (methods §9, §16). The
         layers' states are read out in groups, as many layers' rows stacked into one matmul as
         ``budget`` rows allow (at least one layer), into one reused buffer."""
         if text.input_ids is None:
@@ -314,14 +383,14 @@ class TokenLens:
 
     @staticmethod
     def _layer(logits: torch.Tensor, ref: LensReference, nxt: torch.Tensor) -> torch.Tensor:
-        """(B, width, 3): one layer's kl, top5_overlap and ce from its ``logits`` (overwritten)."""
+        """(B, width, 5): one layer's :data:`LENS_VALUES` from its ``logits`` (overwritten)."""
         stats = lens_stats(logits, ref, nxt)
-        stats[..., 2].neg_()  # ce = -log p_l(next token)
-        stats[:, -1, 2] = float("nan")  # none after the last position
+        stats[..., CE].neg_()  # ce = -log p_l(next token)
+        stats[:, -1, CE] = float("nan")  # none after the last position
         return stats
 
     def result(self) -> Sequence[np.ndarray]:
-        """Per row, (T, L + 1, 3): the values at its document's own T positions."""
+        """Per row, (T, L + 1, 5): the values at its document's own T positions."""
         if self._values is None:
             raise DecompositionError("--lens: no forward pass was decomposed")
         width = self._values.shape[1]

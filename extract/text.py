@@ -24,6 +24,7 @@ from layerdiv.store.tables import TOKEN_BLOCK_VALUES
 LOSS_ROWS = 256
 """Positions per slice of the loss's full-vocabulary logits (256 x 50k float32: 50 MB)."""
 
+
 _PAIRS = ((0, 1, 2, 0, 0, 1), (0, 1, 2, 1, 2, 2))
 """(h, a, m) row and column indices of ``hh``, ``aa``, ``mm``, ``ha``, ``hm``, ``am``."""
 

@@ -22,36 +22,52 @@ READOUTS = {"final": ("choice", "text"), "last-block": ("text",)}
 """Each readout of the lens (``--lens NAME``, ``layerdiv.extract.lens.LENSES``) and the task kinds
 it applies to."""
 
+LENS_VALUES = ("kl", "top5_overlap", "final_rank", "top1", "ce")
+"""The values of a lens row (:data:`~layerdiv.schemas.TOKEN_LENS`, :data:`~layerdiv.schemas.LENS`),
+in the order extraction computes them and :func:`lens_columns` takes them."""
 
-def lens_table(
-    instances: Sequence[int], kl: np.ndarray, top5: np.ndarray, ce: np.ndarray
-) -> pa.Table:
-    """Rows (instance, layer) of :data:`~layerdiv.schemas.LENS`; each array is (B, L + 1)."""
-    b, layers = np.shape(kl)
+
+def lens_columns(values: np.ndarray, nullable_ce: bool = False) -> dict[str, pa.Array]:
+    """The :data:`LENS_VALUES` columns of lens rows from ``values`` (..., len(LENS_VALUES)),
+    flattened: the floats as float32, the rank and token id as int32 (exact in the float32 they
+    are computed in up to 2^24); with ``nullable_ce`` a NaN ce is stored as null."""
+    v = np.asarray(values).reshape(-1, len(LENS_VALUES))
+    kl, top5, rank, top1, ce = v.T
+    return {
+        "kl": pa.array(kl.astype(np.float32)),
+        "top5_overlap": pa.array(top5.astype(np.float32)),
+        "ce": pa.array(ce.astype(np.float32), from_pandas=nullable_ce),
+        "final_rank": pa.array(rank.astype(np.int32)),
+        "top1": pa.array(top1.astype(np.int32)),
+    }
+
+
+def lens_table(instances: Sequence[int], values: np.ndarray) -> pa.Table:
+    """Rows (instance, layer) of :data:`~layerdiv.schemas.LENS` from ``values`` (B, L + 1,
+    len(:data:`LENS_VALUES`))."""
+    b, layers = np.shape(values)[:2]
     return pa.table(
         {
             "instance": pa.array(np.repeat(np.asarray(instances, np.int32), layers)),
             "layer": pa.array(np.tile(np.arange(layers, dtype=np.int16), b)),
-            "kl": pa.array(np.asarray(kl, np.float32).reshape(-1)),
-            "top5_overlap": pa.array(np.asarray(top5, np.float32).reshape(-1)),
-            "ce": pa.array(np.asarray(ce, np.float32).reshape(-1)),
+            **lens_columns(values),
         },
         schema=LENS_SCHEMA,
     )
 
 
 def lens_rows(units: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
-    """The ``lens`` rows of a choice task's instances ``units`` from each one's (L + 1, 3) kl,
-    top5_overlap and ce of its gold option's first token; or the ``token_lens`` rows of a text
-    task's documents from each one's (T, L + 1, 3) kl, top5_overlap and next-token ce."""
+    """The ``lens`` rows of a choice task's instances ``units`` from each one's (L + 1, 5)
+    values (:data:`LENS_VALUES`; ce of its gold option's first token); or the ``token_lens``
+    rows of a text task's documents from each one's (T, L + 1, 5) values (ce of the next
+    token)."""
     if np.ndim(values[0]) == 3:
         from layerdiv.store.tables import token_lens_table  # the store imports this package
 
-        v = np.concatenate([np.asarray(x) for x in values])
         lengths = [len(x) for x in values]
-        return {"token_lens": token_lens_table(units, lengths, v[..., 0], v[..., 1], v[..., 2])}
-    v = np.stack([np.asarray(x) for x in values])
-    return {"lens": lens_table(units, v[..., 0], v[..., 1], v[..., 2])}
+        v = np.concatenate([np.asarray(x) for x in values])
+        return {"token_lens": token_lens_table(units, lengths, v)}
+    return {"lens": lens_table(units, np.stack([np.asarray(x) for x in values]))}
 
 
 def lens_row_counts(

@@ -42,6 +42,9 @@ History:
   at sampled positions of a text task's documents, at the last prompt token of a choice task's
   instances, methods §11; its settings ``states``, ``states_seed`` and ``states_dtype`` under the
   manifest's ``settings``).
+- 6: ``token_lens`` and ``lens`` gain ``final_rank`` (the rank of the model's own top-1 token
+  under p_l, methods §16) and ``top1`` (p_l's own top-1 token); null in stores of version 5 and
+  older.
 
 The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``revision``, ``task``) are not
 stored inside the files: they come from the directory names
@@ -56,7 +59,7 @@ import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """Version of the on-disk layout and of the column sets below (the one this code writes)."""
 
 OLDEST_READABLE = 1
@@ -224,14 +227,19 @@ LENS_FIELDS = [
     pa.field("top5_overlap", pa.float32(), nullable=False),
 ]
 
-LENS = _schema(
-    "lens",
-    [
-        pa.field("instance", pa.int32(), nullable=False),
-        *LENS_FIELDS,
-        pa.field("ce", pa.float32(), nullable=False),
-    ],
-)
+LENS_RANKS = [
+    pa.field("final_rank", pa.int32(), nullable=False),
+    pa.field("top1", pa.int32(), nullable=False),
+]
+"""The lens columns of version 6 (methods §16), after those of version 5."""
+
+_LENS_FIELDS_V5 = [
+    pa.field("instance", pa.int32(), nullable=False),
+    *LENS_FIELDS,
+    pa.field("ce", pa.float32(), nullable=False),
+]
+
+LENS = _schema("lens", [*_LENS_FIELDS_V5, *LENS_RANKS])
 """Optional (``extract --lens`` on a choice task; methods §9, logit lens at the last
 prompt token). One row per (instance, layer).
 
@@ -241,6 +249,11 @@ prompt token). One row per (instance, layer).
 - ``kl``: KL(p_l || p_L) in nats (0 at layer L).
 - ``top5_overlap``: |top5(p_l) & top5(p_L)| / 5 (1 at layer L).
 - ``ce``: -log p_l(first token of the gold option), in nats.
+- ``final_rank`` (version 6): the rank of y, the model's own top-1 token (the argmax of p_L,
+  the smallest token id among ties), under p_l: 1 + the tokens whose logit exceeds y's + the
+  tokens of a smaller id whose logit equals it (1 at layer L); null in older stores.
+- ``top1`` (version 6): the token id of p_l's largest probability (the smallest among ties); at
+  layer L the model's own prediction y; null in older stores.
 """
 
 DOCUMENTS = _schema(
@@ -311,19 +324,20 @@ reduced in float32.
   methods §10); null in stores of version 4.
 """
 
-TOKEN_LENS = _schema(
-    "token_lens",
-    [
-        pa.field("doc", pa.int32(), nullable=False),
-        pa.field("pos", pa.int32(), nullable=False),
-        *LENS_FIELDS,
-        pa.field("ce", pa.float32(), nullable=True),
-    ],
-)
+_TOKEN_LENS_FIELDS_V5 = [
+    pa.field("doc", pa.int32(), nullable=False),
+    pa.field("pos", pa.int32(), nullable=False),
+    *LENS_FIELDS,
+    pa.field("ce", pa.float32(), nullable=True),
+]
+
+TOKEN_LENS = _schema("token_lens", [*_TOKEN_LENS_FIELDS_V5, *LENS_RANKS])
 """Optional (``extract --lens`` on a text task). One row per (doc, pos, layer), layer 0..L, as
 :data:`LENS`.
 
 - ``ce``: -log p_l(token at pos + 1) in nats; null at the document's last position.
+- ``final_rank``, ``top1`` (version 6): as in :data:`LENS`, for the model's own top-1 next token
+  y_p at position p.
 """
 
 SUBLAYERS = ("block", "attn", "mlp")
@@ -536,8 +550,15 @@ _TABLES_V3 = {t: TABLES[t] for t in ("components", "instances", "skips", "heads"
 _TABLES_V2 = {**_TABLES_V3, "instances": _schema("instances", _INSTANCE_FIELDS_V2, version=2)}
 
 
+_TABLES_V5 = {
+    **TABLES,
+    "lens": _schema("lens", _LENS_FIELDS_V5, version=5),
+    "token_lens": _schema("token_lens", _TOKEN_LENS_FIELDS_V5, version=5),
+}
+
+
 _TABLES_V4 = {
-    **{t: s for t, s in TABLES.items() if t != "states"},
+    **{t: s for t, s in _TABLES_V5.items() if t != "states"},
     "tokens": _schema("tokens", _TOKEN_FIELDS_V4, version=4),
     "token_blocks": _schema("token_blocks", _TOKEN_BLOCK_FIELDS_V4, version=4),
     "future_effects": _schema("future_effects", [*_SKIP_KEY, *_FUTURE_EFFECT_VALUES], version=4),
@@ -546,7 +567,8 @@ _TABLES_V4 = {
 
 def tables_of(version: int) -> dict[str, pa.Schema]:
     """The tables (and their schemas) of a store written with schema ``version``."""
-    return {1: _TABLES_V1, 2: _TABLES_V2, 3: _TABLES_V3, 4: _TABLES_V4}.get(version, TABLES)
+    versions = {1: _TABLES_V1, 2: _TABLES_V2, 3: _TABLES_V3, 4: _TABLES_V4, 5: _TABLES_V5}
+    return versions.get(version, TABLES)
 
 
 def gram_index(a: int, b: int, n: int) -> int:

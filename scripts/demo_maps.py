@@ -1,6 +1,7 @@
 """The README's layer-maps figures, from the demo's results (``make demo``): the region between
 ``<!-- demo:maps -->`` and ``<!-- /demo:maps -->`` of README.md (Spearman's correlation per
-space and the best target of every source layer, from ``layer_map_best``) and
+space over the source layers whose maps beat the mean predictor, and the best target of every
+source layer, from ``layer_map_best``) and
 ``docs/demo-layer-maps.png`` (the report's ``layer_maps.png``).
 
     python scripts/demo_maps.py [--demo layerdiv-demo] [--check]
@@ -35,18 +36,33 @@ def region(results: Path) -> str:
     n_train, n_held = maps["n_train"][0], maps["n_heldout"][0]
     states = best.filter(pl.col("space") == "states").sort("source_layer")
     rows = [
-        [str(r["source_layer"]), fmt(r["source_depth"], digits=2), str(r["target_layer"]),
-         fmt(r["target_depth"], digits=2), fmt(r["rel_error"], digits=3)]
+        [str(r["source_layer"]), fmt(r["source_depth"], digits=2),
+         "none beats the mean" if r["target_layer"] is None else str(r["target_layer"]),
+         fmt(r["target_depth"], digits=2), fmt(r["rel_error"], digits=3),
+         fmt(r["mean_rel_error"], digits=3), fmt(r["r2"], digits=2)]
         for r in states.iter_rows(named=True)
     ]  # fmt: skip
     table = markdown_table(
-        ["sibling layer i", "i / L_A", "best SmolLM2 layer j", "j / L_B", "rel_error"], rows
-    )
+        ["sibling layer i", "i / L_A", "best SmolLM2 layer j", "j / L_B", "rel_error",
+         "mean predictor's rel_error", "R²"], rows
+    )  # fmt: skip
+
+    def space(name: str) -> str:
+        r = rho[name]
+        found = (
+            f"{r['n']} of {r['n_sources']} source layers have a map that beats the mean predictor"
+        )
+        if r["spearman"] is None:
+            return f"{found} on the {name} (too few for a correlation)"
+        return (
+            f"{found} on the {name}, and over them Spearman's correlation of the best target's "
+            f"relative depth with the source's is {r['spearman']:.2f} "
+            f"[{r['low']:.2f}, {r['high']:.2f}]"
+        )
+
     return (
-        f"Fitted on {n_train:,} token rows, scored on {n_held:,} held-out rows: the best "
-        "target's relative depth against the source's has Spearman's correlation "
-        f"{rho['states']['spearman']:.2f} on the residual states and "
-        f"{rho['updates']['spearman']:.2f} on the block updates.\n\n{table}\n"
+        f"Fitted on {n_train:,} token rows (ridge cross-validated per map), scored on "
+        f"{n_held:,} held-out rows: {space('states')}; {space('updates')}.\n\n{table}\n"
     )
 
 

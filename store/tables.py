@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
+from layerdiv.measurements.lens import lens_columns
 from layerdiv.schemas import (
     COMPONENTS,
     DOCUMENTS,
@@ -181,21 +182,18 @@ def token_blocks_table(docs: Sequence[int], n_tokens: Sequence[int], dots: np.nd
     )
 
 
-def token_lens_table(
-    docs: Sequence[int], n_tokens: Sequence[int], kl: np.ndarray, top5: np.ndarray, ce: np.ndarray
-) -> pa.Table:
-    """Rows (doc, pos, layer) of :data:`~layerdiv.schemas.TOKEN_LENS`; each array is
-    (sum n_tokens, L + 1), ``ce`` NaN (stored as null) at each document's last position."""
-    n, layers = np.shape(kl)
+def token_lens_table(docs: Sequence[int], n_tokens: Sequence[int], values: np.ndarray) -> pa.Table:
+    """Rows (doc, pos, layer) of :data:`~layerdiv.schemas.TOKEN_LENS` from ``values``
+    (sum n_tokens, L + 1, 5: :data:`~layerdiv.measurements.lens.LENS_VALUES`), ``ce`` NaN
+    (stored as null) at each document's last position."""
+    n, layers = np.shape(values)[:2]
     doc, pos = _token_key(docs, n_tokens)
     return pa.table(
         {
             "doc": pa.array(np.repeat(doc, layers)),
             "pos": pa.array(np.repeat(pos, layers)),
             "layer": pa.array(np.tile(np.arange(layers, dtype=np.int16), n)),
-            "kl": _floats(kl),
-            "top5_overlap": _floats(top5),
-            "ce": _floats(ce, nullable=True),
+            **lens_columns(values, nullable_ce=True),
         },
         schema=TOKEN_LENS,
     )

@@ -816,6 +816,8 @@ def test_a_registered_analysis_runs_writes_and_reports(
         "text_skips",
         "text_profiles",
         "text_groups",
+        "effective_depth",
+        "decided_depth",
         "revisions",
         "depth_law",
         "maps",

@@ -40,9 +40,16 @@ decomposition's sum error is the rounding error of the logits it sums to; the le
 sum_v p(v) (log p(v) - log p_L(v)) is a small difference of log-probabilities, whose size the
 cross-entropy column measures."""
 
-ADDED = {"tokens": {"loss"}, "future_effects": {"mode"}, "token_blocks": {"h_embed"}}
+ADDED = {
+    "tokens": {"loss"},
+    "future_effects": {"mode"},
+    "token_blocks": {"h_embed"},
+    "token_lens": {"final_rank", "top1"},
+    "lens": {"final_rank", "top1"},
+}
 """Columns added since the frames were recorded (schema version 5: the model's own loss, the
-future effects' mode, h_l . h_0 of the progress proj)."""
+future effects' mode, h_l . h_0 of the progress proj; version 6: the lens's rank of the model's
+own top-1 token and its own top-1 token)."""
 
 
 def _task(kind: str, folder: Path, make_task: Any) -> Path:

@@ -129,16 +129,30 @@ def test_summary_counts_parts_that_beat_the_whole(tables, data) -> None:
     heads = data["heads"].astype(np.float32).astype(np.float64)[:, :, 1:]
     per_head = [reference_member(heads[:, b, h], gold) for b in range(BLOCKS) for h in range(HEADS)]
     row = frames["head_summary"].filter(pl.col("model") == "org--with-heads").row(0, named=True)
+    whole_cal = reference_member(full, gold)[1]  # like with like: calibrated against calibrated
     assert row["accuracy"] == pytest.approx(whole)
+    assert row["calibrated_accuracy"] == pytest.approx(whole_cal)
     assert row["n_heads"] == BLOCKS * HEADS
     assert row["heads_beat"] == sum(a > whole for a, _, _ in per_head)
-    assert row["heads_beat_calibrated"] == sum(c > whole for _, c, _ in per_head)
+    assert row["heads_beat_calibrated"] == sum(c > whole_cal for _, c, _ in per_head)
     assert row["heads_beat"] >= 1 and row["best_head"] == "attn.1.h0"
     assert row["best_head_accuracy"] == 1.0
     comps = data["logits"].astype(np.float32).astype(np.float64)
     per_comp = [reference_member(comps[:, c], gold) for c in range(comps.shape[1])]
     assert row["components_beat"] == sum(a > whole for a, _, _ in per_comp)
-    assert row["components_beat_calibrated"] == sum(c > whole for _, c, _ in per_comp)
+    assert row["components_beat_calibrated"] == sum(c > whole_cal for _, c, _ in per_comp)
+
+
+def test_calibrated_parts_are_compared_with_the_calibrated_whole() -> None:
+    """A part at 80% calibrated beats a full model at 60% but not its calibrated 85%."""
+    from layerdiv.analyze.analyses.heads import summary_row
+
+    parts = pl.DataFrame({"name": ["a", "b"], "kind": ["attn", "mlp"], "accuracy": [0.7, 0.5],
+                          "calibrated_accuracy": [0.8, 0.9]})  # fmt: skip
+    row = summary_row((0.6, 0.85), parts, parts)
+    assert row["heads_beat"] == 1 and row["heads_beat_calibrated"] == 1  # a alone, b calibrated
+    row = summary_row((0.6, 0.95), parts, parts)
+    assert row["components_beat"] == 1 and row["components_beat_calibrated"] == 0
 
 
 def test_partition_without_heads_is_noted_and_refused_by_the_api(tables, store) -> None:

@@ -15,6 +15,7 @@ import torch
 from click.testing import CliRunner
 
 import layerdiv
+from layerdiv.analyze.analyses.maps import RIDGES
 from layerdiv.cli import main
 from tests.test_states import hf_states
 from tests.test_text_extract import random_texts, text_task
@@ -55,26 +56,30 @@ def extract(pair: dict[str, Any], store: Path, name: str, *flags: str) -> None:
     assert r.exit_code == 0, r.output
 
 
+def ridge_predict(xt: np.ndarray, yt: np.ndarray, xv: np.ndarray, ridge: float) -> np.ndarray:
+    """y_hat of the rows ``xv`` by the ridge map fitted on (xt, yt): float64, W from lstsq on
+    [Xc; sqrt(lambda) I] W = [Yc; 0], lambda = ridge trace(Xc'Xc) / d (methods §11)."""
+    xb, yb = xt.mean(0), yt.mean(0)
+    xc = xt - xb
+    lam = ridge * np.sum(xc**2) / xc.shape[1]
+    a = np.vstack([xc, np.sqrt(lam) * np.eye(xc.shape[1])])
+    b = np.vstack([yt - yb, np.zeros((xc.shape[1], yt.shape[1]))])
+    return (xv - xb) @ np.linalg.lstsq(a, b, rcond=None)[0] + yb
+
+
 def reference(
-    x: np.ndarray, y: np.ndarray, docs: np.ndarray, ridge: float = 1e-3
+    x: np.ndarray, y: np.ndarray, docs: np.ndarray, ridge: float | np.ndarray = 1e-3
 ) -> tuple[np.ndarray, np.ndarray]:
-    """rel_error and r2 of every (i, j): float64, W from lstsq on [Xc; sqrt(lambda) I] W =
-    [Yc; 0] (methods §11)."""
+    """rel_error and r2 of every (i, j) by :func:`ridge_predict` (``ridge``: one value, or one
+    per (i, j))."""
     held = docs % 5 == 4
     rel = np.empty((x.shape[1], y.shape[1]))
     r2 = np.empty_like(rel)
+    ridges = np.broadcast_to(ridge, rel.shape)
     for i in range(x.shape[1]):
-        xt = x[~held, i]
-        xb = xt.mean(0)
-        xc = xt - xb
-        lam = ridge * np.sum(xc**2) / xc.shape[1]
-        a = np.vstack([xc, np.sqrt(lam) * np.eye(xc.shape[1])])
         for j in range(y.shape[1]):
-            yt = y[~held, j]
-            yb = yt.mean(0)
-            b = np.vstack([yt - yb, np.zeros((xc.shape[1], yt.shape[1]))])
-            w = np.linalg.lstsq(a, b, rcond=None)[0]
-            yh, yy = (x[held, i] - xb) @ w + yb, y[held, j]
+            yh = ridge_predict(x[~held, i], y[~held, j], x[held, i], ridges[i, j])
+            yy = y[held, j]
             err = np.linalg.norm(yh - yy, axis=1)
             rel[i, j] = np.mean(err / np.maximum(np.linalg.norm(yy, axis=1), 1e-6))
             r2[i, j] = 1 - np.sum(err**2) / np.sum((yy - yy.mean(0)) ** 2)
@@ -108,29 +113,44 @@ def test_maps_match_reference(
     for name in ("small", "deep"):
         extract(pair, store, name, "--states", "all", "--states-dtype", dtype)
     small, deep = (str(pair["folders"][n]) for n in ("small", "deep"))
-    results = layerdiv.run_analysis(store, maps=f"{small}:{deep}")
-    maps = results.layer_maps
+    fixed = layerdiv.run_analysis(store, maps=f"{small}:{deep}", options={"maps_ridge": 1e-3})
+    results = layerdiv.run_analysis(store, maps=f"{small}:{deep}")  # cross-validated
     docs, x = hf_rows(pair, tokenizer, "small")
     _, y = hf_rows(pair, tokenizer, "deep")
-    rel, r2 = reference(x, y, docs)
-    assert as_grid(maps, "states", "rel_error").shape == (3, 5)
-    assert np.abs(as_grid(maps, "states", "rel_error") - rel).max() < tol
-    assert np.abs(as_grid(maps, "states", "r2") - r2).max() < tol
-    rel_u, r2_u = reference(np.diff(x, axis=1), np.diff(y, axis=1), docs)
-    assert np.abs(as_grid(maps, "updates", "rel_error") - rel_u).max() < tol
-    assert np.abs(as_grid(maps, "updates", "r2") - r2_u).max() < tol
-    held = int((docs % 5 == 4).sum())
-    assert maps["n_heldout"].unique().to_list() == [held]
-    assert maps["n_train"].unique().to_list() == [len(docs) - held]
+    for maps, ridge in ((fixed.layer_maps, None), (results.layer_maps, "chosen")):
+        chosen = {s: as_grid(maps, s, "ridge") for s in ("states", "updates")}
+        if ridge is None:
+            assert all((g == 1e-3).all() for g in chosen.values())
+        else:
+            assert set(np.unique(np.concatenate([g.ravel() for g in chosen.values()]))) <= set(
+                RIDGES
+            )
+        rel, r2 = reference(x, y, docs, chosen["states"])
+        assert as_grid(maps, "states", "rel_error").shape == (3, 5)
+        assert np.abs(as_grid(maps, "states", "rel_error") - rel).max() < tol
+        assert np.abs(as_grid(maps, "states", "r2") - r2).max() < tol
+        rel_u, r2_u = reference(np.diff(x, axis=1), np.diff(y, axis=1), docs, chosen["updates"])
+        assert np.abs(as_grid(maps, "updates", "rel_error") - rel_u).max() < tol
+        assert np.abs(as_grid(maps, "updates", "r2") - r2_u).max() < tol
+    held = docs % 5 == 4
+    mean_rel = np.mean(np.linalg.norm(y[held] - y[~held].mean(0), axis=2)
+                       / np.linalg.norm(y[held], axis=2), axis=0)  # fmt: skip
+    assert np.abs(as_grid(maps, "states", "mean_rel_error")[0] - mean_rel).max() < tol
+    beats = (r2 > 0) & (rel < as_grid(maps, "states", "mean_rel_error"))
+    assert (as_grid(maps, "states", "beats_mean") == beats).all()
+    assert maps["n_heldout"].unique().to_list() == [int(held.sum())]
+    assert maps["n_train"].unique().to_list() == [len(docs) - int(held.sum())]
+    assert maps["few_rows"].all()  # far fewer than 10 x 32 training rows
     best = results.layer_map_best.filter(pl.col("space") == "states").sort("source_layer")
-    want = [int(np.argmin(rel[i, 1:])) + 1 for i in (1, 2)]
+    masked = np.where(beats, rel, np.inf)
+    want = [int(np.argmin(masked[i, 1:])) + 1 if beats[i, 1:].any() else None for i in (1, 2)]
     assert best["target_layer"].to_list() == want
     assert best["source_depth"].to_list() == [0.5, 1.0]
-    assert best["target_depth"].to_list() == [j / 4 for j in want]
+    assert best["target_depth"].to_list() == [None if j is None else j / 4 for j in want]
     # block updates: l / L too (methods §11), l = 0..L-1 of the small model's 2 blocks
     updates = results.layer_map_best.filter(pl.col("space") == "updates").sort("source_layer")
     assert updates["source_depth"].to_list() == [0.0, 0.5]
-    assert set(updates["target_depth"]) <= {j / 4 for j in range(4)}
+    assert set(updates["target_depth"].drop_nulls()) <= {j / 4 for j in range(4)}
 
 
 def test_identity_and_report(pair: dict[str, Any], tmp_path: Path) -> None:
@@ -147,7 +167,8 @@ def test_identity_and_report(pair: dict[str, Any], tmp_path: Path) -> None:
     r = run("report", "--store", str(store), "--maps", f"{slug}:{slug}", "--out", str(out))
     assert r.exit_code == 0, r.output
     text = (out / "report.md").read_text()
-    assert "follows relative depth (Spearman 1.00" in text
+    assert "Warning: " in text and "fewer than 10 x d_A" in text
+    assert "**Verdict: too few to tell.** the best target follows relative depth" in text
     assert (out / "figures" / "layer_maps.png").stat().st_size > 10_000
 
 
@@ -232,3 +253,59 @@ def test_fit_maps_against_lstsq(d_b: int) -> None:
     got = fit_maps(ArrayLayers(x, order), ArrayLayers(y, order), 48, 12, block_rows=7)
     rel, r2 = reference(x, y, docs)
     assert np.abs(got.rel_error - rel).max() < 1e-10 and np.abs(got.r2 - r2).max() < 1e-10
+
+
+def test_cross_validated_ridge_against_refits() -> None:
+    """Several ridge values: each map's ridge is the one of least squared error summed over the
+    folds of training documents (doc % 5 = 0..3), each fold predicted by a map refitted by
+    lstsq on the other folds; the scores are the refit's with that ridge; the mean predictor's
+    rel_error is the train mean's."""
+    from layerdiv.analyze.layer_maps import ArrayLayers, fit_maps
+
+    rng = np.random.default_rng(3)
+    docs = np.repeat(np.arange(20), 4)
+    x = rng.normal(size=(80, 3, 10)) + 2
+    signal = np.einsum("nld,de->nle", x, rng.normal(size=(10, 6)))
+    noise = rng.normal(size=signal.shape)
+    y = signal * np.array([1.0, 0.05, 0.0])[None, :, None] + noise  # strong, weak, no signal
+    held = docs % 5 == 4
+    train = np.flatnonzero(~held)
+    train = train[np.argsort(docs[train] % 5, kind="stable")]
+    order = np.concatenate([train, np.flatnonzero(held)])
+    bounds = [0, *np.cumsum(np.bincount(docs[train] % 5)).tolist()]
+    ridges = (1e-4, 1e-2, 1.0, 100.0)
+    got = fit_maps(ArrayLayers(x, order), ArrayLayers(y, order), len(train), int(held.sum()),
+                   ridges, bounds, block_rows=7)  # fmt: skip
+    want = np.empty((3, 3))
+    for i in range(3):
+        for j in range(3):
+            err = []
+            for ridge in ridges:
+                sq = 0.0
+                for f in range(4):
+                    fit, val = train[docs[train] % 5 != f], train[docs[train] % 5 == f]
+                    yh = ridge_predict(x[fit, i], y[fit, j], x[val, i], ridge)
+                    sq += float(np.sum((yh - y[val, j]) ** 2))
+                err.append(sq)
+            want[i, j] = ridges[int(np.argmin(err))]
+    assert (got.ridge == want).all(), (got.ridge, want)
+    assert len(np.unique(want)) > 1  # the choice depends on the data
+    rel, r2 = reference(x, y, docs, want)
+    assert np.abs(got.rel_error - rel).max() < 1e-10 and np.abs(got.r2 - r2).max() < 1e-10
+    yy = y[held]
+    mean_rel = np.mean(np.linalg.norm(yy - y[~held].mean(0), axis=2)
+                       / np.linalg.norm(yy, axis=2), axis=0)  # fmt: skip
+    assert np.abs(got.mean_rel_error - mean_rel).max() < 1e-12
+    assert (got.r2[:, 2] < 0.05).all() and got.r2[0, 0] > 0.5  # y_2 is noise; y_0 is x_0 A
+
+
+def test_maps_ridge_option() -> None:
+    """``--maps-ridge``: cv (or none) cross-validates over the grid, a positive number fixes the
+    ridge, anything else is refused in one line."""
+    from layerdiv.analyze.analyses.maps import MapsError, ridges
+
+    assert ridges(None) == ridges("cv") == RIDGES and len(RIDGES) > 1
+    assert ridges("0.01") == ridges(0.01) == (0.01,)
+    for bad in ("0", "-1", "nan", "often"):
+        with pytest.raises(MapsError, match=f"--maps-ridge {bad}: give cv or a positive number"):
+            ridges(bad)

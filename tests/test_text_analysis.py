@@ -320,9 +320,11 @@ def test_analyses_get_only_the_partitions_of_their_kinds(tmp_path) -> None:
     assert not [name for name in alone.names() if name.startswith("text_")]
     synthesize_text_store(tmp_path, 1, 6, 20, 3, chunk=4, lens=True, skips=True, progress=False)
     mixed = analyze(tmp_path)
+    text = {"effective_depth", "decided_depth", "decided_depth_hist"}  # running text's, too
     for name, table in mixed.tables().items():
         if "model" in table.columns and table.height and name != "manifests":
-            want = "synth--text-model-00" if name.startswith("text_") else "org--choice"
+            is_text = name.startswith("text_") or name in text
+            want = "synth--text-model-00" if is_text else "org--choice"
             assert set(table["model"].to_list()) - {None} == {want}, name
     assert mixed.text_geometry.height == 3 and mixed.text_lens.height == 4
 
@@ -382,6 +384,7 @@ def test_store_tables_match_numpy_and_batching(tmp_path, monkeypatch) -> None:
         "text_skips",
         "text_profiles",
         "text_groups",
+        "effective_depth",  # decided_depth left out: no lens
         "depth_law",  # it runs on text tasks, and says why it fits nothing on one model
         "maps",
     ]

@@ -434,9 +434,15 @@ def test_lens_stats_in_row_slices_match_a_float64_computation(monkeypatch: Any) 
     scale = logp.abs().max()  # kl and log p(v): within FLOAT32 of the log-probabilities' size
     assert_within(got[..., 0], kl, scale, what="kl")
     assert torch.equal(got[..., 1].double(), overlap.double())
-    assert_within(got[..., 2:], logp[..., ids], scale, what="log p")
+    n = len(readout.STATS)
+    assert_within(got[..., n:], logp[..., ids], scale, what="log p")
     # p_L against itself: the same operations on the same numbers, exactly 0 and 1
     assert torch.all(got[:, -1, 0] == 0) and torch.all(got[:, -1, 1] == 1)
+    # the rank of p_L's top-1 token under each layer, and each layer's own top-1
+    own = logp[:, -1:].argmax(-1, keepdim=True)
+    rank = (logp > logp.gather(-1, own.expand(*logp.shape[:-1], 1))).sum(-1) + 1
+    assert torch.equal(got[..., 2].long(), rank) and torch.all(got[:, -1, 2] == 1)
+    assert torch.equal(got[..., 3].long(), logp.argmax(-1))
 
 
 def test_extract_offers_every_lens_class_and_a_choice_task_those_that_apply() -> None:
@@ -544,7 +550,7 @@ def test_lens_read_out_in_stacked_groups_equals_one_layer_at_a_time(
             got[budget] = torch.from_numpy(np.stack(hooks.result()))
     capture.remove()
     want = got.pop(0)
-    assert want is not None and want.shape == (3, inputs["input_ids"].shape[1], 6, 3)
+    assert want is not None and want.shape == (3, inputs["input_ids"].shape[1], 6, 5)
     for lens_values_ in got.values():
         assert lens_values_ is not None
         torch.testing.assert_close(lens_values_, want, rtol=1e-5, atol=1e-6, equal_nan=True)

@@ -87,7 +87,18 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
     split, sublayer = [8] * len(doc), ["block"] * len(doc)
     return {
         "token_lens": token_lens_table(
-            docs, n_tok, rng.uniform(size=(total, BLOCKS + 1)), np.ones((total, BLOCKS + 1)), ce
+            docs,
+            n_tok,
+            np.stack(
+                [
+                    rng.uniform(size=(total, BLOCKS + 1)),
+                    np.ones((total, BLOCKS + 1)),
+                    np.ones((total, BLOCKS + 1)),
+                    rng.integers(0, 100, (total, BLOCKS + 1)),
+                    ce,
+                ],
+                axis=-1,
+            ),
         ),
         **future_tables(
             doc,
@@ -196,7 +207,7 @@ def test_version_3_choice_store_still_reads(tmp_path: Path) -> None:
         del data[name]  # fields of versions 4 and 5
     data["schema_version"] = 3
     path.write_text(json.dumps(data))
-    assert SCHEMA_VERSION == 5 and "lens" not in tables_of(3) and "tokens" not in tables_of(3)
+    assert SCHEMA_VERSION == 6 and "lens" not in tables_of(3) and "tokens" not in tables_of(3)
     assert "prompt" in tables_of(3)["instances"].names
     store = Store(tmp_path)
     (info,) = store.select()

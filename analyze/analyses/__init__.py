@@ -13,13 +13,17 @@ from layerdiv.analyze.analyses import text_lens
 from layerdiv.analyze.analyses import text_skips
 from layerdiv.analyze.analyses import text_profiles
 from layerdiv.analyze.analyses import text_groups
+from layerdiv.analyze.analyses import effective_depth
+from layerdiv.analyze.analyses import decided_depth
 from layerdiv.analyze.analyses import revisions
 from layerdiv.analyze.analyses import depth_law
 from layerdiv.analyze.analyses import maps
 
 __all__ = [
+    "decided_depth",
     "depth",
     "depth_law",
+    "effective_depth",
     "heads",
     "lens",
     "maps",

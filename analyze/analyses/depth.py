@@ -38,7 +38,7 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.markdown import DASH, fmt, markdown_table
+from layerdiv.analyze.markdown import DASH, fmt, markdown_table, verdict
 from layerdiv.analyze.overlap import independent, left_out, lone_subsets
 from layerdiv.analyze.registry import (
     Analysis,
@@ -48,7 +48,13 @@ from layerdiv.analyze.registry import (
     partition_engine,
     register,
 )
-from layerdiv.analyze.stats import POWER_FIT_SCHEMA, degrees, power_law_fit
+from layerdiv.analyze.stats import (
+    POWER_FIT_SCHEMA,
+    degrees,
+    halves,
+    power_law_fit,
+    t_interval,
+)
 from layerdiv.analyze.text import tag as _tag
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import gram_index
@@ -849,6 +855,71 @@ def skip_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str
     return markdown_table(header, rows)
 
 
+MIN_BLOCKS = 5
+"""Blocks below which a power-law fit of the update sizes cannot tell (3 parameters' worth of
+points and two degrees of freedom left)."""
+
+MIN_HALF = 4
+"""Components (or blocks) per half of the stack below which the halves cannot be compared."""
+
+DECAY = 0.5
+"""The inverse-depth paper's finding (update size ∝ 1/l, beta = 1) holds where beta's interval
+lies above this: halfway between no decay (0) and 1/l."""
+
+
+def decay_verdict(finding: str, fit: Mapping[str, Any]) -> str:
+    """The verdict on the inverse-depth paper's mean update ∝ 1/l from a
+    :func:`power_law_fit` row: beta above :data:`DECAY` with its t interval (n - 2 degrees of
+    freedom), its R² named."""
+    n, r2 = fit["n_fitted"] or 0, fit["r2"]
+    if r2 is not None and np.isfinite(r2):
+        poor = ", a poor fit" if r2 < plots.POOR_FIT_R2 else ""
+        finding += f" (power law R² {r2:.2f}{poor})"
+    interval = t_interval(fit["beta"], fit["beta_se"], n - 2)
+    return verdict(finding, "β", fit["beta"], interval, n, DECAY, min_n=MIN_BLOCKS,
+                   unit="blocks fitted")  # fmt: skip
+
+
+def decay_verdicts(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str:
+    """Per (model, task): the verdict on the inverse-depth paper's mean update ∝ 1/l (beta
+    above :data:`DECAY`, its t interval) and on the depth-efficiency paper's first finding (a
+    component of the second half contributes less: relative contribution, first half without
+    the embedding and block 0 minus the second half, its Welch interval)."""
+    geometry = tables["geometry"]
+    lines = []
+    for r in tables["depth_decay"].iter_rows(named=True):
+        who = f"{names.get(r['model'], r['model'])}, {r['task']}"
+        lines.append("- " + decay_verdict(f"{who}: block update size falls roughly as 1/l", r))
+        sub = geometry.filter(*[pl.col(k) == r[k] for k in KEY])
+        first = (sub["relative_depth"] <= 0.5) & (sub["kind"] != "embed") & (sub["layer"] > 0)
+        second = sub["relative_depth"] > 0.5
+        keep = (first | second).to_numpy()
+        diff, interval, n_half = halves(sub["rel_contribution"].to_numpy()[keep],
+                                        first.to_numpy()[keep])  # fmt: skip
+        lines.append("- " + verdict(
+            f"{who}: a component of the second half contributes less",
+            "relative contribution, 1st half without block 0 − 2nd half", diff, interval,
+            n_half, 0.0, min_n=MIN_HALF, unit="components per half", digits=3))  # fmt: skip
+    return "\n".join(lines)
+
+
+def skip_verdicts(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str:
+    """Per (model, task): the verdict on the depth-efficiency paper's second finding (skipping a
+    block of the second half changes the output less): mean KL of the first half's skips minus
+    the second's, its Welch interval over blocks."""
+    lines = []
+    effects = tables["skip_effects"]
+    for key, sub in effects.group_by(*KEY, maintain_order=True):
+        row = dict(zip(KEY, key, strict=True))
+        first = (sub["relative_depth"] <= 0.5).to_numpy()
+        diff, interval, n = halves(sub["kl"].to_numpy(), first)
+        lines.append("- " + verdict(
+            f"{names.get(row['model'], row['model'])}, {row['task']}: skipping a block of the "
+            "second half changes the output less", "mean KL, 1st − 2nd half (nats)", diff,
+            interval, n, 0.0, min_n=MIN_HALF, unit="blocks per half", digits=3))  # fmt: skip
+    return "\n".join(lines)
+
+
 def report(ctx: ReportContext) -> str:
     """The "How depth is used" section: the depth-decay table and the geometry figure, the Gram
     angles and the skip effects where extracted."""
@@ -873,6 +944,7 @@ def report(ctx: ReportContext) -> str:
         "contribution (the embedding is small) can carry the first half alone. The figures "
         "average over tasks. " + left_out(tables["geometry"], tables["manifests"]),
         decay_table(tables, ctx.names),
+        decay_verdicts(tables, ctx.names),
         figure(
             "depth_geometry.png",
             "Geometry of the residual stream",
@@ -897,6 +969,7 @@ def report(ctx: ReportContext) -> str:
             "units; KL of the skipped model's option distribution from the full one's, in nats. "
             + (f"They rest on {lone}" if lone else ""),
             skip_table(tables, ctx.names),
+            skip_verdicts(tables, ctx.names),
             figure("depth_skips.png", "Layer skips", skip_spec),
         ]
     parts += [not_extracted(tables["manifests"], t) for t in _OPTIONAL]

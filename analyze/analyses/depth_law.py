@@ -13,7 +13,7 @@ from functools import partial
 import polars as pl
 
 from layerdiv.analyze import law, plots
-from layerdiv.analyze.markdown import fmt, markdown_table
+from layerdiv.analyze.markdown import fmt, markdown_table, verdict
 from layerdiv.analyze.registry import Analysis, Context, NoData, ReportContext, register
 from layerdiv.errors import LayerdivError
 from layerdiv.store import PartitionInfo
@@ -73,6 +73,23 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     return {name: pl.concat(frames) for name, frames in fitted.items()}
 
 
+MIN_POINTS = 2 * law.N_PARAMS
+"""Points below which the law's depth exponent cannot tell (two per parameter)."""
+
+DEPTH_EXPONENT = 0.5
+"""The inverse-depth paper's loss term ∝ 1/l (alpha_depth = 1) holds where alpha_depth's
+interval lies above this: halfway between no depth term (0) and 1/l."""
+
+
+def law_verdict(table: pl.DataFrame, n: int) -> str:
+    """The verdict on the inverse-depth paper's depth term ∝ 1/l: alpha_depth above
+    :data:`DEPTH_EXPONENT`, its 2.5-97.5% bootstrap interval."""
+    r = table.filter(pl.col("parameter") == "alpha_depth").row(0, named=True)
+    return verdict("the loss's depth term falls roughly as 1/l", "α_depth", r["estimate"],
+                   (r["ci_low"], r["ci_high"]), n, DEPTH_EXPONENT, min_n=MIN_POINTS,
+                   unit="(model, revision) points")  # fmt: skip
+
+
 def report(ctx: ReportContext) -> str:
     """Per task: the parameters with their intervals, how the fit was made, and the figure; or
     why no task could be fitted."""
@@ -104,6 +121,7 @@ def report(ctx: ReportContext) -> str:
             f"residual) {row['objective']:.3g} at the optimum (gradient norm "
             f"{row['gradient_norm']:.2g}); {row['n_bootstrap']} bootstrap fits.",
             markdown_table(["Parameter", "Estimate", "s.e.", "2.5%", "97.5%"], rows),
+            law_verdict(table, row["n_fitted"]),
             plots.figure_link(
                 ctx,
                 f"depth_law_{task}.png",

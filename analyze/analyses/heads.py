@@ -8,7 +8,8 @@ Tables (one row per model and task unless said otherwise):
 - ``component_scores``: per (model, task, component): the same three scores for every residual
   component (embedding, attention and MLP blocks), so that partitions without heads have them too.
 - ``head_summary``: the full model's accuracy (and its label-free calibrated accuracy), how many
-  heads and components beat the full model's accuracy alone and calibrated, and the best ones.
+  heads and components beat the full model, like with like (a part's accuracy against the full
+  model's, its calibrated accuracy against the calibrated full model's), and the best ones.
 - ``reweight`` and ``reweight_weights`` (option ``reweight``, ``layerdiv analyze --reweight``):
   component reweighting (:mod:`.reweight`), fitted on a few labelled instances of each task and
   evaluated on the rest, beside the full model, its calibration and the best single component
@@ -32,7 +33,7 @@ from layerdiv.analyze import plots
 from layerdiv.analyze.analyses import reweight as rw
 from layerdiv.analyze.analyses.paper import tagged
 from layerdiv.analyze.decomposition import argmax, load_wide, with_softmax
-from layerdiv.analyze.markdown import DASH, fmt, markdown_table
+from layerdiv.analyze.markdown import DASH, fmt, markdown_table, verdict
 from layerdiv.analyze.options import ESTIMATORS
 from layerdiv.analyze.registry import (
     Analysis,
@@ -328,8 +329,9 @@ def summary_row(
 ) -> dict[str, object]:
     """The ``head_summary`` row of one partition: ``full`` is the full model's (accuracy,
     calibrated accuracy); ``components`` and ``heads`` (one estimator's rows, or None without
-    heads) their score tables. A part beats the whole when its accuracy (alone, or calibrated)
-    is strictly above the full model's accuracy. The constant ``bias`` component is left out."""
+    heads) their score tables. A part beats the whole when its accuracy is strictly above the
+    full model's, and calibrated when its calibrated accuracy is strictly above the calibrated
+    full model's (like with like). The constant ``bias`` component is left out."""
     accuracy, calibrated = full
     row: dict[str, object] = {"accuracy": accuracy, "calibrated_accuracy": calibrated}
     parts = {"components": components.filter(pl.col("kind") != "bias")}
@@ -357,7 +359,7 @@ def summary_row(
             {
                 f"n_{label}": frame.height,
                 f"{label}_beat": int((frame["accuracy"] > accuracy).sum()),
-                f"{label}_beat_calibrated": int((frame["calibrated_accuracy"] > accuracy).sum()),
+                f"{label}_beat_calibrated": int((frame["calibrated_accuracy"] > calibrated).sum()),
                 f"best_{singular}": best,
                 f"best_{singular}_accuracy": best_acc,
                 f"best_calibrated_{singular}": best_cal,
@@ -541,11 +543,17 @@ def heatmap_spec(
     scores: pl.DataFrame, summary: pl.DataFrame, model: str, title: str
 ) -> plots.Figure:
     """Calibrated accuracy of every head of ``model``: one panel per task, attention components
-    (execution order) by head, coloured around the full model's accuracy (named in the panel's
-    title): red heads beat the whole. Hover names the head (``attn.<layer>`` and head index), its
-    plain and calibrated accuracy and the full model's."""
+    (execution order) by head, coloured around the calibrated full model's accuracy (like with
+    like; the panel's title names it and the uncalibrated full model's): red heads beat the
+    calibrated whole. Hover names the head (``attn.<layer>`` and head index), its plain and
+    calibrated accuracy and the full model's, both."""
     frame = scores.filter(pl.col("model") == model)
-    full = dict(summary.filter(pl.col("model") == model).select("task", "accuracy").iter_rows())
+    full = {
+        task: (acc, cal)
+        for task, acc, cal in summary.filter(pl.col("model") == model)
+        .select("task", "accuracy", "calibrated_accuracy")
+        .iter_rows()
+    }
     panels = []
     for task in sorted(frame["task"].unique()):
         sub = frame.filter(pl.col("task") == task)
@@ -560,19 +568,19 @@ def heatmap_spec(
         }
         layers = dict(sub.select("component", "layer").unique().iter_rows())
         z = plots.grid(cal, comps, heads)
-        whole = 100 * full[task]
+        plain, whole = (100 * v for v in full[task])
         values = [v for row in z for v in row if v is not None]
         hover = [
             [
                 f"{task}: layer {layers[c]} head {h}<br>calibrated accuracy {cal[c, h]:.1f}%<br>"
-                f"accuracy {acc[c, h]:.1f}%<br>full model {whole:.1f}%"
+                f"accuracy {acc[c, h]:.1f}%<br>full model {plain:.1f}%, calibrated {whole:.1f}%"
                 if (c, h) in cal
                 else ""
                 for h in heads
             ]
             for c in comps
         ]
-        # Diverging colours centred on the full model: red heads beat it, blue ones do not.
+        # Diverging colours centred on the calibrated full model: red heads beat it.
         heat = plots.Heatmap(
             z,
             heads,
@@ -586,10 +594,37 @@ def heatmap_spec(
         )
         panels.append(
             plots.Panel(
-                f"{task} (full model {whole:.1f}%)", heatmap=heat, xlabel="head", ylabel="layer"
+                f"{task} (full {plain:.1f}%, calibrated {whole:.1f}%)",
+                heatmap=heat,
+                xlabel="head",
+                ylabel="layer",
             )
         )
     return plots.Figure(title, panels, cols=min(3, len(panels)), panel_size=(4.6, 3.6))
+
+
+MIN_INSTANCES = 30
+"""Instances below which the accuracy of a part against the whole's cannot tell."""
+
+
+def beat_verdicts(summary: pl.DataFrame, names: dict[str, str]) -> str:
+    """Per (model, task) with heads: the verdict on "a head beats the whole", like with like:
+    the best calibrated head's accuracy minus the calibrated full model's (points), with the
+    normal interval of two proportions over the n instances (optimistic: the best of many heads,
+    chosen on the same instances)."""
+    lines = []
+    for r in summary.filter(pl.col("n_heads").is_not_null()).sort(*KEY).iter_rows(named=True):
+        n, head, whole = r["n_instances"], r["best_head_calibrated_accuracy"], r[
+            "calibrated_accuracy"]  # fmt: skip
+        diff = 100 * (head - whole)
+        se = 100 * np.sqrt((head * (1 - head) + whole * (1 - whole)) / max(n, 1))
+        lines.append("- " + verdict(
+            f"{names.get(r['model'], r['model'])}, {r['task']}: a head beats the whole "
+            f"(calibrated; best of {r['n_heads']} heads, chosen on the same instances)",
+            "best calibrated head − calibrated full model (points)", diff,
+            (diff - 1.96 * se, diff + 1.96 * se), n, 0.0, min_n=MIN_INSTANCES,
+            unit="instances", digits=1))  # fmt: skip
+    return "\n".join(lines)
 
 
 def heads_section(ctx: ReportContext) -> str:
@@ -627,8 +662,10 @@ def heads_section(ctx: ReportContext) -> str:
         "A head (or a component: the embedding, an attention or MLP block) beats the whole when "
         "its accuracy alone is above the full model's. Calibrated: the argmax of its option "
         "logits minus their mean over the task's instances (label-free; a constant preference "
-        "for one option is removed). Counts are plain / calibrated. The calibrated full model "
-        "is the same calibration applied to the full logits.",
+        "for one option is removed); the calibrated full model is the same calibration applied "
+        "to the full logits. Like with like, counts are plain / calibrated: a part's accuracy "
+        "against the full model's, its calibrated accuracy against the calibrated full "
+        "model's.",
         markdown_table(
             [
                 "Model",
@@ -642,10 +679,11 @@ def heads_section(ctx: ReportContext) -> str:
             ],
             rows,
         ),
+        beat_verdicts(summary, names),
     ]
     for model in sorted(scores["model"].unique()) if scores.height else []:
         label = names.get(model, model)
-        title = f"{label}: calibrated accuracy of every head (red: above the full model)"
+        title = f"{label}: calibrated accuracy of every head (red: above the calibrated full model)"
         parts.append(
             plots.figure_link(
                 ctx,
@@ -660,7 +698,11 @@ def heads_section(ctx: ReportContext) -> str:
             .group_by(*KEY, maintain_order=True)
             .head(TOP_HEADS)
             .join(
-                summary.select(*KEY, pl.col("accuracy").alias("full")),
+                summary.select(
+                    *KEY,
+                    pl.col("accuracy").alias("full"),
+                    pl.col("calibrated_accuracy").alias("full_calibrated"),
+                ),
                 on=[*KEY],
             )
             .sort(*KEY, "calibrated_accuracy", descending=[*(False for _ in KEY), True])
@@ -678,6 +720,7 @@ def heads_section(ctx: ReportContext) -> str:
                     "Acc. (%)",
                     "Calibrated (%)",
                     "Full (%)",
+                    "Calibrated full (%)",
                     "Margin",
                     "Bias share (%)",
                     "Diversity share (%)",
@@ -690,6 +733,7 @@ def heads_section(ctx: ReportContext) -> str:
                         _pct(r["accuracy"]),
                         _pct(r["calibrated_accuracy"]),
                         _pct(r["full"]),
+                        _pct(r["full_calibrated"]),
                         f"{r['margin']:.2f}",
                         _pct(r["bias_share"]),
                         _pct(r["diversity_share"]),

@@ -10,11 +10,16 @@ Tables:
   source_layer, target_layer) (the source and target columns are ``layerdiv.store.key.KEY``'s
   model columns; a map is between two (model, revision) partitions of one task):
   ``rel_error`` (mean over held-out rows of ||y_hat - y|| / max(||y||, 1e-6)), ``r2``,
-  ``n_train`` and ``n_heldout`` rows. ``space`` is ``states`` (layer l = h_l, l = 0..L) or
-  ``updates`` (layer l = h_(l+1) - h_l, block l's update, l = 0..L-1).
-- ``layer_map_best``: per source layer the target layer of least rel_error and both relative
-  depths i / L_A and j / L_B (methods §11; L the model's blocks): states over i, j >= 1, updates
-  (block l's, l = 0..L-1) over every block.
+  ``mean_rel_error`` (the mean predictor's: y_hat = the train mean of target layer j),
+  ``beats_mean`` (r2 > 0 and rel_error below the mean predictor's), ``ridge`` (the value the
+  map was fitted with: cross-validated, or ``--maps-ridge``), ``n_train`` and ``n_heldout``
+  rows, ``few_rows`` (n_train < 10 d_A: the fit rests on its ridge more than on its data).
+  ``space`` is ``states`` (layer l = h_l, l = 0..L) or ``updates`` (layer l = h_(l+1) - h_l,
+  block l's update, l = 0..L-1).
+- ``layer_map_best``: per source layer the target layer of least rel_error among the maps that
+  beat the mean predictor (null where none does) and both relative depths i / L_A and j / L_B
+  (methods §11; L the model's blocks): states over i, j >= 1, updates (block l's,
+  l = 0..L-1) over every block.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from scipy.stats import spearmanr
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.layer_maps import ArrayLayers, fit_maps
-from layerdiv.analyze.markdown import fmt, markdown_table
+from layerdiv.analyze.markdown import DASH, fmt, markdown_table, verdict
 from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
 from layerdiv.errors import LayerdivError
 from layerdiv.store import PartitionInfo
@@ -38,13 +43,21 @@ SPACES = ("states", "updates")
 """What is mapped: the residual states, or the block updates (the paper's ``diff_only``)."""
 
 HELD_OUT = (5, 4)
-"""Documents with doc % 5 == 4 are held out (methods §11)."""
+"""Documents with doc % 5 == 4 are held out (methods §11); the training documents' doc % 5
+(0..3) are the folds of the ridge's cross-validation."""
 
 FOLLOWS = 0.5
 """The report says the best target follows relative depth where Spearman's rho exceeds this."""
 
-DEFAULT_RIDGE = 1e-3
-"""lambda = ridge * trace(G) / d_A (methods §11)."""
+MIN_LAYERS = 5
+"""Source layers with a best target below which Spearman's rho cannot tell (with 4 points no
+ranking reaches p < 0.05)."""
+
+RIDGES = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
+"""The ridge values cross-validated per map (lambda = ridge * trace(G) / d_A, methods §11)."""
+
+ROWS_PER_DIM = 10
+"""Training rows per source dimension below which a map is flagged ``few_rows``."""
 
 
 PAIR = ("task", *(f"source_{c}" for c in MODEL_KEY), *(f"target_{c}" for c in MODEL_KEY))
@@ -155,16 +168,37 @@ def _check_rows(a: PartitionInfo, b: PartitionInfo, ka: np.ndarray, ta: np.ndarr
     )
 
 
-def _split(key: np.ndarray, where: str) -> tuple[np.ndarray, int, int]:
-    """Row order (train rows, then held-out rows: doc % 5 == 4) and both counts."""
-    held = key[:, 0] % HELD_OUT[0] == HELD_OUT[1]
+def _split(key: np.ndarray, where: str) -> tuple[np.ndarray, int, int, list[int]]:
+    """Row order (train rows by fold doc % 5, then held-out rows: doc % 5 == 4), both counts,
+    and the boundaries of the folds' rows."""
+    fold = key[:, 0] % HELD_OUT[0]
+    held = fold == HELD_OUT[1]
     n_train, n_held = int((~held).sum()), int(held.sum())
-    if n_held == 0 or n_train < 2:
+    train = np.flatnonzero(~held)
+    train = train[np.argsort(fold[train], kind="stable")]
+    sizes = np.bincount(fold[train], minlength=HELD_OUT[1])
+    if n_held == 0 or (sizes > 0).sum() < 2:
         raise MapsError(
             f"--maps: {where} has {n_train} training and {n_held} held-out rows (documents with "
-            "doc % 5 == 4 are held out): extract at least 5 documents"
+            "doc % 5 == 4 are held out, the others are cross-validated in folds doc % 5): "
+            "extract at least 5 documents"
         )
-    return np.concatenate([np.flatnonzero(~held), np.flatnonzero(held)]), n_train, n_held
+    bounds = [0, *np.cumsum(sizes[sizes > 0]).tolist()]
+    return np.concatenate([train, np.flatnonzero(held)]), n_train, n_held, bounds
+
+
+def ridges(value: object) -> tuple[float, ...]:
+    """The ridge values of the ``maps_ridge`` option: :data:`RIDGES` (cross-validated) for
+    ``cv`` or none, else the one positive number given."""
+    if value is None or value == "cv":
+        return RIDGES
+    try:
+        ridge = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        ridge = float("nan")
+    if not ridge > 0:
+        raise MapsError(f"--maps-ridge {value}: give cv or a positive number")
+    return (ridge,)
 
 
 States = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -172,7 +206,10 @@ States = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def pair_table(
-    a: PartitionInfo, b: PartitionInfo, ridge: float, cache: dict[PartitionKey, States]
+    a: PartitionInfo,
+    b: PartitionInfo,
+    ridge: tuple[float, ...],
+    cache: dict[PartitionKey, States],
 ) -> pl.DataFrame:
     """``layer_maps`` of source partition ``a`` onto target ``b`` (both spaces)."""
     for p in (a, b):
@@ -180,12 +217,12 @@ def pair_table(
             cache[p.key] = p.states()
     (ka, ta, sa), (kb, tb, sb) = cache[a.key], cache[b.key]
     _check_rows(a, b, ka, ta, kb, tb)
-    order, n_train, n_held = _split(ka, a.where)
+    order, n_train, n_held, folds = _split(ka, a.where)
     frames = []
     for space in SPACES:
         updates = space == "updates"
         src, tgt = ArrayLayers(sa, order, updates), ArrayLayers(sb, order, updates)
-        scores = fit_maps(src, tgt, n_train, n_held, ridge)
+        scores = fit_maps(src, tgt, n_train, n_held, ridge, folds)
         i, j = np.meshgrid(np.arange(src.n_layers), np.arange(tgt.n_layers), indexing="ij")
         frames.append(
             pl.DataFrame(
@@ -196,17 +233,23 @@ def pair_table(
                     "target_layer": j.ravel().astype(np.int16),
                     "rel_error": scores.rel_error.ravel(),
                     "r2": scores.r2.ravel(),
+                    "mean_rel_error": scores.mean_rel_error[j.ravel()],
+                    "ridge": scores.ridge.ravel(),
                     "n_train": n_train,
                     "n_heldout": n_held,
+                    "few_rows": n_train < ROWS_PER_DIM * src.width,
                 }
             )
         )
-    return pl.concat(frames)
+    return pl.concat(frames).with_columns(
+        beats_mean=(pl.col("r2") > 0) & (pl.col("rel_error") < pl.col("mean_rel_error"))
+    )
 
 
 def best_table(maps: pl.DataFrame) -> pl.DataFrame:
-    """``layer_map_best``: per source layer the target layer of least rel_error (states: i, j >=
-    1) with both relative depths (methods §11)."""
+    """``layer_map_best``: per source layer the target layer of least rel_error among the maps
+    that beat the mean predictor (states: i, j >= 1; methods §11), with both relative depths;
+    null where no map of the source layer beats it."""
     pair = [*PAIR, "space"]
     key = [*pair, "source_layer"]
     updates = (pl.col("space") == "updates").cast(pl.Int16)
@@ -217,24 +260,40 @@ def best_table(maps: pl.DataFrame) -> pl.DataFrame:
         )
 
     first = (updates == 1) | ((pl.col("source_layer") >= 1) & (pl.col("target_layer") >= 1))
-    return (
-        maps.with_columns(depth("source_layer"), depth("target_layer"))
-        .filter(first)
+    maps = maps.with_columns(depth("source_layer"), depth("target_layer")).filter(first)
+    sources = maps.select(*key, "source_depth").unique(maintain_order=True)
+    columns = ["target_layer", "rel_error", "r2", "mean_rel_error", "ridge"]
+    best = (
+        maps.filter("beats_mean")
         .sort([*key, "rel_error"])
         .group_by(key, maintain_order=True)
         .first()
-        .select(*key, "target_layer", "rel_error", "source_depth", "target_depth")
+        .select(*key, *columns, "target_depth")
+    )
+    return sources.join(best, on=key, how="left", nulls_equal=True).select(
+        *key, *columns, "source_depth", "target_depth"
     )
 
 
 def spearman(best: pl.DataFrame) -> pl.DataFrame:
     """Per (task, source, target, space): Spearman's correlation of the source and best target
-    relative depths over source layers (methods §11), and its p-value."""
+    relative depths over the source layers that have a best target (methods §11), its p-value
+    and 95% interval (Fisher z, standard error 1.03 / sqrt(n - 3)); null below
+    :data:`MIN_LAYERS` layers."""
     rows = []
     for key, group in best.group_by(*PAIR, "space", maintain_order=True):
-        rho, p = spearmanr(group["source_depth"], group["target_depth"])
-        rows.append((*key, float(rho), float(p), group.height))
-    return pl.DataFrame(rows, schema=[*PAIR, "space", "spearman", "p_value", "n"], orient="row")
+        found = group.drop_nulls("target_layer")
+        rho = p = low = high = None
+        if found.height >= MIN_LAYERS and found["target_depth"].n_unique() > 1:
+            rho, p = (float(v) for v in spearmanr(found["source_depth"], found["target_depth"]))
+            z = np.arctanh(min(max(rho, -0.999999), 0.999999))
+            half = 1.96 * 1.03 / np.sqrt(found.height - 3)
+            low, high = float(np.tanh(z - half)), float(np.tanh(z + half))
+        rows.append((*key, rho, p, low, high, found.height, group.height))
+    numbers = {c: pl.Float64 for c in ("spearman", "p_value", "low", "high")}
+    schema = {**dict.fromkeys([*PAIR, "space"], pl.String), **numbers, "n": pl.Int64,
+              "n_sources": pl.Int64}  # fmt: skip
+    return pl.DataFrame(rows, schema=schema, orient="row")
 
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
@@ -242,7 +301,7 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     spec = ctx.options.get("maps")
     if not spec:
         return {}
-    ridge = float(ctx.options.get("maps_ridge") or DEFAULT_RIDGE)
+    ridge = ridges(ctx.options.get("maps_ridge"))
     cache: dict[PartitionKey, States] = {}
     maps = pl.concat([pair_table(a, b, ridge, cache) for a, b in _pairs(ctx.parts, spec)])
     return {"layer_maps": maps, "layer_map_best": best_table(maps)}
@@ -265,7 +324,7 @@ def maps_figure(maps: pl.DataFrame, best: pl.DataFrame, names: dict[str, str]) -
     panels = []
     for key in maps.select(*PAIR, "space").unique(maintain_order=True).iter_rows(named=True):
         match = [pl.col(c) == v for c, v in key.items()]
-        sub, b = maps.filter(match), best.filter(match)
+        sub, b = maps.filter(match), best.filter(match).drop_nulls("target_layer")
         n_a = int(sub["source_layer"].max()) + 1  # type: ignore[arg-type]
         n_b = int(sub["target_layer"].max()) + 1  # type: ignore[arg-type]
         grid = np.full((n_a, n_b), np.nan)
@@ -334,44 +393,75 @@ def maps_figure(maps: pl.DataFrame, best: pl.DataFrame, names: dict[str, str]) -
 
 
 def report(ctx: ReportContext) -> str:
-    """The maps section: per pair and space, Spearman's correlation of the relative depths (one
-    sentence each), the best-target table, and the figure."""
+    """The maps section: per pair and space, how many source layers have a map that beats the
+    mean predictor and the verdict on Spearman's correlation of the relative depths, a warning
+    where training rows are fewer than 10 d_A, the best-target table, and the figure."""
     if "layer_maps" not in ctx.tables:
         return ""
     maps, best = ctx.tables["layer_maps"], ctx.tables["layer_map_best"]
     names = plots.short_names(ctx.names)
     sentences = []
     for r in spearman(best).iter_rows(named=True):
-        follows = "follows" if r["spearman"] > FOLLOWS else "does not follow"
-        p = f", p {r['p_value']:.2g}" if np.isfinite(r["p_value"]) else ""
-        sentences.append(
-            f"- {_label(r, 'source', names)} -> {_label(r, 'target', names)}, {r['space']}: "
-            "the best target "
-            f"{follows} relative depth (Spearman {fmt(r['spearman'], digits=2)}{p}, "
-            f"{r['n']} source layers)."
+        pair = f"{_label(r, 'source', names)} -> {_label(r, 'target', names)}, {r['space']}"
+        beat = (
+            f"{r['n']} of {r['n_sources']} source layers have a map that beats the mean predictor"
         )
+        interval = (r["low"], r["high"])
+        line = verdict("the best target follows relative depth", "Spearman", r["spearman"],
+                       interval, r["n"], FOLLOWS, min_n=MIN_LAYERS,
+                       unit="source layers with a best target")  # fmt: skip
+        sentences.append(f"- {pair}: {beat}. {line}")
     rows = [
         [
             _label(r, "source", names),
             _label(r, "target", names),
             r["space"],
             str(r["source_layer"]),
-            str(r["target_layer"]),
+            "none beats the mean" if r["target_layer"] is None else str(r["target_layer"]),
             fmt(r["source_depth"], digits=2),
             fmt(r["target_depth"], digits=2),
             fmt(r["rel_error"], digits=3),
+            fmt(r["mean_rel_error"], digits=3),
+            fmt(r["r2"], digits=2),
+            DASH if r["ridge"] is None else f"{r['ridge']:g}",
         ]
         for r in best.iter_rows(named=True)
     ]
-    header = ["Source", "Target", "Space", "i", "best j", "i / L_A", "j / L_B", "rel_error"]
+    header = ["Source", "Target", "Space", "i", "best j", "i / L_A", "j / L_B", "rel_error",
+              "mean predictor's rel_error", "R²", "ridge"]  # fmt: skip
     n_train, n_held = maps["n_train"][0], maps["n_heldout"][0]
+    cv = len(ridges(ctx.options.get("maps_ridge"))) > 1
+    ridge = (
+        f"its ridge cross-validated per map over the training documents' folds (doc % 5 = 0..3;"
+        f" ridge in {', '.join(f'{r:g}' for r in RIDGES)})"
+        if cv
+        else f"with ridge {maps['ridge'][0]:g}"
+    )
+    edge = maps.filter(pl.col("ridge") == max(RIDGES)).height if cv else 0
+    if edge:
+        ridge += (
+            f"; {edge} of {maps.height} maps chose the largest ridge of the grid, so their best "
+            "may lie beyond it"
+        )
+    few = maps.filter("few_rows").select(*PAIR).unique().height
+    warning = (
+        f"**Warning: {n_train} training rows, fewer than {ROWS_PER_DIM} x d_A for "
+        f"{few} map pair(s)** (column `few_rows` of `layer_maps`): such maps rest on their ridge "
+        "more than on their data; extract more documents or positions."
+        if few
+        else f"Every map has at least {ROWS_PER_DIM} x d_A training rows."
+    )
     return "\n\n".join(
         [
             "A ridge map from every layer i of the source model to every layer j of the target, "
-            f"fitted in closed form on {n_train} token rows and scored on {n_held} held-out rows "
-            "(documents with doc % 5 == 4), on the residual states and on the block updates. "
-            "Where the best target's relative depth rises with the source's, the deeper model "
-            "spreads the same computation over more layers.",
+            f"fitted in closed form on {n_train} token rows, {ridge}, and scored on {n_held} "
+            "held-out rows (documents with doc % 5 == 4), on the residual states and on the "
+            "block updates. A map counts only where it beats the mean predictor (the train "
+            "mean of target layer j: R² > 0 and rel_error below the mean predictor's); the best "
+            "target of a source layer is the least rel_error among those. Where the best "
+            "target's relative depth rises with the source's, the deeper model spreads the "
+            "same computation over more layers.",
+            warning,
             "\n".join(sentences),
             markdown_table(header, rows),
             plots.figure_link(
@@ -391,7 +481,8 @@ register(
         options={
             "maps": "all or SOURCE:TARGET[,...]: ridge maps between the layers of two "
             "models' states (not run by default)",
-            "maps_ridge": f"the ridge of --maps (default {DEFAULT_RIDGE})",
+            "maps_ridge": "the ridge of --maps: cv (default: cross-validated per map over "
+            f"{', '.join(f'{r:g}' for r in RIDGES)}) or one positive number",
         },
         kinds=("choice", "text"),
     )

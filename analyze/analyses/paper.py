@@ -22,6 +22,7 @@ from layerdiv.analyze.markdown import (
     markdown_table,
     model_label,
     model_task_table,
+    verdict,
 )
 from layerdiv.analyze.metrics import ACCURACY, CORRELATED, METRICS
 from layerdiv.analyze.options import ESTIMATORS
@@ -322,6 +323,57 @@ def depth_table(ctx: ReportContext) -> str:
         "Mean acc. gain per layer, 1st / 2nd half (points)",
     ]
     return markdown_table(header, rows)
+
+
+MIN_TASKS = 3
+"""Tasks below which a model's correlation averaged over tasks cannot tell (its interval is
+taken over tasks)."""
+
+MIN_HALF = 4
+"""Components per half of the stack below which the gains of the halves cannot be compared."""
+
+
+def correlation_verdicts(ctx: ReportContext) -> str:
+    """Per model and correlated metric, the verdict on the reference paper's finding that
+    accuracy rises with the metric (signed) across junction points: Spearman's rho averaged
+    over the independent tasks by Fisher z, its interval over tasks (:func:`stats.fisher_mean`),
+    above 0."""
+    corr = independent(ctx.tables["correlations"], ctx.tables["manifests"]).filter(
+        (pl.col("estimator") == ctx.estimator) & (pl.col("method") == "spearman")
+    )  # a task whose instances are another's subset is not counted twice
+    lines = []
+    for (model,), sub in corr.group_by(model_label(), maintain_order=True):
+        for metric in CORRELATED:
+            r = sub.filter(pl.col("metric") == metric.name)["r"].to_numpy()
+            if len(r) == 0:
+                continue
+            rho, interval = stats.fisher_mean(r)
+            finding = (
+                f"{ctx.names.get(str(model), str(model))}: accuracy rises with {metric.signed}"
+            )
+            lines.append("- " + verdict(finding, "mean Spearman ρ over tasks", rho, interval,
+                                        int(np.isfinite(r).sum()), 0.0, min_n=MIN_TASKS,
+                                        unit="tasks"))  # fmt: skip
+    return "\n".join(lines)
+
+
+def submodularity_verdicts(ctx: ReportContext) -> str:
+    """Per model, the verdict on the reference paper's submodularity (the marginal accuracy
+    gain of a component diminishes with depth): the mean gain per component of the first half
+    of the stack minus the second's, its Welch interval (:func:`stats.difference`), above 0."""
+    depth = ctx.tables["depth_curves"].filter(pl.col("estimator") == ctx.estimator)
+    lines = []
+    for (model,), sub in depth.group_by(model_label(), maintain_order=True):
+        first = (sub["j"] <= sub["j"].max() / 2).to_numpy()  # type: ignore[operator]
+        diff, interval, n = stats.halves(100 * sub["accuracy_gain"].to_numpy(), first)
+        finding = (
+            f"{ctx.names.get(str(model), str(model))}: accuracy gains diminish with depth "
+            "(submodularity)"
+        )
+        lines.append("- " + verdict(finding, "mean gain per component, 1st − 2nd half (points)",
+                                    diff, interval, n, 0.0, min_n=MIN_HALF,
+                                    unit="components per half"))  # fmt: skip
+    return "\n".join(lines)
 
 
 def saturation_table(ctx: ReportContext) -> str:
@@ -660,6 +712,7 @@ def report(ctx: ReportContext) -> str:
         "of freedom). Avg. and the all-models row are Fisher-z averages and are not tested. "
         f"Estimator `{est}`, scale `{scale}`. {overlap}",
         correlation_table(ctx),
+        correlation_verdicts(ctx),
         plots.figure_link(
             ctx,
             "fig3_correlations.png",
@@ -690,6 +743,7 @@ def report(ctx: ReportContext) -> str:
         "an inverse power of depth (α → 0 means it is closer to a logarithm), so c, α and L0 "
         f"are not meaningful. {overlap}",
         depth_table(ctx) if depth_models else "No model passes the size filter.",
+        submodularity_verdicts(ctx) if depth_models else "",
         fig6,
         "### Saturation depth",
         "The smallest j such that every prefix of j or more components has accuracy within 1 "

@@ -41,21 +41,18 @@ from layerdiv.analyze.registry import (
     map_partitions,
     register,
 )
-from layerdiv.analyze.stats import depth_score
+from layerdiv.analyze.stats import (
+    LEVEL,
+    MIN_INTERVAL_N,
+    RESAMPLES,
+    SEED,
+    depth_score,
+    percentile_interval,
+)
 from layerdiv.analyze.text import TEXT_KIND, batches, tag, with_table
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
 
-RESAMPLES = 1000
-"""Bootstrap resamples of the documents (methods §10)."""
-SEED = 0
-"""Seed of the bootstrap's generator (one fresh generator per interval: the same data give the
-same interval whatever else is analysed)."""
-LEVEL = 95.0
-"""Percentile interval, in percent."""
-MIN_INTERVAL_N = 5
-"""Fewest documents a bootstrap interval is given for: resampling one to four documents gives
-intervals such as [9.05, 9.05] that say nothing about the spread (the interval is null below)."""
 SKIP_ROWS = 1 << 20
 """Rows of ``future_effects`` / ``future_output`` read at once."""
 EFFECTS = ("layer", "logit")
@@ -71,10 +68,7 @@ def layer_effect(rel: np.ndarray) -> np.ndarray:
 def _interval(samples: np.ndarray) -> tuple[float, float]:
     """The bootstrap percentile interval of ``samples`` (resamples whose statistic is undefined,
     NaN, left out)."""
-    tail = (100.0 - LEVEL) / 2
-    if not np.isfinite(samples).any():
-        return np.nan, np.nan
-    low, high = np.nanpercentile(samples, [tail, 100.0 - tail])
+    low, high = percentile_interval(samples)
     return float(low), float(high)
 
 

@@ -32,6 +32,7 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
+from layerdiv.analyze.analyses.depth import decay_verdict
 from layerdiv.analyze.markdown import DASH, fmt, markdown_table
 from layerdiv.analyze.overlap import independent
 from layerdiv.analyze.registry import (
@@ -321,7 +322,7 @@ def report(ctx: ReportContext) -> str:
         tables["text_update_fit"],
         tables["text_early_stop"],
     )
-    rows = []
+    rows, verdicts = [], []
     for _key, sub in pca.group_by(*KEY, maintain_order=True):
         model, task = sub["model"][0], sub["task"][0]
         ratios = sub.sort("component")["explained_ratio"].to_list()
@@ -340,6 +341,10 @@ def report(ctx: ReportContext) -> str:
             if fit.height
             else ""
         ) or DASH
+        if fit.height:
+            who = f"{ctx.names.get(str(model), str(model))}, {task}"
+            finding = f"{who}: the mean update θ(h_l, h_l+1) falls roughly as 1/l"
+            verdicts.append("- " + decay_verdict(finding, fit.row(0, named=True)))
         rows.append(
             [
                 ctx.names.get(str(model), str(model)),
@@ -366,6 +371,7 @@ def report(ctx: ReportContext) -> str:
         "the fit of the mean θ of block l to a·l^−β. The first token of a document (position 0) "
         "is an attention sink: its share is given apart from that of every other position.",
         markdown_table(header, rows),
+        "\n".join(verdicts),
         plots.figure_link(
             ctx,
             "text_profiles.png",

@@ -1,0 +1,111 @@
+"""Effective depth (methods §15) against a reference written here from the raw tables with plain
+loops, on a small made-up text store whose documents span chunks and read batches."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pytest
+
+from layerdiv.analyze.analyses import effective_depth
+from layerdiv.analyze.api import analyze
+from layerdiv.analyze.synthetic import synthesize_text_store
+from layerdiv.store import Store
+
+BLOCKS = 24
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ed") / "store"
+    synthesize_text_store(root, n_models=3, n_docs=9, n_tokens=12, blocks=BLOCKS, chunk=4,
+                          lens=True, seed=5, progress=False)  # fmt: skip
+    return root
+
+
+def reference(store: Path, model: str) -> dict[str, float | None]:
+    """ED_cos, ED_KL and ED_top5 of one partition, loop by loop from the stored rows."""
+    st = Store(store)
+    blocks = st.scan("token_blocks").filter(pl.col("model") == model).collect()
+    sums = {c: [0.0] * BLOCKS for c in ("attn", "mlp", "layer")}
+    counts = {c: [0] * BLOCKS for c in ("attn", "mlp", "layer")}
+    for r in blocks.iter_rows(named=True):
+        hh, aa, mm, ha, hm, am = (float(r[k]) for k in ("hh", "aa", "mm", "ha", "hm", "am"))
+        values = {
+            "attn": ha / math.sqrt(aa * hh),
+            "mlp": (hm + am) / math.sqrt(mm * (hh + 2 * ha + aa)),
+            "layer": (ha + hm) / math.sqrt((aa + 2 * am + mm) * hh),
+        }
+        for k, v in values.items():
+            sums[k][r["block"]] += v
+            counts[k][r["block"]] += 1
+    c = [sum(sums[k][b] / counts[k][b] for k in sums) / 3 for b in range(BLOCKS)]
+    ed_cos = None
+    for b in range(BLOCKS - 1):
+        if c[b] < 0 and c[b + 1] >= 0:
+            ed_cos = b
+
+    lens = st.scan("token_lens").filter(pl.col("model") == model).collect()
+    per_doc: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for r in lens.iter_rows(named=True):
+        per_doc.setdefault((r["doc"], r["layer"]), []).append((r["kl"], r["top5_overlap"]))
+    docs = sorted({d for d, _ in per_doc})
+    kl, top5 = [], []
+    for layer in range(BLOCKS):  # block inputs only
+        means = [np.mean(per_doc[(d, layer)], axis=0) for d in docs]
+        kl.append(sum(m[0] for m in means) / len(docs))
+        top5.append(sum(m[1] for m in means) / len(docs))
+    ed_kl = next((b for b in range(BLOCKS - 1) if kl[b] < 0.1 * max(kl)), None)
+    ed_top5 = next((b for b in range(BLOCKS - 1) if top5[b] > 0.2), None)
+    return {"cos": ed_cos, "kl": ed_kl, "top5": ed_top5}
+
+
+def test_effective_depth_equals_the_reference(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # batches of 5 tokens: documents of 12 tokens are split over batches
+    monkeypatch.setattr(effective_depth, "BATCH_TOKENS", 5)
+    table = analyze(store).effective_depth
+    assert table.height == 3 * 3
+    found: dict[str, set[Any]] = {m: set() for m in effective_depth.MEASURES}
+    for model in table["model"].unique():
+        want = reference(store, model)
+        rows = table.filter(pl.col("model") == model)
+        for r in rows.iter_rows(named=True):
+            assert r["ed"] == want[r["measure"]], (model, r["measure"])
+            found[r["measure"]].add(r["ed"])
+            assert r["n_documents"] == 9 and r["n_blocks"] == BLOCKS
+            if r["ed"] is None:
+                assert r["ratio"] is None
+                continue
+            assert r["ratio"] == pytest.approx((r["ed"] + 1) / BLOCKS)
+            assert r["ci_low"] <= r["ratio"] <= r["ci_high"]
+            assert 0 < r["defined"] <= 1
+    assert all(any(e is not None for e in eds) for eds in found.values()), found
+
+
+def test_scalars_on_hand_made_profiles() -> None:
+    c = np.array([[0.2, -0.1, 0.3, -0.2, 0.1, 0.5], [0.1, 0.2, 0.3, 0.4, -0.1, 0.2],
+                  [-0.1, -0.2, np.nan, 0.1, -0.3, -0.1]])  # fmt: skip
+    # last crossing (the last pair, blocks 4 -> 5, is allowed); none; NaN never crosses
+    got = effective_depth.ed_cos(c)
+    assert got[0] == 3 and got[1] == 4 and np.isnan(got[2])
+    kl = np.array([[5.0, 4.0, 0.4, 0.1, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0, 1.0, 0.05]])
+    # the last block input is never the answer; the max is over every block input
+    got = effective_depth.ed_kl(kl)
+    assert got[0] == 2 and np.isnan(got[1])
+    top5 = np.array([[0.0, 0.2, 0.4, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0, 0.2, 1.0]])
+    got = effective_depth.ed_top5(top5)
+    assert got[0] == 2 and np.isnan(got[1])
+
+
+def test_report_draws_the_figure(store: Path, tmp_path: Path) -> None:
+    from layerdiv.analyze.report import write_report
+
+    results = analyze(store)
+    write_report(results, tmp_path / "report", "paper", str(store), "md")
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "## Running text: effective depth" in text
+    assert (tmp_path / "report" / "figures" / "effective_depth.png").is_file()
