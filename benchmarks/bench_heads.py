@@ -28,7 +28,8 @@ from common import add_quick, record, stamp_rows, stored_rows
 ANALYSE = """
 import sys, time
 from pathlib import Path
-from layerdiv.analyze.analyses.heads import heads_section, heads_tables
+from layerdiv.analyze.analyses.heads import heads_tables
+from layerdiv.analyze.analyses.heads_report import heads_section
 from layerdiv.analyze.registry import ReportContext
 from layerdiv.store import Store
 
