@@ -151,8 +151,10 @@ def not_extracted(parts: Iterable[PartitionInfo], table: str, what: str) -> str:
     never = [p.key.label for p in parts if table not in p.lacking]
     if not never:
         return ""
-    which = "any partition" if len(never) == len(parts) else ", ".join(never)
-    flag = measurement_of(table).command(None)
+    which = "any partition" if len(never) == len(parts) > 1 else ", ".join(never)
+    m = measurement_of(table)
+    takes = [s for s in m.settings if s.option.opts[0] == m.flag]  # --states K: give its default
+    flag = f"{m.flag} {takes[0].default}" if takes else m.flag
     return f"{what}: not extracted for {which} (`layerdiv extract {flag}` adds it)."
 
 
