@@ -99,7 +99,8 @@ class Results:
     """How they were computed (store, models, tasks, scale, min_params, options): what
     :meth:`write` records in the folder's index."""
     analyses: list[str] = field(default_factory=list)
-    """The registered analyses that ran: those whose task kinds the selection holds."""
+    """The registered analyses that ran: those whose task kinds the selection holds, in
+    partitions that hold the tables they need."""
 
     def _table(self, name: str) -> pl.DataFrame | None:
         tables = self.__dict__.get("by_name", {})

@@ -135,11 +135,11 @@ def block_norm_tables(ctx: Context, prior: Any) -> dict[str, pl.DataFrame]:
 def norms_spec(means: pl.DataFrame) -> plots.Figure:
     """The figure: mean block output norm against the block, one curve per (model, task)."""
     panel = plots.Panel("Mean output norm of each block", xlabel="block", ylabel="p-norm")
-    keys = sorted(means.select("model", "task").unique().iter_rows())
-    for (model, task), color in zip(keys, plots.model_colors(keys).values(), strict=True):
-        sub = means.filter((pl.col("model") == model) & (pl.col("task") == task))
+    labels = sorted(means.select(pl.format("{} {}", "model", "task")).to_series().unique())
+    for label, color in plots.model_colors(labels).items():
+        sub = means.filter(pl.format("{} {}", "model", "task") == label)
         panel.series.append(
-            plots.Series(f"{model} {task}", sub["layer"].to_list(), sub["norm"].to_list(), color)
+            plots.Series(label, sub["layer"].to_list(), sub["norm"].to_list(), color)
         )
     return plots.Figure("Block output norms at the last prompt token", [panel])
 
