@@ -10,6 +10,7 @@ bench_store_checks.py`` measures them.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -82,17 +83,23 @@ def manifest_problem(info: PartitionInfo[Any]) -> str | None:
     listed = m.task_spec.get("options")
     if isinstance(listed, list) and listed != m.options:
         return f"its options {m.options} are not its task's {listed}"
-    words = [o.strip().lower() for o in m.options]
-    tokens = [_token_text(t) for t in m.option_tokens]
-    if all(t and w.startswith(t) for w, t in zip(words, tokens, strict=True)):
-        return None  # each option starts with its own token
+    return _swapped(tuple(m.options), tuple(m.option_tokens))
+
+
+@functools.lru_cache(maxsize=256)
+def _swapped(options: tuple[str, ...], tokens: tuple[str, ...]) -> str | None:
+    """An option whose token (as the tokenizer writes it) is the start of another option but not
+    of its own, said in words; None where there is none (made once for the many manifests of a
+    sweep that list the same options)."""
+    words = [o.strip().lower() for o in options]
+    texts = [_token_text(t) for t in tokens]
     for i, word in enumerate(words):
-        starts = [bool(t) and word.startswith(t) for t in tokens]
+        starts = [bool(t) and word.startswith(t) for t in texts]
         if not starts[i] and any(starts):
             j = starts.index(True)
             return (
-                f"option {i} {m.options[i]!r} is scored by the token {m.option_tokens[i]!r}, "
-                f"option {j}'s by {m.option_tokens[j]!r}"
+                f"option {i} {options[i]!r} is scored by the token {tokens[i]!r}, "
+                f"option {j}'s by {tokens[j]!r}"
             )
     return None
 

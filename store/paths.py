@@ -21,6 +21,7 @@ place after every other table's part, so it is the chunk's completion marker.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from collections.abc import Mapping
@@ -49,6 +50,7 @@ class StoreNameError(LayerdivError, ValueError):
     """A model id or revision that makes no directory name."""
 
 
+@functools.lru_cache(maxsize=4096)
 def slug(name: str, what: str = "model") -> str:
     """Directory-safe name of a model id (or of a revision, ``what``): ``org/name`` becomes
     ``org--name``; one with no letter or digit left is refused, naming it as ``what``."""
