@@ -99,7 +99,8 @@ class Results:
     """How they were computed (store, models, tasks, scale, min_params, options): what
     :meth:`write` records in the folder's index."""
     analyses: list[str] = field(default_factory=list)
-    """The registered analyses that ran: those whose task kinds the selection holds."""
+    """The registered analyses that ran: those whose task kinds the selection holds, in
+    partitions that hold the tables they need."""
 
     def _table(self, name: str) -> pl.DataFrame | None:
         tables = self.__dict__.get("by_name", {})
@@ -263,7 +264,7 @@ def run_analysis(
     ran = []
     with cluster.executor(executor, ray_address) as runner, using(runner):
         for analysis in analyses:
-            parts = analysis.applies_to(ctx.parts)
+            parts = analysis.applies_to(ctx.parts, ctx.notes)
             if not parts:
                 continue
             try:
@@ -308,12 +309,10 @@ def junction_curves(
 ) -> pl.DataFrame:
     """Per (model, task, estimator, instance, j): the layer-addition scores of every instance
     before averaging (large: N x L x 2 rows per partition)."""
-    from layerdiv.analyze.analyses.paper import tagged
+    from layerdiv.analyze.frames import tag
 
     st = open_store(store)
-    return pl.concat(
-        [tagged(instance_curves(info, scale), info) for info in st.select(models, tasks)]
-    )
+    return pl.concat([tag(instance_curves(info, scale), info) for info in st.select(models, tasks)])
 
 
 SUMMARY_SCHEMA = pl.Schema(

@@ -18,9 +18,12 @@ import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from layerdiv.analyze.registry import ReportContext
+
+if TYPE_CHECKING:
+    import polars as pl
 
 DPI = 120
 KIND_COLORS = {"embed": "#7f7f7f", "attn": "#1f77b4", "mlp": "#ff7f0e", "bias": "#2ca02c"}
@@ -765,3 +768,34 @@ def fit_note(label: str, beta: float | None, se: float | None, r2: float | None)
     spread = "" if se is None or math.isnan(se) else f" ± {se:.2f}"
     quality = r2_text(r2)
     return f"{label}β = {beta:.2f}{spread}" + (f", {quality}" if quality else "")
+
+
+def power_law_overlay(
+    panel: Panel,
+    name: str,
+    x: Sequence[float],
+    fit: pl.DataFrame,
+    label: str,
+    color: str,
+    width: float = Series.width,
+) -> None:
+    """Draw on ``panel`` the fitted a * l^(-beta) of ``fit`` (a one-row frame of
+    ``POWER_FIT_SCHEMA``'s columns, or none) at ``x``, dashed, as series ``name`` (no legend entry
+    of its own), and its β, s.e. and R² in the panel's notes (``label: ...``); nothing where no
+    fit was made."""
+    if not fit.height or fit["beta"][0] is None:
+        return
+    a, beta = fit["a"][0], fit["beta"][0]
+    panel.series.append(
+        Series(
+            name,
+            list(x),
+            [a * float(v) ** -beta for v in x],
+            color=color,
+            dash="dash",
+            marker=None,
+            legend=False,
+            width=width,
+        )
+    )
+    panel.notes.append(fit_note(f"{label}: ", beta, fit["beta_se"][0], fit["r2"][0]))

@@ -1,8 +1,13 @@
 """The analyses ``layerdiv analyze`` runs and ``layerdiv report`` renders, registered in one place.
 
-An analysis is one module in ``layerdiv/analyze/analyses/`` that calls :func:`register` with an
-:class:`Analysis`; ``analyses/__init__.py`` imports the modules in order. Analyses run in
-registration order, and each gets the tables of those before it.
+An analysis is an :class:`Analysis` given to :func:`register`: a built-in one is a module in
+``layerdiv/analyze/analyses/`` (imported by ``analyses/__init__.py``), one of another distribution
+an entry of the group :data:`ENTRY_POINTS` (the entry point names the :class:`Analysis` object),
+registered on first use. It declares the optional tables it reads (:attr:`Analysis.needs`: it gets
+the partitions that hold them, and the others one note naming the ``extract`` option that adds
+them) and the analyses whose tables it reads (:attr:`Analysis.after`: they run before it); the
+analyses run in registration order where ``after`` allows (:func:`registered`). See
+docs/development.md, "Adding an analysis".
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
@@ -22,7 +28,11 @@ import polars as pl
 from layerdiv.analyze.options import Estimator, Scale
 from layerdiv.analyze.spill import Spill
 from layerdiv.errors import LayerdivError
+from layerdiv.measurements import measurement_of
 from layerdiv.store import PartitionInfo, Store
+
+ENTRY_POINTS = "layerdiv.analyses"
+"""The entry point group whose entries (each an :class:`Analysis`) are registered on first use."""
 
 
 class NoData(LayerdivError):
@@ -89,7 +99,7 @@ class Analysis:
     title: str
     """Heading of its report section."""
     tables: Callable[[Context, Mapping[str, pl.DataFrame]], dict[str, pl.DataFrame]]
-    """Gets the tables of the analyses registered before it; returns its own (names unique)."""
+    """Gets the tables of the analyses run before it; returns its own (names unique)."""
     report: Callable[[ReportContext], str] | None = None
     """Markdown of its section (draws its figures into ``ctx.figures``); None = no section."""
     options: Mapping[str, str] = field(default_factory=dict)
@@ -102,6 +112,13 @@ class Analysis:
     """Task kinds (the manifest's ``kind``: ``choice``, ``text``) it applies to: it gets the
     selected partitions of those kinds only, and does not run (no tables, no section) when the
     selection holds none."""
+    needs: tuple[str, ...] = ()
+    """The optional tables (of the measurements, ``layerdiv.measurements``) it reads: it gets the
+    partitions of its kinds that hold every one, and does not run when none does; each partition
+    extracted without one gets a note (:func:`not_extracted`) naming the ``extract`` option that
+    adds it."""
+    after: tuple[str, ...] = ()
+    """The analyses whose tables it reads (``prior``): they run before it."""
     among: Callable[[list[PartitionInfo]], list[PartitionInfo]] | None = None
     """Narrows the partitions of its kinds further (e.g. models with several revisions)."""
     by_revision: bool = False
@@ -109,10 +126,36 @@ class Analysis:
     every other report gets tables whose ``model`` names the revision too
     (``layerdiv.analyze.report.revisions_apart``), so that it never pools a model's revisions."""
 
-    def applies_to(self, parts: Iterable[PartitionInfo]) -> list[PartitionInfo]:
-        """The partitions of ``parts`` whose task kind this analysis applies to."""
+    def applies_to(
+        self, parts: Iterable[PartitionInfo], notes: list[str] | None = None
+    ) -> list[PartitionInfo]:
+        """The partitions of ``parts`` whose task kind this analysis applies to and that hold
+        every table it :attr:`needs`; with ``notes``, one note per table some lack
+        (:func:`not_extracted`)."""
         mine = [p for p in parts if p.manifest.kind in self.kinds]
-        return self.among(mine) if self.among else mine
+        mine = self.among(mine) if self.among else mine
+        for table in self.needs:
+            if notes is not None and (line := not_extracted(mine, table, self.title)):
+                notes.append(line)
+            mine = [p for p in mine if table in p.tables]
+        return mine
+
+
+def not_extracted(parts: Iterable[PartitionInfo], table: str, what: str) -> str:
+    """The one note on the partitions of ``parts`` extracted without the optional ``table``:
+    ``what`` is not computed for them, and the ``extract`` option of the measurement that writes
+    ``table`` adds it (``layerdiv.measurements``); empty when none lacks it. A partition whose
+    ``table`` only some chunks hold is not named: ``PartitionInfo.incomplete`` names the command
+    that completes it."""
+    parts = list(parts)
+    never = [p.key.label for p in parts if table not in p.lacking]
+    if not never:
+        return ""
+    which = "any partition" if len(never) == len(parts) > 1 else ", ".join(never)
+    m = measurement_of(table)
+    takes = [s for s in m.settings if s.option.opts[0] == m.flag]  # --states K: give its default
+    flag = f"{m.flag} {takes[0].default}" if takes else m.flag
+    return f"{what}: not extracted for {which} (`layerdiv extract {flag}` adds it)."
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -206,7 +249,12 @@ def with_data(
     return out
 
 
+class RegistryError(LayerdivError, ValueError):
+    """Analyses whose ``after`` cannot be followed (an unknown analysis, or a cycle)."""
+
+
 _REGISTRY: dict[str, Analysis] = {}
+_LOADED: list[bool] = []
 
 
 def register(analysis: Analysis) -> Analysis:
@@ -216,8 +264,44 @@ def register(analysis: Analysis) -> Analysis:
     return analysis
 
 
+def unregister(name: str) -> None:
+    """Remove a registered analysis (tests)."""
+    _REGISTRY.pop(name, None)
+
+
 def registered() -> list[Analysis]:
-    """Every registered analysis, in registration order (the built-in ones first)."""
+    """Every registered analysis (the built-in ones, then those of the entry point group
+    :data:`ENTRY_POINTS`, then those registered by :func:`register`), in the order they run:
+    registration order, each moved after the analyses it names in ``after`` (a topological
+    order). Refuses (:class:`RegistryError`) an ``after`` naming no analysis, or a cycle."""
     import layerdiv.analyze.analyses  # noqa: F401  (registers the built-in analyses)
 
-    return list(_REGISTRY.values())
+    if not _LOADED:
+        _LOADED.append(True)
+        for entry in entry_points(group=ENTRY_POINTS):
+            if entry.name not in _REGISTRY:
+                register(entry.load())
+    return _ordered(list(_REGISTRY.values()))
+
+
+def _ordered(analyses: list[Analysis]) -> list[Analysis]:
+    """``analyses`` in a topological order of ``after``: each at its registration place unless
+    an analysis it follows comes later (then it runs right after the last of those)."""
+    names = {a.name for a in analyses}
+    for a in analyses:
+        unknown = [n for n in a.after if n not in names]
+        if unknown:
+            raise RegistryError(
+                f"analysis {a.name!r} runs after {unknown[0]!r}, which is not registered"
+            )
+    out: list[Analysis] = []
+    waiting = list(analyses)
+    while waiting:
+        done = {a.name for a in out}
+        ready = next((a for a in waiting if set(a.after) <= done), None)
+        if ready is None:
+            cycle = ", ".join(a.name for a in waiting)
+            raise RegistryError(f"analyses {cycle} each run after another of them (a cycle)")
+        out.append(ready)
+        waiting.remove(ready)
+    return out

@@ -489,6 +489,11 @@ def fisher_mean(r: np.ndarray) -> tuple[float, Interval]:
     return math.tanh(mean), tuple(back)  # type: ignore[return-value]
 
 
+MIN_HALF = 4
+"""Values (components, blocks) per half of the stack below which the halves cannot be compared
+(:func:`halves`)."""
+
+
 def halves(values: np.ndarray, first: np.ndarray) -> tuple[float, Interval, int]:
     """mean of ``values`` where ``first`` minus their mean elsewhere (:func:`difference`), its
     interval, and the finite values of the smaller half."""

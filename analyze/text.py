@@ -25,7 +25,6 @@ from threadpoolctl import threadpool_limits
 from layerdiv.analyze import plots
 from layerdiv.analyze.registry import Context, NoData, map_partitions
 from layerdiv.analyze.stats import array_degrees as degrees
-from layerdiv.measurements import optional_tables
 from layerdiv.schemas import KINDS, SKIP_KEYS
 from layerdiv.store import PartitionInfo, StoreError
 
@@ -422,27 +421,6 @@ def combine(
         ),
         *(pl.col(f"{c}_max") for c in columns),
     ).sort(keys)
-
-
-def with_table(
-    parts: Sequence[PartitionInfo], table: str, notes: list[str] | None = None, what: str = ""
-) -> list[PartitionInfo]:
-    """The partitions of ``parts`` whose optional ``table`` is complete
-    (:attr:`~layerdiv.store.PartitionInfo.tables`); with ``notes``, a note names those extracted
-    without it (``what`` it holds) and the flag that adds it. One where only some documents have
-    it is left out with the note that names its completing command
-    (:meth:`~layerdiv.store.PartitionInfo.incomplete`, given for every analysis)."""
-    have = [p for p in parts if table in p.tables]
-    never = [p.key.label for p in parts if table not in p.lacking]
-    if notes is not None and never:
-        flag = optional_tables(TEXT_KIND)[table]
-        notes.append(f"No {what} for {', '.join(never)}: run `layerdiv extract {flag}` on them.")
-    return have
-
-
-def tag(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
-    """``frame`` with the partition's key columns as its first columns."""
-    return frame.select(*info.key_columns(), pl.all())
 
 
 def text_vs_last_token(

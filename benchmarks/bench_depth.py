@@ -32,6 +32,7 @@ import torch
 from common import add_quick, demo_choice_tasks, record
 
 from layerdiv.analyze.analyses import depth
+from layerdiv.analyze.analyses.skips import skip_effects, skip_summary
 from layerdiv.demo import DEMO_MODEL
 from layerdiv.extract.adapters import adapter_for
 from layerdiv.extract.config import ExtractConfig, measurement_options
@@ -119,7 +120,7 @@ def main() -> None:
             f"Gram table: {gram_bytes / n_inst:,.0f} bytes per instance on disk (zstd Parquet), "
             f"{raw:,} in memory (C(C+1)/2 float32, C = {n_comp})"
         )
-        tables = depth.geometry(store)
+        tables = {**depth.geometry(store), "skip_effects": skip_effects(store)}
     show(tables)
 
 
@@ -139,11 +140,11 @@ def show(tables: dict[str, pl.DataFrame]) -> None:
         ]
         beta = f"{r['beta']:.2f}±{r['beta_se']:.2f}"
         print(f"{r['task']:<9}{beta:>13}" + "".join(f"{c:>16}" for c in cells))
-    skips = depth.skip_summary(tables["skip_effects"])
+    summary = skip_summary(tables["skip_effects"])
     print("\nSkipping one block (means over the blocks of each half):")
     print(f"{'task':<9}{'accuracy':>10}{'acc. w/o, 1st/2nd':>20}{'KL (nats), 1st/2nd':>22}"
           f"{'|IE|/(|DE|+|IE|)':>18}")  # fmt: skip
-    for r in skips.iter_rows(named=True):
+    for r in summary.iter_rows(named=True):
         acc = f"{100 * r['acc_1']:.1f}/{100 * r['acc_2']:.1f}%"
         kl = f"{r['kl_1']:.3f}/{r['kl_2']:.3f}"
         print(

@@ -28,17 +28,21 @@ from common import add_quick, record, stamp_rows, stored_rows
 ANALYSE = """
 import sys, time
 from pathlib import Path
-from layerdiv.analyze.analyses.heads import heads_section, heads_tables
+from layerdiv.analyze.analyses import reweight
+from layerdiv.analyze.analyses.heads import heads_tables
+from layerdiv.analyze.analyses.heads_report import heads_section
 from layerdiv.analyze.registry import ReportContext
 from layerdiv.store import Store
 
 store, out = sys.argv[1], Path(sys.argv[2])
 start = time.perf_counter()
 notes = []
-tables = heads_tables(Store(store).select(), notes)
+parts = Store(store).select()
+tables = {**heads_tables(parts, notes), **reweight.reweight_tables(parts, notes)}
 middle = time.perf_counter()
 names = {m: m for m in tables["head_summary"]["model"]}
-text = heads_section(ReportContext(tables, "paper", names, out / "figures"))
+ctx = ReportContext(tables, "paper", names, out / "figures")
+text = heads_section(ctx) + "\n\n" + reweight.report(ctx)
 (out / "report.md").write_text(text)
 print(f"{middle - start:.2f} {time.perf_counter() - middle:.2f}")
 """

@@ -822,12 +822,12 @@ def test_a_registered_analysis_runs_writes_and_reports(
         "depth_law",
         "maps",
     ]
-    names = ["paper", "depth", "heads", "lens_curves", *texts, "extra"]
+    names = ["paper", "depth", "gram", "skips", "heads", "reweight", "lens_curves", *texts, "extra"]
     assert [a.name for a in reg.registered()] == names
     results = analyze(chunked)
     assert results.extra.rows() == [("org--a", N, 2), ("org--b", N, 2)]
     # The store has no heads: the heads analysis says so; its and depth's notes come first.
-    missing = "No heads stored for org--a/main/t, org--b/main/t"
+    missing = "Head scores: not extracted for any partition (`layerdiv extract --heads` adds it)"
     assert any(n.startswith(missing) for n in results.notes)
     note = results.notes[-1]
     assert note.startswith(
@@ -842,6 +842,28 @@ def test_a_registered_analysis_runs_writes_and_reports(
     text = (report / "report.md").read_text()
     assert "## An extra analysis\n\nThe extra analysis saw 2 models.\n\n## Provenance" in text
     assert text.index("## The paper's analysis") < text.index("## An extra analysis")
+
+
+def test_analyses_run_after_those_they_follow_and_a_cycle_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reg.registered()
+    monkeypatch.setattr(reg, "_REGISTRY", dict(reg._REGISTRY))
+
+    def none(ctx: reg.Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
+        return {}
+
+    reg.register(reg.Analysis("reads_later", "Reads later", none, after=("later",)))
+    reg.register(reg.Analysis("later", "Later", none, after=("paper",)))
+    names = [a.name for a in reg.registered()]
+    assert names.index("paper") < names.index("later") < names.index("reads_later")
+    assert names.index("text_geometry") < names.index("text_profiles")
+    reg.register(reg.Analysis("later", "Later", none, after=("reads_later",)))
+    with pytest.raises(reg.RegistryError, match="reads_later, later each run after another"):
+        reg.registered()
+    reg.register(reg.Analysis("later", "Later", none, after=("nothing",)))
+    with pytest.raises(reg.RegistryError, match="'later' runs after 'nothing', which is not"):
+        reg.registered()
 
 
 def test_an_analysis_may_not_replace_a_table(

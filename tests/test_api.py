@@ -144,7 +144,7 @@ def test_notes_are_warned(store: Path) -> None:
     said = [str(w.message) for w in caught]
     assert res.depth_curves.is_empty() and res.head_scores.is_empty()
     assert any(s.startswith("depth_curves and depth_fits are empty") for s in said)
-    assert any(s.startswith("No heads stored for") for s in said)
+    assert any(s.startswith("Head scores: not extracted for") for s in said)
     assert said == res.notes
 
 

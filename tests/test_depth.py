@@ -16,7 +16,7 @@ import pytest
 from scipy import stats as sps
 
 from layerdiv.analyze import analyze
-from layerdiv.analyze.analyses import depth
+from layerdiv.analyze.analyses import depth, skips
 from layerdiv.analyze.report import write_report
 from layerdiv.analyze.synthetic import decoder_kinds, write_partition
 from layerdiv.schemas import gram_index
@@ -169,14 +169,12 @@ def test_depth_decay_fit_and_halves(
     assert (tables["depth_decay"]["beta"] > 0).all()  # updates were made to shrink with depth
 
 
-def test_tables_not_extracted_are_no_notes_and_explicit_skip_request_fails(store: Path) -> None:
-    notes: list[str] = []
-    tables = depth.depth_tables(Store(store).select(), notes)
+def test_tables_not_extracted_are_left_out_and_explicit_skip_request_fails(store: Path) -> None:
+    tables = depth.geometry(store)
     assert {"geometry", "geometry_blocks", "depth_decay"} <= set(tables)
     assert "skip_effects" not in tables and "gram_blocks" not in tables
-    assert not any("--skips" in n or "--gram" in n for n in notes)  # the user's choice
-    with pytest.raises(depth.DepthError, match=r"no complete skips table for .*extract .*--skips"):
-        depth.skip_effects(store)
+    with pytest.raises(skips.SkipsError, match=r"no complete skips table for .*extract .*--skips"):
+        skips.skip_effects(store)
 
 
 def test_layernorm_leaves_norm_columns_empty(tmp_path: Path) -> None:
@@ -195,14 +193,15 @@ def test_layernorm_leaves_norm_columns_empty(tmp_path: Path) -> None:
 def test_analyze_and_report_include_depth(store: Path, tmp_path: Path) -> None:
     results = analyze(store)
     assert {"geometry", "geometry_blocks", "depth_decay"} <= set(results.tables())
-    assert not any("--skips" in n for n in results.notes)
+    assert {"gram", "skips"}.isdisjoint(results.analyses)  # no partition holds their tables
     path, _ = write_report(results, tmp_path / "report")
     text = path.read_text()
     section = text[text.index("## How depth is used") :]
-    # what was not extracted is one line of the section, not a note at the top of the report
+    # what was not extracted is one note (the registry's, from the measurement's flag)
     for table, what in (("skips", "Layer skips"), ("gram", "Gram-matrix angles")):
-        line = f"{what}: not extracted for any partition (`layerdiv extract --{table}` adds them"
-        assert line in section and f"--{table}" not in text[: text.index("## ")]
+        line = f"{what}: not extracted for any partition (`layerdiv extract --{table}` adds it)."
+        assert results.notes.count(line) == 1 and line in text[: text.index("## ")]
+        assert f"## {what}" not in text
     assert depth.POSITION_NOTE in section
     assert "](figures/depth_geometry.png)" in section
     assert (tmp_path / "report" / "figures" / "depth_geometry.png").stat().st_size > 10_000

@@ -225,15 +225,15 @@ def test_extract_skips_and_gram_backfill_and_analysis(
     import numpy as np
     import polars as pl
 
-    from layerdiv.analyze.analyses import depth
+    from layerdiv.analyze.analyses import depth, gram, skips
     from layerdiv.store import Store
 
     model_dir, task = model_dirs("llama"), make_task(tmp_path / "task", n=9)
     store = tmp_path / "store"
     common = ["--model", str(model_dir), "--task", str(task), "--store", str(store)]
     extract(*common, "--chunk-size", "4")
-    with pytest.raises(depth.DepthError, match="no complete skips table"):
-        depth.skip_effects(store)
+    with pytest.raises(skips.SkipsError, match="no complete skips table"):
+        skips.skip_effects(store)
     parts = sorted((store / "components").rglob("*.parquet"))
     before = [p.read_bytes() for p in parts]
     result = extract(*common, "--skips", "--gram")
@@ -257,9 +257,9 @@ def test_extract_skips_and_gram_backfill_and_analysis(
     # gram: the angle of the state after block 1 to the final state
     h1, final = z[:, :3].sum(1), z.sum(1)
     to_end = torch.rad2deg(torch.arccos(torch.nn.functional.cosine_similarity(h1, final, -1)))
-    gram = tables["gram_blocks"].sort("block")
-    np.testing.assert_allclose(gram["angle_to_end_deg"][0], to_end.mean().item(), rtol=1e-3)
-    assert gram["angle_to_end_deg"][-1] == pytest.approx(0.0, abs=0.1)
+    angles = gram.gram_tables(st.select())["gram_blocks"].sort("block")
+    np.testing.assert_allclose(angles["angle_to_end_deg"][0], to_end.mean().item(), rtol=1e-3)
+    assert angles["angle_to_end_deg"][-1] == pytest.approx(0.0, abs=0.1)
     # skip effects: TE = logits - skip logits, DE = the block's own logits, IE = TE - DE
     comps = st.scan("components").collect()
     de = (
@@ -272,7 +272,7 @@ def test_extract_skips_and_gram_backfill_and_analysis(
     )
     te = (logits[:, None, :] - skipped).numpy()
     gold = st.scan("instances").collect().sort("instance")["gold"].to_numpy()
-    effects = tables["skip_effects"].sort("layer")
+    effects = skips.skip_effects(store).sort("layer")
     # each a mean of differences of logits: within FLOAT32 of the logits' mean magnitude
     scale = (np.abs(logits.numpy())[:, None, :] + np.abs(skipped.numpy()) + np.abs(de)).mean((0, 2))
     assert_within(effects["total_effect"], np.abs(te).mean((0, 2)), scale, what="TE")

@@ -16,13 +16,8 @@ from scipy.optimize import approx_fprime
 
 from layerdiv.analyze import analyze
 from layerdiv.analyze.analyses import reweight as rw
-from layerdiv.analyze.analyses.heads import (
-    NoHeadsError,
-    head_scores,
-    heads_section,
-    heads_tables,
-    load_heads,
-)
+from layerdiv.analyze.analyses.heads import NoHeadsError, head_scores, heads_tables, load_heads
+from layerdiv.analyze.analyses.heads_report import heads_section
 from layerdiv.analyze.registry import ReportContext
 from layerdiv.analyze.synthetic import random_heads, random_partition, write_partition
 from layerdiv.cli import main
@@ -68,7 +63,8 @@ def store(tmp_path_factory: pytest.TempPathFactory, data: dict[str, np.ndarray])
 @pytest.fixture(scope="module")
 def tables(store: Path) -> tuple[dict[str, pl.DataFrame], list[str]]:
     notes: list[str] = []
-    return heads_tables(Store(store).select(), notes), notes
+    parts = Store(store).select()
+    return {**heads_tables(parts, notes), **rw.reweight_tables(parts, notes)}, notes
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -162,7 +158,8 @@ def test_partition_without_heads_is_noted_and_refused_by_the_api(tables, store) 
     assert any("org--plain/main/task" in n and "extract --heads" in n for n in notes)
     assert frames["reweight"].filter(pl.col("model") == "org--plain")["members"].item() == "blocks"
     with pytest.raises(
-        NoHeadsError, match=r"no heads stored for org--plain/main/task: .*--heads"
+        NoHeadsError,
+        match=r"Head scores: not extracted for org--plain/main/task \(`layerdiv extract --heads`",
     ) as err:
         head_scores(store, tasks=["task"])
     assert "\n" not in str(err.value)
@@ -233,7 +230,9 @@ def test_heads_section_renders_with_figures(tables, tmp_path: Path) -> None:
     assert (tmp_path / "figures" / "heads_org--with-heads.png").stat().st_size > 1000
     assert "](figures/heads_org--with-heads.png)" in text
     assert "| org/plain | task |" in text and "no heads stored – `extract --heads`" in text
-    assert "attn.1.h0" in text and "### Component reweighting" in text
+    assert "attn.1.h0" in text
+    reweighting = rw.report(ctx)
+    assert "| org/with-heads | task | heads | 24 / 16 |" in reweighting
 
 
 def test_analyze_runs_the_heads_analysis(store: Path) -> None:

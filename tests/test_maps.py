@@ -176,7 +176,10 @@ def test_refusals(pair: dict[str, Any], tmp_path: Path) -> None:
     store = tmp_path / "store"
     extract(pair, store, "small")  # no states
     r = run("analyze", "--store", str(store), "--maps", "all", "--out", str(tmp_path / "o"))
-    assert r.exit_code == 1 and "no selected partition has states" in r.output
+    want = "--maps (the layers' states): not extracted for "
+    assert (
+        r.exit_code == 1 and want in r.output and "`layerdiv extract --states all` adds" in r.output
+    )
     extract(pair, store, "small", "--states", "all")
     r = run("analyze", "--store", str(store), "--maps", "all", "--out", str(tmp_path / "o"))
     assert r.exit_code == 1 and "has the states of one model only" in r.output
@@ -185,7 +188,7 @@ def test_refusals(pair: dict[str, Any], tmp_path: Path) -> None:
     small = str(pair["folders"]["small"])
     r = run("analyze", "--store", str(store), "--maps", f"{small}:{deep}", "--out",
             str(tmp_path / "o"))  # fmt: skip
-    assert r.exit_code == 1 and "has no states; add them with" in r.output
+    assert r.exit_code == 1 and f"--maps {deep} (its states): not extracted for " in r.output
     # other tokens: another --states-seed draws other positions
     extract(pair, store, "deep", "--states", "3", "--states-seed", "1", "--overwrite")
     extract(pair, store, "small", "--states", "3", "--overwrite")

@@ -2,8 +2,9 @@
 (``layerdiv.measurements.register`` in this process, the ``layerdiv.measurements`` entry point
 group in a fresh one): ``extract --help`` offers it, ``extract`` writes it and resumes it after a
 kill -9, ``ls`` lists it, ``query`` reads it, ``merge`` merges it, and a rerun with other settings
-is refused before anything is written. docs/development.md, "Adding a measurement", walks through
-this module."""
+is refused before anything is written. Its analysis, figure and report section, defined here too,
+come through the ``layerdiv.analyses`` entry point group into ``report.md`` and ``report.html``.
+docs/development.md, "Adding a measurement" and "Adding an analysis", walk through this module."""
 
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ import pytest
 from click.testing import CliRunner
 from polars.testing import assert_frame_equal
 
+from layerdiv.analyze import plots
+from layerdiv.analyze.frames import tag
+from layerdiv.analyze.registry import Analysis, Context, ReportContext, map_partitions
 from layerdiv.cli import main
 from layerdiv.measurements import Attachment, Measurement, Setting, register, unregister
-from layerdiv.store import Store
+from layerdiv.store import PartitionInfo, Store
 
 BLOCK_NORMS_SCHEMA = pa.schema(
     [
@@ -110,6 +114,57 @@ BLOCK_NORMS = Measurement(
 in the group ``layerdiv.measurements`` registers it in a fresh process."""
 
 
+def mean_norms(info: PartitionInfo) -> pl.DataFrame:
+    """Per block of one partition: the mean over instances of its output's p-norm."""
+    return tag(
+        info.scan("block_norms")
+        .group_by("layer")
+        .agg(pl.col("norm").cast(pl.Float64).mean())
+        .sort("layer")
+        .collect(),
+        info,
+    )
+
+
+def block_norm_tables(ctx: Context, prior: Any) -> dict[str, pl.DataFrame]:
+    """The analysis's table ``block_norm_means``: :func:`mean_norms` of every partition it gets
+    (those that hold ``block_norms``: its ``needs``)."""
+    return {"block_norm_means": pl.concat(list(map_partitions(mean_norms, ctx.parts)))}
+
+
+def norms_spec(means: pl.DataFrame) -> plots.Figure:
+    """The figure: mean block output norm against the block, one curve per (model, task)."""
+    panel = plots.Panel("Mean output norm of each block", xlabel="block", ylabel="p-norm")
+    labels = sorted(means.select(pl.format("{} {}", "model", "task")).to_series().unique())
+    for label, color in plots.model_colors(labels).items():
+        sub = means.filter(pl.format("{} {}", "model", "task") == label)
+        panel.series.append(
+            plots.Series(label, sub["layer"].to_list(), sub["norm"].to_list(), color)
+        )
+    return plots.Figure("Block output norms at the last prompt token", [panel])
+
+
+def norms_section(ctx: ReportContext) -> str:
+    """The report section: one sentence and the figure."""
+    means = ctx.tables["block_norm_means"]
+    return (
+        f"Mean p-norm of each block's output over {means['task'].n_unique()} task(s).\n\n"
+        + plots.figure_link(ctx, "block_norms.png", "Block norms", lambda: norms_spec(means))
+    )
+
+
+BLOCK_NORMS_ANALYSIS = Analysis(
+    name="block_norms",
+    title="Block output norms",
+    tables=block_norm_tables,
+    report=norms_section,
+    needs=("block_norms",),
+)
+"""The measurement's analysis: the entry point ``block_norms =
+tests.test_measurement_plugin:BLOCK_NORMS_ANALYSIS`` in the group ``layerdiv.analyses`` registers
+it in a fresh process."""
+
+
 @pytest.fixture
 def registered() -> Iterator[Measurement]:
     """The measurement, registered in this process for one test."""
@@ -118,15 +173,22 @@ def registered() -> Iterator[Measurement]:
     unregister(BLOCK_NORMS.name)
 
 
-def entry_point(folder: Path) -> dict[str, str]:
+def entry_point(folder: Path, analysis: bool = False) -> dict[str, str]:
     """The environment of a fresh process in which an installed distribution's entry point
-    registers the measurement (a ``.dist-info`` folder on the path, as pip installs one)."""
+    registers the measurement (a ``.dist-info`` folder on the path, as pip installs one), and with
+    ``analysis`` its analysis too."""
     info = folder / "layerdiv_block_norms-0.1.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: layerdiv-block-norms\n"
                                    "Version: 0.1\n")  # fmt: skip
     (info / "entry_points.txt").write_text(
         "[layerdiv.measurements]\nblock_norms = tests.test_measurement_plugin:BLOCK_NORMS\n"
+        + (
+            "[layerdiv.analyses]\n"
+            "block_norms = tests.test_measurement_plugin:BLOCK_NORMS_ANALYSIS\n"
+            if analysis
+            else ""
+        )
     )
     root = Path(__file__).resolve().parents[1]
     path = os.pathsep.join([str(folder), str(root), os.environ.get("PYTHONPATH", "")])
@@ -214,6 +276,45 @@ def test_a_measurement_outside_the_package(
     refused = invoke("merge", str(tmp_path / "s0"), str(tmp_path / "odd"),
                      "--into", str(tmp_path / "mixed"))  # fmt: skip
     assert refused.exit_code == 1 and "norm_ord" in refused.output, refused.output
+
+
+def test_it_brings_its_analysis_figure_and_report_section(
+    registered: Measurement, tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    store = tmp_path / "store"
+    model = ["--model", str(model_dirs("llama")), "--store", str(store), "--batch-size", "4"]
+    normed = make_task(tmp_path / "tasks", n=8, stem="normed")
+    plain = make_task(tmp_path / "tasks", n=8, stem="plain")
+    assert invoke("extract", *model, "--task", str(normed), "--block-norms").exit_code == 0
+    assert invoke("extract", *model, "--task", str(plain)).exit_code == 0
+
+    # A fresh process finds the measurement and its analysis through their entry points.
+    out = tmp_path / "report"
+    cmd = [sys.executable, "-m", "layerdiv.cli", "report", "--store", str(store), "--out",
+           str(out), "--format", "md,html"]  # fmt: skip
+    done = subprocess.run(
+        cmd, env=entry_point(tmp_path / "site", analysis=True), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    text = (out / "report.md").read_text()
+    section = text[text.index("## Block output norms") :]
+    assert section.startswith("## Block output norms\n\nMean p-norm of each block's output over 1")
+    assert "](figures/block_norms.png)" in section
+    assert (out / "figures" / "block_norms.png").stat().st_size > 5_000
+    # the partition extracted without it gets the registry's one note, with the flag that adds it
+    slug = Store(store).select(tasks=["plain"])[0].key.label
+    note = (
+        f"Block output norms: not extracted for {slug} (`layerdiv extract --block-norms` adds it)"
+    )
+    assert note in text[: text.index("## ")]
+    page = (out / "report.html").read_text()
+    assert "Block output norms" in page and 'data-figure="block_norms.png"' in page
+    assert "Block output norms at the last prompt token" in page  # the Plotly figure's title
+
+    # The same analysis in this process: its table is the stored norms' means.
+    means = mean_norms(Store(store).select(tasks=["normed"])[0])
+    expected = norms(store).group_by("layer").agg(pl.col("norm").cast(pl.Float64).mean())
+    assert_frame_equal(means.select("layer", "norm"), expected.sort("layer"), rel_tol=1e-9)
 
 
 def test_its_values_are_of_the_model_pass_alone_beside_the_skips(

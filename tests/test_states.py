@@ -158,7 +158,9 @@ def test_version_4_text_store_still_reads(
     (info,) = Store(store).select()
     assert info.manifest.schema_version == 4 and "states" not in info.manifest.settings
     assert "text_geometry" in layerdiv.run_analysis(store).names()
-    with pytest.raises(layerdiv.LayerdivError, match="no selected partition has states"):
+    with pytest.raises(
+        layerdiv.LayerdivError, match=r"--maps \(the layers' states\): not extracted"
+    ):
         layerdiv.run_analysis(store, maps="all")
 
 

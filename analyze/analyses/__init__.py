@@ -2,11 +2,14 @@
 :mod:`layerdiv.analyze.registry`). A new analysis is one module here plus one import line."""
 
 # isort: skip_file
-# Registration order is import order: the paper's analysis first, the others after it
-# (text_profiles uses the table of text_geometry; revisions the scores of paper).
+# Registration order is import order, the order of the report's sections (an analysis that reads
+# another's tables says so in its `after`).
 from layerdiv.analyze.analyses import paper
 from layerdiv.analyze.analyses import depth
+from layerdiv.analyze.analyses import gram
+from layerdiv.analyze.analyses import skips
 from layerdiv.analyze.analyses import heads
+from layerdiv.analyze.analyses import reweight
 from layerdiv.analyze.analyses import lens
 from layerdiv.analyze.analyses import text_geometry
 from layerdiv.analyze.analyses import text_lens
@@ -24,11 +27,14 @@ __all__ = [
     "depth",
     "depth_law",
     "effective_depth",
+    "gram",
     "heads",
     "lens",
     "maps",
     "paper",
     "revisions",
+    "reweight",
+    "skips",
     "text_geometry",
     "text_groups",
     "text_lens",

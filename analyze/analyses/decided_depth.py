@@ -28,6 +28,7 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.analyses.effective_depth import interval_ends
+from layerdiv.analyze.frames import tag
 from layerdiv.analyze.markdown import fmt, key_rows, markdown_table
 from layerdiv.analyze.registry import (
     Analysis,
@@ -44,7 +45,7 @@ from layerdiv.analyze.stats import (
     percentile_interval,
     resample_weights,
 )
-from layerdiv.analyze.text import BATCH_TOKENS, TEXT_KIND, batches, tag, with_table
+from layerdiv.analyze.text import BATCH_TOKENS, TEXT_KIND, batches
 from layerdiv.schemas import tables_of
 from layerdiv.store import PartitionInfo, StoreError
 from layerdiv.store.key import KEY
@@ -183,7 +184,7 @@ def has_ranks(info: PartitionInfo) -> bool:
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
     """The registry's entry point: both tables of the text partitions holding the final lens
     with its ranks; notes name the others."""
-    lensed = with_table(ctx.parts, "token_lens", ctx.notes, "decided-at depth")
+    lensed = ctx.parts
     old = [p.key.label for p in lensed if not has_ranks(p)]
     if old:
         ctx.notes.append(
@@ -305,5 +306,6 @@ register(
         tables=tables,
         report=report,
         kinds=(TEXT_KIND,),
+        needs=("token_lens",),
     )
 )

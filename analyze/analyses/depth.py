@@ -1,6 +1,7 @@
-"""How depth is used (methods §7): residual-stream geometry per component and per block,
-the decay of block update size with depth, the Gram-matrix angles of ``extract --gram`` and the
-layer-skip effects of ``extract --skips``, from the cache alone.
+"""How depth is used (methods §7): residual-stream geometry per component and per block and the
+decay of block update size with depth, from the cache alone. (The Gram-matrix angles of
+``extract --gram`` and the layer-skip effects of ``extract --skips`` are their own analyses:
+:mod:`.gram`, :mod:`.skips`.)
 
 Tables (one row per model, task and component / block / partition):
 
@@ -12,13 +13,8 @@ Tables (one row per model, task and component / block / partition):
   z_m), exact from the stored columns because z_a . z_m is the lag-1 term ``cos_prev`` of the MLP;
   ``cos_attn_mlp`` is that cosine. (The cosine between consecutive *block* updates needs lag-2 and
   lag-3 terms: it is in ``gram_blocks``.)
-- ``gram_blocks`` (partitions extracted with ``--gram``): per block, the angle between consecutive
-  states, between consecutive block updates, and of each state to the final one (the inverse-depth
-  paper's Theta and angle_to_end), exact for every norm.
 - ``depth_decay``: per partition, the fit of mean block ``rel_contribution`` = a * l^(-beta) on
   log-log axes and first-half / second-half means of every ``geometry`` column.
-- ``skip_effects`` (partitions extracted with ``--skips``): per block b, accuracy without it, the
-  KL divergence over the options, and the total, direct and indirect effects TE = DE + IE.
 
 ||r_c|| comes from the stored prefix scale: ||r|| = sqrt(d) sqrt(prefix_rms^2 - eps) for RMSNorm.
 LayerNorm models store the standard deviation of r, the norm of the *centred* stream, while
@@ -38,8 +34,9 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
+from layerdiv.analyze.frames import by_model, instance_means, listing, selected, tag
 from layerdiv.analyze.markdown import DASH, fmt, markdown_table, verdict
-from layerdiv.analyze.overlap import independent, left_out, lone_subsets
+from layerdiv.analyze.overlap import left_out
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -49,37 +46,27 @@ from layerdiv.analyze.registry import (
     register,
 )
 from layerdiv.analyze.stats import (
+    MIN_HALF,
     POWER_FIT_SCHEMA,
     degrees,
     halves,
     power_law_fit,
     t_interval,
 )
-from layerdiv.analyze.text import tag as _tag
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import gram_index
-from layerdiv.store import PartitionInfo, Store, StoreError
+from layerdiv.store import PartitionInfo, Store
 from layerdiv.store.key import KEY
 
 POSITION_NOTE = (
     "Both companion papers average over all token positions of running text; layerdiv measures at "
     "the last prompt token, where the answer is decided."
 )
+
 GEOMETRY = ("rel_contribution", "cos_residual", "angle_deg", "cos_prev")
 """Per-component geometry columns (methods §7)."""
+
 BLOCK_GEOMETRY = ("rel_contribution", "cos_residual", "angle_deg", "cos_attn_mlp")
 """Per-block geometry columns (attention and MLP of a block together)."""
-GRAM_ANGLES = ("state_angle_deg", "update_angle_deg", "angle_to_end_deg")
-"""Per-block angles from the Gram matrix (``extract --gram``)."""
-SKIP_COLUMNS = (
-    "accuracy_without",
-    "kl",
-    "total_effect",
-    "direct_effect",
-    "indirect_effect",
-    "indirect_share",
-)
-"""Per-block skip effects (``extract --skips``)."""
 
 
 class DepthError(LayerdivError, ValueError):
@@ -206,172 +193,6 @@ def block_rows(rows: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def _summary(
-    frame: pl.DataFrame, columns: Iterable[str], keys: Iterable[str] = ("component",)
-) -> pl.DataFrame:
-    """Means over instances and their standard deviations (``<column>_std``)."""
-    keys = list(keys)
-    return (
-        frame.group_by(keys)
-        .agg(
-            pl.len().cast(pl.Int64).alias("n_instances"),
-            *(pl.col(c).mean() for c in columns),
-            *(pl.col(c).std().alias(f"{c}_std") for c in columns),
-        )
-        .sort(keys)
-    )
-
-
-# --- Gram matrix angles (extract --gram) ----------------------------------------------------------
-
-
-def gram_matrices(info: PartitionInfo) -> tuple[np.ndarray, np.ndarray]:
-    """(instances (N,), G (N, C, C)): the full Gram matrices z_a . z_b of one partition.
-    Refuses (``StoreError``, naming the first instance) a negative squared norm z_c . z_c,
-    which no forward pass gives (a NaN or infinite entry is refused as the part is read,
-    ``PartitionInfo.scan``): never averaged."""
-    frame = info.scan("gram").collect().sort("instance")
-    flat = np.asarray(frame["gram"].to_list(), dtype=np.float64)
-    n = len([c for c in info.manifest.components if c.kind != "bias"])
-    upper = np.triu_indices(n)
-    index = np.array([gram_index(int(a), int(b), n) for a, b in zip(*upper, strict=True)])
-    squares = [gram_index(c, c, n) for c in range(n)]
-    bad = (flat[:, squares] < 0).any(axis=1)
-    if bad.any():
-        raise StoreError(
-            f"{info.where}: the gram row of instance {frame['instance'][int(np.argmax(bad))]} "
-            "holds a negative squared norm (a damaged part); "
-            "re-extract it with --overwrite"
-        )
-    gram = np.zeros((len(frame), n, n))
-    gram[:, upper[0], upper[1]] = flat[:, index]
-    gram[:, upper[1], upper[0]] = flat[:, index]
-    return frame["instance"].to_numpy(), gram
-
-
-def gram_block_rows(info: PartitionInfo) -> pl.DataFrame:
-    """Per (instance, block l): with h_l the stream after block l (h_0 = the embedding) and
-    Delta_l = h_l - h_(l-1) its update, the angles theta(h_(l-1), h_l) (``state_angle_deg``),
-    theta(Delta_(l-1), Delta_l) (``update_angle_deg``, null for l = 1) and theta(h_l, h_n)
-    (``angle_to_end_deg``), in degrees. Each is a bilinear form of G: x = A z gives x . y =
-    A G B^T."""
-    comps = [c for c in info.manifest.components if c.kind != "bias"]
-    blocks = np.cumsum([c.kind == "attn" for c in comps])  # block of each component, 0 = embed
-    n_blocks = int(blocks[-1])
-    states = (blocks[None, :] <= np.arange(n_blocks + 1)[:, None]).astype(float)  # h_0 .. h_n
-    updates = np.diff(states, axis=0)  # Delta_1 .. Delta_n
-    instances, gram = gram_matrices(info)
-
-    def cos(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        dot = np.einsum("ic,ncd,id->ni", a, gram, b)
-        na = np.sqrt(np.einsum("ic,ncd,id->ni", a, gram, a))
-        nb = np.sqrt(np.einsum("ic,ncd,id->ni", b, gram, b))
-        return dot / (na * nb)
-
-    def deg(c: np.ndarray) -> np.ndarray:
-        return np.degrees(np.arccos(np.clip(c, -1.0, 1.0)))
-
-    state = deg(cos(states[:-1], states[1:]))
-    update = np.full_like(state, np.nan)
-    update[:, 1:] = deg(cos(updates[:-1], updates[1:]))
-    to_end = deg(cos(states[1:], np.repeat(states[-1:], n_blocks, axis=0)))
-    first = np.searchsorted(blocks, np.arange(1, n_blocks + 1))  # first component of each block
-    layer = np.array([comps[c].layer for c in first], np.int16)
-    n = len(instances)
-    return pl.DataFrame(
-        {
-            "instance": np.repeat(instances, n_blocks),
-            "block": np.tile(np.arange(1, n_blocks + 1, dtype=np.int32), n),
-            "layer": np.tile(layer, n),
-            "relative_depth": np.tile(np.arange(1, n_blocks + 1) / n_blocks, n),
-            "state_angle_deg": state.reshape(-1),
-            "update_angle_deg": update.reshape(-1),
-            "angle_to_end_deg": to_end.reshape(-1),
-        }
-    ).fill_nan(None)
-
-
-# --- layer-skip effects (extract --skips) ---------------------------------------------------------
-
-
-def _log_softmax(logit: str, by: list[str]) -> pl.Expr:
-    top = pl.col(logit).max().over(by)
-    return pl.col(logit) - top - (pl.col(logit) - top).exp().sum().over(by).log()
-
-
-def skip_rows(info: PartitionInfo) -> pl.DataFrame:
-    """Per (instance, skipped block b): whether the model is still right without b, the KL
-    divergence sum_k p_k log(p_k / q_k) of q = softmax(skip_logits_b) from p = softmax(logits), and
-    the means over options of |TE|, |DE| and |IE| (methods §7): TE_b = logits -
-    skip_logits_b, DE_b = sum over b's components (every call) of u_c, IE_b = TE_b - DE_b."""
-    full = (
-        info.scan("instances")
-        .select("instance", "gold", "model_logits")
-        .explode("model_logits")
-        .with_columns(pl.int_range(pl.len()).over("instance").cast(pl.Int8).alias("option"))
-        .rename({"model_logits": "full"})
-    )
-    direct = (
-        info.scan("components")
-        .filter(pl.col("kind").cast(pl.String).is_in(["attn", "mlp"]))
-        .group_by("instance", "layer", "option")
-        .agg(pl.col("logit").cast(pl.Float64).sum().alias("de"))
-    )
-    by = ["instance", "layer"]
-    te = pl.col("full") - pl.col("skip")
-    return (
-        info.scan("skips")
-        .rename({"logit": "skip"})
-        .join(full, on=["instance", "option"])
-        .join(direct, on=["instance", "layer", "option"])
-        .with_columns(pl.col("full", "skip").cast(pl.Float64))
-        .with_columns(
-            _log_softmax("full", by).alias("log_p"), _log_softmax("skip", by).alias("log_q")
-        )
-        .group_by(by)
-        .agg(
-            (pl.col("option").get(pl.col("full").arg_max()) == pl.col("gold").first())
-            .cast(pl.Float64)
-            .alias("correct"),
-            (pl.col("option").get(pl.col("skip").arg_max()) == pl.col("gold").first())
-            .cast(pl.Float64)
-            .alias("correct_without"),
-            (pl.col("log_p").exp() * (pl.col("log_p") - pl.col("log_q"))).sum().alias("kl"),
-            te.abs().mean().alias("te"),
-            pl.col("de").abs().mean().alias("de"),
-            (te - pl.col("de")).abs().mean().alias("ie"),
-        )
-        .sort(by)
-        .collect()
-    )
-
-
-def _skip_summary(rows: pl.DataFrame, n_layers: int) -> pl.DataFrame:
-    """Per block: accuracy with all blocks and without this one, mean KL, mean |TE|, |DE|, |IE|
-    over instances and options, and the indirect share |IE| / (|DE| + |IE|) of the means
-    (methods §7)."""
-    return (
-        rows.group_by("layer")
-        .agg(
-            pl.len().cast(pl.Int64).alias("n_instances"),
-            pl.col("correct").mean().alias("accuracy"),
-            pl.col("correct_without").mean().alias("accuracy_without"),
-            pl.col("kl").mean(),
-            pl.col("te").mean().alias("total_effect"),
-            pl.col("de").mean().alias("direct_effect"),
-            pl.col("ie").mean().alias("indirect_effect"),
-        )
-        .with_columns(
-            ((pl.col("layer") + 1) / n_layers).alias("relative_depth"),
-            (
-                pl.col("indirect_effect") / (pl.col("direct_effect") + pl.col("indirect_effect"))
-            ).alias("indirect_share"),
-        )
-        .select("layer", "relative_depth", "n_instances", "accuracy", *SKIP_COLUMNS)
-        .sort("layer")
-    )
-
-
 # --- depth decay ----------------------------------------------------------------------------------
 
 
@@ -409,41 +230,19 @@ def depth_decay(geometry: pl.DataFrame, blocks: pl.DataFrame | None) -> pl.DataF
 # --- all tables -----------------------------------------------------------------------------------
 
 
-def _listing(parts: list[PartitionInfo], most: int = 4) -> str:
-    """Partitions by model (``model (task, task)``), the first ``most`` models only."""
-    tasks: dict[str, list[str]] = {}
-    for p in parts:
-        tasks.setdefault(p.model, []).append(p.key.within_model)
-    shown = [f"{m} ({', '.join(t)})" for m, t in list(tasks.items())[:most]]
-    more = len(tasks) - most
-    return "; ".join(shown) + (f" and {more} more model(s)" if more > 0 else "")
-
-
-def _skip_table(info: PartitionInfo) -> pl.DataFrame:
-    n_layers = 1 + max(c.layer for c in info.manifest.components)
-    return _tag(_skip_summary(skip_rows(info), n_layers), info)
-
-
 def _partition_tables(info: PartitionInfo) -> tuple[dict[str, pl.DataFrame], list[str]]:
     """The tables one partition can give, and what it lacks (``cos_prev``, ``norms`` or
-    ``norms_gram``, ``blocks``); an optional table that some stored instances lack is left out
-    (``PartitionInfo.incomplete`` says so, once for every analysis); one never extracted is said
-    in the report's section (:func:`not_extracted`)."""
-    extra, out = set(info.tables), {}
+    ``norms_gram``, ``blocks``)."""
+    extra, out = set(info.tables), dict[str, pl.DataFrame]()
     lacks: list[str] = []
-    if "skips" in extra:
-        out["skip_effects"] = _skip_table(info)
-    block_keys = ["block", "layer", "relative_depth"]
-    if "gram" in extra:
-        out["gram_blocks"] = _tag(_summary(gram_block_rows(info), GRAM_ANGLES, block_keys), info)
     if not _has_cos_prev(info):
         return out, [*lacks, "cos_prev"]
     if not _exact_norms(info):
         lacks.append("norms_gram" if "gram" in extra else "norms")
     rows = component_rows(info)
     labels = component_map(info)
-    geometry = labels.drop("block").join(_summary(rows, GEOMETRY), on="component")
-    out["geometry"] = _tag(geometry, info)
+    geometry = labels.drop("block").join(instance_means(rows, GEOMETRY), on="component")
+    out["geometry"] = tag(geometry, info)
     if not paired_blocks(info):
         return out, [*lacks, "blocks"]
     # a block's row is its MLP component's: label it with the block's number and depth
@@ -451,8 +250,8 @@ def _partition_tables(info: PartitionInfo) -> tuple[dict[str, pl.DataFrame], lis
     block_labels = labels.select(
         "component", "block", "layer", (pl.col("block") / n_blocks).alias("relative_depth")
     )
-    blocks = block_labels.join(_summary(block_rows(rows), BLOCK_GEOMETRY), on="component")
-    out["geometry_blocks"] = _tag(blocks.drop("component"), info)
+    blocks = block_labels.join(instance_means(block_rows(rows), BLOCK_GEOMETRY), on="component")
+    out["geometry_blocks"] = tag(blocks.drop("component"), info)
     return out, lacks
 
 
@@ -461,8 +260,8 @@ def depth_tables(parts: list[PartitionInfo], notes: list[str]) -> dict[str, pl.D
     lacks a column or table adds a line to ``notes`` saying how to get it. Tables no partition
     can give are left out."""
 
-    def listing(some: list[PartitionInfo]) -> str:
-        return "every partition" if len(some) == len(parts) else _listing(some)
+    def which(some: list[PartitionInfo]) -> str:
+        return "every partition" if len(some) == len(parts) else listing(some)
 
     lacking: dict[str, list[PartitionInfo]] = {}
     frames: dict[str, list[pl.DataFrame]] = {}
@@ -476,107 +275,51 @@ def depth_tables(parts: list[PartitionInfo], notes: list[str]) -> dict[str, pl.D
         tables["depth_decay"] = depth_decay(tables["geometry"], tables.get("geometry_blocks"))
     if lacking.get("blocks"):
         notes.append(
-            f"Block geometry left out for {listing(lacking['blocks'])}: their blocks are not "
+            f"Block geometry left out for {which(lacking['blocks'])}: their blocks are not "
             "an attention component followed by the MLP component of the same layer."
         )
     if lacking.get("cos_prev"):
         notes.append(
-            f"Depth geometry left out for {listing(lacking['cos_prev'])}: their store (schema "
+            f"Depth geometry left out for {which(lacking['cos_prev'])}: their store (schema "
             "version 1) has no components.cos_prev; re-extract them with --overwrite."
         )
     if lacking.get("norms"):
         notes.append(
-            f"rel_contribution and angle_deg are empty for {listing(lacking['norms'])}: their "
+            f"rel_contribution and angle_deg are empty for {which(lacking['norms'])}: their "
             "final norm is a LayerNorm (or the manifest has no hidden_size), whose stored prefix "
             "scale is the norm of the centred stream; extract with --gram for exact angles."
         )
     if lacking.get("norms_gram"):
         notes.append(
             f"rel_contribution and angle_deg of geometry are empty for "
-            f"{listing(lacking['norms_gram'])}: their final norm is a LayerNorm, whose stored "
+            f"{which(lacking['norms_gram'])}: their final norm is a LayerNorm, whose stored "
             "prefix scale is the norm of the centred stream; their exact angles are in "
             "gram_blocks (from their gram table)."
         )
     return tables
 
 
-_OPTIONAL = {"gram": "Gram-matrix angles", "skips": "Layer skips"}
-"""The optional tables of the section, by what they add (a partition extracted without one is
-said in one line of the section, not in the report's notes: it is the user's choice)."""
-
-
-def not_extracted(manifests: pl.DataFrame, table: str) -> str:
-    """One line naming the choice partitions extracted without the optional ``table`` and the
-    flag that adds it; empty when every partition has it."""
-    rows = manifests.filter(pl.col("kind") == "choice").sort(*KEY)
-    lack = [
-        "/".join(r[:-1])
-        for r in rows.select(*KEY, "tables").iter_rows()
-        if table not in [h.strip() for h in (r[-1] or "").split(",")]
-    ]
-    if not lack:
-        return ""
-    which = "any partition" if len(lack) == rows.height else ", ".join(lack)
-    return (
-        f"{_OPTIONAL[table]}: not extracted for {which} (`layerdiv extract --{table}` adds them "
-        "without re-extracting the components)."
-    )
-
-
-def _open(
-    store: Store | str | Path, models: Iterable[str], tasks: Iterable[str]
-) -> list[PartitionInfo]:
-    st = store if isinstance(store, Store) else Store(store)
-    return st.select(list(models), list(tasks))
-
-
 @partition_engine
 def geometry(
     store: Store | str | Path, models: Iterable[str] = (), tasks: Iterable[str] = ()
 ) -> dict[str, pl.DataFrame]:
-    """The depth-use tables (``geometry``, ``geometry_blocks``, ``depth_decay`` and, where
-    extracted, ``gram_blocks`` and ``skip_effects``) of the selected partitions. Raises
-    :class:`DepthError` when none of them holds ``cos_prev``."""
+    """The depth-use tables (``geometry``, ``geometry_blocks``, ``depth_decay``) of the selected
+    partitions (their Gram angles and skip effects: :func:`.gram.gram_tables`,
+    :func:`.skips.skip_effects`). Raises :class:`DepthError` when none of them holds
+    ``cos_prev``."""
     notes: list[str] = []
-    tables = depth_tables(_open(store, models, tasks), notes)
+    tables = depth_tables(selected(store, models, tasks), notes)
     if "geometry" not in tables:
         raise DepthError(" ".join(notes))
     return tables
 
 
-@partition_engine
-def skip_effects(
-    store: Store | str | Path, models: Iterable[str] = (), tasks: Iterable[str] = ()
-) -> pl.DataFrame:
-    """Per (model, task, block): accuracy without the block, KL, |TE|, |DE|, |IE| and the
-    indirect share (methods §7). Raises :class:`DepthError` when a selected partition
-    was extracted without ``--skips``."""
-    parts = _open(store, models, tasks)
-    missing = [p for p in parts if "skips" not in p.tables]
-    if missing:
-        raise DepthError(
-            f"no complete skips table for {_listing(missing)}: run "
-            + "; ".join(f"`{p.extract_command('skips')}`" for p in missing)
-        )
-    return pl.concat([_skip_table(info) for info in parts])
-
-
 # --- report section -------------------------------------------------------------------------------
 
 _KIND_STYLE: dict[str, tuple[plots.Dash, str]] = {"attn": ("solid", "o"), "mlp": ("dash", "s")}
+
 _BLOCK_STYLE: dict[str, Any] = {"dash": "dot", "marker": "^"}
 """A whole block's series, unlike either kind's."""
-
-
-def _by_model(
-    tables: Mapping[str, pl.DataFrame], name: str, keys: list[str], columns: Iterable[str]
-) -> pl.DataFrame:
-    """Means over a model's tasks of ``columns`` of table ``name`` per ``keys`` (a task whose
-    instances another task of the table holds left out)."""
-    frame = independent(tables[name], tables["manifests"])
-    return (
-        frame.group_by("model", *keys).agg(pl.col(c).mean() for c in columns).sort("model", *keys)
-    )
 
 
 def geometry_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plots.Figure:
@@ -584,13 +327,19 @@ def geometry_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
     the angle between consecutive states per block, and block update size against block index on
     log-log axes with the fitted a * l^(-beta) (β, its s.e. and R² in the notes); models overlay
     on the relative-depth axis, each curve the mean over the model's tasks."""
-    geo = _by_model(
-        tables, "geometry", ["kind", "name", "relative_depth"], ["rel_contribution", "cos_residual"]
+    geo = by_model(
+        tables["geometry"],
+        tables["manifests"],
+        ["kind", "name", "relative_depth"],
+        ["rel_contribution", "cos_residual"],
     ).sort("model", "kind", "relative_depth")
-    blocks = _by_model(
-        tables, "geometry_blocks", ["block", "relative_depth"], ["angle_deg", "rel_contribution"]
+    blocks = by_model(
+        tables["geometry_blocks"],
+        tables["manifests"],
+        ["block", "relative_depth"],
+        ["angle_deg", "rel_contribution"],
     )
-    fits = _by_model(tables, "depth_decay", [], ["a", "beta", "beta_se", "r2"])
+    fits = by_model(tables["depth_decay"], tables["manifests"], [], ["a", "beta", "beta_se", "r2"])
     rel = plots.Panel(  # log: the first MLP's ratio (the embedding is small) is tens of times
         "Relative contribution per component",  # the others'
         xlabel="relative depth c / L",
@@ -656,125 +405,14 @@ def geometry_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
                 marker=_BLOCK_STYLE["marker"],
             )
         )
+        x = sub["block"].to_numpy().astype(float)
         fit = fits.filter(pl.col("model") == model)
-        if fit.height and fit["beta"][0] is not None:
-            x = sub["block"].to_numpy().astype(float)
-            size.series.append(
-                plots.Series(
-                    block,
-                    x.tolist(),
-                    (fit["a"][0] * x ** -fit["beta"][0]).tolist(),
-                    color=color,
-                    dash="dash",
-                    marker=None,
-                    legend=False,
-                    width=1.0,
-                )
-            )
-            size.notes.append(
-                plots.fit_note(f"{label}: ", fit["beta"][0], fit["beta_se"][0], fit["r2"][0])
-            )
+        plots.power_law_overlay(size, block, x.tolist(), fit, label, color, width=1.0)
     return plots.Figure(
         "How depth is used (methods §7), mean over tasks, at the last prompt token",
         [rel, cos, angle, size],
         panel_size=(6.0, 3.8),
         caption=f"β: mean over tasks; poor fit: R² < {plots.POOR_FIT_R2:g}",
-    )
-
-
-def skip_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plots.Figure:
-    """Accuracy without each block (dotted: with every block), and the mean |total| and |direct|
-    effect of each block on the option logits; mean over the model's tasks."""
-    skips = _by_model(
-        tables,
-        "skip_effects",
-        ["layer", "relative_depth"],
-        ["accuracy", "accuracy_without", "direct_effect", "total_effect"],
-    )
-    xlabel = "relative depth (b + 1) / blocks"
-    acc = plots.Panel(
-        "Skipping one block (dotted: no block skipped)",
-        xlabel=xlabel,
-        ylabel="accuracy without the block (%)",
-    )
-    effect = plots.Panel(
-        "Total vs direct effect of each block",
-        xlabel=xlabel,
-        ylabel="mean |effect| on an option logit (logits)",
-    )
-    for model, color in plots.model_colors(sorted(skips["model"].unique())).items():
-        sub, label = skips.filter(pl.col("model") == model), names.get(model, model)
-        x = sub["relative_depth"].to_list()
-        hover = [f"block {b} skipped" for b in sub["layer"]]
-        acc.series.append(  # its own marker: the effects' series share the colour
-            plots.Series(
-                f"{label} accuracy",
-                x,
-                (100 * sub["accuracy_without"]).to_list(),
-                color=color,
-                hover=hover,
-                marker="^",
-            )
-        )
-        whole = float(sub["accuracy"].cast(pl.Float64).fill_null(0).to_numpy().mean())
-        acc.lines.append(plots.RefLine(100 * whole, color=color, dash="dot"))
-        effects: tuple[tuple[str, plots.Dash, str, str], ...] = (
-            ("total_effect", "solid", "o", "TE"),
-            ("direct_effect", "dash", "s", "DE"),
-        )
-        for column, dash, marker, tag in effects:
-            effect.series.append(
-                plots.Series(
-                    f"{label} |{tag}|",
-                    x,
-                    sub[column].to_list(),
-                    color=color,
-                    dash=dash,
-                    marker=marker,
-                    hover=hover,
-                )
-            )
-    return plots.Figure(
-        "Layer skips (methods §7), mean over tasks, at the last prompt token",
-        [acc, effect],
-        panel_size=(6.0, 3.8),
-        caption=lone_subsets(tables["skip_effects"], tables["manifests"]),
-    )
-
-
-def gram_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> plots.Figure:
-    """From the Gram matrices: the angle between consecutive block updates and of each state to
-    the final one, per block; mean over the model's tasks."""
-    gram = _by_model(tables, "gram_blocks", ["block", "relative_depth"], GRAM_ANGLES)
-    panels = [
-        plots.Panel(
-            title,
-            xlabel="relative depth l / blocks",
-            ylabel="degrees",
-            lines=[plots.RefLine(90, label="90°")],
-        )
-        for title in (
-            "Angle between consecutive block updates",
-            "Angle of each state to the final state",
-        )
-    ]
-    for model, color in plots.model_colors(sorted(gram["model"].unique())).items():
-        sub = gram.filter(pl.col("model") == model)
-        hover = [f"block {b}" for b in sub["block"]]
-        for panel, column in zip(panels, ("update_angle_deg", "angle_to_end_deg"), strict=True):
-            panel.series.append(
-                plots.Series(
-                    names.get(model, model),
-                    sub["relative_depth"].to_list(),
-                    sub[column].to_list(),
-                    color=color,
-                    hover=hover,
-                )
-            )
-    return plots.Figure(
-        "Gram-matrix angles (extract --gram), at the last prompt token",
-        panels,
-        panel_size=(6.0, 3.8),
     )
 
 
@@ -808,59 +446,9 @@ def decay_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> st
     return markdown_table(header, rows)
 
 
-def skip_summary(skip_effects: pl.DataFrame) -> pl.DataFrame:
-    """Per (model, task): accuracy, mean accuracy without a block of the first / second half
-    (``acc_1``, ``acc_2``), mean KL by half (``kl_1``, ``kl_2``), and the indirect share of all
-    blocks' effects, sum |IE| / sum (|DE| + |IE|) (``share``, methods §7)."""
-    second = pl.col("relative_depth") > 0.5
-    return (
-        skip_effects.group_by(*KEY)
-        .agg(
-            pl.col("accuracy").first(),
-            pl.col("accuracy_without").filter(~second).mean().alias("acc_1"),
-            pl.col("accuracy_without").filter(second).mean().alias("acc_2"),
-            pl.col("kl").filter(~second).mean().alias("kl_1"),
-            pl.col("kl").filter(second).mean().alias("kl_2"),
-            (
-                pl.col("indirect_effect").sum()
-                / (pl.col("direct_effect") + pl.col("indirect_effect")).sum()
-            ).alias("share"),
-        )
-        .sort(*KEY)
-    )
-
-
-def skip_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str:
-    """The :func:`skip_summary` of every (model, task) as Markdown."""
-    summary = skip_summary(tables["skip_effects"])
-    rows = [
-        [
-            names.get(r["model"], r["model"]),
-            r["task"],
-            fmt(r["accuracy"], 100),
-            f"{fmt(r['acc_1'], 100)} / {fmt(r['acc_2'], 100)}",
-            f"{fmt(r['kl_1'], digits=3)} / {fmt(r['kl_2'], digits=3)}",
-            fmt(r["share"], 100),
-        ]
-        for r in summary.iter_rows(named=True)
-    ]
-    header = [
-        "Model",
-        "Task",
-        "Accuracy (%)",
-        "Acc. without a block, 1st / 2nd half (%)",
-        "KL, 1st / 2nd half (nats)",
-        "Indirect share |IE| / (|DE| + |IE|) (%)",
-    ]
-    return markdown_table(header, rows)
-
-
 MIN_BLOCKS = 5
 """Blocks below which a power-law fit of the update sizes cannot tell (3 parameters' worth of
 points and two degrees of freedom left)."""
-
-MIN_HALF = 4
-"""Components (or blocks) per half of the stack below which the halves cannot be compared."""
 
 DECAY = 0.5
 """The inverse-depth paper's finding (update size ∝ 1/l, beta = 1) holds where beta's interval
@@ -903,26 +491,9 @@ def decay_verdicts(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) ->
     return "\n".join(lines)
 
 
-def skip_verdicts(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str:
-    """Per (model, task): the verdict on the depth-efficiency paper's second finding (skipping a
-    block of the second half changes the output less): mean KL of the first half's skips minus
-    the second's, its Welch interval over blocks."""
-    lines = []
-    effects = tables["skip_effects"]
-    for key, sub in effects.group_by(*KEY, maintain_order=True):
-        row = dict(zip(KEY, key, strict=True))
-        first = (sub["relative_depth"] <= 0.5).to_numpy()
-        diff, interval, n = halves(sub["kl"].to_numpy(), first)
-        lines.append("- " + verdict(
-            f"{names.get(row['model'], row['model'])}, {row['task']}: skipping a block of the "
-            "second half changes the output less", "mean KL, 1st − 2nd half (nats)", diff,
-            interval, n, 0.0, min_n=MIN_HALF, unit="blocks per half", digits=3))  # fmt: skip
-    return "\n".join(lines)
-
-
 def report(ctx: ReportContext) -> str:
-    """The "How depth is used" section: the depth-decay table and the geometry figure, the Gram
-    angles and the skip effects where extracted."""
+    """The "How depth is used" section: the depth-decay table, its verdicts and the geometry
+    figure."""
     tables = ctx.tables
     if "geometry" not in tables:
         return "No partition holds the geometry columns (see the notes above)."
@@ -951,28 +522,6 @@ def report(ctx: ReportContext) -> str:
             geometry_spec,
         ),
     ]
-    if "gram_blocks" in tables:
-        parts += [
-            "Angles from the Gram matrices (`extract --gram`): between consecutive block updates "
-            "(90° = uncorrelated, as the inverse-depth paper finds) and of each state to the final "
-            "one.",
-            figure("depth_gram.png", "Gram-matrix angles", gram_spec),
-        ]
-    if "skip_effects" in tables:
-        lone = lone_subsets(tables["skip_effects"], tables["manifests"])
-        parts += [
-            "Skipping block b (`extract --skips`): the model's own option logits with the block "
-            "replaced by the identity on every call. TE = logits − skip logits, DE = the block's "
-            "own logit contributions (methods §1, final scale frozen), IE = TE − DE: what the "
-            "block does through later blocks and the final norm, which the layer-addition curves "
-            "do not see. Effects are mean absolute values over instances and options, in logit "
-            "units; KL of the skipped model's option distribution from the full one's, in nats. "
-            + (f"They rest on {lone}" if lone else ""),
-            skip_table(tables, ctx.names),
-            skip_verdicts(tables, ctx.names),
-            figure("depth_skips.png", "Layer skips", skip_spec),
-        ]
-    parts += [not_extracted(tables["manifests"], t) for t in _OPTIONAL]
     return "\n\n".join(p for p in parts if p)
 
 

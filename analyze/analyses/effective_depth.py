@@ -33,6 +33,7 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.analyses.text_lens import LENS, LENS_ROWS, document_means
+from layerdiv.analyze.frames import with_table
 from layerdiv.analyze.markdown import fmt, key_rows, markdown_table, model_label
 from layerdiv.analyze.registry import (
     Analysis,
@@ -58,7 +59,6 @@ from layerdiv.analyze.text import (
     check_token_order,
     token_dots,
     token_geometry,
-    with_table,
 )
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY, MODEL_KEY
@@ -245,7 +245,10 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     """The registry's entry point: ``effective_depth`` of every text partition (ED_cos), with
     ED_KL and ED_top5 where it holds the final lens; notes name the others."""
     lensed = {
-        p.where for p in with_table(ctx.parts, "token_lens", ctx.notes, "lens effective depth")
+        p.where
+        for p in with_table(
+            ctx.parts, "token_lens", ctx.notes, "Lens effective depth (ED_KL, ED_top5)"
+        )
     }
     other = [p.key.label for p in ctx.parts if p.where in lensed and p.manifest.lens != "final"]
     if other:

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 
 import polars as pl
 
+from layerdiv.analyze.frames import tag
 from layerdiv.analyze.registry import Analysis, Context, map_partitions, register
-from layerdiv.analyze.text import tag, with_table
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
 
@@ -61,10 +61,14 @@ def partition_curves(info: PartitionInfo) -> pl.DataFrame:
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
     """The registry's entry point: ``lens_curves`` of the choice partitions extracted with
     ``--lens`` (none without: the lens is optional on choice tasks)."""
-    parts = with_table(ctx.parts, "lens")
-    if not parts:
-        return {}
-    return {"lens_curves": pl.concat(list(map_partitions(partition_curves, parts)))}
+    return {"lens_curves": pl.concat(list(map_partitions(partition_curves, ctx.parts)))}
 
 
-register(Analysis(name="lens_curves", title="Logit lens at the last prompt token", tables=tables))
+register(
+    Analysis(
+        name="lens_curves",
+        title="Logit lens at the last prompt token",
+        tables=tables,
+        needs=("lens",),
+    )
+)

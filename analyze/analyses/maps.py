@@ -33,7 +33,7 @@ from scipy.stats import spearmanr
 from layerdiv.analyze import plots
 from layerdiv.analyze.layer_maps import ArrayLayers, fit_maps
 from layerdiv.analyze.markdown import DASH, fmt, markdown_table, verdict
-from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
+from layerdiv.analyze.registry import Analysis, Context, ReportContext, not_extracted, register
 from layerdiv.errors import LayerdivError
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import DEFAULT_REVISION, MODEL_KEY, PartitionKey
@@ -90,10 +90,7 @@ def _pairs(parts: list[PartitionInfo], spec: str) -> list[tuple[PartitionInfo, P
     with_states = [p for p in parts if "states" in p.tables]
     tasks = sorted({p.task for p in with_states})
     if not with_states:
-        raise MapsError(
-            "--maps: no selected partition has states; extract one task with --states K|all "
-            "for both models"
-        )
+        raise MapsError(not_extracted(parts, "states", "--maps (the layers' states)"))
     if len(tasks) > 1:
         raise MapsError(
             f"--maps maps two partitions of one task, and the selection has states of tasks "
@@ -142,8 +139,9 @@ def _find(parts: list[PartitionInfo], name: str, task: str) -> PartitionInfo:
         )
     if "states" not in found[0].tables:
         raise MapsError(
-            f"--maps: {found[0].where} has no states; add them with "
-            f"`{found[0].extract_command('states')} 1024`"
+            not_extracted([found[0]], "states", f"--maps {name} (its states)")
+            or f"--maps: the states of {found[0].where} are incomplete; complete them with "
+            f"`{found[0].extract_command('states')}`"
         )
     return found[0]
 

@@ -156,5 +156,6 @@ register(
         kinds=("choice", "text"),
         among=several_revisions,
         by_revision=True,
+        after=("paper",),
     )
 )

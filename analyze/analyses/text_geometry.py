@@ -13,15 +13,16 @@ zero vector, is left out of its count) and its maximum ``<c>_max``. Angles are i
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import polars as pl
 
 from layerdiv.analyze import plots
+from layerdiv.analyze.frames import by_model, tag
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.overlap import independent
 from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
-from layerdiv.analyze.text import TEXT_KIND, BlockStats, tag, text_passes, text_vs_last_token
+from layerdiv.analyze.text import TEXT_KIND, BlockStats, text_passes, text_vs_last_token
 from layerdiv.store.key import KEY
 
 
@@ -62,32 +63,13 @@ PANELS = (
 """The geometry figure's panels: column and axis label (``proj``: methods §10)."""
 
 
-def _by_model(frame: pl.DataFrame, manifests: pl.DataFrame, columns: Iterable[str]) -> pl.DataFrame:
-    """Token-weighted means over a model's text tasks, per block (null where no task has the
-    column, e.g. theta_update of the last block; a task whose documents another task holds left
-    out)."""
-    columns = list(columns)
-    return (
-        independent(frame, manifests)
-        .group_by("model", "block", "relative_depth")
-        .agg(
-            *(
-                (pl.col(c) * pl.col("n_tokens")).sum()
-                / pl.col("n_tokens").filter(pl.col(c).is_not_null()).sum()
-                for c in columns
-            ),
-        )
-        .sort("model", "block")
-    )
-
-
 def geometry_spec(
     table: pl.DataFrame, manifests: pl.DataFrame, names: dict[str, str]
 ) -> plots.Figure:
     """Seven panels of token-weighted means (solid) and maxima (dotted, sizes only) against relative
     depth, models overlaid; sizes on a log axis, angles in plain degrees with 90° marked."""
     columns = [f"{c}_mean" for c, _ in PANELS] + [f"{c}_max" for c, _ in PANELS[:3]]
-    means = _by_model(table, manifests, columns)
+    means = by_model(table, manifests, ["block", "relative_depth"], columns, weight="n_tokens")
     panels = []
     for column, label in PANELS:
         panel = plots.Panel(
@@ -137,7 +119,13 @@ def side_by_side(tables: Mapping[str, pl.DataFrame]) -> pl.DataFrame | None:
     if "geometry_blocks" not in tables:
         return None
     manifests = tables["manifests"]
-    text = _by_model(tables["text_geometry"], manifests, [c for c, _, _ in SIDE_BY_SIDE])
+    text = by_model(
+        tables["text_geometry"],
+        manifests,
+        ["block", "relative_depth"],
+        [c for c, _, _ in SIDE_BY_SIDE],
+        weight="n_tokens",
+    )
     last = (
         independent(tables["geometry_blocks"], manifests)
         .with_columns((pl.col("block") - 1).cast(pl.Int16))

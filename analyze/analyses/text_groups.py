@@ -33,6 +33,7 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
+from layerdiv.analyze.frames import tag
 from layerdiv.analyze.markdown import fmt, key_rows, markdown_table
 from layerdiv.analyze.registry import (
     Analysis,
@@ -49,7 +50,7 @@ from layerdiv.analyze.stats import (
     depth_score,
     percentile_interval,
 )
-from layerdiv.analyze.text import TEXT_KIND, batches, tag, with_table
+from layerdiv.analyze.text import TEXT_KIND, batches
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
 
@@ -259,10 +260,7 @@ def partition_tables(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
     """The registry's entry point: both tables of the partitions extracted with ``--skips``."""
-    parts = with_table(ctx.parts, "future_output")
-    if not parts:
-        return {}
-    pairs = list(map_partitions(partition_tables, parts))
+    pairs = list(map_partitions(partition_tables, ctx.parts))
     return {
         "text_group_scores": pl.concat([g for g, _ in pairs]),
         "text_group_slope": pl.concat([s for _, s in pairs]),
@@ -386,5 +384,6 @@ register(
         tables=tables,
         report=report,
         kinds=(TEXT_KIND,),
+        needs=("future_output",),
     )
 )

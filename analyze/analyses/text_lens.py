@@ -24,9 +24,10 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.analyses.lens import lens_tag
+from layerdiv.analyze.frames import by_model
 from layerdiv.analyze.law import power_fit
 from layerdiv.analyze.markdown import fmt, markdown_table
-from layerdiv.analyze.overlap import independent, lone_subsets
+from layerdiv.analyze.overlap import lone_subsets
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -40,7 +41,6 @@ from layerdiv.analyze.text import (
     combine,
     sums,
     text_vs_last_token,
-    with_table,
 )
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
@@ -85,9 +85,7 @@ def partition_lens(info: PartitionInfo) -> pl.DataFrame:
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
     """The registry's entry point: ``text_lens`` of the text partitions extracted with
     ``--lens``; a note names the others."""
-    parts = with_table(ctx.parts, "token_lens", ctx.notes, "logit lens")
-    if not parts:
-        return {}
+    parts = ctx.parts
     table = pl.concat(list(map_partitions(partition_lens, parts)))
     last_block = [dict(p.key.items()) for p in parts if p.manifest.lens == "last-block"]
     if not last_block:
@@ -170,16 +168,10 @@ PANELS = (
 )
 
 
-def _by_model(table: pl.DataFrame, manifests: pl.DataFrame) -> pl.DataFrame:
-    """Means over a model's tasks of one lens readout, per layer (a task whose instances another
-    task of the table holds left out)."""
-    return (
-        independent(table, manifests, by=["lens"])  # readouts are never averaged together
-        .group_by("model", "lens", "layer", "relative_depth")
-        .agg(pl.col(c).mean() for c in [*LENS, "uniform_ce"])
-        .sort("model", "lens", "layer")
-    )
-
+_LAYER = ["layer", "relative_depth"]
+_LENS_MEANS = [*LENS, "uniform_ce"]
+"""What the figure averages over a model's tasks, per layer (each lens readout apart: readouts are
+never averaged together)."""
 
 UNIFORM = (
     "A lens can be worse than uniform: reading an early state h_l through the final norm and "
@@ -200,11 +192,11 @@ def lens_spec(
     extracted with ``--lens`` with the same readout: the same at their last prompt token
     (``lens_curves``, the gold option's first token). The cross-entropy panel draws the uniform
     baseline log V."""
-    text = _by_model(table, manifests)
+    text = by_model(table, manifests, _LAYER, _LENS_MEANS, by=["lens"])
     spec = text_vs_last_token(
         [(column, column, label) for column, label in PANELS],
         text,
-        None if last is None else _by_model(last, manifests),
+        None if last is None else by_model(last, manifests, _LAYER, _LENS_MEANS, by=["lens"]),
         names,
         "relative depth l / L",
         "Logit lens at every block input (methods §9)",
@@ -327,5 +319,6 @@ register(
         tables=tables,
         report=report,
         kinds=(TEXT_KIND,),
+        needs=("token_lens",),
     )
 )

@@ -33,6 +33,7 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.analyses.depth import decay_verdict
+from layerdiv.analyze.frames import tag, with_table
 from layerdiv.analyze.markdown import DASH, fmt, markdown_table
 from layerdiv.analyze.overlap import independent
 from layerdiv.analyze.registry import (
@@ -50,9 +51,7 @@ from layerdiv.analyze.text import (
     batches,
     combine,
     sums,
-    tag,
     text_passes,
-    with_table,
 )
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
@@ -289,21 +288,7 @@ def profiles_spec(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> 
             )
         )
         fit = fits.filter(pl.col("model") == model)
-        if fit.height and fit["beta"][0] is not None:
-            ax_fit.series.append(
-                plots.Series(
-                    per_block,
-                    depth.tolist(),
-                    (fit["a"][0] * depth ** (-fit["beta"][0])).tolist(),
-                    color=color,
-                    dash="dash",
-                    marker=None,
-                    legend=False,
-                )
-            )
-            ax_fit.notes.append(
-                plots.fit_note(f"{label}: ", fit["beta"][0], fit["beta_se"][0], fit["r2"][0])
-            )
+        plots.power_law_overlay(ax_fit, per_block, depth.tolist(), fit, label, color)
     return plots.Figure(
         "Running text: update profiles (methods §9, inverse-depth paper Fig. 2)",
         [ax_pca, ax_early, ax_fit],
@@ -390,5 +375,6 @@ register(
         tables=tables,
         report=report,
         kinds=(TEXT_KIND,),
+        after=("text_geometry",),
     )
 )

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 import polars as pl
 
 from layerdiv.analyze import plots
+from layerdiv.analyze.frames import tag
 from layerdiv.analyze.markdown import fmt, key_rows, markdown_table
 from layerdiv.analyze.overlap import independent
 from layerdiv.analyze.registry import (
@@ -34,7 +35,7 @@ from layerdiv.analyze.registry import (
     map_partitions,
     register,
 )
-from layerdiv.analyze.text import TEXT_KIND, batches, combine, sums, tag, with_table
+from layerdiv.analyze.text import TEXT_KIND, batches, combine, sums
 from layerdiv.schemas import MODES
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
@@ -79,10 +80,7 @@ def _depth(table: pl.DataFrame, blocks: int) -> pl.DataFrame:
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
     """The registry's entry point: both tables of the partitions extracted with ``--skips``."""
-    parts = with_table(ctx.parts, "future_effects", ctx.notes, "future effects")
-    if not parts:
-        return {}
-    pairs = list(map_partitions(lambda p: (effects_table(p), output_table(p)), parts))
+    pairs = list(map_partitions(lambda p: (effects_table(p), output_table(p)), ctx.parts))
     return {
         "text_skips": pl.concat([e for e, _ in pairs]),
         "text_skip_output": pl.concat([o for _, o in pairs]),
@@ -269,6 +267,7 @@ register(
         tables=tables,
         report=report,
         kinds=(TEXT_KIND,),
+        needs=("future_effects",),
         options={
             LINEAR: "draw the future-effects heatmap on the paper's linear colour scale "
             "(default: log)"
