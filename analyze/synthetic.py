@@ -18,7 +18,7 @@ from layerdiv.measurements import optional_tables
 from layerdiv.measurements.future import FUTURE, future_tables
 from layerdiv.measurements.gram import gram_table
 from layerdiv.measurements.heads import heads_table
-from layerdiv.measurements.lens import LENS
+from layerdiv.measurements.lens import LENS, token_lens_table
 from layerdiv.measurements.skips import skips_table
 from layerdiv.schemas import component_names
 from layerdiv.store import ComponentInfo, Manifest, PartitionWriter
@@ -29,7 +29,6 @@ from layerdiv.store.tables import (
     documents_table,
     instances_table,
     token_blocks_table,
-    token_lens_table,
     tokens_table,
 )
 

@@ -17,6 +17,7 @@ import pyarrow as pa
 from layerdiv.errors import LayerdivError
 from layerdiv.measurements.registry import Measurement, ModelShape, Planning, Setting, register
 from layerdiv.schemas import LENS as LENS_SCHEMA
+from layerdiv.schemas import TOKEN_LENS, token_key
 
 READOUTS = {"final": ("choice", "text"), "last-block": ("text",)}
 """Each readout of the lens (``--lens NAME``, ``layerdiv.extract.lens.LENSES``) and the task kinds
@@ -56,14 +57,29 @@ def lens_table(instances: Sequence[int], values: np.ndarray) -> pa.Table:
     )
 
 
+def token_lens_table(docs: Sequence[int], n_tokens: Sequence[int], values: np.ndarray) -> pa.Table:
+    """Rows (doc, pos, layer) of :data:`~layerdiv.schemas.TOKEN_LENS` from ``values``
+    (sum n_tokens, L + 1, len(:data:`LENS_VALUES`)), ``ce`` NaN (stored as null) at each
+    document's last position."""
+    n, layers = np.shape(values)[:2]
+    doc, pos = token_key(docs, n_tokens)
+    return pa.table(
+        {
+            "doc": pa.array(np.repeat(doc, layers)),
+            "pos": pa.array(np.repeat(pos, layers)),
+            "layer": pa.array(np.tile(np.arange(layers, dtype=np.int16), n)),
+            **lens_columns(values, nullable_ce=True),
+        },
+        schema=TOKEN_LENS,
+    )
+
+
 def lens_rows(units: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
     """The ``lens`` rows of a choice task's instances ``units`` from each one's (L + 1, 5)
     values (:data:`LENS_VALUES`; ce of its gold option's first token); or the ``token_lens``
     rows of a text task's documents from each one's (T, L + 1, 5) values (ce of the next
     token)."""
     if np.ndim(values[0]) == 3:
-        from layerdiv.store.tables import token_lens_table  # the store imports this package
-
         lengths = [len(x) for x in values]
         v = np.concatenate([np.asarray(x) for x in values])
         return {"token_lens": token_lens_table(units, lengths, v)}

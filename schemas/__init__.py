@@ -53,8 +53,10 @@ stored inside the files: they come from the directory names
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
@@ -569,6 +571,15 @@ def tables_of(version: int) -> dict[str, pa.Schema]:
     """The tables (and their schemas) of a store written with schema ``version``."""
     versions = {1: _TABLES_V1, 2: _TABLES_V2, 3: _TABLES_V3, 4: _TABLES_V4, 5: _TABLES_V5}
     return versions.get(version, TABLES)
+
+
+def token_key(docs: Sequence[int], n_tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(doc, pos) of every token of the documents ``docs`` of ``n_tokens`` tokens each, in order:
+    the key of the per-token tables."""
+    counts = np.asarray(n_tokens, np.int64)
+    doc = np.repeat(np.asarray(docs, np.int32), counts)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return doc, (np.arange(counts.sum()) - starts).astype(np.int32)
 
 
 def gram_index(a: int, b: int, n: int) -> int:

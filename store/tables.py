@@ -10,7 +10,6 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from layerdiv.measurements.lens import lens_columns
 from layerdiv.schemas import (
     COMPONENTS,
     DOCUMENTS,
@@ -18,8 +17,8 @@ from layerdiv.schemas import (
     PROMPT_CHARS,
     PROMPT_HEAD,
     TOKEN_BLOCKS,
-    TOKEN_LENS,
     TOKENS,
+    token_key,
 )
 from layerdiv.store.manifest import ComponentInfo
 
@@ -129,21 +128,13 @@ def documents_table(
     )
 
 
-def _token_key(docs: Sequence[int], n_tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """(doc, pos) of every token of the documents, in order."""
-    counts = np.asarray(n_tokens, np.int64)
-    doc = np.repeat(np.asarray(docs, np.int32), counts)
-    starts = np.repeat(np.cumsum(counts) - counts, counts)
-    return doc, (np.arange(counts.sum()) - starts).astype(np.int32)
-
-
 def tokens_table(
     docs: Sequence[int], tokens: Sequence[Sequence[int]], loss: np.ndarray | None = None
 ) -> pa.Table:
     """Rows (doc, pos) of :data:`~layerdiv.schemas.TOKENS`: ``tokens[i]`` the ids of ``docs[i]``;
     ``loss`` (sum of the lengths) the model's next-token cross-entropy per token, NaN (stored as
     null) at each document's last position; None: null everywhere."""
-    doc, pos = _token_key(docs, [len(t) for t in tokens])
+    doc, pos = token_key(docs, [len(t) for t in tokens])
     ids = np.concatenate([np.asarray(t, np.int32) for t in tokens]) if tokens else np.zeros(0)
     return pa.table(
         {
@@ -166,7 +157,7 @@ def token_blocks_table(docs: Sequence[int], n_tokens: Sequence[int], dots: np.nd
     (sum n_tokens, L, 9): per token (documents in order) and block the values of
     :data:`TOKEN_BLOCK_VALUES` (``dd_next`` NaN, stored as null, at the last block)."""
     n, blocks, _ = dots.shape
-    doc, pos = _token_key(docs, n_tokens)
+    doc, pos = token_key(docs, n_tokens)
     values = np.asarray(dots, np.float32).reshape(n * blocks, len(TOKEN_BLOCK_VALUES))
     return pa.table(
         {
@@ -179,23 +170,6 @@ def token_blocks_table(docs: Sequence[int], n_tokens: Sequence[int], dots: np.nd
             },
         },
         schema=TOKEN_BLOCKS,
-    )
-
-
-def token_lens_table(docs: Sequence[int], n_tokens: Sequence[int], values: np.ndarray) -> pa.Table:
-    """Rows (doc, pos, layer) of :data:`~layerdiv.schemas.TOKEN_LENS` from ``values``
-    (sum n_tokens, L + 1, 5: :data:`~layerdiv.measurements.lens.LENS_VALUES`), ``ce`` NaN
-    (stored as null) at each document's last position."""
-    n, layers = np.shape(values)[:2]
-    doc, pos = _token_key(docs, n_tokens)
-    return pa.table(
-        {
-            "doc": pa.array(np.repeat(doc, layers)),
-            "pos": pa.array(np.repeat(pos, layers)),
-            "layer": pa.array(np.tile(np.arange(layers, dtype=np.int16), n)),
-            **lens_columns(values, nullable_ce=True),
-        },
-        schema=TOKEN_LENS,
     )
 
 

@@ -29,6 +29,7 @@ from layerdiv.analyze.synthetic import (
 from layerdiv.cli import main
 from layerdiv.measurements import optional_tables
 from layerdiv.measurements.future import future_tables
+from layerdiv.measurements.lens import token_lens_table
 from layerdiv.measurements.states import states_table
 from layerdiv.schemas import SCHEMA_VERSION, tables_of
 from layerdiv.store import Manifest, PartitionWriter, Store, StoreError
@@ -37,7 +38,6 @@ from layerdiv.store.paths import OverlappingParts
 from layerdiv.store.tables import (
     documents_table,
     token_blocks_table,
-    token_lens_table,
     tokens_table,
 )
 from layerdiv.store.writer import StoreUnwritable
