@@ -101,6 +101,10 @@ class Results:
     analyses: list[str] = field(default_factory=list)
     """The registered analyses that ran: those whose task kinds the selection holds, in
     partitions that hold the tables they need."""
+    coverage: dict[str, list[str]] = field(default_factory=dict)
+    """Per analysis that ran on some of its partitions only, the lines naming those extracted
+    without a table it needs and the option that adds it (its report section opens with them;
+    an analysis that ran on none gets them in :attr:`notes`)."""
 
     def _table(self, name: str) -> pl.DataFrame | None:
         tables = self.__dict__.get("by_name", {})
@@ -261,23 +265,27 @@ def run_analysis(
     )
     manifests = st.manifests(models, tasks).filter(pl.col("n_done") > 0)
     tables = {"manifests": mark_subsets(manifests, ctx.parts)}
-    ran = []
+    ran, coverage = [], {}
     with cluster.executor(executor, ray_address) as runner, using(runner):
         for analysis in analyses:
-            parts = analysis.applies_to(ctx.parts, ctx.notes)
+            lacking: list[str] = []
+            parts = analysis.applies_to(ctx.parts, lacking)
             if not parts:
+                ctx.notes.extend(lacking)
                 continue
             try:
                 new = analysis.tables(replace(ctx, parts=parts), MappingProxyType(dict(tables)))
             except NoData as err:
-                ctx.notes.append(f"analysis {analysis.name!r} left out: {err}")
+                ctx.notes.extend([*lacking, f"analysis {analysis.name!r} left out: {err}"])
                 continue
             ran.append(analysis.name)
+            if lacking:
+                coverage[analysis.name] = lacking
             clash = sorted(set(new) & (set(tables) | set(ctx.spill.names())))
             if clash:
                 raise ValueError(f"analysis {analysis.name!r} returns tables that exist: {clash}")
             tables.update(new)
-    for note in ctx.notes:
+    for note in [*ctx.notes, *(line for lines in coverage.values() for line in lines)]:
         warnings.warn(note, LayerdivWarning, stacklevel=3)
     settings = {
         "store": str(st.root),
@@ -288,7 +296,9 @@ def run_analysis(
         **dict(options or {}),
     }
     problems = st.problems(models, tasks)
-    return Results(tables, scale, min_params, ctx.notes, problems, ctx.spill, settings, ran)
+    return Results(
+        tables, scale, min_params, ctx.notes, problems, ctx.spill, settings, ran, coverage
+    )
 
 
 analyze = run_analysis

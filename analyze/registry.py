@@ -114,9 +114,10 @@ class Analysis:
     selection holds none."""
     needs: tuple[str, ...] = ()
     """The optional tables (of the measurements, ``layerdiv.measurements``) it reads: it gets the
-    partitions of its kinds that hold every one, and does not run when none does; each partition
-    extracted without one gets a note (:func:`not_extracted`) naming the ``extract`` option that
-    adds it."""
+    partitions of its kinds that hold every one, and does not run when none does; the partitions
+    extracted without one are named in one line (:func:`not_extracted`) with the ``extract``
+    option that adds it: at the head of its report section where it ran on the others, a note
+    where it ran on none."""
     after: tuple[str, ...] = ()
     """The analyses whose tables it reads (``prior``): they run before it."""
     among: Callable[[list[PartitionInfo]], list[PartitionInfo]] | None = None

@@ -146,7 +146,9 @@ def render(
         if a.report is not None and a.name in results.analyses
     ]
     body = [  # a section that returns "" (nothing asked for) is left out
-        f"## {a.title}\n\n{_methods_line(a.methods)}{text}" for a, text in sections if text
+        f"## {a.title}\n\n{_methods_line(a.methods)}{_coverage(results.coverage.get(a.name))}{text}"
+        for a, text in sections
+        if text
     ]
     n_models, n_tasks = manifests["model"].n_unique(), manifests["task"].n_unique()
     notes = "".join(f"\n\n{line}." for line in subset_notes(manifests, ctx.names))
@@ -165,6 +167,12 @@ def render(
     )
     parts = [header, *body, "## Provenance\n\n" + provenance_table(manifests)]
     return "\n\n".join(parts) + "\n", ctx
+
+
+def _coverage(lines: Sequence[str] | None) -> str:
+    """The lines that open a section computed on some of its partitions only: which lack a
+    table it needs, and the option that adds it."""
+    return "".join(f"{line}\n\n" for line in lines or ())
 
 
 def _methods_line(sections: Sequence[int | str]) -> str:

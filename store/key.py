@@ -58,6 +58,9 @@ every per-partition result table starts with them."""
 MODEL_KEY: tuple[str, ...] = tuple(c for c in KEY if c != "task")
 """The key of one set of weights (a model's revision): the ``models`` view's rows."""
 
+SERIES: tuple[str, ...] = tuple(c for c in KEY if c != "revision")
+"""The key of one model's task across its revisions (a curve against the training step)."""
+
 DEFAULT_REVISION = "main"
 """The revision of a model extracted without ``--revision``."""
 

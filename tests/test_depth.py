@@ -209,6 +209,29 @@ def test_analyze_and_report_include_depth(store: Path, tmp_path: Path) -> None:
     assert f"{beta:.2f} ±" in section
 
 
+def test_a_table_some_partitions_lack_is_said_in_its_section_not_as_a_warning(
+    tmp_path: Path,
+) -> None:
+    """Gram angles of one of two tasks: the section says which partition lacks them and how to
+    add them; the report's warnings (its notes) do not repeat it."""
+    v = make_vectors(np.random.default_rng(1), 6, 2, 8, 2)
+    gram = np.einsum("icd,ied->ice", v.z, v.z)
+    upper = np.triu_indices(v.z.shape[1])
+    flat = gram[:, upper[0], upper[1]].astype(np.float32)
+    write_partition(tmp_path, "m", "a", v.logits, v.gold, decoder_kinds(2), chunk=3,
+                    optional={"gram": flat})  # fmt: skip
+    write_partition(tmp_path, "m", "b", v.logits, v.gold, decoder_kinds(2), chunk=3)
+    results = analyze(tmp_path)
+    line = "Gram-matrix angles: not extracted for m/main/b (`layerdiv extract --gram` adds it)."
+    assert "gram" in results.analyses and results.coverage["gram"] == [line]
+    assert line not in results.notes
+    path, notes = write_report(results, tmp_path / "report")
+    text = path.read_text()
+    assert line not in notes and line not in text[: text.index("## ")]
+    section = text[text.index("## Gram-matrix angles") :]
+    assert section[: section.index("\n## ")].count(line) == 1
+
+
 @pytest.mark.parametrize(
     ("value", "refusal"),
     [

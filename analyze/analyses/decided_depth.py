@@ -48,7 +48,7 @@ from layerdiv.analyze.stats import (
 from layerdiv.analyze.text import BATCH_TOKENS, TEXT_KIND, batches
 from layerdiv.schemas import tables_of
 from layerdiv.store import PartitionInfo, StoreError
-from layerdiv.store.key import KEY
+from layerdiv.store.key import KEY, SERIES
 
 GROUPS = ("all", "correct", "incorrect", "q1", "q2", "q3", "q4")
 """The token groups of ``decided_depth``, in table and figure order."""
@@ -215,8 +215,8 @@ def decided_figure(table: pl.DataFrame, hist: pl.DataFrame, names: dict[str, str
     task), and the mean relative decided depth per token group with its bootstrap interval."""
     # the key with the most groups first: the group axis takes its categories in order of
     # appearance, and a key may lack a group (no correct prediction)
-    counts = table.filter(pl.col("mean").is_not_null()).group_by("model", "task").len()
-    ranked = counts.sort("len", "model", "task", descending=[True, False, False])
+    counts = table.filter(pl.col("mean").is_not_null()).group_by(*SERIES).len()
+    ranked = counts.sort("len", *SERIES, descending=[True, False, False])
     keys = [(m, t) for m, t, _ in ranked.iter_rows()]
     color = dict(zip(keys, plots.colors(len(keys)), strict=False))
     share = plots.Panel(

@@ -61,7 +61,7 @@ from layerdiv.analyze.text import (
     token_geometry,
 )
 from layerdiv.store import PartitionInfo
-from layerdiv.store.key import KEY, MODEL_KEY
+from layerdiv.store.key import KEY, MODEL_KEY, SERIES
 
 COSINES = ("cos_attn", "cos_mlp", "cos_layer")
 """The cosines whose block means c(l) averages (methods §15)."""
@@ -335,7 +335,7 @@ def step_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
             TITLES[measure], xlabel="training step", ylabel="(ED + 1) / L", yrange=(0, 1.05)
         )
         rows = known.filter(pl.col("measure") == measure).sort("step")
-        for (model, task), sub in rows.group_by("model", "task", maintain_order=True):
+        for (model, task), sub in rows.group_by(*SERIES, maintain_order=True):
             panel.series.append(
                 plots.Series(
                     f"{names.get(str(model), str(model))} · {task}",
@@ -355,7 +355,7 @@ def step_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
 def several_steps(table: pl.DataFrame) -> bool:
     """Whether some (model, task) has more than one revision with a recorded step."""
     known = table.filter(pl.col("step").is_not_null())
-    return bool(known.group_by("model", "task").agg(pl.col("step").n_unique() > 1)["step"].any())
+    return bool(known.group_by(*SERIES).agg(pl.col("step").n_unique() > 1)["step"].any())
 
 
 def report(ctx: ReportContext) -> str:
