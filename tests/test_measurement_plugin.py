@@ -298,15 +298,18 @@ def test_it_brings_its_analysis_figure_and_report_section(
     assert done.returncode == 0, done.stderr
     text = (out / "report.md").read_text()
     section = text[text.index("## Block output norms") :]
-    assert section.startswith("## Block output norms\n\nMean p-norm of each block's output over 1")
-    assert "](figures/block_norms.png)" in section
-    assert (out / "figures" / "block_norms.png").stat().st_size > 5_000
-    # the partition extracted without it gets the registry's one note, with the flag that adds it
+    # the partition extracted without it is named in the registry's one line, with the flag that
+    # adds it, at the head of the section computed on the other (not as a warning of the report)
     slug = Store(store).select(tasks=["plain"])[0].key.label
     note = (
         f"Block output norms: not extracted for {slug} (`layerdiv extract --block-norms` adds it)"
     )
-    assert note in text[: text.index("## ")]
+    assert section.startswith(
+        f"## Block output norms\n\n{note}.\n\nMean p-norm of each block's output over 1"
+    )
+    assert note not in text[: text.index("## ")]
+    assert "](figures/block_norms.png)" in section
+    assert (out / "figures" / "block_norms.png").stat().st_size > 5_000
     page = (out / "report.html").read_text()
     assert "Block output norms" in page and 'data-figure="block_norms.png"' in page
     assert "Block output norms at the last prompt token" in page  # the Plotly figure's title
