@@ -25,7 +25,7 @@ from pathlib import Path
 
 from common import add_quick, record, stamp_rows, stored_rows
 
-ANALYSE = """
+ANALYSE = r"""
 import sys, time
 from pathlib import Path
 from layerdiv.analyze.analyses import reweight
