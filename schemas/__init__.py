@@ -45,6 +45,10 @@ History:
 - 6: ``token_lens`` and ``lens`` gain ``final_rank`` (the rank of the model's own top-1 token
   under p_l, methods §16) and ``top1`` (p_l's own top-1 token); null in stores of version 5 and
   older.
+- 7: optional tables ``igrad`` and ``igrad_ends`` (``extract --igrad``: integrated gradients per
+  block and position, methods §13), ``erasure`` (``extract --erase``: residual erasure, methods
+  §14) and ``sinks`` (``extract --sinks``: attention on the first token per block and head,
+  methods §16), on both task kinds.
 
 The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``revision``, ``task``) are not
 stored inside the files: they come from the directory names
@@ -61,7 +65,7 @@ import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """Version of the on-disk layout and of the column sets below (the one this code writes)."""
 
 OLDEST_READABLE = 1
@@ -470,6 +474,87 @@ SKIP_KEYS = {
 """The key columns of the future-effects tables: no two rows of a part share them (readers
 check it, :meth:`layerdiv.store.PartitionInfo.batches`)."""
 
+IGRAD = _schema(
+    "igrad",
+    [
+        pa.field("doc", pa.int32(), nullable=False),
+        pa.field("sublayer", pa.dictionary(pa.int8(), pa.string()), nullable=False),
+        pa.field("block", pa.int16(), nullable=False),
+        pa.field("pos", pa.int32(), nullable=False),
+        pa.field("attribution", pa.float32(), nullable=False),
+    ],
+)
+"""Optional (``extract --igrad``; methods §13). One row per (doc, sublayer, block, pos), sorted
+so: the integrated-gradients attribution map.
+
+- ``doc``: the document's index in the task's order (a choice task: the instance's).
+- ``sublayer``: the site, one of :data:`SUBLAYERS`: ``block`` (block l's output h_(l+1)),
+  ``attn`` or ``mlp`` (the sublayer's output, before it is added).
+- ``block``: block l, 0-based (as ``skipped`` in :data:`FUTURE_EFFECTS`).
+- ``pos``: token position t (0-based; a choice task: the prompt's positions).
+- ``attribution``: IG(l, t) = sum_d (x - b)[t, d] (1/m) sum_k df/dx[t, d] at x(alpha_k) (a left
+  Riemann sum over m steps, the partition's ``igrad_steps``).
+"""
+
+IGRAD_ENDS = _schema(
+    "igrad_ends",
+    [
+        pa.field("doc", pa.int32(), nullable=False),
+        pa.field("sublayer", pa.dictionary(pa.int8(), pa.string()), nullable=False),
+        pa.field("block", pa.int16(), nullable=False),
+        pa.field("f_input", pa.float32(), nullable=False),
+        pa.field("f_baseline", pa.float32(), nullable=False),
+    ],
+)
+"""Optional (``extract --igrad``; methods §13). One row per (doc, sublayer, block), as
+:data:`IGRAD`: the target at the path's two ends, so that the completeness gap
+sum_t IG(l, t) - (f(x) - f(b)) can be shown.
+
+- ``f_input``: f(x), the target with the site's own activation (alpha = 1).
+- ``f_baseline``: f(b), the target with every position's activation set to the baseline b, the
+  site's mean over the document's positions (alpha = 0).
+"""
+
+ERASURE = _schema(
+    "erasure",
+    [
+        pa.field("doc", pa.int32(), nullable=False),
+        pa.field("layer", pa.int16(), nullable=False),
+        pa.field("pos", pa.int32(), nullable=False),
+        pa.field("effect", pa.float32(), nullable=False),
+    ],
+)
+"""Optional (``extract --erase``; methods §14). One row per (doc, layer, pos), sorted so: the
+residual-erasure map.
+
+- ``doc``: as in :data:`IGRAD`.
+- ``layer``: state l = 0..L (as in :data:`STATES`: h_0 the embedding output, h_l block l-1's
+  output).
+- ``pos``: the position t whose state h_l alone was replaced by the reference mean mu_l.
+- ``effect``: max over the answer-predicting positions j of ||softmax(z'_j) - softmax(z_j)||_2
+  (a choice task: the change of the option-probability vector at the last prompt token); exact 0
+  where t lies after every such position (not computed).
+"""
+
+SINKS = _schema(
+    "sinks",
+    [
+        pa.field("doc", pa.int32(), nullable=False),
+        pa.field("block", pa.int16(), nullable=False),
+        pa.field("head", pa.int16(), nullable=False),
+        pa.field("bos_attention", pa.float32(), nullable=False),
+    ],
+)
+"""Optional (``extract --sinks``; methods §16). One row per (doc, block, head), sorted so.
+
+- ``doc``: as in :data:`IGRAD`.
+- ``block``: block l, 0-based.
+- ``head``: query head h of block l's attention.
+- ``bos_attention``: the mean over query positions p = 1..T-1 of the attention weight on key
+  position 0 (after the softmax, as the model computes it: rotary, grouped-query and
+  sliding-window attention included).
+"""
+
 TABLES = {
     "components": COMPONENTS,
     "instances": INSTANCES,
@@ -484,6 +569,10 @@ TABLES = {
     "future_effects": FUTURE_EFFECTS,
     "future_output": FUTURE_OUTPUT,
     "states": STATES,
+    "igrad": IGRAD,
+    "igrad_ends": IGRAD_ENDS,
+    "erasure": ERASURE,
+    "sinks": SINKS,
 }
 """Every table of the store by name, as this version writes them."""
 
@@ -552,8 +641,12 @@ _TABLES_V3 = {t: TABLES[t] for t in ("components", "instances", "skips", "heads"
 _TABLES_V2 = {**_TABLES_V3, "instances": _schema("instances", _INSTANCE_FIELDS_V2, version=2)}
 
 
+_TABLES_V6 = {
+    t: s for t, s in TABLES.items() if t not in ("igrad", "igrad_ends", "erasure", "sinks")
+}
+
 _TABLES_V5 = {
-    **TABLES,
+    **_TABLES_V6,
     "lens": _schema("lens", _LENS_FIELDS_V5, version=5),
     "token_lens": _schema("token_lens", _TOKEN_LENS_FIELDS_V5, version=5),
 }
@@ -569,7 +662,14 @@ _TABLES_V4 = {
 
 def tables_of(version: int) -> dict[str, pa.Schema]:
     """The tables (and their schemas) of a store written with schema ``version``."""
-    versions = {1: _TABLES_V1, 2: _TABLES_V2, 3: _TABLES_V3, 4: _TABLES_V4, 5: _TABLES_V5}
+    versions = {
+        1: _TABLES_V1,
+        2: _TABLES_V2,
+        3: _TABLES_V3,
+        4: _TABLES_V4,
+        5: _TABLES_V5,
+        6: _TABLES_V6,
+    }
     return versions.get(version, TABLES)
 
 
