@@ -23,6 +23,7 @@ from layerdiv.measurements import (
     Capture,
     DecompositionCapture,
     GradientCapture,
+    PartitionCapture,
     RowsCapture,
     for_kind,
     registered,
@@ -158,6 +159,23 @@ class ModelRunner:
         with plugin_errors(self.hooked, "removing its hooks"):
             for capture in (self.capture, *self.measures.values()):
                 capture.remove()
+
+    def prepare(
+        self, seqs: Sequence[Sequence[int]], stored: Mapping[str, pa.Table]
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, pa.Table]]:
+        """What the measurements computed once per partition give before its first chunk
+        (``PartitionCapture.prepare``; ``seqs``: every unit's token ids, ``stored``: the whole
+        tables the partition holds): the settings each derives (by name) and their tables."""
+        derived: dict[str, dict[str, Any]] = {}
+        whole: dict[str, pa.Table] = {}
+        for m, hooks in self.hooked:
+            if isinstance(hooks, PartitionCapture):
+                with plugin_errors([(m, hooks)], "preparing the partition"):
+                    derived[m.name], tables = hooks.prepare(
+                        seqs, lambda batch: self.run(batch), stored
+                    )
+                whole.update(tables)
+        return derived, whole
 
     def run(self, seqs: list[list[int]], ids: list[int] | None = None) -> Any:
         """One forward pass over ``seqs`` (left-padded) and its :data:`Batch`

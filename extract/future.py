@@ -111,19 +111,34 @@ class FutureRows:
     """(R,) how the row ran on: ``total`` or ``local`` (methods §10)."""
 
 
-def _expand(value: Any, rows: torch.Tensor, batch: int, memo: dict[int, torch.Tensor]) -> Any:
+def _expand(
+    value: Any,
+    rows: torch.Tensor,
+    batch: int,
+    memo: dict[int, torch.Tensor],
+    cut: tuple[int, int] | None = None,
+) -> Any:
     """``value`` (block calls' arguments) with every batch-first tensor repeated by ``rows``;
-    a tensor passed to several calls (the mask, the positions) is repeated once (``memo``)."""
+    a tensor passed to several calls (the mask, the positions) is repeated once (``memo``). With
+    ``cut`` (W, q), each such tensor keeps only positions q..W-1 of its first dimension of the
+    batch's width W after the batch one (the queries of a pass that reads the keys and values
+    of the positions before q from a cache: the mask's query rows, the positions, the rotary
+    angles)."""
     if isinstance(value, torch.Tensor):
         if value.dim() >= 2 and value.shape[0] == batch:
             if id(value) not in memo:
-                memo[id(value)] = value.index_select(0, rows.to(value.device))
+                out = value.index_select(0, rows.to(value.device))
+                if cut is not None:
+                    width, start = cut
+                    dim = next(i for i in range(1, out.dim()) if out.shape[i] == width)
+                    out = out.narrow(dim, start, width - start)
+                memo[id(value)] = out
             return memo[id(value)]
         return value
     if isinstance(value, tuple | list):
-        return type(value)(_expand(v, rows, batch, memo) for v in value)
+        return type(value)(_expand(v, rows, batch, memo, cut) for v in value)
     if isinstance(value, dict):
-        return {k: _expand(v, rows, batch, memo) for k, v in value.items()}
+        return {k: _expand(v, rows, batch, memo, cut) for k, v in value.items()}
     return value
 
 

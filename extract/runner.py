@@ -245,13 +245,26 @@ def open_partition(
                      revision_facts(cfg)["revision"])  # fmt: skip
     manifest = build_manifest(loaded, adapter, spec, ident, probe.components, len(plan.items),
                               _chunk_size(cfg), tol, approximate)  # fmt: skip
+    derived, whole = runner.prepare(task.seqs, _stored_whole(plan, cfg.overwrite))
+    for name, values in derived.items():  # settings derived once per partition (fingerprints)
+        plan.measures[name].update(values)
     manifest.settings = dict(plan.measures)
     stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])  # records them, or refuses others
+    for table, data in whole.items():  # before the first chunk
+        writer.write_whole(table, data)
     task.stored, task.grid = stored, stored.chunk_size or _chunk_size(cfg)
     if cfg.chunk_size and task.grid != cfg.chunk_size:
         unit = KINDS[spec.kind].units
         task.notes.append(f"the partition's chunk grid is {task.grid} {unit} (--chunk-size "
                           f"{cfg.chunk_size} applies to new partitions only)")  # fmt: skip
+
+
+def _stored_whole(plan: TaskPlan, overwrite: bool) -> dict[str, pa.Table]:
+    """The tables stored once per partition that the measurements of ``plan`` write and the
+    partition holds (none with ``overwrite``: it is replaced)."""
+    tables = [t for m in registered() if m.name in plan.measures for t in m.whole]
+    found = {} if overwrite else {t: plan.writer.stored_whole(t) for t in tables}
+    return {t: data for t, data in found.items() if data is not None}
 
 
 def _warn_size(task: _Task, m: Measurement) -> None:

@@ -10,6 +10,7 @@ from layerdiv.measurements import gram  # noqa: F401
 from layerdiv.measurements import lens  # noqa: F401
 from layerdiv.measurements import future  # noqa: F401
 from layerdiv.measurements import states  # noqa: F401
+from layerdiv.measurements import erase  # noqa: F401
 from layerdiv.measurements.registry import (
     ENTRY_POINTS,
     Attachment,
@@ -19,6 +20,7 @@ from layerdiv.measurements.registry import (
     Measurement,
     MeasurementError,
     ModelShape,
+    PartitionCapture,
     Planning,
     RowsCapture,
     Setting,
@@ -43,6 +45,7 @@ __all__ = [
     "Measurement",
     "MeasurementError",
     "ModelShape",
+    "PartitionCapture",
     "Planning",
     "RowsCapture",
     "Setting",

@@ -195,22 +195,18 @@ def plan_future(plan: Planning) -> list[tuple[int, int]] | None:
 
 
 def answers(plan: Planning) -> list[tuple[int, int]]:
-    """Per document, its answer's start s = T - A and length A (methods §10,
-    :func:`answer_start`), and a note where a token merges across the boundary; refuses a task
-    without an answer, and with ``answer:N:S`` an answer of fewer than ``ANSWER_MARGIN + 1``
-    tokens (no offset below A - 4)."""
-    spec, split, tokenizer = plan.task, plan.settings["skip_split"], plan.tokenizer
-    if spec.answer is None:
+    """Per document, its answer's start s = T - A and length A (:func:`answer_spans`); refuses
+    a task without an answer, and with ``answer:N:S`` an answer of fewer than
+    ``ANSWER_MARGIN + 1`` tokens (no offset below A - 4)."""
+    spec, split = plan.task, plan.settings["skip_split"]
+    spans = answer_spans(plan)
+    if spans is None:
         raise SplitError(
             f"task {spec.name}: --skip-split {split} anchors the split points at the "
             "answer, and the task names none; add an 'answer' template beside 'text' (the "
             "document is text + answer), or use --skip-split random"
         )
-    out, merged = [], []
-    for doc, item in enumerate(plan.items):
-        assert item.answer is not None  # the task renders one for every document
-        start, merges = answer_start(tokenizer, item.prompt, item.answer)
-        length = len(tokenizer(item.answer, add_special_tokens=False)["input_ids"])
+    for doc, (_, length) in enumerate(spans):
         if split != "answer" and length <= ANSWER_MARGIN:
             raise SplitError(
                 f"task {spec.name}: document {doc}'s answer is {length} tokens, and --skip-split "
@@ -218,6 +214,21 @@ def answers(plan: Planning) -> list[tuple[int, int]]:
                 f"at least {ANSWER_MARGIN + 1}; use --skip-split answer, or filter short answers "
                 "out"
             )
+    return spans
+
+
+def answer_spans(plan: Planning) -> list[tuple[int, int]] | None:
+    """Per document of a text task that names an answer, its answer's start s = T - A and
+    length A (methods §10, :func:`answer_start`), and a note where a token merges across the
+    boundary; None for a task without an answer."""
+    if plan.task.answer is None:
+        return None
+    tokenizer = plan.tokenizer
+    out, merged = [], []
+    for doc, item in enumerate(plan.items):
+        assert item.answer is not None  # the task renders one for every document
+        start, merges = answer_start(tokenizer, item.prompt, item.answer)
+        length = len(tokenizer(item.answer, add_special_tokens=False)["input_ids"])
         out.append((start, length))
         if merges:
             merged.append(doc)

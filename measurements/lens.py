@@ -15,7 +15,14 @@ import numpy as np
 import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
-from layerdiv.measurements.registry import Measurement, ModelShape, Planning, Setting, register
+from layerdiv.measurements.registry import (
+    Measurement,
+    ModelShape,
+    Planning,
+    Setting,
+    per_token_and_layer,
+    register,
+)
 from layerdiv.schemas import LENS as LENS_SCHEMA
 from layerdiv.schemas import TOKEN_LENS, token_key
 
@@ -86,19 +93,6 @@ def lens_rows(units: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table
     return {"lens": lens_table(units, np.stack([np.asarray(x) for x in values]))}
 
 
-def lens_row_counts(
-    rows: Mapping[str, int], blocks: int, settings: Mapping[str, Any]
-) -> tuple[str, str] | None:
-    """A text task's ``token_lens`` holds a row per token of the chunk and layer 0..L."""
-    found, tokens = rows.get("token_lens"), rows.get("tokens")
-    if found is None or tokens is None or found == tokens * (blocks + 1):
-        return None
-    return "token_lens", (
-        f"{found} rows where the chunk needs {tokens * (blocks + 1)} (one per token of its "
-        f"{tokens} and layer 0..{blocks})"
-    )
-
-
 def plan_lens(plan: Planning) -> None:
     """Refuse a readout the task's kind cannot take (:data:`READOUTS`)."""
     readout, kind = plan.settings["lens"], plan.task.kind
@@ -146,7 +140,7 @@ LENS = register(
         readout=("text",),
         attach="layerdiv.extract.lens:lens_hooks",
         rows=lens_rows,
-        check_rows=lens_row_counts,
+        check_rows=per_token_and_layer("token_lens"),
         cost=lens_cost,
         costed={"text": ({"lens": "last-block"},)},
         plan=plan_lens,

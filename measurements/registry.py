@@ -99,6 +99,25 @@ class GradientCapture(Capture, Protocol):
         (``torch.autograd.grad`` of a target w.r.t. the states its hooks kept)."""
 
 
+@runtime_checkable
+class PartitionCapture(Capture, Protocol):
+    """A :class:`Capture` that computes, once per partition and before its first chunk, the
+    tables it stores for the whole partition (:attr:`Measurement.whole`) and settings derived from
+    them (their fingerprint: recorded and compared with the measurement's own, so that two
+    shards, a resume or a merge never mix two of them)."""
+
+    def prepare(
+        self,
+        seqs: Sequence[Sequence[int]],
+        probe: Callable[[list[list[int]]], Any],
+        stored: Mapping[str, pa.Table],
+    ) -> tuple[dict[str, Any], dict[str, pa.Table]]:
+        """``seqs``: every unit's token ids, in the task's order; ``probe(seqs)`` runs one
+        forward pass over them whose values are not stored (the kind's own capture keeps the
+        pass); ``stored``: the partition's stored whole tables (a resume, another shard), to be
+        used rather than computed again. Returns (the derived settings, the whole tables)."""
+
+
 @dataclass(frozen=True)
 class Attachment:
     """What a measurement's hooks are attached with (:attr:`Measurement.attach`'s one argument):
@@ -200,6 +219,22 @@ CheckRows = Callable[[Mapping[str, int], int, Mapping[str, Any]], tuple[str, str
 settings) -> (the first table whose count cannot be right, what is wrong), or None."""
 
 
+def per_token_and_layer(table: str) -> CheckRows:
+    """The :data:`CheckRows` of a text task's ``table`` that holds a row per token of the chunk
+    (its ``tokens`` rows) and layer 0..L."""
+
+    def check(rows: Mapping[str, int], blocks: int, settings: Mapping[str, Any]) -> Any:
+        found, tokens = rows.get(table), rows.get("tokens")
+        if found is None or tokens is None or found == tokens * (blocks + 1):
+            return None
+        return table, (
+            f"{found} rows where the chunk needs {tokens * (blocks + 1)} (one per token of its "
+            f"{tokens} and layer 0..{blocks})"
+        )
+
+    return check
+
+
 @dataclass(frozen=True)
 class Setting:
     """One setting of a measurement: the ``extract`` option that gives it, and its default."""
@@ -267,6 +302,9 @@ class Measurement:
     size_warning: SizeWarning | str | None = None
     """What a run prints before it starts where its tables will be large (or
     ``"module:attribute"``)."""
+    whole: tuple[str, ...] = ()
+    """Tables it stores once per partition, not per chunk (``layerdiv.schemas.WHOLE_TABLES``),
+    given by its hooks' :meth:`PartitionCapture.prepare` before the first chunk."""
 
     def attach_to(self, ctx: Attachment) -> Capture | None:
         """:attr:`attach`'s hooks on ``ctx.model``, attached (the named ones imported first)."""
@@ -330,8 +368,14 @@ class Measurement:
         return " ".join(words or [self.flag])
 
     def describe(self, settings: Mapping[str, Any] | None) -> str:
-        """``settings`` as the options that give them, for messages (``none recorded``)."""
-        return "none recorded" if settings is None else self.command(settings)
+        """``settings`` as the options that give them, and those derived by its hooks
+        (:meth:`PartitionCapture.prepare`) as ``name value``, for messages (``none
+        recorded``)."""
+        if settings is None:
+            return "none recorded"
+        own = {s.name for s in self.settings}
+        derived = [f"{k} {str(v)[:12]}" for k, v in sorted(settings.items()) if k not in own]
+        return " ".join([self.command(settings), *derived])
 
     def click_options(self) -> list[click.Option]:
         """The ``extract`` options it declares: its flag (unless shared) and its settings'."""
@@ -513,9 +557,9 @@ def _tables() -> tuple[dict[str, dict[str, str]], dict[str, pa.Schema]]:
 
 
 def measurement_of(table: str) -> Measurement:
-    """The measurement that writes ``table``."""
+    """The measurement that writes ``table`` (per chunk, or once per partition)."""
     for m in registered():
-        if any(table in ts for ts in m.tables.values()):
+        if table in m.whole or any(table in ts for ts in m.tables.values()):
             return m
     raise KeyError(table)
 

@@ -47,8 +47,10 @@ History:
   older.
 - 7: optional tables ``igrad`` and ``igrad_ends`` (``extract --igrad``: integrated gradients per
   block and position, methods §13), ``erasure`` (``extract --erase``: residual erasure, methods
-  §14) and ``sinks`` (``extract --sinks``: attention on the first token per block and head,
-  methods §16), on both task kinds.
+  §14; with ``erasure_reference``, its reference means mu_l, stored once per partition beside
+  the manifest, :data:`WHOLE_TABLES`, their fingerprint in the settings) and ``sinks``
+  (``extract --sinks``: attention on the first token per block and head, methods §16), on both
+  task kinds.
 
 The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``revision``, ``task``) are not
 stored inside the files: they come from the directory names
@@ -536,6 +538,24 @@ residual-erasure map.
   where t lies after every such position (not computed).
 """
 
+ERASURE_REFERENCE = _schema(
+    "erasure_reference",
+    [
+        pa.field("layer", pa.int16(), nullable=False),
+        pa.field("state", pa.list_(pa.float32()), nullable=False),
+    ],
+)
+"""Optional (``extract --erase``; methods §14), one file per partition (:data:`WHOLE_TABLES`),
+written before its first chunk. One row per layer l = 0..L, in order: the reference mean mu_l of
+h_l over every position (BOS included) of the task's first R documents (prompts of a choice task),
+R the partition's ``erase_reference``; its fingerprint (``erase_reference_sha256``: sha256 of the
+(L + 1, d) float32 values) is part of the partition's settings.
+"""
+
+WHOLE_TABLES = ("erasure_reference",)
+"""Tables stored once per partition rather than per chunk (``layerdiv.store.paths.Partition.whole``:
+beside the manifest), each written by a measurement before the partition's first chunk."""
+
 SINKS = _schema(
     "sinks",
     [
@@ -572,6 +592,7 @@ TABLES = {
     "igrad": IGRAD,
     "igrad_ends": IGRAD_ENDS,
     "erasure": ERASURE,
+    "erasure_reference": ERASURE_REFERENCE,
     "sinks": SINKS,
 }
 """Every table of the store by name, as this version writes them."""
@@ -642,7 +663,7 @@ _TABLES_V2 = {**_TABLES_V3, "instances": _schema("instances", _INSTANCE_FIELDS_V
 
 
 _TABLES_V6 = {
-    t: s for t, s in TABLES.items() if t not in ("igrad", "igrad_ends", "erasure", "sinks")
+    t: s for t, s in TABLES.items() if t not in ("igrad", "igrad_ends", "erasure", "erasure_reference", "sinks")
 }
 
 _TABLES_V5 = {

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import DEFAULT
+from layerdiv.schemas import DEFAULT, TABLES
 from layerdiv.store.location import StorePath, open_parquet
 
 
@@ -213,3 +213,27 @@ def dense(
             f"({', '.join(units.columns)}) x {c} ({', '.join(cells.columns)}) once, in order; "
             f"re-extract it with {flag}--overwrite"
         )
+
+
+def read_whole(path: StorePath, table: str, manifest: Any, where: str) -> pa.Table | None:
+    """The one file of ``table``, a table stored once per partition (``schemas.WHOLE_TABLES``)
+    at ``path`` (``Partition.whole``), read with every page's checksum verified; None where the
+    partition has none. Refuses (``StoreError`` naming it) a file that cannot be read, of another
+    schema, recording settings other than the partition's ``manifest``'s
+    (``Manifest.settings_problem``), or holding a NaN or an infinite value."""
+    if not path.exists():
+        return None
+    with naming(path, where), open_parquet(path) as file:
+        data = file.read(use_threads=False)
+        metadata = file.metadata.metadata
+    if not data.schema.equals(TABLES[table], check_metadata=False):
+        raise StoreError(
+            f"{path}: columns do not match the {table} schema; re-extract {where} with --overwrite"
+        )
+    mixed = manifest.settings_problem(table, metadata)
+    if mixed:
+        raise StoreError(
+            f"{path} {mixed}: a file of another extraction; re-extract {where} with --overwrite"
+        )
+    refuse_not_finite(not_finite(data), table, path, where)
+    return data

@@ -6,6 +6,7 @@ Layout (hive-partitioned by the key, ``layerdiv.store.key``: model slug, revisio
     <store>/manifests/<key>/runs/<utc-time>-<host>-<pid>.json   (one per run)
     <store>/manifests/<key>/tables/<table>     (optional tables requested)
     <store>/manifests/<key>/claims/chunk-<j>.lock   (held while computing)
+    <store>/manifests/<key>/<table>.parquet    (a table stored once per partition)
     <store>/<table>/<key>/part-<start>-<count>.parquet
 
 with ``<key>`` = ``model=<slug>/revision=<rev>/task=<task>`` (stores of schema version <= 4 have
@@ -15,7 +16,11 @@ no ``revision=`` level: their partitions read as revision ``main``,
 ``<table>`` is one of the tables of the partition's task kind (``layerdiv.schemas.KINDS``:
 ``components`` and ``instances`` for choice tasks, ``tokens``, ``token_blocks`` and ``documents``
 for text tasks, and the optional tables). A part holds the instances (documents)
-``start .. start+count-1``. The kind's marker part (``instances``, ``documents``) is renamed into
+``start .. start+count-1``. A table stored once per partition rather than per chunk
+(``layerdiv.schemas.WHOLE_TABLES``: ``--erase``'s reference means) is one file beside the
+manifest (:meth:`Partition.whole`): a replacement (``--overwrite``) removes it with the manifest's
+folder, and ``merge`` copies it as it copies the folder's run records (the same name in two stores
+must hold the same bytes). The kind's marker part (``instances``, ``documents``) is renamed into
 place after every other table's part, so it is the chunk's completion marker.
 """
 
@@ -120,6 +125,11 @@ class Partition(Generic[StorePath]):
     @property
     def manifest(self) -> StorePath:
         return self.dir(MANIFESTS) / MANIFEST_NAME
+
+    def whole(self, table: str) -> StorePath:
+        """The one file of ``table``, a table stored once per partition
+        (``layerdiv.schemas.WHOLE_TABLES``), beside the manifest."""
+        return self.dir(MANIFESTS) / f"{table}.parquet"
 
     @property
     def open_lock(self) -> StorePath:

@@ -35,7 +35,7 @@ from layerdiv.measurements import (
     tables_of_kind,
 )
 from layerdiv.measurements.registry import SETTINGS_KEY, MeasurementError, as_json
-from layerdiv.schemas import KINDS, TABLES, SchemaError, schema_matches
+from layerdiv.schemas import KINDS, TABLES, WHOLE_TABLES, SchemaError, schema_matches
 from layerdiv.store.atomic import (
     atomic_path,
     host,
@@ -52,6 +52,7 @@ from layerdiv.store.manifest import (
     read_manifest,
     write_manifest,
 )
+from layerdiv.store.parts import StoreError, read_whole
 from layerdiv.store.paths import Partition, list_partitions, partition, slug
 
 CLAIMS_DIR = "claims"
@@ -500,7 +501,7 @@ class PartitionWriter:
         writes it, as the partition records them (none for a measurement without settings, or
         whose settings the partition does not record: a store written by other means than
         ``extract``)."""
-        if table not in all_optional_tables():
+        if table not in all_optional_tables() and table not in WHOLE_TABLES:
             return {}
         m = measurement_of(table)
         if not m.settings:
@@ -510,6 +511,38 @@ class PartitionWriter:
         if settings is None:
             return {}
         return {SETTINGS_KEY: json.dumps(settings, sort_keys=True).encode()}
+
+    def stored_whole(self, table: str) -> pa.Table | None:
+        """The partition's stored ``table``, a table stored once per partition
+        (``layerdiv.schemas.WHOLE_TABLES``), read against the stored manifest (None: none
+        stored), for a resume or another shard to use rather than compute it again."""
+        if not self.part.manifest.exists():
+            return None
+        stored = read_manifest(self.part.manifest)
+        return read_whole(self.part.whole(table), table, stored, self.part.key.where)
+
+    def write_whole(self, table: str, data: pa.Table) -> None:
+        """Atomically write the one file of ``table``, a table stored once per partition, stamped
+        with the settings of the manifest :meth:`open` recorded (before the partition's first
+        chunk); one stored with those settings (by a resume, another shard) is kept."""
+        if not schema_matches(table, data.schema, TABLES[table]):
+            raise SchemaError(f"{table} table does not match its schema\n{data.schema}")
+        path = self.part.whole(table)
+        manifest = self._manifest()
+        try:
+            if read_whole(path, table, manifest, self.part.key.where) is not None:
+                return
+        except StoreError:
+            pass  # a damaged file, or one of a replaced extraction: written again
+        with atomic_path(path) as tmp:
+            pq.write_table(
+                data.replace_schema_metadata(
+                    {**(TABLES[table].metadata or {}), **self._stamp(table)}
+                ),
+                tmp,
+                compression="zstd",
+                write_page_checksum=True,
+            )
 
     def chunks_missing(self, table: str) -> list[tuple[int, int]]:
         """Complete chunks that lack a part of the optional ``table`` (to backfill it)."""

@@ -1,0 +1,168 @@
+"""``--erase``: residual erasure on a text task that names an answer (methods §14, ``erasure``):
+per document, state h_l (l = 0..L) and position t, h_l at t alone is replaced by the reference
+mean mu_l and the model runs on; the effect is the largest L2 change of the whole next-token
+distribution over the positions that predict an answer token. The reference means (the task's
+first R documents, ``--erase-reference R``) are computed once per partition, stored in
+``erasure_reference`` beside the manifest and recorded in the settings by their fingerprint
+(``erase_reference_sha256``), so that two shards, a resume or a merge cannot mix two of them.
+The hooks are :class:`layerdiv.extract.erase.EraseCapture`, bound to the text task's per-token
+capture."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import click
+import numpy as np
+import pyarrow as pa
+
+from layerdiv.errors import LayerdivError
+from layerdiv.measurements.future import answer_spans
+from layerdiv.measurements.registry import (
+    Measurement,
+    ModelShape,
+    Planning,
+    Setting,
+    per_token_and_layer,
+    register,
+)
+from layerdiv.schemas import ERASURE, ERASURE_REFERENCE
+
+FINGERPRINT = "erase_reference_sha256"
+"""The setting derived from the reference means: the sha256 of their (L + 1, d) float32 bytes."""
+
+COST_ANSWER = 0.25
+"""The share of a document's tokens the cost estimate takes as its answer (the estimate is made
+from token counts alone; the extraction reads out at the answer's positions only)."""
+
+
+class EraseError(LayerdivError, ValueError):
+    """``--erase`` asked of a task it cannot measure."""
+
+
+def plan_erase(plan: Planning) -> list[tuple[int, int]]:
+    """Refuse a task without an answer and a reference of fewer than 1 or more documents than
+    the run takes; per document, its answer's start s and length A (methods §10)."""
+    spec, count = plan.task, int(plan.settings["erase_reference"])
+    spans = answer_spans(plan)
+    if spans is None:
+        raise EraseError(
+            f"task {spec.name}: --erase measures the change of the answer's predictions "
+            "(methods §14), and the task names no answer; add an 'answer' template beside "
+            "'text' (the document is text + answer), or drop --erase"
+        )
+    if not 1 <= count <= len(plan.items):
+        raise EraseError(
+            f"task {spec.name}: --erase-reference {count} asks for the reference means of its "
+            f"first {count} documents, and this run takes {len(plan.items)}; give a number "
+            f"from 1 to {len(plan.items)} (or a larger --limit)"
+        )
+    return spans
+
+
+def fingerprint(means: np.ndarray) -> str:
+    """The sha256 (hex) of the reference means' (L + 1, d) float32 bytes."""
+    return hashlib.sha256(np.ascontiguousarray(means, np.float32).tobytes()).hexdigest()
+
+
+def reference_table(means: np.ndarray) -> pa.Table:
+    """The ``erasure_reference`` rows of the (L + 1, d) reference means: one per layer."""
+    values = np.asarray(means, np.float32)
+    return pa.table(
+        {
+            "layer": pa.array(np.arange(len(values), dtype=np.int16)),
+            "state": pa.array(list(values), pa.list_(pa.float32())),
+        },
+        schema=ERASURE_REFERENCE,
+    )
+
+
+def reference_means(table: pa.Table) -> np.ndarray:
+    """The (L + 1, d) float32 reference means of an ``erasure_reference`` table."""
+    order = np.argsort(table["layer"].to_numpy())
+    return np.stack(table["state"].to_numpy(zero_copy_only=False))[order].astype(np.float32)
+
+
+def erasure_rows(docs: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
+    """The ``erasure`` rows (doc, layer, pos) of documents ``docs`` from each one's (L + 1, T)
+    effects."""
+    counts = [np.size(v) for v in values]
+    shapes = [np.shape(v) for v in values]
+    return {
+        "erasure": pa.table(
+            {
+                "doc": pa.array(np.repeat(np.asarray(docs, np.int32), counts)),
+                "layer": pa.array(
+                    np.concatenate([np.repeat(np.arange(a, dtype=np.int16), t) for a, t in shapes])
+                ),
+                "pos": pa.array(
+                    np.concatenate([np.tile(np.arange(t, dtype=np.int32), a) for a, t in shapes])
+                ),
+                "effect": pa.array(
+                    np.concatenate([np.asarray(v, np.float32).reshape(-1) for v in values])
+                ),
+            },
+            schema=ERASURE,
+        )
+    }
+
+
+def erase_flops(shape: ModelShape, tokens: int, start: int) -> float:
+    """FLOPs of the prefix-reusing passes of a document of T = ``tokens`` tokens whose answer
+    starts at s = ``start``: per state l and position t <= T - 2, blocks l..L-1 at the queries
+    t..T-1 (keys and values of the positions before t read from the clean pass) and the readout
+    at the answer-predicting positions max(s - 1, t)..T-2; and one clean pass of the blocks that
+    keeps those keys and values."""
+    L, T = shape.layers, tokens
+    t = np.arange(max(T - 1, 0))  # t = 0..T-2
+    # blocks over the queries t..T-1 with keys 0..T-1: a block over T tokens less its first t
+    blocks = shape.block(T) - np.array([shape.block(int(u)) for u in t])
+    read = T - 1 - np.maximum(start - 1, t)  # positions max(s - 1, t)..T-2
+    states = L * (L + 1) / 2  # blocks l..L-1 for each state l = 0..L
+    return float(
+        states * blocks.sum()
+        + (L + 1) * shape.readout(int(np.maximum(read, 0).sum()))
+        + L * shape.block(T)
+    )
+
+
+def erase_cost(
+    shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]
+) -> float:
+    """FLOPs of residual erasure on a document of ``tokens`` tokens (:func:`erase_flops`), its
+    answer taken as the last :data:`COST_ANSWER` of them."""
+    return erase_flops(shape, tokens, tokens - max(1, round(COST_ANSWER * tokens)))
+
+
+ERASE = register(
+    Measurement(
+        name="erase",
+        flag="--erase",
+        help="Text tasks with an answer: also store the residual erasure map (methods §14): per "
+        "state h_l and position, the largest change of the next-token distribution at the "
+        "answer's positions when h_l there is replaced by its reference mean.",
+        tables={"text": ("erasure",)},
+        settings=(
+            Setting(
+                "erase_reference",
+                click.Option(
+                    ["--erase-reference"],
+                    type=int,
+                    default=None,
+                    help="With --erase: the reference means are taken over the task's first R "
+                    "documents (default 10).",
+                ),
+                10,
+            ),
+        ),
+        readout=("text",),
+        attach="layerdiv.extract.erase:EraseCapture",
+        rows=erasure_rows,
+        check_rows=per_token_and_layer("erasure"),
+        cost=erase_cost,
+        plan=plan_erase,
+        whole=("erasure_reference",),
+    )
+)

@@ -1,0 +1,258 @@
+"""Residual erasure (``extract --erase``, methods §14) against an independent float64 reference
+(the whole model in float64, h_l at position t replaced by a hook, the model run again from
+scratch, the full softmax compared at the answer-predicting positions), its reference means,
+partition identity (resume, shards, merge, another reference refused) and its refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from layerdiv.cli import main
+from layerdiv.extract.adapters import adapter_for, get_module, prepare_model
+from layerdiv.measurements.erase import reference_means
+from layerdiv.store import Store
+from layerdiv.store.parts import read_whole
+from tests.test_multihop import SHORT, documents, multihop_task
+from tests.test_text_extract import extract, refused, text_task
+from tests.tolerance import FLOAT32, FLOAT32_DEEP, assert_within
+
+TOLERANCE = 2e-4
+"""An effect (an L2 norm of a change of probabilities, at most sqrt(2)) of the float32 extraction
+through SmolLM2's 30 blocks against the float64 reference."""
+
+
+def blocks_of(model: Any) -> list[Any]:
+    return list(get_module(model, adapter_for(prepare_model(model).config).blocks))
+
+
+def run_states(model: Any, ids: list[int], edit: tuple[int, int, torch.Tensor] | None = None):
+    """h_0..h_L (L + 1, T, d) and the logits (T, V) of one document through the whole model,
+    with ``edit`` = (l, t, value) replacing h_l at position t by value."""
+    blocks = blocks_of(model)
+    states: list[torch.Tensor] = []
+
+    def replace(h: torch.Tensor, layer: int) -> torch.Tensor:
+        if edit is not None and edit[0] == layer:
+            h = h.clone()
+            h[:, edit[1]] = edit[2]
+        states.append(h[0])
+        return h
+
+    def before(module: Any, args: tuple, kwargs: dict) -> Any:
+        h = replace(args[0] if args else kwargs["hidden_states"], 0)
+        return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
+
+    def after(layer: int) -> Any:
+        def hook(module: Any, args: tuple, out: Any) -> Any:
+            if isinstance(out, tuple):
+                return (replace(out[0], layer), *out[1:])
+            return replace(out, layer)
+
+        return hook
+
+    handles = [blocks[0].register_forward_pre_hook(before, with_kwargs=True)]
+    handles += [b.register_forward_hook(after(i + 1)) for i, b in enumerate(blocks)]
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return torch.stack(states), logits
+
+
+def reference(model: Any, references: list[list[int]], docs: list[list[int]], starts: list[int]):
+    """The reference means over the documents ``references`` and each of ``docs``'s (L + 1, T)
+    effects (``starts``: each one's answer start s), by the definition (methods §14)."""
+    first = [run_states(model, ids)[0] for ids in references]
+    means = torch.cat(first, dim=1).mean(dim=1)  # (L + 1, d)
+    effects = []
+    for ids, s in zip(docs, starts, strict=True):
+        T = len(ids)
+        _, clean = run_states(model, ids)
+        p = torch.softmax(clean, dim=-1)
+        effect = np.zeros((len(means), T))
+        for layer in range(len(means)):
+            for t in range(T):
+                _, logits = run_states(model, ids, (layer, t, means[layer]))
+                change = (torch.softmax(logits, dim=-1) - p).norm(dim=-1)
+                effect[layer, t] = float(change[s - 1 : T - 1].max())
+        effects.append(effect)
+    return means.numpy(), effects
+
+
+def stored_effects(store: Path) -> dict[int, np.ndarray]:
+    rows = Store(store).scan("erasure").collect().sort("doc", "layer", "pos")
+    out = {}
+    for (doc,), part in rows.group_by(["doc"], maintain_order=True):
+        layers = part["layer"].max() + 1
+        out[int(doc)] = part["effect"].to_numpy().reshape(layers, -1)
+    return out
+
+
+def stored_means(store: Path) -> np.ndarray:
+    info = Store(store).partitions[0]
+    table = read_whole(info.partition.whole("erasure_reference"), "erasure_reference",
+                       info.manifest, info.where)  # fmt: skip
+    assert table is not None
+    return reference_means(table)
+
+
+@pytest.mark.numerical
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_erasure_matches_an_independent_float64_reference(
+    family: str, tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
+) -> None:
+    task = multihop_task(tmp_path / "task", **SHORT)
+    store = tmp_path / "store"
+    out = extract("--model", str(model_dirs(family)), "--task", str(task), "--store", str(store),
+                  "--erase", "--erase-reference", "2", "--limit", "4", "--batch-size", "2")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    docs, starts = [], []
+    for document, answer in documents(short=True)[:4]:
+        ids = tokenizer(document)["input_ids"]
+        docs.append(ids)
+        starts.append(len(ids) - len(tokenizer(answer, add_special_tokens=False)["input_ids"]))
+    model = build_model(family).to(torch.float64)
+    means, effects = reference(model, docs[:2], docs[2:], starts[2:])  # 2, 3: held out
+    assert_within(stored_means(store), means, np.abs(means).max(axis=1, keepdims=True))
+    got = stored_effects(store)
+    assert sorted(got) == list(range(4))
+    for doc, want in zip((2, 3), effects, strict=True):
+        T = len(docs[doc])
+        assert got[doc].shape == (len(means), T)
+        assert (got[doc][:, T - 1] == 0).all()  # t > T - 2: exact 0, not computed
+        # an L2 norm of a change of probabilities (at most sqrt 2): within FLOAT32 of 1 (the
+        # extraction was seen within 2e-9 of the reference), well below the effects' size
+        assert_within(got[doc], want, 1.0, what=f"document {doc}")
+        assert want.max() > 100 * FLOAT32  # the comparison can fail
+
+
+def test_erase_partition_is_resumed_sharded_merged_and_keeps_its_reference(
+    tmp_path: Path, model_dirs: Any
+) -> None:
+    task = multihop_task(tmp_path / "task", **SHORT)
+    model = str(model_dirs("llama"))
+    whole = tmp_path / "whole"
+    args = ["--model", model, "--task", str(task), "--erase", "--erase-reference", "2",
+            "--chunk-size", "2"]  # fmt: skip
+    assert extract(*args, "--store", str(whole), "--limit", "4").exit_code == 0
+    # a resume extends the partition with the stored reference
+    resumed = tmp_path / "resumed"
+    assert extract(*args, "--store", str(resumed), "--limit", "2").exit_code == 0
+    assert extract(*args, "--store", str(resumed), "--limit", "4").exit_code == 0
+    # shards, merged
+    for i in (1, 2):
+        shard = ["--shard", f"{i}/2", "--limit", "4"]
+        assert extract(*args, "--store", str(tmp_path / f"s{i}"), *shard).exit_code == 0
+    merged = tmp_path / "merged"
+    out = CliRunner().invoke(main, ["merge", str(tmp_path / "s1"), str(tmp_path / "s2"),
+                                    "--into", str(merged)])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    want = Store(whole).scan("erasure").collect().sort("doc", "layer", "pos")
+    settings = Store(whole).partitions[0].manifest.settings["erase"]
+    assert set(settings) == {"erase_reference", "erase_reference_sha256"}
+    for store in (resumed, merged):
+        assert Store(store).partitions[0].manifest.settings["erase"] == settings
+        got = Store(store).scan("erasure").collect().sort("doc", "layer", "pos")
+        assert_within(got["effect"].to_numpy(), want["effect"].to_numpy(), 1.0)
+        assert (stored_means(store) == stored_means(whole)).all()
+
+    # another reference: a resume is refused before anything is written, so is a merge
+    before = sorted(p.name for p in (resumed / "erasure").rglob("*.parquet"))
+    out = CliRunner().invoke(main, ["extract", *args[:-4], "--erase-reference", "3",
+                                    "--chunk-size", "2", "--store", str(resumed),
+                                    "--limit", "6"])  # fmt: skip
+    assert out.exit_code != 0 and "--erase-reference 2" in out.output, out.output
+    assert sorted(p.name for p in (resumed / "erasure").rglob("*.parquet")) == before
+    other = tmp_path / "other"
+    third = [*args[:-4], "--erase-reference", "3", "--chunk-size", "2"]
+    assert extract(*third, "--store", str(other), "--limit", "4").exit_code == 0
+    out = CliRunner().invoke(main, ["merge", str(whole), str(other), "--into",
+                                    str(tmp_path / "m2")])  # fmt: skip
+    assert out.exit_code != 0 and "erase" in out.output, out.output
+
+
+def test_erase_refuses_another_reference_of_the_same_size(tmp_path: Path, model_dirs: Any) -> None:
+    """A reference that changed (here: its stored file replaced by other means) is another
+    extraction: the fingerprint in the settings refuses the resume."""
+    task = multihop_task(tmp_path / "task", **SHORT)
+    store = tmp_path / "store"
+    args = ["--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store),
+            "--erase", "--erase-reference", "2", "--chunk-size", "2"]  # fmt: skip
+    assert extract(*args, "--limit", "2").exit_code == 0
+    info = Store(store).partitions[0]
+    info.partition.whole("erasure_reference").unlink()  # computed again: the same means
+    assert extract(*args, "--limit", "4").exit_code == 0
+    manifest = info.partition.manifest
+    text = manifest.read_text()
+    digest = Store(store).partitions[0].manifest.settings["erase"]["erase_reference_sha256"]
+    manifest.write_text(text.replace(digest, "0" * 64))
+    info.partition.whole("erasure_reference").unlink()
+    out = CliRunner().invoke(main, ["extract", *args, "--limit", "6"])
+    assert out.exit_code != 0 and "erase_reference_sha256" in out.output, out.output
+
+
+def test_bad_erase_input_is_refused_in_one_line(tmp_path: Path, model_dirs: Any) -> None:
+    model = str(model_dirs("llama"))
+    plain = text_task(tmp_path / "a", ["the cat sat on the warm mat by the door of the house"])
+    line = refused(tmp_path, model, plain, "--erase")
+    assert "names no answer" in line and "--erase" in line
+    task = multihop_task(tmp_path / "b", **SHORT)
+    line = refused(tmp_path, model, task, "--erase", "--erase-reference", "5", "--limit", "4")
+    assert "--erase-reference 5" in line and "from 1 to 4" in line
+    line = refused(tmp_path, model, task, "--erase", "--erase-reference", "0")
+    assert "--erase-reference 0" in line
+
+
+def test_erasure_rows_are_checked_per_token_and_layer() -> None:
+    from layerdiv.measurements.erase import ERASE
+
+    assert ERASE.check_rows is not None
+    assert ERASE.check_rows({"erasure": 3 * 10, "tokens": 10}, 2, {}) is None
+    wrong = ERASE.check_rows({"erasure": 29, "tokens": 10}, 2, {})
+    assert wrong is not None and wrong[0] == "erasure"
+
+
+def test_erase_cost_counts_the_prefix_reusing_passes() -> None:
+    """The declared cost against a count of the prefix-reusing passes written out per (l, t)."""
+    from layerdiv.extract.cost import Shape
+    from layerdiv.measurements.erase import erase_flops
+
+    shape = Shape(d=8, layers=3, vocab=50, block_weights=100, attention=16)
+    T, s = 9, 6
+    want = 3 * shape.block(T)  # the clean pass that keeps the keys and values
+    for layer in range(4):
+        for t in range(T - 1):
+            queries = 2 * 100 * (T - t) + 16 * sum(p + 1 for p in range(t, T))
+            want += (3 - layer) * queries + 2 * 8 * 50 * len(range(max(s - 1, t), T - 1))
+    assert erase_flops(shape, T, s) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.numerical
+def test_smollm2_erasure_of_one_short_document(tmp_path: Path) -> None:
+    from layerdiv.extract.models import load_model, load_tokenizer, resolve_source
+
+    task = text_task(tmp_path / "task", ["The capital of France is"], answer=" Paris")
+    store = tmp_path / "store"
+    out = extract("--model", "smollm2-135m-instruct", "--task", str(task), "--store", str(store),
+                  "--erase", "--erase-reference", "1")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    source = resolve_source("smollm2-135m-instruct", None, None, False)
+    tokenizer = load_tokenizer(source)
+    model = load_model(source, tokenizer, torch.device("cpu"), torch.float64).model
+    ids = tokenizer("The capital of France is Paris")["input_ids"]
+    start = len(ids) - len(tokenizer(" Paris", add_special_tokens=False)["input_ids"])
+    means, effects = reference(model, [ids], [ids], [start])
+    scale = np.abs(means).max(axis=1, keepdims=True)
+    assert_within(stored_means(store), means, scale, FLOAT32_DEEP, rel=1e-3)
+    got = stored_effects(store)[0]
+    assert_within(got, effects[0], 1.0, TOLERANCE)
+    assert effects[0].max() > 100 * TOLERANCE
