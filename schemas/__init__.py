@@ -545,11 +545,14 @@ ERASURE_REFERENCE = _schema(
         pa.field("state", pa.list_(pa.float32()), nullable=False),
     ],
 )
-"""Optional (``extract --erase``; methods §14), one file per partition (:data:`WHOLE_TABLES`),
-written before its first chunk. One row per layer l = 0..L, in order: the reference mean mu_l of
-h_l over every position (BOS included) of the task's first R documents (prompts of a choice task),
-R the partition's ``erase_reference``; its fingerprint (``erase_reference_sha256``: sha256 of the
-(L + 1, d) float32 values) is part of the partition's settings.
+"""Optional (``extract --erase``; methods §14), one file per partition beside its manifest
+(:data:`WHOLE_TABLES`), written before its first chunk; its fingerprint
+(``erase_reference_sha256``: the sha256 of the (L + 1, d) float32 values) is part of the
+partition's settings. One row per layer, in order.
+
+- ``layer``: state l = 0..L (as in :data:`ERASURE`).
+- ``state``: the reference mean mu_l: h_l averaged over every position (BOS included) of the
+  task's first R documents, R the partition's ``erase_reference``; d float32 values.
 """
 
 WHOLE_TABLES = ("erasure_reference",)
