@@ -666,7 +666,9 @@ _TABLES_V2 = {**_TABLES_V3, "instances": _schema("instances", _INSTANCE_FIELDS_V
 
 
 _TABLES_V6 = {
-    t: s for t, s in TABLES.items() if t not in ("igrad", "igrad_ends", "erasure", "erasure_reference", "sinks")
+    t: s
+    for t, s in TABLES.items()
+    if t not in ("igrad", "igrad_ends", "erasure", "erasure_reference", "sinks")
 }
 
 _TABLES_V5 = {

@@ -28,6 +28,7 @@ from layerdiv.analyze.synthetic import (
 )
 from layerdiv.cli import main
 from layerdiv.measurements import optional_tables
+from layerdiv.measurements.erase import erasure_rows
 from layerdiv.measurements.future import future_tables
 from layerdiv.measurements.lens import token_lens_table
 from layerdiv.measurements.states import states_table
@@ -118,6 +119,7 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
             [np.arange(100 * d + 1, 100 * d + n) for d, n in zip(docs, n_tok, strict=True)],
             [rng.normal(size=(n - 1, BLOCKS + 1, 8)).astype(np.float16) for n in n_tok],
         ),
+        **erasure_rows(docs, [rng.uniform(size=(BLOCKS + 1, n)) for n in n_tok]),
         "documents": documents_table(
             docs, n_tok, [n > 6 for n in n_tok], [str(d % 2) for d in docs]
         ),
@@ -153,12 +155,14 @@ def test_text_partition_reads_back(text_store: Path) -> None:
         "SELECT (SELECT count(*) FROM tokens), (SELECT count(*) FROM token_blocks), "
         "(SELECT count(*) FROM token_lens), (SELECT count(dd_next) FROM token_blocks), "
         "(SELECT count(ce) FROM token_lens), (SELECT sum(n_tokens) FROM documents), "
-        "(SELECT count(*) FROM future_effects), (SELECT count(*) FROM future_output)"
+        "(SELECT count(*) FROM future_effects), (SELECT count(*) FROM future_output), "
+        "(SELECT count(*) FROM erasure)"
     ).fetchone()
     n_skips = len(LENGTHS) * BLOCKS
     assert got == (
         total, total * BLOCKS, total * (BLOCKS + 1), total * (BLOCKS - 1),
         (total - len(LENGTHS)) * (BLOCKS + 1), total, n_skips * BLOCKS, n_skips,
+        total * (BLOCKS + 1),
     )  # fmt: skip
     tokens = con.execute("SELECT doc, pos, token FROM tokens ORDER BY doc, pos").fetchall()
     assert tokens[:6] == [(0, p, p) for p in range(5)] + [(1, 0, 100)]
@@ -282,7 +286,9 @@ def query(store: Path, *sql: str) -> Any:
     return CliRunner().invoke(main, ["query", "--store", str(store), *sql])
 
 
-TEXT_VIEWS = "documents, tokens, token_blocks, token_lens, future_effects, future_output, manifests"
+TEXT_VIEWS = (
+    "documents, tokens, token_blocks, token_lens, future_effects, future_output, erasure, manifests"
+)
 
 
 @pytest.mark.parametrize(
