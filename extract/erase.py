@@ -148,7 +148,7 @@ class Erasure:
         budget: int,
     ) -> np.ndarray:
         """The (L + 1, n) effects of the document in batch row ``row``."""
-        batch, width = states[0].shape[:2]
+        width = states[0].shape[1]
         start = width - n  # the document's first position in the padded row
         first = max(answer[0] - 1, 0)  # the first answer-predicting position s - 1
         effect = torch.zeros(len(states), n)

@@ -128,9 +128,7 @@ def erase_flops(shape: ModelShape, tokens: int, start: int) -> float:
     )
 
 
-def erase_cost(
-    shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]
-) -> float:
+def erase_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]) -> float:
     """FLOPs of residual erasure on a document of ``tokens`` tokens (:func:`erase_flops`), its
     answer taken as the last :data:`COST_ANSWER` of them."""
     return erase_flops(shape, tokens, tokens - max(1, round(COST_ANSWER * tokens)))
