@@ -26,7 +26,7 @@ import torch
 
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.capture import DecompositionError
-from layerdiv.extract.future import _expand
+from layerdiv.extract.future import PassesAfter, _expand
 from layerdiv.extract.removal import Call, UpdateRemoval
 from layerdiv.measurements import Attachment
 from layerdiv.measurements.erase import (
@@ -225,24 +225,18 @@ class Erasure:
         return (keys[None, :] <= queries[:, None]).expand(copies, 1, width - q, width)
 
 
-class EraseCapture:
-    """The hooks of ``--erase`` on a text task (``layerdiv.measurements.DecompositionCapture``,
-    ``RowsCapture`` and ``PartitionCapture``), bound to its per-token capture
-    (``layerdiv.extract.text.TextCapture``, which keeps the clean pass's states and block calls):
-    the reference means once per partition (:meth:`prepare`), then after each pass of stored
-    documents their effects (:class:`Erasure`, run with the per-token capture paused)."""
+class EraseCapture(PassesAfter):
+    """The hooks of ``--erase`` on a text task (also a ``PartitionCapture``): the reference
+    means once per partition (:meth:`prepare`), then after each pass of stored documents their
+    effects (:class:`Erasure`)."""
+
+    flag = "--erase"
 
     def __init__(self, ctx: Attachment) -> None:
+        super().__init__()
         self.count = int(ctx.settings["erase_reference"])
         self.erasure = Erasure(ctx.model, ctx.adapter, ctx.readout, ctx.planned)
-        self.text: Any = None
         self.means: torch.Tensor | None = None
-        self._ids: Sequence[int] | None = None
-        self._lengths: list[int] = []
-        self._rows: list[np.ndarray] | None = None
-
-    def bind(self, capture: Any) -> None:
-        self.text = capture
 
     def prepare(
         self,
@@ -266,35 +260,10 @@ class EraseCapture:
         self.means = torch.from_numpy(means)
         return {FINGERPRINT: fingerprint(means)}, {"erasure_reference": reference_table(means)}
 
-    def reset(self) -> None:
-        self._rows = None
-
-    def batch(self, ids: Sequence[int] | None, lengths: Sequence[int]) -> None:
-        self._ids, self._lengths = ids, list(lengths)
-
-    def decomposed(self, batch: Any) -> None:
-        if self._ids is None:  # a probe pass: nothing of it is stored
-            return
+    def measure(self, batch: Any, lengths: list[int], docs: list[int]) -> list[np.ndarray]:
         if self.means is None:
             raise DecompositionError("--erase: the reference means were not prepared")
         text = self.text
-        with text.pausing():
-            self._rows = self.erasure.run(
-                text.states(),
-                text.block_args,
-                text.dtype,
-                self.means,
-                self._lengths,
-                list(self._ids),
-                batch.budget,
-            )
-
-    def result(self) -> Sequence[np.ndarray | None]:
-        if self._ids is None:
-            return [None] * len(self._lengths)
-        if self._rows is None:
-            raise DecompositionError("--erase: no forward pass was decomposed")
-        return self._rows
-
-    def remove(self) -> None:
-        """No hooks of its own to remove."""
+        return self.erasure.run(
+            text.states(), text.block_args, text.dtype, self.means, lengths, docs, batch.budget
+        )

@@ -351,25 +351,20 @@ class FutureEffects:
         return result
 
 
-class FutureCapture:
-    """The hooks of ``--skips`` on a text task (``layerdiv.measurements.DecompositionCapture``
-    and ``RowsCapture``), bound to its per-token capture (``layerdiv.extract.text.TextCapture``,
-    which keeps the clean pass's block inputs and calls): after each pass of stored documents,
-    their future effects (:class:`FutureEffects`, run with the per-token capture paused)."""
+class PassesAfter:
+    """Hooks bound to a text task's per-token capture (``layerdiv.extract.text.TextCapture``,
+    which keeps the clean pass's block inputs and calls) that run passes of their own after each
+    pass of stored documents, with that capture paused (``DecompositionCapture`` and
+    ``RowsCapture``): :meth:`measure` gives each document's value."""
 
-    def __init__(self, ctx: Attachment) -> None:
-        s = ctx.settings
-        settings = SkipSettings(
-            s["skip_split"],
-            s["skip_seed"],
-            tuple(s["skip_sublayers"]),
-            tuple(s.get("skip_modes") or ["total"]),  # absent: recorded before local effects
-        )
-        self.effects = FutureEffects(ctx.model, ctx.adapter, ctx.readout, settings, ctx.planned)
+    flag = ""
+    """The extract flag, for messages."""
+
+    def __init__(self) -> None:
         self.text: Any = None
         self._ids: Sequence[int] | None = None
         self._lengths: list[int] = []
-        self._rows: list[FutureRows] | None = None
+        self._rows: list[Any] | None = None
 
     def bind(self, capture: Any) -> None:
         self.text = capture
@@ -383,23 +378,48 @@ class FutureCapture:
     def decomposed(self, batch: Any) -> None:
         if self._ids is None:  # a probe pass: nothing of it is stored
             return
-        text = self.text
-        with text.pausing():
-            self._rows = self.effects.run(
-                text.states(),
-                text.block_args,
-                text.dtype,
-                self._lengths,
-                list(self._ids),
-                max(1, batch.budget // batch.dots.shape[1]),
-            )
+        with self.text.pausing():
+            self._rows = self.measure(batch, self._lengths, list(self._ids))
 
-    def result(self) -> Sequence[FutureRows | None]:
+    def measure(self, batch: Any, lengths: list[int], docs: list[int]) -> list[Any]:
+        """Per row of the pass just run (``batch``: its ``TextBatch``), the document's value."""
+        raise NotImplementedError
+
+    def result(self) -> Sequence[Any]:
         if self._ids is None:
             return [None] * len(self._lengths)
         if self._rows is None:
-            raise DecompositionError("--skips: no forward pass was decomposed")
+            raise DecompositionError(f"{self.flag}: no forward pass was decomposed")
         return self._rows
 
     def remove(self) -> None:
         """No hooks of its own to remove."""
+
+
+class FutureCapture(PassesAfter):
+    """The hooks of ``--skips`` on a text task: after each pass of stored documents, their
+    future effects (:class:`FutureEffects`)."""
+
+    flag = "--skips"
+
+    def __init__(self, ctx: Attachment) -> None:
+        super().__init__()
+        s = ctx.settings
+        settings = SkipSettings(
+            s["skip_split"],
+            s["skip_seed"],
+            tuple(s["skip_sublayers"]),
+            tuple(s.get("skip_modes") or ["total"]),  # absent: recorded before local effects
+        )
+        self.effects = FutureEffects(ctx.model, ctx.adapter, ctx.readout, settings, ctx.planned)
+
+    def measure(self, batch: Any, lengths: list[int], docs: list[int]) -> list[FutureRows]:
+        text = self.text
+        return self.effects.run(
+            text.states(),
+            text.block_args,
+            text.dtype,
+            lengths,
+            docs,
+            max(1, batch.budget // batch.dots.shape[1]),
+        )
