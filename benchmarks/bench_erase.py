@@ -1,0 +1,147 @@
+"""Cost of ``extract --erase`` (a script, not a test): SmolLM2-135M-Instruct (fp32, CPU) on BBC
+News running text with an answer (each document's first ``--chars`` characters, then the next 80
+as its answer), its time against the FLOPs of its prefix-reusing passes at the FLOP rate of a
+plain forward pass measured in the same run.
+
+    python benchmarks/bench_erase.py [--docs 3] [--chars 240] [--repeats 3] [--threads 1] [--quick]
+
+Each repeat runs a plain text extraction and the same with ``--erase`` (in rotating order, each
+into a fresh store; the CPU seconds of ``extract_task``, the model loaded) and a plain forward pass
+over each document alone (one position read out: ``layerdiv.extract.cost.Shape.forward``). The
+erasure's seconds are the difference of the two extractions; its FLOPs are those of its passes,
+counted per document from its tokens T and its answer's start s
+(``layerdiv.measurements.erase.erase_flops``: per state l and position t <= T - 2, blocks l..L-1
+over the queries t..T-1 and the readout at max(s - 1, t)..T-2, and the clean pass that keeps the
+keys and values). Target: at most 1.15 x those FLOPs at the plain forward's rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import add_quick, record
+
+from layerdiv.demo import DEMO_MODEL, bbc_articles
+from layerdiv.extract.adapters import adapter_for, check_softcap
+from layerdiv.extract.config import ExtractConfig, measurement_options
+from layerdiv.extract.cost import Shape
+from layerdiv.extract.models import load_model, load_tokenizer, resolve_source
+from layerdiv.extract.plan import plan_task
+from layerdiv.extract.runner import extract_task
+from layerdiv.measurements.erase import erase_flops
+
+TARGET = 1.15
+"""Target: the erasure's time at most this multiple of its FLOPs at a plain forward's rate."""
+
+ANSWER_CHARS = 80
+"""Characters of each document's answer (the text that follows its first ``--chars``)."""
+
+
+def write_task(folder: Path, docs: int, chars: int) -> Path:
+    """A text task of ``docs`` BBC News articles (evenly spread over the corpus): the first
+    ``chars`` characters, then the next :data:`ANSWER_CHARS` as the answer."""
+    articles = bbc_articles(paragraphs=2)
+    rows = [r for r in articles if len(r["text"]) > chars + ANSWER_CHARS]
+    rows = rows[:: max(1, len(rows) // docs)][:docs]
+    (folder / "bbc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = {"name": "bbc-erase-bench", "kind": "text", "data": "bbc.jsonl",
+            "text": f"{{{{ text[:{chars}] }}}}",
+            "answer": f"{{{{ text[{chars}:{chars + ANSWER_CHARS}] }}}}", "n": len(rows)}  # fmt: skip
+    path = folder / "bbc.yaml"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--docs", type=int, default=3)
+    parser.add_argument("--chars", type=int, default=240, help="characters before the answer")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    add_quick(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.docs, args.chars, args.repeats = 1, 40, 1
+    source = resolve_source(DEMO_MODEL, None, None, False)
+    loaded = load_model(source, load_tokenizer(source), torch.device("cpu"), torch.float32)
+    adapter, shape = adapter_for(source.config), Shape.from_config(source.config)
+    approximate = check_softcap(source.config, False)
+    loads = [os.getloadavg()[0]]
+    with tempfile.TemporaryDirectory(prefix="layerdiv-bench-erase-") as tmp:
+        root = Path(tmp)
+        task = write_task(root, args.docs, args.chars)
+
+        def extract(erase: bool, store: Path) -> float:
+            """CPU seconds of one extraction into the fresh ``store``."""
+            measures = measurement_options({"erase": True, "erase_reference": 1} if erase else {})
+            cfg = ExtractConfig(DEMO_MODEL, [], store, progress=False, measures=measures)
+            plan = plan_task(str(task), loaded.tokenizer, cfg)
+            cpu = time.process_time()
+            extract_task(loaded, adapter, plan, cfg, approximate)
+            return time.process_time() - cpu
+
+        cfg = ExtractConfig(DEMO_MODEL, [], root / "plan", progress=False,
+                            measures=measurement_options({"erase": True, "erase_reference": 1}))  # fmt: skip
+        plan = plan_task(str(task), loaded.tokenizer, cfg)
+        assert plan.documents is not None
+        seqs = plan.documents[0]
+        starts = [s for s, _ in plan.planned["erase"]]
+        flops = sum(erase_flops(shape, len(q), s) for q, s in zip(seqs, starts, strict=True))
+        forward_flops = sum(shape.forward(len(q)) for q in seqs)
+
+        def forward() -> float:
+            """CPU seconds of a plain forward pass over each document alone."""
+            cpu = time.process_time()
+            with torch.inference_mode():
+                for q in seqs:
+                    loaded.model(torch.tensor([q]), use_cache=False, logits_to_keep=1)
+            return time.process_time() - cpu
+
+        extract(False, root / "warm-up")
+        forward()
+        runs: dict[str, list[float]] = {"plain": [], "erase": [], "forward": []}
+        for r in range(args.repeats):
+            for erase in (False, True) if r % 2 == 0 else (True, False):
+                name = "erase" if erase else "plain"
+                runs[name].append(extract(erase, root / f"store-{r}-{name}"))
+            runs["forward"].append(statistics.median(forward() for _ in range(5)))
+            loads.append(os.getloadavg()[0])
+    plain, erase, fwd = (statistics.median(runs[k]) for k in ("plain", "erase", "forward"))
+    rate = forward_flops / fwd
+    predicted = flops / rate
+    measured = erase - plain
+    ratio = measured / predicted
+    tokens = sum(len(q) for q in seqs)
+    print(f"{DEMO_MODEL} (fp32, CPU) on {args.docs} BBC News documents, {tokens} tokens "
+          f"(answers from token {min(starts)} on); {os.cpu_count()} CPUs, load average "
+          f"{min(loads):.1f} to {max(loads):.1f}; medians of {args.repeats} repeats")  # fmt: skip
+    print(f"plain forward: {fwd:.3f} s CPU for {forward_flops / 1e9:.2f} GFLOP = "
+          f"{rate / 1e9:.1f} GFLOP/s")  # fmt: skip
+    print(f"plain text extraction {plain:.2f} s, with --erase {erase:.2f} s: the erasure "
+          f"{measured:.2f} s for {flops / 1e12:.3f} TFLOP, {predicted:.2f} s at the forward's "
+          f"rate: {ratio:.3f} x (target <= {TARGET} -> "
+          f"{'met' if ratio <= TARGET else 'NOT met'})")  # fmt: skip
+    record(
+        "bench_erase",
+        ["measure", "figure", "target"],
+        [
+            ["plain forward, GFLOP/s", round(rate / 1e9, 1), ""],
+            ["--erase passes, TFLOP", round(flops / 1e12, 3), ""],
+            ["--erase, CPU s (extraction with it less without)", round(measured, 2), ""],
+            ["--erase / its FLOPs at the forward's rate", round(ratio, 3), f"<= {TARGET}"],
+        ],
+        loads,
+        threads=args.threads,
+    )
+
+
+if __name__ == "__main__":
+    main()
