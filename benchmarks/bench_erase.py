@@ -1,9 +1,10 @@
 """Cost of ``extract --erase`` (a script, not a test): SmolLM2-135M-Instruct (fp32, CPU) on BBC
-News running text with an answer (each document's first ``--chars`` characters, then the next 80
-as its answer), its time against the FLOPs of its prefix-reusing passes at the FLOP rate of a
+News running text with an answer (each document's first ``--chars`` characters, then the next
+``--answer`` as its answer), its time against the FLOPs of its prefix-reusing passes at the FLOP rate of a
 plain forward pass measured in the same run.
 
-    python benchmarks/bench_erase.py [--docs 3] [--chars 240] [--repeats 3] [--threads 1] [--quick]
+    python benchmarks/bench_erase.py [--docs 2] [--chars 160] [--answer 40] [--repeats 3]
+        [--threads 1] [--quick]
 
 Each repeat runs a plain text extraction and the same with ``--erase`` (in rotating order, each
 into a fresh store; the CPU seconds of ``extract_task``, the model loaded) and a plain forward pass
@@ -40,20 +41,16 @@ from layerdiv.measurements.erase import erase_flops
 TARGET = 1.15
 """Target: the erasure's time at most this multiple of its FLOPs at a plain forward's rate."""
 
-ANSWER_CHARS = 80
-"""Characters of each document's answer (the text that follows its first ``--chars``)."""
-
-
-def write_task(folder: Path, docs: int, chars: int) -> Path:
+def write_task(folder: Path, docs: int, chars: int, answer: int) -> Path:
     """A text task of ``docs`` BBC News articles (evenly spread over the corpus): the first
-    ``chars`` characters, then the next :data:`ANSWER_CHARS` as the answer."""
+    ``chars`` characters, then the next ``answer`` as the answer."""
     articles = bbc_articles(paragraphs=2)
-    rows = [r for r in articles if len(r["text"]) > chars + ANSWER_CHARS]
+    rows = [r for r in articles if len(r["text"]) > chars + answer]
     rows = rows[:: max(1, len(rows) // docs)][:docs]
     (folder / "bbc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     spec = {"name": "bbc-erase-bench", "kind": "text", "data": "bbc.jsonl",
             "text": f"{{{{ text[:{chars}] }}}}",
-            "answer": f"{{{{ text[{chars}:{chars + ANSWER_CHARS}] }}}}", "n": len(rows)}  # fmt: skip
+            "answer": f"{{{{ text[{chars}:{chars + answer}] }}}}", "n": len(rows)}  # fmt: skip
     path = folder / "bbc.yaml"
     path.write_text(json.dumps(spec))
     return path
@@ -61,15 +58,16 @@ def write_task(folder: Path, docs: int, chars: int) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--docs", type=int, default=3)
-    parser.add_argument("--chars", type=int, default=240, help="characters before the answer")
+    parser.add_argument("--docs", type=int, default=2)
+    parser.add_argument("--chars", type=int, default=160, help="characters before the answer")
+    parser.add_argument("--answer", type=int, default=40, help="characters of the answer")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     add_quick(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.quick:
-        args.docs, args.chars, args.repeats = 1, 40, 1
+        args.docs, args.chars, args.answer, args.repeats = 1, 24, 12, 1
     source = resolve_source(DEMO_MODEL, None, None, False)
     loaded = load_model(source, load_tokenizer(source), torch.device("cpu"), torch.float32)
     adapter, shape = adapter_for(source.config), Shape.from_config(source.config)
@@ -77,7 +75,7 @@ def main() -> None:
     loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="layerdiv-bench-erase-") as tmp:
         root = Path(tmp)
-        task = write_task(root, args.docs, args.chars)
+        task = write_task(root, args.docs, args.chars, args.answer)
 
         def extract(erase: bool, store: Path) -> float:
             """CPU seconds of one extraction into the fresh ``store``."""

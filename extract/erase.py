@@ -196,8 +196,10 @@ class Erasure:
         for j in range(layer, len(self.blocks)):
             k, v = kept[j].keys, kept[j].values
             assert k is not None and v is not None  # kept by the clean pass of the blocks
+            args, kwargs = calls[j]  # its hidden states left out: the run gives them
+            bare = ((None, *args[1:]), kwargs) if args else _with(calls[j], hidden_states=None)
             edited[j] = _with(
-                _expand(calls[j], rows, batch, memo, (width, q)),
+                _expand(bare, rows, batch, memo, (width, q)),
                 **{self.cache: Prefix(k[row : row + 1, ..., :q, :], v[row : row + 1, ..., :q, :])},
             )
             if self.sdpa and edited[j][1].get("attention_mask", 0) is None:
