@@ -105,15 +105,17 @@ def stored_means(store: Path) -> np.ndarray:
 
 
 @pytest.mark.numerical
-@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+@pytest.mark.parametrize(("family", "batch"), [("llama", "2"), ("gpt_neox", "1")])
 def test_erasure_matches_an_independent_float64_reference(
-    family: str, tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
+    family: str, batch: str, tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
 ) -> None:
+    """Batches of 2 documents are left-padded (the clean call's mask is cut to the queries);
+    a batch of one has no padding (the attention may have had no mask: a causal one is made)."""
     task = multihop_task(tmp_path / "task", **SHORT)
     store = tmp_path / "store"
     out = extract("--model", str(model_dirs(family)), "--task", str(task), "--store",
                   str(store), "--erase", "--erase-reference", "2", "--limit", "4",
-                  "--batch-size", "2")  # fmt: skip
+                  "--batch-size", batch)  # fmt: skip
     assert out.exit_code == 0, out.output
     docs, starts = [], []
     for document, answer in documents(short=True)[:4]:
