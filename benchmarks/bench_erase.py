@@ -1,7 +1,7 @@
 """Cost of ``extract --erase`` (a script, not a test): SmolLM2-135M-Instruct (fp32, CPU) on BBC
 News running text with an answer (each document's first ``--chars`` characters, then the next
-``--answer`` as its answer), its time against the FLOPs of its prefix-reusing passes at the FLOP rate of a
-plain forward pass measured in the same run.
+``--answer`` as its answer), its time against the FLOPs of its prefix-reusing passes at the FLOP
+rate of a plain forward pass measured in the same run.
 
     python benchmarks/bench_erase.py [--docs 2] [--chars 160] [--answer 40] [--repeats 3]
         [--threads 1] [--quick]
@@ -41,6 +41,7 @@ from layerdiv.measurements.erase import erase_flops
 TARGET = 1.15
 """Target: the erasure's time at most this multiple of its FLOPs at a plain forward's rate."""
 
+
 def write_task(folder: Path, docs: int, chars: int, answer: int) -> Path:
     """A text task of ``docs`` BBC News articles (evenly spread over the corpus): the first
     ``chars`` characters, then the next ``answer`` as the answer."""
@@ -79,15 +80,15 @@ def main() -> None:
 
         def extract(erase: bool, store: Path) -> float:
             """CPU seconds of one extraction into the fresh ``store``."""
-            measures = measurement_options({"erase": True, "erase_reference": 1} if erase else {})
+            measures = options if erase else {}
             cfg = ExtractConfig(DEMO_MODEL, [], store, progress=False, measures=measures)
             plan = plan_task(str(task), loaded.tokenizer, cfg)
             cpu = time.process_time()
             extract_task(loaded, adapter, plan, cfg, approximate)
             return time.process_time() - cpu
 
-        cfg = ExtractConfig(DEMO_MODEL, [], root / "plan", progress=False,
-                            measures=measurement_options({"erase": True, "erase_reference": 1}))  # fmt: skip
+        options = measurement_options({"erase": True, "erase_reference": 1})
+        cfg = ExtractConfig(DEMO_MODEL, [], root / "plan", progress=False, measures=options)
         plan = plan_task(str(task), loaded.tokenizer, cfg)
         assert plan.documents is not None
         seqs = plan.documents[0]
@@ -107,15 +108,15 @@ def main() -> None:
         forward()
         runs: dict[str, list[float]] = {"plain": [], "erase": [], "forward": []}
         for r in range(args.repeats):
-            for erase in (False, True) if r % 2 == 0 else (True, False):
-                name = "erase" if erase else "plain"
-                runs[name].append(extract(erase, root / f"store-{r}-{name}"))
+            for erased in (False, True) if r % 2 == 0 else (True, False):
+                name = "erase" if erased else "plain"
+                runs[name].append(extract(erased, root / f"store-{r}-{name}"))
             runs["forward"].append(statistics.median(forward() for _ in range(5)))
             loads.append(os.getloadavg()[0])
-    plain, erase, fwd = (statistics.median(runs[k]) for k in ("plain", "erase", "forward"))
+    plain, with_erase, fwd = (statistics.median(runs[k]) for k in ("plain", "erase", "forward"))
     rate = forward_flops / fwd
     predicted = flops / rate
-    measured = erase - plain
+    measured = with_erase - plain
     ratio = measured / predicted
     tokens = sum(len(q) for q in seqs)
     print(f"{DEMO_MODEL} (fp32, CPU) on {args.docs} BBC News documents, {tokens} tokens "
@@ -123,7 +124,7 @@ def main() -> None:
           f"{min(loads):.1f} to {max(loads):.1f}; medians of {args.repeats} repeats")  # fmt: skip
     print(f"plain forward: {fwd:.3f} s CPU for {forward_flops / 1e9:.2f} GFLOP = "
           f"{rate / 1e9:.1f} GFLOP/s")  # fmt: skip
-    print(f"plain text extraction {plain:.2f} s, with --erase {erase:.2f} s: the erasure "
+    print(f"plain text extraction {plain:.2f} s, with --erase {with_erase:.2f} s: the erasure "
           f"{measured:.2f} s for {flops / 1e12:.3f} TFLOP, {predicted:.2f} s at the forward's "
           f"rate: {ratio:.3f} x (target <= {TARGET} -> "
           f"{'met' if ratio <= TARGET else 'NOT met'})")  # fmt: skip

@@ -47,6 +47,7 @@ from layerdiv.store.parts import (
     in_key_order,
     naming,
     not_finite,
+    read_whole,
     refuse_not_finite,
     repeats,
     scan_parts,
@@ -147,6 +148,12 @@ class PartitionInfo(Generic[StorePath]):
                     f"{path}: rows repeat a ({', '.join(key)}) key; re-extract {self.where} "
                     "with --overwrite"
                 )
+
+    def whole(self, table: str) -> pa.Table | None:
+        """The partition's ``table`` stored once per partition (``layerdiv.schemas.WHOLE_TABLES``:
+        ``--erase``'s reference means), checked (:func:`~layerdiv.store.parts.read_whole`); None
+        where it has none."""
+        return read_whole(self.partition.whole(table), table, self.manifest, self.where)
 
     def scan(self, table: str) -> pl.LazyFrame:
         """A Polars LazyFrame over ``table``'s parts (:meth:`files`), read through Arrow with

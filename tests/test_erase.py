@@ -17,7 +17,6 @@ from layerdiv.cli import main
 from layerdiv.extract.adapters import adapter_for, get_module, prepare_model
 from layerdiv.measurements.erase import reference_means
 from layerdiv.store import Store
-from layerdiv.store.parts import read_whole
 from tests.test_multihop import SHORT, documents, multihop_task
 from tests.test_text_extract import extract, refused, text_task
 from tests.tolerance import FLOAT32, FLOAT32_DEEP, assert_within
@@ -97,9 +96,7 @@ def stored_effects(store: Path) -> dict[int, np.ndarray]:
 
 
 def stored_means(store: Path) -> np.ndarray:
-    info = Store(store).partitions[0]
-    table = read_whole(info.partition.whole("erasure_reference"), "erasure_reference",
-                       info.manifest, info.where)  # fmt: skip
+    table = Store(store).partitions[0].whole("erasure_reference")
     assert table is not None
     return reference_means(table)
 
