@@ -128,7 +128,7 @@ def write_store(root: Path, seed: int, gap: float) -> dict[str, np.ndarray]:
     them."""
     values = made_up(seed, gap)
     manifest = text_manifest(MODEL, "qa", DOCS, BLOCKS, TOKENS, CHUNK)
-    settings = {
+    settings: dict[str, dict[str, Any]] = {
         "igrad": {"igrad_site": "all", "igrad_steps": STEPS},
         "erase": {"erase_reference": 10},
     }
@@ -160,7 +160,7 @@ def close(got: Any, want: float, scale: float = 1.0) -> bool:
     return abs(float(got) - want) <= 1e-5 * max(scale, abs(want))
 
 
-def score_of(v: np.ndarray) -> float:
+def score_of(v: list[float]) -> float:
     """sum_l l v(l) / sum_l v(l) (methods §10), by a loop."""
     return sum(i * x for i, x in enumerate(v)) / sum(v)
 
