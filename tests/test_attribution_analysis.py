@@ -16,7 +16,7 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from layerdiv.analyze.analyses import igrad
+from layerdiv.analyze.analyses import erasure, igrad
 from layerdiv.analyze.api import analyze
 from layerdiv.analyze.synthetic import text_chunk, text_manifest, write_text_partition
 from layerdiv.measurements import Measurement, Setting, register, registered, unregister
@@ -302,3 +302,29 @@ def test_figures_render(small_gap: tuple[Path, dict[str, np.ndarray]], tmp_path:
     first = tokens.filter(pl.col("sublayer") == "block").sort("pos")
     for p, t in zip(first["pos"], first["token"], strict=True):
         assert f"{p}:{t}" in page
+
+
+def test_a_partition_without_the_maps_is_named_with_the_option_that_adds_them(
+    tmp_path: Path,
+) -> None:
+    from layerdiv.analyze.synthetic import synthesize_text_store
+
+    root = tmp_path / "store"
+    synthesize_text_store(root, 1, 6, TOKENS, BLOCKS, chunk=4, progress=False)
+    results = analyze(root)
+    assert "igrad" not in results.analyses and "erasure" not in results.analyses
+    slug = "synth--text-model-00/main/fineweb"
+    for title, flag in ((igrad.TITLE, "--igrad"), (erasure.TITLE, "--erase")):
+        line = f"{title}: not extracted for {slug} (`layerdiv extract {flag}` adds it)."
+        assert line in results.notes
+
+
+def test_a_table_no_measurement_writes_gives_no_note(tmp_path: Path) -> None:
+    from layerdiv.analyze.registry import not_extracted
+    from layerdiv.analyze.synthetic import synthesize_text_store
+    from layerdiv.store import Store
+
+    synthesize_text_store(tmp_path, 1, 2, TOKENS, BLOCKS, chunk=4, progress=False)
+    parts = Store(tmp_path).select()
+    assert parts and not_extracted(parts, "igrad", "x").startswith("x: not extracted for")
+    assert not_extracted(parts, "not_a_table", "x") == ""

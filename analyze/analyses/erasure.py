@@ -49,8 +49,8 @@ from layerdiv.analyze.registry import (
     Context,
     NoData,
     ReportContext,
-    map_partitions,
     register,
+    with_data,
 )
 from layerdiv.analyze.stats import (
     LEVEL,
@@ -63,6 +63,9 @@ from layerdiv.analyze.stats import (
 from layerdiv.analyze.text import TEXT_KIND
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY, SERIES
+
+TITLE = "Running text: residual erasure per state and token"
+"""The heading of its report section."""
 
 
 def computed(info: PartitionInfo) -> pl.LazyFrame:
@@ -186,7 +189,9 @@ def partition_tables(info: PartitionInfo) -> dict[str, pl.DataFrame]:
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
     """The registry's entry point: the tables of every partition it gets."""
-    parts = list(map_partitions(partition_tables, ctx.parts))
+    parts = with_data(partition_tables, ctx.parts, ctx.notes, TITLE)
+    if not parts:
+        raise NoData("no partition has rows to compute from")
     return {name: pl.concat([p[name] for p in parts]) for name in parts[0]}
 
 
@@ -310,7 +315,7 @@ def report(ctx: ReportContext) -> str:
 register(
     Analysis(
         name="erasure",
-        title="Running text: residual erasure per state and token",
+        title=TITLE,
         methods=(14, 10),
         tables=tables,
         report=report,

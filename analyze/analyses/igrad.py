@@ -48,8 +48,8 @@ from layerdiv.analyze.registry import (
     Context,
     NoData,
     ReportContext,
-    map_partitions,
     register,
+    with_data,
 )
 from layerdiv.analyze.stats import LEVEL, RESAMPLES, depth_score
 from layerdiv.analyze.text import TEXT_KIND
@@ -61,6 +61,9 @@ MEASUREMENT = "igrad"
 """The measurement whose settings name the steps (``igrad_steps``, M)."""
 GAP_LEVEL = 0.05
 """A completeness gap above this share of |f(x) - f(b)| says M is too small (methods §13)."""
+
+TITLE = "Running text: integrated gradients per block and token"
+"""The heading of its report section."""
 
 
 def steps_of(info: PartitionInfo) -> int | None:
@@ -202,7 +205,9 @@ def partition_tables(info: PartitionInfo) -> dict[str, pl.DataFrame]:
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
     """The registry's entry point: the tables of every partition it gets."""
-    parts = list(map_partitions(partition_tables, ctx.parts))
+    parts = with_data(partition_tables, ctx.parts, ctx.notes, TITLE)
+    if not parts:
+        raise NoData("no partition has rows to compute from")
     return {name: pl.concat([p[name] for p in parts]) for name in parts[0]}
 
 
@@ -407,7 +412,7 @@ def report(ctx: ReportContext) -> str:
 register(
     Analysis(
         name="igrad",
-        title="Running text: integrated gradients per block and token",
+        title=TITLE,
         methods=(13, 10),
         tables=tables,
         report=report,
