@@ -2,7 +2,7 @@
 
 With L blocks, states l = 0..L (0: the embeddings; l: block l-1's output) and per document the
 effect(l, t) of replacing h_l at position t alone by the reference mean mu_l, s the answer's
-start (:func:`~layerdiv.analyze.attribution.answer_starts`) and T the document's tokens:
+start (:func:`~layerdiv.analyze.analyses.attribution.answer_starts`) and T the document's tokens:
 
 - per-layer profile of a document v(l) = sum_t effect(l, t); ``erasure_layers`` the mean over
   documents of the mean over positions 0..T-2 (effect(l, T-1) is 0 by construction: not computed)
@@ -31,17 +31,18 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.analyses.effective_depth import interval_ends
-from layerdiv.analyze.analyses.igrad import depth_rows
-from layerdiv.analyze.analyses.text_groups import bootstrap_mean
-from layerdiv.analyze.attribution import (
-    MAP_DOCUMENTS,
+from layerdiv.analyze.analyses.attribution import (
     answer_starts,
+    depth_frame,
+    depth_row,
+    depth_rows,
     document_tokens,
     first_documents,
-    map_panel,
-    token_labels,
+    map_figure,
+    partition_tables,
+    profiles,
 )
+from layerdiv.analyze.analyses.effective_depth import interval_ends
 from layerdiv.analyze.frames import tag
 from layerdiv.analyze.markdown import markdown_table
 from layerdiv.analyze.registry import (
@@ -50,13 +51,11 @@ from layerdiv.analyze.registry import (
     NoData,
     ReportContext,
     register,
-    with_data,
 )
 from layerdiv.analyze.stats import (
     LEVEL,
     MIN_INTERVAL_N,
     RESAMPLES,
-    depth_score,
     percentile_interval,
     resample_weights,
 )
@@ -80,7 +79,7 @@ def computed(info: PartitionInfo) -> pl.LazyFrame:
     )
 
 
-def profiles(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
+def layer_tables(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
     """``erasure_layers`` and ``erasure_depth`` (without the key) of one partition."""
     blocks = info.manifest.n_blocks
     per_doc = (
@@ -91,29 +90,8 @@ def profiles(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
     )
     if not per_doc.height:
         raise NoData(f"{info.where} has no erasure rows")
-    ids = np.unique(per_doc["doc"].to_numpy())
-    v = np.zeros((len(ids), blocks + 1))  # v(l) = sum_t effect(l, t) per document
-    v[np.searchsorted(ids, per_doc["doc"].to_numpy()), per_doc["layer"].to_numpy()] = per_doc[
-        "total"
-    ]
-    scores = depth_score(v)  # methods §10 over the states l = 0..L
-    score, low, high = bootstrap_mean(scores[np.isfinite(scores)])
-    depth = pl.DataFrame(
-        [
-            {
-                "n_blocks": blocks,
-                "n_documents": len(ids),
-                "n_scored": int(np.isfinite(scores).sum()),
-                "score": score,
-                "ci_low": low,
-                "ci_high": high,
-                "relative": score / blocks,
-                "relative_low": low / blocks,
-                "relative_high": high / blocks,
-            }
-        ]
-    )
-    floats = ("score", "ci_low", "ci_high", "relative", "relative_low", "relative_high")
+    _, v = profiles(per_doc, "layer", "total", blocks + 1)  # v(l) = sum_t effect(l, t)
+    depth = depth_frame([depth_row(v, blocks, 0)])  # methods §10 over the states l = 0..L
     layers = (
         per_doc.group_by("layer")
         .agg(n_documents=pl.len(), effect=pl.col("mean").mean())
@@ -121,7 +99,7 @@ def profiles(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
         .select("layer", "relative_depth", "n_documents", "effect")
         .sort("layer")
     )
-    return layers, depth.with_columns(pl.col(c).fill_nan(None) for c in floats)
+    return layers, depth
 
 
 def distances(info: PartitionInfo) -> pl.DataFrame:
@@ -176,9 +154,9 @@ def maps(info: PartitionInfo) -> pl.DataFrame:
     )
 
 
-def partition_tables(info: PartitionInfo) -> dict[str, pl.DataFrame]:
+def tables_of(info: PartitionInfo) -> dict[str, pl.DataFrame]:
     """The four tables of one text partition holding ``erasure``."""
-    layers, depth = profiles(info)
+    layers, depth = layer_tables(info)
     return {
         "erasure_layers": tag(layers, info),
         "erasure_depth": tag(depth, info),
@@ -189,10 +167,7 @@ def partition_tables(info: PartitionInfo) -> dict[str, pl.DataFrame]:
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
     """The registry's entry point: the tables of every partition it gets."""
-    parts = with_data(partition_tables, ctx.parts, ctx.notes, TITLE)
-    if not parts:
-        raise NoData("no partition has rows to compute from")
-    return {name: pl.concat([p[name] for p in parts]) for name in parts[0]}
+    return partition_tables(ctx, tables_of, TITLE)
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -243,37 +218,6 @@ def profile_figure(
     )
 
 
-def map_figure(rows: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
-    """Per drawn document (of each partition): the state x token heatmap of effect(l, t)."""
-    panels = []
-    for key, doc_rows in rows.group_by(*KEY, "doc", maintain_order=True):
-        model = names.get(str(key[0]), str(key[0]))
-        layers = sorted(doc_rows["layer"].unique().to_list())
-        tokens = doc_rows.filter(pl.col("layer") == layers[0]).sort("pos")
-        z = doc_rows.sort("layer", "pos")["effect"].to_numpy().reshape(len(layers), -1)
-        panels.append(
-            map_panel(
-                f"{model} · {key[2]} · doc {key[3]}",
-                z,
-                token_labels(tokens),
-                layers,
-                "state l",
-                "effect(l, t)",
-                doc_rows["answer_start"][0],
-                signed=False,
-            )
-        )
-    return plots.Figure(
-        "Residual erasure per state and token (methods §14)",
-        panels,
-        cols=1,
-        panel_size=(10.0, 3.4),
-        caption=f"the first {MAP_DOCUMENTS} documents of each task; colour range from positions "
-        "1..T-1 (position 0 drawn clipped); the last position is 0 by construction; dotted: "
-        "where the answer starts",
-    )
-
-
 def report(ctx: ReportContext) -> str:
     """The residual-erasure section: the depth scores and both figures."""
     names = plots.short_names(ctx.names)
@@ -306,7 +250,15 @@ def report(ctx: ReportContext) -> str:
                 ctx,
                 "erasure_maps.png",
                 "Residual erasure per state and token",
-                lambda: map_figure(ctx.tables["erasure_maps"], names),
+                lambda: map_figure(
+                    "Residual erasure per state and token (methods §14)",
+                    ctx.tables["erasure_maps"],
+                    names,
+                    "layer",
+                    "effect",
+                    signed=False,
+                    note="; the last position is 0 by construction",
+                ),
             ),
         ]
     )

@@ -20,8 +20,8 @@ Tables: ``igrad_share`` per (model, revision, task, ``sublayer``, ``block``): ``
 ``relative_low``, ``relative_high``; ``igrad_completeness`` per (model, revision, task,
 ``sublayer``, ``block``): ``steps`` M, ``n_documents``, ``gap_mean``, ``abs_gap_mean``,
 ``delta_mean``, ``rel_gap``; ``igrad_maps``: the rows of the first documents' maps
-(:data:`~layerdiv.analyze.attribution.MAP_DOCUMENTS` per partition) with their ``token`` ids and
-``answer_start``.
+(:data:`~layerdiv.analyze.analyses.attribution.MAP_DOCUMENTS` per partition) with their
+``token`` ids and ``answer_start``.
 """
 
 from __future__ import annotations
@@ -32,14 +32,16 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.analyses.text_groups import bootstrap_mean
-from layerdiv.analyze.attribution import (
-    MAP_DOCUMENTS,
+from layerdiv.analyze.analyses.attribution import (
     answer_starts,
+    depth_frame,
+    depth_row,
+    depth_rows,
     document_tokens,
     first_documents,
-    map_panel,
-    token_labels,
+    map_figure,
+    partition_tables,
+    profiles,
 )
 from layerdiv.analyze.frames import tag
 from layerdiv.analyze.markdown import fmt, key_rows, markdown_table
@@ -49,9 +51,8 @@ from layerdiv.analyze.registry import (
     NoData,
     ReportContext,
     register,
-    with_data,
 )
-from layerdiv.analyze.stats import LEVEL, RESAMPLES, depth_score
+from layerdiv.analyze.stats import LEVEL, RESAMPLES
 from layerdiv.analyze.text import TEXT_KIND
 from layerdiv.schemas import SUBLAYERS
 from layerdiv.store import PartitionInfo
@@ -61,6 +62,8 @@ MEASUREMENT = "igrad"
 """The measurement whose settings name the steps (``igrad_steps``, M)."""
 GAP_LEVEL = 0.05
 """A completeness gap above this share of |f(x) - f(b)| says M is too small (methods §13)."""
+SITE_ORDER = pl.col("sublayer").replace_strict(SUBLAYERS, range(len(SUBLAYERS)))
+"""Sorts rows by site in :data:`~layerdiv.schemas.SUBLAYERS` order."""
 
 TITLE = "Running text: integrated gradients per block and token"
 """The heading of its report section."""
@@ -98,9 +101,7 @@ def shares_and_depth(docs: pl.DataFrame, blocks: int) -> tuple[pl.DataFrame, pl.
     :func:`per_document` rows."""
     share_rows, depth_rows = [], []
     for (sublayer,), rows in docs.group_by("sublayer", maintain_order=True):
-        ids = np.unique(rows["doc"].to_numpy())
-        v = np.zeros((len(ids), blocks))  # v(l) = sum_t |IG(l, t)| per document
-        v[np.searchsorted(ids, rows["doc"].to_numpy()), rows["block"].to_numpy()] = rows["abs_sum"]
+        _, v = profiles(rows, "block", "abs_sum", blocks)  # v(l) = sum_t |IG(l, t)| per document
         total = v.sum(1, keepdims=True)
         with np.errstate(invalid="ignore", divide="ignore"):
             share = v / total  # S(l) per document; a document without attribution: NaN
@@ -116,25 +117,8 @@ def shares_and_depth(docs: pl.DataFrame, blocks: int) -> tuple[pl.DataFrame, pl.
                 }
             )
         # methods §10: the depth score of each document's profile, mean and bootstrap interval
-        scores = depth_score(v)
-        score, low, high = bootstrap_mean(scores[np.isfinite(scores)])
-        depth_rows.append(
-            {
-                "sublayer": sublayer,
-                "n_blocks": blocks,
-                "n_documents": len(ids),
-                "n_scored": int(np.isfinite(scores).sum()),
-                "score": score,
-                "ci_low": low,
-                "ci_high": high,
-                "relative": (score + 1) / blocks,
-                "relative_low": (low + 1) / blocks,
-                "relative_high": (high + 1) / blocks,
-            }
-        )
-    floats = ("score", "ci_low", "ci_high", "relative", "relative_low", "relative_high")
-    depth = pl.DataFrame(depth_rows).with_columns(pl.col(c).fill_nan(None) for c in floats)
-    return pl.DataFrame(share_rows), depth
+        depth_rows.append({"sublayer": sublayer, **depth_row(v, blocks, 1)})
+    return pl.DataFrame(share_rows), depth_frame(depth_rows)
 
 
 def completeness(docs: pl.DataFrame, steps: int | None) -> pl.DataFrame:
@@ -166,7 +150,7 @@ def completeness(docs: pl.DataFrame, steps: int | None) -> pl.DataFrame:
             "delta_mean",
             "rel_gap",
         )
-        .sort(pl.col("sublayer").replace_strict(SUBLAYERS, range(len(SUBLAYERS))), "block")
+        .sort(SITE_ORDER, "block")
     )
 
 
@@ -191,7 +175,7 @@ def maps(info: PartitionInfo) -> pl.DataFrame:
     )
 
 
-def partition_tables(info: PartitionInfo) -> dict[str, pl.DataFrame]:
+def tables_of(info: PartitionInfo) -> dict[str, pl.DataFrame]:
     """The four tables of one text partition holding ``igrad`` and ``igrad_ends``."""
     docs = per_document(info)
     share, depth = shares_and_depth(docs, info.manifest.n_blocks)
@@ -205,10 +189,7 @@ def partition_tables(info: PartitionInfo) -> dict[str, pl.DataFrame]:
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
     """The registry's entry point: the tables of every partition it gets."""
-    parts = with_data(partition_tables, ctx.parts, ctx.notes, TITLE)
-    if not parts:
-        raise NoData("no partition has rows to compute from")
-    return {name: pl.concat([p[name] for p in parts]) for name in parts[0]}
+    return partition_tables(ctx, tables_of, TITLE)
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -270,56 +251,6 @@ def share_figure(share: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
     )
 
 
-def map_figure(rows: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
-    """Per drawn document (of each partition) and site: the block x token heatmap of IG(l, t)."""
-    panels = []
-    for key, doc_rows in rows.group_by(*KEY, "doc", maintain_order=True):
-        model = names.get(str(key[0]), str(key[0]))
-        start = doc_rows["answer_start"][0]
-        for sublayer in [s for s in SUBLAYERS if s in set(doc_rows["sublayer"])]:
-            site = doc_rows.filter(pl.col("sublayer") == sublayer)
-            blocks = sorted(site["block"].unique().to_list())
-            tokens = site.filter(pl.col("block") == blocks[0]).sort("pos")
-            z = site.sort("block", "pos")["attribution"].to_numpy().reshape(len(blocks), -1)
-            panels.append(
-                map_panel(
-                    f"{model} · {key[2]} · doc {key[3]} · {sublayer}",
-                    z,
-                    token_labels(tokens),
-                    blocks,
-                    "block l",
-                    "IG(l, t)",
-                    start,
-                    signed=True,
-                )
-            )
-    return plots.Figure(
-        "Integrated gradients per block and token (methods §13)",
-        panels,
-        cols=1,
-        panel_size=(10.0, 3.4),
-        caption=f"the first {MAP_DOCUMENTS} documents of each task; colour range from positions "
-        "1..T-1 (position 0 drawn clipped); dotted: where the answer starts",
-    )
-
-
-def depth_rows(table: pl.DataFrame, names: dict[str, str]) -> list[list[str]]:
-    """Report rows of a depth-score table (``score``, ``relative`` and their intervals; the
-    ``sublayer`` first where it has one)."""
-    return key_rows(
-        table,
-        names,
-        lambda r: [
-            *([r["sublayer"]] if "sublayer" in r else []),
-            str(r["n_scored"]),
-            fmt(r["score"], digits=2),
-            f"[{fmt(r['ci_low'], digits=2)}, {fmt(r['ci_high'], digits=2)}]",
-            fmt(r["relative"], digits=3),
-            f"[{fmt(r['relative_low'], digits=3)}, {fmt(r['relative_high'], digits=3)}]",
-        ],
-    )
-
-
 def gap_rows(table: pl.DataFrame, names: dict[str, str]) -> list[list[str]]:
     """Per partition and site: M, the blocks, the largest ``rel_gap`` and its block, and the
     blocks over :data:`GAP_LEVEL`."""
@@ -334,7 +265,7 @@ def gap_rows(table: pl.DataFrame, names: dict[str, str]) -> list[list[str]]:
             (pl.col("rel_gap") > GAP_LEVEL).sum().alias("over"),
             pl.col("abs_gap_mean").mean().alias("abs_gap"),
         )
-        .sort(*KEY, pl.col("sublayer").replace_strict(SUBLAYERS, range(len(SUBLAYERS))))
+        .sort(*KEY, SITE_ORDER)
     )
     return key_rows(
         summary,
@@ -356,9 +287,7 @@ def report(ctx: ReportContext) -> str:
     completeness_table = ctx.tables["igrad_completeness"]
     names = plots.short_names(ctx.names)
     steps = too_few_steps(completeness_table, ctx.names)
-    depth = ctx.tables["igrad_depth"].sort(
-        *KEY, pl.col("sublayer").replace_strict(SUBLAYERS, range(len(SUBLAYERS)))
-    )
+    depth = ctx.tables["igrad_depth"].sort(*KEY, SITE_ORDER)
     head = [
         "Model",
         "Task",
@@ -403,7 +332,14 @@ def report(ctx: ReportContext) -> str:
                 ctx,
                 "igrad_maps.png",
                 "Integrated gradients per block and token",
-                lambda: map_figure(ctx.tables["igrad_maps"], names),
+                lambda: map_figure(
+                    "Integrated gradients per block and token (methods §13)",
+                    ctx.tables["igrad_maps"].sort(*KEY, "doc", SITE_ORDER),
+                    names,
+                    "block",
+                    "attribution",
+                    signed=True,
+                ),
             ),
         ]
     )
