@@ -139,12 +139,13 @@ def map_figure(
     names: dict[str, str],
     row: str,
     value: str,
+    colorbar: str,
     signed: bool,
     note: str = "",
 ) -> plots.Figure:
     """One :func:`map_panel` per drawn document of each partition (and per ``sublayer`` where
     ``rows`` has one, in the order of its first rows): ``value`` at each ``row`` (``block`` or
-    ``layer``) and token."""
+    ``layer``) and token, its colour bar titled ``colorbar``."""
     site = ["sublayer"] if "sublayer" in rows.columns else []
     panels = []
     for key, one in rows.group_by(*KEY, "doc", *site, maintain_order=True):
@@ -154,7 +155,7 @@ def map_figure(
         label = " · ".join([names.get(str(key[0]), str(key[0])), str(key[2]), f"doc {key[3]}",
                             *map(str, key[4:])])  # fmt: skip
         ylabel = "block l" if row == "block" else "state l"
-        panels.append(map_panel(label, z, token_labels(tokens), lines, ylabel, value,
+        panels.append(map_panel(label, z, token_labels(tokens), lines, ylabel, colorbar,
                                 one["answer_start"][0], signed))  # fmt: skip
     return plots.Figure(
         title,

@@ -256,6 +256,7 @@ def report(ctx: ReportContext) -> str:
                     names,
                     "layer",
                     "effect",
+                    "effect(l, t)",
                     signed=False,
                     note="; the last position is 0 by construction",
                 ),

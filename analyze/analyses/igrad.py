@@ -338,6 +338,7 @@ def report(ctx: ReportContext) -> str:
                     names,
                     "block",
                     "attribution",
+                    "IG(l, t)",
                     signed=True,
                 ),
             ),
