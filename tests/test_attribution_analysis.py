@@ -71,7 +71,7 @@ def made_up(seed: int, gap: float) -> dict[str, np.ndarray]:
     zero where methods §13 makes it zero (the last block before s-1, the last position);
     ``f_input``, ``f_baseline`` (D, 3, L) with f(x) - f(b) = sum_t IG (1 + ``gap`` at site attn,
     block 1, else a gap of at most 1%); ``effect`` (D, L + 1, T) >= 0, zero at the last position
-    and, at state L, before s-1."""
+    and, at state L, rounding noise below 1e-7 before s-1."""
     rng = np.random.default_rng(seed)
     start = 6 + np.arange(DOCS) % 4
     pos = np.arange(TOKENS)
@@ -87,7 +87,10 @@ def made_up(seed: int, gap: float) -> dict[str, np.ndarray]:
     f_baseline = rng.uniform(0, 0.3, total.shape)
     effect = rng.exponential(0.2, (DOCS, BLOCKS + 1, TOKENS)) * (1 + np.arange(BLOCKS + 1))[:, None]
     effect[..., -1] = 0.0
-    effect[:, -1, :] *= pos[None, :] >= start[:, None] - 1
+    before = pos[None, :] < start[:, None] - 1
+    # before s-1 the last state's erasure is 0 but for rounding (another batch shape than the
+    # clean pass's)
+    effect[:, -1, :] = np.where(before, rng.uniform(0, 1e-7, (DOCS, TOKENS)), effect[:, -1, :])
     return {
         "start": start,
         "ig": ig.astype(np.float32).astype(np.float64),
