@@ -331,3 +331,23 @@ def test_a_table_no_measurement_writes_gives_no_note(tmp_path: Path) -> None:
     parts = Store(tmp_path).select()
     assert parts and not_extracted(parts, "igrad", "x").startswith("x: not extracted for")
     assert not_extracted(parts, "not_a_table", "x") == ""
+
+
+def test_the_number_of_documents_mapped_is_an_option(
+    small_gap: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
+) -> None:
+    from layerdiv.analyze.report import write_report
+    from layerdiv.errors import LayerdivError
+
+    root, _ = small_gap
+    assert analyze(root)["igrad_maps"]["doc"].unique().to_list() == [0, 1]  # the default, 2
+    one = analyze(root, options={"attribution_documents": 1})
+    for table in ("igrad_maps", "erasure_maps"):
+        assert one[table]["doc"].unique().to_list() == [0]
+    none = analyze(root, options={"attribution_documents": 0})
+    assert none["igrad_maps"].height == 0 and none["erasure_maps"].height == 0
+    write_report(none, tmp_path / "report", "paper", str(root), "md")
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "figures/igrad_share.png" in text and "igrad_maps.png" not in text
+    with pytest.raises(LayerdivError, match="attribution_documents=-1: give a number"):
+        analyze(root, options={"attribution_documents": -1})

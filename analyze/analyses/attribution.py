@@ -24,13 +24,26 @@ import polars as pl
 from layerdiv.analyze import plots
 from layerdiv.analyze.analyses.text_groups import bootstrap_mean
 from layerdiv.analyze.markdown import fmt, key_rows
-from layerdiv.analyze.registry import Context, NoData, with_data
+from layerdiv.analyze.registry import Context, NoData, ReportContext, with_data
 from layerdiv.analyze.stats import depth_score
+from layerdiv.errors import LayerdivError
+from layerdiv.schemas import SUBLAYERS
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
 
 MAP_DOCUMENTS = 2
-"""The maps drawn per partition: its first documents (by index), each site of each."""
+"""The maps kept and drawn per partition by default: its first documents (by index), each site
+of each."""
+DOCUMENTS_OPTION = "attribution_documents"
+"""The option (``analyze(..., options={"attribution_documents": N})``) that keeps and draws the
+maps of each partition's first N documents instead (0: none)."""
+OPTIONS = {
+    DOCUMENTS_OPTION: f"the maps of how many documents per partition the integrated-gradients "
+    f"and erasure sections keep and draw, the first by index (default {MAP_DOCUMENTS})"
+}
+"""The analysis options of both attribution analyses."""
+SITE_ORDER = pl.col("sublayer").replace_strict(SUBLAYERS, range(len(SUBLAYERS)))
+"""Sorts rows by site in :data:`~layerdiv.schemas.SUBLAYERS` order."""
 
 
 ZERO = 1e-3
@@ -108,19 +121,25 @@ def depth_rows(table: pl.DataFrame, names: dict[str, str]) -> list[list[str]]:
 
 
 def partition_tables(
-    ctx: Context, fn: Callable[[PartitionInfo], dict[str, pl.DataFrame]], what: str
+    ctx: Context, fn: Callable[[PartitionInfo, int], dict[str, pl.DataFrame]], what: str
 ) -> dict[str, pl.DataFrame]:
-    """The tables ``fn`` gives each partition of ``ctx``, concatenated; a partition without rows
-    left out with a note naming ``what``."""
-    parts = with_data(fn, ctx.parts, ctx.notes, what)
+    """The tables ``fn`` gives each partition of ``ctx`` (with the number of documents whose maps
+    to keep, :data:`DOCUMENTS_OPTION`), concatenated; a partition without rows left out with a
+    note naming ``what``."""
+    count = ctx.options.get(DOCUMENTS_OPTION, MAP_DOCUMENTS)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise LayerdivError(
+            f"option {DOCUMENTS_OPTION}={count!r}: give a number of documents, 0 or more"
+        )
+    parts = with_data(lambda p: fn(p, count), ctx.parts, ctx.notes, what)
     if not parts:
         raise NoData("no partition has rows to compute from")
     return {name: pl.concat([p[name] for p in parts]) for name in parts[0]}
 
 
-def first_documents(info: PartitionInfo, table: str) -> list[int]:
-    """The first :data:`MAP_DOCUMENTS` documents of ``info`` that hold rows of ``table``."""
-    docs = info.scan(table).select("doc").unique().sort("doc").head(MAP_DOCUMENTS).collect()
+def first_documents(info: PartitionInfo, table: str, count: int) -> list[int]:
+    """The first ``count`` documents of ``info`` that hold rows of ``table``."""
+    docs = info.scan(table).select("doc").unique().sort("doc").head(count).collect()
     return docs["doc"].to_list()
 
 
@@ -155,6 +174,7 @@ def map_figure(
     ``rows`` has one, in the order of its first rows): ``value`` at each ``row`` (``block`` or
     ``layer``) and token, its colour bar titled ``colorbar``."""
     site = ["sublayer"] if "sublayer" in rows.columns else []
+    shown = int(rows.group_by(*KEY).agg(pl.col("doc").n_unique())["doc"].max())  # type: ignore[arg-type]
     panels = []
     for key, one in rows.group_by(*KEY, "doc", *site, maintain_order=True):
         lines = sorted(one[row].unique().to_list())
@@ -170,9 +190,22 @@ def map_figure(
         panels,
         cols=1,
         panel_size=(10.0, 3.4),
-        caption=f"the first {MAP_DOCUMENTS} documents of each task; colour range from positions "
+        caption=f"the first {shown} document(s) of each task; colour range from positions "
         f"1..T-1 (position 0 drawn clipped){note}; dotted: where the answer starts",
     )
+
+
+def maps_link(ctx: ReportContext, table: str, title: str, **draw: Any) -> list[str]:
+    """The link to the figure of the maps in ``ctx.tables[table]`` (:func:`map_figure` with
+    ``draw``), drawn as ``<table>.png``; none where no map was kept."""
+    rows = ctx.tables[table]
+    if not rows.height:
+        return []
+    if "sublayer" in rows.columns:
+        rows = rows.sort(*KEY, "doc", SITE_ORDER)
+    names = plots.short_names(ctx.names)
+    return [plots.figure_link(ctx, f"{table}.png", title,
+                              lambda: map_figure(title, rows, names, **draw))]  # fmt: skip
 
 
 def map_panel(

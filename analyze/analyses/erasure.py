@@ -32,13 +32,14 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.analyses.attribution import (
+    OPTIONS,
     answer_starts,
     depth_frame,
     depth_row,
     depth_rows,
     document_tokens,
     first_documents,
-    map_figure,
+    maps_link,
     partition_tables,
     profiles,
 )
@@ -141,10 +142,10 @@ def distances(info: PartitionInfo) -> pl.DataFrame:
     ).with_columns(pl.col("ci_low", "ci_high").fill_nan(None))
 
 
-def maps(info: PartitionInfo) -> pl.DataFrame:
-    """The ``erasure_maps`` rows of ``info``'s first documents: every (layer, pos) with its
-    ``token`` id and the document's ``answer_start``."""
-    docs = first_documents(info, "erasure")
+def maps(info: PartitionInfo, count: int) -> pl.DataFrame:
+    """The ``erasure_maps`` rows of ``info``'s first ``count`` documents: every (layer, pos)
+    with its ``token`` id and the document's ``answer_start``."""
+    docs = first_documents(info, "erasure", count)
     rows = info.scan("erasure").filter(pl.col("doc").is_in(docs)).collect()
     starts = answer_starts(rows.filter(pl.col("layer") == info.manifest.n_blocks), "effect")
     return (
@@ -154,14 +155,14 @@ def maps(info: PartitionInfo) -> pl.DataFrame:
     )
 
 
-def tables_of(info: PartitionInfo) -> dict[str, pl.DataFrame]:
+def tables_of(info: PartitionInfo, count: int) -> dict[str, pl.DataFrame]:
     """The four tables of one text partition holding ``erasure``."""
     layers, depth = layer_tables(info)
     return {
         "erasure_layers": tag(layers, info),
         "erasure_depth": tag(depth, info),
         "erasure_distance": tag(distances(info), info),
-        "erasure_maps": tag(maps(info), info),
+        "erasure_maps": tag(maps(info, count), info),
     }
 
 
@@ -246,20 +247,15 @@ def report(ctx: ReportContext) -> str:
                     ctx.tables["erasure_layers"], ctx.tables["erasure_distance"], names
                 ),
             ),
-            plots.figure_link(
+            *maps_link(
                 ctx,
-                "erasure_maps.png",
-                "Residual erasure per state and token",
-                lambda: map_figure(
-                    "Residual erasure per state and token (methods §14)",
-                    ctx.tables["erasure_maps"],
-                    names,
-                    "layer",
-                    "effect",
-                    "effect(l, t)",
-                    signed=False,
-                    note="; the last position is 0 by construction",
-                ),
+                "erasure_maps",
+                "Residual erasure per state and token (methods §14)",
+                row="layer",
+                value="effect",
+                colorbar="effect(l, t)",
+                signed=False,
+                note="; the last position is 0 by construction",
             ),
         ]
     )
@@ -273,6 +269,7 @@ register(
         tables=tables,
         report=report,
         kinds=(TEXT_KIND,),
+        options=OPTIONS,
         needs=("erasure",),
     )
 )

@@ -20,8 +20,8 @@ Tables: ``igrad_share`` per (model, revision, task, ``sublayer``, ``block``): ``
 ``relative_low``, ``relative_high``; ``igrad_completeness`` per (model, revision, task,
 ``sublayer``, ``block``): ``steps`` M, ``n_documents``, ``gap_mean``, ``abs_gap_mean``,
 ``delta_mean``, ``rel_gap``; ``igrad_maps``: the rows of the first documents' maps
-(:data:`~layerdiv.analyze.analyses.attribution.MAP_DOCUMENTS` per partition) with their
-``token`` ids and ``answer_start``.
+(:data:`~layerdiv.analyze.analyses.attribution.DOCUMENTS_OPTION`, by default 2 per partition)
+with their ``token`` ids and ``answer_start``.
 """
 
 from __future__ import annotations
@@ -33,13 +33,15 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.analyses.attribution import (
+    OPTIONS,
+    SITE_ORDER,
     answer_starts,
     depth_frame,
     depth_row,
     depth_rows,
     document_tokens,
     first_documents,
-    map_figure,
+    maps_link,
     partition_tables,
     profiles,
 )
@@ -62,8 +64,6 @@ MEASUREMENT = "igrad"
 """The measurement whose settings name the steps (``igrad_steps``, M)."""
 GAP_LEVEL = 0.05
 """A completeness gap above this share of |f(x) - f(b)| says M is too small (methods §13)."""
-SITE_ORDER = pl.col("sublayer").replace_strict(SUBLAYERS, range(len(SUBLAYERS)))
-"""Sorts rows by site in :data:`~layerdiv.schemas.SUBLAYERS` order."""
 
 TITLE = "Running text: integrated gradients per block and token"
 """The heading of its report section."""
@@ -154,10 +154,10 @@ def completeness(docs: pl.DataFrame, steps: int | None) -> pl.DataFrame:
     )
 
 
-def maps(info: PartitionInfo) -> pl.DataFrame:
-    """The ``igrad_maps`` rows of ``info``'s first documents: every (sublayer, block, pos) with
-    its ``token`` id and the document's ``answer_start`` (:func:`answer_starts`)."""
-    docs = first_documents(info, "igrad")
+def maps(info: PartitionInfo, count: int) -> pl.DataFrame:
+    """The ``igrad_maps`` rows of ``info``'s first ``count`` documents: every (sublayer, block,
+    pos) with its ``token`` id and the document's ``answer_start`` (:func:`answer_starts`)."""
+    docs = first_documents(info, "igrad", count)
     rows = (
         info.scan("igrad")
         .filter(pl.col("doc").is_in(docs))
@@ -175,7 +175,7 @@ def maps(info: PartitionInfo) -> pl.DataFrame:
     )
 
 
-def tables_of(info: PartitionInfo) -> dict[str, pl.DataFrame]:
+def tables_of(info: PartitionInfo, count: int) -> dict[str, pl.DataFrame]:
     """The four tables of one text partition holding ``igrad`` and ``igrad_ends``."""
     docs = per_document(info)
     share, depth = shares_and_depth(docs, info.manifest.n_blocks)
@@ -183,7 +183,7 @@ def tables_of(info: PartitionInfo) -> dict[str, pl.DataFrame]:
         "igrad_share": tag(share, info),
         "igrad_depth": tag(depth, info),
         "igrad_completeness": tag(completeness(docs, steps_of(info)), info),
-        "igrad_maps": tag(maps(info), info),
+        "igrad_maps": tag(maps(info, count), info),
     }
 
 
@@ -328,19 +328,14 @@ def report(ctx: ReportContext) -> str:
                 "Share of |IG| per block",
                 lambda: share_figure(ctx.tables["igrad_share"], names),
             ),
-            plots.figure_link(
+            *maps_link(
                 ctx,
-                "igrad_maps.png",
-                "Integrated gradients per block and token",
-                lambda: map_figure(
-                    "Integrated gradients per block and token (methods §13)",
-                    ctx.tables["igrad_maps"].sort(*KEY, "doc", SITE_ORDER),
-                    names,
-                    "block",
-                    "attribution",
-                    "IG(l, t)",
-                    signed=True,
-                ),
+                "igrad_maps",
+                "Integrated gradients per block and token (methods §13)",
+                row="block",
+                value="attribution",
+                colorbar="IG(l, t)",
+                signed=True,
             ),
         ]
     )
@@ -354,6 +349,7 @@ register(
         tables=tables,
         report=report,
         kinds=(TEXT_KIND,),
+        options=OPTIONS,
         needs=("igrad", "igrad_ends"),
     )
 )
