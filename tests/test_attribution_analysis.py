@@ -31,9 +31,8 @@ MODEL = "synth/attrib"
 DEEPER = "synth/deeper"
 
 
-def _setting(name: str, default: Any) -> Setting:
-    flag = "--" + name.replace("_", "-")
-    return Setting(name, click.Option([flag, name], default=None), default)
+def _setting(option: str, name: str, default: Any) -> Setting:
+    return Setting(name, click.Option([option, name], default=None), default)
 
 
 STAND_INS = (
@@ -42,18 +41,21 @@ STAND_INS = (
         flag="--igrad",
         help="Integrated gradients per block and position (stands in for the measurement).",
         tables={"text": ("igrad", "igrad_ends")},
-        settings=(_setting("igrad_site", "all"), _setting("igrad_steps", 256)),
+        settings=(
+            _setting("--igrad-site", "igrad_sites", ("block",)),
+            _setting("--igrad-steps", "igrad_steps", 256),
+        ),
     ),
     Measurement(
         name="erase",
         flag="--erase",
         help="Residual erasure (stands in for the measurement).",
         tables={"text": ("erasure",)},
-        settings=(_setting("erase_reference", 10),),
+        settings=(_setting("--erase-reference", "erase_reference", 10),),
     ),
 )
 """The measurements that write the tables read here, declared by name, flag and settings only
-(used where the package does not register them itself)."""
+(``extract --igrad``'s and ``--erase``'s), used where the package does not register them."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -136,7 +138,7 @@ def write_store(
     values = made_up(seed, gap, blocks)
     manifest = text_manifest(model, "qa", DOCS, blocks, TOKENS, CHUNK)
     settings: dict[str, dict[str, Any]] = {
-        "igrad": {"igrad_site": "all", "igrad_steps": STEPS},
+        "igrad": {"igrad_sites": list(SUBLAYERS), "igrad_steps": STEPS},
         "erase": {"erase_reference": 10},
     }
     manifest = dataclasses.replace(manifest, settings=settings)
