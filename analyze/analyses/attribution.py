@@ -8,9 +8,10 @@ logits z_t (the final norm and the unembedding act position by position), and th
 only the answer-predicting positions j = s-1..T-2. So the last block's attribution
 IG(L-1, t) (any site: its gradient is exactly 0 there) and the erasure of the last state
 effect(L, t) are 0 at every t < s-1 and nonzero at t = s-1: s = 1 + the first position where
-they are nonzero (:func:`answer_starts`). An erasure computed in passes of another batch shape
-than the clean one may leave float rounding there (about 1e-7 of a probability): a value counts
-as nonzero above :data:`ZERO` of the document's largest.
+they are nonzero (:func:`answer_starts`). An erasure whose edited runs are computed otherwise than
+the clean one (a batch of another shape, the clean prefix's keys and values reused) may leave
+float rounding there (about 1e-7 of a probability): a value counts as nonzero above :data:`ZERO`
+of the document's largest.
 """
 
 from __future__ import annotations
