@@ -294,8 +294,8 @@ def test_too_few_steps_said_when_and_only_when_a_gap_exceeds_5_percent(
             deltas = [abs(v["f_input"][d, 1, 1] - v["f_baseline"][d, 1, 1]) for d in range(DOCS)]
             worst = sum(abs(x) for x in g) / sum(deltas)
             assert (
-                f"at 1 of {3 * BLOCKS} (site, block) pairs, the worst attn block 1 ({worst:.1%})"
-                in text
+                f"at 1 of {3 * BLOCKS} (site, block) pairs, the worst at block 1 of site attn "
+                f"({worst:.1%})" in text
             )
 
 

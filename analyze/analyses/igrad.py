@@ -210,7 +210,7 @@ def too_few_steps(table: pl.DataFrame, names: dict[str, str]) -> list[str]:
         lines.append(
             f"{m} is too small for {model} on {key[2]}: the completeness gap exceeds "
             f"{GAP_LEVEL:.0%} of |f(x) − f(b)| at {over.height} of {rows.height} (site, block) "
-            f"pairs, the worst {worst['sublayer']} block {worst['block']} "
+            f"pairs, the worst at block {worst['block']} of site {worst['sublayer']} "
             f"({worst['rel_gap']:.1%}); extract again with a larger `--igrad-steps`."
         )
     return lines
