@@ -130,18 +130,24 @@ def optional_tables(values: dict[str, np.ndarray], docs: range) -> dict[str, pa.
     return {"igrad": ig, "igrad_ends": ends, "erasure": erasure}
 
 
+def answered(model: str, blocks: int, settings: dict[str, dict[str, Any]]) -> Any:
+    """The manifest of a made-up text partition of a task that names an answer (task ``qa``)."""
+    manifest = text_manifest(model, "qa", DOCS, blocks, TOKENS, CHUNK)
+    spec = {**manifest.task_spec, "answer": " {{ answer }}"}
+    return dataclasses.replace(manifest, settings=settings, task_spec=spec)
+
+
 def write_store(
     root: Path, seed: int, gap: float, model: str = MODEL, blocks: int = BLOCKS
 ) -> dict[str, np.ndarray]:
     """A text partition of ``model`` with ``blocks`` blocks holding the made-up maps
     (:func:`made_up`); returns them."""
     values = made_up(seed, gap, blocks)
-    manifest = text_manifest(model, "qa", DOCS, blocks, TOKENS, CHUNK)
     settings: dict[str, dict[str, Any]] = {
         "igrad": {"igrad_sites": list(SUBLAYERS), "igrad_steps": STEPS},
         "erase": {"erase_reference": 10},
     }
-    manifest = dataclasses.replace(manifest, settings=settings)
+    manifest = answered(model, blocks, settings)
     rng = np.random.default_rng(seed)
     chunks = (
         (s, len(docs), {**text_chunk(rng, docs, TOKENS, blocks), **optional_tables(values, docs)})
@@ -321,13 +327,19 @@ def test_a_partition_without_the_maps_is_named_with_the_option_that_adds_them(
     from layerdiv.analyze.synthetic import synthesize_text_store
 
     root = tmp_path / "store"
+    # a task without an answer (neither measurement applies: no note), and one with an answer
     synthesize_text_store(root, 1, 6, TOKENS, BLOCKS, chunk=4, progress=False)
+    rng = np.random.default_rng(0)
+    chunks = [(0, DOCS, text_chunk(rng, range(DOCS), TOKENS, BLOCKS))]
+    write_text_partition(root, answered(MODEL, BLOCKS, {}), chunks)
     results = analyze(root)
     assert "igrad" not in results.analyses and "erasure" not in results.analyses
-    slug = "synth--text-model-00/main/fineweb"
     for title, flag in ((igrad.TITLE, "--igrad"), (erasure.TITLE, "--erase")):
-        line = f"{title}: not extracted for {slug} (`layerdiv extract {flag}` adds it)."
+        line = (
+            f"{title}: not extracted for synth--attrib/main/qa (`layerdiv extract {flag}` adds it)."
+        )
         assert line in results.notes
+        assert not [n for n in results.notes if n.startswith(title) and "fineweb" in n]
 
 
 def test_a_table_no_measurement_writes_gives_no_note(tmp_path: Path) -> None:

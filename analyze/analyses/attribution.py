@@ -52,6 +52,12 @@ ZERO = 1e-3
 (:func:`answer_starts`)."""
 
 
+def with_answer(parts: list[PartitionInfo]) -> list[PartitionInfo]:
+    """The partitions of ``parts`` whose task names an answer (the document is text + answer):
+    the only ones ``--igrad`` and ``--erase`` apply to, so the others get no note."""
+    return [p for p in parts if p.manifest.task_spec.get("answer")]
+
+
 def answer_starts(last: pl.DataFrame, value: str) -> pl.DataFrame:
     """Per document (``doc``) its answer's start ``answer_start`` s, from ``last``: the rows
     (``doc``, ``pos``, ``value``) of the last block's attribution or the last state's erasure

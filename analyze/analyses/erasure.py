@@ -42,6 +42,7 @@ from layerdiv.analyze.analyses.attribution import (
     maps_link,
     partition_tables,
     profiles,
+    with_answer,
 )
 from layerdiv.analyze.analyses.effective_depth import interval_ends
 from layerdiv.analyze.frames import tag
@@ -269,6 +270,7 @@ register(
         tables=tables,
         report=report,
         kinds=(TEXT_KIND,),
+        among=with_answer,
         options=OPTIONS,
         needs=("erasure",),
     )

@@ -44,6 +44,7 @@ from layerdiv.analyze.analyses.attribution import (
     maps_link,
     partition_tables,
     profiles,
+    with_answer,
 )
 from layerdiv.analyze.frames import tag
 from layerdiv.analyze.markdown import fmt, key_rows, markdown_table
@@ -349,6 +350,7 @@ register(
         tables=tables,
         report=report,
         kinds=(TEXT_KIND,),
+        among=with_answer,
         options=OPTIONS,
         needs=("igrad", "igrad_ends"),
     )
