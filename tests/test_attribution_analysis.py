@@ -288,10 +288,12 @@ def test_too_few_steps_said_when_and_only_when_a_gap_exceeds_5_percent(
         gaps = results["igrad_completeness"].filter(pl.col("model") == "synth--attrib")
         assert bool((gaps["rel_gap"].to_numpy() > igrad.GAP_LEVEL).any()) == over
         out = tmp_path / ("over" if over else "under")
-        write_report(results, out, "paper", str(root), "md")
+        write_report(results, out, "paper", str(root), "md,html")
         text = (out / "report.md").read_text()
         assert "## Running text: integrated gradients per block and token" in text
         assert text.count(f"M = {STEPS} steps is too small") == over  # once, for synth/attrib
+        page = (out / "report.html").read_text()
+        assert page.count(f"M = {STEPS} steps is too small") == over
         assert "too small for synth/deeper" not in text
         if over:
             # the worst block: the one made up with a gap of 20%, the only one over 5%
