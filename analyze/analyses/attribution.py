@@ -197,8 +197,8 @@ def map_figure(
         panels,
         cols=1,
         panel_size=(10.0, 3.4),
-        caption=f"the first {shown} document(s) of each task; colour range from positions "
-        f"1..T-1 (position 0 drawn clipped){note}; dotted: where the answer starts",
+        caption=f"the first {shown} document(s) of each model and task; colour range from "
+        f"positions 1..T-1 (position 0 drawn clipped){note}; dotted: where the answer starts",
     )
 
 
