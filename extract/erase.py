@@ -11,8 +11,9 @@ start), and every block call runs with the arguments of its own clean call (mask
 rotary angles) cut to the queries (``layerdiv.extract.future._expand``). The copies of one state
 run together, grouped by t: a group of copies starting at t0 runs the queries t0..T-1, its copies
 with t > t0 recomputing the few positions t0..t-1 unchanged. The readout runs only at each copy's
-answer-predicting positions max(s - 1, t)..T-2; positions t > T - 2 precede none of them, and
-their effect is stored as an exact 0, not computed."""
+answer-predicting positions max(s - 1, t)..T-2 (the last state h_L reaches z_t alone: at t
+alone); positions t > T - 2 precede none of them, and their effect is stored as an exact 0, not
+computed (so is the last state's before s - 1)."""
 
 from __future__ import annotations
 
@@ -207,8 +208,11 @@ class Erasure:
         final = self.removal.last(x, edited, layer) if layer < len(self.blocks) else x
         # effect(l, t) = max_{j = max(s-1, t)..T-2} ||softmax(z'_j) - softmax(z_j)||_2
         pos = torch.arange(q, width, device=device)
+        edit = (start + t).to(device)[:, None]
         measured = (pos[None, :] >= (start + torch.maximum(t, torch.tensor(first)))[:, None]
                     .to(device)) & (pos[None, :] < width - 1)  # fmt: skip
+        if layer == len(self.blocks):  # h_L reaches z_t alone: the others are exactly unchanged
+            measured &= pos[None, :] == edit
         copy, col = measured.nonzero(as_tuple=True)
         out = torch.zeros(copies, device=device)
         for a in range(0, len(copy), READ_ROWS):

@@ -128,6 +128,8 @@ def test_erasure_matches_an_independent_float64_reference(
         T = len(docs[doc])
         assert got[doc].shape == (len(means), T)
         assert (got[doc][:, T - 1] == 0).all()  # t > T - 2: exact 0, not computed
+        s = starts[doc]  # h_L reaches z_t alone: an exact 0 before s - 1, not at it
+        assert (got[doc][-1, : s - 1] == 0).all() and got[doc][-1, s - 1] > 0
         # an L2 norm of a change of probabilities (at most sqrt 2): within FLOAT32 of 1 (the
         # extraction was seen within 2e-9 of the reference), well below the effects' size
         assert_within(got[doc], want, 1.0, what=f"document {doc}")
