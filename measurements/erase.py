@@ -113,18 +113,17 @@ def erase_flops(shape: ModelShape, tokens: int, start: int) -> float:
     """FLOPs of the prefix-reusing passes of a document of T = ``tokens`` tokens whose answer
     starts at s = ``start``: per state l and position t <= T - 2, blocks l..L-1 at the queries
     t..T-1 (keys and values of the positions before t read from the clean pass) and the readout
-    at the answer-predicting positions max(s - 1, t)..T-2; and one clean pass of the blocks that
-    keeps those keys and values."""
+    at the answer-predicting positions max(s - 1, t)..T-2 (for h_L, at t alone); and one clean
+    pass of the blocks that keeps those keys and values."""
     L, T = shape.layers, tokens
     t = np.arange(max(T - 1, 0))  # t = 0..T-2
     # blocks over the queries t..T-1 with keys 0..T-1: a block over T tokens less its first t
     blocks = shape.block(T) - np.array([shape.block(int(u)) for u in t])
-    read = T - 1 - np.maximum(start - 1, t)  # positions max(s - 1, t)..T-2
+    read = np.maximum(T - 1 - np.maximum(start - 1, t), 0)  # positions max(s - 1, t)..T-2
     states = L * (L + 1) / 2  # blocks l..L-1 for each state l = 0..L
+    last = int((t >= start - 1).sum())  # h_L reaches z_t alone: t itself, t = s-1..T-2
     return float(
-        states * blocks.sum()
-        + (L + 1) * shape.readout(int(np.maximum(read, 0).sum()))
-        + L * shape.block(T)
+        states * blocks.sum() + shape.readout(L * int(read.sum()) + last) + L * shape.block(T)
     )
 
 

@@ -234,7 +234,8 @@ def test_erase_cost_counts_the_prefix_reusing_passes() -> None:
     for layer in range(4):
         for t in range(T - 1):
             queries = 2 * 100 * (T - t) + 16 * sum(p + 1 for p in range(t, T))
-            want += (3 - layer) * queries + 2 * 8 * 50 * len(range(max(s - 1, t), T - 1))
+            read = [t] if layer == 3 else range(max(s - 1, t), T - 1)  # h_L: z_t alone
+            want += (3 - layer) * queries + 2 * 8 * 50 * sum(s - 1 <= j <= T - 2 for j in read)
     assert erase_flops(shape, T, s) == pytest.approx(want, rel=1e-12)
 
 
