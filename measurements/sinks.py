@@ -1,0 +1,57 @@
+"""``--sinks``: attention sinks (methods §16, ``sinks`` table): per document of a text task (per
+instance of a choice task, over its prompt), block l and query head h, the mean over query
+positions p = 1..T-1 of the attention weight on key position 0. The hooks are
+:class:`layerdiv.extract.sinks.SinkCapture`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from layerdiv.measurements.registry import Measurement, ModelShape, register
+from layerdiv.schemas import SINKS as SINKS_SCHEMA
+
+
+def sinks_table(docs: Sequence[int], values: np.ndarray) -> pa.Table:
+    """Rows (doc, block, head) of :data:`~layerdiv.schemas.SINKS` from ``values`` (N, L, H):
+    sink(l, h) of each of ``docs``."""
+    n, blocks, heads = values.shape
+    return pa.table(
+        {
+            "doc": pa.array(np.repeat(np.asarray(docs, np.int32), blocks * heads)),
+            "block": pa.array(np.tile(np.repeat(np.arange(blocks, dtype=np.int16), heads), n)),
+            "head": pa.array(np.tile(np.arange(heads, dtype=np.int16), n * blocks)),
+            "bos_attention": pa.array(values.astype(np.float32).reshape(-1)),
+        },
+        schema=SINKS_SCHEMA,
+    )
+
+
+def sink_rows(docs: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
+    """The ``sinks`` rows of documents or instances ``docs`` from each one's (L, H) values."""
+    return {"sinks": sinks_table(docs, np.stack([np.asarray(v) for v in values]))}
+
+
+def sink_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]) -> float:
+    """The scores q . k of every (query, key) pair of every block again, T^2 of them (the
+    masked ones included), 2 x heads x head width FLOPs each (half of :attr:`attention`, which
+    also counts the weighted sum of the values)."""
+    return shape.layers * shape.attention / 2 * tokens * tokens
+
+
+SINKS = register(
+    Measurement(
+        name="sinks",
+        flag="--sinks",
+        help="Also store each head's mean attention weight on the first token (sinks table), "
+        "per document of a text task, per prompt of a choice task.",
+        tables={"text": ("sinks",), "choice": ("sinks",)},
+        attach="layerdiv.extract.sinks:SinkCapture",
+        rows=sink_rows,
+        cost=sink_cost,
+        check_model="layerdiv.extract.sinks:check_sinks",
+    )
+)
