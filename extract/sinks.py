@@ -224,7 +224,7 @@ class SinkCapture(Hooks):
             sinks=kwargs.get("s_aux"),
             causal=bool(getattr(module, "is_causal", True)),
         )  # fmt: skip
-        self._blocks.append((total / (n - 1).clamp(min=1)[:, None]).float().cpu())
+        self._blocks.append((total / (n - 1)[:, None]).float().cpu())  # T = 1: NaN
 
     def result(self) -> Sequence[Any]:
         if self._ids is None:

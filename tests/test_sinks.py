@@ -1,0 +1,232 @@
+"""Attention sinks (``extract --sinks``, methods §16): the stored mean attention weight on the first
+token against an independent float64 computation (the model in float64, eager attention,
+``output_attentions``, one unit at a time), on both task kinds and on families with rotary,
+grouped-query, sliding-window and parallel attention; slices of queries; resume, backfill and
+merge; the model's output unchanged; the refusal of an unreadable family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from layerdiv.cli import main
+from layerdiv.extract import runner
+from layerdiv.extract.adapters import UnsupportedModel
+from layerdiv.extract.sinks import check_sinks
+from layerdiv.store import Store
+from tests.test_text_extract import random_texts, text_task
+
+TOLERANCE = 1e-4
+"""Of an attention weight (a probability: its scale is 1)."""
+
+
+def extract(*args: str) -> Any:
+    return CliRunner().invoke(main, ["extract", *args])
+
+
+def reference(model: Any, ids: list[int]) -> np.ndarray:
+    """(L, H) float64: the mean over query positions 1..T-1 of the attention weight on key 0,
+    from ``output_attentions`` of one unpadded sequence."""
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_attentions=True)
+    return np.stack([a[0, :, 1:, 0].double().mean(dim=-1).numpy() for a in out.attentions])
+
+
+def float64_model(folder: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float64, attn_implementation="eager"
+    ).eval()
+
+
+def stored_sinks(store: Path) -> np.ndarray:
+    """(units, L, H) of the store's one partition, from its rows in key order."""
+    frame = Store(store).scan("sinks").collect().sort("doc", "block", "head")
+    n, blocks, heads = (frame[c].n_unique() for c in ("doc", "block", "head"))
+    assert frame["doc"].to_list() == np.repeat(np.arange(n), blocks * heads).tolist()
+    return frame["bos_attention"].to_numpy().reshape(n, blocks, heads)
+
+
+@pytest.fixture(scope="module")
+def sliding_qwen2(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> Path:
+    """A tiny Qwen2 whose second block attends within a window of 4 positions."""
+    import transformers as tf
+
+    config = tf.Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_sliding_window=True, sliding_window=4, max_window_layers=1,
+    )  # fmt: skip
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("qwen2-sliding")
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def folder_of(family: str, model_dirs: Any, sliding: Path) -> Path:
+    return sliding if family == "qwen2_sliding" else model_dirs(family)
+
+
+FAMILIES = ("llama", "qwen2_sliding", "gpt_neox")
+
+
+@pytest.mark.numerical
+@pytest.mark.parametrize("family", FAMILIES)
+def test_text_sinks_match_float64_attention(
+    tmp_path: Path, model_dirs: Any, tokenizer: Any, sliding_qwen2: Path, family: str
+) -> None:
+    folder = folder_of(family, model_dirs, sliding_qwen2)
+    texts = random_texts(7, seed=5)
+    task = text_task(tmp_path / "task", texts, max_tokens=24)
+    store = tmp_path / "store"
+    r = extract("--model", str(folder), "--task", str(task), "--store", str(store), "--sinks",
+                "--batch-size", "4")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    got = stored_sinks(store)
+    model = float64_model(folder)
+    want = np.stack([reference(model, tokenizer(t)["input_ids"][:24]) for t in texts])
+    assert got.shape == want.shape == (7, 2, 4)
+    assert np.abs(got - want).max() <= TOLERANCE
+    if family == "qwen2_sliding":  # the window hides position 0 from the later queries
+        long = [d for d, t in enumerate(texts) if len(tokenizer(t)["input_ids"]) > 8]
+        assert long and (got[long, 1] < got[long, 0]).any()
+
+
+@pytest.mark.numerical
+@pytest.mark.parametrize("family", FAMILIES)
+def test_choice_sinks_match_float64_attention_over_the_prompt(
+    tmp_path: Path, model_dirs: Any, tokenizer: Any, make_task: Any, sliding_qwen2: Path,
+    family: str,
+) -> None:  # fmt: skip
+    folder = folder_of(family, model_dirs, sliding_qwen2)
+    task = make_task(tmp_path / "task", n=6)
+    store = tmp_path / "store"
+    r = extract("--model", str(folder), "--task", str(task), "--store", str(store), "--sinks")
+    assert r.exit_code == 0, r.output
+    got = stored_sinks(store)
+    prompts = Store(store).scan("instances").sort("instance").collect()["prompt"]
+    model = float64_model(folder)
+    want = np.stack([reference(model, tokenizer(p)["input_ids"]) for p in prompts])
+    assert got.shape == want.shape and np.abs(got - want).max() <= TOLERANCE
+
+
+@pytest.mark.numerical
+def test_slices_of_queries_and_the_output_unchanged(
+    build_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One query per slice gives what one slice gives; the model's logits with the capture
+    attached equal those without it (the same kernels), and nothing is left installed in
+    transformers' attention interface after it is removed."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from layerdiv.extract import sinks
+    from layerdiv.extract.adapters import adapter_for
+    from layerdiv.extract.forward import left_padded
+    from layerdiv.measurements import Attachment
+
+    model = build_model("llama")
+    seqs = [[5, 9, 30, 7], [11, 3, 8, 21, 40, 6, 19]]
+    inputs = left_padded(seqs, 0)
+    with torch.no_grad():
+        plain = model(**inputs).logits
+
+    def run() -> tuple[list[np.ndarray], torch.Tensor]:
+        cap = sinks.SinkCapture(Attachment(model, adapter_for(model.config), "text", {}, None))
+        cap.reset()
+        cap.batch([0, 1], [len(s) for s in seqs])
+        with torch.no_grad():
+            logits = model(**inputs).logits
+        values = list(cap.result())
+        cap.remove()
+        return values, logits
+
+    whole, logits = run()
+    assert torch.equal(logits, plain)
+    monkeypatch.setattr(sinks, "SLICE_ELEMENTS", 1)
+    sliced, _ = run()
+    for a, b in zip(whole, sliced, strict=True):
+        assert np.abs(a - b).max() <= 1e-6
+    assert model.config._attn_implementation not in ALL_ATTENTION_FUNCTIONS._local_mapping
+
+
+def test_resumed_backfilled_and_merged(tmp_path: Path, model_dirs: Any) -> None:
+    """Shards with ``--sinks`` merge into the values of one run; a partition stored without
+    them gets them added; a larger ``--limit`` extends them."""
+    folder = str(model_dirs("llama"))
+    task = text_task(tmp_path / "task", random_texts(7, seed=3), max_tokens=16)
+    args = ["--model", folder, "--task", str(task), "--chunk-size", "2"]
+    r = extract(*args, "--store", str(tmp_path / "whole"), "--sinks")
+    assert r.exit_code == 0, r.output
+    whole = stored_sinks(tmp_path / "whole")
+    for i in range(2):
+        r = extract(*args, "--store", str(tmp_path / f"s{i}"), "--shard", f"{i}/2", "--sinks")
+        assert r.exit_code == 0, r.output
+    merged = tmp_path / "m"
+    r = CliRunner().invoke(
+        main, ["merge", str(tmp_path / "s0"), str(tmp_path / "s1"), "--into", str(merged)]
+    )
+    assert r.exit_code == 0, r.output
+    (info,) = Store(merged).partitions
+    assert "sinks" in info.tables and not info.incomplete()
+    assert np.abs(stored_sinks(merged) - whole).max() <= 1e-6
+    other = tmp_path / "later"
+    assert extract(*args, "--store", str(other), "--limit", "4").exit_code == 0
+    r = extract(*args, "--store", str(other), "--limit", "4", "--sinks")
+    assert r.exit_code == 0 and "added sinks" in r.output
+    r = extract(*args, "--store", str(other), "--sinks")
+    assert r.exit_code == 0, r.output
+    assert np.abs(stored_sinks(other) - whole).max() <= 1e-6
+
+
+def test_a_family_outside_the_attention_interface_is_refused_before_weights_load(
+    tmp_path: Path, model_dirs: Any, make_task: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import LlamaForCausalLM
+
+    folder = model_dirs("llama")
+    monkeypatch.setattr(LlamaForCausalLM, "_supports_attention_backend", False)
+    with pytest.raises(UnsupportedModel, match=r"^--sinks: the attention of 'llama' models"):
+        check_sinks(LlamaForCausalLM.config_class())
+
+    def no_weights(*args: Any) -> None:
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(runner, "load_model", no_weights)
+    task = make_task(tmp_path / "task", n=4)
+    r = extract("--model", str(folder), "--task", str(task), "--store", str(tmp_path / "s"),
+                "--sinks")  # fmt: skip
+    assert r.exit_code == 1
+    assert r.output.strip().splitlines() == [
+        "Error: --sinks: the attention of 'llama' models does not go through transformers' "
+        "attention interface, where --sinks reads its weights; extract without --sinks."
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.numerical
+def test_smollm2_sinks_match_float64_attention(tmp_path: Path) -> None:
+    from layerdiv.demo import bbc_articles
+    from layerdiv.extract.models import load_model, load_tokenizer, resolve_source
+
+    texts = [a["text"] for a in bbc_articles(paragraphs=1)[:2]]
+    task = text_task(tmp_path / "task", texts, max_tokens=32)
+    out = extract("--model", "smollm2-135m-instruct", "--task", str(task), "--store",
+                  str(tmp_path / "s"), "--sinks")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    got = stored_sinks(tmp_path / "s")
+    source = resolve_source("smollm2-135m-instruct", None, None, False)
+    tokenizer = load_tokenizer(source)
+    model = load_model(source, tokenizer, torch.device("cpu"), torch.float64).model
+    model.set_attn_implementation("eager")
+    want = np.stack([reference(model, tokenizer(t)["input_ids"][:32]) for t in texts])
+    assert got.shape == want.shape == (2, 30, 9)
+    assert np.abs(got - want).max() <= TOLERANCE
+    assert got.max() > 0.3  # SmolLM2 has sink heads
