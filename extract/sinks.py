@@ -209,9 +209,7 @@ class SinkCapture(Hooks):
         if self._ids is not None:
             self._passes += 1
 
-    def _watch(
-        self, module: Any, query: Any, key: Any, mask: Any, kwargs: dict[str, Any]
-    ) -> None:
+    def _watch(self, module: Any, query: Any, key: Any, mask: Any, kwargs: dict[str, Any]) -> None:
         if self._ids is None or self._passes != 1 or len(self._blocks) >= self.n_blocks:
             return
         n = torch.as_tensor(self._lengths, device=query.device)
@@ -236,4 +234,3 @@ class SinkCapture(Hooks):
             )
         values = torch.stack(self._blocks, dim=1).numpy()  # (B, L, H)
         return [np.asarray(v) for v in values]
-

@@ -31,8 +31,11 @@ def sinks_table(docs: Sequence[int], values: np.ndarray) -> pa.Table:
 
 
 def sink_rows(docs: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
-    """The ``sinks`` rows of documents or instances ``docs`` from each one's (L, H) values."""
-    return {"sinks": sinks_table(docs, np.stack([np.asarray(v) for v in values]))}
+    """The ``sinks`` rows of documents or instances ``docs`` from each one's (L, H) values; a
+    unit of one token (no query position after the first: NaN) has none."""
+    stacked = np.stack([np.asarray(v) for v in values])
+    kept = np.isfinite(stacked).all(axis=(1, 2))
+    return {"sinks": sinks_table(np.asarray(docs)[kept], stacked[kept])}
 
 
 def sink_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]) -> float:

@@ -230,3 +230,86 @@ def test_smollm2_sinks_match_float64_attention(tmp_path: Path) -> None:
     assert got.shape == want.shape == (2, 30, 9)
     assert np.abs(got - want).max() <= TOLERANCE
     assert got.max() > 0.3  # SmolLM2 has sink heads
+
+
+# --- the analysis ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sink_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    """A synthetic choice partition with made-up sinks (12 instances, 3 blocks x 4 heads: some
+    heads near the threshold, so that resamples move the rate), and a text partition."""
+    from layerdiv.analyze.synthetic import (
+        decoder_kinds,
+        random_partition,
+        synthesize_text_store,
+        write_partition,
+    )
+
+    root = tmp_path_factory.mktemp("sinks") / "store"
+    rng = np.random.default_rng(4)
+    logits, gold, rms, kinds = random_partition(rng, 12, 3, 2)
+    centre = np.array([[0.05, 0.9, 0.3, 0.1], [0.28, 0.32, 0.6, 0.02], [0.4, 0.3, 0.25, 0.8]])
+    values = np.clip(centre + rng.normal(0, 0.08, (12, 3, 4)), 0, 1).astype(np.float32)
+    write_partition(root, "org/m", "boolq", logits, gold, decoder_kinds(3), rms, chunk=5,
+                    optional={"sinks": values})  # fmt: skip
+    synthesize_text_store(root, n_models=1, n_docs=6, n_tokens=8, blocks=3, chunk=4,
+                          progress=False)  # fmt: skip
+    return root, values.astype(np.float64)
+
+
+def test_sink_analysis_matches_numpy(sink_store: tuple[Path, np.ndarray]) -> None:
+    from layerdiv.analyze.api import analyze
+
+    root, values = sink_store
+    results = analyze(root)
+    means = values.mean(axis=0)  # (L, H): the mean over instances
+    heads = results.sink_heads.sort("block", "head")
+    assert np.abs(heads["bos_attention"].to_numpy() - means.reshape(-1)).max() <= 1e-6
+    assert heads["sink"].to_list() == (means > 0.3).reshape(-1).tolist()
+    blocks = results.sink_blocks.sort("block")
+    assert blocks["sink_rate"].to_list() == pytest.approx((means > 0.3).mean(axis=1).tolist())
+    (rate,) = results.sink_rate.iter_rows(named=True)
+    assert (rate["n_units"], rate["n_blocks"], rate["n_heads"]) == (12, 3, 4)
+    assert rate["sink_rate"] == pytest.approx((means > 0.3).mean())
+    # 1,000 resamples of the instances (seed 0), every head's mean recomputed from each
+    draws = np.random.default_rng(0).multinomial(12, np.full(12, 1 / 12), size=1000)
+    resampled = np.einsum("rn,nk->rk", draws, values.reshape(12, -1)) / 12
+    low, high = np.percentile((resampled > 0.3).mean(axis=1), [2.5, 97.5])
+    assert (rate["ci_low"], rate["ci_high"]) == pytest.approx((low, high))
+    assert rate["ci_low"] < rate["ci_high"]  # the heads near 0.3 move it
+
+
+def test_bos_norm_matches_numpy(sink_store: tuple[Path, np.ndarray]) -> None:
+    """From the stored h.h of every token: per block, the means over documents of ||h_l|| at
+    position 0 and of the mean over positions 1..T-1, on the text partition alone."""
+    from layerdiv.analyze.api import analyze
+
+    root, _ = sink_store
+    rows = Store(root).scan("token_blocks", task="fineweb").collect().sort("doc", "pos", "block")
+    norm = np.sqrt(rows["hh"].to_numpy().astype(np.float64)).reshape(6, 8, 3)  # (doc, pos, block)
+    table = analyze(root).bos_norm.sort("block")
+    assert table["task"].unique().to_list() == ["fineweb"]
+    assert table["n_documents"].to_list() == [6, 6, 6]
+    first, rest = norm[:, 0].mean(axis=0), norm[:, 1:].mean(axis=1).mean(axis=0)
+    assert np.abs(table["bos_norm"].to_numpy() - first).max() <= 1e-9 * first.max()
+    assert np.abs(table["rest_norm"].to_numpy() - rest).max() <= 1e-9 * rest.max()
+    assert np.abs(table["ratio"].to_numpy() - first / rest).max() <= 1e-9 * (first / rest).max()
+
+
+def test_report_sections_and_figures(sink_store: tuple[Path, np.ndarray], tmp_path: Path) -> None:
+    from layerdiv.analyze.api import analyze
+    from layerdiv.analyze.report import write_report
+
+    root, _ = sink_store
+    results = analyze(root)
+    out = tmp_path / "report"
+    write_report(results, out, "paper", str(root), ("md", "html"))
+    text = (out / "report.md").read_text()
+    for title, figure in (("Attention sinks", "sinks.png"), ("Attention sinks", "sinks_heads.png"),
+                          ("Running text: the first token's norm", "bos_norm.png")):  # fmt: skip
+        assert f"## {title}" in text and f"figures/{figure}" in text
+        assert (out / "figures" / figure).is_file()
+    assert "methods.md#section-16" in text
+    page = (out / "report.html").read_text()
+    assert "Attention sinks" in page and "sinks_heads.png" in page and "section-16" in page

@@ -18,6 +18,7 @@ from layerdiv.analyze.analyses import text_profiles
 from layerdiv.analyze.analyses import text_groups
 from layerdiv.analyze.analyses import effective_depth
 from layerdiv.analyze.analyses import decided_depth
+from layerdiv.analyze.analyses import sinks
 from layerdiv.analyze.analyses import revisions
 from layerdiv.analyze.analyses import depth_law
 from layerdiv.analyze.analyses import maps
@@ -34,6 +35,7 @@ __all__ = [
     "paper",
     "revisions",
     "reweight",
+    "sinks",
     "skips",
     "text_geometry",
     "text_groups",
