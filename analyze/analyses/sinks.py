@@ -25,6 +25,7 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
+from layerdiv.analyze.analyses.effective_depth import interval_ends
 from layerdiv.analyze.frames import tag
 from layerdiv.analyze.markdown import fmt, key_rows, markdown_table, model_label
 from layerdiv.analyze.registry import (
@@ -136,38 +137,35 @@ def partition_label(row: Mapping[str, object], names: Mapping[str, str]) -> str:
 def sink_figure(
     rates: pl.DataFrame, per_block: pl.DataFrame, names: dict[str, str]
 ) -> plots.Figure:
-    """The sink rate per block, a line per (model, task), its sink rate and interval in the
-    legend."""
-    panel = plots.Panel(
-        f"Share of heads with mean attention on the first token > {EPSILON:g}",
+    """The sink rate of each (model, task) with its interval (top), and per block (below)."""
+    overall = plots.Panel(
+        "Sink rate", xlabel="model · task", ylabel="share of heads", yrange=(-0.03, 1.03)
+    )
+    blocks = plots.Panel(
+        f"Per block: share of heads with mean attention on the first token > {EPSILON:g}",
         xlabel="block",
-        ylabel="sink rate",
+        ylabel="share of heads",
         yrange=(-0.03, 1.03),
     )
     keys = rates.select(*KEY).rows(named=True)
     for key, color in zip(keys, plots.colors(len(keys)), strict=False):
+        label = partition_label(key, names)
+        rate = rates.filter(*(pl.col(c) == v for c, v in key.items()))
+        ends = interval_ends(rate, "sink_rate")
+        overall.series.append(
+            plots.Series(label, [label], rate["sink_rate"].to_list(), color=color, line=False,
+                         interval=ends)
+        )  # fmt: skip
         rows = per_block.filter(*(pl.col(c) == v for c, v in key.items()))
-        rate = rates.filter(*(pl.col(c) == v for c, v in key.items())).row(0, named=True)
-        interval = (
-            f" [{fmt(rate['ci_low'], digits=2)}, {fmt(rate['ci_high'], digits=2)}]"
-            if rate["ci_low"] is not None
-            else ""
-        )
-        panel.series.append(
-            plots.Series(
-                f"{partition_label(key, names)}: {fmt(rate['sink_rate'], digits=2)}{interval}",
-                rows["block"].to_list(),
-                rows["sink_rate"].to_list(),
-                color=color,
-            )
+        blocks.series.append(
+            plots.Series(label, rows["block"].to_list(), rows["sink_rate"].to_list(), color=color)
         )
     return plots.Figure(
-        "Attention sinks per block (methods §16)",
-        [panel],
+        "Attention sinks (methods §16)",
+        [overall, blocks],
         cols=1,
-        panel_size=(7.5, 3.6),
-        caption=f"legend: the sink rate over every block and head, with its bootstrap {LEVEL:g}% "
-        f"interval over units ({RESAMPLES} resamples)",
+        panel_size=(9.0, 3.2),
+        caption=f"bars: bootstrap {LEVEL:g}% interval over units ({RESAMPLES} resamples)",
     )
 
 
