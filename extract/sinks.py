@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -66,10 +66,11 @@ def _original(implementation: str, module: Any) -> Callable[..., Any]:
     its registered function, or the module family's own ``eager_attention_forward``."""
     from transformers.modeling_utils import AttentionInterface
 
-    found = _INSTALLED.get(implementation) or AttentionInterface._global_mapping.get(implementation)
+    found: Any = _INSTALLED.get(implementation)
+    found = found or AttentionInterface._global_mapping.get(implementation)
     if found is None:  # eager: the family's own function
         found = sys.modules[type(module).__module__].eager_attention_forward
-    return found  # type: ignore[no-any-return]
+    return cast(Callable[..., Any], found)
 
 
 def _dispatcher(implementation: str) -> Callable[..., Any]:

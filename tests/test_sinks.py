@@ -189,12 +189,12 @@ def test_resumed_backfilled_and_merged(tmp_path: Path, model_dirs: Any) -> None:
 def test_a_family_outside_the_attention_interface_is_refused_before_weights_load(
     tmp_path: Path, model_dirs: Any, make_task: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = model_dirs("llama")
     monkeypatch.setattr(LlamaForCausalLM, "_supports_attention_backend", False)
     with pytest.raises(UnsupportedModel, match=r"^--sinks: the attention of 'llama' models"):
-        check_sinks(LlamaForCausalLM.config_class())
+        check_sinks(LlamaConfig())
 
     def no_weights(*args: Any) -> None:
         raise AssertionError("the weights were loaded")
@@ -240,7 +240,6 @@ def sink_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarr
     """A synthetic choice partition with made-up sinks (12 instances, 3 blocks x 4 heads: some
     heads near the threshold, so that resamples move the rate), and a text partition."""
     from layerdiv.analyze.synthetic import (
-        decoder_kinds,
         random_partition,
         synthesize_text_store,
         write_partition,
@@ -251,7 +250,7 @@ def sink_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarr
     logits, gold, rms, kinds = random_partition(rng, 12, 3, 2)
     centre = np.array([[0.05, 0.9, 0.3, 0.1], [0.28, 0.32, 0.6, 0.02], [0.4, 0.3, 0.25, 0.8]])
     values = np.clip(centre + rng.normal(0, 0.08, (12, 3, 4)), 0, 1).astype(np.float32)
-    write_partition(root, "org/m", "boolq", logits, gold, decoder_kinds(3), rms, chunk=5,
+    write_partition(root, "org/m", "boolq", logits, gold, kinds, rms, chunk=5,
                     optional={"sinks": values})  # fmt: skip
     synthesize_text_store(root, n_models=1, n_docs=6, n_tokens=8, blocks=3, chunk=4,
                           progress=False)  # fmt: skip
