@@ -1,9 +1,10 @@
 """What every benchmark shares: the ``--quick`` flag (tiny sizes, one repeat: the check that the
 script still runs, which ``make bench-quick`` makes of every script), wall and CPU timing
-(:func:`timed`), the demo's choice tasks by name, and the results file a full run writes
-(``docs/benchmarks/<name>.json``: its table, with the date, commit and load average it ran at),
-from which ``scripts/bench_tables.py`` renders the benchmark tables of the docs and the
-README."""
+(:func:`timed`), the demo's choice tasks by name, a running-text task of BBC News articles and
+the timed extraction of a task into a fresh store (:func:`extract_seconds`), and the results
+file a full run writes (``docs/benchmarks/<name>.json``: its table, with the date, commit and
+load average it ran at), from which ``scripts/bench_tables.py`` renders the benchmark tables of
+the docs and the README."""
 
 from __future__ import annotations
 
@@ -63,6 +64,48 @@ def demo_choice_tasks(folder: Path, n: int, seed: int) -> list[Path]:
 
     paths = {path.stem: path for path in write_demo_tasks(folder, n, seed)}
     return [paths[task.name] for task in DEMO_TASKS]
+
+
+def bbc_text_task(folder: Path, docs: int, max_tokens: int, name: str) -> Path:
+    """A text task ``name`` of ``docs`` BBC News articles (evenly spread over the corpus), each
+    cut to ``max_tokens`` tokens, written into ``folder``."""
+    from layerdiv.demo import bbc_articles
+
+    articles = bbc_articles(paragraphs=8)
+    rows = articles[:: max(1, len(articles) // docs)][:docs]
+    (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = {"name": name, "kind": "text", "data": f"{name}.jsonl", "text": "{{ text }}",
+            "max_tokens": max_tokens, "n": len(rows)}  # fmt: skip
+    path = folder / f"{name}.yaml"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def extract_seconds(task: Path, store: Path, measures: dict[str, Any]) -> tuple[float, float]:
+    """Extract the demo's model on ``task`` into the fresh ``store`` with ``measures`` (by name:
+    their settings): (CPU, wall) seconds of its ``extract_task`` (the partition opened, every
+    chunk computed and written, the model already loaded; CPU of the process, every thread,
+    the background writer's included)."""
+    import layerdiv.extract.runner as runner_module
+    from layerdiv.demo import DEMO_MODEL
+    from layerdiv.extract.config import ExtractConfig
+
+    times: list[tuple[float, float]] = []
+    inner = runner_module.extract_task
+
+    def timed_task(*args: Any, **kwargs: Any) -> Any:
+        cpu, wall = time.process_time(), time.perf_counter()
+        out = inner(*args, **kwargs)
+        times.append((time.process_time() - cpu, time.perf_counter() - wall))
+        return out
+
+    config = ExtractConfig(DEMO_MODEL, [str(task)], store, measures=measures, progress=False)
+    runner_module.extract_task = timed_task
+    try:
+        runner_module.run_extract(config)
+    finally:
+        runner_module.extract_task = inner
+    return times[-1]
 
 
 def _commit() -> str:
