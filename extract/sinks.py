@@ -60,6 +60,9 @@ _WATCHERS: dict[Any, Watcher] = {}
 _INSTALLED: dict[str, Any] = {}
 """Implementation -> the interface's own local entry it replaced (None: it had none)."""
 
+_USERS: dict[str, int] = {}
+"""Implementation -> the watches attached through its dispatcher (restored at none)."""
+
 
 def _original(implementation: str, module: Any) -> Callable[..., Any]:
     """The function the attention interface gives ``implementation`` without the dispatcher:
@@ -97,18 +100,22 @@ class _Watch:
         if implementation not in _INSTALLED:
             _INSTALLED[implementation] = ALL_ATTENTION_FUNCTIONS._local_mapping.get(implementation)
             ALL_ATTENTION_FUNCTIONS[implementation] = _dispatcher(implementation)
+        _USERS[implementation] = _USERS.get(implementation, 0) + 1
         for m in self.modules:
             _WATCHERS[m] = watcher
 
     def remove(self) -> None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+        if not self.modules:  # removed already
+            return
         for m in self.modules:
             _WATCHERS.pop(m, None)
         self.modules = []
-        mapping = ALL_ATTENTION_FUNCTIONS._local_mapping
-        if self.implementation in _INSTALLED and not _WATCHERS:
+        _USERS[self.implementation] -= 1
+        if not _USERS[self.implementation]:
             replaced = _INSTALLED.pop(self.implementation)
+            mapping = ALL_ATTENTION_FUNCTIONS._local_mapping
             if replaced is None:
                 mapping.pop(self.implementation, None)
             else:

@@ -38,6 +38,16 @@ def sink_rows(docs: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]
     return {"sinks": sinks_table(np.asarray(docs)[kept], stacked[kept])}
 
 
+def whole_blocks(
+    rows: Mapping[str, int], blocks: int, settings: Mapping[str, Any]
+) -> tuple[str, str] | None:
+    """The ``sinks`` rows of a chunk are whole blocks of heads: a multiple of L."""
+    found = rows.get("sinks")
+    if found is not None and found % blocks:
+        return "sinks", f"{found} rows are not whole blocks of the model's {blocks}"
+    return None
+
+
 def sink_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]) -> float:
     """The scores q . k of every (query, key) pair of every block again, T^2 of them (the
     masked ones included), 2 x heads x head width FLOPs each (half of :attr:`attention`, which
@@ -54,6 +64,7 @@ SINKS = register(
         tables={"text": ("sinks",), "choice": ("sinks",)},
         attach="layerdiv.extract.sinks:SinkCapture",
         rows=sink_rows,
+        check_rows=whole_blocks,
         cost=sink_cost,
         check_model="layerdiv.extract.sinks:check_sinks",
     )

@@ -312,3 +312,30 @@ def test_report_sections_and_figures(sink_store: tuple[Path, np.ndarray], tmp_pa
     assert "methods.md#section-16" in text
     page = (out / "report.html").read_text()
     assert "Attention sinks" in page and "sinks_heads.png" in page and "section-16" in page
+
+
+def test_a_text_part_without_whole_blocks_is_refused(tmp_path: Path) -> None:
+    """A ``sinks`` part of a text partition whose rows are not whole blocks (a row removed) is
+    refused by readers in one line naming it."""
+    import pyarrow.parquet as pq
+
+    from layerdiv.analyze.synthetic import text_chunk, text_manifest, write_text_partition
+    from layerdiv.measurements.sinks import sinks_table
+    from layerdiv.store import StoreError
+
+    rng = np.random.default_rng(0)
+    manifest = text_manifest("org/t", "docs", 4, 3, 8, 2)
+    chunks = []
+    for start in (0, 2):
+        docs = range(start, start + 2)
+        tables = text_chunk(rng, docs, 8, 3)
+        tables["sinks"] = sinks_table(list(docs), rng.random((2, 3, 4)))
+        chunks.append((start, 2, tables))
+    write_text_partition(tmp_path, manifest, chunks)
+    (info,) = Store(tmp_path).select()
+    assert Store(tmp_path).scan("sinks").collect().height == 4 * 3 * 4 and "sinks" in info.tables
+    part = sorted(tmp_path.glob("sinks/**/*.parquet"))[1]
+    table = pq.read_table(part)
+    pq.write_table(table.slice(0, table.num_rows - 1), part, write_page_checksum=True)
+    with pytest.raises(StoreError, match=r"sinks.*23 rows are not whole blocks of the model's 3"):
+        Store(tmp_path).select()
