@@ -18,14 +18,12 @@ FLOPs.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
 from pathlib import Path
 
-import torch
-from common import add_quick, bbc_text_task, extract_seconds, record
+from common import against_plain, bbc_text_task, record, text_extract_args
 
 from layerdiv.demo import DEMO_MODEL
 from layerdiv.extract import cost
@@ -47,28 +45,12 @@ def flop_ratio(store: Path) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--docs", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    add_quick(parser)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.quick:
-        args.docs, args.max_tokens, args.repeats = 2, 32, 1
+    args = text_extract_args(__doc__.split("\n\n")[0])
     loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         task = bbc_text_task(root, args.docs, args.max_tokens, "bbc-sinks-bench")
-        extract_seconds(task, root / "warm-up", {})  # the model converted and cached, pages warm
-        runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-        for r in range(args.repeats):
-            for sinks in (False, True) if r % 2 == 0 else (True, False):
-                measures = {"sinks": {}} if sinks else {}
-                store = root / f"store-{r}-{int(sinks)}"
-                runs[sinks].append(extract_seconds(task, store, measures))
-                loads.append(os.getloadavg()[0])
+        runs = against_plain(task, root, {"sinks": {}}, args.repeats, loads)
         flops, tokens = flop_ratio(root / "store-0-1")
     plain_cpu, sinks_cpu = (statistics.median(c for c, _ in runs[s]) for s in (False, True))
     plain_wall, sinks_wall = (statistics.median(w for _, w in runs[s]) for s in (False, True))

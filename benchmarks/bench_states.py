@@ -23,7 +23,6 @@ disk's speed; the ``states`` files on disk within 1.10 x rows x (L + 1) x d x dt
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
@@ -31,8 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-from common import add_quick, bbc_text_task, extract_seconds, record
+from common import against_plain, bbc_text_task, record, text_extract_args
 
 from layerdiv.demo import DEMO_MODEL
 from layerdiv.measurements.states import states_size
@@ -55,29 +53,12 @@ def disk_rate(folder: Path, size: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--docs", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    add_quick(parser)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.quick:
-        args.docs, args.max_tokens, args.repeats = 2, 32, 1
+    args = text_extract_args(__doc__.split("\n\n")[0])
     loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         task = bbc_text_task(root, args.docs, args.max_tokens, "bbc-states-bench")
-        # the model converted and cached, pages warm
-        extract_seconds(task, root / "warm-up", {})
-        runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-        for r in range(args.repeats):
-            for states in (False, True) if r % 2 == 0 else (True, False):
-                store = root / f"store-{r}-{int(states)}"
-                measures = {"states": {"states": "all"}} if states else {}
-                runs[states].append(extract_seconds(task, store, measures))
-                loads.append(os.getloadavg()[0])
+        runs = against_plain(task, root, {"states": {"states": "all"}}, args.repeats, loads)
         (info,) = Store(root / "store-0-1").select()
         key, _, values = info.states()
         on_disk = sum(f.stat().st_size for f in (info.partition.dir("states")).glob("*.parquet"))

@@ -108,6 +108,42 @@ def extract_seconds(task: Path, store: Path, measures: dict[str, Any]) -> tuple[
     return times[-1]
 
 
+def text_extract_args(description: str) -> argparse.Namespace:
+    """The options of a benchmark of a measurement on running text (``--docs 16 --max-tokens
+    256 --repeats 3 --threads 1``; ``--quick``: 2 documents of 32 tokens, once), torch's
+    threads set."""
+    import torch
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--docs", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    add_quick(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.docs, args.max_tokens, args.repeats = 2, 32, 1
+    return args
+
+
+def against_plain(
+    task: Path, root: Path, measures: dict[str, Any], repeats: int, loads: list[float]
+) -> dict[bool, list[tuple[float, float]]]:
+    """(CPU, wall) seconds of ``repeats`` plain extractions of ``task`` (False) and as many with
+    ``measures`` (True), in rotating order, each into a fresh store ``root/store-<repeat>-<0|1>``,
+    after a plain warm-up (the model converted and cached, pages warm); the load average after
+    each run appended to ``loads``."""
+    extract_seconds(task, root / "warm-up", {})
+    runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    for r in range(repeats):
+        for measured in (False, True) if r % 2 == 0 else (True, False):
+            store = root / f"store-{r}-{int(measured)}"
+            runs[measured].append(extract_seconds(task, store, measures if measured else {}))
+            loads.append(os.getloadavg()[0])
+    return runs
+
+
 def _commit() -> str:
     """The checkout's commit (short), ``+changes`` when its tracked files differ from it; in a
     copy without git, the environment's ``LAYERDIV_COMMIT`` (else ``unknown``)."""
