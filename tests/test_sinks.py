@@ -155,6 +155,18 @@ def test_slices_of_queries_and_the_output_unchanged(
     for a, b in zip(whole, sliced, strict=True):
         assert np.abs(a - b).max() <= 1e-6
     assert model.config._attn_implementation not in ALL_ATTENTION_FUNCTIONS._local_mapping
+    # two models of two implementations at once: each restored when its last watch goes
+    other = build_model("llama")
+    other.config._attn_implementation = "eager"
+    caps = [sinks.SinkCapture(Attachment(m, adapter_for(m.config), "text", {}, None))
+            for m in (model, other)]  # fmt: skip
+    assert {"sdpa", "eager"} <= set(ALL_ATTENTION_FUNCTIONS._local_mapping)
+    caps[1].remove()
+    assert "eager" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+    assert "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping
+    caps[0].remove()
+    caps[0].remove()  # twice: nothing more
+    assert not {"sdpa", "eager"} & set(ALL_ATTENTION_FUNCTIONS._local_mapping)
 
 
 def test_resumed_backfilled_and_merged(tmp_path: Path, model_dirs: Any) -> None:
