@@ -26,6 +26,7 @@ from layerdiv.extract.adapters import UnsupportedModel, get_module
 from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.hooks import Hooks
 from layerdiv.measurements import Attachment
+from layerdiv.measurements.sinks import QUERY_SLICE
 
 IMPLEMENTATIONS = ("eager", "sdpa")
 """The attention implementations whose mask :func:`bos_weights` reads (an additive or boolean
@@ -33,6 +34,7 @@ tensor, or None for plain causal attention)."""
 
 SLICE_ELEMENTS = 2**24
 """The most scores (batch x heads x queries x keys) computed at once."""
+
 
 Watcher = Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, Any]], None]
 
@@ -155,29 +157,34 @@ def bos_weights(
     attention functions form them (``query`` (B, H, Q, D) and ``key`` (B, Hkv, K, D) after
     rotary embedding; head h reads key head h // (H / Hkv); ``sinks``: per-head logits that
     join each softmax's normaliser), with a float32 (or wider) log-sum-exp over every key, in
-    slices of queries."""
+    slices of ``QUERY_SLICE`` queries (fewer where :data:`SLICE_ELEMENTS` says so); a
+    ``causal`` attention's slice reads the keys up to its last query only (the later ones are
+    masked)."""
     b, heads, n_q, dim = query.shape
     kv, n_k = key.shape[1], key.shape[2]
     dtype = torch.promote_types(query.dtype, torch.float32)
-    q = query.to(dtype).reshape(b, kv, heads // kv, n_q, dim)
+    q = (query.to(dtype) * scaling).reshape(b, kv, heads // kv, n_q, dim)
     k = key.to(dtype)[:, :, None].transpose(-1, -2)  # (B, Hkv, 1, D, K)
     additive = allowed_keys(mask, causal, n_q, n_k, query.device)
     offset = n_k - n_q  # queries are the last n_q positions of the keys
     rows = torch.arange(b, device=query.device)
     total = torch.zeros(b, heads, dtype=dtype, device=query.device)
-    step = max(1, SLICE_ELEMENTS // max(1, b * heads * n_k))
+    step = max(1, min(QUERY_SLICE, SLICE_ELEMENTS // max(1, b * heads * n_k)))
     for start in range(0, n_q, step):
         stop = min(n_q, start + step)
-        s = (q[:, :, :, start:stop] @ k).reshape(b, heads, stop - start, n_k) * scaling
+        end = min(n_k, offset + stop) if causal else n_k
+        s = (q[:, :, :, start:stop] @ k[..., :end]).reshape(b, heads, stop - start, end)
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
         if additive is not None:
-            part = additive[..., start:stop, :] if additive.dim() == 4 else additive[start:stop]
+            part = additive[..., start:stop, :end]
             s = s + part.to(dtype)
         lse = torch.logsumexp(s, dim=-1)  # (B, H, q)
         if sinks is not None:
             lse = torch.logaddexp(lse, sinks.to(dtype)[None, :, None])
-        col = s[rows, :, :, first].reshape(b, heads, stop - start)  # key position first[b]
+        # key position first[b] (a row whose first token lies past this slice's keys has no
+        # query after it here)
+        col = s[rows, :, :, first.clamp(max=end - 1)].reshape(b, heads, stop - start)
         position = torch.arange(start, stop, device=query.device) + offset
         later = (position[None, :] > first[:, None])[:, None, :]  # (B, 1, q): p >= 1
         total += torch.where(later, torch.exp(col - lse), 0).sum(dim=-1)
@@ -230,7 +237,7 @@ class SinkCapture(Hooks):
             sinks=kwargs.get("s_aux"),
             causal=bool(getattr(module, "is_causal", True)),
         )  # fmt: skip
-        self._blocks.append((total / (n - 1)[:, None]).float().cpu())  # T = 1: NaN
+        self._blocks.append((total / (n - 1)[:, None]).float())  # T = 1: NaN
 
     def result(self) -> Sequence[Any]:
         if self._ids is None:
@@ -240,5 +247,5 @@ class SinkCapture(Hooks):
                 f"--sinks: {len(self._blocks)} of the model's {self.n_blocks} blocks called "
                 "transformers' attention interface; extract without --sinks."
             )
-        values = torch.stack(self._blocks, dim=1).numpy()  # (B, L, H)
+        values = torch.stack(self._blocks, dim=1).cpu().numpy()  # (B, L, H)
         return [np.asarray(v) for v in values]

@@ -48,11 +48,25 @@ def whole_blocks(
     return None
 
 
+QUERY_SLICE = 64
+"""The most queries the hooks score at once: a causal attention's slice reads the keys up to its
+last query only, so smaller slices skip more of the masked half of the scores."""
+
+
+def scores(tokens: int, slice_size: int = QUERY_SLICE) -> int:
+    """The (query, key) scores the hooks compute over a sequence of ``tokens`` tokens: each
+    slice of ``slice_size`` queries against the keys up to its last query."""
+    return sum(
+        (min(tokens, start + slice_size) - start) * min(tokens, start + slice_size)
+        for start in range(0, tokens, slice_size)
+    )
+
+
 def sink_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]) -> float:
-    """The scores q . k of every (query, key) pair of every block again, T^2 of them (the
-    masked ones included), 2 x heads x head width FLOPs each (half of :attr:`attention`, which
-    also counts the weighted sum of the values)."""
-    return shape.layers * shape.attention / 2 * tokens * tokens
+    """The scores q . k of every block again (:func:`scores` of them, the masked ones of a
+    slice included), 2 x heads x head width FLOPs each (half of :attr:`attention`, which also
+    counts the weighted sum of the values)."""
+    return shape.layers * shape.attention / 2 * scores(tokens)
 
 
 SINKS = register(

@@ -81,8 +81,14 @@ FAMILIES = ("llama", "qwen2_sliding", "gpt_neox")
 @pytest.mark.numerical
 @pytest.mark.parametrize("family", FAMILIES)
 def test_text_sinks_match_float64_attention(
-    tmp_path: Path, model_dirs: Any, tokenizer: Any, sliding_qwen2: Path, family: str
-) -> None:
+    tmp_path: Path, model_dirs: Any, tokenizer: Any, sliding_qwen2: Path, family: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """In slices of 4 queries, each reading the keys up to its last query (the choice test
+    below: one slice per prompt)."""
+    from layerdiv.extract import sinks
+
+    monkeypatch.setattr(sinks, "QUERY_SLICE", 4)
     folder = folder_of(family, model_dirs, sliding_qwen2)
     texts = random_texts(7, seed=5)
     task = text_task(tmp_path / "task", texts, max_tokens=24)
@@ -167,6 +173,20 @@ def test_slices_of_queries_and_the_output_unchanged(
     caps[0].remove()
     caps[0].remove()  # twice: nothing more
     assert not {"sdpa", "eager"} & set(ALL_ATTENTION_FUNCTIONS._local_mapping)
+
+
+def test_the_declared_cost_counts_the_scores_of_the_slices() -> None:
+    """Each slice of 64 queries against the keys up to its last query: T^2 up to one slice,
+    about half of T^2 for long sequences; times 2 x heads x head width per block."""
+    from layerdiv.extract.cost import SMOLLM2, Shape
+    from layerdiv.measurements.sinks import scores, sink_cost
+
+    assert scores(1) == 1 and scores(64) == 64 * 64
+    assert scores(130) == 64 * 64 + 64 * 128 + 2 * 130
+    assert scores(1024) == sum(64 * (64 * (i + 1)) for i in range(16)) < 0.54 * 1024**2
+    config = type("Config", (), SMOLLM2)()
+    shape = Shape.from_config(config)
+    assert sink_cost(shape, "text", 130, {}) == 30 * 2 * 9 * 64 * scores(130)
 
 
 def test_resumed_backfilled_and_merged(tmp_path: Path, model_dirs: Any) -> None:
