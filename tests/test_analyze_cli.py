@@ -818,6 +818,8 @@ def test_a_registered_analysis_runs_writes_and_reports(
         "text_groups",
         "effective_depth",
         "decided_depth",
+        "igrad",
+        "erasure",
         "sinks",
         "bos_norm",
         "revisions",
