@@ -551,7 +551,8 @@ SINKS = _schema(
         pa.field("bos_attention", pa.float32(), nullable=False),
     ],
 )
-"""Optional (``extract --sinks``; methods §16). One row per (doc, block, head), sorted so.
+"""Optional (``extract --sinks``; methods §16). One row per (doc, block, head), sorted so (none
+for a unit of one token, which has no query position after the first).
 
 - ``doc``: as in :data:`IGRAD`.
 - ``block``: block l, 0-based.
