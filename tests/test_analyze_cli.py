@@ -820,6 +820,8 @@ def test_a_registered_analysis_runs_writes_and_reports(
         "decided_depth",
         "igrad",
         "erasure",
+        "sinks",
+        "bos_norm",
         "revisions",
         "depth_law",
         "maps",

@@ -137,6 +137,14 @@ def answered(model: str, blocks: int, settings: dict[str, dict[str, Any]]) -> An
     return dataclasses.replace(manifest, settings=settings, task_spec=spec)
 
 
+def answers(tables: dict[str, pa.Table], starts: np.ndarray) -> dict[str, pa.Table]:
+    """``tables`` with their documents' answer starts (the first of ``starts``) stored."""
+    documents = tables["documents"]
+    column = pa.array(starts[: documents.num_rows], pa.int32())
+    i = documents.schema.get_field_index("answer_start")
+    return {**tables, "documents": documents.set_column(i, "answer_start", column)}
+
+
 def write_store(
     root: Path, seed: int, gap: float, model: str = MODEL, blocks: int = BLOCKS
 ) -> dict[str, np.ndarray]:
@@ -150,10 +158,11 @@ def write_store(
     manifest = answered(model, blocks, settings)
     rng = np.random.default_rng(seed)
     chunks = (
-        (s, len(docs), {**text_chunk(rng, docs, TOKENS, blocks), **optional_tables(values, docs)})
+        (s, len(docs), {**answers(text_chunk(rng, docs, TOKENS, blocks), values["start"][s:]),
+                        **optional_tables(values, docs)})
         for s in range(0, DOCS, CHUNK)
         for docs in [range(s, min(DOCS, s + CHUNK))]
-    )
+    )  # fmt: skip
     write_text_partition(root, manifest, chunks)
     return values
 
@@ -268,7 +277,7 @@ def test_erasure_numbers(small_gap: tuple[Path, dict[str, np.ndarray]]) -> None:
         assert close(r["ci_low"], low) and close(r["ci_high"], high)
 
 
-def test_answer_start_from_the_last_block(small_gap: tuple[Path, dict[str, np.ndarray]]) -> None:
+def test_answer_start_from_the_documents(small_gap: tuple[Path, dict[str, np.ndarray]]) -> None:
     root, v = small_gap
     results = analyze(root)
     for table in ("igrad_maps", "erasure_maps"):

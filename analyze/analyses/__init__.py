@@ -20,6 +20,7 @@ from layerdiv.analyze.analyses import effective_depth
 from layerdiv.analyze.analyses import decided_depth
 from layerdiv.analyze.analyses import igrad
 from layerdiv.analyze.analyses import erasure
+from layerdiv.analyze.analyses import sinks
 from layerdiv.analyze.analyses import revisions
 from layerdiv.analyze.analyses import depth_law
 from layerdiv.analyze.analyses import maps
@@ -38,6 +39,7 @@ __all__ = [
     "paper",
     "revisions",
     "reweight",
+    "sinks",
     "skips",
     "text_geometry",
     "text_groups",

@@ -2,16 +2,8 @@
 erasure, methods §14): where each document's answer starts, the tokens on a map's axis, and the
 per-document heatmap of a map.
 
-Neither measurement's table names the answer's start s; both maps give it exactly, by
-construction: the last block's output h_L at position t reaches the target only through the
-logits z_t (the final norm and the unembedding act position by position), and the target reads
-only the answer-predicting positions j = s-1..T-2. So the last block's attribution
-IG(L-1, t) (any site: its gradient is exactly 0 there) and the erasure of the last state
-effect(L, t) are 0 at every t < s-1 and nonzero at t = s-1: s = 1 + the first position where
-they are nonzero (:func:`answer_starts`). An erasure whose edited runs are computed otherwise than
-the clean one (a batch of another shape, the clean prefix's keys and values reused) may leave
-float rounding there (about 1e-7 of a probability): a value counts as nonzero above :data:`ZERO`
-of the document's largest.
+Each document's answer start s (methods §10) is the one the extraction stored in ``documents``
+(``answer_start``, :func:`answer_starts`).
 """
 
 from __future__ import annotations
@@ -47,27 +39,21 @@ SITE_ORDER = pl.col("sublayer").replace_strict(SUBLAYERS, range(len(SUBLAYERS)))
 """Sorts rows by site in :data:`~layerdiv.schemas.SUBLAYERS` order."""
 
 
-ZERO = 1e-3
-"""A value of the last block's map at most this share of the document's largest counts as 0
-(:func:`answer_starts`)."""
-
-
 def with_answer(parts: list[PartitionInfo]) -> list[PartitionInfo]:
     """The partitions of ``parts`` whose task names an answer (the document is text + answer):
     the only ones ``--igrad`` and ``--erase`` apply to, so the others get no note."""
     return [p for p in parts if p.manifest.task_spec.get("answer")]
 
 
-def answer_starts(last: pl.DataFrame, value: str) -> pl.DataFrame:
-    """Per document (``doc``) its answer's start ``answer_start`` s, from ``last``: the rows
-    (``doc``, ``pos``, ``value``) of the last block's attribution or the last state's erasure
-    (see the module docstring): 1 + the first position whose value is nonzero (above
-    :data:`ZERO` of the document's largest |value|); none where every value is 0."""
-    size = pl.col(value).abs()
+def answer_starts(info: PartitionInfo) -> pl.DataFrame:
+    """Per document (``doc``) of ``info`` its answer's start ``answer_start`` s, as the
+    extraction stored it in ``documents`` (methods §10: s = T - A); none for a document without
+    one."""
     return (
-        last.filter(size > ZERO * size.max().over("doc"), size > 0)
-        .group_by("doc")
-        .agg(answer_start=(pl.col("pos").min() + 1).cast(pl.Int32))
+        info.scan("documents")
+        .select("doc", "answer_start")
+        .filter(pl.col("answer_start").is_not_null())
+        .collect()
         .sort("doc")
     )
 

@@ -108,8 +108,7 @@ def distances(info: PartitionInfo) -> pl.DataFrame:
     """``erasure_distance`` (without the key) of one partition: the mean over documents of
     e(t) at each d = s - t, with its bootstrap interval over documents."""
     rows = computed(info)
-    last = rows.filter(pl.col("layer") == info.manifest.n_blocks).select("doc", "pos", "effect")
-    starts = answer_starts(last.collect(), "effect")
+    starts = answer_starts(info)
     per_token = (
         rows.group_by("doc", "pos")
         .agg(pl.col("effect").mean())
@@ -148,7 +147,7 @@ def maps(info: PartitionInfo, count: int) -> pl.DataFrame:
     with its ``token`` id and the document's ``answer_start``."""
     docs = first_documents(info, "erasure", count)
     rows = info.scan("erasure").filter(pl.col("doc").is_in(docs)).collect()
-    starts = answer_starts(rows.filter(pl.col("layer") == info.manifest.n_blocks), "effect")
+    starts = answer_starts(info)
     return (
         rows.join(document_tokens(info, docs), on=["doc", "pos"], how="left")
         .join(starts, on="doc", how="left")

@@ -165,10 +165,7 @@ def maps(info: PartitionInfo, count: int) -> pl.DataFrame:
         .with_columns(pl.col("sublayer").cast(pl.String))
         .collect()
     )
-    last = rows.filter(pl.col("block") == info.manifest.n_blocks - 1)
-    starts = answer_starts(
-        last.group_by("doc", "pos").agg(pl.col("attribution").abs().max()), "attribution"
-    )
+    starts = answer_starts(info)
     return (
         rows.join(document_tokens(info, docs), on=["doc", "pos"], how="left")
         .join(starts, on="doc", how="left")
