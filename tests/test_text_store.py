@@ -29,6 +29,7 @@ from layerdiv.analyze.synthetic import (
 from layerdiv.cli import main
 from layerdiv.measurements import optional_tables
 from layerdiv.measurements.erase import erasure_rows
+from layerdiv.measurements.sinks import sink_rows
 from layerdiv.measurements.future import future_tables
 from layerdiv.measurements.lens import token_lens_table
 from layerdiv.measurements.states import states_table
@@ -120,6 +121,7 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
             [rng.normal(size=(n - 1, BLOCKS + 1, 8)).astype(np.float16) for n in n_tok],
         ),
         **erasure_rows(docs, [rng.uniform(size=(BLOCKS + 1, n)) for n in n_tok]),
+        **sink_rows(docs, [rng.uniform(size=(BLOCKS, 2)) for _ in n_tok]),
         "documents": documents_table(
             docs, n_tok, [n > 6 for n in n_tok], [str(d % 2) for d in docs]
         ),
@@ -287,7 +289,8 @@ def query(store: Path, *sql: str) -> Any:
 
 
 TEXT_VIEWS = (
-    "documents, tokens, token_blocks, token_lens, future_effects, future_output, erasure, manifests"
+    "documents, tokens, token_blocks, token_lens, future_effects, future_output, erasure, sinks, "
+    "manifests"
 )
 
 
