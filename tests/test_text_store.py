@@ -29,9 +29,9 @@ from layerdiv.analyze.synthetic import (
 from layerdiv.cli import main
 from layerdiv.measurements import optional_tables
 from layerdiv.measurements.erase import erasure_rows
-from layerdiv.measurements.sinks import sink_rows
 from layerdiv.measurements.future import future_tables
 from layerdiv.measurements.lens import token_lens_table
+from layerdiv.measurements.sinks import sink_rows
 from layerdiv.measurements.states import states_table
 from layerdiv.schemas import SCHEMA_VERSION, tables_of
 from layerdiv.store import Manifest, PartitionWriter, Store, StoreError
