@@ -10,6 +10,7 @@ from layerdiv.measurements import gram  # noqa: F401
 from layerdiv.measurements import lens  # noqa: F401
 from layerdiv.measurements import future  # noqa: F401
 from layerdiv.measurements import states  # noqa: F401
+from layerdiv.measurements import igrad  # noqa: F401
 from layerdiv.measurements.registry import (
     ENTRY_POINTS,
     Attachment,

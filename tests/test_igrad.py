@@ -1,0 +1,169 @@
+"""Integrated gradients per block and position (``extract --igrad``, methods §13) against an
+independent float64 reference on tiny random models (a sequential and a parallel-block family)
+and on SmolLM2, over the handwritten multi-hop questions of ``tests/data/multihop``; their bad
+input refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+from layerdiv.extract.adapters import adapter_for, get_module
+from layerdiv.store import Store
+from tests.test_multihop import SHORT, documents, multihop_task
+from tests.test_text_extract import extract, refused, text_task
+from tests.tolerance import assert_within
+
+STEPS = 6
+"""Steps m of the tiny models' runs (the reference loops over them one by one)."""
+
+
+def reference(
+    model: Any, ids: list[int], start: int, site: str, layer: int, steps: int
+) -> tuple[np.ndarray, float, float]:
+    """IG (T,), f(x) and f(b) of one document, site and block, float64, as methods §13 states
+    them: x the site's activation of block ``layer`` in a plain pass; b its mean over the
+    positions; for k = 0..m-1 a forward hook replaces the site's output by b + (k/m)(x - b) at
+    every position, f = sum over j = start..T-1 of softmax(z_(j-1))[x_j] from the model's own
+    logits, and torch.autograd.grad gives df/dx(alpha_k)."""
+    adapter = adapter_for(model.config)
+    block = get_module(model, adapter.blocks)[layer]
+    module = block if site == "block" else get_module(block, getattr(adapter, site))
+    tokens = torch.tensor([ids])
+    replacement: list[torch.Tensor] = []
+    kept: list[torch.Tensor] = []
+
+    def hook(m: Any, args: Any, output: Any) -> Any:
+        out = output[0] if isinstance(output, tuple) else output
+        kept.append(out[0].detach())
+        if not replacement:
+            return None
+        new = replacement[0][None]
+        return (new, *output[1:]) if isinstance(output, tuple) else new
+
+    def target() -> torch.Tensor:
+        logits = model(tokens).logits[0].double()
+        probs = torch.softmax(logits, dim=-1)
+        j = torch.arange(max(start, 1), len(ids))
+        return probs[j - 1, tokens[0, j]].sum()
+
+    handle = module.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            f_x = float(target())
+        x = kept[0]
+        b = x.mean(dim=0, keepdim=True)
+        grads = torch.zeros_like(x)
+        f_b = 0.0
+        for k in range(steps):
+            point = (b + k / steps * (x - b)).requires_grad_()
+            replacement[:] = [point]
+            f = target()
+            (g,) = torch.autograd.grad(f, point)
+            grads += g
+            f_b = float(f.detach()) if k == 0 else f_b
+    finally:
+        handle.remove()
+    return ((x - b) * grads / steps).sum(-1).numpy(), f_x, f_b
+
+
+def stored(store: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
+    s = Store(store)
+    cast = pl.col("sublayer").cast(pl.String)
+    return (
+        s.scan("igrad").collect().with_columns(cast),
+        s.scan("igrad_ends").collect().with_columns(cast),
+    )
+
+
+def check_against_reference(
+    store: Path,
+    model: Any,
+    tokenizer: Any,
+    sites: list[str],
+    steps: int,
+    short: bool,
+    limit: int,
+) -> int:
+    """Every stored row of the first ``limit`` documents against :func:`reference`; returns the
+    (document, site, block) maps compared."""
+    igrad, ends = stored(store)
+    blocks = len(get_module(model, adapter_for(model.config).blocks))
+    compared = 0
+    for doc, (document, answer) in enumerate(documents(short)[:limit]):
+        ids = tokenizer(document)["input_ids"]
+        start = len(ids) - len(tokenizer(answer, add_special_tokens=False)["input_ids"])
+        for site in sites:
+            for layer in range(blocks):
+                ig, f_x, f_b = reference(model, ids, start, site, layer, steps)
+                key = (pl.col("doc") == doc) & (pl.col("sublayer") == site)
+                mine = igrad.filter(key & (pl.col("block") == layer)).sort("pos")
+                assert mine["pos"].to_list() == list(range(len(ids)))
+                got = mine["attribution"].to_numpy()
+                # within 2e-3 of the map's largest |attribution| (float32 against float64)
+                what = f"doc {doc} {site} block {layer}"
+                assert_within(got, ig, np.abs(ig).max(), 2e-3, what=what)
+                (end,) = ends.filter(key & (pl.col("block") == layer)).iter_rows(named=True)
+                assert_within(end["f_input"], f_x, max(f_x, f_b), 2e-3, what=what)
+                assert_within(end["f_baseline"], f_b, max(f_x, f_b), 2e-3, what=what)
+                compared += 1
+    return compared
+
+
+@pytest.mark.numerical
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_integrated_gradients_match_the_float64_reference(
+    family: str, tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
+) -> None:
+    task = multihop_task(tmp_path / "task", **SHORT)
+    store = tmp_path / "store"
+    out = extract("--model", str(model_dirs(family)), "--task", str(task), "--store", str(store),
+                  "--igrad", "--igrad-site", "block", "--igrad-site", "attn", "--igrad-steps",
+                  str(STEPS), "--limit", "5", "--batch-size", "3")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    settings = Store(store).partitions[0].manifest.settings["igrad"]
+    assert settings == {"igrad_sites": ["block", "attn"], "igrad_steps": STEPS}
+    model = build_model(family).to(torch.float64)
+    assert check_against_reference(store, model, tokenizer, ["block", "attn"], STEPS, True, 5) == 20
+    igrad, ends = stored(store)
+    # completeness: sum_t IG(l, t) approaches f(x) - f(b) (a left Riemann sum of 6 steps: loosely)
+    gaps = (
+        igrad.group_by("doc", "sublayer", "block")
+        .agg(pl.col("attribution").sum())
+        .join(ends, on=["doc", "sublayer", "block"])
+    )
+    assert float((gaps["f_input"] - gaps["f_baseline"]).abs().max()) > 0  # type: ignore[arg-type]
+
+
+def test_bad_igrad_input_is_refused_in_one_line(tmp_path: Path, model_dirs: Any) -> None:
+    model = str(model_dirs("llama"))
+    plain = text_task(tmp_path / "a", ["the cat sat on the warm mat by the door of the house"])
+    line = refused(tmp_path, model, plain, "--igrad")
+    assert "--igrad's target is the probability of the answer's tokens" in line
+    assert "names none; add an 'answer' template" in line
+    task = multihop_task(tmp_path / "b", **SHORT)
+    for steps in ("0", "-3"):
+        line = refused(tmp_path, model, task, "--igrad", "--igrad-steps", steps)
+        assert f"--igrad-steps {steps}: the Riemann sum needs at least one step" in line
+    line = refused(tmp_path, model, task, "--igrad-steps", "4")
+    assert "--igrad-steps" in line and "--igrad" in line
+
+
+def test_a_site_the_blocks_lack_is_refused(build_model: Any) -> None:
+    from dataclasses import replace
+
+    from layerdiv.measurements.igrad import IgradError, check_sites
+
+    model = build_model("llama")
+    adapter = adapter_for(model.config)
+    blocks = list(get_module(model, adapter.blocks))
+    check_sites(("block", "attn", "mlp"), adapter, blocks)
+    fused = replace(adapter, mlp="fused_mlp")  # a family whose block has no MLP module
+    with pytest.raises(IgradError, match=r"--igrad-site mlp: this llama model's blocks have no "
+                       "separate mlp output; use --igrad-site block"):  # fmt: skip
+        check_sites(("block", "mlp"), fused, blocks)
