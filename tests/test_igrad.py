@@ -167,3 +167,19 @@ def test_a_site_the_blocks_lack_is_refused(build_model: Any) -> None:
     with pytest.raises(IgradError, match=r"--igrad-site mlp: this llama model's blocks have no "
                        "separate mlp output; use --igrad-site block"):  # fmt: skip
         check_sites(("block", "mlp"), fused, blocks)
+
+
+@pytest.mark.slow
+@pytest.mark.numerical
+def test_smollm2_integrated_gradients_match_the_float64_reference(tmp_path: Path) -> None:
+    from layerdiv.extract.models import load_model, load_tokenizer, resolve_source
+
+    task = multihop_task(tmp_path / "task", **SHORT)
+    store = tmp_path / "store"
+    out = extract("--model", "smollm2-135m-instruct", "--task", str(task), "--store", str(store),
+                  "--igrad", "--igrad-steps", "3", "--limit", "1")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    source = resolve_source("smollm2-135m-instruct", None, None, False)
+    tokenizer = load_tokenizer(source)
+    model = load_model(source, tokenizer, torch.device("cpu"), torch.float64).model
+    assert check_against_reference(store, model, tokenizer, ["block"], 3, True, 1) == 30
