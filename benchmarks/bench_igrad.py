@@ -36,8 +36,8 @@ from bench_text_extract import (
     documents,
     flop_counts,
     load,
+    repeated,
     report,
-    timed,
 )
 from common import add_quick, record
 
@@ -121,18 +121,7 @@ def main() -> None:
           f"{args.steps}")  # fmt: skip
     flops = flop_counts(loaded.model.config, data)
     table = rows(loaded, flops, data, args.steps)
-    short = [[data[0][0][:8]]]
-    for _, run, _ in table:  # warm-up: first calls, weights paged in
-        run(short)
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in table}
-    loads = [os.getloadavg()[0]]
-    for r in range(args.repeats):
-        k = r % len(table)
-        for name, run, _ in table[k:] + table[:k]:
-            times[name].append(timed(run, data))
-        loads.append(os.getloadavg()[0])
-        done = ", ".join(f"{n} {t[-1][0]:.2f} s ({t[-1][1]:.2f} CPU s)" for n, t in times.items())
-        print(f"repeat {r + 1}: {done}; load average {loads[-1]:.2f}")
+    times, loads = repeated(table, data, args.repeats, [[data[0][0][:8]]])
     results = report(table, times, flops["forward"])
     loads.append(os.getloadavg()[0])
     record("bench_igrad", COLUMNS, results, loads, formats=FORMATS,

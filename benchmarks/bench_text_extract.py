@@ -256,6 +256,26 @@ def lens_split() -> Iterator[dict[str, float]]:
         lens_module.lens_stats = stats
 
 
+def repeated(
+    table: list[Row], data: Batches, repeats: int, short: Batches
+) -> tuple[dict[str, list[tuple[float, float]]], list[float]]:
+    """Every row run on ``short`` (an untimed warm-up: first calls, weights paged in), then
+    ``repeats`` times on ``data`` in rotating order: each row's (wall, CPU) seconds per repeat,
+    and the load averages seen."""
+    for _, run, _ in table:
+        run(short)
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in table}
+    loads = [os.getloadavg()[0]]
+    for r in range(repeats):
+        k = r % len(table)
+        for name, run, _ in table[k:] + table[:k]:
+            times[name].append(timed(run, data))
+        loads.append(os.getloadavg()[0])
+        done = ", ".join(f"{n} {t[-1][0]:.2f} s ({t[-1][1]:.2f} CPU s)" for n, t in times.items())
+        print(f"repeat {r + 1}: {done}; load average {loads[-1]:.2f}")
+    return times, loads
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--docs", type=int, default=4, help="BBC News articles")
@@ -283,18 +303,7 @@ def main() -> None:
     flops = flop_counts(loaded.model.config, data)
     wanted = {"plain", *args.rows.split(",")}
     table = [row for row in rows(loaded, flops, data) if row[0] in wanted]
-    short = [[data[0][0][:32]]]
-    for _, run, _ in table:  # warm-up: first calls, weights paged in
-        run(short)
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in table}
-    loads = [os.getloadavg()[0]]
-    for r in range(args.repeats):
-        k = r % len(table)
-        for name, run, _ in table[k:] + table[:k]:
-            times[name].append(timed(run, data))
-        loads.append(os.getloadavg()[0])
-        done = ", ".join(f"{n} {t[-1][0]:.2f} s ({t[-1][1]:.2f} CPU s)" for n, t in times.items())
-        print(f"repeat {r + 1}: {done}; load average {loads[-1]:.2f}")
+    times, loads = repeated(table, data, args.repeats, [[data[0][0][:32]]])
     results = report(table, times, flops["forward"])
     shares = split(table, data, statistics.median(t[1] for t in times["plain"]))
     loads.append(os.getloadavg()[0])

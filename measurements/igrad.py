@@ -162,14 +162,14 @@ def check_sites(sites: Sequence[str], adapter: Any, blocks: Sequence[Any]) -> No
 
 
 def igrad_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]) -> float:
-    """FLOPs of the integrated gradients of a document of ``tokens`` tokens: per site and block
-    l, m + 1 points of the path (the m steps and alpha = 1) each run forward and backward (the
-    input gradients only: about the forward's FLOPs again) through the blocks after the site
-    (with block l itself for ``attn`` and ``mlp``) and the readout of the answer (counted as
-    ``tokens`` / 4 positions)."""
+    """FLOPs of the integrated gradients of a document of ``tokens`` tokens: the pass with
+    gradients on (one more forward), then per site and block l, m + 1 points of the path (the m
+    steps and alpha = 1) each run forward and backward (the input gradients only: about the
+    forward's FLOPs again) through the blocks after the site (with block l itself for ``attn``
+    and ``mlp``) and the readout of the answer (counted as ``tokens`` / 4 positions)."""
     L, points = shape.layers, settings["igrad_steps"] + 1
     answer = shape.readout(max(1, tokens // 4))
-    total = 0.0
+    total = shape.forward(tokens)
     for site in sites_of(settings):
         runs = L * (L - 1) / 2 if site == "block" else L * (L + 1) / 2
         total += 2 * points * (runs * shape.block(tokens) + L * answer)
