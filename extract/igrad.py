@@ -18,6 +18,7 @@ df/dx(alpha) in float32 (the path is a float32 leaf; the blocks run in the model
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +59,8 @@ class IgradCapture(Hooks):
         self._ids: Sequence[int] | None = None
         self._lengths: list[int] = []
         self._input_ids: torch.Tensor | None = None
+        self._cap = sys.maxsize
+        """Most path points per slice: halved where a slice ran out of accelerator memory."""
         self.reset()
 
     # hooks -------------------------------------------------------------------------------------
@@ -130,10 +133,9 @@ class IgradCapture(Hooks):
         answered = [b for b in range(batch) if len(targets[b][0])]
         if answered:
             dtype = self._inputs[0].dtype
-            rows = self._slice_rows(width, blocks)
             for i, site in enumerate(self.sites):
                 for layer in range(blocks):
-                    ig, f = self._site(site, layer, answered, targets, rows, dtype)
+                    ig, f = self._site(site, layer, answered, targets, dtype)
                     attribution[i, layer, answered] = ig.cpu()
                     ends[:, i, layer][:, answered] = f.cpu()
         return [
@@ -146,12 +148,13 @@ class IgradCapture(Hooks):
             for b, n in enumerate(n_tokens)
         ]
 
-    def _slice_rows(self, width: int, blocks: int) -> int:
-        """Path points per slice: a forward pass's token budget (with a readout) over the
-        tokens whose activations the backward pass keeps (every block after the site)."""
+    def _slice_rows(self, width: int, runs: int) -> int:
+        """Path points per slice: a forward pass's token budget over the tokens whose
+        activations the backward pass keeps (``runs`` blocks run from the site, and the input),
+        at most what an earlier slice ran out of memory at (:attr:`_cap`)."""
         x = self._inputs[0]
-        budget = token_budget(x.device, self.model.config, x.dtype, readout=True)
-        return max(1, budget // (width * (blocks + 1)))
+        budget = token_budget(x.device, self.model.config, x.dtype)
+        return max(1, min(budget // (width * (runs + 1)), self._cap))
 
     def _site(
         self,
@@ -159,7 +162,6 @@ class IgradCapture(Hooks):
         layer: int,
         answered: list[int],
         targets: list[tuple[torch.Tensor, torch.Tensor]],
-        rows: int,
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """IG (r, width) and (f(b), f(x)) (2, r) of the batch rows ``answered`` for ``site`` of
@@ -178,14 +180,24 @@ class IgradCapture(Hooks):
         steps = self.steps
         # (row, alpha): alpha_k = k/m, k = 0..m-1 (the left Riemann sum), then alpha = 1 (f(x))
         points = [(b, k) for b in answered for k in range(steps + 1)]
-        for lo in range(0, len(points), rows):
+        runs = len(self.removal.blocks) - layer - (site == "block")
+        lo, rows = 0, self._slice_rows(width, runs)
+        while lo < len(points):
             part = points[lo : lo + rows]
             b = torch.tensor([p[0] for p in part], device=x.device)
             k = torch.tensor([p[1] for p in part], device=x.device)
             alpha = (k.float() / steps)[:, None, None]
             z = (start.index_select(0, b) + alpha * diff.index_select(0, b)).requires_grad_()
-            value = self._target(site, layer, z, b, targets, batch, dtype)
-            (grad,) = torch.autograd.grad(value.sum(), z)
+            try:
+                value = self._target(site, layer, z, b, targets, batch, dtype)
+                (grad,) = torch.autograd.grad(value.sum(), z)
+            except torch.OutOfMemoryError:
+                if rows == 1:
+                    raise
+                torch.cuda.empty_cache()
+                rows = self._cap = rows // 2  # kept for the later slices and batches
+                continue
+            lo += len(part)
             inner = k < steps
             grads.index_add_(0, b[inner], grad[inner])
             for end, at in ((0, 0), (1, steps)):

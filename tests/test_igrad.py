@@ -89,17 +89,18 @@ def check_against_reference(
     steps: int,
     short: bool,
     limit: int,
+    blocks: list[int] | None = None,
 ) -> int:
-    """Every stored row of the first ``limit`` documents against :func:`reference`; returns the
-    (document, site, block) maps compared."""
+    """The stored rows of the first ``limit`` documents (of ``blocks``, default all) against
+    :func:`reference`; returns the (document, site, block) maps compared."""
     igrad, ends = stored(store)
-    blocks = len(get_module(model, adapter_for(model.config).blocks))
+    every = range(len(get_module(model, adapter_for(model.config).blocks)))
     compared = 0
     for doc, (document, answer) in enumerate(documents(short)[:limit]):
         ids = tokenizer(document)["input_ids"]
         start = len(ids) - len(tokenizer(answer, add_special_tokens=False)["input_ids"])
         for site in sites:
-            for layer in range(blocks):
+            for layer in every if blocks is None else blocks:
                 ig, f_x, f_b = reference(model, ids, start, site, layer, steps)
                 key = (pl.col("doc") == doc) & (pl.col("sublayer") == site)
                 mine = igrad.filter(key & (pl.col("block") == layer)).sort("pos")
@@ -140,8 +141,13 @@ def test_integrated_gradients_match_the_float64_reference(
     assert float((gaps["f_input"] - gaps["f_baseline"]).abs().max()) > 0  # type: ignore[arg-type]
 
 
-def test_bad_igrad_input_is_refused_in_one_line(tmp_path: Path, model_dirs: Any) -> None:
+def test_bad_igrad_input_is_refused_in_one_line(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
     model = str(model_dirs("llama"))
+    choice = make_task(tmp_path / "c", n=4)
+    line = refused(tmp_path, model, choice, "--igrad")
+    assert "--igrad applies to text tasks only" in line
     plain = text_task(tmp_path / "a", ["the cat sat on the warm mat by the door of the house"])
     line = refused(tmp_path, model, plain, "--igrad")
     assert "--igrad's target is the probability of the answer's tokens" in line
@@ -182,4 +188,38 @@ def test_smollm2_integrated_gradients_match_the_float64_reference(tmp_path: Path
     source = resolve_source("smollm2-135m-instruct", None, None, False)
     tokenizer = load_tokenizer(source)
     model = load_model(source, tokenizer, torch.device("cpu"), torch.float64).model
-    assert check_against_reference(store, model, tokenizer, ["block"], 3, True, 1) == 30
+    igrad, _ = stored(store)
+    assert sorted(igrad["block"].unique().to_list()) == list(range(30))
+    # the first, a middle and the last block against the reference (each a float64 loop)
+    compared = check_against_reference(store, model, tokenizer, ["block"], 3, True, 1, [0, 15, 29])
+    assert compared == 3
+
+
+def test_a_slice_out_of_memory_is_halved_and_gives_the_same_maps(
+    tmp_path: Path, model_dirs: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from layerdiv.extract.igrad import IgradCapture
+
+    task = multihop_task(tmp_path / "task", **SHORT)
+    args = ["--model", str(model_dirs("llama")), "--task", str(task), "--igrad", "--igrad-steps",
+            "4", "--limit", "3"]  # fmt: skip
+    assert extract(*args, "--store", str(tmp_path / "a")).exit_code == 0
+    target, sizes = IgradCapture._target, []
+
+    def short_of_memory(self: IgradCapture, site: str, layer: int, z: torch.Tensor,
+                        *rest: Any) -> torch.Tensor:  # fmt: skip
+        sizes.append(len(z))
+        if len(sizes) == 1:
+            raise torch.OutOfMemoryError("out of memory")
+        return target(self, site, layer, z, *rest)
+
+    monkeypatch.setattr(IgradCapture, "_target", short_of_memory)
+    out = extract(*args, "--store", str(tmp_path / "b"))
+    assert out.exit_code == 0, out.output
+    assert sizes[0] > 1 and max(sizes[1:]) < sizes[0]  # halved, then kept
+    for got, want in zip(stored(tmp_path / "b"), stored(tmp_path / "a"), strict=True):
+        keys = [c for c in got.columns if got[c].dtype != pl.Float32]
+        assert got.select(keys).equals(want.select(keys))
+        for column in (c for c in got.columns if c not in keys):
+            scale = np.abs(want[column].to_numpy()).max()
+            assert_within(got[column].to_numpy(), want[column].to_numpy(), scale)

@@ -296,8 +296,8 @@ def test_igrad_settings_are_the_partitions_identity(
     resumed = run(*args("a", "--shard", "0/2"))  # without its flags: the stored settings
     assert resumed.exit_code == 0, resumed.output
     assert settings(root / "a")["igrad"]["igrad_steps"] == 2
-    other = run(*args("b", "--shard", "1/2", "--igrad", "--igrad-steps", "3"))
-    assert other.exit_code == 0, other.output
+    shard = run(*args("b", "--shard", "1/2", "--igrad", "--igrad-steps", "3"))
+    assert shard.exit_code == 0, shard.output
     refused = run("merge", str(root / "a"), str(root / "b"), "--into", str(root / "m"))
     assert refused.exit_code == 1 and "'igrad_steps': 2" in refused.output
     assert "'igrad_steps': 3" in refused.output and not (root / "m").exists()
