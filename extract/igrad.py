@@ -1,5 +1,5 @@
 """Integrated gradients per block and position (``extract --igrad`` on a text task with an
-answer, :mod:`layerdiv.measurements.igrad`, methods §13).
+answer or on a choice task, :mod:`layerdiv.measurements.igrad`, methods §13).
 
 The runner runs each batch once more for these hooks with gradients on (the measurement declares
 ``needs_grad``); they keep every block call's arguments and input and the sites' activations x
@@ -12,7 +12,8 @@ pass's input of block l and each block's own call arguments are reused, as the f
 sublayer's output replaced by x(alpha), so the rest of the block reads it as the model's own code
 does (h + a(alpha), and in a family with parallel attention and MLP, the MLP reads h). The
 model's final norm and unembedding (the shared ``Readout``) read out the answer-predicting
-positions only; f = the sum of the answer tokens' probabilities, and ``torch.autograd.grad`` gives
+positions only; f = the sum of the answer tokens' probabilities (a choice task: the gold
+option's probability among the options at the last prompt token), and ``torch.autograd.grad`` gives
 df/dx(alpha) in float32 (the path is a float32 leaf; the blocks run in the model's dtype).
 """
 
@@ -45,7 +46,15 @@ class IgradCapture(Hooks):
         self.sites = sites_of(ctx.settings)
         self.steps = int(ctx.settings["igrad_steps"])
         self.answers: Sequence[tuple[int, int]] = ctx.planned
-        """Per document, the answer's start s and length A (methods §10)."""
+        """Text tasks: per document, the answer's start s and length A (methods §10)."""
+        self.gold = ctx.gold
+        """Choice tasks: each instance's gold option."""
+        self.options = (
+            torch.tensor(list(ctx.option_ids), device=ctx.readout.gain.device)
+            if ctx.kind == "choice"
+            else None
+        )
+        """Choice tasks: the option tokens, whose logits the target's softmax is over."""
         self.removal = UpdateRemoval(ctx.model, ctx.adapter)
         check_sites(self.sites, ctx.adapter, self.removal.blocks)
         self.add(ctx.model.register_forward_pre_hook(self._ids_hook, with_kwargs=True))
@@ -122,9 +131,13 @@ class IgradCapture(Hooks):
         blocks = len(self.removal.blocks)
         n_tokens = self._lengths
         # per row: the answer-predicting positions j - 1 (j = max(s, 1)..T-1, in the padded row)
-        # and the answer's tokens x_j
+        # and the answer's tokens x_j; a choice task: the last prompt token and the gold option
         targets = []
         for b, (doc, n) in enumerate(zip(docs, n_tokens, strict=True)):
+            if self.options is not None:
+                last = torch.tensor([width - 1], device=ids.device)
+                targets.append((last, torch.tensor([self.gold[doc]], device=ids.device)))
+                continue
             offset, start = width - n, max(self.answers[doc][0], 1)
             j = torch.arange(offset + start, width, device=ids.device)
             targets.append((j - 1, ids[b, j]))
@@ -149,12 +162,16 @@ class IgradCapture(Hooks):
         ]
 
     def _slice_rows(self, width: int, runs: int) -> int:
-        """Path points per slice: a forward pass's token budget over the tokens whose
-        activations the backward pass keeps (``runs`` blocks run from the site, and the input),
-        at most what an earlier slice ran out of memory at (:attr:`_cap`)."""
+        """Path points per slice, at most what an earlier slice ran out of memory at
+        (:attr:`_cap`): on an accelerator, its token budget (from its free memory) over the
+        tokens whose activations the backward pass keeps (``runs`` blocks from the site, and the
+        input); on the CPU, whose budget is a forward pass's batch rather than a memory estimate,
+        that batch per block (larger products run faster there; the graph then holds that many
+        tokens' activations in every block run)."""
         x = self._inputs[0]
         budget = token_budget(x.device, self.model.config, x.dtype)
-        return max(1, min(budget // (width * (runs + 1)), self._cap))
+        per_block = budget if x.device.type == "cpu" else budget // (runs + 1)
+        return max(1, min(per_block // width, self._cap))
 
     def _site(
         self,
@@ -218,7 +235,9 @@ class IgradCapture(Hooks):
         batch: int,
         dtype: torch.dtype,
     ) -> torch.Tensor:
-        """f per path point (r,): the sum over the answer's tokens j of softmax(z_(j-1))[x_j],
+        """f per path point (r,): the sum over the answer's tokens j of softmax(z_(j-1))[x_j]
+        (a choice task: the gold option's probability under the softmax over the option logits
+        at the last prompt token),
         the model run on from ``site`` of block ``layer`` with its activation ``z`` (r, W, d)
         (rows of batch rows ``b``)."""
         calls = _expand(self._calls, b, batch, {})
@@ -245,5 +264,7 @@ class IgradCapture(Hooks):
             token.append(x)
         at, where, tok = torch.cat(row), torch.cat(pos), torch.cat(token)
         logits = self.readout.logits(final[at, where])
+        if self.options is not None:  # a choice task: the softmax over the option logits
+            logits = logits[:, self.options.to(logits.device)]
         prob = (logits.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).exp()
         return torch.zeros(len(b), device=prob.device).index_add(0, at, prob)

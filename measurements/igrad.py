@@ -1,9 +1,9 @@
-"""``--igrad`` on a text task with an answer: integrated gradients per block and position (methods
-§13; ``igrad`` and ``igrad_ends``), with the settings ``--igrad-site`` and ``--igrad-steps``
-(recorded in the manifest, compared on a rerun). Its check of the plan (:func:`plan_igrad`)
-refuses a task without an answer and a step count below one, and finds each document's answer
-span; its hooks are :class:`layerdiv.extract.igrad.IgradCapture`, which take gradients
-(``needs_grad``)."""
+"""``--igrad`` on a text task with an answer or on a choice task: integrated gradients per block
+and position (methods §13; ``igrad`` and ``igrad_ends``), with the settings ``--igrad-site`` and
+``--igrad-steps`` (recorded in the manifest, compared on a rerun). Its check of the plan
+(:func:`plan_igrad`) refuses a text task without an answer and a step count below one, and finds
+each document's answer span; its hooks are :class:`layerdiv.extract.igrad.IgradCapture`, which
+take gradients (``needs_grad``)."""
 
 from __future__ import annotations
 
@@ -101,32 +101,39 @@ def igrad_rows(docs: Sequence[int], values: Sequence[IgradRows]) -> dict[str, pa
 def igrad_row_counts(
     rows: Mapping[str, int], blocks: int, settings: Mapping[str, Any]
 ) -> tuple[str, str] | None:
-    """``igrad`` holds a row per token, site and block of the chunk's documents, ``igrad_ends``
-    one per document, site and block."""
+    """``igrad`` holds a row per token, site and block of the chunk's documents (a choice task:
+    whole rows per site and block of each instance, whose prompt tokens the chunk does not
+    count), ``igrad_ends`` one per document or instance, site and block."""
     if "igrad" not in rows and "igrad_ends" not in rows:
         return None
     cells = len(sites_of(settings)) * blocks
-    for table, unit in (("igrad", "tokens"), ("igrad_ends", "documents")):
+    text = (("igrad", "tokens"), ("igrad_ends", "documents"))
+    for table, unit in (*text, ("igrad_ends", "instances")):
         found, units = rows.get(table), rows.get(unit)
         if found is not None and units is not None and found != units * cells:
             return table, (
                 f"{found} rows where the chunk's {units} {unit} need {units * cells} (one per "
                 "site and block)"
             )
+    found = rows.get("igrad")
+    if "instances" in rows and found is not None and (found == 0 or found % cells):
+        return "igrad", f"{found} rows are not whole rows for each site and block"
     return None
 
 
-def plan_igrad(plan: Planning) -> list[tuple[int, int]]:
-    """``--igrad``'s check of a text task's plan: refuses a step count below one and a task
-    without an answer; per document, its answer's start s and length A (methods §10), with a note
-    where ``max_tokens`` cuts answers (their targets sum over the answer tokens kept; none kept:
-    f = 0 and every attribution 0)."""
+def plan_igrad(plan: Planning) -> list[tuple[int, int]] | None:
+    """``--igrad``'s check of a task's plan: refuses a step count below one and a text task
+    without an answer; per document of a text task, its answer's start s and length A (methods
+    §10), with a note where ``max_tokens`` cuts answers (their targets sum over the answer tokens
+    kept; none kept: f = 0 and every attribution 0); None for a choice task."""
     steps = plan.settings["igrad_steps"]
     if steps < 1:
         raise IgradError(
             f"--igrad-steps {steps}: the Riemann sum needs at least one step; give a positive "
             f"number (default {STEPS})"
         )
+    if plan.task.kind == "choice":
+        return None
     spans = answer_spans(
         plan, "--igrad's target is the probability of the answer's tokens", "drop --igrad"
     )
@@ -166,9 +173,10 @@ def igrad_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str,
     gradients on (one more forward), then per site and block l, m + 1 points of the path (the m
     steps and alpha = 1) each run forward and backward (the input gradients only: about the
     forward's FLOPs again) through the blocks after the site (with block l itself for ``attn``
-    and ``mlp``) and the readout of the answer (counted as ``tokens`` / 4 positions)."""
+    and ``mlp``) and the readout of the answer (counted as ``tokens`` / 4 positions; a choice
+    task: the last prompt token)."""
     L, points = shape.layers, settings["igrad_steps"] + 1
-    answer = shape.readout(max(1, tokens // 4))
+    answer = shape.readout(max(1, tokens // 4) if kind == "text" else 1)
     total = shape.forward(tokens)
     for site in sites_of(settings):
         runs = L * (L - 1) / 2 if site == "block" else L * (L + 1) / 2
@@ -180,10 +188,10 @@ IGRAD_MEASUREMENT = register(
     Measurement(
         name="igrad",
         flag="--igrad",
-        help="Text tasks with an answer: also store the integrated gradients of the answer's "
-        "probability w.r.t. every block's output at every position (methods §13; forward and "
-        "backward passes per step, block and site: long).",
-        tables={"text": ("igrad", "igrad_ends")},
+        help="Text tasks with an answer, choice tasks: also store the integrated gradients of "
+        "the answer's (the gold option's) probability w.r.t. every block's output at every "
+        "position (methods §13; forward and backward passes per step, block and site: long).",
+        tables={"text": ("igrad", "igrad_ends"), "choice": ("igrad", "igrad_ends")},
         settings=(
             Setting(
                 "igrad_sites",

@@ -5,6 +5,7 @@ input refused in one line."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +24,30 @@ STEPS = 6
 """Steps m of the tiny models' runs (the reference loops over them one by one)."""
 
 
+Target = Callable[[torch.Tensor], torch.Tensor]
+"""The model's logits (T, V) over one sequence, float64 -> f."""
+
+
+def answer_target(ids: list[int], start: int) -> Target:
+    """f = sum over j = start..T-1 of softmax(z_(j-1))[x_j] (a text task's answer)."""
+    j = torch.arange(max(start, 1), len(ids))
+    return lambda logits: torch.softmax(logits, dim=-1)[j - 1, torch.tensor(ids)[j]].sum()
+
+
+def option_target(options: list[int], gold: int) -> Target:
+    """f = softmax over the option logits at the last token, at the gold option (a choice
+    task)."""
+    return lambda logits: torch.softmax(logits[-1, options], dim=-1)[gold]
+
+
 def reference(
-    model: Any, ids: list[int], start: int, site: str, layer: int, steps: int
+    model: Any, ids: list[int], target: Target, site: str, layer: int, steps: int
 ) -> tuple[np.ndarray, float, float]:
-    """IG (T,), f(x) and f(b) of one document, site and block, float64, as methods §13 states
+    """IG (T,), f(x) and f(b) of one sequence, site and block, float64, as methods §13 states
     them: x the site's activation of block ``layer`` in a plain pass; b its mean over the
     positions; for k = 0..m-1 a forward hook replaces the site's output by b + (k/m)(x - b) at
-    every position, f = sum over j = start..T-1 of softmax(z_(j-1))[x_j] from the model's own
-    logits, and torch.autograd.grad gives df/dx(alpha_k)."""
+    every position, f is ``target`` of the model's own logits, and torch.autograd.grad gives
+    df/dx(alpha_k)."""
     adapter = adapter_for(model.config)
     block = get_module(model, adapter.blocks)[layer]
     module = block if site == "block" else get_module(block, getattr(adapter, site))
@@ -46,16 +63,10 @@ def reference(
         new = replacement[0][None]
         return (new, *output[1:]) if isinstance(output, tuple) else new
 
-    def target() -> torch.Tensor:
-        logits = model(tokens).logits[0].double()
-        probs = torch.softmax(logits, dim=-1)
-        j = torch.arange(max(start, 1), len(ids))
-        return probs[j - 1, tokens[0, j]].sum()
-
     handle = module.register_forward_hook(hook)
     try:
         with torch.no_grad():
-            f_x = float(target())
+            f_x = float(target(model(tokens).logits[0].double()))
         x = kept[0]
         b = x.mean(dim=0, keepdim=True)
         grads = torch.zeros_like(x)
@@ -63,7 +74,7 @@ def reference(
         for k in range(steps):
             point = (b + k / steps * (x - b)).requires_grad_()
             replacement[:] = [point]
-            f = target()
+            f = target(model(tokens).logits[0].double())
             (g,) = torch.autograd.grad(f, point)
             grads += g
             f_b = float(f.detach()) if k == 0 else f_b
@@ -81,27 +92,35 @@ def stored(store: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
     )
 
 
+def answers(tokenizer: Any, short: bool, limit: int) -> list[tuple[list[int], Target]]:
+    """The token ids and target of the first ``limit`` multi-hop documents (text + answer, the
+    answer starting at s = T - A, methods §10)."""
+    cases = []
+    for document, answer in documents(short)[:limit]:
+        ids = tokenizer(document)["input_ids"]
+        start = len(ids) - len(tokenizer(answer, add_special_tokens=False)["input_ids"])
+        cases.append((ids, answer_target(ids, start)))
+    return cases
+
+
 def check_against_reference(
     store: Path,
     model: Any,
-    tokenizer: Any,
+    cases: list[tuple[list[int], Target]],
     sites: list[str],
     steps: int,
-    short: bool,
-    limit: int,
     blocks: list[int] | None = None,
 ) -> int:
-    """The stored rows of the first ``limit`` documents (of ``blocks``, default all) against
-    :func:`reference`; returns the (document, site, block) maps compared."""
+    """The stored rows of each sequence of ``cases`` (by index: its token ids and target; of
+    ``blocks``, default all) against :func:`reference`; returns the (sequence, site, block) maps
+    compared."""
     igrad, ends = stored(store)
     every = range(len(get_module(model, adapter_for(model.config).blocks)))
     compared = 0
-    for doc, (document, answer) in enumerate(documents(short)[:limit]):
-        ids = tokenizer(document)["input_ids"]
-        start = len(ids) - len(tokenizer(answer, add_special_tokens=False)["input_ids"])
+    for doc, (ids, target) in enumerate(cases):
         for site in sites:
             for layer in every if blocks is None else blocks:
-                ig, f_x, f_b = reference(model, ids, start, site, layer, steps)
+                ig, f_x, f_b = reference(model, ids, target, site, layer, steps)
                 key = (pl.col("doc") == doc) & (pl.col("sublayer") == site)
                 mine = igrad.filter(key & (pl.col("block") == layer)).sort("pos")
                 assert mine["pos"].to_list() == list(range(len(ids)))
@@ -130,7 +149,8 @@ def test_integrated_gradients_match_the_float64_reference(
     settings = Store(store).partitions[0].manifest.settings["igrad"]
     assert settings == {"igrad_sites": ["block", "attn"], "igrad_steps": STEPS}
     model = build_model(family).to(torch.float64)
-    assert check_against_reference(store, model, tokenizer, ["block", "attn"], STEPS, True, 5) == 20
+    cases = answers(tokenizer, True, 5)
+    assert check_against_reference(store, model, cases, ["block", "attn"], STEPS) == 20
     igrad, ends = stored(store)
     # completeness: sum_t IG(l, t) approaches f(x) - f(b) (a left Riemann sum of 6 steps: loosely)
     gaps = (
@@ -141,13 +161,29 @@ def test_integrated_gradients_match_the_float64_reference(
     assert float((gaps["f_input"] - gaps["f_baseline"]).abs().max()) > 0  # type: ignore[arg-type]
 
 
-def test_bad_igrad_input_is_refused_in_one_line(
-    tmp_path: Path, model_dirs: Any, make_task: Any
+@pytest.mark.numerical
+def test_integrated_gradients_of_a_choice_task_match_the_float64_reference(
+    tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any, make_task: Any
 ) -> None:
+    task = make_task(tmp_path / "task", n=4)
+    store = tmp_path / "store"
+    out = extract("--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store),
+                  "--igrad", "--igrad-site", "block", "--igrad-site", "mlp", "--igrad-steps",
+                  str(STEPS), "--batch-size", "3")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    (info,) = Store(store).select()
+    options = list(info.manifest.option_token_ids)
+    instances = info.scan("instances").collect().sort("instance")
+    cases = [
+        (tokenizer(prompt)["input_ids"], option_target(options, gold))
+        for prompt, gold in zip(instances["prompt"], instances["gold"], strict=True)
+    ]
+    model = build_model("llama").to(torch.float64)
+    assert check_against_reference(store, model, cases, ["block", "mlp"], STEPS) == 16
+
+
+def test_bad_igrad_input_is_refused_in_one_line(tmp_path: Path, model_dirs: Any) -> None:
     model = str(model_dirs("llama"))
-    choice = make_task(tmp_path / "c", n=4)
-    line = refused(tmp_path, model, choice, "--igrad")
-    assert "--igrad applies to text tasks only" in line
     plain = text_task(tmp_path / "a", ["the cat sat on the warm mat by the door of the house"])
     line = refused(tmp_path, model, plain, "--igrad")
     assert "--igrad's target is the probability of the answer's tokens" in line
@@ -191,7 +227,8 @@ def test_smollm2_integrated_gradients_match_the_float64_reference(tmp_path: Path
     igrad, _ = stored(store)
     assert sorted(igrad["block"].unique().to_list()) == list(range(30))
     # the first, a middle and the last block against the reference (each a float64 loop)
-    compared = check_against_reference(store, model, tokenizer, ["block"], 3, True, 1, [0, 15, 29])
+    cases = answers(tokenizer, True, 1)
+    compared = check_against_reference(store, model, cases, ["block"], 3, [0, 15, 29])
     assert compared == 3
 
 
