@@ -112,13 +112,14 @@ DEMO_TASKS = (
 
 
 SKIPS_TASK, SKIPS_OF, SKIPS_N = "tweets2-skips", "tweets2", 20
-"""The small choice task the demo also extracts with ``--skips`` and ``--lens``: the first
-:data:`SKIPS_N` instances of :data:`SKIPS_OF` (the shortest prompts; the layer-skip effects cost
-about (blocks + 1) / 2 forward passes per instance), so that the report shows every section."""
+"""The small choice task the demo also extracts with ``--skips``, ``--lens`` and ``--sinks``: the
+first :data:`SKIPS_N` instances of :data:`SKIPS_OF` (the shortest prompts; the layer-skip effects
+cost about (blocks + 1) / 2 forward passes per instance), so that the report shows every
+section."""
 
 TEXT_TASK = "bbc-text"
-"""The demo's running-text task: BBC News articles as running text (extracted with ``--lens``
-and ``--skips``)."""
+"""The demo's running-text task: BBC News articles as running text (extracted with ``--lens``,
+``--skips`` and ``--sinks``)."""
 TEXT_DOCS, TEXT_TOKENS = 8, 24
 """Documents of :data:`TEXT_TASK` (drawn with the demo's seed) and the tokens each is cut to."""
 
@@ -258,15 +259,16 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     # beside running text (same readout as the text task).
     gram_heads = measurement_options({"gram": True, "heads": True})
     lens_skips = measurement_options({"skips": True, "lens": "final"})
+    sinks = measurement_options({"sinks": True})
     for config in (
         ExtractConfig(DEMO_MODEL, choice, store, measures=gram_heads),
         ExtractConfig(
             DEMO_MODEL,
             [by_name[SKIPS_TASK]],
             store,
-            measures={**gram_heads, **lens_skips},
+            measures={**gram_heads, **lens_skips, **sinks},
         ),
-        ExtractConfig(DEMO_MODEL, [by_name[TEXT_TASK]], store, measures=lens_skips),
+        ExtractConfig(DEMO_MODEL, [by_name[TEXT_TASK]], store, measures={**lens_skips, **sinks}),
         ExtractConfig(DEMO_MODEL, [by_name[STATES_TASK]], store, measures=states),
         ExtractConfig(str(sibling), [by_name[STATES_TASK]], store, measures=states),
     ):

@@ -28,7 +28,7 @@ import polars as pl
 from layerdiv.analyze.options import Estimator, Scale
 from layerdiv.analyze.spill import Spill
 from layerdiv.errors import LayerdivError
-from layerdiv.measurements import measurement_of
+from layerdiv.measurements import all_optional_tables, measurement_of
 from layerdiv.store import PartitionInfo, Store
 
 ENTRY_POINTS = "layerdiv.analyses"
@@ -147,10 +147,11 @@ def not_extracted(parts: Iterable[PartitionInfo], table: str, what: str) -> str:
     ``what`` is not computed for them, and the ``extract`` option of the measurement that writes
     ``table`` adds it (``layerdiv.measurements``); empty when none lacks it. A partition whose
     ``table`` only some chunks hold is not named: ``PartitionInfo.incomplete`` names the command
-    that completes it."""
+    that completes it. Empty too where no registered measurement writes ``table`` (an analysis of
+    a measurement that is not installed): no partition can hold it, and no option adds it."""
     parts = list(parts)
     never = [p.key.label for p in parts if table not in p.lacking]
-    if not never:
+    if not never or table not in all_optional_tables():
         return ""
     which = "any partition" if len(never) == len(parts) > 1 else ", ".join(never)
     m = measurement_of(table)

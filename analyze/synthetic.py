@@ -19,6 +19,7 @@ from layerdiv.measurements.future import FUTURE, future_tables
 from layerdiv.measurements.gram import gram_table
 from layerdiv.measurements.heads import heads_table
 from layerdiv.measurements.lens import LENS, token_lens_table
+from layerdiv.measurements.sinks import sinks_table
 from layerdiv.measurements.skips import skips_table
 from layerdiv.schemas import component_names
 from layerdiv.store import ComponentInfo, Manifest, PartitionWriter
@@ -128,9 +129,9 @@ def write_partition(
     ``optional`` fills optional tables, by name (:data:`OPTIONAL_PARTS`): ``heads`` (N, A, G, K)
     for the A attention components in execution order, with ``head_ids`` the G head indices
     (-1: the output projection's bias); ``skips`` (N, blocks, K) skip logits; ``gram``
-    (N, C(C+1)/2) Gram rows. ``columns`` gives (N, L) values of ``out_norm``, ``cos_residual``
-    or ``cos_prev`` (default 1, 0, 0; NaN is stored as null); ``hidden_size`` and ``norm_eps``
-    go to the manifest.
+    (N, C(C+1)/2) Gram rows; ``sinks`` (N, blocks, heads) sink(l, h). ``columns`` gives (N, L)
+    values of ``out_norm``, ``cos_residual`` or ``cos_prev`` (default 1, 0, 0; NaN is stored as
+    null); ``hidden_size`` and ``norm_eps`` go to the manifest.
     """
     n, n_comp, k = logits.shape
     if len(kinds) != n_comp or gold.shape != (n,):
@@ -203,6 +204,7 @@ OPTIONAL_PARTS: dict[
     "heads": _heads_part,
     "skips": lambda ids, values, *_: skips_table(ids, values),
     "gram": lambda ids, values, *_: gram_table(ids, values),
+    "sinks": lambda ids, values, *_: sinks_table(ids, values),
 }
 """How :func:`write_partition` makes a chunk's part of each optional table it fills, from the
 chunk's instances, their rows of the table's array, the components and the head ids."""

@@ -23,62 +23,19 @@ disk's speed; the ``states`` files on disk within 1.10 x rows x (L + 1) x d x dt
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import torch
-from common import add_quick, record
+from common import against_plain, bbc_text_task, record, text_extract_args
 
-import layerdiv.extract.runner as runner_module
-from layerdiv.demo import DEMO_MODEL, bbc_articles
-from layerdiv.extract.config import ExtractConfig
-from layerdiv.extract.runner import run_extract
+from layerdiv.demo import DEMO_MODEL
 from layerdiv.measurements.states import states_size
 from layerdiv.store import Store
 from layerdiv.store.location import human_bytes
-
-
-def write_task(folder: Path, docs: int, max_tokens: int) -> Path:
-    """A text task of ``docs`` BBC News articles (evenly spread over the corpus), each cut to
-    ``max_tokens`` tokens."""
-    articles = bbc_articles(paragraphs=8)
-    rows = articles[:: max(1, len(articles) // docs)][:docs]
-    (folder / "bbc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    spec = {"name": "bbc-states-bench", "kind": "text", "data": "bbc.jsonl",
-            "text": "{{ text }}", "max_tokens": max_tokens, "n": len(rows)}  # fmt: skip
-    path = folder / "bbc.yaml"
-    path.write_text(json.dumps(spec))
-    return path
-
-
-TIMES: list[tuple[float, float]] = []
-"""(CPU, wall) seconds of each ``extract_task`` call."""
-
-
-def timed_extract_task(*args: Any, **kwargs: Any) -> Any:
-    cpu, wall = time.process_time(), time.perf_counter()
-    out = _EXTRACT_TASK(*args, **kwargs)
-    TIMES.append((time.process_time() - cpu, time.perf_counter() - wall))
-    return out
-
-
-_EXTRACT_TASK = runner_module.extract_task
-runner_module.extract_task = timed_extract_task
-
-
-def extract(task: Path, store: Path, states: bool) -> tuple[float, float]:
-    """One extraction into the fresh ``store``: (CPU, wall) seconds of its ``extract_task``."""
-    measures = {"states": {"states": "all"}} if states else {}
-    config = ExtractConfig(DEMO_MODEL, [str(task)], store, measures=measures, progress=False)
-    run_extract(config)
-    return TIMES[-1]
 
 
 def disk_rate(folder: Path, size: int) -> float:
@@ -96,27 +53,12 @@ def disk_rate(folder: Path, size: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--docs", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    add_quick(parser)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.quick:
-        args.docs, args.max_tokens, args.repeats = 2, 32, 1
+    args = text_extract_args(__doc__.split("\n\n")[0])
     loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        task = write_task(root, args.docs, args.max_tokens)
-        extract(task, root / "warm-up", False)  # the model converted and cached, pages warm
-        runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-        for r in range(args.repeats):
-            for states in (False, True) if r % 2 == 0 else (True, False):
-                store = root / f"store-{r}-{int(states)}"
-                runs[states].append(extract(task, store, states))
-                loads.append(os.getloadavg()[0])
+        task = bbc_text_task(root, args.docs, args.max_tokens, "bbc-states-bench")
+        runs = against_plain(task, root, {"states": {"states": "all"}}, args.repeats, loads)
         (info,) = Store(root / "store-0-1").select()
         key, _, values = info.states()
         on_disk = sum(f.stat().st_size for f in (info.partition.dir("states")).glob("*.parquet"))

@@ -1,9 +1,10 @@
 """What every benchmark shares: the ``--quick`` flag (tiny sizes, one repeat: the check that the
 script still runs, which ``make bench-quick`` makes of every script), wall and CPU timing
-(:func:`timed`), the demo's choice tasks by name, and the results file a full run writes
-(``docs/benchmarks/<name>.json``: its table, with the date, commit and load average it ran at),
-from which ``scripts/bench_tables.py`` renders the benchmark tables of the docs and the
-README."""
+(:func:`timed`), the demo's choice tasks by name, a running-text task of BBC News articles and
+the timed extraction of a task into a fresh store (:func:`extract_seconds`), and the results
+file a full run writes (``docs/benchmarks/<name>.json``: its table, with the date, commit and
+load average it ran at), from which ``scripts/bench_tables.py`` renders the benchmark tables of
+the docs and the README."""
 
 from __future__ import annotations
 
@@ -63,6 +64,84 @@ def demo_choice_tasks(folder: Path, n: int, seed: int) -> list[Path]:
 
     paths = {path.stem: path for path in write_demo_tasks(folder, n, seed)}
     return [paths[task.name] for task in DEMO_TASKS]
+
+
+def bbc_text_task(folder: Path, docs: int, max_tokens: int, name: str) -> Path:
+    """A text task ``name`` of ``docs`` BBC News articles (evenly spread over the corpus), each
+    cut to ``max_tokens`` tokens, written into ``folder``."""
+    from layerdiv.demo import bbc_articles
+
+    articles = bbc_articles(paragraphs=8)
+    rows = articles[:: max(1, len(articles) // docs)][:docs]
+    (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = {"name": name, "kind": "text", "data": f"{name}.jsonl", "text": "{{ text }}",
+            "max_tokens": max_tokens, "n": len(rows)}  # fmt: skip
+    path = folder / f"{name}.yaml"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def extract_seconds(task: Path, store: Path, measures: dict[str, Any]) -> tuple[float, float]:
+    """Extract the demo's model on ``task`` into the fresh ``store`` with ``measures`` (by name:
+    their settings): (CPU, wall) seconds of its ``extract_task`` (the partition opened, every
+    chunk computed and written, the model already loaded; CPU of the process, every thread,
+    the background writer's included)."""
+    import layerdiv.extract.runner as runner_module
+    from layerdiv.demo import DEMO_MODEL
+    from layerdiv.extract.config import ExtractConfig
+
+    times: list[tuple[float, float]] = []
+    inner = runner_module.extract_task
+
+    def timed_task(*args: Any, **kwargs: Any) -> Any:
+        cpu, wall = time.process_time(), time.perf_counter()
+        out = inner(*args, **kwargs)
+        times.append((time.process_time() - cpu, time.perf_counter() - wall))
+        return out
+
+    config = ExtractConfig(DEMO_MODEL, [str(task)], store, measures=measures, progress=False)
+    runner_module.extract_task = timed_task
+    try:
+        runner_module.run_extract(config)
+    finally:
+        runner_module.extract_task = inner
+    return times[-1]
+
+
+def text_extract_args(description: str) -> argparse.Namespace:
+    """The options of a benchmark of a measurement on running text (``--docs 16 --max-tokens
+    256 --repeats 3 --threads 1``; ``--quick``: 2 documents of 32 tokens, once), torch's
+    threads set."""
+    import torch
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--docs", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    add_quick(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.docs, args.max_tokens, args.repeats = 2, 32, 1
+    return args
+
+
+def against_plain(
+    task: Path, root: Path, measures: dict[str, Any], repeats: int, loads: list[float]
+) -> dict[bool, list[tuple[float, float]]]:
+    """(CPU, wall) seconds of ``repeats`` plain extractions of ``task`` (False) and as many with
+    ``measures`` (True), in rotating order, each into a fresh store ``root/store-<repeat>-<0|1>``,
+    after a plain warm-up (the model converted and cached, pages warm); the load average after
+    each run appended to ``loads``."""
+    extract_seconds(task, root / "warm-up", {})
+    runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    for r in range(repeats):
+        for measured in (False, True) if r % 2 == 0 else (True, False):
+            store = root / f"store-{r}-{int(measured)}"
+            runs[measured].append(extract_seconds(task, store, measures if measured else {}))
+            loads.append(os.getloadavg()[0])
+    return runs
 
 
 def _commit() -> str:

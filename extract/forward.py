@@ -292,9 +292,11 @@ def text_tables(
     seqs: list[list[int]],
     truncated: list[bool],
     groups: list[str | None],
+    answer_starts: list[int] | None = None,
 ) -> dict[str, pa.Table]:
     """The ``tokens``, ``token_blocks`` and ``documents`` tables of documents ``ids``
-    (ascending; ``seqs``, ``truncated`` and ``groups`` are indexed by document), each found in
+    (ascending; ``seqs``, ``truncated``, ``groups`` and ``answer_starts``, None for a task
+    without an answer, are indexed by document), each found in
     ``results`` as (its batch, its row there), and the tables of the measurements the batches
     hold (:func:`measured_tables`)."""
     n_tokens = [len(seqs[i]) for i in ids]
@@ -308,7 +310,11 @@ def text_tables(
         ),
         "token_blocks": token_blocks_table(ids, n_tokens, dots),
         "documents": documents_table(
-            ids, n_tokens, [truncated[i] for i in ids], [groups[i] for i in ids]
+            ids,
+            n_tokens,
+            [truncated[i] for i in ids],
+            [groups[i] for i in ids],
+            None if answer_starts is None else [answer_starts[i] for i in ids],
         ),
     }
 

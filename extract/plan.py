@@ -24,6 +24,7 @@ from layerdiv.extract.tasks import (
     option_token_ids,
 )
 from layerdiv.measurements import Planning, for_kind, registered
+from layerdiv.measurements.future import answer_start
 from layerdiv.measurements.registry import as_json
 from layerdiv.store.manifest import read_manifest
 from layerdiv.store.writer import PartitionWriter
@@ -45,6 +46,9 @@ class TaskPlan:
     documents: tuple[list[list[int]], list[bool]] | None = None
     """Text tasks: the token ids of every document and whether it was cut (known before the
     weights load, so that a document without tokens is refused before anything is written)."""
+    answer_starts: list[int] | None = None
+    """Text tasks with an answer: each document's answer start s (methods §10,
+    ``layerdiv.measurements.future.answer_start``); None without an answer."""
     measures: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The settings of each measurement that this run writes (:func:`_measure_settings`)."""
     planned: dict[str, Any] = field(default_factory=dict)
@@ -79,7 +83,10 @@ def plan_task(
                 f"task {spec.name}: document {empty[0]} tokenizes to no tokens (empty text); "
                 "fix the data or the task's text template, or filter such rows out"
             )
-        plan = TaskPlan(spec, items, [], sha, writer, tables, argument, documents, measures)
+        starts = None
+        if spec.answer is not None:
+            starts = [answer_start(tokenizer, it.prompt, it.answer or "")[0] for it in items]
+        plan = TaskPlan(spec, items, [], sha, writer, tables, argument, documents, starts, measures)
     else:
         ids = option_token_ids(spec, tokenizer, items[0].prompt)
         plan = TaskPlan(spec, items, ids, sha, writer, tables, argument, measures=measures)

@@ -139,12 +139,12 @@ def _batch_work(
 ) -> _BatchWork:
     spec, items = plan.spec, plan.items
     if spec.kind == "text":
-        groups = [it.group for it in items]
+        groups, starts = [it.group for it in items], plan.answer_starts
         return _BatchWork(
             lambda b, ids: check_text_batch(b, ids, [len(seqs[i]) for i in ids], spec.name),
-            lambda r, res: text_tables(r, res, seqs, truncated, groups),
+            lambda r, res: text_tables(r, res, seqs, truncated, groups, starts),
             lambda res: (0, 0.0),
-            lambda r, res: text_tables(r, res, seqs, truncated, groups),
+            lambda r, res: text_tables(r, res, seqs, truncated, groups, starts),
         )
     gold, prompts = [it.gold for it in items], [it.prompt for it in items]
 

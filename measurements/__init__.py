@@ -11,6 +11,7 @@ from layerdiv.measurements import lens  # noqa: F401
 from layerdiv.measurements import future  # noqa: F401
 from layerdiv.measurements import states  # noqa: F401
 from layerdiv.measurements import igrad  # noqa: F401
+from layerdiv.measurements import sinks  # noqa: F401
 from layerdiv.measurements.registry import (
     ENTRY_POINTS,
     Attachment,

@@ -74,6 +74,12 @@ def token_lens_table(docs: Sequence[int], n_tokens: Sequence[int], values: np.nd
     )
 
 
+def readout_of(manifest: Any) -> str | None:
+    """The logit lens's readout a partition's manifest records (``final`` or ``last-block``;
+    None: no lens recorded)."""
+    return manifest.settings.get(LENS.name, {}).get("lens")
+
+
 def lens_rows(units: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
     """The ``lens`` rows of a choice task's instances ``units`` from each one's (L + 1, 5)
     values (:data:`LENS_VALUES`; ce of its gold option's first token); or the ``token_lens``

@@ -145,8 +145,9 @@ class Planning:
 
 
 class ModelShape(Protocol):
-    """What a pass costs (``layerdiv.extract.cost.Shape``): blocks L, width d, vocabulary V and
-    the FLOPs of a block, a readout and a plain forward pass."""
+    """What a pass costs (``layerdiv.extract.cost.Shape``): blocks L, width d, vocabulary V, the
+    attention's FLOPs per (position, earlier position) pair of a block, and the FLOPs of a
+    block, a readout and a plain forward pass."""
 
     @property
     def layers(self) -> int: ...
@@ -156,6 +157,9 @@ class ModelShape(Protocol):
 
     @property
     def vocab(self) -> int: ...
+
+    @property
+    def attention(self) -> int: ...
 
     def block(self, tokens: int) -> float: ...
 

@@ -48,7 +48,8 @@ History:
 - 7: optional tables ``igrad`` and ``igrad_ends`` (``extract --igrad``: integrated gradients per
   block and position, methods §13), ``erasure`` (``extract --erase``: residual erasure, methods
   §14) and ``sinks`` (``extract --sinks``: attention on the first token per block and head,
-  methods §16), on both task kinds.
+  methods §16), on both task kinds; ``documents`` gains ``answer_start`` (the answer's first
+  token in a task with an answer).
 
 The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``revision``, ``task``) are not
 stored inside the files: they come from the directory names
@@ -262,14 +263,15 @@ prompt token). One row per (instance, layer).
   layer L the model's own prediction y; null in older stores.
 """
 
+_DOCUMENT_FIELDS_V4 = [
+    pa.field("doc", pa.int32(), nullable=False),
+    pa.field("n_tokens", pa.int32(), nullable=False),
+    pa.field("truncated", pa.bool_(), nullable=False),
+    pa.field("group", pa.string(), nullable=True),
+]
+
 DOCUMENTS = _schema(
-    "documents",
-    [
-        pa.field("doc", pa.int32(), nullable=False),
-        pa.field("n_tokens", pa.int32(), nullable=False),
-        pa.field("truncated", pa.bool_(), nullable=False),
-        pa.field("group", pa.string(), nullable=True),
-    ],
+    "documents", [*_DOCUMENT_FIELDS_V4, pa.field("answer_start", pa.int32(), nullable=True)]
 )
 """Text tasks: one row per document; the chunk's completion marker (written last).
 
@@ -278,6 +280,10 @@ DOCUMENTS = _schema(
 - ``truncated``: true when the document had more than ``max_tokens`` tokens.
 - ``group``: the value of the task's ``group_field`` (e.g. ``hops``, ``level``) as a string;
   null without one.
+- ``answer_start`` (version 7): s = T - A, the position of the answer's first token in a task
+  with an answer (methods §10: T the document's tokens, text + answer, before any cut to
+  ``max_tokens``, A the answer's own tokens); null in a task without an answer and in stores of
+  version 6 and older.
 """
 
 _TOKEN_FIELDS_V4 = [
@@ -545,7 +551,8 @@ SINKS = _schema(
         pa.field("bos_attention", pa.float32(), nullable=False),
     ],
 )
-"""Optional (``extract --sinks``; methods §16). One row per (doc, block, head), sorted so.
+"""Optional (``extract --sinks``; methods §16). One row per (doc, block, head), sorted so (none
+for a unit of one token, which has no query position after the first).
 
 - ``doc``: as in :data:`IGRAD`.
 - ``block``: block l, 0-based.
@@ -642,7 +649,8 @@ _TABLES_V2 = {**_TABLES_V3, "instances": _schema("instances", _INSTANCE_FIELDS_V
 
 
 _TABLES_V6 = {
-    t: s for t, s in TABLES.items() if t not in ("igrad", "igrad_ends", "erasure", "sinks")
+    **{t: s for t, s in TABLES.items() if t not in ("igrad", "igrad_ends", "erasure", "sinks")},
+    "documents": _schema("documents", _DOCUMENT_FIELDS_V4, version=6),
 }
 
 _TABLES_V5 = {

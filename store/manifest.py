@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from layerdiv.measurements import all_optional_tables, for_kind, measurement_of, ruled_tables
-from layerdiv.measurements.lens import LENS
 from layerdiv.measurements.registry import SETTINGS_KEY, legacy_settings
 from layerdiv.schemas import KINDS, SCHEMA_VERSION, SchemaError, check_version
 from layerdiv.store.atomic import write_bytes
@@ -190,11 +189,6 @@ class Manifest:
     """Which extraction of the partition this is: 0 when created, one more at each
     ``--overwrite`` that replaces it. A writer re-reads it before each chunk it commits and stops
     when it changed (another run replaced the partition under it; schema version 5)."""
-
-    @property
-    def lens(self) -> str | None:
-        """The logit lens's readout (``final`` or ``last-block``; None: no lens recorded)."""
-        return self.settings.get(LENS.name, {}).get("lens")
 
     def settings_problem(self, table: str, metadata: Mapping[bytes, bytes] | None) -> str | None:
         """What is wrong with the settings that a part of ``table`` records in its Parquet

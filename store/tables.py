@@ -115,14 +115,20 @@ def documents_table(
     n_tokens: Sequence[int],
     truncated: Sequence[bool],
     group: Sequence[str | None] | None = None,
+    answer_start: Sequence[int] | None = None,
 ) -> pa.Table:
-    """Rows of :data:`~layerdiv.schemas.DOCUMENTS` (``group`` None: no group field)."""
+    """Rows of :data:`~layerdiv.schemas.DOCUMENTS` (``group`` None: no group field;
+    ``answer_start`` None: the task names no answer)."""
+    none = [None] * len(docs)
     return pa.table(
         {
             "doc": pa.array(docs, pa.int32()),
             "n_tokens": pa.array(n_tokens, pa.int32()),
             "truncated": pa.array(truncated, pa.bool_()),
-            "group": pa.array(group if group is not None else [None] * len(docs), pa.string()),
+            "group": pa.array(group if group is not None else none, pa.string()),
+            "answer_start": pa.array(
+                answer_start if answer_start is not None else none, pa.int32()
+            ),
         },
         schema=DOCUMENTS,
     )

@@ -46,10 +46,11 @@ ADDED = {
     "token_blocks": {"h_embed"},
     "token_lens": {"final_rank", "top1"},
     "lens": {"final_rank", "top1"},
+    "documents": {"answer_start"},
 }
 """Columns added since the frames were recorded (schema version 5: the model's own loss, the
 future effects' mode, h_l . h_0 of the progress proj; version 6: the lens's rank of the model's
-own top-1 token and its own top-1 token)."""
+own top-1 token and its own top-1 token; version 7: the answer's start)."""
 
 
 def _task(kind: str, folder: Path, make_task: Any) -> Path:

@@ -157,6 +157,12 @@ def test_answer_splits_match_the_float64_reference(
                   "--skips", "--skip-split", rule, "--batch-size", "3")  # fmt: skip
     assert out.exit_code == 0, out.output
     assert Store(store).partitions[0].manifest.settings["future_effects"]["skip_split"] == rule
+    # documents.answer_start: s = T - A (methods §10), the answer's own tokens counted alone
+    stored_starts = Store(store).scan("documents").collect().sort("doc")["answer_start"]
+    want = [len(tokenizer(d)["input_ids"])
+            - len(tokenizer(a, add_special_tokens=False)["input_ids"])
+            for d, a in documents(True)[:12]]  # fmt: skip
+    assert stored_starts.to_list() == want
     model = build_model("llama").to(torch.float64)
     assert check_answer_splits(store, model, tokenizer, rule, ["total"]) >= 12
 
@@ -222,7 +228,8 @@ def test_a_version_4_store_reads_mode_as_total_and_proj_as_null(
                   "--skips")  # fmt: skip
     assert out.exit_code == 0, out.output
     want = Store(store).scan("future_effects").collect()
-    dropped = {"future_effects": ["mode"], "tokens": ["loss"], "token_blocks": ["h_embed"]}
+    dropped = {"future_effects": ["mode"], "tokens": ["loss"], "token_blocks": ["h_embed"],
+               "documents": ["answer_start"]}  # fmt: skip
     for table in ("future_effects", "future_output", "tokens", "token_blocks", "documents"):
         for part in store.glob(f"{table}/**/*.parquet"):  # as version 4 wrote them
             old = pq.read_table(part).drop_columns(dropped.get(table, []))

@@ -21,6 +21,7 @@ from click.testing import CliRunner, Result
 from layerdiv.cli import main
 from layerdiv.extract import chunks
 from layerdiv.measurements import measurement_of
+from layerdiv.measurements.lens import readout_of
 from layerdiv.measurements.registry import SETTINGS_KEY
 from layerdiv.store import PartitionWriter, Store, StoreError
 from layerdiv.store.manifest import read_manifest
@@ -122,7 +123,7 @@ def test_a_killed_run_resumes_without_its_flags_and_by_the_command_ls_prints(
     assert resumed.exit_code == 0, resumed.output
     assert "added token_lens to 4 stored documents" in resumed.output
     (info,) = Store(store).select()
-    assert "token_lens" in info.tables and info.manifest.lens == "last-block"
+    assert "token_lens" in info.tables and readout_of(info.manifest) == "last-block"
     info.files("token_lens")[0].unlink()  # incomplete again: ls says how to complete it
     listed = run("ls", "--store", str(store))
     command = next(line for line in listed.output.splitlines() if "token_lens left out" in line)
@@ -231,7 +232,7 @@ def test_a_manifest_with_the_older_settings_fields_keeps_them(
     data.update(lens="last-block", skip_split=future["skip_split"], skip_seed=3)  # no sublayers
     path.write_text(json.dumps(data))
     (info,) = Store(store).select()
-    assert info.manifest.settings == recorded and info.manifest.lens == "last-block"
+    assert info.manifest.settings == recorded and readout_of(info.manifest) == "last-block"
     again = run(*args)
     assert again.exit_code == 0, again.output
     assert run(*args, "--skips", "--skip-seed", "4").exit_code == 1

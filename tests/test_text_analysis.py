@@ -320,7 +320,7 @@ def test_analyses_get_only_the_partitions_of_their_kinds(tmp_path) -> None:
     assert not [name for name in alone.names() if name.startswith("text_")]
     synthesize_text_store(tmp_path, 1, 6, 20, 3, chunk=4, lens=True, skips=True, progress=False)
     mixed = analyze(tmp_path)
-    text = {"effective_depth", "decided_depth", "decided_depth_hist"}  # running text's, too
+    text = {"effective_depth", "decided_depth", "decided_depth_hist", "bos_norm"}  # text's too
     for name, table in mixed.tables().items():
         if "model" in table.columns and table.height and name != "manifests":
             is_text = name.startswith("text_") or name in text
@@ -382,6 +382,7 @@ def test_store_tables_match_numpy_and_batching(tmp_path, monkeypatch) -> None:
         "text_geometry",
         "text_profiles",
         "effective_depth",
+        "bos_norm",
         "depth_law",  # it runs on text tasks, and says why it fits nothing on one model
         "maps",
     ]

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from layerdiv.cli import main
 from layerdiv.extract.adapters import adapter_for, get_module, prepare_model
+from layerdiv.measurements.lens import readout_of
 from layerdiv.store import Store
 from tests.tolerance import FLOAT32_DEEP, assert_within
 
@@ -327,7 +328,7 @@ def test_lens_matches_an_independent_float64_readout(
         out = extract("--model", model_dir, "--task", str(task), "--store",
                       str(tmp_path / lens), "--batch-size", "3", "--lens", lens)  # fmt: skip
         assert out.exit_code == 0, out.output
-        assert Store(tmp_path / lens).partitions[0].manifest.lens == lens
+        assert readout_of(Store(tmp_path / lens).partitions[0].manifest) == lens
     model = build_model("llama").to(torch.float64)
     got, want = [], []
     for doc, text in enumerate(texts):
@@ -382,7 +383,7 @@ def test_choice_lens_matches_an_independent_float64_readout(
                   str(store), "--batch-size", "3", "--lens")  # fmt: skip
     assert out.exit_code == 0, out.output
     (info,) = Store(store).partitions
-    assert info.manifest.lens == "final" and info.tables == ["lens"]
+    assert readout_of(info.manifest) == "final" and info.tables == ["lens"]
     lens = Store(store).scan("lens").collect().sort("instance", "layer")
     model = build_model("llama").to(torch.float64)
     option_ids = info.manifest.option_token_ids

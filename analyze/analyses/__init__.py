@@ -18,6 +18,9 @@ from layerdiv.analyze.analyses import text_profiles
 from layerdiv.analyze.analyses import text_groups
 from layerdiv.analyze.analyses import effective_depth
 from layerdiv.analyze.analyses import decided_depth
+from layerdiv.analyze.analyses import igrad
+from layerdiv.analyze.analyses import erasure
+from layerdiv.analyze.analyses import sinks
 from layerdiv.analyze.analyses import revisions
 from layerdiv.analyze.analyses import depth_law
 from layerdiv.analyze.analyses import maps
@@ -27,13 +30,16 @@ __all__ = [
     "depth",
     "depth_law",
     "effective_depth",
+    "erasure",
     "gram",
     "heads",
+    "igrad",
     "lens",
     "maps",
     "paper",
     "revisions",
     "reweight",
+    "sinks",
     "skips",
     "text_geometry",
     "text_groups",

@@ -46,6 +46,7 @@ from layerdiv.analyze.stats import (
     resample_weights,
 )
 from layerdiv.analyze.text import BATCH_TOKENS, TEXT_KIND, batches
+from layerdiv.measurements.lens import readout_of
 from layerdiv.schemas import tables_of
 from layerdiv.store import PartitionInfo, StoreError
 from layerdiv.store.key import KEY, SERIES
@@ -191,13 +192,13 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
             f"No decided-at depth for {', '.join(old)}: their lens was stored before it kept "
             "final_rank (schema version 6); re-extract them with `--lens --overwrite`."
         )
-    other = [p.key.label for p in lensed if has_ranks(p) and p.manifest.lens != "final"]
+    other = [p.key.label for p in lensed if has_ranks(p) and readout_of(p.manifest) != "final"]
     if other:
         ctx.notes.append(
             f"No decided-at depth for {', '.join(other)}: they hold the last-block lens; "
             "methods §16 reads the final one (`layerdiv extract --lens`)."
         )
-    parts = [p for p in lensed if has_ranks(p) and p.manifest.lens == "final"]
+    parts = [p for p in lensed if has_ranks(p) and readout_of(p.manifest) == "final"]
     if not parts:
         raise NoData("no text partition holds the final lens with final_rank")
     pairs = list(map_partitions(partition_decided, parts))

@@ -60,6 +60,7 @@ from layerdiv.analyze.text import (
     token_dots,
     token_geometry,
 )
+from layerdiv.measurements.lens import readout_of
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY, MODEL_KEY, SERIES
 
@@ -250,13 +251,15 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
             ctx.parts, "token_lens", ctx.notes, "Lens effective depth (ED_KL, ED_top5)"
         )
     }
-    other = [p.key.label for p in ctx.parts if p.where in lensed and p.manifest.lens != "final"]
+    other = [
+        p.key.label for p in ctx.parts if p.where in lensed and readout_of(p.manifest) != "final"
+    ]
     if other:
         ctx.notes.append(
             f"No lens effective depth (ED_KL, ED_top5) for {', '.join(other)}: they hold the "
             "last-block lens; methods §15 reads the final one (`layerdiv extract --lens`)."
         )
-    final = {p.where for p in ctx.parts if p.where in lensed and p.manifest.lens == "final"}
+    final = {p.where for p in ctx.parts if p.where in lensed and readout_of(p.manifest) == "final"}
     frames = map_partitions(lambda p: partition_depth(p, p.where in final), ctx.parts)
     steps = ctx.store.models().select(*MODEL_KEY, "step")
     table = (

@@ -20,6 +20,7 @@ import polars as pl
 
 from layerdiv.analyze.frames import tag
 from layerdiv.analyze.registry import Analysis, Context, map_partitions, register
+from layerdiv.measurements.lens import readout_of
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
 
@@ -34,7 +35,7 @@ def lens_tag(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
     uniform = math.log(m.vocab_size) if m.vocab_size else None
     return tag(frame, info).select(
         *KEY,
-        pl.lit(m.lens, pl.String).alias("lens"),
+        pl.lit(readout_of(m), pl.String).alias("lens"),
         pl.exclude(*KEY),
         pl.lit(uniform, pl.Float64).alias("uniform_ce"),
     )

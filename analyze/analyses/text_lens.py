@@ -42,6 +42,7 @@ from layerdiv.analyze.text import (
     sums,
     text_vs_last_token,
 )
+from layerdiv.measurements.lens import readout_of
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
 
@@ -87,7 +88,7 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     ``--lens``; a note names the others."""
     parts = ctx.parts
     table = pl.concat(list(map_partitions(partition_lens, parts)))
-    last_block = [dict(p.key.items()) for p in parts if p.manifest.lens == "last-block"]
+    last_block = [dict(p.key.items()) for p in parts if readout_of(p.manifest) == "last-block"]
     if not last_block:
         return {"text_lens": table}
     keys = pl.DataFrame(last_block, schema=dict.fromkeys(KEY, pl.String))

@@ -1,0 +1,238 @@
+"""What the attribution maps of a text task share (integrated gradients, methods §13; residual
+erasure, methods §14): where each document's answer starts, the tokens on a map's axis, and the
+per-document heatmap of a map.
+
+Each document's answer start s (methods §10) is the one the extraction stored in ``documents``
+(``answer_start``, :func:`answer_starts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from layerdiv.analyze import plots
+from layerdiv.analyze.analyses.text_groups import bootstrap_mean
+from layerdiv.analyze.markdown import fmt, key_rows
+from layerdiv.analyze.registry import Context, NoData, ReportContext, with_data
+from layerdiv.analyze.stats import depth_score
+from layerdiv.errors import LayerdivError
+from layerdiv.schemas import SUBLAYERS
+from layerdiv.store import PartitionInfo
+from layerdiv.store.key import KEY
+
+MAP_DOCUMENTS = 2
+"""The maps kept and drawn per partition by default: its first documents (by index), each site
+of each."""
+DOCUMENTS_OPTION = "attribution_documents"
+"""The option (``analyze(..., options={"attribution_documents": N})``) that keeps and draws the
+maps of each partition's first N documents instead (0: none)."""
+OPTIONS = {
+    DOCUMENTS_OPTION: f"the maps of how many documents per partition the integrated-gradients "
+    f"and erasure sections keep and draw, the first by index (default {MAP_DOCUMENTS})"
+}
+"""The analysis options of both attribution analyses."""
+SITE_ORDER = pl.col("sublayer").replace_strict(SUBLAYERS, range(len(SUBLAYERS)))
+"""Sorts rows by site in :data:`~layerdiv.schemas.SUBLAYERS` order."""
+
+
+def with_answer(parts: list[PartitionInfo]) -> list[PartitionInfo]:
+    """The partitions of ``parts`` whose task names an answer (the document is text + answer):
+    the only ones ``--igrad`` and ``--erase`` apply to, so the others get no note."""
+    return [p for p in parts if p.manifest.task_spec.get("answer")]
+
+
+def answer_starts(info: PartitionInfo) -> pl.DataFrame:
+    """Per document (``doc``) of ``info`` its answer's start ``answer_start`` s, as the
+    extraction stored it in ``documents`` (methods §10: s = T - A); none for a document without
+    one."""
+    return (
+        info.scan("documents")
+        .select("doc", "answer_start")
+        .filter(pl.col("answer_start").is_not_null())
+        .collect()
+        .sort("doc")
+    )
+
+
+def profiles(rows: pl.DataFrame, row: str, value: str, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The documents (D,) of ``rows`` and their profiles v (D, ``width``): ``value`` at the
+    block or state ``row`` of each (``doc``, ``row``) row, 0 where a document has none."""
+    ids = np.unique(rows["doc"].to_numpy())
+    v = np.zeros((len(ids), width))
+    v[np.searchsorted(ids, rows["doc"].to_numpy()), rows[row].to_numpy()] = rows[value]
+    return ids, v
+
+
+DEPTH_FLOATS = ("score", "ci_low", "ci_high", "relative", "relative_low", "relative_high")
+
+
+def depth_row(v: np.ndarray, blocks: int, first: int) -> dict[str, Any]:
+    """The depth-score columns of the profiles ``v`` (documents, rows): methods §10's
+    sum_l l v(l) / sum_l v(l) per document, the mean over the documents whose score is defined
+    with its bootstrap interval, and ``relative`` = (score + ``first``) / ``blocks`` (``first``:
+    the relative depth of row 0 times L, 1 for block 0's output, 0 for the embeddings). NaN where
+    undefined (:func:`depth_frame` makes it null)."""
+    scores = depth_score(v)
+    score, low, high = bootstrap_mean(scores[np.isfinite(scores)])
+    return {
+        "n_blocks": blocks,
+        "n_documents": len(v),
+        "n_scored": int(np.isfinite(scores).sum()),
+        "score": score,
+        "ci_low": low,
+        "ci_high": high,
+        "relative": (score + first) / blocks,
+        "relative_low": (low + first) / blocks,
+        "relative_high": (high + first) / blocks,
+    }
+
+
+def depth_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
+    """:func:`depth_row` rows as a frame, NaN as null."""
+    return pl.DataFrame(rows).with_columns(pl.col(c).fill_nan(None) for c in DEPTH_FLOATS)
+
+
+def depth_rows(table: pl.DataFrame, names: dict[str, str]) -> list[list[str]]:
+    """Report rows of a depth-score table (``score``, ``relative`` and their intervals; the
+    ``sublayer`` first where it has one)."""
+    return key_rows(
+        table,
+        names,
+        lambda r: [
+            *([r["sublayer"]] if "sublayer" in r else []),
+            str(r["n_scored"]),
+            fmt(r["score"], digits=2),
+            f"[{fmt(r['ci_low'], digits=2)}, {fmt(r['ci_high'], digits=2)}]",
+            fmt(r["relative"], digits=3),
+            f"[{fmt(r['relative_low'], digits=3)}, {fmt(r['relative_high'], digits=3)}]",
+        ],
+    )
+
+
+def partition_tables(
+    ctx: Context, fn: Callable[[PartitionInfo, int], dict[str, pl.DataFrame]], what: str
+) -> dict[str, pl.DataFrame]:
+    """The tables ``fn`` gives each partition of ``ctx`` (with the number of documents whose maps
+    to keep, :data:`DOCUMENTS_OPTION`), concatenated; a partition without rows left out with a
+    note naming ``what``."""
+    count = ctx.options.get(DOCUMENTS_OPTION, MAP_DOCUMENTS)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise LayerdivError(
+            f"option {DOCUMENTS_OPTION}={count!r}: give a number of documents, 0 or more"
+        )
+    parts = with_data(lambda p: fn(p, count), ctx.parts, ctx.notes, what)
+    if not parts:
+        raise NoData("no partition has rows to compute from")
+    return {name: pl.concat([p[name] for p in parts]) for name in parts[0]}
+
+
+def first_documents(info: PartitionInfo, table: str, count: int) -> list[int]:
+    """The first ``count`` documents of ``info`` that hold rows of ``table``."""
+    docs = info.scan(table).select("doc").unique().sort("doc").head(count).collect()
+    return docs["doc"].to_list()
+
+
+def document_tokens(info: PartitionInfo, docs: Sequence[int]) -> pl.DataFrame:
+    """The ``doc``, ``pos`` and ``token`` id of every token of ``docs`` (the store keeps ids,
+    not their text)."""
+    return (
+        info.scan("tokens")
+        .filter(pl.col("doc").is_in(list(docs)))
+        .select("doc", "pos", "token")
+        .sort("doc", "pos")
+        .collect()
+    )
+
+
+def token_labels(tokens: pl.DataFrame) -> list[str]:
+    """The axis label of each token of one document: ``<position>:<token id>``."""
+    return [f"{p}:{t}" for p, t in zip(tokens["pos"], tokens["token"], strict=True)]
+
+
+def map_figure(
+    title: str,
+    rows: pl.DataFrame,
+    names: dict[str, str],
+    row: str,
+    value: str,
+    colorbar: str,
+    signed: bool,
+    note: str = "",
+) -> plots.Figure:
+    """One :func:`map_panel` per drawn document of each partition (and per ``sublayer`` where
+    ``rows`` has one, in the order of its first rows): ``value`` at each ``row`` (``block`` or
+    ``layer``) and token, its colour bar titled ``colorbar``."""
+    site = ["sublayer"] if "sublayer" in rows.columns else []
+    shown = int(rows.group_by(*KEY).agg(pl.col("doc").n_unique())["doc"].max())  # type: ignore[arg-type]
+    panels = []
+    for key, one in rows.group_by(*KEY, "doc", *site, maintain_order=True):
+        lines = sorted(one[row].unique().to_list())
+        tokens = one.filter(pl.col(row) == lines[0]).sort("pos")
+        z = one.sort(row, "pos")[value].to_numpy().reshape(len(lines), -1)
+        label = " · ".join([names.get(str(key[0]), str(key[0])), str(key[2]), f"doc {key[3]}",
+                            *map(str, key[4:])])  # fmt: skip
+        ylabel = "block l" if row == "block" else "state l"
+        panels.append(map_panel(label, z, token_labels(tokens), lines, ylabel, colorbar,
+                                one["answer_start"][0], signed))  # fmt: skip
+    return plots.Figure(
+        title,
+        panels,
+        cols=1,
+        panel_size=(10.0, 3.4),
+        caption=f"the first {shown} document(s) of each model and task; colour range from "
+        f"positions 1..T-1 (position 0 drawn clipped){note}; dotted: where the answer starts",
+    )
+
+
+def maps_link(ctx: ReportContext, table: str, title: str, **draw: Any) -> list[str]:
+    """The link to the figure of the maps in ``ctx.tables[table]`` (:func:`map_figure` with
+    ``draw``), drawn as ``<table>.png``; none where no map was kept."""
+    rows = ctx.tables[table]
+    if not rows.height:
+        return []
+    if "sublayer" in rows.columns:
+        rows = rows.sort(*KEY, "doc", SITE_ORDER)
+    names = plots.short_names(ctx.names)
+    return [plots.figure_link(ctx, f"{table}.png", title,
+                              lambda: map_figure(title, rows, names, **draw))]  # fmt: skip
+
+
+def map_panel(
+    title: str,
+    z: np.ndarray,
+    labels: list[str],
+    rows: list[int],
+    ylabel: str,
+    colorbar: str,
+    start: int | None,
+    signed: bool,
+) -> plots.Panel:
+    """The row x token heatmap ``z`` (rows, T) of one document: ``signed``, diverging colours
+    centred at 0 (symmetric range), else sequential from 0; the colour range set by the
+    positions 1..T-1 (position 0, the attention sink, would take all of it and is drawn clipped);
+    a dotted line before the answer's first token ``start``."""
+    rest = np.abs(z[:, 1:]) if z.shape[1] > 1 else np.abs(z)
+    top = float(rest.max()) if rest.size and rest.max() > 0 else 1.0
+    heat = plots.Heatmap(
+        z.tolist(),
+        labels,
+        rows,
+        colorbar,
+        cmap="RdBu_r" if signed else "viridis",
+        zmin=-top if signed else 0.0,
+        zmax=top,
+        zmid=0.0 if signed else None,
+        origin="lower",
+    )
+    lines = (
+        []
+        if start is None
+        else [
+            plots.RefLine(start - 0.5, axis="x", label="answer starts", dash="dot", color="black")
+        ]
+    )
+    return plots.Panel(title, heatmap=heat, xlabel="position:token id", ylabel=ylabel, lines=lines)

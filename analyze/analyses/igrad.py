@@ -1,0 +1,354 @@
+"""Running text, integrated gradients per block and position (methods §13; ``extract --igrad``).
+
+With L blocks, l = 0..L-1 (0-based, as the ``igrad`` table), t the position, and per document,
+site (``block``, ``attn``, ``mlp``) and block the attribution IG(l, t) and the target at the
+path's ends f(x), f(b):
+
+- share of |IG| at block l: S(l) = sum_t |IG(l, t)| / sum_(l', t) |IG(l', t)|, per document, then
+  the mean over documents; on relative depth (l + 1) / L;
+- depth score of a document's profile v(l) = sum_t |IG(l, t)| (methods §10):
+  sum_l l v(l) / sum_l v(l), the mean over documents with its bootstrap 95% interval, and the
+  relative score (score + 1) / L;
+- completeness gap g(l) = sum_t IG(l, t) - (f(x) - f(b)) per document; per block the mean of g,
+  of |g| and of |f(x) - f(b)|, and ``rel_gap`` = mean |g| / mean |f(x) - f(b)|. A left Riemann
+  sum of M steps (the partition's ``igrad_steps``) closes the gap as M grows: a ``rel_gap`` over
+  :data:`GAP_LEVEL` says M is too small.
+
+Tables: ``igrad_share`` per (model, revision, task, ``sublayer``, ``block``): ``relative_depth``,
+``n_documents``, ``share``; ``igrad_depth`` per (model, revision, task, ``sublayer``):
+``n_blocks``, ``n_documents``, ``n_scored``, ``score``, ``ci_low``, ``ci_high``, ``relative``,
+``relative_low``, ``relative_high``; ``igrad_completeness`` per (model, revision, task,
+``sublayer``, ``block``): ``steps`` M, ``n_documents``, ``gap_mean``, ``abs_gap_mean``,
+``delta_mean``, ``rel_gap``; ``igrad_maps``: the rows of the first documents' maps
+(:data:`~layerdiv.analyze.analyses.attribution.DOCUMENTS_OPTION`, by default 2 per partition)
+with their ``token`` ids and ``answer_start``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import polars as pl
+
+from layerdiv.analyze import plots
+from layerdiv.analyze.analyses.attribution import (
+    OPTIONS,
+    SITE_ORDER,
+    answer_starts,
+    depth_frame,
+    depth_row,
+    depth_rows,
+    document_tokens,
+    first_documents,
+    maps_link,
+    partition_tables,
+    profiles,
+    with_answer,
+)
+from layerdiv.analyze.frames import tag
+from layerdiv.analyze.markdown import fmt, key_rows, markdown_table
+from layerdiv.analyze.registry import (
+    Analysis,
+    Context,
+    NoData,
+    ReportContext,
+    register,
+)
+from layerdiv.analyze.stats import LEVEL, RESAMPLES
+from layerdiv.analyze.text import TEXT_KIND
+from layerdiv.schemas import SUBLAYERS
+from layerdiv.store import PartitionInfo
+from layerdiv.store.key import KEY, SERIES
+
+MEASUREMENT = "igrad"
+"""The measurement whose settings name the steps (``igrad_steps``, M)."""
+GAP_LEVEL = 0.05
+"""A completeness gap above this share of |f(x) - f(b)| says M is too small (methods §13)."""
+
+TITLE = "Running text: integrated gradients per block and token"
+"""The heading of its report section."""
+
+
+def steps_of(info: PartitionInfo) -> int | None:
+    """M, the Riemann steps ``info`` was extracted with (its ``igrad_steps`` setting)."""
+    value = info.manifest.settings.get(MEASUREMENT, {}).get("igrad_steps")
+    return None if value is None else int(value)
+
+
+def per_document(info: PartitionInfo) -> pl.DataFrame:
+    """Per (doc, sublayer, block) of ``info``: ``abs_sum`` sum_t |IG(l, t)|, ``ig_sum``
+    sum_t IG(l, t), and ``f_input``, ``f_baseline`` (methods §13)."""
+    sums = (
+        info.scan("igrad")
+        .group_by("doc", "sublayer", "block")
+        .agg(
+            abs_sum=pl.col("attribution").cast(pl.Float64).abs().sum(),
+            ig_sum=pl.col("attribution").cast(pl.Float64).sum(),
+        )
+        .with_columns(pl.col("sublayer").cast(pl.String))
+    )
+    ends = info.scan("igrad_ends").with_columns(
+        pl.col("sublayer").cast(pl.String), pl.col("f_input", "f_baseline").cast(pl.Float64)
+    )
+    frame = sums.join(ends, on=["doc", "sublayer", "block"], how="inner").collect()
+    if not frame.height:
+        raise NoData(f"{info.where} has no igrad rows")
+    return frame.sort("sublayer", "doc", "block")
+
+
+def shares_and_depth(docs: pl.DataFrame, blocks: int) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``igrad_share`` and ``igrad_depth`` (without the key) of one partition's
+    :func:`per_document` rows."""
+    share_rows, depth_rows = [], []
+    for (sublayer,), rows in docs.group_by("sublayer", maintain_order=True):
+        _, v = profiles(rows, "block", "abs_sum", blocks)  # v(l) = sum_t |IG(l, t)| per document
+        total = v.sum(1, keepdims=True)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share = v / total  # S(l) per document; a document without attribution: NaN
+        scored = total[:, 0] > 0
+        for block in range(blocks):
+            share_rows.append(
+                {
+                    "sublayer": sublayer,
+                    "block": block,
+                    "relative_depth": (block + 1) / blocks,
+                    "n_documents": int(scored.sum()),
+                    "share": float(share[scored, block].mean()) if scored.any() else None,
+                }
+            )
+        # methods §10: the depth score of each document's profile, mean and bootstrap interval
+        depth_rows.append({"sublayer": sublayer, **depth_row(v, blocks, 1)})
+    return pl.DataFrame(share_rows), depth_frame(depth_rows)
+
+
+def completeness(docs: pl.DataFrame, steps: int | None) -> pl.DataFrame:
+    """``igrad_completeness`` (without the key) of one partition's :func:`per_document` rows:
+    g = sum_t IG(l, t) - (f(x) - f(b)) per document (methods §13), its means per block."""
+    delta = pl.col("f_input") - pl.col("f_baseline")
+    gap = pl.col("ig_sum") - delta
+    return (
+        docs.group_by("sublayer", "block")
+        .agg(
+            n_documents=pl.len(),
+            gap_mean=gap.mean(),
+            abs_gap_mean=gap.abs().mean(),
+            delta_mean=delta.abs().mean(),
+        )
+        .with_columns(
+            steps=pl.lit(steps, pl.Int64),
+            rel_gap=pl.when(pl.col("delta_mean") > 0).then(
+                pl.col("abs_gap_mean") / pl.col("delta_mean")
+            ),
+        )
+        .select(
+            "sublayer",
+            "block",
+            "steps",
+            "n_documents",
+            "gap_mean",
+            "abs_gap_mean",
+            "delta_mean",
+            "rel_gap",
+        )
+        .sort(SITE_ORDER, "block")
+    )
+
+
+def maps(info: PartitionInfo, count: int) -> pl.DataFrame:
+    """The ``igrad_maps`` rows of ``info``'s first ``count`` documents: every (sublayer, block,
+    pos) with its ``token`` id and the document's ``answer_start`` (:func:`answer_starts`)."""
+    docs = first_documents(info, "igrad", count)
+    rows = (
+        info.scan("igrad")
+        .filter(pl.col("doc").is_in(docs))
+        .with_columns(pl.col("sublayer").cast(pl.String))
+        .collect()
+    )
+    starts = answer_starts(info)
+    return (
+        rows.join(document_tokens(info, docs), on=["doc", "pos"], how="left")
+        .join(starts, on="doc", how="left")
+        .sort("doc", "sublayer", "block", "pos")
+    )
+
+
+def tables_of(info: PartitionInfo, count: int) -> dict[str, pl.DataFrame]:
+    """The four tables of one text partition holding ``igrad`` and ``igrad_ends``."""
+    docs = per_document(info)
+    share, depth = shares_and_depth(docs, info.manifest.n_blocks)
+    return {
+        "igrad_share": tag(share, info),
+        "igrad_depth": tag(depth, info),
+        "igrad_completeness": tag(completeness(docs, steps_of(info)), info),
+        "igrad_maps": tag(maps(info, count), info),
+    }
+
+
+def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
+    """The registry's entry point: the tables of every partition it gets."""
+    return partition_tables(ctx, tables_of, TITLE)
+
+
+# --- report ------------------------------------------------------------------------------------
+
+
+def too_few_steps(table: pl.DataFrame, names: dict[str, str]) -> list[str]:
+    """One sentence per partition whose completeness gap exceeds :data:`GAP_LEVEL` of
+    |f(x) - f(b)| at some block (methods §13): how many (site, block) pairs, and the worst."""
+    lines = []
+    for key, rows in table.group_by(*KEY, maintain_order=True):
+        over = rows.filter(pl.col("rel_gap") > GAP_LEVEL).sort("rel_gap", descending=True)
+        if not over.height:
+            continue
+        worst = over.row(0, named=True)
+        model = names.get(str(key[0]), str(key[0]))
+        steps = worst["steps"]
+        m = f"M = {steps} steps" if steps is not None else "the number of steps M"
+        lines.append(
+            f"{m} is too small for {model} on {key[2]}: the completeness gap exceeds "
+            f"{GAP_LEVEL:.0%} of |f(x) − f(b)| at {over.height} of {rows.height} (site, block) "
+            f"pairs, the worst at block {worst['block']} of site {worst['sublayer']} "
+            f"({worst['rel_gap']:.1%}); extract again with a larger `--igrad-steps`."
+        )
+    return lines
+
+
+def share_figure(share: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
+    """One panel per site: each model and task's mean share of |IG| per block against the
+    relative depth (l + 1) / L."""
+    keys = share.select(*SERIES).unique(maintain_order=True).rows()
+    color = dict(zip(keys, plots.colors(len(keys)), strict=False))
+    panels = []
+    for sublayer in [s for s in SUBLAYERS if s in set(share["sublayer"])]:
+        panel = plots.Panel(
+            f"Site: {sublayer}", xlabel="relative depth (l + 1) / L", ylabel="share of |IG|"
+        )
+        for key in keys:
+            rows = share.filter(
+                pl.col("sublayer") == sublayer,
+                *(pl.col(c) == v for c, v in zip(SERIES, key, strict=True)),
+            ).sort("block")
+            if rows.height:
+                panel.series.append(
+                    plots.Series(
+                        f"{names.get(key[0], key[0])} · {key[1]}",
+                        rows["relative_depth"].to_list(),
+                        rows["share"].to_list(),
+                        color=color[key],
+                    )
+                )
+        panels.append(panel)
+    return plots.Figure(
+        "Share of |integrated gradients| per block (methods §13)",
+        panels,
+        cols=min(3, len(panels)),
+        panel_size=(4.5, 3.4),
+        caption="per document sum_t |IG(l, t)| over its sum over blocks, then the mean over "
+        "documents",
+    )
+
+
+def gap_rows(table: pl.DataFrame, names: dict[str, str]) -> list[list[str]]:
+    """Per partition and site: M, the blocks, the largest ``rel_gap`` and its block, and the
+    blocks over :data:`GAP_LEVEL`."""
+    summary = (
+        table.sort("rel_gap", descending=True, nulls_last=True)
+        .group_by(*KEY, "sublayer", maintain_order=True)
+        .agg(
+            pl.col("steps").first(),
+            pl.len().alias("blocks"),
+            pl.col("rel_gap").first().alias("worst"),
+            pl.col("block").first().alias("worst_block"),
+            (pl.col("rel_gap") > GAP_LEVEL).sum().alias("over"),
+            pl.col("abs_gap_mean").mean().alias("abs_gap"),
+        )
+        .sort(*KEY, SITE_ORDER)
+    )
+    return key_rows(
+        summary,
+        names,
+        lambda r: [
+            r["sublayer"],
+            str(r["steps"]),
+            f"{r['abs_gap']:.3g}",
+            fmt(r["worst"], 100, 1) + "%",
+            str(r["worst_block"]),
+            f"{r['over']} of {r['blocks']}",
+        ],
+    )
+
+
+def report(ctx: ReportContext) -> str:
+    """The integrated-gradients section: the completeness gap (and whether M is too small), the
+    depth scores, the share figure and the first documents' maps."""
+    completeness_table = ctx.tables["igrad_completeness"]
+    names = plots.short_names(ctx.names)
+    steps = too_few_steps(completeness_table, ctx.names)
+    depth = ctx.tables["igrad_depth"].sort(*KEY, SITE_ORDER)
+    head = [
+        "Model",
+        "Task",
+        "Site",
+        "Documents",
+        "Depth score",
+        f"{LEVEL:g}% CI",
+        "(score + 1) / L",
+        f"{LEVEL:g}% CI",
+    ]
+    gaps = [
+        "Model",
+        "Task",
+        "Site",
+        "M",
+        "Mean |gap|",
+        "Largest gap / |f(x) − f(b)|",
+        "at block",
+        f"Blocks over {GAP_LEVEL:.0%}",
+    ]
+    return "\n\n".join(
+        [
+            "The attribution IG(l, t) of each block l and position t to the model's probability "
+            "of the answer's tokens (teacher forcing), at each site extracted (block output, "
+            "attention or MLP output); baseline: the site's mean over the document's positions. "
+            "Completeness: sum_t IG(l, t) should equal f(x) − f(b); the gap is what the Riemann "
+            "sum of M steps leaves (per block the mean |gap| over documents against the mean "
+            "|f(x) − f(b)|; every block in the `igrad_completeness` table).",
+            *steps,
+            markdown_table(gaps, gap_rows(completeness_table, ctx.names)),
+            "Depth score (methods §10) of each document's profile sum_t |IG(l, t)| over blocks, "
+            f"the mean over documents with its bootstrap {LEVEL:g}% interval ({RESAMPLES} "
+            "resamples).",
+            markdown_table(head, depth_rows(depth, ctx.names)),
+            plots.figure_link(
+                ctx,
+                "igrad_share.png",
+                "Share of |IG| per block",
+                lambda: share_figure(ctx.tables["igrad_share"], names),
+            ),
+            *maps_link(
+                ctx,
+                "igrad_maps",
+                "Integrated gradients per block and token (methods §13)",
+                row="block",
+                value="attribution",
+                colorbar="IG(l, t)",
+                signed=True,
+            ),
+        ]
+    )
+
+
+register(
+    Analysis(
+        name="igrad",
+        title=TITLE,
+        methods=(13, 10),
+        tables=tables,
+        report=report,
+        kinds=(TEXT_KIND,),
+        among=with_answer,
+        options=OPTIONS,
+        needs=("igrad", "igrad_ends"),
+    )
+)

@@ -1,0 +1,384 @@
+"""The analyses of integrated gradients (methods §13) and residual erasure (methods §14) against
+plain numpy loops over the made-up values a synthetic text store was written from: shares, depth
+scores (methods §10) with their intervals, completeness gaps, the effect against the distance to
+the answer; the sentence on too few Riemann steps exactly when a gap exceeds 5%; the figures."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pytest
+
+from layerdiv.analyze.analyses import erasure, igrad
+from layerdiv.analyze.api import analyze
+from layerdiv.analyze.synthetic import text_chunk, text_manifest, write_text_partition
+from layerdiv.measurements import Measurement, Setting, register, registered, unregister
+from layerdiv.schemas import ERASURE, IGRAD, IGRAD_ENDS, SUBLAYERS
+
+BLOCKS = 4
+TOKENS = 12
+DOCS = 7
+CHUNK = 4
+STEPS = 16
+MODEL = "synth/attrib"
+DEEPER = "synth/deeper"
+
+
+def _setting(option: str, name: str, default: Any) -> Setting:
+    return Setting(name, click.Option([option, name], default=None), default)
+
+
+STAND_INS = (
+    Measurement(
+        name="igrad",
+        flag="--igrad",
+        help="Integrated gradients per block and position (stands in for the measurement).",
+        tables={"text": ("igrad", "igrad_ends")},
+        settings=(
+            _setting("--igrad-site", "igrad_sites", ("block",)),
+            _setting("--igrad-steps", "igrad_steps", 256),
+        ),
+    ),
+    Measurement(
+        name="erase",
+        flag="--erase",
+        help="Residual erasure (stands in for the measurement).",
+        tables={"text": ("erasure",)},
+        settings=(_setting("--erase-reference", "erase_reference", 10),),
+    ),
+)
+"""The measurements that write the tables read here, declared by name, flag and settings only
+(``extract --igrad``'s and ``--erase``'s), used where the package does not register them."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def measurements() -> Iterator[None]:
+    known = {m.name for m in registered()}
+    mine = [m for m in STAND_INS if m.name not in known]
+    for m in mine:
+        register(m)
+    yield
+    for m in mine:
+        unregister(m.name)
+
+
+def made_up(seed: int, gap: float, blocks: int = BLOCKS) -> dict[str, np.ndarray]:
+    """The made-up maps of :data:`DOCS` documents: ``start`` s per document; ``ig`` (D, 3, L, T)
+    zero where methods §13 makes it zero (the last block before s-1, the last position);
+    ``f_input``, ``f_baseline`` (D, 3, L) with f(x) - f(b) = sum_t IG (1 + ``gap`` at site attn,
+    block 1, else a gap of at most 1%); ``effect`` (D, L + 1, T) >= 0, zero at the last position
+    and, at state L, rounding noise below 1e-7 before s-1."""
+    rng = np.random.default_rng(seed)
+    start = 6 + np.arange(DOCS) % 4
+    pos = np.arange(TOKENS)
+    ig = rng.normal(0, 1, (DOCS, 3, blocks, TOKENS)) * (1 + np.arange(blocks))[:, None]
+    ig[:, :, :, 0] *= 20  # position 0: large, as the attention sink's
+    ig[..., -1] = 0.0
+    ig[:, :, -1, :] *= (pos[None, :] >= start[:, None] - 1)[:, None, :]
+    total = ig.sum(-1)
+    total = np.where(np.abs(total) < 0.5, 0.5, total)
+    ig[..., 1] += total - ig.sum(-1)  # sum_t IG away from 0, so gaps are relative to it
+    delta = ig.sum(-1) * (1 + rng.uniform(-0.01, 0.01, total.shape))
+    delta[:, SUBLAYERS.index("attn"), 1] *= 1 + gap
+    f_baseline = rng.uniform(0, 0.3, total.shape)
+    effect = rng.exponential(0.2, (DOCS, blocks + 1, TOKENS)) * (1 + np.arange(blocks + 1))[:, None]
+    effect[..., -1] = 0.0
+    before = pos[None, :] < start[:, None] - 1
+    # before s-1 the last state's erasure is 0 but for rounding (another batch shape than the
+    # clean pass's)
+    effect[:, -1, :] = np.where(before, rng.uniform(0, 1e-7, (DOCS, TOKENS)), effect[:, -1, :])
+    return {
+        "start": start,
+        "ig": ig.astype(np.float32).astype(np.float64),
+        "f_input": (f_baseline + delta).astype(np.float32).astype(np.float64),
+        "f_baseline": f_baseline.astype(np.float32).astype(np.float64),
+        "effect": effect.astype(np.float32).astype(np.float64),
+    }
+
+
+def optional_tables(values: dict[str, np.ndarray], docs: range) -> dict[str, pa.Table]:
+    """The ``igrad``, ``igrad_ends`` and ``erasure`` rows of ``docs``."""
+    blocks = values["ig"].shape[2]
+    d, s, b, t = np.meshgrid(docs, range(3), range(blocks), range(TOKENS), indexing="ij")
+    sub = pa.DictionaryArray.from_arrays(pa.array(s.ravel(), pa.int8()), list(SUBLAYERS))
+    ig = pa.table(
+        [d.ravel().astype(np.int32), sub, b.ravel().astype(np.int16), t.ravel().astype(np.int32),
+         values["ig"][docs.start : docs.stop].ravel().astype(np.float32)],
+        schema=IGRAD,
+    )  # fmt: skip
+    d, s, b = np.meshgrid(docs, range(3), range(blocks), indexing="ij")
+    sub = pa.DictionaryArray.from_arrays(pa.array(s.ravel(), pa.int8()), list(SUBLAYERS))
+    ends = pa.table(
+        [d.ravel().astype(np.int32), sub, b.ravel().astype(np.int16),
+         values["f_input"][docs.start : docs.stop].ravel().astype(np.float32),
+         values["f_baseline"][docs.start : docs.stop].ravel().astype(np.float32)],
+        schema=IGRAD_ENDS,
+    )  # fmt: skip
+    d, layer, t = np.meshgrid(docs, range(blocks + 1), range(TOKENS), indexing="ij")
+    erasure = pa.table(
+        [d.ravel().astype(np.int32), layer.ravel().astype(np.int16), t.ravel().astype(np.int32),
+         values["effect"][docs.start : docs.stop].ravel().astype(np.float32)],
+        schema=ERASURE,
+    )  # fmt: skip
+    return {"igrad": ig, "igrad_ends": ends, "erasure": erasure}
+
+
+def answered(model: str, blocks: int, settings: dict[str, dict[str, Any]]) -> Any:
+    """The manifest of a made-up text partition of a task that names an answer (task ``qa``)."""
+    manifest = text_manifest(model, "qa", DOCS, blocks, TOKENS, CHUNK)
+    spec = {**manifest.task_spec, "answer": " {{ answer }}"}
+    return dataclasses.replace(manifest, settings=settings, task_spec=spec)
+
+
+def answers(tables: dict[str, pa.Table], starts: np.ndarray) -> dict[str, pa.Table]:
+    """``tables`` with their documents' answer starts (the first of ``starts``) stored."""
+    documents = tables["documents"]
+    column = pa.array(starts[: documents.num_rows], pa.int32())
+    i = documents.schema.get_field_index("answer_start")
+    return {**tables, "documents": documents.set_column(i, "answer_start", column)}
+
+
+def write_store(
+    root: Path, seed: int, gap: float, model: str = MODEL, blocks: int = BLOCKS
+) -> dict[str, np.ndarray]:
+    """A text partition of ``model`` with ``blocks`` blocks holding the made-up maps
+    (:func:`made_up`); returns them."""
+    values = made_up(seed, gap, blocks)
+    settings: dict[str, dict[str, Any]] = {
+        "igrad": {"igrad_sites": list(SUBLAYERS), "igrad_steps": STEPS},
+        "erase": {"erase_reference": 10},
+    }
+    manifest = answered(model, blocks, settings)
+    rng = np.random.default_rng(seed)
+    chunks = (
+        (s, len(docs), {**answers(text_chunk(rng, docs, TOKENS, blocks), values["start"][s:]),
+                        **optional_tables(values, docs)})
+        for s in range(0, DOCS, CHUNK)
+        for docs in [range(s, min(DOCS, s + CHUNK))]
+    )  # fmt: skip
+    write_text_partition(root, manifest, chunks)
+    return values
+
+
+@pytest.fixture(scope="module")
+def small_gap(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
+    root = tmp_path_factory.mktemp("attrib") / "store"
+    return root, write_store(root, 3, 0.0)
+
+
+@pytest.fixture(scope="module")
+def large_gap(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
+    root = tmp_path_factory.mktemp("attrib_gap") / "store"
+    write_store(root, 5, 0.0, DEEPER, 6)  # a deeper model whose gaps are all below 1%
+    return root, write_store(root, 4, 0.2)
+
+
+def close(got: Any, want: float, scale: float = 1.0) -> bool:
+    """Within a float32 budget of ``scale`` (the values were stored as float32)."""
+    return abs(float(got) - want) <= 1e-5 * max(scale, abs(want))
+
+
+def score_of(v: list[float]) -> float:
+    """sum_l l v(l) / sum_l v(l) (methods §10), by a loop."""
+    return sum(i * x for i, x in enumerate(v)) / sum(v)
+
+
+def interval(samples: list[float]) -> tuple[float, float]:
+    """The 2.5 and 97.5 percentiles of the defined ``samples``."""
+    kept = [s for s in samples if np.isfinite(s)]
+    return float(np.percentile(kept, 2.5)), float(np.percentile(kept, 97.5))
+
+
+def mean_interval(scores: list[float]) -> tuple[float, float]:
+    """The bootstrap interval of a mean: resamples of the documents drawn as the package seeds
+    them (``integers`` of a generator seeded 0, 1,000 resamples)."""
+    rng = np.random.default_rng(0)
+    picks = rng.integers(0, len(scores), (1000, len(scores)))
+    return interval([sum(scores[i] for i in row) / len(row) for row in picks])
+
+
+def test_igrad_numbers(small_gap: tuple[Path, dict[str, np.ndarray]]) -> None:
+    root, v = small_gap
+    results = analyze(root)
+    share = results["igrad_share"]
+    depth = results["igrad_depth"]
+    gaps = results["igrad_completeness"]
+    assert share.height == 3 * BLOCKS and depth.height == 3 and gaps.height == 3 * BLOCKS
+    for s, site in enumerate(SUBLAYERS):
+        profiles = [[sum(abs(x) for x in v["ig"][d, s, b]) for b in range(BLOCKS)]
+                    for d in range(DOCS)]  # fmt: skip
+        for b in range(BLOCKS):
+            want = sum(p[b] / sum(p) for p in profiles) / DOCS
+            row = share.filter(pl.col("sublayer") == site, pl.col("block") == b).row(0, named=True)
+            assert close(row["share"], want) and row["relative_depth"] == (b + 1) / BLOCKS
+            g = [v["ig"][d, s, b].sum() - (v["f_input"][d, s, b] - v["f_baseline"][d, s, b])
+                 for d in range(DOCS)]  # fmt: skip
+            deltas = [abs(v["f_input"][d, s, b] - v["f_baseline"][d, s, b]) for d in range(DOCS)]
+            row = gaps.filter(pl.col("sublayer") == site, pl.col("block") == b).row(0, named=True)
+            scale = max(deltas)
+            assert close(row["gap_mean"], sum(g) / DOCS, scale)
+            assert close(row["abs_gap_mean"], sum(abs(x) for x in g) / DOCS, scale)
+            assert close(row["delta_mean"], sum(deltas) / DOCS, scale)
+            assert close(row["rel_gap"], sum(abs(x) for x in g) / sum(deltas), 1.0)
+            assert row["steps"] == STEPS and row["n_documents"] == DOCS
+        scores = [score_of(p) for p in profiles]
+        row = depth.filter(pl.col("sublayer") == site).row(0, named=True)
+        assert close(row["score"], sum(scores) / DOCS, BLOCKS)
+        low, high = mean_interval(scores)
+        assert close(row["ci_low"], low, BLOCKS) and close(row["ci_high"], high, BLOCKS)
+        assert close(row["relative"], (sum(scores) / DOCS + 1) / BLOCKS)
+
+
+def test_erasure_numbers(small_gap: tuple[Path, dict[str, np.ndarray]]) -> None:
+    root, v = small_gap
+    results = analyze(root)
+    effect = v["effect"]
+    # methods §14: the last position is never computed; the profile sums positions 0..T-2
+    profiles = [[effect[d, layer, : TOKENS - 1].sum() for layer in range(BLOCKS + 1)]
+                for d in range(DOCS)]  # fmt: skip
+    layers = results["erasure_layers"].sort("layer")
+    for layer in range(BLOCKS + 1):
+        want = sum(effect[d, layer, : TOKENS - 1].mean() for d in range(DOCS)) / DOCS
+        assert close(layers["effect"][layer], want)
+    scores = [score_of(p) for p in profiles]
+    row = results["erasure_depth"].row(0, named=True)
+    assert close(row["score"], sum(scores) / DOCS, BLOCKS)
+    low, high = mean_interval(scores)
+    assert close(row["ci_low"], low, BLOCKS) and close(row["ci_high"], high, BLOCKS)
+    assert close(row["relative"], sum(scores) / DOCS / BLOCKS)
+
+    # the effect against d = s - t: per document and position the mean over states
+    e = {(d, v["start"][d] - t): effect[d, :, t].mean() for d in range(DOCS)
+         for t in range(TOKENS - 1)}  # fmt: skip
+    table = results["erasure_distance"].sort("distance")
+    assert table["distance"].to_list() == sorted({k for _, k in e})
+    weights = np.random.default_rng(0).multinomial(DOCS, np.full(DOCS, 1 / DOCS), size=1000)
+    for r in table.iter_rows(named=True):
+        held = [d for d in range(DOCS) if (d, r["distance"]) in e]
+        assert r["n_documents"] == len(held)
+        assert close(r["effect"], sum(e[d, r["distance"]] for d in held) / len(held))
+        if len(held) < 5:
+            assert r["ci_low"] is None and r["ci_high"] is None
+            continue
+        samples = [
+            sum(w[d] * e[d, r["distance"]] for d in held) / sum(w[d] for d in held)
+            if sum(w[d] for d in held)
+            else np.nan
+            for w in weights
+        ]
+        low, high = interval(samples)
+        assert close(r["ci_low"], low) and close(r["ci_high"], high)
+
+
+def test_answer_start_from_the_documents(small_gap: tuple[Path, dict[str, np.ndarray]]) -> None:
+    root, v = small_gap
+    results = analyze(root)
+    for table in ("igrad_maps", "erasure_maps"):
+        starts = results[table].group_by("doc").agg(pl.col("answer_start").first()).sort("doc")
+        assert starts["answer_start"].to_list() == v["start"][: len(starts)].tolist()
+
+
+def test_too_few_steps_said_when_and_only_when_a_gap_exceeds_5_percent(
+    small_gap: tuple[Path, dict[str, np.ndarray]],
+    large_gap: tuple[Path, dict[str, np.ndarray]],
+    tmp_path: Path,
+) -> None:
+    from layerdiv.analyze.report import write_report
+
+    for (root, v), over in ((small_gap, False), (large_gap, True)):
+        results = analyze(root)
+        gaps = results["igrad_completeness"].filter(pl.col("model") == "synth--attrib")
+        assert bool((gaps["rel_gap"].to_numpy() > igrad.GAP_LEVEL).any()) == over
+        out = tmp_path / ("over" if over else "under")
+        write_report(results, out, "paper", str(root), "md,html")
+        text = (out / "report.md").read_text()
+        assert "## Running text: integrated gradients per block and token" in text
+        assert text.count(f"M = {STEPS} steps is too small") == over  # once, for synth/attrib
+        page = (out / "report.html").read_text()
+        assert page.count(f"M = {STEPS} steps is too small") == over
+        assert "too small for synth/deeper" not in text
+        if over:
+            # the worst block: the one made up with a gap of 20%, the only one over 5%
+            g = [v["ig"][d, 1, 1].sum() - (v["f_input"][d, 1, 1] - v["f_baseline"][d, 1, 1])
+                 for d in range(DOCS)]  # fmt: skip
+            deltas = [abs(v["f_input"][d, 1, 1] - v["f_baseline"][d, 1, 1]) for d in range(DOCS)]
+            worst = sum(abs(x) for x in g) / sum(deltas)
+            assert (
+                f"at 1 of {3 * BLOCKS} (site, block) pairs, the worst at block 1 of site attn "
+                f"({worst:.1%})" in text
+            )
+
+
+def test_figures_render(small_gap: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) -> None:
+    from layerdiv.analyze.report import write_report
+
+    root, _ = small_gap
+    results = analyze(root)
+    write_report(results, tmp_path / "report", "paper", str(root), "md,html")
+    figures = tmp_path / "report" / "figures"
+    for name in ("igrad_share", "igrad_maps", "erasure_profile", "erasure_maps"):
+        assert (figures / f"{name}.png").stat().st_size > 0
+    page = (tmp_path / "report" / "report.html").read_text()
+    tokens = results["igrad_maps"].filter(pl.col("doc") == 0, pl.col("block") == 0)
+    first = tokens.filter(pl.col("sublayer") == "block").sort("pos")
+    for p, t in zip(first["pos"], first["token"], strict=True):
+        assert f"{p}:{t}" in page
+
+
+def test_a_partition_without_the_maps_is_named_with_the_option_that_adds_them(
+    tmp_path: Path,
+) -> None:
+    from layerdiv.analyze.synthetic import synthesize_text_store
+
+    root = tmp_path / "store"
+    # a task without an answer (neither measurement applies: no note), and one with an answer
+    synthesize_text_store(root, 1, 6, TOKENS, BLOCKS, chunk=4, progress=False)
+    rng = np.random.default_rng(0)
+    chunks = [(0, DOCS, text_chunk(rng, range(DOCS), TOKENS, BLOCKS))]
+    write_text_partition(root, answered(MODEL, BLOCKS, {}), chunks)
+    results = analyze(root)
+    assert "igrad" not in results.analyses and "erasure" not in results.analyses
+    for title, flag in ((igrad.TITLE, "--igrad"), (erasure.TITLE, "--erase")):
+        line = (
+            f"{title}: not extracted for synth--attrib/main/qa (`layerdiv extract {flag}` adds it)."
+        )
+        assert line in results.notes
+        assert not [n for n in results.notes if n.startswith(title) and "fineweb" in n]
+
+
+def test_a_table_no_measurement_writes_gives_no_note(tmp_path: Path) -> None:
+    from layerdiv.analyze.registry import not_extracted
+    from layerdiv.analyze.synthetic import synthesize_text_store
+    from layerdiv.store import Store
+
+    synthesize_text_store(tmp_path, 1, 2, TOKENS, BLOCKS, chunk=4, progress=False)
+    parts = Store(tmp_path).select()
+    assert parts and not_extracted(parts, "igrad", "x").startswith("x: not extracted for")
+    assert not_extracted(parts, "not_a_table", "x") == ""
+
+
+def test_the_number_of_documents_mapped_is_an_option(
+    small_gap: tuple[Path, dict[str, np.ndarray]], tmp_path: Path
+) -> None:
+    from layerdiv.analyze.report import write_report
+    from layerdiv.errors import LayerdivError
+
+    root, _ = small_gap
+    assert analyze(root)["igrad_maps"]["doc"].unique().to_list() == [0, 1]  # the default, 2
+    one = analyze(root, options={"attribution_documents": 1})
+    for table in ("igrad_maps", "erasure_maps"):
+        assert one[table]["doc"].unique().to_list() == [0]
+    none = analyze(root, options={"attribution_documents": 0})
+    assert none["igrad_maps"].height == 0 and none["erasure_maps"].height == 0
+    write_report(none, tmp_path / "report", "paper", str(root), "md")
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "figures/igrad_share.png" in text and "igrad_maps.png" not in text
+    with pytest.raises(LayerdivError, match="attribution_documents=-1: give a number"):
+        analyze(root, options={"attribution_documents": -1})
