@@ -42,9 +42,14 @@ class IgradRows:
     """(sites, L) f(b), with every position's activation set to the baseline."""
 
 
+SITES = ("block",)
+"""The default site: every block's output."""
+
+
 def sites_of(settings: Mapping[str, Any]) -> tuple[str, ...]:
-    """The sites of ``settings`` (``igrad_sites``), each once, in the order given."""
-    return tuple(dict.fromkeys(settings["igrad_sites"]))
+    """The sites of ``settings`` (``igrad_sites``; absent: :data:`SITES`), each once, in the
+    order given."""
+    return tuple(dict.fromkeys(settings.get("igrad_sites") or SITES))
 
 
 def _site_key(docs: np.ndarray, sites: Sequence[str], blocks: int, each: np.ndarray) -> dict:
@@ -202,7 +207,7 @@ IGRAD_MEASUREMENT = register(
                     help="With --igrad: the activation attributed: the block's output (default), "
                     "its attention's or its MLP's output; repeat for several.",
                 ),
-                ("block",),
+                SITES,
             ),
             Setting(
                 "igrad_steps",

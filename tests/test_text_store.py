@@ -29,7 +29,9 @@ from layerdiv.analyze.synthetic import (
 from layerdiv.cli import main
 from layerdiv.measurements import optional_tables
 from layerdiv.measurements.future import future_tables
+from layerdiv.measurements.igrad import IgradRows, igrad_rows
 from layerdiv.measurements.lens import token_lens_table
+from layerdiv.measurements.sinks import sink_rows
 from layerdiv.measurements.states import states_table
 from layerdiv.schemas import SCHEMA_VERSION, tables_of
 from layerdiv.store import Manifest, PartitionWriter, Store, StoreError
@@ -108,6 +110,16 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
             rng.uniform(size=(len(doc), BLOCKS)),
             rng.uniform(size=len(doc)),
         ),
+        **igrad_rows(
+            docs,
+            [
+                IgradRows(
+                    ("block",), rng.normal(size=(1, BLOCKS, n)), *rng.uniform(size=(2, 1, BLOCKS))
+                )
+                for n in n_tok
+            ],
+        ),
+        **sink_rows(docs, [rng.uniform(size=(BLOCKS, 2)) for _ in docs]),
         "tokens": tokens_table(
             docs, [list(range(100 * d, 100 * d + n)) for d, n in zip(docs, n_tok, strict=True)]
         ),
@@ -282,7 +294,10 @@ def query(store: Path, *sql: str) -> Any:
     return CliRunner().invoke(main, ["query", "--store", str(store), *sql])
 
 
-TEXT_VIEWS = "documents, tokens, token_blocks, token_lens, future_effects, future_output, manifests"
+TEXT_VIEWS = (
+    "documents, tokens, token_blocks, token_lens, future_effects, future_output, igrad, "
+    "igrad_ends, sinks, manifests"
+)
 
 
 @pytest.mark.parametrize(
