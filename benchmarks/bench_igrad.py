@@ -36,14 +36,14 @@ from bench_text_extract import (
     documents,
     flop_counts,
     load,
+    measured,
+    plain_forward,
     repeated,
     report,
 )
 from common import add_quick, record
 
 from layerdiv.demo import DEMO_MODEL
-from layerdiv.extract.adapters import adapter_for
-from layerdiv.extract.forward import CPU_TOKEN_BUDGET, ModelRunner, left_padded
 from layerdiv.extract.models import LoadedModel
 from layerdiv.measurements.igrad import IGRAD_MEASUREMENT
 
@@ -68,34 +68,17 @@ def igrad_flops(config: Any, data: Batches, flops: dict[str, float], steps: int)
 def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches, steps: int) -> list[Row]:
     """The timed rows: the plain forward (the reference), the text task, the text task with
     ``--igrad``."""
-    model = loaded.model
-    pad = loaded.tokenizer.pad_token_id or 0
-    adapter = adapter_for(model.config)
-
-    def plain(data: Batches) -> None:
-        with torch.inference_mode():
-            for batch in data:
-                model(**left_padded(batch, pad), use_cache=False, logits_to_keep=1)
-
-    def runner(igrad: bool) -> Any:
-        settings = {**IGRAD_MEASUREMENT.defaults(), "igrad_steps": steps}
-        measures = {IGRAD_MEASUREMENT.name: settings} if igrad else {}
-
-        def run(data: Batches) -> None:
-            with ModelRunner(loaded, adapter, [], CPU_TOKEN_BUDGET, kind="text", measures=measures,
-                             planned={IGRAD_MEASUREMENT.name: answers(data)}) as text:  # fmt: skip
-                doc = 0
-                for batch in data:
-                    text.run(batch, list(range(doc, doc + len(batch))))
-                    doc += len(batch)
-
-        return run
-
+    settings = {**IGRAD_MEASUREMENT.defaults(), "igrad_steps": steps}
+    igrad = {IGRAD_MEASUREMENT.name: settings}
     text = flops["forward"] + flops["readout"]  # the loss: every token read out
     return [
-        ("plain", plain, flops["forward"]),
-        ("text", runner(False), text),
-        ("igrad", runner(True), text + igrad_flops(model.config, data, flops, steps)),
+        ("plain", plain_forward(loaded), flops["forward"]),
+        ("text", measured(loaded, {}, {}), text),
+        (
+            "igrad",
+            measured(loaded, igrad, {IGRAD_MEASUREMENT.name: answers(data)}),
+            text + igrad_flops(loaded.model.config, data, flops, steps),
+        ),
     ]
 
 

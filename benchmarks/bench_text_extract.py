@@ -160,17 +160,42 @@ LOCAL = SkipSettings(split="answer:4:4", modes=("local",))
 """The local row: the same split points, local (direct-only) effects."""
 
 
-def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches) -> list[Row]:
-    """The timed rows: the plain forward first (the reference), then ``ModelRunner`` for a text
-    task without options, with each lens and with the future effects."""
-    model = loaded.model
+def plain_forward(loaded: LoadedModel) -> Callable[[Batches], None]:
+    """The reference row's run: ``model(**inputs)`` on the left-padded batches, as
+    ``ModelRunner`` runs it (``use_cache=False``, ``logits_to_keep=1``)."""
     pad = loaded.tokenizer.pad_token_id or 0
-    adapter = adapter_for(model.config)
 
     def plain(data: Batches) -> None:
         with torch.inference_mode():
             for batch in data:
-                model(**left_padded(batch, pad), use_cache=False, logits_to_keep=1)
+                loaded.model(**left_padded(batch, pad), use_cache=False, logits_to_keep=1)
+
+    return plain
+
+
+def measured(
+    loaded: LoadedModel, measures: dict[str, Any], planned: dict[str, Any]
+) -> Callable[[Batches], None]:
+    """A row's run: ``ModelRunner.run`` of a text task with ``measures`` (by name: settings) and
+    ``planned``, the documents numbered in order."""
+    adapter = adapter_for(loaded.model.config)
+
+    def run(data: Batches) -> None:
+        with ModelRunner(loaded, adapter, [], CPU_TOKEN_BUDGET, kind="text", measures=measures,
+                         planned=planned) as text:  # fmt: skip
+            doc = 0
+            for batch in data:
+                text.run(batch, list(range(doc, doc + len(batch))))
+                doc += len(batch)
+
+    return run
+
+
+def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches) -> list[Row]:
+    """The timed rows: the plain forward first (the reference), then ``ModelRunner`` for a text
+    task without options, with each lens and with the future effects."""
+    model = loaded.model
+    adapter = adapter_for(model.config)
 
     def runner(lens: str | None) -> Callable[[Batches], None]:
         measures = {LENS.name: {"lens": lens}} if lens else {}
@@ -185,18 +210,10 @@ def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches) -> list[Ro
         return run
 
     def skips(settings: SkipSettings) -> Callable[[Batches], None]:
-        def run(data: Batches) -> None:
-            measures = {FUTURE.name: {"skip_split": settings.split, "skip_seed": settings.seed,
-                                      "skip_sublayers": list(settings.sublayers),
-                                      "skip_modes": list(settings.modes)}}  # fmt: skip
-            with ModelRunner(loaded, adapter, [], CPU_TOKEN_BUDGET, kind="text", measures=measures,
-                             planned={FUTURE.name: answers(data)}) as text:  # fmt: skip
-                doc = 0
-                for batch in data:
-                    text.run(batch, list(range(doc, doc + len(batch))))
-                    doc += len(batch)
-
-        return run
+        measures = {FUTURE.name: {"skip_split": settings.split, "skip_seed": settings.seed,
+                                  "skip_sublayers": list(settings.sublayers),
+                                  "skip_modes": list(settings.modes)}}  # fmt: skip
+        return measured(loaded, measures, {FUTURE.name: answers(data)})
 
     def future(settings: SkipSettings) -> float:
         return (
@@ -208,7 +225,7 @@ def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches) -> list[Ro
     layers, forward = flops["layers"], flops["forward"]
     lens = forward + (layers + 1) * flops["readout"]
     return [
-        ("plain", plain, forward),
+        ("plain", plain_forward(loaded), forward),
         ("text", runner(None), forward + flops["readout"]),  # the loss: every token read out
         ("lens", runner("final"), lens),
         ("lens last-block", runner("last-block"), lens + layers * flops["block"]),
