@@ -37,10 +37,10 @@ RUNS: dict[str, tuple[dict[str, Any], int]] = {
     "--sinks": ({"sinks": True}, 12),
     "--erase": ({"erase": True, "erase_reference": 4}, 12),
     "--igrad (block, M = 256)": (
-        {"igrad": True, "igrad_site": ("block",), "igrad_steps": 256},
+        {"igrad": True, "igrad_sites": ("block",), "igrad_steps": 256},
         2,
     ),
-    "--igrad (attn, M = 256)": ({"igrad": True, "igrad_site": ("attn",), "igrad_steps": 256}, 1),
+    "--igrad (attn, M = 256)": ({"igrad": True, "igrad_sites": ("attn",), "igrad_steps": 256}, 1),
 }
 """Label -> (the ``extract`` options, by parameter name; documents timed): each measurement
 alone, each timed right after the extraction without it over the same documents."""

@@ -160,17 +160,42 @@ LOCAL = SkipSettings(split="answer:4:4", modes=("local",))
 """The local row: the same split points, local (direct-only) effects."""
 
 
-def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches) -> list[Row]:
-    """The timed rows: the plain forward first (the reference), then ``ModelRunner`` for a text
-    task without options, with each lens and with the future effects."""
-    model = loaded.model
+def plain_forward(loaded: LoadedModel) -> Callable[[Batches], None]:
+    """The reference row's run: ``model(**inputs)`` on the left-padded batches, as
+    ``ModelRunner`` runs it (``use_cache=False``, ``logits_to_keep=1``)."""
     pad = loaded.tokenizer.pad_token_id or 0
-    adapter = adapter_for(model.config)
 
     def plain(data: Batches) -> None:
         with torch.inference_mode():
             for batch in data:
-                model(**left_padded(batch, pad), use_cache=False, logits_to_keep=1)
+                loaded.model(**left_padded(batch, pad), use_cache=False, logits_to_keep=1)
+
+    return plain
+
+
+def measured(
+    loaded: LoadedModel, measures: dict[str, Any], planned: dict[str, Any]
+) -> Callable[[Batches], None]:
+    """A row's run: ``ModelRunner.run`` of a text task with ``measures`` (by name: settings) and
+    ``planned``, the documents numbered in order."""
+    adapter = adapter_for(loaded.model.config)
+
+    def run(data: Batches) -> None:
+        with ModelRunner(loaded, adapter, [], CPU_TOKEN_BUDGET, kind="text", measures=measures,
+                         planned=planned) as text:  # fmt: skip
+            doc = 0
+            for batch in data:
+                text.run(batch, list(range(doc, doc + len(batch))))
+                doc += len(batch)
+
+    return run
+
+
+def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches) -> list[Row]:
+    """The timed rows: the plain forward first (the reference), then ``ModelRunner`` for a text
+    task without options, with each lens and with the future effects."""
+    model = loaded.model
+    adapter = adapter_for(model.config)
 
     def runner(lens: str | None) -> Callable[[Batches], None]:
         measures = {LENS.name: {"lens": lens}} if lens else {}
@@ -185,18 +210,10 @@ def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches) -> list[Ro
         return run
 
     def skips(settings: SkipSettings) -> Callable[[Batches], None]:
-        def run(data: Batches) -> None:
-            measures = {FUTURE.name: {"skip_split": settings.split, "skip_seed": settings.seed,
-                                      "skip_sublayers": list(settings.sublayers),
-                                      "skip_modes": list(settings.modes)}}  # fmt: skip
-            with ModelRunner(loaded, adapter, [], CPU_TOKEN_BUDGET, kind="text", measures=measures,
-                             planned={FUTURE.name: answers(data)}) as text:  # fmt: skip
-                doc = 0
-                for batch in data:
-                    text.run(batch, list(range(doc, doc + len(batch))))
-                    doc += len(batch)
-
-        return run
+        measures = {FUTURE.name: {"skip_split": settings.split, "skip_seed": settings.seed,
+                                  "skip_sublayers": list(settings.sublayers),
+                                  "skip_modes": list(settings.modes)}}  # fmt: skip
+        return measured(loaded, measures, {FUTURE.name: answers(data)})
 
     def future(settings: SkipSettings) -> float:
         return (
@@ -208,7 +225,7 @@ def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches) -> list[Ro
     layers, forward = flops["layers"], flops["forward"]
     lens = forward + (layers + 1) * flops["readout"]
     return [
-        ("plain", plain, forward),
+        ("plain", plain_forward(loaded), forward),
         ("text", runner(None), forward + flops["readout"]),  # the loss: every token read out
         ("lens", runner("final"), lens),
         ("lens last-block", runner("last-block"), lens + layers * flops["block"]),
@@ -256,6 +273,26 @@ def lens_split() -> Iterator[dict[str, float]]:
         lens_module.lens_stats = stats
 
 
+def repeated(
+    table: list[Row], data: Batches, repeats: int, short: Batches
+) -> tuple[dict[str, list[tuple[float, float]]], list[float]]:
+    """Every row run on ``short`` (an untimed warm-up: first calls, weights paged in), then
+    ``repeats`` times on ``data`` in rotating order: each row's (wall, CPU) seconds per repeat,
+    and the load averages seen."""
+    for _, run, _ in table:
+        run(short)
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in table}
+    loads = [os.getloadavg()[0]]
+    for r in range(repeats):
+        k = r % len(table)
+        for name, run, _ in table[k:] + table[:k]:
+            times[name].append(timed(run, data))
+        loads.append(os.getloadavg()[0])
+        done = ", ".join(f"{n} {t[-1][0]:.2f} s ({t[-1][1]:.2f} CPU s)" for n, t in times.items())
+        print(f"repeat {r + 1}: {done}; load average {loads[-1]:.2f}")
+    return times, loads
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--docs", type=int, default=4, help="BBC News articles")
@@ -283,18 +320,7 @@ def main() -> None:
     flops = flop_counts(loaded.model.config, data)
     wanted = {"plain", *args.rows.split(",")}
     table = [row for row in rows(loaded, flops, data) if row[0] in wanted]
-    short = [[data[0][0][:32]]]
-    for _, run, _ in table:  # warm-up: first calls, weights paged in
-        run(short)
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in table}
-    loads = [os.getloadavg()[0]]
-    for r in range(args.repeats):
-        k = r % len(table)
-        for name, run, _ in table[k:] + table[:k]:
-            times[name].append(timed(run, data))
-        loads.append(os.getloadavg()[0])
-        done = ", ".join(f"{n} {t[-1][0]:.2f} s ({t[-1][1]:.2f} CPU s)" for n, t in times.items())
-        print(f"repeat {r + 1}: {done}; load average {loads[-1]:.2f}")
+    times, loads = repeated(table, data, args.repeats, [[data[0][0][:32]]])
     results = report(table, times, flops["forward"])
     shares = split(table, data, statistics.median(t[1] for t in times["plain"]))
     loads.append(os.getloadavg()[0])

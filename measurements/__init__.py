@@ -10,6 +10,7 @@ from layerdiv.measurements import gram  # noqa: F401
 from layerdiv.measurements import lens  # noqa: F401
 from layerdiv.measurements import future  # noqa: F401
 from layerdiv.measurements import states  # noqa: F401
+from layerdiv.measurements import igrad  # noqa: F401
 from layerdiv.measurements import erase  # noqa: F401
 from layerdiv.measurements import sinks  # noqa: F401
 from layerdiv.measurements.registry import (
@@ -32,6 +33,7 @@ from layerdiv.measurements.registry import (
     optional_tables,
     register,
     registered,
+    ruled_tables,
     table_schemas,
     tables_of_kind,
     unregister,
@@ -57,6 +59,7 @@ __all__ = [
     "optional_tables",
     "register",
     "registered",
+    "ruled_tables",
     "table_schemas",
     "tables_of_kind",
     "unregister",

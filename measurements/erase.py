@@ -46,13 +46,9 @@ def plan_erase(plan: Planning) -> list[tuple[int, int]]:
     """Refuse a task without an answer and a reference of fewer than 1 or more documents than
     the run takes; per document, its answer's start s and length A (methods §10)."""
     spec, count = plan.task, int(plan.settings["erase_reference"])
-    spans = answer_spans(plan)
-    if spans is None:
-        raise EraseError(
-            f"task {spec.name}: --erase measures the change of the answer's predictions "
-            "(methods §14), and the task names no answer; add an 'answer' template beside "
-            "'text' (the document is text + answer), or drop --erase"
-        )
+    spans = answer_spans(
+        plan, "--erase measures the change of the answer's predictions (methods §14)", "drop --erase"
+    )
     if not 1 <= count <= len(plan.items):
         raise EraseError(
             f"task {spec.name}: --erase-reference {count} asks for the reference means of its "

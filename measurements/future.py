@@ -195,35 +195,34 @@ def plan_future(plan: Planning) -> list[tuple[int, int]] | None:
 
 
 def answers(plan: Planning) -> list[tuple[int, int]]:
-    """Per document, its answer's start s = T - A and length A (:func:`answer_spans`); refuses
-    a task without an answer, and with ``answer:N:S`` an answer of fewer than
-    ``ANSWER_MARGIN + 1`` tokens (no offset below A - 4)."""
-    spec, split = plan.task, plan.settings["skip_split"]
-    spans = answer_spans(plan)
-    if spans is None:
-        raise SplitError(
-            f"task {spec.name}: --skip-split {split} anchors the split points at the "
-            "answer, and the task names none; add an 'answer' template beside 'text' (the "
-            "document is text + answer), or use --skip-split random"
-        )
+    """Per document, its answer's start s = T - A and length A (:func:`answer_spans`); with
+    ``answer:N:S``, refuses an answer of fewer than ``ANSWER_MARGIN + 1`` tokens (no offset below
+    A - 4)."""
+    split = plan.settings["skip_split"]
+    spans = answer_spans(
+        plan, f"--skip-split {split} anchors the split points at the answer", "--skip-split random"
+    )
     for doc, (_, length) in enumerate(spans):
         if split != "answer" and length <= ANSWER_MARGIN:
             raise SplitError(
-                f"task {spec.name}: document {doc}'s answer is {length} tokens, and --skip-split "
-                f"{split} draws offsets below A - {ANSWER_MARGIN}, so it needs answers of "
-                f"at least {ANSWER_MARGIN + 1}; use --skip-split answer, or filter short answers "
-                "out"
+                f"task {plan.task.name}: document {doc}'s answer is {length} tokens, and "
+                f"--skip-split {split} draws offsets below A - {ANSWER_MARGIN}, so it needs "
+                f"answers of at least {ANSWER_MARGIN + 1}; use --skip-split answer, or filter "
+                "short answers out"
             )
     return spans
 
 
-def answer_spans(plan: Planning) -> list[tuple[int, int]] | None:
-    """Per document of a text task that names an answer, its answer's start s = T - A and
-    length A (methods §10, :func:`answer_start`), and a note where a token merges across the
-    boundary; None for a task without an answer."""
-    if plan.task.answer is None:
-        return None
-    tokenizer = plan.tokenizer
+def answer_spans(plan: Planning, why: str, instead: str) -> list[tuple[int, int]]:
+    """Per document, its answer's start s = T - A and length A (methods §10,
+    :func:`answer_start`), and a note where a token merges across the boundary; refuses a task
+    without an answer in one line (``why``: what needs it; ``instead``: what to do otherwise)."""
+    spec, tokenizer = plan.task, plan.tokenizer
+    if spec.answer is None:
+        raise SplitError(
+            f"task {spec.name}: {why}, and the task names none; add an 'answer' template beside "
+            f"'text' (the document is text + answer), or {instead}"
+        )
     out, merged = [], []
     for doc, item in enumerate(plan.items):
         assert item.answer is not None  # the task renders one for every document

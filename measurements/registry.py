@@ -560,6 +560,12 @@ def _tables() -> tuple[dict[str, dict[str, str]], dict[str, pa.Schema]]:
     return optional, {**TABLES, **extra}
 
 
+def ruled_tables(kind: str) -> set[str]:
+    """The optional tables of ``kind`` whose measurement declares how their row counts relate
+    (:attr:`Measurement.check_rows`): not held to whole rows per instance of a choice task."""
+    return {t for m in for_kind(kind) if m.check_rows is not None for t in m.tables[kind]}
+
+
 def measurement_of(table: str) -> Measurement:
     """The measurement that writes ``table`` (per chunk, or once per partition)."""
     for m in registered():

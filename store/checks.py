@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from layerdiv.errors import LayerdivError
-from layerdiv.measurements import table_schemas, tables_of_kind
+from layerdiv.measurements import ruled_tables, table_schemas, tables_of_kind
 from layerdiv.schemas import schema_matches, tables_of
 from layerdiv.store.key import DEFAULT_REVISION
 from layerdiv.store.location import open_parquet
@@ -191,9 +191,13 @@ def check_chunk(info: PartitionInfo[Any], start: int, count: int, tables: list[s
 
 def _fixed(info: PartitionInfo[Any]) -> tuple[str, ...]:
     """The tables whose rows per instance (document) are fixed, counted per id on open: every
-    table of a choice partition; ``tokens`` of a text one (its other tables are checked where
-    they are read: ``token_blocks`` in (doc, pos) order, ``future_effects`` keys unique)."""
-    return tables_of_kind("choice") if info.kind.name == "choice" else ("tokens",)
+    table of a choice partition but those of a measurement with a row rule of its own (``igrad``:
+    rows per prompt token); ``tokens`` of a text one (its other tables are checked where they
+    are read: ``token_blocks`` in (doc, pos) order, ``future_effects`` keys unique)."""
+    if info.kind.name == "choice":
+        ruled = ruled_tables("choice")
+        return tuple(t for t in tables_of_kind("choice") if t not in ruled)
+    return ("tokens",)
 
 
 def _ranges(

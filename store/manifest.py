@@ -9,7 +9,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from layerdiv.measurements import all_optional_tables, for_kind, measurement_of
+from layerdiv.measurements import all_optional_tables, for_kind, measurement_of, ruled_tables
 from layerdiv.measurements.registry import SETTINGS_KEY, legacy_settings
 from layerdiv.schemas import KINDS, SCHEMA_VERSION, SchemaError, check_version
 from layerdiv.store.atomic import write_bytes
@@ -226,7 +226,7 @@ class Manifest:
         whose part's ``rows`` (by table) cannot be right, with what is wrong; None when every
         one can: the fixed sizes (:meth:`expected_rows`) exactly, then what each measurement
         declares (``Measurement.check_rows``, relative to them); a choice task's other tables
-        need whole rows per instance."""
+        (of a measurement that declares no rule) need whole rows per instance."""
         expected = self.expected_rows(count, n_tokens)
         for table, found in rows.items():
             if table in expected and found != expected[table]:
@@ -236,8 +236,11 @@ class Manifest:
                 wrong = m.check_rows(rows, self.n_blocks, self.settings.get(m.name, {}))
                 if wrong is not None:
                     return wrong
+        ruled = ruled_tables(self.kind)
         for table, found in rows.items():
-            if table not in expected and self.kind == "choice" and (found == 0 or found % count):
+            if table in expected or table in ruled or self.kind != "choice":
+                continue
+            if found == 0 or found % count:
                 return table, f"{found} rows are not whole rows for each of {count} instances"
         return None
 

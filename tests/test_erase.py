@@ -206,7 +206,7 @@ def test_bad_erase_input_is_refused_in_one_line(tmp_path: Path, model_dirs: Any)
     model = str(model_dirs("llama"))
     plain = text_task(tmp_path / "a", ["the cat sat on the warm mat by the door of the house"])
     line = refused(tmp_path, model, plain, "--erase")
-    assert "names no answer" in line and "--erase" in line
+    assert "names none; add an 'answer' template" in line and "drop --erase" in line
     task = multihop_task(tmp_path / "b", **SHORT)
     line = refused(tmp_path, model, task, "--erase", "--erase-reference", "5", "--limit", "4")
     assert "--erase-reference 5" in line and "from 1 to 4" in line

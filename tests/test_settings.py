@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner, Result
@@ -26,6 +27,7 @@ from layerdiv.store import PartitionWriter, Store, StoreError
 from layerdiv.store.manifest import read_manifest
 from layerdiv.store.writer import StoreConflict
 from tests.test_text_extract import random_texts, text_task
+from tests.tolerance import assert_within
 
 CHUNK = 2
 
@@ -255,3 +257,63 @@ def test_two_processes_started_at_once_with_other_settings(setup: tuple[list[str
     (info,) = Store(store).select()  # every part checked against the manifest: one extraction
     assert info.manifest.settings["future_effects"]["skip_seed"] == winner
     assert info.n_done == 6 and not info.incomplete()
+
+
+def test_igrad_settings_are_the_partitions_identity(
+    tmp_path: Path, model_dirs: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.test_multihop import SHORT, multihop_task
+
+    task = multihop_task(tmp_path / "task", **SHORT)
+    root = tmp_path / "stores"
+
+    def args(store: str, *more: str) -> list[str]:
+        return ["extract", "--model", str(model_dirs("llama")), "--task", str(task), "--store",
+                str(root / store), "--limit", "4", "--chunk-size", str(CHUNK), *more]  # fmt: skip
+
+    igrad = ["--igrad", "--igrad-steps", "2"]
+    whole = run(*args("whole", *igrad))
+    assert whole.exit_code == 0, whole.output
+    assert settings(root / "whole")["igrad"] == {"igrad_sites": ["block"], "igrad_steps": 2}
+    before = files(root / "whole")
+    for other in (["--igrad-steps", "3"], ["--igrad-site", "attn"]):
+        refused = run(*args("whole", "--igrad", *other))
+        assert refused.exit_code == 1
+        line = refused.output.strip()
+        stored = "the stored igrad was extracted with --igrad --igrad-site block --igrad-steps 2"
+        assert "\n" not in line and f"{stored}, this run asks for" in line
+        assert " ".join(other) in line
+        assert files(root / "whole") == before
+    write = PartitionWriter.write_table_part
+
+    def write_then_die(self: PartitionWriter, name: str, *rest: Any) -> None:
+        write(self, name, *rest)
+        if name == "igrad_ends":
+            raise Killed
+
+    with monkeypatch.context() as patch, pytest.raises(Killed):  # killed after its first part
+        patch.setattr(PartitionWriter, "write_table_part", write_then_die)
+        CliRunner().invoke(main, args("a", "--shard", "0/2", *igrad), catch_exceptions=False)
+    resumed = run(*args("a", "--shard", "0/2"))  # without its flags: the stored settings
+    assert resumed.exit_code == 0, resumed.output
+    assert settings(root / "a")["igrad"]["igrad_steps"] == 2
+    shard = run(*args("b", "--shard", "1/2", "--igrad", "--igrad-steps", "3"))
+    assert shard.exit_code == 0, shard.output
+    refused = run("merge", str(root / "a"), str(root / "b"), "--into", str(root / "m"))
+    assert refused.exit_code == 1 and "'igrad_steps': 2" in refused.output
+    assert "'igrad_steps': 3" in refused.output and not (root / "m").exists()
+    same = run(*args("c", "--shard", "1/2", *igrad))
+    assert same.exit_code == 0, same.output
+    merged = run("merge", str(root / "a"), str(root / "c"), "--into", str(root / "m"))
+    assert merged.exit_code == 0, merged.output
+    for table in ("igrad", "igrad_ends"):
+        got = Store(root / "m").scan(table).collect().sort("doc", "block")
+        want = Store(root / "whole").scan(table).collect().sort("doc", "block")
+        assert got.drop("attribution", "f_input", "f_baseline", strict=False).equals(
+            want.drop("attribution", "f_input", "f_baseline", strict=False)
+        )
+        # the same computation on the same kernels in batches of other documents
+        for column in ("attribution", "f_input", "f_baseline"):
+            if column in got.columns:
+                scale = float(np.abs(want[column].to_numpy()).max())
+                assert_within(got[column].to_numpy(), want[column].to_numpy(), scale)

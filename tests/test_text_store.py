@@ -30,6 +30,7 @@ from layerdiv.cli import main
 from layerdiv.measurements import optional_tables
 from layerdiv.measurements.erase import erasure_rows
 from layerdiv.measurements.future import future_tables
+from layerdiv.measurements.igrad import IgradRows, igrad_rows
 from layerdiv.measurements.lens import token_lens_table
 from layerdiv.measurements.sinks import sink_rows
 from layerdiv.measurements.states import states_table
@@ -110,6 +111,16 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
             rng.uniform(size=(len(doc), BLOCKS)),
             rng.uniform(size=len(doc)),
         ),
+        **igrad_rows(
+            docs,
+            [
+                IgradRows(
+                    ("block",), rng.normal(size=(1, BLOCKS, n)), *rng.uniform(size=(2, 1, BLOCKS))
+                )
+                for n in n_tok
+            ],
+        ),
+        **sink_rows(docs, [rng.uniform(size=(BLOCKS, 2)) for _ in docs]),
         "tokens": tokens_table(
             docs, [list(range(100 * d, 100 * d + n)) for d, n in zip(docs, n_tok, strict=True)]
         ),
@@ -289,8 +300,8 @@ def query(store: Path, *sql: str) -> Any:
 
 
 TEXT_VIEWS = (
-    "documents, tokens, token_blocks, token_lens, future_effects, future_output, erasure, sinks, "
-    "manifests"
+    "documents, tokens, token_blocks, token_lens, future_effects, future_output, igrad, "
+    "igrad_ends, erasure, sinks, manifests"
 )
 
 

@@ -1,0 +1,270 @@
+"""Integrated gradients per block and position (``extract --igrad`` on a text task with an
+answer or on a choice task, :mod:`layerdiv.measurements.igrad`, methods §13).
+
+The runner runs each batch once more for these hooks with gradients on (the measurement declares
+``needs_grad``); they keep every block call's arguments and input and the sites' activations x
+(the block's output, its attention's or MLP's output). Then, per site and block l, every point of
+the path x(alpha) = b + alpha (x - b) (b: x's mean over the document's positions, the same vector
+at every position) for alpha_k = k/m, k = 0..m-1, and alpha = 1 (f(x)), runs as one batch (in
+slices that fit memory) from the site onward: blocks before l are not run again (the clean
+pass's input of block l and each block's own call arguments are reused, as the future effects do,
+``layerdiv.extract.removal.UpdateRemoval``); for ``attn`` and ``mlp`` block l runs with that
+sublayer's output replaced by x(alpha), so the rest of the block reads it as the model's own code
+does (h + a(alpha), and in a family with parallel attention and MLP, the MLP reads h). The
+model's final norm and unembedding (the shared ``Readout``) read out the answer-predicting
+positions only; f = the sum of the answer tokens' probabilities (a choice task: the gold
+option's probability among the options at the last prompt token), and ``torch.autograd.grad`` gives
+df/dx(alpha) in float32 (the path is a float32 leaf; the blocks run in the model's dtype).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from layerdiv.extract.adapters import get_module
+from layerdiv.extract.capture import DecompositionError
+from layerdiv.extract.forward import token_budget
+from layerdiv.extract.future import _expand
+from layerdiv.extract.hooks import Hooks, unique_blocks
+from layerdiv.extract.removal import Call, UpdateRemoval
+from layerdiv.measurements import Attachment
+from layerdiv.measurements.igrad import IgradRows, check_sites, sites_of
+
+
+class IgradCapture(Hooks):
+    """The hooks of ``--igrad`` (``layerdiv.measurements.GradientCapture`` and
+    ``RowsCapture``): they keep the states of the batch's pass with gradients on, and
+    :meth:`backward` computes every document's integrated gradients from them."""
+
+    def __init__(self, ctx: Attachment) -> None:
+        super().__init__()
+        self.model, self.readout = ctx.model, ctx.readout
+        self.sites = sites_of(ctx.settings)
+        self.steps = int(ctx.settings["igrad_steps"])
+        self.answers: Sequence[tuple[int, int]] = ctx.planned
+        """Text tasks: per document, the answer's start s and length A (methods §10)."""
+        self.gold = ctx.gold
+        """Choice tasks: each instance's gold option."""
+        self.options = (
+            torch.tensor(list(ctx.option_ids), device=ctx.readout.gain.device)
+            if ctx.kind == "choice"
+            else None
+        )
+        """Choice tasks: the option tokens, whose logits the target's softmax is over."""
+        self.removal = UpdateRemoval(ctx.model, ctx.adapter)
+        check_sites(self.sites, ctx.adapter, self.removal.blocks)
+        self.add(ctx.model.register_forward_pre_hook(self._ids_hook, with_kwargs=True))
+        for block in unique_blocks(ctx.model, ctx.adapter):
+            self.add(block.register_forward_pre_hook(self._input_hook, with_kwargs=True))
+            self.add(block.register_forward_hook(self._keeper("block")))
+            for site in ("attn", "mlp"):
+                if site in self.sites:
+                    module = get_module(block, getattr(ctx.adapter, site))
+                    self.add(module.register_forward_hook(self._keeper(site)))
+        self._ids: Sequence[int] | None = None
+        self._lengths: list[int] = []
+        self._input_ids: torch.Tensor | None = None
+        self._cap = sys.maxsize
+        """Most path points per slice: halved where a slice ran out of accelerator memory."""
+        self.reset()
+
+    # hooks -------------------------------------------------------------------------------------
+    def _keeping(self) -> bool:
+        return torch.is_grad_enabled() and not self.paused and self._ids is not None
+
+    def _ids_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self._keeping():
+            self._input_ids = kwargs.get("input_ids", args[0] if args else None)
+
+    def _input_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self._keeping():
+            self._calls.append((args, kwargs))
+            h = args[0] if args else kwargs["hidden_states"]
+            self._inputs.append(h.detach())
+
+    def _keeper(self, site: str) -> Any:
+        def hook(module: Any, args: tuple, output: Any) -> None:
+            if self._keeping():
+                out = output[0] if isinstance(output, tuple) else output
+                self._acts[site].append(out.detach())
+
+        return hook
+
+    # capture -----------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self._input_ids = None
+        self._calls: list[Call] = []
+        self._inputs: list[torch.Tensor] = []
+        self._acts: dict[str, list[torch.Tensor]] = {s: [] for s in ("block", "attn", "mlp")}
+        self._rows: list[IgradRows] | None = None
+
+    def batch(self, ids: Sequence[int] | None, lengths: Sequence[int]) -> None:
+        self._ids, self._lengths = ids, list(lengths)
+
+    def backward(self, output: Any) -> None:
+        if self._ids is None:  # a probe pass: nothing of it is stored
+            return
+        if self._input_ids is None or not self._calls:
+            raise DecompositionError("--igrad: no forward pass was captured")
+        with self.pausing():
+            self._rows = self._integrate(list(self._ids))
+        self._calls, self._inputs = [], []
+        self._acts = {s: [] for s in self._acts}
+
+    def result(self) -> Sequence[IgradRows | None]:
+        if self._ids is None:
+            return [None] * len(self._lengths)
+        if self._rows is None:
+            raise DecompositionError("--igrad: no gradient pass ran")
+        return self._rows
+
+    # integrated gradients ------------------------------------------------------------------------
+    def _integrate(self, docs: list[int]) -> list[IgradRows]:
+        """Every document's :class:`IgradRows` from the states the hooks kept."""
+        assert self._input_ids is not None
+        ids = self._input_ids
+        batch, width = ids.shape
+        blocks = len(self.removal.blocks)
+        n_tokens = self._lengths
+        # per row: the answer-predicting positions j - 1 (j = max(s, 1)..T-1, in the padded row)
+        # and the answer's tokens x_j; a choice task: the last prompt token and the gold option
+        targets = []
+        for b, (doc, n) in enumerate(zip(docs, n_tokens, strict=True)):
+            if self.options is not None:
+                last = torch.tensor([width - 1], device=ids.device)
+                targets.append((last, torch.tensor([self.gold[doc]], device=ids.device)))
+                continue
+            offset, start = width - n, max(self.answers[doc][0], 1)
+            j = torch.arange(offset + start, width, device=ids.device)
+            targets.append((j - 1, ids[b, j]))
+        attribution = torch.zeros(len(self.sites), blocks, batch, width)
+        ends = torch.zeros(2, len(self.sites), blocks, batch)
+        answered = [b for b in range(batch) if len(targets[b][0])]
+        if answered:
+            dtype = self._inputs[0].dtype
+            for i, site in enumerate(self.sites):
+                for layer in range(blocks):
+                    ig, f = self._site(site, layer, answered, targets, dtype)
+                    attribution[i, layer, answered] = ig.cpu()
+                    ends[:, i, layer][:, answered] = f.cpu()
+        return [
+            IgradRows(
+                self.sites,
+                attribution[:, :, b, width - n :].numpy(),
+                ends[1, :, :, b].numpy(),
+                ends[0, :, :, b].numpy(),
+            )
+            for b, n in enumerate(n_tokens)
+        ]
+
+    def _slice_rows(self, width: int, runs: int) -> int:
+        """Path points per slice, at most what an earlier slice ran out of memory at
+        (:attr:`_cap`): on an accelerator, its token budget (from its free memory) over the
+        tokens whose activations the backward pass keeps (``runs`` blocks from the site, and the
+        input); on the CPU, whose budget is a forward pass's batch rather than a memory estimate,
+        that batch per block (larger products run faster there; the graph then holds that many
+        tokens' activations in every block run)."""
+        x = self._inputs[0]
+        budget = token_budget(x.device, self.model.config, x.dtype)
+        per_block = budget if x.device.type == "cpu" else budget // (runs + 1)
+        return max(1, min(per_block // width, self._cap))
+
+    def _site(
+        self,
+        site: str,
+        layer: int,
+        answered: list[int],
+        targets: list[tuple[torch.Tensor, torch.Tensor]],
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """IG (r, width) and (f(b), f(x)) (2, r) of the batch rows ``answered`` for ``site`` of
+        block ``layer``."""
+        x = self._acts[site][layer].float()
+        batch, width, _ = x.shape
+        own = torch.zeros(batch, width, 1, device=x.device)
+        for row, n in enumerate(self._lengths):
+            own[row, width - n :] = 1
+        # baseline b: the mean of x over the document's own positions; padding keeps x
+        base = (x * own).sum(1, keepdim=True) / own.sum(1, keepdim=True)
+        diff = (x - base) * own
+        start = x - diff
+        grads = torch.zeros(batch, width, x.shape[-1], device=x.device)
+        f = torch.zeros(2, batch, device=x.device)
+        steps = self.steps
+        # (row, alpha): alpha_k = k/m, k = 0..m-1 (the left Riemann sum), then alpha = 1 (f(x))
+        points = [(b, k) for b in answered for k in range(steps + 1)]
+        runs = len(self.removal.blocks) - layer - (site == "block")
+        lo, rows = 0, self._slice_rows(width, runs)
+        while lo < len(points):
+            part = points[lo : lo + rows]
+            b = torch.tensor([p[0] for p in part], device=x.device)
+            k = torch.tensor([p[1] for p in part], device=x.device)
+            alpha = (k.float() / steps)[:, None, None]
+            z = (start.index_select(0, b) + alpha * diff.index_select(0, b)).requires_grad_()
+            try:
+                value = self._target(site, layer, z, b, targets, batch, dtype)
+                (grad,) = torch.autograd.grad(value.sum(), z)
+            except torch.OutOfMemoryError:
+                if rows == 1:
+                    raise
+                torch.cuda.empty_cache()
+                rows = self._cap = rows // 2  # kept for the later slices and batches
+                continue
+            lo += len(part)
+            inner = k < steps
+            grads.index_add_(0, b[inner], grad[inner])
+            for end, at in ((0, 0), (1, steps)):
+                hit = k == at
+                f[end].index_put_((b[hit],), value.detach()[hit])
+        # IG(l, t) = sum_d (x - b)[t, d] (1/m) sum_k df/dx[t, d] at x(alpha_k)
+        ig = (diff * grads).sum(-1) / steps
+        rows_of = torch.tensor(answered, device=x.device)
+        return ig.index_select(0, rows_of), f.index_select(1, rows_of)
+
+    def _target(
+        self,
+        site: str,
+        layer: int,
+        z: torch.Tensor,
+        b: torch.Tensor,
+        targets: list[tuple[torch.Tensor, torch.Tensor]],
+        batch: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """f per path point (r,): the sum over the answer's tokens j of softmax(z_(j-1))[x_j]
+        (a choice task: the gold option's probability under the softmax over the option logits
+        at the last prompt token),
+        the model run on from ``site`` of block ``layer`` with its activation ``z`` (r, W, d)
+        (rows of batch rows ``b``)."""
+        calls = _expand(self._calls, b, batch, {})
+        if site == "block":
+            final = self.removal.last(z.to(dtype), calls, layer + 1)
+        else:
+
+            def replace(module: Any, args: tuple, output: Any) -> Any:
+                handle.remove()  # block ``layer``'s call only (a shared block runs again)
+                if isinstance(output, tuple):
+                    return (z.to(output[0].dtype), *output[1:])
+                return z.to(output.dtype)
+
+            handle = self.removal.parts[site][layer].register_forward_hook(replace)
+            try:
+                final = self.removal.last(self._inputs[layer].index_select(0, b), calls, layer)
+            finally:
+                handle.remove()
+        row, pos, token = [], [], []
+        for i, r in enumerate(b.tolist()):
+            p, x = targets[r]
+            row.append(torch.full_like(p, i))
+            pos.append(p)
+            token.append(x)
+        at, where, tok = torch.cat(row), torch.cat(pos), torch.cat(token)
+        logits = self.readout.logits(final[at, where])
+        if self.options is not None:  # a choice task: the softmax over the option logits
+            logits = logits[:, self.options.to(logits.device)]
+        prob = (logits.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).exp()
+        return torch.zeros(len(b), device=prob.device).index_add(0, at, prob)
