@@ -46,9 +46,8 @@ def plan_erase(plan: Planning) -> list[tuple[int, int]]:
     """Refuse a task without an answer and a reference of fewer than 1 or more documents than
     the run takes; per document, its answer's start s and length A (methods §10)."""
     spec, count = plan.task, int(plan.settings["erase_reference"])
-    spans = answer_spans(
-        plan, "--erase measures the change of the answer's predictions (methods §14)", "drop --erase"
-    )
+    why = "--erase measures the change of the answer's predictions (methods §14)"
+    spans = answer_spans(plan, why, "drop --erase")
     if not 1 <= count <= len(plan.items):
         raise EraseError(
             f"task {spec.name}: --erase-reference {count} asks for the reference means of its "
