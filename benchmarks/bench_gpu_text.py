@@ -47,6 +47,13 @@ alone, each timed right after the extraction without it over the same documents.
 QUICK_STEPS = 4
 
 
+def smaller(options: dict[str, Any], steps: int, docs: int) -> dict[str, Any]:
+    """``options`` with at most ``steps`` integration steps and a reference of at most ``docs``
+    documents (a warm-up's, ``--quick``'s)."""
+    caps = {"igrad_steps": steps, "erase_reference": docs}
+    return {k: min(v, caps[k]) if k in caps else v for k, v in options.items()}
+
+
 def run(
     loaded: Any, adapter: Any, options: dict[str, Any], docs: int, store: Path
 ) -> tuple[float, list[int]]:
@@ -73,12 +80,13 @@ def declared_flops(config: Any, options: dict[str, Any], lengths: list[int]) -> 
     """The FLOPs the measurements of ``options`` declare over documents of ``lengths`` tokens."""
     from layerdiv.extract.config import measurement_options
     from layerdiv.extract.cost import Shape
-    from layerdiv.measurements import measurement_of
+    from layerdiv.measurements import registered
 
     shape = Shape.from_config(config)
     total = 0.0
+    by_name = {m.name: m for m in registered()}
     for name, settings in measurement_options(options).items():
-        m = measurement_of(name)
+        m = by_name[name]
         full = {**m.defaults(), **{k: v for k, v in settings.items() if v is not None}}
         total += sum(m.flops(shape, "text", n, full) for n in lengths)
     return total
@@ -121,12 +129,10 @@ def main() -> None:
         print(f"== {name}: {n_params / 1e9:.3g}B parameters, {dtype}, {device}")
         runs = dict(RUNS)
         if quick:
-            runs = {k: ({**o, "igrad_steps": QUICK_STEPS} if "igrad_steps" in o else o, 2)
-                    for k, (o, _) in runs.items()}  # fmt: skip
+            runs = {k: (smaller(o, QUICK_STEPS, 2), 2) for k, (o, _) in runs.items()}
         loads = [os.getloadavg()[0]]
         for i, (options, _) in enumerate(runs.values()):  # warm-up: kernels, allocator
-            warm = {**options, "igrad_steps": 2} if "igrad_steps" in options else options
-            run(loaded, adapter, warm, 1, tmp / f"warm-{i}")
+            run(loaded, adapter, smaller(options, 2, 1), 1, tmp / f"warm-{i}")
         rows = []
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
