@@ -20,9 +20,10 @@ from layerdiv.measurements import for_kind
 CPU_FLOPS = 226.8e9 / 1.35
 """FLOP rate of a plain forward on 2 CPU cores: SmolLM2-135M in fp32, 226.8 GFLOP in 1.35 s wall
 (docs/benchmarks.md, running-text extraction cost)."""
-GPU_FLOPS = 422e12
-"""Useful FLOP rate of an extraction on one H100 in bf16: Llama-3.1-8B at the paper's prompt
-lengths, 422 TFLOP/s (``docs/benchmarks/bench_gpu.json``, which a test keeps it equal to)."""
+GPU_FLOPS = 425e12
+"""Useful FLOP rate of an extraction on one GPU in bf16: Llama-3.1-8B at the paper's prompt
+lengths (``docs/benchmarks/bench_gpu.json``, which a test keeps it equal to; an H200 there, an
+H100 before, within 1% of each other: the work is compute-bound)."""
 LONG_RUN = 600.0
 """Seconds above which ``extract`` prints its estimate before it starts."""
 
@@ -148,7 +149,7 @@ def estimate_line(total: float, device: str) -> str | None:
     one."""
     if total <= LONG_RUN:
         return None
-    where = "2 CPU cores" if device == "cpu" else "an H100 GPU"
+    where = "2 CPU cores" if device == "cpu" else "an H100 or H200 GPU"
     return (
         f"Estimated extraction time: about {total / 60:.0f} min (FLOPs from the model's shape "
         f"at the rate measured on {where}, docs/benchmarks.md); the progress bar shows the "
@@ -172,8 +173,8 @@ def costed(kind: str) -> list[tuple[str, Measures]]:
 def cost_rows(shape: Shape, tokens: dict[str, int]) -> list[list[str]]:
     """The docs' cost table: per task kind and measurement (:func:`costed`), the forward passes
     over a sequence of ``tokens[kind]`` tokens, the CPU seconds per 1,000 tokens and the GPU
-    milliseconds per 1,000 tokens (at the H100 rate of :data:`GPU_FLOPS`, measured on an 8B
-    model: a small model keeps an H100 less busy, so take it as a lower bound)."""
+    milliseconds per 1,000 tokens (at the rate of :data:`GPU_FLOPS`, measured on an 8B
+    model: a small model keeps the GPU less busy, so take it as a lower bound)."""
     rows = []
     for kind, n in tokens.items():
         for label, measures in costed(kind):

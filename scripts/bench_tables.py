@@ -64,6 +64,9 @@ def provenance(result: dict[str, Any]) -> str:
 
 
 def cell(value: Any, fmt: str) -> str:
+    """One figure in its format; a missing one (None: not defined for that row) as a dash."""
+    if value is None:
+        return "–"
     return format(value, fmt) if isinstance(value, (int, float)) else str(value)
 
 
