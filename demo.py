@@ -130,6 +130,15 @@ STATES_DOCS, STATES_TOKENS = 100, 80
 """Documents of :data:`STATES_TASK` and the tokens each is cut to (every article has more):
 100 x 79 stored positions, of which the training documents' (doc % 5 != 4, 80 x 79) are more
 than 10 x SmolLM2's width d = 576, so that no map is flagged ``few_rows``."""
+MULTIHOP_TASK = "multihop"
+"""The demo's running-text task with an answer: the handwritten multi-hop questions of
+``tests/data/multihop`` (the form of the built-in ``mquake`` task), extracted with ``--igrad``
+and ``--erase`` on its first :data:`MULTIHOP_DOCS` documents."""
+MULTIHOP_DOCS, MULTIHOP_STEPS = 2, 8
+"""Documents the attribution maps are extracted for, and their integration steps M (the
+authors' 256 would take over an hour here; the report says where M is too small)."""
+MULTIHOP_DATA = Path(__file__).parent / "tests" / "data" / "multihop"
+"""Where the multi-hop questions and their task are (package data)."""
 SIBLING = "smollm2-15-blocks"
 """The folder (in the demo's) of SmolLM2 with every other block removed
 (``layerdiv.extract.models.save_every_other_block``): a real, damaged 15-block model."""
@@ -176,8 +185,9 @@ def states_task_spec(folder: Path, seed: int, texts: dict[Path, str]) -> Path:
 def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None) -> list[Path]:
     """Write each demo task as ``<name>.yaml`` + ``<name>.jsonl`` in ``folder`` (balanced
     classes, ``n`` instances, shuffled with ``seed``), :data:`SKIPS_TASK` and the running-text
-    tasks :data:`TEXT_TASK` and :data:`STATES_TASK`; returns the YAML paths. Refuses (before
-    writing) to change tasks that the demo ``store`` holds an extraction of."""
+    tasks :data:`TEXT_TASK`, :data:`STATES_TASK` and :data:`MULTIHOP_TASK`; returns the YAML
+    paths. Refuses (before writing) to change tasks that the demo ``store`` holds an extraction
+    of."""
     paths = []
     texts: dict[Path, str] = {}
     cache: dict[Callable[[], list[dict[str, str]]], list[dict[str, str]]] = {}
@@ -216,6 +226,9 @@ def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None)
             paths.append(path)
     paths.append(text_task_spec(folder, seed, texts))
     paths.append(states_task_spec(folder, seed, texts))
+    for name in (f"{MULTIHOP_TASK}.yaml", "questions.jsonl"):
+        texts[folder / name] = (MULTIHOP_DATA / name).read_text()
+    paths.append(folder / f"{MULTIHOP_TASK}.yaml")
     changed = [p for p, text in texts.items() if p.exists() and p.read_text() != text]
     if store is not None and store.exists() and changed:
         raise DemoDataError(
@@ -260,6 +273,10 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     gram_heads = measurement_options({"gram": True, "heads": True})
     lens_skips = measurement_options({"skips": True, "lens": "final"})
     sinks = measurement_options({"sinks": True})
+    attribution = measurement_options(
+        {"igrad": True, "igrad_sites": ("block", "attn"), "igrad_steps": MULTIHOP_STEPS,
+         "erase": True, "erase_reference": MULTIHOP_DOCS}
+    )  # fmt: skip
     for config in (
         ExtractConfig(DEMO_MODEL, choice, store, measures=gram_heads),
         ExtractConfig(
@@ -271,6 +288,13 @@ def run_demo(out: Path, n: int, seed: int) -> None:
         ExtractConfig(DEMO_MODEL, [by_name[TEXT_TASK]], store, measures={**lens_skips, **sinks}),
         ExtractConfig(DEMO_MODEL, [by_name[STATES_TASK]], store, measures=states),
         ExtractConfig(str(sibling), [by_name[STATES_TASK]], store, measures=states),
+        ExtractConfig(
+            DEMO_MODEL,
+            [by_name[MULTIHOP_TASK]],
+            store,
+            limit=MULTIHOP_DOCS,
+            measures={**attribution, **lens_skips, **sinks},
+        ),
     ):
         for s in run_extract(config):
             print(f"{s.task}: {s.n_done}/{s.n_requested} stored ({s.n_new} new)")
