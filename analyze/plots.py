@@ -300,7 +300,7 @@ def _mpl_heatmap(fig: Any, ax: Any, heat: Heatmap) -> None:
             fontsize=8,
             **(
                 {"rotation": 45, "ha": "right"}
-                if axis == 0 and step == 1 and any(len(str(v)) > 3 for v in labels)
+                if axis == 0 and any(len(str(v)) > 3 for v in labels[::step])
                 else {}
             ),
         )

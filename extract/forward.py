@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -311,10 +311,12 @@ def text_tables(
     truncated: list[bool],
     groups: list[str | None],
     answer_starts: list[int] | None = None,
+    spell: Callable[[list[int]], list[str]] | None = None,
 ) -> dict[str, pa.Table]:
     """The ``tokens``, ``token_blocks`` and ``documents`` tables of documents ``ids``
     (ascending; ``seqs``, ``truncated``, ``groups`` and ``answer_starts``, None for a task
-    without an answer, are indexed by document), each found in
+    without an answer, are indexed by document; ``spell``: token ids -> the tokens as the
+    vocabulary spells them), each found in
     ``results`` as (its batch, its row there), and the tables of the measurements the batches
     hold (:func:`measured_tables`)."""
     n_tokens = [len(seqs[i]) for i in ids]
@@ -325,6 +327,7 @@ def text_tables(
             ids,
             [seqs[i] for i in ids],
             np.concatenate([results[i][0].document_loss(results[i][1], len(seqs[i])) for i in ids]),
+            None if spell is None else [spell(seqs[i]) for i in ids],
         ),
         "token_blocks": token_blocks_table(ids, n_tokens, dots),
         "documents": documents_table(

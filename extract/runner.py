@@ -135,16 +135,17 @@ class _BatchWork:
 
 
 def _batch_work(
-    plan: TaskPlan, seqs: list[list[int]], truncated: list[bool], tol: float
+    plan: TaskPlan, seqs: list[list[int]], truncated: list[bool], tol: float, tokenizer: Any
 ) -> _BatchWork:
     spec, items = plan.spec, plan.items
     if spec.kind == "text":
         groups, starts = [it.group for it in items], plan.answer_starts
+        spell = tokenizer.convert_ids_to_tokens
         return _BatchWork(
             lambda b, ids: check_text_batch(b, ids, [len(seqs[i]) for i in ids], spec.name),
-            lambda r, res: text_tables(r, res, seqs, truncated, groups, starts),
+            lambda r, res: text_tables(r, res, seqs, truncated, groups, starts, spell),
             lambda res: (0, 0.0),
-            lambda r, res: text_tables(r, res, seqs, truncated, groups, starts),
+            lambda r, res: text_tables(r, res, seqs, truncated, groups, starts, spell),
         )
     gold, prompts = [it.gold for it in items], [it.prompt for it in items]
 
@@ -203,7 +204,8 @@ def extract_task(
         seqs, truncated = tokenize(loaded.tokenizer, [it.prompt for it in plan.items],
                                    loaded.context_length)  # fmt: skip
     tol = SUM_TOLERANCE[loaded.dtype]
-    task = _Task(plan, cfg, seqs, truncated, _batch_work(plan, seqs, truncated, tol),
+    work = _batch_work(plan, seqs, truncated, tol, loaded.tokenizer)
+    task = _Task(plan, cfg, seqs, truncated, work,
                  notes=list(plan.notes))  # fmt: skip
     kind, tables = plan.spec.kind, plan.extra_tables
     readout = any(kind in m.readout for m in _measurements_of(kind, tables))

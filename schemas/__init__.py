@@ -45,7 +45,8 @@ History:
 - 6: ``token_lens`` and ``lens`` gain ``final_rank`` (the rank of the model's own top-1 token
   under p_l, methods §16) and ``top1`` (p_l's own top-1 token); null in stores of version 5 and
   older.
-- 7: optional tables ``igrad`` and ``igrad_ends`` (``extract --igrad``: integrated gradients per
+- 7: ``tokens`` gains ``piece`` (the token as the vocabulary spells it); optional tables
+  ``igrad`` and ``igrad_ends`` (``extract --igrad``: integrated gradients per
   block and position, methods §13), ``erasure`` (``extract --erase``: residual erasure, methods
   §14; with ``erasure_reference``, its reference means mu_l, stored once per partition beside
   the manifest, :data:`WHOLE_TABLES`, their fingerprint in the settings) and ``sinks``
@@ -294,7 +295,9 @@ _TOKEN_FIELDS_V4 = [
     pa.field("token", pa.int32(), nullable=False),
 ]
 
-TOKENS = _schema("tokens", [*_TOKEN_FIELDS_V4, pa.field("loss", pa.float32(), nullable=True)])
+_TOKEN_FIELDS_V5 = [*_TOKEN_FIELDS_V4, pa.field("loss", pa.float32(), nullable=True)]
+
+TOKENS = _schema("tokens", [*_TOKEN_FIELDS_V5, pa.field("piece", pa.string(), nullable=True)])
 """Text tasks: one row per (doc, pos).
 
 - ``doc``: as in :data:`DOCUMENTS`.
@@ -303,6 +306,9 @@ TOKENS = _schema("tokens", [*_TOKEN_FIELDS_V4, pa.field("loss", pa.float32(), nu
 - ``loss`` (version 5): the model's own next-token cross-entropy -log p_L(token at pos + 1) in
   nats, from its output distribution (methods §12, the loss of the depth law); null at
   the document's last position (and in stores of version 4).
+- ``piece`` (version 7): the token as the tokenizer's vocabulary spells it
+  (``convert_ids_to_tokens``: a byte-level BPE writes a leading space as ``Ġ``), for the axes of
+  the per-token figures; null in stores of version 6 and older.
 """
 
 _TOKEN_BLOCK_FIELDS_V4 = [
@@ -679,6 +685,7 @@ _TABLES_V6 = {
         if t not in ("igrad", "igrad_ends", "erasure", "erasure_reference", "sinks")
     },
     "documents": _schema("documents", _DOCUMENT_FIELDS_V4, version=6),
+    "tokens": _schema("tokens", _TOKEN_FIELDS_V5, version=6),
 }
 
 _TABLES_V5 = {

@@ -135,19 +135,25 @@ def documents_table(
 
 
 def tokens_table(
-    docs: Sequence[int], tokens: Sequence[Sequence[int]], loss: np.ndarray | None = None
+    docs: Sequence[int],
+    tokens: Sequence[Sequence[int]],
+    loss: np.ndarray | None = None,
+    pieces: Sequence[Sequence[str]] | None = None,
 ) -> pa.Table:
     """Rows (doc, pos) of :data:`~layerdiv.schemas.TOKENS`: ``tokens[i]`` the ids of ``docs[i]``;
     ``loss`` (sum of the lengths) the model's next-token cross-entropy per token, NaN (stored as
-    null) at each document's last position; None: null everywhere."""
+    null) at each document's last position; None: null everywhere; ``pieces[i]`` the tokens of
+    ``docs[i]`` as the vocabulary spells them (None: null)."""
     doc, pos = token_key(docs, [len(t) for t in tokens])
     ids = np.concatenate([np.asarray(t, np.int32) for t in tokens]) if tokens else np.zeros(0)
+    spelled = [p for doc_pieces in pieces for p in doc_pieces] if pieces else [None] * len(doc)
     return pa.table(
         {
             "doc": pa.array(doc),
             "pos": pa.array(pos),
             "token": pa.array(ids.astype(np.int32)),
             "loss": _floats(np.full(len(doc), np.nan) if loss is None else loss, nullable=True),
+            "piece": pa.array(spelled, pa.string()),
         },
         schema=TOKENS,
     )

@@ -382,3 +382,14 @@ def test_the_number_of_documents_mapped_is_an_option(
     assert "figures/igrad_share.png" in text and "igrad_maps.png" not in text
     with pytest.raises(LayerdivError, match="attribution_documents=-1: give a number"):
         analyze(root, options={"attribution_documents": -1})
+
+
+def test_token_labels_spell_the_vocabulary() -> None:
+    """A map's axis shows each token as the vocabulary spells it (its space mark drawn as a
+    visible space), or its id where the store has no spelling."""
+    from layerdiv.analyze.analyses.attribution import token_labels
+
+    tokens = pl.DataFrame(
+        {"pos": [0, 1, 2, 3], "token": [5, 6, 7, 8], "piece": ["Hello", "Ġworld", "Ċ", None]}
+    )
+    assert token_labels(tokens) == ["0:Hello", "1:␣world", "2:\\n", "3:8"]

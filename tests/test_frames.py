@@ -41,7 +41,7 @@ sum_v p(v) (log p(v) - log p_L(v)) is a small difference of log-probabilities, w
 cross-entropy column measures."""
 
 ADDED = {
-    "tokens": {"loss"},
+    "tokens": {"loss", "piece"},
     "future_effects": {"mode"},
     "token_blocks": {"h_embed"},
     "token_lens": {"final_rank", "top1"},
@@ -50,7 +50,7 @@ ADDED = {
 }
 """Columns added since the frames were recorded (schema version 5: the model's own loss, the
 future effects' mode, h_l . h_0 of the progress proj; version 6: the lens's rank of the model's
-own top-1 token and its own top-1 token; version 7: the answer's start)."""
+own top-1 token and its own top-1 token; version 7: the answer's start, the tokens' spelling)."""
 
 
 def _task(kind: str, folder: Path, make_task: Any) -> Path:

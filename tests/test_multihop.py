@@ -163,6 +163,9 @@ def test_answer_splits_match_the_float64_reference(
             - len(tokenizer(a, add_special_tokens=False)["input_ids"])
             for d, a in documents(True)[:12]]  # fmt: skip
     assert stored_starts.to_list() == want
+    # tokens.piece: each token as the vocabulary spells it
+    tokens = Store(store).scan("tokens").filter(pl.col("doc") == 0).collect().sort("pos")
+    assert tokens["piece"].to_list() == tokenizer.convert_ids_to_tokens(tokens["token"].to_list())
     model = build_model("llama").to(torch.float64)
     assert check_answer_splits(store, model, tokenizer, rule, ["total"]) >= 12
 
@@ -228,7 +231,7 @@ def test_a_version_4_store_reads_mode_as_total_and_proj_as_null(
                   "--skips")  # fmt: skip
     assert out.exit_code == 0, out.output
     want = Store(store).scan("future_effects").collect()
-    dropped = {"future_effects": ["mode"], "tokens": ["loss"], "token_blocks": ["h_embed"],
+    dropped = {"future_effects": ["mode"], "tokens": ["loss", "piece"], "token_blocks": ["h_embed"],
                "documents": ["answer_start"]}  # fmt: skip
     for table in ("future_effects", "future_output", "tokens", "token_blocks", "documents"):
         for part in store.glob(f"{table}/**/*.parquet"):  # as version 4 wrote them

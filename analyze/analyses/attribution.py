@@ -137,20 +137,30 @@ def first_documents(info: PartitionInfo, table: str, count: int) -> list[int]:
 
 
 def document_tokens(info: PartitionInfo, docs: Sequence[int]) -> pl.DataFrame:
-    """The ``doc``, ``pos`` and ``token`` id of every token of ``docs`` (the store keeps ids,
-    not their text)."""
+    """The ``doc``, ``pos``, ``token`` id and ``piece`` (the token as the vocabulary spells it;
+    null in stores of schema version 6 and older) of every token of ``docs``."""
     return (
         info.scan("tokens")
         .filter(pl.col("doc").is_in(list(docs)))
-        .select("doc", "pos", "token")
+        .select("doc", "pos", "token", "piece")
         .sort("doc", "pos")
         .collect()
     )
 
 
+SPELLING = {"Ġ": "␣", "Ċ": "\\n"}
+"""How a byte-level vocabulary's space and newline marks are drawn on a map's axis."""
+
+
 def token_labels(tokens: pl.DataFrame) -> list[str]:
-    """The axis label of each token of one document: ``<position>:<token id>``."""
-    return [f"{p}:{t}" for p, t in zip(tokens["pos"], tokens["token"], strict=True)]
+    """The axis label of each token of one document: ``<position>:<token>`` as the vocabulary
+    spells it (:data:`SPELLING` for its space and newline marks), ``<position>:<token id>``
+    where the store has no spelling (schema version 6 and older)."""
+    labels = []
+    for p, t, piece in zip(tokens["pos"], tokens["token"], tokens["piece"], strict=True):
+        shown = str(t) if piece is None else "".join(SPELLING.get(c, c) for c in piece)
+        labels.append(f"{p}:{shown}")
+    return labels
 
 
 def map_figure(
@@ -235,4 +245,4 @@ def map_panel(
             plots.RefLine(start - 0.5, axis="x", label="answer starts", dash="dot", color="black")
         ]
     )
-    return plots.Panel(title, heatmap=heat, xlabel="position:token id", ylabel=ylabel, lines=lines)
+    return plots.Panel(title, heatmap=heat, xlabel="position:token", ylabel=ylabel, lines=lines)
