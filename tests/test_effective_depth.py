@@ -109,3 +109,31 @@ def test_report_draws_the_figure(store: Path, tmp_path: Path) -> None:
     text = (tmp_path / "report" / "report.md").read_text()
     assert "## Running text: effective depth" in text
     assert (tmp_path / "report" / "figures" / "effective_depth.png").is_file()
+
+
+def test_a_store_of_several_revisions_draws_effective_depth_against_step(tmp_path: Path) -> None:
+    """Three revisions of one model with their training steps: one row per (revision, measure)
+    with its step, and the report's figure against the step; one revision alone draws none."""
+    import dataclasses
+
+    from layerdiv.analyze.report import write_report
+    from layerdiv.analyze.synthetic import text_chunk, text_manifest, write_text_partition
+
+    root = tmp_path / "store"
+    steps = {"step-1000": 1000, "step-2000": 2000, "step-4000": 4000}
+    for i, (revision, step) in enumerate(steps.items()):
+        manifest = text_manifest("synth/ckpt", "fineweb", 6, BLOCKS, 12, 3, True, False)
+        manifest = dataclasses.replace(manifest, revision=revision, step=step)
+        rng = np.random.default_rng(i)
+        chunks = ((s, 3, text_chunk(rng, range(s, s + 3), 12, BLOCKS, lens=True)) for s in (0, 3))
+        write_text_partition(root, manifest, chunks)
+    results = analyze(root)
+    table = results["effective_depth"]
+    by_revision = dict(zip(table["revision"], table["step"], strict=False))
+    assert by_revision == steps and table.height == 3 * 3
+    write_report(results, tmp_path / "report", "paper", str(root), "md")
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert "figures/effective_depth_steps.png" in text
+    assert (tmp_path / "report" / "figures" / "effective_depth_steps.png").is_file()
+    assert effective_depth.several_steps(table)
+    assert not effective_depth.several_steps(table.filter(pl.col("revision") == "step-1000"))
