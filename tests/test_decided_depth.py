@@ -5,6 +5,7 @@ SmolLM2 on one short document); stores of schema version 5 (without them) still 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -158,10 +159,18 @@ def test_smollm2_final_rank_matches_a_float64_hook_computation(tmp_path: Path) -
 
 def as_version_5(store: Path) -> None:
     """Rewrite ``store`` as schema version 5 wrote it: the lens parts without ``final_rank`` and
-    ``top1``, the manifests at version 5."""
-    for part in store.glob("token_lens/**/*.parquet"):
-        table = pq.read_table(part)
-        pq.write_table(table.drop_columns(["final_rank", "top1"]), part)
+    ``top1``, the tokens without ``piece``, the documents without ``answer_start`` (version 7),
+    no table version 5 did not have, the manifests at version 5."""
+    from layerdiv.schemas import tables_of
+
+    later = {"token_lens": ["final_rank", "top1"], "tokens": ["piece"],
+             "documents": ["answer_start"]}  # fmt: skip
+    for table, columns in later.items():
+        for part in store.glob(f"{table}/**/*.parquet"):
+            pq.write_table(pq.read_table(part).drop_columns(columns), part)
+    for folder in store.iterdir():
+        if folder.name != "manifests" and folder.name not in tables_of(5):
+            shutil.rmtree(folder)
     for path in store.glob("manifests/**/manifest.json"):
         data = json.loads(path.read_text())
         data["schema_version"] = 5

@@ -141,7 +141,10 @@ def to_version_4(root: Path) -> None:
         path.write_text(json.dumps(data))
     old = tables_of(4)["tokens"]
     for part in root.glob("tokens/model=*/task=*/*.parquet"):
-        pq.write_table(pq.read_table(part).drop(["loss"]).cast(old), part)
+        pq.write_table(pq.read_table(part).drop(["loss", "piece"]).cast(old), part)
+    for part in root.glob("documents/model=*/task=*/*.parquet"):  # nor answer_start (version 7)
+        table = pq.read_table(part).drop(["answer_start"])
+        pq.write_table(table.cast(tables_of(4)["documents"]), part)
     for part in root.glob("token_blocks/model=*/task=*/*.parquet"):  # nor h_embed
         table = pq.read_table(part).drop(["h_embed"])
         pq.write_table(table.cast(tables_of(4)["token_blocks"]), part)
