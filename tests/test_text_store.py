@@ -438,3 +438,34 @@ def test_future_effects_rows_out_of_order_but_unique_are_read(text_store: Path) 
     before = analyze(text_store).by_name["text_skips"]
     rewrite(part, lambda t: t.take(list(reversed(range(t.num_rows)))))
     assert analyze(text_store).by_name["text_skips"].equals(before)
+
+
+def test_a_version_6_store_reads_with_the_answer_start_and_pieces_null(tmp_path: Path) -> None:
+    """A store as version 6 wrote it (documents without ``answer_start``, tokens without
+    ``piece``, none of version 7's tables) opens, reads those columns as null and is analysed."""
+    import shutil
+
+    from layerdiv.analyze.synthetic import synthesize_text_store
+    from layerdiv.schemas import tables_of
+
+    store = tmp_path / "store"
+    synthesize_text_store(store, n_models=1, n_docs=4, n_tokens=8, blocks=3, chunk=2,
+                          lens=True, progress=False)  # fmt: skip
+    for table, column in (("documents", "answer_start"), ("tokens", "piece")):
+        for part in store.glob(f"{table}/**/*.parquet"):
+            pq.write_table(pq.read_table(part).drop_columns([column]), part)
+    for folder in store.iterdir():
+        if folder.name != "manifests" and folder.name not in tables_of(6):
+            shutil.rmtree(folder)
+    for path in store.glob("manifests/**/manifest.json"):
+        data = json.loads(path.read_text())
+        data["schema_version"] = 6
+        path.write_text(json.dumps(data))
+    st = Store(store)
+    (info,) = st.partitions
+    assert info.manifest.schema_version == 6
+    documents = st.scan("documents").collect()
+    tokens = st.scan("tokens").collect()
+    assert documents.height == 4 and documents["answer_start"].null_count() == 4
+    assert tokens.height == 4 * 8 and tokens["piece"].null_count() == tokens.height
+    assert "text_geometry" in analyze(store).names()
