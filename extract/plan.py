@@ -23,8 +23,7 @@ from layerdiv.extract.tasks import (
     load_task,
     option_token_ids,
 )
-from layerdiv.measurements import Planning, for_kind, registered
-from layerdiv.measurements.future import answer_start
+from layerdiv.measurements import AnswerSpan, Planning, answer_spans, for_kind, registered
 from layerdiv.measurements.registry import as_json
 from layerdiv.store.manifest import read_manifest
 from layerdiv.store.writer import PartitionWriter
@@ -46,9 +45,10 @@ class TaskPlan:
     documents: tuple[list[list[int]], list[bool]] | None = None
     """Text tasks: the token ids of every document and whether it was cut (known before the
     weights load, so that a document without tokens is refused before anything is written)."""
-    answer_starts: list[int] | None = None
-    """Text tasks with an answer: each document's answer start s (methods §10,
-    ``layerdiv.measurements.future.answer_start``); None without an answer."""
+    answers: list[AnswerSpan] | None = None
+    """Text tasks with an answer: each document's answer span (methods §10,
+    ``layerdiv.measurements.answer_spans``), computed once and given to every measurement's
+    check of the plan; None without an answer."""
     measures: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The settings of each measurement that this run writes (:func:`_measure_settings`)."""
     planned: dict[str, Any] = field(default_factory=dict)
@@ -83,16 +83,14 @@ def plan_task(
                 f"task {spec.name}: document {empty[0]} tokenizes to no tokens (empty text); "
                 "fix the data or the task's text template, or filter such rows out"
             )
-        starts = None
-        if spec.answer is not None:
-            starts = [answer_start(tokenizer, it.prompt, it.answer or "")[0] for it in items]
-        plan = TaskPlan(spec, items, [], sha, writer, tables, argument, documents, starts, measures)
+        spans = None if spec.answer is None else answer_spans(tokenizer, items)
+        plan = TaskPlan(spec, items, [], sha, writer, tables, argument, documents, spans, measures)
     else:
         ids = option_token_ids(spec, tokenizer, items[0].prompt)
         plan = TaskPlan(spec, items, ids, sha, writer, tables, argument, measures=measures)
     for m in registered():
         if m.name in measures:
-            planning = Planning(spec, items, tokenizer, measures[m.name], plan.notes)
+            planning = Planning(spec, items, tokenizer, measures[m.name], plan.notes, plan.answers)
             plan.planned[m.name] = m.check_plan(planning)
     return plan
 

@@ -139,7 +139,8 @@ def _batch_work(
 ) -> _BatchWork:
     spec, items = plan.spec, plan.items
     if spec.kind == "text":
-        groups, starts = [it.group for it in items], plan.answer_starts
+        groups = [it.group for it in items]
+        starts = None if plan.answers is None else [a.start for a in plan.answers]
         spell = tokenizer.convert_ids_to_tokens
         return _BatchWork(
             lambda b, ids: check_text_batch(b, ids, [len(seqs[i]) for i in ids], spec.name),

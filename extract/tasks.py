@@ -105,7 +105,7 @@ class TaskSpec:
     of the row's fields (it contains ``{{``) rendering it."""
     answer: str | None = None
     """Text tasks: Jinja template of the answer; the document is text + answer, the answer's
-    start found as ``layerdiv.measurements.future.answer_start`` does (methods §10)."""
+    start found as ``layerdiv.measurements.answer_spans`` does (methods §10)."""
     base_dir: Path = field(default=Path("."), compare=False)
     """Folder of the YAML file (local data paths are relative to it)."""
 

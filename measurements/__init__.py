@@ -15,6 +15,7 @@ from layerdiv.measurements import erase  # noqa: F401
 from layerdiv.measurements import sinks  # noqa: F401
 from layerdiv.measurements.registry import (
     ENTRY_POINTS,
+    AnswerSpan,
     Attachment,
     Capture,
     DecompositionCapture,
@@ -27,6 +28,7 @@ from layerdiv.measurements.registry import (
     RowsCapture,
     Setting,
     all_optional_tables,
+    answer_spans,
     for_kind,
     kind_of_table,
     measurement_of,
@@ -41,6 +43,7 @@ from layerdiv.measurements.registry import (
 
 __all__ = [
     "ENTRY_POINTS",
+    "AnswerSpan",
     "Attachment",
     "Capture",
     "DecompositionCapture",
@@ -53,6 +56,7 @@ __all__ = [
     "RowsCapture",
     "Setting",
     "all_optional_tables",
+    "answer_spans",
     "for_kind",
     "kind_of_table",
     "measurement_of",

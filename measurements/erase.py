@@ -19,7 +19,6 @@ import numpy as np
 import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
-from layerdiv.measurements.future import answer_spans
 from layerdiv.measurements.registry import (
     Measurement,
     ModelShape,
@@ -47,7 +46,7 @@ def plan_erase(plan: Planning) -> list[tuple[int, int]]:
     the run takes; per document, its answer's start s and length A (methods §10)."""
     spec, count = plan.task, int(plan.settings["erase_reference"])
     why = "--erase measures the change of the answer's predictions (methods §14)"
-    spans = answer_spans(plan, why, "drop --erase")
+    spans = plan.require_answers(why, "drop --erase")
     if not 1 <= count <= len(plan.items):
         raise EraseError(
             f"task {spec.name}: --erase-reference {count} asks for the reference means of its "

@@ -155,18 +155,6 @@ def future_rows(docs: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Tabl
     )
 
 
-def answer_start(tokenizer: Any, document: str, answer: str) -> tuple[int, bool]:
-    """Where the answer starts in a document (text + answer) as the depth-efficiency paper's
-    code counts it (methods §10): s = T - A, T the document's tokens (special tokens included,
-    before any cut to ``max_tokens``) and A the answer's tokens alone without special tokens; and
-    whether a token merges across the boundary (the document's first s tokens are not the text's
-    own tokens: that token counts as the answer's)."""
-    ids = tokenizer(document)["input_ids"]
-    start = len(ids) - len(tokenizer(answer, add_special_tokens=False)["input_ids"])
-    text = document[: len(document) - len(answer)]
-    return start, tokenizer(text)["input_ids"] != ids[:start]
-
-
 def plan_future(plan: Planning) -> list[tuple[int, int]] | None:
     """The future effects' check of a text task's plan: refuses local effects without the
     total ones or of a sublayer (methods §10 defines them for whole blocks) and random split
@@ -195,12 +183,12 @@ def plan_future(plan: Planning) -> list[tuple[int, int]] | None:
 
 
 def answers(plan: Planning) -> list[tuple[int, int]]:
-    """Per document, its answer's start s = T - A and length A (:func:`answer_spans`); with
+    """Per document, its answer's start s = T - A and length A (``Planning.require_answers``); with
     ``answer:N:S``, refuses an answer of fewer than ``ANSWER_MARGIN + 1`` tokens (no offset below
     A - 4)."""
     split = plan.settings["skip_split"]
-    spans = answer_spans(
-        plan, f"--skip-split {split} anchors the split points at the answer", "--skip-split random"
+    spans = plan.require_answers(
+        f"--skip-split {split} anchors the split points at the answer", "--skip-split random"
     )
     for doc, (_, length) in enumerate(spans):
         if split != "answer" and length <= ANSWER_MARGIN:
@@ -211,33 +199,6 @@ def answers(plan: Planning) -> list[tuple[int, int]]:
                 "short answers out"
             )
     return spans
-
-
-def answer_spans(plan: Planning, why: str, instead: str) -> list[tuple[int, int]]:
-    """Per document, its answer's start s = T - A and length A (methods §10,
-    :func:`answer_start`), and a note where a token merges across the boundary; refuses a task
-    without an answer in one line (``why``: what needs it; ``instead``: what to do otherwise)."""
-    spec, tokenizer = plan.task, plan.tokenizer
-    if spec.answer is None:
-        raise SplitError(
-            f"task {spec.name}: {why}, and the task names none; add an 'answer' template beside "
-            f"'text' (the document is text + answer), or {instead}"
-        )
-    out, merged = [], []
-    for doc, item in enumerate(plan.items):
-        assert item.answer is not None  # the task renders one for every document
-        start, merges = answer_start(tokenizer, item.prompt, item.answer)
-        length = len(tokenizer(item.answer, add_special_tokens=False)["input_ids"])
-        out.append((start, length))
-        if merges:
-            merged.append(doc)
-    if merged:
-        plan.notes.append(
-            f"{len(merged)} of {len(plan.items)} documents have a token that merges across the "
-            f"answer's boundary (the first: document {merged[0]}); it counts as the answer's "
-            "(methods §10)"
-        )
-    return out
 
 
 def random_splits(tokens: int) -> list[int]:

@@ -16,7 +16,6 @@ import numpy as np
 import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
-from layerdiv.measurements.future import answer_spans
 from layerdiv.measurements.registry import Measurement, ModelShape, Planning, Setting, register
 from layerdiv.schemas import IGRAD, IGRAD_ENDS, SUBLAYERS
 
@@ -139,8 +138,8 @@ def plan_igrad(plan: Planning) -> list[tuple[int, int]] | None:
         )
     if plan.task.kind == "choice":
         return None
-    spans = answer_spans(
-        plan, "--igrad's target is the probability of the answer's tokens", "drop --igrad"
+    spans = plan.require_answers(
+        "--igrad's target is the probability of the answer's tokens", "drop --igrad"
     )
     cap = plan.task.max_tokens
     cut = [doc for doc, (s, a) in enumerate(spans) if cap is not None and s + a > cap]

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import import_module
 from importlib.metadata import entry_points
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import click
 import pyarrow as pa
@@ -37,6 +37,10 @@ from layerdiv.schemas import KINDS, TABLES
 ENTRY_POINTS = "layerdiv.measurements"
 """The entry point group whose entries (each a :class:`Measurement`) are registered on first
 use."""
+
+
+class AnswerError(LayerdivError, ValueError):
+    """A measurement that needs each document's answer, asked of a task that names none."""
 
 
 class MeasurementError(LayerdivError, ValueError):
@@ -145,6 +149,31 @@ class Attachment:
     hooks (the future effects: each document's answer span)."""
 
 
+class AnswerSpan(NamedTuple):
+    """Where a document's answer lies (methods §10), as the depth-efficiency paper's code counts
+    it: its first token s = T - A, T the document's tokens (special tokens included, before any
+    cut to ``max_tokens``) and A the answer's own tokens without special tokens; and whether a
+    token merges across the boundary (the document's first s tokens are not the text's own
+    tokens: that token counts as the answer's)."""
+
+    start: int
+    length: int
+    merges: bool
+
+
+def answer_spans(tokenizer: Any, items: Sequence[Any]) -> list[AnswerSpan]:
+    """Each document's :class:`AnswerSpan` (``items``: documents with ``prompt`` = text + answer
+    and ``answer``)."""
+    out = []
+    for item in items:
+        ids = tokenizer(item.prompt)["input_ids"]
+        length = len(tokenizer(item.answer, add_special_tokens=False)["input_ids"])
+        start = len(ids) - length
+        text = item.prompt[: len(item.prompt) - len(item.answer)]
+        out.append(AnswerSpan(start, length, tokenizer(text)["input_ids"] != ids[:start]))
+    return out
+
+
 @dataclass(frozen=True)
 class Planning:
     """What a measurement's check of a task's plan (:attr:`Measurement.plan`) is given, before
@@ -161,6 +190,30 @@ class Planning:
     """The measurement's settings, as this run resolved them."""
     notes: list[str] = field(default_factory=list)
     """What the user should know (the check appends to it; printed with the task's summary)."""
+    answers: Sequence[AnswerSpan] | None = None
+    """A text task with an answer: each document's answer span, computed once per task by the
+    plan (:func:`answer_spans`); None otherwise."""
+
+    def require_answers(self, why: str, instead: str) -> list[tuple[int, int]]:
+        """Per document, its answer's start s and length A (:attr:`answers`), with a note where
+        a token merges across the boundary; refuses a task without an answer in one line
+        (``why``: what needs it; ``instead``: what to do otherwise)."""
+        if self.answers is None:
+            raise AnswerError(
+                f"task {self.task.name}: {why}, and the task names none; add an 'answer' "
+                f"template beside 'text' (the document is text + answer), or {instead}"
+            )
+        merged = [doc for doc, span in enumerate(self.answers) if span.merges]
+        note = (
+            f"{len(merged)} of {len(self.answers)} documents have a token that merges across "
+            f"the answer's boundary (the first: document {merged[0]}); it counts as the "
+            "answer's (methods §10)"
+            if merged
+            else None
+        )
+        if note is not None and note not in self.notes:
+            self.notes.append(note)
+        return [(span.start, span.length) for span in self.answers]
 
 
 class ModelShape(Protocol):

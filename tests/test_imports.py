@@ -1,7 +1,8 @@
 """The package's layers, pinned: ``schemas`` and ``errors`` import nothing of the package above
 them, ``store`` writes and reads without ``extract`` or ``analyze``, ``analyze`` reads without
 ``extract``, the demo or the package root, ``extract`` does not analyse, and no two modules import
-each other (the analysis registry's lazy import of its analyses is the one exception)."""
+each other (the analysis registry's lazy import of its analyses is the one exception); the
+extraction core names no built-in measurement."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import ast
 from pathlib import Path
 
 import layerdiv
+from layerdiv.measurements import registered
 
 ROOT = Path(layerdiv.__file__).parent
 SKIP = {"tests", "benchmarks", "docs", "examples", "scripts", ".venv", "build"}
@@ -137,3 +139,50 @@ def test_the_rules_see_an_upward_import(tmp_path: Path) -> None:
     path.write_text("def f():\n    from layerdiv.analyze.output import INDEX_NAME\n")
     assert "layerdiv.analyze.output.INDEX_NAME" in _imports("layerdiv.store.m", path)
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+
+
+CORE = ["extract/forward.py", "extract/runner.py", "extract/plan.py", "extract/cost.py",
+        "extract/config.py", "store/manifest.py"]  # fmt: skip
+"""The extraction core: it runs what the registered measurements declare."""
+
+
+def _named(path: Path, names: set[str]) -> list[str]:
+    """Where the code at ``path`` imports a module of ``names`` or holds one as a string (its
+    docstrings left out)."""
+    tree = ast.parse(path.read_text())
+    docs = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module is not None:
+            hits = {node.module.rpartition(".")[2], *(a.name for a in node.names)} & names
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if id(node) in docs:
+                continue
+            hits = set(node.value.lstrip("-").split()) & names
+        else:
+            continue
+        out += [f"{path.name}:{node.lineno} {hit}" for hit in sorted(hits)]
+    return out
+
+
+def test_the_extraction_core_names_no_built_in_measurement(tmp_path: Path) -> None:
+    """Neither an import of a built-in measurement's module nor its name, flag or table as a
+    string: the core learns of each from its declaration."""
+    names = {
+        word
+        for m in registered()
+        for word in (m.name, m.flag.lstrip("-"), *(t for ts in m.tables.values() for t in ts))
+    }
+    assert {"lens", "igrad", "erasure", "sinks"} <= names
+    found = [hit for rel in CORE for hit in _named(ROOT / rel, names)]
+    assert not found, found
+    # the walker sees both ways of naming one
+    path = tmp_path / "m.py"
+    path.write_text('"""lens"""\nfrom layerdiv.measurements.future import x\nf("--igrad")\n')
+    assert _named(path, names) == ["m.py:2 future", "m.py:3 igrad"]

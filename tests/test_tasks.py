@@ -20,7 +20,7 @@ from layerdiv.extract.tasks import (
     parse_task,
     split_template,
 )
-from layerdiv.measurements.future import answer_start
+from layerdiv.measurements import answer_spans
 from layerdiv.schemas import MAX_OPTIONS
 
 PAPER_TASKS = ["ag_news", "arc", "boolq", "mnli", "qqp", "rte", "sst2", "wic"]
@@ -130,9 +130,9 @@ def test_answer_tasks_build_text_plus_answer_grouped(tmp_path: Path, tokenizer: 
     assert [(d.group, d.answer) for d in levels] == [(r["level"][-1], " " + r["solution"])
                                                      for r in MATH_ROWS]  # fmt: skip
     assert levels[0].prompt.startswith("Problem: Find x") and "\nAnswer: Since" in levels[0].prompt
-    for doc in [*hops, *levels]:
+    docs = [*hops, *levels]
+    for doc, (start, _, merged) in zip(docs, answer_spans(tokenizer, docs), strict=True):
         assert doc.answer is not None
-        start, merged = answer_start(tokenizer, doc.prompt, doc.answer)
         ids = tokenizer(doc.prompt)["input_ids"]
         assert len(ids) - start == len(tokenizer(doc.answer, add_special_tokens=False)["input_ids"])
         assert not merged and tokenizer.decode(ids[start:]).strip() == doc.answer.strip()
