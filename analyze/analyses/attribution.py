@@ -190,10 +190,11 @@ def map_figure(
         label = " · ".join([names.get(str(key[0]), str(key[0])), str(key[2]), f"{short} {key[3]}",
                             *map(str, key[4:])])  # fmt: skip
         ylabel = "block l" if row == "block" else "state l"
-        labels = token_labels(tokens) if "token" in one.columns else [str(p) for p in tokens["pos"]]
+        spelled = "token" in one.columns
+        labels = token_labels(tokens) if spelled else [str(p) for p in tokens["pos"]]
         start = one["answer_start"][0] if "answer_start" in one.columns else None
-        panels.append(map_panel(label, z, labels, lines, ylabel, colorbar, start,
-                                signed))  # fmt: skip
+        panels.append(map_panel(label, z, labels, lines, ylabel, colorbar, start, signed,
+                                "position:token" if spelled else "position"))  # fmt: skip
     answer = "; dotted: where the answer starts" if "answer_start" in rows.columns else ""
     return plots.Figure(
         title,
@@ -227,11 +228,12 @@ def map_panel(
     colorbar: str,
     start: int | None,
     signed: bool,
+    xlabel: str = "position:token",
 ) -> plots.Panel:
     """The row x token heatmap ``z`` (rows, T) of one document: ``signed``, diverging colours
     centred at 0 (symmetric range), else sequential from 0; the colour range set by the
     positions 1..T-1 (position 0, the attention sink, would take all of it and is drawn clipped);
-    a dotted line before the answer's first token ``start``."""
+    a dotted line before the answer's first token ``start``; the x axis titled ``xlabel``."""
     rest = np.abs(z[:, 1:]) if z.shape[1] > 1 else np.abs(z)
     top = float(rest.max()) if rest.size and rest.max() > 0 else 1.0
     heat = plots.Heatmap(
@@ -252,4 +254,4 @@ def map_panel(
             plots.RefLine(start - 0.5, axis="x", label="answer starts", dash="dot", color="black")
         ]
     )
-    return plots.Panel(title, heatmap=heat, xlabel="position:token", ylabel=ylabel, lines=lines)
+    return plots.Panel(title, heatmap=heat, xlabel=xlabel, ylabel=ylabel, lines=lines)
