@@ -117,11 +117,6 @@ first :data:`SKIPS_N` instances of :data:`SKIPS_OF` (the shortest prompts; the l
 cost about (blocks + 1) / 2 forward passes per instance), so that the report shows every
 section."""
 
-ERASE_TASK, ERASE_N, ERASE_REFERENCE = "tweets2-erase", 4, 2
-"""The small choice task the demo also extracts with ``--erase`` (``--erase-reference``
-:data:`ERASE_REFERENCE`): the first :data:`ERASE_N` instances of :data:`SKIPS_OF` (residual
-erasure runs about (L + 1) T / 4 forward passes per prompt of T tokens)."""
-
 TEXT_TASK = "bbc-text"
 """The demo's running-text task: BBC News articles as running text (extracted with ``--lens``,
 ``--skips`` and ``--sinks``)."""
@@ -189,9 +184,9 @@ def states_task_spec(folder: Path, seed: int, texts: dict[Path, str]) -> Path:
 
 def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None) -> list[Path]:
     """Write each demo task as ``<name>.yaml`` + ``<name>.jsonl`` in ``folder`` (balanced
-    classes, ``n`` instances, shuffled with ``seed``), :data:`SKIPS_TASK`, :data:`ERASE_TASK`
-    and the running-text tasks :data:`TEXT_TASK`, :data:`STATES_TASK` and :data:`MULTIHOP_TASK`;
-    returns the YAML paths. Refuses (before writing) to change tasks that the demo ``store`` holds an extraction
+    classes, ``n`` instances, shuffled with ``seed``), :data:`SKIPS_TASK` and the running-text
+    tasks :data:`TEXT_TASK`, :data:`STATES_TASK` and :data:`MULTIHOP_TASK`; returns the YAML
+    paths. Refuses (before writing) to change tasks that the demo ``store`` holds an extraction
     of."""
     paths = []
     texts: dict[Path, str] = {}
@@ -223,13 +218,12 @@ def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None)
         path = folder / f"{task.name}.yaml"
         texts[path] = yaml.safe_dump(spec, sort_keys=False, allow_unicode=True)
         paths.append(path)
-        if task.name == SKIPS_OF:  # its first instances, under other names
-            for name, count in ((SKIPS_TASK, SKIPS_N), (ERASE_TASK, ERASE_N)):
-                small = {**spec, "name": name, "n": min(count, len(chosen)),
-                         "description": f"The first instances of {SKIPS_OF}."}  # fmt: skip
-                path = folder / f"{name}.yaml"
-                texts[path] = yaml.safe_dump(small, sort_keys=False, allow_unicode=True)
-                paths.append(path)
+        if task.name == SKIPS_OF:  # its first SKIPS_N instances, under another name
+            small = {**spec, "name": SKIPS_TASK, "n": min(SKIPS_N, len(chosen)),
+                     "description": f"The first instances of {SKIPS_OF}."}  # fmt: skip
+            path = folder / f"{SKIPS_TASK}.yaml"
+            texts[path] = yaml.safe_dump(small, sort_keys=False, allow_unicode=True)
+            paths.append(path)
     paths.append(text_task_spec(folder, seed, texts))
     paths.append(states_task_spec(folder, seed, texts))
     for name in (f"{MULTIHOP_TASK}.yaml", "questions.jsonl"):
@@ -279,7 +273,6 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     gram_heads = measurement_options({"gram": True, "heads": True})
     lens_skips = measurement_options({"skips": True, "lens": "final"})
     sinks = measurement_options({"sinks": True})
-    erase = measurement_options({"erase": True, "erase_reference": ERASE_REFERENCE})
     attribution = measurement_options(
         {"igrad": True, "igrad_sites": ("block", "attn"), "igrad_steps": MULTIHOP_STEPS,
          "erase": True, "erase_reference": MULTIHOP_DOCS}
@@ -292,7 +285,6 @@ def run_demo(out: Path, n: int, seed: int) -> None:
             store,
             measures={**gram_heads, **lens_skips, **sinks},
         ),
-        ExtractConfig(DEMO_MODEL, [by_name[ERASE_TASK]], store, measures=erase),
         ExtractConfig(DEMO_MODEL, [by_name[TEXT_TASK]], store, measures={**lens_skips, **sinks}),
         ExtractConfig(DEMO_MODEL, [by_name[STATES_TASK]], store, measures=states),
         ExtractConfig(str(sibling), [by_name[STATES_TASK]], store, measures=states),
