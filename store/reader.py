@@ -61,7 +61,7 @@ from layerdiv.store.paths import (
     list_partitions,
     slug,
 )
-from layerdiv.store.views import NOT_FINITE, connect
+from layerdiv.store.views import MANIFEST_FACTS, MODEL_COLUMNS, NOT_FINITE, connect
 
 Names = str | Iterable[str]
 """One name, or any number of them (an empty list: no filter)."""
@@ -551,7 +551,7 @@ class Store:
                     "weights": m.weights,
                 }
             )
-        return pl.DataFrame(rows, schema_overrides=_FACTS)
+        return pl.DataFrame(rows, schema_overrides=MANIFEST_FACTS)
 
     def sizes(self, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
         """One row per partition: its key and ``bytes``, what its files take on disk (every
@@ -564,7 +564,7 @@ class Store:
 
     def models(self, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
         """One row per (model, revision) of the selected partitions: what the law of methods §12
-        needs to know of a model (:data:`MODEL_COLUMNS`). Partitions of schema
+        needs to know of a model (``layerdiv.store.views.MODEL_COLUMNS``). Partitions of schema
         version <= 4 did not record them all: their depth is their block calls, the rest null."""
         rows: dict[tuple[str, ...], dict[str, Any]] = {}
         for p in self.select(models, tasks, require_data=False):
@@ -639,30 +639,6 @@ class Store:
             self.select(models, tasks),
             {"manifests": self.manifests(models, tasks), "models": self.models(models, tasks)},
         )
-
-
-_FACTS = {"commit": pl.String, "step": pl.Int64, "tokens_seen": pl.Int64, "weights": pl.String}
-
-MODEL_COLUMNS = pl.Schema(
-    {
-        **dict.fromkeys(MODEL_KEY, pl.String),
-        "model_id": pl.String,
-        "revision_name": pl.String,
-        "commit": pl.String,
-        "step": pl.Int64,
-        "tokens_seen": pl.Int64,
-        "width": pl.Int64,
-        "depth": pl.Int64,
-        "vocab_size": pl.Int64,
-        "n_params": pl.Int64,
-        "n_params_non_embedding": pl.Int64,
-        "weights_hash": pl.String,
-    }
-)
-"""The ``models`` view (:meth:`Store.models`): per (model, revision) the model id and revision
-as given, the hub commit, training step and tokens seen D of the revision (null where unknown),
-width d_model, depth l (decoder blocks), vocabulary, total and non-embedding parameters
-(``Manifest.n_params_non_embedding``) and the fingerprint of the weights."""
 
 
 def _restore(root: Path) -> None:

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from layerdiv.measurements import table_schemas
 from layerdiv.schemas import DEFAULT, VECTOR_TABLES
-from layerdiv.store.key import ABSENT, KEY
+from layerdiv.store.key import ABSENT, KEY, MODEL_KEY
 from layerdiv.store.location import RemotePath, arrow_source
 
 if TYPE_CHECKING:
@@ -27,6 +27,37 @@ if TYPE_CHECKING:
 
 NOT_FINITE = "layerdiv: a NaN or an infinite value in"
 """How a view's error for a NaN or an infinite value begins (followed by ``<table>.<column>``)."""
+
+
+MANIFEST_FACTS = {
+    "commit": pl.String,
+    "step": pl.Int64,
+    "tokens_seen": pl.Int64,
+    "weights": pl.String,
+}
+"""The types of the ``manifests`` view's columns that may be null in every row
+(``Store.manifests``)."""
+
+MODEL_COLUMNS = pl.Schema(
+    {
+        **dict.fromkeys(MODEL_KEY, pl.String),
+        "model_id": pl.String,
+        "revision_name": pl.String,
+        "commit": pl.String,
+        "step": pl.Int64,
+        "tokens_seen": pl.Int64,
+        "width": pl.Int64,
+        "depth": pl.Int64,
+        "vocab_size": pl.Int64,
+        "n_params": pl.Int64,
+        "n_params_non_embedding": pl.Int64,
+        "weights_hash": pl.String,
+    }
+)
+"""The ``models`` view (``Store.models``): per (model, revision) the model id and revision
+as given, the hub commit, training step and tokens seen D of the revision (null where unknown),
+width d_model, depth l (decoder blocks), vocabulary, total and non-embedding parameters
+(``Manifest.n_params_non_embedding``) and the fingerprint of the weights."""
 
 
 def connect(

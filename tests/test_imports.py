@@ -148,18 +148,14 @@ CORE = ["extract/forward.py", "extract/runner.py", "extract/plan.py", "extract/c
 
 def _named(path: Path, names: set[str]) -> list[str]:
     """Where the code at ``path`` imports a module of ``names`` or holds one as a string (its
-    docstrings left out)."""
+    docstrings, a string standing alone as a statement, left out)."""
     tree = ast.parse(path.read_text())
-    docs = {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef)
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-    }
-    out = []
+    docs = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+    out: list[tuple[int, str]] = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module is not None:
+        if isinstance(node, ast.Import):
+            hits = {a.name.rpartition(".")[2] for a in node.names} & names
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
             hits = {node.module.rpartition(".")[2], *(a.name for a in node.names)} & names
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             if id(node) in docs:
@@ -167,8 +163,8 @@ def _named(path: Path, names: set[str]) -> list[str]:
             hits = set(node.value.lstrip("-").split()) & names
         else:
             continue
-        out += [f"{path.name}:{node.lineno} {hit}" for hit in sorted(hits)]
-    return out
+        out += [(node.lineno, hit) for hit in sorted(hits)]
+    return [f"{path.name}:{line} {hit}" for line, hit in sorted(out)]
 
 
 def test_the_extraction_core_names_no_built_in_measurement(tmp_path: Path) -> None:
@@ -179,10 +175,17 @@ def test_the_extraction_core_names_no_built_in_measurement(tmp_path: Path) -> No
         for m in registered()
         for word in (m.name, m.flag.lstrip("-"), *(t for ts in m.tables.values() for t in ts))
     }
-    assert {"lens", "igrad", "erasure", "sinks"} <= names
+    # the modules that declare them and those that hold their hooks
+    names |= {p.stem for p in (ROOT / "measurements").glob("*.py")} - {"__init__", "registry"}
+    attached = [m.attach for m in registered() if isinstance(m.attach, str)]
+    names |= {attach.partition(":")[0].rpartition(".")[2] for attach in attached}
+    assert {"lens", "igrad", "erasure", "sinks", "future", "erase"} <= names
     found = [hit for rel in CORE for hit in _named(ROOT / rel, names)]
     assert not found, found
     # the walker sees both ways of naming one
     path = tmp_path / "m.py"
-    path.write_text('"""lens"""\nfrom layerdiv.measurements.future import x\nf("--igrad")\n')
-    assert _named(path, names) == ["m.py:2 future", "m.py:3 igrad"]
+    path.write_text(
+        '"""lens"""\nfrom layerdiv.measurements.future import x\nf("--igrad")\n'
+        "import layerdiv.extract.sinks\n"
+    )
+    assert _named(path, names) == ["m.py:2 future", "m.py:3 igrad", "m.py:4 sinks"]
