@@ -193,17 +193,15 @@ def test_choice_erasure_matches_an_independent_float64_reference(
         assert want.max() > 100 * FLOAT32  # the comparison can fail
 
 
-def test_choice_erase_partition_is_resumed_sharded_and_merged(
-    tmp_path: Path, model_dirs: Any, make_task: Any
-) -> None:
-    task = make_task(tmp_path / "task", n=6)
-    args = ["--model", str(model_dirs("llama")), "--task", str(task), "--erase",
-            "--erase-reference", "2", "--chunk-size", "2"]  # fmt: skip
+def extracted_four_ways(tmp_path: Path, args: list[str]) -> tuple[Path, Path]:
+    """``args`` extracted whole (4 units), resumed (2, then 4: the stored reference reused) and
+    as 2 shards merged; the resumed and merged stores checked against the whole one (the same
+    settings, keys, effects and reference means). Returns (whole, resumed)."""
     whole = tmp_path / "whole"
     assert extract(*args, "--store", str(whole), "--limit", "4").exit_code == 0
     resumed = tmp_path / "resumed"
-    assert extract(*args, "--store", str(resumed), "--limit", "2").exit_code == 0
-    assert extract(*args, "--store", str(resumed), "--limit", "4").exit_code == 0
+    for limit in ("2", "4"):
+        assert extract(*args, "--store", str(resumed), "--limit", limit).exit_code == 0
     for i in (0, 1):
         out = extract(*args, "--store", str(tmp_path / f"s{i}"), "--shard", f"{i}/2",
                       "--limit", "4")  # fmt: skip
@@ -212,17 +210,30 @@ def test_choice_erase_partition_is_resumed_sharded_and_merged(
     out = CliRunner().invoke(main, ["merge", str(tmp_path / "s0"), str(tmp_path / "s1"),
                                     "--into", str(merged)])  # fmt: skip
     assert out.exit_code == 0, out.output
-    want = Store(whole).scan("erasure").collect().sort("doc", "layer", "pos")
-    blocks = Store(whole).partitions[0].manifest.n_blocks
-    lengths = Store(whole).scan("instances").collect()["n_tokens"].sum()
-    assert want.height == (blocks + 1) * lengths  # a row per state and prompt token
+    keys = ("doc", "layer", "pos")
+    want = Store(whole).scan("erasure").collect().sort(*keys)
     settings = Store(whole).partitions[0].manifest.settings["erase"]
+    assert set(settings) == {"erase_reference", "erase_reference_sha256"}
     for store in (resumed, merged):
         assert Store(store).partitions[0].manifest.settings["erase"] == settings
-        got = Store(store).scan("erasure").collect().sort("doc", "layer", "pos")
-        assert got.select("doc", "layer", "pos").equals(want.select("doc", "layer", "pos"))
+        got = Store(store).scan("erasure").collect().sort(*keys)
+        assert got.select(keys).equals(want.select(keys))
         assert_within(got["effect"].to_numpy(), want["effect"].to_numpy(), 1.0)
         assert (stored_means(store) == stored_means(whole)).all()
+    return whole, resumed
+
+
+def test_choice_erase_partition_is_resumed_sharded_and_merged(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    task = make_task(tmp_path / "task", n=6)
+    args = ["--model", str(model_dirs("llama")), "--task", str(task), "--erase",
+            "--erase-reference", "2", "--chunk-size", "2"]  # fmt: skip
+    whole, _ = extracted_four_ways(tmp_path, args)
+    blocks = Store(whole).partitions[0].manifest.n_blocks
+    lengths = Store(whole).scan("instances").collect()["n_tokens"].sum()
+    rows = Store(whole).scan("erasure").collect().height
+    assert rows == (blocks + 1) * lengths  # a row per state and prompt token
 
 
 def test_erase_partition_is_resumed_sharded_merged_and_keeps_its_reference(
@@ -230,31 +241,9 @@ def test_erase_partition_is_resumed_sharded_merged_and_keeps_its_reference(
 ) -> None:
     task = multihop_task(tmp_path / "task", **SHORT)
     model = str(model_dirs("llama"))
-    whole = tmp_path / "whole"
     args = ["--model", model, "--task", str(task), "--erase", "--erase-reference", "2",
             "--chunk-size", "2"]  # fmt: skip
-    assert extract(*args, "--store", str(whole), "--limit", "4").exit_code == 0
-    # a resume extends the partition with the stored reference
-    resumed = tmp_path / "resumed"
-    assert extract(*args, "--store", str(resumed), "--limit", "2").exit_code == 0
-    assert extract(*args, "--store", str(resumed), "--limit", "4").exit_code == 0
-    # shards, merged
-    for i in (0, 1):
-        shard = ["--shard", f"{i}/2", "--limit", "4"]
-        out = extract(*args, "--store", str(tmp_path / f"s{i}"), *shard)
-        assert out.exit_code == 0, out.output
-    merged = tmp_path / "merged"
-    out = CliRunner().invoke(main, ["merge", str(tmp_path / "s0"), str(tmp_path / "s1"),
-                                    "--into", str(merged)])  # fmt: skip
-    assert out.exit_code == 0, out.output
-    want = Store(whole).scan("erasure").collect().sort("doc", "layer", "pos")
-    settings = Store(whole).partitions[0].manifest.settings["erase"]
-    assert set(settings) == {"erase_reference", "erase_reference_sha256"}
-    for store in (resumed, merged):
-        assert Store(store).partitions[0].manifest.settings["erase"] == settings
-        got = Store(store).scan("erasure").collect().sort("doc", "layer", "pos")
-        assert_within(got["effect"].to_numpy(), want["effect"].to_numpy(), 1.0)
-        assert (stored_means(store) == stored_means(whole)).all()
+    whole, resumed = extracted_four_ways(tmp_path, args)
 
     # another reference: a resume is refused before anything is written, so is a merge
     before = sorted(p.name for p in (resumed / "erasure").rglob("*.parquet"))
