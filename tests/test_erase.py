@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 import pytest
 import torch
 from click.testing import CliRunner
@@ -191,6 +192,33 @@ def test_choice_erasure_matches_an_independent_float64_reference(
         assert (got[instance][: len(means) - 1, T - 1] > 0).all()
         assert_within(got[instance], want, 1.0, what=f"instance {instance}")
         assert want.max() > 100 * FLOAT32  # the comparison can fail
+
+
+def test_choice_erasure_leaves_the_other_measurements_alone(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    """The edited passes run with the decomposition paused: every other table of a choice
+    partition (the decomposition and the measurements bound to it, or watching every pass) is
+    what an extraction without --erase stores."""
+    task = make_task(tmp_path / "task", n=3)
+    args = ["--model", str(model_dirs("llama")), "--task", str(task), "--skips", "--heads",
+            "--gram", "--lens", "final", "--sinks"]  # fmt: skip
+    for name, more in (("plain", []), ("erased", ["--erase", "--erase-reference", "1"])):
+        out = extract(*args, *more, "--store", str(tmp_path / name))
+        assert out.exit_code == 0, out.output
+    plain, erased = Store(tmp_path / "plain"), Store(tmp_path / "erased")
+    tables = ["components", "instances", "skips", "heads", "gram", "lens", "sinks"]
+    assert set(tables) <= set(plain.tables) and "erasure" in erased.tables
+    for table in tables:
+        want, got = plain.scan(table).collect(), erased.scan(table).collect()
+        floats = [c for c in want.columns
+                  if want[c].dtype.is_float() or want[c].dtype == pl.List(pl.Float32)]  # fmt: skip
+        keys = [c for c in want.columns if c not in floats]
+        want, got = want.sort(keys), got.sort(keys)
+        assert got.select(keys).equals(want.select(keys)), table
+        for column in floats:
+            a, b = (f[column].explode().cast(pl.Float64).to_numpy() for f in (got, want))
+            assert_within(a, b, np.nanmax(np.abs(b)), what=f"{table}.{column}")
 
 
 def extracted_four_ways(tmp_path: Path, args: list[str]) -> tuple[Path, Path]:
