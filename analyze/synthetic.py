@@ -15,6 +15,7 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from layerdiv.measurements import optional_tables
+from layerdiv.measurements.erase import erasure_rows
 from layerdiv.measurements.future import FUTURE, future_tables
 from layerdiv.measurements.gram import gram_table
 from layerdiv.measurements.heads import heads_table
@@ -129,7 +130,8 @@ def write_partition(
     ``optional`` fills optional tables, by name (:data:`OPTIONAL_PARTS`): ``heads`` (N, A, G, K)
     for the A attention components in execution order, with ``head_ids`` the G head indices
     (-1: the output projection's bias); ``skips`` (N, blocks, K) skip logits; ``gram``
-    (N, C(C+1)/2) Gram rows; ``sinks`` (N, blocks, heads) sink(l, h). ``columns`` gives (N, L)
+    (N, C(C+1)/2) Gram rows; ``sinks`` (N, blocks, heads) sink(l, h); ``erasure`` (N, blocks + 1,
+    100) effect(l, t) at each instance's 100 prompt tokens. ``columns`` gives (N, L)
     values of ``out_norm``, ``cos_residual`` or ``cos_prev`` (default 1, 0, 0; NaN is stored as
     null); ``hidden_size`` and ``norm_eps`` go to the manifest.
     """
@@ -205,6 +207,7 @@ OPTIONAL_PARTS: dict[
     "skips": lambda ids, values, *_: skips_table(ids, values),
     "gram": lambda ids, values, *_: gram_table(ids, values),
     "sinks": lambda ids, values, *_: sinks_table(ids, values),
+    "erasure": lambda ids, values, *_: erasure_rows(ids, list(values))["erasure"],
 }
 """How :func:`write_partition` makes a chunk's part of each optional table it fills, from the
 chunk's instances, their rows of the table's array, the components and the head ids."""

@@ -93,7 +93,10 @@ def main() -> None:
         assert plan.documents is not None
         seqs = plan.documents[0]
         starts = [s for s, _ in plan.planned["erase"]]
-        flops = sum(erase_flops(shape, len(q), s) for q, s in zip(seqs, starts, strict=True))
+        flops = sum(
+            erase_flops(shape, len(q), max(s - 1, 0), len(q) - 2)
+            for q, s in zip(seqs, starts, strict=True)
+        )
         forward_flops = sum(shape.forward(len(q)) for q in seqs)
 
         def forward() -> float:

@@ -1,5 +1,6 @@
-"""The hooks of ``extract --erase`` on a text task (:mod:`layerdiv.measurements.erase`, methods
-§14): residual erasure from the clean pass's kept states.
+"""The hooks of ``extract --erase`` (:mod:`layerdiv.measurements.erase`, methods §14): residual
+erasure from the clean pass's kept states, on a text task (the states its per-token capture
+keeps) and on a choice task (:class:`ChoiceStates`, bound to its last-token decomposition).
 
 For state l and position t, the edited copy differs from the clean pass only at positions
 >= t (attention is causal), so the blocks after l run only at the queries t..T-1, reading the keys
@@ -10,16 +11,20 @@ are not run again (the clean pass's input of block l, kept by the per-token capt
 start), and every block call runs with the arguments of its own clean call (mask, positions,
 rotary angles) cut to the queries (``layerdiv.extract.future._expand``). The copies of one state
 run together, grouped by t: a group of copies starting at t0 runs the queries t0..T-1, its copies
-with t > t0 recomputing the few positions t0..t-1 unchanged. The readout runs only at each copy's
-answer-predicting positions max(s - 1, t)..T-2 (the last state h_L reaches z_t alone: at t
-alone); positions t > T - 2 precede none of them, and their effect is stored as an exact 0, not
-computed (so is the last state's before s - 1)."""
+with t > t0 recomputing the few positions t0..t-1 unchanged. What is read out is the task kind's
+:class:`Target`: the readout runs only at each copy's read positions max(first, t)..last (a text
+task, :class:`NextTokens`: the answer-predicting positions s - 1..T-2, the whole next-token
+distribution; a choice task, :class:`OptionProbs`: the last prompt token T - 1 alone, the
+softmax over the option logits), and the last state h_L reaches z_t alone: at t alone. Positions
+t > last precede none of them, and their effect is stored as an exact 0, not computed; so is the
+last state's at every t < first, whose copies are not run (a choice task: h_L at every position
+but T - 1)."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -27,7 +32,9 @@ import torch
 
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.capture import DecompositionError
+from layerdiv.extract.forward import token_budget
 from layerdiv.extract.future import PassesAfter, _expand
+from layerdiv.extract.hooks import Hooks, unique_blocks
 from layerdiv.extract.removal import Call, UpdateRemoval
 from layerdiv.measurements import Attachment
 from layerdiv.measurements.erase import (
@@ -46,7 +53,7 @@ GROUP_SHARE = 8
 recomputed unchanged positions: at most about 1/16 of its work)."""
 
 READ_ROWS = 256
-"""Positions per slice of an edited pass's full-vocabulary readout."""
+"""Positions per slice of an edited pass's readout (over the whole vocabulary)."""
 
 
 class EraseModelError(LayerdivError, ValueError):
@@ -102,15 +109,58 @@ def _with(call: Call, **kwargs: Any) -> Call:
     return args, {**given, **kwargs}
 
 
+class Target(Protocol):
+    """What the edited passes read out, per task kind."""
+
+    def span(self, unit: int, n: int) -> tuple[int, int]:
+        """The first and last read position of unit ``unit`` of ``n`` tokens (first > last:
+        none)."""
+        ...
+
+    def probs(self, x: torch.Tensor) -> torch.Tensor:
+        """The probability vectors (..., V or K) read from residual states ``x`` (..., d)."""
+        ...
+
+
+class NextTokens:
+    """A text task's target: the whole next-token distribution (the model's readout, soft-cap
+    included) at the answer-predicting positions s - 1..T-2 (``answers``: per document, its
+    answer's start s and length A, methods §10)."""
+
+    def __init__(self, readout: Any, answers: Sequence[tuple[int, int]]) -> None:
+        self.readout, self.answers = readout, answers
+
+    def span(self, unit: int, n: int) -> tuple[int, int]:
+        return max(self.answers[unit][0] - 1, 0), n - 2
+
+    def probs(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.readout.logits(x), dim=-1)
+
+
+class OptionProbs:
+    """A choice task's target: the softmax over the option logits (the unembedding's output at
+    the options' tokens, before any soft-cap, as ``model_logits``) at the last prompt token."""
+
+    def __init__(self, readout: Any, option_ids: Sequence[int]) -> None:
+        self.norm, self.head = readout.norm, readout.head
+        self.ids = torch.tensor(list(option_ids), device=readout.head.weight.device)
+
+    def span(self, unit: int, n: int) -> tuple[int, int]:
+        return n - 1, n - 1
+
+    def probs(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.head(self.norm(x))
+        out = out[0] if isinstance(out, tuple) else out
+        return torch.softmax(out[..., self.ids].float(), dim=-1)
+
+
 class Erasure:
     """Runs the edited passes of one batch after its clean pass (see the module docstring)."""
 
-    def __init__(self, model: Any, adapter: Any, readout: Any, answers: Sequence[Any]) -> None:
+    def __init__(self, model: Any, adapter: Any, target: Target) -> None:
         self.removal = UpdateRemoval(model, adapter)
         self.blocks = self.removal.blocks
-        self.readout = readout
-        self.answers = answers
-        """Per document (its number), its answer's start s and length A (methods §10)."""
+        self.target = target
         self.cache = cache_argument(self.blocks[0])
         self.sdpa = getattr(model.config, "_attn_implementation", None) == "sdpa"
 
@@ -124,15 +174,17 @@ class Erasure:
         docs: list[int],
         budget: int,
     ) -> list[np.ndarray]:
-        """Per document of a left-padded batch, its (L + 1, T) effects: ``states`` the clean
-        pass's h_0..h_L (L + 1 tensors (B, W, d), float32), ``calls`` each block call's
-        arguments, ``means`` the (L + 1, d) reference means; at most ``budget`` query tokens
-        per edited pass."""
+        """Per document (instance) of a left-padded batch, its (L + 1, T) effects: ``states``
+        the clean pass's h_0..h_L (L + 1 tensors (B, W, d), float32), ``calls`` each block
+        call's arguments, ``means`` the (L + 1, d) reference means; at most ``budget`` query
+        tokens per edited pass."""
         kept = [KeyValues() for _ in self.blocks]
         recording = [_with(c, **{self.cache: k}) for c, k in zip(calls, kept, strict=True)]
         self.removal.last(states[0].to(dtype), recording, 0)
         return [
-            self._document(b, n, self.answers[doc], states, calls, kept, dtype, means, budget)
+            self._document(
+                b, n, self.target.span(doc, n), states, calls, kept, dtype, means, budget
+            )
             for b, (n, doc) in enumerate(zip(n_tokens, docs, strict=True))
         ]
 
@@ -140,7 +192,7 @@ class Erasure:
         self,
         row: int,
         n: int,
-        answer: tuple[int, int],
+        span: tuple[int, int],
         states: list[torch.Tensor],
         calls: list[Call],
         kept: list[KeyValues],
@@ -148,23 +200,23 @@ class Erasure:
         means: torch.Tensor,
         budget: int,
     ) -> np.ndarray:
-        """The (L + 1, n) effects of the document in batch row ``row``."""
+        """The (L + 1, n) effects of the unit in batch row ``row`` read out at the positions
+        ``span`` = (first, last) of its own."""
         width = states[0].shape[1]
-        start = width - n  # the document's first position in the padded row
-        first = max(answer[0] - 1, 0)  # the first answer-predicting position s - 1
+        start = width - n  # the unit's first position in the padded row
+        first, last = span
         effect = torch.zeros(len(states), n)
-        if first > n - 2:  # no answer-predicting position in the document (cut short)
+        if first > last:  # no read position in the document (cut short)
             return effect.numpy()
-        clean = torch.softmax(self.readout.logits(states[-1][row, start + first : width - 1]
-                                                  .to(dtype)), dim=-1)  # fmt: skip
+        clean = self.target.probs(states[-1][row, start + first : start + last + 1].to(dtype))
         for layer in range(len(states)):
-            t0 = 0
-            while t0 <= n - 2:
-                span = max(1, (n - t0) // GROUP_SHARE)
-                rows = max(1, min(span, budget // (n - t0), n - 1 - t0))
+            t0 = first if layer == len(self.blocks) else 0  # h_L before first: exactly 0
+            while t0 <= last:
+                share = max(1, (n - t0) // GROUP_SHARE)
+                rows = max(1, min(share, budget // (n - t0), last + 1 - t0))
                 t = torch.arange(t0, t0 + rows)
                 effect[layer, t0 : t0 + rows] = self._group(
-                    layer, row, start, t, first, states, calls, kept, dtype, means, clean
+                    layer, row, start, t, span, states, calls, kept, dtype, means, clean
                 )
                 t0 += rows
         return effect.numpy()
@@ -175,7 +227,7 @@ class Erasure:
         row: int,
         start: int,
         t: torch.Tensor,
-        first: int,
+        span: tuple[int, int],
         states: list[torch.Tensor],
         calls: list[Call],
         kept: list[KeyValues],
@@ -206,18 +258,21 @@ class Erasure:
             if self.sdpa and edited[j][1].get("attention_mask", 0) is None:
                 edited[j] = _with(edited[j], attention_mask=self._causal(copies, q, width, device))
         final = self.removal.last(x, edited, layer) if layer < len(self.blocks) else x
-        # effect(l, t) = max_{j = max(s-1, t)..T-2} ||softmax(z'_j) - softmax(z_j)||_2
+        # effect(l, t) = max_{j = max(first, t)..last} ||p'_j - p_j||_2 (a text task: the
+        # next-token distributions at j = s-1..T-2; a choice task: the option probabilities at
+        # j = T-1 alone)
+        first, last = span
         pos = torch.arange(q, width, device=device)
         edit = (start + t).to(device)[:, None]
         measured = (pos[None, :] >= (start + torch.maximum(t, torch.tensor(first)))[:, None]
-                    .to(device)) & (pos[None, :] < width - 1)  # fmt: skip
+                    .to(device)) & (pos[None, :] <= start + last)  # fmt: skip
         if layer == len(self.blocks):  # h_L reaches z_t alone: the others are exactly unchanged
             measured &= pos[None, :] == edit
         copy, col = measured.nonzero(as_tuple=True)
         out = torch.zeros(copies, device=device)
         for a in range(0, len(copy), READ_ROWS):
             c, p = copy[a : a + READ_ROWS], col[a : a + READ_ROWS]
-            probs = torch.softmax(self.readout.logits(final[c, p]), dim=-1)
+            probs = self.target.probs(final[c, p])
             change = (probs - clean[q + p - start - first]).norm(dim=-1)
             out = out.scatter_reduce(0, c, change, reduce="amax")
         return out.cpu()
@@ -231,18 +286,92 @@ class Erasure:
         return (keys[None, :] <= queries[:, None]).expand(copies, 1, width - q, width)
 
 
+class ChoiceStates(Hooks):
+    """A choice task's clean pass as the edited passes read it, the text capture's way
+    (:meth:`states`, :attr:`block_args`, :attr:`dtype`, :meth:`pausing`): every block call's
+    arguments (references, no copies), the block inputs h_0..h_(L-1) and the final norm's input
+    h_L at every position (float32), kept while the task's last-token decomposition
+    (``ComponentCapture``, :attr:`capture`) is not paused: neither the edited passes, nor those
+    of another capture bound to it (the skips'), nor a gradient pass are kept."""
+
+    def __init__(self, model: Any, adapter: Any, readout: Any) -> None:
+        super().__init__()
+        self.capture: Hooks | None = None
+        self.add(readout.norm.register_forward_pre_hook(self._final_hook))
+        for block in unique_blocks(model, adapter):
+            self.add(block.register_forward_pre_hook(self._input_hook, with_kwargs=True))
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the last pass."""
+        self.block_args: list[Call] = []
+        self.dtype = torch.float32
+        """The model's residual-stream dtype in the last pass."""
+        self._h: list[torch.Tensor] = []
+        self._final: torch.Tensor | None = None
+
+    def _keeping(self) -> bool:
+        return self.capture is not None and not self.capture.paused
+
+    def _input_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self._keeping():
+            h = args[0] if args else kwargs["hidden_states"]
+            self.dtype = h.dtype
+            self.block_args.append((args, kwargs))
+            self._h.append(h.to(torch.float32))
+
+    def _final_hook(self, module: Any, args: tuple) -> None:
+        if self._keeping():
+            self._final = args[0].to(torch.float32)
+
+    def states(self) -> list[torch.Tensor]:
+        """The last pass's h_0..h_L (L + 1 tensors (B, W, d), float32)."""
+        if self._final is None:
+            raise DecompositionError("--erase: no forward pass was captured")
+        return [*self._h, self._final]
+
+    def pausing(self) -> Any:
+        """Pause the decomposition (and every hook bound to it, these too)."""
+        assert self.capture is not None  # bound before any pass
+        return self.capture.pausing()
+
+
 class EraseCapture(PassesAfter):
-    """The hooks of ``--erase`` on a text task (also a ``PartitionCapture``): the reference
-    means once per partition (:meth:`prepare`), then after each pass of stored documents their
-    effects (:class:`Erasure`)."""
+    """The hooks of ``--erase`` (also a ``PartitionCapture``): the reference means once per
+    partition (:meth:`prepare`), then after each pass of stored documents (instances) their
+    effects (:class:`Erasure`), from the states the text task's per-token capture keeps or, on a
+    choice task, :class:`ChoiceStates`."""
 
     flag = "--erase"
 
     def __init__(self, ctx: Attachment) -> None:
         super().__init__()
         self.count = int(ctx.settings["erase_reference"])
-        self.erasure = Erasure(ctx.model, ctx.adapter, ctx.readout, ctx.planned)
+        choice = ctx.kind == "choice"
+        target = (
+            OptionProbs(ctx.readout, ctx.option_ids)
+            if choice
+            else NextTokens(ctx.readout, ctx.planned)
+        )
+        self.erasure = Erasure(ctx.model, ctx.adapter, target)
+        self.config = ctx.model.config
+        self.kept = ChoiceStates(ctx.model, ctx.adapter, ctx.readout) if choice else None
+        """A choice task: the clean pass's states (a text task's capture keeps them)."""
         self.means: torch.Tensor | None = None
+
+    def bind(self, capture: Any) -> None:
+        if self.kept is not None:
+            self.kept.capture = capture
+        super().bind(capture if self.kept is None else self.kept)
+
+    def reset(self) -> None:
+        super().reset()
+        if self.kept is not None:
+            self.kept.clear()
+
+    def remove(self) -> None:
+        if self.kept is not None:
+            self.kept.remove()
 
     def prepare(
         self,
@@ -251,7 +380,8 @@ class EraseCapture(PassesAfter):
         stored: Mapping[str, pa.Table],
     ) -> tuple[dict[str, Any], dict[str, pa.Table]]:
         """The reference means mu_l: the stored ones, else the mean of h_l over every position
-        (BOS included) of the first R documents, one probe pass each (methods §14)."""
+        (BOS included) of the first R documents or prompts, one probe pass each (methods
+        §14)."""
         if "erasure_reference" in stored:
             means = reference_means(stored["erasure_reference"])
         else:
@@ -270,6 +400,13 @@ class EraseCapture(PassesAfter):
         if self.means is None:
             raise DecompositionError("--erase: the reference means were not prepared")
         text = self.text
+        states = text.states()
+        # a text pass's budget is the runner's; a choice pass's holds no readout row per token
+        budget = (
+            batch.budget
+            if self.kept is None
+            else token_budget(states[0].device, self.config, text.dtype)
+        )
         return self.erasure.run(
-            text.states(), text.block_args, text.dtype, self.means, lengths, docs, batch.budget
+            states, text.block_args, text.dtype, self.means, lengths, docs, budget
         )

@@ -1,12 +1,13 @@
-"""``--erase``: residual erasure on a text task that names an answer (methods §14, ``erasure``):
-per document, state h_l (l = 0..L) and position t, h_l at t alone is replaced by the reference
-mean mu_l and the model runs on; the effect is the largest L2 change of the whole next-token
-distribution over the positions that predict an answer token. The reference means (the task's
-first R documents, ``--erase-reference R``) are computed once per partition, stored in
-``erasure_reference`` beside the manifest and recorded in the settings by their fingerprint
-(``erase_reference_sha256``), so that two shards, a resume or a merge cannot mix two of them.
-The hooks are :class:`layerdiv.extract.erase.EraseCapture`, bound to the text task's per-token
-capture."""
+"""``--erase``: residual erasure on a text task that names an answer or on a choice task (methods
+§14, ``erasure``): per document (instance), state h_l (l = 0..L) and position t, h_l at t alone is
+replaced by the reference mean mu_l and the model runs on; the effect is the largest L2 change of
+the whole next-token distribution over the positions that predict an answer token (a choice
+task: the L2 change of the option-probability vector at the last prompt token). The reference
+means (the task's first R documents or prompts, ``--erase-reference R``) are computed once per
+partition, stored in ``erasure_reference`` beside the manifest and recorded in the settings by
+their fingerprint (``erase_reference_sha256``), so that two shards, a resume or a merge cannot
+mix two of them. The hooks are :class:`layerdiv.extract.erase.EraseCapture`, bound to the task
+kind's own capture."""
 
 from __future__ import annotations
 
@@ -41,16 +42,20 @@ class EraseError(LayerdivError, ValueError):
     """``--erase`` asked of a task it cannot measure."""
 
 
-def plan_erase(plan: Planning) -> list[tuple[int, int]]:
-    """Refuse a task without an answer and a reference of fewer than 1 or more documents than
-    the run takes; per document, its answer's start s and length A (methods §10)."""
+def plan_erase(plan: Planning) -> list[tuple[int, int]] | None:
+    """Refuse a text task without an answer and a reference of fewer than 1 or more documents
+    (instances) than the run takes; per document of a text task, its answer's start s and length
+    A (methods §10); None for a choice task (its readout is the last prompt token)."""
     spec, count = plan.task, int(plan.settings["erase_reference"])
-    why = "--erase measures the change of the answer's predictions (methods §14)"
-    spans = plan.require_answers(why, "drop --erase")
+    spans = None
+    if spec.kind != "choice":
+        why = "--erase measures the change of the answer's predictions (methods §14)"
+        spans = plan.require_answers(why, "drop --erase")
     if not 1 <= count <= len(plan.items):
+        units = "instances" if spec.kind == "choice" else "documents"
         raise EraseError(
             f"task {spec.name}: --erase-reference {count} asks for the reference means of its "
-            f"first {count} documents, and this run takes {len(plan.items)}; give a number "
+            f"first {count} {units}, and this run takes {len(plan.items)}; give a number "
             f"from 1 to {len(plan.items)} (or a larger --limit)"
         )
     return spans
@@ -80,8 +85,8 @@ def reference_means(table: pa.Table) -> np.ndarray:
 
 
 def erasure_rows(docs: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
-    """The ``erasure`` rows (doc, layer, pos) of documents ``docs`` from each one's (L + 1, T)
-    effects."""
+    """The ``erasure`` rows (doc, layer, pos) of documents (instances) ``docs`` from each one's
+    (L + 1, T) effects."""
     counts = [np.size(v) for v in values]
     shapes = [np.shape(v) for v in values]
     return {
@@ -103,38 +108,64 @@ def erasure_rows(docs: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Tab
     }
 
 
-def erase_flops(shape: ModelShape, tokens: int, start: int) -> float:
-    """FLOPs of the prefix-reusing passes of a document of T = ``tokens`` tokens whose answer
-    starts at s = ``start``: per state l and position t <= T - 2, blocks l..L-1 at the queries
-    t..T-1 (keys and values of the positions before t read from the clean pass) and the readout
-    at the answer-predicting positions max(s - 1, t)..T-2 (for h_L, at t alone); and one clean
-    pass of the blocks that keeps those keys and values."""
+def erasure_row_counts(
+    rows: Mapping[str, int], blocks: int, settings: Mapping[str, Any]
+) -> tuple[str, str] | None:
+    """A text chunk's ``erasure`` holds a row per token and state 0..L
+    (:func:`~layerdiv.measurements.registry.per_token_and_layer`); a choice chunk's, whose prompt
+    tokens the chunk does not count, whole rows per state: a positive multiple of L + 1, at
+    least L + 1 per instance."""
+    text = per_token_and_layer("erasure")(rows, blocks, settings)
+    found, count = rows.get("erasure"), rows.get("instances")
+    if text is not None or found is None or count is None:
+        return text
+    if found % (blocks + 1) or found < count * (blocks + 1):
+        return "erasure", (
+            f"{found} rows are not whole rows for each state 0..{blocks} of the chunk's {count} "
+            "instances"
+        )
+    return None
+
+
+def erase_flops(shape: ModelShape, tokens: int, first: int, last: int) -> float:
+    """FLOPs of the prefix-reusing passes of a sequence of T = ``tokens`` tokens read out at the
+    positions ``first``..``last`` (a text task: the answer-predicting positions s - 1..T - 2; a
+    choice task: the last prompt token T - 1): per state l and position t <= ``last``, blocks
+    l..L-1 at the queries t..T-1 (keys and values of the positions before t read from the clean
+    pass) and the readout at the positions max(``first``, t)..``last`` (for h_L, at t alone),
+    each over the whole vocabulary; and one clean pass of the blocks that keeps those keys and
+    values."""
     L, T = shape.layers, tokens
-    t = np.arange(max(T - 1, 0))  # t = 0..T-2
+    t = np.arange(max(last + 1, 0))  # t = 0..last
     # blocks over the queries t..T-1 with keys 0..T-1: a block over T tokens less its first t
     blocks = shape.block(T) - np.array([shape.block(int(u)) for u in t])
-    read = np.maximum(T - 1 - np.maximum(start - 1, t), 0)  # positions max(s - 1, t)..T-2
+    read = np.maximum(last + 1 - np.maximum(first, t), 0)  # positions max(first, t)..last
     states = L * (L + 1) / 2  # blocks l..L-1 for each state l = 0..L
-    last = int((t >= start - 1).sum())  # h_L reaches z_t alone: t itself, t = s-1..T-2
+    final = int((t >= first).sum())  # h_L reaches z_t alone: t itself, t = first..last
     return float(
-        states * blocks.sum() + shape.readout(L * int(read.sum()) + last) + L * shape.block(T)
+        states * blocks.sum() + shape.readout(L * int(read.sum()) + final) + L * shape.block(T)
     )
 
 
 def erase_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]) -> float:
-    """FLOPs of residual erasure on a document of ``tokens`` tokens (:func:`erase_flops`), its
-    answer taken as the last :data:`COST_ANSWER` of them."""
-    return erase_flops(shape, tokens, tokens - max(1, round(COST_ANSWER * tokens)))
+    """FLOPs of residual erasure on a sequence of ``tokens`` tokens (:func:`erase_flops`): a text
+    document's answer taken as the last :data:`COST_ANSWER` of them; a choice prompt read out at
+    its last token."""
+    if kind == "choice":
+        return erase_flops(shape, tokens, tokens - 1, tokens - 1)
+    start = tokens - max(1, round(COST_ANSWER * tokens))
+    return erase_flops(shape, tokens, max(start - 1, 0), tokens - 2)
 
 
 ERASE = register(
     Measurement(
         name="erase",
         flag="--erase",
-        help="Text tasks with an answer: also store the residual erasure map (methods §14): per "
-        "state h_l and position, the largest change of the next-token distribution at the "
-        "answer's positions when h_l there is replaced by its reference mean.",
-        tables={"text": ("erasure",)},
+        help="Text tasks with an answer, choice tasks: also store the residual erasure map "
+        "(methods §14): per state h_l and position, the largest change of the next-token "
+        "distribution at the answer's positions (a choice task: of the option probabilities at "
+        "the last prompt token) when h_l there is replaced by its reference mean.",
+        tables={"text": ("erasure",), "choice": ("erasure",)},
         settings=(
             Setting(
                 "erase_reference",
@@ -143,7 +174,7 @@ ERASE = register(
                     type=int,
                     default=None,
                     help="With --erase: the reference means are taken over the task's first R "
-                    "documents (default 10).",
+                    "documents or prompts (default 10).",
                 ),
                 10,
             ),
@@ -151,7 +182,7 @@ ERASE = register(
         readout=("text",),
         attach="layerdiv.extract.erase:EraseCapture",
         rows=erasure_rows,
-        check_rows=per_token_and_layer("erasure"),
+        check_rows=erasure_row_counts,
         cost=erase_cost,
         plan=plan_erase,
         whole=("erasure_reference",),

@@ -544,10 +544,12 @@ residual-erasure map.
 - ``doc``: as in :data:`IGRAD`.
 - ``layer``: state l = 0..L (as in :data:`STATES`: h_0 the embedding output, h_l block l-1's
   output).
-- ``pos``: the position t whose state h_l alone was replaced by the reference mean mu_l.
+- ``pos``: the position t whose state h_l alone was replaced by the reference mean mu_l (a
+  choice task: every prompt position, T - 1 the readout position itself).
 - ``effect``: max over the answer-predicting positions j of ||softmax(z'_j) - softmax(z_j)||_2
   (a choice task: the change of the option-probability vector at the last prompt token); exact 0
-  where t lies after every such position (not computed).
+  where t lies after every such position, and for the last state h_L where t is not one of them
+  (not computed).
 """
 
 ERASURE_REFERENCE = _schema(
@@ -564,7 +566,8 @@ partition's settings. One row per layer, in order.
 
 - ``layer``: state l = 0..L (as in :data:`ERASURE`).
 - ``state``: the reference mean mu_l: h_l averaged over every position (BOS included) of the
-  task's first R documents, R the partition's ``erase_reference``; d float32 values.
+  task's first R documents (a choice task: prompts), R the partition's ``erase_reference``; d
+  float32 values.
 """
 
 WHOLE_TABLES = ("erasure_reference",)

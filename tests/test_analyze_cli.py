@@ -820,6 +820,7 @@ def test_a_registered_analysis_runs_writes_and_reports(
         "decided_depth",
         "igrad",
         "erasure",
+        "choice_erasure",
         "sinks",
         "bos_norm",
         "revisions",

@@ -1,7 +1,8 @@
 """The analyses of integrated gradients (methods §13) and residual erasure (methods §14) against
 plain numpy loops over the made-up values a synthetic text store was written from: shares, depth
 scores (methods §10) with their intervals, completeness gaps, the effect against the distance to
-the answer; the sentence on too few Riemann steps exactly when a gap exceeds 5%; the figures."""
+the answer; the sentence on too few Riemann steps exactly when a gap exceeds 5%; the figures; a
+choice task's erasure beside a text task's in one store."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ import pytest
 
 from layerdiv.analyze.analyses import erasure, igrad
 from layerdiv.analyze.api import analyze
-from layerdiv.analyze.synthetic import text_chunk, text_manifest, write_text_partition
+from layerdiv.analyze.synthetic import (
+    random_partition,
+    text_chunk,
+    text_manifest,
+    write_partition,
+    write_text_partition,
+)
 from layerdiv.measurements import Measurement, Setting, register, registered, unregister
 from layerdiv.schemas import ERASURE, IGRAD, IGRAD_ENDS, SUBLAYERS
 
@@ -50,7 +57,7 @@ STAND_INS = (
         name="erase",
         flag="--erase",
         help="Residual erasure (stands in for the measurement).",
-        tables={"text": ("erasure",)},
+        tables={"text": ("erasure",), "choice": ("erasure",)},
         settings=(_setting("--erase-reference", "erase_reference", 10),),
     ),
 )
@@ -393,3 +400,77 @@ def test_token_labels_spell_the_vocabulary() -> None:
         {"pos": [0, 1, 2, 3], "token": [5, 6, 7, 8], "piece": ["Hello", "Ġworld", "Ċ", None]}
     )
     assert token_labels(tokens) == ["0:Hello", "1:␣world", "2:\\n", "3:8"]
+
+
+PROMPT_TOKENS = 100
+"""The prompt tokens of each instance of a synthetic choice partition (``write_partition``'s)."""
+
+
+def write_choice(root: Path, seed: int) -> np.ndarray:
+    """A choice partition (task ``pick``) of :data:`DOCS` instances holding made-up erasure
+    effects (D, L + 1, T), the last state's 0 before the readout position T - 1; returns them."""
+    rng = np.random.default_rng(seed)
+    logits, gold, rms, kinds = random_partition(rng, DOCS, BLOCKS, 2)
+    effect = rng.exponential(0.2, (DOCS, BLOCKS + 1, PROMPT_TOKENS))
+    effect *= (1 + np.arange(BLOCKS + 1))[:, None]
+    effect[:, -1, :-1] = 0.0  # h_L reaches the readout at T - 1 alone
+    write_partition(root, MODEL, "pick", logits, gold, kinds, rms, chunk=CHUNK,
+                    optional={"erasure": effect})  # fmt: skip
+    return effect.astype(np.float32).astype(np.float64)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray]:
+    """A store of a text partition and a choice partition, both holding erasure."""
+    root = tmp_path_factory.mktemp("mixed") / "store"
+    write_store(root, 3, 0.0)
+    return root, write_choice(root, 6)
+
+
+def test_choice_erasure_numbers(mixed: tuple[Path, np.ndarray]) -> None:
+    """Every position counts, the readout position T - 1 included; distances from it."""
+    root, effect = mixed
+    results = analyze(root)
+    per_state = effect.mean(axis=2)  # (D, L + 1): each instance's mean over positions
+    layers = results["choice_erasure_layers"].sort("layer")
+    assert layers["layer"].to_list() == list(range(BLOCKS + 1))
+    for layer in range(BLOCKS + 1):
+        assert close(layers["effect"][layer], per_state[:, layer].mean())
+        low, high = mean_interval(list(per_state[:, layer]))
+        assert close(layers["ci_low"][layer], low) and close(layers["ci_high"][layer], high)
+        assert layers["n_documents"][layer] == DOCS
+    scores = [score_of(list(p)) for p in effect.sum(axis=2)]
+    row = results["choice_erasure_depth"].row(0, named=True)
+    assert close(row["score"], sum(scores) / DOCS, BLOCKS)
+    low, high = mean_interval(scores)
+    assert close(row["ci_low"], low, BLOCKS) and close(row["ci_high"], high, BLOCKS)
+    table = results["choice_erasure_distance"].sort("distance")
+    assert table["distance"].to_list() == list(range(PROMPT_TOKENS))
+    per_token = effect.mean(axis=1)  # (D, T): the mean over states
+    for r in table.iter_rows(named=True):
+        t = PROMPT_TOKENS - 1 - r["distance"]
+        assert r["n_documents"] == DOCS and close(r["effect"], per_token[:, t].mean())
+    maps = results["choice_erasure_maps"]
+    assert maps["doc"].unique().sort().to_list() == [0, 1]
+    assert maps.height == 2 * (BLOCKS + 1) * PROMPT_TOKENS
+    # each kind's tables hold its own partitions
+    assert results["erasure_depth"]["task"].to_list() == ["qa"]
+    assert results["choice_erasure_depth"]["task"].to_list() == ["pick"]
+
+
+def test_a_store_mixing_text_and_choice_erasure_reports_both(
+    mixed: tuple[Path, np.ndarray], tmp_path: Path
+) -> None:
+    from layerdiv.analyze.report import write_report
+
+    root, _ = mixed
+    results = analyze(root)
+    write_report(results, tmp_path / "report", "paper", str(root), "md,html")
+    text = (tmp_path / "report" / "report.md").read_text()
+    for title, prefix in ((erasure.TITLE, "erasure"), (erasure.CHOICE_TITLE, "choice_erasure")):
+        assert f"## {title}" in text
+        section = text[text.index(f"## {title}") :]
+        assert f"figures/{prefix}_profile.png" in section.split("\n## ")[0]
+        for figure in ("profile", "maps"):
+            png = tmp_path / "report" / "figures" / f"{prefix}_{figure}.png"
+            assert png.stat().st_size > 10_000

@@ -1,7 +1,8 @@
 """Residual erasure (``extract --erase``, methods §14) against an independent float64 reference
 (the whole model in float64, h_l at position t replaced by a hook, the model run again from
-scratch, the full softmax compared at the answer-predicting positions), its reference means,
-partition identity (resume, shards, merge, another reference refused) and its refusals."""
+scratch, the full softmax compared at the answer-predicting positions; on a choice task the
+softmax over the option logits at the last prompt token), its reference means, partition
+identity (resume, shards, merge, another reference refused) and its refusals."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 import pytest
 import torch
 from click.testing import CliRunner
@@ -86,6 +88,24 @@ def reference(model: Any, references: list[list[int]], docs: list[list[int]], st
     return means.numpy(), effects
 
 
+def choice_reference(
+    model: Any, references: list[list[int]], prompts: list[list[int]], options: list[int]
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The reference means over the prompts ``references`` and each of ``prompts``'s (L + 1, T)
+    effects on the option probabilities at its last token, by the definition (methods §14)."""
+    means = torch.cat([run_states(model, ids)[0] for ids in references], dim=1).mean(dim=1)
+    effects = []
+    for ids in prompts:
+        p = torch.softmax(run_states(model, ids)[1][-1, options], dim=-1)
+        effect = np.zeros((len(means), len(ids)))
+        for layer in range(len(means)):
+            for t in range(len(ids)):
+                _, logits = run_states(model, ids, (layer, t, means[layer]))
+                effect[layer, t] = float((torch.softmax(logits[-1, options], dim=-1) - p).norm())
+        effects.append(effect)
+    return means.numpy(), effects
+
+
 def stored_effects(store: Path) -> dict[int, np.ndarray]:
     rows = Store(store).scan("erasure").collect().sort("doc", "layer", "pos")
     out = {}
@@ -136,36 +156,122 @@ def test_erasure_matches_an_independent_float64_reference(
         assert want.max() > 100 * FLOAT32  # the comparison can fail
 
 
-def test_erase_partition_is_resumed_sharded_merged_and_keeps_its_reference(
-    tmp_path: Path, model_dirs: Any
+@pytest.mark.numerical
+@pytest.mark.parametrize(("family", "batch"), [("llama", "4"), ("gpt_neox", "1")])
+def test_choice_erasure_matches_an_independent_float64_reference(
+    family: str,
+    batch: str,
+    tmp_path: Path,
+    model_dirs: Any,
+    build_model: Any,
+    tokenizer: Any,
+    make_task: Any,
 ) -> None:
-    task = multihop_task(tmp_path / "task", **SHORT)
-    model = str(model_dirs("llama"))
+    """A batch of 4 prompts of different lengths is left-padded; the last state h_L changes the
+    readout only at the last prompt token: every other position of it is an exact 0."""
+    task = make_task(tmp_path / "task", n=4)
+    store = tmp_path / "store"
+    out = extract("--model", str(model_dirs(family)), "--task", str(task), "--store", str(store),
+                  "--erase", "--erase-reference", "2", "--batch-size", batch)  # fmt: skip
+    assert out.exit_code == 0, out.output
+    (info,) = Store(store).select()
+    options = list(info.manifest.option_token_ids)
+    prompts = [tokenizer(p)["input_ids"] for p in
+               info.scan("instances").collect().sort("instance")["prompt"]]  # fmt: skip
+    assert len({len(p) for p in prompts}) > 1  # the batch is padded
+    model = build_model(family).to(torch.float64)
+    means, effects = choice_reference(model, prompts[:2], prompts, options)
+    assert_within(stored_means(store), means, np.abs(means).max(axis=1, keepdims=True))
+    got = stored_effects(store)
+    assert sorted(got) == list(range(4))
+    for instance, want in enumerate(effects):
+        T = len(prompts[instance])
+        assert got[instance].shape == (len(means), T)
+        assert (got[instance][-1, : T - 1] == 0).all() and got[instance][-1, T - 1] > 0
+        # the readout position itself is measured, and the earlier states reach it
+        assert (got[instance][: len(means) - 1, T - 1] > 0).all()
+        assert_within(got[instance], want, 1.0, what=f"instance {instance}")
+        assert want.max() > 100 * FLOAT32  # the comparison can fail
+
+
+def test_choice_erasure_leaves_the_other_measurements_alone(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    """The edited passes run with the decomposition paused: every other table of a choice
+    partition (the decomposition and the measurements bound to it, or watching every pass) is
+    what an extraction without --erase stores."""
+    task = make_task(tmp_path / "task", n=3)
+    args = ["--model", str(model_dirs("llama")), "--task", str(task), "--skips", "--heads",
+            "--gram", "--lens", "final", "--sinks"]  # fmt: skip
+    for name, more in (("plain", []), ("erased", ["--erase", "--erase-reference", "1"])):
+        out = extract(*args, *more, "--store", str(tmp_path / name))
+        assert out.exit_code == 0, out.output
+    plain, erased = Store(tmp_path / "plain"), Store(tmp_path / "erased")
+    tables = ["components", "instances", "skips", "heads", "gram", "lens", "sinks"]
+    assert set(tables) <= set(plain.tables) and "erasure" in erased.tables
+    for table in tables:
+        want, got = plain.scan(table).collect(), erased.scan(table).collect()
+        floats = [c for c in want.columns
+                  if want[c].dtype.is_float() or want[c].dtype == pl.List(pl.Float32)]  # fmt: skip
+        keys = [c for c in want.columns if c not in floats]
+        want, got = want.sort(keys), got.sort(keys)
+        assert got.select(keys).equals(want.select(keys)), table
+        for column in floats:
+            a, b = (f[column].explode().cast(pl.Float64).to_numpy() for f in (got, want))
+            assert_within(a, b, np.nanmax(np.abs(b)), what=f"{table}.{column}")
+
+
+def extracted_four_ways(tmp_path: Path, args: list[str]) -> tuple[Path, Path]:
+    """``args`` extracted whole (4 units), resumed (2, then 4: the stored reference reused) and
+    as 2 shards merged; the resumed and merged stores checked against the whole one (the same
+    settings, keys, effects and reference means). Returns (whole, resumed)."""
     whole = tmp_path / "whole"
-    args = ["--model", model, "--task", str(task), "--erase", "--erase-reference", "2",
-            "--chunk-size", "2"]  # fmt: skip
     assert extract(*args, "--store", str(whole), "--limit", "4").exit_code == 0
-    # a resume extends the partition with the stored reference
     resumed = tmp_path / "resumed"
-    assert extract(*args, "--store", str(resumed), "--limit", "2").exit_code == 0
-    assert extract(*args, "--store", str(resumed), "--limit", "4").exit_code == 0
-    # shards, merged
+    for limit in ("2", "4"):
+        assert extract(*args, "--store", str(resumed), "--limit", limit).exit_code == 0
     for i in (0, 1):
-        shard = ["--shard", f"{i}/2", "--limit", "4"]
-        out = extract(*args, "--store", str(tmp_path / f"s{i}"), *shard)
+        out = extract(*args, "--store", str(tmp_path / f"s{i}"), "--shard", f"{i}/2",
+                      "--limit", "4")  # fmt: skip
         assert out.exit_code == 0, out.output
     merged = tmp_path / "merged"
     out = CliRunner().invoke(main, ["merge", str(tmp_path / "s0"), str(tmp_path / "s1"),
                                     "--into", str(merged)])  # fmt: skip
     assert out.exit_code == 0, out.output
-    want = Store(whole).scan("erasure").collect().sort("doc", "layer", "pos")
+    keys = ("doc", "layer", "pos")
+    want = Store(whole).scan("erasure").collect().sort(*keys)
     settings = Store(whole).partitions[0].manifest.settings["erase"]
     assert set(settings) == {"erase_reference", "erase_reference_sha256"}
     for store in (resumed, merged):
         assert Store(store).partitions[0].manifest.settings["erase"] == settings
-        got = Store(store).scan("erasure").collect().sort("doc", "layer", "pos")
+        got = Store(store).scan("erasure").collect().sort(*keys)
+        assert got.select(keys).equals(want.select(keys))
         assert_within(got["effect"].to_numpy(), want["effect"].to_numpy(), 1.0)
         assert (stored_means(store) == stored_means(whole)).all()
+    return whole, resumed
+
+
+def test_choice_erase_partition_is_resumed_sharded_and_merged(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
+    task = make_task(tmp_path / "task", n=6)
+    args = ["--model", str(model_dirs("llama")), "--task", str(task), "--erase",
+            "--erase-reference", "2", "--chunk-size", "2"]  # fmt: skip
+    whole, _ = extracted_four_ways(tmp_path, args)
+    blocks = Store(whole).partitions[0].manifest.n_blocks
+    lengths = Store(whole).scan("instances").collect()["n_tokens"].sum()
+    rows = Store(whole).scan("erasure").collect().height
+    assert rows == (blocks + 1) * lengths  # a row per state and prompt token
+
+
+def test_erase_partition_is_resumed_sharded_merged_and_keeps_its_reference(
+    tmp_path: Path, model_dirs: Any
+) -> None:
+    task = multihop_task(tmp_path / "task", **SHORT)
+    model = str(model_dirs("llama"))
+    args = ["--model", model, "--task", str(task), "--erase", "--erase-reference", "2",
+            "--chunk-size", "2"]  # fmt: skip
+    whole, resumed = extracted_four_ways(tmp_path, args)
 
     # another reference: a resume is refused before anything is written, so is a merge
     before = sorted(p.name for p in (resumed / "erasure").rglob("*.parquet"))
@@ -202,7 +308,9 @@ def test_erase_refuses_another_reference_of_the_same_size(tmp_path: Path, model_
     assert out.exit_code != 0 and "erase_reference_sha256" in out.output, out.output
 
 
-def test_bad_erase_input_is_refused_in_one_line(tmp_path: Path, model_dirs: Any) -> None:
+def test_bad_erase_input_is_refused_in_one_line(
+    tmp_path: Path, model_dirs: Any, make_task: Any
+) -> None:
     model = str(model_dirs("llama"))
     plain = text_task(tmp_path / "a", ["the cat sat on the warm mat by the door of the house"])
     line = refused(tmp_path, model, plain, "--erase")
@@ -212,15 +320,24 @@ def test_bad_erase_input_is_refused_in_one_line(tmp_path: Path, model_dirs: Any)
     assert "--erase-reference 5" in line and "from 1 to 4" in line
     line = refused(tmp_path, model, task, "--erase", "--erase-reference", "0")
     assert "--erase-reference 0" in line
+    choice = make_task(tmp_path / "c", n=4)
+    line = refused(tmp_path, model, choice, "--erase", "--erase-reference", "5")
+    assert "first 5 instances" in line and "from 1 to 4" in line
 
 
 def test_erasure_rows_are_checked_per_token_and_layer() -> None:
+    """A text chunk: a row per token and state; a choice chunk (whose prompt tokens it does not
+    count): whole rows per state, at least one position per instance."""
     from layerdiv.measurements.erase import ERASE
 
     assert ERASE.check_rows is not None
     assert ERASE.check_rows({"erasure": 3 * 10, "tokens": 10}, 2, {}) is None
     wrong = ERASE.check_rows({"erasure": 29, "tokens": 10}, 2, {})
     assert wrong is not None and wrong[0] == "erasure"
+    assert ERASE.check_rows({"erasure": 3 * 17, "instances": 2}, 2, {}) is None
+    for found in (3 * 17 + 1, 0, 3):  # not whole rows; none; fewer positions than instances
+        wrong = ERASE.check_rows({"erasure": found, "instances": 2}, 2, {})
+        assert wrong is not None and wrong[0] == "erasure", found
 
 
 def test_erase_cost_counts_the_prefix_reusing_passes() -> None:
@@ -230,13 +347,15 @@ def test_erase_cost_counts_the_prefix_reusing_passes() -> None:
 
     shape = Shape(d=8, layers=3, vocab=50, block_weights=100, attention=16)
     T, s = 9, 6
-    want = 3 * shape.block(T)  # the clean pass that keeps the keys and values
-    for layer in range(4):
-        for t in range(T - 1):
-            queries = 2 * 100 * (T - t) + 16 * sum(p + 1 for p in range(t, T))
-            read = [t] if layer == 3 else range(max(s - 1, t), T - 1)  # h_L: z_t alone
-            want += (3 - layer) * queries + 2 * 8 * 50 * sum(s - 1 <= j <= T - 2 for j in read)
-    assert erase_flops(shape, T, s) == pytest.approx(want, rel=1e-12)
+    # a text task reads s - 1..T - 2 out; a choice task T - 1 alone
+    for first, last in ((s - 1, T - 2), (T - 1, T - 1)):
+        want = 3 * shape.block(T)  # the clean pass that keeps the keys and values
+        for layer in range(4):
+            for t in range(last + 1):
+                queries = 2 * 100 * (T - t) + 16 * sum(p + 1 for p in range(t, T))
+                read = [t] if layer == 3 else range(max(first, t), last + 1)  # h_L: z_t alone
+                want += (3 - layer) * queries + 2 * 8 * 50 * sum(first <= j for j in read)
+        assert erase_flops(shape, T, first, last) == pytest.approx(want, rel=1e-12)
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
-"""What the attribution maps of a text task share (integrated gradients, methods §13; residual
-erasure, methods §14): where each document's answer starts, the tokens on a map's axis, and the
-per-document heatmap of a map.
+"""What the attribution maps share (integrated gradients of a text task, methods §13; residual
+erasure of a text or choice task, methods §14): where each document's answer starts, the tokens on
+a map's axis, and the per-document (instance) heatmap of a map.
 
 Each document's answer start s (methods §10) is the one the extraction stored in ``documents``
 (``answer_start``, :func:`answer_starts`).
@@ -172,10 +172,13 @@ def map_figure(
     colorbar: str,
     signed: bool,
     note: str = "",
+    unit: str = "document",
 ) -> plots.Figure:
-    """One :func:`map_panel` per drawn document of each partition (and per ``sublayer`` where
-    ``rows`` has one, in the order of its first rows): ``value`` at each ``row`` (``block`` or
-    ``layer``) and token, its colour bar titled ``colorbar``."""
+    """One :func:`map_panel` per drawn document (``unit``) of each partition (and per
+    ``sublayer`` where ``rows`` has one, in the order of its first rows): ``value`` at each
+    ``row`` (``block`` or ``layer``) and token, its colour bar titled ``colorbar``; the tokens
+    by position alone and no answer's start where ``rows`` have no ``token`` or
+    ``answer_start`` (a choice task's)."""
     site = ["sublayer"] if "sublayer" in rows.columns else []
     shown = int(rows.group_by(*KEY).agg(pl.col("doc").n_unique())["doc"].max())  # type: ignore[arg-type]
     panels = []
@@ -183,18 +186,23 @@ def map_figure(
         lines = sorted(one[row].unique().to_list())
         tokens = one.filter(pl.col(row) == lines[0]).sort("pos")
         z = one.sort(row, "pos")[value].to_numpy().reshape(len(lines), -1)
-        label = " · ".join([names.get(str(key[0]), str(key[0])), str(key[2]), f"doc {key[3]}",
+        short = "doc" if unit == "document" else unit
+        label = " · ".join([names.get(str(key[0]), str(key[0])), str(key[2]), f"{short} {key[3]}",
                             *map(str, key[4:])])  # fmt: skip
         ylabel = "block l" if row == "block" else "state l"
-        panels.append(map_panel(label, z, token_labels(tokens), lines, ylabel, colorbar,
-                                one["answer_start"][0], signed))  # fmt: skip
+        spelled = "token" in one.columns
+        labels = token_labels(tokens) if spelled else [str(p) for p in tokens["pos"]]
+        start = one["answer_start"][0] if "answer_start" in one.columns else None
+        panels.append(map_panel(label, z, labels, lines, ylabel, colorbar, start, signed,
+                                "position:token" if spelled else "position"))  # fmt: skip
+    answer = "; dotted: where the answer starts" if "answer_start" in rows.columns else ""
     return plots.Figure(
         title,
         panels,
         cols=1,
         panel_size=(10.0, 3.4),
-        caption=f"the first {shown} document(s) of each model and task; colour range from "
-        f"positions 1..T-1 (position 0 drawn clipped){note}; dotted: where the answer starts",
+        caption=f"the first {shown} {unit}(s) of each model and task; colour range from "
+        f"positions 1..T-1 (position 0 drawn clipped){note}{answer}",
     )
 
 
@@ -220,11 +228,12 @@ def map_panel(
     colorbar: str,
     start: int | None,
     signed: bool,
+    xlabel: str = "position:token",
 ) -> plots.Panel:
     """The row x token heatmap ``z`` (rows, T) of one document: ``signed``, diverging colours
     centred at 0 (symmetric range), else sequential from 0; the colour range set by the
     positions 1..T-1 (position 0, the attention sink, would take all of it and is drawn clipped);
-    a dotted line before the answer's first token ``start``."""
+    a dotted line before the answer's first token ``start``; the x axis titled ``xlabel``."""
     rest = np.abs(z[:, 1:]) if z.shape[1] > 1 else np.abs(z)
     top = float(rest.max()) if rest.size and rest.max() > 0 else 1.0
     heat = plots.Heatmap(
@@ -245,4 +254,4 @@ def map_panel(
             plots.RefLine(start - 0.5, axis="x", label="answer starts", dash="dot", color="black")
         ]
     )
-    return plots.Panel(title, heatmap=heat, xlabel="position:token", ylabel=ylabel, lines=lines)
+    return plots.Panel(title, heatmap=heat, xlabel=xlabel, ylabel=ylabel, lines=lines)

@@ -1,31 +1,42 @@
-"""Running text, residual erasure (methods §14; ``extract --erase``).
+"""Residual erasure per state and token (methods §14; ``extract --erase``), on running text and on
+choice tasks: one section each.
 
-With L blocks, states l = 0..L (0: the embeddings; l: block l-1's output) and per document the
-effect(l, t) of replacing h_l at position t alone by the reference mean mu_l, s the answer's
-start (:func:`~layerdiv.analyze.analyses.attribution.answer_starts`) and T the document's tokens:
+With L blocks, states l = 0..L (0: the embeddings; l: block l-1's output) and per document
+(instance) the effect(l, t) of replacing h_l at position t alone by the reference mean mu_l, T its
+tokens and a an anchor position (running text: the answer's start s,
+:func:`~layerdiv.analyze.analyses.attribution.answer_starts`; a choice task: the readout position
+T - 1, the last prompt token, whose option probabilities the effect compares):
 
-- per-layer profile of a document v(l) = sum_t effect(l, t); ``erasure_layers`` the mean over
-  documents of the mean over positions 0..T-2 (effect(l, T-1) is 0 by construction: not computed)
-  per state, on relative depth l / L;
+- the positions computed: running text t = 0..T-2 (effect(l, T-1) is 0 by construction: not
+  computed); a choice task every t = 0..T-1 (t = T-1 is the readout position itself; the last
+  state's effect elsewhere is 0 by construction and counts as the 0 it is);
+- per-state profile of a document v(l) = sum_t effect(l, t); ``*_layers`` the mean over documents
+  of the mean over the computed positions per state, on relative depth l / L, with its bootstrap
+  95% interval over documents;
 - depth score (methods §10) of v: sum_l l v(l) / sum_l v(l) over l = 0..L, the mean over
   documents with its bootstrap 95% interval, and the relative score / L (state l is block l-1's
   output: (block + 1) / L, as the blocks' relative score);
-- effect against the distance to the answer d = s - t (tokens; negative inside the answer): per
-  document and position e(t) = the mean over states of effect(l, t), t = 0..T-2; per d the mean
-  over the documents holding it (a document holds one position per d) with its bootstrap 95%
-  interval over documents (1,000 seeded resamples; none from fewer than 5 documents).
+- effect against the distance to the anchor d = a - t (tokens; running text: negative inside the
+  answer; a choice task: 0 at the readout position): per document and position e(t) = the mean
+  over states of effect(l, t); per d the mean over the documents holding it (a document holds
+  one position per d) with its bootstrap 95% interval over documents (1,000 seeded resamples;
+  none from fewer than 5 documents).
 
-Tables: ``erasure_layers`` per (model, revision, task, ``layer``): ``relative_depth``,
-``n_documents``, ``effect``; ``erasure_depth`` per (model, revision, task): ``n_blocks``,
-``n_documents``, ``n_scored``, ``score``, ``ci_low``, ``ci_high``, ``relative``,
-``relative_low``, ``relative_high``; ``erasure_distance`` per (model, revision, task,
-``distance``): ``n_documents``, ``effect``, ``ci_low``, ``ci_high``; ``erasure_maps``: the rows
-of the first documents' maps with their ``token`` ids and ``answer_start``.
+Tables (running text; a choice task's are named ``choice_erasure_*`` and key the instance as
+``doc``): ``erasure_layers`` per (model, revision, task, ``layer``): ``relative_depth``,
+``n_documents``, ``effect``, ``ci_low``, ``ci_high``; ``erasure_depth`` per (model, revision,
+task): ``n_blocks``, ``n_documents``, ``n_scored``, ``score``, ``ci_low``, ``ci_high``,
+``relative``, ``relative_low``, ``relative_high``; ``erasure_distance`` per (model, revision,
+task, ``distance``): ``n_documents``, ``effect``, ``ci_low``, ``ci_high``; ``erasure_maps``: the
+rows of the first documents' maps (running text: with their ``token`` ids and ``answer_start``;
+a choice task: by position alone, the store keeping no prompt's tokens).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import polars as pl
@@ -45,6 +56,7 @@ from layerdiv.analyze.analyses.attribution import (
     with_answer,
 )
 from layerdiv.analyze.analyses.effective_depth import interval_ends
+from layerdiv.analyze.analyses.text_groups import bootstrap_mean
 from layerdiv.analyze.frames import tag
 from layerdiv.analyze.markdown import markdown_table
 from layerdiv.analyze.registry import (
@@ -62,21 +74,47 @@ from layerdiv.analyze.stats import (
     resample_weights,
 )
 from layerdiv.analyze.text import TEXT_KIND
+from layerdiv.schemas import KINDS
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY, SERIES
 
 TITLE = "Running text: residual erasure per state and token"
 """The heading of its report section."""
+CHOICE_TITLE = "Choice tasks: residual erasure per state and token"
+"""The heading of the choice tasks' report section."""
+CHOICE = KINDS["choice"].name
+
+
+def choice(info: PartitionInfo) -> bool:
+    """Whether ``info`` is a choice partition."""
+    return info.manifest.kind == CHOICE
+
+
+def lengths(info: PartitionInfo) -> pl.LazyFrame:
+    """Per document (instance, as ``doc``) of ``info``: its ``n_tokens`` T."""
+    if choice(info):
+        return info.scan("instances").select(pl.col("instance").alias("doc"), "n_tokens")
+    return info.scan("documents").select("doc", "n_tokens")
+
+
+def anchors(info: PartitionInfo) -> pl.DataFrame:
+    """Per document (instance, as ``doc``) of ``info`` its ``anchor`` a: the answer's start s
+    (none for a document without one), a choice task's readout position T - 1."""
+    if choice(info):
+        rows = lengths(info).select("doc", anchor=pl.col("n_tokens") - 1).collect()
+        return rows.sort("doc")
+    return answer_starts(info).rename({"answer_start": "anchor"})
 
 
 def computed(info: PartitionInfo) -> pl.LazyFrame:
-    """``info``'s erasure rows at the positions t = 0..T-2 (effect(l, T-1) is 0 by construction,
-    not computed: methods §14), ``effect`` as float64."""
-    lengths = info.scan("documents").select("doc", "n_tokens")
+    """``info``'s erasure rows at the positions computed (running text t = 0..T-2: effect(l, T-1)
+    is 0 by construction, not computed; a choice task every t = 0..T-1: methods §14),
+    ``effect`` as float64."""
+    last = pl.col("n_tokens") - (0 if choice(info) else 1)
     return (
         info.scan("erasure")
-        .join(lengths, on="doc", how="inner")
-        .filter(pl.col("pos") < pl.col("n_tokens") - 1)
+        .join(lengths(info), on="doc", how="inner")
+        .filter(pl.col("pos") < last)
         .with_columns(pl.col("effect").cast(pl.Float64))
     )
 
@@ -94,27 +132,33 @@ def layer_tables(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
         raise NoData(f"{info.where} has no erasure rows")
     _, v = profiles(per_doc, "layer", "total", blocks + 1)  # v(l) = sum_t effect(l, t)
     depth = depth_frame([depth_row(v, blocks, 0)])  # methods §10 over the states l = 0..L
-    layers = (
-        per_doc.group_by("layer")
-        .agg(n_documents=pl.len(), effect=pl.col("mean").mean())
-        .with_columns(relative_depth=pl.col("layer") / blocks)
-        .select("layer", "relative_depth", "n_documents", "effect")
-        .sort("layer")
-    )
+    _, mean = profiles(per_doc, "layer", "mean", blocks + 1)  # per document: mean_t effect(l, t)
+    held = np.unique(per_doc["layer"].to_numpy())
+    # per state: the mean over documents with its bootstrap interval over them
+    summary = [bootstrap_mean(mean[:, layer]) for layer in held]
+    layers = pl.DataFrame(
+        {
+            "layer": held.astype(np.int64),
+            "relative_depth": held / blocks,
+            "n_documents": np.full(len(held), len(mean), np.int64),
+            "effect": [m for m, _, _ in summary],
+            "ci_low": [lo for _, lo, _ in summary],
+            "ci_high": [hi for _, _, hi in summary],
+        }
+    ).with_columns(pl.col("ci_low", "ci_high").fill_nan(None))
     return layers, depth
 
 
 def distances(info: PartitionInfo) -> pl.DataFrame:
     """``erasure_distance`` (without the key) of one partition: the mean over documents of
-    e(t) at each d = s - t, with its bootstrap interval over documents."""
+    e(t) at each d = a - t (:func:`anchors`), with its bootstrap interval over documents."""
     rows = computed(info)
-    starts = answer_starts(info)
     per_token = (
         rows.group_by("doc", "pos")
         .agg(pl.col("effect").mean())
         .collect()
-        .join(starts, on="doc", how="inner")
-        .with_columns(distance=pl.col("answer_start") - pl.col("pos"))
+        .join(anchors(info), on="doc", how="inner")
+        .with_columns(distance=pl.col("anchor") - pl.col("pos"))
     )
     if not per_token.height:
         raise NoData(f"{info.where} has no erasure rows with an answer")
@@ -143,59 +187,102 @@ def distances(info: PartitionInfo) -> pl.DataFrame:
 
 
 def maps(info: PartitionInfo, count: int) -> pl.DataFrame:
-    """The ``erasure_maps`` rows of ``info``'s first ``count`` documents: every (layer, pos)
-    with its ``token`` id and the document's ``answer_start``."""
+    """The ``erasure_maps`` rows of ``info``'s first ``count`` documents: every (layer, pos),
+    running text with its ``token`` id and the document's ``answer_start`` (a choice partition
+    keeps no prompt's tokens: by position alone)."""
     docs = first_documents(info, "erasure", count)
     rows = info.scan("erasure").filter(pl.col("doc").is_in(docs)).collect()
-    starts = answer_starts(info)
-    return (
-        rows.join(document_tokens(info, docs), on=["doc", "pos"], how="left")
-        .join(starts, on="doc", how="left")
-        .sort("doc", "layer", "pos")
-    )
+    if not choice(info):
+        rows = rows.join(document_tokens(info, docs), on=["doc", "pos"], how="left").join(
+            answer_starts(info), on="doc", how="left"
+        )
+    return rows.sort("doc", "layer", "pos")
 
 
-def tables_of(info: PartitionInfo, count: int) -> dict[str, pl.DataFrame]:
-    """The four tables of one text partition holding ``erasure``."""
+def tables_of(prefix: str, info: PartitionInfo, count: int) -> dict[str, pl.DataFrame]:
+    """The four tables (names starting ``prefix``) of one partition holding ``erasure``."""
     layers, depth = layer_tables(info)
     return {
-        "erasure_layers": tag(layers, info),
-        "erasure_depth": tag(depth, info),
-        "erasure_distance": tag(distances(info), info),
-        "erasure_maps": tag(maps(info, count), info),
+        f"{prefix}_layers": tag(layers, info),
+        f"{prefix}_depth": tag(depth, info),
+        f"{prefix}_distance": tag(distances(info), info),
+        f"{prefix}_maps": tag(maps(info, count), info),
     }
-
-
-def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
-    """The registry's entry point: the tables of every partition it gets."""
-    return partition_tables(ctx, tables_of, TITLE)
 
 
 # --- report ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Section:
+    """What the running-text and the choice sections say and draw differently."""
+
+    kind: str
+    title: str
+    prefix: str
+    """The start of its tables' names."""
+    effect: str
+    """What an effect is, for the section's first sentence and the figure's caption."""
+    units: str
+    near: str
+    """The profile figure's right panel's title."""
+    distance: str
+    """Its x label."""
+    anchor: plots.RefLine | None
+    note: str
+    """The maps' caption's addition."""
+
+
+TEXT = Section(
+    TEXT_KIND,
+    TITLE,
+    "erasure",
+    "the largest L2 change of the next-token distribution over the positions that predict the "
+    "answer's tokens",
+    "documents",
+    "Effect against the distance to the answer",
+    "distance s − t (tokens)",
+    plots.RefLine(0.5, axis="x", label="answer starts", dash="dot", color="gray"),
+    "; the last position is 0 by construction",
+)
+CHOICES = Section(
+    CHOICE,
+    CHOICE_TITLE,
+    "choice_erasure",
+    "the L2 change of the option probabilities (the softmax over the option logits) at the last "
+    "prompt token T − 1",
+    "instances",
+    "Effect against the distance to the readout position",
+    "distance T − 1 − t (tokens)",
+    None,
+    "; positions by index (the store keeps no choice prompt's tokens), the last the readout "
+    "position T − 1; the last state is 0 before it by construction",
+)
+
+
 def profile_figure(
-    layers: pl.DataFrame, distance: pl.DataFrame, names: dict[str, str]
+    layers: pl.DataFrame, distance: pl.DataFrame, names: dict[str, str], section: Section = TEXT
 ) -> plots.Figure:
     """Two panels: the mean effect per state on relative depth, and the mean effect against the
-    distance to the answer with its bootstrap interval; a line per model and task."""
+    distance to the anchor (the answer's start, a choice task's readout position) with its
+    bootstrap interval; a line per model and task."""
     keys = layers.select(*SERIES).unique(maintain_order=True).rows()
     color = dict(zip(keys, plots.colors(len(keys)), strict=False))
     depth = plots.Panel(
         "Effect per state", xlabel="relative depth l / L", ylabel="mean effect ||p' − p||₂"
     )
-    near = plots.Panel(
-        "Effect against the distance to the answer",
-        xlabel="distance s − t (tokens)",
-        ylabel="mean effect ||p' − p||₂",
-    )
+    near = plots.Panel(section.near, xlabel=section.distance, ylabel="mean effect ||p' − p||₂")
     for key in keys:
         name = f"{names.get(key[0], key[0])} · {key[1]}"
         mine = [pl.col(c) == v for c, v in zip(SERIES, key, strict=True)]
         rows = layers.filter(*mine).sort("layer")
         depth.series.append(
             plots.Series(
-                name, rows["relative_depth"].to_list(), rows["effect"].to_list(), color=color[key]
+                name,
+                rows["relative_depth"].to_list(),
+                rows["effect"].to_list(),
+                color=color[key],
+                interval=interval_ends(rows, "effect"),
             )
         )
         rows = distance.filter(*mine).sort("distance")
@@ -209,23 +296,24 @@ def profile_figure(
                 interval=interval_ends(rows, "effect"),
             )
         )
-    near.lines.append(plots.RefLine(0.5, axis="x", label="answer starts", dash="dot", color="gray"))
+    if section.anchor is not None:
+        near.lines.append(section.anchor)
     return plots.Figure(
         "Residual erasure (methods §14)",
         [depth, near],
-        caption="effect: the largest change of the next-token distribution over the positions "
-        "predicting the answer; right: the mean over states l = 0..L of each position's effect, "
-        f"bars the bootstrap {LEVEL:g}% interval over documents",
+        caption=f"effect: {section.effect}; right: the mean over states l = 0..L of each "
+        f"position's effect; bars the bootstrap {LEVEL:g}% interval over {section.units}",
     )
 
 
-def report(ctx: ReportContext) -> str:
+def report(ctx: ReportContext, section: Section = TEXT) -> str:
     """The residual-erasure section: the depth scores and both figures."""
     names = plots.short_names(ctx.names)
+    p = section.prefix
     head = [
         "Model",
         "Task",
-        "Documents",
+        section.units.capitalize(),
         "Depth score",
         f"{LEVEL:g}% CI",
         "score / L",
@@ -234,43 +322,55 @@ def report(ctx: ReportContext) -> str:
     return "\n\n".join(
         [
             "The effect of replacing one position's residual state h_l alone by its mean over "
-            "reference documents: the largest L2 change of the next-token distribution over the "
-            "positions that predict the answer's tokens. Depth score (methods §10) of each "
-            "document's profile sum_t effect(l, t) over the states l = 0..L, the mean over "
-            f"documents with its bootstrap {LEVEL:g}% interval ({RESAMPLES} resamples).",
-            markdown_table(head, depth_rows(ctx.tables["erasure_depth"].sort(*KEY), ctx.names)),
+            f"the task's first {section.units} (the reference): {section.effect}. Depth score "
+            f"(methods §10) of each {section.units[:-1]}'s profile sum_t effect(l, t) over the "
+            f"states l = 0..L, the mean over {section.units} with its bootstrap {LEVEL:g}% "
+            f"interval ({RESAMPLES} resamples).",
+            markdown_table(head, depth_rows(ctx.tables[f"{p}_depth"].sort(*KEY), ctx.names)),
             plots.figure_link(
                 ctx,
-                "erasure_profile.png",
+                f"{p}_profile.png",
                 "Residual erasure per state and by distance",
                 lambda: profile_figure(
-                    ctx.tables["erasure_layers"], ctx.tables["erasure_distance"], names
+                    ctx.tables[f"{p}_layers"], ctx.tables[f"{p}_distance"], names, section
                 ),
             ),
             *maps_link(
                 ctx,
-                "erasure_maps",
+                f"{p}_maps",
                 "Residual erasure per state and token (methods §14)",
                 row="layer",
                 value="effect",
                 colorbar="effect(l, t)",
                 signed=False,
-                note="; the last position is 0 by construction",
+                note=section.note,
+                unit=section.units[:-1],
             ),
         ]
     )
 
 
-register(
-    Analysis(
-        name="erasure",
-        title=TITLE,
+def analysis(
+    section: Section, among: Callable[[list[PartitionInfo]], list[PartitionInfo]] | None
+) -> Analysis:
+    """The analysis of one :class:`Section`: its tables of every partition it gets, and its
+    report section."""
+
+    def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
+        return partition_tables(ctx, partial(tables_of, section.prefix), section.title)
+
+    return Analysis(
+        name=section.prefix,
+        title=section.title,
         methods=(14, 10),
         tables=tables,
-        report=report,
-        kinds=(TEXT_KIND,),
-        among=with_answer,
+        report=partial(report, section=section),
+        kinds=(section.kind,),
+        among=among,
         options=OPTIONS,
         needs=("erasure",),
     )
-)
+
+
+register(analysis(TEXT, with_answer))
+register(analysis(CHOICES, None))
