@@ -117,6 +117,12 @@ first :data:`SKIPS_N` instances of :data:`SKIPS_OF` (the shortest prompts; the l
 cost about (blocks + 1) / 2 forward passes per instance), so that the report shows every
 section."""
 
+ERASE_TASK, ERASE_N = "tweets2-erase", 4
+"""The small choice task the demo also extracts with ``--erase`` (its reference means over
+all :data:`ERASE_N` prompts): the instances of :data:`SKIPS_OF` with the shortest texts
+(residual erasure costs about (L + 1) T / 4 forward passes per prompt of T tokens, so that its
+report section has data in under a minute)."""
+
 TEXT_TASK = "bbc-text"
 """The demo's running-text task: BBC News articles as running text (extracted with ``--lens``,
 ``--skips`` and ``--sinks``)."""
@@ -184,10 +190,10 @@ def states_task_spec(folder: Path, seed: int, texts: dict[Path, str]) -> Path:
 
 def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None) -> list[Path]:
     """Write each demo task as ``<name>.yaml`` + ``<name>.jsonl`` in ``folder`` (balanced
-    classes, ``n`` instances, shuffled with ``seed``), :data:`SKIPS_TASK` and the running-text
-    tasks :data:`TEXT_TASK`, :data:`STATES_TASK` and :data:`MULTIHOP_TASK`; returns the YAML
-    paths. Refuses (before writing) to change tasks that the demo ``store`` holds an extraction
-    of."""
+    classes, ``n`` instances, shuffled with ``seed``), :data:`SKIPS_TASK`, :data:`ERASE_TASK`
+    and the running-text tasks :data:`TEXT_TASK`, :data:`STATES_TASK` and :data:`MULTIHOP_TASK`;
+    returns the YAML paths. Refuses (before writing) to change tasks that the demo ``store``
+    holds an extraction of."""
     paths = []
     texts: dict[Path, str] = {}
     cache: dict[Callable[[], list[dict[str, str]]], list[dict[str, str]]] = {}
@@ -223,6 +229,15 @@ def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None)
                      "description": f"The first instances of {SKIPS_OF}."}  # fmt: skip
             path = folder / f"{SKIPS_TASK}.yaml"
             texts[path] = yaml.safe_dump(small, sort_keys=False, allow_unicode=True)
+            paths.append(path)
+            short = sorted(chosen, key=lambda r: len(r["text"]))[:ERASE_N]
+            data = folder / f"{ERASE_TASK}.jsonl"
+            texts[data] = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in short)
+            described = f"The instances of {SKIPS_OF} with the shortest texts."
+            erase = {**spec, "name": ERASE_TASK, "data": data.name, "n": len(short),
+                     "description": described}  # fmt: skip
+            path = folder / f"{ERASE_TASK}.yaml"
+            texts[path] = yaml.safe_dump(erase, sort_keys=False, allow_unicode=True)
             paths.append(path)
     paths.append(text_task_spec(folder, seed, texts))
     paths.append(states_task_spec(folder, seed, texts))
@@ -273,6 +288,7 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     gram_heads = measurement_options({"gram": True, "heads": True})
     lens_skips = measurement_options({"skips": True, "lens": "final"})
     sinks = measurement_options({"sinks": True})
+    erase = measurement_options({"erase": True, "erase_reference": ERASE_N})
     attribution = measurement_options(
         {"igrad": True, "igrad_sites": ("block", "attn"), "igrad_steps": MULTIHOP_STEPS,
          "erase": True, "erase_reference": MULTIHOP_DOCS}
@@ -285,6 +301,7 @@ def run_demo(out: Path, n: int, seed: int) -> None:
             store,
             measures={**gram_heads, **lens_skips, **sinks},
         ),
+        ExtractConfig(DEMO_MODEL, [by_name[ERASE_TASK]], store, measures=erase),
         ExtractConfig(DEMO_MODEL, [by_name[TEXT_TASK]], store, measures={**lens_skips, **sinks}),
         ExtractConfig(DEMO_MODEL, [by_name[STATES_TASK]], store, measures=states),
         ExtractConfig(str(sibling), [by_name[STATES_TASK]], store, measures=states),

@@ -64,11 +64,12 @@ def test_demo_writes_a_running_text_task_on_bbc_news(tmp_path: Path) -> None:
 
 def test_demo_writes_its_small_skips_task_and_its_states_task(tmp_path: Path) -> None:
     """The demo's ``--skips``/``--lens`` choice task is the first instances of tweets2 (few:
-    the skips cost a forward pass per block), and its states task has at least 10 training rows
+    the skips cost a forward pass per block), its ``--erase`` task the instances of tweets2
+    with the shortest texts, and its states task has at least 10 training rows
     (documents with doc % 5 != 4, every position but the first) per dimension of SmolLM2's
     width, so that no map is flagged ``few_rows``."""
     from layerdiv.analyze.analyses.maps import ROWS_PER_DIM
-    from layerdiv.demo import SKIPS_N, SKIPS_OF, SKIPS_TASK, STATES_TASK
+    from layerdiv.demo import ERASE_N, ERASE_TASK, SKIPS_N, SKIPS_OF, SKIPS_TASK, STATES_TASK
     from layerdiv.extract.tasks import instances, load_task
 
     tasks = {p.stem: p for p in write_demo_tasks(tmp_path / "tasks", n=300, seed=0)}
@@ -77,6 +78,10 @@ def test_demo_writes_its_small_skips_task_and_its_states_task(tmp_path: Path) ->
     assert [i.prompt for i in instances(small, SKIPS_N)] == [
         i.prompt for i in instances(whole, whole.n)[:SKIPS_N]
     ]
+    erase = load_task(str(tasks[ERASE_TASK]))
+    texts = sorted(len(i.prompt) for i in instances(whole, whole.n))
+    assert (erase.n, erase.kind, erase.options) == (ERASE_N, "choice", whole.options)
+    assert sorted(len(i.prompt) for i in instances(erase, ERASE_N)) == texts[:ERASE_N]
     spec = load_task(str(tasks[STATES_TASK]))
     train = [d for d in range(spec.n) if d % 5 != 4]
     assert spec.kind == "text" and spec.max_tokens is not None
