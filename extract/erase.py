@@ -50,7 +50,12 @@ families differ)."""
 
 GROUP_SHARE = 8
 """A group of copies starting at t0 spans at most (T - t0) / GROUP_SHARE positions t (its
-recomputed unchanged positions: at most about 1/16 of its work)."""
+recomputed unchanged positions: at most about 1/16 of its work), or :data:`GROUP_MIN`."""
+
+GROUP_MIN = 16
+"""The fewest positions a group spans (while the budget and the document allow): on prompts of
+tens of tokens, groups of one or two copies spend most of their time in the blocks' per-call
+cost rather than in the few positions a larger group recomputes."""
 
 READ_ROWS = 256
 """Positions per slice of an edited pass's readout (over the whole vocabulary)."""
@@ -212,7 +217,7 @@ class Erasure:
         for layer in range(len(states)):
             t0 = first if layer == len(self.blocks) else 0  # h_L before first: exactly 0
             while t0 <= last:
-                share = max(1, (n - t0) // GROUP_SHARE)
+                share = max(GROUP_MIN, (n - t0) // GROUP_SHARE)
                 rows = max(1, min(share, budget // (n - t0), last + 1 - t0))
                 t = torch.arange(t0, t0 + rows)
                 effect[layer, t0 : t0 + rows] = self._group(

@@ -15,6 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+import layerdiv.extract.erase as erase_hooks
 from layerdiv.cli import main
 from layerdiv.extract.adapters import adapter_for, get_module, prepare_model
 from layerdiv.measurements.erase import reference_means
@@ -122,12 +123,24 @@ def stored_means(store: Path) -> np.ndarray:
 
 
 @pytest.mark.numerical
-@pytest.mark.parametrize(("family", "batch"), [("llama", "2"), ("gpt_neox", "1")])
+@pytest.mark.parametrize(
+    ("family", "batch", "group"), [("llama", "2", 1), ("llama", "2", 16), ("gpt_neox", "1", 1)]
+)
 def test_erasure_matches_an_independent_float64_reference(
-    family: str, batch: str, tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any
+    family: str,
+    batch: str,
+    group: int,
+    tmp_path: Path,
+    model_dirs: Any,
+    build_model: Any,
+    tokenizer: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Batches of 2 documents are left-padded (the clean call's mask is cut to the queries);
-    a batch of one has no padding (the attention may have had no mask: a causal one is made)."""
+    a batch of one has no padding (the attention may have had no mask: a causal one is made).
+    Groups of at least one copy (``GROUP_MIN``): these short documents' later groups read the
+    clean keys and values of the positions before them; at least 16: one group per state."""
+    monkeypatch.setattr(erase_hooks, "GROUP_MIN", group)
     task = multihop_task(tmp_path / "task", **SHORT)
     store = tmp_path / "store"
     out = extract("--model", str(model_dirs(family)), "--task", str(task), "--store",
@@ -157,18 +170,24 @@ def test_erasure_matches_an_independent_float64_reference(
 
 
 @pytest.mark.numerical
-@pytest.mark.parametrize(("family", "batch"), [("llama", "4"), ("gpt_neox", "1")])
+@pytest.mark.parametrize(
+    ("family", "batch", "group"), [("llama", "4", 1), ("llama", "4", 16), ("gpt_neox", "1", 1)]
+)
 def test_choice_erasure_matches_an_independent_float64_reference(
     family: str,
     batch: str,
+    group: int,
     tmp_path: Path,
     model_dirs: Any,
     build_model: Any,
     tokenizer: Any,
     make_task: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A batch of 4 prompts of different lengths is left-padded; the last state h_L changes the
-    readout only at the last prompt token: every other position of it is an exact 0."""
+    readout only at the last prompt token: every other position of it is an exact 0. Groups
+    of at least 1 and 16 copies (``GROUP_MIN``), as in the text test."""
+    monkeypatch.setattr(erase_hooks, "GROUP_MIN", group)
     task = make_task(tmp_path / "task", n=4)
     store = tmp_path / "store"
     out = extract("--model", str(model_dirs(family)), "--task", str(task), "--store", str(store),
