@@ -328,11 +328,22 @@ def _mpl_panel(fig: Any, ax: Any, panel: Panel) -> None:
         style = (_MPL_DASH[s.dash] if s.line else "") + (s.marker or "")
         x = [where.get(v, v) for v in s.x]  # points over categorical bars stand on their bar
         y = [float("nan") if v is None else v for v in s.y]
-        if s.interval is not None:
-            low, high = s.interval
-            yerr = [[v - lo for v, lo in zip(y, low, strict=True)],
-                    [hi - v for v, hi in zip(y, high, strict=True)]]  # fmt: skip
-            ax.errorbar(x, y, yerr=yerr, fmt="none", color=s.color, capsize=3, linewidth=0.9)
+        if s.interval is not None:  # bars only where the interval is known (not null or NaN)
+            known = [
+                (u, v, lo, hi)
+                for u, v, lo, hi in zip(x, y, *s.interval, strict=True)
+                if lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi)
+            ]
+            if known:
+                ax.errorbar(
+                    [k[0] for k in known],
+                    [k[1] for k in known],
+                    yerr=[[v - lo for _, v, lo, _ in known], [hi - v for _, v, _, hi in known]],
+                    fmt="none",
+                    color=s.color,
+                    capsize=3,
+                    linewidth=0.9,
+                )
         ax.plot(
             x,
             y,

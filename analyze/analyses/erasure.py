@@ -302,7 +302,8 @@ def profile_figure(
         "Residual erasure (methods §14)",
         [depth, near],
         caption=f"effect: {section.effect}; right: the mean over states l = 0..L of each "
-        f"position's effect; bars the bootstrap {LEVEL:g}% interval over {section.units}",
+        f"position's effect; bars the bootstrap {LEVEL:g}% interval over {section.units} "
+        f"(none below {MIN_INTERVAL_N})",
     )
 
 
@@ -325,7 +326,7 @@ def report(ctx: ReportContext, section: Section = TEXT) -> str:
             f"the task's first {section.units} (the reference): {section.effect}. Depth score "
             f"(methods §10) of each {section.units[:-1]}'s profile sum_t effect(l, t) over the "
             f"states l = 0..L, the mean over {section.units} with its bootstrap {LEVEL:g}% "
-            f"interval ({RESAMPLES} resamples).",
+            f"interval ({RESAMPLES} resamples; none below {MIN_INTERVAL_N} {section.units}).",
             markdown_table(head, depth_rows(ctx.tables[f"{p}_depth"].sort(*KEY), ctx.names)),
             plots.figure_link(
                 ctx,

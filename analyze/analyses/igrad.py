@@ -55,7 +55,7 @@ from layerdiv.analyze.registry import (
     ReportContext,
     register,
 )
-from layerdiv.analyze.stats import LEVEL, RESAMPLES
+from layerdiv.analyze.stats import LEVEL, MIN_INTERVAL_N, RESAMPLES
 from layerdiv.analyze.text import TEXT_KIND
 from layerdiv.schemas import SUBLAYERS
 from layerdiv.store import PartitionInfo
@@ -318,7 +318,7 @@ def report(ctx: ReportContext) -> str:
             markdown_table(gaps, gap_rows(completeness_table, ctx.names)),
             "Depth score (methods §10) of each document's profile sum_t |IG(l, t)| over blocks, "
             f"the mean over documents with its bootstrap {LEVEL:g}% interval ({RESAMPLES} "
-            "resamples).",
+            f"resamples; none below {MIN_INTERVAL_N} documents).",
             markdown_table(head, depth_rows(depth, ctx.names)),
             plots.figure_link(
                 ctx,
