@@ -75,8 +75,9 @@ class Series:
     x_relative: Sequence[float] | None = None
     """The x values on the relative-depth axis, for :attr:`Figure.depth_switch`."""
     width: float = 1.3
-    interval: tuple[Sequence[float], Sequence[float]] | None = None
-    """Per point, the (low, high) ends of an interval drawn as an error bar around y."""
+    interval: tuple[Sequence[float | None], Sequence[float | None]] | None = None
+    """Per point, the (low, high) ends of an interval drawn as an error bar around y (None or
+    NaN: the point has no interval, and no bar)."""
 
 
 @dataclass
@@ -318,6 +319,13 @@ def _mpl_heatmap(fig: Any, ax: Any, heat: Heatmap) -> None:
                 )
 
 
+def _gap(high: float | None, low: float | None) -> float | None:
+    """high - low, None where an end is unknown (None or NaN: no error bar there)."""
+    if high is None or low is None or not (math.isfinite(high) and math.isfinite(low)):
+        return None
+    return high - low
+
+
 def _mpl_panel(fig: Any, ax: Any, panel: Panel) -> None:
     if panel.heatmap is not None:
         _mpl_heatmap(fig, ax, panel.heatmap)
@@ -328,17 +336,15 @@ def _mpl_panel(fig: Any, ax: Any, panel: Panel) -> None:
         style = (_MPL_DASH[s.dash] if s.line else "") + (s.marker or "")
         x = [where.get(v, v) for v in s.x]  # points over categorical bars stand on their bar
         y = [float("nan") if v is None else v for v in s.y]
-        if s.interval is not None:  # bars only where the interval is known (not null or NaN)
-            known = [
-                (u, v, lo, hi)
-                for u, v, lo, hi in zip(x, y, *s.interval, strict=True)
-                if lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi)
-            ]
+        if s.interval is not None:  # bars only where the interval is known
+            up = [_gap(hi, v) for v, hi in zip(y, s.interval[1], strict=True)]
+            down = [_gap(v, lo) for v, lo in zip(y, s.interval[0], strict=True)]
+            known = [i for i, (u, d) in enumerate(zip(up, down, strict=True)) if None not in (u, d)]
             if known:
                 ax.errorbar(
-                    [k[0] for k in known],
-                    [k[1] for k in known],
-                    yerr=[[v - lo for _, v, lo, _ in known], [hi - v for _, v, _, hi in known]],
+                    [x[i] for i in known],
+                    [y[i] for i in known],
+                    yerr=[[down[i] for i in known], [up[i] for i in known]],
                     fmt="none",
                     color=s.color,
                     capsize=3,
@@ -483,8 +489,8 @@ def _plotly_series(fig: Any, s: Series, panel: Panel, at: dict[str, int], shown:
         {
             "type": "data",
             "symmetric": False,
-            "array": [hi - v for v, hi in zip(s.y, s.interval[1], strict=True)],
-            "arrayminus": [v - lo for v, lo in zip(s.y, s.interval[0], strict=True)],
+            "array": [_gap(hi, v) for v, hi in zip(s.y, s.interval[1], strict=True)],
+            "arrayminus": [_gap(v, lo) for v, lo in zip(s.y, s.interval[0], strict=True)],
         }
         if s.interval is not None
         else None

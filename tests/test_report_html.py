@@ -465,6 +465,31 @@ DEMO_REPORT = Path(os.environ.get("LAYERDIV_DEMO_REPORT", "layerdiv-demo/report/
 """The demo's page (``make demo``; another with ``LAYERDIV_DEMO_REPORT``)."""
 
 
+def test_a_point_without_an_interval_has_no_bar(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interval end that is null or NaN (too few units for an interval) draws no error bar,
+    in the page's charts and in the PNG figures, rather than a bar of no length."""
+    import matplotlib.axes
+
+    from layerdiv.analyze import plots
+
+    ends = ([0.5, None, float("nan")], [1.5, None, float("nan")])
+    series = plots.Series("a", [1, 2, 3], [1.0, 2.0, 3.0], interval=ends)
+    spec = plots.Figure("t", [plots.Panel("p", [series])])
+    error = plots.to_plotly(spec)["data"][0]["error_y"]
+    assert [list(error[k]) for k in ("array", "arrayminus")] == [[0.5, None, None]] * 2
+    drawn, real = [], matplotlib.axes.Axes.errorbar
+
+    def errorbar(self: Any, x: Any, y: Any, **kwargs: Any) -> Any:
+        drawn.append((list(x), kwargs["yerr"]))
+        return real(self, x, y, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", errorbar)
+    plots.to_matplotlib(spec, tmp_path / "f.png")
+    assert drawn == [([1], [[0.5], [0.5]])]
+
+
 def test_demo_report_shows_its_findings(browser: Any) -> None:
     """The demo's page as a reader sees it: no warning box, every figure drawn with a complete
     legend and no axis title over another or over ticks, and the logit-lens figure with the

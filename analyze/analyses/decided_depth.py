@@ -249,7 +249,7 @@ def decided_figure(table: pl.DataFrame, hist: pl.DataFrame, names: dict[str, str
                 rows["mean"].to_list(),
                 color=color[(model, task)],
                 line=False,
-                interval=interval_ends(rows, "mean"),
+                interval=interval_ends(rows),
             )
         )
     share.lines.append(plots.RefLine(1.0, axis="x", label="last block", dash="dot", color="gray"))

@@ -275,12 +275,10 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
 # --- report ------------------------------------------------------------------------------------
 
 
-def interval_ends(rows: pl.DataFrame, value: str) -> tuple[list[float], list[float]]:
-    """The (low, high) ends of the intervals ``ci_low``/``ci_high`` of ``rows``' ``value``, the
-    value itself where an end is missing (a point drawn without a bar)."""
-    pairs = zip(rows[value], rows["ci_low"], rows["ci_high"], strict=True)
-    ends = [(v if lo is None else lo, v if hi is None else hi) for v, lo, hi in pairs]
-    return [lo for lo, _ in ends], [hi for _, hi in ends]
+def interval_ends(rows: pl.DataFrame) -> tuple[list[float | None], list[float | None]]:
+    """The (low, high) ends of the intervals ``ci_low``/``ci_high`` of ``rows`` (None where an
+    end is missing: a point drawn without a bar)."""
+    return rows["ci_low"].to_list(), rows["ci_high"].to_list()
 
 
 def ratio_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
@@ -307,7 +305,7 @@ def ratio_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
                         sub["ratio"].to_list(),
                         color=color[task],
                         line=False,
-                        interval=interval_ends(sub, "ratio"),
+                        interval=interval_ends(sub),
                     )
                 )
         none = table.filter(pl.col("measure") == measure, pl.col("ratio").is_null()).height
@@ -346,7 +344,7 @@ def step_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
                     sub["ratio"].to_list(),
                     color=color[str(model)],
                     dash=dashes[tasks.index(task) % len(dashes)],
-                    interval=interval_ends(sub, "ratio"),
+                    interval=interval_ends(sub),
                     hover=[f"revision {r}" for r in sub["revision"]],
                 )
             )

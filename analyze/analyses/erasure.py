@@ -282,7 +282,7 @@ def profile_figure(
                 rows["relative_depth"].to_list(),
                 rows["effect"].to_list(),
                 color=color[key],
-                interval=interval_ends(rows, "effect"),
+                interval=interval_ends(rows),
             )
         )
         rows = distance.filter(*mine).sort("distance")
@@ -293,7 +293,7 @@ def profile_figure(
                 rows["effect"].to_list(),
                 color=color[key],
                 marker=None,
-                interval=interval_ends(rows, "effect"),
+                interval=interval_ends(rows),
             )
         )
     if section.anchor is not None:

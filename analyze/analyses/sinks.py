@@ -151,7 +151,7 @@ def sink_figure(
     for key, color in zip(keys, plots.colors(len(keys)), strict=False):
         label = partition_label(key, names)
         rate = rates.filter(*(pl.col(c) == v for c, v in key.items()))
-        ends = interval_ends(rate, "sink_rate")
+        ends = interval_ends(rate)
         overall.series.append(
             plots.Series(label, [label], rate["sink_rate"].to_list(), color=color, line=False,
                          interval=ends)
