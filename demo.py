@@ -119,7 +119,7 @@ section."""
 
 ERASE_TASK, ERASE_N = "tweets2-erase", 6
 """The small choice task the demo also extracts with ``--erase`` (its reference means over
-all :data:`ERASE_N` prompts): the instances of :data:`SKIPS_OF` with the shortest texts
+all :data:`ERASE_N` prompts), and with ``--gram --heads`` as every choice task: the instances of :data:`SKIPS_OF` with the shortest texts
 (residual erasure costs about (L + 1) T / 4 forward passes per prompt of T tokens, so that its
 report section has data, its intervals included, in about a minute)."""
 
@@ -301,7 +301,7 @@ def run_demo(out: Path, n: int, seed: int) -> None:
             store,
             measures={**gram_heads, **lens_skips, **sinks},
         ),
-        ExtractConfig(DEMO_MODEL, [by_name[ERASE_TASK]], store, measures=erase),
+        ExtractConfig(DEMO_MODEL, [by_name[ERASE_TASK]], store, measures={**gram_heads, **erase}),
         ExtractConfig(DEMO_MODEL, [by_name[TEXT_TASK]], store, measures={**lens_skips, **sinks}),
         ExtractConfig(DEMO_MODEL, [by_name[STATES_TASK]], store, measures=states),
         ExtractConfig(str(sibling), [by_name[STATES_TASK]], store, measures=states),
