@@ -119,9 +119,10 @@ section."""
 
 ERASE_TASK, ERASE_N = "tweets2-erase", 6
 """The small choice task the demo also extracts with ``--erase`` (its reference means over
-all :data:`ERASE_N` prompts), and with ``--gram --heads`` as every choice task: the instances of :data:`SKIPS_OF` with the shortest texts
-(residual erasure costs about (L + 1) T / 4 forward passes per prompt of T tokens, so that its
-report section has data, its intervals included, in about a minute)."""
+all :data:`ERASE_N` prompts), and with ``--gram --heads`` as every choice task: the instances
+of :data:`SKIPS_OF` with the shortest texts (residual erasure costs about (L + 1) T / 4 forward
+passes per prompt of T tokens), so that its report section has data, its intervals included,
+in about a minute."""
 
 TEXT_TASK = "bbc-text"
 """The demo's running-text task: BBC News articles as running text (extracted with ``--lens``,
