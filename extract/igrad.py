@@ -195,14 +195,15 @@ class IgradCapture(Hooks):
         grads = torch.zeros(batch, width, x.shape[-1], device=x.device)
         f = torch.zeros(2, batch, device=x.device)
         steps = self.steps
-        # (row, alpha): alpha_k = k/m, k = 0..m-1 (the left Riemann sum), then alpha = 1 (f(x))
-        points = [(b, k) for b in answered for k in range(steps + 1)]
+        # point i = (row answered[i // (m + 1)], k = i % (m + 1)): alpha_k = k/m, k = 0..m-1
+        # (the left Riemann sum), then alpha = 1 (f(x)); each slice's points made when it runs
+        rows_of = torch.tensor(answered, device=x.device)
+        total = len(answered) * (steps + 1)
         runs = len(self.removal.blocks) - layer - (site == "block")
         lo, rows = 0, self._slice_rows(width, runs)
-        while lo < len(points):
-            part = points[lo : lo + rows]
-            b = torch.tensor([p[0] for p in part], device=x.device)
-            k = torch.tensor([p[1] for p in part], device=x.device)
+        while lo < total:
+            point = torch.arange(lo, min(lo + rows, total), device=x.device)
+            b, k = rows_of[point // (steps + 1)], point % (steps + 1)
             alpha = (k.float() / steps)[:, None, None]
             z = (start.index_select(0, b) + alpha * diff.index_select(0, b)).requires_grad_()
             try:
@@ -214,7 +215,7 @@ class IgradCapture(Hooks):
                 torch.cuda.empty_cache()
                 rows = self._cap = rows // 2  # kept for the later slices and batches
                 continue
-            lo += len(part)
+            lo += len(point)
             inner = k < steps
             grads.index_add_(0, b[inner], grad[inner])
             for end, at in ((0, 0), (1, steps)):
@@ -222,7 +223,6 @@ class IgradCapture(Hooks):
                 f[end].index_put_((b[hit],), value.detach()[hit])
         # IG(l, t) = sum_d (x - b)[t, d] (1/m) sum_k df/dx[t, d] at x(alpha_k)
         ig = (diff * grads).sum(-1) / steps
-        rows_of = torch.tensor(answered, device=x.device)
         return ig.index_select(0, rows_of), f.index_select(1, rows_of)
 
     def _target(

@@ -124,7 +124,12 @@ def _measure_settings(
     for m in for_kind(spec.kind):
         if not set(m.tables[spec.kind]) & set(tables):
             continue
-        settings = as_json({**(stored.get(m.name) or m.defaults()), **cfg.given(m)})
+        own = stored.get(m.name) or m.defaults()
+        given = cfg.given(m)
+        for s in m.settings:  # a set given in another order: the recorded order
+            if s.unordered and s.name in given and set(given[s.name]) == set(own.get(s.name, ())):
+                given[s.name] = own[s.name]
+        settings = as_json({**own, **given})
         if m.name in stored and settings != stored[m.name]:
             raise TaskError(
                 f"{writer.part.manifest}: the stored {m.name} was extracted with "

@@ -22,6 +22,10 @@ from layerdiv.schemas import IGRAD, IGRAD_ENDS, SUBLAYERS
 STEPS = 256
 """Default steps m of the Riemann sum (the depth-efficiency paper's code)."""
 
+MAX_STEPS = 65_536
+"""Most steps m a run may ask for (256 times the default: each step is a forward and backward
+pass per site and block)."""
+
 
 class IgradError(LayerdivError, ValueError):
     """Settings of ``--igrad`` that the task or the model cannot follow."""
@@ -126,15 +130,16 @@ def igrad_row_counts(
 
 
 def plan_igrad(plan: Planning) -> list[tuple[int, int]] | None:
-    """``--igrad``'s check of a task's plan: refuses a step count below one and a text task
+    """``--igrad``'s check of a task's plan: refuses a step count outside 1..:data:`MAX_STEPS`
+    and a text task
     without an answer; per document of a text task, its answer's start s and length A (methods
     §10), with a note where ``max_tokens`` cuts answers (their targets sum over the answer tokens
     kept; none kept: f = 0 and every attribution 0); None for a choice task."""
     steps = plan.settings["igrad_steps"]
-    if steps < 1:
+    if not 1 <= steps <= MAX_STEPS:
         raise IgradError(
-            f"--igrad-steps {steps}: the Riemann sum needs at least one step; give a positive "
-            f"number (default {STEPS})"
+            f"--igrad-steps {steps}: the Riemann sum takes 1 to {MAX_STEPS} steps; give a "
+            f"number in that range (default {STEPS})"
         )
     if plan.task.kind == "choice":
         return None
@@ -208,6 +213,7 @@ IGRAD_MEASUREMENT = register(
                     "its attention's or its MLP's output; repeat for several.",
                 ),
                 SITES,
+                unordered=True,
             ),
             Setting(
                 "igrad_steps",

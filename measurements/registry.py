@@ -302,6 +302,9 @@ class Setting:
     """The ``extract`` option (its default must be None: not given keeps the stored value)."""
     default: Any
     """The value of a new partition when the option is not given."""
+    unordered: bool = False
+    """A repeated option whose values are a set: given in another order than the partition
+    recorded them, they are the recorded ones (not refused)."""
 
 
 @dataclass(frozen=True)

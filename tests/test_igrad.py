@@ -189,9 +189,9 @@ def test_bad_igrad_input_is_refused_in_one_line(tmp_path: Path, model_dirs: Any)
     assert "--igrad's target is the probability of the answer's tokens" in line
     assert "names none; add an 'answer' template" in line
     task = multihop_task(tmp_path / "b", **SHORT)
-    for steps in ("0", "-3"):
+    for steps in ("0", "-3", "65537", "99999999999999999999"):  # refused before any estimate
         line = refused(tmp_path, model, task, "--igrad", "--igrad-steps", steps)
-        assert f"--igrad-steps {steps}: the Riemann sum needs at least one step" in line
+        assert f"--igrad-steps {steps}: the Riemann sum takes 1 to 65536 steps" in line
     line = refused(tmp_path, model, task, "--igrad-steps", "4")
     assert "--igrad-steps" in line and "--igrad" in line
 
@@ -260,3 +260,71 @@ def test_a_slice_out_of_memory_is_halved_and_gives_the_same_maps(
         for column in (c for c in got.columns if c not in keys):
             scale = np.abs(want[column].to_numpy()).max()
             assert_within(got[column].to_numpy(), want[column].to_numpy(), scale)
+
+
+class _Stop(Exception):
+    """Stops an extraction at its first slice of path points."""
+
+
+def test_path_points_are_made_per_slice(
+    tmp_path: Path, model_dirs: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The largest step count a run may ask for builds no list of its (m + 1) path points per
+    document: the memory Python holds when the first slice is sized is what it held before the
+    integration began (a list of 2 x 65,537 points would hold over 10 MB)."""
+    import tracemalloc
+
+    from layerdiv.extract.igrad import IgradCapture
+
+    held: list[int] = []
+    integrate, slice_rows = IgradCapture._integrate, IgradCapture._slice_rows
+
+    def before(self: IgradCapture, docs: list[int]) -> Any:
+        held.append(tracemalloc.get_traced_memory()[0])
+        return integrate(self, docs)
+
+    def first_slice(self: IgradCapture, width: int, runs: int) -> int:
+        held.append(tracemalloc.get_traced_memory()[0])
+        raise _Stop(slice_rows(self, width, runs))
+
+    monkeypatch.setattr(IgradCapture, "_integrate", before)
+    monkeypatch.setattr(IgradCapture, "_slice_rows", first_slice)
+    task = multihop_task(tmp_path / "task", **SHORT)
+    tracemalloc.start()
+    try:
+        with pytest.raises(_Stop):
+            extract("--model", str(model_dirs("llama")), "--task", str(task), "--store",
+                    str(tmp_path / "s"), "--igrad", "--igrad-steps", "65536", "--limit", "2",
+                    "--batch-size", "2")  # fmt: skip
+    finally:
+        tracemalloc.stop()
+    assert len(held) == 2 and held[1] - held[0] < 1_000_000, held
+
+
+def test_the_same_sites_in_another_order_are_the_stored_ones(
+    tmp_path: Path, model_dirs: Any
+) -> None:
+    """``--igrad-site`` values are a set: given in another order on a rerun they extend the
+    partition with the recorded order; another set is refused."""
+    task = multihop_task(tmp_path / "task", **SHORT)
+    store = tmp_path / "store"
+    args = ["--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store),
+            "--igrad", "--igrad-steps", "2"]  # fmt: skip
+    first = extract(*args, "--limit", "2", "--igrad-site", "mlp", "--igrad-site", "block")
+    assert first.exit_code == 0, first.output
+    more = extract(*args, "--limit", "3", "--igrad-site", "block", "--igrad-site", "mlp")
+    assert more.exit_code == 0, more.output
+    (info,) = Store(store).select()
+    assert info.manifest.settings["igrad"]["igrad_sites"] == ["mlp", "block"]
+    igrad, ends = stored(store)
+    assert sorted(ends["doc"].unique().to_list()) == [0, 1, 2]
+    cells = 2 * ends["block"].n_unique()  # per document: a row per site and block
+    assert ends.group_by("doc").len()["len"].to_list() == [cells] * 3
+    assert igrad["sublayer"].unique(maintain_order=True).to_list() == ["mlp", "block"]
+    other = extract(*args, "--limit", "3", "--igrad-site", "block")
+    assert other.exit_code == 1
+    assert (
+        "the stored igrad was extracted with --igrad --igrad-site mlp --igrad-site block "
+        "--igrad-steps 2, this run asks for --igrad --igrad-site block --igrad-steps 2"
+        in (other.output)
+    )
