@@ -13,6 +13,7 @@ draws them with the Plotly bundle it inlines (:mod:`layerdiv.analyze.html`).
 
 from __future__ import annotations
 
+import html
 import math
 import textwrap
 from collections.abc import Callable, Sequence
@@ -232,6 +233,9 @@ def figure_link(ctx: ReportContext, file: str, caption: str, spec: Callable[[], 
 # --- matplotlib ------------------------------------------------------------------------------
 
 _MPL_DASH = {"solid": "-", "dash": "--", "dot": ":", "dashdot": "-."}
+AS_TEXT = {"parse_math": False}
+"""Tick labels drawn as the text they are: a category or token such as ``$$`` or ``$x$`` is not
+read as mathtext (which would fail or draw an italic x)."""
 
 
 def _categories(series: Sequence[Series], horizontal: bool) -> list[Any]:
@@ -270,7 +274,7 @@ def _mpl_bars(ax: Any, panel: Panel) -> dict[Any, Any]:
             ax.bar(pos, value, width, bottom=start, color=s.color, label=label)
     if not numeric:
         ticks = ([where[c] for c in cats], [str(c) for c in cats])
-        (ax.set_yticks if panel.horizontal else ax.set_xticks)(*ticks)
+        (ax.set_yticks if panel.horizontal else ax.set_xticks)(*ticks, **AS_TEXT)
     if panel.horizontal:
         ax.invert_yaxis()
     return where
@@ -299,6 +303,7 @@ def _mpl_heatmap(fig: Any, ax: Any, heat: Heatmap) -> None:
             range(0, len(labels), step),
             [str(v) for v in labels[::step]],
             fontsize=8,
+            **AS_TEXT,
             **(
                 {"rotation": 45, "ha": "right"}
                 if axis == 0 and any(len(str(v)) > 3 for v in labels[::step])
@@ -459,6 +464,13 @@ def _fmt(value: Any) -> str:
     return "%{" + value + (":.4g}" if value in "xy" else "}")
 
 
+def _plotly_text(value: Any) -> Any:
+    """A category or tick label as Plotly draws it literally: a string HTML-escaped (Plotly reads
+    ``<a href>``, ``<span style>``, ``<br>``, ``<b>`` in labels and shows ``&lt;`` as ``<``);
+    a number unchanged."""
+    return html.escape(value, quote=False) if isinstance(value, str) else value
+
+
 def _plotly_series(fig: Any, s: Series, panel: Panel, at: dict[str, int], shown: set[str]) -> None:
     first = s.legend and s.name not in shown
     shown.add(s.name) if first else None
@@ -476,8 +488,8 @@ def _plotly_series(fig: Any, s: Series, panel: Panel, at: dict[str, int], shown:
     }
     if s.bar:
         fig.add_bar(
-            x=list(s.x),
-            y=list(s.y),
+            x=[_plotly_text(v) for v in s.x],
+            y=[_plotly_text(v) for v in s.y],
             marker_color=s.color,
             orientation="h" if panel.horizontal else "v",
             **common,
@@ -496,7 +508,7 @@ def _plotly_series(fig: Any, s: Series, panel: Panel, at: dict[str, int], shown:
         else None
     )
     fig.add_scatter(
-        x=list(s.x),
+        x=[_plotly_text(v) for v in s.x],
         y=list(s.y),
         error_y=error,
         mode=mode.strip("+"),
@@ -566,8 +578,8 @@ def _plotly_heatmap(
     log = (lambda v: None if v is None else math.log10(v)) if heat.log else (lambda v: v)
     fig.add_heatmap(
         z=z,
-        x=[str(v) for v in heat.x],
-        y=[str(v) for v in heat.y],
+        x=[_plotly_text(str(v)) for v in heat.x],
+        y=[_plotly_text(str(v)) for v in heat.y],
         colorscale=scale,
         reversescale=reverse,
         zmin=log(heat.zmin),

@@ -392,7 +392,7 @@ def test_the_number_of_documents_mapped_is_an_option(
 
 
 def test_token_labels_spell_the_vocabulary() -> None:
-    """A map's axis shows each token as the vocabulary spells it (its space mark drawn as a
+    """A map's axis shows each token as the text it stands for (its space mark drawn as a
     visible space), or its id where the store has no spelling."""
     from layerdiv.analyze.analyses.attribution import token_labels
 
@@ -400,6 +400,89 @@ def test_token_labels_spell_the_vocabulary() -> None:
         {"pos": [0, 1, 2, 3], "token": [5, 6, 7, 8], "piece": ["Hello", "Ġworld", "Ċ", None]}
     )
     assert token_labels(tokens) == ["0:Hello", "1:␣world", "2:\\n", "3:8"]
+
+
+HOSTILE = {
+    "<a href='https://example.com'>x</a>": "<a␣href='https://example.com'>x</a>",
+    "<span style='color:red'>": "<span␣style='color:red'>",
+    "<br>": "<br>",
+    "<b>": "<b>",
+    "$$": "$$",
+    "$x$": "$x$",
+    "ðŁĺĢ": "\U0001f600",  # byte-level spelling of an emoji: the emoji
+    "ðŁĺ": "\\xf0\\x9f\\x98",  # part of one: its bytes
+    "Ã©": "é",
+    "é": "é",  # a vocabulary of other spelling: as it is
+    "\u202eevil": "\\u202eevil",  # the bidi override made visible
+    "a\u200bb": "a\\u200bb",
+    "\x07": "\\u0007",
+    "▁word": "␣word",
+}
+"""Vocabulary entries (as ``tokens.piece`` holds them) and the text their labels show."""
+
+
+def hostile_tokens() -> pl.DataFrame:
+    return pl.DataFrame(
+        {"pos": range(len(HOSTILE)), "token": range(len(HOSTILE)), "piece": list(HOSTILE)}
+    )
+
+
+def test_token_labels_are_text() -> None:
+    """Issue 49: byte-level spellings decoded, control and bidi characters visible, markup and
+    dollars kept as the characters they are (each renderer escapes its own markup)."""
+    from layerdiv.analyze.analyses.attribution import token_labels
+
+    want = [f"{i}:{shown}" for i, shown in enumerate(HOSTILE.values())]
+    assert token_labels(hostile_tokens()) == want
+
+
+def hostile_map() -> tuple[Any, list[str]]:
+    """A map figure whose axis holds :data:`HOSTILE`'s labels, and those labels."""
+    from layerdiv.analyze.analyses.attribution import map_figure, token_labels
+
+    tokens = hostile_tokens()
+    rows = pl.DataFrame(
+        {"model": "m", "revision": "main", "task": "t", "doc": 0, "layer": [0, 1]}
+    ).join(tokens, how="cross")
+    rows = rows.with_columns(effect=pl.col("pos").cast(pl.Float64) + pl.col("layer"))
+    figure = map_figure("maps", rows, {}, row="layer", value="effect", colorbar="e",
+                        signed=False)  # fmt: skip
+    return figure, token_labels(tokens)
+
+
+def test_token_labels_render_as_text_in_both_renderers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 49: in report.html's Plotly figure a label is HTML-escaped (no live link, style,
+    break or bold); in the PNG, drawn without mathtext (``$$`` does not raise, ``$x$`` is not an
+    italic x)."""
+    import html
+
+    from matplotlib.figure import Figure as MplFigure
+
+    from layerdiv.analyze import plots
+    from layerdiv.analyze.html import render_page
+
+    figure, labels = hostile_map()
+    data = plots.to_plotly(figure)["data"][0]
+    assert data["x"] == [html.escape(label, quote=False) for label in labels]
+    assert not any("<" in x or ">" in x for x in data["x"])
+    page = render_page("![maps](figures/maps.png)", {"maps.png": plots.to_plotly(figure)}, None)
+    assert 'data-figure="maps.png"' in page and '"0:&lt;a' in page and '"1:&lt;span' in page
+    assert '"0:<a' not in page and '"1:<span' not in page and '"3:<b>' not in page
+    drawn: list[Any] = []
+    save = MplFigure.savefig
+
+    def keep(fig: Any, *args: Any, **kwargs: Any) -> Any:
+        drawn.append(fig)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(MplFigure, "savefig", keep)
+    plots.to_matplotlib(figure, tmp_path / "maps.png")  # a "$$" label raised here
+    (ax, *_) = drawn[0].axes
+    ticks = ax.get_xticklabels()
+    assert [t.get_text() for t in ticks] == labels
+    assert not any(t.get_parse_math() for t in ticks)
 
 
 PROMPT_TOKENS = 100

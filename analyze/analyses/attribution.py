@@ -8,6 +8,7 @@ Each document's answer start s (methods §10) is the one the extraction stored i
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -148,19 +149,51 @@ def document_tokens(info: PartitionInfo, docs: Sequence[int]) -> pl.DataFrame:
     )
 
 
-SPELLING = {"Ġ": "␣", "Ċ": "\\n"}
-"""How a byte-level vocabulary's space and newline marks are drawn on a map's axis."""
+def _byte_level_alphabet() -> dict[str, int]:
+    """The character a byte-level BPE vocabulary (GPT-2's, SmolLM2's) spells each byte with:
+    the printable Latin-1 bytes as themselves, every other byte as chr(256 + n), n counting
+    those bytes in order."""
+    own = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    rest = [b for b in range(256) if b not in own]
+    return {**{chr(b): b for b in own}, **{chr(256 + n): b for n, b in enumerate(rest)}}
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+"""Byte-level spelling character -> the byte it stands for."""
+SHOWN = {" ": "␣", "▁": "␣", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+"""How a space (a SentencePiece word mark too) and line breaks are drawn on a map's axis."""
+
+
+def token_text(piece: str) -> str:
+    """A token as text to draw (methods §13, §14's maps): a byte-level spelling decoded to the
+    text it stands for (``ðŁĺĢ`` -> the emoji; bytes that are no whole character as ``\\xNN``),
+    spaces and line breaks as :data:`SHOWN`, and every other invisible character (control,
+    format such as the bidi override U+202E, private, unassigned) as its ``\\uNNNN`` escape, so
+    that a label never reorders, hides or breaks the axis it is on. The renderers escape what
+    their own markup reads (:mod:`layerdiv.analyze.plots`)."""
+    text = piece
+    if piece and all(c in BYTE_LEVEL for c in piece):
+        raw = bytes(BYTE_LEVEL[c] for c in piece)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:  # part of a character, or a vocabulary of other spelling
+            if any(ord(c) > 0xFF for c in piece):
+                text = raw.decode("utf-8", "backslashreplace")
+    return "".join(
+        SHOWN.get(c)
+        or (f"\\u{ord(c):04x}" if unicodedata.category(c)[0] in "CZ" and c != " " else c)
+        for c in text
+    )
 
 
 def token_labels(tokens: pl.DataFrame) -> list[str]:
-    """The axis label of each token of one document: ``<position>:<token>`` as the vocabulary
-    spells it (:data:`SPELLING` for its space and newline marks), ``<position>:<token id>``
-    where the store has no spelling (schema version 6 and older)."""
-    labels = []
-    for p, t, piece in zip(tokens["pos"], tokens["token"], tokens["piece"], strict=True):
-        shown = str(t) if piece is None else "".join(SPELLING.get(c, c) for c in piece)
-        labels.append(f"{p}:{shown}")
-    return labels
+    """The axis label of each token of one document: ``<position>:<token>`` as text
+    (:func:`token_text` of its vocabulary spelling), ``<position>:<token id>`` where the store
+    has no spelling (schema version 6 and older)."""
+    return [
+        f"{p}:{t if piece is None else token_text(piece)}"
+        for p, t, piece in zip(tokens["pos"], tokens["token"], tokens["piece"], strict=True)
+    ]
 
 
 def map_figure(
