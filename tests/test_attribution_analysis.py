@@ -557,3 +557,26 @@ def test_a_store_mixing_text_and_choice_erasure_reports_both(
         for figure in ("profile", "maps"):
             png = tmp_path / "report" / "figures" / f"{prefix}_{figure}.png"
             assert png.stat().st_size > 10_000
+
+
+def test_an_erasure_state_outside_0_to_L_leaves_its_partition_out_with_a_note(
+    tmp_path: Path,
+) -> None:
+    """Issue 49: an ``erasure`` row at state 77 of a 4-block model (a damaged part that reached
+    the analysis) leaves its partition out of the erasure tables with a note naming the state,
+    rather than an IndexError; the other analyses' tables are kept."""
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "store"
+    write_store(root, 3, 0.0)
+    part = sorted(root.rglob("*erasure*/**/*.parquet"))[0]
+    table = pq.read_table(part)
+    layer = table["layer"].to_numpy().copy()
+    layer[3] = 77
+    columns = [pa.array(layer) if n == "layer" else table[n] for n in table.schema.names]
+    pq.write_table(pa.Table.from_arrays(columns, schema=table.schema), part)
+    results = analyze(root)
+    assert any("layer 77 lies outside 0..4 (a damaged part)" in n for n in results.notes), (
+        results.notes
+    )
+    assert "erasure" not in results.analyses and results["igrad_share"].height > 0
