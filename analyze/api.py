@@ -24,7 +24,17 @@ from layerdiv.analyze import cluster
 from layerdiv.analyze.decomposition import instance_curves
 from layerdiv.analyze.options import ESTIMATORS, FORMATS, SCALES, Estimator, Executor, Scale
 from layerdiv.analyze.overlap import mark_subsets
-from layerdiv.analyze.registry import Context, NoData, partition_engine, registered, using
+from layerdiv.analyze.registry import (
+    Context,
+    NoData,
+    builtin,
+    origin,
+    partition_engine,
+    plugin_problems,
+    registered,
+    table_problem,
+    using,
+)
 from layerdiv.analyze.spill import Spill
 from layerdiv.errors import LayerdivError, LayerdivWarning
 from layerdiv.store import Store
@@ -261,7 +271,7 @@ def run_analysis(
         min_params=min_params,
         progress=progress,
         options=dict(options or {}),
-        notes=st.incomplete(models, tasks),
+        notes=[*st.incomplete(models, tasks), *plugin_problems()],
     )
     manifests = st.manifests(models, tasks).filter(pl.col("n_done") > 0)
     tables = {"manifests": mark_subsets(manifests, ctx.parts)}
@@ -278,12 +288,19 @@ def run_analysis(
             except NoData as err:
                 ctx.notes.extend([*lacking, f"analysis {analysis.name!r} left out: {err}"])
                 continue
+            except Exception as err:  # another distribution's: its note, the others run
+                if builtin(analysis):
+                    raise
+                ctx.notes.append(f"{origin(analysis)} left out: {type(err).__name__}: {err}")
+                continue
+            if problem := table_problem(new, [*tables, *ctx.spill.names()]):
+                if builtin(analysis):
+                    raise ValueError(f"analysis {analysis.name!r} {problem}")
+                ctx.notes.append(f"{origin(analysis)} left out: it {problem}")
+                continue
             ran.append(analysis.name)
             if lacking:
                 coverage[analysis.name] = lacking
-            clash = sorted(set(new) & (set(tables) | set(ctx.spill.names())))
-            if clash:
-                raise ValueError(f"analysis {analysis.name!r} returns tables that exist: {clash}")
             tables.update(new)
     for note in [*ctx.notes, *(line for lines in coverage.values() for line in lines)]:
         warnings.warn(note, LayerdivWarning, stacklevel=3)

@@ -28,7 +28,12 @@ import polars as pl
 from layerdiv.analyze.options import Estimator, Scale
 from layerdiv.analyze.spill import Spill
 from layerdiv.errors import LayerdivError
-from layerdiv.measurements import all_optional_tables, measurement_of
+from layerdiv.measurements import (
+    all_optional_tables,
+    measurement_of,
+    table_name_problem,
+    table_schemas,
+)
 from layerdiv.store import PartitionInfo, Store
 
 ENTRY_POINTS = "layerdiv.analyses"
@@ -252,16 +257,52 @@ def with_data(
 
 
 class RegistryError(LayerdivError, ValueError):
-    """Analyses whose ``after`` cannot be followed (an unknown analysis, or a cycle)."""
+    """An analysis that cannot be registered (a name taken by another analysis's code, a table
+    name that is no identifier), or analyses whose ``after`` form a cycle."""
 
 
 _REGISTRY: dict[str, Analysis] = {}
 _LOADED: list[bool] = []
+_ORIGINS: dict[str, str] = {}
+"""Analysis name -> the entry point that registered it (``name = module:attribute``)."""
+_PROBLEMS: list[str] = []
+"""One line per analysis of another distribution left out (:func:`plugin_problems`)."""
+
+
+def _module(analysis: Analysis) -> str:
+    return str(getattr(analysis.tables, "__module__", None) or "")
+
+
+def builtin(analysis: Analysis) -> bool:
+    """Whether ``analysis`` is one of layerdiv's own (its code in this package): an exception in
+    one of another distribution's is its own one-line note (:func:`origin`), never a
+    traceback, and leaves the others' results alone."""
+    return _module(analysis).split(".")[0] == "layerdiv"
+
+
+def origin(analysis: Analysis) -> str:
+    """``analysis`` as a note names it: its name and where it comes from (its entry point in
+    :data:`ENTRY_POINTS`, else its module)."""
+    where = _ORIGINS.get(analysis.name)
+    source = f"entry point {ENTRY_POINTS}: {where}" if where else f"module {_module(analysis)}"
+    return f"analysis {analysis.name!r} ({source})"
 
 
 def register(analysis: Analysis) -> Analysis:
-    """Add ``analysis`` to the registry (after those already there; registering a name again
-    replaces it in place, so a reloaded module does not run twice). Returns it."""
+    """Add ``analysis`` to the registry (after those already there; the same module registering
+    a name again replaces it in place, so a reloaded module does not run twice). Returns it.
+    Refuses (:class:`RegistryError`) a name another module's analysis has (a built-in's), and a
+    name that is no identifier."""
+    if not isinstance(analysis, Analysis):
+        raise RegistryError(f"register was given a {type(analysis).__name__}, not an Analysis")
+    if problem := table_name_problem(analysis.name):
+        raise RegistryError(f"analysis {analysis.name!r}: its name is no identifier ({problem})")
+    known = _REGISTRY.get(analysis.name)
+    if known is not None and _module(known) != _module(analysis):
+        raise RegistryError(
+            f"analysis {analysis.name!r} of {_module(analysis)}: the name is taken by "
+            f"{origin(known)}; give it a name of its own"
+        )
     _REGISTRY[analysis.name] = analysis
     return analysis
 
@@ -269,33 +310,87 @@ def register(analysis: Analysis) -> Analysis:
 def unregister(name: str) -> None:
     """Remove a registered analysis (tests)."""
     _REGISTRY.pop(name, None)
+    _ORIGINS.pop(name, None)
+
+
+def _load(entry: Any) -> None:
+    """Register the :class:`Analysis` entry point ``entry`` names; where that fails (a module
+    that does not import, an object that is not an Analysis, a taken name), one line in
+    :data:`_PROBLEMS` naming the entry point instead."""
+    where = f"analysis plug-in {entry.name} = {entry.value} (entry point {ENTRY_POINTS})"
+    known = _REGISTRY.get(entry.name)
+    if known is not None and _module(known) == entry.value.partition(":")[0]:
+        return  # registered by its own module already
+    try:
+        analysis = entry.load()
+    except Exception as err:
+        _PROBLEMS.append(f"{where} left out: it failed to load ({type(err).__name__}: {err})")
+        return
+    if known is not None:
+        _PROBLEMS.append(
+            f"{where} left out: {entry.name!r} is the name of {origin(known)}; rename its entry "
+            "point"
+        )
+        return
+    try:
+        register(analysis)
+    except RegistryError as err:
+        _PROBLEMS.append(f"{where} left out: {err}")
+        return
+    _ORIGINS[analysis.name] = f"{entry.name} = {entry.value}"
+
+
+def plugin_problems() -> list[str]:
+    """One line per analysis left out (an entry point that failed to load or names no
+    :class:`Analysis`, a taken name, an unknown table in ``needs`` or analysis in ``after``):
+    notes of every ``analyze`` and ``report``."""
+    registered()
+    return [*_PROBLEMS, *_runnable(list(_REGISTRY.values()))[1]]
 
 
 def registered() -> list[Analysis]:
     """Every registered analysis (the built-in ones, then those of the entry point group
     :data:`ENTRY_POINTS`, then those registered by :func:`register`), in the order they run:
     registration order, each moved after the analyses it names in ``after`` (a topological
-    order). Refuses (:class:`RegistryError`) an ``after`` naming no analysis, or a cycle."""
+    order). An analysis that needs a table no table schema or registered measurement declares,
+    or runs after an analysis that is not registered (or left out), is left out, with a line in
+    :func:`plugin_problems`; a cycle is refused (:class:`RegistryError`)."""
     import layerdiv.analyze.analyses  # noqa: F401  (registers the built-in analyses)
 
     if not _LOADED:
         _LOADED.append(True)
         for entry in entry_points(group=ENTRY_POINTS):
-            if entry.name not in _REGISTRY:
-                register(entry.load())
-    return _ordered(list(_REGISTRY.values()))
+            _load(entry)
+    return _ordered(_runnable(list(_REGISTRY.values()))[0])
+
+
+def _runnable(analyses: list[Analysis]) -> tuple[list[Analysis], list[str]]:
+    """``analyses`` less those whose ``needs`` name a table no schema or registered measurement
+    declares, or whose ``after`` names an analysis not among them (repeated until none is left
+    out: an analysis after a left-out one is left out too); and a line on each left out."""
+    tables = set(table_schemas()) | set(all_optional_tables())
+    lines: list[str] = []
+    while True:
+        names = {a.name for a in analyses}
+        problems = {
+            a.name: f"{origin(a)} left out: it {why}"
+            for a in analyses
+            for why in [
+                *(f"needs table {t!r}, which no measurement writes" for t in a.needs
+                  if t not in tables),
+                *(f"runs after {n!r}, which is not registered" for n in a.after
+                  if n not in names),
+            ][:1]
+        }  # fmt: skip
+        if not problems:
+            return analyses, lines
+        lines.extend(problems.values())
+        analyses = [a for a in analyses if a.name not in problems]
 
 
 def _ordered(analyses: list[Analysis]) -> list[Analysis]:
     """``analyses`` in a topological order of ``after``: each at its registration place unless
     an analysis it follows comes later (then it runs right after the last of those)."""
-    names = {a.name for a in analyses}
-    for a in analyses:
-        unknown = [n for n in a.after if n not in names]
-        if unknown:
-            raise RegistryError(
-                f"analysis {a.name!r} runs after {unknown[0]!r}, which is not registered"
-            )
     out: list[Analysis] = []
     waiting = list(analyses)
     while waiting:
@@ -307,3 +402,19 @@ def _ordered(analyses: list[Analysis]) -> list[Analysis]:
         out.append(ready)
         waiting.remove(ready)
     return out
+
+
+def table_problem(new: Any, taken: Iterable[str]) -> str | None:
+    """What is wrong with what an analysis's ``tables`` returned (it must be a dict of Polars
+    DataFrames under identifiers no earlier table has), or None."""
+    if not isinstance(new, dict):
+        return f"returned a {type(new).__name__}, not a dict of tables"
+    taken = set(taken)
+    for name, frame in new.items():
+        if problem := table_name_problem(name):
+            return f"returned {name!r}: {problem}"
+        if name in taken:
+            return f"returned table {name!r}, which exists (another analysis's)"
+        if not isinstance(frame, pl.DataFrame):
+            return f"returned table {name!r} as a {type(frame).__name__}, not a Polars DataFrame"
+    return None

@@ -24,7 +24,7 @@ from layerdiv.analyze.methods import cite
 from layerdiv.analyze.options import REPORT_FORMATS, Estimator
 from layerdiv.analyze.output import result_dir
 from layerdiv.analyze.overlap import subset_notes
-from layerdiv.analyze.registry import ReportContext, registered
+from layerdiv.analyze.registry import Analysis, ReportContext, builtin, origin, registered
 from layerdiv.errors import LayerdivError
 from layerdiv.store import PartitionInfo, Store
 from layerdiv.store.key import KEY
@@ -141,7 +141,7 @@ def render(
     )
     apart = replace(ctx, tables=revisions_apart(ctx.tables))  # notes and figures shared
     sections = [
-        (a, a.report(ctx if a.by_revision else apart))
+        (a, section(a, ctx if a.by_revision else apart))
         for a in registered()
         if a.report is not None and a.name in results.analyses
     ]
@@ -167,6 +167,25 @@ def render(
     )
     parts = [header, *body, "## Provenance\n\n" + provenance_table(manifests)]
     return "\n\n".join(parts) + "\n", ctx
+
+
+def section(analysis: Analysis, ctx: ReportContext) -> str:
+    """``analysis``'s report section; "" with a note naming it where one of another
+    distribution raises or returns no text (the other sections are written)."""
+    assert analysis.report is not None
+    try:
+        text = analysis.report(ctx)
+    except Exception as err:
+        if builtin(analysis):
+            raise
+        ctx.notes.append(f"{origin(analysis)}: its report section left out: "
+                         f"{type(err).__name__}: {err}")  # fmt: skip
+        return ""
+    if isinstance(text, str) or builtin(analysis):
+        return text
+    ctx.notes.append(f"{origin(analysis)}: its report section left out: it returned a "
+                     f"{type(text).__name__}, not Markdown text")  # fmt: skip
+    return ""
 
 
 def _coverage(lines: Sequence[str] | None) -> str:

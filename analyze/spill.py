@@ -9,6 +9,9 @@ from pathlib import Path
 
 import polars as pl
 
+from layerdiv.errors import LayerdivError
+from layerdiv.measurements import table_name_problem
+
 
 class Spill:
     """Tables written part by part under ``$TMPDIR/layerdiv-spill-*``; the folder is removed when
@@ -24,7 +27,10 @@ class Spill:
         return Path(self._folder.name)
 
     def append(self, name: str, frame: pl.DataFrame) -> None:
-        """Add ``frame``'s rows to table ``name`` (every part must have the same schema)."""
+        """Add ``frame``'s rows to table ``name`` (every part must have the same schema; the name
+        an identifier, never a path)."""
+        if problem := table_name_problem(name):
+            raise LayerdivError(f"a spilled result's {problem}")
         files = self._files.setdefault(name, [])
         folder = self.folder / name
         folder.mkdir(exist_ok=True)

@@ -546,6 +546,15 @@ def _name_taken(measurement: Measurement) -> str | None:
     return None
 
 
+def table_name_problem(name: Any) -> str | None:
+    """Why ``name`` cannot name a table (its files' and folders' name, a ``query`` view): it
+    must be a Python identifier of ASCII letters, digits and underscores (never a path such
+    as ``../../x``); None if it can."""
+    if isinstance(name, str) and name.isascii() and name.isidentifier():
+        return None
+    return f"table name {name!r} is not an identifier (ASCII letters, digits and underscores)"
+
+
 def register(measurement: Measurement) -> Measurement:
     """Add ``measurement`` to every extraction, store reader and command; returns it. Refuses a
     name, table, flag, option or setting name that is taken (by another measurement, or by
@@ -560,6 +569,9 @@ def register(measurement: Measurement) -> Measurement:
             f"measurement {measurement.name}: unknown task kind {unknown[0]!r} "
             f"(the kinds are {', '.join(KINDS)})"
         )
+    for table in (*(t for ts in measurement.tables.values() for t in ts), *measurement.whole):
+        if problem := table_name_problem(table):
+            raise MeasurementError(f"measurement {measurement.name}: {problem}; rename it")
     taken = {t for m in _REGISTERED.values() for ts in m.tables.values() for t in ts}
     taken |= {t for k in KINDS.values() for t in k.required}
     mine = [t for ts in measurement.tables.values() for t in ts]

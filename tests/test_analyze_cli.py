@@ -867,8 +867,14 @@ def test_analyses_run_after_those_they_follow_and_a_cycle_is_refused(
     with pytest.raises(reg.RegistryError, match="reads_later, later each run after another"):
         reg.registered()
     reg.register(reg.Analysis("later", "Later", none, after=("nothing",)))
-    with pytest.raises(reg.RegistryError, match="'later' runs after 'nothing', which is not"):
-        reg.registered()
+    names = [a.name for a in reg.registered()]  # left out, with those after it, each named
+    assert "later" not in names and "reads_later" not in names and "paper" in names
+    assert reg.plugin_problems() == [
+        "analysis 'later' (module tests.test_analyze_cli) left out: it runs after 'nothing', "
+        "which is not registered",
+        "analysis 'reads_later' (module tests.test_analyze_cli) left out: it runs after "
+        "'later', which is not registered",
+    ]
 
 
 def test_an_analysis_may_not_replace_a_table(
@@ -877,10 +883,12 @@ def test_an_analysis_may_not_replace_a_table(
     reg.registered()
     monkeypatch.setattr(reg, "_REGISTRY", dict(reg._REGISTRY))
     reg.register(reg.Analysis("clash", "Clash", lambda ctx, prior: {"scores": prior["scores"]}))
-    with pytest.raises(
-        ValueError, match=r"analysis 'clash' returns tables that exist: \['scores'\]"
-    ):
-        analyze(chunked)
+    results = analyze(chunked)  # left out with a note; the built-in scores kept
+    assert (
+        "analysis 'clash' (module tests.test_analyze_cli) left out: it returned table "
+        "'scores', which exists (another analysis's)" in results.notes
+    )
+    assert "clash" not in results.analyses and results.scores.height > 0
 
 
 def test_results_name_every_table(chunked: Path) -> None:

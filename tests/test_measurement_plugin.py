@@ -643,3 +643,151 @@ def test_an_exception_in_a_plugin_is_one_line_naming_it(
         first = ["part-0000000-000004.parquet"][:chunks]
         assert chunks_stored(store) == {"instances": first, "components": first,
                                         "block_norms": first}  # fmt: skip
+
+
+# --- the analysis door, as strict as the measurement one (issue 49) ----------------------------
+
+
+def _raises(ctx: Context, prior: Any) -> dict[str, pl.DataFrame]:
+    raise RuntimeError("the plug-in analysis broke")
+
+
+def _returns(value: Any) -> Any:
+    return lambda ctx, prior: value
+
+
+def _evil(ctx: Context, prior: Any) -> dict[str, pl.DataFrame]:
+    return {"../../evil": pl.DataFrame({"x": [1]})}
+
+
+def _section_raises(ctx: ReportContext) -> str:
+    raise KeyError("no_such_table")
+
+
+def _ok(ctx: Context, prior: Any) -> dict[str, pl.DataFrame]:
+    return {"plugin_ok": pl.DataFrame({"n": [len(ctx.parts)]})}
+
+
+BAD_ANALYSES = {
+    "raising": (Analysis("raising", "R", _raises), "RuntimeError: the plug-in analysis broke"),
+    "a_list": (Analysis("a_list", "L", _returns([pl.DataFrame()])), "returned a list, not a dict"),
+    "nothing": (Analysis("nothing", "N", _returns(None)), "returned a NoneType, not a dict"),
+    "lists": (Analysis("lists", "D", _returns({"plugin_lists": [1, 2]})),
+              "returned table 'plugin_lists' as a list, not a Polars DataFrame"),
+    "builtin_table": (Analysis("builtin_table", "B", _returns({"scores": pl.DataFrame()})),
+                      "returned table 'scores', which exists"),
+    "evil": (Analysis("evil", "E", _evil),
+             "returned '../../evil': table name '../../evil' is not an identifier"),
+    "bad_section": (Analysis("bad_section", "Bad section", _ok, report=_section_raises),
+                    "its report section left out: KeyError: 'no_such_table'"),
+    "needs_nothing": (Analysis("needs_nothing", "U", _ok, needs=("no_such_table",)),
+                      "needs table 'no_such_table', which no measurement writes"),
+    "after_nothing": (Analysis("after_nothing", "A", _ok, after=("no_such_analysis",)),
+                      "runs after 'no_such_analysis', which is not registered"),
+}  # fmt: skip
+"""Plug-in analyses that fail each way (issue 49), and what the one line naming each says."""
+
+
+@pytest.fixture
+def analysis_registry(monkeypatch: pytest.MonkeyPatch) -> Any:
+    from layerdiv.analyze import registry as reg
+
+    reg.registered()
+    monkeypatch.setattr(reg, "_REGISTRY", dict(reg._REGISTRY))
+    monkeypatch.setattr(reg, "_ORIGINS", dict(reg._ORIGINS))
+    return reg
+
+
+def test_a_failing_plugin_analysis_is_one_note_and_the_others_are_written(
+    analysis_registry: Any, tmp_path: Path
+) -> None:
+    """Each way a plug-in analysis can fail is one note naming it (its module), in ``analyze``'s
+    output and ``report.md``; every built-in table and section is written, and a table name
+    that is a path writes nothing outside ``--out`` (before, a traceback and no results)."""
+    store = write_synthetic(tmp_path / "store")
+    for analysis, _ in BAD_ANALYSES.values():
+        analysis_registry.register(analysis)
+    out = tmp_path / "deep" / "results"
+    done = invoke("analyze", "--store", str(store), "--out", str(out))
+    assert done.exit_code == 0, done.output
+    for name, (_, why) in BAD_ANALYSES.items():
+        if name != "bad_section":
+            line = f"analysis {name!r} (module tests.test_measurement_plugin) left out: "
+            assert line in done.output and why in done.output, (name, done.output)
+    assert (out / "scores.parquet").exists() and (out / "plugin_ok.parquet").exists()
+    assert not list(tmp_path.rglob("evil*")) and not (out / "lists.parquet").exists()
+    report = tmp_path / "report"
+    done = invoke("report", "--store", str(store), "--out", str(report))
+    assert done.exit_code == 0, done.output
+    text = (report / "report.md").read_text()
+    assert "## The paper's analysis" in text and "## Bad section" not in text
+    line = "analysis 'bad_section' (module tests.test_measurement_plugin): its report section "
+    assert f"{line}left out: KeyError: 'no_such_table'" in text
+    assert "needs table 'no_such_table', which no measurement writes" in text
+
+
+def test_a_plugin_analysis_may_not_take_a_builtin_name(analysis_registry: Any) -> None:
+    """An analysis of another module named as a built-in is refused when it is registered
+    (before, it replaced the built-in: "FAKE IGRAD" in the report); so is a name that is no
+    identifier and an object that is no Analysis."""
+    reg = analysis_registry
+    taken = r"'igrad' of tests.test_measurement_plugin: the name is taken by analysis 'igrad' \("
+    with pytest.raises(reg.RegistryError, match=taken):
+        reg.register(Analysis("igrad", "FAKE IGRAD", _ok))
+    assert "FAKE" not in next(a.title for a in reg.registered() if a.name == "igrad")
+    with pytest.raises(reg.RegistryError, match="its name is no identifier"):
+        reg.register(Analysis("../x", "X", _ok))
+    with pytest.raises(reg.RegistryError, match="given a Measurement, not an Analysis"):
+        reg.register(BLOCK_NORMS)
+
+
+def test_a_table_name_that_is_no_identifier_is_refused_at_the_measurement_door() -> None:
+    from layerdiv.measurements import MeasurementError
+
+    schema = BLOCK_NORMS_SCHEMA.with_metadata({"layerdiv.table": "../../evil"})
+    evil = Measurement("evil", "--evil", help="x", tables={"choice": ("../../evil",)},
+                       schemas={"../../evil": schema})  # fmt: skip
+    with pytest.raises(MeasurementError, match=r"table name '../../evil' is not an identifier"):
+        register(evil)
+
+
+def test_plugin_analysis_entry_points_that_fail_are_named(tmp_path: Path) -> None:
+    """In a fresh process: an entry point naming a missing module, one naming a measurement
+    (no Analysis), one whose name is a built-in analysis's: each one note naming the entry
+    point; the report and its other sections are written (before, tracebacks, or silence)."""
+    store = write_synthetic(tmp_path / "store")
+    site = tmp_path / "site"
+    info = site / "layerdiv_bad-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: layerdiv-bad\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(
+        "[layerdiv.analyses]\n"
+        "missing = no_such_package.analysis:ANALYSIS\n"
+        "not_one = tests.test_measurement_plugin:BLOCK_NORMS\n"
+        "igrad = tests.test_measurement_plugin:BLOCK_NORMS_ANALYSIS\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join([str(site), str(root), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    out = tmp_path / "report"
+    done = subprocess.run([sys.executable, "-m", "layerdiv.cli", "report", "--store", str(store),
+                           "--out", str(out)], env=env, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    text = (out / "report.md").read_text()
+    assert "## The paper's analysis" in text
+    group = "(entry point layerdiv.analyses)"
+    for line in (
+        f"analysis plug-in missing = no_such_package.analysis:ANALYSIS {group} left out: it "
+        "failed to load (ModuleNotFoundError: No module named 'no_such_package')",
+        f"analysis plug-in not_one = tests.test_measurement_plugin:BLOCK_NORMS {group} left out:"
+        " register was given a Measurement, not an Analysis",
+        f"analysis plug-in igrad = tests.test_measurement_plugin:BLOCK_NORMS_ANALYSIS {group} "
+        "left out: 'igrad' is the name of analysis 'igrad' (module layerdiv.analyze",
+    ):
+        assert line in text, text
+
+
+def write_synthetic(root: Path) -> Path:
+    from tests.conftest import write_synthetic_store
+
+    return write_synthetic_store(root, 1, 12, (2, 3))
