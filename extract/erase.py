@@ -210,9 +210,9 @@ class Erasure:
         width = states[0].shape[1]
         start = width - n  # the unit's first position in the padded row
         first, last = span
+        if first > last:  # no read position (max_tokens cut the answer off): stored as missing
+            return torch.full((len(states), n), torch.nan).numpy()
         effect = torch.zeros(len(states), n)
-        if first > last:  # no read position in the document (cut short)
-            return effect.numpy()
         clean = self.target.probs(states[-1][row, start + first : start + last + 1].to(dtype))
         for layer in range(len(states)):
             t0 = first if layer == len(self.blocks) else 0  # h_L before first: exactly 0

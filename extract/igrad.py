@@ -138,11 +138,13 @@ class IgradCapture(Hooks):
                 last = torch.tensor([width - 1], device=ids.device)
                 targets.append((last, torch.tensor([self.gold[doc]], device=ids.device)))
                 continue
-            offset, start = width - n, max(self.answers[doc][0], 1)
+            # an answer past the cut (start >= n) has no position: no target
+            offset, start = width - n, min(max(self.answers[doc][0], 1), n)
             j = torch.arange(offset + start, width, device=ids.device)
             targets.append((j - 1, ids[b, j]))
-        attribution = torch.zeros(len(self.sites), blocks, batch, width)
-        ends = torch.zeros(2, len(self.sites), blocks, batch)
+        # a row without an answer token (max_tokens cut it off) stays NaN: stored as missing
+        attribution = torch.full((len(self.sites), blocks, batch, width), torch.nan)
+        ends = torch.full((2, len(self.sites), blocks, batch), torch.nan)
         answered = [b for b in range(batch) if len(targets[b][0])]
         if answered:
             dtype = self._inputs[0].dtype

@@ -86,7 +86,7 @@ def reference_means(table: pa.Table) -> np.ndarray:
 
 def erasure_rows(docs: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
     """The ``erasure`` rows (doc, layer, pos) of documents (instances) ``docs`` from each one's
-    (L + 1, T) effects."""
+    (L + 1, T) effects (NaN, stored as null: a document without a measurable answer)."""
     counts = [np.size(v) for v in values]
     shapes = [np.shape(v) for v in values]
     return {
@@ -100,7 +100,8 @@ def erasure_rows(docs: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Tab
                     np.concatenate([np.tile(np.arange(t, dtype=np.int32), a) for a, t in shapes])
                 ),
                 "effect": pa.array(
-                    np.concatenate([np.asarray(v, np.float32).reshape(-1) for v in values])
+                    np.concatenate([np.asarray(v, np.float32).reshape(-1) for v in values]),
+                    from_pandas=True,
                 ),
             },
             schema=ERASURE,

@@ -38,11 +38,12 @@ class IgradRows:
     sites: tuple[str, ...]
     """The sites (:func:`sites_of`), in the order of the arrays' first axis."""
     attribution: np.ndarray
-    """(sites, L, T) IG(l, t) at the document's positions t = 0..T-1."""
+    """(sites, L, T) IG(l, t) at the document's positions t = 0..T-1 (NaN, stored as null: a
+    document whose answer ``max_tokens`` cut off entirely, which has no target)."""
     f_input: np.ndarray
-    """(sites, L) f(x), the target with the site's own activation."""
+    """(sites, L) f(x), the target with the site's own activation (NaN as above)."""
     f_baseline: np.ndarray
-    """(sites, L) f(b), with every position's activation set to the baseline."""
+    """(sites, L) f(b), with every position's activation set to the baseline (NaN as above)."""
 
 
 SITES = ("block",)
@@ -82,9 +83,9 @@ def igrad_rows(docs: Sequence[int], values: Sequence[IgradRows]) -> dict[str, pa
     lengths = np.array([v.attribution.shape[2] for v in values])
     pos = [np.tile(np.arange(n, dtype=np.int32), len(sites) * blocks) for n in lengths]
 
-    def values_of(attr: str) -> pa.Array:
+    def values_of(attr: str) -> pa.Array:  # NaN (no measurable answer) as null
         flat = [np.asarray(getattr(v, attr), np.float32).reshape(-1) for v in values]
-        return pa.array(np.concatenate(flat))
+        return pa.array(np.concatenate(flat), from_pandas=True)
 
     return {
         "igrad": pa.table(
@@ -133,8 +134,9 @@ def plan_igrad(plan: Planning) -> list[tuple[int, int]] | None:
     """``--igrad``'s check of a task's plan: refuses a step count outside 1..:data:`MAX_STEPS`
     and a text task
     without an answer; per document of a text task, its answer's start s and length A (methods
-    §10), with a note where ``max_tokens`` cuts answers (their targets sum over the answer tokens
-    kept; none kept: f = 0 and every attribution 0); None for a choice task."""
+    §10), with a note where ``max_tokens`` cuts answers short (their targets sum over the answer
+    tokens kept; a document with none kept is stored as missing: null f and attributions); None
+    for a choice task."""
     steps = plan.settings["igrad_steps"]
     if not 1 <= steps <= MAX_STEPS:
         raise IgradError(
@@ -147,12 +149,11 @@ def plan_igrad(plan: Planning) -> list[tuple[int, int]] | None:
         "--igrad's target is the probability of the answer's tokens", "drop --igrad"
     )
     cap = plan.task.max_tokens
-    cut = [doc for doc, (s, a) in enumerate(spans) if cap is not None and s + a > cap]
+    cut = [doc for doc, (s, a) in enumerate(spans) if cap is not None and s < cap < s + a]
     if cut:
         plan.notes.append(
-            f"{len(cut)} of {len(spans)} documents' answers are cut by max_tokens {cap} (the "
-            f"first: document {cut[0]}): --igrad's target sums over the answer tokens kept (none: "
-            "f = 0 and every attribution 0)"
+            f"{len(cut)} of {len(spans)} documents' answers are cut short by max_tokens {cap} "
+            f"(the first: document {cut[0]}): --igrad's target sums over the answer tokens kept"
         )
     return spans
 

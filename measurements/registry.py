@@ -196,24 +196,46 @@ class Planning:
 
     def require_answers(self, why: str, instead: str) -> list[tuple[int, int]]:
         """Per document, its answer's start s and length A (:attr:`answers`), with a note where
-        a token merges across the boundary; refuses a task without an answer in one line
-        (``why``: what needs it; ``instead``: what to do otherwise)."""
+        a token merges across the boundary and one where ``max_tokens`` cuts answers off
+        entirely (:meth:`cut_answers`); refuses a task without an answer, and a document whose
+        answer is empty, in one line (``why``: what needs it; ``instead``: what to do
+        otherwise)."""
         if self.answers is None:
             raise AnswerError(
                 f"task {self.task.name}: {why}, and the task names none; add an 'answer' "
                 f"template beside 'text' (the document is text + answer), or {instead}"
             )
+        empty = [doc for doc, span in enumerate(self.answers) if span.length < 1]
+        if empty:
+            raise AnswerError(
+                f"task {self.task.name}: document {empty[0]}'s answer is empty (no tokens of its "
+                f"own; {len(empty)} of {len(self.answers)} documents): {why}; fix the data or "
+                f"the task's answer template, filter such rows out, or {instead}"
+            )
         merged = [doc for doc, span in enumerate(self.answers) if span.merges]
-        note = (
+        cut = self.cut_answers()
+        notes = [
             f"{len(merged)} of {len(self.answers)} documents have a token that merges across "
             f"the answer's boundary (the first: document {merged[0]}); it counts as the "
             "answer's (methods §10)"
             if merged
-            else None
-        )
-        if note is not None and note not in self.notes:
-            self.notes.append(note)
+            else None,
+            f"{len(cut)} of {len(self.answers)} documents' answers lie wholly past max_tokens "
+            f"{self.task.max_tokens} (the first: document {cut[0]}): they have no measurable "
+            "answer, and the answer-anchored measurements store them as missing (null; no "
+            "split point for the future effects), left out of every mean and count"
+            if cut
+            else None,
+        ]
+        self.notes.extend(n for n in notes if n is not None and n not in self.notes)
         return [(span.start, span.length) for span in self.answers]
+
+    def cut_answers(self) -> list[int]:
+        """The documents whose answer the task's ``max_tokens`` cuts off entirely (its first
+        token s at or past the cut: no position predicts an answer token)."""
+        cap = self.task.max_tokens
+        spans = self.answers or []
+        return [doc for doc, span in enumerate(spans) if cap is not None and span.start >= cap]
 
 
 class ModelShape(Protocol):

@@ -53,6 +53,9 @@ History:
   (``extract --sinks``: attention on the first token per block and head, methods §16), on both
   task kinds; ``documents`` gains ``answer_start`` (the answer's first token in a task with an
   answer).
+- 8: ``igrad``'s ``attribution``, ``igrad_ends``' ``f_input`` and ``f_baseline`` and
+  ``erasure``'s ``effect`` may be null: a document without a measurable answer (``max_tokens``
+  cut it off entirely) is stored as missing, not as 0 (version 7 stored 0).
 
 The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``revision``, ``task``) are not
 stored inside the files: they come from the directory names
@@ -69,7 +72,7 @@ import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """Version of the on-disk layout and of the column sets below (the one this code writes)."""
 
 OLDEST_READABLE = 1
@@ -495,7 +498,7 @@ IGRAD = _schema(
         pa.field("sublayer", pa.dictionary(pa.int8(), pa.string()), nullable=False),
         pa.field("block", pa.int16(), nullable=False),
         pa.field("pos", pa.int32(), nullable=False),
-        pa.field("attribution", pa.float32(), nullable=False),
+        pa.field("attribution", pa.float32(), nullable=True),
     ],
 )
 """Optional (``extract --igrad``; methods §13). One row per (doc, sublayer, block, pos), sorted
@@ -507,7 +510,8 @@ so: the integrated-gradients attribution map.
 - ``block``: block l, 0-based (as ``skipped`` in :data:`FUTURE_EFFECTS`).
 - ``pos``: token position t (0-based; a choice task: the prompt's positions).
 - ``attribution``: IG(l, t) = sum_d (x - b)[t, d] (1/m) sum_k df/dx[t, d] at x(alpha_k) (a left
-  Riemann sum over m steps, the partition's ``igrad_steps``).
+  Riemann sum over m steps, the partition's ``igrad_steps``); null for every row of a document
+  without a measurable answer (``max_tokens`` cut it off entirely), as its ends.
 """
 
 IGRAD_ENDS = _schema(
@@ -516,8 +520,8 @@ IGRAD_ENDS = _schema(
         pa.field("doc", pa.int32(), nullable=False),
         pa.field("sublayer", pa.dictionary(pa.int8(), pa.string()), nullable=False),
         pa.field("block", pa.int16(), nullable=False),
-        pa.field("f_input", pa.float32(), nullable=False),
-        pa.field("f_baseline", pa.float32(), nullable=False),
+        pa.field("f_input", pa.float32(), nullable=True),
+        pa.field("f_baseline", pa.float32(), nullable=True),
     ],
 )
 """Optional (``extract --igrad``; methods §13). One row per (doc, sublayer, block), as
@@ -527,6 +531,8 @@ sum_t IG(l, t) - (f(x) - f(b)) can be shown.
 - ``f_input``: f(x), the target with the site's own activation (alpha = 1).
 - ``f_baseline``: f(b), the target with every position's activation set to the baseline b, the
   site's mean over the document's positions (alpha = 0).
+
+Both null where the document has no measurable answer.
 """
 
 ERASURE = _schema(
@@ -535,7 +541,7 @@ ERASURE = _schema(
         pa.field("doc", pa.int32(), nullable=False),
         pa.field("layer", pa.int16(), nullable=False),
         pa.field("pos", pa.int32(), nullable=False),
-        pa.field("effect", pa.float32(), nullable=False),
+        pa.field("effect", pa.float32(), nullable=True),
     ],
 )
 """Optional (``extract --erase``; methods §14). One row per (doc, layer, pos), sorted so: the
@@ -549,7 +555,8 @@ residual-erasure map.
 - ``effect``: max over the answer-predicting positions j of ||softmax(z'_j) - softmax(z_j)||_2
   (a choice task: the change of the option-probability vector at the last prompt token); exact 0
   where t lies after every such position, and for the last state h_L where t is not one of them
-  (not computed).
+  (not computed); null for every row of a document without a measurable answer (``max_tokens``
+  cut it off entirely: no position predicts an answer token).
 """
 
 ERASURE_REFERENCE = _schema(
@@ -706,6 +713,18 @@ _TABLES_V4 = {
 }
 
 
+def _not_null(schema: pa.Schema, version: int) -> pa.Schema:
+    """``schema`` with every field non-nullable, as ``version`` declared it."""
+    table = schema.metadata[b"layerdiv.table"].decode()
+    return _schema(table, [f.with_nullable(False) for f in schema], version=version)
+
+
+_TABLES_V7 = {
+    **TABLES,
+    **{t: _not_null(TABLES[t], 7) for t in ("igrad", "igrad_ends", "erasure")},
+}
+
+
 def tables_of(version: int) -> dict[str, pa.Schema]:
     """The tables (and their schemas) of a store written with schema ``version``."""
     versions = {
@@ -715,6 +734,7 @@ def tables_of(version: int) -> dict[str, pa.Schema]:
         4: _TABLES_V4,
         5: _TABLES_V5,
         6: _TABLES_V6,
+        7: _TABLES_V7,
     }
     return versions.get(version, TABLES)
 

@@ -328,3 +328,65 @@ def test_the_same_sites_in_another_order_are_the_stored_ones(
         "--igrad-steps 2, this run asks for --igrad --igrad-site block --igrad-steps 2"
         in (other.output)
     )
+
+
+ANSWERED = ["the cat sat", "a dog ran", "the mat", "the cat sat on the warm mat by the door "
+            "of the house and the dog ran to the cat on the mat", "a dog ran by the door of "
+            "the house to the warm mat and the cat sat on the mat by the dog"]  # fmt: skip
+"""Three short documents whose answer ``max_tokens`` keeps, two long ones whose answer it cuts
+off entirely."""
+
+
+def test_an_empty_answer_is_refused_before_anything_is_written(
+    tmp_path: Path, model_dirs: Any
+) -> None:
+    """Issue 49: every answer-anchored measurement refuses a document whose answer has no tokens
+    (before, stored as all-zero effects and averaged in)."""
+    model = str(model_dirs("llama"))
+    task = text_task(tmp_path / "t", ANSWERED, answer="{{ body[:0] }}")
+    for flags in (["--igrad"], ["--erase", "--erase-reference", "1"],
+                  ["--skips", "--skip-split", "answer"]):  # fmt: skip
+        line = refused(tmp_path, model, task, *flags)
+        assert "task docs: document 0's answer is empty (no tokens of its own; 5 of 5" in line
+
+
+def test_a_cut_answer_is_missing_noted_and_left_out_of_every_mean(
+    tmp_path: Path, model_dirs: Any
+) -> None:
+    """Issue 49: where ``max_tokens`` cuts a document's answer off entirely, ``--igrad`` (before, a
+    traceback: "upper bound and lower bound inconsistent with step sign") and ``--erase``
+    (before, all-zero effects) store its values as null, the run says so in one note, and the
+    analyses count and average the answered documents only."""
+    from layerdiv.analyze.api import analyze
+
+    task = text_task(tmp_path / "t", ANSWERED, answer=" and then the cat sat", max_tokens=14)
+    store = tmp_path / "store"
+    out = extract("--model", str(model_dirs("llama")), "--task", str(task), "--store", str(store),
+                  "--igrad", "--igrad-steps", "2", "--erase", "--erase-reference", "2",
+                  "--skips", "--skip-split", "answer")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert "2 of 5 documents' answers lie wholly past max_tokens 14 (the first: document 3)" in (
+        out.output
+    )
+    documents = Store(store).scan("documents").collect()
+    cut = documents.filter(pl.col("answer_start") >= pl.col("n_tokens"))["doc"].to_list()
+    assert cut == [3, 4]
+    igrad, ends = stored(store)
+    erasure = Store(store).scan("erasure").collect()
+    for frame, column in ((igrad, "attribution"), (ends, "f_input"), (ends, "f_baseline"),
+                          (erasure, "effect")):  # fmt: skip
+        missing = frame.filter(pl.col(column).is_null())["doc"].unique().sort().to_list()
+        assert missing == cut, column
+        assert frame.filter(~pl.col("doc").is_in(cut))[column].null_count() == 0
+    assert ends.filter(~pl.col("doc").is_in(cut))["f_input"].min() > 0  # type: ignore[operator]
+    assert Store(store).scan("future_output").collect()["doc"].is_in(cut).sum() == 0
+    results = analyze(store)
+    for table in ("igrad_depth", "erasure_depth", "igrad_share", "erasure_layers"):
+        assert results[table]["n_documents"].unique().to_list() == [3], table
+    assert results["igrad_completeness"]["n_documents"].unique().to_list() == [3]
+    assert sorted(results["igrad_maps"]["doc"].unique().to_list()) == [0, 1]
+    per_doc = (erasure.filter(~pl.col("doc").is_in(cut), pl.col("layer") == 0)
+               .join(documents, on="doc").filter(pl.col("pos") < pl.col("n_tokens") - 1)
+               .group_by("doc").agg(pl.col("effect").cast(pl.Float64).mean()))  # fmt: skip
+    layer0 = results["erasure_layers"].filter(pl.col("layer") == 0)["effect"][0]
+    assert abs(layer0 - per_doc["effect"].mean()) <= 1e-9 * max(abs(layer0), 1e-12)  # type: ignore[operator]

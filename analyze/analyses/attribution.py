@@ -140,9 +140,11 @@ def partition_tables(
     return {name: pl.concat([p[name] for p in parts]) for name in parts[0]}
 
 
-def first_documents(info: PartitionInfo, table: str, count: int) -> list[int]:
-    """The first ``count`` documents of ``info`` that hold rows of ``table``."""
-    docs = info.scan(table).select("doc").unique().sort("doc").head(count).collect()
+def first_documents(info: PartitionInfo, table: str, count: int, value: str) -> list[int]:
+    """The first ``count`` documents of ``info`` that hold rows of ``table`` whose ``value`` is
+    known (not a document stored as missing)."""
+    rows = info.scan(table).filter(pl.col(value).is_not_null())
+    docs = rows.select("doc").unique().sort("doc").head(count).collect()
     return docs["doc"].to_list()
 
 

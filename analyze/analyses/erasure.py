@@ -109,10 +109,12 @@ def anchors(info: PartitionInfo) -> pl.DataFrame:
 def computed(info: PartitionInfo) -> pl.LazyFrame:
     """``info``'s erasure rows at the positions computed (running text t = 0..T-2: effect(l, T-1)
     is 0 by construction, not computed; a choice task every t = 0..T-1: methods §14),
-    ``effect`` as float64."""
+    ``effect`` as float64; a document without a measurable answer (its effects null:
+    ``max_tokens`` cut the answer off) has none, and is in no mean or count."""
     last = pl.col("n_tokens") - (0 if choice(info) else 1)
     return (
         info.scan("erasure")
+        .filter(pl.col("effect").is_not_null())
         .join(lengths(info), on="doc", how="inner")
         .filter(pl.col("pos") < last)
         .with_columns(pl.col("effect").cast(pl.Float64))
@@ -190,7 +192,7 @@ def maps(info: PartitionInfo, count: int) -> pl.DataFrame:
     """The ``erasure_maps`` rows of ``info``'s first ``count`` documents: every (layer, pos),
     running text with its ``token`` id and the document's ``answer_start`` (a choice partition
     keeps no prompt's tokens: by position alone)."""
-    docs = first_documents(info, "erasure", count)
+    docs = first_documents(info, "erasure", count, "effect")
     rows = info.scan("erasure").filter(pl.col("doc").is_in(docs)).collect()
     if not choice(info):
         rows = rows.join(document_tokens(info, docs), on=["doc", "pos"], how="left").join(

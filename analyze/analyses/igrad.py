@@ -78,9 +78,12 @@ def steps_of(info: PartitionInfo) -> int | None:
 
 def per_document(info: PartitionInfo) -> pl.DataFrame:
     """Per (doc, sublayer, block) of ``info``: ``abs_sum`` sum_t |IG(l, t)|, ``ig_sum``
-    sum_t IG(l, t), and ``f_input``, ``f_baseline`` (methods §13)."""
+    sum_t IG(l, t), and ``f_input``, ``f_baseline`` (methods §13); a document without a
+    measurable answer (its values null: ``max_tokens`` cut the answer off) has none, and is in
+    no mean or count."""
     sums = (
         info.scan("igrad")
+        .filter(pl.col("attribution").is_not_null())
         .group_by("doc", "sublayer", "block")
         .agg(
             abs_sum=pl.col("attribution").cast(pl.Float64).abs().sum(),
@@ -88,8 +91,12 @@ def per_document(info: PartitionInfo) -> pl.DataFrame:
         )
         .with_columns(pl.col("sublayer").cast(pl.String))
     )
-    ends = info.scan("igrad_ends").with_columns(
-        pl.col("sublayer").cast(pl.String), pl.col("f_input", "f_baseline").cast(pl.Float64)
+    ends = (
+        info.scan("igrad_ends")
+        .filter(pl.col("f_input").is_not_null())
+        .with_columns(
+            pl.col("sublayer").cast(pl.String), pl.col("f_input", "f_baseline").cast(pl.Float64)
+        )
     )
     frame = sums.join(ends, on=["doc", "sublayer", "block"], how="inner").collect()
     if not frame.height:
@@ -158,7 +165,7 @@ def completeness(docs: pl.DataFrame, steps: int | None) -> pl.DataFrame:
 def maps(info: PartitionInfo, count: int) -> pl.DataFrame:
     """The ``igrad_maps`` rows of ``info``'s first ``count`` documents: every (sublayer, block,
     pos) with its ``token`` id and the document's ``answer_start`` (:func:`answer_starts`)."""
-    docs = first_documents(info, "igrad", count)
+    docs = first_documents(info, "igrad", count, "attribution")
     rows = (
         info.scan("igrad")
         .filter(pl.col("doc").is_in(docs))
