@@ -580,3 +580,35 @@ def test_an_erasure_state_outside_0_to_L_leaves_its_partition_out_with_a_note(
         results.notes
     )
     assert "erasure" not in results.analyses and results["igrad_share"].height > 0
+
+
+def test_a_version_7_store_with_non_nullable_maps_still_reads(tmp_path: Path) -> None:
+    """Schema version 8 made the maps' values nullable (a document without a measurable
+    answer); a store version 7 wrote (every column non-nullable) reads and analyses as before,
+    and a version 7 part under a version 8 manifest is refused as of another schema."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from layerdiv.schemas import tables_of
+    from layerdiv.store import Store, StoreError
+
+    root = tmp_path / "store"
+    write_store(root, 3, 0.0)
+    want = analyze(root)
+    for table in ("igrad", "igrad_ends", "erasure"):
+        for part in root.glob(f"{table}/**/*.parquet"):
+            data = pq.read_table(part)
+            old = tables_of(7)[table].with_metadata(data.schema.metadata)
+            assert not any(f.nullable for f in old) and data.schema != old
+            pq.write_table(data.cast(old), part)
+    with pytest.raises(StoreError, match="columns do not match the igrad schema of version 8"):
+        Store(root).scan("igrad").collect()
+    for path in root.glob("manifests/**/manifest.json"):
+        data = json.loads(path.read_text())
+        path.write_text(json.dumps({**data, "schema_version": 7}))
+    (info,) = Store(root).partitions
+    assert info.manifest.schema_version == 7
+    got = analyze(root)
+    for table in ("igrad_depth", "erasure_depth", "erasure_layers"):
+        assert got[table].equals(want[table]), table
