@@ -660,6 +660,11 @@ def _evil(ctx: Context, prior: Any) -> dict[str, pl.DataFrame]:
     return {"../../evil": pl.DataFrame({"x": [1]})}
 
 
+def _spills(ctx: Context, prior: Any) -> dict[str, pl.DataFrame]:
+    ctx.spill.append("../../evil_spill", pl.DataFrame({"x": [1]}))
+    return {}
+
+
 def _section_raises(ctx: ReportContext) -> str:
     raise KeyError("no_such_table")
 
@@ -678,6 +683,8 @@ BAD_ANALYSES = {
                       "returned table 'scores', which exists"),
     "evil": (Analysis("evil", "E", _evil),
              "returned '../../evil': table name '../../evil' is not an identifier"),
+    "spills": (Analysis("spills", "S", _spills),
+               "LayerdivError: a spilled result's table name '../../evil_spill' is not an"),
     "bad_section": (Analysis("bad_section", "Bad section", _ok, report=_section_raises),
                     "its report section left out: KeyError: 'no_such_table'"),
     "needs_nothing": (Analysis("needs_nothing", "U", _ok, needs=("no_such_table",)),
