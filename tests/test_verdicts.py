@@ -119,14 +119,19 @@ def test_depth_verdicts_flip() -> None:
     big_second = np.array([0.1, 9.0, 0.1, 0.12, 0.1, 0.11, 0.1, 0.5, 0.6, 0.5, 0.55, 0.5, 0.6])
     assert outcome(decay_verdicts(geometry(big_second), {})) == "agrees,does not agree"
 
-    def skips(kl: np.ndarray) -> dict[str, pl.DataFrame]:
-        relative = np.arange(1, len(kl) + 1) / len(kl)
-        return {"skip_effects": pl.DataFrame({**key, "relative_depth": relative, "kl": kl})}
+    def skips(difference: np.ndarray) -> dict[str, pl.DataFrame]:
+        """Per instance, its KL of the first half's skips minus the second's."""
+        rows = {"instance": np.arange(len(difference)), "kl_difference": difference}
+        return {"skip_halves": pl.DataFrame({**key, **rows})}
 
-    kl = np.array([2.0, 1.5, 1.8, 1.6, 0.1, 0.2, 0.1, 0.15])
-    assert outcome(skip_verdicts(skips(kl), {})) == "agrees"
-    assert outcome(skip_verdicts(skips(kl[::-1].copy()), {})) == "does not agree"
-    assert outcome(skip_verdicts(skips(kl[2:6]), {})) == "too few to tell"
+    # the verdict's unit is the instance: 8 of them, 8 blocks each would not count
+    difference = np.array([1.2, 1.5, 0.9, 1.6, 1.1, 1.3, 1.0, 1.4])
+    line = skip_verdicts(skips(difference), {})
+    assert outcome(line) == "agrees" and "n = 8 instances" in line, line
+    assert outcome(skip_verdicts(skips(-difference), {})) == "does not agree"
+    spread = np.array([1.2, -1.5, 0.9, -1.6, 1.1, -1.3, 1.0, -1.4])
+    assert outcome(skip_verdicts(skips(spread), {})) == "cannot tell"
+    assert outcome(skip_verdicts(skips(difference[:4]), {})) == "too few to tell"
 
 
 def test_law_heads_and_maps_verdicts_flip() -> None:
