@@ -92,7 +92,7 @@ def main() -> None:
         plan = plan_task(str(task), loaded.tokenizer, cfg)
         assert plan.documents is not None
         seqs = plan.documents[0]
-        starts = [s for s, _ in plan.planned["erase"]]
+        starts = [s for s, _ in plan.planned["erase"].spans]
         flops = sum(
             erase_flops(shape, len(q), max(s - 1, 0), len(q) - 2)
             for q, s in zip(seqs, starts, strict=True)

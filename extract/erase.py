@@ -39,8 +39,11 @@ from layerdiv.extract.removal import Call, UpdateRemoval
 from layerdiv.measurements import Attachment
 from layerdiv.measurements.erase import (
     FINGERPRINT,
+    EraseError,
+    ErasePlan,
     fingerprint,
     reference_means,
+    reference_start,
     reference_table,
 )
 
@@ -352,11 +355,16 @@ class EraseCapture(PassesAfter):
     def __init__(self, ctx: Attachment) -> None:
         super().__init__()
         self.count = int(ctx.settings["erase_reference"])
+        self.start = reference_start(ctx.settings)
+        planned: ErasePlan = ctx.planned
+        self.reference = planned.reference
+        """``--erase-reference-task``: that task's first R units' token ids (None: this
+        task's)."""
         choice = ctx.kind == "choice"
         target = (
             OptionProbs(ctx.readout, ctx.option_ids)
             if choice
-            else NextTokens(ctx.readout, ctx.planned)
+            else NextTokens(ctx.readout, planned.spans or [])
         )
         self.erasure = Erasure(ctx.model, ctx.adapter, target)
         self.config = ctx.model.config
@@ -384,19 +392,27 @@ class EraseCapture(PassesAfter):
         probe: Callable[[list[list[int]]], Any],
         stored: Mapping[str, pa.Table],
     ) -> tuple[dict[str, Any], dict[str, pa.Table]]:
-        """The reference means mu_l: the stored ones, else the mean of h_l over every position
-        (BOS included) of the first R documents or prompts, one probe pass each (methods
-        §14)."""
+        """The reference means mu_l: the stored ones, else the mean of h_l over the positions
+        1..T-1 (``all``: 0..T-1) of the first R documents or prompts of the task (or of the
+        reference task), one probe pass each (methods §14)."""
         if "erasure_reference" in stored:
             means = reference_means(stored["erasure_reference"])
         else:
+            first = self.start
+            # mu_l = sum over sequences and positions t >= first of h_l[t] / their count
+            units = [s for s in (self.reference or seqs)[: self.count] if len(s) > first]
+            if not units:
+                raise EraseError(
+                    f"--erase: the reference's first {self.count} units hold no position after "
+                    "the first; give more (--erase-reference) or --erase-reference-positions all"
+                )
             total: torch.Tensor | None = None
-            for seq in seqs[: self.count]:
+            for seq in units:
                 probe([list(seq)])
-                h = torch.stack([s[0] for s in self.text.states()]).double()  # (L + 1, T, d)
-                total = h.sum(dim=1) if total is None else total + h.sum(dim=1)
-            assert total is not None  # plan_erase refuses fewer than one document
-            tokens = sum(len(s) for s in seqs[: self.count])
+                h = torch.stack([s[0, first:] for s in self.text.states()]).double()
+                total = h.sum(dim=1) if total is None else total + h.sum(dim=1)  # (L + 1, d)
+            assert total is not None  # one unit at least
+            tokens = sum(len(s) - first for s in units)
             means = (total / tokens).float().cpu().numpy()
         self.means = torch.from_numpy(means)
         return {FINGERPRINT: fingerprint(means)}, {"erasure_reference": reference_table(means)}

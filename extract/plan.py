@@ -6,11 +6,12 @@ anything is written."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from layerdiv.extract import chunks
-from layerdiv.extract.batching import tokenize_documents
+from layerdiv.extract.batching import tokenize, tokenize_documents
 from layerdiv.extract.config import ExtractConfig
 from layerdiv.extract.facts import revision_facts
 from layerdiv.extract.models import context_length
@@ -88,11 +89,25 @@ def plan_task(
     else:
         ids = option_token_ids(spec, tokenizer, items[0].prompt)
         plan = TaskPlan(spec, items, ids, sha, writer, tables, argument, measures=measures)
+    sequences = partial(task_sequences, tokenizer=tokenizer, context=context)
     for m in registered():
         if m.name in measures:
-            planning = Planning(spec, items, tokenizer, measures[m.name], plan.notes, plan.answers)
+            planning = Planning(spec, items, tokenizer, measures[m.name], plan.notes, plan.answers,
+                                sequences)  # fmt: skip
             plan.planned[m.name] = m.check_plan(planning)
     return plan
+
+
+def task_sequences(name: str, count: int, tokenizer: Any, context: int | None) -> list[list[int]]:
+    """The token ids of task ``name``'s first ``count`` units (at most) as its extraction takes
+    them: a text task's documents cut to its ``max_tokens`` and the ``context`` length, a choice
+    task's prompts (``Planning.sequences``)."""
+    spec = load_task(name)
+    limit = context or context_length(None, tokenizer)
+    texts = [it.prompt for it in instances(spec, count)[:count]]
+    if spec.kind == "text":
+        return tokenize_documents(tokenizer, texts, min(spec.max_tokens or limit, limit))[0]
+    return tokenize(tokenizer, texts, limit)[0]
 
 
 def _refuse_other_kinds(spec: TaskSpec, cfg: ExtractConfig) -> None:

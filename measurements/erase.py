@@ -3,17 +3,19 @@
 replaced by the reference mean mu_l and the model runs on; the effect is the largest L2 change of
 the whole next-token distribution over the positions that predict an answer token (a choice
 task: the L2 change of the option-probability vector at the last prompt token). The reference
-means (the task's first R documents or prompts, ``--erase-reference R``) are computed once per
-partition, stored in ``erasure_reference`` beside the manifest and recorded in the settings by
-their fingerprint (``erase_reference_sha256``), so that two shards, a resume or a merge cannot
-mix two of them. The hooks are :class:`layerdiv.extract.erase.EraseCapture`, bound to the task
-kind's own capture."""
+means (over positions 1..T-1 of the task's first R documents or prompts, ``--erase-reference R``;
+``--erase-reference-positions all``: every position, the authors' mean, which takes in the
+attention sink's first token; ``--erase-reference-task NAME``: another task's first R) are
+computed once per partition, stored in ``erasure_reference`` beside the manifest and recorded in
+the settings with their fingerprint (``erase_reference_sha256``), so that two shards, a resume or
+a merge cannot mix two of them. The hooks are :class:`layerdiv.extract.erase.EraseCapture`,
+bound to the task kind's own capture."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import click
 import numpy as np
@@ -33,6 +35,15 @@ from layerdiv.schemas import ERASURE, ERASURE_REFERENCE
 FINGERPRINT = "erase_reference_sha256"
 """The setting derived from the reference means: the sha256 of their (L + 1, d) float32 bytes."""
 
+POSITIONS = {"after-first": 1, "all": 0}
+"""``--erase-reference-positions`` -> the first position t of each reference sequence that the
+means take (methods §14: 1..T-1 by default, the attention sink's first token left out; ``all``:
+0..T-1, the authors' mean)."""
+
+RECORDED_BEFORE = "all"
+"""The positions of a partition whose settings record none (extracted before the setting
+existed: every position)."""
+
 COST_ANSWER = 0.25
 """The share of a document's tokens the cost estimate takes as its answer (the estimate is made
 from token counts alone; the extraction reads out at the answer's positions only)."""
@@ -42,23 +53,54 @@ class EraseError(LayerdivError, ValueError):
     """``--erase`` asked of a task it cannot measure."""
 
 
-def plan_erase(plan: Planning) -> list[tuple[int, int]] | None:
+class ErasePlan(NamedTuple):
+    """What ``--erase``'s check of a plan gives its hooks."""
+
+    spans: list[tuple[int, int]] | None
+    """Per document of a text task, its answer's start s and length A (methods §10); None for
+    a choice task (its readout is the last prompt token)."""
+    reference: list[list[int]] | None
+    """``--erase-reference-task``: the token ids of that task's first R units (None: the
+    task's own first R)."""
+
+
+def reference_start(settings: Mapping[str, Any]) -> int:
+    """The first position of each reference sequence its means take (:data:`POSITIONS`; a
+    partition recording none: :data:`RECORDED_BEFORE`)."""
+    return POSITIONS[settings.get("erase_reference_positions") or RECORDED_BEFORE]
+
+
+def describe_reference(settings: Mapping[str, Any]) -> str:
+    """The reference of ``settings`` in words (``positions 1..T-1 of the task's first 10``)."""
+    start = reference_start(settings)
+    other = settings.get("erase_reference_task")
+    where = f"task {other}'s" if other else "the task's"
+    return f"positions {start}..T-1 of {where} first {settings['erase_reference']}"
+
+
+def plan_erase(plan: Planning) -> ErasePlan:
     """Refuse a text task without an answer and a reference of fewer than 1 or more documents
-    (instances) than the run takes; per document of a text task, its answer's start s and length
-    A (methods §10); None for a choice task (its readout is the last prompt token)."""
+    (instances) than the run (the reference task) holds; per document of a text task, its
+    answer's start s and length A (methods §10), and the reference task's token ids."""
     spec, count = plan.task, int(plan.settings["erase_reference"])
     spans = None
     if spec.kind != "choice":
         why = "--erase measures the change of the answer's predictions (methods §14)"
         spans = plan.require_answers(why, "drop --erase")
-    if not 1 <= count <= len(plan.items):
+    other = plan.settings.get("erase_reference_task")
+    reference = None if not other else plan.other_task(other, count)
+    held = len(plan.items) if reference is None else len(reference)
+    if not 1 <= count <= held:
         units = "instances" if spec.kind == "choice" else "documents"
+        which, more, hint = f"task {spec.name}", "this run takes", "or a larger --limit"
+        if reference is not None:
+            units, which, more = "units", f"the reference task {other}", "it holds"
+            hint = "or a larger reference task"
         raise EraseError(
-            f"task {spec.name}: --erase-reference {count} asks for the reference means of its "
-            f"first {count} {units}, and this run takes {len(plan.items)}; give a number "
-            f"from 1 to {len(plan.items)} (or a larger --limit)"
+            f"{which}: --erase-reference {count} asks for the reference means of its first "
+            f"{count} {units}, and {more} {held}; give a number from 1 to {held} ({hint})"
         )
-    return spans
+    return ErasePlan(spans, reference)
 
 
 def fingerprint(means: np.ndarray) -> str:
@@ -178,6 +220,30 @@ ERASE = register(
                     "documents or prompts (default 10).",
                 ),
                 10,
+            ),
+            Setting(
+                "erase_reference_positions",
+                click.Option(
+                    ["--erase-reference-positions"],
+                    type=click.Choice(list(POSITIONS)),
+                    default=None,
+                    help="With --erase: the reference means over positions 1..T-1 of each "
+                    "reference sequence (after-first, the default: the attention sink's first "
+                    "token left out) or over every position (all: the authors' mean).",
+                ),
+                "after-first",
+            ),
+            Setting(
+                "erase_reference_task",
+                click.Option(
+                    ["--erase-reference-task"],
+                    type=str,
+                    default=None,
+                    help="With --erase: take the reference means from this task's first R "
+                    "documents or prompts (a built-in name or a YAML path) rather than the "
+                    "task's own.",
+                ),
+                None,
             ),
         ),
         readout=("text",),

@@ -193,6 +193,16 @@ class Planning:
     answers: Sequence[AnswerSpan] | None = None
     """A text task with an answer: each document's answer span, computed once per task by the
     plan (:func:`answer_spans`); None otherwise."""
+    sequences: Callable[[str, int], list[list[int]]] | None = None
+    """(another task's name or YAML path, n) -> the token ids of its first n units (at most),
+    as an extraction of it with this tokenizer takes them (a reference taken from another
+    task); None where no task can be loaded."""
+
+    def other_task(self, name: str, count: int) -> list[list[int]]:
+        """The token ids of task ``name``'s first ``count`` units (:attr:`sequences`)."""
+        if self.sequences is None:
+            raise MeasurementError(f"task {name} cannot be loaded in this plan")
+        return self.sequences(name, count)
 
     def require_answers(self, why: str, instead: str) -> list[tuple[int, int]]:
         """Per document, its answer's start s and length A (:attr:`answers`), with a note where
@@ -446,6 +456,7 @@ class Measurement:
         for s in self.settings if settings is not None else ():
             value = given.get(s.name, s.default)
             values = value if isinstance(value, list | tuple) else [value]
+            values = [v for v in values if v is not None]  # not given: no option
             words += [f"{s.option.opts[0]} {v}" for v in values]
         return " ".join(words or [self.flag])
 

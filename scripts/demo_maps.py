@@ -1,6 +1,6 @@
 """The README's layer-maps figures, from the demo's results (``make demo``): the region between
 ``<!-- demo:maps -->`` and ``<!-- /demo:maps -->`` of README.md (Spearman's correlation per
-space over the source layers whose maps beat the mean predictor, and the best target of every
+space over the source layers whose best map reaches the R² gate, and the best target of every
 source layer, from ``layer_map_best``) and
 ``docs/demo-layer-maps.png`` (the report's ``layer_maps.png``).
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import polars as pl
 
-from layerdiv.analyze.analyses.maps import spearman
+from layerdiv.analyze.analyses.maps import R2_GATE, spearman
 from layerdiv.analyze.markdown import fmt, markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,14 +50,15 @@ def region(results: Path) -> str:
     def space(name: str) -> str:
         r = rho[name]
         found = (
-            f"{r['n']} of {r['n_sources']} source layers have a map that beats the mean predictor"
+            f"{r['n_best']} of {r['n_sources']} source layers have a map that beats the mean "
+            f"predictor and {r['n']} a best map (the largest held-out R²) with R² >= {R2_GATE:g}"
         )
         if r["spearman"] is None:
-            return f"{found} on the {name} (too few for a correlation)"
+            return f"{found} on the {name} (too few for a verdict)"
         return (
-            f"{found} on the {name}, and over them Spearman's correlation of the best target's "
+            f"{found} on the {name}, and over those Spearman's correlation of the best target's "
             f"relative depth with the source's is {r['spearman']:.2f} "
-            f"[{r['low']:.2f}, {r['high']:.2f}]"
+            f"[{r['low']:.2f}, {r['high']:.2f}] (against permuted targets p = {r['p_value']:.3g})"
         )
 
     return (

@@ -137,9 +137,9 @@ def optional_tables(values: dict[str, np.ndarray], docs: range) -> dict[str, pa.
     return {"igrad": ig, "igrad_ends": ends, "erasure": erasure}
 
 
-def answered(model: str, blocks: int, settings: dict[str, dict[str, Any]]) -> Any:
-    """The manifest of a made-up text partition of a task that names an answer (task ``qa``)."""
-    manifest = text_manifest(model, "qa", DOCS, blocks, TOKENS, CHUNK)
+def answered(model: str, blocks: int, settings: dict[str, dict[str, Any]], task: str = "qa") -> Any:
+    """The manifest of a made-up text partition of a task that names an answer."""
+    manifest = text_manifest(model, task, DOCS, blocks, TOKENS, CHUNK)
     spec = {**manifest.task_spec, "answer": " {{ answer }}"}
     return dataclasses.replace(manifest, settings=settings, task_spec=spec)
 
@@ -153,16 +153,23 @@ def answers(tables: dict[str, pa.Table], starts: np.ndarray) -> dict[str, pa.Tab
 
 
 def write_store(
-    root: Path, seed: int, gap: float, model: str = MODEL, blocks: int = BLOCKS
+    root: Path,
+    seed: int,
+    gap: float,
+    model: str = MODEL,
+    blocks: int = BLOCKS,
+    task: str = "qa",
+    erase: dict[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """A text partition of ``model`` with ``blocks`` blocks holding the made-up maps
-    (:func:`made_up`); returns them."""
+    (:func:`made_up`), its erasure extracted with the settings ``erase`` (default: those of a
+    partition extracted before the reference positions were recorded); returns them."""
     values = made_up(seed, gap, blocks)
     settings: dict[str, dict[str, Any]] = {
         "igrad": {"igrad_sites": list(SUBLAYERS), "igrad_steps": STEPS},
-        "erase": {"erase_reference": 10},
+        "erase": erase or {"erase_reference": 10},
     }
-    manifest = answered(model, blocks, settings)
+    manifest = answered(model, blocks, settings, task)
     rng = np.random.default_rng(seed)
     chunks = (
         (s, len(docs), {**answers(text_chunk(rng, docs, TOKENS, blocks), values["start"][s:]),
@@ -612,3 +619,43 @@ def test_a_version_7_store_with_non_nullable_maps_still_reads(tmp_path: Path) ->
     got = analyze(root)
     for table in ("igrad_depth", "erasure_depth", "erasure_layers"):
         assert got[table].equals(want[table]), table
+
+
+def test_the_reference_sensitivity_where_the_same_documents_have_two_references(
+    tmp_path: Path,
+) -> None:
+    """Two partitions of one model and the same documents (tasks ``qa`` and ``qa-all``), their
+    erasure taken with the reference over positions 1..T-1 and over every position: the report
+    shows both depth scores and the largest change of the per-state mean effect; one
+    partition alone shows none."""
+    from layerdiv.analyze.report import write_report
+
+    root = tmp_path / "store"
+    first = {"erase_reference": 10, "erase_reference_positions": "after-first"}
+    write_store(root, 3, 0.0, erase={**first, "erase_reference_task": None})
+    alone = analyze(root)
+    write_report(alone, tmp_path / "alone", "paper", str(root), "md")
+    assert "Sensitivity to the reference" not in (tmp_path / "alone" / "report.md").read_text()
+    write_store(root, 8, 0.0, task="qa-all",
+                erase={**first, "erase_reference_positions": "all"})  # fmt: skip
+    results = analyze(root)
+    depth = results["erasure_depth"].sort("task")
+    assert depth["reference"].to_list() == [
+        "positions 1..T-1 of the task's first 10",
+        "positions 0..T-1 of the task's first 10",
+    ]
+    rows = erasure.sensitivity_rows(depth, results["erasure_layers"]).sort("task")
+    assert rows["task"].to_list() == ["qa", "qa-all"]
+    per_state = {
+        task: results["erasure_layers"].filter(pl.col("task") == task).sort("layer")["effect"]
+        for task in ("qa", "qa-all")
+    }
+    diff = np.abs(per_state["qa-all"].to_numpy() - per_state["qa"].to_numpy())
+    assert rows["largest_change"].to_list() == [0.0, pytest.approx(diff.max(), rel=1e-12)]
+    assert rows["state"][1] == int(np.argmax(diff)) and diff.max() > 0.01
+    assert rows["score"].to_list() == depth["score"].to_list()
+    write_report(results, tmp_path / "report", "paper", str(root), "md")
+    text = (tmp_path / "report" / "report.md").read_text()
+    section = text[text.index(f"## {erasure.TITLE}") :].split("\n## ")[0]
+    assert "**Sensitivity to the reference.**" in section
+    assert "| positions 0..T-1 of the task's first 10 |" in section

@@ -286,3 +286,12 @@ def test_extract_skips_and_gram_backfill_and_analysis(
     # a small difference of log-probabilities: within FLOAT32 of sum_k p_k (|log p_k| + |log q_k|)
     scale = (log_p.exp() * (log_p.abs() + log_q.abs())).sum(-1).mean(0)
     assert_within(effects["kl"], kl, scale, what="kl")
+    # per instance: the mean KL of the first half's skips ((b + 1) / L <= 0.5) minus the
+    # second's, the unit the verdict resamples
+    per = (log_p.exp() * (log_p - log_q)).sum(-1).numpy()  # (instances, blocks)
+    first = (np.arange(per.shape[1]) + 1) / per.shape[1] <= 0.5
+    halves = skips.skip_tables(st.select())["skip_halves"].sort("instance")
+    assert halves["instance"].to_list() == list(range(len(per)))
+    each = (log_p.exp() * (log_p.abs() + log_q.abs())).sum(-1).numpy().mean(1)
+    want = per[:, first].mean(1) - per[:, ~first].mean(1)
+    assert_within(halves["kl_difference"].to_numpy(), want, each, what="kl_difference")

@@ -6,6 +6,7 @@ identity (resume, shards, merge, another reference refused) and its refusals."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +70,23 @@ def run_states(model: Any, ids: list[int], edit: tuple[int, int, torch.Tensor] |
     return torch.stack(states), logits
 
 
-def reference(model: Any, references: list[list[int]], docs: list[list[int]], starts: list[int]):
-    """The reference means over the documents ``references`` and each of ``docs``'s (L + 1, T)
-    effects (``starts``: each one's answer start s), by the definition (methods §14)."""
-    first = [run_states(model, ids)[0] for ids in references]
-    means = torch.cat(first, dim=1).mean(dim=1)  # (L + 1, d)
+def reference_means_of(model: Any, references: list[list[int]], first: int = 1) -> torch.Tensor:
+    """The (L + 1, d) mean of h_l over the positions ``first``..T-1 of every sequence of
+    ``references`` (methods §14: 1 by default; 0 the authors' mean over every position)."""
+    return torch.cat([run_states(model, ids)[0][:, first:] for ids in references], 1).mean(1)
+
+
+def reference(
+    model: Any,
+    references: list[list[int]],
+    docs: list[list[int]],
+    starts: list[int],
+    first: int = 1,
+):
+    """The reference means over positions ``first``..T-1 of the documents ``references`` and
+    each of ``docs``'s (L + 1, T) effects (``starts``: each one's answer start s), by the
+    definition (methods §14)."""
+    means = reference_means_of(model, references, first)  # (L + 1, d)
     effects = []
     for ids, s in zip(docs, starts, strict=True):
         T = len(ids)
@@ -92,9 +105,10 @@ def reference(model: Any, references: list[list[int]], docs: list[list[int]], st
 def choice_reference(
     model: Any, references: list[list[int]], prompts: list[list[int]], options: list[int]
 ) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The reference means over the prompts ``references`` and each of ``prompts``'s (L + 1, T)
-    effects on the option probabilities at its last token, by the definition (methods §14)."""
-    means = torch.cat([run_states(model, ids)[0] for ids in references], dim=1).mean(dim=1)
+    """The reference means over positions 1..T-1 of the prompts ``references`` and each of
+    ``prompts``'s (L + 1, T) effects on the option probabilities at its last token, by the
+    definition (methods §14)."""
+    means = reference_means_of(model, references)
     effects = []
     for ids in prompts:
         p = torch.softmax(run_states(model, ids)[1][-1, options], dim=-1)
@@ -213,6 +227,98 @@ def test_choice_erasure_matches_an_independent_float64_reference(
         assert want.max() > 100 * FLOAT32  # the comparison can fail
 
 
+@pytest.fixture(scope="module")
+def sink_model(tmp_path_factory: pytest.TempPathFactory, build_model: Any, tokenizer: Any) -> Any:
+    """A tiny model folder (gpt_neox, whose unembedding is not the embedding) whose documents'
+    first token ("Q", every multi-hop document's) has an embedding 100 times its own: its
+    residual states carry a large norm through every block, as an attention sink's first
+    token does (SmolLM2: about 23,800 against 160); and the model itself (float32)."""
+    model = build_model("gpt_neox")
+    first = tokenizer(documents(short=True)[0][0])["input_ids"][0]
+    with torch.no_grad():
+        model.get_input_embeddings().weight[first] *= 100.0
+    path = tmp_path_factory.mktemp("sink-model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, model
+
+
+def short_documents(tokenizer: Any, count: int) -> tuple[list[list[int]], list[int]]:
+    """The token ids of the first ``count`` short multi-hop documents and their answer starts."""
+    docs, starts = [], []
+    for document, answer in documents(short=True)[:count]:
+        ids = tokenizer(document)["input_ids"]
+        docs.append(ids)
+        starts.append(len(ids) - len(tokenizer(answer, add_special_tokens=False)["input_ids"]))
+    return docs, starts
+
+
+@pytest.mark.numerical
+@pytest.mark.parametrize(("positions", "first"), [("after-first", 1), ("all", 0)])
+def test_erasure_reference_positions_against_float64(
+    positions: str, first: int, tmp_path: Path, sink_model: Any, tokenizer: Any
+) -> None:
+    """The reference means over positions 1..T-1 (the default) and over every position
+    (``all``, the authors'), each against a float64 reference of its own definition on a model
+    whose first token has a large norm; the choice is recorded in the settings."""
+    path, model = sink_model
+    task = multihop_task(tmp_path / "task", **SHORT)
+    store = tmp_path / "store"
+    more = [] if positions == "after-first" else ["--erase-reference-positions", positions]
+    out = extract("--model", str(path), "--task", str(task), "--store", str(store), "--erase",
+                  "--erase-reference", "2", "--limit", "3", *more)  # fmt: skip
+    assert out.exit_code == 0, out.output
+    settings = Store(store).partitions[0].manifest.settings["erase"]
+    assert settings["erase_reference_positions"] == positions
+    docs, starts = short_documents(tokenizer, 3)
+    model64 = copy.deepcopy(model).to(torch.float64)
+    means, effects = reference(model64, docs[:2], docs[2:], starts[2:], first)
+    other = reference_means_of(model64, docs[:2], 1 - first).numpy()
+    # the first token's large norm: the mean with it is far from the mean without it, so the
+    # comparison below tells the two definitions apart
+    norms = np.linalg.norm(means, axis=1), np.linalg.norm(other, axis=1)
+    assert (np.linalg.norm(means - other, axis=1) > 0.5 * np.minimum(*norms)).all()
+    assert_within(stored_means(store), means, np.abs(means).max(axis=1, keepdims=True))
+    got = stored_effects(store)[2]
+    assert_within(got, effects[0], 1.0, what="document 2")
+    assert effects[0].max() > 100 * FLOAT32  # the comparison can fail
+
+
+def test_erasure_reference_from_another_task(
+    tmp_path: Path, sink_model: Any, tokenizer: Any
+) -> None:
+    """``--erase-reference-task``: the means over positions 1..T-1 of that task's first R
+    documents, recorded in the settings; a resume with other reference positions is refused
+    before anything is written, as a reference task of fewer units than R."""
+    path, model = sink_model
+    task = multihop_task(tmp_path / "task", **SHORT)
+    texts = ["the cat sat on the mat", "a dog ran by the door of the house", "the end"]
+    other = text_task(tmp_path / "other", texts)
+    store = tmp_path / "store"
+    args = ["--model", str(path), "--task", str(task), "--store", str(store), "--erase",
+            "--erase-reference", "2", "--erase-reference-task", str(other)]  # fmt: skip
+    out = extract(*args, "--limit", "2")
+    assert out.exit_code == 0, out.output
+    settings = Store(store).partitions[0].manifest.settings["erase"]
+    assert settings["erase_reference_task"] == str(other)
+    assert settings["erase_reference_positions"] == "after-first"
+    ids = [tokenizer(t)["input_ids"] for t in texts[:2]]
+    means = reference_means_of(copy.deepcopy(model).to(torch.float64), ids).numpy()
+    own = reference_means_of(copy.deepcopy(model).to(torch.float64),
+                             short_documents(tokenizer, 2)[0]).numpy()  # fmt: skip
+    scale = np.abs(means).max(axis=1, keepdims=True)
+    assert_within(stored_means(store), means, scale)
+    assert np.abs(own - means).max() > 100 * FLOAT32 * scale.max()  # the comparison can fail
+    before = sorted(p.name for p in store.rglob("*.parquet"))
+    out = CliRunner().invoke(main, ["extract", *args, "--limit", "3",
+                                    "--erase-reference-positions", "all"])  # fmt: skip
+    assert out.exit_code != 0 and "--erase-reference-positions after-first" in out.output
+    assert sorted(p.name for p in store.rglob("*.parquet")) == before
+    line = refused(tmp_path / "r", str(path), task, "--erase", "--erase-reference", "5",
+                   "--erase-reference-task", str(other))  # fmt: skip
+    assert f"the reference task {other}" in line and "from 1 to 3" in line
+
+
 def test_choice_erasure_leaves_the_other_measurements_alone(
     tmp_path: Path, model_dirs: Any, make_task: Any
 ) -> None:
@@ -260,7 +366,8 @@ def extracted_four_ways(tmp_path: Path, args: list[str]) -> tuple[Path, Path]:
     keys = ("doc", "layer", "pos")
     want = Store(whole).scan("erasure").collect().sort(*keys)
     settings = Store(whole).partitions[0].manifest.settings["erase"]
-    assert set(settings) == {"erase_reference", "erase_reference_sha256"}
+    assert set(settings) == {"erase_reference", "erase_reference_positions",
+                             "erase_reference_task", "erase_reference_sha256"}  # fmt: skip
     for store in (resumed, merged):
         assert Store(store).partitions[0].manifest.settings["erase"] == settings
         got = Store(store).scan("erasure").collect().sort(*keys)

@@ -142,11 +142,13 @@ def test_maps_match_reference(
     assert maps["n_train"].unique().to_list() == [len(docs) - int(held.sum())]
     assert maps["few_rows"].all()  # far fewer than 10 x 32 training rows
     best = results.layer_map_best.filter(pl.col("space") == "states").sort("source_layer")
-    masked = np.where(beats, rel, np.inf)
-    want = [int(np.argmin(masked[i, 1:])) + 1 if beats[i, 1:].any() else None for i in (1, 2)]
+    masked = np.where(beats, r2, -np.inf)  # the largest held-out R² among the maps that beat
+    want = [int(np.argmax(masked[i, 1:])) + 1 if beats[i, 1:].any() else None for i in (1, 2)]
     assert best["target_layer"].to_list() == want
     assert best["source_depth"].to_list() == [0.5, 1.0]
     assert best["target_depth"].to_list() == [None if j is None else j / 4 for j in want]
+    gated = [j is not None and r2[i, j] >= 0.5 for i, j in zip((1, 2), want, strict=True)]
+    assert best["clears_gate"].to_list() == gated
     # block updates: l / L too (methods §11), l = 0..L-1 of the small model's 2 blocks
     updates = results.layer_map_best.filter(pl.col("space") == "updates").sort("source_layer")
     assert updates["source_depth"].to_list() == [0.0, 0.5]
@@ -168,7 +170,9 @@ def test_identity_and_report(pair: dict[str, Any], tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     text = (out / "report.md").read_text()
     assert "Warning: " in text and "fewer than 10 x d_A" in text
-    assert "**Verdict: too few to tell.** the best target follows relative depth" in text
+    # a 2-block model onto itself: 2 source layers, fewer than the 5 a verdict needs
+    assert "source layers have a best map with R² >= 0.5" in text
+    assert "**No verdict:** fewer than 5 source layers' best maps clear the gate" in text
     assert (out / "figures" / "layer_maps.png").stat().st_size > 10_000
 
 
@@ -312,3 +316,99 @@ def test_maps_ridge_option() -> None:
     for bad in ("0", "-1", "nan", "often"):
         with pytest.raises(MapsError, match=f"--maps-ridge {bad}: give cv or a positive number"):
             ridges(bad)
+
+
+def planted(
+    noise: float, seed: int = 0, order: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A planted correspondence: latent states z_0..z_12 of 120 documents x 4 rows, z_(k+1) =
+    tanh(z_k A_k) (no layer a linear function of another), a source of 7 layers
+    h_i = z_(2 order[i]) B_i (default order[i] = i: source layer i is target layer 2i) and a
+    target of 13 layers z_j C_j plus ``noise`` times Gaussian noise, whose layer 1 is
+    100 + 0.05 z_1 C_1 (a large mean, a small spread: the least rel_error of every source
+    whatever predicts it). Returns (docs, source (n, 7, 8), target (n, 13, 8))."""
+    rng = np.random.default_rng(seed)
+    n, d = 480, 8
+    z = [rng.normal(size=(n, d))]
+    for _ in range(12):
+        z.append(np.tanh(z[-1] @ (rng.normal(size=(d, d)) * 1.5 / np.sqrt(d))) * 2)
+    order = np.arange(7) if order is None else order
+    source = np.stack([z[2 * k] @ rng.normal(size=(d, d)) for k in order], axis=1)
+    target = np.stack([z[j] @ rng.normal(size=(d, d)) for j in range(13)], axis=1)
+    target[:, 1] = 100 + 0.05 * target[:, 1]
+    target += noise * rng.normal(size=target.shape)
+    return np.repeat(np.arange(120), 4), source, target
+
+
+def planted_best(docs: np.ndarray, x: np.ndarray, y: np.ndarray) -> pl.DataFrame:
+    """``layer_map_best`` of the planted pair's states, as the analysis fits them."""
+    from layerdiv.analyze.analyses.maps import HELD_OUT, best_table, score_rows
+    from layerdiv.analyze.layer_maps import ArrayLayers, fit_maps
+
+    held = docs % HELD_OUT[0] == HELD_OUT[1]
+    order = np.concatenate([np.flatnonzero(~held), np.flatnonzero(held)])
+    n_train, n_held = int((~held).sum()), int(held.sum())
+    scores = fit_maps(ArrayLayers(x, order), ArrayLayers(y, order), n_train, n_held)
+    key = {"task": "t", "source_model": "a", "source_revision": "main", "target_model": "b",
+           "target_revision": "main"}  # fmt: skip
+    return best_table(score_rows(key, "states", scores, n_train, n_held, False))
+
+
+def test_best_target_by_r2_recovers_a_planted_ordering() -> None:
+    """Source layer i is target layer 2i: ranked by R², every source layer's best map is its
+    own (R² near 1, above the gate), Spearman's rho is 1 and beats permuted targets, and the
+    verdict agrees; ranked by rel_error (the former rule) target 1, of a large mean and a small
+    spread, would have been every source's best."""
+    from layerdiv.analyze.analyses.maps import maps_verdict, spearman
+
+    docs, x, y = planted(noise=0.01)
+    best = planted_best(docs, x, y).sort("source_layer")
+    assert best["target_layer"].to_list() == [2 * i for i in range(1, 7)]
+    assert best["clears_gate"].all() and best["r2"].to_numpy().min() > 0.9
+    row = spearman(best).row(0, named=True)
+    assert row["spearman"] == pytest.approx(1.0) and row["n"] == 6
+    assert row["p_value"] == pytest.approx(1 / 720, abs=0.003)  # 1 of 6! orderings
+    line = maps_verdict(row)
+    assert "**Verdict: agrees.**" in line and "6 of 6 source layers" in line, line
+    # the former rule: the least rel_error among the maps that beat the mean predictor
+    from layerdiv.analyze.analyses.maps import HELD_OUT
+    from layerdiv.analyze.layer_maps import ArrayLayers, fit_maps
+
+    held = docs % HELD_OUT[0] == HELD_OUT[1]
+    order = np.concatenate([np.flatnonzero(~held), np.flatnonzero(held)])
+    s = fit_maps(ArrayLayers(x, order), ArrayLayers(y, order), int((~held).sum()),
+                 int(held.sum()))  # fmt: skip
+    beats = (s.r2 > 0) & (s.rel_error < s.mean_rel_error[None, :])
+    by_rel = np.argmin(np.where(beats, s.rel_error, np.inf)[1:, 1:], axis=1) + 1
+    assert (by_rel == 1).all()  # the former rule finds no ordering here
+
+
+def test_maps_below_the_gate_give_no_verdict() -> None:
+    """Targets drowned in noise: the best maps' R² stays below the gate, and no verdict is
+    given, whatever Spearman's rho of the chosen targets."""
+    from layerdiv.analyze.analyses.maps import R2_GATE, maps_verdict, spearman
+
+    docs, x, y = planted(noise=6.0)
+    best = planted_best(docs, x, y)
+    assert np.nanmax(best["r2"].to_numpy()) < R2_GATE
+    assert not best["clears_gate"].any()
+    row = spearman(best).row(0, named=True)
+    assert row["n"] == 0 and row["spearman"] is None
+    line = maps_verdict(row)
+    assert "**No verdict:**" in line and "Verdict:" not in line.replace("No verdict:", ""), line
+
+
+def test_a_correspondence_no_better_than_permuted_targets_is_not_a_verdict() -> None:
+    """Source layers mapped to targets in a scrambled order: every best map clears the gate,
+    the chosen targets follow the scramble, and the permutation test does not let a verdict
+    agree."""
+    from layerdiv.analyze.analyses.maps import maps_verdict, spearman
+
+    scramble = np.array([0, 4, 1, 6, 2, 5, 3])
+    docs, x, y = planted(noise=0.01, order=scramble)
+    best = planted_best(docs, x, y).sort("source_layer")
+    assert best["target_layer"].to_list() == [2 * k for k in scramble[1:]]
+    assert best["clears_gate"].all()
+    row = spearman(best).row(0, named=True)
+    assert row["p_value"] > 0.05
+    assert "**Verdict: cannot tell.**" in maps_verdict(row)

@@ -119,20 +119,25 @@ def test_depth_verdicts_flip() -> None:
     big_second = np.array([0.1, 9.0, 0.1, 0.12, 0.1, 0.11, 0.1, 0.5, 0.6, 0.5, 0.55, 0.5, 0.6])
     assert outcome(decay_verdicts(geometry(big_second), {})) == "agrees,does not agree"
 
-    def skips(kl: np.ndarray) -> dict[str, pl.DataFrame]:
-        relative = np.arange(1, len(kl) + 1) / len(kl)
-        return {"skip_effects": pl.DataFrame({**key, "relative_depth": relative, "kl": kl})}
+    def skips(difference: np.ndarray) -> dict[str, pl.DataFrame]:
+        """Per instance, its KL of the first half's skips minus the second's."""
+        rows = {"instance": np.arange(len(difference)), "kl_difference": difference}
+        return {"skip_halves": pl.DataFrame({**key, **rows})}
 
-    kl = np.array([2.0, 1.5, 1.8, 1.6, 0.1, 0.2, 0.1, 0.15])
-    assert outcome(skip_verdicts(skips(kl), {})) == "agrees"
-    assert outcome(skip_verdicts(skips(kl[::-1].copy()), {})) == "does not agree"
-    assert outcome(skip_verdicts(skips(kl[2:6]), {})) == "too few to tell"
+    # the verdict's unit is the instance: 8 of them, 8 blocks each would not count
+    difference = np.array([1.2, 1.5, 0.9, 1.6, 1.1, 1.3, 1.0, 1.4])
+    line = skip_verdicts(skips(difference), {})
+    assert outcome(line) == "agrees" and "n = 8 instances" in line, line
+    assert outcome(skip_verdicts(skips(-difference), {})) == "does not agree"
+    spread = np.array([1.2, -1.5, 0.9, -1.6, 1.1, -1.3, 1.0, -1.4])
+    assert outcome(skip_verdicts(skips(spread), {})) == "cannot tell"
+    assert outcome(skip_verdicts(skips(difference[:4]), {})) == "too few to tell"
 
 
 def test_law_heads_and_maps_verdicts_flip() -> None:
     from layerdiv.analyze.analyses.depth_law import MIN_POINTS, law_verdict
     from layerdiv.analyze.analyses.heads_report import beat_verdicts
-    from layerdiv.analyze.analyses.maps import MIN_LAYERS, PAIR, spearman
+    from layerdiv.analyze.analyses.maps import MIN_LAYERS, PAIR, maps_verdict, spearman
 
     def law(low: float, high: float) -> pl.DataFrame:
         return pl.DataFrame({"parameter": ["alpha_depth"], "estimate": [(low + high) / 2],
@@ -152,19 +157,25 @@ def test_law_heads_and_maps_verdicts_flip() -> None:
     assert outcome(beat_verdicts(summary(0.81), {})) == "cannot tell"
     assert outcome(beat_verdicts(summary(0.95, n=20), {})) == "too few to tell"
 
-    def best(target: Sequence[float | None]) -> pl.DataFrame:
+    def best(target: Sequence[float | None], gated: bool = True) -> pl.DataFrame:
         n = len(target)
         return pl.DataFrame(
             {**{c: "x" for c in PAIR}, "space": "states", "source_layer": range(n),
              "target_layer": [None if t is None else 1 for t in target],
+             "clears_gate": [t is not None and gated for t in target],
              "source_depth": np.arange(1, n + 1) / n, "target_depth": target}
         )  # fmt: skip
 
     rising = [i / 12 for i in range(1, 13)]
     row = spearman(best(rising)).row(0, named=True)
     assert row["spearman"] == pytest.approx(1.0) and row["low"] > 0.5
-    assert row["n"] == row["n_sources"] == 12
+    assert row["n"] == row["n_best"] == row["n_sources"] == 12
+    assert row["p_value"] < 0.001 and outcome(maps_verdict(row)) == "agrees"
     row = spearman(best(rising[::-1])).row(0, named=True)
-    assert row["high"] < 0.5
+    assert row["high"] < 0.5 and row["p_value"] > 0.99
+    assert outcome(maps_verdict(row)) == "cannot tell"  # no better than permuted targets
     sparse = spearman(best([*rising[: MIN_LAYERS - 1], *[None] * 8])).row(0, named=True)
     assert sparse["spearman"] is None and sparse["n"] == MIN_LAYERS - 1
+    assert "**No verdict:**" in maps_verdict(sparse)
+    below = spearman(best(rising, gated=False)).row(0, named=True)  # every R² below the gate
+    assert below["n"] == 0 and below["n_best"] == 12 and "**No verdict:**" in maps_verdict(below)

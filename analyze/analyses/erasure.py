@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -58,7 +59,7 @@ from layerdiv.analyze.analyses.attribution import (
 from layerdiv.analyze.analyses.effective_depth import interval_ends
 from layerdiv.analyze.analyses.text_groups import bootstrap_mean
 from layerdiv.analyze.frames import tag
-from layerdiv.analyze.markdown import markdown_table
+from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -74,6 +75,7 @@ from layerdiv.analyze.stats import (
     resample_weights,
 )
 from layerdiv.analyze.text import TEXT_KIND
+from layerdiv.measurements.erase import RECORDED_BEFORE, describe_reference
 from layerdiv.schemas import KINDS
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY, SERIES
@@ -121,8 +123,26 @@ def computed(info: PartitionInfo) -> pl.LazyFrame:
     )
 
 
+def reference_columns(info: PartitionInfo) -> dict[str, Any]:
+    """The reference means' settings of ``info`` (methods §14): ``reference`` in words,
+    ``reference_positions`` (``after-first``, ``all``), ``reference_task`` (null: the task's
+    own) and the partition's ``data_sha256`` (two partitions of the same documents share it)."""
+    settings = info.manifest.settings.get("erase")
+    if not settings:  # written by other means than extract --erase (a made-up store)
+        return dict.fromkeys(("reference", "reference_positions", "reference_task"), None) | {
+            "data_sha256": info.manifest.data_sha256
+        }
+    return {
+        "reference": describe_reference(settings),
+        "reference_positions": settings.get("erase_reference_positions") or RECORDED_BEFORE,
+        "reference_task": settings.get("erase_reference_task"),
+        "data_sha256": info.manifest.data_sha256,
+    }
+
+
 def layer_tables(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """``erasure_layers`` and ``erasure_depth`` (without the key) of one partition."""
+    """``erasure_layers`` and ``erasure_depth`` (without the key) of one partition; the depth
+    table with the reference's settings (:func:`reference_columns`)."""
     blocks = info.manifest.n_blocks
     per_doc = (
         computed(info)
@@ -133,7 +153,10 @@ def layer_tables(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
     if not per_doc.height:
         raise NoData(f"{info.where} has no erasure rows")
     _, v = profiles(per_doc, "layer", "total", blocks + 1)  # v(l) = sum_t effect(l, t)
-    depth = depth_frame([depth_row(v, blocks, 0)])  # methods §10 over the states l = 0..L
+    # methods §10 over the states l = 0..L
+    depth = depth_frame([depth_row(v, blocks, 0)]).with_columns(
+        pl.lit(value, pl.String).alias(name) for name, value in reference_columns(info).items()
+    )
     _, mean = profiles(per_doc, "layer", "mean", blocks + 1)  # per document: mean_t effect(l, t)
     held = np.unique(per_doc["layer"].to_numpy())
     # per state: the mean over documents with its bootstrap interval over them
@@ -309,6 +332,79 @@ def profile_figure(
     )
 
 
+VARIANT = ("reference_positions", "reference_task")
+"""The settings of the reference means that two partitions of the same documents can differ
+in."""
+
+
+def sensitivity_rows(depth: pl.DataFrame, layers: pl.DataFrame) -> pl.DataFrame:
+    """Per partition whose model, revision and documents (``data_sha256``) another partition
+    shares with another reference (:data:`VARIANT`): its depth score with its interval, the mean
+    over states of the per-state mean effect, and the largest absolute difference of the
+    per-state mean effect from the group's first partition (by key), at which ``state`` (l / L
+    as ``relative_depth``); empty where no two such partitions are stored."""
+    group = ["model", "revision", "data_sha256"]
+    variants = depth.with_columns(pl.col(*VARIANT).fill_null("")).with_columns(
+        n_variants=pl.struct(*VARIANT).n_unique().over(group)
+    )
+    shared = variants.filter(pl.col("n_variants") > 1).sort(*group, *KEY)
+    out = []
+    for _, rows in shared.group_by(group, maintain_order=True):
+        base = None
+        for r in rows.iter_rows(named=True):
+            mine = layers.filter(*(pl.col(c) == r[c] for c in KEY)).sort("layer")
+            effect = mine["effect"].to_numpy()
+            diff = np.zeros_like(effect) if base is None else np.abs(effect - base)
+            base = effect if base is None else base
+            at = int(np.argmax(diff))
+            kept = {c: r[c] for c in (*KEY, "reference", "n_scored", "score", "ci_low", "ci_high")}
+            out.append(
+                {
+                    **kept,
+                    "mean_effect": float(effect.mean()),
+                    "largest_change": float(diff[at]),
+                    "state": int(mine["layer"][at]),
+                    "relative_depth": float(mine["relative_depth"][at]),
+                }
+            )
+    return pl.DataFrame(out)
+
+
+def sensitivity(ctx: ReportContext, section: Section) -> list[str]:
+    """The reference's sensitivity, where the same documents are stored with two references
+    (:func:`sensitivity_rows`): a sentence and a table; nothing otherwise."""
+    p = section.prefix
+    rows = sensitivity_rows(ctx.tables[f"{p}_depth"], ctx.tables[f"{p}_layers"])
+    if not rows.height:
+        return []
+    head = ["Model", "Task", "Reference", section.units.capitalize(), "Depth score",
+            f"{LEVEL:g}% CI", "mean effect", "largest change per state",
+            "at state (l / L)"]  # fmt: skip
+    body = [
+        [
+            ctx.names.get(r["model"], r["model"]),
+            r["task"],
+            r["reference"],
+            str(r["n_scored"]),
+            fmt(r["score"], digits=2),
+            f"[{fmt(r['ci_low'], digits=2)}, {fmt(r['ci_high'], digits=2)}]",
+            fmt(r["mean_effect"], digits=3),
+            fmt(r["largest_change"], digits=3),
+            f"{r['state']} ({r['relative_depth']:.2f})",
+        ]
+        for r in rows.iter_rows(named=True)
+    ]
+    return [
+        "**Sensitivity to the reference.** The same model and "
+        f"{section.units} are stored with other reference means (methods §14: positions "
+        "1..T-1 by default; `all` takes in the first token, an attention sink's massive "
+        "activation in most models, and writes it at the erased position): each row's depth "
+        "score and mean effect, and the largest change of the per-state mean effect from the "
+        "first row of its model.",
+        markdown_table(head, body),
+    ]
+
+
 def report(ctx: ReportContext, section: Section = TEXT) -> str:
     """The residual-erasure section: the depth scores and both figures."""
     names = plots.short_names(ctx.names)
@@ -322,14 +418,17 @@ def report(ctx: ReportContext, section: Section = TEXT) -> str:
         "score / L",
         f"{LEVEL:g}% CI",
     ]
+    references = sorted(set(ctx.tables[f"{p}_depth"]["reference"].drop_nulls()))
+    over = "; ".join(f"{r} {section.units}" for r in references) or "not recorded"
     return "\n\n".join(
         [
-            "The effect of replacing one position's residual state h_l alone by its mean over "
-            f"the task's first {section.units} (the reference): {section.effect}. Depth score "
+            "The effect of replacing one position's residual state h_l alone by its reference "
+            f"mean ({over}): {section.effect}. Depth score "
             f"(methods §10) of each {section.units[:-1]}'s profile sum_t effect(l, t) over the "
             f"states l = 0..L, the mean over {section.units} with its bootstrap {LEVEL:g}% "
             f"interval ({RESAMPLES} resamples; none below {MIN_INTERVAL_N} {section.units}).",
             markdown_table(head, depth_rows(ctx.tables[f"{p}_depth"].sort(*KEY), ctx.names)),
+            *sensitivity(ctx, section),
             plots.figure_link(
                 ctx,
                 f"{p}_profile.png",

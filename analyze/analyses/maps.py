@@ -16,22 +16,27 @@ Tables:
   rows, ``few_rows`` (n_train < 10 d_A: the fit rests on its ridge more than on its data).
   ``space`` is ``states`` (layer l = h_l, l = 0..L) or ``updates`` (layer l = h_(l+1) - h_l,
   block l's update, l = 0..L-1).
-- ``layer_map_best``: per source layer the target layer of least rel_error among the maps that
-  beat the mean predictor (null where none does) and both relative depths i / L_A and j / L_B
-  (methods §11; L the model's blocks): states over i, j >= 1, updates (block l's,
-  l = 0..L-1) over every block.
+- ``layer_map_best``: per source layer the target layer of the largest held-out R² among the
+  maps that beat the mean predictor (null where none does), ``clears_gate`` (its R² reaches
+  :data:`R2_GATE`) and both relative depths i / L_A and j / L_B (methods §11; L the model's
+  blocks): states over i, j >= 1, updates (block l's, l = 0..L-1) over every block. R², not
+  rel_error, ranks the targets: rel_error is relative to ||y||, so a target of large mean and
+  little spread (an early layer, a sink-dominated one) has a small rel_error whatever predicts
+  it, and ranking by it picks such targets for every source; R² = 1 - SSE / SS is the error
+  relative to the mean predictor's on the same rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import polars as pl
-from scipy.stats import spearmanr
+from scipy.stats import rankdata, spearmanr
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.layer_maps import ArrayLayers, fit_maps
+from layerdiv.analyze.layer_maps import ArrayLayers, MapScores, fit_maps
 from layerdiv.analyze.markdown import DASH, fmt, markdown_table, verdict
 from layerdiv.analyze.registry import Analysis, Context, ReportContext, not_extracted, register
 from layerdiv.errors import LayerdivError
@@ -52,6 +57,18 @@ FOLLOWS = 0.5
 MIN_LAYERS = 5
 """Source layers with a best target below which Spearman's rho cannot tell (with 4 points no
 ranking reaches p < 0.05)."""
+
+R2_GATE = 0.5
+"""The held-out R² a source layer's best map must reach to count in the verdict: the map
+explains at least half the target's held-out variance. Below it the chosen target says little
+about where the source's information lies, and no verdict rests on it."""
+
+PERMUTATIONS = 10_000
+"""Seeded permutations of the best targets over the gated source layers: the null of the
+correspondence test (no relation between a source layer's depth and its target's)."""
+
+SIGNIFICANCE = 0.05
+"""The permutation p-value below which a correspondence counts as more than chance."""
 
 RIDGES = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
 """The ridge values cross-validated per map (lambda = ridge * trace(G) / d_A, methods §11)."""
@@ -221,33 +238,38 @@ def pair_table(
         updates = space == "updates"
         src, tgt = ArrayLayers(sa, order, updates), ArrayLayers(sb, order, updates)
         scores = fit_maps(src, tgt, n_train, n_held, ridge, folds)
-        i, j = np.meshgrid(np.arange(src.n_layers), np.arange(tgt.n_layers), indexing="ij")
-        frames.append(
-            pl.DataFrame(
-                {
-                    **_pair_key(a, b),
-                    "space": space,
-                    "source_layer": i.ravel().astype(np.int16),
-                    "target_layer": j.ravel().astype(np.int16),
-                    "rel_error": scores.rel_error.ravel(),
-                    "r2": scores.r2.ravel(),
-                    "mean_rel_error": scores.mean_rel_error[j.ravel()],
-                    "ridge": scores.ridge.ravel(),
-                    "n_train": n_train,
-                    "n_heldout": n_held,
-                    "few_rows": n_train < ROWS_PER_DIM * src.width,
-                }
-            )
-        )
-    return pl.concat(frames).with_columns(
-        beats_mean=(pl.col("r2") > 0) & (pl.col("rel_error") < pl.col("mean_rel_error"))
-    )
+        few = n_train < ROWS_PER_DIM * src.width
+        frames.append(score_rows(_pair_key(a, b), space, scores, n_train, n_held, few))
+    return pl.concat(frames)
+
+
+def score_rows(
+    key: Mapping[str, str], space: str, scores: MapScores, n_train: int, n_held: int, few: bool
+) -> pl.DataFrame:
+    """The ``layer_maps`` rows of one pair's (:data:`PAIR` values ``key``) maps in ``space``."""
+    i, j = np.meshgrid(*(np.arange(n) for n in scores.r2.shape), indexing="ij")
+    return pl.DataFrame(
+        {
+            **key,
+            "space": space,
+            "source_layer": i.ravel().astype(np.int16),
+            "target_layer": j.ravel().astype(np.int16),
+            "rel_error": scores.rel_error.ravel(),
+            "r2": scores.r2.ravel(),
+            "mean_rel_error": scores.mean_rel_error[j.ravel()],
+            "ridge": scores.ridge.ravel(),
+            "n_train": n_train,
+            "n_heldout": n_held,
+            "few_rows": few,
+        }
+    ).with_columns(beats_mean=(pl.col("r2") > 0) & (pl.col("rel_error") < pl.col("mean_rel_error")))
 
 
 def best_table(maps: pl.DataFrame) -> pl.DataFrame:
-    """``layer_map_best``: per source layer the target layer of least rel_error among the maps
-    that beat the mean predictor (states: i, j >= 1; methods §11), with both relative depths;
-    null where no map of the source layer beats it."""
+    """``layer_map_best``: per source layer the target layer of the largest held-out R² among
+    the maps that beat the mean predictor (states: i, j >= 1; methods §11), whether that R²
+    reaches :data:`R2_GATE` (``clears_gate``), with both relative depths; null where no map of
+    the source layer beats it."""
     pair = [*PAIR, "space"]
     key = [*pair, "source_layer"]
     updates = (pl.col("space") == "updates").cast(pl.Int16)
@@ -262,36 +284,87 @@ def best_table(maps: pl.DataFrame) -> pl.DataFrame:
     sources = maps.select(*key, "source_depth").unique(maintain_order=True)
     columns = ["target_layer", "rel_error", "r2", "mean_rel_error", "ridge"]
     best = (
-        maps.filter("beats_mean")
-        .sort([*key, "rel_error"])
+        maps.filter(pl.col("beats_mean") & pl.col("r2").is_not_nan())
+        .sort([*key, "r2", "target_layer"], descending=[*[False] * len(key), True, False])
         .group_by(key, maintain_order=True)
         .first()
         .select(*key, *columns, "target_depth")
     )
-    return sources.join(best, on=key, how="left", nulls_equal=True).select(
-        *key, *columns, "source_depth", "target_depth"
+    return (
+        sources.join(best, on=key, how="left", nulls_equal=True)
+        .with_columns(clears_gate=pl.col("r2").fill_null(-np.inf) >= R2_GATE)
+        .select(*key, *columns, "clears_gate", "source_depth", "target_depth")
     )
+
+
+def permutation_p(x: np.ndarray, y: np.ndarray, rho: float, seed: int = 0) -> float:
+    """One-sided p-value of Spearman's ``rho`` of (x, y) against :data:`PERMUTATIONS` seeded
+    permutations of y over the rows: (1 + #{rho_perm >= rho}) / (1 + permutations)."""
+    rng = np.random.default_rng(seed)
+    rank_x = rankdata(x)
+    ranks = rankdata(y)
+    shuffled = np.array([rng.permutation(ranks) for _ in range(PERMUTATIONS)])
+    # Spearman's rho is Pearson's correlation of the ranks (ties: mid-ranks)
+    cx = rank_x - rank_x.mean()
+    cy = shuffled - ranks.mean()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        null = (cy @ cx) / (np.linalg.norm(cx) * np.linalg.norm(cy, axis=1))
+    return float((1 + np.sum(null >= rho - 1e-12)) / (1 + PERMUTATIONS))
 
 
 def spearman(best: pl.DataFrame) -> pl.DataFrame:
     """Per (task, source, target, space): Spearman's correlation of the source and best target
-    relative depths over the source layers that have a best target (methods §11), its p-value
-    and 95% interval (Fisher z, standard error 1.03 / sqrt(n - 3)); null below
-    :data:`MIN_LAYERS` layers."""
+    relative depths over the source layers whose best map clears :data:`R2_GATE` (methods §11),
+    its one-sided permutation p-value (targets permuted over those layers,
+    :func:`permutation_p`) and 95% interval (Fisher z, standard error 1.03 / sqrt(n - 3)); null
+    below :data:`MIN_LAYERS` layers or where every best target is the same. ``n``: the gated
+    layers, ``n_best``: those with a best target, ``n_sources``: every source layer."""
     rows = []
     for key, group in best.group_by(*PAIR, "space", maintain_order=True):
         found = group.drop_nulls("target_layer")
+        gated = found.filter("clears_gate")
         rho = p = low = high = None
-        if found.height >= MIN_LAYERS and found["target_depth"].n_unique() > 1:
-            rho, p = (float(v) for v in spearmanr(found["source_depth"], found["target_depth"]))
+        if gated.height >= MIN_LAYERS and gated["target_depth"].n_unique() > 1:
+            x, y = gated["source_depth"].to_numpy(), gated["target_depth"].to_numpy()
+            rho = float(spearmanr(x, y)[0])
+            p = permutation_p(x, y, rho)
             z = np.arctanh(min(max(rho, -0.999999), 0.999999))
-            half = 1.96 * 1.03 / np.sqrt(found.height - 3)
+            half = 1.96 * 1.03 / np.sqrt(gated.height - 3)
             low, high = float(np.tanh(z - half)), float(np.tanh(z + half))
-        rows.append((*key, rho, p, low, high, found.height, group.height))
+        rows.append((*key, rho, p, low, high, gated.height, found.height, group.height))
     numbers = {c: pl.Float64 for c in ("spearman", "p_value", "low", "high")}
     schema = {**dict.fromkeys([*PAIR, "space"], pl.String), **numbers, "n": pl.Int64,
-              "n_sources": pl.Int64}  # fmt: skip
+              "n_best": pl.Int64, "n_sources": pl.Int64}  # fmt: skip
     return pl.DataFrame(rows, schema=schema, orient="row")
+
+
+def maps_verdict(row: Mapping[str, Any]) -> str:
+    """The verdict line of one row of :func:`spearman`: none where fewer than
+    :data:`MIN_LAYERS` source layers' best maps clear :data:`R2_GATE`; *cannot tell* where the
+    correspondence does not beat permuted targets (p >= :data:`SIGNIFICANCE`); else the verdict
+    on Spearman's rho against :data:`FOLLOWS` with its interval."""
+    gate = f"R² >= {R2_GATE:g}"
+    counts = (
+        f"{row['n']} of {row['n_sources']} source layers have a best map with {gate} "
+        f"({row['n_best']} beat the mean predictor)"
+    )
+    if row["n"] < MIN_LAYERS:
+        return (
+            f"{counts}. **No verdict:** fewer than {MIN_LAYERS} source layers' best maps clear "
+            f"the gate ({gate}), so the best targets say too little to test a correspondence."
+        )
+    p = row["p_value"]
+    if p is None or p >= SIGNIFICANCE:
+        shown = "undefined (every best target is the same)" if p is None else f"p = {p:.3g}"
+        return (
+            f"{counts}. **Verdict: cannot tell.** the best target follows relative depth: "
+            f"Spearman {fmt(row['spearman'], digits=2)} does not beat targets permuted over the "
+            f"gated layers ({PERMUTATIONS:,} permutations, one-sided: {shown}; n = {row['n']})."
+        )
+    line = verdict("the best target follows relative depth", "Spearman", row["spearman"],
+                   (row["low"], row["high"]), row["n"], FOLLOWS, min_n=MIN_LAYERS,
+                   unit="source layers with a best map of R² >= " + f"{R2_GATE:g}")  # fmt: skip
+    return f"{counts}; against permuted targets p = {p:.3g} ({PERMUTATIONS:,} permutations). {line}"
 
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
@@ -401,14 +474,7 @@ def report(ctx: ReportContext) -> str:
     sentences = []
     for r in spearman(best).iter_rows(named=True):
         pair = f"{_label(r, 'source', names)} -> {_label(r, 'target', names)}, {r['space']}"
-        beat = (
-            f"{r['n']} of {r['n_sources']} source layers have a map that beats the mean predictor"
-        )
-        interval = (r["low"], r["high"])
-        line = verdict("the best target follows relative depth", "Spearman", r["spearman"],
-                       interval, r["n"], FOLLOWS, min_n=MIN_LAYERS,
-                       unit="source layers with a best target")  # fmt: skip
-        sentences.append(f"- {pair}: {beat}. {line}")
+        sentences.append(f"- {pair}: {maps_verdict(r)}")
     rows = [
         [
             _label(r, "source", names),
@@ -421,12 +487,13 @@ def report(ctx: ReportContext) -> str:
             fmt(r["rel_error"], digits=3),
             fmt(r["mean_rel_error"], digits=3),
             fmt(r["r2"], digits=2),
+            "yes" if r["clears_gate"] else "no",
             DASH if r["ridge"] is None else f"{r['ridge']:g}",
         ]
         for r in best.iter_rows(named=True)
     ]
     header = ["Source", "Target", "Space", "i", "best j", "i / L_A", "j / L_B", "rel_error",
-              "mean predictor's rel_error", "R²", "ridge"]  # fmt: skip
+              "mean predictor's rel_error", "R²", f"R² >= {R2_GATE:g}", "ridge"]  # fmt: skip
     n_train, n_held = maps["n_train"][0], maps["n_heldout"][0]
     cv = len(ridges(ctx.options.get("maps_ridge"))) > 1
     ridge = (
@@ -456,9 +523,15 @@ def report(ctx: ReportContext) -> str:
             "held-out rows (documents with doc % 5 == 4), on the residual states and on the "
             "block updates. A map counts only where it beats the mean predictor (the train "
             "mean of target layer j: R² > 0 and rel_error below the mean predictor's); the best "
-            "target of a source layer is the least rel_error among those. Where the best "
-            "target's relative depth rises with the source's, the deeper model spreads the "
-            "same computation over more layers.",
+            "target of a source layer is the largest held-out R² among those (not the least "
+            "rel_error, which is relative to ||y|| and so favours targets of large mean and "
+            "little spread whatever predicts them). The correspondence is tested only over the "
+            f"source layers whose best map reaches R² >= {R2_GATE:g} (at least {MIN_LAYERS} of "
+            "them): Spearman's rho of the relative depths, against the best targets permuted "
+            f"over those layers ({PERMUTATIONS:,} seeded permutations, one-sided p < "
+            f"{SIGNIFICANCE:g} needed), with its Fisher-z interval over the layers. Where the "
+            "best target's relative depth rises with the source's, the deeper model spreads "
+            "the same computation over more layers.",
             warning,
             "\n".join(sentences),
             markdown_table(header, rows),

@@ -2,7 +2,11 @@
 cache alone.
 
 Table ``skip_effects`` (one row per model, task and skipped block b): accuracy without b, the KL
-divergence over the options, and the total, direct and indirect effects TE = DE + IE.
+divergence over the options, and the total, direct and indirect effects TE = DE + IE. Table
+``skip_halves`` (one row per model, task and instance): the instance's mean KL over the skips of
+the first half's blocks ((b + 1) / L <= 0.5, ``kl_first``) and of the second half's
+(``kl_second``), and their difference: the unit the verdict resamples (instances are independent,
+blocks of one instance are not).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from layerdiv.analyze.registry import (
     partition_engine,
     register,
 )
-from layerdiv.analyze.stats import MIN_HALF, halves
+from layerdiv.analyze.stats import MIN_INTERVAL_N, percentile_interval, resample_weights
 from layerdiv.errors import LayerdivError
 from layerdiv.store import PartitionInfo, Store
 from layerdiv.store.key import KEY
@@ -122,16 +126,47 @@ def _skip_summary(rows: pl.DataFrame, n_layers: int) -> pl.DataFrame:
     )
 
 
+def _blocks(info: PartitionInfo) -> int:
+    """The partition's blocks L (its components' layers 0..L-1)."""
+    return 1 + max(c.layer for c in info.manifest.components)
+
+
 def partition_skips(info: PartitionInfo) -> pl.DataFrame:
     """``skip_effects`` of one partition (extracted with ``--skips``)."""
-    n_layers = 1 + max(c.layer for c in info.manifest.components)
-    return tag(_skip_summary(skip_rows(info), n_layers), info)
+    return tag(_skip_summary(skip_rows(info), _blocks(info)), info)
+
+
+def instance_halves(rows: pl.DataFrame, n_layers: int) -> pl.DataFrame:
+    """Per instance of :func:`skip_rows`' ``rows``: its mean KL over the skipped blocks of the
+    first half ((b + 1) / L <= 0.5), over those of the second half, and first minus second."""
+    first = (pl.col("layer") + 1) / n_layers <= 0.5
+    return (
+        rows.group_by("instance")
+        .agg(
+            pl.col("kl").filter(first).mean().alias("kl_first"),
+            pl.col("kl").filter(~first).mean().alias("kl_second"),
+        )
+        .with_columns((pl.col("kl_first") - pl.col("kl_second")).alias("kl_difference"))
+        .sort("instance")
+    )
+
+
+def _partition_tables(info: PartitionInfo) -> dict[str, pl.DataFrame]:
+    """``skip_effects`` and ``skip_halves`` of one partition."""
+    rows, n_layers = skip_rows(info), _blocks(info)
+    return {
+        "skip_effects": tag(_skip_summary(rows, n_layers), info),
+        "skip_halves": tag(instance_halves(rows, n_layers), info),
+    }
 
 
 def skip_tables(parts: list[PartitionInfo]) -> dict[str, pl.DataFrame]:
-    """``skip_effects`` of ``parts`` (each extracted with ``--skips``; none: no table)."""
-    frames = list(map_partitions(partition_skips, parts))
-    return {"skip_effects": pl.concat(frames)} if frames else {}
+    """``skip_effects`` and ``skip_halves`` of ``parts`` (each extracted with ``--skips``;
+    none: no table)."""
+    frames = list(map_partitions(_partition_tables, parts))
+    if not frames:
+        return {}
+    return {name: pl.concat([f[name] for f in frames]) for name in frames[0]}
 
 
 @partition_engine
@@ -263,18 +298,23 @@ def skip_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str
 
 def skip_verdicts(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str:
     """Per (model, task): the verdict on the depth-efficiency paper's second finding (skipping a
-    block of the second half changes the output less): mean KL of the first half's skips minus
-    the second's, its Welch interval over blocks."""
+    block of the second half changes the output less): the mean over instances of each one's
+    mean KL of the first half's skips minus the second's (``skip_halves``), its bootstrap
+    interval over instances (the independent units; not over blocks)."""
     lines = []
-    effects = tables["skip_effects"]
-    for key, sub in effects.group_by(*KEY, maintain_order=True):
+    for key, sub in tables["skip_halves"].group_by(*KEY, maintain_order=True):
         row = dict(zip(KEY, key, strict=True))
-        first = (sub["relative_depth"] <= 0.5).to_numpy()
-        diff, interval, n = halves(sub["kl"].to_numpy(), first)
+        d = sub["kl_difference"].drop_nulls().drop_nans().to_numpy()
+        diff = float(d.mean()) if len(d) else None
+        interval: tuple[float | None, float | None] = (None, None)
+        if len(d) >= MIN_INTERVAL_N:  # the mean of each resample of the instances
+            low, high = percentile_interval(resample_weights(len(d)) @ d / len(d))
+            interval = (float(low), float(high))
         lines.append("- " + verdict(
             f"{names.get(row['model'], row['model'])}, {row['task']}: skipping a block of the "
-            "second half changes the output less", "mean KL, 1st − 2nd half (nats)", diff,
-            interval, n, 0.0, min_n=MIN_HALF, unit="blocks per half", digits=3))  # fmt: skip
+            "second half changes the output less",
+            "mean over instances of the KL, 1st − 2nd half (nats)", diff, interval, len(d),
+            0.0, min_n=MIN_INTERVAL_N, unit="instances", digits=3))  # fmt: skip
     return "\n".join(lines)
 
 
