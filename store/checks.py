@@ -265,7 +265,7 @@ def _fact(bound: float | str, facts: Mapping[str, int | None], unknown: float) -
     return unknown if value is None else value - int(less or 0)
 
 
-SLACK = 1e-4
+SLACK = 1e-3
 """How far a floating-point value may lie outside its declared range: the rounding of values
 computed in float32 (a KL divergence of two equal distributions, a mean of probabilities)."""
 
@@ -382,7 +382,7 @@ def grid_problem(
             values, np.arange(len(values))
         ):
             return f"{c} takes {', '.join(map(str, values[:8]))}: not 0..{len(values) - 1}"
-    extent = {"tokens": n_tokens, "blocks": blocks, "states": blocks + 1}
+    extent: dict[str, Any] = {"tokens": n_tokens, "blocks": blocks, "states": blocks + 1}
     sizes = [
         np.broadcast_to(len(shared[c]) if e == "shared" else extent[e], n_tokens.shape)
         for c, e in rules.grid

@@ -82,8 +82,8 @@ def scan_parts(
         with_columns: list[str] | None, predicate: pl.Expr | None, n_rows: int | None, _: Any
     ) -> Iterator[pl.DataFrame]:
         wanted: list[str] = with_columns or list(columns)
-        keys = list(check[0]) if check else []
-        filtered = predicate.meta.root_names() if predicate is not None else []
+        keys: list[str] = list(check[0]) if check else []
+        filtered: list[str] = predicate.meta.root_names() if predicate is not None else []
         needed = list(dict.fromkeys([*wanted, *filtered, *keys]))
         for path in files:
             if n_rows is not None and n_rows <= 0:

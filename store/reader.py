@@ -137,7 +137,7 @@ class PartitionInfo(Generic[StorePath]):
         ``unique``, or whose key rows break its table's grid (:meth:`check_keys`; both checked
         after its last batch: rows repeated, out of range or in place of others)."""
         wanted: list[str] = list(columns)
-        grid = self.grid_columns(table)
+        grid: list[str] = self.grid_columns(table)
         key: list[str] = list(dict.fromkeys([*unique, *grid]))
         read = list(dict.fromkeys([*wanted, *key]))
         schema = table_schemas()[table]
@@ -164,12 +164,11 @@ class PartitionInfo(Generic[StorePath]):
     def grid_columns(self, table: str) -> list[str]:
         """The key columns of ``table`` that :meth:`check_keys` reads (its unit's and its
         rules' grid, ``layerdiv.schemas.Rules``); none for a table without a grid."""
-        grid = table_rules(table).grid
-        if not grid:
+        columns: list[str] = [c for c, _ in table_rules(table).grid]
+        if not columns:
             return []
         names = table_schemas()[table].names
-        unit = self.kind.unit if self.kind.unit in names else "doc"
-        return [unit, *(c for c, _ in grid)]
+        return [self.kind.unit if self.kind.unit in names else "doc", *columns]
 
     def check_keys(self, table: str, path: StorePath, keys: pa.Table) -> None:
         """Refuse (``StoreError`` naming the part) the key rows ``keys`` (:meth:`grid_columns`)
@@ -221,7 +220,7 @@ class PartitionInfo(Generic[StorePath]):
         every page's checksum verified: a part that cannot be read, holds a NaN or an infinite
         value, or whose key rows break its table's grid (:meth:`check_keys`) is a
         ``StoreError`` naming it, never numbers (:func:`scan_parts`)."""
-        grid = self.grid_columns(table)
+        grid: list[str] = self.grid_columns(table)
         check = (grid, functools.partial(self.check_keys, table)) if grid else None
         return scan_parts(self.files(table), table, table_schemas()[table], self.where, check)
 
