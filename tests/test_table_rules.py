@@ -403,3 +403,24 @@ def test_a_truncated_reference_is_refused_by_merge(stores: dict, tmp_path: Path)
     assert merged.exit_code == 1 and "unreadable" in merged.output, merged.output
     assert not (tmp_path / "m").exists()
     assert pc.sum(pq.read_table(second_part(store, "erasure"))["layer"]).as_py() > 0
+
+
+def test_a_measurement_declares_the_rules_of_its_own_tables() -> None:
+    """A measurement registered from outside gives its tables' rules with their schemas; every
+    built-in table's are in ``layerdiv.schemas.RULES``."""
+    from layerdiv.measurements import Measurement, register, table_rules, unregister
+    from layerdiv.schemas import RULES, Rules
+
+    schema = pa.schema([pa.field("doc", pa.int32()), pa.field("block", pa.int16()),
+                        pa.field("share", pa.float32())])  # fmt: skip
+    rules = Rules(grid=(("block", "blocks"),), bounds={"share": (0.0, 1.0)})
+    register(Measurement(name="shares", flag="--shares", help="Shares.",
+                         tables={"text": ("block_shares",)}, schemas={"block_shares": schema},
+                         rules={"block_shares": rules}))  # fmt: skip
+    try:
+        assert table_rules("block_shares") == rules
+        assert table_rules("sinks") is RULES["sinks"]
+        assert table_rules("documents") == Rules()
+        assert rules.ranges() == {"block": (0, "L-1"), "share": (0.0, 1.0)}
+    finally:
+        unregister("shares")
