@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from layerdiv.errors import LayerdivError
 from layerdiv.measurements import ruled_tables, table_rules, table_schemas, tables_of_kind
-from layerdiv.schemas import schema_matches, tables_of
+from layerdiv.schemas import Rules, schema_matches, tables_of
 from layerdiv.store.key import DEFAULT_REVISION
 from layerdiv.store.location import open_parquet
 from layerdiv.store.parts import StoreError, first_line, naming
@@ -364,18 +364,19 @@ def grid_problem(
 ) -> str | None:
     """What is wrong with the key rows ``keys`` of one part of ``table`` against its rules' grid
     (``layerdiv.schemas.Rules.grid``), or None: ``units`` the ids of its chunk's units (the
-    ``unit`` column: ``doc``, ``instance``) and their ``n_tokens``, ``blocks`` L. Each unit of
-    at least ``least`` tokens must hold each combination of the grid's columns once, and no
-    other row (keys unique and inside their ranges, whole per unit, no unit's rows in place of
-    another's); rows in key order cost one comparison, others a sort."""
+    ``unit`` column: ``doc``, ``instance``; sorted) and their ``n_tokens``, ``blocks`` L. Each
+    unit of at least ``least`` tokens must hold each combination of the grid's columns once, and
+    no other row (keys unique and inside their ranges, whole per unit, no unit's rows in place
+    of another's): each unit's row count, each key inside its unit's extent, then the rows
+    packed into one integer each and found distinct (one comparison of neighbours for rows in
+    key order, a sort for others)."""
     rules = table_rules(table)
     ids, n_tokens = units
-    columns = [c for c, _ in rules.grid]
-    got = {c: _codes(keys[c]) for c in (unit, *columns)}
-    stray = ~np.isin(got[unit], ids)
+    got = {c: _codes(keys[c]) for c in (unit, *(c for c, _ in rules.grid))}
+    at = np.minimum(np.searchsorted(ids, got[unit]), max(len(ids) - 1, 0))
+    stray = ids[at] != got[unit] if len(ids) else np.ones(len(at), bool)
     if stray.any():
         return f"{unit} {got[unit][np.argmax(stray)]} is not one of its chunk's"
-    at = np.searchsorted(ids, got[unit])
     shared = {c: np.unique(got[c]) for c, extent in rules.grid if extent == "shared"}
     for c, values in shared.items():
         if not pa.types.is_dictionary(keys[c].type) and not np.array_equal(
@@ -392,28 +393,29 @@ def grid_problem(
     if not np.array_equal(held, need):
         i = int(np.argmax(held != need))
         return f"{unit} {ids[i]} has {held[i]} rows where it needs {need[i]}"
-    # the grid in key order: each unit's rows, the last column fastest
-    offset = np.arange(len(at)) - np.repeat(np.cumsum(need) - need, need)
-    want = {unit: np.repeat(ids, need)}
-    for (c, e), size in zip(reversed(rules.grid), reversed(sizes), strict=True):
-        each = np.repeat(size, need)
-        digit = offset % np.maximum(each, 1)
-        offset = offset // np.maximum(each, 1)
-        want[c] = shared[c][digit] if e == "shared" else digit
-    order = None
-    if not all(np.array_equal(got[c], want[c]) for c in want):
-        order = np.lexsort([got[c] for c in reversed([unit, *columns])])
-        wrong = np.zeros(len(order), bool)
-        for c in want:
-            wrong |= got[c][order] != want[c]
+    packed = at.astype(np.int64)
+    for (c, e), size in zip(rules.grid, sizes, strict=True):
+        value = np.searchsorted(shared[c], got[c]) if e == "shared" else got[c]
+        limit = size[at] if e == "tokens" else int(size.max(initial=0))
+        wrong = (value < 0) | (value >= limit)
         if wrong.any():
-            row = keys.slice(int(order[np.argmax(wrong)]), 1).to_pylist()[0]
-            shown = ", ".join(f"{c} {row[c]}" for c in (unit, *columns))
-            return (
-                f"its rows are not each ({', '.join(columns)}) of every {unit} once ({shown} is "
-                "repeated or out of range)"
-            )
+            return _wrong_row(keys, unit, rules, int(np.argmax(wrong)), "out of range")
+        packed = packed * int(size.max(initial=1)) + value
+    if len(packed) > 1 and not (np.diff(packed) > 0).all():
+        ordered = np.sort(packed)
+        same = np.diff(ordered) == 0
+        if same.any():
+            row = int(np.argmax(packed == ordered[np.argmax(same)]))
+            return _wrong_row(keys, unit, rules, row, "repeated")
     return None
+
+
+def _wrong_row(keys: pa.Table, unit: str, rules: Rules, row: int, what: str) -> str:
+    """What :func:`grid_problem` says of the key row ``row`` of ``keys``."""
+    columns = [c for c, _ in rules.grid]
+    values = keys.slice(row, 1).to_pylist()[0]
+    shown = ", ".join(f"{c} {values[c]}" for c in (unit, *columns))
+    return f"its rows are not each ({', '.join(columns)}) of every {unit} once ({shown} is {what})"
 
 
 def _codes(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
