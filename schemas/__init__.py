@@ -708,7 +708,6 @@ RULES: dict[str, Rules] = {
         bounds={"f_input": (0, "A"), "f_baseline": (0, "A")},
     ),
     "erasure": Rules(grid=(("layer", "states"), ("pos", "tokens")), bounds={"effect": DISTANCE}),
-    "erasure_reference": Rules(bounds={"layer": (0, "L")}),
     "sinks": Rules(
         grid=(("block", "blocks"), ("head", "shared")),
         bounds={"bos_attention": PROBABILITY},
