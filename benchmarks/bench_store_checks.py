@@ -12,6 +12,7 @@ machine better than wall time), each check against the reading it guards:
 - the checks of the dot products (finite, squared norms >= 0) and of the (doc, pos) order against
   the pass over ``token_blocks`` that computes the geometry;
 - the key uniqueness check of ``future_effects`` against reading the table;
+- the key grid check of ``token_lens`` (``layerdiv.schemas.Rules``) against reading the table;
 - opening a choice store (one synthetic partition of ``--instances`` instances, 40 blocks, 4
   options, in chunks of 1,024) against the part of it that reads the instance ids of each
   chunk's parts (the row check of every reader: each instance's rows counted).
@@ -60,7 +61,7 @@ def main() -> None:
     root = args.store or Path(tempfile.mkdtemp(prefix="layerdiv-checks-"))
     if not (root / "manifests").is_dir():
         synthesize_text_store(
-            root, 1, args.docs, args.tokens, args.blocks, skips=True, progress=False
+            root, 1, args.docs, args.tokens, args.blocks, lens=True, skips=True, progress=False
         )
     (info,) = Store(root).partitions
     blocks = info.manifest.n_blocks
@@ -113,6 +114,23 @@ def main() -> None:
     unchecked, checked = cpu(lambda: effects(())), cpu(lambda: effects(key))
     print(f"read future_effects: {unchecked:.3f} s CPU, {checked:.3f} s with its keys checked "
           f"unique per part ({checked / unchecked:.2f} x)")  # fmt: skip
+
+    lens = info.files("token_lens")
+
+    def read_lens() -> None:
+        for _ in info.batches("token_lens", ["doc", "layer", "kl"], 1 << 20):
+            pass
+
+    keys = [pq.read_table(f, columns=info.grid_columns("token_lens")) for f in lens]
+    reading = cpu(read_lens)
+
+    def check_lens() -> None:
+        for f, k in zip(lens, keys, strict=True):
+            info.check_keys("token_lens", f, k)
+
+    grid = cpu(check_lens)
+    print(f"read token_lens: {reading:.3f} s CPU, of which its key grid check (each token's "
+          f"layers once) {grid:.3f} s ({grid / reading:.0%})")  # fmt: skip
 
     choice = root.with_name(root.name + "-choice")
     if not (choice / "manifests").is_dir():

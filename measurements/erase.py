@@ -126,6 +126,11 @@ def reference_means(table: pa.Table) -> np.ndarray:
     return np.stack(table["state"].to_numpy(zero_copy_only=False))[order].astype(np.float32)
 
 
+def reference_fingerprint(table: pa.Table) -> str:
+    """The :func:`fingerprint` of an ``erasure_reference`` table's means."""
+    return fingerprint(reference_means(table))
+
+
 def erasure_rows(docs: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
     """The ``erasure`` rows (doc, layer, pos) of documents (instances) ``docs`` from each one's
     (L + 1, T) effects (NaN, stored as null: a document without a measurable answer)."""
@@ -253,5 +258,6 @@ ERASE = register(
         cost=erase_cost,
         plan=plan_erase,
         whole=("erasure_reference",),
+        fingerprints={"erasure_reference": (FINGERPRINT, reference_fingerprint)},
     )
 )

@@ -32,7 +32,7 @@ import click
 import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import KINDS, TABLES
+from layerdiv.schemas import KINDS, RULES, TABLES, Rules
 
 ENTRY_POINTS = "layerdiv.measurements"
 """The entry point group whose entries (each a :class:`Measurement`) are registered on first
@@ -357,6 +357,10 @@ class Measurement:
     schemas: Mapping[str, pa.Schema] = field(default_factory=dict)
     """The schemas of tables declared outside ``layerdiv.schemas`` (a measurement registered
     from another distribution); every built-in table's schema is in ``layerdiv.schemas``."""
+    rules: Mapping[str, Rules] = field(default_factory=dict)
+    """The row rules of tables declared outside ``layerdiv.schemas`` (key grid, value ranges:
+    ``layerdiv.schemas.Rules``), checked by every reader; every built-in table's are in
+    ``layerdiv.schemas.RULES``."""
     settings: tuple[Setting, ...] = ()
     """Everything of it that changes a stored number: recorded in the manifest's settings under
     its name and in the key-value metadata of each of its parts (:data:`SETTINGS_KEY`), compared
@@ -397,6 +401,10 @@ class Measurement:
     whole: tuple[str, ...] = ()
     """Tables it stores once per partition, not per chunk (``layerdiv.schemas.WHOLE_TABLES``),
     given by its hooks' :meth:`PartitionCapture.prepare` before the first chunk."""
+    fingerprints: Mapping[str, tuple[str, Callable[[pa.Table], str]]] = field(default_factory=dict)
+    """Per table of :attr:`whole`: the setting its hooks derive from it (recorded in the
+    manifest) and how that is computed from the table; every read of the table's file
+    (``layerdiv.store.parts.read_whole``) and ``merge`` compare the two."""
 
     def attach_to(self, ctx: Attachment) -> Capture | None:
         """:attr:`attach`'s hooks on ``ctx.model``, attached (the named ones imported first)."""
@@ -678,6 +686,17 @@ def measurement_of(table: str) -> Measurement:
 def table_schemas() -> dict[str, pa.Schema]:
     """Every table's schema: ``layerdiv.schemas.TABLES`` and the registered measurements'."""
     return dict(_tables()[1])
+
+
+def table_rules(table: str) -> Rules:
+    """The row rules of ``table`` (``layerdiv.schemas.RULES``, or its measurement's
+    :attr:`Measurement.rules`; none declared: no rule)."""
+    if table in RULES:
+        return RULES[table]
+    for m in registered():
+        if table in m.rules:
+            return m.rules[table]
+    return Rules()
 
 
 def kind_of_table(table: str) -> str | None:

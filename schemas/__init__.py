@@ -644,6 +644,87 @@ option of each instance; ``heads`` the same heads and options of each instance; 
 every layer 0..L of each stored (doc, pos)."""
 
 
+Bound = float | str
+"""One end of a column's range (:class:`Rules`): a number, or a fact of the partition: ``L``
+(its blocks), ``V`` (its vocabulary, where the manifest records it), ``T`` (the chunk's longest
+unit, in tokens), ``A`` (a choice task: 1; a text task: the most answer tokens a document of
+the chunk keeps); ``X-1`` one less."""
+
+Range = tuple[Bound, Bound]
+
+PROBABILITY: Range = (0.0, 1.0)
+NONNEGATIVE: Range = (0.0, float("inf"))
+DISTANCE: Range = (0.0, 2.0**0.5)
+"""The L2 distance between two probability vectors."""
+
+EXTENTS: dict[str, Range] = {
+    "tokens": (0, "T-1"),
+    "blocks": (0, "L-1"),
+    "states": (0, "L"),
+}
+"""The extents of a :attr:`Rules.grid` column, as a range of values (``tokens``: of the unit's
+own tokens; ``shared``, the values the part holds, has none)."""
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What the rows of a table may hold beyond its columns' types, declared with its schema and
+    read by every reader (``layerdiv.store.checks``): on open, each part's min/max statistics
+    against :attr:`bounds` (and the grid's extents); where a part is read, every unit's key rows
+    against :attr:`grid`."""
+
+    grid: tuple[tuple[str, str], ...] = ()
+    """The key columns after the unit's (``doc``, ``instance``), each with its extent: every
+    unit (of at least :attr:`least` tokens) holds each combination once, no other row: ``tokens``
+    0..T-1 (T the unit's ``n_tokens``), ``blocks`` 0..L-1, ``states`` 0..L, ``shared`` the
+    values the part holds (each unit all of them; integers 0..n-1: the heads)."""
+    bounds: dict[str, Range] | None = None
+    """The inclusive range of other columns' values (floats within a rounding's slack)."""
+    least: int = 1
+    """Units of fewer tokens hold no rows."""
+
+    def ranges(self) -> dict[str, Range]:
+        """Every bounded column: the grid's (by extent) and :attr:`bounds`."""
+        grid = {c: EXTENTS[e] for c, e in self.grid if e in EXTENTS}
+        return {**grid, **(self.bounds or {})}
+
+
+_LENS_RULES = {
+    "kl": NONNEGATIVE,
+    "top5_overlap": PROBABILITY,
+    "ce": NONNEGATIVE,
+    "final_rank": (1, "V"),
+    "top1": (0, "V-1"),
+}
+
+RULES: dict[str, Rules] = {
+    "tokens": Rules(bounds={"pos": (0, "T-1"), "token": (0, "V-1"), "loss": NONNEGATIVE}),
+    "token_blocks": Rules(bounds={"pos": (0, "T-1"), "block": (0, "L-1")}),
+    "skips": Rules(bounds={"layer": (0, "L-1")}),
+    "heads": Rules(bounds={"layer": (0, "L-1")}),
+    "lens": Rules(grid=(("layer", "states"),), bounds=_LENS_RULES),
+    "token_lens": Rules(grid=(("pos", "tokens"), ("layer", "states")), bounds=_LENS_RULES),
+    "future_effects": Rules(
+        bounds={"skipped": (0, "L-1"), "block": (0, "L-1"), "rel_change": NONNEGATIVE}
+    ),
+    "future_output": Rules(bounds={"skipped": (0, "L-1"), "out_change": DISTANCE}),
+    "states": Rules(bounds={"pos": (0, "T-1"), "layer": (0, "L"), "token": (0, "V-1")}),
+    "igrad": Rules(grid=(("sublayer", "shared"), ("block", "blocks"), ("pos", "tokens"))),
+    "igrad_ends": Rules(
+        grid=(("sublayer", "shared"), ("block", "blocks")),
+        bounds={"f_input": (0, "A"), "f_baseline": (0, "A")},
+    ),
+    "erasure": Rules(grid=(("layer", "states"), ("pos", "tokens")), bounds={"effect": DISTANCE}),
+    "sinks": Rules(
+        grid=(("block", "blocks"), ("head", "shared")),
+        bounds={"bos_attention": PROBABILITY},
+        least=2,
+    ),
+}
+"""The :class:`Rules` of each table that has some (a measurement declared outside layerdiv
+declares those of its tables with their schemas: ``Measurement.rules``)."""
+
+
 @dataclass(frozen=True)
 class Kind:
     """The tables of one task kind's partitions."""

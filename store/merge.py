@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from layerdiv.errors import LayerdivError
+from layerdiv.measurements import registered
 from layerdiv.store.atomic import atomic_path, remove_stale_temps, restore, write_bytes
 from layerdiv.store.key import PartitionKey
 from layerdiv.store.location import local_root
@@ -79,6 +80,7 @@ def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[Merged
     copies: dict[PartitionKey, list[_Copy]] = {}
     for root, store in stores:
         for info in store.partitions:
+            _check_whole(root, info)
             copies.setdefault(info.key, []).append(_Copy(root, info))
     _refuse_one_checkpoint_twice(copies)
     plans = {key: _plan(found) for key, found in copies.items()}
@@ -113,6 +115,20 @@ def merge_stores(sources: Sequence[str | Path], into: str | Path) -> list[Merged
             n_done = sum(count for _, count in chunks)
             merged.append(MergedPartition(key, n_done, n_done - before))
     return merged
+
+
+def _check_whole(root: Path, info: PartitionInfo) -> None:
+    """Refuse (``MergeConflict``) a partition of the store at ``root`` whose file of a table
+    stored once per partition cannot be read or does not give the fingerprint its manifest
+    records (``PartitionInfo.whole``)."""
+    for m in registered():
+        if m.name not in info.manifest.settings:
+            continue
+        for table in m.whole:
+            try:
+                info.whole(table)
+            except StoreError as err:
+                raise MergeConflict(f"{root} cannot be merged: {err}") from err
 
 
 def _target_store(dst: Path) -> Store | None:

@@ -8,7 +8,7 @@ Nothing here imports torch or transformers.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from layerdiv.errors import LayerdivError
+from layerdiv.measurements import measurement_of
 from layerdiv.schemas import DEFAULT, TABLES
 from layerdiv.store.location import StorePath, open_parquet
 
@@ -28,7 +29,7 @@ class StoreError(LayerdivError, RuntimeError):
 def not_finite(columns: dict[str, Any] | pa.RecordBatch | pa.Table) -> str | None:
     """The first floating-point column of ``columns`` (Arrow arrays or a batch) holding a NaN or
     an infinite value (null is a value's absence, not a NaN), or None; lists of floats are
-    checked element by element."""
+    checked element by element; an empty column holds none (a part without rows is valid)."""
     items = (
         columns.items()
         if isinstance(columns, dict)
@@ -41,7 +42,7 @@ def not_finite(columns: dict[str, Any] | pa.RecordBatch | pa.Table) -> str | Non
             values, kind = pc.list_flatten(flat), kind.value_type
         if not pa.types.is_floating(kind) or kind == pa.float16():
             continue  # float16 states are checked as numpy arrays (Arrow has no kernels for them)
-        if not pc.all(pc.fill_null(pc.is_finite(values), True)).as_py():
+        if not pc.all(pc.fill_null(pc.is_finite(values), True), min_count=0).as_py():
             return name
     return None
 
@@ -57,13 +58,19 @@ def refuse_not_finite(column: str | None, table: str, path: StorePath, where: st
 
 
 def scan_parts(
-    files: Sequence[StorePath], table: str, schema: pa.Schema, where: str
+    files: Sequence[StorePath],
+    table: str,
+    schema: pa.Schema,
+    where: str,
+    check: tuple[Sequence[str], Callable[[StorePath, pa.Table], None]] | None = None,
 ) -> pl.LazyFrame:
     """A Polars LazyFrame over Parquet part files of one ``table`` (``schema``: today's columns; a
     column an older part lacks is null, or its declared default: ``schemas.DEFAULT``), read file
     by file through Arrow with every page's checksum verified (Polars' own reader does not verify
     them) and every value read checked finite: a part that cannot be read, or holds a NaN or an
-    infinite value, is a ``StoreError`` naming it and ``where`` (its partition)."""
+    infinite value, is a ``StoreError`` naming it and ``where`` (its partition). ``check``: key
+    columns read from every part whatever is selected, and what checks them (given the part and
+    those columns; it raises)."""
     from polars.io.plugins import register_io_source
 
     columns = pl.DataFrame(pl.from_arrow(schema.empty_table())).schema
@@ -75,11 +82,9 @@ def scan_parts(
         with_columns: list[str] | None, predicate: pl.Expr | None, n_rows: int | None, _: Any
     ) -> Iterator[pl.DataFrame]:
         wanted: list[str] = with_columns or list(columns)
-        needed = list(
-            dict.fromkeys(
-                [*wanted, *(predicate.meta.root_names() if predicate is not None else [])]
-            )
-        )
+        keys: list[str] = list(check[0]) if check else []
+        filtered: list[str] = predicate.meta.root_names() if predicate is not None else []
+        needed = list(dict.fromkeys([*wanted, *filtered, *keys]))
         for path in files:
             if n_rows is not None and n_rows <= 0:
                 return
@@ -87,6 +92,8 @@ def scan_parts(
                 present = [c for c in needed if c in file.schema_arrow.names]
                 read = file.read(present, use_threads=False)
             refuse_not_finite(not_finite(read), table, path, where)
+            if check:
+                check[1](path, read.select(keys))
             frame = cast(pl.DataFrame, pl.from_arrow(read))
             frame = frame.with_columns(
                 pl.lit(defaults.get(c), pl.String if c in defaults else columns[c])
@@ -220,7 +227,9 @@ def read_whole(path: StorePath, table: str, manifest: Any, where: str) -> pa.Tab
     at ``path`` (``Partition.whole``), read with every page's checksum verified; None where the
     partition has none. Refuses (``StoreError`` naming it) a file that cannot be read, of another
     schema, recording settings other than the partition's ``manifest``'s
-    (``Manifest.settings_problem``), or holding a NaN or an infinite value."""
+    (``Manifest.settings_problem``), holding a NaN or an infinite value, or whose values do not
+    give the fingerprint the manifest records for them (``Measurement.fingerprints``: a file
+    edited, truncated or replaced)."""
     if not path.exists():
         return None
     with naming(path, where), open_parquet(path) as file:
@@ -236,4 +245,18 @@ def read_whole(path: StorePath, table: str, manifest: Any, where: str) -> pa.Tab
             f"{path} {mixed}: a file of another extraction; re-extract {where} with --overwrite"
         )
     refuse_not_finite(not_finite(data), table, path, where)
+    m = measurement_of(table)
+    setting, compute = m.fingerprints.get(table, ("", None))
+    recorded = manifest.settings.get(m.name, {}).get(setting)
+    if compute is not None and recorded is not None:
+        try:
+            found = compute(data)
+        except (ValueError, pa.ArrowException) as err:
+            found = first_line(err)
+        if found != recorded:
+            raise StoreError(
+                f"{path}: its values do not give the {setting} {str(recorded)[:12]} its "
+                f"manifest records (an edited or replaced file); re-extract {where} with "
+                "--overwrite"
+            )
     return data

@@ -6,6 +6,7 @@ Nothing here imports torch or transformers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import html
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,13 @@ import polars as pl
 import pyarrow as pa
 
 from layerdiv.errors import LayerdivError, one_line
-from layerdiv.measurements import kind_of_table, measurement_of, optional_tables, table_schemas
+from layerdiv.measurements import (
+    kind_of_table,
+    measurement_of,
+    optional_tables,
+    table_rules,
+    table_schemas,
+)
 from layerdiv.schemas import (
     GRIDS,
     KINDS,
@@ -30,7 +37,7 @@ from layerdiv.schemas import (
     tables_of,
 )
 from layerdiv.store.atomic import restore
-from layerdiv.store.checks import check_partition, check_sums, stray_parts
+from layerdiv.store.checks import check_partition, check_sums, grid_problem, stray_parts
 from layerdiv.store.key import DEFAULT_REVISION, KEY, MODEL_KEY, PartitionKey
 from layerdiv.store.location import (
     RemotePath,
@@ -127,9 +134,11 @@ class PartitionInfo(Generic[StorePath]):
         of at most ``rows`` rows (exactly ``rows`` but the last of each file); a part that cannot
         be read (a damaged page: its checksum does not match) or holds a NaN or an infinite value
         is a ``StoreError`` naming it, and so is one where two rows share the key columns
-        ``unique`` (checked after its last batch: rows repeated in a part)."""
+        ``unique``, or whose key rows break its table's grid (:meth:`check_keys`; both checked
+        after its last batch: rows repeated, out of range or in place of others)."""
         wanted: list[str] = list(columns)
-        key: list[str] = list(unique)
+        grid: list[str] = self.grid_columns(table)
+        key: list[str] = list(dict.fromkeys([*unique, *grid]))
         read = list(dict.fromkeys([*wanted, *key]))
         schema = table_schemas()[table]
         older = set(read) - set(tables_of(self.manifest.schema_version)[table].names)
@@ -143,11 +152,62 @@ class PartitionInfo(Generic[StorePath]):
                     if key:
                         keys.append(batch.select(key))
                     yield batch if read == wanted else batch.select(wanted)
-            if keys and repeats(pa.Table.from_batches(keys)):
+            if unique and keys and repeats(pa.Table.from_batches(keys).select(list(unique))):
                 raise StoreError(
-                    f"{path}: rows repeat a ({', '.join(key)}) key; re-extract {self.where} "
+                    f"{path}: rows repeat a ({', '.join(unique)}) key; re-extract {self.where} "
                     "with --overwrite"
                 )
+            if grid:
+                found = pa.Table.from_batches(keys) if keys else _keys(schema, key).empty_table()
+                self.check_keys(table, path, found)
+
+    def grid_columns(self, table: str) -> list[str]:
+        """The key columns of ``table`` that :meth:`check_keys` reads (its unit's and its
+        rules' grid, ``layerdiv.schemas.Rules``); none for a table without a grid."""
+        columns: list[str] = [c for c, _ in table_rules(table).grid]
+        if not columns:
+            return []
+        names = table_schemas()[table].names
+        return [self.kind.unit if self.kind.unit in names else "doc", *columns]
+
+    def check_keys(self, table: str, path: StorePath, keys: pa.Table) -> None:
+        """Refuse (``StoreError`` naming the part) the key rows ``keys`` (:meth:`grid_columns`)
+        of ``table``'s part ``path`` that break its grid (:func:`~layerdiv.store.checks.
+        grid_problem`: against the units of its chunk and their tokens, and the blocks)."""
+        start, count = self._chunks(table)[str(path)]
+        ids, n_tokens = self.units
+        first, last = np.searchsorted(ids, [start, start + count])
+        unit = keys.column_names[0]
+        wrong = grid_problem(
+            table, keys, unit, (ids[first:last], n_tokens[first:last]), self.manifest.n_blocks
+        )
+        if wrong:
+            raise StoreError(
+                f"{path}: {wrong} (rows repeated, out of range or of another {unit}); "
+                f"re-extract {self.where} with --overwrite"
+            )
+
+    def _chunks(self, table: str) -> dict[str, tuple[int, int]]:
+        """Each part of ``table`` (:meth:`files`, by path) with its chunk (start, count)."""
+        return {str(self.partition.part(table, s, n)): (s, n) for s, n in self.done}
+
+    @cached_property
+    def units(self) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of the partition's stored units (instances, documents; sorted) and each one's
+        ``n_tokens``, from its complete chunks' markers."""
+        marker, unit = self.kind.marker, self.kind.unit
+        found = []
+        for path in self.files(marker):
+            with naming(path, self.where), open_parquet(path) as file:
+                found.append(file.read([unit, "n_tokens"], use_threads=False))
+        if not found:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        both = pa.concat_tables(found)
+        order = np.argsort(both[unit].to_numpy(), kind="stable")
+        return (
+            both[unit].to_numpy().astype(np.int64)[order],
+            both["n_tokens"].to_numpy().astype(np.int64)[order],
+        )
 
     def whole(self, table: str) -> pa.Table | None:
         """The partition's ``table`` stored once per partition (``layerdiv.schemas.WHOLE_TABLES``:
@@ -157,9 +217,12 @@ class PartitionInfo(Generic[StorePath]):
 
     def scan(self, table: str) -> pl.LazyFrame:
         """A Polars LazyFrame over ``table``'s parts (:meth:`files`), read through Arrow with
-        every page's checksum verified: a part that cannot be read, or holds a NaN or an infinite
-        value, is a ``StoreError`` naming it, never numbers (:func:`scan_parts`)."""
-        return scan_parts(self.files(table), table, table_schemas()[table], self.where)
+        every page's checksum verified: a part that cannot be read, holds a NaN or an infinite
+        value, or whose key rows break its table's grid (:meth:`check_keys`) is a
+        ``StoreError`` naming it, never numbers (:func:`scan_parts`)."""
+        grid: list[str] = self.grid_columns(table)
+        check = (grid, functools.partial(self.check_keys, table)) if grid else None
+        return scan_parts(self.files(table), table, table_schemas()[table], self.where, check)
 
     @cached_property
     def lacking(self) -> dict[str, list[tuple[int, int]]]:
@@ -639,6 +702,11 @@ class Store:
             self.select(models, tasks),
             {"manifests": self.manifests(models, tasks), "models": self.models(models, tasks)},
         )
+
+
+def _keys(schema: pa.Schema, columns: Sequence[str]) -> pa.Schema:
+    """The fields ``columns`` of ``schema`` (a part's key rows, however few batches it has)."""
+    return pa.schema([schema.field(c) for c in columns])
 
 
 def _restore(root: Path) -> None:

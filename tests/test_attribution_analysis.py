@@ -80,8 +80,9 @@ def made_up(seed: int, gap: float, blocks: int = BLOCKS) -> dict[str, np.ndarray
     """The made-up maps of :data:`DOCS` documents: ``start`` s per document; ``ig`` (D, 3, L, T)
     zero where methods §13 makes it zero (the last block before s-1, the last position);
     ``f_input``, ``f_baseline`` (D, 3, L) with f(x) - f(b) = sum_t IG (1 + ``gap`` at site attn,
-    block 1, else a gap of at most 1%); ``effect`` (D, L + 1, T) >= 0, zero at the last position
-    and, at state L, rounding noise below 1e-7 before s-1."""
+    block 1, else a gap of at most 1%), in [0, 3] (sums of probabilities over the answer's 3 to 6
+    tokens); ``effect`` (D, L + 1, T) in [0, 1.4] (an L2 distance of two distributions), zero at
+    the last position and, at state L, rounding noise below 1e-7 before s-1."""
     rng = np.random.default_rng(seed)
     start = 6 + np.arange(DOCS) % 4
     pos = np.arange(TOKENS)
@@ -94,8 +95,13 @@ def made_up(seed: int, gap: float, blocks: int = BLOCKS) -> dict[str, np.ndarray
     ig[..., 1] += total - ig.sum(-1)  # sum_t IG away from 0, so gaps are relative to it
     delta = ig.sum(-1) * (1 + rng.uniform(-0.01, 0.01, total.shape))
     delta[:, SUBLAYERS.index("attn"), 1] *= 1 + gap
-    f_baseline = rng.uniform(0, 0.3, total.shape)
-    effect = rng.exponential(0.2, (DOCS, blocks + 1, TOKENS)) * (1 + np.arange(blocks + 1))[:, None]
+    scale = 1 / np.abs(delta).max()  # |f(x) - f(b)| <= 1
+    ig, delta = ig * scale, delta * scale
+    f_baseline = 1.5 + rng.uniform(0, 0.3, total.shape)
+    effect = (
+        rng.exponential(0.05, (DOCS, blocks + 1, TOKENS)) * (1 + np.arange(blocks + 1))[:, None]
+    )
+    effect = np.minimum(effect, 1.4)
     effect[..., -1] = 0.0
     before = pos[None, :] < start[:, None] - 1
     # before s-1 the last state's erasure is 0 but for rounding (another batch shape than the
@@ -501,8 +507,8 @@ def write_choice(root: Path, seed: int) -> np.ndarray:
     effects (D, L + 1, T), the last state's 0 before the readout position T - 1; returns them."""
     rng = np.random.default_rng(seed)
     logits, gold, rms, kinds = random_partition(rng, DOCS, BLOCKS, 2)
-    effect = rng.exponential(0.2, (DOCS, BLOCKS + 1, PROMPT_TOKENS))
-    effect *= (1 + np.arange(BLOCKS + 1))[:, None]
+    effect = rng.exponential(0.05, (DOCS, BLOCKS + 1, PROMPT_TOKENS))
+    effect = np.minimum(effect * (1 + np.arange(BLOCKS + 1))[:, None], 1.4)
     effect[:, -1, :-1] = 0.0  # h_L reaches the readout at T - 1 alone
     write_partition(root, MODEL, "pick", logits, gold, kinds, rms, chunk=CHUNK,
                     optional={"erasure": effect})  # fmt: skip

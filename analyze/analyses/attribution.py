@@ -102,8 +102,9 @@ def depth_row(v: np.ndarray, blocks: int, first: int) -> dict[str, Any]:
 
 
 def depth_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
-    """:func:`depth_row` rows as a frame, NaN as null."""
-    return pl.DataFrame(rows).with_columns(pl.col(c).fill_nan(None) for c in DEPTH_FLOATS)
+    """:func:`depth_row` rows as a frame, NaN as null (Float64 however few documents)."""
+    frame = pl.DataFrame(rows, schema_overrides=dict.fromkeys(DEPTH_FLOATS, pl.Float64))
+    return frame.with_columns(pl.col(c).fill_nan(None) for c in DEPTH_FLOATS)
 
 
 def depth_rows(table: pl.DataFrame, names: dict[str, str]) -> list[list[str]]:

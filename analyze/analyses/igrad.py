@@ -126,7 +126,7 @@ def shares_and_depth(docs: pl.DataFrame, blocks: int) -> tuple[pl.DataFrame, pl.
             )
         # methods §10: the depth score of each document's profile, mean and bootstrap interval
         depth_rows.append({"sublayer": sublayer, **depth_row(v, blocks, 1)})
-    return pl.DataFrame(share_rows), depth_frame(depth_rows)
+    return pl.DataFrame(share_rows, schema_overrides={"share": pl.Float64}), depth_frame(depth_rows)
 
 
 def completeness(docs: pl.DataFrame, steps: int | None) -> pl.DataFrame:

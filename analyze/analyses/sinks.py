@@ -99,7 +99,8 @@ def partition_sinks(info: PartitionInfo) -> dict[str, pl.DataFrame]:
             "sink_rate": [rate],
             "ci_low": [None if np.isnan(low) else float(low)],
             "ci_high": [None if np.isnan(high) else float(high)],
-        }
+        },
+        schema_overrides={"ci_low": pl.Float64, "ci_high": pl.Float64},
     )
     per_head = pl.DataFrame(
         {
