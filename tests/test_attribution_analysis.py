@@ -572,13 +572,13 @@ def test_a_store_mixing_text_and_choice_erasure_reports_both(
             assert png.stat().st_size > 10_000
 
 
-def test_an_erasure_state_outside_0_to_L_leaves_its_partition_out_with_a_note(
-    tmp_path: Path,
-) -> None:
-    """Issue 49: an ``erasure`` row at state 77 of a 4-block model (a damaged part that reached
-    the analysis) leaves its partition out of the erasure tables with a note naming the state,
-    rather than an IndexError; the other analyses' tables are kept."""
+def test_an_erasure_state_outside_0_to_L_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Issue 49: an ``erasure`` row at state 77 of a 4-block model (a damaged part) is refused
+    when the store opens, in one line naming the column, its range and the command that mends
+    it, rather than an IndexError in the analysis."""
     import pyarrow.parquet as pq
+
+    from layerdiv.store import StoreError
 
     root = tmp_path / "store"
     write_store(root, 3, 0.0)
@@ -588,11 +588,8 @@ def test_an_erasure_state_outside_0_to_L_leaves_its_partition_out_with_a_note(
     layer[3] = 77
     columns = [pa.array(layer) if n == "layer" else table[n] for n in table.schema.names]
     pq.write_table(pa.Table.from_arrays(columns, schema=table.schema), part)
-    results = analyze(root)
-    assert any("layer 77 lies outside 0..4 (a damaged part)" in n for n in results.notes), (
-        results.notes
-    )
-    assert "erasure" not in results.analyses and results["igrad_share"].height > 0
+    with pytest.raises(StoreError, match=r"layer takes 0\.\.77, outside the 0\.\.4 .*--overwrite"):
+        analyze(root)
 
 
 def test_a_version_7_store_with_non_nullable_maps_still_reads(tmp_path: Path) -> None:
