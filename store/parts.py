@@ -27,8 +27,9 @@ class StoreError(LayerdivError, RuntimeError):
 
 def not_finite(columns: dict[str, Any] | pa.RecordBatch | pa.Table) -> str | None:
     """The first floating-point column of ``columns`` (Arrow arrays or a batch) holding a NaN or
-    an infinite value (null is a value's absence, not a NaN), or None; lists of floats are
-    checked element by element."""
+    an infinite value (null is a value's absence, not a NaN), or None (also for a column of no
+    rows: a text partition's part may hold none); lists of floats are checked element by
+    element."""
     items = (
         columns.items()
         if isinstance(columns, dict)
@@ -41,7 +42,7 @@ def not_finite(columns: dict[str, Any] | pa.RecordBatch | pa.Table) -> str | Non
             values, kind = pc.list_flatten(flat), kind.value_type
         if not pa.types.is_floating(kind) or kind == pa.float16():
             continue  # float16 states are checked as numpy arrays (Arrow has no kernels for them)
-        if not pc.all(pc.fill_null(pc.is_finite(values), True)).as_py():
+        if not pc.all(pc.fill_null(pc.is_finite(values), True), min_count=0).as_py():
             return name
     return None
 
