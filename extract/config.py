@@ -60,10 +60,12 @@ class ExtractConfig:
 
     model: str = field(
         metadata=_option(
-            "--model", required=True, help="Hub id, local folder, or smollm2-135m-instruct."
+            "--model",
+            required=True,
+            help="Hub id, local folder, or an offline alias: smollm2-135m-instruct, gemma3-270m.",
         )
     )
-    """Hub id, local folder, or the alias ``smollm2-135m-instruct``."""
+    """Hub id, local folder, or an offline alias (``smollm2-135m-instruct``, ``gemma3-270m``)."""
     tasks: list[str] = field(
         metadata=_option(
             "--task",

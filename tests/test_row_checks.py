@@ -258,3 +258,14 @@ def test_an_intact_store_reads_as_before(store: Path) -> None:
         assert pc.sum(pa.array(comps["logit"].to_numpy())).as_py() == pytest.approx(
             float(logits.astype(np.float32).sum()), rel=1e-5, abs=1e-3
         )
+
+
+def test_a_part_of_no_rows_holds_no_nan() -> None:
+    """A part with no rows (``--skips`` over documents too short for a split point) is read, a
+    NaN or an infinite value in a float or list column is found."""
+    from layerdiv.store.parts import not_finite
+
+    floats, lists = pa.array([], pa.float32()), pa.array([], pa.list_(pa.float32()))
+    assert not_finite(pa.table({"x": floats, "y": lists})) is None
+    assert not_finite(pa.table({"x": pa.array([1.0, float("nan")], pa.float32())})) == "x"
+    assert not_finite({"y": pa.array([[1.0], [float("inf")]], pa.list_(pa.float32()))}) == "y"
