@@ -17,7 +17,6 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from layerdiv.analyze.analyses import erasure, igrad
 from layerdiv.analyze.api import analyze
 from layerdiv.analyze.synthetic import (
     random_partition,
@@ -27,6 +26,8 @@ from layerdiv.analyze.synthetic import (
     write_text_partition,
 )
 from layerdiv.measurements import Measurement, Setting, register, registered, unregister
+from layerdiv.measurements.erase import analysis as erasure
+from layerdiv.measurements.igrad import analysis as igrad
 from layerdiv.schemas import ERASURE, IGRAD, IGRAD_ENDS, SUBLAYERS
 
 BLOCKS = 4

@@ -65,7 +65,12 @@ def _imports(name: str, path: Path) -> set[str]:
 
 
 def _layer(module: str) -> str:
+    """A module's layer; in a measurement's folder (``layerdiv.measurements.<name>``) the
+    declaration is of ``measurements``, its ``hooks`` of ``extract`` and the rest (its analyses)
+    of ``analyze``."""
     parts = module.split(".")
+    if parts[1:2] == ["measurements"] and len(parts) > 3:
+        return "extract" if parts[3] == "hooks" else "analyze"
     return parts[1] if len(parts) > 1 else ""
 
 
@@ -154,9 +159,9 @@ def _named(path: Path, names: set[str]) -> list[str]:
     out: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            hits = {a.name.rpartition(".")[2] for a in node.names} & names
+            hits = {part for a in node.names for part in a.name.split(".")} & names
         elif isinstance(node, ast.ImportFrom) and node.module is not None:
-            hits = {node.module.rpartition(".")[2], *(a.name for a in node.names)} & names
+            hits = {*node.module.split("."), *(a.name for a in node.names)} & names
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             if id(node) in docs:
                 continue
@@ -176,9 +181,7 @@ def test_the_extraction_core_names_no_built_in_measurement(tmp_path: Path) -> No
         for word in (m.name, m.flag.lstrip("-"), *(t for ts in m.tables.values() for t in ts))
     }
     # the modules that declare them and those that hold their hooks
-    names |= {p.stem for p in (ROOT / "measurements").glob("*.py")} - {"__init__", "registry"}
-    attached = [m.attach for m in registered() if isinstance(m.attach, str)]
-    names |= {attach.partition(":")[0].rpartition(".")[2] for attach in attached}
+    names |= {p.parent.name for p in (ROOT / "measurements").glob("*/__init__.py")}
     assert {"lens", "igrad", "erasure", "sinks", "future", "erase"} <= names
     found = [hit for rel in CORE for hit in _named(ROOT / rel, names)]
     assert not found, found
@@ -186,6 +189,6 @@ def test_the_extraction_core_names_no_built_in_measurement(tmp_path: Path) -> No
     path = tmp_path / "m.py"
     path.write_text(
         '"""lens"""\nfrom layerdiv.measurements.future import x\nf("--igrad")\n'
-        "import layerdiv.extract.sinks\n"
+        "import layerdiv.measurements.sinks.hooks\n"
     )
     assert _named(path, names) == ["m.py:2 future", "m.py:3 igrad", "m.py:4 sinks"]

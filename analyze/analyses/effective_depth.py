@@ -32,7 +32,6 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.analyses.text_lens import LENS, LENS_ROWS, document_means
 from layerdiv.analyze.frames import with_table
 from layerdiv.analyze.markdown import fmt, key_rows, markdown_table, model_label
 from layerdiv.analyze.registry import (
@@ -61,6 +60,7 @@ from layerdiv.analyze.text import (
     token_geometry,
 )
 from layerdiv.measurements.lens import readout_of
+from layerdiv.measurements.lens.text_lens import LENS, LENS_ROWS, document_means
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY, MODEL_KEY, SERIES
 

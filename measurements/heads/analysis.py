@@ -25,7 +25,6 @@ from typing import Any
 
 import polars as pl
 
-from layerdiv.analyze.analyses.heads_report import heads_section
 from layerdiv.analyze.decomposition import argmax, load_wide, with_softmax
 from layerdiv.analyze.frames import selected, tag
 from layerdiv.analyze.options import ESTIMATORS
@@ -37,6 +36,7 @@ from layerdiv.analyze.registry import (
     partition_engine,
     register,
 )
+from layerdiv.measurements.heads.report import heads_section
 from layerdiv.schemas import GRIDS
 from layerdiv.store import PartitionInfo, Store, StoreError
 from layerdiv.store.key import KEY

@@ -1,5 +1,6 @@
 """``--skips`` on a choice task: the option logits with each block skipped (methods §7,
-``skips`` table). The hooks are :class:`layerdiv.extract.skips.SkipCapture`. On a text task the
+``skips`` table). The hooks are :class:`layerdiv.measurements.skips.hooks.SkipCapture`. On a text
+task the
 same flag writes the future effects (:mod:`layerdiv.measurements.future`)."""
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ SKIPS = register(
         "per block; extends a partition stored without them). On a text task: the future effects "
         "of removing each block at the positions before a split point.",
         tables={"choice": ("skips",)},
-        attach="layerdiv.extract.skips:SkipCapture",
+        attach="layerdiv.measurements.skips.hooks:SkipCapture",
         rows=skip_rows,
         cost=skip_cost,
     )

@@ -1,7 +1,7 @@
 """``--sinks``: attention sinks (methods §16, ``sinks`` table): per document of a text task (per
 instance of a choice task, over its prompt), block l and query head h, the mean over query
 positions p = 1..T-1 of the attention weight on key position 0. The hooks are
-:class:`layerdiv.extract.sinks.SinkCapture`."""
+:class:`layerdiv.measurements.sinks.hooks.SinkCapture`."""
 
 from __future__ import annotations
 
@@ -76,10 +76,10 @@ SINKS = register(
         help="Also store each head's mean attention weight on the first token (sinks table), "
         "per document of a text task, per prompt of a choice task.",
         tables={"text": ("sinks",), "choice": ("sinks",)},
-        attach="layerdiv.extract.sinks:SinkCapture",
+        attach="layerdiv.measurements.sinks.hooks:SinkCapture",
         rows=sink_rows,
         check_rows=whole_blocks,
         cost=sink_cost,
-        check_model="layerdiv.extract.sinks:check_sinks",
+        check_model="layerdiv.measurements.sinks.hooks:check_sinks",
     )
 )

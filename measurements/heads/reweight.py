@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from layerdiv.analyze.analyses.heads import has_heads, load_heads, n_instances
 from layerdiv.analyze.decomposition import load_wide
 from layerdiv.analyze.frames import tag
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.registry import Analysis, Context, ReportContext, map_partitions, register
+from layerdiv.measurements.heads.analysis import has_heads, load_heads, n_instances
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
 

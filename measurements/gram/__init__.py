@@ -1,5 +1,6 @@
 """``--gram``: each instance's Gram matrix of the component outputs (exact angles, methods §7),
-choice tasks (``gram`` table). The hooks are :class:`layerdiv.extract.gram.GramCapture`."""
+choice tasks (``gram`` table). The hooks are
+:class:`layerdiv.measurements.gram.hooks.GramCapture`."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ GRAM = register(
         flag="--gram",
         help="Also store each instance's Gram matrix of the component outputs (exact angles).",
         tables={"choice": ("gram",)},
-        attach="layerdiv.extract.gram:GramCapture",
+        attach="layerdiv.measurements.gram.hooks:GramCapture",
         rows=gram_rows,
         cost=negligible,
     )

@@ -1,7 +1,8 @@
 """``--lens``: the logit lens of every block input (methods §9): at the last prompt
 token of a choice task (``lens``), at every token of a text task (``token_lens``), read out by
 the final norm and unembedding (``final``) or with the last block applied first
-(``last-block``, text tasks). Its hooks (:func:`layerdiv.extract.lens.lens_hooks`) are bound to
+(``last-block``, text tasks). Its hooks (:func:`layerdiv.measurements.lens.hooks.lens_hooks`) are
+bound to
 the task kind's own capture: a choice task's last-token decomposition, a text task's per-token
 capture (which keeps the states it reads)."""
 
@@ -27,7 +28,8 @@ from layerdiv.schemas import LENS as LENS_SCHEMA
 from layerdiv.schemas import TOKEN_LENS, token_key
 
 READOUTS = {"final": ("choice", "text"), "last-block": ("text",)}
-"""Each readout of the lens (``--lens NAME``, ``layerdiv.extract.lens.LENSES``) and the task kinds
+"""Each readout of the lens (``--lens NAME``, ``layerdiv.measurements.lens.hooks.LENSES``) and the
+task kinds
 it applies to."""
 
 LENS_VALUES = ("kl", "top5_overlap", "final_rank", "top1", "ce")
@@ -144,7 +146,7 @@ LENS = register(
         legacy=True,
         tables={"choice": ("lens",), "text": ("token_lens",)},
         readout=("text",),
-        attach="layerdiv.extract.lens:lens_hooks",
+        attach="layerdiv.measurements.lens.hooks:lens_hooks",
         rows=lens_rows,
         check_rows=per_token_and_layer("token_lens"),
         cost=lens_cost,

@@ -2,7 +2,7 @@
 positions per document of a text task, at the last prompt token of each instance of a choice task
 (K and the seed unused there), with the settings ``--states`` (K, or ``all``), ``--states-seed``
 and ``--states-dtype`` (recorded in the manifest, compared on a rerun). The hooks are
-:class:`layerdiv.extract.states.StateCapture`."""
+:class:`layerdiv.measurements.states.hooks.StateCapture`."""
 
 from __future__ import annotations
 
@@ -141,9 +141,9 @@ STATES = register(
                 "float16",
             ),
         ),
-        attach="layerdiv.extract.states:StateCapture",
+        attach="layerdiv.measurements.states.hooks:StateCapture",
         rows=state_rows,
         cost=negligible,
-        size_warning="layerdiv.extract.states:size_warning",
+        size_warning="layerdiv.measurements.states.hooks:size_warning",
     )
 )

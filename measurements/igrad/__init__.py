@@ -2,7 +2,8 @@
 and position (methods §13; ``igrad`` and ``igrad_ends``), with the settings ``--igrad-site`` and
 ``--igrad-steps`` (recorded in the manifest, compared on a rerun). Its check of the plan
 (:func:`plan_igrad`) refuses a text task without an answer and a step count below one, and finds
-each document's answer span; its hooks are :class:`layerdiv.extract.igrad.IgradCapture`, which
+each document's answer span; its hooks are :class:`layerdiv.measurements.igrad.hooks.IgradCapture`,
+which
 take gradients (``needs_grad``)."""
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ IGRAD_MEASUREMENT = register(
             ),
         ),
         needs_grad=True,
-        attach="layerdiv.extract.igrad:IgradCapture",
+        attach="layerdiv.measurements.igrad.hooks:IgradCapture",
         rows=igrad_rows,
         check_rows=igrad_row_counts,
         cost=igrad_cost,

@@ -23,7 +23,6 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.analyses.lens import lens_tag
 from layerdiv.analyze.frames import by_model
 from layerdiv.analyze.law import power_fit
 from layerdiv.analyze.markdown import fmt, markdown_table
@@ -43,6 +42,7 @@ from layerdiv.analyze.text import (
     text_vs_last_token,
 )
 from layerdiv.measurements.lens import readout_of
+from layerdiv.measurements.lens.analysis import lens_tag
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
 

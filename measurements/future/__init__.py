@@ -3,7 +3,8 @@ positions before a split point (methods §9; ``future_effects`` and ``future_out
 with the settings ``--skip-split``, ``--skip-sublayer``, ``--skip-mode`` and ``--skip-seed``
 (recorded in the manifest, compared on a rerun). Its check of the plan (:func:`plan_future`)
 refuses settings a task cannot follow and finds each document's answer for the answer-anchored
-split points; its hooks are :class:`layerdiv.extract.future.FutureCapture`, bound to the text
+split points; its hooks are :class:`layerdiv.measurements.future.hooks.FutureCapture`, bound to the
+text
 task's per-token capture."""
 
 from collections.abc import Mapping, Sequence
@@ -140,7 +141,7 @@ def future_row_counts(
 
 def future_rows(docs: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
     """The tables of documents ``docs`` from each one's future effects
-    (``layerdiv.extract.future.FutureRows``: split, sublayer, skipped, mode, rel_change,
+    (``layerdiv.measurements.future.hooks.FutureRows``: split, sublayer, skipped, mode, rel_change,
     out_change)."""
     doc = np.concatenate([np.full(len(f.split), i) for i, f in zip(docs, values, strict=True)])
     blocks = values[0].rel_change.shape[1]
@@ -271,7 +272,7 @@ FUTURE = register(
         ),
         legacy=True,
         readout=("text",),
-        attach="layerdiv.extract.future:FutureCapture",
+        attach="layerdiv.measurements.future.hooks:FutureCapture",
         rows=future_rows,
         check_rows=future_row_counts,
         cost=future_cost,

@@ -56,7 +56,6 @@ from layerdiv.analyze.analyses.attribution import (
     with_answer,
 )
 from layerdiv.analyze.analyses.effective_depth import interval_ends
-from layerdiv.analyze.analyses.text_groups import bootstrap_mean
 from layerdiv.analyze.frames import tag
 from layerdiv.analyze.markdown import markdown_table
 from layerdiv.analyze.registry import (
@@ -74,6 +73,7 @@ from layerdiv.analyze.stats import (
     resample_weights,
 )
 from layerdiv.analyze.text import TEXT_KIND
+from layerdiv.measurements.future.text_groups import bootstrap_mean
 from layerdiv.schemas import KINDS
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY, SERIES

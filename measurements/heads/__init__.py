@@ -1,5 +1,5 @@
 """``--heads``: every attention head's option logits (methods §8), choice tasks (``heads``
-table). The hooks are :class:`layerdiv.extract.heads.HeadCapture`."""
+table). The hooks are :class:`layerdiv.measurements.heads.hooks.HeadCapture`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from layerdiv.schemas import HEADS as HEADS_SCHEMA
 
 @dataclass(frozen=True)
 class HeadValues:
-    """One instance's heads, as :class:`layerdiv.extract.heads.HeadCapture` gives them."""
+    """One instance's heads, as :class:`layerdiv.measurements.heads.hooks.HeadCapture` gives
+    them."""
 
     components: Sequence[int]
     """Index (execution order) of each attention component."""
@@ -73,9 +74,9 @@ HEADS = register(
         help="Also store every attention head's option logits (heads table); extends partitions "
         "stored without them.",
         tables={"choice": ("heads",)},
-        attach="layerdiv.extract.heads:HeadCapture",
+        attach="layerdiv.measurements.heads.hooks:HeadCapture",
         rows=head_rows,
         cost=negligible,
-        check_model="layerdiv.extract.heads:check_heads",
+        check_model="layerdiv.measurements.heads.hooks:check_heads",
     )
 )

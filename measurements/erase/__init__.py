@@ -6,7 +6,8 @@ task: the L2 change of the option-probability vector at the last prompt token). 
 means (the task's first R documents or prompts, ``--erase-reference R``) are computed once per
 partition, stored in ``erasure_reference`` beside the manifest and recorded in the settings by
 their fingerprint (``erase_reference_sha256``), so that two shards, a resume or a merge cannot
-mix two of them. The hooks are :class:`layerdiv.extract.erase.EraseCapture`, bound to the task
+mix two of them. The hooks are :class:`layerdiv.measurements.erase.hooks.EraseCapture`, bound to
+the task
 kind's own capture."""
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ ERASE = register(
             ),
         ),
         readout=("text",),
-        attach="layerdiv.extract.erase:EraseCapture",
+        attach="layerdiv.measurements.erase.hooks:EraseCapture",
         rows=erasure_rows,
         check_rows=erasure_row_counts,
         cost=erase_cost,
