@@ -1,13 +1,16 @@
 """The analyses ``layerdiv analyze`` runs and ``layerdiv report`` renders, registered in one place.
 
-An analysis is an :class:`Analysis` given to :func:`register`: a built-in one is a module in
-``layerdiv/analyze/analyses/`` (imported by ``analyses/__init__.py``), one of another distribution
-an entry of the group :data:`ENTRY_POINTS` (the entry point names the :class:`Analysis` object),
-registered on first use. It declares the optional tables it reads (:attr:`Analysis.needs`: it gets
-the partitions that hold them, and the others one note naming the ``extract`` option that adds
-them) and the analyses whose tables it reads (:attr:`Analysis.after`: they run before it); the
-analyses run in registration order where ``after`` allows (:func:`registered`). See
-docs/development.md, "Adding an analysis".
+An analysis is an :class:`Analysis`, registered through the entry point group
+:data:`ENTRY_POINTS` (the entry point names the :class:`Analysis` object) on first use: a built-in
+one (a module of ``layerdiv/analyze/analyses/`` for the core tables, of its measurement's folder
+``layerdiv/measurements/<name>/`` for a measurement's) in layerdiv's ``pyproject.toml``, in the
+order of their :attr:`Analysis.order` (that of the report's sections), another distribution's in
+its own; or in one process with :func:`register`. This module imports none of them. An analysis
+declares the optional tables it reads (:attr:`Analysis.needs`: it gets the partitions that hold
+them, and the others one note naming the ``extract`` option that adds them) and the analyses
+whose tables it reads (:attr:`Analysis.after`: they run before it); the analyses run in
+registration order where ``after`` allows (:func:`registered`). See docs/development.md, "Adding
+an analysis".
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
@@ -29,6 +31,7 @@ from layerdiv.analyze.options import Estimator, Scale
 from layerdiv.analyze.spill import Spill
 from layerdiv.errors import LayerdivError
 from layerdiv.measurements import all_optional_tables, measurement_of
+from layerdiv.measurements.registry import loaded
 from layerdiv.store import PartitionInfo, Store
 
 ENTRY_POINTS = "layerdiv.analyses"
@@ -126,6 +129,9 @@ class Analysis:
     """Its report reads ``model`` and ``revision`` apart (e.g. a figure against the step);
     every other report gets tables whose ``model`` names the revision too
     (``layerdiv.analyze.report.revisions_apart``), so that it never pools a model's revisions."""
+    order: int = 0
+    """Its place among the analyses of its distribution (the built-in ones: the order of the
+    report's sections, where ``after`` allows)."""
 
     def applies_to(
         self, parts: Iterable[PartitionInfo], notes: list[str] | None = None
@@ -262,6 +268,7 @@ _LOADED: list[bool] = []
 def register(analysis: Analysis) -> Analysis:
     """Add ``analysis`` to the registry (after those already there; registering a name again
     replaces it in place, so a reloaded module does not run twice). Returns it."""
+    _load()  # the entry points' analyses come first
     _REGISTRY[analysis.name] = analysis
     return analysis
 
@@ -271,18 +278,21 @@ def unregister(name: str) -> None:
     _REGISTRY.pop(name, None)
 
 
-def registered() -> list[Analysis]:
-    """Every registered analysis (the built-in ones, then those of the entry point group
-    :data:`ENTRY_POINTS`, then those registered by :func:`register`), in the order they run:
-    registration order, each moved after the analyses it names in ``after`` (a topological
-    order). Refuses (:class:`RegistryError`) an ``after`` naming no analysis, or a cycle."""
-    import layerdiv.analyze.analyses  # noqa: F401  (registers the built-in analyses)
-
+def _load() -> None:
+    """Register, once per process, the analyses of the entry point group :data:`ENTRY_POINTS`
+    (the built-in ones first, by their ``order``: ``layerdiv.measurements.registry.loaded``)."""
     if not _LOADED:
         _LOADED.append(True)
-        for entry in entry_points(group=ENTRY_POINTS):
-            if entry.name not in _REGISTRY:
-                register(entry.load())
+        for analysis in loaded(ENTRY_POINTS, _REGISTRY):
+            register(analysis)
+
+
+def registered() -> list[Analysis]:
+    """Every registered analysis (those of the entry point group :data:`ENTRY_POINTS`, the
+    built-in ones first, then those registered by :func:`register`), in the order they run:
+    registration order, each moved after the analyses it names in ``after`` (a topological
+    order). Refuses (:class:`RegistryError`) an ``after`` naming no analysis, or a cycle."""
+    _load()
     return _ordered(list(_REGISTRY.values()))
 
 

@@ -12,20 +12,23 @@ and its checks of a plan (:attr:`Measurement.plan`) and of a model
 estimate, the completeness check, ``ls``, ``query``'s views and ``merge`` read these
 declarations.
 
-Register one with :func:`register`, or from another distribution through the entry point group
-:data:`ENTRY_POINTS` (the entry point names the :class:`Measurement` object); see
-docs/development.md, "Adding a measurement".
+A measurement is one folder, ``measurements/<name>/``: its declaration (the package's
+``__init__.py``), its hooks (``hooks.py``, the only module of it that imports torch) and its
+analyses. Every one registers through the entry point group :data:`ENTRY_POINTS` (the entry point
+names the :class:`Measurement` object): the built-in ones in layerdiv's ``pyproject.toml``, which
+this registry does not import by name, another distribution's in its own; or in one process with
+:func:`register`. See docs/development.md, "Adding a measurement".
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import import_module
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import click
@@ -338,8 +341,8 @@ class Measurement:
     alone, out of inference mode (every other pass stays in it)."""
     attach: Attach | str | None = None
     """Its forward hooks on each task kind; or ``"module:attribute"`` naming them, imported
-    when an extraction attaches them (a built-in measurement's hooks are in
-    ``layerdiv.extract``, which this package does not import)."""
+    when an extraction attaches them (a built-in measurement names its folder's ``hooks``
+    module, ``f"{__name__}.hooks:..."``: the declaration does not import torch)."""
     rows: Rows | None = None
     """How its rows are built from :attr:`attach`'s values."""
     check_rows: CheckRows | None = None
@@ -362,6 +365,9 @@ class Measurement:
     whole: tuple[str, ...] = ()
     """Tables it stores once per partition, not per chunk (``layerdiv.schemas.WHOLE_TABLES``),
     given by its hooks' :meth:`PartitionCapture.prepare` before the first chunk."""
+    order: int = 0
+    """Its place among the measurements of its distribution (:func:`loaded`): the order of the
+    ``extract`` options and of the optional tables everywhere."""
 
     def attach_to(self, ctx: Attachment) -> Capture | None:
         """:attr:`attach`'s hooks on ``ctx.model``, attached (the named ones imported first)."""
@@ -547,6 +553,7 @@ def register(measurement: Measurement) -> Measurement:
     """Add ``measurement`` to every extraction, store reader and command; returns it. Refuses a
     name, table, flag, option or setting name that is taken (by another measurement, or by
     ``extract`` itself: :func:`reserve`), and a kind that does not exist."""
+    _load()  # the entry points' measurements come first
     if measurement.name in _REGISTERED:
         raise MeasurementError(f"a measurement named {measurement.name!r} is registered already")
     if problem := _name_taken(measurement):
@@ -577,14 +584,31 @@ def unregister(name: str) -> None:
     _tables.cache_clear()
 
 
-def registered() -> list[Measurement]:
-    """Every measurement, built-in first, then those of the entry point group, then those
-    registered by :func:`register`, in registration order."""
+def loaded(group: str, taken: Container[str]) -> list[Any]:
+    """The objects the entry points of ``group`` name, but those whose name is in ``taken``,
+    loaded: layerdiv's own (its built-ins) first, by their ``order`` (an installed distribution
+    lists its entry points by name), then other distributions', as they come."""
+    found: dict[str, EntryPoint] = {}
+    for entry in entry_points(group=group):
+        if entry.name not in taken:
+            found.setdefault(entry.name, entry)
+    objects = [(e.dist is None or e.dist.name != "layerdiv", e.load()) for e in found.values()]
+    return [o for _, o in sorted(objects, key=lambda p: (p[0], 0 if p[0] else p[1].order))]
+
+
+def _load() -> None:
+    """Register, once per process, the measurements of the entry point group
+    :data:`ENTRY_POINTS` (:func:`loaded`; a name registered already is left as it is)."""
     if not _LOADED:
         _LOADED.append(True)
-        for entry in entry_points(group=ENTRY_POINTS):
-            if entry.name not in _REGISTERED:
-                register(entry.load())
+        for measurement in loaded(ENTRY_POINTS, _REGISTERED):
+            register(measurement)
+
+
+def registered() -> list[Measurement]:
+    """Every measurement, in registration order: those of the entry point group (the built-in
+    ones first), then those registered by :func:`register`."""
+    _load()
     return list(_REGISTERED.values())
 
 

@@ -19,10 +19,11 @@ from layerdiv.analyze.text import (
     THETA_STATE,
     BlockStats,
     ProfileMoments,
+    document_means,
     token_dots,
     token_geometry,
 )
-from layerdiv.measurements.lens.text_lens import document_means, lens_table
+from layerdiv.measurements.lens.text_lens import lens_table
 from layerdiv.store import StoreError
 from layerdiv.store.key import KEY
 

@@ -12,9 +12,9 @@ import pytest
 
 from layerdiv.analyze.api import analyze
 from layerdiv.analyze.report import write_report
+from layerdiv.analyze.stats import bootstrap_mean
 from layerdiv.measurements.future.text_groups import (
     MIN_INTERVAL_N,
-    bootstrap_mean,
     bootstrap_slope,
     group_scores,
 )

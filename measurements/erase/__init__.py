@@ -27,7 +27,6 @@ from layerdiv.measurements.registry import (
     Planning,
     Setting,
     per_token_and_layer,
-    register,
 )
 from layerdiv.schemas import ERASURE, ERASURE_REFERENCE
 
@@ -158,34 +157,33 @@ def erase_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str,
     return erase_flops(shape, tokens, max(start - 1, 0), tokens - 2)
 
 
-ERASE = register(
-    Measurement(
-        name="erase",
-        flag="--erase",
-        help="Text tasks with an answer, choice tasks: also store the residual erasure map "
-        "(methods §14): per state h_l and position, the largest change of the next-token "
-        "distribution at the answer's positions (a choice task: of the option probabilities at "
-        "the last prompt token) when h_l there is replaced by its reference mean.",
-        tables={"text": ("erasure",), "choice": ("erasure",)},
-        settings=(
-            Setting(
-                "erase_reference",
-                click.Option(
-                    ["--erase-reference"],
-                    type=int,
-                    default=None,
-                    help="With --erase: the reference means are taken over the task's first R "
-                    "documents or prompts (default 10).",
-                ),
-                10,
+ERASE = Measurement(
+    name="erase",
+    flag="--erase",
+    help="Text tasks with an answer, choice tasks: also store the residual erasure map "
+    "(methods §14): per state h_l and position, the largest change of the next-token "
+    "distribution at the answer's positions (a choice task: of the option probabilities at "
+    "the last prompt token) when h_l there is replaced by its reference mean.",
+    tables={"text": ("erasure",), "choice": ("erasure",)},
+    settings=(
+        Setting(
+            "erase_reference",
+            click.Option(
+                ["--erase-reference"],
+                type=int,
+                default=None,
+                help="With --erase: the reference means are taken over the task's first R "
+                "documents or prompts (default 10).",
             ),
+            10,
         ),
-        readout=("text",),
-        attach="layerdiv.measurements.erase.hooks:EraseCapture",
-        rows=erasure_rows,
-        check_rows=erasure_row_counts,
-        cost=erase_cost,
-        plan=plan_erase,
-        whole=("erasure_reference",),
-    )
+    ),
+    readout=("text",),
+    attach=f"{__name__}.hooks:EraseCapture",
+    rows=erasure_rows,
+    check_rows=erasure_row_counts,
+    cost=erase_cost,
+    plan=plan_erase,
+    whole=("erasure_reference",),
+    order=80,
 )

@@ -55,7 +55,6 @@ from layerdiv.analyze.analyses.attribution import (
     profiles,
     with_answer,
 )
-from layerdiv.analyze.analyses.effective_depth import interval_ends
 from layerdiv.analyze.frames import tag
 from layerdiv.analyze.markdown import markdown_table
 from layerdiv.analyze.registry import (
@@ -63,17 +62,16 @@ from layerdiv.analyze.registry import (
     Context,
     NoData,
     ReportContext,
-    register,
 )
 from layerdiv.analyze.stats import (
     LEVEL,
     MIN_INTERVAL_N,
     RESAMPLES,
+    bootstrap_mean,
     percentile_interval,
     resample_weights,
 )
 from layerdiv.analyze.text import TEXT_KIND
-from layerdiv.measurements.future.text_groups import bootstrap_mean
 from layerdiv.schemas import KINDS
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY, SERIES
@@ -282,7 +280,7 @@ def profile_figure(
                 rows["relative_depth"].to_list(),
                 rows["effect"].to_list(),
                 color=color[key],
-                interval=interval_ends(rows),
+                interval=plots.interval_ends(rows),
             )
         )
         rows = distance.filter(*mine).sort("distance")
@@ -293,7 +291,7 @@ def profile_figure(
                 rows["effect"].to_list(),
                 color=color[key],
                 marker=None,
-                interval=interval_ends(rows),
+                interval=plots.interval_ends(rows),
             )
         )
     if section.anchor is not None:
@@ -352,7 +350,9 @@ def report(ctx: ReportContext, section: Section = TEXT) -> str:
 
 
 def analysis(
-    section: Section, among: Callable[[list[PartitionInfo]], list[PartitionInfo]] | None
+    section: Section,
+    among: Callable[[list[PartitionInfo]], list[PartitionInfo]] | None,
+    order: int,
 ) -> Analysis:
     """The analysis of one :class:`Section`: its tables of every partition it gets, and its
     report section."""
@@ -370,8 +370,9 @@ def analysis(
         among=among,
         options=OPTIONS,
         needs=("erasure",),
+        order=order,
     )
 
 
-register(analysis(TEXT, with_answer))
-register(analysis(CHOICES, None))
+ERASURE = analysis(TEXT, with_answer, order=160)
+CHOICE_ERASURE = analysis(CHOICES, None, order=170)

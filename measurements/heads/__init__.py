@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from layerdiv.measurements.registry import Measurement, negligible, register
+from layerdiv.measurements.registry import Measurement, negligible
 from layerdiv.schemas import HEADS as HEADS_SCHEMA
 
 
@@ -67,16 +67,15 @@ def head_rows(instances: Sequence[int], values: Sequence[HeadValues]) -> dict[st
     return {"heads": heads_table(instances, first.components, first.layers, first.head_ids, logits)}
 
 
-HEADS = register(
-    Measurement(
-        name="heads",
-        flag="--heads",
-        help="Also store every attention head's option logits (heads table); extends partitions "
-        "stored without them.",
-        tables={"choice": ("heads",)},
-        attach="layerdiv.measurements.heads.hooks:HeadCapture",
-        rows=head_rows,
-        cost=negligible,
-        check_model="layerdiv.measurements.heads.hooks:check_heads",
-    )
+HEADS = Measurement(
+    name="heads",
+    flag="--heads",
+    help="Also store every attention head's option logits (heads table); extends partitions "
+    "stored without them.",
+    tables={"choice": ("heads",)},
+    attach=f"{__name__}.hooks:HeadCapture",
+    rows=head_rows,
+    cost=negligible,
+    check_model=f"{__name__}.hooks:check_heads",
+    order=20,
 )

@@ -34,7 +34,6 @@ from layerdiv.analyze.registry import (
     map_partitions,
     not_extracted,
     partition_engine,
-    register,
 )
 from layerdiv.measurements.heads.report import heads_section
 from layerdiv.schemas import GRIDS
@@ -409,12 +408,11 @@ def _tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Dat
     return heads_tables(ctx.parts, ctx.notes)
 
 
-register(
-    Analysis(
-        name="heads",
-        title="Heads: the parts that beat the whole",
-        methods=(8, 2),
-        tables=_tables,
-        report=heads_section,
-    )
+ANALYSIS = Analysis(
+    name="heads",
+    title="Heads: the parts that beat the whole",
+    methods=(8, 2),
+    tables=_tables,
+    report=heads_section,
+    order=50,
 )

@@ -22,7 +22,6 @@ from layerdiv.measurements.registry import (
     Planning,
     Setting,
     per_token_and_layer,
-    register,
 )
 from layerdiv.schemas import LENS as LENS_SCHEMA
 from layerdiv.schemas import TOKEN_LENS, token_key
@@ -123,34 +122,33 @@ def lens_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, 
     return extra + (L * shape.block(tokens) if settings.get("lens") == "last-block" else 0.0)
 
 
-LENS = register(
-    Measurement(
-        name="lens",
-        flag="--lens",  # declared by its setting (it takes the readout)
-        settings=(
-            Setting(
-                "lens",
-                click.Option(
-                    ["--lens", "lens"],
-                    type=click.Choice(list(READOUTS)),
-                    is_flag=False,
-                    flag_value="final",
-                    default=None,
-                    help="Also store the logit lens of every block input (text tasks: at every "
-                    "token; KL to the model's output, top-5 overlap, next-token cross-entropy); "
-                    "--lens last-block applies the last block first (text tasks).",
-                ),
-                "final",
+LENS = Measurement(
+    name="lens",
+    flag="--lens",  # declared by its setting (it takes the readout)
+    settings=(
+        Setting(
+            "lens",
+            click.Option(
+                ["--lens", "lens"],
+                type=click.Choice(list(READOUTS)),
+                is_flag=False,
+                flag_value="final",
+                default=None,
+                help="Also store the logit lens of every block input (text tasks: at every "
+                "token; KL to the model's output, top-5 overlap, next-token cross-entropy); "
+                "--lens last-block applies the last block first (text tasks).",
             ),
+            "final",
         ),
-        legacy=True,
-        tables={"choice": ("lens",), "text": ("token_lens",)},
-        readout=("text",),
-        attach="layerdiv.measurements.lens.hooks:lens_hooks",
-        rows=lens_rows,
-        check_rows=per_token_and_layer("token_lens"),
-        cost=lens_cost,
-        costed={"text": ({"lens": "last-block"},)},
-        plan=plan_lens,
-    )
+    ),
+    legacy=True,
+    tables={"choice": ("lens",), "text": ("token_lens",)},
+    readout=("text",),
+    attach=f"{__name__}.hooks:lens_hooks",
+    rows=lens_rows,
+    check_rows=per_token_and_layer("token_lens"),
+    cost=lens_cost,
+    costed={"text": ({"lens": "last-block"},)},
+    plan=plan_lens,
+    order=40,
 )

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from layerdiv.measurements.registry import Measurement, ModelShape, register
+from layerdiv.measurements.registry import Measurement, ModelShape
 from layerdiv.schemas import SINKS as SINKS_SCHEMA
 
 
@@ -69,17 +69,16 @@ def sink_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, 
     return shape.layers * shape.attention / 2 * scores(tokens)
 
 
-SINKS = register(
-    Measurement(
-        name="sinks",
-        flag="--sinks",
-        help="Also store each head's mean attention weight on the first token (sinks table), "
-        "per document of a text task, per prompt of a choice task.",
-        tables={"text": ("sinks",), "choice": ("sinks",)},
-        attach="layerdiv.measurements.sinks.hooks:SinkCapture",
-        rows=sink_rows,
-        check_rows=whole_blocks,
-        cost=sink_cost,
-        check_model="layerdiv.measurements.sinks.hooks:check_sinks",
-    )
+SINKS = Measurement(
+    name="sinks",
+    flag="--sinks",
+    help="Also store each head's mean attention weight on the first token (sinks table), "
+    "per document of a text task, per prompt of a choice task.",
+    tables={"text": ("sinks",), "choice": ("sinks",)},
+    attach=f"{__name__}.hooks:SinkCapture",
+    rows=sink_rows,
+    check_rows=whole_blocks,
+    cost=sink_cost,
+    check_model=f"{__name__}.hooks:check_sinks",
+    order=90,
 )

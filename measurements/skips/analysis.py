@@ -22,7 +22,6 @@ from layerdiv.analyze.registry import (
     ReportContext,
     map_partitions,
     partition_engine,
-    register,
 )
 from layerdiv.analyze.stats import MIN_HALF, halves
 from layerdiv.errors import LayerdivError
@@ -304,13 +303,12 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     return skip_tables(ctx.parts)
 
 
-register(
-    Analysis(
-        name="skips",
-        title="Layer skips",
-        tables=tables,
-        report=report,
-        methods=(7,),
-        needs=("skips",),
-    )
+ANALYSIS = Analysis(
+    name="skips",
+    title="Layer skips",
+    tables=tables,
+    report=report,
+    methods=(7,),
+    needs=("skips",),
+    order=40,
 )
