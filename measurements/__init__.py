@@ -27,6 +27,7 @@ from layerdiv.measurements.registry import (
     registered,
     ruled_tables,
     table_schemas,
+    tables_of,
     tables_of_kind,
     unregister,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "registered",
     "ruled_tables",
     "table_schemas",
+    "tables_of",
     "tables_of_kind",
     "unregister",
 ]

@@ -35,7 +35,7 @@ import click
 import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import KINDS, TABLES
+from layerdiv.schemas import KINDS, TABLES, schema_of
 
 ENTRY_POINTS = "layerdiv.measurements"
 """The entry point group whose entries (each a :class:`Measurement`) are registered on first
@@ -365,6 +365,11 @@ class Measurement:
     whole: tuple[str, ...] = ()
     """Tables it stores once per partition, not per chunk (``layerdiv.schemas.WHOLE_TABLES``),
     given by its hooks' :meth:`PartitionCapture.prepare` before the first chunk."""
+    since: Mapping[str, int] = field(default_factory=dict)
+    """The schema version (``layerdiv.schemas.SCHEMA_VERSION``) each of its tables, chunk and
+    whole ones, appeared in: a store of an older version holds none of them
+    (:func:`tables_of`). A built-in's; a table not named (a plug-in's) is read from any store
+    that holds it."""
     order: int = 0
     """Its place among the measurements of its distribution (:func:`loaded`): the order of the
     ``extract`` options and of the optional tables everywhere."""
@@ -567,6 +572,12 @@ def register(measurement: Measurement) -> Measurement:
     taken = {t for m in _REGISTERED.values() for ts in m.tables.values() for t in ts}
     taken |= {t for k in KINDS.values() for t in k.required}
     mine = [t for ts in measurement.tables.values() for t in ts]
+    dated = [t for t in measurement.since if t not in (*mine, *measurement.whole)]
+    if dated:
+        raise MeasurementError(
+            f"measurement {measurement.name}: a schema version for {dated[0]!r}, which is not "
+            "one of its tables"
+        )
     clash = [t for t in mine if t in taken or (t not in TABLES and t not in measurement.schemas)]
     if clash:
         raise MeasurementError(
@@ -654,6 +665,17 @@ def measurement_of(table: str) -> Measurement:
 def table_schemas() -> dict[str, pa.Schema]:
     """Every table's schema: ``layerdiv.schemas.TABLES`` and the registered measurements'."""
     return dict(_tables()[1])
+
+
+def tables_of(version: int) -> dict[str, pa.Schema]:
+    """The tables (and their schemas, :func:`layerdiv.schemas.schema_of`) of a store written with
+    schema ``version``: each task kind's required ones from the version the kind appeared in
+    (``Kind.since``), each measurement's from the version it declares
+    (:attr:`Measurement.since`)."""
+    since = {t: kind.since for kind in KINDS.values() for t in kind.required}
+    since |= {t: v for m in registered() for t, v in m.since.items()}
+    schemas = table_schemas()
+    return {t: schema_of(t, version) or schemas[t] for t, v in since.items() if v <= version}
 
 
 def kind_of_table(table: str) -> str | None:

@@ -19,7 +19,13 @@ import polars as pl
 import pyarrow as pa
 
 from layerdiv.errors import LayerdivError, one_line
-from layerdiv.measurements import kind_of_table, measurement_of, optional_tables, table_schemas
+from layerdiv.measurements import (
+    kind_of_table,
+    measurement_of,
+    optional_tables,
+    table_schemas,
+    tables_of,
+)
 from layerdiv.schemas import (
     GRIDS,
     KINDS,
@@ -27,7 +33,6 @@ from layerdiv.schemas import (
     Grid,
     Kind,
     SchemaError,
-    tables_of,
 )
 from layerdiv.store.atomic import restore
 from layerdiv.store.checks import check_partition, check_sums, stray_parts

@@ -28,7 +28,7 @@ from layerdiv.analyze import registry as reg
 from layerdiv.analyze.output import INDEX_NAME
 from layerdiv.analyze.synthetic import random_partition, write_partition
 from layerdiv.cli import main
-from layerdiv.schemas import tables_of
+from layerdiv.measurements import tables_of
 from layerdiv.store import Store, StoreError
 from layerdiv.store.atomic import temp_path
 from tests.conftest import write_synthetic_store

@@ -161,7 +161,7 @@ def as_version_5(store: Path) -> None:
     """Rewrite ``store`` as schema version 5 wrote it: the lens parts without ``final_rank`` and
     ``top1``, the tokens without ``piece``, the documents without ``answer_start`` (version 7),
     no table version 5 did not have, the manifests at version 5."""
-    from layerdiv.schemas import tables_of
+    from layerdiv.measurements import tables_of
 
     later = {"token_lens": ["final_rank", "top1"], "tokens": ["piece"],
              "documents": ["answer_start"]}  # fmt: skip

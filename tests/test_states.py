@@ -138,7 +138,7 @@ def test_version_4_text_store_still_reads(
     import pyarrow.parquet as pq
 
     import layerdiv
-    from layerdiv.schemas import tables_of
+    from layerdiv.measurements import tables_of
 
     task = text_task(tmp_path / "task", texts, max_tokens=12)
     store = tmp_path / "store"

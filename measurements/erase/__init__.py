@@ -185,5 +185,6 @@ ERASE = Measurement(
     cost=erase_cost,
     plan=plan_erase,
     whole=("erasure_reference",),
+    since={"erasure": 7, "erasure_reference": 7},
     order=80,
 )

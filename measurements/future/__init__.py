@@ -276,5 +276,6 @@ FUTURE = Measurement(
     check_rows=future_row_counts,
     cost=future_cost,
     plan=plan_future,
+    since={"future_effects": 4, "future_output": 4},
     order=50,
 )

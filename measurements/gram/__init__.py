@@ -39,5 +39,6 @@ GRAM = Measurement(
     attach=f"{__name__}.hooks:GramCapture",
     rows=gram_rows,
     cost=negligible,
+    since={"gram": 2},
     order=30,
 )

@@ -77,5 +77,6 @@ HEADS = Measurement(
     rows=head_rows,
     cost=negligible,
     check_model=f"{__name__}.hooks:check_heads",
+    since={"heads": 2},
     order=20,
 )

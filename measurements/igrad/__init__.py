@@ -226,5 +226,6 @@ IGRAD_MEASUREMENT = Measurement(
     check_rows=igrad_row_counts,
     cost=igrad_cost,
     plan=plan_igrad,
+    since={"igrad": 7, "igrad_ends": 7},
     order=70,
 )

@@ -150,5 +150,6 @@ LENS = Measurement(
     cost=lens_cost,
     costed={"text": ({"lens": "last-block"},)},
     plan=plan_lens,
+    since={"lens": 4, "token_lens": 4},
     order=40,
 )

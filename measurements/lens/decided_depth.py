@@ -44,8 +44,8 @@ from layerdiv.analyze.stats import (
     resample_weights,
 )
 from layerdiv.analyze.text import BATCH_TOKENS, TEXT_KIND, batches
+from layerdiv.measurements import tables_of
 from layerdiv.measurements.lens import readout_of
-from layerdiv.schemas import tables_of
 from layerdiv.store import PartitionInfo, StoreError
 from layerdiv.store.key import KEY, SERIES
 

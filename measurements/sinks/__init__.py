@@ -80,5 +80,6 @@ SINKS = Measurement(
     check_rows=whole_blocks,
     cost=sink_cost,
     check_model=f"{__name__}.hooks:check_sinks",
+    since={"sinks": 7},
     order=90,
 )

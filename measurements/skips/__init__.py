@@ -52,5 +52,6 @@ SKIPS = Measurement(
     attach=f"{__name__}.hooks:SkipCapture",
     rows=skip_rows,
     cost=skip_cost,
+    since={"skips": 2},
     order=10,
 )

@@ -144,5 +144,6 @@ STATES = Measurement(
     rows=state_rows,
     cost=negligible,
     size_warning=f"{__name__}.hooks:size_warning",
+    since={"states": 5},
     order=60,
 )
