@@ -7,8 +7,7 @@ means (the task's first R documents or prompts, ``--erase-reference R``) are com
 partition, stored in ``erasure_reference`` beside the manifest and recorded in the settings by
 their fingerprint (``erase_reference_sha256``), so that two shards, a resume or a merge cannot
 mix two of them. The hooks are :class:`layerdiv.measurements.erase.hooks.EraseCapture`, bound to
-the task
-kind's own capture."""
+the task kind's own capture."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ with the settings ``--skip-split``, ``--skip-sublayer``, ``--skip-mode`` and ``-
 (recorded in the manifest, compared on a rerun). Its check of the plan (:func:`plan_future`)
 refuses settings a task cannot follow and finds each document's answer for the answer-anchored
 split points; its hooks are :class:`layerdiv.measurements.future.hooks.FutureCapture`, bound to the
-text
-task's per-token capture."""
+text task's per-token capture."""
 
 from collections.abc import Mapping, Sequence
 from typing import Any

@@ -3,8 +3,7 @@ and position (methods §13; ``igrad`` and ``igrad_ends``), with the settings ``-
 ``--igrad-steps`` (recorded in the manifest, compared on a rerun). Its check of the plan
 (:func:`plan_igrad`) refuses a text task without an answer and a step count below one, and finds
 each document's answer span; its hooks are :class:`layerdiv.measurements.igrad.hooks.IgradCapture`,
-which
-take gradients (``needs_grad``)."""
+which take gradients (``needs_grad``)."""
 
 from __future__ import annotations
 

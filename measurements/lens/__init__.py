@@ -2,9 +2,8 @@
 token of a choice task (``lens``), at every token of a text task (``token_lens``), read out by
 the final norm and unembedding (``final``) or with the last block applied first
 (``last-block``, text tasks). Its hooks (:func:`layerdiv.measurements.lens.hooks.lens_hooks`) are
-bound to
-the task kind's own capture: a choice task's last-token decomposition, a text task's per-token
-capture (which keeps the states it reads)."""
+bound to the task kind's own capture: a choice task's last-token decomposition, a text task's
+per-token capture (which keeps the states it reads)."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ from layerdiv.schemas import TOKEN_LENS, token_key
 
 READOUTS = {"final": ("choice", "text"), "last-block": ("text",)}
 """Each readout of the lens (``--lens NAME``, ``layerdiv.measurements.lens.hooks.LENSES``) and the
-task kinds
-it applies to."""
+task kinds it applies to."""
 
 LENS_VALUES = ("kl", "top5_overlap", "final_rank", "top1", "ce")
 """The values of a lens row (:data:`~layerdiv.schemas.TOKEN_LENS`, :data:`~layerdiv.schemas.LENS`),

@@ -1,7 +1,6 @@
 """``--skips`` on a choice task: the option logits with each block skipped (methods §7,
 ``skips`` table). The hooks are :class:`layerdiv.measurements.skips.hooks.SkipCapture`. On a text
-task the
-same flag writes the future effects (:mod:`layerdiv.measurements.future`)."""
+task the same flag writes the future effects (:mod:`layerdiv.measurements.future`)."""
 
 from __future__ import annotations
 
