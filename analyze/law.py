@@ -19,7 +19,7 @@ import polars as pl
 from scipy.optimize import least_squares
 
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import tables_of
+from layerdiv.measurements import tables_of
 from layerdiv.store.key import KEY, MODEL_KEY
 from layerdiv.store.reader import Names, PartitionInfo, Store, StoreError
 

@@ -828,3 +828,9 @@ def power_law_overlay(
         )
     )
     panel.notes.append(fit_note(f"{label}: ", beta, fit["beta_se"][0], fit["r2"][0]))
+
+
+def interval_ends(rows: pl.DataFrame) -> tuple[list[float | None], list[float | None]]:
+    """The (low, high) ends of the intervals ``ci_low``/``ci_high`` of ``rows`` (None where an
+    end is missing: a point drawn without a bar)."""
+    return rows["ci_low"].to_list(), rows["ci_high"].to_list()

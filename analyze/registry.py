@@ -1,13 +1,16 @@
 """The analyses ``layerdiv analyze`` runs and ``layerdiv report`` renders, registered in one place.
 
-An analysis is an :class:`Analysis` given to :func:`register`: a built-in one is a module in
-``layerdiv/analyze/analyses/`` (imported by ``analyses/__init__.py``), one of another distribution
-an entry of the group :data:`ENTRY_POINTS` (the entry point names the :class:`Analysis` object),
-registered on first use. It declares the optional tables it reads (:attr:`Analysis.needs`: it gets
-the partitions that hold them, and the others one note naming the ``extract`` option that adds
-them) and the analyses whose tables it reads (:attr:`Analysis.after`: they run before it); the
-analyses run in registration order where ``after`` allows (:func:`registered`). See
-docs/development.md, "Adding an analysis".
+An analysis is an :class:`Analysis`, registered through the entry point group
+:data:`ENTRY_POINTS` (the entry point names the :class:`Analysis` object) on first use: a built-in
+one (a module of ``layerdiv/analyze/analyses/`` for the core tables, of its measurement's folder
+``layerdiv/measurements/<name>/`` for a measurement's) in layerdiv's ``pyproject.toml``, in the
+order of their :attr:`Analysis.order` (that of the report's sections), another distribution's in
+its own; or in one process with :func:`register`. This module imports none of them. An analysis
+declares the optional tables it reads (:attr:`Analysis.needs`: it gets the partitions that hold
+them, and the others one note naming the ``extract`` option that adds them) and the analyses
+whose tables it reads (:attr:`Analysis.after`: they run before it); the analyses run in
+registration order where ``after`` allows (:func:`registered`). See docs/development.md, "Adding
+an analysis".
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
@@ -34,6 +36,7 @@ from layerdiv.measurements import (
     table_name_problem,
     table_schemas,
 )
+from layerdiv.measurements.registry import loaded
 from layerdiv.store import PartitionInfo, Store
 
 ENTRY_POINTS = "layerdiv.analyses"
@@ -131,6 +134,9 @@ class Analysis:
     """Its report reads ``model`` and ``revision`` apart (e.g. a figure against the step);
     every other report gets tables whose ``model`` names the revision too
     (``layerdiv.analyze.report.revisions_apart``), so that it never pools a model's revisions."""
+    order: int = 0
+    """Its place among the analyses of its distribution (the built-in ones: the order of the
+    report's sections, where ``after`` allows)."""
 
     def applies_to(
         self, parts: Iterable[PartitionInfo], notes: list[str] | None = None
@@ -293,6 +299,7 @@ def register(analysis: Analysis) -> Analysis:
     a name again replaces it in place, so a reloaded module does not run twice). Returns it.
     Refuses (:class:`RegistryError`) a name another module's analysis has (a built-in's), and a
     name that is no identifier."""
+    _load_entry_points()  # the entry points' analyses come first
     if not isinstance(analysis, Analysis):
         raise RegistryError(f"register was given a {type(analysis).__name__}, not an Analysis")
     if problem := table_name_problem(analysis.name):
@@ -313,19 +320,14 @@ def unregister(name: str) -> None:
     _ORIGINS.pop(name, None)
 
 
-def _load(entry: Any) -> None:
-    """Register the :class:`Analysis` entry point ``entry`` names; where that fails (a module
-    that does not import, an object that is not an Analysis, a taken name), one line in
-    :data:`_PROBLEMS` naming the entry point instead."""
-    where = f"analysis plug-in {entry.name} = {entry.value} (entry point {ENTRY_POINTS})"
+def _add(entry: Any, analysis: Any) -> None:
+    """Register the object ``analysis`` that entry point ``entry`` names; where that fails (an
+    object that is not an Analysis, a taken name), one line in :data:`_PROBLEMS` naming the
+    entry point instead."""
+    where = _where(entry)
     known = _REGISTRY.get(entry.name)
     if known is not None and _module(known) == entry.value.partition(":")[0]:
         return  # registered by its own module already
-    try:
-        analysis = entry.load()
-    except Exception as err:
-        _PROBLEMS.append(f"{where} left out: it failed to load ({type(err).__name__}: {err})")
-        return
     if known is not None:
         _PROBLEMS.append(
             f"{where} left out: {entry.name!r} is the name of {origin(known)}; rename its entry "
@@ -337,7 +339,8 @@ def _load(entry: Any) -> None:
     except RegistryError as err:
         _PROBLEMS.append(f"{where} left out: {err}")
         return
-    _ORIGINS[analysis.name] = f"{entry.name} = {entry.value}"
+    if not builtin(analysis):
+        _ORIGINS[analysis.name] = f"{entry.name} = {entry.value}"
 
 
 def plugin_problems() -> list[str]:
@@ -348,19 +351,33 @@ def plugin_problems() -> list[str]:
     return [*_PROBLEMS, *_runnable(list(_REGISTRY.values()))[1]]
 
 
+def _load_entry_points() -> None:
+    """Register, once per process, the analyses of the entry point group :data:`ENTRY_POINTS`:
+    the built-in ones first, by their ``order`` (``layerdiv.measurements.registry.loaded``),
+    then other distributions' (one that fails: a line in :func:`plugin_problems`)."""
+    if not _LOADED:
+        _LOADED.append(True)
+        for entry, analysis in loaded(ENTRY_POINTS, _REGISTRY, _failed):
+            _add(entry, analysis)
+
+
+def _where(entry: Any) -> str:
+    return f"analysis plug-in {entry.name} = {entry.value} (entry point {ENTRY_POINTS})"
+
+
+def _failed(entry: Any, err: Exception) -> None:
+    """A line in :data:`_PROBLEMS` for an entry point that failed to load."""
+    _PROBLEMS.append(f"{_where(entry)} left out: it failed to load ({type(err).__name__}: {err})")
+
+
 def registered() -> list[Analysis]:
-    """Every registered analysis (the built-in ones, then those of the entry point group
-    :data:`ENTRY_POINTS`, then those registered by :func:`register`), in the order they run:
+    """Every registered analysis (those of the entry point group :data:`ENTRY_POINTS`, the built-in
+    ones first, then those registered by :func:`register`), in the order they run:
     registration order, each moved after the analyses it names in ``after`` (a topological
     order). An analysis that needs a table no table schema or registered measurement declares,
     or runs after an analysis that is not registered (or left out), is left out, with a line in
     :func:`plugin_problems`; a cycle is refused (:class:`RegistryError`)."""
-    import layerdiv.analyze.analyses  # noqa: F401  (registers the built-in analyses)
-
-    if not _LOADED:
-        _LOADED.append(True)
-        for entry in entry_points(group=ENTRY_POINTS):
-            _load(entry)
+    _load_entry_points()
     return _ordered(_runnable(list(_REGISTRY.values()))[0])
 
 

@@ -501,3 +501,16 @@ def halves(values: np.ndarray, first: np.ndarray) -> tuple[float, Interval, int]
     a, b = values[first], values[~first]
     diff, interval = difference(a, b)
     return diff, interval, int(min(np.isfinite(a).sum(), np.isfinite(b).sum()))
+
+
+def bootstrap_mean(scores: np.ndarray, resamples: int = RESAMPLES) -> tuple[float, float, float]:
+    """The mean of ``scores`` and its bootstrap 95% percentile interval over them (NaN below
+    :data:`MIN_INTERVAL_N` scores)."""
+    if not len(scores):
+        return np.nan, np.nan, np.nan
+    if len(scores) < MIN_INTERVAL_N:
+        return float(scores.mean()), np.nan, np.nan
+    rng = np.random.default_rng(SEED)
+    means = scores[rng.integers(0, len(scores), (resamples, len(scores)))].mean(1)
+    low, high = percentile_interval(means)
+    return float(scores.mean()), float(low), float(high)

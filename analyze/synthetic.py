@@ -6,7 +6,7 @@ store in every respect (manifest, schemas, complete-chunk markers); only the num
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +14,10 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
-from layerdiv.measurements import optional_tables
-from layerdiv.measurements.erase import erasure_rows
+from layerdiv.measurements import measurement_of, optional_tables
 from layerdiv.measurements.future import FUTURE, future_tables
-from layerdiv.measurements.gram import gram_table
-from layerdiv.measurements.heads import heads_table
+from layerdiv.measurements.heads import HeadValues
 from layerdiv.measurements.lens import LENS, token_lens_table
-from layerdiv.measurements.sinks import sinks_table
-from layerdiv.measurements.skips import skips_table
 from layerdiv.schemas import component_names
 from layerdiv.store import ComponentInfo, Manifest, PartitionWriter
 from layerdiv.store.key import DEFAULT_REVISION
@@ -127,7 +123,8 @@ def write_partition(
     component kinds in execution order; ``prefix_rms`` (N, L) rms of each prefix (default 1, and
     ``final_rms`` defaults to its last column). Instances are written in chunks of ``chunk``;
     with ``shuffle`` the rows of each chunk are permuted (the store promises no row order).
-    ``optional`` fills optional tables, by name (:data:`OPTIONAL_PARTS`): ``heads`` (N, A, G, K)
+    ``optional`` fills optional choice tables, by name, each by its measurement's rows
+    (:func:`optional_part`): ``heads`` (N, A, G, K)
     for the A attention components in execution order, with ``head_ids`` the G head indices
     (-1: the output projection's bias); ``skips`` (N, blocks, K) skip logits; ``gram``
     (N, C(C+1)/2) Gram rows; ``sinks`` (N, blocks, heads) sink(l, h); ``erasure`` (N, blocks + 1,
@@ -185,7 +182,7 @@ def write_partition(
             ),
         }
         for table, values in (optional or {}).items():
-            tables[table] = OPTIONAL_PARTS[table](ids, values[start:stop], infos, head_ids)
+            tables[table] = optional_part(table, ids, values[start:stop], infos, head_ids)
         if shuffle is not None:
             tables = {k: t.take(shuffle.permutation(t.num_rows)) for k, t in tables.items()}
         if start == 0:
@@ -193,24 +190,26 @@ def write_partition(
         writer.write_chunk(start, b, tables)
 
 
-def _heads_part(
-    ids: range, values: np.ndarray, infos: list[ComponentInfo], head_ids: Sequence[int]
+def optional_part(
+    table: str,
+    ids: range,
+    values: np.ndarray,
+    infos: list[ComponentInfo],
+    head_ids: Sequence[int],
 ) -> pa.Table:
-    attn = [c for c, info in enumerate(infos) if info.kind == "attn"]
-    return heads_table(ids, attn, [infos[c].layer for c in attn], head_ids, values)
-
-
-OPTIONAL_PARTS: dict[
-    str, Callable[[range, np.ndarray, list[ComponentInfo], Sequence[int]], pa.Table]
-] = {
-    "heads": _heads_part,
-    "skips": lambda ids, values, *_: skips_table(ids, values),
-    "gram": lambda ids, values, *_: gram_table(ids, values),
-    "sinks": lambda ids, values, *_: sinks_table(ids, values),
-    "erasure": lambda ids, values, *_: erasure_rows(ids, list(values))["erasure"],
-}
-"""How :func:`write_partition` makes a chunk's part of each optional table it fills, from the
-chunk's instances, their rows of the table's array, the components and the head ids."""
+    """A chunk's part of the optional ``table`` from the chunk's instances and their rows of
+    the table's array, by its measurement's own rows (``Measurement.rows``), each instance's row
+    taken as the value its hooks give (``heads``: the attention components' ``HeadValues``, with
+    the head ids ``head_ids``)."""
+    measurement = measurement_of(table)
+    if measurement.rows is None:
+        raise ValueError(f"measurement {measurement.name} declares no rows")
+    rows: list[Any] = list(values)
+    if table == "heads":
+        attn = [c for c, info in enumerate(infos) if info.kind == "attn"]
+        layers = [infos[c].layer for c in attn]
+        rows = [HeadValues(attn, layers, head_ids, v) for v in values]
+    return measurement.rows(ids, rows)[table]
 
 
 def random_partition(

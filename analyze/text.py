@@ -467,3 +467,17 @@ def text_vs_last_token(
                     )
                 )
     return plots.Figure(title, out, cols=len(out), panel_size=(4.6, 3.8))
+
+
+LENS = ("kl", "top5_overlap", "ce")
+"""Per-token lens columns of ``token_lens``."""
+
+LENS_ROWS = 1 << 20
+"""Rows of ``token_lens`` read at once."""
+
+
+def document_means(frames: Iterable[pl.DataFrame]) -> pl.DataFrame:
+    """Per (doc, layer): the mean of each lens column over the document's positions (methods
+    §9: first over positions within a document), from batches of ``token_lens`` rows (a
+    document may span batches: their sums and counts add up)."""
+    return combine((sums(f, ["doc", "layer"], LENS) for f in frames), ["doc", "layer"], LENS)

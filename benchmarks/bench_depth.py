@@ -32,13 +32,13 @@ import torch
 from common import add_quick, demo_choice_tasks, record
 
 from layerdiv.analyze.analyses import depth
-from layerdiv.analyze.analyses.skips import skip_effects, skip_summary
 from layerdiv.demo import DEMO_MODEL
 from layerdiv.extract.adapters import adapter_for
 from layerdiv.extract.config import ExtractConfig, measurement_options
 from layerdiv.extract.models import LoadedModel, load_model, load_tokenizer, resolve_source
 from layerdiv.extract.plan import plan_task
 from layerdiv.extract.runner import extract_task
+from layerdiv.measurements.skips.analysis import skip_effects, skip_summary
 from layerdiv.store import Store
 
 

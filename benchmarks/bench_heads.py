@@ -28,9 +28,9 @@ from common import add_quick, record, stamp_rows, stored_rows
 ANALYSE = r"""
 import sys, time
 from pathlib import Path
-from layerdiv.analyze.analyses import reweight
-from layerdiv.analyze.analyses.heads import heads_tables
-from layerdiv.analyze.analyses.heads_report import heads_section
+from layerdiv.measurements.heads import reweight
+from layerdiv.measurements.heads.analysis import heads_tables
+from layerdiv.measurements.heads.report import heads_section
 from layerdiv.analyze.registry import ReportContext
 from layerdiv.store import Store
 

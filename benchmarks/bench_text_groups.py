@@ -28,7 +28,7 @@ import numpy as np
 import polars as pl
 from common import add_quick, record
 
-from layerdiv.analyze.analyses import text_groups
+from layerdiv.measurements.future import text_groups
 
 T = TypeVar("T")
 

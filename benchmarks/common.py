@@ -186,7 +186,8 @@ def record(name: str, columns: list[str], rows: list[list[Any]], loads: list[flo
 def _layout() -> str:
     """A digest of the store layout this code writes (the key columns and every table's schema),
     so that a store synthesised by another release is not reused."""
-    from layerdiv.schemas import SCHEMA_VERSION, tables_of
+    from layerdiv.measurements import tables_of
+    from layerdiv.schemas import SCHEMA_VERSION
     from layerdiv.store.key import KEY
 
     schemas = sorted((name, str(schema)) for name, schema in tables_of(SCHEMA_VERSION).items())

@@ -1,18 +1,8 @@
-"""The optional measurements of an extraction (:mod:`layerdiv.measurements.registry`), one module
-each; importing this package registers the built-in ones, in the order of the ``extract``
-options."""
+"""The optional measurements of an extraction (:mod:`layerdiv.measurements.registry`), one folder
+each (``measurements/<name>/``: declaration, hooks, analyses), registered through the entry
+points of ``pyproject.toml`` (their ``order``: the order of the ``extract`` options and of the
+optional tables everywhere)."""
 
-# isort: skip_file
-# Registration order is import order (the order of the optional tables everywhere).
-from layerdiv.measurements import skips  # noqa: F401
-from layerdiv.measurements import heads  # noqa: F401
-from layerdiv.measurements import gram  # noqa: F401
-from layerdiv.measurements import lens  # noqa: F401
-from layerdiv.measurements import future  # noqa: F401
-from layerdiv.measurements import states  # noqa: F401
-from layerdiv.measurements import igrad  # noqa: F401
-from layerdiv.measurements import erase  # noqa: F401
-from layerdiv.measurements import sinks  # noqa: F401
 from layerdiv.measurements.registry import (
     ENTRY_POINTS,
     AnswerSpan,
@@ -39,6 +29,7 @@ from layerdiv.measurements.registry import (
     table_name_problem,
     table_rules,
     table_schemas,
+    tables_of,
     tables_of_kind,
     unregister,
 )
@@ -69,6 +60,7 @@ __all__ = [
     "table_name_problem",
     "table_rules",
     "table_schemas",
+    "tables_of",
     "tables_of_kind",
     "unregister",
 ]

@@ -12,27 +12,30 @@ and its checks of a plan (:attr:`Measurement.plan`) and of a model
 estimate, the completeness check, ``ls``, ``query``'s views and ``merge`` read these
 declarations.
 
-Register one with :func:`register`, or from another distribution through the entry point group
-:data:`ENTRY_POINTS` (the entry point names the :class:`Measurement` object); see
-docs/development.md, "Adding a measurement".
+A measurement is one folder, ``measurements/<name>/``: its declaration (the package's
+``__init__.py``), its hooks (``hooks.py``, the only module of it that imports torch) and its
+analyses. Every one registers through the entry point group :data:`ENTRY_POINTS` (the entry point
+names the :class:`Measurement` object): the built-in ones in layerdiv's ``pyproject.toml``, which
+this registry does not import by name, another distribution's in its own; or in one process with
+:func:`register`. See docs/development.md, "Adding a measurement".
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import import_module
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import click
 import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import KINDS, RULES, TABLES, Rules
+from layerdiv.schemas import KINDS, RULES, TABLES, Rules, schema_of
 
 ENTRY_POINTS = "layerdiv.measurements"
 """The entry point group whose entries (each a :class:`Measurement`) are registered on first
@@ -377,8 +380,8 @@ class Measurement:
     alone, out of inference mode (every other pass stays in it)."""
     attach: Attach | str | None = None
     """Its forward hooks on each task kind; or ``"module:attribute"`` naming them, imported
-    when an extraction attaches them (a built-in measurement's hooks are in
-    ``layerdiv.extract``, which this package does not import)."""
+    when an extraction attaches them (a built-in measurement names its folder's ``hooks``
+    module, ``f"{__name__}.hooks:..."``: the declaration does not import torch)."""
     rows: Rows | None = None
     """How its rows are built from :attr:`attach`'s values."""
     check_rows: CheckRows | None = None
@@ -405,6 +408,14 @@ class Measurement:
     """Per table of :attr:`whole`: the setting its hooks derive from it (recorded in the
     manifest) and how that is computed from the table; every read of the table's file
     (``layerdiv.store.parts.read_whole``) and ``merge`` compare the two."""
+    since: Mapping[str, int] = field(default_factory=dict)
+    """The schema version (``layerdiv.schemas.SCHEMA_VERSION``) each of its tables, chunk and
+    whole ones, appeared in: a store of an older version holds none of them
+    (:func:`tables_of`). A built-in's; a table not named (a plug-in's) is read from any store
+    that holds it."""
+    order: int = 0
+    """Its place among the measurements of its distribution (:func:`loaded`): the order of the
+    ``extract`` options and of the optional tables everywhere."""
 
     def attach_to(self, ctx: Attachment) -> Capture | None:
         """:attr:`attach`'s hooks on ``ctx.model``, attached (the named ones imported first)."""
@@ -600,6 +611,7 @@ def register(measurement: Measurement) -> Measurement:
     """Add ``measurement`` to every extraction, store reader and command; returns it. Refuses a
     name, table, flag, option or setting name that is taken (by another measurement, or by
     ``extract`` itself: :func:`reserve`), and a kind that does not exist."""
+    _load()  # the entry points' measurements come first
     if measurement.name in _REGISTERED:
         raise MeasurementError(f"a measurement named {measurement.name!r} is registered already")
     if problem := _name_taken(measurement):
@@ -616,6 +628,12 @@ def register(measurement: Measurement) -> Measurement:
     taken = {t for m in _REGISTERED.values() for ts in m.tables.values() for t in ts}
     taken |= {t for k in KINDS.values() for t in k.required}
     mine = [t for ts in measurement.tables.values() for t in ts]
+    dated = [t for t in measurement.since if t not in (*mine, *measurement.whole)]
+    if dated:
+        raise MeasurementError(
+            f"measurement {measurement.name}: a schema version for {dated[0]!r}, which is not "
+            "one of its tables"
+        )
     clash = [t for t in mine if t in taken or (t not in TABLES and t not in measurement.schemas)]
     if clash:
         raise MeasurementError(
@@ -633,14 +651,46 @@ def unregister(name: str) -> None:
     _tables.cache_clear()
 
 
-def registered() -> list[Measurement]:
-    """Every measurement, built-in first, then those of the entry point group, then those
-    registered by :func:`register`, in registration order."""
+def loaded(
+    group: str,
+    taken: Container[str],
+    failed: Callable[[EntryPoint, Exception], None] | None = None,
+) -> list[tuple[EntryPoint, Any]]:
+    """The entry points of ``group`` but those whose name is in ``taken``, each with the object it
+    names, loaded: layerdiv's own (its built-ins) first, by their ``order`` (an installed
+    distribution lists its entry points by name), then other distributions', as they come.
+    Another distribution's entry point that fails to load goes to ``failed`` (where given) and
+    is left out; otherwise, and for layerdiv's own, the error is raised."""
+    found: dict[tuple[str, str], EntryPoint] = {}  # a distribution found twice lists it twice
+    for entry in entry_points(group=group):
+        if entry.name not in taken:
+            found.setdefault((entry.name, entry.value), entry)
+    items: list[tuple[bool, EntryPoint, Any]] = []
+    for entry in found.values():
+        plugin = entry.dist is None or entry.dist.name != "layerdiv"
+        try:
+            items.append((plugin, entry, entry.load()))
+        except Exception as err:
+            if failed is None or not plugin:
+                raise
+            failed(entry, err)
+    items.sort(key=lambda i: (i[0], 0 if i[0] else i[2].order))
+    return [(entry, obj) for _, entry, obj in items]
+
+
+def _load() -> None:
+    """Register, once per process, the measurements of the entry point group
+    :data:`ENTRY_POINTS` (:func:`loaded`; a name registered already is left as it is)."""
     if not _LOADED:
         _LOADED.append(True)
-        for entry in entry_points(group=ENTRY_POINTS):
-            if entry.name not in _REGISTERED:
-                register(entry.load())
+        for _, measurement in loaded(ENTRY_POINTS, _REGISTERED):
+            register(measurement)
+
+
+def registered() -> list[Measurement]:
+    """Every measurement, in registration order: those of the entry point group (the built-in
+    ones first), then those registered by :func:`register`."""
+    _load()
     return list(_REGISTERED.values())
 
 
@@ -697,6 +747,17 @@ def table_rules(table: str) -> Rules:
         if table in m.rules:
             return m.rules[table]
     return Rules()
+
+
+def tables_of(version: int) -> dict[str, pa.Schema]:
+    """The tables (and their schemas, :func:`layerdiv.schemas.schema_of`) of a store written with
+    schema ``version``: each task kind's required ones from the version the kind appeared in
+    (``Kind.since``), each measurement's from the version it declares
+    (:attr:`Measurement.since`)."""
+    since = {t: kind.since for kind in KINDS.values() for t in kind.required}
+    since |= {t: v for m in registered() for t, v in m.since.items()}
+    schemas = table_schemas()
+    return {t: schema_of(t, version) or schemas[t] for t, v in since.items() if v <= version}
 
 
 def kind_of_table(table: str) -> str | None:

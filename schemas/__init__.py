@@ -2,7 +2,7 @@
 
 Every Parquet file the store writes uses one of these schemas exactly; every reader checks the
 manifest's ``schema_version`` against :data:`SCHEMA_VERSION`, refuses a newer one and reads an
-older one with the tables of its own version (:func:`tables_of`). Bump the version whenever a column
+older one with the tables of its own version (:func:`schema_of`). Bump the version whenever a column
 or table is added, removed, renamed or changes meaning or unit, and keep the old declaration.
 
 History:
@@ -740,6 +740,8 @@ class Kind:
     required: tuple[str, ...]
     """Tables every complete chunk has (the marker last); the optional ones are declared by the
     measurements that write them (``layerdiv.measurements``)."""
+    since: int
+    """The schema version its partitions appeared in (with its required tables)."""
 
 
 KINDS = {
@@ -749,6 +751,7 @@ KINDS = {
         "instances",
         "instances",
         ("components", "instances"),
+        since=1,
     ),
     "text": Kind(
         "text",
@@ -756,42 +759,10 @@ KINDS = {
         "documents",
         "documents",
         ("tokens", "token_blocks", "documents"),
+        since=4,
     ),
 }
 """Every task kind by name."""
-
-_TABLES_V1 = {
-    "components": _schema("components", _COMPONENT_FIELDS_V1, version=1),
-    "instances": _schema("instances", _INSTANCE_FIELDS_V2, version=1),
-}
-
-_TABLES_V3 = {t: TABLES[t] for t in ("components", "instances", "skips", "heads", "gram")}
-_TABLES_V2 = {**_TABLES_V3, "instances": _schema("instances", _INSTANCE_FIELDS_V2, version=2)}
-
-
-_TABLES_V6 = {
-    **{
-        t: s
-        for t, s in TABLES.items()
-        if t not in ("igrad", "igrad_ends", "erasure", "erasure_reference", "sinks")
-    },
-    "documents": _schema("documents", _DOCUMENT_FIELDS_V4, version=6),
-    "tokens": _schema("tokens", _TOKEN_FIELDS_V5, version=6),
-}
-
-_TABLES_V5 = {
-    **_TABLES_V6,
-    "lens": _schema("lens", _LENS_FIELDS_V5, version=5),
-    "token_lens": _schema("token_lens", _TOKEN_LENS_FIELDS_V5, version=5),
-}
-
-
-_TABLES_V4 = {
-    **{t: s for t, s in _TABLES_V5.items() if t != "states"},
-    "tokens": _schema("tokens", _TOKEN_FIELDS_V4, version=4),
-    "token_blocks": _schema("token_blocks", _TOKEN_BLOCK_FIELDS_V4, version=4),
-    "future_effects": _schema("future_effects", [*_SKIP_KEY, *_FUTURE_EFFECT_VALUES], version=4),
-}
 
 
 def _not_null(schema: pa.Schema, version: int) -> pa.Schema:
@@ -800,24 +771,38 @@ def _not_null(schema: pa.Schema, version: int) -> pa.Schema:
     return _schema(table, [f.with_nullable(False) for f in schema], version=version)
 
 
-_TABLES_V7 = {
-    **TABLES,
-    **{t: _not_null(TABLES[t], 7) for t in ("igrad", "igrad_ends", "erasure")},
+_OLDER: dict[str, dict[int, pa.Schema]] = {
+    **{t: {7: _not_null(TABLES[t], 7)} for t in ("igrad", "igrad_ends", "erasure")},
+    "components": {1: _schema("components", _COMPONENT_FIELDS_V1, version=1)},
+    "instances": {
+        1: _schema("instances", _INSTANCE_FIELDS_V2, version=1),
+        2: _schema("instances", _INSTANCE_FIELDS_V2, version=2),
+    },
+    "documents": {6: _schema("documents", _DOCUMENT_FIELDS_V4, version=6)},
+    "tokens": {
+        4: _schema("tokens", _TOKEN_FIELDS_V4, version=4),
+        6: _schema("tokens", _TOKEN_FIELDS_V5, version=6),
+    },
+    "token_blocks": {4: _schema("token_blocks", _TOKEN_BLOCK_FIELDS_V4, version=4)},
+    "lens": {5: _schema("lens", _LENS_FIELDS_V5, version=5)},
+    "token_lens": {5: _schema("token_lens", _TOKEN_LENS_FIELDS_V5, version=5)},
+    "future_effects": {
+        4: _schema("future_effects", [*_SKIP_KEY, *_FUTURE_EFFECT_VALUES], version=4)
+    },
 }
+"""The earlier shapes of each table whose columns changed, each under the last schema version
+that wrote it."""
 
 
-def tables_of(version: int) -> dict[str, pa.Schema]:
-    """The tables (and their schemas) of a store written with schema ``version``."""
-    versions = {
-        1: _TABLES_V1,
-        2: _TABLES_V2,
-        3: _TABLES_V3,
-        4: _TABLES_V4,
-        5: _TABLES_V5,
-        6: _TABLES_V6,
-        7: _TABLES_V7,
-    }
-    return versions.get(version, TABLES)
+def schema_of(table: str, version: int) -> pa.Schema | None:
+    """The schema of ``table`` as a store of schema ``version`` holds it (None: not a table of
+    this module). Which tables a version has is declared beside them: a task kind's required
+    tables since :attr:`Kind.since`, a measurement's since the version it declares for each
+    (``layerdiv.measurements.tables_of``)."""
+    for last, schema in sorted(_OLDER.get(table, {}).items()):
+        if version <= last:
+            return schema
+    return TABLES.get(table)
 
 
 def token_key(docs: Sequence[int], n_tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -859,7 +844,7 @@ def require_columns(
 ) -> None:
     """Refuse an analysis that needs ``columns`` of ``table`` in a store of an older version
     (or a partition extracted without the table), saying what to re-extract."""
-    schema = tables_of(version).get(table)
+    schema = schema_of(table, version)
     missing = [c for c in columns if schema is None or c not in schema.names]
     if missing:
         how = f"re-extract it with {flag} --overwrite" if flag else "re-extract it with --overwrite"

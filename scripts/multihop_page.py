@@ -76,11 +76,11 @@ def main() -> None:
     import polars as pl
 
     from layerdiv.analyze import plots
-    from layerdiv.analyze.analyses.text_groups import groups_figure
-    from layerdiv.analyze.analyses.text_skips import skips_spec
     from layerdiv.analyze.api import analyze
     from layerdiv.analyze.markdown import fmt, markdown_table
     from layerdiv.cli import main as cli
+    from layerdiv.measurements.future.analysis import skips_spec
+    from layerdiv.measurements.future.text_groups import groups_figure
 
     shutil.rmtree(args.store, ignore_errors=True)
     cli(["extract", "--model", MODEL, "--task", str(TASK), "--store", str(args.store), *FLAGS],

@@ -20,8 +20,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from layerdiv.errors import LayerdivError
-from layerdiv.measurements import ruled_tables, table_rules, table_schemas, tables_of_kind
-from layerdiv.schemas import Rules, schema_matches, tables_of
+from layerdiv.measurements import (
+    ruled_tables,
+    table_rules,
+    table_schemas,
+    tables_of,
+    tables_of_kind,
+)
+from layerdiv.schemas import Rules, schema_matches
 from layerdiv.store.key import DEFAULT_REVISION
 from layerdiv.store.location import open_parquet
 from layerdiv.store.parts import StoreError, first_line, naming

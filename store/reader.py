@@ -26,6 +26,7 @@ from layerdiv.measurements import (
     optional_tables,
     table_rules,
     table_schemas,
+    tables_of,
 )
 from layerdiv.schemas import (
     GRIDS,
@@ -34,7 +35,6 @@ from layerdiv.schemas import (
     Grid,
     Kind,
     SchemaError,
-    tables_of,
 )
 from layerdiv.store.atomic import restore
 from layerdiv.store.checks import check_partition, check_sums, grid_problem, stray_parts

@@ -28,7 +28,7 @@ from layerdiv.analyze import registry as reg
 from layerdiv.analyze.output import INDEX_NAME
 from layerdiv.analyze.synthetic import random_partition, write_partition
 from layerdiv.cli import main
-from layerdiv.schemas import tables_of
+from layerdiv.measurements import tables_of
 from layerdiv.store import Store, StoreError
 from layerdiv.store.atomic import temp_path
 from tests.conftest import write_synthetic_store
@@ -930,12 +930,14 @@ def test_map_partitions_keeps_the_order_runs_them_at_once_and_bounds_what_waits(
 
 
 def test_analysis_never_imports_torch() -> None:
-    """Every module of analyze/ and store/ (analyses included) and the CLI import without torch."""
+    """Every module of analyze/ and store/ (analyses included), every measurement's but its hooks
+    (its declaration and analyses) and the CLI import without torch."""
     code = (
         "import importlib, json, pkgutil, sys\n"
-        "import layerdiv.analyze, layerdiv.store\n"
-        "names = [m.name for p in (layerdiv.analyze, layerdiv.store)\n"
-        "         for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.')]\n"
+        "import layerdiv.analyze, layerdiv.measurements, layerdiv.store\n"
+        "names = [m.name for p in (layerdiv.analyze, layerdiv.measurements, layerdiv.store)\n"
+        "         for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.')\n"
+        "         if not m.name.endswith('.hooks')]\n"
         "for name in names:\n"
         "    importlib.import_module(name)\n"
         "import layerdiv.cli\n"
@@ -947,9 +949,13 @@ def test_analysis_never_imports_torch() -> None:
     root = Path(__file__).parents[1]
     on_disk = {
         ".".join(["layerdiv", *p.relative_to(root).with_suffix("").parts]).removesuffix(".__init__")
-        for folder in ("analyze", "store")
+        for folder in ("analyze", "measurements", "store")
         for p in (root / folder).rglob("*.py")
+        if p.stem != "hooks"
     }
-    assert sorted(names) == sorted(on_disk - {"layerdiv.analyze", "layerdiv.store"})
+    assert sorted(names) == sorted(
+        on_disk - {"layerdiv.analyze", "layerdiv.measurements", "layerdiv.store"}
+    )
+    assert "layerdiv.measurements.igrad.analysis" in names
     assert "layerdiv.analyze.analyses.paper" in names
     assert bad == []

@@ -17,7 +17,6 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from layerdiv.analyze.analyses import erasure, igrad
 from layerdiv.analyze.api import analyze
 from layerdiv.analyze.synthetic import (
     random_partition,
@@ -27,6 +26,8 @@ from layerdiv.analyze.synthetic import (
     write_text_partition,
 )
 from layerdiv.measurements import Measurement, Setting, register, registered, unregister
+from layerdiv.measurements.erase import analysis as erasure
+from layerdiv.measurements.igrad import analysis as igrad
 from layerdiv.schemas import ERASURE, IGRAD, IGRAD_ENDS, SUBLAYERS
 
 BLOCKS = 4
@@ -600,7 +601,7 @@ def test_a_version_7_store_with_non_nullable_maps_still_reads(tmp_path: Path) ->
 
     import pyarrow.parquet as pq
 
-    from layerdiv.schemas import tables_of
+    from layerdiv.measurements import tables_of
     from layerdiv.store import Store, StoreError
 
     root = tmp_path / "store"

@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from layerdiv.analyze.analyses import decided_depth
 from layerdiv.analyze.api import analyze
 from layerdiv.extract.adapters import adapter_for, get_module, prepare_model
+from layerdiv.measurements.lens import decided_depth
 from layerdiv.store import Store
 from tests.test_text_extract import extract, random_texts, text_task
 
@@ -161,7 +161,7 @@ def as_version_5(store: Path) -> None:
     """Rewrite ``store`` as schema version 5 wrote it: the lens parts without ``final_rank`` and
     ``top1``, the tokens without ``piece``, the documents without ``answer_start`` (version 7),
     no table version 5 did not have, the manifests at version 5."""
-    from layerdiv.schemas import tables_of
+    from layerdiv.measurements import tables_of
 
     later = {"token_lens": ["final_rank", "top1"], "tokens": ["piece"],
              "documents": ["answer_start"]}  # fmt: skip
@@ -202,7 +202,7 @@ def test_ranks_by_counts_equal_the_fused_expression() -> None:
     """The processor's counting path of ``ranks`` and the one expression a GPU compiles give the
     same ranks and top-1 tokens, on logits with planted ties: at y's logit (before and after y)
     and at the maximum (two-way, and all of a row, more than the five largest hold)."""
-    from layerdiv.extract import lens as readout
+    from layerdiv.measurements.lens import hooks as readout
 
     gen = torch.Generator().manual_seed(3)
     z = torch.randn(9, 300, generator=gen).round(decimals=1)  # many exact ties

@@ -16,9 +16,10 @@ import pytest
 from scipy import stats as sps
 
 from layerdiv.analyze import analyze
-from layerdiv.analyze.analyses import depth, skips
+from layerdiv.analyze.analyses import depth
 from layerdiv.analyze.report import write_report
 from layerdiv.analyze.synthetic import decoder_kinds, write_partition
+from layerdiv.measurements.skips import analysis as skips
 from layerdiv.schemas import gram_index
 from layerdiv.store import Store, StoreError
 

@@ -12,10 +12,10 @@ import torch
 
 from layerdiv.extract.adapters import adapter_for, get_module
 from layerdiv.extract.capture import ComponentCapture
-from layerdiv.extract.gram import GramCapture
 from layerdiv.extract.readout import Readout
-from layerdiv.extract.skips import SkipCapture
 from layerdiv.measurements import Attachment
+from layerdiv.measurements.gram.hooks import GramCapture
+from layerdiv.measurements.skips.hooks import SkipCapture
 from layerdiv.schemas import gram_index
 from tests.tolerance import assert_within
 
@@ -225,7 +225,9 @@ def test_extract_skips_and_gram_backfill_and_analysis(
     import numpy as np
     import polars as pl
 
-    from layerdiv.analyze.analyses import depth, gram, skips
+    from layerdiv.analyze.analyses import depth
+    from layerdiv.measurements.gram import analysis as gram
+    from layerdiv.measurements.skips import analysis as skips
     from layerdiv.store import Store
 
     model_dir, task = model_dirs("llama"), make_task(tmp_path / "task", n=9)

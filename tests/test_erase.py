@@ -16,7 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import layerdiv.extract.erase as erase_hooks
+import layerdiv.measurements.erase.hooks as erase_hooks
 from layerdiv.cli import main
 from layerdiv.extract.adapters import adapter_for, get_module, prepare_model
 from layerdiv.measurements.erase import reference_means

@@ -15,12 +15,12 @@ from click.testing import CliRunner
 from scipy.optimize import approx_fprime
 
 from layerdiv.analyze import analyze
-from layerdiv.analyze.analyses import reweight as rw
-from layerdiv.analyze.analyses.heads import NoHeadsError, head_scores, heads_tables, load_heads
-from layerdiv.analyze.analyses.heads_report import heads_section
 from layerdiv.analyze.registry import ReportContext
 from layerdiv.analyze.synthetic import random_heads, random_partition, write_partition
 from layerdiv.cli import main
+from layerdiv.measurements.heads import reweight as rw
+from layerdiv.measurements.heads.analysis import NoHeadsError, head_scores, heads_tables, load_heads
+from layerdiv.measurements.heads.report import heads_section
 from layerdiv.store import Store, StoreError
 
 N, BLOCKS, HEADS, K = 40, 3, 3, 3
@@ -141,7 +141,7 @@ def test_summary_counts_parts_that_beat_the_whole(tables, data) -> None:
 
 def test_calibrated_parts_are_compared_with_the_calibrated_whole() -> None:
     """A part at 80% calibrated beats a full model at 60% but not its calibrated 85%."""
-    from layerdiv.analyze.analyses.heads import summary_row
+    from layerdiv.measurements.heads.analysis import summary_row
 
     parts = pl.DataFrame({"name": ["a", "b"], "kind": ["attn", "mlp"], "accuracy": [0.7, 0.5],
                           "calibrated_accuracy": [0.8, 0.9]})  # fmt: skip

@@ -11,16 +11,21 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from layerdiv.analyze.analyses.heads import head_scores
 from layerdiv.cli import main
 from layerdiv.extract import adapters, runner
 from layerdiv.extract.adapters import UnsupportedModel, adapter_for, get_module
 from layerdiv.extract.capture import BatchDecomposition, DecompositionError, check_batch
 from layerdiv.extract.forward import ModelRunner
-from layerdiv.extract.heads import HeadCapture, HeadDecomposition, check_head_sums, check_heads
 from layerdiv.extract.models import (
     LoadedModel,
     ModelSource,
+)
+from layerdiv.measurements.heads.analysis import head_scores
+from layerdiv.measurements.heads.hooks import (
+    HeadCapture,
+    HeadDecomposition,
+    check_head_sums,
+    check_heads,
 )
 from layerdiv.store import Store
 from tests.test_models import plain_and_offloaded

@@ -235,7 +235,7 @@ def test_smollm2_integrated_gradients_match_the_float64_reference(tmp_path: Path
 def test_a_slice_out_of_memory_is_halved_and_gives_the_same_maps(
     tmp_path: Path, model_dirs: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from layerdiv.extract.igrad import IgradCapture
+    from layerdiv.measurements.igrad.hooks import IgradCapture
 
     task = multihop_task(tmp_path / "task", **SHORT)
     args = ["--model", str(model_dirs("llama")), "--task", str(task), "--igrad", "--igrad-steps",
@@ -274,7 +274,7 @@ def test_path_points_are_made_per_slice(
     integration began (a list of 2 x 65,537 points would hold over 10 MB)."""
     import tracemalloc
 
-    from layerdiv.extract.igrad import IgradCapture
+    from layerdiv.measurements.igrad.hooks import IgradCapture
 
     held: list[int] = []
     integrate, slice_rows = IgradCapture._integrate, IgradCapture._slice_rows

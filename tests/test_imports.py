@@ -1,12 +1,13 @@
 """The package's layers, pinned: ``schemas`` and ``errors`` import nothing of the package above
 them, ``store`` writes and reads without ``extract`` or ``analyze``, ``analyze`` reads without
 ``extract``, the demo or the package root, ``extract`` does not analyse, and no two modules import
-each other (the analysis registry's lazy import of its analyses is the one exception); the
-extraction core names no built-in measurement."""
+each other; the registries import no built-in measurement or analysis (entry points register
+them) and the extraction core names none."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import layerdiv
@@ -65,7 +66,12 @@ def _imports(name: str, path: Path) -> set[str]:
 
 
 def _layer(module: str) -> str:
+    """A module's layer; in a measurement's folder (``layerdiv.measurements.<name>``) the
+    declaration is of ``measurements``, its ``hooks`` of ``extract`` and the rest (its analyses)
+    of ``analyze``."""
     parts = module.split(".")
+    if parts[1:2] == ["measurements"] and len(parts) > 3:
+        return "extract" if parts[3] == "hooks" else "analyze"
     return parts[1] if len(parts) > 1 else ""
 
 
@@ -127,10 +133,63 @@ def _circles(graph: dict[str, set[str]]) -> list[set[str]]:
 
 
 def test_no_module_imports_itself_through_others() -> None:
+    """No circle at all: the registries import no measurement and no analysis (they come through
+    the entry points of pyproject.toml), and analyses share helpers through ``analyze`` modules,
+    not through each other."""
     graph = _graph()
-    assert "layerdiv.analyze.analyses" in graph["layerdiv.analyze.registry"]
-    graph["layerdiv.analyze.registry"].discard("layerdiv.analyze.analyses")  # the lazy one
     assert not _circles(graph), [sorted(c) for c in _circles(graph)]
+
+
+def test_the_registries_import_no_built_in() -> None:
+    graph = _graph()
+    built_in = {
+        name
+        for name in graph
+        if name.startswith("layerdiv.analyze.analyses.")
+        or (name.startswith("layerdiv.measurements.") and name != "layerdiv.measurements.registry")
+    }
+    registries = ["layerdiv.measurements", "layerdiv.measurements.registry",
+                  "layerdiv.analyze.registry", "layerdiv.analyze.analyses"]  # fmt: skip
+    assert {r: sorted(graph[r] & built_in) for r in registries} == {r: [] for r in registries}
+
+
+def test_every_built_in_comes_through_an_entry_point() -> None:
+    """Every measurement and analysis the package declares is registered (an entry point of
+    pyproject.toml names it), as the very object its module holds."""
+    from layerdiv.analyze.registry import Analysis
+    from layerdiv.analyze.registry import registered as analyses
+    from layerdiv.measurements.registry import Measurement
+
+    declared: dict[str, Analysis | Measurement] = {}
+    for name in _modules():
+        if name.startswith(("layerdiv.measurements", "layerdiv.analyze.analyses")) and not (
+            name.endswith(".hooks")
+        ):
+            for value in vars(importlib.import_module(name)).values():
+                if isinstance(value, Analysis | Measurement):
+                    declared[f"{type(value).__name__} {value.name}"] = value
+    found: dict[str, Analysis | Measurement] = {f"Analysis {a.name}": a for a in analyses()}
+    found |= {f"Measurement {m.name}": m for m in registered()}
+    assert {k: found.get(k) for k in declared} == declared
+    assert {"Measurement igrad", "Analysis igrad", "Analysis paper"} <= set(declared)
+
+
+def test_no_declaration_names_a_module_up_a_floor() -> None:
+    """No string of measurements/ (docstrings left out) names a module of ``layerdiv.extract``:
+    a declaration names its own folder's hooks (``f"{__name__}.hooks:..."``)."""
+    found = []
+    for path in (ROOT / "measurements").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        docs = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+        found += [
+            f"{path.relative_to(ROOT)}:{node.lineno}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docs
+            and "layerdiv.extract" in node.value
+        ]
+    assert not found, found
 
 
 def test_the_rules_see_an_upward_import(tmp_path: Path) -> None:
@@ -154,9 +213,9 @@ def _named(path: Path, names: set[str]) -> list[str]:
     out: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            hits = {a.name.rpartition(".")[2] for a in node.names} & names
+            hits = {part for a in node.names for part in a.name.split(".")} & names
         elif isinstance(node, ast.ImportFrom) and node.module is not None:
-            hits = {node.module.rpartition(".")[2], *(a.name for a in node.names)} & names
+            hits = {*node.module.split("."), *(a.name for a in node.names)} & names
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             if id(node) in docs:
                 continue
@@ -176,9 +235,7 @@ def test_the_extraction_core_names_no_built_in_measurement(tmp_path: Path) -> No
         for word in (m.name, m.flag.lstrip("-"), *(t for ts in m.tables.values() for t in ts))
     }
     # the modules that declare them and those that hold their hooks
-    names |= {p.stem for p in (ROOT / "measurements").glob("*.py")} - {"__init__", "registry"}
-    attached = [m.attach for m in registered() if isinstance(m.attach, str)]
-    names |= {attach.partition(":")[0].rpartition(".")[2] for attach in attached}
+    names |= {p.parent.name for p in (ROOT / "measurements").glob("*/__init__.py")}
     assert {"lens", "igrad", "erasure", "sinks", "future", "erase"} <= names
     found = [hit for rel in CORE for hit in _named(ROOT / rel, names)]
     assert not found, found
@@ -186,6 +243,6 @@ def test_the_extraction_core_names_no_built_in_measurement(tmp_path: Path) -> No
     path = tmp_path / "m.py"
     path.write_text(
         '"""lens"""\nfrom layerdiv.measurements.future import x\nf("--igrad")\n'
-        "import layerdiv.extract.sinks\n"
+        "import layerdiv.measurements.sinks.hooks\n"
     )
     assert _named(path, names) == ["m.py:2 future", "m.py:3 igrad", "m.py:4 sinks"]

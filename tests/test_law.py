@@ -204,7 +204,7 @@ def test_within_model_power_fit() -> None:
 
 
 def test_within_model_law_from_the_lens_table(tmp_path: Path) -> None:
-    from layerdiv.analyze.analyses.text_lens import delta_ce, lens_law, lens_law_figure
+    from layerdiv.measurements.lens.text_lens import delta_ce, lens_law, lens_law_figure
 
     blocks, own = 12, 2.5
     layer = np.arange(blocks + 1)

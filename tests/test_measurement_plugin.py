@@ -789,7 +789,7 @@ def test_plugin_analysis_entry_points_that_fail_are_named(tmp_path: Path) -> Non
         f"analysis plug-in not_one = tests.test_measurement_plugin:BLOCK_NORMS {group} left out:"
         " register was given a Measurement, not an Analysis",
         f"analysis plug-in igrad = tests.test_measurement_plugin:BLOCK_NORMS_ANALYSIS {group} "
-        "left out: 'igrad' is the name of analysis 'igrad' (module layerdiv.analyze",
+        "left out: 'igrad' is the name of analysis 'igrad' (module layerdiv.measurements.igrad",
     ):
         assert line in text, text
 

@@ -223,7 +223,7 @@ def test_a_version_4_store_reads_mode_as_total_and_proj_as_null(
     import pyarrow.parquet as pq
 
     from layerdiv.analyze.api import analyze
-    from layerdiv.schemas import tables_of
+    from layerdiv.measurements import tables_of
 
     task = multihop_task(tmp_path / "task", **SHORT)
     store = tmp_path / "store"

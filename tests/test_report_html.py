@@ -28,7 +28,7 @@ from layerdiv.analyze.metrics import METRICS
 from layerdiv.analyze.report import write_report
 from layerdiv.analyze.synthetic import random_heads, random_partition, write_partition
 from layerdiv.cli import main
-from layerdiv.schemas import tables_of
+from layerdiv.measurements import tables_of
 from layerdiv.store import Store
 
 N, EXPLORED = 60, 24

@@ -28,7 +28,7 @@ from layerdiv.analyze.synthetic import (
 )
 from layerdiv.cli import main
 from layerdiv.demo import TEXT_TASK, write_demo_tasks
-from layerdiv.schemas import tables_of
+from layerdiv.measurements import tables_of
 from layerdiv.store import Store
 from layerdiv.store.key import KEY
 

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from layerdiv.cli import main
 from layerdiv.extract import runner
 from layerdiv.extract.adapters import UnsupportedModel
-from layerdiv.extract.sinks import check_sinks
+from layerdiv.measurements.sinks.hooks import check_sinks
 from layerdiv.store import Store
 from tests.test_text_extract import random_texts, text_task
 
@@ -86,7 +86,7 @@ def test_text_sinks_match_float64_attention(
 ) -> None:  # fmt: skip
     """In slices of 4 queries, each reading the keys up to its last query (the choice test
     below: one slice per prompt)."""
-    from layerdiv.extract import sinks
+    from layerdiv.measurements.sinks import hooks as sinks
 
     monkeypatch.setattr(sinks, "QUERY_SLICE", 4)
     folder = folder_of(family, model_dirs, sliding_qwen2)
@@ -133,10 +133,10 @@ def test_slices_of_queries_and_the_output_unchanged(
     transformers' attention interface after it is removed."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from layerdiv.extract import sinks
     from layerdiv.extract.adapters import adapter_for
     from layerdiv.extract.forward import left_padded
     from layerdiv.measurements import Attachment
+    from layerdiv.measurements.sinks import hooks as sinks
 
     model = build_model("llama")
     seqs = [[5, 9, 30, 7], [11, 3, 8, 21, 40, 6, 19]]

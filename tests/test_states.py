@@ -138,7 +138,7 @@ def test_version_4_text_store_still_reads(
     import pyarrow.parquet as pq
 
     import layerdiv
-    from layerdiv.schemas import tables_of
+    from layerdiv.measurements import tables_of
 
     task = text_task(tmp_path / "task", texts, max_tokens=12)
     store = tmp_path / "store"
@@ -192,13 +192,13 @@ def test_choice_states_last_prompt_token(
     r = extract(*args, "--limit", "8", "--states", "all", "--states-dtype", "float32")
     assert r.exit_code == 0, r.output
     # the 4 instances still to do, 3 layers x d 32 x float32: more than a lowered threshold
-    monkeypatch.setattr("layerdiv.extract.states.LARGE_BYTES", 4 * 3 * 32 * 4 - 1)
+    monkeypatch.setattr("layerdiv.measurements.states.hooks.LARGE_BYTES", 4 * 3 * 32 * 4 - 1)
     r = extract(*args, "--limit", "12", "--states", "all")  # resumes with the stored settings
     assert r.exit_code == 0, r.output
     assert (
         "Warning: this run will write about 1.5 KiB of states (4 positions x 3 layers" in r.output
     )
-    monkeypatch.setattr("layerdiv.extract.states.LARGE_BYTES", 4 * 3 * 32 * 4)
+    monkeypatch.setattr("layerdiv.measurements.states.hooks.LARGE_BYTES", 4 * 3 * 32 * 4)
     r = extract(*args, "--limit", "12", "--states", "all")
     assert r.exit_code == 0 and "Warning" not in r.output
     key, tokens, states, manifest = stored_states(store)

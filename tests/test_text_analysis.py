@@ -10,7 +10,6 @@ import polars as pl
 import pytest
 
 from layerdiv.analyze.analyses.text_geometry import geometry_table
-from layerdiv.analyze.analyses.text_lens import document_means, lens_table
 from layerdiv.analyze.analyses.text_profiles import depth_scores, pca_tables
 from layerdiv.analyze.synthetic import text_dots
 from layerdiv.analyze.text import (
@@ -20,9 +19,11 @@ from layerdiv.analyze.text import (
     THETA_STATE,
     BlockStats,
     ProfileMoments,
+    document_means,
     token_dots,
     token_geometry,
 )
+from layerdiv.measurements.lens.text_lens import lens_table
 from layerdiv.store import StoreError
 from layerdiv.store.key import KEY
 
@@ -222,8 +223,10 @@ def test_depth_score_is_centre_of_mass_of_out_change() -> None:
 
 
 def test_report_sections_draw_their_figures(text, tmp_path) -> None:
-    from layerdiv.analyze.analyses import text_geometry, text_lens, text_profiles, text_skips
+    from layerdiv.analyze.analyses import text_geometry, text_profiles
     from layerdiv.analyze.registry import ReportContext
+    from layerdiv.measurements.future import analysis as text_skips
+    from layerdiv.measurements.lens import text_lens
 
     frame, ref, pos = text
     moments = ProfileMoments.empty(6)

@@ -420,7 +420,7 @@ def test_text_shards_merge_into_one_partition(tmp_path: Path, model_dirs: Any) -
 def test_lens_stats_in_row_slices_match_a_float64_computation(monkeypatch: Any) -> None:
     """Slices of a few rows (a real vocabulary's case; the tiny models fit in one slice), the
     reference broadcast over layers as a choice task uses it, and p_L against itself."""
-    from layerdiv.extract import lens as readout
+    from layerdiv.measurements.lens import hooks as readout
 
     monkeypatch.setattr(readout, "LENS_SLICE", 3 * 50)  # 3 rows of 50 tokens per thread
     gen = torch.Generator().manual_seed(0)
@@ -452,9 +452,9 @@ def test_extract_offers_every_lens_class_and_a_choice_task_those_that_apply() ->
     import transformers as tf
 
     from layerdiv.extract.adapters import adapter_for
-    from layerdiv.extract.lens import LENSES, make_lens
     from layerdiv.extract.readout import Readout
     from layerdiv.measurements.lens import LENS
+    from layerdiv.measurements.lens.hooks import LENSES, make_lens
 
     (setting,) = LENS.settings
     option = setting.option
@@ -474,7 +474,7 @@ def test_extract_offers_every_lens_class_and_a_choice_task_those_that_apply() ->
 def test_top5_finds_what_topk_finds(vocab: int) -> None:
     """Random rows, rows whose five largest share one block, and rows whose largest sit in the
     last, partial block (5000 = 78 x 64 + 8) or in a vocabulary too small for blocks (300)."""
-    from layerdiv.extract import lens as readout
+    from layerdiv.measurements.lens import hooks as readout
 
     gen = torch.Generator().manual_seed(vocab)
     z = torch.randn(40, vocab, generator=gen)
@@ -521,10 +521,10 @@ def test_lens_read_out_in_stacked_groups_equals_one_layer_at_a_time(
 
     from layerdiv.extract.adapters import adapter_for
     from layerdiv.extract.forward import left_padded
-    from layerdiv.extract.lens import TokenLens
     from layerdiv.extract.readout import Readout
     from layerdiv.extract.text import TextCapture
     from layerdiv.measurements import Attachment
+    from layerdiv.measurements.lens.hooks import TokenLens
 
     config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
                             num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,

@@ -10,14 +10,14 @@ import numpy as np
 import polars as pl
 import pytest
 
-from layerdiv.analyze.analyses.text_groups import (
+from layerdiv.analyze.api import analyze
+from layerdiv.analyze.report import write_report
+from layerdiv.analyze.stats import bootstrap_mean
+from layerdiv.measurements.future.text_groups import (
     MIN_INTERVAL_N,
-    bootstrap_mean,
     bootstrap_slope,
     group_scores,
 )
-from layerdiv.analyze.api import analyze
-from layerdiv.analyze.report import write_report
 from layerdiv.store import Store
 from tests.test_text_extract import extract, random_texts, text_task
 

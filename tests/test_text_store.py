@@ -27,14 +27,14 @@ from layerdiv.analyze.synthetic import (
     text_manifest as synthetic_text_manifest,
 )
 from layerdiv.cli import main
-from layerdiv.measurements import optional_tables
+from layerdiv.measurements import optional_tables, tables_of
 from layerdiv.measurements.erase import erasure_rows
 from layerdiv.measurements.future import future_tables
 from layerdiv.measurements.igrad import IgradRows, igrad_rows
 from layerdiv.measurements.lens import token_lens_table
 from layerdiv.measurements.sinks import sink_rows
 from layerdiv.measurements.states import states_table
-from layerdiv.schemas import SCHEMA_VERSION, tables_of
+from layerdiv.schemas import SCHEMA_VERSION
 from layerdiv.store import Manifest, PartitionWriter, Store, StoreError
 from layerdiv.store.manifest import read_manifest
 from layerdiv.store.paths import OverlappingParts
@@ -235,6 +235,20 @@ def test_version_3_choice_store_still_reads(tmp_path: Path) -> None:
     assert n == (8 * len(kinds) * 3,)
     writer = PartitionWriter(tmp_path, "m", "t")
     assert writer.done_instances(read_manifest(path)) == set(range(8))
+
+
+def test_each_version_s_tables_come_from_the_declarations() -> None:
+    """Which tables a schema version has is declared beside them: the task kinds' required ones
+    and each measurement's, with the version it appeared in; the newest has every table."""
+    from layerdiv.schemas import TABLES
+
+    assert set(tables_of(SCHEMA_VERSION)) == set(TABLES)
+    assert all(tables_of(SCHEMA_VERSION)[t].equals(TABLES[t]) for t in TABLES)
+    assert set(tables_of(1)) == {"components", "instances"}
+    assert set(tables_of(2)) == {"components", "instances", "skips", "heads", "gram"}
+    new = {v: set(tables_of(v)) - set(tables_of(v - 1)) for v in range(2, SCHEMA_VERSION + 1)}
+    assert new[7] == {"igrad", "igrad_ends", "erasure", "erasure_reference", "sinks"}
+    assert new[6] == set() and new[5] == {"states"}
 
 
 def test_version_4_store_reads_without_the_weights_note(tmp_path: Path) -> None:
@@ -446,7 +460,7 @@ def test_a_version_6_store_reads_with_the_answer_start_and_pieces_null(tmp_path:
     import shutil
 
     from layerdiv.analyze.synthetic import synthesize_text_store
-    from layerdiv.schemas import tables_of
+    from layerdiv.measurements import tables_of
 
     store = tmp_path / "store"
     synthesize_text_store(store, n_models=1, n_docs=4, n_tokens=8, blocks=3, chunk=2,

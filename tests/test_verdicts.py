@@ -96,7 +96,7 @@ def test_paper_verdicts_flip() -> None:
 
 def test_depth_verdicts_flip() -> None:
     from layerdiv.analyze.analyses.depth import decay_verdict, decay_verdicts
-    from layerdiv.analyze.analyses.skips import skip_verdicts
+    from layerdiv.measurements.skips.analysis import skip_verdicts
 
     fit = {"n_fitted": 30, "beta": 0.9, "beta_se": 0.05, "r2": 0.9}
     assert outcome(decay_verdict("f", fit)) == "agrees"
@@ -136,8 +136,8 @@ def test_depth_verdicts_flip() -> None:
 
 def test_law_heads_and_maps_verdicts_flip() -> None:
     from layerdiv.analyze.analyses.depth_law import MIN_POINTS, law_verdict
-    from layerdiv.analyze.analyses.heads_report import beat_verdicts
     from layerdiv.analyze.analyses.maps import MIN_LAYERS, PAIR, maps_verdict, spearman
+    from layerdiv.measurements.heads.report import beat_verdicts
 
     def law(low: float, high: float) -> pl.DataFrame:
         return pl.DataFrame({"parameter": ["alpha_depth"], "estimate": [(low + high) / 2],

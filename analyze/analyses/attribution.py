@@ -16,10 +16,9 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.analyses.text_groups import bootstrap_mean
 from layerdiv.analyze.markdown import fmt, key_rows
 from layerdiv.analyze.registry import Context, NoData, ReportContext, with_data
-from layerdiv.analyze.stats import depth_score
+from layerdiv.analyze.stats import bootstrap_mean, depth_score
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import SUBLAYERS
 from layerdiv.store import PartitionInfo

@@ -43,7 +43,6 @@ from layerdiv.analyze.registry import (
     ReportContext,
     map_partitions,
     partition_engine,
-    register,
 )
 from layerdiv.analyze.stats import (
     MIN_HALF,
@@ -530,6 +529,11 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     return depth_tables(ctx.parts, ctx.notes)
 
 
-register(
-    Analysis(name="depth", title="How depth is used", tables=tables, report=report, methods=(7,))
+ANALYSIS = Analysis(
+    name="depth",
+    title="How depth is used",
+    tables=tables,
+    report=report,
+    methods=(7,),
+    order=20,
 )

@@ -14,7 +14,7 @@ import polars as pl
 
 from layerdiv.analyze import law, plots
 from layerdiv.analyze.markdown import fmt, markdown_table, verdict
-from layerdiv.analyze.registry import Analysis, Context, NoData, ReportContext, register
+from layerdiv.analyze.registry import Analysis, Context, NoData, ReportContext
 from layerdiv.errors import LayerdivError
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import MODEL_KEY
@@ -134,13 +134,12 @@ def report(ctx: ReportContext) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
-register(
-    Analysis(
-        name="depth_law",
-        title="The depth loss law across models",
-        tables=tables,
-        report=report,
-        methods=(12,),
-        kinds=("text",),
-    )
+ANALYSIS = Analysis(
+    name="depth_law",
+    title="The depth loss law across models",
+    tables=tables,
+    report=report,
+    methods=(12,),
+    kinds=("text",),
+    order=210,
 )

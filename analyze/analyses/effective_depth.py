@@ -32,7 +32,6 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.analyses.text_lens import LENS, LENS_ROWS, document_means
 from layerdiv.analyze.frames import with_table
 from layerdiv.analyze.markdown import fmt, key_rows, markdown_table, model_label
 from layerdiv.analyze.registry import (
@@ -41,7 +40,6 @@ from layerdiv.analyze.registry import (
     NoData,
     ReportContext,
     map_partitions,
-    register,
 )
 from layerdiv.analyze.stats import (
     LEVEL,
@@ -54,9 +52,12 @@ from layerdiv.analyze.text import (
     BATCH_TOKENS,
     DOTS,
     GEOMETRY,
+    LENS,
+    LENS_ROWS,
     TEXT_KIND,
     batches,
     check_token_order,
+    document_means,
     token_dots,
     token_geometry,
 )
@@ -275,12 +276,6 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
 # --- report ------------------------------------------------------------------------------------
 
 
-def interval_ends(rows: pl.DataFrame) -> tuple[list[float | None], list[float | None]]:
-    """The (low, high) ends of the intervals ``ci_low``/``ci_high`` of ``rows`` (None where an
-    end is missing: a point drawn without a bar)."""
-    return rows["ci_low"].to_list(), rows["ci_high"].to_list()
-
-
 def ratio_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
     """One panel per measure: each model's (ED + 1) / L with its bootstrap interval, a colour per
     task, models side by side (methods §15)."""
@@ -305,7 +300,7 @@ def ratio_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
                         sub["ratio"].to_list(),
                         color=color[task],
                         line=False,
-                        interval=interval_ends(sub),
+                        interval=plots.interval_ends(sub),
                     )
                 )
         none = table.filter(pl.col("measure") == measure, pl.col("ratio").is_null()).height
@@ -344,7 +339,7 @@ def step_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
                     sub["ratio"].to_list(),
                     color=color[str(model)],
                     dash=dashes[tasks.index(task) % len(dashes)],
-                    interval=interval_ends(sub),
+                    interval=plots.interval_ends(sub),
                     hover=[f"revision {r}" for r in sub["revision"]],
                 )
             )
@@ -410,14 +405,13 @@ def report(ctx: ReportContext) -> str:
     )
 
 
-register(
-    Analysis(
-        name="effective_depth",
-        title="Running text: effective depth",
-        methods=(15,),
-        tables=tables,
-        report=report,
-        kinds=(TEXT_KIND,),
-        by_revision=True,
-    )
+ANALYSIS = Analysis(
+    name="effective_depth",
+    title="Running text: effective depth",
+    methods=(15,),
+    tables=tables,
+    report=report,
+    kinds=(TEXT_KIND,),
+    by_revision=True,
+    order=130,
 )

@@ -38,7 +38,7 @@ from scipy.stats import rankdata, spearmanr
 from layerdiv.analyze import plots
 from layerdiv.analyze.layer_maps import ArrayLayers, MapScores, fit_maps
 from layerdiv.analyze.markdown import DASH, fmt, markdown_table, verdict
-from layerdiv.analyze.registry import Analysis, Context, ReportContext, not_extracted, register
+from layerdiv.analyze.registry import Analysis, Context, ReportContext, not_extracted
 from layerdiv.errors import LayerdivError
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import DEFAULT_REVISION, MODEL_KEY, PartitionKey
@@ -542,19 +542,18 @@ def report(ctx: ReportContext) -> str:
     )
 
 
-register(
-    Analysis(
-        name="maps",
-        title="Linear maps between two models' layers",
-        methods=(11,),
-        tables=tables,
-        report=report,
-        options={
-            "maps": "all or SOURCE:TARGET[,...]: ridge maps between the layers of two "
-            "models' states (not run by default)",
-            "maps_ridge": "the ridge of --maps: cv (default: cross-validated per map over "
-            f"{', '.join(f'{r:g}' for r in RIDGES)}) or one positive number",
-        },
-        kinds=("choice", "text"),
-    )
+ANALYSIS = Analysis(
+    name="maps",
+    title="Linear maps between two models' layers",
+    methods=(11,),
+    tables=tables,
+    report=report,
+    options={
+        "maps": "all or SOURCE:TARGET[,...]: ridge maps between the layers of two "
+        "models' states (not run by default)",
+        "maps_ridge": "the ridge of --maps: cv (default: cross-validated per map over "
+        f"{', '.join(f'{r:g}' for r in RIDGES)}) or one positive number",
+    },
+    kinds=("choice", "text"),
+    order=220,
 )

@@ -38,7 +38,6 @@ from layerdiv.analyze.registry import (
     Context,
     ReportContext,
     map_partitions,
-    register,
 )
 from layerdiv.schemas import COMPONENT_KINDS
 from layerdiv.store import PartitionInfo
@@ -520,12 +519,11 @@ def report(ctx: ReportContext) -> str:
     return "\n\n".join(s for s in sections if s)
 
 
-register(
-    Analysis(
-        name="paper",
-        title="The paper's analysis: bias, diversity and depth",
-        methods=(1, 2, 3, 4, 5, 6),
-        tables=tables,
-        report=report,
-    )
+ANALYSIS = Analysis(
+    name="paper",
+    title="The paper's analysis: bias, diversity and depth",
+    methods=(1, 2, 3, 4, 5, 6),
+    tables=tables,
+    report=report,
+    order=10,
 )

@@ -12,7 +12,7 @@ from layerdiv.analyze import plots
 from layerdiv.analyze.law import mean_loss
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.options import ESTIMATORS
-from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
+from layerdiv.analyze.registry import Analysis, Context, ReportContext
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY, MODEL_KEY
 
@@ -147,15 +147,14 @@ def report(ctx: ReportContext) -> str:
     )
 
 
-register(
-    Analysis(
-        name="revisions",
-        title="Checkpoints: summaries against the training step",
-        tables=tables,
-        report=report,
-        kinds=("choice", "text"),
-        among=several_revisions,
-        by_revision=True,
-        after=("paper",),
-    )
+ANALYSIS = Analysis(
+    name="revisions",
+    title="Checkpoints: summaries against the training step",
+    tables=tables,
+    report=report,
+    kinds=("choice", "text"),
+    among=several_revisions,
+    by_revision=True,
+    after=("paper",),
+    order=200,
 )

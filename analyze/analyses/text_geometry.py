@@ -21,7 +21,7 @@ from layerdiv.analyze import plots
 from layerdiv.analyze.frames import by_model, tag
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.overlap import independent
-from layerdiv.analyze.registry import Analysis, Context, ReportContext, register
+from layerdiv.analyze.registry import Analysis, Context, ReportContext
 from layerdiv.analyze.text import TEXT_KIND, BlockStats, text_passes, text_vs_last_token
 from layerdiv.store.key import KEY
 
@@ -233,13 +233,12 @@ def report(ctx: ReportContext) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
-register(
-    Analysis(
-        name="text_geometry",
-        title="Running text: geometry of the residual stream",
-        methods=(9, 7),
-        tables=tables,
-        report=report,
-        kinds=(TEXT_KIND,),
-    )
+ANALYSIS = Analysis(
+    name="text_geometry",
+    title="Running text: geometry of the residual stream",
+    methods=(9, 7),
+    tables=tables,
+    report=report,
+    kinds=(TEXT_KIND,),
+    order=80,
 )

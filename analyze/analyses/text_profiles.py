@@ -40,7 +40,6 @@ from layerdiv.analyze.registry import (
     Analysis,
     Context,
     ReportContext,
-    register,
     with_data,
 )
 from layerdiv.analyze.stats import POWER_FIT_SCHEMA, depth_score, power_law_fit
@@ -367,14 +366,13 @@ def report(ctx: ReportContext) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
-register(
-    Analysis(
-        name="text_profiles",
-        title="Running text: update profiles and depth scores",
-        methods=(9,),
-        tables=tables,
-        report=report,
-        kinds=(TEXT_KIND,),
-        after=("text_geometry",),
-    )
+ANALYSIS = Analysis(
+    name="text_profiles",
+    title="Running text: update profiles and depth scores",
+    methods=(9,),
+    tables=tables,
+    report=report,
+    kinds=(TEXT_KIND,),
+    after=("text_geometry",),
+    order=110,
 )

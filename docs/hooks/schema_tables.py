@@ -18,6 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from layerdiv import schemas
+from layerdiv.measurements import tables_of
 
 MARKER = "<!-- layerdiv:schema-tables -->"
 _ITEM = re.compile(r"^- ``(\w+)``(?: \([^)]*\))?: (.*)$")
@@ -95,7 +96,7 @@ def _since(table: str, column: str) -> int:
     return next(
         v
         for v in range(schemas.OLDEST_READABLE, schemas.SCHEMA_VERSION + 1)
-        if table in schemas.tables_of(v) and column in schemas.tables_of(v)[table].names
+        if table in tables_of(v) and column in tables_of(v)[table].names
     )
 
 

@@ -1,7 +1,7 @@
 """``--sinks``: attention sinks (methods §16, ``sinks`` table): per document of a text task (per
 instance of a choice task, over its prompt), block l and query head h, the mean over query
 positions p = 1..T-1 of the attention weight on key position 0. The hooks are
-:class:`layerdiv.extract.sinks.SinkCapture`."""
+:class:`layerdiv.measurements.sinks.hooks.SinkCapture`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from layerdiv.measurements.registry import Measurement, ModelShape, register
+from layerdiv.measurements.registry import Measurement, ModelShape
 from layerdiv.schemas import SINKS as SINKS_SCHEMA
 
 
@@ -69,17 +69,17 @@ def sink_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, 
     return shape.layers * shape.attention / 2 * scores(tokens)
 
 
-SINKS = register(
-    Measurement(
-        name="sinks",
-        flag="--sinks",
-        help="Also store each head's mean attention weight on the first token (sinks table), "
-        "per document of a text task, per prompt of a choice task.",
-        tables={"text": ("sinks",), "choice": ("sinks",)},
-        attach="layerdiv.extract.sinks:SinkCapture",
-        rows=sink_rows,
-        check_rows=whole_blocks,
-        cost=sink_cost,
-        check_model="layerdiv.extract.sinks:check_sinks",
-    )
+SINKS = Measurement(
+    name="sinks",
+    flag="--sinks",
+    help="Also store each head's mean attention weight on the first token (sinks table), "
+    "per document of a text task, per prompt of a choice task.",
+    tables={"text": ("sinks",), "choice": ("sinks",)},
+    attach=f"{__name__}.hooks:SinkCapture",
+    rows=sink_rows,
+    check_rows=whole_blocks,
+    cost=sink_cost,
+    check_model=f"{__name__}.hooks:check_sinks",
+    since={"sinks": 7},
+    order=90,
 )

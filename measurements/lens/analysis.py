@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import polars as pl
 
 from layerdiv.analyze.frames import tag
-from layerdiv.analyze.registry import Analysis, Context, map_partitions, register
+from layerdiv.analyze.registry import Analysis, Context, map_partitions
 from layerdiv.measurements.lens import readout_of
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
@@ -65,11 +65,10 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     return {"lens_curves": pl.concat(list(map_partitions(partition_curves, ctx.parts)))}
 
 
-register(
-    Analysis(
-        name="lens_curves",
-        title="Logit lens at the last prompt token",
-        tables=tables,
-        needs=("lens",),
-    )
+ANALYSIS = Analysis(
+    name="lens_curves",
+    title="Logit lens at the last prompt token",
+    tables=tables,
+    needs=("lens",),
+    order=70,
 )

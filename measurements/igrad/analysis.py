@@ -53,7 +53,6 @@ from layerdiv.analyze.registry import (
     Context,
     NoData,
     ReportContext,
-    register,
 )
 from layerdiv.analyze.stats import LEVEL, MIN_INTERVAL_N, RESAMPLES
 from layerdiv.analyze.text import TEXT_KIND
@@ -346,16 +345,15 @@ def report(ctx: ReportContext) -> str:
     )
 
 
-register(
-    Analysis(
-        name="igrad",
-        title=TITLE,
-        methods=(13, 10),
-        tables=tables,
-        report=report,
-        kinds=(TEXT_KIND,),
-        among=with_answer,
-        options=OPTIONS,
-        needs=("igrad", "igrad_ends"),
-    )
+ANALYSIS = Analysis(
+    name="igrad",
+    title=TITLE,
+    methods=(13, 10),
+    tables=tables,
+    report=report,
+    kinds=(TEXT_KIND,),
+    among=with_answer,
+    options=OPTIONS,
+    needs=("igrad", "igrad_ends"),
+    order=150,
 )

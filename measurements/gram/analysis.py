@@ -20,7 +20,6 @@ from layerdiv.analyze.registry import (
     Context,
     ReportContext,
     map_partitions,
-    register,
 )
 from layerdiv.schemas import gram_index
 from layerdiv.store import PartitionInfo, StoreError
@@ -169,13 +168,12 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     return gram_tables(ctx.parts)
 
 
-register(
-    Analysis(
-        name="gram",
-        title="Gram-matrix angles",
-        tables=tables,
-        report=report,
-        methods=(7,),
-        needs=("gram",),
-    )
+ANALYSIS = Analysis(
+    name="gram",
+    title="Gram-matrix angles",
+    tables=tables,
+    report=report,
+    methods=(7,),
+    needs=("gram",),
+    order=30,
 )

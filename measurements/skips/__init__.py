@@ -1,6 +1,6 @@
 """``--skips`` on a choice task: the option logits with each block skipped (methods §7,
-``skips`` table). The hooks are :class:`layerdiv.extract.skips.SkipCapture`. On a text task the
-same flag writes the future effects (:mod:`layerdiv.measurements.future`)."""
+``skips`` table). The hooks are :class:`layerdiv.measurements.skips.hooks.SkipCapture`. On a text
+task the same flag writes the future effects (:mod:`layerdiv.measurements.future`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from layerdiv.measurements.registry import Measurement, ModelShape, register
+from layerdiv.measurements.registry import Measurement, ModelShape
 from layerdiv.schemas import SKIPS as SKIPS_SCHEMA
 
 
@@ -41,16 +41,16 @@ def skip_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, 
     return L * (L - 1) / 2 * shape.block(tokens) + L * shape.readout()
 
 
-SKIPS = register(
-    Measurement(
-        name="skips",
-        flag="--skips",
-        help="Also store the option logits with each block skipped (about half a forward pass "
-        "per block; extends a partition stored without them). On a text task: the future effects "
-        "of removing each block at the positions before a split point.",
-        tables={"choice": ("skips",)},
-        attach="layerdiv.extract.skips:SkipCapture",
-        rows=skip_rows,
-        cost=skip_cost,
-    )
+SKIPS = Measurement(
+    name="skips",
+    flag="--skips",
+    help="Also store the option logits with each block skipped (about half a forward pass "
+    "per block; extends a partition stored without them). On a text task: the future effects "
+    "of removing each block at the positions before a split point.",
+    tables={"choice": ("skips",)},
+    attach=f"{__name__}.hooks:SkipCapture",
+    rows=skip_rows,
+    cost=skip_cost,
+    since={"skips": 2},
+    order=10,
 )

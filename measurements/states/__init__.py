@@ -2,7 +2,7 @@
 positions per document of a text task, at the last prompt token of each instance of a choice task
 (K and the seed unused there), with the settings ``--states`` (K, or ``all``), ``--states-seed``
 and ``--states-dtype`` (recorded in the manifest, compared on a rerun). The hooks are
-:class:`layerdiv.extract.states.StateCapture`."""
+:class:`layerdiv.measurements.states.hooks.StateCapture`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import click
 import numpy as np
 import pyarrow as pa
 
-from layerdiv.measurements.registry import Measurement, Setting, negligible, register
+from layerdiv.measurements.registry import Measurement, Setting, negligible
 from layerdiv.schemas import STATE_TYPES, states_schema
 
 
@@ -99,51 +99,51 @@ def state_rows(docs: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table
     return {"states": states_table(docs, pos, tokens, states)}
 
 
-STATES = register(
-    Measurement(
-        name="states",
-        flag="--states",  # declared by its first setting (it takes K)
-        tables={"text": ("states",), "choice": ("states",)},
-        settings=(
-            Setting(
-                "states",
-                click.Option(
-                    ["--states", "states"],
-                    type=str,
-                    default=None,
-                    callback=state_count,
-                    metavar="K|all",
-                    help="Also store the residual states h_0..h_L: text tasks at K sampled "
-                    "positions per document (K, or all: every position but the first), choice "
-                    "tasks at the last prompt token (K unused); states are large (L + 1 vectors "
-                    "of width d per position).",
-                ),
-                "all",
+STATES = Measurement(
+    name="states",
+    flag="--states",  # declared by its first setting (it takes K)
+    tables={"text": ("states",), "choice": ("states",)},
+    settings=(
+        Setting(
+            "states",
+            click.Option(
+                ["--states", "states"],
+                type=str,
+                default=None,
+                callback=state_count,
+                metavar="K|all",
+                help="Also store the residual states h_0..h_L: text tasks at K sampled "
+                "positions per document (K, or all: every position but the first), choice "
+                "tasks at the last prompt token (K unused); states are large (L + 1 vectors "
+                "of width d per position).",
             ),
-            Setting(
-                "states_seed",
-                click.Option(
-                    ["--states-seed"],
-                    type=click.IntRange(min=0),
-                    default=None,
-                    help="Text tasks with --states: seed of the sampled positions (default 0).",
-                ),
-                0,
-            ),
-            Setting(
-                "states_dtype",
-                click.Option(
-                    ["--states-dtype"],
-                    type=click.Choice(list(STATE_TYPES)),
-                    default=None,
-                    help="With --states: how states are stored (default float16).",
-                ),
-                "float16",
-            ),
+            "all",
         ),
-        attach="layerdiv.extract.states:StateCapture",
-        rows=state_rows,
-        cost=negligible,
-        size_warning="layerdiv.extract.states:size_warning",
-    )
+        Setting(
+            "states_seed",
+            click.Option(
+                ["--states-seed"],
+                type=click.IntRange(min=0),
+                default=None,
+                help="Text tasks with --states: seed of the sampled positions (default 0).",
+            ),
+            0,
+        ),
+        Setting(
+            "states_dtype",
+            click.Option(
+                ["--states-dtype"],
+                type=click.Choice(list(STATE_TYPES)),
+                default=None,
+                help="With --states: how states are stored (default float16).",
+            ),
+            "float16",
+        ),
+    ),
+    attach=f"{__name__}.hooks:StateCapture",
+    rows=state_rows,
+    cost=negligible,
+    size_warning=f"{__name__}.hooks:size_warning",
+    since={"states": 5},
+    order=60,
 )

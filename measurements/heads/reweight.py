@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from layerdiv.analyze.analyses.heads import has_heads, load_heads, n_instances
 from layerdiv.analyze.decomposition import load_wide
 from layerdiv.analyze.frames import tag
 from layerdiv.analyze.markdown import fmt, markdown_table
-from layerdiv.analyze.registry import Analysis, Context, ReportContext, map_partitions, register
+from layerdiv.analyze.registry import Analysis, Context, ReportContext, map_partitions
+from layerdiv.measurements.heads.analysis import has_heads, load_heads, n_instances
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
 
@@ -290,13 +290,12 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     return reweight_tables(ctx.parts, ctx.notes)
 
 
-register(
-    Analysis(
-        name="reweight",
-        title="Component reweighting",
-        methods=(8,),
-        tables=tables,
-        report=report,
-        options={"reweight": "also fit component reweighting (tables reweight, reweight_weights)"},
-    )
+ANALYSIS = Analysis(
+    name="reweight",
+    title="Component reweighting",
+    methods=(8,),
+    tables=tables,
+    report=report,
+    options={"reweight": "also fit component reweighting (tables reweight, reweight_weights)"},
+    order=60,
 )

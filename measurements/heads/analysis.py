@@ -25,7 +25,6 @@ from typing import Any
 
 import polars as pl
 
-from layerdiv.analyze.analyses.heads_report import heads_section
 from layerdiv.analyze.decomposition import argmax, load_wide, with_softmax
 from layerdiv.analyze.frames import selected, tag
 from layerdiv.analyze.options import ESTIMATORS
@@ -35,8 +34,8 @@ from layerdiv.analyze.registry import (
     map_partitions,
     not_extracted,
     partition_engine,
-    register,
 )
+from layerdiv.measurements.heads.report import heads_section
 from layerdiv.schemas import GRIDS
 from layerdiv.store import PartitionInfo, Store, StoreError
 from layerdiv.store.key import KEY
@@ -409,12 +408,11 @@ def _tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Dat
     return heads_tables(ctx.parts, ctx.notes)
 
 
-register(
-    Analysis(
-        name="heads",
-        title="Heads: the parts that beat the whole",
-        methods=(8, 2),
-        tables=_tables,
-        report=heads_section,
-    )
+ANALYSIS = Analysis(
+    name="heads",
+    title="Heads: the parts that beat the whole",
+    methods=(8, 2),
+    tables=_tables,
+    report=heads_section,
+    order=50,
 )

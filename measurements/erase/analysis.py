@@ -56,8 +56,6 @@ from layerdiv.analyze.analyses.attribution import (
     profiles,
     with_answer,
 )
-from layerdiv.analyze.analyses.effective_depth import interval_ends
-from layerdiv.analyze.analyses.text_groups import bootstrap_mean
 from layerdiv.analyze.frames import tag
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.registry import (
@@ -65,12 +63,12 @@ from layerdiv.analyze.registry import (
     Context,
     NoData,
     ReportContext,
-    register,
 )
 from layerdiv.analyze.stats import (
     LEVEL,
     MIN_INTERVAL_N,
     RESAMPLES,
+    bootstrap_mean,
     percentile_interval,
     resample_weights,
 )
@@ -307,7 +305,7 @@ def profile_figure(
                 rows["relative_depth"].to_list(),
                 rows["effect"].to_list(),
                 color=color[key],
-                interval=interval_ends(rows),
+                interval=plots.interval_ends(rows),
             )
         )
         rows = distance.filter(*mine).sort("distance")
@@ -318,7 +316,7 @@ def profile_figure(
                 rows["effect"].to_list(),
                 color=color[key],
                 marker=None,
-                interval=interval_ends(rows),
+                interval=plots.interval_ends(rows),
             )
         )
     if section.anchor is not None:
@@ -453,7 +451,9 @@ def report(ctx: ReportContext, section: Section = TEXT) -> str:
 
 
 def analysis(
-    section: Section, among: Callable[[list[PartitionInfo]], list[PartitionInfo]] | None
+    section: Section,
+    among: Callable[[list[PartitionInfo]], list[PartitionInfo]] | None,
+    order: int,
 ) -> Analysis:
     """The analysis of one :class:`Section`: its tables of every partition it gets, and its
     report section."""
@@ -471,8 +471,9 @@ def analysis(
         among=among,
         options=OPTIONS,
         needs=("erasure",),
+        order=order,
     )
 
 
-register(analysis(TEXT, with_answer))
-register(analysis(CHOICES, None))
+ERASURE = analysis(TEXT, with_answer, order=160)
+CHOICE_ERASURE = analysis(CHOICES, None, order=170)

@@ -8,8 +8,8 @@ means (over positions 1..T-1 of the task's first R documents or prompts, ``--era
 attention sink's first token; ``--erase-reference-task NAME``: another task's first R) are
 computed once per partition, stored in ``erasure_reference`` beside the manifest and recorded in
 the settings with their fingerprint (``erase_reference_sha256``), so that two shards, a resume or
-a merge cannot mix two of them. The hooks are :class:`layerdiv.extract.erase.EraseCapture`,
-bound to the task kind's own capture."""
+a merge cannot mix two of them. The hooks are
+:class:`layerdiv.measurements.erase.hooks.EraseCapture`, bound to the task kind's own capture."""
 
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from layerdiv.measurements.registry import (
     Planning,
     Setting,
     per_token_and_layer,
-    register,
 )
 from layerdiv.schemas import ERASURE, ERASURE_REFERENCE
 
@@ -205,59 +204,59 @@ def erase_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str,
     return erase_flops(shape, tokens, max(start - 1, 0), tokens - 2)
 
 
-ERASE = register(
-    Measurement(
-        name="erase",
-        flag="--erase",
-        help="Text tasks with an answer, choice tasks: also store the residual erasure map "
-        "(methods §14): per state h_l and position, the largest change of the next-token "
-        "distribution at the answer's positions (a choice task: of the option probabilities at "
-        "the last prompt token) when h_l there is replaced by its reference mean.",
-        tables={"text": ("erasure",), "choice": ("erasure",)},
-        settings=(
-            Setting(
-                "erase_reference",
-                click.Option(
-                    ["--erase-reference"],
-                    type=int,
-                    default=None,
-                    help="With --erase: the reference means are taken over the task's first R "
-                    "documents or prompts (default 10).",
-                ),
-                10,
+ERASE = Measurement(
+    name="erase",
+    flag="--erase",
+    help="Text tasks with an answer, choice tasks: also store the residual erasure map "
+    "(methods §14): per state h_l and position, the largest change of the next-token "
+    "distribution at the answer's positions (a choice task: of the option probabilities at "
+    "the last prompt token) when h_l there is replaced by its reference mean.",
+    tables={"text": ("erasure",), "choice": ("erasure",)},
+    settings=(
+        Setting(
+            "erase_reference",
+            click.Option(
+                ["--erase-reference"],
+                type=int,
+                default=None,
+                help="With --erase: the reference means are taken over the task's first R "
+                "documents or prompts (default 10).",
             ),
-            Setting(
-                "erase_reference_positions",
-                click.Option(
-                    ["--erase-reference-positions"],
-                    type=click.Choice(list(POSITIONS)),
-                    default=None,
-                    help="With --erase: the reference means over positions 1..T-1 of each "
-                    "reference sequence (after-first, the default: the attention sink's first "
-                    "token left out) or over every position (all: the authors' mean).",
-                ),
-                "after-first",
-            ),
-            Setting(
-                "erase_reference_task",
-                click.Option(
-                    ["--erase-reference-task"],
-                    type=str,
-                    default=None,
-                    help="With --erase: take the reference means from this task's first R "
-                    "documents or prompts (a built-in name or a YAML path) rather than the "
-                    "task's own.",
-                ),
-                None,
-            ),
+            10,
         ),
-        readout=("text",),
-        attach="layerdiv.extract.erase:EraseCapture",
-        rows=erasure_rows,
-        check_rows=erasure_row_counts,
-        cost=erase_cost,
-        plan=plan_erase,
-        whole=("erasure_reference",),
-        fingerprints={"erasure_reference": (FINGERPRINT, reference_fingerprint)},
-    )
+        Setting(
+            "erase_reference_positions",
+            click.Option(
+                ["--erase-reference-positions"],
+                type=click.Choice(list(POSITIONS)),
+                default=None,
+                help="With --erase: the reference means over positions 1..T-1 of each "
+                "reference sequence (after-first, the default: the attention sink's first "
+                "token left out) or over every position (all: the authors' mean).",
+            ),
+            "after-first",
+        ),
+        Setting(
+            "erase_reference_task",
+            click.Option(
+                ["--erase-reference-task"],
+                type=str,
+                default=None,
+                help="With --erase: take the reference means from this task's first R "
+                "documents or prompts (a built-in name or a YAML path) rather than the "
+                "task's own.",
+            ),
+            None,
+        ),
+    ),
+    readout=("text",),
+    attach=f"{__name__}.hooks:EraseCapture",
+    rows=erasure_rows,
+    check_rows=erasure_row_counts,
+    cost=erase_cost,
+    plan=plan_erase,
+    whole=("erasure_reference",),
+    fingerprints={"erasure_reference": (FINGERPRINT, reference_fingerprint)},
+    since={"erasure": 7, "erasure_reference": 7},
+    order=80,
 )

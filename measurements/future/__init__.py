@@ -3,8 +3,8 @@ positions before a split point (methods §9; ``future_effects`` and ``future_out
 with the settings ``--skip-split``, ``--skip-sublayer``, ``--skip-mode`` and ``--skip-seed``
 (recorded in the manifest, compared on a rerun). Its check of the plan (:func:`plan_future`)
 refuses settings a task cannot follow and finds each document's answer for the answer-anchored
-split points; its hooks are :class:`layerdiv.extract.future.FutureCapture`, bound to the text
-task's per-token capture."""
+split points; its hooks are :class:`layerdiv.measurements.future.hooks.FutureCapture`, bound to the
+text task's per-token capture."""
 
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -15,7 +15,7 @@ import pyarrow as pa
 from numpy.typing import ArrayLike
 
 from layerdiv.errors import LayerdivError
-from layerdiv.measurements.registry import Measurement, ModelShape, Planning, Setting, register
+from layerdiv.measurements.registry import Measurement, ModelShape, Planning, Setting
 from layerdiv.schemas import FUTURE_EFFECTS, FUTURE_OUTPUT, MODES, SUBLAYERS
 
 SPLIT_STEP = 8
@@ -140,7 +140,7 @@ def future_row_counts(
 
 def future_rows(docs: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
     """The tables of documents ``docs`` from each one's future effects
-    (``layerdiv.extract.future.FutureRows``: split, sublayer, skipped, mode, rel_change,
+    (``layerdiv.measurements.future.hooks.FutureRows``: split, sublayer, skipped, mode, rel_change,
     out_change)."""
     doc = np.concatenate([np.full(len(f.split), i) for i, f in zip(docs, values, strict=True)])
     blocks = values[0].rel_change.shape[1]
@@ -216,65 +216,65 @@ def future_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str
     return shape.readout(tokens) + k * per_split
 
 
-FUTURE = register(
-    Measurement(
-        name="future_effects",
-        flag="--skips",  # declared by layerdiv.measurements.skips
-        tables={"text": ("future_effects", "future_output")},
-        settings=(
-            Setting(
-                "skip_split",
-                click.Option(
-                    ["--skip-split"],
-                    type=SplitRule(),
-                    default=None,
-                    help="Text tasks with --skips: 4 seeded split points per document (random, "
-                    "the default), every position but the first (all), the answer's first token "
-                    "(answer) or N seeded points among the answer's offsets 0, S, 2S, ... < A - 4 "
-                    "(answer:N:S); the answer rules need a task with an 'answer' template.",
-                ),
-                "random",
+FUTURE = Measurement(
+    name="future_effects",
+    flag="--skips",  # declared by layerdiv.measurements.skips
+    tables={"text": ("future_effects", "future_output")},
+    settings=(
+        Setting(
+            "skip_split",
+            click.Option(
+                ["--skip-split"],
+                type=SplitRule(),
+                default=None,
+                help="Text tasks with --skips: 4 seeded split points per document (random, "
+                "the default), every position but the first (all), the answer's first token "
+                "(answer) or N seeded points among the answer's offsets 0, S, 2S, ... < A - 4 "
+                "(answer:N:S); the answer rules need a task with an 'answer' template.",
             ),
-            Setting(
-                "skip_sublayers",
-                click.Option(
-                    ["--skip-sublayer", "skip_sublayers"],
-                    type=click.Choice(list(SUBLAYERS)),
-                    multiple=True,
-                    help="Text tasks with --skips: remove the whole block (default), or only its "
-                    "attention or MLP addition; repeat for several.",
-                ),
-                ("block",),
-            ),
-            Setting(
-                "skip_modes",
-                click.Option(
-                    ["--skip-mode", "skip_modes"],
-                    type=click.Choice(list(MODES)),
-                    multiple=True,
-                    help="Text tasks with --skips: the total future effects (default), or the "
-                    "local ones (every later block reads the clean stream minus the removed "
-                    "update: the direct effect, methods §10); repeat for both.",
-                ),
-                ("total",),
-            ),
-            Setting(
-                "skip_seed",
-                click.Option(
-                    ["--skip-seed"],
-                    type=click.IntRange(min=0),
-                    default=None,
-                    help="Text tasks with --skips: seed of the random split points (default 0).",
-                ),
-                0,
-            ),
+            "random",
         ),
-        legacy=True,
-        readout=("text",),
-        attach="layerdiv.extract.future:FutureCapture",
-        rows=future_rows,
-        check_rows=future_row_counts,
-        cost=future_cost,
-        plan=plan_future,
-    )
+        Setting(
+            "skip_sublayers",
+            click.Option(
+                ["--skip-sublayer", "skip_sublayers"],
+                type=click.Choice(list(SUBLAYERS)),
+                multiple=True,
+                help="Text tasks with --skips: remove the whole block (default), or only its "
+                "attention or MLP addition; repeat for several.",
+            ),
+            ("block",),
+        ),
+        Setting(
+            "skip_modes",
+            click.Option(
+                ["--skip-mode", "skip_modes"],
+                type=click.Choice(list(MODES)),
+                multiple=True,
+                help="Text tasks with --skips: the total future effects (default), or the "
+                "local ones (every later block reads the clean stream minus the removed "
+                "update: the direct effect, methods §10); repeat for both.",
+            ),
+            ("total",),
+        ),
+        Setting(
+            "skip_seed",
+            click.Option(
+                ["--skip-seed"],
+                type=click.IntRange(min=0),
+                default=None,
+                help="Text tasks with --skips: seed of the random split points (default 0).",
+            ),
+            0,
+        ),
+    ),
+    legacy=True,
+    readout=("text",),
+    attach=f"{__name__}.hooks:FutureCapture",
+    rows=future_rows,
+    check_rows=future_row_counts,
+    cost=future_cost,
+    plan=plan_future,
+    since={"future_effects": 4, "future_output": 4},
+    order=50,
 )

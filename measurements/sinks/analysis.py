@@ -25,7 +25,6 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.analyses.effective_depth import interval_ends
 from layerdiv.analyze.frames import tag
 from layerdiv.analyze.markdown import fmt, key_rows, markdown_table, model_label
 from layerdiv.analyze.registry import (
@@ -34,7 +33,6 @@ from layerdiv.analyze.registry import (
     NoData,
     ReportContext,
     map_partitions,
-    register,
 )
 from layerdiv.analyze.stats import (
     LEVEL,
@@ -152,7 +150,7 @@ def sink_figure(
     for key, color in zip(keys, plots.colors(len(keys)), strict=False):
         label = partition_label(key, names)
         rate = rates.filter(*(pl.col(c) == v for c, v in key.items()))
-        ends = interval_ends(rate)
+        ends = plots.interval_ends(rate)
         overall.series.append(
             plots.Series(label, [label], rate["sink_rate"].to_list(), color=color, line=False,
                          interval=ends)
@@ -238,16 +236,15 @@ def sinks_report(ctx: ReportContext) -> str:
     )
 
 
-register(
-    Analysis(
-        name="sinks",
-        title="Attention sinks",
-        methods=(16,),
-        tables=sink_tables,
-        report=sinks_report,
-        kinds=tuple(KINDS),
-        needs=("sinks",),
-    )
+SINKS = Analysis(
+    name="sinks",
+    title="Attention sinks",
+    methods=(16,),
+    tables=sink_tables,
+    report=sinks_report,
+    kinds=tuple(KINDS),
+    needs=("sinks",),
+    order=180,
 )
 
 
@@ -353,13 +350,12 @@ def bos_norm_report(ctx: ReportContext) -> str:
     )
 
 
-register(
-    Analysis(
-        name="bos_norm",
-        title="Running text: the first token's norm",
-        methods=(16,),
-        tables=bos_norm_tables,
-        report=bos_norm_report,
-        kinds=(TEXT_KIND,),
-    )
+BOS_NORM = Analysis(
+    name="bos_norm",
+    title="Running text: the first token's norm",
+    methods=(16,),
+    tables=bos_norm_tables,
+    report=bos_norm_report,
+    kinds=(TEXT_KIND,),
+    order=190,
 )

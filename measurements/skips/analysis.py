@@ -26,7 +26,6 @@ from layerdiv.analyze.registry import (
     ReportContext,
     map_partitions,
     partition_engine,
-    register,
 )
 from layerdiv.analyze.stats import MIN_INTERVAL_N, percentile_interval, resample_weights
 from layerdiv.errors import LayerdivError
@@ -344,13 +343,12 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     return skip_tables(ctx.parts)
 
 
-register(
-    Analysis(
-        name="skips",
-        title="Layer skips",
-        tables=tables,
-        report=report,
-        methods=(7,),
-        needs=("skips",),
-    )
+ANALYSIS = Analysis(
+    name="skips",
+    title="Layer skips",
+    tables=tables,
+    report=report,
+    methods=(7,),
+    needs=("skips",),
+    order=40,
 )

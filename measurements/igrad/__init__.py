@@ -2,8 +2,8 @@
 and position (methods §13; ``igrad`` and ``igrad_ends``), with the settings ``--igrad-site`` and
 ``--igrad-steps`` (recorded in the manifest, compared on a rerun). Its check of the plan
 (:func:`plan_igrad`) refuses a text task without an answer and a step count below one, and finds
-each document's answer span; its hooks are :class:`layerdiv.extract.igrad.IgradCapture`, which
-take gradients (``needs_grad``)."""
+each document's answer span; its hooks are :class:`layerdiv.measurements.igrad.hooks.IgradCapture`,
+which take gradients (``needs_grad``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
-from layerdiv.measurements.registry import Measurement, ModelShape, Planning, Setting, register
+from layerdiv.measurements.registry import Measurement, ModelShape, Planning, Setting
 from layerdiv.schemas import IGRAD, IGRAD_ENDS, SUBLAYERS
 
 STEPS = 256
@@ -195,43 +195,43 @@ def igrad_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str,
     return total
 
 
-IGRAD_MEASUREMENT = register(
-    Measurement(
-        name="igrad",
-        flag="--igrad",
-        help="Text tasks with an answer, choice tasks: also store the integrated gradients of "
-        "the answer's (the gold option's) probability w.r.t. every block's output at every "
-        "position (methods §13; forward and backward passes per step, block and site: long).",
-        tables={"text": ("igrad", "igrad_ends"), "choice": ("igrad", "igrad_ends")},
-        settings=(
-            Setting(
-                "igrad_sites",
-                click.Option(
-                    ["--igrad-site", "igrad_sites"],
-                    type=click.Choice(list(SUBLAYERS)),
-                    multiple=True,
-                    help="With --igrad: the activation attributed: the block's output (default), "
-                    "its attention's or its MLP's output; repeat for several.",
-                ),
-                SITES,
-                unordered=True,
+IGRAD_MEASUREMENT = Measurement(
+    name="igrad",
+    flag="--igrad",
+    help="Text tasks with an answer, choice tasks: also store the integrated gradients of "
+    "the answer's (the gold option's) probability w.r.t. every block's output at every "
+    "position (methods §13; forward and backward passes per step, block and site: long).",
+    tables={"text": ("igrad", "igrad_ends"), "choice": ("igrad", "igrad_ends")},
+    settings=(
+        Setting(
+            "igrad_sites",
+            click.Option(
+                ["--igrad-site", "igrad_sites"],
+                type=click.Choice(list(SUBLAYERS)),
+                multiple=True,
+                help="With --igrad: the activation attributed: the block's output (default), "
+                "its attention's or its MLP's output; repeat for several.",
             ),
-            Setting(
-                "igrad_steps",
-                click.Option(
-                    ["--igrad-steps"],
-                    type=int,
-                    default=None,
-                    help=f"With --igrad: steps m of the left Riemann sum (default {STEPS}).",
-                ),
-                STEPS,
-            ),
+            SITES,
+            unordered=True,
         ),
-        needs_grad=True,
-        attach="layerdiv.extract.igrad:IgradCapture",
-        rows=igrad_rows,
-        check_rows=igrad_row_counts,
-        cost=igrad_cost,
-        plan=plan_igrad,
-    )
+        Setting(
+            "igrad_steps",
+            click.Option(
+                ["--igrad-steps"],
+                type=int,
+                default=None,
+                help=f"With --igrad: steps m of the left Riemann sum (default {STEPS}).",
+            ),
+            STEPS,
+        ),
+    ),
+    needs_grad=True,
+    attach=f"{__name__}.hooks:IgradCapture",
+    rows=igrad_rows,
+    check_rows=igrad_row_counts,
+    cost=igrad_cost,
+    plan=plan_igrad,
+    since={"igrad": 7, "igrad_ends": 7},
+    order=70,
 )

@@ -27,7 +27,6 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.analyses.effective_depth import interval_ends
 from layerdiv.analyze.frames import tag
 from layerdiv.analyze.markdown import fmt, key_rows, markdown_table
 from layerdiv.analyze.registry import (
@@ -36,7 +35,6 @@ from layerdiv.analyze.registry import (
     NoData,
     ReportContext,
     map_partitions,
-    register,
 )
 from layerdiv.analyze.stats import (
     LEVEL,
@@ -46,8 +44,8 @@ from layerdiv.analyze.stats import (
     resample_weights,
 )
 from layerdiv.analyze.text import BATCH_TOKENS, TEXT_KIND, batches
+from layerdiv.measurements import tables_of
 from layerdiv.measurements.lens import readout_of
-from layerdiv.schemas import tables_of
 from layerdiv.store import PartitionInfo, StoreError
 from layerdiv.store.key import KEY, SERIES
 
@@ -249,7 +247,7 @@ def decided_figure(table: pl.DataFrame, hist: pl.DataFrame, names: dict[str, str
                 rows["mean"].to_list(),
                 color=color[(model, task)],
                 line=False,
-                interval=interval_ends(rows),
+                interval=plots.interval_ends(rows),
             )
         )
     share.lines.append(plots.RefLine(1.0, axis="x", label="last block", dash="dot", color="gray"))
@@ -299,14 +297,13 @@ def report(ctx: ReportContext) -> str:
     )
 
 
-register(
-    Analysis(
-        name="decided_depth",
-        title="Running text: decided-at depth",
-        methods=(16,),
-        tables=tables,
-        report=report,
-        kinds=(TEXT_KIND,),
-        needs=("token_lens",),
-    )
+ANALYSIS = Analysis(
+    name="decided_depth",
+    title="Running text: decided-at depth",
+    methods=(16,),
+    tables=tables,
+    report=report,
+    kinds=(TEXT_KIND,),
+    needs=("token_lens",),
+    order=140,
 )

@@ -33,7 +33,6 @@ from layerdiv.analyze.registry import (
     Context,
     ReportContext,
     map_partitions,
-    register,
 )
 from layerdiv.analyze.text import TEXT_KIND, batches, combine, sums
 from layerdiv.schemas import MODES
@@ -259,18 +258,16 @@ def report(ctx: ReportContext) -> str:
     )
 
 
-register(
-    Analysis(
-        name="text_skips",
-        title="Running text: future effects of skipping a block",
-        methods=("future-effects",),
-        tables=tables,
-        report=report,
-        kinds=(TEXT_KIND,),
-        needs=("future_effects",),
-        options={
-            LINEAR: "draw the future-effects heatmap on the paper's linear colour scale "
-            "(default: log)"
-        },
-    )
+ANALYSIS = Analysis(
+    name="text_skips",
+    title="Running text: future effects of skipping a block",
+    methods=("future-effects",),
+    tables=tables,
+    report=report,
+    kinds=(TEXT_KIND,),
+    needs=("future_effects",),
+    options={
+        LINEAR: "draw the future-effects heatmap on the paper's linear colour scale (default: log)"
+    },
+    order=100,
 )

@@ -28,10 +28,10 @@ import torch
 from layerdiv.extract.adapters import get_module
 from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.forward import token_budget
-from layerdiv.extract.future import _expand
 from layerdiv.extract.hooks import Hooks, unique_blocks
 from layerdiv.extract.removal import Call, UpdateRemoval
 from layerdiv.measurements import Attachment
+from layerdiv.measurements.future.hooks import _expand
 from layerdiv.measurements.igrad import IgradRows, check_sites, sites_of
 
 

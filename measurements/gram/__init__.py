@@ -1,5 +1,6 @@
 """``--gram``: each instance's Gram matrix of the component outputs (exact angles, methods §7),
-choice tasks (``gram`` table). The hooks are :class:`layerdiv.extract.gram.GramCapture`."""
+choice tasks (``gram`` table). The hooks are
+:class:`layerdiv.measurements.gram.hooks.GramCapture`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from layerdiv.measurements.registry import Measurement, negligible, register
+from layerdiv.measurements.registry import Measurement, negligible
 from layerdiv.schemas import GRAM as GRAM_SCHEMA
 
 
@@ -30,14 +31,14 @@ def gram_rows(instances: Sequence[int], values: Sequence[Any]) -> dict[str, pa.T
     return {"gram": gram_table(instances, np.stack([np.asarray(v) for v in values]))}
 
 
-GRAM = register(
-    Measurement(
-        name="gram",
-        flag="--gram",
-        help="Also store each instance's Gram matrix of the component outputs (exact angles).",
-        tables={"choice": ("gram",)},
-        attach="layerdiv.extract.gram:GramCapture",
-        rows=gram_rows,
-        cost=negligible,
-    )
+GRAM = Measurement(
+    name="gram",
+    flag="--gram",
+    help="Also store each instance's Gram matrix of the component outputs (exact angles).",
+    tables={"choice": ("gram",)},
+    attach=f"{__name__}.hooks:GramCapture",
+    rows=gram_rows,
+    cost=negligible,
+    since={"gram": 2},
+    order=30,
 )

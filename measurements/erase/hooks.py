@@ -9,7 +9,8 @@ and values of the positions before t from the clean pass: one clean pass of the 
 (:class:`Prefix`) that puts them before the keys and values the call computes. The blocks before l
 are not run again (the clean pass's input of block l, kept by the per-token capture, is the
 start), and every block call runs with the arguments of its own clean call (mask, positions,
-rotary angles) cut to the queries (``layerdiv.extract.future._expand``). The copies of one state
+rotary angles) cut to the queries (``layerdiv.measurements.future.hooks._expand``). The copies of
+one state
 run together, grouped by t: a group of copies starting at t0 runs the queries t0..T-1, its copies
 with t > t0 recomputing the few positions t0..t-1 unchanged. What is read out is the task kind's
 :class:`Target`: the readout runs only at each copy's read positions max(first, t)..last (a text
@@ -33,7 +34,6 @@ import torch
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.forward import token_budget
-from layerdiv.extract.future import PassesAfter, _expand
 from layerdiv.extract.hooks import Hooks, unique_blocks
 from layerdiv.extract.removal import Call, UpdateRemoval
 from layerdiv.measurements import Attachment
@@ -46,6 +46,7 @@ from layerdiv.measurements.erase import (
     reference_start,
     reference_table,
 )
+from layerdiv.measurements.future.hooks import PassesAfter, _expand
 
 CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")
 """The names under which a decoder block takes its attention's key/value cache (transformers'

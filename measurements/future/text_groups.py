@@ -40,13 +40,13 @@ from layerdiv.analyze.registry import (
     Context,
     ReportContext,
     map_partitions,
-    register,
 )
 from layerdiv.analyze.stats import (
     LEVEL,
     MIN_INTERVAL_N,
     RESAMPLES,
     SEED,
+    bootstrap_mean,
     depth_score,
     percentile_interval,
 )
@@ -71,18 +71,6 @@ def _interval(samples: np.ndarray) -> tuple[float, float]:
     NaN, left out)."""
     low, high = percentile_interval(samples)
     return float(low), float(high)
-
-
-def bootstrap_mean(scores: np.ndarray, resamples: int = RESAMPLES) -> tuple[float, float, float]:
-    """The mean of ``scores`` and its bootstrap 95% percentile interval over them (NaN below
-    :data:`MIN_INTERVAL_N` scores)."""
-    if not len(scores):
-        return np.nan, np.nan, np.nan
-    if len(scores) < MIN_INTERVAL_N:
-        return float(scores.mean()), np.nan, np.nan
-    rng = np.random.default_rng(SEED)
-    means = scores[rng.integers(0, len(scores), (resamples, len(scores)))].mean(1)
-    return (float(scores.mean()), *_interval(means))
 
 
 def _slopes(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -376,14 +364,13 @@ def report(ctx: ReportContext) -> str:
     )
 
 
-register(
-    Analysis(
-        name="text_groups",
-        title="Running text: depth scores per document group",
-        methods=(10,),
-        tables=tables,
-        report=report,
-        kinds=(TEXT_KIND,),
-        needs=("future_output",),
-    )
+ANALYSIS = Analysis(
+    name="text_groups",
+    title="Running text: depth scores per document group",
+    methods=(10,),
+    tables=tables,
+    report=report,
+    kinds=(TEXT_KIND,),
+    needs=("future_output",),
+    order=120,
 )

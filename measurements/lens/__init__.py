@@ -1,9 +1,9 @@
 """``--lens``: the logit lens of every block input (methods §9): at the last prompt
 token of a choice task (``lens``), at every token of a text task (``token_lens``), read out by
 the final norm and unembedding (``final``) or with the last block applied first
-(``last-block``, text tasks). Its hooks (:func:`layerdiv.extract.lens.lens_hooks`) are bound to
-the task kind's own capture: a choice task's last-token decomposition, a text task's per-token
-capture (which keeps the states it reads)."""
+(``last-block``, text tasks). Its hooks (:func:`layerdiv.measurements.lens.hooks.lens_hooks`) are
+bound to the task kind's own capture: a choice task's last-token decomposition, a text task's
+per-token capture (which keeps the states it reads)."""
 
 from __future__ import annotations
 
@@ -21,14 +21,13 @@ from layerdiv.measurements.registry import (
     Planning,
     Setting,
     per_token_and_layer,
-    register,
 )
 from layerdiv.schemas import LENS as LENS_SCHEMA
 from layerdiv.schemas import TOKEN_LENS, token_key
 
 READOUTS = {"final": ("choice", "text"), "last-block": ("text",)}
-"""Each readout of the lens (``--lens NAME``, ``layerdiv.extract.lens.LENSES``) and the task kinds
-it applies to."""
+"""Each readout of the lens (``--lens NAME``, ``layerdiv.measurements.lens.hooks.LENSES``) and the
+task kinds it applies to."""
 
 LENS_VALUES = ("kl", "top5_overlap", "final_rank", "top1", "ce")
 """The values of a lens row (:data:`~layerdiv.schemas.TOKEN_LENS`, :data:`~layerdiv.schemas.LENS`),
@@ -121,34 +120,34 @@ def lens_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, 
     return extra + (L * shape.block(tokens) if settings.get("lens") == "last-block" else 0.0)
 
 
-LENS = register(
-    Measurement(
-        name="lens",
-        flag="--lens",  # declared by its setting (it takes the readout)
-        settings=(
-            Setting(
-                "lens",
-                click.Option(
-                    ["--lens", "lens"],
-                    type=click.Choice(list(READOUTS)),
-                    is_flag=False,
-                    flag_value="final",
-                    default=None,
-                    help="Also store the logit lens of every block input (text tasks: at every "
-                    "token; KL to the model's output, top-5 overlap, next-token cross-entropy); "
-                    "--lens last-block applies the last block first (text tasks).",
-                ),
-                "final",
+LENS = Measurement(
+    name="lens",
+    flag="--lens",  # declared by its setting (it takes the readout)
+    settings=(
+        Setting(
+            "lens",
+            click.Option(
+                ["--lens", "lens"],
+                type=click.Choice(list(READOUTS)),
+                is_flag=False,
+                flag_value="final",
+                default=None,
+                help="Also store the logit lens of every block input (text tasks: at every "
+                "token; KL to the model's output, top-5 overlap, next-token cross-entropy); "
+                "--lens last-block applies the last block first (text tasks).",
             ),
+            "final",
         ),
-        legacy=True,
-        tables={"choice": ("lens",), "text": ("token_lens",)},
-        readout=("text",),
-        attach="layerdiv.extract.lens:lens_hooks",
-        rows=lens_rows,
-        check_rows=per_token_and_layer("token_lens"),
-        cost=lens_cost,
-        costed={"text": ({"lens": "last-block"},)},
-        plan=plan_lens,
-    )
+    ),
+    legacy=True,
+    tables={"choice": ("lens",), "text": ("token_lens",)},
+    readout=("text",),
+    attach=f"{__name__}.hooks:lens_hooks",
+    rows=lens_rows,
+    check_rows=per_token_and_layer("token_lens"),
+    cost=lens_cost,
+    costed={"text": ({"lens": "last-block"},)},
+    plan=plan_lens,
+    since={"lens": 4, "token_lens": 4},
+    order=40,
 )

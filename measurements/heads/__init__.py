@@ -1,5 +1,5 @@
 """``--heads``: every attention head's option logits (methods §8), choice tasks (``heads``
-table). The hooks are :class:`layerdiv.extract.heads.HeadCapture`."""
+table). The hooks are :class:`layerdiv.measurements.heads.hooks.HeadCapture`."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from layerdiv.measurements.registry import Measurement, negligible, register
+from layerdiv.measurements.registry import Measurement, negligible
 from layerdiv.schemas import HEADS as HEADS_SCHEMA
 
 
 @dataclass(frozen=True)
 class HeadValues:
-    """One instance's heads, as :class:`layerdiv.extract.heads.HeadCapture` gives them."""
+    """One instance's heads, as :class:`layerdiv.measurements.heads.hooks.HeadCapture` gives
+    them."""
 
     components: Sequence[int]
     """Index (execution order) of each attention component."""
@@ -66,16 +67,16 @@ def head_rows(instances: Sequence[int], values: Sequence[HeadValues]) -> dict[st
     return {"heads": heads_table(instances, first.components, first.layers, first.head_ids, logits)}
 
 
-HEADS = register(
-    Measurement(
-        name="heads",
-        flag="--heads",
-        help="Also store every attention head's option logits (heads table); extends partitions "
-        "stored without them.",
-        tables={"choice": ("heads",)},
-        attach="layerdiv.extract.heads:HeadCapture",
-        rows=head_rows,
-        cost=negligible,
-        check_model="layerdiv.extract.heads:check_heads",
-    )
+HEADS = Measurement(
+    name="heads",
+    flag="--heads",
+    help="Also store every attention head's option logits (heads table); extends partitions "
+    "stored without them.",
+    tables={"choice": ("heads",)},
+    attach=f"{__name__}.hooks:HeadCapture",
+    rows=head_rows,
+    cost=negligible,
+    check_model=f"{__name__}.hooks:check_heads",
+    since={"heads": 2},
+    order=20,
 )

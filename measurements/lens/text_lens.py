@@ -17,13 +17,12 @@ delta_ce(l) = ce at block input l minus the model's own ce, over l = 1..L-1: ``c
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.analyses.lens import lens_tag
 from layerdiv.analyze.frames import by_model
 from layerdiv.analyze.law import power_fit
 from layerdiv.analyze.markdown import fmt, markdown_table
@@ -33,31 +32,19 @@ from layerdiv.analyze.registry import (
     Context,
     ReportContext,
     map_partitions,
-    register,
 )
 from layerdiv.analyze.text import (
+    LENS,
+    LENS_ROWS,
     TEXT_KIND,
     batches,
-    combine,
-    sums,
+    document_means,
     text_vs_last_token,
 )
 from layerdiv.measurements.lens import readout_of
+from layerdiv.measurements.lens.analysis import lens_tag
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
-
-LENS = ("kl", "top5_overlap", "ce")
-"""Per-token lens columns of ``token_lens``."""
-
-LENS_ROWS = 1 << 20
-"""Rows of ``token_lens`` read at once."""
-
-
-def document_means(frames: Iterable[pl.DataFrame]) -> pl.DataFrame:
-    """Per (doc, layer): the mean of each lens column over the document's positions (methods
-    §9: first over positions within a document), from batches of ``token_lens`` rows (a
-    document may span batches: their sums and counts add up)."""
-    return combine((sums(f, ["doc", "layer"], LENS) for f in frames), ["doc", "layer"], LENS)
 
 
 def lens_table(doc_means: pl.DataFrame, blocks: int) -> pl.DataFrame:
@@ -312,14 +299,13 @@ def law_section(ctx: ReportContext, table: pl.DataFrame, names: dict[str, str]) 
     ]
 
 
-register(
-    Analysis(
-        name="text_lens",
-        title="Running text: logit lens",
-        methods=("logit-lens",),
-        tables=tables,
-        report=report,
-        kinds=(TEXT_KIND,),
-        needs=("token_lens",),
-    )
+ANALYSIS = Analysis(
+    name="text_lens",
+    title="Running text: logit lens",
+    methods=("logit-lens",),
+    tables=tables,
+    report=report,
+    kinds=(TEXT_KIND,),
+    needs=("token_lens",),
+    order=90,
 )
