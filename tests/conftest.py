@@ -15,6 +15,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _worker_threads() -> None:
+    """Under pytest-xdist (``make pytest``: one worker per CPU), each worker's torch and BLAS
+    get their share of the CPUs (``OMP_NUM_THREADS``, unless set), set before torch is imported:
+    workers that each run a thread per CPU would oversubscribe them."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers and "OMP_NUM_THREADS" not in os.environ:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (cpus or 1) // int(workers)))
+
+
+_worker_threads()
+
+
 def _kernels() -> str:
     """torch's CPU kernels and threads, checked against ``ATEN_CPU_CAPABILITY`` and
     ``OMP_NUM_THREADS`` where they are set (``make numerical``: the portable kernels, one
