@@ -201,6 +201,7 @@ def float64_components(model: Any, ids: list[int], options: list[int]) -> dict[s
 
 @pytest.mark.slow
 @pytest.mark.numerical
+@pytest.mark.gemma
 def test_gemma3_components_heads_and_gram_match_a_float64_forward(
     tmp_path: Path, gemma: tuple[Any, Any], make_task: Any
 ) -> None:
@@ -288,6 +289,7 @@ def text_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str
 
 @pytest.mark.slow
 @pytest.mark.numerical
+@pytest.mark.gemma
 def test_gemma3_running_text_geometry_matches_a_float64_forward(
     text_store: tuple[Path, list[str]], gemma: tuple[Any, Any]
 ) -> None:
@@ -299,6 +301,7 @@ def test_gemma3_running_text_geometry_matches_a_float64_forward(
 
 @pytest.mark.slow
 @pytest.mark.numerical
+@pytest.mark.gemma
 def test_gemma3_lens_and_ranks_match_a_float64_readout(
     text_store: tuple[Path, list[str]], gemma: tuple[Any, Any]
 ) -> None:
@@ -312,6 +315,7 @@ def test_gemma3_lens_and_ranks_match_a_float64_readout(
 
 @pytest.mark.slow
 @pytest.mark.numerical
+@pytest.mark.gemma
 def test_gemma3_future_effects_match_a_float64_reference(
     text_store: tuple[Path, list[str]], gemma: tuple[Any, Any]
 ) -> None:
@@ -322,6 +326,7 @@ def test_gemma3_future_effects_match_a_float64_reference(
 
 @pytest.mark.slow
 @pytest.mark.numerical
+@pytest.mark.gemma
 def test_gemma3_sinks_match_float64_attention(
     text_store: tuple[Path, list[str]], gemma: tuple[Any, Any]
 ) -> None:
@@ -343,6 +348,7 @@ def test_gemma3_sinks_match_float64_attention(
 
 @pytest.mark.slow
 @pytest.mark.numerical
+@pytest.mark.gemma
 def test_gemma3_integrated_gradients_match_the_float64_reference(
     tmp_path: Path, gemma: tuple[Any, Any]
 ) -> None:
@@ -363,6 +369,7 @@ def test_gemma3_integrated_gradients_match_the_float64_reference(
 
 @pytest.mark.slow
 @pytest.mark.numerical
+@pytest.mark.gemma
 def test_gemma3_erasure_of_one_short_document(tmp_path: Path, gemma: tuple[Any, Any]) -> None:
     """``--erase`` of one short document (BOS + 6 tokens) against the float64 reference."""
     tokenizer, model = gemma
@@ -386,6 +393,7 @@ def test_gemma3_erasure_of_one_short_document(tmp_path: Path, gemma: tuple[Any, 
 
 @pytest.mark.slow
 @pytest.mark.numerical
+@pytest.mark.gemma
 def test_gemma3_states_match_a_float64_forward(
     text_store: tuple[Path, list[str]], gemma: tuple[Any, Any]
 ) -> None:
@@ -408,6 +416,7 @@ WINDOW = 6
 
 @pytest.mark.slow
 @pytest.mark.numerical
+@pytest.mark.gemma
 def test_gemma3_with_a_short_sliding_window_in_padded_batches(
     tmp_path: Path, gemma: tuple[Any, Any]
 ) -> None:
