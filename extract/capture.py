@@ -16,7 +16,7 @@ import torch
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.adapters import Adapter, get_module
 from layerdiv.extract.hooks import Hooks, unique_blocks
-from layerdiv.extract.readout import Readout, onloaded
+from layerdiv.extract.readout import Readout, at_options, onloaded
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
 
@@ -132,8 +132,7 @@ class ComponentCapture(Hooks):
     def _head_hook(self, module: Any, args: tuple, output: Any) -> None:
         if self.paused:
             return
-        out = output[0] if isinstance(output, tuple) else output
-        self._head = out[:, -1, self.option_ids].float()
+        self._head = at_options(output, self.option_ids)[:, -1]
 
     def reset(self) -> None:
         self._records, self._x, self._head = [], None, None

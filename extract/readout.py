@@ -2,7 +2,8 @@
 once per model through the architecture adapter (``ModelRunner`` builds one and passes it to
 every capture). The decomposition (``capture.py``, ``heads.py``) freezes its scale; the logit
 lens (``lens.py``) and the future effects (``future.py``) apply it whole to any residual state;
-the layer skips (``skips.py``) read the unembedding's output."""
+the layer skips, the erasure and the integrated gradients of a choice task read the option
+logits and probabilities (:meth:`Readout.option_logits`, :meth:`Readout.option_probs`)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,22 @@ class Readout:
         if self.softcap:
             z = z.div_(self.softcap).tanh_().mul_(self.softcap)
         return z
+
+    def option_logits(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """(..., K) float32 option logits read from residual states ``x`` (..., d): final norm and
+        unembedding at the option tokens ``ids``, before any final soft-cap (methods §1: the
+        logits the decomposition splits, stored as ``model_logits``)."""
+        return at_options(self.head(self.norm(x)), ids)
+
+    def option_probs(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """(..., K) the option probabilities read from residual states ``x`` (..., d): the softmax
+        over :meth:`option_logits`, the restricted vocabulary of methods §1, before any final
+        soft-cap (the one rule of every measurement that reads them: §7, §13, §14)."""
+        return torch.softmax(self.option_logits(x, ids), dim=-1)
+
+
+def at_options(output: Any, ids: torch.Tensor) -> torch.Tensor:
+    """(..., K) float32 the option logits in an unembedding's ``output`` (..., V) (a tensor or a
+    tuple whose first item is one): its entries at the option tokens ``ids``, not soft-capped."""
+    out = output[0] if isinstance(output, tuple) else output
+    return out[..., ids.to(out.device)].float()

@@ -319,6 +319,58 @@ def test_erasure_reference_from_another_task(
     assert f"the reference task {other}" in line and "from 1 to 3" in line
 
 
+@pytest.mark.numerical
+def test_choice_igrad_and_erase_read_one_option_probability_under_a_soft_cap(
+    tmp_path: Path, build_model: Any, tokenizer: Any, make_task: Any
+) -> None:
+    """On a soft-capped family (``--allow-softcap``) choice ``--igrad``'s f(x) and choice
+    ``--erase``'s probabilities (its clean and edited readout of the last state) are one
+    readout: the softmax over the option logits before the final soft-cap, the logits the
+    decomposition splits (methods §1, §13, §14). A cap of 0.1, near the tiny model's logits
+    (about 0.1 in size), so that the capped softmax differs well beyond the tolerance."""
+    cap = 0.1
+    model = build_model("gemma2_softcap")
+    model.config.final_logit_softcapping = cap
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    task = make_task(tmp_path / "task", n=3)
+    store = tmp_path / "store"
+    out = extract("--model", str(tmp_path / "model"), "--task", str(task), "--store", str(store),
+                  "--igrad", "--igrad-steps", "2", "--erase", "--erase-reference", "2",
+                  "--allow-softcap")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    (info,) = Store(store).select()
+    options = list(info.manifest.option_token_ids)
+    instances = info.scan("instances").collect().sort("instance")
+    ends = Store(store).scan("igrad_ends").collect()
+    effects, last = stored_effects(store), torch.from_numpy(stored_means(store))[-1].double()
+    model = model.to(torch.float64)
+    norm, head = model.model.norm, model.get_output_embeddings()
+
+    def probs(h: torch.Tensor, capped: bool = False) -> torch.Tensor:
+        """The option softmax of final state(s) ``h``: the unembedding at the options, the
+        soft-cap left out (or applied: the other rule)."""
+        with torch.no_grad():
+            z = head(norm(h))[..., options]
+        return torch.softmax(cap * torch.tanh(z / cap) if capped else z, dim=-1)
+
+    for instance, (prompt, gold) in enumerate(
+        zip(instances["prompt"], instances["gold"], strict=True)
+    ):
+        ids = tokenizer(prompt)["input_ids"]
+        h = run_states(model, ids)[0][-1, -1]  # h_L at the last prompt token
+        p, q = probs(h), probs(h, capped=True)
+        f_input = ends.filter(pl.col("doc") == instance)["f_input"].to_numpy()
+        assert len(f_input) == 2  # block 0 and block 1
+        assert_within(f_input, float(p[gold]), 1.0, what=f"igrad f(x), instance {instance}")
+        assert abs(float(q[gold] - p[gold])) > 100 * FLOAT32  # the other rule would fail
+        # erasing h_L at T - 1: the change from the clean to the edited option probabilities
+        effect = effects[instance][-1, len(ids) - 1]
+        want = float((probs(last) - p).norm())
+        assert_within(effect, want, 1.0, what=f"erase effect of h_L, instance {instance}")
+        assert abs(float((probs(last, capped=True) - q).norm()) - want) > 100 * FLOAT32
+
+
 def test_choice_erasure_leaves_the_other_measurements_alone(
     tmp_path: Path, model_dirs: Any, make_task: Any
 ) -> None:

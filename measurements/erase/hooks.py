@@ -147,20 +147,18 @@ class NextTokens:
 
 
 class OptionProbs:
-    """A choice task's target: the softmax over the option logits (the unembedding's output at
-    the options' tokens, before any soft-cap, as ``model_logits``) at the last prompt token."""
+    """A choice task's target: the option probabilities (``Readout.option_probs``: the softmax
+    over the option logits, before any soft-cap) at the last prompt token."""
 
     def __init__(self, readout: Any, option_ids: Sequence[int]) -> None:
-        self.norm, self.head = readout.norm, readout.head
+        self.readout = readout
         self.ids = torch.tensor(list(option_ids), device=readout.head.weight.device)
 
     def span(self, unit: int, n: int) -> tuple[int, int]:
         return n - 1, n - 1
 
     def probs(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.head(self.norm(x))
-        out = out[0] if isinstance(out, tuple) else out
-        return torch.softmax(out[..., self.ids].float(), dim=-1)
+        return self.readout.option_probs(x, self.ids)
 
 
 class Erasure:

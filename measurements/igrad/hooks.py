@@ -265,8 +265,10 @@ class IgradCapture(Hooks):
             pos.append(p)
             token.append(x)
         at, where, tok = torch.cat(row), torch.cat(pos), torch.cat(token)
-        logits = self.readout.logits(final[at, where])
-        if self.options is not None:  # a choice task: the softmax over the option logits
-            logits = logits[:, self.options.to(logits.device)]
-        prob = (logits.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).exp()
+        if self.options is not None:  # a choice task: the option probabilities (before soft-cap)
+            prob = self.readout.option_probs(final[at, where], self.options)
+            prob = prob.gather(-1, tok[:, None])[:, 0]
+        else:
+            logits = self.readout.logits(final[at, where])
+            prob = (logits.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).exp()
         return torch.zeros(len(b), device=prob.device).index_add(0, at, prob)

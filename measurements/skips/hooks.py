@@ -45,8 +45,8 @@ class SkipCapture(Hooks):
         self.calls = [index[id(block)] for block in blocks]
         """Module index of every block call, in execution order."""
         self.removal = UpdateRemoval(ctx.model, ctx.adapter)
-        self.norm, self.head = ctx.readout.norm, ctx.readout.head
-        self.option_ids = torch.tensor(list(ctx.option_ids), device=self.head.weight.device)
+        self.readout = ctx.readout
+        self.option_ids = torch.tensor(list(ctx.option_ids), device=ctx.readout.head.weight.device)
         self.capture: ComponentCapture | None = None
         self._calls: list[Call] = []  # every block call's arguments in the full pass
         self._logits: torch.Tensor | None = None
@@ -86,7 +86,5 @@ class SkipCapture(Hooks):
             removed = [j for j, m in enumerate(self.calls) if m == skipped]
             x = hidden_of(*self._calls[first])
             x = self.removal.last(x, self._calls, first, removed, "block", zero)
-            out = self.head(self.norm(x)[:, -1:])  # normed as the model does: every position
-            out = out[0] if isinstance(out, tuple) else out
-            seen.append(out[:, -1, self.option_ids].float())
+            seen.append(self.readout.option_logits(x[:, -1], self.option_ids))
         return torch.stack(seen, dim=1).cpu()
