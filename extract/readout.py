@@ -84,7 +84,9 @@ class Readout:
             z = torch.matmul(normed, weight.t(), out=out)
         else:
             z = self.head(normed).float()
-        if self.softcap:
+        if self.softcap and z.requires_grad:  # autograd keeps tanh's output: not in place
+            z = torch.tanh(z / self.softcap) * self.softcap
+        elif self.softcap:
             z = z.div_(self.softcap).tanh_().mul_(self.softcap)
         return z
 

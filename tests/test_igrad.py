@@ -162,6 +162,27 @@ def test_integrated_gradients_match_the_float64_reference(
 
 
 @pytest.mark.numerical
+def test_integrated_gradients_of_a_soft_capped_model_match_the_float64_reference(
+    tmp_path: Path, build_model: Any, tokenizer: Any
+) -> None:
+    """A text task's target reads the model's whole readout, its final soft-cap included (here
+    0.1, near the tiny model's logits, so that leaving it out shows), with gradients through
+    it (``--allow-softcap``)."""
+    model = build_model("gemma2_softcap")
+    model.config.final_logit_softcapping = 0.1
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    task = multihop_task(tmp_path / "task", **SHORT)
+    store = tmp_path / "store"
+    out = extract("--model", str(tmp_path / "model"), "--task", str(task), "--store", str(store),
+                  "--igrad", "--igrad-steps", str(STEPS), "--limit", "2",
+                  "--allow-softcap")  # fmt: skip
+    assert out.exit_code == 0, out.output
+    model = model.to(torch.float64)
+    assert check_against_reference(store, model, answers(tokenizer, True, 2), ["block"], STEPS) == 4
+
+
+@pytest.mark.numerical
 def test_integrated_gradients_of_a_choice_task_match_the_float64_reference(
     tmp_path: Path, model_dirs: Any, build_model: Any, tokenizer: Any, make_task: Any
 ) -> None:
