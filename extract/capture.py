@@ -74,7 +74,7 @@ class ComponentCapture(Hooks):
         self.readout = readout
         self.norm, head = self.readout.norm, self.readout.head
         with onloaded(head):  # weights offloaded by accelerate (--device-map) are loaded here
-            ids = torch.tensor(option_ids, device=head.weight.device)
+            ids = readout.option_index(option_ids)
             self.option_ids = ids
             self.w_options = head.weight.detach()[ids].to(torch.float32)  # (K, d) rows of W_U
             head_bias = getattr(head, "bias", None)

@@ -7,6 +7,7 @@ logits and probabilities (:meth:`Readout.option_logits`, :meth:`Readout.option_p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -89,6 +90,11 @@ class Readout:
         elif self.softcap:
             z = z.div_(self.softcap).tanh_().mul_(self.softcap)
         return z
+
+    def option_index(self, option_ids: Sequence[int]) -> torch.Tensor:
+        """The option tokens ``option_ids`` as an index on the unembedding's device (the ``ids``
+        of :meth:`option_logits`)."""
+        return torch.tensor(list(option_ids), device=self.head.weight.device)
 
     def option_logits(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """(..., K) float32 option logits read from residual states ``x`` (..., d): final norm and

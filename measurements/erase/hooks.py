@@ -152,7 +152,7 @@ class OptionProbs:
 
     def __init__(self, readout: Any, option_ids: Sequence[int]) -> None:
         self.readout = readout
-        self.ids = torch.tensor(list(option_ids), device=readout.head.weight.device)
+        self.ids = readout.option_index(option_ids)
 
     def span(self, unit: int, n: int) -> tuple[int, int]:
         return n - 1, n - 1

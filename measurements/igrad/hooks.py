@@ -49,11 +49,7 @@ class IgradCapture(Hooks):
         """Text tasks: per document, the answer's start s and length A (methods §10)."""
         self.gold = ctx.gold
         """Choice tasks: each instance's gold option."""
-        self.options = (
-            torch.tensor(list(ctx.option_ids), device=ctx.readout.gain.device)
-            if ctx.kind == "choice"
-            else None
-        )
+        self.options = ctx.readout.option_index(ctx.option_ids) if ctx.kind == "choice" else None
         """Choice tasks: the option tokens, whose logits the target's softmax is over."""
         self.removal = UpdateRemoval(ctx.model, ctx.adapter)
         check_sites(self.sites, ctx.adapter, self.removal.blocks)

@@ -46,7 +46,7 @@ class SkipCapture(Hooks):
         """Module index of every block call, in execution order."""
         self.removal = UpdateRemoval(ctx.model, ctx.adapter)
         self.readout = ctx.readout
-        self.option_ids = torch.tensor(list(ctx.option_ids), device=ctx.readout.head.weight.device)
+        self.option_ids = ctx.readout.option_index(ctx.option_ids)
         self.capture: ComponentCapture | None = None
         self._calls: list[Call] = []  # every block call's arguments in the full pass
         self._logits: torch.Tensor | None = None
