@@ -782,3 +782,16 @@ def test_choice_igrad_section_in_the_report(
         assert f"figures/choice_igrad_{figure}.png" in section
         png = tmp_path / "report" / "figures" / f"choice_igrad_{figure}.png"
         assert png.stat().st_size > 10_000
+
+
+def test_a_choice_partition_without_igrad_is_named(mixed: tuple[Path, np.ndarray]) -> None:
+    """Issue 49: a choice partition without ``igrad`` (the text one has it) is named in a note
+    with the option that adds it; no choice tables are made up."""
+    root, _ = mixed
+    results = analyze(root)
+    line = (
+        f"{igrad.CHOICE_TITLE}: not extracted for synth--attrib/main/pick "
+        "(`layerdiv extract --igrad` adds it)."
+    )
+    assert line in results.notes and "choice_igrad" not in results.analyses
+    assert "igrad" in results.analyses
