@@ -819,6 +819,7 @@ def test_a_registered_analysis_runs_writes_and_reports(
         "effective_depth",
         "decided_depth",
         "igrad",
+        "choice_igrad",
         "erasure",
         "choice_erasure",
         "sinks",

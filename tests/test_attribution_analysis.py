@@ -663,3 +663,135 @@ def test_the_reference_sensitivity_where_the_same_documents_have_two_references(
     section = text[text.index(f"## {erasure.TITLE}") :].split("\n## ")[0]
     assert "**Sensitivity to the reference.**" in section
     assert "| positions 0..T-1 of the task's first 10 |" in section
+
+
+def made_up_choice(seed: int, gap: float) -> dict[str, np.ndarray]:
+    """Made-up integrated gradients of :data:`DOCS` choice instances at the site ``block``:
+    ``ig`` (D, 1, L, T) over the :data:`PROMPT_TOKENS` prompt positions, the readout position
+    T - 1 large; ``f_input``, ``f_baseline`` (D, 1, L) probabilities in [0, 1] with
+    f(x) - f(b) = sum_t IG within 1% (1 + ``gap`` at block 1)."""
+    rng = np.random.default_rng(seed)
+    ig = rng.normal(0, 1, (DOCS, 1, BLOCKS, PROMPT_TOKENS)) * (1 + np.arange(BLOCKS))[:, None]
+    ig[..., -1] *= 10  # the readout position
+    total = ig.sum(-1)
+    ig[..., 0] += np.where(np.abs(total) < 1, 1 - total, 0.0)  # sum_t IG away from 0
+    delta = ig.sum(-1) * (1 + rng.uniform(-0.01, 0.01, (DOCS, 1, BLOCKS)))
+    delta[:, 0, 1] *= 1 + gap
+    scale = 0.3 / np.abs(delta).max()  # |f(x) - f(b)| <= 0.3
+    f_baseline = rng.uniform(0.35, 0.6, (DOCS, 1, BLOCKS))
+    f32 = np.float32
+    return {
+        "ig": (ig * scale).astype(f32).astype(np.float64),
+        "f_input": (f_baseline + delta * scale).astype(f32).astype(np.float64),
+        "f_baseline": f_baseline.astype(f32).astype(np.float64),
+    }
+
+
+def write_choice_igrad(root: Path, seed: int, gap: float, task: str = "pick") -> dict[str, Any]:
+    """A choice partition of :data:`DOCS` instances holding :func:`made_up_choice`'s integrated
+    gradients, written by the measurement's own rows, its manifest naming M = :data:`STEPS`;
+    returns the values."""
+    import json
+
+    from layerdiv.measurements.igrad import IgradRows
+
+    v = made_up_choice(seed, gap)
+    rows = np.empty(DOCS, object)
+    for d in range(DOCS):
+        rows[d] = IgradRows(("block",), v["ig"][d], v["f_input"][d], v["f_baseline"][d])
+    rng = np.random.default_rng(seed)
+    logits, gold, rms, kinds = random_partition(rng, DOCS, BLOCKS, 2)
+    write_partition(root, MODEL, task, logits, gold, kinds, rms, chunk=CHUNK,
+                    optional={"igrad": rows, "igrad_ends": rows})  # fmt: skip
+    for path in root.glob(f"manifests/**/task={task}/**/manifest.json"):
+        data = json.loads(path.read_text())
+        settings = {"igrad": {"igrad_sites": ["block"], "igrad_steps": STEPS}}
+        path.write_text(json.dumps({**data, "settings": settings}))
+    return v
+
+
+@pytest.fixture(scope="module")
+def choice_igrad(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """A store of a text partition holding igrad and a choice partition holding igrad whose
+    block 1 misses completeness by 20%."""
+    root = tmp_path_factory.mktemp("choice_igrad") / "store"
+    write_store(root, 3, 0.0)
+    return root, write_choice_igrad(root, 9, 0.2)
+
+
+def test_choice_igrad_numbers(choice_igrad: tuple[Path, dict[str, Any]]) -> None:
+    """Issue 45 item 5: a choice partition's igrad gets shares, depth scores with intervals over
+    instances, completeness gaps and maps, as running text does, in tables of its own."""
+    root, v = choice_igrad
+    results = analyze(root)
+    assert "choice_igrad" in results.analyses
+    assert not [n for n in results.notes if "igrad" in n]
+    share = results["choice_igrad_share"].sort("block")
+    gaps = results["choice_igrad_completeness"].sort("block")
+    assert share["task"].unique().to_list() == ["pick"]
+    assert share["sublayer"].unique().to_list() == ["block"]
+    assert results["igrad_share"]["task"].unique().to_list() == ["qa"]
+    ig, delta = v["ig"][:, 0], v["f_input"][:, 0] - v["f_baseline"][:, 0]
+    profiles = np.abs(ig).sum(-1)  # (D, L): sum_t |IG(l, t)| per instance
+    shares = profiles / profiles.sum(1, keepdims=True)
+    g = ig.sum(-1) - delta  # (D, L)
+    for b in range(BLOCKS):
+        row = share.row(b, named=True)
+        assert close(row["share"], shares[:, b].mean()) and row["n_documents"] == DOCS
+        assert row["relative_depth"] == (b + 1) / BLOCKS
+        row = gaps.row(b, named=True)
+        scale = np.abs(delta).max()
+        assert close(row["gap_mean"], g[:, b].mean(), scale)
+        assert close(row["abs_gap_mean"], np.abs(g[:, b]).mean(), scale)
+        assert close(row["delta_mean"], np.abs(delta[:, b]).mean(), scale)
+        assert close(row["rel_gap"], np.abs(g[:, b]).sum() / np.abs(delta[:, b]).sum())
+        assert row["steps"] == STEPS and row["n_documents"] == DOCS
+        assert (row["rel_gap"] > igrad.GAP_LEVEL) == (b == 1)
+    scores = [score_of(list(p)) for p in profiles]
+    mean = sum(scores) / DOCS
+    (row,) = results["choice_igrad_depth"].rows(named=True)
+    assert close(row["score"], mean, BLOCKS) and row["n_scored"] == DOCS
+    low, high = mean_interval(scores)  # resampling the instances
+    assert close(row["ci_low"], low, BLOCKS) and close(row["ci_high"], high, BLOCKS)
+    assert close(row["relative"], (mean + 1) / BLOCKS)
+    maps = results["choice_igrad_maps"]
+    assert maps["doc"].unique().sort().to_list() == [0, 1]
+    assert maps.height == 2 * BLOCKS * PROMPT_TOKENS and "token" not in maps.columns
+    z = maps.sort("doc", "block", "pos")["attribution"].to_numpy()
+    np.testing.assert_allclose(z, ig[:2].ravel(), rtol=1e-6)
+
+
+def test_choice_igrad_section_in_the_report(
+    choice_igrad: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """The choice section beside the text one: its gap over 5% said (the text's are not), its
+    depth table over instances, its figures drawn."""
+    from layerdiv.analyze.report import write_report
+
+    root, _ = choice_igrad
+    results = analyze(root)
+    write_report(results, tmp_path / "report", "paper", str(root), "md,html")
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert f"## {igrad.TITLE}" in text
+    section = text[text.index(f"## {igrad.CHOICE_TITLE}") :].split("\n## ")[0]
+    assert f"M = {STEPS} steps is too small for synth/attrib on pick" in section
+    assert text.count("steps is too small") == 1
+    assert "| Model | Task | Site | Instances | Depth score |" in section
+    assert "gold option's probability" in section
+    for figure in ("share", "maps"):
+        assert f"figures/choice_igrad_{figure}.png" in section
+        png = tmp_path / "report" / "figures" / f"choice_igrad_{figure}.png"
+        assert png.stat().st_size > 10_000
+
+
+def test_a_choice_partition_without_igrad_is_named(mixed: tuple[Path, np.ndarray]) -> None:
+    """Issue 49: a choice partition without ``igrad`` (the text one has it) is named in a note
+    with the option that adds it; no choice tables are made up."""
+    root, _ = mixed
+    results = analyze(root)
+    line = (
+        f"{igrad.CHOICE_TITLE}: not extracted for synth--attrib/main/pick "
+        "(`layerdiv extract --igrad` adds it)."
+    )
+    assert line in results.notes and "choice_igrad" not in results.analyses
+    assert "igrad" in results.analyses

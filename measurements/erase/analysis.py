@@ -44,8 +44,10 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.analyses.attribution import (
+    CHOICE,
     OPTIONS,
     answer_starts,
+    choice,
     depth_frame,
     depth_row,
     depth_rows,
@@ -74,7 +76,6 @@ from layerdiv.analyze.stats import (
 )
 from layerdiv.analyze.text import TEXT_KIND
 from layerdiv.measurements.erase import RECORDED_BEFORE, describe_reference
-from layerdiv.schemas import KINDS
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY, SERIES
 
@@ -82,12 +83,6 @@ TITLE = "Running text: residual erasure per state and token"
 """The heading of its report section."""
 CHOICE_TITLE = "Choice tasks: residual erasure per state and token"
 """The heading of the choice tasks' report section."""
-CHOICE = KINDS["choice"].name
-
-
-def choice(info: PartitionInfo) -> bool:
-    """Whether ``info`` is a choice partition."""
-    return info.manifest.kind == CHOICE
 
 
 def lengths(info: PartitionInfo) -> pl.LazyFrame:

@@ -1,41 +1,50 @@
-"""Running text, integrated gradients per block and position (methods §13; ``extract --igrad``).
+"""Integrated gradients per block and position (methods §13; ``extract --igrad``), on running
+text and on choice tasks: one section each.
 
-With L blocks, l = 0..L-1 (0-based, as the ``igrad`` table), t the position, and per document,
-site (``block``, ``attn``, ``mlp``) and block the attribution IG(l, t) and the target at the
-path's ends f(x), f(b):
+With L blocks, l = 0..L-1 (0-based, as the ``igrad`` table), t the position, and per document
+(a choice task: instance; its positions the prompt's), site (``block``, ``attn``, ``mlp``) and
+block the attribution IG(l, t) and the target at the path's ends f(x), f(b) (running text: the
+sum of the answer's tokens' probabilities; a choice task: the gold option's probability among
+the options at the last prompt token):
 
 - share of |IG| at block l: S(l) = sum_t |IG(l, t)| / sum_(l', t) |IG(l', t)|, per document, then
   the mean over documents; on relative depth (l + 1) / L;
 - depth score of a document's profile v(l) = sum_t |IG(l, t)| (methods §10):
-  sum_l l v(l) / sum_l v(l), the mean over documents with its bootstrap 95% interval, and the
-  relative score (score + 1) / L;
+  sum_l l v(l) / sum_l v(l), the mean over documents with its bootstrap 95% interval over
+  documents (instances), and the relative score (score + 1) / L;
 - completeness gap g(l) = sum_t IG(l, t) - (f(x) - f(b)) per document; per block the mean of g,
   of |g| and of |f(x) - f(b)|, and ``rel_gap`` = mean |g| / mean |f(x) - f(b)|. A left Riemann
   sum of M steps (the partition's ``igrad_steps``) closes the gap as M grows: a ``rel_gap`` over
   :data:`GAP_LEVEL` says M is too small.
 
-Tables: ``igrad_share`` per (model, revision, task, ``sublayer``, ``block``): ``relative_depth``,
+Tables (running text; a choice task's are named ``choice_igrad_*`` and key the instance as
+``doc``): ``igrad_share`` per (model, revision, task, ``sublayer``, ``block``): ``relative_depth``,
 ``n_documents``, ``share``; ``igrad_depth`` per (model, revision, task, ``sublayer``):
 ``n_blocks``, ``n_documents``, ``n_scored``, ``score``, ``ci_low``, ``ci_high``, ``relative``,
 ``relative_low``, ``relative_high``; ``igrad_completeness`` per (model, revision, task,
 ``sublayer``, ``block``): ``steps`` M, ``n_documents``, ``gap_mean``, ``abs_gap_mean``,
 ``delta_mean``, ``rel_gap``; ``igrad_maps``: the rows of the first documents' maps
-(:data:`~layerdiv.analyze.analyses.attribution.DOCUMENTS_OPTION`, by default 2 per partition)
-with their ``token`` ids and ``answer_start``.
+(:data:`~layerdiv.analyze.analyses.attribution.DOCUMENTS_OPTION`, by default 2 per partition),
+running text with their ``token`` ids and ``answer_start`` (a choice task: by position alone, the
+store keeping no prompt's tokens).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.analyses.attribution import (
+    CHOICE,
     OPTIONS,
     SITE_ORDER,
     answer_starts,
+    choice,
     depth_frame,
     depth_row,
     depth_rows,
@@ -67,6 +76,8 @@ GAP_LEVEL = 0.05
 
 TITLE = "Running text: integrated gradients per block and token"
 """The heading of its report section."""
+CHOICE_TITLE = "Choice tasks: integrated gradients per block and prompt token"
+"""The heading of the choice tasks' report section."""
 
 
 def steps_of(info: PartitionInfo) -> int | None:
@@ -163,7 +174,8 @@ def completeness(docs: pl.DataFrame, steps: int | None) -> pl.DataFrame:
 
 def maps(info: PartitionInfo, count: int) -> pl.DataFrame:
     """The ``igrad_maps`` rows of ``info``'s first ``count`` documents: every (sublayer, block,
-    pos) with its ``token`` id and the document's ``answer_start`` (:func:`answer_starts`)."""
+    pos), running text with its ``token`` id and the document's ``answer_start``
+    (:func:`answer_starts`; a choice partition keeps no prompt's tokens: by position alone)."""
     docs = first_documents(info, "igrad", count, "attribution")
     rows = (
         info.scan("igrad")
@@ -171,32 +183,64 @@ def maps(info: PartitionInfo, count: int) -> pl.DataFrame:
         .with_columns(pl.col("sublayer").cast(pl.String))
         .collect()
     )
-    starts = answer_starts(info)
-    return (
-        rows.join(document_tokens(info, docs), on=["doc", "pos"], how="left")
-        .join(starts, on="doc", how="left")
-        .sort("doc", "sublayer", "block", "pos")
-    )
+    if not choice(info):
+        rows = rows.join(document_tokens(info, docs), on=["doc", "pos"], how="left").join(
+            answer_starts(info), on="doc", how="left"
+        )
+    return rows.sort("doc", "sublayer", "block", "pos")
 
 
-def tables_of(info: PartitionInfo, count: int) -> dict[str, pl.DataFrame]:
-    """The four tables of one text partition holding ``igrad`` and ``igrad_ends``."""
+def tables_of(prefix: str, info: PartitionInfo, count: int) -> dict[str, pl.DataFrame]:
+    """The four tables (names starting ``prefix``) of one partition holding ``igrad`` and
+    ``igrad_ends``."""
     docs = per_document(info)
     share, depth = shares_and_depth(docs, info.manifest.n_blocks)
     return {
-        "igrad_share": tag(share, info),
-        "igrad_depth": tag(depth, info),
-        "igrad_completeness": tag(completeness(docs, steps_of(info)), info),
-        "igrad_maps": tag(maps(info, count), info),
+        f"{prefix}_share": tag(share, info),
+        f"{prefix}_depth": tag(depth, info),
+        f"{prefix}_completeness": tag(completeness(docs, steps_of(info)), info),
+        f"{prefix}_maps": tag(maps(info, count), info),
     }
 
 
-def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
-    """The registry's entry point: the tables of every partition it gets."""
-    return partition_tables(ctx, tables_of, TITLE)
-
-
 # --- report ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Section:
+    """What the running-text and the choice sections say and draw differently."""
+
+    kind: str
+    title: str
+    prefix: str
+    """The start of its tables' and figures' names."""
+    target: str
+    """What f is and where the positions are, for the section's first sentence."""
+    units: str
+    note: str
+    """The maps' caption's addition."""
+
+
+TEXT = Section(
+    TEXT_KIND,
+    TITLE,
+    "igrad",
+    "the model's probability of the answer's tokens (teacher forcing); baseline: the site's "
+    "mean over the document's positions",
+    "documents",
+    "",
+)
+CHOICES = Section(
+    CHOICE,
+    CHOICE_TITLE,
+    "choice_igrad",
+    "the gold option's probability among the options (the softmax over the option logits) at "
+    "the last prompt token T − 1, at each position t of the prompt; baseline: the site's mean "
+    "over the prompt's positions",
+    "instances",
+    "; positions by index (the store keeps no choice prompt's tokens), the last the readout "
+    "position T − 1",
+)
 
 
 def too_few_steps(table: pl.DataFrame, names: dict[str, str]) -> list[str]:
@@ -220,9 +264,11 @@ def too_few_steps(table: pl.DataFrame, names: dict[str, str]) -> list[str]:
     return lines
 
 
-def share_figure(share: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
+def share_figure(
+    share: pl.DataFrame, names: dict[str, str], units: str = "documents"
+) -> plots.Figure:
     """One panel per site: each model and task's mean share of |IG| per block against the
-    relative depth (l + 1) / L."""
+    relative depth (l + 1) / L, the mean over ``units``."""
     keys = share.select(*SERIES).unique(maintain_order=True).rows()
     color = dict(zip(keys, plots.colors(len(keys)), strict=False))
     panels = []
@@ -250,8 +296,8 @@ def share_figure(share: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
         panels,
         cols=min(3, len(panels)),
         panel_size=(4.5, 3.4),
-        caption="per document sum_t |IG(l, t)| over its sum over blocks, then the mean over "
-        "documents",
+        caption=f"per {units[:-1]} sum_t |IG(l, t)| over its sum over blocks, then the mean over "
+        f"{units}",
     )
 
 
@@ -285,18 +331,19 @@ def gap_rows(table: pl.DataFrame, names: dict[str, str]) -> list[list[str]]:
     )
 
 
-def report(ctx: ReportContext) -> str:
+def report(ctx: ReportContext, section: Section = TEXT) -> str:
     """The integrated-gradients section: the completeness gap (and whether M is too small), the
-    depth scores, the share figure and the first documents' maps."""
-    completeness_table = ctx.tables["igrad_completeness"]
+    depth scores, the share figure and the first documents' (instances') maps."""
+    p, units = section.prefix, section.units
+    completeness_table = ctx.tables[f"{p}_completeness"]
     names = plots.short_names(ctx.names)
     steps = too_few_steps(completeness_table, ctx.names)
-    depth = ctx.tables["igrad_depth"].sort(*KEY, SITE_ORDER)
+    depth = ctx.tables[f"{p}_depth"].sort(*KEY, SITE_ORDER)
     head = [
         "Model",
         "Task",
         "Site",
-        "Documents",
+        units.capitalize(),
         "Depth score",
         f"{LEVEL:g}% CI",
         "(score + 1) / L",
@@ -314,46 +361,62 @@ def report(ctx: ReportContext) -> str:
     ]
     return "\n\n".join(
         [
-            "The attribution IG(l, t) of each block l and position t to the model's probability "
-            "of the answer's tokens (teacher forcing), at each site extracted (block output, "
-            "attention or MLP output); baseline: the site's mean over the document's positions. "
-            "Completeness: sum_t IG(l, t) should equal f(x) − f(b); the gap is what the Riemann "
-            "sum of M steps leaves (per block the mean |gap| over documents against the mean "
-            "|f(x) − f(b)|; every block in the `igrad_completeness` table).",
+            "The attribution IG(l, t) of each block l and position t, at each site extracted "
+            f"(block output, attention or MLP output), to {section.target}. Completeness: "
+            "sum_t IG(l, t) should equal f(x) − f(b); the gap is what the Riemann sum of M steps "
+            f"leaves (per block the mean |gap| over {units} against the mean |f(x) − f(b)|; "
+            f"every block in the `{p}_completeness` table).",
             *steps,
             markdown_table(gaps, gap_rows(completeness_table, ctx.names)),
-            "Depth score (methods §10) of each document's profile sum_t |IG(l, t)| over blocks, "
-            f"the mean over documents with its bootstrap {LEVEL:g}% interval ({RESAMPLES} "
-            f"resamples; none below {MIN_INTERVAL_N} documents).",
+            f"Depth score (methods §10) of each {units[:-1]}'s profile sum_t |IG(l, t)| over "
+            f"blocks, the mean over {units} with its bootstrap {LEVEL:g}% interval over {units} "
+            f"({RESAMPLES} resamples; none below {MIN_INTERVAL_N} {units}).",
             markdown_table(head, depth_rows(depth, ctx.names)),
             plots.figure_link(
                 ctx,
-                "igrad_share.png",
+                f"{p}_share.png",
                 "Share of |IG| per block",
-                lambda: share_figure(ctx.tables["igrad_share"], names),
+                lambda: share_figure(ctx.tables[f"{p}_share"], names, units),
             ),
             *maps_link(
                 ctx,
-                "igrad_maps",
+                f"{p}_maps",
                 "Integrated gradients per block and token (methods §13)",
                 row="block",
                 value="attribution",
                 colorbar="IG(l, t)",
                 signed=True,
+                note=section.note,
+                unit=units[:-1],
             ),
         ]
     )
 
 
-ANALYSIS = Analysis(
-    name="igrad",
-    title=TITLE,
-    methods=(13, 10),
-    tables=tables,
-    report=report,
-    kinds=(TEXT_KIND,),
-    among=with_answer,
-    options=OPTIONS,
-    needs=("igrad", "igrad_ends"),
-    order=150,
-)
+def analysis(
+    section: Section,
+    among: Callable[[list[PartitionInfo]], list[PartitionInfo]] | None,
+    order: int,
+) -> Analysis:
+    """The analysis of one :class:`Section`: its tables of every partition it gets, and its
+    report section."""
+
+    def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
+        return partition_tables(ctx, partial(tables_of, section.prefix), section.title)
+
+    return Analysis(
+        name=section.prefix,
+        title=section.title,
+        methods=(13, 10),
+        tables=tables,
+        report=partial(report, section=section),
+        kinds=(section.kind,),
+        among=among,
+        options=OPTIONS,
+        needs=("igrad", "igrad_ends"),
+        order=order,
+    )
+
+
+ANALYSIS = analysis(TEXT, with_answer, order=150)
+CHOICE_ANALYSIS = analysis(CHOICES, None, order=155)
