@@ -19,7 +19,7 @@ from pathlib import Path
 
 import polars as pl
 
-from layerdiv.analyze.analyses.maps import R2_GATE, spearman
+from layerdiv.analyze.analyses.maps import MIN_LAYERS, R2_GATE, spearman
 from layerdiv.analyze.markdown import fmt, markdown_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,8 @@ def region(results: Path) -> str:
             f"predictor and {r['n']} a best map (the largest held-out R²) with R² >= {R2_GATE:g}"
         )
         if r["spearman"] is None:
-            return f"{found} on the {name} (too few for a verdict)"
+            why = "too few for a verdict" if r["n"] < MIN_LAYERS else "every one the same target"
+            return f"{found} on the {name} ({why}: no correspondence claimed)"
         return (
             f"{found} on the {name}, and over those Spearman's correlation of the best target's "
             f"relative depth with the source's is {r['spearman']:.2f} "
