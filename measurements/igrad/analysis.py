@@ -419,4 +419,12 @@ def analysis(
 
 
 ANALYSIS = analysis(TEXT, with_answer, order=150)
-CHOICE_ANALYSIS = analysis(CHOICES, None, order=155)
+
+
+def with_igrad(parts: list[PartitionInfo]) -> list[PartitionInfo]:
+    """The choice partitions of ``parts`` that hold ``igrad``: a choice task extracted without
+    ``--igrad`` (most are: the demo's) gets no section and no note."""
+    return [p for p in parts if "igrad" in p.tables]
+
+
+CHOICE_ANALYSIS = analysis(CHOICES, with_igrad, order=155)
