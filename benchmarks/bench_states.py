@@ -60,7 +60,7 @@ def main() -> None:
         task = bbc_text_task(root, args.docs, args.max_tokens, "bbc-states-bench")
         runs = against_plain(task, root, {"states": {"states": "all"}}, args.repeats, loads)
         (info,) = Store(root / "store-0-1").select()
-        key, _, values = info.states()
+        key, _, values, _ = info.states()
         on_disk = sum(f.stat().st_size for f in (info.partition.dir("states")).glob("*.parquet"))
         dtype = info.manifest.settings["states"]["states_dtype"]
         layers, width = values.shape[1], values.shape[2]

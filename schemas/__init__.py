@@ -56,6 +56,10 @@ History:
 - 8: ``igrad``'s ``attribution``, ``igrad_ends``' ``f_input`` and ``f_baseline`` and
   ``erasure``'s ``effect`` may be null: a document without a measurable answer (``max_tokens``
   cut it off entirely) is stored as missing, not as 0 (version 7 stored 0).
+- 9: ``states`` gains ``char_end`` (the character offset in the document's text where the
+  row's token ends; a text task's rows, null on a choice task and in older parts) and
+  ``--states words`` stores the states at word ends: what two models with different tokenizers
+  share, so that ``--maps`` can pair their rows by (doc, char_end).
 
 The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``revision``, ``task``) are not
 stored inside the files: they come from the directory names
@@ -72,7 +76,7 @@ import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 """Version of the on-disk layout and of the column sets below (the one this code writes)."""
 
 OLDEST_READABLE = 1
@@ -432,19 +436,20 @@ STATE_TYPES = {"float16": pa.float16(), "bfloat16": pa.uint16(), "float32": pa.f
 float32 it rounds)."""
 
 
-_STATE_KEY = [
+_STATE_KEY_V8 = [
     pa.field("doc", pa.int32(), nullable=False),
     pa.field("pos", pa.int32(), nullable=False),
     pa.field("token", pa.int32(), nullable=False),
     pa.field("layer", pa.int16(), nullable=False),
 ]
+_STATE_KEY = [*_STATE_KEY_V8, pa.field("char_end", pa.int32(), nullable=True)]
 
 
-def states_schema(width: int, dtype: str) -> pa.Schema:
+def states_schema(width: int, dtype: str, key: Sequence[pa.Field] = tuple(_STATE_KEY)) -> pa.Schema:
     """The ``states`` schema of a partition whose residual stream has ``width`` d, stored as
-    ``dtype`` (one of :data:`STATE_TYPES`)."""
+    ``dtype`` (one of :data:`STATE_TYPES`), with the key columns ``key`` (the current ones)."""
     state = pa.field("state", pa.list_(STATE_TYPES[dtype], width), nullable=False)
-    return _schema("states", [*_STATE_KEY, state])
+    return _schema("states", [*key, state])
 
 
 STATES = _schema("states", [*_STATE_KEY, pa.field("state", pa.list_(pa.float16()), nullable=False)])
@@ -455,6 +460,10 @@ STATES = _schema("states", [*_STATE_KEY, pa.field("state", pa.list_(pa.float16()
 - ``doc``: the document's index in the task's order (a choice task: the instance's).
 - ``pos``: token position p (0-based; never 0 on a text task; the prompt's last on a choice task).
 - ``token``: the token id at ``pos`` (two models' rows are mapped where these agree).
+- ``char_end``: on a text task, the character offset in the document's text where the token at
+  ``pos`` ends (the tokenizer's offsets; null on a choice task, with a tokenizer that gives no
+  offsets, and in parts of version 8 and older). Two models whose tokenizers differ are mapped
+  on the rows whose tokens end at the same character (``--states words``).
 - ``layer``: l = 0..L: h_0 the embedding output, h_l block l-1's output, h_L before the final
   norm.
 - ``state``: h_l at (doc, pos), a fixed-size list of the partition's d values in the
@@ -470,10 +479,13 @@ def schema_matches(table: str, found: pa.Schema, expected: pa.Schema) -> bool:
     if table != "states":
         return found.equals(expected, check_metadata=False)
     state = found.field("state").type if "state" in found.names else None
+    key = [f for f in expected if f.name != "state"]
     return (
         isinstance(state, pa.FixedSizeListType)
         and any(state.value_type == t for t in STATE_TYPES.values())
-        and found.equals(states_schema(state.list_size, _dtype_of(state)), check_metadata=False)
+        and found.equals(
+            states_schema(state.list_size, _dtype_of(state), key), check_metadata=False
+        )
     )
 
 
@@ -708,7 +720,9 @@ RULES: dict[str, Rules] = {
         bounds={"skipped": (0, "L-1"), "block": (0, "L-1"), "rel_change": NONNEGATIVE}
     ),
     "future_output": Rules(bounds={"skipped": (0, "L-1"), "out_change": DISTANCE}),
-    "states": Rules(bounds={"pos": (0, "T-1"), "layer": (0, "L"), "token": (0, "V-1")}),
+    "states": Rules(
+        bounds={"pos": (0, "T-1"), "layer": (0, "L"), "token": (0, "V-1"), "char_end": NONNEGATIVE}
+    ),
     "igrad": Rules(grid=(("sublayer", "shared"), ("block", "blocks"), ("pos", "tokens"))),
     "igrad_ends": Rules(
         grid=(("sublayer", "shared"), ("block", "blocks")),
@@ -784,6 +798,13 @@ _OLDER: dict[str, dict[int, pa.Schema]] = {
         6: _schema("tokens", _TOKEN_FIELDS_V5, version=6),
     },
     "token_blocks": {4: _schema("token_blocks", _TOKEN_BLOCK_FIELDS_V4, version=4)},
+    "states": {
+        8: _schema(
+            "states",
+            [*_STATE_KEY_V8, pa.field("state", pa.list_(pa.float16()), nullable=False)],
+            version=8,
+        )
+    },
     "lens": {5: _schema("lens", _LENS_FIELDS_V5, version=5)},
     "token_lens": {5: _schema("token_lens", _TOKEN_LENS_FIELDS_V5, version=5)},
     "future_effects": {

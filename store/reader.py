@@ -329,10 +329,11 @@ class PartitionInfo(Generic[StorePath]):
                    model.reshape(-1, k_opts), m, self.where)  # fmt: skip
         return rows.select(*keys, *(c for c in components if c not in keys)), inst.select(wanted)
 
-    def states(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def states(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The ``states`` table as arrays: (doc, pos) of every stored row (n, 2; a choice task's
-        doc is the instance), their token ids (n,), and the states (n, L + 1, d) in the stored
-        dtype (float16 or float32; bfloat16 widened to float32). Refuses a partition without
+        doc is the instance), their token ids (n,), the states (n, L + 1, d) in the stored
+        dtype (float16 or float32; bfloat16 widened to float32) and where each row's token ends
+        in the text (n,; ``char_end``, -1 where null or not stored). Refuses a partition without
         complete states, rows that do not hold every layer of every (doc, pos) once in order
         (methods §11; :func:`~layerdiv.store.parts.dense`), and a part holding a NaN or an
         infinite state, naming it."""
@@ -365,10 +366,16 @@ class PartitionInfo(Generic[StorePath]):
         dense(key, "states", units, pl.DataFrame({"layer": np.arange(layers)}), self.where)
         stacked = np.concatenate(values) if values else np.zeros(0, np.float32)
         width = len(stacked) // max(1, table.num_rows)
+        chars = (
+            table["char_end"].fill_null(-1).to_numpy()[::layers]
+            if "char_end" in table.column_names
+            else np.full(units.height, -1, np.int32)
+        )
         return (
             units.to_numpy(),
             table["token"].to_numpy()[::layers],
             stacked.reshape(units.height, layers, width),
+            chars,
         )
 
 

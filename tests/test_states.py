@@ -38,7 +38,7 @@ def hf_states(model: Any, ids: list[int]) -> np.ndarray:
 
 def stored_states(store: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any]:
     info = Store(store).select()[0]
-    key, tokens, states = info.states()
+    key, tokens, states, _ = info.states()
     return key, tokens, states, info.manifest
 
 
@@ -220,7 +220,7 @@ def test_choice_states_last_prompt_token(
     assert r.exit_code == 0 and "added states" in r.output
     assert np.array_equal(stored_states(tmp_path / "s2")[2], states)
     part = sorted((tmp_path / "s2" / "states").rglob("*.parquet"))[1]
-    assert pq.read_table(part).column_names == ["doc", "pos", "token", "layer", "state"]
+    assert pq.read_table(part).column_names == ["doc", "pos", "token", "layer", "char_end", "state"]
     part.unlink()
     (info,) = Store(tmp_path / "s2").select()
     assert "states" not in info.tables and "states left out" in info.incomplete()[0]

@@ -159,7 +159,7 @@ def test_text_partition_reads_back(text_store: Path) -> None:
     assert info.n_done == len(LENGTHS)
     assert info.tables == list(optional_tables("text")) and not info.incomplete()
     assert not (text_store / "components").exists()  # only the text kind's folders are made
-    key, ids, states = info.states()  # every position but the first, its token and L + 1 states
+    key, ids, states, _ = info.states()  # every position but the first, its token and L + 1 states
     assert len(key) == sum(n - 1 for n in LENGTHS) and states.shape[1:] == (BLOCKS + 1, 8)
     assert key[:4, 1].tolist() == [1, 2, 3, 4] and ids[:5].tolist() == [1, 2, 3, 4, 101]
     con = store.duckdb()
@@ -224,7 +224,7 @@ def test_version_3_choice_store_still_reads(tmp_path: Path) -> None:
         del data[name]  # fields of versions 4 and 5
     data["schema_version"] = 3
     path.write_text(json.dumps(data))
-    assert SCHEMA_VERSION == 8 and "lens" not in tables_of(3) and "tokens" not in tables_of(3)
+    assert SCHEMA_VERSION == 9 and "lens" not in tables_of(3) and "tokens" not in tables_of(3)
     assert "prompt" in tables_of(3)["instances"].names
     store = Store(tmp_path)
     (info,) = store.select()

@@ -40,6 +40,7 @@ from layerdiv.analyze.layer_maps import ArrayLayers, MapScores, fit_maps
 from layerdiv.analyze.markdown import DASH, fmt, markdown_table, verdict
 from layerdiv.analyze.registry import Analysis, Context, ReportContext, not_extracted
 from layerdiv.errors import LayerdivError
+from layerdiv.measurements.states import WORDS
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import DEFAULT_REVISION, MODEL_KEY, PartitionKey
 from layerdiv.store.paths import slug
@@ -163,14 +164,24 @@ def _find(parts: list[PartitionInfo], name: str, task: str) -> PartitionInfo:
     return found[0]
 
 
-def _check_rows(a: PartitionInfo, b: PartitionInfo, ka: np.ndarray, ta: np.ndarray,
-                kb: np.ndarray, tb: np.ndarray) -> None:  # fmt: skip
-    """Refuse two partitions whose stored (doc, pos, token) differ, naming the first row that
-    does."""
+def _paired_rows(a: PartitionInfo, b: PartitionInfo, ra: States, rb: States) -> np.ndarray | None:
+    """The (row of ``a``, row of ``b``) pairs a map is fitted on (n, 2): None (every row) where both
+    partitions store the same (doc, pos, token) rows; else, where both stored their word ends
+    (``--states words``: two tokenizers), the rows whose tokens end at the same character of
+    the same document (``char_end``, methods §11). Refuses two partitions that share no such
+    rows, naming the first row that differs."""
+    (ka, ta, _, ca), (kb, tb, _, cb) = ra, rb
     n = min(len(ka), len(kb))
     same = (ka[:n] == kb[:n]).all(axis=1) & (ta[:n] == tb[:n])
     if n == len(ka) == len(kb) and same.all():
-        return
+        return None
+    if all(p.manifest.settings.get("states", {}).get("states") == WORDS for p in (a, b)):
+        left = pl.DataFrame({"doc": ka[:, 0], "char_end": ca, "a": np.arange(len(ka))})
+        right = pl.DataFrame({"doc": kb[:, 0], "char_end": cb, "b": np.arange(len(kb))})
+        on = ["doc", "char_end"]
+        both = left.filter(pl.col("char_end") >= 0).join(right, on=on).sort(on)
+        if both.height:
+            return both.select("a", "b").to_numpy()
     r = int(np.argmin(same)) if not same.all() else n
 
     def row(k: np.ndarray, t: np.ndarray) -> str:
@@ -179,7 +190,9 @@ def _check_rows(a: PartitionInfo, b: PartitionInfo, ka: np.ndarray, ta: np.ndarr
     raise MapsError(
         f"--maps {a.manifest.model}:{b.manifest.model} on task {a.task}: stored row {r} is "
         f"{row(ka, ta)} in the first and {row(kb, tb)} in the second (another tokenizer, "
-        "--states K or --states-seed, or other documents); extract both alike"
+        "--states K or --states-seed, or other documents) and no row of the two ends at the same "
+        "character of a document; extract both alike, or both with --states words (word "
+        "ends, shared by any two tokenizers)"
     )
 
 
@@ -216,8 +229,9 @@ def ridges(value: object) -> tuple[float, ...]:
     return (ridge,)
 
 
-States = tuple[np.ndarray, np.ndarray, np.ndarray]
-"""A partition's stored (doc, pos) rows, their token ids and states (``PartitionInfo.states``)."""
+States = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""A partition's stored (doc, pos) rows, their token ids, states and where their tokens end in
+the text (``PartitionInfo.states``)."""
 
 
 def pair_table(
@@ -230,9 +244,11 @@ def pair_table(
     for p in (a, b):
         if p.key not in cache:
             cache[p.key] = p.states()
-    (ka, ta, sa), (kb, tb, sb) = cache[a.key], cache[b.key]
-    _check_rows(a, b, ka, ta, kb, tb)
-    order, n_train, n_held, folds = _split(ka, a.where)
+    (key, _, sa, _), (_, _, sb, _) = cache[a.key], cache[b.key]
+    rows = _paired_rows(a, b, cache[a.key], cache[b.key])
+    if rows is not None:  # two tokenizers: the rows whose tokens end at one character
+        key, sa, sb = key[rows[:, 0]], sa[rows[:, 0]], sb[rows[:, 1]]
+    order, n_train, n_held, folds = _split(key, a.where)
     frames = []
     for space in SPACES:
         updates = space == "updates"

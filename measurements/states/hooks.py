@@ -17,6 +17,8 @@ from layerdiv.extract.hooks import Hooks, unique_blocks
 from layerdiv.measurements import Attachment
 from layerdiv.measurements.states import (
     LARGE_BYTES,
+    WORDS,
+    TokenEnds,
     state_positions,
     state_rows_count,
     states_size,
@@ -41,6 +43,9 @@ class StateCapture(Hooks):
         self.dtype = str(settings["states_dtype"])
         self.last = ctx.kind == "choice"
         """A choice task: the last prompt token alone."""
+        self.ends: Sequence[TokenEnds] | None = ctx.planned
+        """A text task's token ends per document (:func:`~layerdiv.measurements.states.plan_states`;
+        None: no offsets, ``char_end`` null)."""
         self.n_blocks = len(get_module(model, adapter.blocks))
         self.add(model.register_forward_pre_hook(self._ids_hook, with_kwargs=True))
         norm = get_module(model, adapter.final_norm)
@@ -54,21 +59,29 @@ class StateCapture(Hooks):
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None
         self._row_of = np.zeros(0, np.int64)  # the batch row of each kept position
         self._input_ids: torch.Tensor | None = None
-        self._rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+        self._rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]] | None = None
         self._ids: Sequence[int] | None = None
         self._lengths: Sequence[int] = ()
         self._pos: list[np.ndarray] = []  # the sampled positions of each row
+        self._char_end: list[np.ndarray | None] = []  # where their tokens end in the text
 
     def batch(self, ids: Sequence[int] | None, lengths: Sequence[int]) -> None:
         self._ids, self._lengths = ids, lengths
-        self._pos = (
-            []
-            if ids is None
-            else [  # a probe pass (ids None) keeps nothing
-                np.array([n - 1]) if self.last else state_positions(n, self.k, self.seed, doc)
-                for doc, n in zip(ids, lengths, strict=True)
-            ]
-        )
+        units = [] if ids is None else zip(ids, lengths, strict=True)  # a probe pass keeps nothing
+        self._pos = [self._positions(doc, n) for doc, n in units]
+        self._char_end = [
+            None if self.ends is None else self.ends[doc].char_end[pos]
+            for doc, pos in zip(ids or [], self._pos, strict=True)
+        ]
+
+    def _positions(self, doc: int, n: int) -> np.ndarray:
+        """The stored positions of unit ``doc`` of ``n`` tokens (methods §11)."""
+        if self.last:
+            return np.array([n - 1])
+        if self.k == WORDS:
+            assert self.ends is not None  # the plan refuses words without offsets
+            return np.flatnonzero(self.ends[doc].word_end[:n][1:]) + 1
+        return state_positions(n, self.k, self.seed, doc)
 
     def _ids_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
         if self._ids is not None and self._input_ids is None:
@@ -107,8 +120,10 @@ class StateCapture(Hooks):
         ids, width = self._input_ids.cpu().numpy(), self._input_ids.shape[1]
         ends = np.cumsum([len(p) for p in self._pos])
         self._rows = [
-            (pos, ids[row, width - n + pos], values[end - len(pos) : end])
-            for row, (pos, n, end) in enumerate(zip(self._pos, self._lengths, ends, strict=True))
+            (pos, ids[row, width - n + pos], values[end - len(pos) : end], chars)
+            for row, (pos, n, end, chars) in enumerate(
+                zip(self._pos, self._lengths, ends, self._char_end, strict=True)
+            )
         ]
         self._h = []
 
