@@ -56,6 +56,9 @@ History:
 - 8: ``igrad``'s ``attribution``, ``igrad_ends``' ``f_input`` and ``f_baseline`` and
   ``erasure``'s ``effect`` may be null: a document without a measurable answer (``max_tokens``
   cut it off entirely) is stored as missing, not as 0 (version 7 stored 0).
+- 9: optional tables ``token_lens_ls`` and ``token_lens_tuned`` (``extract --lens-ls FILE``,
+  ``--lens-tuned FILE``: the lens statistics of a text task under a learned lens, methods §17;
+  the columns of ``token_lens``; the translators' kind and fingerprint in the settings).
 
 The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``revision``, ``task``) are not
 stored inside the files: they come from the directory names
@@ -72,7 +75,7 @@ import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 """Version of the on-disk layout and of the column sets below (the one this code writes)."""
 
 OLDEST_READABLE = 1
@@ -363,6 +366,20 @@ TOKEN_LENS = _schema("token_lens", [*_TOKEN_LENS_FIELDS_V5, *LENS_RANKS])
   y_p at position p.
 """
 
+LEARNED_LENS_KINDS = ("ls", "tuned")
+"""The learned lenses (methods §17), each stored in a table of its own (:data:`LEARNED_LENS`)."""
+
+LEARNED_LENS = {
+    kind: _schema(f"token_lens_{kind}", [*_TOKEN_LENS_FIELDS_V5, *LENS_RANKS])
+    for kind in LEARNED_LENS_KINDS
+}
+"""Optional (``extract --lens-ls FILE``, ``--lens-tuned FILE`` on a text task; version 9): the
+columns of :data:`TOKEN_LENS` under the learned lens of that kind, p_l^T = softmax(W_U
+norm(A_l h_l + b_l)) for l = 0..L-1 (methods §17); layer L is the model's own output, as in
+``token_lens``. One table per kind, so that a partition holds the logit lens and both learned
+lenses of the same tokens, each added to stored chunks without recomputing the others.
+"""
+
 SUBLAYERS = ("block", "attn", "mlp")
 """What a future-effects row skipped: the whole block, its attention or its MLP sublayer."""
 
@@ -612,6 +629,7 @@ TABLES = {
     "tokens": TOKENS,
     "token_blocks": TOKEN_BLOCKS,
     "token_lens": TOKEN_LENS,
+    **{str(s.metadata[b"layerdiv.table"].decode()): s for s in LEARNED_LENS.values()},
     "future_effects": FUTURE_EFFECTS,
     "future_output": FUTURE_OUTPUT,
     "states": STATES,
@@ -704,6 +722,12 @@ RULES: dict[str, Rules] = {
     "heads": Rules(bounds={"layer": (0, "L-1")}),
     "lens": Rules(grid=(("layer", "states"),), bounds=_LENS_RULES),
     "token_lens": Rules(grid=(("pos", "tokens"), ("layer", "states")), bounds=_LENS_RULES),
+    **{
+        f"token_lens_{kind}": Rules(
+            grid=(("pos", "tokens"), ("layer", "states")), bounds=_LENS_RULES
+        )
+        for kind in LEARNED_LENS_KINDS
+    },
     "future_effects": Rules(
         bounds={"skipped": (0, "L-1"), "block": (0, "L-1"), "rel_change": NONNEGATIVE}
     ),
