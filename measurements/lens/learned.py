@@ -17,6 +17,7 @@ the same for every lens of a partition; none from fewer than
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -185,15 +186,23 @@ def summary_rows(table: pl.DataFrame, names: Mapping[str, str]) -> list[list[str
     )
 
 
-def overlaps(a: tuple[float | None, float | None], b: tuple[float | None, float | None]) -> bool:
-    """Whether two intervals (low, high) share a point (both given)."""
-    return a[0] is not None and b[0] is not None and a[0] <= b[1] and b[0] <= a[1]  # type: ignore[operator]
+def agreement(base: Mapping[str, Any], other: Mapping[str, Any], column: str) -> bool | None:
+    """Whether a depth finding under another lens (``other``'s row) agrees with the logit lens's
+    (``base``): both without a value (no crossing), or both intervals given and overlapping;
+    None where it cannot be told (an interval missing, the values not equal)."""
+    a, b = base[column], other[column]
+    if a is None or b is None:
+        return a is None and b is None
+    ends = (base["ci_low"], base["ci_high"], other["ci_low"], other["ci_high"])
+    if any(e is None for e in ends):
+        return True if a == b else None
+    return bool(ends[0] <= ends[3] and ends[2] <= ends[1])
 
 
 def verdicts(ctx: ReportContext, lenses: pl.DataFrame) -> list[str]:
     """Per (model, task) holding a learned lens, a line per depth finding (decided-at depth of all
     tokens, ED_KL, ED_top5): its value and interval under each lens, and whether it holds under
-    every lens stored (each learned lens's interval overlaps the logit lens's)."""
+    every lens stored (:func:`agreement` with the logit lens's)."""
     found = []
     decided = ctx.tables.get("decided_depth")
     if decided is not None:
@@ -217,16 +226,18 @@ def verdicts(ctx: ReportContext, lenses: pl.DataFrame) -> list[str]:
                 f"{fmt(r['ci_high'], digits=3)}]"
                 for lens, r in sorted(rows.items())
             ]
-            base = (rows["logit"]["ci_low"], rows["logit"]["ci_high"])
-            differ = [
-                lens for lens, r in sorted(rows.items())
-                if lens != "logit" and not overlaps(base, (r["ci_low"], r["ci_high"]))
-            ]  # fmt: skip
-            verdict = (
-                "**holds under every lens stored**"
-                if not differ
-                else f"**differs under the {', '.join(differ)} lens** (intervals apart or missing)"
-            )
+            told = {lens: agreement(rows["logit"], r, column) for lens, r in rows.items()}
+            differ = [lens for lens, agrees in sorted(told.items()) if agrees is False]
+            unknown = [lens for lens, agrees in sorted(told.items()) if agrees is None]
+            if differ:
+                verdict = (
+                    f"**differs under the {', '.join(differ)} lens** (intervals apart, or a "
+                    "crossing under one lens only)"
+                )
+            elif unknown:
+                verdict = f"cannot be told under the {', '.join(unknown)} lens (no interval)"
+            else:
+                verdict = "**holds under every lens stored**"
             lines.append(f"- {label}, {name}: {'; '.join(cells)}: {verdict}.")
     return lines
 
@@ -258,7 +269,8 @@ def report(ctx: ReportContext) -> str:
                 lambda: comparison_figure(table, plots.short_names(ctx.names)),
             ),
             "Depth findings under each lens (value [95% interval]); a finding holds where every "
-            "learned lens's interval overlaps the logit lens's:\n\n" + "\n".join(lines)
+            "learned lens's interval overlaps the logit lens's (or neither has a crossing):\n\n"
+            + "\n".join(lines)
             if lines
             else "",
         ]
