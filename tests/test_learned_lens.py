@@ -171,3 +171,37 @@ def test_a_least_squares_lens_matches_an_independent_float64_readout(
     # a fitted lens is closer to the output than the logit lens at the first block input
     first = pl.col("layer") == 0
     assert rows.filter(first)["kl"].mean() < logit.filter(first)["kl"].mean()  # type: ignore[operator]
+
+
+def test_shards_merge_with_the_same_translators_only(tmp_path: Path, model_dirs: Any) -> None:
+    task = text_task(tmp_path / "task", random_texts(4, seed=4), max_tokens=12)
+    model = str(model_dirs("llama"))
+    file = tmp_path / "ls.safetensors"
+
+    def shard(i: int, store: str, t: Translators) -> None:
+        save_translators(file, t)
+        out = extract("--model", model, "--task", str(task), "--store", str(tmp_path / store),
+                      "--chunk-size", "2", "--shard", f"{i}/2", "--lens-ls", str(file))  # fmt: skip
+        assert out.exit_code == 0, out.output
+
+    probe = ["--model", model, "--task", str(task), "--store", str(tmp_path / "probe")]
+    assert extract(*probe, "--limit", "1").exit_code == 0
+    m = Store(tmp_path / "probe").partitions[0].manifest
+    assert m.hidden_size is not None
+    t = identity(m.weights_fingerprint, m.n_blocks, m.hidden_size)
+    fingerprint = m.weights_fingerprint
+    other = Translators("ls", t.A, t.b + 0.5, fingerprint, "train")
+    shard(0, "a", t)
+    shard(1, "b", t)
+    shard(1, "c", other)
+
+    def merge(*stores: str) -> Any:
+        paths = [str(tmp_path / s) for s in stores]
+        into = str(tmp_path / f"m-{''.join(stores)}")
+        return CliRunner().invoke(main, ["merge", *paths, "--into", into])
+
+    assert merge("a", "b").exit_code == 0
+    (info,) = Store(tmp_path / "m-ab").partitions
+    assert info.n_done == 4 and info.tables == ["token_lens_ls"] and not info.incomplete()
+    refused = merge("a", "c")
+    assert refused.exit_code != 0 and "lens_ls" in refused.output, refused.output

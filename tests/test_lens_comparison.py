@@ -13,6 +13,9 @@ import polars as pl
 
 from layerdiv.analyze.api import analyze
 from layerdiv.analyze.report import write_report
+from layerdiv.extract.config import ExtractConfig, measurement_options
+from layerdiv.extract.runner import run_extract
+from layerdiv.measurements.lens import learned_lens_measures
 from layerdiv.store import Store
 from layerdiv.store.translators import Translators, save_translators
 from tests.test_learned_lens import identity
@@ -35,9 +38,11 @@ def lensed_store(tmp_path: Path, model_dirs: Any, tuned_task: str) -> Path:
     tuned = Translators("tuned", ls.A + noise, ls.b, m.weights_fingerprint, tuned_task)
     save_translators(tmp_path / "ls.safetensors", ls)
     save_translators(tmp_path / "tuned.safetensors", tuned)
-    out = extract(*args, "--lens-ls", str(tmp_path / "ls.safetensors"),
-                  "--lens-tuned", str(tmp_path / "tuned.safetensors"))  # fmt: skip
-    assert out.exit_code == 0, out.output
+    # through the Python API, as the demo adds them
+    files = {"ls": tmp_path / "ls.safetensors", "tuned": tmp_path / "tuned.safetensors"}
+    measures = {**measurement_options({"lens": "final"}), **learned_lens_measures(files)}
+    config = ExtractConfig(str(model_dirs("llama")), [str(task)], store, measures=measures)
+    assert [s.n_added for s in run_extract(config)] == [8]
     return store
 
 

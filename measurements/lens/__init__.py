@@ -8,6 +8,7 @@ per-token capture (which keeps the states it reads)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import click
@@ -259,3 +260,13 @@ def stored_lenses(info: Any) -> list[tuple[str, str]]:
     return out + [
         (k, learned_table(k)) for k in LEARNED_LENS_KINDS if learned_table(k) in info.tables
     ]
+
+
+def learned_lens_measures(files: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ``ExtractConfig.measures`` entries that add the learned lenses of ``files`` (kind ->
+    translators file, as ``layerdiv fit-lens`` writes it) to an extraction through the Python
+    API, as ``--lens-ls FILE`` / ``--lens-tuned FILE`` do (the demo's step)."""
+    unknown = sorted(set(files) - set(LEARNED_LENS_KINDS))
+    if unknown:
+        raise LayerdivError(f"no learned lens of kind {unknown[0]}; use {LEARNED_LENS_KINDS}")
+    return {f"lens_{k}": {f"lens_{k}": str(Path(f).resolve())} for k, f in files.items()}

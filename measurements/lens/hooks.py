@@ -462,7 +462,7 @@ class LearnedTokenLens(TokenLens):
         return {"kind": t.kind, "fingerprint": t.fingerprint, "task": t.task}, {}
 
     def _lens(
-        self, text: TextCapture, h: list[torch.Tensor], final: torch.Tensor, budget: int | None
+        self, text: TextCapture, h: Sequence[torch.Tensor], final: torch.Tensor, budget: int | None
     ) -> torch.Tensor:
         """:meth:`TokenLens._lens` of the translated block inputs (:class:`Translated`)."""
         return super()._lens(text, Translated(h, self.A, self.b), final, budget)
