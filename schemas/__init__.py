@@ -369,16 +369,19 @@ TOKEN_LENS = _schema("token_lens", [*_TOKEN_LENS_FIELDS_V5, *LENS_RANKS])
 LEARNED_LENS_KINDS = ("ls", "tuned")
 """The learned lenses (methods §17), each stored in a table of its own (:data:`LEARNED_LENS`)."""
 
-LEARNED_LENS = {
-    kind: _schema(f"token_lens_{kind}", [*_TOKEN_LENS_FIELDS_V5, *LENS_RANKS])
-    for kind in LEARNED_LENS_KINDS
-}
-"""Optional (``extract --lens-ls FILE``, ``--lens-tuned FILE`` on a text task; version 9): the
-columns of :data:`TOKEN_LENS` under the learned lens of that kind, p_l^T = softmax(W_U
-norm(A_l h_l + b_l)) for l = 0..L-1 (methods §17); layer L is the model's own output, as in
-``token_lens``. One table per kind, so that a partition holds the logit lens and both learned
-lenses of the same tokens, each added to stored chunks without recomputing the others.
-"""
+TOKEN_LENS_LS = _schema("token_lens_ls", [*_TOKEN_LENS_FIELDS_V5, *LENS_RANKS])
+"""Optional (``extract --lens-ls FILE`` on a text task; version 9), the least-squares lens: the
+columns of :data:`TOKEN_LENS` under p_l^T = softmax(W_U norm(A_l h_l + b_l)), l = 0..L-1
+(methods §17); layer L is the model's own output, as in ``token_lens``. A table per learned
+lens, so that a partition holds the logit lens and both learned lenses of the same tokens, each
+added to stored chunks without recomputing the others."""
+
+TOKEN_LENS_TUNED = _schema("token_lens_tuned", [*_TOKEN_LENS_FIELDS_V5, *LENS_RANKS])
+"""Optional (``extract --lens-tuned FILE`` on a text task; version 9), the tuned lens: as
+:data:`TOKEN_LENS_LS`."""
+
+LEARNED_LENS = {"ls": TOKEN_LENS_LS, "tuned": TOKEN_LENS_TUNED}
+"""The table of each learned lens (:data:`LEARNED_LENS_KINDS`)."""
 
 SUBLAYERS = ("block", "attn", "mlp")
 """What a future-effects row skipped: the whole block, its attention or its MLP sublayer."""
@@ -629,7 +632,8 @@ TABLES = {
     "tokens": TOKENS,
     "token_blocks": TOKEN_BLOCKS,
     "token_lens": TOKEN_LENS,
-    **{str(s.metadata[b"layerdiv.table"].decode()): s for s in LEARNED_LENS.values()},
+    "token_lens_ls": TOKEN_LENS_LS,
+    "token_lens_tuned": TOKEN_LENS_TUNED,
     "future_effects": FUTURE_EFFECTS,
     "future_output": FUTURE_OUTPUT,
     "states": STATES,

@@ -100,8 +100,10 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
     )
     return {
         "token_lens": token_lens_table(docs, n_tok, lens),
-        **{learned_table(k): token_lens_table(docs, n_tok, lens, LEARNED_LENS[k])
-           for k in LEARNED_LENS_KINDS},  # fmt: skip
+        **{
+            learned_table(k): token_lens_table(docs, n_tok, lens, LEARNED_LENS[k])
+            for k in LEARNED_LENS_KINDS
+        },
         **future_tables(
             doc,
             split,

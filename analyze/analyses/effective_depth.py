@@ -227,11 +227,11 @@ def partition_depth(info: PartitionInfo, lens: bool) -> pl.DataFrame:
     docs, cos_sum, cos_count = cosine_sums(info)
     weights = resample_weights(len(docs))
     found: list[tuple[str | None, str, np.ndarray, np.ndarray]] = []
-    for name, table in stored_lenses(info) if lens else []:
-        means, present = lens_means(info, docs, table)
+    for kind, source in stored_lenses(info) if lens else []:
+        means, present = lens_means(info, docs, source)
         point = depths(np.ones((1, len(docs))), cos_sum, cos_count, means, present)
         samples = depths(weights, cos_sum, cos_count, means, present)
-        found += [(name, m, point[m], samples[m]) for m in MEASURES[1:]]
+        found += [(kind, m, point[m], samples[m]) for m in MEASURES[1:]]
     point = depths(np.ones((1, len(docs))), cos_sum, cos_count, None, None)
     samples = depths(weights, cos_sum, cos_count, None, None)
     found.insert(0, (None, "cos", point["cos"], samples["cos"]))

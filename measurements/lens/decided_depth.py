@@ -143,10 +143,11 @@ def partition_decided(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
     return pl.concat([t for t, _ in pairs]), pl.concat([h for _, h in pairs])
 
 
-def lens_decided(info: PartitionInfo, lens: str, table: str) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """``decided_depth`` and ``decided_depth_hist`` of one text partition under one lens."""
+def lens_decided(info: PartitionInfo, lens: str, source: str) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``decided_depth`` and ``decided_depth_hist`` of one text partition under one lens, read
+    from its table ``source``."""
     blocks = info.manifest.n_blocks
-    tokens = token_groups(info, table)
+    tokens = token_groups(info, source)
     if not tokens.height:
         raise NoData(f"{info.where} has no token with a next token")
     docs = np.unique(tokens["doc"].to_numpy())
