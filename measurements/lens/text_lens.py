@@ -171,6 +171,13 @@ _LENS_MEANS = [*LENS, "uniform_ce"]
 """What the figure averages over a model's tasks, per layer (each lens readout apart: readouts are
 never averaged together)."""
 
+LEARNED = (
+    " Lenses `ls` and `tuned`: learned lenses (methods §17), the same block inputs read after a "
+    "per-block affine translator; the section on the logit and learned lenses sets them side by "
+    "side with intervals."
+)
+"""The sentence of the section where a partition holds a learned lens."""
+
 UNIFORM = (
     "A lens can be worse than uniform: reading an early state h_l through the final norm and "
     "unembedding, which were trained on the last layer's states, gives a confident distribution "
@@ -258,7 +265,8 @@ def report(ctx: ReportContext) -> str:
             "document, then over documents; where the same model has choice tasks extracted "
             "with `--lens`, the figure draws their last prompt token beside (dashed: where the "
             "answer is decided against the average token). The dotted line is the uniform "
-            f"distribution's cross-entropy log V (V the vocabulary). {UNIFORM}",
+            f"distribution's cross-entropy log V (V the vocabulary). {UNIFORM}"
+            + (LEARNED if table["lens"].is_in(LEARNED_LENS_KINDS).any() else ""),
             markdown_table(header, rows),
             plots.figure_link(
                 ctx,
