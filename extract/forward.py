@@ -109,7 +109,8 @@ class ModelRunner:
         )
         """The task kind's own capture: a text task's per-token dot products (methods §9), a
         choice task's last-token decomposition (methods §1)."""
-        base = Attachment(model, adapter, kind, {}, self.readout, tuple(option_ids), tuple(gold))
+        base = Attachment(model, adapter, kind, {}, self.readout, tuple(option_ids), tuple(gold),
+                          weights_fingerprint=loaded.source.weights_fingerprint)  # fmt: skip
         self.measures = self._attach(base, measures or {}, planned or {})
         """The registered measurements' hooks (``layerdiv.measurements.Measurement.attach``)."""
         self.graded = {m.name for m in registered() if m.needs_grad and m.name in self.measures}

@@ -150,6 +150,9 @@ class Attachment:
     planned: Any = None
     """What the measurement's check of the plan (:attr:`Measurement.plan`) gave, for its
     hooks (the future effects: each document's answer span)."""
+    weights_fingerprint: str = ""
+    """The model's weights fingerprint (``Manifest.weights_fingerprint``): hooks that read
+    something fitted on one model's weights (a learned lens's translators) check it."""
 
 
 class AnswerSpan(NamedTuple):

@@ -59,7 +59,10 @@ History:
 - 9: ``states`` gains ``char_end`` (the character offset in the document's text where the
   row's token ends; a text task's rows, null on a choice task and in older parts) and
   ``--states words`` stores the states at word ends: what two models with different tokenizers
-  share, so that ``--maps`` can pair their rows by (doc, char_end).
+  share, so that ``--maps`` can pair their rows by (doc, char_end). Optional tables
+  ``token_lens_ls`` and ``token_lens_tuned`` (``extract --lens-ls FILE``, ``--lens-tuned
+  FILE``: the lens statistics of a text task under a learned lens, methods §17; the columns of
+  ``token_lens``; the translators' kind and fingerprint in the settings).
 
 The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``revision``, ``task``) are not
 stored inside the files: they come from the directory names
@@ -367,6 +370,23 @@ TOKEN_LENS = _schema("token_lens", [*_TOKEN_LENS_FIELDS_V5, *LENS_RANKS])
   y_p at position p.
 """
 
+LEARNED_LENS_KINDS = ("ls", "tuned")
+"""The learned lenses (methods §17), each stored in a table of its own (:data:`LEARNED_LENS`)."""
+
+TOKEN_LENS_LS = _schema("token_lens_ls", [*_TOKEN_LENS_FIELDS_V5, *LENS_RANKS])
+"""Optional (``extract --lens-ls FILE`` on a text task; version 9), the least-squares lens: the
+columns of :data:`TOKEN_LENS` under p_l^T = softmax(W_U norm(A_l h_l + b_l)), l = 0..L-1
+(methods §17); layer L is the model's own output, as in ``token_lens``. A table per learned
+lens, so that a partition holds the logit lens and both learned lenses of the same tokens, each
+added to stored chunks without recomputing the others."""
+
+TOKEN_LENS_TUNED = _schema("token_lens_tuned", [*_TOKEN_LENS_FIELDS_V5, *LENS_RANKS])
+"""Optional (``extract --lens-tuned FILE`` on a text task; version 9), the tuned lens: as
+:data:`TOKEN_LENS_LS`."""
+
+LEARNED_LENS = {"ls": TOKEN_LENS_LS, "tuned": TOKEN_LENS_TUNED}
+"""The table of each learned lens (:data:`LEARNED_LENS_KINDS`)."""
+
 SUBLAYERS = ("block", "attn", "mlp")
 """What a future-effects row skipped: the whole block, its attention or its MLP sublayer."""
 
@@ -624,6 +644,8 @@ TABLES = {
     "tokens": TOKENS,
     "token_blocks": TOKEN_BLOCKS,
     "token_lens": TOKEN_LENS,
+    "token_lens_ls": TOKEN_LENS_LS,
+    "token_lens_tuned": TOKEN_LENS_TUNED,
     "future_effects": FUTURE_EFFECTS,
     "future_output": FUTURE_OUTPUT,
     "states": STATES,
@@ -716,6 +738,12 @@ RULES: dict[str, Rules] = {
     "heads": Rules(bounds={"layer": (0, "L-1")}),
     "lens": Rules(grid=(("layer", "states"),), bounds=_LENS_RULES),
     "token_lens": Rules(grid=(("pos", "tokens"), ("layer", "states")), bounds=_LENS_RULES),
+    **{
+        f"token_lens_{kind}": Rules(
+            grid=(("pos", "tokens"), ("layer", "states")), bounds=_LENS_RULES
+        )
+        for kind in LEARNED_LENS_KINDS
+    },
     "future_effects": Rules(
         bounds={"skipped": (0, "L-1"), "block": (0, "L-1"), "rel_change": NONNEGATIVE}
     ),

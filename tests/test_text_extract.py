@@ -5,6 +5,7 @@ and the refusals of bad input."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -268,10 +269,12 @@ def test_smollm2_on_bbc_news_matches_an_independent_float64_forward(tmp_path: Pa
     check_against_reference(store, loaded.model, tokenizer, texts, 48)
 
 
-def reference_lens(model: Any, ids: list[int]) -> np.ndarray:
+def reference_lens(
+    model: Any, ids: list[int], translate: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+) -> np.ndarray:
     """(T, L + 1, 3) kl, top5_overlap, ce of the logit lens of one document, float64: p_l from
-    the final norm, unembedding and final soft-cap of ``output_hidden_states`` l < L, p_L the
-    model's logits."""
+    the final norm, unembedding and final soft-cap of ``output_hidden_states`` l < L (each
+    ``translate(l, h_l)`` first where given: a learned lens), p_L the model's logits."""
     cap = getattr(model.config, "final_logit_softcapping", None)
     adapter = adapter_for(prepare_model(model).config)
     norm, head = get_module(model, adapter.final_norm), model.get_output_embeddings()
@@ -284,7 +287,10 @@ def reference_lens(model: Any, ids: list[int]) -> np.ndarray:
         out = model(torch.tensor([ids]), output_hidden_states=True)
         n = len(get_module(model, adapter.blocks))
         final = torch.log_softmax(out.logits[0], -1)
-        layers = [torch.log_softmax(readout(out.hidden_states[i][0]), -1) for i in range(n)]
+        states = [out.hidden_states[i][0] for i in range(n)]
+        if translate is not None:
+            states = [translate(i, h) for i, h in enumerate(states)]
+        layers = [torch.log_softmax(readout(h), -1) for h in states]
     rows = []
     top_final = set_rows(final)
     for logp in [*layers, final]:

@@ -31,10 +31,10 @@ from layerdiv.measurements import optional_tables, tables_of
 from layerdiv.measurements.erase import erasure_rows
 from layerdiv.measurements.future import future_tables
 from layerdiv.measurements.igrad import IgradRows, igrad_rows
-from layerdiv.measurements.lens import token_lens_table
+from layerdiv.measurements.lens import learned_table, token_lens_table
 from layerdiv.measurements.sinks import sink_rows
 from layerdiv.measurements.states import states_table
-from layerdiv.schemas import SCHEMA_VERSION
+from layerdiv.schemas import LEARNED_LENS, LEARNED_LENS_KINDS, SCHEMA_VERSION
 from layerdiv.store import Manifest, PartitionWriter, Store, StoreError
 from layerdiv.store.manifest import read_manifest
 from layerdiv.store.paths import OverlappingParts
@@ -88,21 +88,22 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
     doc = [d for d in docs for _ in range(BLOCKS)]
     skipped = [s for _ in docs for s in range(BLOCKS)]
     split, sublayer = [8] * len(doc), ["block"] * len(doc)
+    lens = np.stack(
+        [
+            rng.uniform(size=(total, BLOCKS + 1)),
+            np.ones((total, BLOCKS + 1)),
+            np.ones((total, BLOCKS + 1)),
+            rng.integers(0, 100, (total, BLOCKS + 1)),
+            ce,
+        ],
+        axis=-1,
+    )
     return {
-        "token_lens": token_lens_table(
-            docs,
-            n_tok,
-            np.stack(
-                [
-                    rng.uniform(size=(total, BLOCKS + 1)),
-                    np.ones((total, BLOCKS + 1)),
-                    np.ones((total, BLOCKS + 1)),
-                    rng.integers(0, 100, (total, BLOCKS + 1)),
-                    ce,
-                ],
-                axis=-1,
-            ),
-        ),
+        "token_lens": token_lens_table(docs, n_tok, lens),
+        **{
+            learned_table(k): token_lens_table(docs, n_tok, lens, LEARNED_LENS[k])
+            for k in LEARNED_LENS_KINDS
+        },
         **future_tables(
             doc,
             split,
@@ -314,8 +315,8 @@ def query(store: Path, *sql: str) -> Any:
 
 
 TEXT_VIEWS = (
-    "documents, tokens, token_blocks, token_lens, future_effects, future_output, igrad, "
-    "igrad_ends, erasure, sinks, manifests"
+    "documents, tokens, token_blocks, token_lens, token_lens_ls, token_lens_tuned, "
+    "future_effects, future_output, igrad, igrad_ends, erasure, sinks, manifests"
 )
 
 

@@ -19,8 +19,13 @@ lens: per-document means) and then the scalar; the 2.5 and 97.5 percentiles of t
 resamples that have one (none where the data themselves have no crossing, or below
 :data:`~layerdiv.analyze.stats.MIN_INTERVAL_N` documents).
 
-Table ``effective_depth``: per (model, revision, task, ``measure``): ``step`` (the revision's
-training step, null where unknown), ``n_blocks`` L, ``n_documents``, ``ed``, ``ratio``,
+Under every lens a partition holds (methods §17: the logit lens, and each learned lens stored with
+``--lens-ls`` / ``--lens-tuned``), ED_KL and ED_top5 are computed from that lens's table, with the
+same resamples of the documents.
+
+Table ``effective_depth``: per (model, revision, task, ``measure``, ``lens``): ``lens`` the lens
+that ED_KL and ED_top5 read (``logit``, ``ls``, ``tuned``; null for ED_cos), ``step`` (the
+revision's training step, null where unknown), ``n_blocks`` L, ``n_documents``, ``ed``, ``ratio``,
 ``ci_low``, ``ci_high``, and ``defined`` (the share of resamples with a crossing).
 """
 
@@ -61,7 +66,7 @@ from layerdiv.analyze.text import (
     token_dots,
     token_geometry,
 )
-from layerdiv.measurements.lens import readout_of
+from layerdiv.measurements.lens import readout_of, stored_lenses
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY, MODEL_KEY, SERIES
 
@@ -85,6 +90,7 @@ WIDE = 3
 SCHEMA = {
     **dict.fromkeys(KEY, pl.String),
     "measure": pl.String,
+    "lens": pl.String,
     "step": pl.Int64,
     "n_blocks": pl.Int64,
     "n_documents": pl.Int64,
@@ -163,12 +169,14 @@ def cosine_sums(info: PartitionInfo) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return found, total, count
 
 
-def lens_means(info: PartitionInfo, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Of ``info``'s ``token_lens``, per document of ``docs`` (D,) and layer l = 0..L-1 the
+def lens_means(
+    info: PartitionInfo, docs: np.ndarray, table: str = "token_lens"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Of ``info``'s lens ``table``, per document of ``docs`` (D,) and layer l = 0..L-1 the
     means over its positions of ``kl`` and ``top5_overlap`` (D, 2, L; methods §9), and whether the
     document has lens rows (D,)."""
     blocks = info.manifest.n_blocks
-    frames = batches(info, "token_lens", ["doc", "layer", *LENS], LENS_ROWS)
+    frames = batches(info, table, ["doc", "layer", *LENS], LENS_ROWS)
     means = document_means(frames).filter(pl.col("layer") < blocks)
     doc = means["doc"].to_numpy()
     index = np.searchsorted(docs, doc)
@@ -213,15 +221,23 @@ def depths(
 
 def partition_depth(info: PartitionInfo, lens: bool) -> pl.DataFrame:
     """The ``effective_depth`` rows of one text partition (without ``step``); ``lens``: whether
-    to read its final lens for ED_KL and ED_top5."""
+    to read its lenses (:func:`~layerdiv.measurements.lens.stored_lenses`) for ED_KL and
+    ED_top5, each under the same resamples of the documents."""
     blocks = info.manifest.n_blocks
     docs, cos_sum, cos_count = cosine_sums(info)
-    means, present = lens_means(info, docs) if lens else (None, None)
-    point = depths(np.ones((1, len(docs))), cos_sum, cos_count, means, present)
-    samples = depths(resample_weights(len(docs)), cos_sum, cos_count, means, present)
+    weights = resample_weights(len(docs))
+    found: list[tuple[str | None, str, np.ndarray, np.ndarray]] = []
+    for kind, source in stored_lenses(info) if lens else []:
+        means, present = lens_means(info, docs, source)
+        point = depths(np.ones((1, len(docs))), cos_sum, cos_count, means, present)
+        samples = depths(weights, cos_sum, cos_count, means, present)
+        found += [(kind, m, point[m], samples[m]) for m in MEASURES[1:]]
+    point = depths(np.ones((1, len(docs))), cos_sum, cos_count, None, None)
+    samples = depths(weights, cos_sum, cos_count, None, None)
+    found.insert(0, (None, "cos", point["cos"], samples["cos"]))
     rows = []
-    for measure, ed in point.items():
-        ratio = (samples[measure] + 1) / blocks
+    for name, measure, ed, sampled in found:
+        ratio = (sampled + 1) / blocks
         # no interval around an estimate that does not exist (``defined`` still tells how many
         # resamples found a crossing), nor from fewer than MIN_INTERVAL_N documents
         given = np.isfinite(ed[0]) and len(docs) >= MIN_INTERVAL_N
@@ -230,6 +246,7 @@ def partition_depth(info: PartitionInfo, lens: bool) -> pl.DataFrame:
             {
                 **dict(info.key.items()),
                 "measure": measure,
+                "lens": name,
                 "n_blocks": blocks,
                 "n_documents": len(docs),
                 "ed": None if np.isnan(ed[0]) else int(ed[0]),
@@ -268,7 +285,7 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
         .join(steps, on=[*MODEL_KEY], how="left")
         .select(list(SCHEMA))
         .cast(SCHEMA)  # type: ignore[arg-type]
-        .sort(*KEY, pl.col("measure").replace_strict(MEASURES, range(len(MEASURES))))
+        .sort(*KEY, pl.col("measure").replace_strict(MEASURES, range(len(MEASURES))), "lens")
     )
     return {"effective_depth": table}
 
@@ -278,10 +295,14 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
 
 def ratio_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
     """One panel per measure: each model's (ED + 1) / L with its bootstrap interval, a colour per
-    task, models side by side (methods §15)."""
+    task (and lens, where a partition holds several: methods §17), models side by side (methods
+    §15)."""
     models = sorted(table["model"].unique())
     labels = [names.get(m, m) for m in models]
-    tasks = sorted(table["task"].unique())
+    lensed = table.filter(pl.col("lens").is_not_null())
+    several = lensed.select(pl.col("lens").n_unique()).item() > 1
+    tasks = [(t, lens) for t in sorted(table["task"].unique())
+             for lens in (sorted(lensed["lens"].unique()) if several else [None])]  # fmt: skip
     color = dict(zip(tasks, plots.colors(len(tasks)), strict=False))
     panels = []
     for measure in MEASURES:
@@ -289,16 +310,20 @@ def ratio_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
         panel = plots.Panel(
             TITLES[measure], xlabel="model", ylabel="(ED + 1) / L", yrange=(0, 1.05)
         )
-        for task in tasks:
+        for task, lens in tasks:
             sub = rows.filter(pl.col("task") == task)
+            if lens is not None and measure != "cos":
+                sub = sub.filter(pl.col("lens") == lens)
+            elif lens is not None and lens != "logit":
+                continue  # ED_cos reads no lens: once per task
             sub = sub.sort(pl.col("model").replace_strict(models, range(len(models))))
             if sub.height:
                 panel.series.append(
                     plots.Series(
-                        task,
+                        task if lens is None or measure == "cos" else f"{task} · {lens} lens",
                         [labels[models.index(m)] for m in sub["model"]],
                         sub["ratio"].to_list(),
-                        color=color[task],
+                        color=color[(task, lens)],
                         line=False,
                         interval=plots.interval_ends(sub),
                     )
@@ -319,8 +344,9 @@ def ratio_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
 
 def step_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
     """One panel per measure: (ED + 1) / L with its interval against the training step, a line per
-    (model, task) through its revisions with a recorded step."""
-    known = table.filter(pl.col("step").is_not_null(), pl.col("ratio").is_not_null())
+    (model, task) through its revisions with a recorded step (the logit lens's ED_KL, ED_top5)."""
+    logit = pl.col("lens").is_null() | (pl.col("lens") == "logit")
+    known = table.filter(pl.col("step").is_not_null(), pl.col("ratio").is_not_null(), logit)
     models = sorted(known["model"].unique())
     color = plots.model_colors(models)
     tasks = sorted(known["task"].unique())
@@ -366,6 +392,7 @@ def report(ctx: ReportContext) -> str:
         ctx.names,
         lambda r: [
             r["measure"],
+            r["lens"] or "",
             str(r["n_documents"]),
             "none" if r["ed"] is None else f"{r['ed']} of {r['n_blocks']}",
             fmt(r["ratio"], digits=3),
@@ -373,7 +400,7 @@ def report(ctx: ReportContext) -> str:
             fmt(r["defined"], scale=100, digits=0) + "%",
         ],
     )
-    header = ["Model", "Task", "Measure", "Documents", "ED (block)", "(ED + 1) / L",
+    header = ["Model", "Task", "Measure", "Lens", "Documents", "ED (block)", "(ED + 1) / L",
               f"{LEVEL:g}% CI", "Resamples with one"]  # fmt: skip
     apart = table.with_columns(model_label())  # a model's revisions side by side
     return "\n\n".join(

@@ -8,6 +8,7 @@ per-token capture (which keeps the states it reads)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import click
@@ -22,8 +23,8 @@ from layerdiv.measurements.registry import (
     Setting,
     per_token_and_layer,
 )
+from layerdiv.schemas import LEARNED_LENS, LEARNED_LENS_KINDS, TOKEN_LENS, token_key
 from layerdiv.schemas import LENS as LENS_SCHEMA
-from layerdiv.schemas import TOKEN_LENS, token_key
 
 READOUTS = {"final": ("choice", "text"), "last-block": ("text",)}
 """Each readout of the lens (``--lens NAME``, ``layerdiv.measurements.lens.hooks.LENSES``) and the
@@ -63,10 +64,12 @@ def lens_table(instances: Sequence[int], values: np.ndarray) -> pa.Table:
     )
 
 
-def token_lens_table(docs: Sequence[int], n_tokens: Sequence[int], values: np.ndarray) -> pa.Table:
-    """Rows (doc, pos, layer) of :data:`~layerdiv.schemas.TOKEN_LENS` from ``values``
-    (sum n_tokens, L + 1, len(:data:`LENS_VALUES`)), ``ce`` NaN (stored as null) at each
-    document's last position."""
+def token_lens_table(
+    docs: Sequence[int], n_tokens: Sequence[int], values: np.ndarray, schema: pa.Schema = TOKEN_LENS
+) -> pa.Table:
+    """Rows (doc, pos, layer) of :data:`~layerdiv.schemas.TOKEN_LENS` (or of a learned lens's
+    ``schema``, the same columns) from ``values`` (sum n_tokens, L + 1, len(:data:`LENS_VALUES`)),
+    ``ce`` NaN (stored as null) at each document's last position."""
     n, layers = np.shape(values)[:2]
     doc, pos = token_key(docs, n_tokens)
     return pa.table(
@@ -76,7 +79,7 @@ def token_lens_table(docs: Sequence[int], n_tokens: Sequence[int], values: np.nd
             "layer": pa.array(np.tile(np.arange(layers, dtype=np.int16), n)),
             **lens_columns(values, nullable_ce=True),
         },
-        schema=TOKEN_LENS,
+        schema=schema,
     )
 
 
@@ -151,3 +154,119 @@ LENS = Measurement(
     since={"lens": 4, "token_lens": 4},
     order=40,
 )
+
+
+def learned_table(kind: str) -> str:
+    """The table of the learned lens ``kind`` (``ls``, ``tuned``; methods §17)."""
+    return f"token_lens_{kind}"
+
+
+def translators_of(manifest: Any, kind: str) -> dict[str, Any]:
+    """What a partition's manifest records of its ``kind`` lens's translators (``kind``,
+    ``fingerprint``, the training ``task``, derived by its hooks; empty where it holds none)."""
+    return manifest.settings.get(f"lens_{kind}", {})
+
+
+def plan_learned(plan: Planning) -> Any:
+    """Read the translators a run names (``--lens-ls FILE``, ``--lens-tuned FILE``) before the
+    weights load: refuse a file that cannot be read or trusted, or of another lens kind. They go
+    to the hooks (``Attachment.planned``), which check them against the model's weights."""
+    from layerdiv.store.translators import TranslatorError, load_translators
+
+    name = next(k for k in plan.settings if k.startswith("lens_"))
+    kind, path = name[len("lens_") :], plan.settings[name]
+    if path is None:
+        raise TranslatorError(f"--lens-{kind} needs the translators file: add --lens-{kind} FILE")
+    t = load_translators(path)
+    if t.kind != kind:
+        raise TranslatorError(
+            f"{path} holds {t.kind} translators, not {kind} ones; give it to --lens-{t.kind}"
+        )
+    if t.task == plan.task.name:
+        plan.notes.append(
+            f"the {kind} translators were fitted on task {t.task}: its lens under them is not "
+            "held out (the report says so)"
+        )
+    return t
+
+
+def learned_rows(kind: str) -> Any:
+    """The rows of the ``kind`` lens from its hooks' values: a text task's per-token values as
+    :func:`lens_rows` stores them, in the kind's own table."""
+
+    def rows(units: Sequence[int], values: Sequence[Any]) -> dict[str, pa.Table]:
+        lengths = [len(x) for x in values]
+        v = np.concatenate([np.asarray(x) for x in values])
+        return {learned_table(kind): token_lens_table(units, lengths, v, LEARNED_LENS[kind])}
+
+    return rows
+
+
+def learned_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]) -> float:
+    """FLOPs of a learned lens over a sequence: the translators A_l h + b_l (2 d^2 per token and
+    block) and the logit lens's L + 1 readouts."""
+    return shape.layers * 2 * shape.d**2 * tokens + lens_cost(shape, kind, tokens, {})
+
+
+def learned_lens(kind: str, order: int) -> Measurement:
+    """The measurement of the learned lens ``kind`` (methods §17): ``extract --lens-<kind>
+    FILE`` stores the lens statistics of a text task's tokens under the translators of FILE
+    (``layerdiv fit-lens``) in ``token_lens_<kind>``, beside the logit lens's ``token_lens`` (and
+    added to stored chunks that lack it). The translators' kind, fingerprint and training task
+    are settings its hooks derive once per partition: a resume, a shard or a merge with other
+    translators is refused."""
+    flag, table = f"--lens-{kind}", learned_table(kind)
+    return Measurement(
+        name=f"lens_{kind}",
+        flag=flag,  # declared by its setting (it takes the file)
+        settings=(
+            Setting(
+                f"lens_{kind}",
+                click.Option(
+                    [flag, f"lens_{kind}"],
+                    type=click.Path(dir_okay=False, resolve_path=True),
+                    default=None,
+                    help=f"Also store the lens statistics of a text task under the {kind} lens "
+                    f"of this translators file (`layerdiv fit-lens --kind {kind}`), beside the "
+                    "logit lens's.",
+                ),
+                None,
+            ),
+        ),
+        tables={"text": (table,)},
+        readout=("text",),
+        attach="layerdiv.measurements.lens.hooks:learned_lens_hooks",
+        rows=learned_rows(kind),
+        check_rows=per_token_and_layer(table),
+        cost=learned_cost,
+        plan=plan_learned,
+        since={table: 9},
+        order=order,
+    )
+
+
+LEARNED = {kind: learned_lens(kind, 41 + i) for i, kind in enumerate(LEARNED_LENS_KINDS)}
+"""The learned lenses' measurements by kind (entry points ``lens_ls``, ``lens_tuned``)."""
+LENS_LS, LENS_TUNED = LEARNED["ls"], LEARNED["tuned"]
+
+
+def stored_lenses(info: Any) -> list[tuple[str, str]]:
+    """(lens, table) of each lens that a text partition (``layerdiv.store.PartitionInfo``) holds
+    complete and that the depth measures read (methods §15-17): ``logit`` (``token_lens``, where
+    its readout is ``final``), then each learned lens in its own table."""
+    out = [("logit", "token_lens")] if "token_lens" in info.tables else []
+    if out and readout_of(info.manifest) != "final":
+        out = []
+    return out + [
+        (k, learned_table(k)) for k in LEARNED_LENS_KINDS if learned_table(k) in info.tables
+    ]
+
+
+def learned_lens_measures(files: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ``ExtractConfig.measures`` entries that add the learned lenses of ``files`` (kind ->
+    translators file, as ``layerdiv fit-lens`` writes it) to an extraction through the Python
+    API, as ``--lens-ls FILE`` / ``--lens-tuned FILE`` do (the demo's step)."""
+    unknown = sorted(set(files) - set(LEARNED_LENS_KINDS))
+    if unknown:
+        raise LayerdivError(f"no learned lens of kind {unknown[0]}; use {LEARNED_LENS_KINDS}")
+    return {f"lens_{k}": {f"lens_{k}": str(Path(f).resolve())} for k, f in files.items()}

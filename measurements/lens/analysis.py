@@ -28,14 +28,15 @@ LENS = ("kl", "top5_overlap", "ce")
 """Per-instance lens columns of the ``lens`` table (schemas ``LENS``)."""
 
 
-def lens_tag(frame: pl.DataFrame, info: PartitionInfo) -> pl.DataFrame:
+def lens_tag(frame: pl.DataFrame, info: PartitionInfo, lens: str | None = None) -> pl.DataFrame:
     """``frame`` with the partition's key columns and ``lens`` (the readout recorded in its
-    manifest) first, and its uniform baseline ``uniform_ce`` = log V (methods §9)."""
+    manifest, or the learned lens ``lens``) first, and its uniform baseline ``uniform_ce`` =
+    log V (methods §9)."""
     m = info.manifest
     uniform = math.log(m.vocab_size) if m.vocab_size else None
     return tag(frame, info).select(
         *KEY,
-        pl.lit(readout_of(m), pl.String).alias("lens"),
+        pl.lit(lens or readout_of(m), pl.String).alias("lens"),
         pl.exclude(*KEY),
         pl.lit(uniform, pl.Float64).alias("uniform_ce"),
     )

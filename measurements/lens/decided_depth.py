@@ -1,5 +1,6 @@
 """Running text, decided-at depth (methods §16): the block from which the final logit lens
-(``extract --lens``) already ranks the model's own prediction first, and stays so.
+(``extract --lens``), or a learned lens (``--lens-ls``, ``--lens-tuned``, methods §17), already
+ranks the model's own prediction first, and stays so.
 
 Per token p < T-1, y_p the model's own top-1 next token (``top1`` at layer L) and rank_l(p) its
 ``final_rank`` under p_l: decided(p) = the smallest block l in 0..L-1 with rank_k(p) = 1 for every
@@ -7,7 +8,9 @@ k in l..L-1, and L when rank_(L-1)(p) > 1; relative (decided + 1) / L.
 
 Tables:
 
-- ``decided_depth``: per (model, revision, task, ``group``): ``n_tokens``, ``n_documents``,
+- ``decided_depth``: per (model, revision, task, ``lens``, ``group``), ``lens`` the lens read
+  (``logit``, ``ls``, ``tuned``; :func:`~layerdiv.measurements.lens.stored_lenses`):
+  ``n_tokens``, ``n_documents``,
   ``mean`` relative decided depth over the group's tokens (token-weighted), ``ci_low``/
   ``ci_high`` (bootstrap 95% percentile interval over documents, 1,000 seeded resamples, the
   mean recomputed from the resampled documents' tokens; none from fewer than
@@ -15,7 +18,7 @@ Tables:
   ``incorrect`` (y_p is / is not the actual next token); ``q1``..``q4``, the frequency quartile
   of y_p: the predictions ordered by y_p's count among the partition's tokens (ties by token id)
   and cut into four of equal size (q1 the rarest).
-- ``decided_depth_hist``: per (model, revision, task, ``decided`` = 0..L): ``n_tokens``,
+- ``decided_depth_hist``: per (model, revision, task, ``lens``, ``decided`` = 0..L): ``n_tokens``,
   ``share`` and ``relative`` (decided + 1) / L, the distribution.
 """
 
@@ -45,7 +48,7 @@ from layerdiv.analyze.stats import (
 )
 from layerdiv.analyze.text import BATCH_TOKENS, TEXT_KIND, batches
 from layerdiv.measurements import tables_of
-from layerdiv.measurements.lens import readout_of
+from layerdiv.measurements.lens import readout_of, stored_lenses
 from layerdiv.store import PartitionInfo, StoreError
 from layerdiv.store.key import KEY, SERIES
 
@@ -54,6 +57,7 @@ GROUPS = ("all", "correct", "incorrect", "q1", "q2", "q3", "q4")
 
 SCHEMA = {
     **dict.fromkeys(KEY, pl.String),
+    "lens": pl.String,
     "group": pl.String,
     "n_tokens": pl.Int64,
     "n_documents": pl.Int64,
@@ -73,19 +77,19 @@ def decided(rank: np.ndarray) -> np.ndarray:
     return last_off + 1
 
 
-def predictions(info: PartitionInfo) -> pl.DataFrame:
+def predictions(info: PartitionInfo, table: str = "token_lens") -> pl.DataFrame:
     """Per token p < T-1 of ``info`` (a text partition with the final lens's ``final_rank``):
-    ``doc``, ``pos``, ``decided`` (methods §16) and ``top1`` y_p, read from ``token_lens`` in
-    batches of whole tokens."""
+    ``doc``, ``pos``, ``decided`` (methods §16) and ``top1`` y_p, read from its lens ``table``
+    in batches of whole tokens."""
     blocks = info.manifest.n_blocks
     layers = blocks + 1
     frames = []
     columns = ["doc", "pos", "layer", "final_rank", "top1", "ce"]
-    for frame in batches(info, "token_lens", columns, BATCH_TOKENS * layers):
+    for frame in batches(info, table, columns, BATCH_TOKENS * layers):
         layer = frame["layer"].to_numpy().reshape(-1, layers)
         if (layer != np.arange(layers)).any():
             raise StoreError(
-                f"{info.where}: token_lens rows are not sorted by (doc, pos, layer) with every "
+                f"{info.where}: {table} rows are not sorted by (doc, pos, layer) with every "
                 "layer of every token; re-extract it with --overwrite"
             )
         rank = frame["final_rank"].to_numpy().reshape(-1, layers)[:, :blocks]
@@ -98,7 +102,7 @@ def predictions(info: PartitionInfo) -> pl.DataFrame:
     return pl.concat(frames).filter("has_next").drop("has_next")
 
 
-def token_groups(info: PartitionInfo) -> pl.DataFrame:
+def token_groups(info: PartitionInfo, table: str = "token_lens") -> pl.DataFrame:
     """:func:`predictions` with ``relative`` (decided + 1) / L, ``correct`` (y_p is the token at
     p + 1) and ``quartile`` 1..4 of y_p's count among the partition's tokens."""
     blocks = info.manifest.n_blocks
@@ -108,7 +112,7 @@ def token_groups(info: PartitionInfo) -> pl.DataFrame:
         "doc", (pl.col("pos") - 1).alias("pos"), pl.col("token").alias("next")
     )
     out = (
-        predictions(info)
+        predictions(info, table)
         .join(following, on=["doc", "pos"], how="left")
         .join(counts, left_on="top1", right_on="token", how="left")
         .with_columns(
@@ -133,9 +137,17 @@ FILTERS = {
 
 
 def partition_decided(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """``decided_depth`` and ``decided_depth_hist`` of one text partition."""
+    """``decided_depth`` and ``decided_depth_hist`` of one text partition, under each lens it
+    holds (:func:`~layerdiv.measurements.lens.stored_lenses`)."""
+    pairs = [lens_decided(info, lens, table) for lens, table in stored_lenses(info)]
+    return pl.concat([t for t, _ in pairs]), pl.concat([h for _, h in pairs])
+
+
+def lens_decided(info: PartitionInfo, lens: str, source: str) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``decided_depth`` and ``decided_depth_hist`` of one text partition under one lens, read
+    from its table ``source``."""
     blocks = info.manifest.n_blocks
-    tokens = token_groups(info)
+    tokens = token_groups(info, source)
     if not tokens.height:
         raise NoData(f"{info.where} has no token with a next token")
     docs = np.unique(tokens["doc"].to_numpy())
@@ -163,7 +175,10 @@ def partition_decided(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
                 "ci_high": None if np.isnan(high) else float(high),
             }
         )
-    table = pl.DataFrame(rows, schema={k: v for k, v in SCHEMA.items() if k not in KEY})
+    table = pl.DataFrame(
+        [{"lens": lens, **r} for r in rows],
+        schema={k: v for k, v in SCHEMA.items() if k not in KEY},
+    )
     hist = (
         pl.DataFrame({"decided": np.arange(blocks + 1, dtype=np.int32)})
         .join(tokens.group_by("decided").agg(n_tokens=pl.len()), on="decided", how="left")
@@ -171,6 +186,7 @@ def partition_decided(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
         .with_columns(
             share=pl.col("n_tokens") / tokens.height, relative=(pl.col("decided") + 1) / blocks
         )
+        .select(pl.lit(lens).alias("lens"), pl.all())
     )
     return tag(table, info), tag(hist, info)
 
@@ -214,10 +230,12 @@ def decided_figure(table: pl.DataFrame, hist: pl.DataFrame, names: dict[str, str
     task), and the mean relative decided depth per token group with its bootstrap interval."""
     # the key with the most groups first: the group axis takes its categories in order of
     # appearance, and a key may lack a group (no correct prediction)
-    counts = table.filter(pl.col("mean").is_not_null()).group_by(*SERIES).len()
-    ranked = counts.sort("len", *SERIES, descending=[True, False, False])
-    keys = [(m, t) for m, t, _ in ranked.iter_rows()]
+    series = [*SERIES, "lens"]
+    counts = table.filter(pl.col("mean").is_not_null()).group_by(*series).len()
+    ranked = counts.sort("len", *series, descending=[True, False, False, False])
+    keys = [(m, t, lens) for m, t, lens, _ in ranked.iter_rows()]
     color = dict(zip(keys, plots.colors(len(keys)), strict=False))
+    lenses = table["lens"].n_unique() > 1
     share = plots.Panel(
         "Where the prediction is decided",
         xlabel="relative decided depth (decided + 1) / L",
@@ -229,15 +247,19 @@ def decided_figure(table: pl.DataFrame, hist: pl.DataFrame, names: dict[str, str
         ylabel="mean (decided + 1) / L",
         yrange=(0, 1.1),
     )
-    for model, task in keys:
-        name = f"{names.get(model, model)} · {task}"
-        sub = hist.filter(pl.col("model") == model, pl.col("task") == task).sort("decided")
+    for model, task, lens in keys:
+        name = f"{names.get(model, model)} · {task}" + (f" · {lens} lens" if lenses else "")
+        key = (pl.col("model") == model, pl.col("task") == task, pl.col("lens") == lens)
+        sub = hist.filter(*key).sort("decided")
         share.series.append(
             plots.Series(
-                name, sub["relative"].to_list(), sub["share"].to_list(), color=color[(model, task)]
+                name,
+                sub["relative"].to_list(),
+                sub["share"].to_list(),
+                color=color[(model, task, lens)],
             )
         )
-        rows = table.filter(pl.col("model") == model, pl.col("task") == task)
+        rows = table.filter(*key)
         rows = rows.filter(pl.col("mean").is_not_null())
         rows = rows.sort(pl.col("group").replace_strict(GROUPS, range(len(GROUPS))))
         means.series.append(
@@ -245,7 +267,7 @@ def decided_figure(table: pl.DataFrame, hist: pl.DataFrame, names: dict[str, str
                 name,
                 rows["group"].to_list(),
                 rows["mean"].to_list(),
-                color=color[(model, task)],
+                color=color[(model, task, lens)],
                 line=False,
                 interval=plots.interval_ends(rows),
             )
@@ -268,19 +290,29 @@ def report(ctx: ReportContext) -> str:
     hist = ctx.tables["decided_depth_hist"]
     order = pl.col("group").replace_strict(GROUPS, range(len(GROUPS)))
     rows = key_rows(
-        table.sort(*KEY, order),
+        table.sort(*KEY, "lens", order),
         ctx.names,
         lambda r: [
+            r["lens"],
             r["group"],
             str(r["n_tokens"]),
             fmt(r["mean"], digits=3),
             f"[{fmt(r['ci_low'], digits=3)}, {fmt(r['ci_high'], digits=3)}]",
         ],
     )
-    header = ["Model", "Task", "Group", "Tokens", "Mean (decided + 1) / L", f"{LEVEL:g}% CI"]
+    header = [
+        "Model",
+        "Task",
+        "Lens",
+        "Group",
+        "Tokens",
+        "Mean (decided + 1) / L",
+        f"{LEVEL:g}% CI",
+    ]
     return "\n\n".join(
         [
-            "For every token with a next token, the block from which the final logit lens already "
+            "For every token with a next token, the block from which the lens (the final logit "
+            "lens, and each learned lens stored: methods §17) already "
             "ranks the model's own prediction first and keeps it there (L: only at the output). "
             "Means over tokens of the relative depth (decided + 1) / L, for all tokens, split by "
             "whether the prediction is the actual next token, and by the frequency quartile of "

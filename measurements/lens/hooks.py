@@ -18,10 +18,12 @@ thread) rather than from memory, which a layer's logits (tokens x V float32) far
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, ClassVar, overload
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from layerdiv.extract.adapters import Adapter, get_module
@@ -357,7 +359,7 @@ class TokenLens:
         batch.loss = self._values[:, :, -1, CE]  # layer L: the model's own loss
 
     def _lens(
-        self, text: TextCapture, h: list[torch.Tensor], final: torch.Tensor, budget: int | None
+        self, text: TextCapture, h: Sequence[torch.Tensor], final: torch.Tensor, budget: int | None
     ) -> torch.Tensor:
         """(B, width, L + 1, 5): the :data:`LENS_VALUES` of p_l, the lens's distribution of
         every block input h_l, and (layer L) of the model's own output p_L (methods §9, §16). The
@@ -404,3 +406,68 @@ def lens_hooks(ctx: Attachment) -> LastTokenLens | TokenLens:
     """The hooks of ``--lens`` (:mod:`layerdiv.measurements.lens`): :class:`LastTokenLens` on a
     choice task, :class:`TokenLens` on a text task."""
     return LastTokenLens(ctx) if ctx.kind == "choice" else TokenLens(ctx)
+
+
+class Translated(Sequence[torch.Tensor]):
+    """Block inputs h_0..h_(L-1) as a learned lens reads them: T_l(h_l) = A_l h_l + b_l (methods
+    §17), in float32, each translated when the readout takes it (no second copy of every
+    layer's states)."""
+
+    def __init__(self, h: Sequence[torch.Tensor], A: torch.Tensor, b: torch.Tensor) -> None:
+        self.h, self.A, self.b = h, A, b
+
+    def __len__(self) -> int:
+        return len(self.h)
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[torch.Tensor]: ...
+
+    def __getitem__(self, index: int | slice) -> torch.Tensor | list[torch.Tensor]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        A, b = self.A[index], self.b[index]
+        x = self.h[index].to(A.device, torch.float32)
+        return torch.matmul(x, A.T) + b  # h A^T + b: A_l h + b_l of each row h
+
+
+class LearnedTokenLens(TokenLens):
+    """A learned lens at every token of a text task (methods §17): :class:`TokenLens`'s
+    statistics of p_l^T = softmax(W_U norm(A_l h_l + b_l)), the translators those the plan read
+    (``Attachment.planned``, a ``layerdiv.store.translators.Translators``), checked against the
+    model's weights and shape when attached, before anything is written. A
+    ``PartitionCapture``: the translators' kind, fingerprint and training task are the settings
+    it derives, recorded in the manifest and compared by every resume, shard and merge."""
+
+    def __init__(self, ctx: Attachment) -> None:
+        t = ctx.planned
+        blocks = len(get_module(ctx.model, ctx.adapter.blocks))
+        t.check_model(ctx.weights_fingerprint, blocks, int(ctx.model.config.hidden_size))
+        super().__init__(replace(ctx, settings={"lens": Lens.name}))  # read out as the final lens
+        self.translators = t
+        device = ctx.readout.head.weight.device
+        self.A = torch.from_numpy(np.asarray(t.A, np.float32)).to(device)
+        self.b = torch.from_numpy(np.asarray(t.b, np.float32)).to(device)
+
+    def prepare(
+        self,
+        seqs: Sequence[Sequence[int]],
+        probe: Callable[[list[list[int]]], Any],
+        stored: Mapping[str, pa.Table],
+    ) -> tuple[dict[str, Any], dict[str, pa.Table]]:
+        """The settings derived from the translators (no pass, no table)."""
+        t = self.translators
+        return {"kind": t.kind, "fingerprint": t.fingerprint, "task": t.task}, {}
+
+    def _lens(
+        self, text: TextCapture, h: Sequence[torch.Tensor], final: torch.Tensor, budget: int | None
+    ) -> torch.Tensor:
+        """:meth:`TokenLens._lens` of the translated block inputs (:class:`Translated`)."""
+        return super()._lens(text, Translated(h, self.A, self.b), final, budget)
+
+
+def learned_lens_hooks(ctx: Attachment) -> LearnedTokenLens:
+    """The hooks of ``--lens-ls`` and ``--lens-tuned`` (text tasks)."""
+    return LearnedTokenLens(ctx)

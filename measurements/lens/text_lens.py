@@ -6,8 +6,9 @@ Table ``text_lens``: per (model, task, lens, layer l = 0..L; l = L is the model'
 ``top5_overlap`` = |top5(p_l) & top5(p_L)| / 5 and ``ce`` = -log p_l(next token): the mean over
 the positions of a document first, then over documents (a document's last position has no
 ``ce``); ``uniform_ce`` = log V, the uniform distribution's cross-entropy. ``lens`` is the
-readout recorded in the manifest (``final`` or ``last-block``): partitions of different readouts
-are never averaged together.
+logit lens's readout recorded in the manifest (``final`` or ``last-block``), or the learned lens
+a partition also holds (``ls``, ``tuned``: ``--lens-ls``, ``--lens-tuned``, methods §17), a row
+per layer of each: lenses are never averaged together.
 
 Table ``text_lens_law`` (partitions extracted with ``--lens last-block``, methods §12,
 within one model): per (model, task) the fit delta_ce(l) = c l^-alpha on log-log axes, with
@@ -41,8 +42,9 @@ from layerdiv.analyze.text import (
     document_means,
     text_vs_last_token,
 )
-from layerdiv.measurements.lens import readout_of
+from layerdiv.measurements.lens import learned_table, readout_of
 from layerdiv.measurements.lens.analysis import lens_tag
+from layerdiv.schemas import LEARNED_LENS_KINDS
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
 
@@ -65,9 +67,15 @@ def lens_table(doc_means: pl.DataFrame, blocks: int) -> pl.DataFrame:
 
 
 def partition_lens(info: PartitionInfo) -> pl.DataFrame:
-    """``text_lens`` of one text partition, read batch by batch."""
-    frames = batches(info, "token_lens", ["doc", "layer", *LENS], LENS_ROWS)
-    return lens_tag(lens_table(document_means(frames), info.manifest.n_blocks), info)
+    """``text_lens`` of one text partition, read batch by batch: its logit lens, then each
+    learned lens it holds."""
+    tables = [(readout_of(info.manifest), "token_lens")]
+    tables += [(k, learned_table(k)) for k in LEARNED_LENS_KINDS if learned_table(k) in info.tables]
+    return pl.concat(
+        lens_tag(lens_table(document_means(batches(info, t, ["doc", "layer", *LENS], LENS_ROWS)),
+                            info.manifest.n_blocks), info, lens)
+        for lens, t in tables
+    )  # fmt: skip
 
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
@@ -79,7 +87,8 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     if not last_block:
         return {"text_lens": table}
     keys = pl.DataFrame(last_block, schema=dict.fromkeys(KEY, pl.String))
-    return {"text_lens": table, "text_lens_law": lens_law(table.join(keys, on=[*KEY]))}
+    last = table.filter(pl.col("lens") == "last-block").join(keys, on=[*KEY])
+    return {"text_lens": table, "text_lens_law": lens_law(last)}
 
 
 def delta_ce(table: pl.DataFrame) -> pl.DataFrame:
@@ -122,7 +131,8 @@ def lens_law(table: pl.DataFrame) -> pl.DataFrame:
 def lens_law_figure(table: pl.DataFrame, law: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
     """delta_ce(l) against l on log-log axes per partition of ``law``, with the fitted
     c l^-alpha (methods §12, within one model)."""
-    deltas = delta_ce(table.join(law.select(*KEY), on=[*KEY]))
+    last = table.filter(pl.col("lens") == "last-block")
+    deltas = delta_ce(last.join(law.select(*KEY), on=[*KEY]))
     series = []
     for color, row in zip(plots.colors(law.height), law.iter_rows(named=True), strict=False):
         sub = deltas.filter(pl.all_horizontal(pl.col(k) == row[k] for k in KEY))
@@ -160,6 +170,13 @@ _LAYER = ["layer", "relative_depth"]
 _LENS_MEANS = [*LENS, "uniform_ce"]
 """What the figure averages over a model's tasks, per layer (each lens readout apart: readouts are
 never averaged together)."""
+
+LEARNED = (
+    " Lenses `ls` and `tuned`: learned lenses (methods §17), the same block inputs read after a "
+    "per-block affine translator; the section on the logit and learned lenses sets them side by "
+    "side with intervals."
+)
+"""The sentence of the section where a partition holds a learned lens."""
 
 UNIFORM = (
     "A lens can be worse than uniform: reading an early state h_l through the final norm and "
@@ -248,7 +265,8 @@ def report(ctx: ReportContext) -> str:
             "document, then over documents; where the same model has choice tasks extracted "
             "with `--lens`, the figure draws their last prompt token beside (dashed: where the "
             "answer is decided against the average token). The dotted line is the uniform "
-            f"distribution's cross-entropy log V (V the vocabulary). {UNIFORM}",
+            f"distribution's cross-entropy log V (V the vocabulary). {UNIFORM}"
+            + (LEARNED if table["lens"].is_in(LEARNED_LENS_KINDS).any() else ""),
             markdown_table(header, rows),
             plots.figure_link(
                 ctx,
