@@ -827,6 +827,7 @@ def test_a_registered_analysis_runs_writes_and_reports(
         "revisions",
         "depth_law",
         "maps",
+        "compare",
     ]
     names = ["paper", "depth", "gram", "skips", "heads", "reweight", "lens_curves", *texts, "extra"]
     assert [a.name for a in reg.registered()] == names
