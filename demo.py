@@ -370,7 +370,7 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     results.by_name.update({t: maps.by_name[t] for t in ("layer_maps", "layer_map_best")})
     both = [results.by_name["manifests"], maps.by_name["manifests"]]
     results.by_name["manifests"] = pl.concat(both, how="diagonal_relaxed")  # every partition
-    results.notes.append(
+    results.remarks.append(
         "The demo's counts are trimmed so that `make demo` runs both models within 15 minutes on "
         f"two cores: {n} instances per choice task and model (`layerdiv demo --n`), {SKIPS_N} "
         f"with the layer skips, the lens and the sinks, {ERASE_N} with erasure; {TEXT_DOCS} "

@@ -103,8 +103,13 @@ def test_the_report_compares_two_models_side_by_side(
     store, results = two_models
     table = results.model_comparison
     assert table.filter(pl.col("quantity") == "saturation").height == 6  # 2 models x 3 tasks
-    write_report(results, tmp_path / "report", "paper", str(store), "md")
+    results.remarks.append("The instances were chosen by hand")  # a paragraph, not a note
+    try:
+        write_report(results, tmp_path / "report", "paper", str(store), "md")
+    finally:
+        results.remarks.clear()
     text = (tmp_path / "report" / "report.md").read_text()
+    assert "\n\nThe instances were chosen by hand.\n" in text and "> The instances" not in text
     section = text.split("## Models compared on relative depth")[1].split("\n## ")[0]
     assert "### Table 1 side by side" in section and "Accuracy (%), deep" in section
     assert "What confounds the comparison" in section

@@ -93,6 +93,24 @@ def test_demo_writes_its_small_skips_task_and_its_states_task(tmp_path: Path) ->
     assert load_task(str(tmp_path / "small" / f"{SKIPS_TASK}.yaml")).n == 10
 
 
+def test_demo_steps_run_both_models_on_the_tasks_it_writes(tmp_path: Path) -> None:
+    """Every step of the demo names tasks it writes and options ``extract`` takes; every task but
+    the states one (SmolLM2 and its sibling, for the maps) is run by both models, so that the
+    comparison has each; attribution has enough documents for intervals."""
+    from layerdiv.analyze.stats import MIN_INTERVAL_N
+    from layerdiv.demo import DEMO_MODELS, DEMO_STEPS, MULTIHOP_DOCS, STATES_TASK
+    from layerdiv.extract.config import measurement_options
+
+    written = {p.stem for p in write_demo_tasks(tmp_path / "tasks", n=10, seed=0)}
+    stepped = {t for s in DEMO_STEPS for t in s.tasks}
+    assert stepped == written
+    for step in DEMO_STEPS:
+        assert measurement_options(step.options)  # every step measures something
+        if STATES_TASK not in step.tasks:
+            assert step.models == DEMO_MODELS
+    assert MULTIHOP_DOCS >= MIN_INTERVAL_N
+
+
 def test_maps_from_the_15_block_sibling_onto_smollm2(demo: Any) -> None:
     """SmolLM2's every-other-block sibling (15 of its 30 blocks, a damaged model from the same
     weights) mapped onto SmolLM2 on the demo's BBC News states task (the demo's store where
