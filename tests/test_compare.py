@@ -139,4 +139,4 @@ def test_findings_per_model_are_the_sections_verdicts_on_its_rows(
     assert not any(MODEL in f.finding for _, f in deep)  # the model's name is not in the row
     rho = [f for p, f in deep if "accuracy rises with Diversity" in f.finding]
     assert len(rho) == 1 and rho[0].n == 3  # three tasks averaged
-    assert {p for p, _ in deep} >= {"Diversity of layers (reference paper)", "Inverse depth"}
+    assert {p for p, _ in deep} >= {"Diversity of layers (reference paper)", "Inverse-depth paper"}

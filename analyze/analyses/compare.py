@@ -87,8 +87,9 @@ def _quantity(table: str) -> pl.Expr:
 
 def comparison(prior: Mapping[str, pl.DataFrame], blocks: pl.DataFrame) -> pl.DataFrame:
     """``model_comparison`` from the tables of the analyses run before (``prior``) and the blocks
-    L and instances of every partition (``blocks``: key, ``n_blocks``, ``n_done``): every model's
-    row of a (task, quantity) that each model of ``blocks`` has, none with fewer than two."""
+    L and instances of the selected partitions (``blocks``: key, ``n_blocks``, ``n_done``): every
+    model's row of a (task, quantity) that each model with any of them has (a model with states
+    only is no part of it), none with fewer than two such models."""
     frames = []
     for table, (value, low, high, n) in SOURCES.items():
         if table not in prior:
@@ -119,10 +120,13 @@ def comparison(prior: Mapping[str, pl.DataFrame], blocks: pl.DataFrame) -> pl.Da
                 pl.lit(None, pl.Float64).alias("ci_high"),
             )
         )
-    models = blocks.select(*MODEL_KEY).unique().height
-    if models < 2 or not frames:
+    if not frames:
         return pl.DataFrame(schema=SCHEMA)
     long = pl.concat([f.cast({"n": pl.Int64}) for f in frames], how="vertical_relaxed")
+    long = long.join(blocks.select(*KEY), on=[*KEY], how="semi")
+    models = long.select(*MODEL_KEY).unique().height  # a model with none of them is left out
+    if models < 2:
+        return pl.DataFrame(schema=SCHEMA)
     shared = long.filter(pl.struct(*MODEL_KEY).n_unique().over("task", "quantity") == models)
     order = pl.col("quantity").replace_strict(list(QUANTITIES), range(len(QUANTITIES)))
     return (
@@ -324,9 +328,9 @@ def _relative(table: pl.DataFrame, column: str, offset: int) -> pl.DataFrame:
 PAPERS = {
     "correlation": "Diversity of layers (reference paper)",
     "submodularity": "Diversity of layers (reference paper)",
-    "decay": "Inverse depth",
-    "halves": "Depth efficiency",
-    "skips": "Depth efficiency",
+    "decay": "Inverse-depth paper",
+    "halves": "Depth-efficiency paper",
+    "skips": "Depth-efficiency paper",
     "heads": "LLMDecomp (heads)",
 }
 """The paper of each group of findings :func:`findings` collects."""
@@ -371,19 +375,43 @@ def findings(ctx: ReportContext, model: str) -> list[tuple[str, Judged]]:
     return out
 
 
+def _link(ctx: ReportContext, file: str, caption: str, figure: plots.Figure) -> str:
+    return plots.figure_link(ctx, file, caption, lambda: figure)
+
+
+def _finding(text: str) -> tuple[str, str]:
+    """A verdict's finding without its closing parenthesis (what it says of one model, e.g. its
+    fit's R² or its head count), and that parenthesis's text."""
+    base, _, detail = text.partition(" (")
+    return base, detail.removesuffix(")")
+
+
 def _judged_cell(j: Judged) -> str:
     interval = (
         f" [{fmt(j.interval[0], digits=j.digits)}, {fmt(j.interval[1], digits=j.digits)}]"
         if j.interval is not None
         else ""
     )
-    return f"{HOLDS[j.outcome]}: {fmt(j.value, digits=j.digits)}{interval} (n = {j.n})"
+    detail = "; ".join(["n = " + str(j.n), *[d for d in [_finding(j.finding)[1]] if d]])
+    return f"{HOLDS[j.outcome]}: {fmt(j.value, digits=j.digits)}{interval} ({detail})"
 
 
 def findings_table(ctx: ReportContext, names: dict[str, str]) -> str:
-    """A row per finding that every model has a verdict on: the paper, the finding (with its
-    task), the test, and per model whether it holds, with the statistic."""
-    per_model = {m: {(p, j.finding): j for p, j in findings(ctx, m)} for m in names}
+    """A row per finding that every model has a verdict on (on a task that is no other's subset,
+    :mod:`~layerdiv.analyze.overlap`): the paper, the finding (with its task), the test, and per
+    model whether it holds, with the statistic."""
+    per_model = {m: {(p, _finding(j.finding)[0]): j for p, j in findings(ctx, m)} for m in names}
+    covered = (  # a subset task's finding that its larger task has too: the larger's only
+        ctx.tables["manifests"].filter(pl.col("subset_of").is_not_null())
+        .select("task", "subset_of").explode("subset_of").unique().iter_rows()
+    )  # fmt: skip
+    for sub, larger in covered:
+        for found in per_model.values():
+            for paper, finding in list(found):
+                if finding.startswith(f"{sub}: ") and (
+                    (paper, finding.replace(f"{sub}: ", f"{larger}: ", 1)) in found
+                ):
+                    del found[paper, finding]
     keys = [  # the findings every model has data on
         k
         for k in next(iter(per_model.values()))
@@ -499,8 +527,7 @@ def report(ctx: ReportContext) -> str:
          per_block_figure("Residual erasure per state on relative depth (state l / L)", erasure,
                           names, caption=f"bars: bootstrap {LEVEL:g}% interval over documents")),
     ]  # fmt: skip
-    links = [plots.figure_link(ctx, file, caption, lambda f=figure: f)
-             for file, caption, figure in figures if figure is not None]  # fmt: skip
+    links = [_link(ctx, file, caption, figure) for file, caption, figure in figures if figure]
     parts = [
         f"{' and '.join(names.values())} side by side on relative depth: a block's place in its "
         "own stack (l / L), so that stacks of different lengths share one axis. Only what every "
