@@ -69,6 +69,8 @@ def test_comparison_keeps_the_quantities_every_model_has() -> None:
     assert saturation["n"].to_list() == [120, 120] and saturation["ci_low"].is_null().all()
     one = blocks.filter(pl.col("model") == "a")
     assert comparison(prior, one).height == 0  # one model: nothing to compare
+    states = _rows({"model": ["c"], "task": ["maps"], "n_blocks": [15], "n_done": [100]})
+    assert comparison(prior, pl.concat([blocks, states])).equals(table)  # c has none of them
 
 
 def test_judged_collects_each_verdict_as_data() -> None:
