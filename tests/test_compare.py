@@ -64,9 +64,9 @@ def test_comparison_keeps_the_quantities_every_model_has() -> None:
     assert set(table["quantity"]) == {"ed_cos", "ed_kl", "saturation"}
     kl = table.filter(pl.col("quantity") == "ed_kl").sort("model")
     assert kl["value"].to_list() == [None, 0.9]  # a's "no crossing" stays, as null
-    assert kl["n_blocks"].to_list() == [30, 18] and kl["n"].to_list() == [8, 8]
+    assert kl["n_blocks"].to_list() == [30, 18] and kl["n_units"].to_list() == [8, 8]
     saturation = table.filter(pl.col("quantity") == "saturation").sort("model")
-    assert saturation["n"].to_list() == [120, 120] and saturation["ci_low"].is_null().all()
+    assert saturation["n_units"].to_list() == [120, 120] and saturation["ci_low"].is_null().all()
     one = blocks.filter(pl.col("model") == "a")
     assert comparison(prior, one).height == 0  # one model: nothing to compare
     states = _rows({"model": ["c"], "task": ["maps"], "n_blocks": [15], "n_done": [100]})

@@ -5,7 +5,7 @@ quantity) that one model lacks is left out, and with fewer than two models the a
 nothing.
 
 Table ``model_comparison``: per (model, revision, task, ``quantity``), quantities in
-:data:`QUANTITIES` order: ``n_blocks`` L, ``n`` (the units the value is over: documents, or a
+:data:`QUANTITIES` order: ``n_blocks`` L, ``n_units`` (what the value is over: documents, or a
 choice task's instances), ``value``, ``ci_low`` and ``ci_high`` (the source table's 95% interval,
 null where it gives none). Every quantity but ``sink_rate`` is a relative depth in [0, 1]:
 
@@ -56,7 +56,7 @@ SCHEMA = {
     **dict.fromkeys(KEY, pl.String),
     "quantity": pl.String,
     "n_blocks": pl.Int64,
-    "n": pl.Int64,
+    "n_units": pl.Int64,
     "value": pl.Float64,
     "ci_low": pl.Float64,
     "ci_high": pl.Float64,
@@ -101,7 +101,7 @@ def comparison(prior: Mapping[str, pl.DataFrame], blocks: pl.DataFrame) -> pl.Da
             rows.select(
                 *KEY,
                 _quantity(table).alias("quantity"),
-                pl.col(n).alias("n"),
+                pl.col(n).alias("n_units"),
                 pl.col(value).alias("value"),
                 pl.col(low).alias("ci_low"),
                 pl.col(high).alias("ci_high"),
@@ -114,7 +114,7 @@ def comparison(prior: Mapping[str, pl.DataFrame], blocks: pl.DataFrame) -> pl.Da
             .select(
                 *KEY,
                 pl.lit("saturation").alias("quantity"),
-                pl.col("n_done").alias("n"),
+                pl.col("n_done").alias("n_units"),
                 pl.col("saturation_fraction").alias("value"),
                 pl.lit(None, pl.Float64).alias("ci_low"),
                 pl.lit(None, pl.Float64).alias("ci_high"),
@@ -122,7 +122,7 @@ def comparison(prior: Mapping[str, pl.DataFrame], blocks: pl.DataFrame) -> pl.Da
         )
     if not frames:
         return pl.DataFrame(schema=SCHEMA)
-    long = pl.concat([f.cast({"n": pl.Int64}) for f in frames], how="vertical_relaxed")
+    long = pl.concat([f.cast({"n_units": pl.Int64}) for f in frames], how="vertical_relaxed")
     long = long.join(blocks.select(*KEY), on=[*KEY], how="semi")
     models = long.select(*MODEL_KEY).unique().height  # a model with none of them is left out
     if models < 2:
@@ -275,7 +275,7 @@ def depth_table(table: pl.DataFrame, names: dict[str, str]) -> str:
                 else ""
             )
             value = "none" if r["value"] is None else fmt(r["value"], digits=2)
-            cells.append(f"{value}{interval} (n = {r['n']}, L = {r['n_blocks']})")
+            cells.append(f"{value}{interval} (n = {r['n_units']}, L = {r['n_blocks']})")
         rows.append([QUANTITIES[str(quantity)], str(task), *cells])
     return markdown_table(["Quantity", "Task", *names.values()], rows)
 
