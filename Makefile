@@ -1,5 +1,6 @@
 # Two entry points on a fresh machine (each creates .venv itself):
-#   make demo   - end-to-end decomposition report on SmolLM2 and packaged data (offline)
+#   make demo   - end-to-end report on SmolLM2 and Gemma 3 270M over packaged data, compared
+#                 on relative depth (offline)
 #   make test   - lint, type check, the test suite (its numerical tests twice: make numerical)
 #                 and the documentation site (strict)
 PYTHON ?= python3
@@ -103,7 +104,11 @@ test: $(BIN)/.installed browser
 	echo "make test: $$([ $$status = 0 ] && echo passed || echo FAILED) in $$((took / 60)) min $$((took % 60)) s"; \
 	exit $$status
 
-test-steps: lint typecheck demo pytest numerical bench-quick docs
+# ruff and mypy (one core each, short) run beside the demo; then the steps that read the demo's
+# output, in order (the tests read its store: tests/conftest.py, the demo fixture).
+test-steps:
+	@$(MAKE) --no-print-directory --output-sync=target -j3 lint typecheck demo
+	@$(MAKE) --no-print-directory pytest numerical bench-quick docs
 
 # A real one-node SLURM cluster on this machine (as root; apt-get installs slurm-wlm and munge),
 # then a job array of 4 shards of SmolLM2 into one store: see scripts/slurm-check.sh.

@@ -11,9 +11,10 @@ import importlib.util
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -141,14 +142,64 @@ MULTIHOP_TASK = "multihop"
 """The demo's running-text task with an answer: the handwritten multi-hop questions of
 ``tests/data/multihop`` (the form of the built-in ``mquake`` task), extracted with ``--igrad``
 and ``--erase`` on its first :data:`MULTIHOP_DOCS` documents."""
-MULTIHOP_DOCS, MULTIHOP_STEPS = 2, 8
-"""Documents the attribution maps are extracted for, and their integration steps M (the
+MULTIHOP_DOCS, MULTIHOP_STEPS = 8, 8
+"""Documents the attribution maps are extracted for (enough for a bootstrap interval over
+documents, ``layerdiv.analyze.stats.MIN_INTERVAL_N``), and their integration steps M (the
 authors' 256 would take over an hour here; the report says where M is too small)."""
 MULTIHOP_DATA = Path(__file__).parent / "tests" / "data" / "multihop"
 """Where the multi-hop questions and their task are (package data)."""
 SIBLING = "smollm2-15-blocks"
 """The folder (in the demo's) of SmolLM2 with every other block removed
 (``layerdiv.extract.models.save_every_other_block``): a real, damaged 15-block model."""
+
+GEMMA = "gemma3-270m"
+"""The demo's second model: Gemma 3 270M, a base model of another family (offline alias)."""
+DEMO_MODELS = (DEMO_MODEL, GEMMA)
+"""The models the demo compares, each on every task of :data:`DEMO_STEPS` that names both."""
+DEMO_N = 120
+"""Instances per choice task by default (``layerdiv demo --n``): two models within the demo's
+15 minutes on two cores (the report's comparison section gives every count)."""
+
+
+@dataclass(frozen=True)
+class DemoStep:
+    """One extraction of the demo: its tasks, the measurements' ``extract`` options (by parameter
+    name, as :func:`layerdiv.extract.config.measurement_options` takes them), the models run on
+    them (:data:`SIBLING` stands for its folder in the demo's) and the instances per task
+    (None: the task's ``n``)."""
+
+    tasks: tuple[str, ...]
+    options: dict[str, Any]
+    models: tuple[str, ...] = DEMO_MODELS
+    limit: int | None = None
+
+
+GRAM_HEADS = {"gram": True, "heads": True}
+LENS_SKIPS_SINKS = {"skips": True, "lens": "final", "sinks": True}
+
+DEMO_STEPS = (
+    DemoStep(tuple(t.name for t in DEMO_TASKS), GRAM_HEADS),
+    # The skips task gets the logit lens too: the lens section draws its last prompt token
+    # beside running text (same readout as the text task).
+    DemoStep((SKIPS_TASK,), {**GRAM_HEADS, **LENS_SKIPS_SINKS}),
+    DemoStep((ERASE_TASK,), {**GRAM_HEADS, "erase": True, "erase_reference": ERASE_N}),
+    DemoStep((TEXT_TASK,), LENS_SKIPS_SINKS),
+    DemoStep((STATES_TASK,), {"states": "all"}, models=(DEMO_MODEL, SIBLING)),
+    DemoStep(
+        (MULTIHOP_TASK,),
+        {
+            "igrad": True,
+            "igrad_sites": ("block", "attn"),
+            "igrad_steps": MULTIHOP_STEPS,
+            "erase": True,
+            "erase_reference": MULTIHOP_DOCS,
+            **LENS_SKIPS_SINKS,
+        },
+        limit=MULTIHOP_DOCS,
+    ),
+)
+"""What ``layerdiv demo`` extracts, in order: add a step here to extend the demo (its tasks are
+those :func:`write_demo_tasks` writes)."""
 
 
 def _bbc_text_spec(
@@ -189,12 +240,9 @@ def states_task_spec(folder: Path, seed: int, texts: dict[Path, str]) -> Path:
     return _bbc_text_spec(folder, STATES_TASK, rows, STATES_TOKENS, what, texts)
 
 
-def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None) -> list[Path]:
-    """Write each demo task as ``<name>.yaml`` + ``<name>.jsonl`` in ``folder`` (balanced
-    classes, ``n`` instances, shuffled with ``seed``), :data:`SKIPS_TASK`, :data:`ERASE_TASK`
-    and the running-text tasks :data:`TEXT_TASK`, :data:`STATES_TASK` and :data:`MULTIHOP_TASK`;
-    returns the YAML paths. Refuses (before writing) to change tasks that the demo ``store``
-    holds an extraction of."""
+def demo_task_files(folder: Path, n: int, seed: int) -> tuple[list[Path], dict[Path, str]]:
+    """The demo tasks as files of ``folder`` (:func:`write_demo_tasks`): the YAML paths, and
+    every file's text by path."""
     paths = []
     texts: dict[Path, str] = {}
     cache: dict[Callable[[], list[dict[str, str]]], list[dict[str, str]]] = {}
@@ -245,6 +293,16 @@ def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None)
     for name in (f"{MULTIHOP_TASK}.yaml", "questions.jsonl"):
         texts[folder / name] = (MULTIHOP_DATA / name).read_text()
     paths.append(folder / f"{MULTIHOP_TASK}.yaml")
+    return paths, texts
+
+
+def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None) -> list[Path]:
+    """Write each demo task as ``<name>.yaml`` + ``<name>.jsonl`` in ``folder`` (balanced
+    classes, ``n`` instances, shuffled with ``seed``), :data:`SKIPS_TASK`, :data:`ERASE_TASK`
+    and the running-text tasks :data:`TEXT_TASK`, :data:`STATES_TASK` and :data:`MULTIHOP_TASK`;
+    returns the YAML paths. Refuses (before writing) to change tasks that the demo ``store``
+    holds an extraction of."""
+    paths, texts = demo_task_files(folder, n, seed)
     changed = [p for p, text in texts.items() if p.exists() and p.read_text() != text]
     if store is not None and store.exists() and changed:
         raise DemoDataError(
@@ -258,83 +316,80 @@ def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None)
     return paths
 
 
+def extract_demo(
+    out: Path, n: int, seed: int, steps: Sequence[DemoStep] = DEMO_STEPS
+) -> dict[str, str]:
+    """Write the demo tasks into ``out/tasks`` and extract ``steps`` into ``out/store`` (what the
+    store holds already is kept); the task files by task name. SmolLM2's every-other-block
+    sibling (:data:`SIBLING`) is saved into ``out`` once where a step names it."""
+    from layerdiv.extract.config import ExtractConfig, measurement_options
+    from layerdiv.extract.models import save_every_other_block
+    from layerdiv.extract.runner import run_extract
+
+    store = out / "store"
+    by_name = {p.stem: str(p) for p in write_demo_tasks(out / "tasks", n, seed, store)}
+    sibling = out / SIBLING
+    if any(SIBLING in s.models for s in steps) and not (sibling / "config.json").is_file():
+        save_every_other_block(DEMO_MODEL, sibling)
+    models = dict.fromkeys(m for s in steps for m in s.models)
+    tasks = dict.fromkeys(t for s in steps for t in s.tasks)
+    print(f"\nExtracting {', '.join(models)} on {', '.join(tasks)} into {store}")
+    for step in steps:
+        measures = measurement_options(step.options)
+        for model in step.models:
+            source = str(sibling) if model == SIBLING else model
+            config = ExtractConfig(
+                source, [by_name[t] for t in step.tasks], store, limit=step.limit,
+                measures=measures,
+            )  # fmt: skip
+            for s in run_extract(config):
+                print(f"{model}, {s.task}: {s.n_done}/{s.n_requested} stored ({s.n_new} new, "
+                      f"{s.seconds:.0f} s)")  # fmt: skip
+    return by_name
+
+
 def run_demo(out: Path, n: int, seed: int) -> None:
-    """Write the demo tasks into ``out/tasks``, then extract, analyze and report them through the
-    Python API (what ``layerdiv extract``, ``analyze`` and ``report`` run), analysing once, and
-    print a summary per task. SmolLM2's every-other-block sibling (:data:`SIBLING`) is saved
-    into ``out`` once; the maps between the two (methods §11) analyse :data:`STATES_TASK` alone
-    (its partitions hold states only: the running-text sections would say they lack the lens
-    and the future effects)."""
+    """Write the demo tasks into ``out/tasks``, then extract (:data:`DEMO_STEPS`), analyze and
+    report them through the Python API (what ``layerdiv extract``, ``analyze`` and ``report``
+    run), analysing once, and print a summary per model and task. SmolLM2's every-other-block
+    sibling (:data:`SIBLING`) is saved into ``out`` once; the maps between the two (methods §11)
+    analyse :data:`STATES_TASK` alone (its partitions hold states only: the running-text sections
+    would say they lack the lens and the future effects)."""
     import polars as pl
 
     from layerdiv.analyze.api import analyze, task_summary
     from layerdiv.analyze.metrics import METRICS
     from layerdiv.analyze.report import write_report
-    from layerdiv.extract.config import ExtractConfig, measurement_options
-    from layerdiv.extract.models import save_every_other_block
-    from layerdiv.extract.runner import run_extract
 
     start = time.perf_counter()
     store, results_dir, report_dir = out / "store", out / "results", out / "report"
-    tasks = write_demo_tasks(out / "tasks", n, seed, store)
-    print(f"\nExtracting {DEMO_MODEL} on {', '.join(p.stem for p in tasks)} into {store}")
-    by_name = {p.stem: str(p) for p in tasks}
-    choice = [by_name[t.name] for t in DEMO_TASKS]
+    by_name = extract_demo(out, n, seed)
     sibling = out / SIBLING
-    if not (sibling / "config.json").is_file():
-        save_every_other_block(DEMO_MODEL, sibling)
-    states = {"states": {"states": "all"}}
-    # The skips task gets the logit lens too: the lens section draws its last prompt token
-    # beside running text (same readout as the text task).
-    gram_heads = measurement_options({"gram": True, "heads": True})
-    lens_skips = measurement_options({"skips": True, "lens": "final"})
-    sinks = measurement_options({"sinks": True})
-    erase = measurement_options({"erase": True, "erase_reference": ERASE_N})
-    attribution = measurement_options(
-        {"igrad": True, "igrad_sites": ("block", "attn"), "igrad_steps": MULTIHOP_STEPS,
-         "erase": True, "erase_reference": MULTIHOP_DOCS}
-    )  # fmt: skip
-    for config in (
-        ExtractConfig(DEMO_MODEL, choice, store, measures=gram_heads),
-        ExtractConfig(
-            DEMO_MODEL,
-            [by_name[SKIPS_TASK]],
-            store,
-            measures={**gram_heads, **lens_skips, **sinks},
-        ),
-        ExtractConfig(DEMO_MODEL, [by_name[ERASE_TASK]], store, measures={**gram_heads, **erase}),
-        ExtractConfig(DEMO_MODEL, [by_name[TEXT_TASK]], store, measures={**lens_skips, **sinks}),
-        ExtractConfig(DEMO_MODEL, [by_name[STATES_TASK]], store, measures=states),
-        ExtractConfig(str(sibling), [by_name[STATES_TASK]], store, measures=states),
-        ExtractConfig(
-            DEMO_MODEL,
-            [by_name[MULTIHOP_TASK]],
-            store,
-            limit=MULTIHOP_DOCS,
-            measures={**attribution, **lens_skips, **sinks},
-        ),
-    ):
-        for s in run_extract(config):
-            print(f"{s.task}: {s.n_done}/{s.n_requested} stored ({s.n_new} new)")
     results = analyze(store, tasks=[t for t in by_name if t != STATES_TASK], progress=True)
     maps = analyze(store, tasks=STATES_TASK, maps=f"{sibling}:{DEMO_MODEL}")
     results.by_name.update({t: maps.by_name[t] for t in ("layer_maps", "layer_map_best")})
     both = [results.by_name["manifests"], maps.by_name["manifests"]]
     results.by_name["manifests"] = pl.concat(both, how="diagonal_relaxed")  # every partition
+    results.remarks.append(
+        "The demo's counts are trimmed so that `make demo` runs both models within 15 minutes on "
+        f"two cores: {n} instances per choice task and model (`layerdiv demo --n`), {SKIPS_N} "
+        f"with the layer skips, the lens and the sinks, {ERASE_N} with erasure; {TEXT_DOCS} "
+        f"documents of {TEXT_TOKENS} tokens of running text; {MULTIHOP_DOCS} multi-hop documents "
+        f"with attribution at M = {MULTIHOP_STEPS} integration steps. Intervals are wide for it"
+    )
     results.write(results_dir)
     write_report(results, report_dir, "paper", str(store), "md,html")
     mse, bias, div = (METRICS[m].unit("paper") for m in ("mse", "bias", "diversity"))
-    print(
-        f"\nSummary ({DEMO_MODEL}, `paper` estimator; MSE and bias {mse.label}, "
-        f"diversity in {div.label}):"
-    )
+    print(f"\nSummary (`paper` estimator; MSE and bias {mse.label}, diversity in {div.label}):")
     summary = task_summary(results, estimator="paper")
     w = max(9, *(len(t) + 1 for t in summary["task"]))
-    header = f"{'task':<{w}}{'n':>5}{'accuracy':>10}{'majority':>10}{'MSE':>8}{'bias':>8}"
-    print(header + f"{'diversity':>11}  accuracy saturates at")
+    m = max(6, *(len(t) + 1 for t in summary["model"]))
+    header = f"{'model':<{m}}{'task':<{w}}{'n':>5}{'accuracy':>10}{'majority':>10}{'MSE':>8}"
+    print(header + f"{'bias':>8}{'diversity':>11}  accuracy saturates at")
     for row in summary.iter_rows(named=True):
         print(
-            f"{row['task']:<{w}}{row['n_instances']:>5}{100 * row['accuracy']:>9.1f}%"
+            f"{row['model']:<{m}}{row['task']:<{w}}{row['n_instances']:>5}"
+            f"{100 * row['accuracy']:>9.1f}%"
             f"{100 * row['majority_accuracy']:>9.1f}%{mse.scale * row['mse']:>8.2f}"
             f"{bias.scale * row['bias']:>8.2f}{div.scale * row['diversity']:>11.2f}"
             f"  component {row['saturation_j']} of {row['n_components']}"

@@ -115,6 +115,9 @@ class Results:
     """Per analysis that ran on some of its partitions only, the lines naming those extracted
     without a table it needs and the option that adds it (its report section opens with them;
     an analysis that ran on none gets them in :attr:`notes`)."""
+    remarks: list[str] = field(default_factory=list)
+    """Lines for the report's reader that are no warning (e.g. how the data were chosen): the
+    report shows them as paragraphs under its header, where :attr:`notes` are warning boxes."""
 
     def _table(self, name: str) -> pl.DataFrame | None:
         tables = self.__dict__.get("by_name", {})

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
@@ -91,6 +94,39 @@ def model_task_table(
     return markdown_table(["Model", *tasks, *([AVG] if avg else [])], rows)
 
 
+@dataclass(frozen=True)
+class Judged:
+    """One :func:`verdict`, as data: what :func:`judged` collects (e.g. for a table of the
+    papers' findings per model)."""
+
+    finding: str
+    statistic: str
+    value: float | None
+    interval: tuple[float | None, float | None] | None
+    n: int
+    threshold: float
+    min_n: int
+    unit: str
+    above: bool
+    digits: int
+    outcome: str
+    """``agrees``, ``does not agree``, ``cannot tell`` or ``too few to tell``."""
+
+
+_JUDGED: ContextVar[list[Judged] | None] = ContextVar("judged", default=None)
+
+
+@contextmanager
+def judged() -> Iterator[list[Judged]]:
+    """Collect every :func:`verdict` made in this block (this thread), in order."""
+    found: list[Judged] = []
+    token = _JUDGED.set(found)
+    try:
+        yield found
+    finally:
+        _JUDGED.reset(token)
+
+
 def verdict(
     finding: str,
     statistic: str,
@@ -125,5 +161,8 @@ def verdict(
         outcome, tail = "does not agree", f" {other} {t}"
     else:
         outcome, tail = "cannot tell", f" spans {t}"
+    if (found := _JUDGED.get()) is not None:
+        found.append(Judged(finding, statistic, value, interval, n, threshold, min_n, unit,
+                            above, digits, outcome))  # fmt: skip
     count = f"n = {n} {unit}; at least {min_n} needed"
     return f"**Verdict: {outcome}.** {finding}: {shown}{tail} ({count})."

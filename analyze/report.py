@@ -151,7 +151,9 @@ def render(
         if text
     ]
     n_models, n_tasks = manifests["model"].n_unique(), manifests["task"].n_unique()
-    notes = "".join(f"\n\n{line}." for line in subset_notes(manifests, ctx.names))
+    notes = "".join(
+        f"\n\n{line}." for line in [*results.remarks, *subset_notes(manifests, ctx.names)]
+    )
     notes += "".join(f"\n\n> {note}" for note in [*results.problems, *ctx.notes])
     choice = "paper" in results.analyses  # estimator and scale apply to the choice analyses only
     how = (

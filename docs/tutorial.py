@@ -15,7 +15,7 @@
 # # Tutorial: the demo store in a notebook
 #
 # This notebook explores the store that `make demo` writes (`layerdiv-demo/store`: SmolLM2-135M-Instruct
-# on three labelled tasks, 300 instances each, and a running-text task) with layerdiv's Python API: the store's tables as
+# and Gemma 3 270M on three labelled tasks, 120 instances each, and on running text) with layerdiv's Python API: the store's tables as
 # Polars frames, your own SQL, then the analysis and its result tables. Nothing here needs torch or
 # a GPU; each cell runs in a fraction of a second once the store exists.
 #
@@ -32,12 +32,12 @@ import polars as pl
 import layerdiv
 
 # What `make demo` writes, relative to the repository root; where it is
-# missing, this builds it as `make demo` does (about 75 s on 2 CPU cores).
+# missing, this builds it as `make demo` does (minutes on 2 CPU cores).
 DEMO = Path("layerdiv-demo")
 if not (DEMO / "store").exists():
-    from layerdiv.demo import run_demo
+    from layerdiv.demo import DEMO_N, run_demo
 
-    run_demo(DEMO, n=300, seed=0)
+    run_demo(DEMO, n=DEMO_N, seed=0)
 
 # %% [markdown]
 # ## The store
@@ -85,12 +85,12 @@ prediction = (
 gold = store.scan("instances").select([*keys, "gold"])
 (
     prediction.join(gold, on=keys)
-    .group_by("task")
+    .group_by("model", "task")
     .agg(
         accuracy=(pl.col("option") == pl.col("gold")).mean(),
         n=pl.len(),
     )
-    .sort("task")
+    .sort("model", "task")
     .collect()
 )
 
@@ -111,13 +111,13 @@ layerdiv.query(
              arg_max(option, logit) AS pred
       FROM components GROUP BY ALL
     )
-    SELECT task, name, avg((pred = gold)::INT) AS accuracy
+    SELECT model, task, name, avg((pred = gold)::INT) AS accuracy
     FROM alone JOIN instances USING (model, task, instance)
-    GROUP BY task, component, name
+    GROUP BY model, task, component, name
     QUALIFY row_number() OVER (
-      PARTITION BY task ORDER BY accuracy DESC, component
+      PARTITION BY model, task ORDER BY accuracy DESC, component
     ) <= 3
-    ORDER BY task, accuracy DESC
+    ORDER BY model, task, accuracy DESC
     """,
 )
 
@@ -131,7 +131,9 @@ layerdiv.query(
 # not be computed, and how to get it).
 
 # %%
-r = layerdiv.run_analysis(store, tasks=["bbc5", "tweets2", "tweets3"])
+r = layerdiv.run_analysis(
+    store, models="smollm2-135m-instruct", tasks=["bbc5", "tweets2", "tweets3"]
+)
 r
 
 # %% [markdown]

@@ -292,3 +292,57 @@ def write_synthetic_store(
                 root, model, task, logits, gold, kinds, rms, n_params=int(params), chunk=chunk
             )
     return root
+
+
+DEMO = Path(os.environ.get("LAYERDIV_DEMO", Path(__file__).parent.parent / "layerdiv-demo"))
+"""The folder ``make demo`` writes; ``make test`` makes it before pytest runs."""
+
+
+def _holds(out: Path, steps: Any) -> bool:
+    """Whether the demo folder ``out`` holds this version's demo tasks (the default ``--n`` and
+    seed) and complete partitions of every (model, task) of ``steps`` (``DemoStep``)."""
+    from layerdiv.demo import DEMO_N, SIBLING, demo_task_files
+    from layerdiv.store import Store
+
+    if not (out / "store").is_dir():
+        return False
+    _, texts = demo_task_files(out / "tasks", DEMO_N, 0)
+    if any(not p.is_file() or p.read_text() != text for p, text in texts.items()):
+        return False
+    done = {
+        (SIBLING if p.manifest.model.endswith(SIBLING) else p.manifest.model, p.task)
+        for p in Store(out / "store").partitions
+        if p.n_done >= p.manifest.n_requested > 0 and not p.incomplete()
+    }
+    return all((m, t) in done for s in steps for m in s.models for t in s.tasks)
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``demo(*tasks, models=None)``: a demo folder (``tasks/``, ``store/``, the sibling) whose
+    store holds the demo's extraction of ``tasks`` (``layerdiv.demo.DEMO_STEPS``) for
+    ``models`` (None: every model its steps name): the one ``make test``'s demo made
+    (:data:`DEMO`) where it holds them, complete, for this version's tasks; else one extracted
+    here of those steps alone, once per session (and xdist worker)."""
+    from dataclasses import replace
+
+    from layerdiv.demo import DEMO_N, DEMO_STEPS, extract_demo
+
+    built: dict[tuple[tuple[str, ...], tuple[str, ...] | None], Path] = {}
+
+    def get(*tasks: str, models: tuple[str, ...] | None = None) -> Path:
+        steps = [
+            replace(s, tasks=tuple(t for t in s.tasks if t in tasks),
+                    models=tuple(m for m in s.models if models is None or m in models))
+            for s in DEMO_STEPS
+            if set(s.tasks) & set(tasks)
+        ]  # fmt: skip
+        if _holds(DEMO, steps):
+            return DEMO
+        if (tasks, models) not in built:
+            out = tmp_path_factory.mktemp("demo")
+            extract_demo(out, DEMO_N, 0, steps)
+            built[tasks, models] = out
+        return built[tasks, models]
+
+    return get

@@ -207,7 +207,9 @@ def test_report(store: Path, tmp_path: Path) -> None:
     majority = markdown_rows(text, "#### Accuracy (%)")["*Majority class*"]
     assert len(majority) == 3  # boolq, mnli, Avg.
     pngs = sorted(p.name for p in (out / "figures").glob("*.png"))
-    assert pngs == [
+    assert pngs == [  # two models: compared on relative depth too
+        "compare_curves.png",
+        "compare_depth.png",
         "depth_geometry.png",
         "fig3_correlations.png",
         "fig4_module_shares.png",
@@ -827,6 +829,7 @@ def test_a_registered_analysis_runs_writes_and_reports(
         "revisions",
         "depth_law",
         "maps",
+        "compare",
     ]
     names = ["paper", "depth", "gram", "skips", "heads", "reweight", "lens_curves", *texts, "extra"]
     assert [a.name for a in reg.registered()] == names

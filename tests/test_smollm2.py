@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -16,14 +17,13 @@ from layerdiv.extract.models import resolve_source
 from layerdiv.store import Store
 
 
-def test_smollm2_extract_on_packaged_bbc_news(tmp_path: Path) -> None:
-    tasks = {p.stem: p for p in write_demo_tasks(tmp_path / "tasks", n=300, seed=0)}
-    store = tmp_path / "store"
-    args = ["extract", "--model", "smollm2-135m-instruct", "--task", str(tasks["bbc5"]),
-            "--store", str(store), "--limit", "60"]  # fmt: skip
-    result = CliRunner().invoke(main, args, catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    (info,) = Store(store).partitions
+def test_smollm2_extract_on_packaged_bbc_news(demo: Any) -> None:
+    """SmolLM2 on the demo's bbc5 task (read from the demo's store where ``make test``'s demo
+    made it, extracted here otherwise)."""
+    from layerdiv.demo import DEMO_MODEL, DEMO_N
+
+    store = demo("bbc5", models=(DEMO_MODEL,)) / "store"
+    (info,) = Store(store).select(models=DEMO_MODEL, tasks="bbc5")
     m = info.manifest
     assert m.model_type == "llama" and m.n_params > 100e6
     assert len(m.components) == 1 + 2 * 30  # embedding + 30 attention + 30 MLP blocks
@@ -35,9 +35,11 @@ def test_smollm2_extract_on_packaged_bbc_news(tmp_path: Path) -> None:
     assert {k: getattr(config, k) for k in cost.SMOLLM2} == cost.SMOLLM2  # the docs' cost table
     listed = CliRunner().invoke(main, ["ls", "--store", str(store)])
     assert f"Note: smollm2-135m-instruct: weights {m.weights}" in listed.output
-    inst = Store(store).scan("instances").collect()
-    comps = Store(store).scan("components").collect()
-    assert inst.height == 60 and comps.height == 60 * 61 * 5
+    mine = (pl.col("model") == info.model) & (pl.col("task") == "bbc5")
+    inst = Store(store).scan("instances").filter(mine).collect()
+    comps = Store(store).scan("components").filter(mine).collect()
+    n = DEMO_N - DEMO_N % 5  # balanced over the 5 topics
+    assert inst.height == n and comps.height == n * 61 * 5
     # The sum invariant, recomputed from the stored rows.
     totals = (
         comps.group_by("instance", "option").agg(pl.col("logit").sum()).sort("instance", "option")
@@ -91,34 +93,50 @@ def test_demo_writes_its_small_skips_task_and_its_states_task(tmp_path: Path) ->
     assert load_task(str(tmp_path / "small" / f"{SKIPS_TASK}.yaml")).n == 10
 
 
-def test_maps_from_the_15_block_sibling_onto_smollm2(tmp_path: Path) -> None:
+def test_demo_steps_run_both_models_on_the_tasks_it_writes(tmp_path: Path) -> None:
+    """Every step of the demo names tasks it writes and options ``extract`` takes; every task but
+    the states one (SmolLM2 and its sibling, for the maps) is run by both models, so that the
+    comparison has each; attribution has enough documents for intervals."""
+    from layerdiv.analyze.stats import MIN_INTERVAL_N
+    from layerdiv.demo import DEMO_MODELS, DEMO_STEPS, MULTIHOP_DOCS, STATES_TASK
+    from layerdiv.extract.config import measurement_options
+
+    written = {p.stem for p in write_demo_tasks(tmp_path / "tasks", n=10, seed=0)}
+    stepped = {t for s in DEMO_STEPS for t in s.tasks}
+    assert stepped == written
+    for step in DEMO_STEPS:
+        assert measurement_options(step.options)  # every step measures something
+        if STATES_TASK not in step.tasks:
+            assert step.models == DEMO_MODELS
+    assert MULTIHOP_DOCS >= MIN_INTERVAL_N
+
+
+def test_maps_from_the_15_block_sibling_onto_smollm2(demo: Any) -> None:
     """SmolLM2's every-other-block sibling (15 of its 30 blocks, a damaged model from the same
-    weights) mapped onto SmolLM2 on the demo's BBC News states task, with at least 10 training
-    rows per dimension of SmolLM2's width (methods §11). The best target of each source layer is
-    the one of largest held-out R² among the maps that beat the mean predictor; the sibling's
-    first block is SmolLM2's, so its state 1 maps onto SmolLM2's state 1 exactly. Measured: every
-    source state whose best map clears the R² gate picks SmolLM2's state 1, so no ordered
-    correspondence is claimed (no verdict, or cannot tell), where the rule by raw relative error
-    claimed one. Prints the table and Spearman's correlation (``pytest -s``)."""
+    weights) mapped onto SmolLM2 on the demo's BBC News states task (the demo's maps where
+    ``make test``'s demo made them), with at least 10 training rows per dimension of SmolLM2's
+    width (methods §11). The best target of each source layer is the one of largest held-out R²
+    among the maps that beat the mean predictor; the sibling's first block is SmolLM2's, so its
+    state 1 maps onto SmolLM2's state 1 exactly. Measured: every source state whose best map
+    clears the R² gate picks SmolLM2's state 1, so no ordered correspondence is claimed (no
+    verdict, or cannot tell), where the rule by raw relative error claimed one. Prints the table
+    and Spearman's correlation (``pytest -s``)."""
     import layerdiv
     from layerdiv.analyze.analyses.maps import PAIR, R2_GATE, maps_verdict, spearman
-    from layerdiv.demo import STATES_TASK
-    from layerdiv.extract.models import save_every_other_block
+    from layerdiv.demo import DEMO_MODEL, STATES_TASK
 
-    sibling = save_every_other_block("smollm2-135m-instruct", tmp_path / "smollm2-15-blocks")
-    tasks = {p.stem: p for p in write_demo_tasks(tmp_path / "tasks", n=30, seed=0)}
-    store = tmp_path / "store"
-    for model in ("smollm2-135m-instruct", str(sibling)):
-        args = ["extract", "--model", model, "--task", str(tasks[STATES_TASK]),
-                "--store", str(store), "--states", "all"]  # fmt: skip
-        result = CliRunner().invoke(main, args, catch_exceptions=False)
-        assert result.exit_code == 0, result.output
-    results = layerdiv.run_analysis(store, maps=f"{sibling}:smollm2-135m-instruct")
-    best = results.layer_map_best
+    out = demo(STATES_TASK)
+    if (out / "results" / "layer_map_best.parquet").is_file():  # the demo's own maps
+        maps, best = (pl.read_parquet(out / "results" / f"{t}.parquet")
+                      for t in ("layer_maps", "layer_map_best"))  # fmt: skip
+    else:
+        store = out / "store"
+        (sibling,) = {p.model for p in Store(store).select(tasks=STATES_TASK)} - {DEMO_MODEL}
+        results = layerdiv.run_analysis(store, tasks=STATES_TASK, maps=f"{sibling}:{DEMO_MODEL}")
+        maps, best = results.layer_maps, results.layer_map_best
     with pl.Config(tbl_rows=100, tbl_cols=20, tbl_width_chars=200):
         print(best.drop(PAIR))
         print(spearman(best).drop(PAIR))
-    maps = results.layer_maps
     assert maps.filter(pl.col("space") == "states").height == 16 * 31
     assert maps.filter(pl.col("space") == "updates").height == 15 * 30
     assert not maps["few_rows"].any()  # at least 10 x d training rows
