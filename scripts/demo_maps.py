@@ -21,6 +21,7 @@ import polars as pl
 
 from layerdiv.analyze.analyses.maps import MIN_LAYERS, R2_GATE, spearman
 from layerdiv.analyze.markdown import fmt, markdown_table
+from layerdiv.demo import STATES_TASK, WORDS_TASK
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -28,10 +29,33 @@ FIGURE = ROOT / "docs" / "demo-layer-maps.png"
 REGION = re.compile(r"(<!-- demo:maps -->\n)(.*?)(<!-- /demo:maps -->)", re.S)
 
 
+def _sentence(r: dict, name: str) -> str:
+    """One pair's finding on one space (a row of ``spearman``)."""
+    found = (
+        f"{r['n_best']} of {r['n_sources']} source layers have a map that beats the mean "
+        f"predictor and {r['n']} a best map (the largest held-out R²) with R² >= {R2_GATE:g}"
+    )
+    if r["spearman"] is None:
+        why = "too few for a verdict" if r["n"] < MIN_LAYERS else "every one the same target"
+        return f"{found} on the {name} ({why}: no correspondence claimed)"
+    return (
+        f"{found} on the {name}, and over those Spearman's correlation of the best target's "
+        f"relative depth with the source's is {r['spearman']:.2f} "
+        f"[{r['low']:.2f}, {r['high']:.2f}] (against permuted targets p = {r['p_value']:.3g})"
+    )
+
+
+def _name(model: str) -> str:
+    return Path(model).name if model.startswith("/") else model
+
+
 def region(results: Path) -> str:
-    """The README's text: one sentence per space, then the best targets of the states."""
-    best = pl.read_parquet(results / "layer_map_best.parquet")
-    maps = pl.read_parquet(results / "layer_maps.parquet")
+    """The README's text: the sibling onto SmolLM2 (one sentence per space, then the best targets
+    of the states), then SmolLM2 and Gemma 3 onto each other at word ends."""
+    all_best = pl.read_parquet(results / "layer_map_best.parquet")
+    all_maps = pl.read_parquet(results / "layer_maps.parquet")
+    best = all_best.filter(pl.col("task") == STATES_TASK)
+    maps = all_maps.filter(pl.col("task") == STATES_TASK)
     rho = {r["space"]: r for r in spearman(best).iter_rows(named=True)}
     n_train, n_held = maps["n_train"][0], maps["n_heldout"][0]
     states = best.filter(pl.col("space") == "states").sort("source_layer")
@@ -46,25 +70,27 @@ def region(results: Path) -> str:
         ["sibling layer i", "i / L_A", "best SmolLM2 layer j", "j / L_B", "rel_error",
          "mean predictor's rel_error", "R²"], rows
     )  # fmt: skip
-
-    def space(name: str) -> str:
-        r = rho[name]
-        found = (
-            f"{r['n_best']} of {r['n_sources']} source layers have a map that beats the mean "
-            f"predictor and {r['n']} a best map (the largest held-out R²) with R² >= {R2_GATE:g}"
+    words = spearman(all_best.filter(pl.col("task") == WORDS_TASK))
+    pairs = []
+    for (src, tgt), group in words.group_by("source_model", "target_model", maintain_order=True):
+        held = all_maps.filter(
+            (pl.col("task") == WORDS_TASK) & (pl.col("source_model") == src)
+            & (pl.col("target_model") == tgt)
+        )  # fmt: skip
+        by_space = {r["space"]: r for r in group.iter_rows(named=True)}
+        pairs.append(
+            f"- {_name(str(src))} onto {_name(str(tgt))} ({held['n_train'][0]:,} training and "
+            f"{held['n_heldout'][0]:,} held-out word ends): "
+            f"{_sentence(by_space['states'], 'states')}; "
+            f"{_sentence(by_space['updates'], 'updates')}."
         )
-        if r["spearman"] is None:
-            why = "too few for a verdict" if r["n"] < MIN_LAYERS else "every one the same target"
-            return f"{found} on the {name} ({why}: no correspondence claimed)"
-        return (
-            f"{found} on the {name}, and over those Spearman's correlation of the best target's "
-            f"relative depth with the source's is {r['spearman']:.2f} "
-            f"[{r['low']:.2f}, {r['high']:.2f}] (against permuted targets p = {r['p_value']:.3g})"
-        )
-
     return (
         f"Fitted on {n_train:,} token rows (ridge cross-validated per map), scored on "
-        f"{n_held:,} held-out rows: {space('states')}; {space('updates')}.\n\n{table}\n"
+        f"{n_held:,} held-out rows: {_sentence(rho['states'], 'states')}; "
+        f"{_sentence(rho['updates'], 'updates')}.\n\n{table}\n\n"
+        "Between SmolLM2 and Gemma 3 270M, whose tokenizers differ, the maps are fitted on the "
+        "tokens of the same documents that end at the same character (`--states words`, the "
+        f"demo's `{WORDS_TASK}`):\n\n" + "\n".join(pairs) + "\n"
     )
 
 

@@ -128,6 +128,7 @@ def test_maps_from_the_15_block_sibling_onto_smollm2(demo: Any) -> None:
     out = demo(STATES_TASK)
     if (out / "results" / "layer_map_best.parquet").is_file():  # the demo's own maps
         maps, best = (pl.read_parquet(out / "results" / f"{t}.parquet")
+                      .filter(pl.col("task") == STATES_TASK)
                       for t in ("layer_maps", "layer_map_best"))  # fmt: skip
     else:
         store = out / "store"
