@@ -56,6 +56,8 @@ History:
 - 8: ``igrad``'s ``attribution``, ``igrad_ends``' ``f_input`` and ``f_baseline`` and
   ``erasure``'s ``effect`` may be null: a document without a measurable answer (``max_tokens``
   cut it off entirely) is stored as missing, not as 0 (version 7 stored 0).
+- 9: optional table ``lens_stats`` (``extract --lens-stats`` on a text task: the float64
+  sufficient statistics of the least-squares lens per block, one set per part, methods §17).
 
 The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``revision``, ``task``) are not
 stored inside the files: they come from the directory names
@@ -72,7 +74,7 @@ import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 """Version of the on-disk layout and of the column sets below (the one this code writes)."""
 
 OLDEST_READABLE = 1
@@ -601,6 +603,32 @@ for a unit of one token, which has no query position after the first).
   sliding-window attention included).
 """
 
+LENS_STATS = _schema(
+    "lens_stats",
+    [
+        pa.field("block", pa.int16(), nullable=False),
+        pa.field("tokens", pa.int64(), nullable=False),
+        pa.field("sum_h", pa.list_(pa.float64()), nullable=False),
+        pa.field("sum_final", pa.list_(pa.float64()), nullable=False),
+        pa.field("sum_hh", pa.list_(pa.float64()), nullable=False),
+        pa.field("sum_hfinal", pa.list_(pa.float64()), nullable=False),
+    ],
+)
+"""Optional (``extract --lens-stats`` on a text task; methods §17). One row per block l = 0..L-1
+of each part (L rows, in block order): the float64 sums over every token of the part's documents
+(BOS included), from which ``layerdiv fit-lens --kind ls`` solves the least-squares lens. A
+part's sums are its own documents' alone (its name gives them), so the sums of a partition are
+the sums over its parts, however its chunks were sharded, resumed or merged.
+
+- ``block``: block l, 0-based; h_l its input (h_0 the embedding output).
+- ``tokens``: n, the tokens summed over (the same in every row of a part).
+- ``sum_h``: sum h_l (d values).
+- ``sum_final``: sum h_L, the last residual state before the final norm (d values; the same in
+  every row of a part).
+- ``sum_hh``: sum h_l h_l^T (d x d values, row-major).
+- ``sum_hfinal``: sum h_l h_L^T (d x d values, row-major: entry (i, j) sums h_l[i] h_L[j]).
+"""
+
 TABLES = {
     "components": COMPONENTS,
     "instances": INSTANCES,
@@ -620,6 +648,7 @@ TABLES = {
     "erasure": ERASURE,
     "erasure_reference": ERASURE_REFERENCE,
     "sinks": SINKS,
+    "lens_stats": LENS_STATS,
 }
 """Every table of the store by name, as this version writes them."""
 
@@ -720,6 +749,7 @@ RULES: dict[str, Rules] = {
         bounds={"bos_attention": PROBABILITY},
         least=2,
     ),
+    "lens_stats": Rules(bounds={"block": (0, "L-1"), "tokens": (1, float("inf"))}),
 }
 """The :class:`Rules` of each table that has some (a measurement declared outside layerdiv
 declares those of its tables with their schemas: ``Measurement.rules``)."""

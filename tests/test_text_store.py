@@ -224,7 +224,7 @@ def test_version_3_choice_store_still_reads(tmp_path: Path) -> None:
         del data[name]  # fields of versions 4 and 5
     data["schema_version"] = 3
     path.write_text(json.dumps(data))
-    assert SCHEMA_VERSION == 8 and "lens" not in tables_of(3) and "tokens" not in tables_of(3)
+    assert SCHEMA_VERSION == 9 and "lens" not in tables_of(3) and "tokens" not in tables_of(3)
     assert "prompt" in tables_of(3)["instances"].names
     store = Store(tmp_path)
     (info,) = store.select()
@@ -249,6 +249,7 @@ def test_each_version_s_tables_come_from_the_declarations() -> None:
     new = {v: set(tables_of(v)) - set(tables_of(v - 1)) for v in range(2, SCHEMA_VERSION + 1)}
     assert new[7] == {"igrad", "igrad_ends", "erasure", "erasure_reference", "sinks"}
     assert new[6] == set() and new[5] == {"states"}
+    assert new[9] == {"lens_stats"} and new[8] == set()
 
 
 def test_version_4_store_reads_without_the_weights_note(tmp_path: Path) -> None:
