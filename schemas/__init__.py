@@ -483,8 +483,12 @@ def _dtype_of(state: pa.FixedSizeListType) -> str:
     return next(k for k, t in STATE_TYPES.items() if state.value_type == t)
 
 
-VECTOR_TABLES = ("states",)
-"""Tables of vectors whose width differs between partitions: not in the query views."""
+VECTOR_TABLES = {
+    "states": "PartitionInfo.states",
+    "lens_stats": "layerdiv.measurements.lens_stats.read_sums",
+}
+"""Tables of vectors whose width differs between partitions: not in the query views; each with
+what reads it per partition."""
 
 SKIP_KEYS = {
     "future_effects": (*(f.name for f in _SKIP_KEY), "mode", "block"),

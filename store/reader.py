@@ -560,7 +560,7 @@ class Store:
         if table in VECTOR_TABLES:
             raise StoreError(
                 f"{table} holds vectors of each model's width: read it per partition "
-                "(PartitionInfo.states)"
+                f"({VECTOR_TABLES[table]})"
             )
         if table not in have:
             kind = kind_of_table(table)

@@ -32,6 +32,7 @@ from layerdiv.measurements.erase import erasure_rows
 from layerdiv.measurements.future import future_tables
 from layerdiv.measurements.igrad import IgradRows, igrad_rows
 from layerdiv.measurements.lens import token_lens_table
+from layerdiv.measurements.lens_stats import LensSums, lens_stats_table
 from layerdiv.measurements.sinks import sink_rows
 from layerdiv.measurements.states import states_table
 from layerdiv.schemas import SCHEMA_VERSION
@@ -132,6 +133,10 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
             [rng.normal(size=(n - 1, BLOCKS + 1, 8)).astype(np.float16) for n in n_tok],
         ),
         **erasure_rows(docs, [rng.uniform(size=(BLOCKS + 1, n)) for n in n_tok]),
+        "lens_stats": lens_stats_table(
+            LensSums(sum(n_tok), rng.normal(size=(BLOCKS, 8)), rng.normal(size=8),
+                     *rng.normal(size=(2, BLOCKS, 8, 8)))  # fmt: skip
+        ),
         **sink_rows(docs, [rng.uniform(size=(BLOCKS, 2)) for _ in n_tok]),
         "documents": documents_table(
             docs, n_tok, [n > 6 for n in n_tok], [str(d % 2) for d in docs]
