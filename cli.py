@@ -672,9 +672,7 @@ def fit_law_command(
     help="ls: least squares in closed form from the sums of extract --lens-stats (no model); "
     "tuned: the tuned-lens recipe (runs the model).",
 )
-@click.option(
-    "--out", required=True, type=click.Path(dir_okay=False), help="The translators file."
-)
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="The translators file.")
 @click.option(
     "--ridge",
     type=click.FloatRange(min=0),
@@ -717,7 +715,6 @@ def fit_lens_command(
     (info,) = Store(store).select([model], [task])
     if kind == "ls":
         from layerdiv.measurements.lens_stats import fit_ls
-
         from layerdiv.store.translators import save_translators
 
         fitted = fit_ls(info, ridge)

@@ -9,7 +9,6 @@ documents' order. :func:`lens_kl` scores a lens (logit or learned) on held-out d
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -135,7 +134,9 @@ def _train(
     W = torch.zeros(blocks, d, d, device=device)
     b = torch.zeros(blocks, d, device=device)
     if init is not None:
-        W += torch.as_tensor(init[0], dtype=torch.float32, device=device) - torch.eye(d, device=device)
+        W += torch.as_tensor(init[0], dtype=torch.float32, device=device) - torch.eye(
+            d, device=device
+        )
         b += torch.as_tensor(init[1], dtype=torch.float32, device=device)
     W.requires_grad_(True)
     b.requires_grad_(True)
@@ -173,8 +174,14 @@ def _save(
     path: Path, settings: TunedSettings, step: int, W: torch.Tensor, b: torch.Tensor,
     opt: torch.optim.Optimizer, sched: Any,
 ) -> None:  # fmt: skip
-    state = {"settings": asdict(settings), "step": step, "W": W.detach().cpu(),
-             "b": b.detach().cpu(), "opt": opt.state_dict(), "sched": sched.state_dict()}  # fmt: skip
+    state = {
+        "settings": asdict(settings),
+        "step": step,
+        "W": W.detach().cpu(),
+        "b": b.detach().cpu(),
+        "opt": opt.state_dict(),
+        "sched": sched.state_dict(),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         torch.save(state, tmp)
@@ -214,14 +221,18 @@ def lens_kl(
     capture = TextCapture(loaded.model, adapter, readout)
     sums: np.ndarray | None = None
     n = 0
-    transform: Callable[[torch.Tensor, int], torch.Tensor] = lambda x, layer: x  # noqa: E731
+    affine = None
+    if translators is not None:
+        affine = [
+            torch.as_tensor(t, dtype=torch.float32, device=loaded.device) for t in translators
+        ]
+
+    def transform(x: torch.Tensor, layer: int) -> torch.Tensor:
+        return x if affine is None else x @ affine[0][layer].T + affine[1][layer]
+
     try:
         for k in range(0, len(seqs), batch):
             h, final = residual_states(loaded, capture, seqs[k : k + batch])
-            if translators is not None and sums is None:
-                A = torch.as_tensor(translators[0], dtype=torch.float32, device=final.device)
-                bias = torch.as_tensor(translators[1], dtype=torch.float32, device=final.device)
-                transform = lambda x, layer: x @ A[layer].T + bias[layer]  # noqa: E731
             with torch.no_grad(), capture.pausing():
                 target = torch.log_softmax(readout.logits(final.to(capture.dtype)), dim=-1)
                 kl = np.array([

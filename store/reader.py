@@ -271,7 +271,9 @@ class PartitionInfo(Generic[StorePath]):
     def task_argument(self) -> str:
         """The task as the last run that recorded it gave it (a built-in name or a YAML path;
         the partition's task name where none did)."""
-        given = [r["task"] for r in self.manifest.runs if isinstance(r.get("task"), str) and r["task"]]
+        given = [
+            r["task"] for r in self.manifest.runs if isinstance(r.get("task"), str) and r["task"]
+        ]
         return (given or [self.task])[-1]
 
     def extract_command(self, table: str | None = None) -> str:

@@ -86,7 +86,9 @@ def sums_of(store: Path) -> LensSums:
     return read_sums(info)
 
 
-def test_sums_and_the_ls_lens_match_float64_states_and_lstsq(tmp_path: Path, model_dirs: Any) -> None:
+def test_sums_and_the_ls_lens_match_float64_states_and_lstsq(
+    tmp_path: Path, model_dirs: Any
+) -> None:
     folder = model_dirs("llama")
     texts = random_texts(9, seed=5)
     task = text_task(tmp_path / "task", texts, max_tokens=16)
@@ -213,7 +215,8 @@ def test_fit_lens_tuned_writes_its_settings_and_refuses_other_weights(
     assert r.exit_code == 0, r.output
     out = tmp_path / "tuned.safetensors"
     r = run("fit-lens", "--store", store, "--model", folder, "--task", "docs", "--kind", "tuned",
-            "--out", str(out), "--steps", "3", "--tokens-per-step", "30", "--init", "ls")  # fmt: skip
+            "--out", str(out), "--steps", "3", "--tokens-per-step", "30",
+            "--init", "ls")  # fmt: skip
     assert r.exit_code == 0, r.output
     assert "tuned lens trained on states from the model's own forward pass" in r.output
     t = load_translators(out)
@@ -230,6 +233,31 @@ def test_fit_lens_tuned_writes_its_settings_and_refuses_other_weights(
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.numerical
+def test_smollm2_ls_lens_matches_lstsq(tmp_path: Path) -> None:
+    from layerdiv.demo import bbc_articles
+
+    texts = [a["text"] for a in bbc_articles(paragraphs=2)[:3]]
+    task = text_task(tmp_path / "task", texts, max_tokens=24)
+    store = tmp_path / "s"
+    model = "smollm2-135m-instruct"
+    r = run("extract", "--model", model, "--task", str(task), "--store", str(store),
+            "--lens-stats", "--batch-size", "1")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "ls.safetensors"
+    r = run("fit-lens", "--store", str(store), "--model", model, "--task", "docs", "--kind", "ls",
+            "--out", str(out))  # fmt: skip
+    assert r.exit_code == 0, r.output
+    t = load_translators(out)
+    loaded = loaded_model(model)
+    seqs = [loaded.tokenizer(x)["input_ids"][:24] for x in texts]
+    h, y = states_of(loaded, seqs)
+    assert t.A.shape == (30, 576, 576) and t.settings["tokens"] == y.shape[0] == 72
+    A, b = lstsq_lens(h, y, 1e-4)
+    assert relative(t.A, A) <= SOLVE and relative(t.b, b) <= SOLVE
+
+
 def test_the_declared_cost_counts_the_two_products() -> None:
     shape = type("Shape", (), {"layers": 30, "d": 576})()
-    assert lens_stats_cost(shape, "text", 100, {}) == 4 * 30 * 576**2 * 100  # type: ignore[arg-type]
+    assert lens_stats_cost(shape, "text", 100, {}) == 4 * 30 * 576**2 * 100

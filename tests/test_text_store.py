@@ -134,8 +134,12 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
         ),
         **erasure_rows(docs, [rng.uniform(size=(BLOCKS + 1, n)) for n in n_tok]),
         "lens_stats": lens_stats_table(
-            LensSums(sum(n_tok), rng.normal(size=(BLOCKS, 8)), rng.normal(size=8),
-                     *rng.normal(size=(2, BLOCKS, 8, 8)))  # fmt: skip
+            LensSums(
+                sum(n_tok),
+                rng.normal(size=(BLOCKS, 8)),
+                rng.normal(size=8),
+                *rng.normal(size=(2, BLOCKS, 8, 8)),
+            )
         ),
         **sink_rows(docs, [rng.uniform(size=(BLOCKS, 2)) for _ in n_tok]),
         "documents": documents_table(

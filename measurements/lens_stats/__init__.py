@@ -146,7 +146,9 @@ def read_sums(info: Any) -> LensSums:
     return total
 
 
-def ls_translators(sums: LensSums, ridge: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def ls_translators(
+    sums: LensSums, ridge: float | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The least-squares lens of methods §17 in closed form: per block, A_l and b_l minimising
     the mean over the summed tokens of ||A_l h_l + b_l - h_L||^2 + lambda_l ||A_l - I||_F^2.
     With means m_l, m_L, covariance C_l = E[(h_l - m_l)(h_l - m_l)^T] and cross-covariance

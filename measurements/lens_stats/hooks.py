@@ -37,7 +37,9 @@ class RunSums:
             raise DecompositionError("--lens-stats: a document's sums would be counted twice")
         self.docs |= set(docs)
         self.n += n
-        self.sums = sums if self.sums is None else [a + b for a, b in zip(self.sums, sums, strict=True)]
+        self.sums = (
+            sums if self.sums is None else [a + b for a, b in zip(self.sums, sums, strict=True)]
+        )
 
     def totals(self) -> LensSums:
         """The sums as numpy float64 arrays."""
