@@ -682,7 +682,7 @@ def fit_law_command(
 )
 @click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True,
               help="tuned: optimiser steps.")  # fmt: skip
-@click.option("--tokens-per-step", type=click.IntRange(min=1), default=1024, show_default=True,
+@click.option("--tokens-per-step", type=click.IntRange(min=1), default=256, show_default=True,
               help="tuned: tokens per step (whole documents).")  # fmt: skip
 @click.option("--seed", type=int, default=0, show_default=True, help="tuned: the documents' order.")
 @click.option(

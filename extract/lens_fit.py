@@ -45,7 +45,7 @@ class TunedSettings:
 
     steps: int = 100
     """Optimiser steps (the original: 250)."""
-    tokens_per_step: int = 1024
+    tokens_per_step: int = 256
     """Tokens per step, whole documents taken in the seed's order until they reach it (the
     original: 2^18)."""
     seed: int = 0

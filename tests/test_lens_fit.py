@@ -21,7 +21,7 @@ from layerdiv.extract.lens_fit import TunedSettings, residual_states, train_tune
 from layerdiv.extract.models import LoadedModel
 from layerdiv.extract.readout import Readout
 from layerdiv.extract.text import TextCapture
-from layerdiv.measurements.lens_stats import LensSums, lens_stats_cost, read_sums
+from layerdiv.measurements.lens_stats import LensStatsError, LensSums, lens_stats_cost, read_sums
 from layerdiv.store import Store
 from layerdiv.store.translators import load_translators
 from tests.test_text_extract import random_texts, text_task
@@ -256,6 +256,58 @@ def test_smollm2_ls_lens_matches_lstsq(tmp_path: Path) -> None:
     assert t.A.shape == (30, 576, 576) and t.settings["tokens"] == y.shape[0] == 72
     A, b = lstsq_lens(h, y, 1e-4)
     assert relative(t.A, A) <= SOLVE and relative(t.b, b) <= SOLVE
+
+
+class _States:
+    """A stand-in for the text capture: fixed states of every document, left-padded per batch."""
+
+    def __init__(self, states: dict[int, torch.Tensor]) -> None:
+        self.states_of, self.docs = states, [0]
+
+    def states(self) -> list[torch.Tensor]:
+        width = max(len(self.states_of[i]) for i in self.docs)
+        rows = [torch.cat([torch.zeros(width - len(x), *x.shape[1:]), x])
+                for x in (self.states_of[i] for i in self.docs)]  # fmt: skip
+        return list(torch.stack(rows).unbind(2))  # L + 1 of (B, width, d)
+
+
+def test_a_batch_run_again_in_halves_is_counted_once() -> None:
+    from layerdiv.measurements import Attachment, RunCapture
+    from layerdiv.measurements.lens_stats import lens_stats_rows
+    from layerdiv.measurements.lens_stats.hooks import LensStatsCapture
+
+    gen = torch.Generator().manual_seed(0)
+    states = {i: torch.randn(2 + i, 3, 4, generator=gen) for i in range(5)}  # (T, L + 1, d)
+    text = _States(states)
+    hooks = LensStatsCapture(Attachment(None, None, "text", {}, None))
+    hooks.bind(text)  # type: ignore[arg-type]
+    assert isinstance(hooks, RunCapture)
+    values: dict[int, Any] = {}
+
+    def pass_over(docs: list[int]) -> None:
+        hooks.reset()
+        hooks.batch(docs, [len(states[i]) for i in docs])
+        text.docs = docs
+        hooks.decomposed(None)  # type: ignore[arg-type]
+        values.update(zip(docs, hooks.result(), strict=True))
+
+    hooks.begin([0, 1, 2, 3])
+    pass_over([3, 2])
+    pass_over([1, 0])  # fails after its pass: run again in halves
+    pass_over([1])
+    pass_over([0])
+    table = lens_stats_rows([0, 1, 2, 3], [values[i] for i in range(4)])["lens_stats"]
+    hooks.begin([4])  # the next run: its sums are its own
+    pass_over([4])
+    alone = lens_stats_rows([4], [values[4]])["lens_stats"]
+    x = torch.cat([states[i] for i in range(4)]).double().numpy()
+    assert table["tokens"].to_pylist() == [len(x)] * 2 and alone["tokens"][0].as_py() == 6
+    hh = np.asarray(table["sum_hh"].to_pylist()).reshape(2, 4, 4)
+    assert relative(hh, np.einsum("tli,tlj->lij", x[:, :2], x[:, :2])) <= 1e-12
+    hf = np.asarray(table["sum_hfinal"].to_pylist()).reshape(2, 4, 4)
+    assert relative(hf, np.einsum("tli,tj->lij", x[:, :2], x[:, 2])) <= 1e-12
+    with pytest.raises(LensStatsError, match="not one run.s"):
+        lens_stats_rows([0, 1, 2, 3, 4], [values[i] for i in range(5)])
 
 
 def test_the_declared_cost_counts_the_two_products() -> None:
