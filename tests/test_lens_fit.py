@@ -306,7 +306,7 @@ def test_a_batch_run_again_in_halves_is_counted_once() -> None:
     assert relative(hh, np.einsum("tli,tlj->lij", x[:, :2], x[:, :2])) <= 1e-12
     hf = np.asarray(table["sum_hfinal"].to_pylist()).reshape(2, 4, 4)
     assert relative(hf, np.einsum("tli,tj->lij", x[:, :2], x[:, 2])) <= 1e-12
-    with pytest.raises(LensStatsError, match="not one run.s"):
+    with pytest.raises(LensStatsError, match="are not one run"):
         lens_stats_rows([0, 1, 2, 3, 4], [values[i] for i in range(5)])
 
 
