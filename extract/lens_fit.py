@@ -288,8 +288,9 @@ def fit_tuned(
     tokenizer = load_tokenizer(source)
     where = resolve_device(device)
     loaded = load_model(source, tokenizer, where, resolve_dtype(dtype, where))
-    stored = max(s + n for s, n in info.done)
-    seqs = task_sequences(info.task_argument, stored, tokenizer, loaded.context_length)
+    stored = [i for s, n in info.done for i in range(s, s + n)]
+    every = task_sequences(info.task_argument, max(stored) + 1, tokenizer, loaded.context_length)
+    seqs = [every[i] for i in stored]
     checkpoint = out.with_name(out.name + ".ckpt")
     A, b = train_tuned(loaded, adapter_for(loaded.model.config), seqs, settings, checkpoint,
                        None if init is None else (init.A, init.b), progress)  # fmt: skip
