@@ -663,6 +663,75 @@ def fit_law_command(
     click.echo(f"wrote {out}")
 
 
+@main.command("fit-lens")
+@click.option("--store", required=True, help="The store holding the training task's partition.")
+@click.option("--model", required=True, help="The model (as extracted: id, folder or alias).")
+@click.option("--task", required=True, help="The text task the lens is trained on (TRAIN).")
+@click.option(
+    "--kind",
+    type=click.Choice(["ls", "tuned"]),
+    required=True,
+    help="ls: least squares in closed form from the sums of extract --lens-stats (no model); "
+    "tuned: the tuned-lens recipe (runs the model).",
+)
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="The translators file.")
+@click.option(
+    "--ridge",
+    type=click.FloatRange(min=0),
+    default=1e-4,
+    show_default=True,
+    help="lambda of the least-squares lens, times the mean diagonal of h_l's centred covariance.",
+)
+@click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True,
+              help="tuned: optimiser steps.")  # fmt: skip
+@click.option("--tokens-per-step", type=click.IntRange(min=1), default=256, show_default=True,
+              help="tuned: tokens per step (whole documents).")  # fmt: skip
+@click.option("--seed", type=int, default=0, show_default=True, help="tuned: the documents' order.")
+@click.option(
+    "--init",
+    type=click.Choice(["zero", "ls"]),
+    default="zero",
+    show_default=True,
+    help="tuned: start from zero (the recipe) or from the least-squares lens (needs the sums).",
+)
+@click.option("--device", default="auto", show_default=True, help="tuned: auto, cuda, cpu, ...")
+@click.option("--dtype", default="auto", show_default=True, help="tuned: auto, fp32, bf16, fp16.")
+def fit_lens_command(
+    store: str,
+    model: str,
+    task: str,
+    kind: str,
+    out: str,
+    ridge: float,
+    steps: int,
+    tokens_per_step: int,
+    seed: int,
+    init: str,
+    device: str,
+    dtype: str,
+) -> None:
+    """Fit a learned lens (methods §17) on a text task of the store and write its per-block
+    translators (safetensors) with the model's weights fingerprint and the training task."""
+    from layerdiv.store import Store
+
+    (info,) = Store(store).select([model], [task])
+    if kind == "ls":
+        from layerdiv.measurements.lens_stats import fit_ls
+        from layerdiv.store.translators import save_translators
+
+        fitted = fit_ls(info, ridge)
+        save_translators(out, fitted)
+        click.echo(f"least-squares lens of {fitted.n_blocks} blocks from the sums over "
+                   f"{fitted.settings['tokens']} tokens of {info.where}")  # fmt: skip
+    else:
+        from layerdiv.extract.lens_fit import STATES_SOURCE, TunedSettings, fit_tuned
+
+        settings = TunedSettings(steps, tokens_per_step, seed, init)
+        click.echo(f"tuned lens trained on states from {STATES_SOURCE} ({info.where})")
+        fitted = fit_tuned(info, model, settings, Path(out), device, dtype, ridge)
+    click.echo(f"wrote {out} ({fitted.kind}, fingerprint {fitted.fingerprint[:12]})")
+
+
 @main.command("merge")
 @click.argument("sources", nargs=-1, required=True, type=click.Path(file_okay=False))
 @click.option(

@@ -25,6 +25,7 @@ from layerdiv.measurements import (
     GradientCapture,
     PartitionCapture,
     RowsCapture,
+    RunCapture,
     for_kind,
     registered,
 )
@@ -246,8 +247,13 @@ class ModelRunner:
     def run_chunk(
         self, seqs: list[list[int]], ids: list[int], batch_size: int | None
     ) -> Iterator[tuple[Any, list[int]]]:
-        """Run instances ``ids`` in length-sorted batches; on an out-of-memory error, halve the
-        batch (and ``self.budget``, kept for later chunks) and go on."""
+        """Run instances ``ids`` (a contiguous run, stored as one part: the measurements' hooks
+        that sum over a run are told first, ``RunCapture.begin``) in length-sorted batches; on an
+        out-of-memory error, halve the batch (and ``self.budget``, kept for later chunks) and go
+        on."""
+        for hooks in self.measures.values():
+            if isinstance(hooks, RunCapture):
+                hooks.begin(ids)
         lengths = [len(s) for s in seqs]
         pending = batches(lengths, ids, batch_size, self.budget)
         while pending:

@@ -74,6 +74,16 @@ class RowsCapture(Capture, Protocol):
 
 
 @runtime_checkable
+class RunCapture(Capture, Protocol):
+    """A :class:`Capture` whose values add up over a run of instances or documents stored as one
+    part (sums over its tokens: ``--lens-stats``): :meth:`begin` before the first batch of each
+    contiguous run the extraction computes (every batch of the run follows, none of another)."""
+
+    def begin(self, ids: Sequence[int]) -> None:
+        """The run's instances or documents (ascending), before its first batch."""
+
+
+@runtime_checkable
 class DecompositionCapture(Capture, Protocol):
     """A :class:`Capture` whose values derive from the task kind's own capture: a choice task's
     last-token decomposition (methods §1, ``layerdiv.extract.capture.ComponentCapture``, each

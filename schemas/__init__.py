@@ -62,7 +62,9 @@ History:
   share, so that ``--maps`` can pair their rows by (doc, char_end). Optional tables
   ``token_lens_ls`` and ``token_lens_tuned`` (``extract --lens-ls FILE``, ``--lens-tuned
   FILE``: the lens statistics of a text task under a learned lens, methods §17; the columns of
-  ``token_lens``; the translators' kind and fingerprint in the settings).
+  ``token_lens``; the translators' kind and fingerprint in the settings) and ``lens_stats``
+  (``extract --lens-stats`` on a text task: the float64 sufficient statistics of the
+  least-squares lens per block, one set per part, methods §17).
 
 The hive partition columns (``layerdiv.store.key.KEY``: ``model``, ``revision``, ``task``) are not
 stored inside the files: they come from the directory names
@@ -513,8 +515,12 @@ def _dtype_of(state: pa.FixedSizeListType) -> str:
     return next(k for k, t in STATE_TYPES.items() if state.value_type == t)
 
 
-VECTOR_TABLES = ("states",)
-"""Tables of vectors whose width differs between partitions: not in the query views."""
+VECTOR_TABLES = {
+    "states": "PartitionInfo.states",
+    "lens_stats": "layerdiv.measurements.lens_stats.read_sums",
+}
+"""Tables of vectors whose width differs between partitions: not in the query views; each with
+what reads it per partition."""
 
 SKIP_KEYS = {
     "future_effects": (*(f.name for f in _SKIP_KEY), "mode", "block"),
@@ -633,6 +639,32 @@ for a unit of one token, which has no query position after the first).
   sliding-window attention included).
 """
 
+LENS_STATS = _schema(
+    "lens_stats",
+    [
+        pa.field("block", pa.int16(), nullable=False),
+        pa.field("tokens", pa.int64(), nullable=False),
+        pa.field("sum_h", pa.list_(pa.float64()), nullable=False),
+        pa.field("sum_final", pa.list_(pa.float64()), nullable=False),
+        pa.field("sum_hh", pa.list_(pa.float64()), nullable=False),
+        pa.field("sum_hfinal", pa.list_(pa.float64()), nullable=False),
+    ],
+)
+"""Optional (``extract --lens-stats`` on a text task; methods §17). One row per block l = 0..L-1
+of each part (L rows, in block order): the float64 sums over every token of the part's documents
+(BOS included), from which ``layerdiv fit-lens --kind ls`` solves the least-squares lens. A
+part's sums are its own documents' alone (its name gives them), so the sums of a partition are
+the sums over its parts, however its chunks were sharded, resumed or merged.
+
+- ``block``: block l, 0-based; h_l its input (h_0 the embedding output).
+- ``tokens``: n, the tokens summed over (the same in every row of a part).
+- ``sum_h``: sum h_l (d values).
+- ``sum_final``: sum h_L, the last residual state before the final norm (d values; the same in
+  every row of a part).
+- ``sum_hh``: sum h_l h_l^T (d x d values, row-major).
+- ``sum_hfinal``: sum h_l h_L^T (d x d values, row-major: entry (i, j) sums h_l[i] h_L[j]).
+"""
+
 TABLES = {
     "components": COMPONENTS,
     "instances": INSTANCES,
@@ -654,6 +686,7 @@ TABLES = {
     "erasure": ERASURE,
     "erasure_reference": ERASURE_REFERENCE,
     "sinks": SINKS,
+    "lens_stats": LENS_STATS,
 }
 """Every table of the store by name, as this version writes them."""
 
@@ -762,6 +795,7 @@ RULES: dict[str, Rules] = {
         bounds={"bos_attention": PROBABILITY},
         least=2,
     ),
+    "lens_stats": Rules(bounds={"block": (0, "L-1"), "tokens": (1, float("inf"))}),
 }
 """The :class:`Rules` of each table that has some (a measurement declared outside layerdiv
 declares those of its tables with their schemas: ``Measurement.rules``)."""

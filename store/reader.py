@@ -267,18 +267,26 @@ class PartitionInfo(Generic[StorePath]):
             f"complete them with `{self.extract_command()}`"
         ]
 
+    @property
+    def task_argument(self) -> str:
+        """The task as the last run that recorded it gave it (a built-in name or a YAML path;
+        the partition's task name where none did)."""
+        given = [
+            r["task"] for r in self.manifest.runs if isinstance(r.get("task"), str) and r["task"]
+        ]
+        return (given or [self.task])[-1]
+
     def extract_command(self, table: str | None = None) -> str:
         """The ``layerdiv extract`` command that adds the optional ``table`` to every stored
         instance or document (with the settings the partition records for it), or (None) that
         resumes the extraction (the task as the last run that recorded it gave it: a built-in
         name or a YAML path)."""
         m = self.manifest
-        given = [r["task"] for r in m.runs if isinstance(r.get("task"), str) and r["task"]]
         revision = "" if m.revision in (None, DEFAULT_REVISION) else f"--revision {m.revision} "
         measure = measurement_of(table) if table else None
         flag = f"{measure.command(m.settings.get(measure.name))} " if measure else ""
         return (
-            f"layerdiv extract --model {m.model} {revision}--task {(given or [self.task])[-1]} "
+            f"layerdiv extract --model {m.model} {revision}--task {self.task_argument} "
             f"{flag}"
             f"--limit {max(m.n_requested, max((s + n for s, n in self.done), default=0))} "
             f"--store {self.partition.root}"
@@ -561,7 +569,7 @@ class Store:
         if table in VECTOR_TABLES:
             raise StoreError(
                 f"{table} holds vectors of each model's width: read it per partition "
-                "(PartitionInfo.states)"
+                f"({VECTOR_TABLES[table]})"
             )
         if table not in have:
             kind = kind_of_table(table)

@@ -32,6 +32,7 @@ from layerdiv.measurements.erase import erasure_rows
 from layerdiv.measurements.future import future_tables
 from layerdiv.measurements.igrad import IgradRows, igrad_rows
 from layerdiv.measurements.lens import learned_table, token_lens_table
+from layerdiv.measurements.lens_stats import LensSums, lens_stats_table
 from layerdiv.measurements.sinks import sink_rows
 from layerdiv.measurements.states import states_table
 from layerdiv.schemas import LEARNED_LENS, LEARNED_LENS_KINDS, SCHEMA_VERSION
@@ -133,6 +134,14 @@ def chunk(docs: list[int], rng: np.random.Generator) -> dict:
             [rng.normal(size=(n - 1, BLOCKS + 1, 8)).astype(np.float16) for n in n_tok],
         ),
         **erasure_rows(docs, [rng.uniform(size=(BLOCKS + 1, n)) for n in n_tok]),
+        "lens_stats": lens_stats_table(
+            LensSums(
+                sum(n_tok),
+                rng.normal(size=(BLOCKS, 8)),
+                rng.normal(size=8),
+                *rng.normal(size=(2, BLOCKS, 8, 8)),
+            )
+        ),
         **sink_rows(docs, [rng.uniform(size=(BLOCKS, 2)) for _ in n_tok]),
         "documents": documents_table(
             docs, n_tok, [n > 6 for n in n_tok], [str(d % 2) for d in docs]
@@ -250,6 +259,7 @@ def test_each_version_s_tables_come_from_the_declarations() -> None:
     new = {v: set(tables_of(v)) - set(tables_of(v - 1)) for v in range(2, SCHEMA_VERSION + 1)}
     assert new[7] == {"igrad", "igrad_ends", "erasure", "erasure_reference", "sinks"}
     assert new[6] == set() and new[5] == {"states"}
+    assert new[9] == {"lens_stats"} and new[8] == set()
 
 
 def test_version_4_store_reads_without_the_weights_note(tmp_path: Path) -> None:
