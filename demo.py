@@ -141,7 +141,9 @@ than 10 x SmolLM2's width d = 576, so that no map is flagged ``few_rows``."""
 WORDS_TASK = "bbc-words"
 """The documents of :data:`STATES_TASK` under another name, whose states the demo stores at word
 ends (``--states words``) for SmolLM2 and Gemma 3, whose tokenizers differ: the maps between the
-two models pair the tokens that end at the same character (methods §11)."""
+two models pair the tokens that end at the same character (methods §11). Its lens sums
+(``--lens-stats``) train the learned lenses (:func:`fit_demo_lenses`), scored on
+:data:`TEXT_TASK` (other articles: held out)."""
 MULTIHOP_TASK = "multihop"
 """The demo's running-text task with an answer: the handwritten multi-hop questions of
 ``tests/data/multihop`` (the form of the built-in ``mquake`` task), extracted with ``--igrad``
@@ -160,6 +162,13 @@ GEMMA = "gemma3-270m"
 """The demo's second model: Gemma 3 270M, a base model of another family (offline alias)."""
 DEMO_MODELS = (DEMO_MODEL, GEMMA)
 """The models the demo compares, each on every task of :data:`DEMO_STEPS` that names both."""
+LEARNED_LENSES = {DEMO_MODEL: ("ls", "tuned"), GEMMA: ("ls",)}
+"""The learned lenses the demo fits per model (methods §17): the tuned lens's training runs the
+model's readout over a 262,144-token vocabulary per block and step, beyond the demo's time on
+two cores for Gemma 3, which gets the least-squares lens alone."""
+TUNED: dict[str, Any] = {"steps": 10, "tokens_per_step": 128, "init": "ls"}
+"""The demo's tuned-lens fit: a few steps from the least-squares lens (the recipe's 250 steps of
+2^18 tokens are a GPU's work; ``layerdiv fit-lens`` runs them)."""
 DEMO_N = 120
 """Instances per choice task by default (``layerdiv demo --n``): two models within the demo's
 15 minutes on two cores (the report's comparison section gives every count)."""
@@ -189,7 +198,7 @@ DEMO_STEPS = (
     DemoStep((ERASE_TASK,), {**GRAM_HEADS, "erase": True, "erase_reference": ERASE_N}),
     DemoStep((TEXT_TASK,), LENS_SKIPS_SINKS),
     DemoStep((STATES_TASK,), {"states": "all"}, models=(DEMO_MODEL, SIBLING)),
-    DemoStep((WORDS_TASK,), {"states": "words"}),
+    DemoStep((WORDS_TASK,), {"states": "words", "lens_stats": True}),
     DemoStep(
         (MULTIHOP_TASK,),
         {
@@ -356,6 +365,36 @@ def extract_demo(
     return by_name
 
 
+def fit_demo_lenses(out: Path) -> None:
+    """Fit :data:`LEARNED_LENSES` on :data:`WORDS_TASK` (``layerdiv fit-lens``) into
+    ``out/lenses`` (a file already there is kept) and add them to :data:`TEXT_TASK`'s lens
+    (``extract --lens-ls/--lens-tuned``), so that the report sets the lenses side by side."""
+    from layerdiv.extract.config import ExtractConfig
+    from layerdiv.extract.lens_fit import TunedSettings, fit_tuned
+    from layerdiv.extract.runner import run_extract
+    from layerdiv.measurements.lens import learned_lens_measures
+    from layerdiv.measurements.lens_stats import fit_ls
+    from layerdiv.store import Store
+    from layerdiv.store.translators import save_translators
+
+    store = out / "store"
+    for model, kinds in LEARNED_LENSES.items():
+        (info,) = Store(store).select([model], [WORDS_TASK])
+        files = {k: out / "lenses" / f"{info.model}-{k}.safetensors" for k in kinds}
+        for kind, path in files.items():
+            if path.is_file():
+                continue
+            print(f"Fitting the {kind} lens of {model} on {WORDS_TASK}")
+            if kind == "ls":
+                save_translators(path, fit_ls(info))
+            else:
+                fit_tuned(info, model, TunedSettings(**TUNED), path)
+        config = ExtractConfig(model, [str(out / "tasks" / f"{TEXT_TASK}.yaml")], store,
+                               measures=learned_lens_measures(files))  # fmt: skip
+        for s in run_extract(config):
+            print(f"{model}, {s.task}: learned lenses {', '.join(kinds)} ({s.seconds:.0f} s)")
+
+
 def run_demo(out: Path, n: int, seed: int) -> None:
     """Write the demo tasks into ``out/tasks``, then extract (:data:`DEMO_STEPS`), analyze and
     report them through the Python API (what ``layerdiv extract``, ``analyze`` and ``report``
@@ -373,8 +412,9 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     start = time.perf_counter()
     store, results_dir, report_dir = out / "store", out / "results", out / "report"
     by_name = extract_demo(out, n, seed)
+    fit_demo_lenses(out)
     sibling = out / SIBLING
-    states_only = (STATES_TASK, WORDS_TASK)
+    states_only = (STATES_TASK, WORDS_TASK)  # the lenses' training task, too
     results = analyze(store, tasks=[t for t in by_name if t not in states_only], progress=True)
     maps = [
         analyze(store, tasks=STATES_TASK, maps=f"{sibling}:{DEMO_MODEL}"),
