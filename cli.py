@@ -18,7 +18,7 @@ from layerdiv.analyze.options import ESTIMATORS, EXECUTORS, FORMATS, SCALES
 from layerdiv.errors import LayerdivError, LayerdivWarning, one_line
 from layerdiv.extract.config import DEFAULT_STORE, ExtractConfig
 from layerdiv.extract.launchers import Shard, pick_device
-from layerdiv.schemas import KINDS
+from layerdiv.schemas.kinds import KINDS
 from layerdiv.version import __version__
 
 HELP_OPTIONS = ["-h", "--help"]
@@ -109,6 +109,7 @@ def extract(**options: Any) -> None:
     import sys
 
     from layerdiv.extract.interrupt import Interrupted
+    from layerdiv.extract.kinds import task_kind
     from layerdiv.extract.runner import run_extract
 
     shard: Shard = options["shard"]
@@ -131,17 +132,7 @@ def extract(**options: Any) -> None:
             added = f"none new; tables added to {s.n_added} stored {units}" if s.n_added else ""
             click.echo(f"{stored} ({added or 'nothing to do'})")
             continue
-        if s.kind == "text":
-            cut = f"; {s.n_truncated} cut to max_tokens" if s.n_truncated else ""
-            click.echo(f"{stored} ({s.n_new} new in {s.seconds:.1f} s{cut})")
-            continue
-        acc = "" if s.accuracy_new is None else f", accuracy {100 * s.accuracy_new:.1f}%"
-        click.echo(
-            f"{stored} ({s.n_new} new in "
-            f"{s.seconds:.1f} s{acc}; max decomposition error {s.max_sum_error:.1e}"
-            + (f"; {s.n_truncated} prompts left-truncated to the context" if s.n_truncated else "")
-            + ")"
-        )
+        click.echo(f"{stored} ({task_kind(s.kind).summary(s)})")
     click.echo(f"store: {cfg.store}")
 
 

@@ -12,7 +12,7 @@ from layerdiv.extract.batching import chunk_runs
 from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.forward import ModelRunner
 from layerdiv.measurements import all_optional_tables
-from layerdiv.schemas import KINDS
+from layerdiv.schemas.kinds import KINDS
 from layerdiv.store.manifest import Manifest, read_manifest
 from layerdiv.store.writer import ChunkClaim, PartitionWriter
 

@@ -35,7 +35,8 @@ import click
 import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import KINDS, RULES, TABLES, Rules, schema_of
+from layerdiv.schemas import RULES, TABLES, Rules, schema_of
+from layerdiv.schemas.kinds import KINDS
 
 ENTRY_POINTS = "layerdiv.measurements"
 """The entry point group whose entries (each a :class:`Measurement`) are registered on first

@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from layerdiv.measurements.registry import Measurement, Setting, negligible
 from layerdiv.schemas import STATE_TYPES, states_schema
+from layerdiv.schemas.kinds import KINDS
 
 
 def state_count(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
@@ -48,7 +49,7 @@ def state_rows_count(lengths: Sequence[int], ids: Sequence[int], kind: str, k: i
     """Stored positions of units ``ids`` (``lengths`` indexed by unit): a text document's
     K sampled positions (all of 1..T-1 when K is ``all`` or K >= T - 1), a choice instance's
     last prompt token (methods §11)."""
-    if kind == "choice":
+    if KINDS[kind].scored:
         return len(ids)
     return sum(lengths[i] - 1 if k == "all" else min(int(k), lengths[i] - 1) for i in ids)
 
