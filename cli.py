@@ -222,31 +222,6 @@ min_params_option = click.option(
 )
 
 
-reweight_option = click.option(
-    "--reweight",
-    is_flag=True,
-    help="Also fit component reweighting (LLMDecomp) on 24 labelled instances per task and "
-    "evaluate it on the rest (CPU; tables reweight and reweight_weights).",
-)
-
-
-maps_option = click.option(
-    "--maps",
-    default=None,
-    metavar="all|A:B[,C:D]",
-    help="Also fit ridge maps from every layer of model A's residual states to every layer of "
-    "model B's on one task extracted with --states (all: every pair of models; methods §11; "
-    "tables layer_maps and layer_map_best).",
-)
-maps_ridge_option = click.option(
-    "--maps-ridge",
-    default=None,
-    metavar="cv|RIDGE",
-    help="The ridge of --maps, lambda = ridge * trace(G) / d: cv (the default) cross-validates "
-    "it per map over the training documents, a positive number fixes it.",
-)
-
-
 executor_option = click.option(
     "--executor",
     type=click.Choice(EXECUTORS),
@@ -265,15 +240,30 @@ ray_address_option = click.option(
 )
 
 
+class _Analyses(click.Command):
+    """``analyze`` or ``report``: its own options, then those the registered analyses declare
+    (``layerdiv.analyze.registry.command_options``), read when the command runs or shows its
+    help."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        from layerdiv.analyze.registry import command_options
+
+        help_option = self.get_help_option(ctx)
+        return [*self.params, *command_options(), *([help_option] if help_option else [])]
+
+
+def _analysis_values(values: dict[str, Any]) -> dict[str, Any]:
+    """The analysis options given (``run_analysis(options=...)``): the values of
+    ``command_options`` (by parameter name), those not given left out."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
 def analysis_options(command: Callable[..., None]) -> Callable[..., None]:
-    """The store, selection, junction scale, model-size, analysis and executor options shared by
-    ``analyze`` and ``report``."""
+    """The store, selection, junction scale, model-size and executor options shared by
+    ``analyze`` and ``report`` (the analyses' own: :class:`_Analyses`)."""
     for option in (
         ray_address_option,
         executor_option,
-        maps_ridge_option,
-        maps_option,
-        reweight_option,
         min_params_option,
         scale_option,
         renamed_lens_option,
@@ -285,7 +275,7 @@ def analysis_options(command: Callable[..., None]) -> Callable[..., None]:
     return command
 
 
-@main.command("analyze")
+@main.command("analyze", cls=_Analyses)
 @analysis_options
 @click.option(
     "--out",
@@ -309,13 +299,11 @@ def analyze_command(
     tasks: tuple[str, ...],
     scale: Any,
     min_params: float,
-    reweight: bool,
-    maps: str | None,
-    maps_ridge: str | None,
     executor: Any,
     ray_address: str | None,
     out: str,
     fmt: str,
+    **analysis: Any,
 ) -> None:
     """Run every registered analysis (scores, curves, module shares, correlations, depth
     efficiency, information, ...) on the cache and write every result table to OUT."""
@@ -323,7 +311,7 @@ def analyze_command(
     from layerdiv.analyze.output import refuse_inside
 
     refuse_inside(out, store)
-    options = {"reweight": reweight, "maps": maps, "maps_ridge": maps_ridge}
+    options = _analysis_values(analysis)
     results = analyze(store, models, tasks, scale, min_params, progress=True, options=options,
                       executor=executor, ray_address=ray_address)  # fmt: skip
     results.write(out, fmt)
@@ -333,7 +321,7 @@ def analyze_command(
     fail_after(results.problems)
 
 
-@main.command("report")
+@main.command("report", cls=_Analyses)
 @analysis_options
 @click.option(
     "--estimator",
@@ -372,15 +360,13 @@ def report_command(
     tasks: tuple[str, ...],
     scale: Any,
     min_params: float,
-    reweight: bool,
-    maps: str | None,
-    maps_ridge: str | None,
     executor: Any,
     ray_address: str | None,
     estimator: Any,
     out: str,
     fmt: str,
     explorer_instances: str,
+    **analysis: Any,
 ) -> None:
     """Write the report: a section per registered analysis (the paper's Table 1 and Figs. 3-6
     first), as Markdown with PNG figures and/or as an interactive HTML page."""
@@ -400,7 +386,7 @@ def report_command(
                                  param_hint="--explorer-instances")  # fmt: skip
     n_explorer = None if explorer_instances == "all" else int(explorer_instances)
     refuse_inside(out, store)
-    options = {"reweight": reweight, "maps": maps, "maps_ridge": maps_ridge}
+    options = _analysis_values(analysis)
     results = analyze(store, models, tasks, scale, min_params, progress=True, options=options,
                       executor=executor, ray_address=ray_address)  # fmt: skip
     path, notes = write_report(results, out, estimator, store, formats, n_explorer)

@@ -24,7 +24,7 @@ from layerdiv.extract.tasks import (
     instances,
     load_task,
 )
-from layerdiv.measurements import AnswerSpan, Planning, for_kind, registered
+from layerdiv.measurements import MEASUREMENTS, AnswerSpan, Planning, for_kind, registered
 from layerdiv.measurements.registry import as_json
 from layerdiv.store.key import DEFAULT_REVISION
 from layerdiv.store.manifest import Identity, read_manifest
@@ -119,7 +119,7 @@ def _refuse_other_kinds(spec: TaskSpec, cfg: ExtractConfig) -> None:
     """Refuse (before anything is written) a measurement asked for whose flag writes nothing
     in the task's kind, and the settings given of one that does not apply to it."""
     for name in cfg.measures:
-        m = next(m for m in registered() if m.name == name)
+        m = MEASUREMENTS[name]
         if spec.kind in m.tables:
             continue
         given = [s.option.opts[0] for s in m.settings if s.name in cfg.given(m)]
