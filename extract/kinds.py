@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     from layerdiv.extract.plan import TaskPlan
 
 Results = dict[int, tuple[Any, int]]
-"""Per unit of a run: (its batch, its row there)."""
+"""Instance (document) -> (its batch's result, ``layerdiv.extract.forward.Batch``, and its row
+there)."""
 
 
 @dataclass(frozen=True)
