@@ -19,7 +19,7 @@ from layerdiv.demo import DEMO_N
 from layerdiv.errors import LayerdivError, LayerdivWarning, one_line
 from layerdiv.extract.config import DEFAULT_STORE, ExtractConfig
 from layerdiv.extract.launchers import Shard, pick_device
-from layerdiv.schemas import KINDS
+from layerdiv.schemas.kinds import KINDS
 from layerdiv.version import __version__
 
 HELP_OPTIONS = ["-h", "--help"]
@@ -110,6 +110,7 @@ def extract(**options: Any) -> None:
     import sys
 
     from layerdiv.extract.interrupt import Interrupted
+    from layerdiv.extract.kinds import task_kind
     from layerdiv.extract.runner import run_extract
 
     shard: Shard = options["shard"]
@@ -132,17 +133,7 @@ def extract(**options: Any) -> None:
             added = f"none new; tables added to {s.n_added} stored {units}" if s.n_added else ""
             click.echo(f"{stored} ({added or 'nothing to do'})")
             continue
-        if s.kind == "text":
-            cut = f"; {s.n_truncated} cut to max_tokens" if s.n_truncated else ""
-            click.echo(f"{stored} ({s.n_new} new in {s.seconds:.1f} s{cut})")
-            continue
-        acc = "" if s.accuracy_new is None else f", accuracy {100 * s.accuracy_new:.1f}%"
-        click.echo(
-            f"{stored} ({s.n_new} new in "
-            f"{s.seconds:.1f} s{acc}; max decomposition error {s.max_sum_error:.1e}"
-            + (f"; {s.n_truncated} prompts left-truncated to the context" if s.n_truncated else "")
-            + ")"
-        )
+        click.echo(f"{stored} ({task_kind(s.kind).summary(s)})")
     click.echo(f"store: {cfg.store}")
 
 
@@ -233,31 +224,6 @@ min_params_option = click.option(
 )
 
 
-reweight_option = click.option(
-    "--reweight",
-    is_flag=True,
-    help="Also fit component reweighting (LLMDecomp) on 24 labelled instances per task and "
-    "evaluate it on the rest (CPU; tables reweight and reweight_weights).",
-)
-
-
-maps_option = click.option(
-    "--maps",
-    default=None,
-    metavar="all|A:B[,C:D]",
-    help="Also fit ridge maps from every layer of model A's residual states to every layer of "
-    "model B's on one task extracted with --states (all: every pair of models; methods §11; "
-    "tables layer_maps and layer_map_best).",
-)
-maps_ridge_option = click.option(
-    "--maps-ridge",
-    default=None,
-    metavar="cv|RIDGE",
-    help="The ridge of --maps, lambda = ridge * trace(G) / d: cv (the default) cross-validates "
-    "it per map over the training documents, a positive number fixes it.",
-)
-
-
 executor_option = click.option(
     "--executor",
     type=click.Choice(EXECUTORS),
@@ -276,15 +242,30 @@ ray_address_option = click.option(
 )
 
 
+class _Analyses(click.Command):
+    """``analyze`` or ``report``: its own options, then those the registered analyses declare
+    (``layerdiv.analyze.registry.command_options``), read when the command runs or shows its
+    help."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        from layerdiv.analyze.registry import command_options
+
+        help_option = self.get_help_option(ctx)
+        return [*self.params, *command_options(), *([help_option] if help_option else [])]
+
+
+def _analysis_values(values: dict[str, Any]) -> dict[str, Any]:
+    """The analysis options given (``run_analysis(options=...)``): the values of
+    ``command_options`` (by parameter name), those not given left out."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
 def analysis_options(command: Callable[..., None]) -> Callable[..., None]:
-    """The store, selection, junction scale, model-size, analysis and executor options shared by
-    ``analyze`` and ``report``."""
+    """The store, selection, junction scale, model-size and executor options shared by
+    ``analyze`` and ``report`` (the analyses' own: :class:`_Analyses`)."""
     for option in (
         ray_address_option,
         executor_option,
-        maps_ridge_option,
-        maps_option,
-        reweight_option,
         min_params_option,
         scale_option,
         renamed_lens_option,
@@ -296,7 +277,7 @@ def analysis_options(command: Callable[..., None]) -> Callable[..., None]:
     return command
 
 
-@main.command("analyze")
+@main.command("analyze", cls=_Analyses)
 @analysis_options
 @click.option(
     "--out",
@@ -320,13 +301,11 @@ def analyze_command(
     tasks: tuple[str, ...],
     scale: Any,
     min_params: float,
-    reweight: bool,
-    maps: str | None,
-    maps_ridge: str | None,
     executor: Any,
     ray_address: str | None,
     out: str,
     fmt: str,
+    **analysis: Any,
 ) -> None:
     """Run every registered analysis (scores, curves, module shares, correlations, depth
     efficiency, information, ...) on the cache and write every result table to OUT."""
@@ -334,7 +313,7 @@ def analyze_command(
     from layerdiv.analyze.output import refuse_inside
 
     refuse_inside(out, store)
-    options = {"reweight": reweight, "maps": maps, "maps_ridge": maps_ridge}
+    options = _analysis_values(analysis)
     results = analyze(store, models, tasks, scale, min_params, progress=True, options=options,
                       executor=executor, ray_address=ray_address)  # fmt: skip
     results.write(out, fmt)
@@ -344,7 +323,7 @@ def analyze_command(
     fail_after(results.problems)
 
 
-@main.command("report")
+@main.command("report", cls=_Analyses)
 @analysis_options
 @click.option(
     "--estimator",
@@ -383,15 +362,13 @@ def report_command(
     tasks: tuple[str, ...],
     scale: Any,
     min_params: float,
-    reweight: bool,
-    maps: str | None,
-    maps_ridge: str | None,
     executor: Any,
     ray_address: str | None,
     estimator: Any,
     out: str,
     fmt: str,
     explorer_instances: str,
+    **analysis: Any,
 ) -> None:
     """Write the report: a section per registered analysis (the paper's Table 1 and Figs. 3-6
     first), as Markdown with PNG figures and/or as an interactive HTML page."""
@@ -411,7 +388,7 @@ def report_command(
                                  param_hint="--explorer-instances")  # fmt: skip
     n_explorer = None if explorer_instances == "all" else int(explorer_instances)
     refuse_inside(out, store)
-    options = {"reweight": reweight, "maps": maps, "maps_ridge": maps_ridge}
+    options = _analysis_values(analysis)
     results = analyze(store, models, tasks, scale, min_params, progress=True, options=options,
                       executor=executor, ray_address=ray_address)  # fmt: skip
     path, notes = write_report(results, out, estimator, store, formats, n_explorer)

@@ -28,6 +28,7 @@ from layerdiv.analyze.registry import (
     Context,
     NoData,
     builtin,
+    option_help,
     origin,
     partition_engine,
     plugin_problems,
@@ -262,7 +263,7 @@ def run_analysis(
     if maps is not None:
         options = {**(options or {}), "maps": maps}
     analyses = registered()
-    known = {k: v for a in analyses for k, v in a.options.items()}
+    known = option_help(analyses)
     for key in options or {}:
         _choice("option", key, known)
     st = open_store(store)

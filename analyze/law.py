@@ -20,9 +20,12 @@ from scipy.optimize import least_squares
 
 from layerdiv.errors import LayerdivError
 from layerdiv.measurements import tables_of
+from layerdiv.schemas.kinds import KINDS
 from layerdiv.store.key import KEY, MODEL_KEY
 from layerdiv.store.reader import Names, PartitionInfo, Store, StoreError
 
+KINDS_WITH_LOSS = tuple(k.name for k in KINDS.values() if "tokens" in k.required)
+"""The task kinds whose partitions store the model's own loss per token (``tokens.loss``)."""
 VARIABLES = ("width", "depth", "tokens")
 """The law's variables, as the input columns name them (w, l, D)."""
 COLUMNS = (*VARIABLES, "loss")
@@ -519,7 +522,7 @@ def law_points(store: Store | str | Path, tasks: Names = (), models: Names = ())
     cross-entropy ``tokens.loss`` over every token that has one (``n_tokens`` of them; a
     partition extracted before the loss was stored has none, and is refused)."""
     st = store if isinstance(store, Store) else Store(store)
-    parts = [p for p in st.select(models, tasks) if p.manifest.kind == "text"]
+    parts = [p for p in st.select(models, tasks) if p.kind.name in KINDS_WITH_LOSS]
     if not parts:
         raise StoreError("no running-text partition selected: the law needs a text task's loss")
     old = [
@@ -546,7 +549,7 @@ def mean_loss(store: Store, parts: Sequence[PartitionInfo[Any]]) -> pl.DataFrame
     """Per text partition of ``parts`` (key columns): ``loss``, the mean of ``tokens.loss`` over
     the ``n_tokens`` tokens that have one (null and 0 for partitions of schema version <= 4)."""
     schema = {**dict.fromkeys(KEY, pl.String), "loss": pl.Float64, "n_tokens": pl.Int64}
-    text = [p for p in parts if p.manifest.kind == "text"]
+    text = [p for p in parts if p.kind.name in KINDS_WITH_LOSS]
     if not text:
         return pl.DataFrame(schema=schema)
     return (

@@ -22,12 +22,12 @@ def instance_hashes(info: PartitionInfo) -> pl.Series:
     """One hash per stored instance of a partition: of its prompt and gold option on a choice
     task (schema version 3 on; an older partition stored no prompt and gives an empty series),
     of its document's token sequence on running text."""
-    if info.manifest.kind == "text":
-        tokens = info.scan("tokens").select("doc", "pos", "token").collect()
-        docs = tokens.sort("doc", "pos").group_by("doc", maintain_order=True).agg("token")
-        return docs["token"].hash(seed=0)
-    rows = info.scan("instances").select("prompt", "gold").drop_nulls().collect()
-    return rows.select(pl.struct("prompt", "gold").hash(seed=0))["prompt"]
+    if info.kind.scored:
+        rows = info.scan("instances").select("prompt", "gold").drop_nulls().collect()
+        return rows.select(pl.struct("prompt", "gold").hash(seed=0))["prompt"]
+    tokens = info.scan("tokens").select("doc", "pos", "token").collect()
+    docs = tokens.sort("doc", "pos").group_by("doc", maintain_order=True).agg("token")
+    return docs["token"].hash(seed=0)
 
 
 def subsets(parts: Sequence[PartitionInfo]) -> pl.DataFrame:

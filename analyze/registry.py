@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
+import click
 import polars as pl
 
 from layerdiv.analyze.options import Estimator, Scale
@@ -36,7 +37,7 @@ from layerdiv.measurements import (
     table_name_problem,
     table_schemas,
 )
-from layerdiv.measurements.registry import loaded
+from layerdiv.registry import Registry
 from layerdiv.store import PartitionInfo, Store
 
 ENTRY_POINTS = "layerdiv.analyses"
@@ -110,9 +111,11 @@ class Analysis:
     """Gets the tables of the analyses run before it; returns its own (names unique)."""
     report: Callable[[ReportContext], str] | None = None
     """Markdown of its section (draws its figures into ``ctx.figures``); None = no section."""
-    options: Mapping[str, str] = field(default_factory=dict)
+    options: Mapping[str, str | click.Option] = field(default_factory=dict)
     """The keys of ``Context.options`` it reads, each with what it switches (the keys that
-    ``run_analysis(options=...)`` accepts are those of every registered analysis)."""
+    ``run_analysis(options=...)`` accepts are those of every registered analysis): its help, or
+    a ``click.Option`` named as the key, which is also an option of the ``analyze`` and
+    ``report`` commands (:func:`command_options`; its help the key's)."""
     methods: tuple[int | str, ...] = ()
     """The sections of the methods page (:mod:`layerdiv.analyze.methods`) that define its
     quantities; its report section links them under its heading."""
@@ -267,8 +270,6 @@ class RegistryError(LayerdivError, ValueError):
     name that is no identifier), or analyses whose ``after`` form a cycle."""
 
 
-_REGISTRY: dict[str, Analysis] = {}
-_LOADED: list[bool] = []
 _ORIGINS: dict[str, str] = {}
 """Analysis name -> the entry point that registered it (``name = module:attribute``)."""
 _PROBLEMS: list[str] = []
@@ -299,24 +300,29 @@ def register(analysis: Analysis) -> Analysis:
     a name again replaces it in place, so a reloaded module does not run twice). Returns it.
     Refuses (:class:`RegistryError`) a name another module's analysis has (a built-in's), and a
     name that is no identifier."""
-    _load_entry_points()  # the entry points' analyses come first
     if not isinstance(analysis, Analysis):
         raise RegistryError(f"register was given a {type(analysis).__name__}, not an Analysis")
     if problem := table_name_problem(analysis.name):
         raise RegistryError(f"analysis {analysis.name!r}: its name is no identifier ({problem})")
-    known = _REGISTRY.get(analysis.name)
+    for key, option in analysis.options.items():
+        if isinstance(option, click.Option) and option.name != key:
+            raise RegistryError(
+                f"analysis {analysis.name!r}: option {key!r} is given by a command-line option "
+                f"whose parameter is {option.name!r}; name the key as its option's parameter"
+            )
+    known = ANALYSES.get(analysis.name)  # the entry points' analyses come first
     if known is not None and _module(known) != _module(analysis):
         raise RegistryError(
             f"analysis {analysis.name!r} of {_module(analysis)}: the name is taken by "
             f"{origin(known)}; give it a name of its own"
         )
-    _REGISTRY[analysis.name] = analysis
+    ANALYSES.put(analysis.name, analysis)
     return analysis
 
 
 def unregister(name: str) -> None:
     """Remove a registered analysis (tests)."""
-    _REGISTRY.pop(name, None)
+    ANALYSES.remove(name)
     _ORIGINS.pop(name, None)
 
 
@@ -325,7 +331,7 @@ def _add(entry: Any, analysis: Any) -> None:
     object that is not an Analysis, a taken name), one line in :data:`_PROBLEMS` naming the
     entry point instead."""
     where = _where(entry)
-    known = _REGISTRY.get(entry.name)
+    known = ANALYSES.by_name.get(entry.name)
     if known is not None and _module(known) == entry.value.partition(":")[0]:
         return  # registered by its own module already
     if known is not None:
@@ -348,17 +354,7 @@ def plugin_problems() -> list[str]:
     :class:`Analysis`, a taken name, an unknown table in ``needs`` or analysis in ``after``):
     notes of every ``analyze`` and ``report``."""
     registered()
-    return [*_PROBLEMS, *_runnable(list(_REGISTRY.values()))[1]]
-
-
-def _load_entry_points() -> None:
-    """Register, once per process, the analyses of the entry point group :data:`ENTRY_POINTS`:
-    the built-in ones first, by their ``order`` (``layerdiv.measurements.registry.loaded``),
-    then other distributions' (one that fails: a line in :func:`plugin_problems`)."""
-    if not _LOADED:
-        _LOADED.append(True)
-        for entry, analysis in loaded(ENTRY_POINTS, _REGISTRY, _failed):
-            _add(entry, analysis)
+    return [*_PROBLEMS, *_runnable(list(ANALYSES))[1]]
 
 
 def _where(entry: Any) -> str:
@@ -370,6 +366,12 @@ def _failed(entry: Any, err: Exception) -> None:
     _PROBLEMS.append(f"{_where(entry)} left out: it failed to load ({type(err).__name__}: {err})")
 
 
+ANALYSES: Registry[Analysis] = Registry("analysis", ENTRY_POINTS, _add, _failed)
+"""Every analysis by name: those of the entry point group :data:`ENTRY_POINTS`, the built-in ones
+first, by their ``order`` (``layerdiv.registry.loaded``), then other distributions' (one that
+fails: a line in :func:`plugin_problems`), then those registered by :func:`register`."""
+
+
 def registered() -> list[Analysis]:
     """Every registered analysis (those of the entry point group :data:`ENTRY_POINTS`, the built-in
     ones first, then those registered by :func:`register`), in the order they run:
@@ -377,8 +379,28 @@ def registered() -> list[Analysis]:
     order). An analysis that needs a table no table schema or registered measurement declares,
     or runs after an analysis that is not registered (or left out), is left out, with a line in
     :func:`plugin_problems`; a cycle is refused (:class:`RegistryError`)."""
-    _load_entry_points()
-    return _ordered(_runnable(list(_REGISTRY.values()))[0])
+    return _ordered(_runnable(list(ANALYSES))[0])
+
+
+def option_help(analyses: Iterable[Analysis]) -> dict[str, str]:
+    """Every option key of ``analyses`` with its help (:attr:`Analysis.options`)."""
+    return {
+        key: option.help or "" if isinstance(option, click.Option) else option
+        for a in analyses
+        for key, option in a.options.items()
+    }
+
+
+def command_options() -> list[click.Option]:
+    """The options of the ``analyze`` and ``report`` commands that the registered analyses
+    declare (:attr:`Analysis.options`), each once, in the analyses' order."""
+    found = {
+        key: option
+        for a in registered()
+        for key, option in a.options.items()
+        if isinstance(option, click.Option)
+    }
+    return list(found.values())
 
 
 def _runnable(analyses: list[Analysis]) -> tuple[list[Analysis], list[str]]:

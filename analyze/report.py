@@ -202,13 +202,13 @@ def _methods_line(sections: Sequence[int | str]) -> str:
 
 
 def explorer_parts(results: Results, store: str | Path) -> list[PartitionInfo]:
-    """The choice partitions of ``store`` that ``results`` analysed (the explorer shows
-    instances; running text has its own sections)."""
+    """The partitions of a scored kind (choice) of ``store`` that ``results`` analysed (the
+    explorer shows instances; running text has its own sections)."""
     pairs = set(results.manifests.select(*KEY).iter_rows())
     return [
         p
         for p in Store(store).partitions
-        if p.key.values() in pairs and p.n_done > 0 and p.manifest.kind == "choice"
+        if p.key.values() in pairs and p.n_done > 0 and p.kind.scored
     ]
 
 

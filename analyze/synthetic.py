@@ -19,6 +19,7 @@ from layerdiv.measurements.future import FUTURE, future_tables
 from layerdiv.measurements.heads import HeadValues
 from layerdiv.measurements.lens import LENS, token_lens_table
 from layerdiv.schemas import component_names
+from layerdiv.schemas.kinds import KINDS
 from layerdiv.store import ComponentInfo, Manifest, PartitionWriter
 from layerdiv.store.key import DEFAULT_REVISION
 from layerdiv.store.tables import (
@@ -80,7 +81,7 @@ def synthetic_manifest(
         option_tokens=names,
         template_sha256="synthetic",
         data_sha256="synthetic",
-        task_spec={"name": task, **({"kind": kind} if kind != "choice" else {})},
+        task_spec={"name": task, **({"kind": kind} if "kind" in KINDS[kind].task_fields else {})},
         components=components,
         n_requested=n,
         sum_tolerance=1e-4,

@@ -25,7 +25,8 @@ from threadpoolctl import threadpool_limits
 from layerdiv.analyze import plots
 from layerdiv.analyze.registry import Context, NoData, map_partitions
 from layerdiv.analyze.stats import array_degrees as degrees
-from layerdiv.schemas import KINDS, SKIP_KEYS
+from layerdiv.schemas import SKIP_KEYS
+from layerdiv.schemas.kinds import KINDS
 from layerdiv.store import PartitionInfo, StoreError
 
 TEXT_KIND = KINDS["text"].name

@@ -222,6 +222,7 @@ def bench_model(
     from layerdiv.extract.plan import plan_task
     from layerdiv.extract.runner import extract_task
     from layerdiv.extract.tasks import load_task
+    from layerdiv.schemas.kinds import KINDS
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     fields = dict(QUICK_CONFIG if name == "quick" else CONFIGS[name])
@@ -239,7 +240,7 @@ def bench_model(
     loaded = LoadedModel(source, model, tokenizer, device, dtype)
     adapter = adapter_for(config)
     found = sorted((assets / "tasks").glob("*.yaml"))
-    tasks = [p for p in found if load_task(str(p)).kind == "choice"]  # not the demo's text task
+    tasks = [p for p in found if KINDS[load_task(str(p)).kind].scored]  # not the demo's text task
     store = Path(tempfile.mkdtemp(prefix="layerdiv-bench-"))
     try:
         cfg = ExtractConfig(model=name, tasks=[], store=store, progress=False)

@@ -11,14 +11,11 @@ import pyarrow as pa
 from layerdiv.extract.batching import chunk_runs
 from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.forward import ModelRunner
+from layerdiv.extract.kinds import Results
 from layerdiv.measurements import all_optional_tables
-from layerdiv.schemas import KINDS
+from layerdiv.schemas.kinds import KINDS
 from layerdiv.store.manifest import Manifest, read_manifest
 from layerdiv.store.writer import ChunkClaim, PartitionWriter
-
-Results = dict[int, tuple[Any, int]]
-"""Instance (document) -> (its batch's result, ``layerdiv.extract.forward.Batch``, and its row
-there)."""
 
 
 def extra_tables(writer: PartitionWriter, asked: list[str], overwrite: bool) -> list[str]:

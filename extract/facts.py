@@ -8,7 +8,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -145,13 +145,13 @@ def load_fingerprinted(load: Callable[[], LoadedModel]) -> tuple[LoadedModel, st
 
 
 def load_with_facts(
-    cfg: ExtractConfig, adapter: Adapter, load: Callable[[], LoadedModel]
+    revision: Mapping[str, Any], adapter: Adapter, load: Callable[[], LoadedModel]
 ) -> tuple[LoadedModel, str]:
-    """The loaded model with its :attr:`~LoadedModel.facts` (step and tokens seen, the model's
-    facts, the fingerprint; the revision is the identity's), and the line that gives the
-    fingerprint's cost."""
+    """The loaded model with its :attr:`~LoadedModel.facts` (step and tokens seen of the
+    :func:`revision_facts` ``revision``, the model's facts, the fingerprint; the revision is the
+    identity's), and the line that gives the fingerprint's cost."""
     loaded, digest, cost = load_fingerprinted(load)
-    step = {k: v for k, v in revision_facts(cfg).items() if k != "revision"}
+    step = {k: v for k, v in revision.items() if k != "revision"}
     loaded.facts = {**step, **model_facts(loaded, adapter), "weights_hash": digest}
     return loaded, cost
 

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import torch
 
 from layerdiv.extract.adapters import Adapter
 from layerdiv.extract.batching import batches
-from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
+from layerdiv.extract.capture import BatchDecomposition
+from layerdiv.extract.kinds import task_kind
 from layerdiv.extract.models import LoadedModel
 from layerdiv.extract.readout import Readout
 from layerdiv.extract.text import TextBatch, TextCapture
@@ -29,14 +29,7 @@ from layerdiv.measurements import (
     for_kind,
     registered,
 )
-from layerdiv.measurements.registry import MeasurementError, plugin_errors
-from layerdiv.store.tables import (
-    components_table,
-    documents_table,
-    instances_table,
-    token_blocks_table,
-    tokens_table,
-)
+from layerdiv.measurements.registry import plugin_errors
 
 Batch = BatchDecomposition | TextBatch
 """What one forward pass gives: a choice task's decomposition, or a text task's dot products."""
@@ -80,11 +73,12 @@ def left_padded(seqs: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
 
 class ModelRunner:
     """Runs left-padded batches through a model with the capture hooks attached: the task
-    ``kind``'s own capture (the last-token decomposition of a choice task, the per-token dot
-    products of a text task) and each registered measurement's of ``measures`` (by name: its
-    settings; ``planned``, by name: what its check of the plan gave), those derived from the
-    kind's capture bound to it; a context manager that always removes its hooks. ``option_ids``
-    and ``gold`` (by instance): a choice task's option tokens and gold options."""
+    ``kind``'s own capture (``layerdiv.extract.kinds.TaskKind.capture``: the last-token
+    decomposition of a choice task, the per-token dot products of a text task) and each
+    registered measurement's of ``measures`` (by name: its settings; ``planned``, by name: what
+    its check of the plan gave), those derived from the kind's capture bound to it; a context
+    manager that always removes its hooks. ``option_ids`` and ``gold`` (by instance): a choice
+    task's option tokens and gold options."""
 
     def __init__(
         self,
@@ -103,11 +97,7 @@ class ModelRunner:
         model = loaded.model
         self.readout = Readout(model, adapter)
         """The model's final norm and unembedding, shared by every capture that reads out."""
-        self.capture: ComponentCapture | TextCapture = (
-            TextCapture(model, adapter, self.readout)
-            if kind == "text"
-            else ComponentCapture(model, adapter, self.readout, option_ids)
-        )
+        self.capture = task_kind(kind).capture(model, adapter, self.readout, option_ids)
         """The task kind's own capture: a text task's per-token dot products (methods §9), a
         choice task's last-token decomposition (methods §1)."""
         base = Attachment(model, adapter, kind, {}, self.readout, tuple(option_ids), tuple(gold),
@@ -269,104 +259,3 @@ class ModelRunner:
                 pending = batches(lengths, batch, batch_size and half, self.budget) + pending
                 continue
             yield dec, batch
-
-
-def chunk_tables(
-    ids: list[int],
-    results: dict[int, tuple[BatchDecomposition, int]],
-    gold: list[int],
-    seqs: list[list[int]],
-    truncated: list[bool],
-    prompts: list[str],
-) -> dict[str, pa.Table]:
-    """The ``components`` and ``instances`` tables of instances ``ids`` (ascending; ``gold``,
-    ``seqs``, ``truncated`` and ``prompts`` are indexed by instance), each found
-    in ``results`` as (its batch's decomposition, its row there), and the tables of the
-    measurements the decompositions hold (:func:`measured_tables`)."""
-
-    def stack(attr: str) -> np.ndarray:
-        return np.stack([getattr(results[i][0], attr)[results[i][1]].numpy() for i in ids])
-
-    return {
-        **measured_tables("choice", ids, results),
-        "components": components_table(
-            ids,
-            results[ids[0]][0].components,
-            stack("logits"),
-            stack("out_norm"),
-            stack("prefix_rms"),
-            stack("cos_residual"),
-            stack("cos_prev"),
-        ),
-        "instances": instances_table(
-            ids,
-            [gold[i] for i in ids],
-            [len(seqs[i]) for i in ids],
-            [truncated[i] for i in ids],
-            stack("final_rms"),
-            stack("model_logits"),
-            stack("sum_error"),
-            [prompts[i] for i in ids],
-        ),
-    }
-
-
-def text_tables(
-    ids: list[int],
-    results: dict[int, tuple[TextBatch, int]],
-    seqs: list[list[int]],
-    truncated: list[bool],
-    groups: list[str | None],
-    answer_starts: list[int] | None = None,
-    spell: Callable[[list[int]], list[str]] | None = None,
-) -> dict[str, pa.Table]:
-    """The ``tokens``, ``token_blocks`` and ``documents`` tables of documents ``ids``
-    (ascending; ``seqs``, ``truncated``, ``groups`` and ``answer_starts``, None for a task
-    without an answer, are indexed by document; ``spell``: token ids -> the tokens as the
-    vocabulary spells them), each found in
-    ``results`` as (its batch, its row there), and the tables of the measurements the batches
-    hold (:func:`measured_tables`)."""
-    n_tokens = [len(seqs[i]) for i in ids]
-    dots = np.concatenate([results[i][0].document(results[i][1], len(seqs[i])) for i in ids])
-    return {
-        **measured_tables("text", ids, results),
-        "tokens": tokens_table(
-            ids,
-            [seqs[i] for i in ids],
-            np.concatenate([results[i][0].document_loss(results[i][1], len(seqs[i])) for i in ids]),
-            None if spell is None else [spell(seqs[i]) for i in ids],
-        ),
-        "token_blocks": token_blocks_table(ids, n_tokens, dots),
-        "documents": documents_table(
-            ids,
-            n_tokens,
-            [truncated[i] for i in ids],
-            [groups[i] for i in ids],
-            None if answer_starts is None else [answer_starts[i] for i in ids],
-        ),
-    }
-
-
-def measured_tables(
-    kind: str, ids: list[int], results: dict[int, tuple[Any, int]]
-) -> dict[str, pa.Table]:
-    """The tables of the registered measurements (``layerdiv.measurements``) that the run of
-    documents or instances ``ids`` (ascending) measured."""
-    first = results[ids[0]][0].measured
-    tables = {}
-    for m in for_kind(kind):
-        if m.name not in first or m.rows is None:
-            continue
-        if any(m.name not in results[i][0].measured for i in ids):
-            raise DecompositionError(f"a row ran without the measurement {m.name}")
-        values = [results[i][0].measured[m.name][results[i][1]] for i in ids]
-        with plugin_errors([(m, None)], "its rows"):
-            made = m.rows(ids, values)
-        if sorted(made) != sorted(m.tables[kind]):
-            raise MeasurementError(
-                f"measurement {m.name} ({m.flag}): its rows give the tables {sorted(made)}, it "
-                f"declares {sorted(m.tables[kind])} for {kind} tasks; nothing of this chunk was "
-                "written"
-            )
-        tables.update(made)
-    return tables

@@ -8,13 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from layerdiv.extract import chunks
-from layerdiv.extract.batching import tokenize, tokenize_documents
 from layerdiv.extract.config import ExtractConfig
 from layerdiv.extract.facts import revision_facts
-from layerdiv.extract.models import context_length
+from layerdiv.extract.kinds import task_kind
+from layerdiv.extract.models import ModelSource, context_length
+from layerdiv.extract.provenance import identity
 from layerdiv.extract.tasks import (
     Instance,
     TaskError,
@@ -22,12 +23,15 @@ from layerdiv.extract.tasks import (
     data_sha256,
     instances,
     load_task,
-    option_token_ids,
 )
-from layerdiv.measurements import AnswerSpan, Planning, answer_spans, for_kind, registered
+from layerdiv.measurements import MEASUREMENTS, AnswerSpan, Planning, for_kind, registered
 from layerdiv.measurements.registry import as_json
-from layerdiv.store.manifest import read_manifest
+from layerdiv.store.key import DEFAULT_REVISION
+from layerdiv.store.manifest import Identity, read_manifest
 from layerdiv.store.writer import PartitionWriter
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -43,6 +47,8 @@ class TaskPlan:
     """The optional tables to write (``chunks.extra_tables``)."""
     argument: str = ""
     """The task as ``--task`` takes it: a built-in name, or the absolute path of its YAML."""
+    revision: str = DEFAULT_REVISION
+    """The model's revision as given (``facts.revision_facts``)."""
     documents: tuple[list[list[int]], list[bool]] | None = None
     """Text tasks: the token ids of every document and whether it was cut (known before the
     weights load, so that a document without tokens is refused before anything is written)."""
@@ -57,38 +63,39 @@ class TaskPlan:
     notes: list[str] = field(default_factory=list)
     """What the user should know about the task (its measurements' checks of the plan)."""
 
+    def identity(self, source: ModelSource, dtype: torch.dtype) -> Identity:
+        """The identity of its extraction with the model ``source`` in ``dtype``, known before
+        the weights load (``provenance.identity``)."""
+        return identity(source, dtype, self.spec, self.option_ids, self.data_sha256, self.revision)
+
 
 def plan_task(
-    name: str, tokenizer: Any, cfg: ExtractConfig, context: int | None = None
+    name: str,
+    tokenizer: Any,
+    cfg: ExtractConfig,
+    context: int | None = None,
+    revision: str | None = None,
 ) -> TaskPlan:
     """Load a task's instances and option tokens, or a text task's documents and their tokens
     cut to ``max_tokens`` and the model's ``context`` length (task errors surface before the
     weights load), and check the measurements asked for against it. The data fingerprint covers
-    the task's first n rows, so a larger ``--limit`` extends the same partition."""
+    the task's first n rows, so a larger ``--limit`` extends the same partition. ``revision``:
+    the run's (``facts.revision_facts``), found from ``cfg`` where not given."""
     spec = load_task(name)
+    revision = revision or revision_facts(cfg)["revision"]
     rows = instances(spec, max(spec.n, cfg.limit or 0))
     items = rows[: cfg.limit or spec.n]
-    writer = PartitionWriter(cfg.store, cfg.model, spec.name, revision_facts(cfg)["revision"])
+    writer = PartitionWriter(cfg.store, cfg.model, spec.name, revision)
     argument = str(Path(name).resolve()) if Path(name).suffix in (".yaml", ".yml") else name
     sha = data_sha256(rows[: spec.n])
     _refuse_other_kinds(spec, cfg)
     tables = chunks.extra_tables(writer, cfg.measured_tables(spec.kind), cfg.overwrite)
     measures = _measure_settings(writer, cfg, spec, tables)
-    if spec.kind == "text":
-        limit = context or context_length(None, tokenizer)
-        texts = [it.prompt for it in items]
-        documents = tokenize_documents(tokenizer, texts, min(spec.max_tokens or limit, limit))
-        empty = [i for i, seq in enumerate(documents[0]) if not seq]
-        if empty:
-            raise TaskError(
-                f"task {spec.name}: document {empty[0]} tokenizes to no tokens (empty text); "
-                "fix the data or the task's text template, or filter such rows out"
-            )
-        spans = None if spec.answer is None else answer_spans(tokenizer, items)
-        plan = TaskPlan(spec, items, [], sha, writer, tables, argument, documents, spans, measures)
-    else:
-        ids = option_token_ids(spec, tokenizer, items[0].prompt)
-        plan = TaskPlan(spec, items, ids, sha, writer, tables, argument, measures=measures)
+    limit = context or context_length(None, tokenizer)
+    prepared = task_kind(spec.kind).prepare(spec, items, tokenizer, limit)
+    plan = TaskPlan(spec=spec, items=items, data_sha256=sha, writer=writer, extra_tables=tables,
+                    argument=argument, revision=revision, measures=measures,
+                    **prepared)  # fmt: skip
     sequences = partial(task_sequences, tokenizer=tokenizer, context=context)
     for m in registered():
         if m.name in measures:
@@ -103,18 +110,16 @@ def task_sequences(name: str, count: int, tokenizer: Any, context: int | None) -
     them: a text task's documents cut to its ``max_tokens`` and the ``context`` length, a choice
     task's prompts (``Planning.sequences``)."""
     spec = load_task(name)
-    limit = context or context_length(None, tokenizer)
     texts = [it.prompt for it in instances(spec, count)[:count]]
-    if spec.kind == "text":
-        return tokenize_documents(tokenizer, texts, min(spec.max_tokens or limit, limit))[0]
-    return tokenize(tokenizer, texts, limit)[0]
+    limit = context or context_length(None, tokenizer)
+    return task_kind(spec.kind).sequences(tokenizer, texts, spec, limit)[0]
 
 
 def _refuse_other_kinds(spec: TaskSpec, cfg: ExtractConfig) -> None:
     """Refuse (before anything is written) a measurement asked for whose flag writes nothing
     in the task's kind, and the settings given of one that does not apply to it."""
     for name in cfg.measures:
-        m = next(m for m in registered() if m.name == name)
+        m = MEASUREMENTS[name]
         if spec.kind in m.tables:
             continue
         given = [s.option.opts[0] for s in m.settings if s.name in cfg.given(m)]

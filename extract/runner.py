@@ -8,30 +8,23 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import partial
-from typing import Any
 
 import pyarrow as pa
 from tqdm.auto import tqdm
 
 from layerdiv.extract import chunks, cost
 from layerdiv.extract.adapters import Adapter, adapter_for, check_softcap
-from layerdiv.extract.batching import chunk_runs, tokenize
-from layerdiv.extract.capture import SUM_TOLERANCE, check_batch
+from layerdiv.extract.batching import chunk_runs
+from layerdiv.extract.capture import SUM_TOLERANCE
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, ExtractConfig, TaskSummary
 from layerdiv.extract.facts import load_with_facts, revision_facts
-from layerdiv.extract.forward import (
-    ModelRunner,
-    chunk_tables,
-    measured_tables,
-    text_tables,
-    token_budget,
-)
+from layerdiv.extract.forward import ModelRunner, token_budget
 from layerdiv.extract.interrupt import interruptible
+from layerdiv.extract.kinds import BatchWork, task_kind
 from layerdiv.extract.models import (
     LoadedModel,
     context_length,
@@ -42,11 +35,10 @@ from layerdiv.extract.models import (
     resolve_source,
 )
 from layerdiv.extract.plan import TaskPlan, plan_task, refuse_shared_names
-from layerdiv.extract.provenance import build_manifest, identity
-from layerdiv.extract.text import check_text_batch
+from layerdiv.extract.provenance import build_manifest
 from layerdiv.measurements import Measurement, for_kind, registered
-from layerdiv.schemas import KINDS
-from layerdiv.store.manifest import Manifest, read_manifest
+from layerdiv.schemas.kinds import KINDS
+from layerdiv.store.manifest import Identity, Manifest, read_manifest
 from layerdiv.store.reader import PartitionInfo
 from layerdiv.store.writer import PartitionWriter, Verdict
 
@@ -61,20 +53,20 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
     with interruptible():
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
-        revision = revision_facts(cfg)["revision"]
+        facts = revision_facts(cfg)  # once per run, passed on
+        revision = facts["revision"]
         source = resolve_source(cfg.model, cfg.revision, cfg.gguf_file, cfg.trust_remote_code)
         adapter = adapter_for(source.config)
         approximate = check_softcap(source.config, cfg.allow_softcap)
         tokenizer = load_tokenizer(source)
         context = context_length(source.config, tokenizer)
-        plans = [plan_task(name, tokenizer, cfg, context) for name in cfg.tasks]
+        plans = [plan_task(name, tokenizer, cfg, context, revision) for name in cfg.tasks]
         refuse_shared_names(plans)
         docs = [p.documents[0] if p.documents else None for p in plans]
         cost.announce(source.config, device.type, [
             cost.job(p.spec.kind, p.measures, d, [i.prompt for i in p.items], tokenizer)
             for p, d in zip(plans, docs, strict=True)])  # fmt: skip
-        idents = [identity(source, dtype, p.spec, p.option_ids, p.data_sha256, revision)
-                  for p in plans]  # fmt: skip
+        idents = [p.identity(source, dtype) for p in plans]  # once per plan, passed on
         for m in registered():  # each measurement's check of the model, before the weights load
             if any(m.name in p.measures for p in plans):
                 m.check_config(source.config)
@@ -95,9 +87,9 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
                 hashing = None  # the fingerprint's cost, said once
                 if loaded is None:
                     load = partial(load_model, source, tokenizer, device, dtype, cfg.device_map)
-                    loaded, hashing = load_with_facts(cfg, adapter, load)
+                    loaded, hashing = load_with_facts(facts, adapter, load)
                 plan.writer.refuse_same_weights(loaded.facts["weights_hash"])
-                summary = extract_task(loaded, adapter, plan, cfg, approximate)
+                summary = extract_task(loaded, adapter, plan, cfg, approximate, ident)
                 summary.notes[:0] = [hashing] if hashing else []
             if cfg.overwrite and verdict is Verdict.RESUME:
                 summary.notes.insert(0, f"--overwrite with --shard {cfg.shard[0]}/{cfg.shard[1]}: "
@@ -122,47 +114,6 @@ def _chunk_size(cfg: ExtractConfig) -> int:
     return cfg.chunk_size or DEFAULT_CHUNK_SIZE
 
 
-@dataclass(frozen=True)
-class _BatchWork:
-    """What the task kind changes in the chunk loop: how a batch is checked, which tables a run
-    of instances (documents) yields, and what it counts (correct predictions, worst error)."""
-
-    check: Callable[[Any, list[int]], None]
-    tables: Callable[[list[int], chunks.Results], dict[str, pa.Table]]
-    tally: Callable[[chunks.Results], tuple[int, float]]
-    optional: Callable[[list[int], chunks.Results], dict[str, pa.Table]]
-    """The optional tables of a run (a backfill writes those a stored chunk lacks)."""
-
-
-def _batch_work(
-    plan: TaskPlan, seqs: list[list[int]], truncated: list[bool], tol: float, tokenizer: Any
-) -> _BatchWork:
-    spec, items = plan.spec, plan.items
-    if spec.kind == "text":
-        groups = [it.group for it in items]
-        starts = None if plan.answers is None else [a.start for a in plan.answers]
-        spell = tokenizer.convert_ids_to_tokens
-        return _BatchWork(
-            lambda b, ids: check_text_batch(b, ids, [len(seqs[i]) for i in ids], spec.name),
-            lambda r, res: text_tables(r, res, seqs, truncated, groups, starts, spell),
-            lambda res: (0, 0.0),
-            lambda r, res: text_tables(r, res, seqs, truncated, groups, starts, spell),
-        )
-    gold, prompts = [it.gold for it in items], [it.prompt for it in items]
-
-    def tally(results: chunks.Results) -> tuple[int, float]:
-        correct = sum(int(d.model_logits[r].argmax()) == gold[i] for i, (d, r) in results.items())
-        worst = max((float(d.sum_error[r]) for d, r in results.values()), default=0.0)
-        return correct, worst
-
-    return _BatchWork(
-        partial(check_batch, task=spec.name, tol=tol),
-        lambda r, res: chunk_tables(r, res, gold, seqs, truncated, prompts),
-        tally,
-        lambda r, res: measured_tables("choice", r, res),
-    )
-
-
 @dataclass
 class _Task:
     """One task's extraction under way: its plan, tokens, batch work and opened partition."""
@@ -171,7 +122,7 @@ class _Task:
     cfg: ExtractConfig
     seqs: list[list[int]]
     truncated: list[bool]
-    work: _BatchWork
+    work: BatchWork
     stored: Manifest | None = None
     """The partition's manifest once opened (:func:`open_partition`)."""
     grid: int = 0
@@ -195,27 +146,29 @@ def extract_task(
     plan: TaskPlan,
     cfg: ExtractConfig,
     approximate: bool,
+    ident: Identity | None = None,
 ) -> TaskSummary:
     """Run one task through a loaded model and store every chunk of this shard not stored yet,
     with the optional tables of ``plan.extra_tables``, which are also added to stored chunks
-    that lack them: open the partition, run the chunks, backfill, summarise."""
-    if plan.documents is not None:
-        seqs, truncated = plan.documents
-    else:
-        seqs, truncated = tokenize(loaded.tokenizer, [it.prompt for it in plan.items],
-                                   loaded.context_length)  # fmt: skip
+    that lack them: open the partition, run the chunks, backfill, summarise. ``ident``: the
+    extraction's identity where known (``TaskPlan.identity``)."""
+    kind = task_kind(plan.spec.kind)
+    seqs, truncated = plan.documents or kind.sequences(
+        loaded.tokenizer, [it.prompt for it in plan.items], plan.spec, loaded.context_length
+    )
     tol = SUM_TOLERANCE[loaded.dtype]
-    work = _batch_work(plan, seqs, truncated, tol, loaded.tokenizer)
+    work = kind.work(plan, seqs, truncated, tol, loaded.tokenizer.convert_ids_to_tokens)
     task = _Task(plan, cfg, seqs, truncated, work,
                  notes=list(plan.notes))  # fmt: skip
-    kind, tables = plan.spec.kind, plan.extra_tables
-    readout = any(kind in m.readout for m in _measurements_of(kind, tables))
+    name, tables = plan.spec.kind, plan.extra_tables
+    readout = any(name in m.readout for m in _measurements_of(name, tables))
     budget = token_budget(loaded.device, loaded.model.config, loaded.dtype, readout)
     start_time = time.perf_counter()
-    with ModelRunner(loaded, adapter, plan.option_ids, budget, kind, plan.measures,
+    with ModelRunner(loaded, adapter, plan.option_ids, budget, name, plan.measures,
                      [it.gold for it in plan.items], plan.planned) as runner:  # fmt: skip
-        open_partition(task, runner, loaded, adapter, tol, approximate)
-        for m in _measurements_of(kind, tables):
+        ident = ident or plan.identity(loaded.source, loaded.dtype)
+        open_partition(task, runner, loaded, adapter, tol, approximate, ident)
+        for m in _measurements_of(name, tables):
             _warn_size(task, m)
         run = plan.writer.start_run({"n_requested": len(plan.items), "shard": list(cfg.shard),
                                      "task": plan.argument, "chunk_size": task.grid,
@@ -236,6 +189,7 @@ def open_partition(
     adapter: Adapter,
     tol: float,
     approximate: bool,
+    ident: Identity,
 ) -> None:
     """Run the first instance (the component list, before anything is written), build the
     manifest and open (create, resume or replace) the partition with it, recording the settings
@@ -244,8 +198,6 @@ def open_partition(
     spec, writer = plan.spec, plan.writer
     probe = runner.run([task.seqs[0]])
     task.work.check(probe, [0])
-    ident = identity(loaded.source, loaded.dtype, spec, plan.option_ids, plan.data_sha256,
-                     revision_facts(cfg)["revision"])  # fmt: skip
     manifest = build_manifest(loaded, adapter, spec, ident, probe.components, len(plan.items),
                               _chunk_size(cfg), tol, approximate)  # fmt: skip
     derived, whole = runner.prepare(task.seqs, _stored_whole(plan, cfg.overwrite))
@@ -349,7 +301,7 @@ def summary(task: _Task, seconds: float) -> TaskSummary:
         max_sum_error=task.max_err,
         n_truncated=sum(task.truncated),
         n_added=task.n_added,
-        accuracy_new=task.correct / n_new if n_new and plan.spec.kind == "choice" else None,
+        accuracy_new=task_kind(plan.spec.kind).accuracy(task.correct, n_new),
         kind=plan.spec.kind,
         notes=task.notes,
     )

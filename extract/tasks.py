@@ -50,6 +50,7 @@ import yaml
 
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import MAX_OPTIONS
+from layerdiv.schemas.kinds import DEFAULT_KIND, KINDS, TASK_FIELDS
 
 ANSWER = "{{ answer }}"
 
@@ -92,9 +93,9 @@ class TaskSpec:
     """Optional Jinja expression; rows where it renders ``False`` are skipped."""
     description: str = ""
     """Free text: where the task comes from."""
-    kind: str = "choice"
+    kind: str = DEFAULT_KIND
     """``choice`` (scored options at the last prompt token) or ``text`` (every token of running
-    text; ``layerdiv.schemas.KINDS``)."""
+    text; ``layerdiv.schemas.kinds``)."""
     text: str | None = None
     """Text tasks: Jinja template rendering one document."""
     max_tokens: int | None = None
@@ -112,11 +113,10 @@ class TaskSpec:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("base_dir")
-        if self.kind == "choice":  # as before text tasks existed (a stored partition's hash)
-            for key in ("kind", "text", "max_tokens", "group_field", "answer"):
-                d.pop(key)
-        elif self.answer is None:  # as before text tasks could name an answer
-            d.pop("answer")
+        for key in TASK_FIELDS - set(KINDS[self.kind].task_fields):
+            d.pop(key)  # as before other kinds existed (a stored partition's hash)
+        if self.answer is None:  # as before text tasks could name an answer
+            d.pop("answer", None)
         return d
 
     def sha256(self) -> str:
@@ -172,13 +172,17 @@ def parse_task(raw: Any, base_dir: Path, where: str) -> TaskSpec:
         raise TaskError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
     if ("dataset" in raw) == ("data" in raw):
         raise TaskError(f"{where}: give exactly one of 'dataset' (hub) or 'data' (local file)")
-    if raw.get("kind", "choice") == "text":
-        return _parse_text_task(raw, base_dir, where)
-    if raw.get("kind", "choice") != "choice":
-        raise TaskError(f"{where}: 'kind' must be choice or text, got {raw['kind']!r}")
-    choice_only = sorted(set(raw) & {"text", "max_tokens", "group_field", "answer"})
-    if choice_only:
-        raise TaskError(f"{where}: {choice_only} belong to text tasks; add 'kind: text'")
+    parse = _PARSERS.get(str(raw.get("kind", DEFAULT_KIND)))
+    if parse is None:
+        raise TaskError(f"{where}: 'kind' must be {' or '.join(_PARSERS)}, got {raw['kind']!r}")
+    return parse(raw, base_dir, where)
+
+
+def _parse_choice_task(raw: dict[str, Any], base_dir: Path, where: str) -> TaskSpec:
+    """Check a choice task mapping (the default kind) and build its :class:`TaskSpec`."""
+    text_only = sorted((set(raw) - {"kind"}) & TASK_FIELDS)
+    if text_only:
+        raise TaskError(f"{where}: {text_only} belong to text tasks; add 'kind: text'")
     missing = [k for k in ("name", "template", "options", "label") if k not in raw]
     if missing:
         raise TaskError(f"{where}: missing keys {missing}")
@@ -269,6 +273,10 @@ def _parse_text_task(raw: dict[str, Any], base_dir: Path, where: str) -> TaskSpe
     )
 
 
+_PARSERS = {"choice": _parse_choice_task, "text": _parse_text_task}
+"""The check of a task mapping of each kind (``layerdiv.schemas.kinds.KINDS``)."""
+
+
 @dataclass(frozen=True)
 class Instance:
     """One prompt with its gold option, or one document of a text task (gold -1)."""
@@ -335,7 +343,7 @@ def _rows(spec: TaskSpec) -> Any:
             ) from err
         try:
             # A text task reads its first n documents of corpora far larger than that: streamed.
-            stream = {"streaming": True} if spec.kind == "text" else {}
+            stream = {} if KINDS[spec.kind].scored else {"streaming": True}
             return datasets.load_dataset(
                 spec.dataset.path, spec.dataset.name, split=spec.dataset.split, **stream
             )
@@ -411,7 +419,7 @@ def instances(spec: TaskSpec, limit: int | None = None) -> list[Instance]:
     from jinja2 import UndefinedError
 
     n = spec.n if limit is None else limit
-    text = spec.kind == "text"
+    text = spec.text is not None
     prompt_template = (
         _compile(str(spec.text), f"task {spec.name}: the text") if text else split_template(spec)[0]
     )

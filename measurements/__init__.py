@@ -5,6 +5,7 @@ optional tables everywhere)."""
 
 from layerdiv.measurements.registry import (
     ENTRY_POINTS,
+    MEASUREMENTS,
     AnswerSpan,
     Attachment,
     Capture,
@@ -37,6 +38,7 @@ from layerdiv.measurements.registry import (
 
 __all__ = [
     "ENTRY_POINTS",
+    "MEASUREMENTS",
     "AnswerSpan",
     "Attachment",
     "Capture",

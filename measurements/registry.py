@@ -24,18 +24,19 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import import_module
-from importlib.metadata import EntryPoint, entry_points
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import click
 import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import KINDS, RULES, TABLES, Rules, schema_of
+from layerdiv.registry import Registry
+from layerdiv.schemas import RULES, TABLES, Rules, schema_of
+from layerdiv.schemas.kinds import KINDS
 
 ENTRY_POINTS = "layerdiv.measurements"
 """The entry point group whose entries (each a :class:`Measurement`) are registered on first
@@ -552,8 +553,11 @@ def legacy_settings(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-_REGISTERED: dict[str, Measurement] = {}
-_LOADED: list[bool] = []
+MEASUREMENTS: Registry[Measurement] = Registry(
+    "measurement", ENTRY_POINTS, lambda entry, measurement: register(measurement)
+)
+"""Every measurement by name: those of the entry point group :data:`ENTRY_POINTS` (the built-in
+ones first), then those registered by :func:`register`."""
 _RESERVED: dict[str, str] = {}
 """The option strings and parameter names of the ``extract`` command's own options (not a
 measurement's), each with its owner: :func:`reserve`."""
@@ -571,7 +575,7 @@ def reserve(owner: str, options: Iterable[click.Parameter]) -> None:
     that takes one is refused now (``MeasurementError``)."""
     for name in option_names(options):
         _RESERVED.setdefault(name, owner)
-    for m in list(_REGISTERED.values()):
+    for m in list(MEASUREMENTS.by_name.values()):
         if problem := _name_taken(m):
             unregister(m.name)
             raise MeasurementError(problem)
@@ -583,7 +587,7 @@ def _name_taken(measurement: Measurement) -> str | None:
     name is not its option's parameter, or a flag that no option declares; None if none."""
     m = measurement
     taken = dict(_RESERVED)
-    for other in _REGISTERED.values():
+    for other in MEASUREMENTS.by_name.values():
         if other.name != m.name:
             taken.update(
                 dict.fromkeys(option_names(other.click_options()), f"measurement {other.name}")
@@ -602,7 +606,7 @@ def _name_taken(measurement: Measurement) -> str | None:
                 f"is {s.option.name!r}; name the setting as its option's parameter"
             )
     if m.flag not in mine and not any(
-        m.flag in option_names(o.click_options()) for o in _REGISTERED.values()
+        m.flag in option_names(o.click_options()) for o in MEASUREMENTS.by_name.values()
     ):
         return (
             f"measurement {m.name}: its flag {m.flag} is declared by no option; give it a help "
@@ -624,8 +628,7 @@ def register(measurement: Measurement) -> Measurement:
     """Add ``measurement`` to every extraction, store reader and command; returns it. Refuses a
     name, table, flag, option or setting name that is taken (by another measurement, or by
     ``extract`` itself: :func:`reserve`), and a kind that does not exist."""
-    _load()  # the entry points' measurements come first
-    if measurement.name in _REGISTERED:
+    if measurement.name in MEASUREMENTS:  # the entry points' measurements come first
         raise MeasurementError(f"a measurement named {measurement.name!r} is registered already")
     if problem := _name_taken(measurement):
         raise MeasurementError(problem)
@@ -638,7 +641,7 @@ def register(measurement: Measurement) -> Measurement:
     for table in (*(t for ts in measurement.tables.values() for t in ts), *measurement.whole):
         if problem := table_name_problem(table):
             raise MeasurementError(f"measurement {measurement.name}: {problem}; rename it")
-    taken = {t for m in _REGISTERED.values() for ts in m.tables.values() for t in ts}
+    taken = {t for m in MEASUREMENTS for ts in m.tables.values() for t in ts}
     taken |= {t for k in KINDS.values() for t in k.required}
     mine = [t for ts in measurement.tables.values() for t in ts]
     dated = [t for t in measurement.since if t not in (*mine, *measurement.whole)]
@@ -653,58 +656,21 @@ def register(measurement: Measurement) -> Measurement:
             f"measurement {measurement.name}: table {clash[0]!r} is taken or has no schema "
             "(declare it in Measurement.schemas)"
         )
-    _REGISTERED[measurement.name] = measurement
+    MEASUREMENTS.put(measurement.name, measurement)
     _tables.cache_clear()
     return measurement
 
 
 def unregister(name: str) -> None:
     """Remove a registered measurement (tests)."""
-    _REGISTERED.pop(name, None)
+    MEASUREMENTS.remove(name)
     _tables.cache_clear()
-
-
-def loaded(
-    group: str,
-    taken: Container[str],
-    failed: Callable[[EntryPoint, Exception], None] | None = None,
-) -> list[tuple[EntryPoint, Any]]:
-    """The entry points of ``group`` but those whose name is in ``taken``, each with the object it
-    names, loaded: layerdiv's own (its built-ins) first, by their ``order`` (an installed
-    distribution lists its entry points by name), then other distributions', as they come.
-    Another distribution's entry point that fails to load goes to ``failed`` (where given) and
-    is left out; otherwise, and for layerdiv's own, the error is raised."""
-    found: dict[tuple[str, str], EntryPoint] = {}  # a distribution found twice lists it twice
-    for entry in entry_points(group=group):
-        if entry.name not in taken:
-            found.setdefault((entry.name, entry.value), entry)
-    items: list[tuple[bool, EntryPoint, Any]] = []
-    for entry in found.values():
-        plugin = entry.dist is None or entry.dist.name != "layerdiv"
-        try:
-            items.append((plugin, entry, entry.load()))
-        except Exception as err:
-            if failed is None or not plugin:
-                raise
-            failed(entry, err)
-    items.sort(key=lambda i: (i[0], 0 if i[0] else i[2].order))
-    return [(entry, obj) for _, entry, obj in items]
-
-
-def _load() -> None:
-    """Register, once per process, the measurements of the entry point group
-    :data:`ENTRY_POINTS` (:func:`loaded`; a name registered already is left as it is)."""
-    if not _LOADED:
-        _LOADED.append(True)
-        for _, measurement in loaded(ENTRY_POINTS, _REGISTERED):
-            register(measurement)
 
 
 def registered() -> list[Measurement]:
     """Every measurement, in registration order: those of the entry point group (the built-in
     ones first), then those registered by :func:`register`."""
-    _load()
-    return list(_REGISTERED.values())
+    return list(MEASUREMENTS)
 
 
 def for_kind(kind: str) -> list[Measurement]:

@@ -10,8 +10,8 @@ History:
 - 2: ``components`` gains ``cos_prev``; optional tables ``skips``, ``heads`` and ``gram``; the
   manifest gains ``hidden_size``, ``extra_tables``, ``chunk_size`` and ``data_sha256``.
 - 3: ``instances`` gains ``prompt`` (the rendered prompt, bounded to :data:`PROMPT_CHARS`).
-- 4: running-text partitions (task kind ``text``, :data:`KINDS`): tables ``documents``,
-  ``tokens``, ``token_blocks`` and optional ``token_lens``, ``future_effects``,
+- 4: running-text partitions (task kind ``text``, :mod:`~layerdiv.schemas.kinds`): tables
+  ``documents``, ``tokens``, ``token_blocks`` and optional ``token_lens``, ``future_effects``,
   ``future_output``; choice tasks gain the optional ``lens``; the manifest gains ``kind``,
   ``max_tokens``, ``lens``, ``skip_split`` and ``skip_seed`` (and, from the first release
   that writes the future-effects tables, ``skip_sublayers``: absent means ``block``).
@@ -801,46 +801,6 @@ RULES: dict[str, Rules] = {
 declares those of its tables with their schemas: ``Measurement.rules``)."""
 
 
-@dataclass(frozen=True)
-class Kind:
-    """The tables of one task kind's partitions."""
-
-    name: str
-    """``choice`` or ``text`` (the manifest's ``kind``)."""
-    unit: str
-    """The key column chunks are cut along (``instance`` or ``doc``)."""
-    units: str
-    """What the unit is called in messages (``instances``, ``documents``)."""
-    marker: str
-    """The table whose part marks a chunk complete (written after every other part)."""
-    required: tuple[str, ...]
-    """Tables every complete chunk has (the marker last); the optional ones are declared by the
-    measurements that write them (``layerdiv.measurements``)."""
-    since: int
-    """The schema version its partitions appeared in (with its required tables)."""
-
-
-KINDS = {
-    "choice": Kind(
-        "choice",
-        "instance",
-        "instances",
-        "instances",
-        ("components", "instances"),
-        since=1,
-    ),
-    "text": Kind(
-        "text",
-        "doc",
-        "documents",
-        "documents",
-        ("tokens", "token_blocks", "documents"),
-        since=4,
-    ),
-}
-"""Every task kind by name."""
-
-
 def _not_null(schema: pa.Schema, version: int) -> pa.Schema:
     """``schema`` with every field non-nullable, as ``version`` declared it."""
     table = schema.metadata[b"layerdiv.table"].decode()
@@ -880,8 +840,8 @@ that wrote it."""
 def schema_of(table: str, version: int) -> pa.Schema | None:
     """The schema of ``table`` as a store of schema ``version`` holds it (None: not a table of
     this module). Which tables a version has is declared beside them: a task kind's required
-    tables since :attr:`Kind.since`, a measurement's since the version it declares for each
-    (``layerdiv.measurements.tables_of``)."""
+    tables since :attr:`~layerdiv.schemas.kinds.Kind.since`, a measurement's since the version
+    it declares for each (``layerdiv.measurements.tables_of``)."""
     for last, schema in sorted(_OLDER.get(table, {}).items()):
         if version <= last:
             return schema

@@ -223,9 +223,9 @@ def _fixed(info: PartitionInfo[Any]) -> tuple[str, ...]:
     table of a choice partition but those of a measurement with a row rule of its own (``igrad``:
     rows per prompt token); ``tokens`` of a text one (its other tables are checked where they
     are read: ``token_blocks`` in (doc, pos) order, ``future_effects`` keys unique)."""
-    if info.kind.name == "choice":
-        ruled = ruled_tables("choice")
-        return tuple(t for t in tables_of_kind("choice") if t not in ruled)
+    if info.kind.scored:
+        ruled = ruled_tables(info.kind.name)
+        return tuple(t for t in tables_of_kind(info.kind.name) if t not in ruled)
     return ("tokens",)
 
 
@@ -240,7 +240,7 @@ def _ranges(
     older manifest's vocabulary) is open."""
     m = info.manifest
     out: dict[str, tuple[float, float]] = {} if key is None else {key: (start, start + count - 1)}
-    if info.kind.name == "choice":
+    if info.kind.scored:
         options = (0, len(m.options) - 1)
         out.update(option=options, gold=options, component=(0, len(m.components) - 1))
     n_tokens = _tokens(units)
@@ -254,7 +254,7 @@ def _ranges(
 def _answer_tokens(info: PartitionInfo[Any], units: pa.Table, n_tokens: np.ndarray) -> int | None:
     """The most answer tokens a unit of the chunk keeps: a choice task's one (the gold option's
     probability), a text task's n_tokens - answer_start (None where it records no answer)."""
-    if info.kind.name == "choice":
+    if info.kind.scored:
         return 1
     if "answer_start" not in units.column_names or units["answer_start"].null_count:
         return None

@@ -11,7 +11,8 @@ from typing import Any
 
 from layerdiv.measurements import all_optional_tables, for_kind, measurement_of, ruled_tables
 from layerdiv.measurements.registry import SETTINGS_KEY, legacy_settings
-from layerdiv.schemas import KINDS, SCHEMA_VERSION, SchemaError, check_version
+from layerdiv.schemas import SCHEMA_VERSION, SchemaError, check_version
+from layerdiv.schemas.kinds import DEFAULT_KIND, KINDS
 from layerdiv.store.atomic import write_bytes
 from layerdiv.store.key import DEFAULT_REVISION
 from layerdiv.store.location import RemotePath
@@ -153,8 +154,8 @@ class Manifest:
     device, and when it ended finished_at, seconds, instances."""
     schema_version: int = SCHEMA_VERSION
     """Schema version of the partition's files (``layerdiv.schemas``)."""
-    kind: str = "choice"
-    """Task kind (``layerdiv.schemas.KINDS``): ``choice`` or ``text`` (schema version 4; older
+    kind: str = DEFAULT_KIND
+    """Task kind (``layerdiv.schemas.kinds``): ``choice`` or ``text`` (schema version 4; older
     manifests are choice). Text partitions have no options and the components of a choice
     partition, so the number of blocks L is the number of ``attn`` components."""
     max_tokens: int | None = None
@@ -214,10 +215,9 @@ class Manifest:
     def expected_rows(self, count: int, n_tokens: int = 0) -> dict[str, int]:
         """Rows of each table whose size is fixed, in a chunk of ``count`` instances (documents
         holding ``n_tokens`` tokens in all, for text tasks)."""
-        if self.kind == "text":
-            n, blocks = n_tokens, self.n_blocks
-            return {"documents": count, "tokens": n, "token_blocks": n * blocks}
-        return {"instances": count, "components": count * len(self.components) * len(self.options)}
+        facts = {"units": count, "tokens": n_tokens, "blocks": self.n_blocks,
+                 "components": len(self.components), "options": len(self.options)}  # fmt: skip
+        return KINDS[self.kind].expected_rows(facts)
 
     def wrong_rows(
         self, count: int, rows: Mapping[str, int], n_tokens: int = 0
@@ -225,7 +225,7 @@ class Manifest:
         """The first table of a chunk of ``count`` instances (documents of ``n_tokens`` tokens)
         whose part's ``rows`` (by table) cannot be right, with what is wrong; None when every
         one can: the fixed sizes (:meth:`expected_rows`) exactly, then what each measurement
-        declares (``Measurement.check_rows``, relative to them); a choice task's other tables
+        declares (``Measurement.check_rows``, relative to them); a scored kind's other tables
         (of a measurement that declares no rule) need whole rows per instance."""
         expected = self.expected_rows(count, n_tokens)
         for table, found in rows.items():
@@ -238,7 +238,7 @@ class Manifest:
                     return wrong
         ruled = ruled_tables(self.kind)
         for table, found in rows.items():
-            if table in expected or table in ruled or self.kind != "choice":
+            if table in expected or table in ruled or not KINDS[self.kind].scored:
                 continue
             if found == 0 or found % count:
                 return table, f"{found} rows are not whole rows for each of {count} instances"
@@ -268,7 +268,7 @@ class Manifest:
         kwargs = {k: v for k, v in data.items() if k in known}
         rows = tuple((c["name"], c["kind"], c["layer"]) for c in data["components"])
         kwargs["components"] = list(_components(rows))
-        if kwargs.get("kind", "choice") not in KINDS:
+        if kwargs.get("kind", DEFAULT_KIND) not in KINDS:
             raise SchemaError(f"{where}: unknown task kind {kwargs['kind']!r}; re-extract it.")
         return cls(**kwargs)
 

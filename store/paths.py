@@ -13,7 +13,7 @@ with ``<key>`` = ``model=<slug>/revision=<rev>/task=<task>`` (stores of schema v
 no ``revision=`` level: their partitions read as revision ``main``,
 :data:`~layerdiv.store.key.ABSENT`).
 
-``<table>`` is one of the tables of the partition's task kind (``layerdiv.schemas.KINDS``:
+``<table>`` is one of the tables of the partition's task kind (``layerdiv.schemas.kinds``:
 ``components`` and ``instances`` for choice tasks, ``tokens``, ``token_blocks`` and ``documents``
 for text tasks, and the optional tables). A part holds the instances (documents)
 ``start .. start+count-1``. A table stored once per partition rather than per chunk
@@ -37,7 +37,8 @@ from typing import Generic
 
 from layerdiv.errors import LayerdivError
 from layerdiv.measurements import table_schemas, tables_of_kind
-from layerdiv.schemas import KINDS, SchemaError
+from layerdiv.schemas import SchemaError
+from layerdiv.schemas.kinds import KINDS
 from layerdiv.store.key import ABSENT, KEY, PartitionKey
 from layerdiv.store.location import StorePath
 

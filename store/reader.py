@@ -28,14 +28,8 @@ from layerdiv.measurements import (
     table_schemas,
     tables_of,
 )
-from layerdiv.schemas import (
-    GRIDS,
-    KINDS,
-    VECTOR_TABLES,
-    Grid,
-    Kind,
-    SchemaError,
-)
+from layerdiv.schemas import GRIDS, VECTOR_TABLES, Grid, SchemaError
+from layerdiv.schemas.kinds import KINDS, Kind
 from layerdiv.store.atomic import restore
 from layerdiv.store.checks import check_partition, check_sums, grid_problem, stray_parts
 from layerdiv.store.key import DEFAULT_REVISION, KEY, MODEL_KEY, PartitionKey
@@ -294,7 +288,7 @@ class PartitionInfo(Generic[StorePath]):
 
     @property
     def kind(self) -> Kind:
-        """The partition's task kind (``layerdiv.schemas.KINDS``): its tables and marker."""
+        """The partition's task kind (``layerdiv.schemas.kinds``): its tables and marker."""
         return KINDS[self.manifest.kind]
 
     @property

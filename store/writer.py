@@ -35,7 +35,8 @@ from layerdiv.measurements import (
     tables_of_kind,
 )
 from layerdiv.measurements.registry import SETTINGS_KEY, MeasurementError, as_json
-from layerdiv.schemas import KINDS, TABLES, WHOLE_TABLES, SchemaError, schema_matches
+from layerdiv.schemas import TABLES, WHOLE_TABLES, SchemaError, schema_matches
+from layerdiv.schemas.kinds import KINDS
 from layerdiv.store.atomic import (
     atomic_path,
     host,
@@ -402,7 +403,7 @@ class PartitionWriter:
         kind = KINDS[manifest.kind]
         try:
             n_tokens = 0
-            if kind.name == "text":  # the documents part says how many tokens the chunk has
+            if kind.per_token:  # the marker (documents) says how many tokens the chunk has
                 docs = pq.read_table(
                     self.part.part(kind.marker, start, count), columns=["n_tokens"]
                 )
@@ -456,8 +457,8 @@ class PartitionWriter:
                     start, table, f"{table} table does not match its schema\n{data.schema}"
                 )
         manifest = self._manifest()
-        text = manifest is not None and manifest.kind == "text"
-        n_tokens = self._n_tokens(start, count, tables) if text else 0
+        per_token = manifest is not None and KINDS[manifest.kind].per_token
+        n_tokens = self._n_tokens(start, count, tables) if per_token else 0
         if manifest is not None and n_tokens is not None:
             rows = {t: d.num_rows for t, d in tables.items()}
             wrong = manifest.wrong_rows(count, rows, n_tokens)

@@ -805,7 +805,7 @@ def _extra_report(ctx: reg.ReportContext) -> str:
 @pytest.fixture
 def extra_analysis(monkeypatch: pytest.MonkeyPatch) -> reg.Analysis:
     reg.registered()  # the built-in analyses first
-    monkeypatch.setattr(reg, "_REGISTRY", dict(reg._REGISTRY))
+    monkeypatch.setattr(reg.ANALYSES, "by_name", dict(reg.ANALYSES.by_name))
     return reg.register(reg.Analysis("extra", "An extra analysis", _extra_tables, _extra_report))
 
 
@@ -857,7 +857,7 @@ def test_analyses_run_after_those_they_follow_and_a_cycle_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     reg.registered()
-    monkeypatch.setattr(reg, "_REGISTRY", dict(reg._REGISTRY))
+    monkeypatch.setattr(reg.ANALYSES, "by_name", dict(reg.ANALYSES.by_name))
 
     def none(ctx: reg.Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
         return {}
@@ -885,7 +885,7 @@ def test_an_analysis_may_not_replace_a_table(
     chunked: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reg.registered()
-    monkeypatch.setattr(reg, "_REGISTRY", dict(reg._REGISTRY))
+    monkeypatch.setattr(reg.ANALYSES, "by_name", dict(reg.ANALYSES.by_name))
     reg.register(reg.Analysis("clash", "Clash", lambda ctx, prior: {"scores": prior["scores"]}))
     results = analyze(chunked)  # left out with a note; the built-in scores kept
     assert (

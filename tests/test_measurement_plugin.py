@@ -700,7 +700,7 @@ def analysis_registry(monkeypatch: pytest.MonkeyPatch) -> Any:
     from layerdiv.analyze import registry as reg
 
     reg.registered()
-    monkeypatch.setattr(reg, "_REGISTRY", dict(reg._REGISTRY))
+    monkeypatch.setattr(reg.ANALYSES, "by_name", dict(reg.ANALYSES.by_name))
     monkeypatch.setattr(reg, "_ORIGINS", dict(reg._ORIGINS))
     return reg
 

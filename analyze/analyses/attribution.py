@@ -20,7 +20,8 @@ from layerdiv.analyze.markdown import fmt, key_rows
 from layerdiv.analyze.registry import Context, NoData, ReportContext, with_data
 from layerdiv.analyze.stats import bootstrap_mean, depth_score
 from layerdiv.errors import LayerdivError
-from layerdiv.schemas import KINDS, SUBLAYERS
+from layerdiv.schemas import SUBLAYERS
+from layerdiv.schemas.kinds import CHOICE as CHOICE_KIND
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY
 
@@ -35,7 +36,7 @@ OPTIONS = {
     f"and erasure sections keep and draw, the first by index (default {MAP_DOCUMENTS})"
 }
 """The analysis options of both attribution analyses."""
-CHOICE = KINDS["choice"].name
+CHOICE = CHOICE_KIND.name
 """The choice task kind's name (its attribution analyses are sections of their own)."""
 SITE_ORDER = pl.col("sublayer").replace_strict(SUBLAYERS, range(len(SUBLAYERS)))
 """Sorts rows by site in :data:`~layerdiv.schemas.SUBLAYERS` order."""
@@ -44,7 +45,7 @@ SITE_ORDER = pl.col("sublayer").replace_strict(SUBLAYERS, range(len(SUBLAYERS)))
 def choice(info: PartitionInfo) -> bool:
     """Whether ``info`` is a choice partition (its units instances, keyed ``doc`` in the
     attribution tables; no answer's start, no prompt tokens stored)."""
-    return info.manifest.kind == CHOICE
+    return info.kind.scored
 
 
 def with_answer(parts: list[PartitionInfo]) -> list[PartitionInfo]:

@@ -33,7 +33,7 @@ def enough_points(parts: list[PartitionInfo]) -> list[PartitionInfo]:
 def too_few(manifests: pl.DataFrame) -> str:
     """Why the law was not fitted on any text task of ``manifests``: its points per task, and
     what adds them."""
-    text = manifests.filter(pl.col("kind") == "text")
+    text = manifests.filter(pl.col("kind").is_in(law.KINDS_WITH_LOSS))
     points = text.group_by("task").agg(pl.struct(*MODEL_KEY).n_unique().alias("n")).sort("task")
     held = ", ".join(f"{n} on {task}" for task, n in points.iter_rows())
     return (
@@ -140,6 +140,6 @@ ANALYSIS = Analysis(
     tables=tables,
     report=report,
     methods=(12,),
-    kinds=("text",),
+    kinds=law.KINDS_WITH_LOSS,
     order=210,
 )

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import click
 import numpy as np
 import polars as pl
 from scipy.stats import rankdata, spearmanr
@@ -565,10 +566,22 @@ ANALYSIS = Analysis(
     tables=tables,
     report=report,
     options={
-        "maps": "all or SOURCE:TARGET[,...]: ridge maps between the layers of two "
-        "models' states (not run by default)",
-        "maps_ridge": "the ridge of --maps: cv (default: cross-validated per map over "
-        f"{', '.join(f'{r:g}' for r in RIDGES)}) or one positive number",
+        "maps": click.Option(
+            ["--maps"],
+            default=None,
+            metavar="all|A:B[,C:D]",
+            help="Also fit ridge maps from every layer of model A's residual states to every "
+            "layer of model B's on one task extracted with --states (all: every pair of models; "
+            "methods §11; tables layer_maps and layer_map_best). Not run by default.",
+        ),
+        "maps_ridge": click.Option(
+            ["--maps-ridge"],
+            default=None,
+            metavar="cv|RIDGE",
+            help="The ridge of --maps, lambda = ridge * trace(G) / d: cv (the default) "
+            "cross-validates it per map over the training documents and the grid "
+            f"{', '.join(f'{r:g}' for r in RIDGES)}, a positive number fixes it.",
+        ),
     },
     kinds=("choice", "text"),
     order=220,

@@ -30,6 +30,7 @@ from layerdiv.measurements.registry import (
     per_token_and_layer,
 )
 from layerdiv.schemas import ERASURE, ERASURE_REFERENCE
+from layerdiv.schemas.kinds import KINDS
 
 FINGERPRINT = "erase_reference_sha256"
 """The setting derived from the reference means: the sha256 of their (L + 1, d) float32 bytes."""
@@ -83,14 +84,14 @@ def plan_erase(plan: Planning) -> ErasePlan:
     answer's start s and length A (methods §10), and the reference task's token ids."""
     spec, count = plan.task, int(plan.settings["erase_reference"])
     spans = None
-    if spec.kind != "choice":
+    if not KINDS[spec.kind].scored:
         why = "--erase measures the change of the answer's predictions (methods §14)"
         spans = plan.require_answers(why, "drop --erase")
     other = plan.settings.get("erase_reference_task")
     reference = None if not other else plan.other_task(other, count)
     held = len(plan.items) if reference is None else len(reference)
     if not 1 <= count <= held:
-        units = "instances" if spec.kind == "choice" else "documents"
+        units = KINDS[spec.kind].units
         which, more, hint = f"task {spec.name}", "this run takes", "or a larger --limit"
         if reference is not None:
             units, which, more = "units", f"the reference task {other}", "it holds"
@@ -198,7 +199,7 @@ def erase_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str,
     """FLOPs of residual erasure on a sequence of ``tokens`` tokens (:func:`erase_flops`): a text
     document's answer taken as the last :data:`COST_ANSWER` of them; a choice prompt read out at
     its last token."""
-    if kind == "choice":
+    if KINDS[kind].scored:
         return erase_flops(shape, tokens, tokens - 1, tokens - 1)
     start = tokens - max(1, round(COST_ANSWER * tokens))
     return erase_flops(shape, tokens, max(start - 1, 0), tokens - 2)

@@ -47,6 +47,7 @@ from layerdiv.measurements.erase import (
     reference_table,
 )
 from layerdiv.measurements.future.hooks import PassesAfter, _expand
+from layerdiv.schemas.kinds import KINDS
 
 CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")
 """The names under which a decoder block takes its attention's key/value cache (transformers'
@@ -359,7 +360,7 @@ class EraseCapture(PassesAfter):
         self.reference = planned.reference
         """``--erase-reference-task``: that task's first R units' token ids (None: this
         task's)."""
-        choice = ctx.kind == "choice"
+        choice = KINDS[ctx.kind].scored
         target = (
             OptionProbs(ctx.readout, ctx.option_ids)
             if choice

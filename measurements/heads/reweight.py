@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import click
 import numpy as np
 import polars as pl
 
@@ -296,6 +297,13 @@ ANALYSIS = Analysis(
     methods=(8,),
     tables=tables,
     report=report,
-    options={"reweight": "also fit component reweighting (tables reweight, reweight_weights)"},
+    options={
+        "reweight": click.Option(
+            ["--reweight"],
+            is_flag=True,
+            help="Also fit component reweighting (LLMDecomp) on 24 labelled instances per task "
+            "and evaluate it on the rest (CPU; tables reweight and reweight_weights).",
+        )
+    },
     order=60,
 )

@@ -18,6 +18,7 @@ import pyarrow as pa
 from layerdiv.errors import LayerdivError
 from layerdiv.measurements.registry import Measurement, ModelShape, Planning, Setting
 from layerdiv.schemas import IGRAD, IGRAD_ENDS, SUBLAYERS
+from layerdiv.schemas.kinds import KINDS
 
 STEPS = 256
 """Default steps m of the Riemann sum (the depth-efficiency paper's code)."""
@@ -143,7 +144,7 @@ def plan_igrad(plan: Planning) -> list[tuple[int, int]] | None:
             f"--igrad-steps {steps}: the Riemann sum takes 1 to {MAX_STEPS} steps; give a "
             f"number in that range (default {STEPS})"
         )
-    if plan.task.kind == "choice":
+    if KINDS[plan.task.kind].scored:
         return None
     spans = plan.require_answers(
         "--igrad's target is the probability of the answer's tokens", "drop --igrad"
@@ -186,7 +187,7 @@ def igrad_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str,
     (with block l itself for ``attn`` and ``mlp``) and the readout of the answer forward and
     backward (counted as ``tokens`` / 4 positions; a choice task: the last prompt token)."""
     L, points = shape.layers, settings["igrad_steps"] + 1
-    answer = shape.readout(max(1, tokens // 4) if kind == "text" else 1)
+    answer = shape.readout(1 if KINDS[kind].scored else max(1, tokens // 4))
     block = 2 * shape.block(tokens) + shape.attention * tokens * (tokens + 1) / 2
     total = shape.forward(tokens)
     for site in sites_of(settings):

@@ -33,6 +33,7 @@ from layerdiv.extract.removal import Call, UpdateRemoval
 from layerdiv.measurements import Attachment
 from layerdiv.measurements.future.hooks import _expand
 from layerdiv.measurements.igrad import IgradRows, check_sites, sites_of
+from layerdiv.schemas.kinds import KINDS
 
 
 class IgradCapture(Hooks):
@@ -49,7 +50,7 @@ class IgradCapture(Hooks):
         """Text tasks: per document, the answer's start s and length A (methods §10)."""
         self.gold = ctx.gold
         """Choice tasks: each instance's gold option."""
-        self.options = ctx.readout.option_index(ctx.option_ids) if ctx.kind == "choice" else None
+        self.options = ctx.readout.option_index(ctx.option_ids) if KINDS[ctx.kind].scored else None
         """Choice tasks: the option tokens, whose logits the target's softmax is over."""
         self.removal = UpdateRemoval(ctx.model, ctx.adapter)
         check_sites(self.sites, ctx.adapter, self.removal.blocks)

@@ -25,6 +25,7 @@ from layerdiv.measurements.registry import (
 )
 from layerdiv.schemas import LEARNED_LENS, LEARNED_LENS_KINDS, TOKEN_LENS, token_key
 from layerdiv.schemas import LENS as LENS_SCHEMA
+from layerdiv.schemas.kinds import KINDS
 
 READOUTS = {"final": ("choice", "text"), "last-block": ("text",)}
 """Each readout of the lens (``--lens NAME``, ``layerdiv.measurements.lens.hooks.LENSES``) and the
@@ -117,7 +118,7 @@ def lens_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, 
     token (``last-block``: and the last block once per block input), a choice task's L readouts
     of the last prompt token."""
     L = shape.layers
-    if kind != "text":
+    if KINDS[kind].scored:
         return L * shape.readout()
     extra = (L + 1) * shape.readout(tokens)
     return extra + (L * shape.block(tokens) if settings.get("lens") == "last-block" else 0.0)

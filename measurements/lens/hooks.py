@@ -32,6 +32,7 @@ from layerdiv.extract.readout import Readout
 from layerdiv.extract.text import TextBatch, TextCapture
 from layerdiv.measurements import Attachment
 from layerdiv.measurements.lens import LENS_VALUES, READOUTS
+from layerdiv.schemas.kinds import KINDS
 
 BlockCall = tuple[tuple, dict]
 """The positional and keyword arguments of one call of a decoder block (mask, positions)."""
@@ -405,7 +406,7 @@ class TokenLens:
 def lens_hooks(ctx: Attachment) -> LastTokenLens | TokenLens:
     """The hooks of ``--lens`` (:mod:`layerdiv.measurements.lens`): :class:`LastTokenLens` on a
     choice task, :class:`TokenLens` on a text task."""
-    return LastTokenLens(ctx) if ctx.kind == "choice" else TokenLens(ctx)
+    return LastTokenLens(ctx) if KINDS[ctx.kind].scored else TokenLens(ctx)
 
 
 class Translated(Sequence[torch.Tensor]):

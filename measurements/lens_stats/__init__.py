@@ -18,6 +18,7 @@ import pyarrow as pa
 from layerdiv.errors import LayerdivError
 from layerdiv.measurements.registry import Measurement, ModelShape
 from layerdiv.schemas import LENS_STATS as LENS_STATS_SCHEMA
+from layerdiv.schemas.kinds import KINDS
 from layerdiv.store.translators import Translators
 
 DEFAULT_RIDGE = 1e-4
@@ -170,7 +171,7 @@ def ls_translators(
 
 def training_partition(info: Any) -> None:
     """Refuse a partition a lens cannot be fitted on: not a text task's."""
-    if info.manifest.kind != "text":
+    if KINDS[info.manifest.kind].scored:
         raise LensStatsError(
             f"{info.where} is a {info.manifest.kind} task: a lens is fitted on a text task's "
             "tokens; give a text task with --task"

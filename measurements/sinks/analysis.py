@@ -42,7 +42,7 @@ from layerdiv.analyze.stats import (
     resample_weights,
 )
 from layerdiv.analyze.text import TEXT_KIND
-from layerdiv.schemas import KINDS
+from layerdiv.schemas.kinds import KINDS
 from layerdiv.store import PartitionInfo, StoreError
 from layerdiv.store.key import KEY
 

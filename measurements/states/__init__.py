@@ -24,6 +24,7 @@ from layerdiv.measurements.registry import (
     negligible,
 )
 from layerdiv.schemas import STATE_TYPES, states_schema
+from layerdiv.schemas.kinds import KINDS
 
 WORDS = "words"
 """``--states words``: every position whose token ends a word (:func:`word_ends`)."""
@@ -67,7 +68,7 @@ def plan_states(plan: Planning) -> list[TokenEnds] | None:
     """The states' check of a text task's plan: each document's token ends (:class:`TokenEnds`)
     from the tokenizer's offsets (None on a choice task, or where the tokenizer gives no
     offsets: ``char_end`` is then null); refuses ``--states words`` without offsets."""
-    if plan.task.kind != "text":
+    if KINDS[plan.task.kind].scored:
         return None
     texts = [item.prompt for item in plan.items]
     try:
@@ -107,7 +108,7 @@ def state_rows_count(lengths: Sequence[int], ids: Sequence[int], kind: str, k: i
     """Stored positions of units ``ids`` (``lengths`` indexed by unit), at most: a text
     document's K sampled positions (all of 1..T-1 when K is ``all`` or ``words``, or
     K >= T - 1), a choice instance's last prompt token (methods §11)."""
-    if kind == "choice":
+    if KINDS[kind].scored:
         return len(ids)
     every = k in ("all", WORDS)
     return sum(lengths[i] - 1 if every else min(int(k), lengths[i] - 1) for i in ids)

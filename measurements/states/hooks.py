@@ -23,6 +23,7 @@ from layerdiv.measurements.states import (
     state_rows_count,
     states_size,
 )
+from layerdiv.schemas.kinds import KINDS
 from layerdiv.store.location import human_bytes
 
 TORCH_TYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -41,7 +42,7 @@ class StateCapture(Hooks):
         model, adapter, settings = ctx.model, ctx.adapter, ctx.settings
         self.k, self.seed = settings["states"], int(settings["states_seed"])
         self.dtype = str(settings["states_dtype"])
-        self.last = ctx.kind == "choice"
+        self.last = KINDS[ctx.kind].scored
         """A choice task: the last prompt token alone."""
         self.ends: Sequence[TokenEnds] | None = ctx.planned
         """A text task's token ends per document (:func:`~layerdiv.measurements.states.plan_states`;
