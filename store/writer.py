@@ -197,6 +197,63 @@ def one_checkpoint_twice(
     )
 
 
+def stamp(table: str, settings: Mapping[str, Any] | None) -> dict[bytes, bytes]:
+    """The key-value metadata that records, in a part of the optional ``table``, the settings of
+    the measurement writing it as ``settings`` (by measurement, a manifest's) holds them: none for
+    a measurement without settings or one ``settings`` lacks."""
+    m = measurement_of(table)
+    values = None if settings is None or not m.settings else settings.get(m.name)
+    if values is None:
+        return {}
+    return {SETTINGS_KEY: json.dumps(values, sort_keys=True).encode()}
+
+
+def write_part_file(path: Path, table: str, data: pa.Table, stamp: Mapping[bytes, bytes]) -> None:
+    """Atomically write ``data`` as a part file of ``table`` at ``path``, its key-value metadata
+    the schema's and ``stamp`` (:func:`stamp`)."""
+    schema = table_schemas()[table]
+    with atomic_path(path) as tmp:
+        pq.write_table(
+            data.replace_schema_metadata({**(schema.metadata or {}), **stamp}),
+            tmp,
+            compression="zstd",
+            row_group_size=row_group_rows(data.schema),
+            use_dictionary=dictionary_columns(data.schema),
+            write_statistics=statistics_columns(data.schema),
+            write_page_checksum=True,  # readers verify them (store.location.open_parquet)
+        )
+
+
+def write_whole_file(path: Path, table: str, data: pa.Table, stamp: Mapping[bytes, bytes]) -> None:
+    """Atomically write ``data`` as the one file of ``table``, a table stored once per
+    partition, at ``path``, its key-value metadata the schema's and ``stamp``."""
+    with atomic_path(path) as tmp:
+        pq.write_table(
+            data.replace_schema_metadata({**(TABLES[table].metadata or {}), **stamp}),
+            tmp,
+            compression="zstd",
+            write_page_checksum=True,
+        )
+
+
+def refuse_other_settings(
+    where: Path, stored: Mapping[str, Mapping[str, Any]], settings: Mapping[str, Any]
+) -> None:
+    """Refuse (``StoreConflict``) the ``settings`` of a measurement (by name) other than those
+    the partition's manifest at ``where`` records (``stored``), naming both and what to do: the
+    one rule for ``extract``'s plan (before anything is written) and its writer (under the
+    partition's lock)."""
+    for name, values in settings.items():
+        if name in stored and as_json(values) != stored[name]:
+            m = next(m for m in registered() if m.name == name)
+            raise StoreConflict(
+                f"{where}: the stored {name} was extracted with {m.describe(stored[name])}, "
+                f"this run asks for {m.describe(values)}; drop these options to keep the stored "
+                f"ones, give --redo {name} to extract it again with them (the other measurements "
+                "kept), or use --overwrite"
+            )
+
+
 class PartitionWriter:
     """Writes one partition's chunks; a rerun skips every chunk that is complete and readable."""
 
@@ -302,14 +359,7 @@ class PartitionWriter:
 
     def _refuse_other_settings(self, stored: Manifest, settings: Mapping[str, Any]) -> None:
         """Refuse ``settings`` (by measurement) other than those ``stored`` records."""
-        for name, values in settings.items():
-            if name in stored.settings and as_json(values) != stored.settings[name]:
-                m = next(m for m in registered() if m.name == name)
-                raise StoreConflict(
-                    f"{self.part.manifest}: the stored {name} was extracted with "
-                    f"{m.describe(stored.settings[name])}, this run asks for {m.describe(values)}"
-                    "; drop these options to keep the stored ones, or use --overwrite"
-                )
+        refuse_other_settings(self.part.manifest, stored.settings, settings)
 
     def recheck(self) -> None:
         """Refuse to write on (``StoreConflict``) when the partition is no longer the one this
@@ -503,14 +553,8 @@ class PartitionWriter:
         ``extract``)."""
         if table not in all_optional_tables() and table not in WHOLE_TABLES:
             return {}
-        m = measurement_of(table)
-        if not m.settings:
-            return {}
         manifest = self._manifest()
-        settings = None if manifest is None else manifest.settings.get(m.name)
-        if settings is None:
-            return {}
-        return {SETTINGS_KEY: json.dumps(settings, sort_keys=True).encode()}
+        return stamp(table, None if manifest is None else manifest.settings)
 
     def stored_whole(self, table: str) -> pa.Table | None:
         """The partition's stored ``table``, a table stored once per partition
@@ -534,15 +578,7 @@ class PartitionWriter:
                 return
         except StoreError:
             pass  # a damaged file, or one of a replaced extraction: written again
-        with atomic_path(path) as tmp:
-            pq.write_table(
-                data.replace_schema_metadata(
-                    {**(TABLES[table].metadata or {}), **self._stamp(table)}
-                ),
-                tmp,
-                compression="zstd",
-                write_page_checksum=True,
-            )
+        write_whole_file(path, table, data, self._stamp(table))
 
     def chunks_missing(self, table: str) -> list[tuple[int, int]]:
         """Complete chunks that lack a part of the optional ``table`` (to backfill it)."""
@@ -552,14 +588,4 @@ class PartitionWriter:
         """Atomically write ``table``'s part of the chunk at ``start`` (alone, it backfills an
         optional table for an existing chunk), checked first (:meth:`check_parts`)."""
         self.check_parts(start, count, {table: data})
-        schema = table_schemas()[table]
-        with atomic_path(self.part.part(table, start, count)) as tmp:
-            pq.write_table(
-                data.replace_schema_metadata({**(schema.metadata or {}), **self._stamp(table)}),
-                tmp,
-                compression="zstd",
-                row_group_size=row_group_rows(data.schema),
-                use_dictionary=dictionary_columns(data.schema),
-                write_statistics=statistics_columns(data.schema),
-                write_page_checksum=True,  # readers verify them (store.location.open_parquet)
-            )
+        write_part_file(self.part.part(table, start, count), table, data, self._stamp(table))
