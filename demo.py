@@ -6,6 +6,7 @@ The data packages are located with ``importlib.util.find_spec`` and read as file
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
@@ -305,7 +306,9 @@ def run_demo(out: Path, n: int, seed: int) -> None:
         ExtractConfig(DEMO_MODEL, [by_name[ERASE_TASK]], store, measures={**gram_heads, **erase}),
         ExtractConfig(DEMO_MODEL, [by_name[TEXT_TASK]], store, measures={**lens_skips, **sinks}),
         ExtractConfig(DEMO_MODEL, [by_name[STATES_TASK]], store, measures=states),
-        ExtractConfig(str(sibling), [by_name[STATES_TASK]], store, measures=states),
+        ExtractConfig(
+            SIBLING, [str(Path(by_name[STATES_TASK]).resolve())], store.resolve(), measures=states
+        ),
         ExtractConfig(
             DEMO_MODEL,
             [by_name[MULTIHOP_TASK]],
@@ -314,10 +317,15 @@ def run_demo(out: Path, n: int, seed: int) -> None:
             measures={**attribution, **lens_skips, **sinks},
         ),
     ):
-        for s in run_extract(config):
+        # the sibling by its folder's name, from inside ``out``: its store name is the same
+        # wherever ``out`` is (a path given would become part of the model's name)
+        inside = contextlib.chdir(out) if config.model == SIBLING else contextlib.nullcontext()
+        with inside:
+            done = run_extract(config)
+        for s in done:
             print(f"{s.task}: {s.n_done}/{s.n_requested} stored ({s.n_new} new)")
     results = analyze(store, tasks=[t for t in by_name if t != STATES_TASK], progress=True)
-    maps = analyze(store, tasks=STATES_TASK, maps=f"{sibling}:{DEMO_MODEL}")
+    maps = analyze(store, tasks=STATES_TASK, maps=f"{SIBLING}:{DEMO_MODEL}")
     results.by_name.update({t: maps.by_name[t] for t in ("layer_maps", "layer_map_best")})
     both = [results.by_name["manifests"], maps.by_name["manifests"]]
     results.by_name["manifests"] = pl.concat(both, how="diagonal_relaxed")  # every partition
