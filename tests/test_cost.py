@@ -113,9 +113,9 @@ def test_the_measured_estimate_is_printed_for_attribution_always(
     short = [("text", LENS, [16] * 4)]
     cost.announce_measured(config, "cpu", short, rate)
     assert capsys.readouterr().out == ""
-    igrad = [("text", {"igrad": {"igrad_sites": ["block"], "igrad_steps": 32}}, [16] * 4)]
+    igrad = [("text", {"igrad": {"igrad_sites": ["block"], "igrad_steps": 4}}, [16] * 4)]
     seconds = cost.run_seconds(SHAPE, igrad, "cpu", rate)
-    assert seconds < cost.LONG_RUN
+    assert seconds < 120  # said in seconds
     cost.announce_measured(config, "cpu", igrad, rate)
     line = capsys.readouterr().out.strip()
     assert line == cost.measured_line(seconds, rate)
