@@ -14,7 +14,6 @@ run again after a crash at any point.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -30,7 +29,7 @@ from layerdiv.store.paths import Partition
 from layerdiv.store.writer import (
     PartitionWriter,
     StoreConflict,
-    flock,
+    partition_lock,
     stamp,
     write_part_file,
     write_whole_file,
@@ -84,10 +83,7 @@ class MeasurementRedo:
         (self.staging / RECORD).write_text(json.dumps(record, indent=2, sort_keys=True))
         for table in self.tables:  # a table none of whose chunks has rows: an empty folder
             (self.staging / table).mkdir(exist_ok=True)
-        lock = part.open_lock
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            flock(fd, fcntl.LOCK_EX, lock)
+        with partition_lock(part):
             if read_manifest(part.manifest).generation != self.generation:
                 raise StoreConflict(
                     f"{part.manifest.parent} was replaced by another run (--overwrite) while "
@@ -96,9 +92,7 @@ class MeasurementRedo:
             fsync_tree(self.staging)
             os.rename(self.staging, part.manifest.parent / JOURNAL)
             fsync(part.manifest.parent)
-            finish(part)
-        finally:
-            os.close(fd)
+        finish(part)
 
     def discard(self) -> None:
         """Delete the staged files (a redo that failed before :meth:`commit`)."""
@@ -106,11 +100,18 @@ class MeasurementRedo:
 
 
 def finish(part: Partition[Path]) -> None:
-    """Complete the committed redo of ``part`` (:data:`JOURNAL`), if any; each step is skipped
-    where a run killed during it got past it."""
+    """Complete the committed redo of ``part`` (:data:`JOURNAL`), if any, under the partition's
+    lock; each step is skipped where a run killed during it got past it."""
     journal = part.manifest.parent / JOURNAL
     if not (journal / RECORD).is_file():
         return
+    with partition_lock(part):
+        if (journal / RECORD).is_file():  # not completed by another process meanwhile
+            _swap(part, journal)
+
+
+def _swap(part: Partition[Path], journal: Path) -> None:
+    """The steps of :func:`finish`."""
     record = json.loads((journal / RECORD).read_text())
     for table in record["tables"]:
         staged, old, target = journal / table, journal / f"{table}.old", part.dir(table)

@@ -15,7 +15,8 @@ import fcntl
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
@@ -139,6 +140,20 @@ def flock(fd: int, mode: int, path: Path) -> None:
             "--store on a local or lock-capable file system (NFS with lockd, Lustre mounted "
             "with -o flock), or extract locally and `layerdiv merge` the stores"
         ) from err
+
+
+@contextmanager
+def partition_lock(part: Partition) -> Iterator[None]:
+    """Hold the lock that serializes the creation, replacement and redos of partition
+    ``part`` (``Partition.open_lock``), waiting for another process that holds it."""
+    lock = part.open_lock
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        flock(fd, fcntl.LOCK_EX, lock)
+        yield
+    finally:
+        os.close(fd)
 
 
 class Verdict(Enum):
@@ -322,11 +337,7 @@ class PartitionWriter:
         generation is one more than the replaced one's. The settings of ``manifest``'s
         measurements are recorded for those the partition has none of; settings other than those
         recorded are refused (``StoreConflict``: two runs started at once with other settings)."""
-        lock = self.part.open_lock
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            flock(fd, fcntl.LOCK_EX, lock)  # one process at a time decides and replaces
+        with partition_lock(self.part):  # one process at a time decides and replaces
             if self.check(manifest.identity(), overwrite, shards) is Verdict.REPLACE:
                 manifest.generation = self._generation() + 1
                 older = self.part.older()
@@ -345,8 +356,6 @@ class PartitionWriter:
             if any(name not in stored.settings for name in manifest.settings):
                 stored.settings = {**manifest.settings, **stored.settings}
                 write_manifest(self.part.manifest, stored)
-        finally:
-            os.close(fd)
         self._opened = read_manifest(self.part.manifest)
         return self._opened
 
