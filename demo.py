@@ -6,6 +6,7 @@ The data packages are located with ``importlib.util.find_spec`` and read as file
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
@@ -354,12 +355,16 @@ def extract_demo(
     for step in steps:
         measures = measurement_options(step.options)
         for model in step.models:
-            source = str(sibling) if model == SIBLING else model
+            # the sibling by its folder's name, from inside ``out``: its store name is the same
+            # wherever ``out`` is (a path given would become part of the model's name)
+            inside = model == SIBLING
             config = ExtractConfig(
-                source, [by_name[t] for t in step.tasks], store, limit=step.limit,
-                measures=measures,
+                model, [str(Path(by_name[t]).resolve()) for t in step.tasks], store.resolve(),
+                limit=step.limit, measures=measures,
             )  # fmt: skip
-            for s in run_extract(config):
+            with contextlib.chdir(out) if inside else contextlib.nullcontext():
+                done = run_extract(config)
+            for s in done:
                 print(f"{model}, {s.task}: {s.n_done}/{s.n_requested} stored ({s.n_new} new, "
                       f"{s.seconds:.0f} s)")  # fmt: skip
     return by_name
@@ -413,11 +418,10 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     store, results_dir, report_dir = out / "store", out / "results", out / "report"
     by_name = extract_demo(out, n, seed)
     fit_demo_lenses(out)
-    sibling = out / SIBLING
     states_only = (STATES_TASK, WORDS_TASK)  # the lenses' training task, too
     results = analyze(store, tasks=[t for t in by_name if t not in states_only], progress=True)
     maps = [
-        analyze(store, tasks=STATES_TASK, maps=f"{sibling}:{DEMO_MODEL}"),
+        analyze(store, tasks=STATES_TASK, maps=f"{SIBLING}:{DEMO_MODEL}"),
         analyze(store, tasks=WORDS_TASK, maps=f"{DEMO_MODEL}:{GEMMA},{GEMMA}:{DEMO_MODEL}"),
     ]
     for table in ("layer_maps", "layer_map_best", "manifests"):  # manifests: every partition

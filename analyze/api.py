@@ -38,6 +38,7 @@ from layerdiv.analyze.registry import (
 )
 from layerdiv.analyze.spill import Spill
 from layerdiv.errors import LayerdivError, LayerdivWarning
+from layerdiv.schemas.kinds import KINDS
 from layerdiv.store import Store
 from layerdiv.store.key import KEY
 from layerdiv.store.location import human_bytes, is_url
@@ -385,9 +386,10 @@ def task_summary(results: Results, estimator: Estimator = "paper") -> pl.DataFra
 
 
 def ls(store: StoreLike, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
-    """What the store holds: one row per (model, task) with instance counts, tables, the size of
-    its files on disk (``size``) and dates (readable partitions only; ``Store.problems`` lists
-    the others)."""
+    """What the store holds: one row per (model, task) with its counts of ``units`` (instances
+    of a choice task, documents of a text task), components and options (null for a text task,
+    which has none), tables, the size of its files on disk (``size``) and dates (readable
+    partitions only; ``Store.problems`` lists the others)."""
     st = open_store(store)
     sizes = st.sizes(models, tasks).select(
         *KEY, pl.col("bytes").map_elements(human_bytes, return_dtype=pl.String).alias("size")
@@ -400,8 +402,9 @@ def ls(store: StoreLike, models: Names = (), tasks: Names = ()) -> pl.DataFrame:
             *(c for c in KEY if c != "model"),
             "n_done",
             "n_requested",
+            pl.col("kind").replace_strict({k: v.units for k, v in KINDS.items()}).alias("units"),
             "n_components",
-            "n_options",
+            pl.when(pl.col("n_options") > 0).then("n_options").alias("n_options"),
             "tables",
             "size",
             "n_params",

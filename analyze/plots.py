@@ -64,7 +64,8 @@ class Series:
     color: str | None = None
     dash: Dash = "solid"
     marker: str | None = "o"
-    """``o`` (circle), ``s`` (square), ``^`` (triangle) or None (no markers)."""
+    """``o`` (circle), ``s`` (square), ``^`` (triangle), ``x`` (a cross) or None (no
+    markers)."""
     line: bool = True
     """False: markers only."""
     bar: bool = False
@@ -457,7 +458,7 @@ wrapped to."""
 """Plotly's options for every figure of the HTML report."""
 
 _PLOTLY_CMAP = {"RdBu_r": ("RdBu", True), "viridis": ("Viridis", False)}
-_PLOTLY_SYMBOL = {"o": "circle", "s": "square", "^": "triangle-up"}
+_PLOTLY_SYMBOL = {"o": "circle", "s": "square", "^": "triangle-up", "x": "x"}
 
 
 def _fmt(value: Any) -> str:

@@ -90,12 +90,13 @@ def compute(
     batch_size: int | None,
     names: list[str],
     check: Callable[[Any, list[int]], None],
-    progress: Callable[[int], object],
+    progress: Callable[[float], object],
 ) -> Results:
-    """Run every instance of ``runs``, checking each batch and its component ``names``."""
+    """Run every instance of ``runs``, checking each batch and its component ``names``;
+    ``progress`` is told the units done (``ModelRunner.run_chunk``)."""
     results: Results = {}
     for run in runs:
-        for dec, ids in runner.run_chunk(seqs, run, batch_size):
+        for dec, ids in runner.run_chunk(seqs, run, batch_size, progress):
             check(dec, ids)
             if [c.name for c in dec.components] != names:
                 raise DecompositionError(
@@ -103,7 +104,6 @@ def compute(
                     "partition's"
                 )
             results.update((i, (dec, row)) for row, i in enumerate(ids))
-            progress(len(ids))
     return results
 
 

@@ -15,6 +15,7 @@ import click
 from layerdiv.errors import LayerdivError
 from layerdiv.extract.launchers import Shard, parse_shard
 from layerdiv.measurements import Measurement, for_kind, registered
+from layerdiv.schemas.kinds import KINDS
 
 DEFAULT_STORE = "layerdiv-store"
 """The store folder when ``--store`` is not given."""
@@ -198,6 +199,20 @@ class ExtractConfig:
     )
     """Replace a partition that holds a different extraction (with N > 1 shards, a partition
     that holds this extraction is resumed instead: see ``PartitionWriter.check``)."""
+    redo: tuple[str, ...] = field(
+        default=(),
+        metadata=_option(
+            "--redo",
+            multiple=True,
+            metavar="MEASUREMENT",
+            callback=lambda ctx, param, value: tuple(dict.fromkeys(value)),
+            help="Extract the stored measurement MEASUREMENT (e.g. igrad) of each partition "
+            "again with the settings given (else its defaults), replacing its tables and "
+            "settings and keeping every other table (repeatable).",
+        ),
+    )
+    """Measurements (by name) whose stored tables and settings this run replaces in each
+    partition (``layerdiv.store.redo``), their other tables and settings kept."""
     trust_remote_code: bool = field(
         default=False,
         metadata=_option(
@@ -250,7 +265,7 @@ class ExtractConfig:
         """The run that ``extract``'s option ``values`` (by parameter name) ask for, the fields
         in ``given`` replaced; the measurements' by :func:`measurement_options`."""
         own = {f.name: values[f.name] for f in fields(cls) if "option" in f.metadata}
-        return cls(**{**own, **given}, measures=measurement_options(values))
+        return cls(**{**own, **given}, measures=measurement_options(values, own.get("redo", ())))
 
     def given(self, m: Measurement) -> dict[str, Any]:
         """The settings of measurement ``m`` given (under :attr:`measures`); a setting not
@@ -268,15 +283,28 @@ class OptionError(LayerdivError, ValueError):
     """A measurement's setting given without the measurement."""
 
 
-def measurement_options(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+def measurement_options(
+    values: Mapping[str, Any], redo: tuple[str, ...] = ()
+) -> dict[str, dict[str, Any]]:
     """:attr:`ExtractConfig.measures` from the values of the measurements' ``extract`` options
     (by parameter name: a flag's, a setting's; ``{"skips": True, "lens": "final"}``): every
-    measurement whose flag is given, with its settings. Refuses a setting given without its
-    measurement's flag."""
+    measurement whose flag is given or that is to be redone (``redo``, by name), with its
+    settings. Refuses a setting given without its measurement's flag, and a ``redo`` that names
+    no measurement (a core table: not one measurement's)."""
+    names = [m.name for m in registered()]
+    for name in redo:
+        if name in names:
+            continue
+        core = sorted({t for k in KINDS.values() for t in k.required})
+        what = "a core table of every partition" if name in core else "not a measurement"
+        raise OptionError(
+            f"--redo {name}: {what}; --redo takes a measurement ({', '.join(names)}); "
+            "re-extract the whole partition with --overwrite"
+        )
     measures: dict[str, dict[str, Any]] = {}
     for m in registered():
         settings = {s.name: values.get(s.name) for s in m.settings}
-        if values.get(m.dest):
+        if values.get(m.dest) or m.name in redo:
             measures[m.name] = settings
         elif any(v not in (None, ()) for v in settings.values()):
             given = [s.option.opts[0] for s in m.settings if values.get(s.name) not in (None, ())]

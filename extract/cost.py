@@ -2,7 +2,9 @@
 writes, in plain forward passes, counted in FLOPs from the model's shape (what each measurement
 declares, ``Measurement.cost``), and the seconds that takes at the FLOP rates the benchmarks
 measured (docs/benchmarks.md). ``extract`` prints the estimate before a run of more than
-:data:`LONG_RUN` seconds; the docs' cost table is generated from :func:`cost_rows`.
+:data:`LONG_RUN` seconds, and again once the model is loaded at the rate a short probe measures
+on this machine (:func:`probe_rate`), then also before any run of an attribution measurement;
+the docs' cost table is generated from :func:`cost_rows`.
 
 FLOPs are counted as in ``benchmarks/bench_text_extract.py``: per token and block, 2 per weight of
 q, k, v, o and the MLP and the causal attention scores and values; a readout (final norm aside)
@@ -95,10 +97,13 @@ def passes(shape: Shape, kind: str, tokens: int, measures: Measures) -> float:
     return (forward + extra) / forward
 
 
-def seconds(shape: Shape, work: float, tokens: int, device: str = "cpu") -> float:
-    """Seconds for ``work`` forward passes over sequences of ``tokens`` tokens each, at the
-    measured FLOP rate of ``device`` (``cpu``, or a GPU)."""
-    return work * shape.forward(tokens) / (CPU_FLOPS if device == "cpu" else GPU_FLOPS)
+def seconds(
+    shape: Shape, work: float, tokens: int, device: str = "cpu", rate: float | None = None
+) -> float:
+    """Seconds for ``work`` forward passes over sequences of ``tokens`` tokens each, at the FLOP
+    ``rate`` measured on this machine (:func:`probe_rate`), else at the rate the benchmarks
+    measured on ``device`` (``cpu``, or a GPU)."""
+    return work * shape.forward(tokens) / (rate or (CPU_FLOPS if device == "cpu" else GPU_FLOPS))
 
 
 Job = tuple[str, Measures, Sequence[int]]
@@ -106,14 +111,55 @@ Job = tuple[str, Measures, Sequence[int]]
 counts of its sequences."""
 
 
-def run_seconds(shape: Shape, jobs: Sequence[Job], device: str) -> float:
+def run_seconds(shape: Shape, jobs: Sequence[Job], device: str, rate: float | None = None) -> float:
     """Seconds for every job: each sequence costs its plain pass plus what each measurement
-    adds (:func:`passes`)."""
+    adds (:func:`passes`), at ``rate`` (:func:`seconds`)."""
     total = 0.0
     for kind, measures, lengths in jobs:
         for n in lengths:
-            total += seconds(shape, passes(shape, kind, n, measures), n, device)
+            total += seconds(shape, passes(shape, kind, n, measures), n, device, rate)
     return total
+
+
+PROBE_SEQUENCES = 4
+"""Sequences of the probe's batch (:func:`probe_rate`)."""
+
+
+def probe_tokens(jobs: Sequence[Job]) -> int:
+    """The sequence length of the probe: the median of every job's sequences."""
+    lengths = sorted(n for _, _, ns in jobs for n in ns)
+    return lengths[len(lengths) // 2] if lengths else 1
+
+
+def probe_rate(config: Any, tokens: int, timed: float) -> float:
+    """FLOP rate of this machine: :data:`PROBE_SEQUENCES` plain forward passes over ``tokens``
+    tokens took ``timed`` seconds (``layerdiv.extract.forward.time_forward``)."""
+    return PROBE_SEQUENCES * Shape.from_config(config).forward(tokens) / max(timed, 1e-9)
+
+
+def announce_measured(config: Any, device: str, jobs: Sequence[Job], rate: float) -> None:
+    """Print the estimate at this machine's measured FLOP ``rate`` (:func:`probe_rate`) before a
+    long run, or before any run of an attribution measurement
+    (``Measurement.attribution``), however short."""
+    total = run_seconds(Shape.from_config(config), jobs, device, rate)
+    attribution = any(m.attribution and m.name in measures
+                      for kind, measures, _ in jobs for m in for_kind(kind))  # fmt: skip
+    if total > LONG_RUN or attribution:
+        print(measured_line(total, rate), flush=True)
+
+
+def measured_line(total: float, rate: float) -> str:
+    """What ``extract`` prints once the model is loaded (:func:`announce_measured`)."""
+    return (
+        f"Estimated extraction time: about {_duration(total)} at this machine's measured rate "
+        f"of {rate / 1e9:.3g} GFLOP/s (a probe of plain forward passes; FLOPs from the "
+        "model's shape and each measurement's passes); the progress bar shows the time left "
+        "after the first batch."
+    )
+
+
+def _duration(total: float) -> str:
+    return f"{total:.0f} s" if total < 120 else f"{total / 60:.0f} min"
 
 
 SAMPLE = 256

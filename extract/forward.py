@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -71,6 +73,23 @@ def left_padded(seqs: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}
 
 
+def time_forward(loaded: LoadedModel, tokens: int, sequences: int) -> float:
+    """Seconds of one plain forward pass (no hooks attached) over a batch of ``sequences``
+    sequences of ``tokens`` tokens, after one pass that warms the model up: the probe of
+    ``layerdiv.extract.cost.probe_rate``."""
+    vocab = int(loaded.model.config.vocab_size)
+    ids = (torch.arange(sequences * tokens) % vocab).reshape(sequences, tokens)
+    ids = ids.to(loaded.device)
+    sync = torch.cuda.synchronize if loaded.device.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        loaded.model(input_ids=ids, use_cache=False)
+        sync()
+        start = time.perf_counter()
+        loaded.model(input_ids=ids, use_cache=False)
+        sync()
+    return time.perf_counter() - start
+
+
 class ModelRunner:
     """Runs left-padded batches through a model with the capture hooks attached: the task
     ``kind``'s own capture (``layerdiv.extract.kinds.TaskKind.capture``: the last-token
@@ -102,6 +121,11 @@ class ModelRunner:
         choice task's last-token decomposition (methods §1)."""
         base = Attachment(model, adapter, kind, {}, self.readout, tuple(option_ids), tuple(gold),
                           weights_fingerprint=loaded.source.weights_fingerprint)  # fmt: skip
+        self._shares: dict[str, float] = {}
+        """The share of the batch under way that each measurement reporting progress has done."""
+        self._progress: Callable[[float], object] = lambda units: None
+        self._units, self._shown = 0, 0.0
+        """The units of the batch under way and how many of them the bar shows done."""
         self.measures = self._attach(base, measures or {}, planned or {})
         """The registered measurements' hooks (``layerdiv.measurements.Measurement.attach``)."""
         self.graded = {m.name for m in registered() if m.needs_grad and m.name in self.measures}
@@ -129,7 +153,8 @@ class ModelRunner:
         for m in for_kind(base.kind):
             if m.attach is None or m.name not in measures:
                 continue
-            ctx = replace(base, settings=measures[m.name], planned=planned.get(m.name))
+            ctx = replace(base, settings=measures[m.name], planned=planned.get(m.name),
+                          progress=partial(self._advance, m.name))  # fmt: skip
             with plugin_errors([(m, None)], "attaching its hooks"):
                 hooks = m.attach_to(ctx)
                 if hooks is None:
@@ -234,23 +259,42 @@ class ModelRunner:
         """The values of the measurements ``names`` of the forward pass just run."""
         return {n: self.measures[n].result() for n in names}
 
+    def _advance(self, name: str, share: float) -> None:
+        """Measurement ``name`` has done ``share`` of the batch under way: the bar moves to the
+        mean share of the measurements that report progress, in the batch's units."""
+        self._shares[name] = min(max(share, 0.0), 1.0)
+        done = self._units * sum(self._shares.values()) / len(self._shares)
+        if done > self._shown:
+            self._progress(done - self._shown)
+            self._shown = done
+
     def run_chunk(
-        self, seqs: list[list[int]], ids: list[int], batch_size: int | None
+        self,
+        seqs: list[list[int]],
+        ids: list[int],
+        batch_size: int | None,
+        progress: Callable[[float], object] = lambda units: None,
     ) -> Iterator[tuple[Any, list[int]]]:
         """Run instances ``ids`` (a contiguous run, stored as one part: the measurements' hooks
-        that sum over a run are told first, ``RunCapture.begin``) in length-sorted batches; on an
-        out-of-memory error, halve the batch (and ``self.budget``, kept for later chunks) and go
-        on."""
+        that sum over a run are told first, ``RunCapture.begin``) in length-sorted batches,
+        telling ``progress`` how many units (instances or documents, a share of one within a
+        batch) are done since it was last told; on an out-of-memory error, halve the batch (and
+        ``self.budget``, kept for later chunks) and go on."""
         for hooks in self.measures.values():
             if isinstance(hooks, RunCapture):
                 hooks.begin(ids)
         lengths = [len(s) for s in seqs]
         pending = batches(lengths, ids, batch_size, self.budget)
+        self._progress = progress
         while pending:
             batch = pending.pop(0)
+            self._units, self._shown = len(batch), 0.0
+            self._shares = dict.fromkeys(self._shares, 0.0)
             try:
                 dec = self.run([seqs[i] for i in batch], batch)
+                progress(len(batch) - self._shown)
             except torch.OutOfMemoryError:
+                progress(-self._shown)  # the halves count again
                 if len(batch) == 1:
                     raise
                 torch.cuda.empty_cache()

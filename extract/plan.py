@@ -26,9 +26,11 @@ from layerdiv.extract.tasks import (
 )
 from layerdiv.measurements import MEASUREMENTS, AnswerSpan, Planning, for_kind, registered
 from layerdiv.measurements.registry import as_json
+from layerdiv.schemas.kinds import KINDS
 from layerdiv.store.key import DEFAULT_REVISION
 from layerdiv.store.manifest import Identity, read_manifest
-from layerdiv.store.writer import PartitionWriter
+from layerdiv.store.redo import finish as finish_redo
+from layerdiv.store.writer import PartitionWriter, refuse_other_settings
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +64,8 @@ class TaskPlan:
     """What each measurement's check of the plan gave its hooks (``Measurement.plan``)."""
     notes: list[str] = field(default_factory=list)
     """What the user should know about the task (its measurements' checks of the plan)."""
+    redo: list[str] = field(default_factory=list)
+    """The stored measurements (by name) this run extracts again (``ExtractConfig.redo``)."""
 
     def identity(self, source: ModelSource, dtype: torch.dtype) -> Identity:
         """The identity of its extraction with the model ``source`` in ``dtype``, known before
@@ -86,9 +90,11 @@ def plan_task(
     rows = instances(spec, max(spec.n, cfg.limit or 0))
     items = rows[: cfg.limit or spec.n]
     writer = PartitionWriter(cfg.store, cfg.model, spec.name, revision)
+    finish_redo(writer.part)  # one a killed run committed
     argument = str(Path(name).resolve()) if Path(name).suffix in (".yaml", ".yml") else name
     sha = data_sha256(rows[: spec.n])
     _refuse_other_kinds(spec, cfg)
+    _refuse_redo(writer, cfg, spec, len(items))
     tables = chunks.extra_tables(writer, cfg.measured_tables(spec.kind), cfg.overwrite)
     measures = _measure_settings(writer, cfg, spec, tables)
     limit = context or context_length(None, tokenizer)
@@ -96,6 +102,7 @@ def plan_task(
     plan = TaskPlan(spec=spec, items=items, data_sha256=sha, writer=writer, extra_tables=tables,
                     argument=argument, revision=revision, measures=measures,
                     **prepared)  # fmt: skip
+    plan.redo = list(cfg.redo)
     sequences = partial(task_sequences, tokenizer=tokenizer, context=context)
     for m in registered():
         if m.name in measures:
@@ -130,6 +137,37 @@ def _refuse_other_kinds(spec: TaskSpec, cfg: ExtractConfig) -> None:
             )
 
 
+def _refuse_redo(writer: PartitionWriter, cfg: ExtractConfig, spec: TaskSpec, n: int) -> None:
+    """Refuse (before anything is written) a ``--redo`` that cannot replace the stored
+    measurement: with ``--overwrite`` or ``--shard``, of a partition not stored, of a
+    measurement the partition does not hold, or covering fewer units than it stores."""
+    if not cfg.redo:
+        return
+    where = writer.part.manifest.parent
+    if cfg.overwrite or cfg.shard[1] > 1:
+        option = "--overwrite (it replaces the whole partition)" if cfg.overwrite else "--shard"
+        raise TaskError(f"--redo runs alone over a stored partition: drop {option}")
+    if not writer.part.manifest.exists():
+        raise TaskError(
+            f"--redo {' '.join(cfg.redo)}: {where} is not stored; extract task {spec.name} "
+            "first (without --redo)"
+        )
+    held = chunks.extra_tables(writer, [], False)
+    for name in cfg.redo:
+        m = next(m for m in registered() if m.name == name)
+        if not set(m.tables[spec.kind]) & set(held):
+            raise TaskError(
+                f"--redo {name}: {where} holds no {name} to redo; extract it with {m.flag} "
+                "(without --redo)"
+            )
+    stored = max((s + c for s, c in writer.part.done_parts()), default=0)
+    if stored > n:
+        raise TaskError(
+            f"--redo {' '.join(cfg.redo)}: {where} stores {stored} {KINDS[spec.kind].units}, "
+            f"this run covers {n}: give --limit {stored} so that every stored one is redone"
+        )
+
+
 def _measure_settings(
     writer: PartitionWriter, cfg: ExtractConfig, spec: TaskSpec, tables: list[str]
 ) -> dict[str, dict[str, Any]]:
@@ -144,19 +182,15 @@ def _measure_settings(
     for m in for_kind(spec.kind):
         if not set(m.tables[spec.kind]) & set(tables):
             continue
-        own = stored.get(m.name) or m.defaults()
+        redo = m.name in cfg.redo  # the partition's own replaced: not refused
+        own = (None if redo else stored.get(m.name)) or m.defaults()
         given = cfg.given(m)
         for s in m.settings:  # a set given in another order: the recorded order
             if s.unordered and s.name in given and set(given[s.name]) == set(own.get(s.name, ())):
                 given[s.name] = own[s.name]
-        settings = as_json({**own, **given})
-        if m.name in stored and settings != stored[m.name]:
-            raise TaskError(
-                f"{writer.part.manifest}: the stored {m.name} was extracted with "
-                f"{m.describe(stored[m.name])}, this run asks for {m.describe(settings)}; drop "
-                "these options to keep the stored ones, or use --overwrite"
-            )
-        out[m.name] = settings
+        out[m.name] = as_json({**own, **given})
+        if not redo:
+            refuse_other_settings(writer.part.manifest, stored, {m.name: out[m.name]})
     return out
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import partial
+from typing import Any
 
 import pyarrow as pa
 from tqdm.auto import tqdm
@@ -22,7 +24,7 @@ from layerdiv.extract.batching import chunk_runs
 from layerdiv.extract.capture import SUM_TOLERANCE
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, ExtractConfig, TaskSummary
 from layerdiv.extract.facts import load_with_facts, revision_facts
-from layerdiv.extract.forward import ModelRunner, token_budget
+from layerdiv.extract.forward import ModelRunner, time_forward, token_budget
 from layerdiv.extract.interrupt import interruptible
 from layerdiv.extract.kinds import BatchWork, task_kind
 from layerdiv.extract.models import (
@@ -36,10 +38,11 @@ from layerdiv.extract.models import (
 )
 from layerdiv.extract.plan import TaskPlan, plan_task, refuse_shared_names
 from layerdiv.extract.provenance import build_manifest
-from layerdiv.measurements import Measurement, for_kind, registered
+from layerdiv.measurements import MEASUREMENTS, Measurement, for_kind, registered
 from layerdiv.schemas.kinds import KINDS
 from layerdiv.store.manifest import Identity, Manifest, read_manifest
 from layerdiv.store.reader import PartitionInfo
+from layerdiv.store.redo import MeasurementRedo
 from layerdiv.store.writer import PartitionWriter, Verdict
 
 
@@ -63,9 +66,9 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         plans = [plan_task(name, tokenizer, cfg, context, revision) for name in cfg.tasks]
         refuse_shared_names(plans)
         docs = [p.documents[0] if p.documents else None for p in plans]
-        cost.announce(source.config, device.type, [
-            cost.job(p.spec.kind, p.measures, d, [i.prompt for i in p.items], tokenizer)
-            for p, d in zip(plans, docs, strict=True)])  # fmt: skip
+        jobs = [cost.job(p.spec.kind, _costed(p), d, [i.prompt for i in p.items], tokenizer)
+                for p, d in zip(plans, docs, strict=True)]  # fmt: skip
+        cost.announce(source.config, device.type, jobs)
         idents = [p.identity(source, dtype) for p in plans]  # once per plan, passed on
         for m in registered():  # each measurement's check of the model, before the weights load
             if any(m.name in p.measures for p in plans):
@@ -78,7 +81,11 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         for plan, ident in zip(plans, idents, strict=True):
             verdict = plan.writer.check(ident, cfg.overwrite, cfg.shard[1])
             todo = partial(chunks.pending, plan.writer, len(plan.items), plan.extra_tables)
-            if verdict is Verdict.RESUME and not todo(_chunk_size(cfg), cfg.shard):
+            if (
+                verdict is Verdict.RESUME
+                and not plan.redo
+                and not todo(_chunk_size(cfg), cfg.shard)
+            ):
                 done = len(plan.writer.done_instances())
                 notes = _mark_complete(plan.writer, plan.extra_tables)
                 summary = TaskSummary(plan.spec.name, len(plan.items), 0, done, 0.0,
@@ -88,6 +95,7 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
                 if loaded is None:
                     load = partial(load_model, source, tokenizer, device, dtype, cfg.device_map)
                     loaded, hashing = load_with_facts(facts, adapter, load)
+                    _announce_measured(loaded, source.config, jobs)
                 plan.writer.refuse_same_weights(loaded.facts["weights_hash"])
                 summary = extract_task(loaded, adapter, plan, cfg, approximate, ident)
                 summary.notes[:0] = [hashing] if hashing else []
@@ -97,6 +105,20 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
                                      "shard replaced it), so it is resumed")  # fmt: skip
             summaries.append(summary)
         return summaries
+
+
+def _costed(plan: TaskPlan) -> dict[str, dict[str, Any]]:
+    """The measurements whose cost a task's run has: those redone (``--redo``), else all."""
+    return {n: plan.measures[n] for n in plan.redo} if plan.redo else plan.measures
+
+
+def _announce_measured(loaded: LoadedModel, config: Any, jobs: list[cost.Job]) -> None:
+    """Time a short probe of plain forward passes on the loaded model and print the run's
+    estimate at the FLOP rate it measured (``cost.announce_measured``)."""
+    tokens = min(cost.probe_tokens(jobs), loaded.context_length, 512)
+    timed = time_forward(loaded, tokens, cost.PROBE_SEQUENCES)
+    rate = cost.probe_rate(config, tokens, timed)
+    cost.announce_measured(config, loaded.device.type, jobs, rate)
 
 
 def _mark_complete(writer: PartitionWriter, tables: list[str]) -> list[str]:
@@ -164,6 +186,13 @@ def extract_task(
     readout = any(name in m.readout for m in _measurements_of(name, tables))
     budget = token_budget(loaded.device, loaded.model.config, loaded.dtype, readout)
     start_time = time.perf_counter()
+    for measurement in plan.redo:
+        redo(task, measurement, partial(ModelRunner, loaded, adapter, plan.option_ids, budget,
+                                        name), loaded.device.type)  # fmt: skip
+    if plan.redo and not chunks.pending(plan.writer, len(plan.items), tables, _chunk_size(cfg),
+                                        cfg.shard):  # fmt: skip
+        task.notes += _mark_complete(plan.writer, tables)  # nothing else to do
+        return summary(task, time.perf_counter() - start_time)
     with ModelRunner(loaded, adapter, plan.option_ids, budget, name, plan.measures,
                      [it.gold for it in plan.items], plan.planned) as runner:  # fmt: skip
         ident = ident or plan.identity(loaded.source, loaded.dtype)
@@ -214,6 +243,47 @@ def open_partition(
                           f"{cfg.chunk_size} applies to new partitions only)")  # fmt: skip
 
 
+def redo(task: _Task, name: str, runner: Callable[..., ModelRunner], device: str) -> None:
+    """Extract measurement ``name`` again over every stored chunk of the partition, with the
+    settings of ``task.plan.measures``, and swap its tables and settings in
+    (``layerdiv.store.redo``: nothing changes unless every chunk is done), its run recorded;
+    ``runner`` makes a ``ModelRunner`` from the measures and gold options."""
+    plan, cfg, kind = task.plan, task.cfg, task.plan.spec.kind
+    writer, m = plan.writer, MEASUREMENTS[name]
+    task.stored = read_manifest(writer.part.manifest)
+    parts = writer.part.done_parts()
+    record = writer.start_run({"redo": name, "settings": plan.measures[name],
+                               "task": plan.argument, "device": device})  # fmt: skip
+    start = time.perf_counter()
+    bar = _bar(sum(c for _, c in parts), f"{plan.spec.name} --redo {name}", task)
+    with runner({name: plan.measures[name]}, [it.gold for it in plan.items],
+                plan.planned) as hooked, bar:  # fmt: skip
+        derived, whole = hooked.prepare(task.seqs, {})
+        plan.measures[name].update(derived.get(name, {}))
+        staged = MeasurementRedo(writer, name, list(m.tables[kind]), plan.measures[name])
+        try:
+            for table, data in whole.items():
+                staged.write_whole(table, data)
+            for s, c in parts:
+                run = list(range(s, s + c))
+                results = chunks.compute(hooked, [run], task.seqs, cfg.batch_size, task.names,
+                                         task.work.check, bar.update)  # fmt: skip
+                made = task.work.optional(run, results)
+                for table in m.tables[kind]:
+                    staged.write_part(table, s, c, made[table])
+            staged.commit()
+        except BaseException:
+            staged.discard()
+            raise
+    seconds = time.perf_counter() - start
+    record.write(finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                 seconds=round(seconds, 3), instances=sum(c for _, c in parts))  # fmt: skip
+    units = KINDS[kind].units
+    task.notes.append(f"{name} redone over {sum(c for _, c in parts)} stored {units} with "
+                      f"{m.describe(plan.measures[name])} in {seconds:.1f} s (its other tables "
+                      "and settings kept)")  # fmt: skip
+
+
 def _stored_whole(plan: TaskPlan, overwrite: bool) -> dict[str, pa.Table]:
     """The tables stored once per partition that the measurements of ``plan`` write and the
     partition holds (none with ``overwrite``: it is replaced)."""
@@ -239,6 +309,15 @@ def _warn_size(task: _Task, m: Measurement) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def _bar(total: int, desc: str, task: _Task) -> tqdm:
+    """The progress bar of ``total`` units (instances, documents) of ``task``, which moves by
+    shares of a unit within a batch (``ModelRunner.run_chunk``)."""
+    shown = "{l_bar}{bar}| {n:.1f}/{total} {unit} [{elapsed}<{remaining}]"
+    unit = KINDS[task.plan.spec.kind].units[:3]
+    off = not task.cfg.progress
+    return tqdm(total=total, desc=desc, unit=unit, disable=off, bar_format=shown)
+
+
 def run_chunks(task: _Task, runner: ModelRunner) -> None:
     """Claim each chunk of this shard that has instances not stored, compute them and store
     them (one chunk written in the background while the next one runs)."""
@@ -247,9 +326,7 @@ def run_chunks(task: _Task, runner: ModelRunner) -> None:
     writer, n = plan.writer, len(plan.items)
     done = writer.done_instances(stored)
     cells = chunk_runs([i for i in range(n) if i not in done], task.grid, cfg.shard)
-    bar = tqdm(total=sum(len(r) for runs in cells.values() for r in runs), desc=plan.spec.name,
-               unit=KINDS[plan.spec.kind].units[:3], disable=not cfg.progress,
-               dynamic_ncols=True)  # fmt: skip
+    bar = _bar(sum(len(r) for runs in cells.values() for r in runs), plan.spec.name, task)
     with bar, ThreadPoolExecutor(max_workers=1) as pool:
         writing: Future[None] | None = None
         for j, claim in chunks.claimed(writer, sorted(cells)):

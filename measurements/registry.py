@@ -164,6 +164,10 @@ class Attachment:
     weights_fingerprint: str = ""
     """The model's weights fingerprint (``Manifest.weights_fingerprint``): hooks that read
     something fitted on one model's weights (a learned lens's translators) check it."""
+    progress: Callable[[float], None] = lambda share: None
+    """Hooks that run passes of their own call it with the share (0 to 1) of the current
+    batch's work done so far, so that the progress bar moves within a batch (the runner counts
+    the batch's units in full once it is done)."""
 
 
 class AnswerSpan(NamedTuple):
@@ -392,6 +396,10 @@ class Measurement:
     needs_grad: bool = False
     """Its hooks take gradients (a :class:`GradientCapture`): the batch runs again for them
     alone, out of inference mode (every other pass stays in it)."""
+    attribution: bool = False
+    """An attribution measurement (integrated gradients, erasure): many passes per token, so
+    ``extract`` prints its cost estimate before every run of it, however short
+    (``layerdiv.extract.cost``)."""
     attach: Attach | str | None = None
     """Its forward hooks on each task kind; or ``"module:attribute"`` naming them, imported
     when an extraction attaches them (a built-in measurement names its folder's ``hooks``

@@ -111,7 +111,7 @@ def atomic_path(target: Path, exclusive: bool = False) -> Iterator[Path]:
     tmp = temp_path(target)
     try:
         yield tmp
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         if not exclusive:
             _replace(tmp, target)
         elif tmp.is_dir():
@@ -123,7 +123,7 @@ def atomic_path(target: Path, exclusive: bool = False) -> Iterator[Path]:
                 raise
         else:
             os.link(tmp, target)  # raises FileExistsError
-        _fsync(target.parent)
+        fsync(target.parent)
     finally:
         _remove(tmp)
 
@@ -177,7 +177,8 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """fsync the file or folder ``path``."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -185,12 +186,13 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(path: Path) -> None:
+def fsync_tree(path: Path) -> None:
+    """fsync ``path`` and, a folder, every file under it."""
     if path.is_dir():
         for child in path.rglob("*"):
             if child.is_file():
-                _fsync(child)
-    _fsync(path)
+                fsync(child)
+    fsync(path)
 
 
 def _remove(path: Path) -> None:

@@ -7,6 +7,7 @@ Layout (hive-partitioned by the key, ``layerdiv.store.key``: model slug, revisio
     <store>/manifests/<key>/tables/<table>     (optional tables requested)
     <store>/manifests/<key>/claims/chunk-<j>.lock   (held while computing)
     <store>/manifests/<key>/<table>.parquet    (a table stored once per partition)
+    <store>/manifests/<key>/.redo/             (a committed ``extract --redo``, layerdiv.store.redo)
     <store>/<table>/<key>/part-<start>-<count>.parquet
 
 with ``<key>`` = ``model=<slug>/revision=<rev>/task=<task>`` (stores of schema version <= 4 have

@@ -62,6 +62,7 @@ from layerdiv.store.paths import (
     list_partitions,
     slug,
 )
+from layerdiv.store.redo import finish as finish_redo
 from layerdiv.store.views import MANIFEST_FACTS, MODEL_COLUMNS, NOT_FINITE, connect
 
 Names = str | Iterable[str]
@@ -436,6 +437,9 @@ class Store:
         self.unreadable: list[tuple[Partition[Any], StoreError]] = []
         """Partitions that cannot be read, each with the error that says why."""
         for part in found:
+            if isinstance(self.root, Path):
+                with contextlib.suppress(OSError):  # a read-only folder is read as it is
+                    finish_redo(part)
             try:
                 self.partitions.append(_open_partition(part))
             except StoreError as err:

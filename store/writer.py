@@ -15,7 +15,8 @@ import fcntl
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
@@ -142,6 +143,20 @@ def flock(fd: int, mode: int, path: Path) -> None:
         ) from err
 
 
+@contextmanager
+def partition_lock(part: Partition) -> Iterator[None]:
+    """Hold the lock that serializes the creation, replacement and redos of partition
+    ``part`` (``Partition.open_lock``), waiting for another process that holds it."""
+    lock = part.open_lock
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        flock(fd, fcntl.LOCK_EX, lock)
+        yield
+    finally:
+        os.close(fd)
+
+
 class Verdict(Enum):
     """What opening a partition for a run will do."""
 
@@ -196,6 +211,63 @@ def one_checkpoint_twice(
         f"revision {other.key.revision} (fingerprint {weights_hash[:12]}, "
         f"{other.manifest.parent}): one checkpoint under two names"
     )
+
+
+def stamp(table: str, settings: Mapping[str, Any] | None) -> dict[bytes, bytes]:
+    """The key-value metadata that records, in a part of the optional ``table``, the settings of
+    the measurement writing it as ``settings`` (by measurement, a manifest's) holds them: none for
+    a measurement without settings or one ``settings`` lacks."""
+    m = measurement_of(table)
+    values = None if settings is None or not m.settings else settings.get(m.name)
+    if values is None:
+        return {}
+    return {SETTINGS_KEY: json.dumps(values, sort_keys=True).encode()}
+
+
+def write_part_file(path: Path, table: str, data: pa.Table, stamp: Mapping[bytes, bytes]) -> None:
+    """Atomically write ``data`` as a part file of ``table`` at ``path``, its key-value metadata
+    the schema's and ``stamp`` (:func:`stamp`)."""
+    schema = table_schemas()[table]
+    with atomic_path(path) as tmp:
+        pq.write_table(
+            data.replace_schema_metadata({**(schema.metadata or {}), **stamp}),
+            tmp,
+            compression="zstd",
+            row_group_size=row_group_rows(data.schema),
+            use_dictionary=dictionary_columns(data.schema),
+            write_statistics=statistics_columns(data.schema),
+            write_page_checksum=True,  # readers verify them (store.location.open_parquet)
+        )
+
+
+def write_whole_file(path: Path, table: str, data: pa.Table, stamp: Mapping[bytes, bytes]) -> None:
+    """Atomically write ``data`` as the one file of ``table``, a table stored once per
+    partition, at ``path``, its key-value metadata the schema's and ``stamp``."""
+    with atomic_path(path) as tmp:
+        pq.write_table(
+            data.replace_schema_metadata({**(TABLES[table].metadata or {}), **stamp}),
+            tmp,
+            compression="zstd",
+            write_page_checksum=True,
+        )
+
+
+def refuse_other_settings(
+    where: Path, stored: Mapping[str, Mapping[str, Any]], settings: Mapping[str, Any]
+) -> None:
+    """Refuse (``StoreConflict``) the ``settings`` of a measurement (by name) other than those
+    the partition's manifest at ``where`` records (``stored``), naming both and what to do: the
+    one rule for ``extract``'s plan (before anything is written) and its writer (under the
+    partition's lock)."""
+    for name, values in settings.items():
+        if name in stored and as_json(values) != stored[name]:
+            m = next(m for m in registered() if m.name == name)
+            raise StoreConflict(
+                f"{where}: the stored {name} was extracted with {m.describe(stored[name])}, "
+                f"this run asks for {m.describe(values)}; drop these options to keep the stored "
+                f"ones, give --redo {name} to extract it again with them (the other measurements "
+                "kept), or use --overwrite"
+            )
 
 
 class PartitionWriter:
@@ -266,11 +338,7 @@ class PartitionWriter:
         generation is one more than the replaced one's. The settings of ``manifest``'s
         measurements are recorded for those the partition has none of; settings other than those
         recorded are refused (``StoreConflict``: two runs started at once with other settings)."""
-        lock = self.part.open_lock
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            flock(fd, fcntl.LOCK_EX, lock)  # one process at a time decides and replaces
+        with partition_lock(self.part):  # one process at a time decides and replaces
             if self.check(manifest.identity(), overwrite, shards) is Verdict.REPLACE:
                 manifest.generation = self._generation() + 1
                 older = self.part.older()
@@ -289,8 +357,6 @@ class PartitionWriter:
             if any(name not in stored.settings for name in manifest.settings):
                 stored.settings = {**manifest.settings, **stored.settings}
                 write_manifest(self.part.manifest, stored)
-        finally:
-            os.close(fd)
         self._opened = read_manifest(self.part.manifest)
         return self._opened
 
@@ -303,14 +369,7 @@ class PartitionWriter:
 
     def _refuse_other_settings(self, stored: Manifest, settings: Mapping[str, Any]) -> None:
         """Refuse ``settings`` (by measurement) other than those ``stored`` records."""
-        for name, values in settings.items():
-            if name in stored.settings and as_json(values) != stored.settings[name]:
-                m = next(m for m in registered() if m.name == name)
-                raise StoreConflict(
-                    f"{self.part.manifest}: the stored {name} was extracted with "
-                    f"{m.describe(stored.settings[name])}, this run asks for {m.describe(values)}"
-                    "; drop these options to keep the stored ones, or use --overwrite"
-                )
+        refuse_other_settings(self.part.manifest, stored.settings, settings)
 
     def recheck(self) -> None:
         """Refuse to write on (``StoreConflict``) when the partition is no longer the one this
@@ -504,14 +563,8 @@ class PartitionWriter:
         ``extract``)."""
         if table not in all_optional_tables() and table not in WHOLE_TABLES:
             return {}
-        m = measurement_of(table)
-        if not m.settings:
-            return {}
         manifest = self._manifest()
-        settings = None if manifest is None else manifest.settings.get(m.name)
-        if settings is None:
-            return {}
-        return {SETTINGS_KEY: json.dumps(settings, sort_keys=True).encode()}
+        return stamp(table, None if manifest is None else manifest.settings)
 
     def stored_whole(self, table: str) -> pa.Table | None:
         """The partition's stored ``table``, a table stored once per partition
@@ -535,15 +588,7 @@ class PartitionWriter:
                 return
         except StoreError:
             pass  # a damaged file, or one of a replaced extraction: written again
-        with atomic_path(path) as tmp:
-            pq.write_table(
-                data.replace_schema_metadata(
-                    {**(TABLES[table].metadata or {}), **self._stamp(table)}
-                ),
-                tmp,
-                compression="zstd",
-                write_page_checksum=True,
-            )
+        write_whole_file(path, table, data, self._stamp(table))
 
     def chunks_missing(self, table: str) -> list[tuple[int, int]]:
         """Complete chunks that lack a part of the optional ``table`` (to backfill it)."""
@@ -553,14 +598,4 @@ class PartitionWriter:
         """Atomically write ``table``'s part of the chunk at ``start`` (alone, it backfills an
         optional table for an existing chunk), checked first (:meth:`check_parts`)."""
         self.check_parts(start, count, {table: data})
-        schema = table_schemas()[table]
-        with atomic_path(self.part.part(table, start, count)) as tmp:
-            pq.write_table(
-                data.replace_schema_metadata({**(schema.metadata or {}), **self._stamp(table)}),
-                tmp,
-                compression="zstd",
-                row_group_size=row_group_rows(data.schema),
-                use_dictionary=dictionary_columns(data.schema),
-                write_statistics=statistics_columns(data.schema),
-                write_page_checksum=True,  # readers verify them (store.location.open_parquet)
-            )
+        write_part_file(self.part.part(table, start, count), table, data, self._stamp(table))

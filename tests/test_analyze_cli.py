@@ -277,8 +277,8 @@ def test_ls(store: Path) -> None:
     result = run("ls", "--store", str(store))
     assert result.exit_code == 0, result.output
     rows = box_rows(result.stdout)
-    assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [
-        (model, "main", task, "40", "40")
+    assert [(r[0], r[1], r[2], r[3], r[4], r[5]) for r in rows] == [
+        (model, "main", task, "40", "40", "instances")
         for model in ("org/large", "org/small")
         for task in ("boolq", "mnli")
     ]
@@ -311,8 +311,9 @@ def test_a_text_only_store_summarises_lists_queries_and_reports(tmp_path: Path) 
     assert summary.is_empty() and summary.schema == SUMMARY_SCHEMA
     result = run("ls", "--store", str(store))
     assert result.exit_code == 0, result.output
-    rows = [r[:5] for r in box_rows(result.stdout)]
-    assert rows == [["synth/text-model-00", "main", "fineweb", "6", "6"]]
+    rows = [r[:8] for r in box_rows(result.stdout)]
+    # documents counted as such, 1 + 2 x 3 components, no option count (a text task has none)
+    assert rows == [["synth/text-model-00", "main", "fineweb", "6", "6", "documents", "7", "null"]]
     sql = "SELECT count(*) AS n, count(DISTINCT doc) AS docs FROM token_blocks"
     result = run("query", sql, "--store", str(store))
     assert result.exit_code == 0, result.output

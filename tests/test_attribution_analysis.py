@@ -335,6 +335,8 @@ def test_too_few_steps_said_when_and_only_when_a_gap_exceeds_5_percent(
                 f"at 1 of {3 * BLOCKS} (site, block) pairs, the worst at block 1 of site attn "
                 f"({worst:.1%})" in text
             )
+            # the advice names the command that does it: the redo of igrad alone
+            assert f"--redo igrad --igrad-steps {2 * STEPS}`" in text
 
 
 def test_figures_render(small_gap: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) -> None:

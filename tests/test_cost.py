@@ -99,3 +99,29 @@ def test_the_docs_cost_table_is_generated_from_the_estimate() -> None:
     text = [r.strip("| ").split(" | ")[2] for r in page.splitlines() if r.startswith("| text")]
     assert "`--lens last-block`" in text and "`--skips`" in text
     assert hook.MARKER in (ROOT / "docs/extract.md").read_text()
+
+
+def test_the_measured_estimate_is_printed_for_attribution_always(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """Once the model is loaded the estimate is taken at the FLOP rate a probe measured here:
+    printed before a long run, and before any run of an attribution measurement, however
+    short."""
+    config = SimpleNamespace(**cost.SMOLLM2)
+    rate = cost.probe_rate(config, 16, 0.5)  # 4 plain passes of 16 tokens in half a second
+    assert rate == pytest.approx(cost.PROBE_SEQUENCES * SHAPE.forward(16) / 0.5)
+    short = [("text", LENS, [16] * 4)]
+    cost.announce_measured(config, "cpu", short, rate)
+    assert capsys.readouterr().out == ""
+    igrad = [("text", {"igrad": {"igrad_sites": ["block"], "igrad_steps": 4}}, [16] * 4)]
+    seconds = cost.run_seconds(SHAPE, igrad, "cpu", rate)
+    assert seconds < 120  # said in seconds
+    cost.announce_measured(config, "cpu", igrad, rate)
+    line = capsys.readouterr().out.strip()
+    assert line == cost.measured_line(seconds, rate)
+    assert f"about {seconds:.0f} s at this machine's measured rate of {rate / 1e9:.3g} GFLOP/s" in (
+        line
+    )
+    # the measured rate replaces the benchmarks' own
+    assert cost.run_seconds(SHAPE, igrad, "cpu", rate / 2) == pytest.approx(2 * seconds)
+    assert cost.probe_tokens([*short, ("choice", {}, [5, 40, 41])]) == 16

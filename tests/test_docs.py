@@ -136,3 +136,46 @@ def test_the_methods_page_renders_with_its_anchors_for_the_report() -> None:
     for anchor in methods.anchors():
         assert f'id="{anchor}"' in page
     assert "{ #" not in page
+
+
+def test_the_extract_page_lists_every_extract_option() -> None:
+    """Every option ``extract`` builds from its declarations (``ExtractConfig``'s fields, every
+    registered measurement's flag and settings) has a row of the options table of
+    docs/extract.md (a measurement's settings in its flag's row)."""
+    from layerdiv.extract.config import ExtractConfig
+    from layerdiv.measurements import registered
+
+    text = (ROOT / "docs" / "extract.md").read_text()
+    lines = [r for r in text.splitlines() if r.startswith("| `--")]
+    rows = {r.split(" | ")[0].removeprefix("| "): r for r in lines}
+    missing = []
+    for option in ExtractConfig.field_options():
+        if not any(f"`{option.opts[0]}" in head for head in rows):
+            missing.append(option.opts[0])
+    for m in registered():
+        row = next((r for head, r in rows.items() if head.startswith(f"`{m.flag}")), None)
+        if row is None:
+            missing.append(m.flag)
+            continue
+        missing += [s.option.opts[0] for s in m.settings if s.option.opts[0] not in row]
+    assert not missing, f"docs/extract.md's option table lacks {', '.join(missing)}"
+
+
+def test_getting_started_describes_the_demo_tasks_as_the_demo_runs_them() -> None:
+    """The numbers of getting-started's description of the demo's tasks are the demo's own
+    (``layerdiv.demo``'s constants): a change to one is a change to the other."""
+    from layerdiv import demo
+
+    text = " ".join((ROOT / "docs" / "getting-started.md").read_text().split())
+    said = [
+        f"`{demo.SKIPS_TASK}`, the first {demo.SKIPS_N} instances of `{demo.SKIPS_OF}`",
+        f"`{demo.ERASE_TASK}`, the {demo.ERASE_N} instances of `{demo.SKIPS_OF}`",
+        f"`{demo.TEXT_TASK}`, {demo.TEXT_DOCS} BBC News articles cut to {demo.TEXT_TOKENS} tokens",
+        f"`{demo.STATES_TASK}`, {demo.STATES_DOCS} other articles cut to {demo.STATES_TOKENS} "
+        "tokens",
+        f"`{demo.MULTIHOP_TASK}`, the handwritten multi-hop questions",
+        f"first {demo.MULTIHOP_DOCS} documents are extracted with `--igrad`",
+        f"M = {demo.MULTIHOP_STEPS} steps",
+    ]
+    missing = [s for s in said if s not in text]
+    assert not missing, f"docs/getting-started.md does not say: {missing}"

@@ -137,3 +137,28 @@ def test_a_store_of_several_revisions_draws_effective_depth_against_step(tmp_pat
     assert (tmp_path / "report" / "figures" / "effective_depth_steps.png").is_file()
     assert effective_depth.several_steps(table)
     assert not effective_depth.several_steps(table.filter(pl.col("revision") == "step-1000"))
+
+
+def test_the_figure_keeps_a_panel_without_a_crossing_and_every_interval(tmp_path: Path) -> None:
+    """A measure without a crossing for a model keeps that model on its axis (a cross marked
+    "no crossing", not an empty 0-1 axis), and the ratio axis holds every point and interval
+    (an upper end beyond 1 included, and the crosses at 0)."""
+    from layerdiv.analyze import plots
+
+    columns = ("model", "task", "measure", "ratio", "ci_low", "ci_high")
+    rows = [("m", "t", "cos", 0.6, 0.4, 1.1), ("m", "t", "kl", None, None, None),
+            ("m", "t", "top5", 0.1, 0.07, 0.2)]  # fmt: skip
+    table = pl.DataFrame(rows, schema=dict.fromkeys(columns, pl.String), orient="row").cast(
+        {c: pl.Float64 for c in columns[3:]}
+    )
+    fig = effective_depth.ratio_figure(table, {"m": "Model M"})
+    cos, kl, _ = fig.panels
+    (cross,) = kl.series
+    assert cross.name == effective_depth.NO_CROSSING and list(cross.x) == ["Model M"]
+    for panel in fig.panels:
+        assert panel.yrange is not None
+        low, high = panel.yrange
+        assert low < 0 < 1.1 < high  # the crosses at 0 and the interval's end at 1.1 inside
+    assert [s.name for s in cos.series] == ["t"]
+    path = plots.to_matplotlib(fig, tmp_path / "ed.png")
+    assert path.stat().st_size > 0

@@ -124,3 +124,27 @@ def test_component_names_are_defined_once() -> None:
     infos = component_infos(["embed", "attn", "mlp", "attn", "mlp", "bias"])
     assert [c.name for c in infos] == ["embed", "attn.0", "mlp.0", "attn.1", "mlp.1", "bias"]
     assert [c.layer for c in infos] == [-1, 0, 0, 1, 1, -1]
+
+
+@pytest.mark.parametrize(("name", "given"), [("igrad", {"igrad_steps": 2}), ("skips", {})])
+def test_the_progress_moves_within_a_batch_of_a_measurement_of_many_passes(
+    name: str, given: dict[str, Any], build_model: Any, tokenizer: Any
+) -> None:
+    """A batch of ``--igrad`` (passes per site and block) or ``--skips`` (a pass per block) tells
+    the bar its share as it goes: more than one step per batch, never backwards, the batch's
+    units in all."""
+    from layerdiv.measurements import registered
+
+    model = build_model("llama")
+    source = ModelSource("tiny", "tiny", None, "test", model.config, False)
+    loaded = LoadedModel(source, model, tokenizer, torch.device("cpu"), torch.float32)
+    m = next(m for m in registered() if m.name == name)
+    settings = {**m.defaults(), **given}
+    seqs = [[5, 17, 33, 40, 41, 42, 60, 7]] * 4
+    steps: list[float] = []
+    with ModelRunner(loaded, adapter_for(model.config), [11, 25], 10**6, "choice",
+                     {name: settings}, [0] * 4) as runner:  # fmt: skip
+        batches_run = list(runner.run_chunk(seqs, list(range(4)), None, steps.append))
+    assert len(batches_run) == 1  # one batch: the bar moved inside it
+    assert len(steps) > 2 and min(steps) >= 0
+    assert steps[0] < 4 and sum(steps) == pytest.approx(4)

@@ -190,3 +190,25 @@ def test_concurrent_first_use_converts_once_after_a_killed_conversion(tmp_path: 
     (folder,) = [p for p in models.iterdir() if not p.name.startswith(".")]
     assert (folder / "layerdiv-source.json").is_file() and (folder / "model.safetensors").is_file()
     assert not list(models.glob(".*.tmp"))
+
+
+def test_a_folder_named_from_inside_its_parent_is_stored_under_its_name(
+    tmp_path: Path, model_dirs: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo extracts SmolLM2's sibling by its folder's name from inside the demo's folder,
+    so that its store name is that name wherever the demo's folder is (a path given, absolute
+    or relative, becomes part of the model's name)."""
+    from tests.test_text_extract import text_task
+
+    out = tmp_path / "somewhere" / "deep"
+    out.mkdir(parents=True)
+    shutil.copytree(model_dirs("llama"), out / "tiny-sibling")
+    task = text_task(tmp_path / "task", ["the cat sat", "a dog ran"])
+    store = tmp_path / "store"
+    monkeypatch.chdir(out)
+    result = CliRunner().invoke(
+        main, ["extract", "--model", "tiny-sibling", "--task", str(task), "--store", str(store)]
+    )
+    assert result.exit_code == 0, result.output
+    (info,) = Store(store).select()
+    assert info.key.model == "tiny-sibling" and info.manifest.model == "tiny-sibling"

@@ -31,6 +31,7 @@ revision's training step, null where unknown), ``n_blocks`` L, ``n_documents``, 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -83,6 +84,9 @@ TITLES = {
     "kl": "ED_KL (lens KL below 0.1 x max)",
     "top5": "ED_top5 (lens top-5 overlap > 0.2)",
 }
+
+NO_CROSSING = "no crossing"
+"""The legend entry of the marks, on the x axis, of partitions whose measure has no crossing."""
 
 WIDE = 3
 """Models (or revisions) beyond which the ratio figure's panels stack, one per row."""
@@ -293,6 +297,13 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
 # --- report ------------------------------------------------------------------------------------
 
 
+def _yrange(table: pl.DataFrame) -> tuple[float, float]:
+    """The ratio axis: 0 to 1 and every interval's upper end, with a margin each side (the
+    marks of :data:`NO_CROSSING` stand at 0)."""
+    highs = [v for v in table["ci_high"].to_list() if v is not None and math.isfinite(v)]
+    return -0.06, max([1.0, *highs]) + 0.05
+
+
 def ratio_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
     """One panel per measure: each model's (ED + 1) / L with its bootstrap interval, a colour per
     task (and lens, where a partition holds several: methods §17), models side by side (methods
@@ -308,7 +319,7 @@ def ratio_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
     for measure in MEASURES:
         rows = table.filter(pl.col("measure") == measure, pl.col("ratio").is_not_null())
         panel = plots.Panel(
-            TITLES[measure], xlabel="model", ylabel="(ED + 1) / L", yrange=(0, 1.05)
+            TITLES[measure], xlabel="model", ylabel="(ED + 1) / L", yrange=_yrange(table)
         )
         for task, lens in tasks:
             sub = rows.filter(pl.col("task") == task)
@@ -328,9 +339,14 @@ def ratio_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
                         interval=plots.interval_ends(sub),
                     )
                 )
-        none = table.filter(pl.col("measure") == measure, pl.col("ratio").is_null()).height
-        if none:
-            panel.notes.append(f"{none} partition(s) without a crossing not drawn")
+        none = table.filter(pl.col("measure") == measure, pl.col("ratio").is_null())
+        if none.height:  # on the axis, so that a panel without any crossing keeps its models
+            lacking = sorted(set(none["model"]), key=models.index)
+            panel.series.append(
+                plots.Series(NO_CROSSING, [labels[models.index(m)] for m in lacking],
+                             [0.0] * len(lacking), color="grey", marker="x", line=False)
+            )  # fmt: skip
+            panel.notes.append(f"x: {none.height} partition(s) without a crossing (no value)")
         panels.append(panel)
     wide = len(models) > WIDE  # the labels side by side need a panel of the figure's width
     return plots.Figure(
@@ -354,7 +370,7 @@ def step_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
     panels = []
     for measure in MEASURES:
         panel = plots.Panel(
-            TITLES[measure], xlabel="training step", ylabel="(ED + 1) / L", yrange=(0, 1.05)
+            TITLES[measure], xlabel="training step", ylabel="(ED + 1) / L", yrange=_yrange(known)
         )
         rows = known.filter(pl.col("measure") == measure).sort("step")
         for (model, task), sub in rows.group_by(*SERIES, maintain_order=True):

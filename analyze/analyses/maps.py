@@ -28,13 +28,14 @@ Tables:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import click
 import numpy as np
 import polars as pl
 from scipy.stats import rankdata, spearmanr
+from tqdm import tqdm
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.layer_maps import ArrayLayers, MapScores, fit_maps
@@ -240,8 +241,10 @@ def pair_table(
     b: PartitionInfo,
     ridge: tuple[float, ...],
     cache: dict[PartitionKey, States],
+    progress: Callable[[float], object] = lambda share: None,
 ) -> pl.DataFrame:
-    """``layer_maps`` of source partition ``a`` onto target ``b`` (both spaces)."""
+    """``layer_maps`` of source partition ``a`` onto target ``b`` (both spaces); ``progress``
+    is told the share of one space's maps done after each source layer."""
     for p in (a, b):
         if p.key not in cache:
             cache[p.key] = p.states()
@@ -254,10 +257,21 @@ def pair_table(
     for space in SPACES:
         updates = space == "updates"
         src, tgt = ArrayLayers(sa, order, updates), ArrayLayers(sb, order, updates)
-        scores = fit_maps(src, tgt, n_train, n_held, ridge, folds)
+        done = _per_layer(progress, src.n_layers)
+        scores = fit_maps(src, tgt, n_train, n_held, ridge, folds, progress=done)
         few = n_train < ROWS_PER_DIM * src.width
         frames.append(score_rows(_pair_key(a, b), space, scores, n_train, n_held, few))
     return pl.concat(frames)
+
+
+def _per_layer(progress: Callable[[float], object], layers: int) -> Callable[[int], None]:
+    """What ``fit_maps`` calls after each of ``layers`` source layers: ``progress`` told 1 /
+    ``layers`` of one space's maps."""
+
+    def done(layer: int) -> None:
+        progress(1 / layers)
+
+    return done
 
 
 def score_rows(
@@ -391,7 +405,12 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
         return {}
     ridge = ridges(ctx.options.get("maps_ridge"))
     cache: dict[PartitionKey, States] = {}
-    maps = pl.concat([pair_table(a, b, ridge, cache) for a, b in _pairs(ctx.parts, spec)])
+    pairs = _pairs(ctx.parts, spec)
+    shown = "{l_bar}{bar}| {n:.1f}/{total} maps [{elapsed}<{remaining}]"
+    off = None if ctx.progress else True
+    total = len(pairs) * len(SPACES)
+    with tqdm(total=total, desc="layer maps", disable=off, bar_format=shown) as bar:
+        maps = pl.concat([pair_table(a, b, ridge, cache, bar.update) for a, b in pairs])
     return {"layer_maps": maps, "layer_map_best": best_table(maps)}
 
 

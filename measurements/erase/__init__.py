@@ -255,6 +255,7 @@ ERASE = Measurement(
     rows=erasure_rows,
     check_rows=erasure_row_counts,
     cost=erase_cost,
+    attribution=True,
     plan=plan_erase,
     whole=("erasure_reference",),
     fingerprints={"erasure_reference": (FINGERPRINT, reference_fingerprint)},

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -165,7 +166,15 @@ class OptionProbs:
 class Erasure:
     """Runs the edited passes of one batch after its clean pass (see the module docstring)."""
 
-    def __init__(self, model: Any, adapter: Any, target: Target) -> None:
+    def __init__(
+        self,
+        model: Any,
+        adapter: Any,
+        target: Target,
+        progress: Callable[[float], None] = lambda share: None,
+    ) -> None:
+        self.progress = progress
+        """Told the share of the batch's edited passes done (``Attachment.progress``)."""
         self.removal = UpdateRemoval(model, adapter)
         self.blocks = self.removal.blocks
         self.target = target
@@ -191,10 +200,15 @@ class Erasure:
         self.removal.last(states[0].to(dtype), recording, 0)
         return [
             self._document(
-                b, n, self.target.span(doc, n), states, calls, kept, dtype, means, budget
+                b, n, self.target.span(doc, n), states, calls, kept, dtype, means, budget,
+                partial(self._done, b, len(docs)),
             )
             for b, (n, doc) in enumerate(zip(n_tokens, docs, strict=True))
-        ]
+        ]  # fmt: skip
+
+    def _done(self, row: int, rows: int, share: float) -> None:
+        """Batch row ``row`` of ``rows`` has done ``share`` of its edited passes."""
+        self.progress((row + share) / rows)
 
     def _document(
         self,
@@ -207,9 +221,10 @@ class Erasure:
         dtype: torch.dtype,
         means: torch.Tensor,
         budget: int,
+        done: Callable[[float], None],
     ) -> np.ndarray:
         """The (L + 1, n) effects of the unit in batch row ``row`` read out at the positions
-        ``span`` = (first, last) of its own."""
+        ``span`` = (first, last) of its own; ``done`` is told the share of its states done."""
         width = states[0].shape[1]
         start = width - n  # the unit's first position in the padded row
         first, last = span
@@ -227,6 +242,7 @@ class Erasure:
                     layer, row, start, t, span, states, calls, kept, dtype, means, clean
                 )
                 t0 += rows
+            done((layer + 1) / len(states))
         return effect.numpy()
 
     def _group(
@@ -366,7 +382,7 @@ class EraseCapture(PassesAfter):
             if choice
             else NextTokens(ctx.readout, planned.spans or [])
         )
-        self.erasure = Erasure(ctx.model, ctx.adapter, target)
+        self.erasure = Erasure(ctx.model, ctx.adapter, target, ctx.progress)
         self.config = ctx.model.config
         self.kept = ChoiceStates(ctx.model, ctx.adapter, ctx.readout) if choice else None
         """A choice task: the clean pass's states (a text task's capture keeps them)."""

@@ -23,7 +23,7 @@ document of one token has no position to remove, so none (and no rows) either.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,7 +173,11 @@ class FutureEffects:
         readout: Readout,
         settings: SkipSettings,
         answers: Sequence[tuple[int, int]] | None = None,
+        progress: Callable[[float], None] = lambda share: None,
     ):
+        self.progress = progress
+        """Told the share of the batch's rows (document, split point, sublayer, mode) done
+        (``Attachment.progress``)."""
         self.settings = settings
         self.answers = answers
         """Per document (its number), the answer's start s and length A (answer-anchored split
@@ -211,6 +215,7 @@ class FutureEffects:
         n_blocks = len(self.blocks)
         rel = torch.zeros(len(rows), n_blocks, n_blocks)
         out = torch.zeros(len(rows), n_blocks)
+        done = 0
         for lo in range(0, len(rows), max_rows):
             part = range(lo, min(lo + max_rows, len(rows)))
             for sub, mode in dict.fromkeys((rows[i][2], rows[i][3]) for i in part):
@@ -240,6 +245,8 @@ class FutureEffects:
                     r, o = self._skip(skipped, sub, states, updates, clean, dtype, group)
                     rel[mine, skipped] = r
                     out[mine, skipped] = o
+                done += len(mine)
+                self.progress(done / len(rows))
         self._scratch = None
         return self._rows(rows, rel, out, len(docs))
 
@@ -411,7 +418,9 @@ class FutureCapture(PassesAfter):
             tuple(s["skip_sublayers"]),
             tuple(s.get("skip_modes") or ["total"]),  # absent: recorded before local effects
         )
-        self.effects = FutureEffects(ctx.model, ctx.adapter, ctx.readout, settings, ctx.planned)
+        self.effects = FutureEffects(
+            ctx.model, ctx.adapter, ctx.readout, settings, ctx.planned, ctx.progress
+        )
 
     def measure(self, batch: Any, lengths: list[int], docs: list[int]) -> list[FutureRows]:
         text = self.text

@@ -228,6 +228,7 @@ IGRAD_MEASUREMENT = Measurement(
         ),
     ),
     needs_grad=True,
+    attribution=True,
     attach=f"{__name__}.hooks:IgradCapture",
     rows=igrad_rows,
     check_rows=igrad_row_counts,

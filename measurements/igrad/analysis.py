@@ -255,11 +255,14 @@ def too_few_steps(table: pl.DataFrame, names: dict[str, str]) -> list[str]:
         model = names.get(str(key[0]), str(key[0]))
         steps = worst["steps"]
         m = f"M = {steps} steps" if steps is not None else "the number of steps M"
+        more = f"{2 * steps}" if steps is not None else "M"
         lines.append(
             f"{m} is too small for {model} on {key[2]}: the completeness gap exceeds "
             f"{GAP_LEVEL:.0%} of |f(x) − f(b)| at {over.height} of {rows.height} (site, block) "
             f"pairs, the worst at block {worst['block']} of site {worst['sublayer']} "
-            f"({worst['rel_gap']:.1%}); extract again with a larger `--igrad-steps`."
+            f"({worst['rel_gap']:.1%}); redo it alone with more steps, the other measurements "
+            f"kept: `layerdiv extract --model ... --task {key[2]} --redo igrad --igrad-steps "
+            f"{more}`."
         )
     return lines
 

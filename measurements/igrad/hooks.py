@@ -46,6 +46,7 @@ class IgradCapture(Hooks):
         self.model, self.readout = ctx.model, ctx.readout
         self.sites = sites_of(ctx.settings)
         self.steps = int(ctx.settings["igrad_steps"])
+        self.progress = ctx.progress
         self.answers: Sequence[tuple[int, int]] = ctx.planned
         """Text tasks: per document, the answer's start s and length A (methods §10)."""
         self.gold = ctx.gold
@@ -150,6 +151,7 @@ class IgradCapture(Hooks):
                     ig, f = self._site(site, layer, answered, targets, dtype)
                     attribution[i, layer, answered] = ig.cpu()
                     ends[:, i, layer][:, answered] = f.cpu()
+                    self.progress((i * blocks + layer + 1) / (len(self.sites) * blocks))
         return [
             IgradRows(
                 self.sites,

@@ -47,6 +47,7 @@ class SkipCapture(Hooks):
         self.removal = UpdateRemoval(ctx.model, ctx.adapter)
         self.readout = ctx.readout
         self.option_ids = ctx.readout.option_index(ctx.option_ids)
+        self.progress = ctx.progress
         self.capture: ComponentCapture | None = None
         self._calls: list[Call] = []  # every block call's arguments in the full pass
         self._logits: torch.Tensor | None = None
@@ -87,4 +88,5 @@ class SkipCapture(Hooks):
             x = hidden_of(*self._calls[first])
             x = self.removal.last(x, self._calls, first, removed, "block", zero)
             seen.append(self.readout.option_logits(x[:, -1], self.option_ids))
+            self.progress((skipped + 1) / len(self.modules))
         return torch.stack(seen, dim=1).cpu()
