@@ -51,6 +51,7 @@ from layerdiv.analyze.analyses.attribution import (
     depth_frame,
     depth_row,
     depth_rows,
+    depth_verdicts,
     document_tokens,
     first_documents,
     maps_link,
@@ -419,8 +420,15 @@ def report(ctx: ReportContext, section: Section = TEXT) -> str:
             f"mean ({over}): {section.effect}. Depth score "
             f"(methods §10) of each {section.units[:-1]}'s profile sum_t effect(l, t) over the "
             f"states l = 0..L, the mean over {section.units} with its bootstrap {LEVEL:g}% "
-            f"interval ({RESAMPLES} resamples; none below {MIN_INTERVAL_N} {section.units}).",
+            f"interval ({RESAMPLES} resamples; none below {MIN_INTERVAL_N} {section.units}). "
+            "The verdict tests the depth-efficiency paper's reading of these maps, that erasing "
+            "a position matters mostly in the first half of the stack: score / L below 1/2 "
+            "(a flat profile gives about 1/2).",
             markdown_table(head, depth_rows(ctx.tables[f"{p}_depth"].sort(*KEY), ctx.names)),
+            depth_verdicts(
+                ctx.tables[f"{p}_depth"].sort(*KEY), ctx.tables["manifests"], ctx.names,
+                "erasing a position's state changes the output mostly in the first half of the "
+                "states", section.units),  # fmt: skip
             *sensitivity(ctx, section),
             plots.figure_link(
                 ctx,
