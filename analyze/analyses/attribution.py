@@ -155,10 +155,10 @@ def depth_verdicts(
         if reason:
             lines.append(f"- **No verdict: unreliable.** {who}: {reason}.")
             continue
+        interval = (r["relative_low"], r["relative_high"])
         lines.append("- " + verdict(
-            f"{who}: {finding}", "relative depth score", r["relative"],
-            (r["relative_low"], r["relative_high"]), r["n_scored"], FIRST_HALF, min_n=MIN_INTERVAL_N,
-            unit=units, above=False, digits=3))  # fmt: skip
+            f"{who}: {finding}", "relative depth score", r["relative"], interval, r["n_scored"],
+            FIRST_HALF, min_n=MIN_INTERVAL_N, unit=units, above=False, digits=3))  # fmt: skip
     return "\n".join([*lines, *([note] if note else [])])
 
 

@@ -426,9 +426,13 @@ def report(ctx: ReportContext, section: Section = TEXT) -> str:
             "(a flat profile gives about 1/2).",
             markdown_table(head, depth_rows(ctx.tables[f"{p}_depth"].sort(*KEY), ctx.names)),
             depth_verdicts(
-                ctx.tables[f"{p}_depth"].sort(*KEY), ctx.tables["manifests"], ctx.names,
+                ctx.tables[f"{p}_depth"].sort(*KEY),
+                ctx.tables["manifests"],
+                ctx.names,
                 "erasing a position's state changes the output mostly in the first half of the "
-                "states", section.units),  # fmt: skip
+                "states",
+                section.units,
+            ),
             *sensitivity(ctx, section),
             plots.figure_link(
                 ctx,

@@ -32,9 +32,9 @@ store keeping no prompt's tokens).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -414,12 +414,21 @@ def report(ctx: ReportContext, section: Section = TEXT) -> str:
             f"A site whose completeness gap exceeds {GAP_LEVEL:.0%} at some block is marked "
             "unreliable (its depth score, verdict and maps): its attributions do not add up to "
             "the change they explain.",
-            markdown_table(head, [[*row, ok] for row, ok in
-                                  zip(depth_rows(depth, ctx.names), reliable, strict=True)]),
+            markdown_table(
+                head,
+                [
+                    [*row, ok]
+                    for row, ok in zip(depth_rows(depth, ctx.names), reliable, strict=True)
+                ],
+            ),
             depth_verdicts(
-                depth, ctx.tables["manifests"], ctx.names,
-                "the attribution to the answer lies mostly in the first half of the blocks", units,
-                flagged),  # fmt: skip
+                depth,
+                ctx.tables["manifests"],
+                ctx.names,
+                "the attribution to the answer lies mostly in the first half of the blocks",
+                units,
+                flagged,
+            ),
             plots.figure_link(
                 ctx,
                 f"{p}_share.png",
