@@ -153,23 +153,31 @@ def test_a_store_of_several_revisions_draws_effective_depth_against_step(tmp_pat
 
 
 def test_verdicts_count_documents_and_say_when_the_interval_is_of_few_resamples() -> None:
-    def row(measure: str, ed: int | None, defined: float, low: float, high: float,
-            margin: float | None, docs: int = 9) -> dict[str, Any]:
+    def row(
+        measure: str,
+        ed: int | None,
+        defined: float,
+        low: float | None,
+        high: float | None,
+        margin: float | None,
+        docs: int = 9,
+    ) -> dict[str, Any]:
         return {"model": "m", "revision": "main", "task": "t", "measure": measure,
                 "n_blocks": 10, "n_documents": docs, "ed": ed,
                 "ratio": None if ed is None else (ed + 1) / 10, "ci_low": low, "ci_high": high,
                 "defined": defined, "margin": margin}  # fmt: skip
 
-    table = pl.DataFrame(
-        [row("cos", 5, 1.0, 0.5, 0.7, 0.05), row("kl", None, 0.1, None, None, None),
-         row("top5", 0, 0.6, 0.1, 0.2, 0.004)]  # fmt: skip
-    )
+    rows = [row("cos", 5, 1.0, 0.5, 0.7, 0.05), row("kl", None, 0.1, None, None, None),
+            row("top5", 0, 0.6, 0.1, 0.2, 0.004)]  # fmt: skip
+    table = pl.DataFrame(rows)
     text = effective_depth.ed_verdicts(table, pl.DataFrame(), {})
     lines = text.splitlines()
     assert lines[0].startswith("- **Verdict: does not agree.** m, t, ED_cos")
     assert "n = 9 documents" in lines[0] and "(margin 0.05 past the rule)" in lines[0]
-    assert lines[1].startswith("- **Verdict: cannot tell.** m, t, ED_kl") and "undefined" in lines[1]
+    assert lines[1].startswith("- **Verdict: cannot tell.** m, t, ED_kl")
+    assert "undefined" in lines[1]
     assert lines[2].startswith("- **Verdict: cannot tell.** m, t, ED_top5")
-    assert "margin 0.004 past the rule, thin" in lines[2] and "only 60% of the resamples" in lines[2]
+    assert "margin 0.004 past the rule, thin" in lines[2]
+    assert "only 60% of the resamples" in lines[2]
     few = pl.DataFrame([row("cos", 2, 1.0, 0.2, 0.4, 0.05, docs=4)])
     assert "**Verdict: too few to tell.**" in effective_depth.ed_verdicts(few, pl.DataFrame(), {})

@@ -17,6 +17,15 @@ Tables:
   and cut into four of equal size (q1 the rarest).
 - ``decided_depth_hist``: per (model, revision, task, ``decided`` = 0..L): ``n_tokens``,
   ``share`` and ``relative`` (decided + 1) / L, the distribution.
+- ``decided_lens``: per (model, revision, task): the lens-quality gate and the frequency finding.
+  ``lens_failed``: the blocks l = 0..L-1 whose mean lens cross-entropy (over the tokens with a next
+  token) exceeds log V (``uniform_ce``), the uniform distribution's: there the lens reads the
+  stream worse than knowing nothing, so a token not ranked first there may be the lens's failure,
+  not the model's; ``worst_ce`` the largest mean; ``lens_limited``: the share of tokens whose
+  decided depth d > 0 follows such a block (d - 1 failed): for them the lens, not the model,
+  sets the depth. ``q1_minus_q4``: the mean relative decided depth of the rarest quartile minus
+  the most frequent's, with its bootstrap interval over documents (``ci_low``, ``ci_high``, the
+  same resamples for both), ``n_documents``.
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.frames import tag
-from layerdiv.analyze.markdown import fmt, key_rows, markdown_table
+from layerdiv.analyze.markdown import fmt, key_rows, markdown_table, verdict
+from layerdiv.analyze.overlap import one_verdict
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -132,8 +142,8 @@ FILTERS = {
 """Each group of :data:`GROUPS` as a filter of :func:`token_groups`' rows."""
 
 
-def partition_decided(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """``decided_depth`` and ``decided_depth_hist`` of one text partition."""
+def partition_decided(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+    """``decided_depth``, ``decided_depth_hist`` and ``decided_lens`` of one text partition."""
     blocks = info.manifest.n_blocks
     tokens = token_groups(info)
     if not tokens.height:
@@ -141,7 +151,7 @@ def partition_decided(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
     docs = np.unique(tokens["doc"].to_numpy())
     index = np.searchsorted(docs, tokens["doc"].to_numpy())
     weights = resample_weights(len(docs))
-    rows = []
+    rows, samples = [], {}
     for group, mask in FILTERS.items():
         keep = tokens.with_columns(keep=mask)["keep"].fill_null(False).to_numpy()
         # per document: the sum of the group's relative decided depths and their count, so that
@@ -150,6 +160,7 @@ def partition_decided(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
         counts = np.bincount(index[keep], minlength=len(docs)).astype(float)
         with np.errstate(invalid="ignore", divide="ignore"):
             means = (weights @ sums) / (weights @ counts)
+        samples[group] = means
         n_docs = int((counts > 0).sum())
         low, high = percentile_interval(means if n_docs >= MIN_INTERVAL_N else np.full(1, np.nan))
         n = int(counts.sum())
@@ -164,6 +175,19 @@ def partition_decided(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
             }
         )
     table = pl.DataFrame(rows, schema={k: v for k, v in SCHEMA.items() if k not in KEY})
+    means = dict(zip(table["group"], table["mean"], strict=True))
+    diff = None if means["q1"] is None or means["q4"] is None else means["q1"] - means["q4"]
+    enough = len(docs) >= MIN_INTERVAL_N and diff is not None
+    low, high = percentile_interval(samples["q1"] - samples["q4"] if enough else np.full(1, np.nan))
+    gate = {
+        "n_blocks": blocks,
+        **lens_gate(info, tokens),
+        "q1_minus_q4": diff,
+        "ci_low": None if np.isnan(low) else float(low),
+        "ci_high": None if np.isnan(high) else float(high),
+        "n_documents": len(docs),
+    }
+    lens = pl.DataFrame([gate], schema=LENS_SCHEMA)
     hist = (
         pl.DataFrame({"decided": np.arange(blocks + 1, dtype=np.int32)})
         .join(tokens.group_by("decided").agg(n_tokens=pl.len()), on="decided", how="left")
@@ -172,7 +196,54 @@ def partition_decided(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame]:
             share=pl.col("n_tokens") / tokens.height, relative=(pl.col("decided") + 1) / blocks
         )
     )
-    return tag(table, info), tag(hist, info)
+    return tag(table, info), tag(hist, info), tag(lens, info)
+
+
+LENS_SCHEMA = {
+    "n_blocks": pl.Int64,
+    "lens_failed": pl.Int64,
+    "worst_ce": pl.Float64,
+    "uniform_ce": pl.Float64,
+    "lens_limited": pl.Float64,
+    "q1_minus_q4": pl.Float64,
+    "ci_low": pl.Float64,
+    "ci_high": pl.Float64,
+    "n_documents": pl.Int64,
+}
+"""The columns of ``decided_lens`` after the key."""
+
+
+def lens_ce(info: PartitionInfo) -> np.ndarray:
+    """The mean lens cross-entropy at each block input l = 0..L-1 over the tokens that have a
+    next token (``ce`` is null at the last position)."""
+    blocks = info.manifest.n_blocks
+    means = (
+        info.scan("token_lens")
+        .filter(pl.col("layer") < blocks)
+        .group_by("layer")
+        .agg(pl.col("ce").mean())
+        .collect()
+    )
+    out = np.full(blocks, np.nan)
+    out[means["layer"].to_numpy()] = means["ce"].cast(pl.Float64).fill_null(np.nan).to_numpy()
+    return out
+
+
+def lens_gate(info: PartitionInfo, tokens: pl.DataFrame) -> dict[str, float | int | None]:
+    """The lens-quality columns of ``decided_lens`` of one partition from its :func:`token_groups`
+    rows (see the module docstring)."""
+    ce = lens_ce(info)
+    vocab = info.manifest.vocab_size
+    uniform = float(np.log(vocab)) if vocab else None
+    failed = ce > uniform if uniform is not None else np.zeros(len(ce), dtype=bool)
+    d = tokens["decided"].to_numpy()
+    limited = (d > 0) & failed[np.clip(d - 1, 0, len(ce) - 1)]
+    return {
+        "lens_failed": int(failed.sum()),
+        "worst_ce": float(np.nanmax(ce)) if np.isfinite(ce).any() else None,
+        "uniform_ce": uniform,
+        "lens_limited": float(limited.mean()) if len(d) else None,
+    }
 
 
 def has_ranks(info: PartitionInfo) -> bool:
@@ -199,10 +270,11 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     parts = [p for p in lensed if has_ranks(p) and readout_of(p.manifest) == "final"]
     if not parts:
         raise NoData("no text partition holds the final lens with final_rank")
-    pairs = list(map_partitions(partition_decided, parts))
+    found = list(map_partitions(partition_decided, parts))
     return {
-        "decided_depth": pl.concat([t for t, _ in pairs]),
-        "decided_depth_hist": pl.concat([h for _, h in pairs]),
+        "decided_depth": pl.concat([t for t, _, _ in found]),
+        "decided_depth_hist": pl.concat([h for _, h, _ in found]),
+        "decided_lens": pl.concat([g for _, _, g in found]),
     }
 
 
@@ -259,6 +331,42 @@ def decided_figure(table: pl.DataFrame, hist: pl.DataFrame, names: dict[str, str
     )
 
 
+LENS_DECIDES = 0.5
+"""The share of tokens whose decided depth the lens sets (``lens_limited``) above which the
+frequency verdict is not given: the depths say more about the lens than about the model."""
+
+
+def decided_verdicts(lens: pl.DataFrame, manifests: pl.DataFrame, names: dict[str, str]) -> str:
+    """Per (model, revision, task), one per set of tasks with the same documents: the verdict on
+    Gupta et al.'s finding that frequent predictions are decided earlier (the rarest quartile's
+    mean relative decided depth minus the most frequent's above 0, its interval over documents),
+    with the lens-quality gate's caveat where the lens's cross-entropy exceeds log V at some
+    block, and no verdict where it sets the depth of more than :data:`LENS_DECIDES` of the
+    tokens."""
+    judged, note = one_verdict(lens, manifests)
+    lines = []
+    for r in judged.iter_rows(named=True):
+        who = f"{names.get(r['model'], r['model'])}, {r['task']}"
+        caveat = ""
+        if r["lens_failed"]:
+            caveat = (
+                f"the lens's cross-entropy exceeds log V = {r['uniform_ce']:.1f} nats at "
+                f"{r['lens_failed']} of {r['n_blocks']} blocks (up to {r['worst_ce']:.1f}); "
+                f"for {r['lens_limited']:.0%} of the tokens the block before their decided depth "
+                "is one of them, so there the lens, not the model, decides"
+            )
+        if (r["lens_limited"] or 0) > LENS_DECIDES:
+            lines.append(f"- **No verdict: the lens decides.** {who}: {caveat}.")
+            continue
+        line = verdict(
+            f"{who}: frequent predictions are decided earlier",
+            "mean (decided + 1) / L, q1 (rarest) − q4 (most frequent)", r["q1_minus_q4"],
+            (r["ci_low"], r["ci_high"]), r["n_documents"], 0.0, min_n=MIN_INTERVAL_N,
+            unit="documents", digits=3)  # fmt: skip
+        lines.append(f"- {line}" + (f" Caveat: {caveat}." if caveat else ""))
+    return "\n".join([*lines, *([note] if note else [])])
+
+
 def report(ctx: ReportContext) -> str:
     """The decided-at depth section: the means per token group with their intervals, and the
     figure."""
@@ -285,8 +393,16 @@ def report(ctx: ReportContext) -> str:
             "Means over tokens of the relative depth (decided + 1) / L, for all tokens, split by "
             "whether the prediction is the actual next token, and by the frequency quartile of "
             "the predicted token among the task's tokens; intervals: bootstrap over documents "
-            f"({RESAMPLES} resamples).",
+            f"({RESAMPLES} resamples). The lens-quality gate: where the lens's mean "
+            "cross-entropy at a block exceeds log V (the uniform distribution's), it reads the "
+            "stream worse than knowing nothing, and a token whose decided depth follows such a "
+            "block may be decided earlier by the model than the lens can show: for it the lens, "
+            "not the model, decides. The verdict tests Gupta et al.'s finding that frequent "
+            "predictions are decided earlier (q1 − q4 above 0, the same resamples of the "
+            f"documents for both); none where the lens sets the depth of over {LENS_DECIDES:.0%} "
+            "of the tokens.",
             markdown_table(header, rows),
+            decided_verdicts(ctx.tables["decided_lens"], ctx.tables["manifests"], ctx.names),
             plots.figure_link(
                 ctx,
                 "decided_depth.png",
