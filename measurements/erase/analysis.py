@@ -59,7 +59,7 @@ from layerdiv.analyze.analyses.attribution import (
     profiles,
     with_answer,
 )
-from layerdiv.analyze.frames import tag
+from layerdiv.analyze.frames import tag, unit_lengths
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.registry import (
     Analysis,
@@ -86,18 +86,11 @@ CHOICE_TITLE = "Choice tasks: residual erasure per state and token"
 """The heading of the choice tasks' report section."""
 
 
-def lengths(info: PartitionInfo) -> pl.LazyFrame:
-    """Per document (instance, as ``doc``) of ``info``: its ``n_tokens`` T."""
-    if choice(info):
-        return info.scan("instances").select(pl.col("instance").alias("doc"), "n_tokens")
-    return info.scan("documents").select("doc", "n_tokens")
-
-
 def anchors(info: PartitionInfo) -> pl.DataFrame:
     """Per document (instance, as ``doc``) of ``info`` its ``anchor`` a: the answer's start s
     (none for a document without one), a choice task's readout position T - 1."""
     if choice(info):
-        rows = lengths(info).select("doc", anchor=pl.col("n_tokens") - 1).collect()
+        rows = unit_lengths(info).select("doc", anchor=pl.col("n_tokens") - 1).collect()
         return rows.sort("doc")
     return answer_starts(info).rename({"answer_start": "anchor"})
 
@@ -111,7 +104,7 @@ def computed(info: PartitionInfo) -> pl.LazyFrame:
     return (
         info.scan("erasure")
         .filter(pl.col("effect").is_not_null())
-        .join(lengths(info), on="doc", how="inner")
+        .join(unit_lengths(info), on="doc", how="inner")
         .filter(pl.col("pos") < last)
         .with_columns(pl.col("effect").cast(pl.Float64))
     )
