@@ -249,6 +249,19 @@ def test_the_lens_gate_and_the_frequency_verdict(
     d = decided_depth.predictions(info)["decided"].to_numpy()
     want = np.mean([x > 0 and failed[x - 1] for x in d])
     assert row["lens_limited"] == pytest.approx(want)
+    # the quartiles count in the store's tokens of the model, stated
+    tokens = Store(root).scan("tokens").collect()
+    assert (row["corpus_tokens"], row["corpus_tasks"]) == (tokens.height, "fineweb")
+    counts = decided_depth.corpus_counts([info])[info.model][0]
+    want_counts = tokens.group_by("token").agg(pl.len().alias("count"))
+    assert counts.sort("token").equals(want_counts.sort("token"))
+    # a count from elsewhere moves the quartiles: every prediction's token made the rarest but one
+    top1 = decided_depth.token_groups(info)["top1"]
+    other = pl.DataFrame({"token": top1.unique().sort(), "count": 1}).with_columns(
+        pl.when(pl.col("token") == top1[0]).then(1000).otherwise(1).alias("count")
+    )
+    moved = decided_depth.token_groups(info, other)
+    assert moved.filter(pl.col("top1") == top1[0])["quartile"].unique().to_list() == [4]
     groups = results["decided_depth"].filter(pl.col("group").is_in(["q1", "q4"])).sort("group")
     assert row["q1_minus_q4"] == pytest.approx(groups["mean"][0] - groups["mean"][1])
 

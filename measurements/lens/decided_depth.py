@@ -13,8 +13,10 @@ Tables:
   mean recomputed from the resampled documents' tokens; none from fewer than
   :data:`~layerdiv.analyze.stats.MIN_INTERVAL_N` documents). Groups: ``all``; ``correct`` /
   ``incorrect`` (y_p is / is not the actual next token); ``q1``..``q4``, the frequency quartile
-  of y_p: the predictions ordered by y_p's count among the partition's tokens (ties by token id)
-  and cut into four of equal size (q1 the rarest).
+  of y_p: the predictions ordered by y_p's count in a stated corpus (ties by token id) and cut
+  into four of equal size (q1 the rarest). The corpus (:func:`corpus_counts`): every token of
+  every text partition of the model in the store (its tokenizer's), not the task's own tokens
+  alone; ``decided_lens`` gives its size (``corpus_tokens``) and tasks (``corpus_tasks``).
 - ``decided_depth_hist``: per (model, revision, task, ``decided`` = 0..L): ``n_tokens``,
   ``share`` and ``relative`` (decided + 1) / L, the distribution.
 - ``decided_lens``: per (model, revision, task): the lens-quality gate and the frequency finding.
@@ -25,7 +27,8 @@ Tables:
   decided depth d > 0 follows such a block (d - 1 failed): for them the lens, not the model,
   sets the depth. ``q1_minus_q4``: the mean relative decided depth of the rarest quartile minus
   the most frequent's, with its bootstrap interval over documents (``ci_low``, ``ci_high``, the
-  same resamples for both), ``n_documents``.
+  same resamples for both), ``n_documents``; ``corpus_tokens`` and ``corpus_tasks``, the corpus
+  the quartiles count in.
 """
 
 from __future__ import annotations
@@ -108,12 +111,32 @@ def predictions(info: PartitionInfo) -> pl.DataFrame:
     return pl.concat(frames).filter("has_next").drop("has_next")
 
 
-def token_groups(info: PartitionInfo) -> pl.DataFrame:
+Corpus = tuple[pl.DataFrame, int, str]
+"""Token counts (``token``, ``count``), the tokens counted and the tasks they come from."""
+
+
+def corpus_counts(parts: list[PartitionInfo]) -> dict[str, Corpus]:
+    """Per model: how often each token occurs among every token of every text partition of it in
+    ``parts`` (one tokenizer: its revisions and tasks together), the frequency count the
+    quartiles rest on (a larger corpus than one task's own tokens), its size and its tasks."""
+    out = {}
+    for model in sorted({p.model for p in parts}):
+        mine = [p for p in parts if p.model == model and p.manifest.kind == TEXT_KIND]
+        tokens = pl.concat([p.scan("tokens").select("token").collect() for p in mine])
+        counts = tokens.group_by("token").agg(pl.len().alias("count"))
+        tasks = ", ".join(sorted({p.task for p in mine}))
+        out[model] = (counts, tokens.height, tasks)
+    return out
+
+
+def token_groups(info: PartitionInfo, counts: pl.DataFrame | None = None) -> pl.DataFrame:
     """:func:`predictions` with ``relative`` (decided + 1) / L, ``correct`` (y_p is the token at
-    p + 1) and ``quartile`` 1..4 of y_p's count among the partition's tokens."""
+    p + 1) and ``quartile`` 1..4 of y_p's count in ``counts`` (token, count; the partition's own
+    tokens without it)."""
     blocks = info.manifest.n_blocks
     tokens = info.scan("tokens").select("doc", "pos", "token").collect()
-    counts = tokens.group_by("token").agg(pl.len().alias("count"))
+    if counts is None:
+        counts = tokens.group_by("token").agg(pl.len().alias("count"))
     following = tokens.select(
         "doc", (pl.col("pos") - 1).alias("pos"), pl.col("token").alias("next")
     )
@@ -142,10 +165,14 @@ FILTERS = {
 """Each group of :data:`GROUPS` as a filter of :func:`token_groups`' rows."""
 
 
-def partition_decided(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
-    """``decided_depth``, ``decided_depth_hist`` and ``decided_lens`` of one text partition."""
+def partition_decided(
+    info: PartitionInfo, corpus: Corpus
+) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+    """``decided_depth``, ``decided_depth_hist`` and ``decided_lens`` of one text partition, the
+    frequency quartiles counted in ``corpus`` (:func:`corpus_counts`)."""
     blocks = info.manifest.n_blocks
-    tokens = token_groups(info)
+    frequencies, corpus_tokens, corpus_tasks = corpus
+    tokens = token_groups(info, frequencies)
     if not tokens.height:
         raise NoData(f"{info.where} has no token with a next token")
     docs = np.unique(tokens["doc"].to_numpy())
@@ -186,6 +213,8 @@ def partition_decided(info: PartitionInfo) -> tuple[pl.DataFrame, pl.DataFrame, 
         "ci_low": None if np.isnan(low) else float(low),
         "ci_high": None if np.isnan(high) else float(high),
         "n_documents": len(docs),
+        "corpus_tokens": corpus_tokens,
+        "corpus_tasks": corpus_tasks,
     }
     lens = pl.DataFrame([gate], schema=LENS_SCHEMA)
     hist = (
@@ -209,6 +238,8 @@ LENS_SCHEMA = {
     "ci_low": pl.Float64,
     "ci_high": pl.Float64,
     "n_documents": pl.Int64,
+    "corpus_tokens": pl.Int64,
+    "corpus_tasks": pl.String,
 }
 """The columns of ``decided_lens`` after the key."""
 
@@ -270,7 +301,8 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     parts = [p for p in lensed if has_ranks(p) and readout_of(p.manifest) == "final"]
     if not parts:
         raise NoData("no text partition holds the final lens with final_rank")
-    found = list(map_partitions(partition_decided, parts))
+    corpus = corpus_counts(ctx.store.select(require_data=True))
+    found = list(map_partitions(lambda p: partition_decided(p, corpus[p.model]), parts))
     return {
         "decided_depth": pl.concat([t for t, _, _ in found]),
         "decided_depth_hist": pl.concat([h for _, h, _ in found]),
@@ -326,8 +358,17 @@ def decided_figure(table: pl.DataFrame, hist: pl.DataFrame, names: dict[str, str
     return plots.Figure(
         "Decided-at depth of the model's own prediction (methods §16)",
         [share, means],
-        caption="q1..q4: frequency quartile of the predicted token among the task's tokens "
-        "(q1 the rarest); beyond 1: decided only at the output",
+        caption="q1..q4: frequency quartile of the predicted token among every token of the "
+        "model's text tasks in the store (q1 the rarest); beyond 1: decided only at the output",
+    )
+
+
+def corpus_line(lens: pl.DataFrame) -> str:
+    """The corpora the frequency quartiles count in, per model: its tokens and tasks."""
+    rows = lens.select("model", "corpus_tokens", "corpus_tasks").unique().sort("model")
+    return "; ".join(
+        f"{r['model']}: {r['corpus_tokens']:,} tokens of {r['corpus_tasks']}"
+        for r in rows.iter_rows(named=True)
     )
 
 
@@ -392,7 +433,9 @@ def report(ctx: ReportContext) -> str:
             "ranks the model's own prediction first and keeps it there (L: only at the output). "
             "Means over tokens of the relative depth (decided + 1) / L, for all tokens, split by "
             "whether the prediction is the actual next token, and by the frequency quartile of "
-            "the predicted token among the task's tokens; intervals: bootstrap over documents "
+            "the predicted token, counted in a stated corpus: every token of every text task of "
+            f"the model in the store ({corpus_line(ctx.tables['decided_lens'])}), not the "
+            "task's own tokens alone; intervals: bootstrap over documents "
             f"({RESAMPLES} resamples). The lens-quality gate: where the lens's mean "
             "cross-entropy at a block exceeds log V (the uniform distribution's), it reads the "
             "stream worse than knowing nothing, and a token whose decided depth follows such a "
