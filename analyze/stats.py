@@ -21,8 +21,6 @@ from layerdiv.analyze.overlap import independent
 from layerdiv.store.key import KEY, MODEL_KEY
 
 METHODS: tuple[Literal["pearson", "spearman"], ...] = ("pearson", "spearman")
-SIGNIFICANCE = 0.05
-"""Two-sided p below which a correlation is marked significant (paper Fig. 3)."""
 R_CLIP = 1.0 - 1e-6
 """|r| is clipped to this before arctanh in Fisher-z averages, so that r = +-1 stays finite."""
 _CURVE_KEYS = [*KEY, "estimator"]
@@ -35,9 +33,9 @@ def depth_score(v: np.ndarray) -> np.ndarray:
         return np.where(total > 0, (v @ np.arange(v.shape[-1], dtype=float)) / total, np.nan)
 
 
-def correlations(curves: pl.DataFrame, intervals: pl.DataFrame | None = None) -> pl.DataFrame:
+def correlations(curves: pl.DataFrame, intervals: pl.DataFrame) -> pl.DataFrame:
     """Per (model, task, estimator, metric, method): r and its two-sided p across junctions j,
-    and with ``intervals`` (of :func:`correlation_intervals`) r's bootstrap interval over
+    and from ``intervals`` (of :func:`correlation_intervals`) r's bootstrap interval over
     instances (``low``, ``high``, ``n_units``).
 
     r is Pearson's or Spearman's (average ranks for ties) correlation of accuracy_j with
@@ -46,8 +44,7 @@ def correlations(curves: pl.DataFrame, intervals: pl.DataFrame | None = None) ->
     n - 2 degrees of freedom, as ``scipy.stats.pearsonr`` / ``spearmanr`` compute it (the paper's
     test, which takes the junction points, neighbours of one curve, as independent). A curve
     that is constant in j has r = p = NaN. ``significant`` is the test over instances: r's
-    interval lies wholly above or below 0 (with ``intervals``; p < :data:`SIGNIFICANCE`
-    without)."""
+    interval lies wholly above or below 0."""
     from scipy import stats as sps
 
     corr = [
@@ -69,10 +66,6 @@ def correlations(curves: pl.DataFrame, intervals: pl.DataFrame | None = None) ->
         t = r * np.sqrt(dof / (1.0 - r * r))
     p = np.where(np.abs(r) >= 1.0, 0.0, 2.0 * sps.t.sf(np.abs(t), dof))
     out = out.with_columns(pl.Series("p", p))
-    if intervals is None:
-        return out.with_columns((pl.col("p") < SIGNIFICANCE).alias("significant")).sort(
-            [*_CURVE_KEYS, "metric", "method"]
-        )
     apart = (pl.col("low") > 0) | (pl.col("high") < 0)
     return (
         out.join(intervals, on=[*_CURVE_KEYS, "metric", "method"], how="left")
