@@ -252,7 +252,7 @@ def test_the_lens_gate_and_the_frequency_verdict(
     # the quartiles count in the store's tokens of the model, stated
     tokens = Store(root).scan("tokens").collect()
     assert (row["corpus_tokens"], row["corpus_tasks"]) == (tokens.height, "fineweb")
-    counts = decided_depth.corpus_counts([info])[info.model][0]
+    counts = decided_depth.corpus_counts([info], {info.model})[info.model][0]
     want_counts = tokens.group_by("token").agg(pl.len().alias("count"))
     assert counts.sort("token").equals(want_counts.sort("token"))
     # a count from elsewhere moves the quartiles: every prediction's token made the rarest but one

@@ -115,12 +115,13 @@ Corpus = tuple[pl.DataFrame, int, str]
 """Token counts (``token``, ``count``), the tokens counted and the tasks they come from."""
 
 
-def corpus_counts(parts: list[PartitionInfo]) -> dict[str, Corpus]:
-    """Per model: how often each token occurs among every token of every text partition of it in
-    ``parts`` (one tokenizer: its revisions and tasks together), the frequency count the
-    quartiles rest on (a larger corpus than one task's own tokens), its size and its tasks."""
+def corpus_counts(parts: list[PartitionInfo], models: set[str]) -> dict[str, Corpus]:
+    """Per model of ``models``: how often each token occurs among every token of every text
+    partition of it in ``parts`` (one tokenizer: its revisions and tasks together), the frequency
+    count the quartiles rest on (a larger corpus than one task's own tokens), its size and its
+    tasks."""
     out = {}
-    for model in sorted({p.model for p in parts}):
+    for model in sorted(models):
         mine = [p for p in parts if p.model == model and p.manifest.kind == TEXT_KIND]
         tokens = pl.concat([p.scan("tokens").select("token").collect() for p in mine])
         counts = tokens.group_by("token").agg(pl.len().alias("count"))
@@ -301,7 +302,7 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     parts = [p for p in lensed if has_ranks(p) and readout_of(p.manifest) == "final"]
     if not parts:
         raise NoData("no text partition holds the final lens with final_rank")
-    corpus = corpus_counts(ctx.store.select(require_data=True))
+    corpus = corpus_counts(ctx.store.select(), {p.model for p in parts})
     found = list(map_partitions(lambda p: partition_decided(p, corpus[p.model]), parts))
     return {
         "decided_depth": pl.concat([t for t, _, _ in found]),
