@@ -81,8 +81,10 @@ class Results:
       j - 1, as in the store), name and kind of component j (methods §3).
     - ``modules``: per (model, task, estimator, kind X): n_components |X|, bias and diversity
       (means over instances and the components of kind X), bias_share, diversity_share (Eqs. 9-10).
-    - ``correlations``: per (model, task, estimator, metric, method): r, p, significant
-      (methods §4); ``correlation_means``: their Fisher-z averages over tasks, models and overall.
+    - ``correlations``: per (model, task, estimator, metric, method): r, p (across junction
+      points), low, high (r's bootstrap interval over instances), n_units, significant (the
+      interval excludes 0) (methods §4); ``correlation_means``: their Fisher-z averages over
+      tasks, models and overall.
     - ``depth_curves``: per (model, estimator, j): accuracy and mse averaged over tasks, with
       marginal gains; ``depth_fits``: per (model, estimator): acc = a + b log j and
       mse = c / j^alpha + L0, with errors (methods §5).
@@ -90,6 +92,9 @@ class Results:
       bounds; ``information``: per (model, task): H(Y), relevancy, I(full; Y), bounds, error, gains
       by half (methods §6).
     - ``saturation``: per (model, task): the depth at which accuracy saturates.
+    - ``gain_halves``: per (model, task, estimator, instance): the instance's mean accuracy gain
+      per component over the first and the second half of the stack and their difference (what
+      the submodularity verdict resamples).
 
     Every other registered analysis (:mod:`layerdiv.analyze.registry`) adds its own tables.
 

@@ -221,6 +221,9 @@ class PartitionScores:
     """Per (j, pred, gold): number of instances whose prefix j predicts ``pred``."""
     component_preds: pl.DataFrame
     """Per (component, pred, gold): number of instances whose u_c alone predicts ``pred``."""
+    junctions: pl.DataFrame
+    """Per (estimator, instance, j): correct and the metrics before the average over instances
+    (what the verdicts' bootstrap over instances resamples)."""
 
 
 def load_wide(info: PartitionInfo, scale: Scale = "final") -> pl.DataFrame:
@@ -281,7 +284,7 @@ def partition_scores(info: PartitionInfo, scale: Scale = "final") -> PartitionSc
     k_opts, n_comp = len(info.manifest.options), len(info.manifest.components)
     pre = _prefixes(info, scale)
     junctions = junction_scores(pre.sums, k_opts)
-    curves, instances, prefix_preds, component_preds = pl.collect_all(
+    curves, instances, prefix_preds, component_preds, rows = pl.collect_all(
         [
             junctions.group_by("estimator", "j").agg(
                 pl.col("correct").mean().alias("accuracy"),
@@ -295,6 +298,7 @@ def partition_scores(info: PartitionInfo, scale: Scale = "final") -> PartitionSc
             .select("component", "gold", argmax([_u(k) for k in range(k_opts)]).alias("pred"))
             .group_by("component", "pred", "gold")
             .agg(pl.len().alias("count")),
+            junctions.drop("gold", "pred").sort("estimator", "instance", "j"),
         ]
     )
     return PartitionScores(
@@ -303,4 +307,5 @@ def partition_scores(info: PartitionInfo, scale: Scale = "final") -> PartitionSc
         modules=module_terms(pre.terms, pre.frozen, k_opts, n_comp),
         prefix_preds=prefix_preds,
         component_preds=component_preds,
+        junctions=rows,
     )

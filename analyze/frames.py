@@ -91,3 +91,11 @@ def instance_means(
         )
         .sort(keys)
     )
+
+
+def unit_lengths(info: PartitionInfo) -> pl.LazyFrame:
+    """Per unit of ``info`` (a document; a choice task's instance, as ``doc``): its ``n_tokens``
+    T, the tokens fed to the model."""
+    if info.manifest.kind == "choice":
+        return info.scan("instances").select(pl.col("instance").alias("doc"), "n_tokens")
+    return info.scan("documents").select("doc", "n_tokens")

@@ -147,3 +147,31 @@ def lone_subsets(frame: pl.DataFrame, manifests: pl.DataFrame, by: Sequence[str]
         for r in lone.sort(*KEY).iter_rows(named=True)
     ]
     return ("; ".join(said) + ".") if said else ""
+
+
+def one_verdict(
+    frame: pl.DataFrame, manifests: pl.DataFrame, by: Sequence[str] = ()
+) -> tuple[pl.DataFrame, str]:
+    """The rows of ``frame`` that get a verdict, one per set of tasks with the same instances
+    (:func:`independent`: the largest task's, with ``by`` as there), and a line naming the tasks
+    left out and whose verdict is theirs ("" when none): a verdict counted once per task would
+    count the same documents or instances again."""
+    covered = _covered(frame, manifests, by)
+    if not covered.height:
+        return frame, ""
+    said = (
+        covered.select(*KEY)
+        .unique()
+        .join(manifests.select(*KEY, "subset_of", "kind"), on=[*KEY])
+        .sort(*KEY)
+        .iter_rows(named=True)
+    )
+    lines = [
+        f"{r['task']} (its {'documents' if r['kind'] == 'text' else 'instances'} are all in "
+        f"{' and '.join(r['subset_of'])})"
+        for r in said
+    ]
+    return independent(frame, manifests, by), (
+        "- No verdict of its own for " + "; ".join(lines) + ": the verdict of the task that "
+        "holds them is theirs (counted once, not once per task)."
+    )

@@ -21,8 +21,6 @@ from layerdiv.analyze.overlap import independent
 from layerdiv.store.key import KEY, MODEL_KEY
 
 METHODS: tuple[Literal["pearson", "spearman"], ...] = ("pearson", "spearman")
-SIGNIFICANCE = 0.05
-"""Two-sided p below which a correlation is marked significant (paper Fig. 3)."""
 R_CLIP = 1.0 - 1e-6
 """|r| is clipped to this before arctanh in Fisher-z averages, so that r = +-1 stays finite."""
 _CURVE_KEYS = [*KEY, "estimator"]
@@ -35,14 +33,18 @@ def depth_score(v: np.ndarray) -> np.ndarray:
         return np.where(total > 0, (v @ np.arange(v.shape[-1], dtype=float)) / total, np.nan)
 
 
-def correlations(curves: pl.DataFrame) -> pl.DataFrame:
-    """Per (model, task, estimator, metric, method): r and its two-sided p across junctions j.
+def correlations(curves: pl.DataFrame, intervals: pl.DataFrame) -> pl.DataFrame:
+    """Per (model, task, estimator, metric, method): r and its two-sided p across junctions j,
+    and from ``intervals`` (of :func:`correlation_intervals`) r's bootstrap interval over
+    instances (``low``, ``high``, ``n_units``).
 
     r is Pearson's or Spearman's (average ranks for ties) correlation of accuracy_j with
     sign * metric_j (``Metric.sign`` of ``metrics.CORRELATED``); p comes from
     t = r sqrt((n-2) / (1-r^2)) with
-    n - 2 degrees of freedom, as ``scipy.stats.pearsonr`` / ``spearmanr`` compute it. A curve
-    that is constant in j has r = p = NaN."""
+    n - 2 degrees of freedom, as ``scipy.stats.pearsonr`` / ``spearmanr`` compute it (the paper's
+    test, which takes the junction points, neighbours of one curve, as independent). A curve
+    that is constant in j has r = p = NaN. ``significant`` is the test over instances: r's
+    interval lies wholly above or below 0."""
     from scipy import stats as sps
 
     corr = [
@@ -63,10 +65,77 @@ def correlations(curves: pl.DataFrame) -> pl.DataFrame:
     with np.errstate(divide="ignore", invalid="ignore"):
         t = r * np.sqrt(dof / (1.0 - r * r))
     p = np.where(np.abs(r) >= 1.0, 0.0, 2.0 * sps.t.sf(np.abs(t), dof))
+    out = out.with_columns(pl.Series("p", p))
+    apart = (pl.col("low") > 0) | (pl.col("high") < 0)
     return (
-        out.with_columns(pl.Series("p", p))
-        .with_columns((pl.col("p") < SIGNIFICANCE).alias("significant"))
+        out.join(intervals, on=[*_CURVE_KEYS, "metric", "method"], how="left")
+        .with_columns(apart.fill_null(False).alias("significant"))
         .sort([*_CURVE_KEYS, "metric", "method"])
+    )
+
+
+def _row_correlation(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Pearson's r of each row of ``x`` with the same row of ``y``; NaN for a constant row."""
+    x = x - x.mean(axis=1, keepdims=True)
+    y = y - y.mean(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (x * y).sum(1) / np.sqrt((x * x).sum(1) * (y * y).sum(1))
+
+
+def _matrix(wide: pl.DataFrame) -> np.ndarray:
+    """(instances, junctions) float64 of a frame pivoted by j (its ``instance`` column left out)."""
+    return wide.drop("instance").cast(pl.Float64).to_numpy()
+
+
+def correlation_intervals(junctions: pl.DataFrame) -> pl.DataFrame:
+    """Per (estimator, metric, method) of one partition's per-instance scores (``junctions``:
+    estimator, instance, j, correct and every metric): the bootstrap 95% interval of the
+    correlation of :func:`correlations` (``low``, ``high``), the instances resampled (the mean
+    curves of each resample correlated again; never the junction points, which are neighbours
+    on one curve), and ``n_units``, the instances. Null below :data:`MIN_INTERVAL_N`."""
+    from scipy import stats as sps
+
+    rows = []
+    for (estimator,), sub in junctions.group_by("estimator", maintain_order=True):
+        wide = {c: sub.pivot("j", index="instance", values=c, sort_columns=True)
+                for c in ("correct", *(m.name for m in CORRELATED))}  # fmt: skip
+        n = wide["correct"].height
+        weights = resample_weights(n) if n >= MIN_INTERVAL_N else None
+        accuracy = None if weights is None else weights @ _matrix(wide["correct"]) / n
+        for m in CORRELATED:
+            signed = None if weights is None else m.sign * weights @ _matrix(wide[m.name]) / n
+            for method in METHODS:
+                low = high = None
+                if accuracy is not None and signed is not None:
+                    x, y = accuracy, signed
+                    if method == "spearman":
+                        x, y = sps.rankdata(x, axis=1), sps.rankdata(y, axis=1)
+                    lo, hi = percentile_interval(_row_correlation(x, y))
+                    low, high = float(lo), float(hi)
+                rows.append((estimator, m.name, method, low, high, n))
+    schema = {"estimator": pl.String, "metric": pl.String, "method": pl.String,
+              "low": pl.Float64, "high": pl.Float64, "n_units": pl.Int64}  # fmt: skip
+    return pl.DataFrame(rows, schema=schema, orient="row").fill_nan(None)
+
+
+def gain_halves(junctions: pl.DataFrame) -> pl.DataFrame:
+    """Per (estimator, instance) of one partition's per-instance scores: the instance's mean
+    accuracy gain per component (percentage points) over the first half of the stack,
+    (correct_h - correct_1) / (h - 1) with h = floor(L / 2), and over the second,
+    (correct_L - correct_h) / (L - h): the gains of ``depth_curves`` (methods §5) telescope, so
+    their means over instances are its half means; ``gain_difference`` is first minus second
+    (null for L < 4)."""
+    n_comp = int(junctions["j"].max() or 0)  # type: ignore[arg-type]
+    h = n_comp // 2
+    at = {j: 100.0 * pl.col("correct").cast(pl.Float64).filter(pl.col("j") == j).first()
+          for j in (1, h, n_comp)}  # fmt: skip
+    first = (at[h] - at[1]) / (h - 1) if h >= 2 else pl.lit(None, pl.Float64)
+    second = (at[n_comp] - at[h]) / (n_comp - h) if h >= 2 else pl.lit(None, pl.Float64)
+    return (
+        junctions.group_by("estimator", "instance")
+        .agg(first.alias("gain_first"), second.alias("gain_second"))
+        .with_columns((pl.col("gain_first") - pl.col("gain_second")).alias("gain_difference"))
+        .sort("estimator", "instance")
     )
 
 
@@ -460,21 +529,6 @@ def t_interval(estimate: float | None, se: float | None, dof: float) -> Interval
     return estimate - half, estimate + half
 
 
-def difference(a: np.ndarray, b: np.ndarray) -> tuple[float, Interval]:
-    """mean(a) - mean(b) over their finite values and its Welch t interval (Welch-Satterthwaite
-    degrees of freedom); no interval below 2 values per group."""
-    a, b = a[np.isfinite(a)], b[np.isfinite(b)]
-    if len(a) == 0 or len(b) == 0:
-        return float("nan"), (None, None)
-    diff = float(a.mean() - b.mean())
-    if len(a) < 2 or len(b) < 2:
-        return diff, (None, None)
-    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
-    se = math.sqrt(va + vb)
-    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if se > 0 else 1.0
-    return diff, t_interval(diff, se, dof)
-
-
 def fisher_mean(r: np.ndarray) -> tuple[float, Interval]:
     """The Fisher-z average tanh(mean arctanh r) of the finite correlations ``r`` (one per
     task: the tasks are the units) and its interval tanh(mean z ± t_(0.975, k - 1) sd(z) /
@@ -489,28 +543,66 @@ def fisher_mean(r: np.ndarray) -> tuple[float, Interval]:
     return math.tanh(mean), tuple(back)  # type: ignore[return-value]
 
 
-MIN_HALF = 4
-"""Values (components, blocks) per half of the stack below which the halves cannot be compared
-(:func:`halves`)."""
-
-
-def halves(values: np.ndarray, first: np.ndarray) -> tuple[float, Interval, int]:
-    """mean of ``values`` where ``first`` minus their mean elsewhere (:func:`difference`), its
-    interval, and the finite values of the smaller half."""
-    values = np.asarray(values, dtype=float)
-    a, b = values[first], values[~first]
-    diff, interval = difference(a, b)
-    return diff, interval, int(min(np.isfinite(a).sum(), np.isfinite(b).sum()))
+def unit_mean(
+    groups: list[np.ndarray], resamples: int = RESAMPLES
+) -> tuple[float | None, Interval, int]:
+    """The verdicts' statistic over independent units (documents of running text, instances of a
+    choice task): the mean over ``groups`` (one per task; one group for one task) of each group's
+    mean of its finite values, its bootstrap 95% percentile interval (the units of each group
+    resampled with replacement, never blocks, positions or junction points), and n, the units
+    counted. No interval below :data:`MIN_INTERVAL_N` units in a group; no value without units."""
+    groups = [np.asarray(g, dtype=float) for g in groups]
+    groups = [g[np.isfinite(g)] for g in groups]
+    groups = [g for g in groups if len(g)]
+    n = sum(len(g) for g in groups)
+    if not groups:
+        return None, (None, None), 0
+    value = float(np.mean([g.mean() for g in groups]))
+    if min(len(g) for g in groups) < MIN_INTERVAL_N:
+        return value, (None, None), n
+    rng = np.random.default_rng(SEED)
+    means = np.mean([g[rng.integers(0, len(g), (resamples, len(g)))].mean(1) for g in groups], 0)
+    low, high = percentile_interval(means)
+    return value, (float(low), float(high)), n
 
 
 def bootstrap_mean(scores: np.ndarray, resamples: int = RESAMPLES) -> tuple[float, float, float]:
     """The mean of ``scores`` and its bootstrap 95% percentile interval over them (NaN below
-    :data:`MIN_INTERVAL_N` scores)."""
-    if not len(scores):
-        return np.nan, np.nan, np.nan
-    if len(scores) < MIN_INTERVAL_N:
-        return float(scores.mean()), np.nan, np.nan
-    rng = np.random.default_rng(SEED)
-    means = scores[rng.integers(0, len(scores), (resamples, len(scores)))].mean(1)
-    low, high = percentile_interval(means)
-    return float(scores.mean()), float(low), float(high)
+    :data:`MIN_INTERVAL_N` scores): :func:`unit_mean` of one group."""
+    value, (low, high), _ = unit_mean([scores], resamples)
+    nan = float("nan")
+    return (
+        nan if value is None else value,
+        nan if low is None else low,
+        nan if high is None else high,
+    )
+
+
+def resampled_power_law(
+    depth: np.ndarray, totals: np.ndarray, counts: np.ndarray | None = None
+) -> tuple[Interval, int]:
+    """The bootstrap 95% interval of beta in size = a * depth^(-beta) (:func:`power_law_fit`)
+    refitted to the mean profile of each resample of the units (one row per document or
+    instance, one column per depth; the rows are resampled, never the depths), and the units
+    counted. A unit's row holds its sums ``totals`` over ``counts`` values (tokens of a
+    document; one value per instance without ``counts``), so that a resample's mean is its
+    total over its count, as the mean of every token. None below :data:`MIN_INTERVAL_N` units
+    or 3 depths with a positive mean size."""
+    totals = np.asarray(totals, dtype=float)
+    counts = np.ones_like(totals) if counts is None else np.asarray(counts, dtype=float)
+    whole = np.isfinite(totals).all(axis=1)
+    totals, counts = totals[whole], counts[whole]
+    n = len(totals)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mean = totals.sum(axis=0) / counts.sum(axis=0)
+    keep = np.isfinite(mean) & (mean > 0) & (depth > 0)
+    if n < MIN_INTERVAL_N or keep.sum() < 3:
+        return (None, None), n
+    weights = resample_weights(n)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logs = np.log((weights @ totals[:, keep]) / (weights @ counts[:, keep]))
+    fine = np.isfinite(logs).all(axis=1)
+    betas = np.full(len(logs), np.nan)
+    betas[fine] = -np.polyfit(np.log(depth[keep]), logs[fine].T, 1)[0]
+    low, high = percentile_interval(betas)
+    return (float(low), float(high)), n

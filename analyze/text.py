@@ -340,19 +340,50 @@ class ProfileMoments:
 
 
 @dataclass
+class DocumentSums:
+    """Per document, added up batch by batch: per geometry column and block the ``total`` and
+    ``count`` of its tokens' defined values (:class:`BlockStats` of one document): what a
+    bootstrap over documents resamples (:func:`~layerdiv.analyze.stats.resampled_power_law`)."""
+
+    blocks: int
+    sums: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+    def add(self, geometry: np.ndarray, docs: np.ndarray) -> None:
+        """Add the tokens of a :func:`token_geometry` array, ``docs`` (tokens,) their documents
+        (sorted, as the store writes them)."""
+        starts = np.flatnonzero(np.r_[True, docs[1:] != docs[:-1]])
+        defined = ~np.isnan(geometry)
+        total = np.add.reduceat(np.where(defined, geometry, 0.0), starts, axis=2)
+        count = np.add.reduceat(defined.astype(np.int64), starts, axis=2)
+        for i, doc in enumerate(docs[starts].tolist()):
+            old_total, old_count = self.sums.get(doc, (0.0, 0))
+            self.sums[doc] = (old_total + total[:, :, i], old_count + count[:, :, i])
+
+    def column(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(documents, blocks) totals and counts of geometry column ``name``."""
+        row = GEOMETRY.index(name)
+        docs = sorted(self.sums)
+        shape = (len(docs), self.blocks)
+        totals = np.array([self.sums[d][0][row] for d in docs]).reshape(shape)
+        counts = np.array([self.sums[d][1][row] for d in docs]).reshape(shape)
+        return totals, counts
+
+
+@dataclass
 class TextPass:
     """What one read of a partition's ``token_blocks`` gives: the per-block sums of every geometry
-    column and the theta_state profile moments."""
+    column (over every token and per document) and the theta_state profile moments."""
 
     stats: BlockStats
     moments: ProfileMoments
+    documents: DocumentSums
 
 
 def text_pass(info: PartitionInfo) -> TextPass:
     """One pass over ``info``'s ``token_blocks``, in batches of :data:`BATCH_TOKENS` whole
     tokens, the same arrays reused from batch to batch (:func:`scratch`)."""
     blocks = info.manifest.n_blocks
-    out = TextPass(BlockStats.empty(blocks), ProfileMoments.empty(blocks))
+    out = TextPass(BlockStats.empty(blocks), ProfileMoments.empty(blocks), DocumentSums(blocks))
     columns = ["doc", "pos", "block", *DOTS]
     dots_buffer = np.empty(len(DOTS) * blocks * BATCH_TOKENS)
     work_buffer = np.empty((len(GEOMETRY) + WORK) * blocks * BATCH_TOKENS)
@@ -362,6 +393,8 @@ def text_pass(info: PartitionInfo) -> TextPass:
         last = check_token_order(batch, blocks, last, info.where)
         geometry = token_geometry(dots, work_buffer)
         out.stats.add(geometry)
+        doc = np.asarray(batch.column("doc").to_numpy(zero_copy_only=False))[::blocks]
+        out.documents.add(geometry, doc)
         out.moments.add(geometry[THETA_STATE], pos)
     return out
 

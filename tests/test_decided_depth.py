@@ -220,3 +220,67 @@ def test_ranks_by_counts_equal_the_fused_expression() -> None:
     assert rank.long().tolist() == plain
     assert top1.long().tolist() == [int(np.flatnonzero(row == row.max())[0]) for row in z.numpy()]
     assert top1[7] == 0 and top1[8] == 4 and rank[7] == 124
+
+
+def test_the_lens_gate_and_the_frequency_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``decided_lens`` against the stored rows (the blocks whose mean lens cross-entropy exceeds
+    log V, the tokens whose decided depth follows one), and the verdict: over documents, with the
+    gate's caveat, and none where the lens sets most tokens' depth."""
+    from layerdiv.analyze.synthetic import synthesize_text_store
+
+    root = tmp_path / "store"
+    synthesize_text_store(root, 1, 8, 12, 6, chunk=4, lens=True, progress=False)
+    path = next(root.glob("manifests/**/manifest.json"))
+    path.write_text(json.dumps({**json.loads(path.read_text()), "vocab_size": 50_000}))
+    (info,) = Store(root).partitions
+    lens = Store(root).scan("token_lens").filter(pl.col("layer") < 6).collect()
+    ce = lens.group_by("layer").agg(pl.col("ce").mean()).sort("layer")["ce"].to_numpy()
+    np.testing.assert_allclose(decided_depth.lens_ce(info), ce, rtol=1e-6)
+    # the made-up lens is better than uniform (log V = 10.8 nats): made 5 nats worse, it is not
+    # at its first three blocks (7.3, 7.1, 6.2 nats)
+    worse = decided_depth.lens_ce(info) + 5.0
+    monkeypatch.setattr(decided_depth, "lens_ce", lambda *_: worse)
+    results = analyze(root)
+    (row,) = results["decided_lens"].iter_rows(named=True)
+    failed = worse > np.log(50_000)
+    assert row["lens_failed"] == failed.sum() == 3 and row["n_documents"] == 8
+    d = decided_depth.predictions(info)["decided"].to_numpy()
+    want = np.mean([x > 0 and failed[x - 1] for x in d])
+    assert row["lens_limited"] == pytest.approx(want)
+    # the quartiles count in the store's tokens of the model, stated
+    tokens = Store(root).scan("tokens").collect()
+    assert (row["corpus_tokens"], row["corpus_tasks"]) == (tokens.height, "fineweb")
+    counts = decided_depth.corpus_counts([info], {info.model})[info.model][0]
+    want_counts = tokens.group_by("token").agg(pl.len().alias("count"))
+    assert counts.sort("token").equals(want_counts.sort("token"))
+    # a count from elsewhere moves the quartiles: every prediction's token made the rarest but one
+    top1 = decided_depth.token_groups(info)["top1"]
+    other = pl.DataFrame({"token": top1.unique().sort(), "count": 1}).with_columns(
+        pl.when(pl.col("token") == top1[0]).then(1000).otherwise(1).alias("count")
+    )
+    moved = decided_depth.token_groups(info, counts=other)
+    assert moved.filter(pl.col("top1") == top1[0])["quartile"].unique().to_list() == [4]
+    groups = results["decided_depth"].filter(pl.col("group").is_in(["q1", "q4"])).sort("group")
+    assert row["q1_minus_q4"] == pytest.approx(groups["mean"][0] - groups["mean"][1])
+
+    base = {"model": "m", "revision": "main", "task": "t", "lens": "logit", "n_blocks": 30,
+            "uniform_ce": 10.8, "worst_ce": 26.4, "q1_minus_q4": 0.1, "ci_low": 0.05,
+            "ci_high": 0.15, "n_documents": 8}  # fmt: skip
+    none = pl.DataFrame()
+    fine = decided_depth.decided_verdicts(
+        pl.DataFrame([{**base, "lens_failed": 0, "lens_limited": 0.0}]), none, {}
+    )
+    assert fine.startswith("- **Verdict: agrees.**") and "n = 8 documents" in fine
+    assert "Caveat" not in fine
+    some = decided_depth.decided_verdicts(
+        pl.DataFrame([{**base, "lens_failed": 12, "lens_limited": 0.2}]), none, {}
+    )
+    assert some.startswith("- **Verdict: agrees.**")
+    assert "Caveat: the lens's cross-entropy exceeds log V = 10.8 nats at 12 of 30 blocks" in some
+    most = decided_depth.decided_verdicts(
+        pl.DataFrame([{**base, "lens_failed": 20, "lens_limited": 0.55}]), none, {}
+    )
+    assert most.startswith("- **No verdict: the lens decides.** m, t, logit lens:")
+    assert "55%" in most

@@ -18,6 +18,7 @@ from scipy import stats as sps
 from layerdiv.analyze import analyze
 from layerdiv.analyze.analyses import depth
 from layerdiv.analyze.report import write_report
+from layerdiv.analyze.stats import resample_weights
 from layerdiv.analyze.synthetic import decoder_kinds, write_partition
 from layerdiv.measurements.skips import analysis as skips
 from layerdiv.schemas import gram_index
@@ -167,6 +168,18 @@ def test_depth_decay_fit_and_halves(
         second = geo.filter(pl.col("relative_depth") > 0.5)["cos_prev"].mean()
         close(row["cos_prev_first_half"], first, rtol=1e-9)
         close(row["cos_prev_second_half"], second, rtol=1e-9)
+        # beta's interval resamples instances (rows of the reference), never blocks
+        units = block_reference(v)["rel_contribution"]
+        depth_l = np.log(np.arange(1, units.shape[1] + 1))
+        betas = [-np.polyfit(depth_l, np.log(w @ units / len(units)), 1)[0]
+                 for w in resample_weights(len(units))]  # fmt: skip
+        assert row["n_units"] == len(units)
+        close(row["beta_low"], np.percentile(betas, 2.5), rtol=1e-4)
+        close(row["beta_high"], np.percentile(betas, 97.5), rtol=1e-4)
+        halves = tables["geometry_halves"].filter(pl.col("model") == _slug(model))
+        assert halves.height == len(units)
+        want = row["rel_contribution_first_half_after_block0"] - row["rel_contribution_second_half"]
+        close(halves["rel_difference"].mean(), want, rtol=1e-9)
     assert (tables["depth_decay"]["beta"] > 0).all()  # updates were made to shrink with depth
 
 

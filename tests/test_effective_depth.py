@@ -27,8 +27,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def reference(store: Path, model: str) -> dict[str, float | None]:
-    """ED_cos, ED_KL and ED_top5 of one partition, loop by loop from the stored rows."""
+def reference(store: Path, model: str) -> dict[str, Any]:
+    """ED_cos, ED_KL and ED_top5 of one partition, loop by loop from the stored rows, and the
+    margin of each past its rule (``<measure>_margin``)."""
     st = Store(store)
     blocks = st.scan("token_blocks").filter(pl.col("model") == model).collect()
     sums = {c: [0.0] * BLOCKS for c in ("attn", "mlp", "layer")}
@@ -61,7 +62,14 @@ def reference(store: Path, model: str) -> dict[str, float | None]:
         top5.append(sum(m[1] for m in means) / len(docs))
     ed_kl = next((b for b in range(BLOCKS - 1) if kl[b] < 0.1 * max(kl)), None)
     ed_top5 = next((b for b in range(BLOCKS - 1) if top5[b] > 0.2), None)
-    return {"cos": ed_cos, "kl": ed_kl, "top5": ed_top5}
+    return {
+        "cos": ed_cos,
+        "kl": ed_kl,
+        "top5": ed_top5,
+        "cos_margin": None if ed_cos is None else min(-c[ed_cos], c[ed_cos + 1]),
+        "kl_margin": None if ed_kl is None else 0.1 - kl[ed_kl] / max(kl),
+        "top5_margin": None if ed_top5 is None else top5[ed_top5] - 0.2,
+    }
 
 
 def test_effective_depth_equals_the_reference(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,6 +83,11 @@ def test_effective_depth_equals_the_reference(store: Path, monkeypatch: pytest.M
         rows = table.filter(pl.col("model") == model)
         for r in rows.iter_rows(named=True):
             assert r["ed"] == want[r["measure"]], (model, r["measure"])
+            if want[f"{r['measure']}_margin"] is None:
+                assert r["margin"] is None
+            else:
+                assert r["margin"] == pytest.approx(want[f"{r['measure']}_margin"], rel=1e-6)
+                assert r["margin"] > 0
             found[r["measure"]].add(r["ed"])
             assert r["n_documents"] == 9 and r["n_blocks"] == BLOCKS
             if r["ed"] is None:
@@ -162,3 +175,35 @@ def test_the_figure_keeps_a_panel_without_a_crossing_and_every_interval(tmp_path
     assert [s.name for s in cos.series] == ["t"]
     path = plots.to_matplotlib(fig, tmp_path / "ed.png")
     assert path.stat().st_size > 0
+
+
+def test_verdicts_count_documents_and_say_when_the_interval_is_of_few_resamples() -> None:
+    def row(
+        measure: str,
+        ed: int | None,
+        defined: float,
+        low: float | None,
+        high: float | None,
+        margin: float | None,
+        docs: int = 9,
+    ) -> dict[str, Any]:
+        return {"model": "m", "revision": "main", "task": "t", "measure": measure,
+                "lens": None if measure == "cos" else "logit", "n_blocks": 10,
+                "n_documents": docs, "ed": ed,
+                "ratio": None if ed is None else (ed + 1) / 10, "ci_low": low, "ci_high": high,
+                "defined": defined, "margin": margin}  # fmt: skip
+
+    rows = [row("cos", 5, 1.0, 0.5, 0.7, 0.05), row("kl", None, 0.1, None, None, None),
+            row("top5", 0, 0.6, 0.1, 0.2, 0.004)]  # fmt: skip
+    table = pl.DataFrame(rows)
+    text = effective_depth.ed_verdicts(table, pl.DataFrame(), {})
+    lines = text.splitlines()
+    assert lines[0].startswith("- **Verdict: does not agree.** m, t, ED_cos")
+    assert "n = 9 documents" in lines[0] and "(margin 0.05 past the rule)" in lines[0]
+    assert lines[1].startswith("- **Verdict: cannot tell.** m, t, ED_kl (logit lens)")
+    assert "undefined" in lines[1]
+    assert lines[2].startswith("- **Verdict: cannot tell.** m, t, ED_top5")
+    assert "margin 0.004 past the rule, thin" in lines[2]
+    assert "only 60% of the resamples" in lines[2]
+    few = pl.DataFrame([row("cos", 2, 1.0, 0.2, 0.4, 0.05, docs=4)])
+    assert "**Verdict: too few to tell.**" in effective_depth.ed_verdicts(few, pl.DataFrame(), {})

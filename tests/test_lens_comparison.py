@@ -77,6 +77,14 @@ def test_every_depth_measure_under_every_lens(tmp_path: Path, model_dirs: Any) -
     assert rows["ls"]["n_tokens"] == rows["tuned"]["n_tokens"] == rows["logit"]["n_tokens"]
     hist = results["decided_depth_hist"]
     assert hist.group_by("lens").len()["len"].to_list() == [blocks + 1] * 3
+    # the lens-quality gate and the frequency finding under each lens: the identity lens's are
+    # the logit lens's, the tuned lens reads the stream with other cross-entropies
+    gate = {r["lens"]: r for r in results["decided_lens"].iter_rows(named=True)}
+    assert sorted(gate) == ["logit", "ls", "tuned"]
+    for column in ("lens_failed", "lens_limited", "q1_minus_q4", "corpus_tokens"):
+        assert gate["ls"][column] == gate["logit"][column], column
+    assert_within(gate["ls"]["worst_ce"], gate["logit"]["worst_ce"], scale, what="worst_ce")
+    assert gate["tuned"]["worst_ce"] != gate["logit"]["worst_ce"]
 
     ed = results["effective_depth"]
     lens_rows = ed.filter(pl.col("measure") != "cos")
@@ -87,6 +95,10 @@ def test_every_depth_measure_under_every_lens(tmp_path: Path, model_dirs: Any) -
         sub = {r["lens"]: r for r in lens_rows.filter(pl.col("measure") == measure).iter_rows(
             named=True)}  # fmt: skip
         assert sub["ls"]["ed"] == sub["logit"]["ed"], measure
+        if sub["logit"]["margin"] is None:  # the margin under each lens: none without ED
+            assert sub["ls"]["margin"] is None, measure
+        else:
+            assert_within(sub["ls"]["margin"], sub["logit"]["margin"], 1.0, what=measure)
 
     out = tmp_path / "report"
     path, _ = write_report(results, out, store=str(store), formats="md")
@@ -96,7 +108,11 @@ def test_every_depth_measure_under_every_lens(tmp_path: Path, model_dirs: Any) -
     )
     assert "**Not held out:** the tuned lens" in text and "fitted on task docs" in text
     assert "the ls lens" not in text.split("Not held out")[1].split("\n")[0]
-    verdicts = [line for line in text.splitlines() if line.startswith("- ") and " · docs, " in line]
+    lines = [line for line in text.splitlines() if line.startswith("- ")]
+    for lens in ("logit", "ls", "tuned"):  # the verdicts of each lens, named
+        assert any(f", docs, {lens} lens" in line for line in lines), lens  # decided-at depth
+        assert any(f", docs, ED_kl ({lens} lens)" in line for line in lines), lens
+    verdicts = [line for line in lines if " · docs, " in line]
     assert any("decided-at depth (all tokens)" in v for v in verdicts), verdicts
     assert any(v.startswith("- ") and "ED_KL" in v for v in verdicts), verdicts
     for line in verdicts:  # the identity lens never differs from the logit lens

@@ -243,6 +243,13 @@ def test_two_revisions_of_one_model(pair: dict[str, Any], tmp_path: Path) -> Non
     assert len(figure.panels) == 4 and heat.heatmap is not None and curve.heatmap is None
     assert [s.name for s in heat.series] == ["same relative depth", "best target"]
     assert heat.series[0].x == [0, 1, 2] and "@early)" in heat.ylabel and "@late)" in heat.xlabel
+    # coloured by what selects the best target: held-out R², on a fixed 0..1 scale
+    assert heat.heatmap.colorbar == "held-out R²" and (heat.heatmap.zmin, heat.heatmap.zmax) == (
+        0,
+        1,
+    )
+    want = as_grid(maps, heat.title.split(":")[0], "r2")
+    assert np.allclose(np.array(heat.heatmap.z, dtype=float), want, equal_nan=True)
 
 
 @pytest.mark.parametrize("d_b", [40, 6])  # held-out rows solved once (12 <= d_B), or W per pair

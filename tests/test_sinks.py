@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 import pytest
 import torch
 from click.testing import CliRunner
@@ -371,3 +372,32 @@ def test_a_text_part_without_whole_blocks_is_refused(tmp_path: Path) -> None:
     pq.write_table(table.slice(0, table.num_rows - 1), part, write_page_checksum=True)
     with pytest.raises(StoreError, match=r"sinks.*23 rows are not whole blocks of the model's 3"):
         Store(tmp_path).select()
+
+
+def test_the_sinks_verdict_reads_long_prompts_alone(
+    sink_store: tuple[Path, np.ndarray], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rate over the units of at least MIN_TOKENS tokens (every unit's length as stored), and
+    the verdict: none where fewer than 5 are that long, else over those units alone."""
+    from layerdiv.analyze.api import analyze
+    from layerdiv.measurements.sinks import analysis
+    from layerdiv.measurements.sinks.analysis import MIN_TOKENS, sink_verdicts
+
+    root, values = sink_store
+    (rate,) = analyze(root).sink_rate.iter_rows(named=True)
+    lengths = Store(root).scan("instances", task="boolq").collect()["n_tokens"]
+    assert rate["median_tokens"] == lengths.median() == 100 and rate["n_long"] == 12
+    assert rate["long_rate"] == rate["sink_rate"]
+    # the first five prompts made shorter than MIN_TOKENS: the rate of the other seven
+    short = pl.DataFrame({"doc": range(12), "n_tokens": [MIN_TOKENS - 1] * 5 + [100] * 7})
+    monkeypatch.setattr(analysis, "unit_lengths", lambda _: short.lazy())
+    (rate,) = analyze(root).sink_rate.filter(pl.col("task") == "boolq").iter_rows(named=True)
+    assert rate["n_long"] == 7 and rate["median_tokens"] == 100
+    assert rate["long_rate"] == pytest.approx((values[5:].mean(axis=0) > 0.3).mean())
+
+    base = {"model": "m", "revision": "main", "task": "t", "n_units": 12, "median_tokens": 13.0,
+            "long_rate": 0.2, "long_low": 0.1, "long_high": 0.3}  # fmt: skip
+    few = sink_verdicts(pl.DataFrame([{**base, "n_long": 3}]), pl.DataFrame(), {})
+    assert few.startswith("- **No verdict: prompts too short.** m, t: 3 of 12 units")
+    enough = sink_verdicts(pl.DataFrame([{**base, "n_long": 9}]), pl.DataFrame(), {})
+    assert enough.startswith("- **Verdict: agrees.**") and "n = 9 units" in enough

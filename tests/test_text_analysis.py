@@ -323,7 +323,7 @@ def test_analyses_get_only_the_partitions_of_their_kinds(tmp_path) -> None:
     assert not [name for name in alone.names() if name.startswith("text_")]
     synthesize_text_store(tmp_path, 1, 6, 20, 3, chunk=4, lens=True, skips=True, progress=False)
     mixed = analyze(tmp_path)
-    text = {"effective_depth", "decided_depth", "decided_depth_hist", "bos_norm"}  # text's too
+    text = {"effective_depth", "decided_depth", "decided_depth_hist", "decided_lens", "bos_norm"}
     for name, table in mixed.tables().items():
         if "model" in table.columns and table.height and name != "manifests":
             is_text = name.startswith("text_") or name in text

@@ -78,51 +78,65 @@ def test_paper_verdicts_flip() -> None:
         "too few to tell"  # t2 is t0's subset: two tasks left
     )
 
-    def curves(gains: np.ndarray) -> pl.DataFrame:
-        j = np.arange(1, len(gains) + 1)
-        return pl.DataFrame({"model": "m", "revision": "main", "estimator": "paper", "j": j,
-                             "accuracy_gain": gains})  # fmt: skip
+    def gains(difference: np.ndarray, tasks: int = 1) -> dict[str, pl.DataFrame]:
+        """Per instance (of each task), its mean gain per component, 1st − 2nd half."""
+        n = len(difference)
+        frame = pl.DataFrame({"model": "m", "revision": "main", "estimator": "paper",
+                              "task": np.repeat([f"t{i}" for i in range(tasks)], n),
+                              "instance": np.tile(np.arange(n), tasks),
+                              "gain_difference": np.tile(difference, tasks)})  # fmt: skip
+        curves = pl.DataFrame({"model": ["m"], "revision": "main", "estimator": "paper", "j": 1})
+        return {"gain_halves": frame, "depth_curves": curves, "manifests": none}
 
-    falling = np.array([0.05, 0.04, 0.05, 0.04, 0.0, 0.001, 0.0, 0.001])
-    assert outcome(submodularity_verdicts(ctx({"depth_curves": curves(falling)}))) == "agrees"
-    rising = falling[::-1].copy()
-    assert outcome(submodularity_verdicts(ctx({"depth_curves": curves(rising)}))) == (
-        "does not agree"
-    )
-    assert outcome(submodularity_verdicts(ctx({"depth_curves": curves(falling[2:6])}))) == (
-        "too few to tell"
-    )
+    falling = np.array([4.0, 5.5, 3.0, 6.0, 4.5, 5.0, 3.5, 4.0])
+    line = submodularity_verdicts(ctx(gains(falling)))
+    assert outcome(line) == "agrees" and "n = 8 instances" in line, line
+    assert "n = 16 instances" in submodularity_verdicts(ctx(gains(falling, tasks=2)))
+    assert outcome(submodularity_verdicts(ctx(gains(-falling)))) == "does not agree"
+    spread = falling * np.array([1, -1] * 4)
+    assert outcome(submodularity_verdicts(ctx(gains(spread)))) == "cannot tell"
+    # four instances are too few, however many junction points each curve has
+    assert outcome(submodularity_verdicts(ctx(gains(falling[:4])))) == "too few to tell"
 
 
 def test_depth_verdicts_flip() -> None:
     from layerdiv.analyze.analyses.depth import decay_verdict, decay_verdicts
     from layerdiv.measurements.skips.analysis import skip_verdicts
 
-    fit = {"n_fitted": 30, "beta": 0.9, "beta_se": 0.05, "r2": 0.9}
-    assert outcome(decay_verdict("f", fit)) == "agrees"
-    assert outcome(decay_verdict("f", {**fit, "beta": 0.22, "r2": 0.2})) == "does not agree"
-    assert "(power law R² 0.20, a poor fit)" in decay_verdict("f", {**fit, "beta": 0.22, "r2": 0.2})
-    assert outcome(decay_verdict("f", {**fit, "beta": 0.5, "beta_se": 0.2})) == "cannot tell"
-    assert outcome(decay_verdict("f", {**fit, "n_fitted": 4})) == "too few to tell"
+    fit = {"n_fitted": 30, "beta": 0.9, "beta_se": 0.05, "r2": 0.9, "beta_low": 0.7,
+           "beta_high": 1.1, "n_units": 8}  # fmt: skip
+    line = decay_verdict("f", fit, "documents")
+    assert outcome(line) == "agrees" and "n = 8 documents" in line and "30 blocks fitted" in line
+    poor = {**fit, "beta": 0.22, "r2": 0.2, "beta_low": 0.03, "beta_high": 0.41}
+    assert outcome(decay_verdict("f", poor, "documents")) == "does not agree"
+    assert "(power law R² 0.20, a poor fit; 30 blocks fitted)" in decay_verdict("f", poor, "x")
+    wide = {**fit, "beta": 0.5, "beta_low": 0.2, "beta_high": 0.8}
+    assert outcome(decay_verdict("f", wide, "documents")) == "cannot tell"
+    assert outcome(decay_verdict("f", {**fit, "n_fitted": 4}, "documents")) == "too few to tell"
+    few = {**fit, "n_units": 4, "beta_low": None, "beta_high": None}  # 30 blocks, 4 documents
+    assert outcome(decay_verdict("f", few, "documents")) == "too few to tell"
 
     depth = np.arange(13) / 12
     key = {"model": "m", "revision": "main", "task": "t"}
 
-    def geometry(contribution: np.ndarray) -> dict[str, pl.DataFrame]:
-        frame = pl.DataFrame({**key, "relative_depth": depth, "kind": ["embed"] + ["attn"] * 12,
-                              "layer": np.arange(13) // 2, "rel_contribution":
-                              contribution})  # fmt: skip
-        return {"geometry": frame, "depth_decay": pl.DataFrame({**key, **fit}, strict=False)}
+    def geometry(difference: np.ndarray) -> dict[str, pl.DataFrame]:
+        """Per instance, its mean relative contribution, 1st half without block 0 − 2nd."""
+        frame = pl.DataFrame({**key, "relative_depth": depth})
+        halves = pl.DataFrame({**key, "instance": np.arange(len(difference)),
+                               "rel_difference": difference})  # fmt: skip
+        return {"geometry": frame, "geometry_halves": halves, "manifests": pl.DataFrame(),
+                "depth_decay": pl.DataFrame({**key, **fit}, strict=False)}  # fmt: skip
 
-    big_first = np.array([0.1, 9.0, 0.5, 0.6, 0.5, 0.55, 0.5, 0.1, 0.12, 0.1, 0.11, 0.1, 0.12])
-    assert outcome(decay_verdicts(geometry(big_first), {})) == "agrees,agrees"
-    big_second = np.array([0.1, 9.0, 0.1, 0.12, 0.1, 0.11, 0.1, 0.5, 0.6, 0.5, 0.55, 0.5, 0.6])
-    assert outcome(decay_verdicts(geometry(big_second), {})) == "agrees,does not agree"
+    difference = np.array([0.4, 0.5, 0.3, 0.6, 0.45, 0.5, 0.35, 0.4])
+    line = decay_verdicts(geometry(difference), {})
+    assert outcome(line) == "agrees,agrees" and "n = 8 instances" in line, line
+    assert outcome(decay_verdicts(geometry(-difference), {})) == "agrees,does not agree"
+    assert outcome(decay_verdicts(geometry(difference[:4]), {})) == "agrees,too few to tell"
 
     def skips(difference: np.ndarray) -> dict[str, pl.DataFrame]:
         """Per instance, its KL of the first half's skips minus the second's."""
         rows = {"instance": np.arange(len(difference)), "kl_difference": difference}
-        return {"skip_halves": pl.DataFrame({**key, **rows})}
+        return {"skip_halves": pl.DataFrame({**key, **rows}), "manifests": pl.DataFrame()}
 
     # the verdict's unit is the instance: 8 of them, 8 blocks each would not count
     difference = np.array([1.2, 1.5, 0.9, 1.6, 1.1, 1.3, 1.0, 1.4])
@@ -179,3 +193,78 @@ def test_law_heads_and_maps_verdicts_flip() -> None:
     assert "**No verdict:**" in maps_verdict(sparse)
     below = spearman(best(rising, gated=False)).row(0, named=True)  # every R² below the gate
     assert below["n"] == 0 and below["n_best"] == 12 and "**No verdict:**" in maps_verdict(below)
+
+
+def test_overlapping_tasks_get_one_verdict() -> None:
+    from layerdiv.measurements.skips.analysis import skip_verdicts
+
+    rng = np.random.default_rng(0)
+    frames = [
+        pl.DataFrame({"model": "m", "revision": "main", "task": task,
+                      "instance": np.arange(n), "kl_difference": 1.0 + rng.random(n)})
+        for task, n in (("tweets", 8), ("tweets-erase", 6), ("tweets-skips", 8))
+    ]  # fmt: skip
+    manifests = pl.DataFrame(
+        {"model": "m", "revision": "main", "task": ["tweets", "tweets-erase", "tweets-skips"],
+         "kind": "choice", "subset_of": [None, ["tweets"], ["tweets"]]}
+    )  # fmt: skip
+    line = skip_verdicts({"skip_halves": pl.concat(frames), "manifests": manifests}, {})
+    assert outcome(line) == "agrees" and "m, tweets:" in line, line
+    assert "m, tweets-erase:" not in line and "m, tweets-skips:" not in line
+    assert "No verdict of its own for tweets-erase (its instances are all in tweets)" in line
+    assert "tweets-skips (its instances are all in tweets)" in line
+
+
+def test_power_law_interval_resamples_units_not_depths() -> None:
+    from layerdiv.analyze.stats import MIN_INTERVAL_N, resample_weights, resampled_power_law
+
+    rng = np.random.default_rng(3)
+    depth = np.arange(1, 31, dtype=float)
+    units = depth**-0.9 * np.exp(rng.normal(0, 0.3, (8, 30)))  # 8 documents, 30 blocks
+    (low, high), n = resampled_power_law(depth, units)
+    assert n == 8
+    # by hand: each resample of the 8 rows, its mean profile refitted on log-log axes
+    betas = [-np.polyfit(np.log(depth), np.log(w @ units / 8), 1)[0] for w in resample_weights(8)]
+    assert low == pytest.approx(np.percentile(betas, 2.5), rel=1e-9)
+    assert high == pytest.approx(np.percentile(betas, 97.5), rel=1e-9)
+    assert low is not None and high is not None and low < 0.9 < high
+    # token-weighted: a document's sums over its tokens, each resample's total over its count
+    counts = rng.integers(1, 20, (8, 30)).astype(float)
+    (wlow, whigh), _ = resampled_power_law(depth, units * counts, counts)
+    wbetas = [-np.polyfit(np.log(depth), np.log(w @ (units * counts) / (w @ counts)), 1)[0]
+              for w in resample_weights(8)]  # fmt: skip
+    assert (wlow, whigh) == pytest.approx(tuple(np.percentile(wbetas, [2.5, 97.5])), rel=1e-9)
+    # 30 blocks are no substitute for documents: 4 give no interval
+    assert resampled_power_law(depth, units[: MIN_INTERVAL_N - 1]) == ((None, None), 4)
+
+
+def test_correlation_stars_and_gain_halves_resample_instances() -> None:
+    from layerdiv.analyze.metrics import CORRELATED
+    from layerdiv.analyze.stats import correlation_intervals, gain_halves
+
+    rng = np.random.default_rng(5)
+    n, junctions = 40, 12
+    j = np.arange(1, junctions + 1)
+    # accuracy rises with j and so does each metric's signed value: a real relation
+    p = np.clip(0.2 + 0.6 * j / junctions, 0, 1)
+    correct = rng.random((n, junctions)) < p
+    rows = {"estimator": "paper", "instance": np.repeat(np.arange(n), junctions),
+            "j": np.tile(j, n), "correct": correct.reshape(-1)}  # fmt: skip
+    for m in CORRELATED:
+        rows[m.name] = (m.sign * np.tile(j, n) + rng.normal(0, 0.5, n * junctions)).astype(float)
+    frame = pl.DataFrame(rows)
+    got = correlation_intervals(frame)
+    assert set(got["n_units"]) == {n}
+    spearman = got.filter(pl.col("method") == "spearman")
+    assert (spearman["low"] > 0).all(), spearman
+    # four instances: no interval, so no star, however many junction points the curves have
+    few = correlation_intervals(frame.filter(pl.col("instance") < 4))
+    assert few["low"].null_count() == few.height and set(few["n_units"]) == {4}
+
+    halves = gain_halves(frame)
+    h = junctions // 2
+    acc = correct.mean(0) * 100
+    gains = np.diff(acc)  # gains of j = 2..L: first half j <= h
+    want = gains[: h - 1].mean() - gains[h - 1 :].mean()
+    assert halves["gain_difference"].mean() == pytest.approx(want, rel=1e-9)
+    assert halves.height == n

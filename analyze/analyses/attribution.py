@@ -9,16 +9,17 @@ Each document's answer start s (methods §10) is the one the extraction stored i
 from __future__ import annotations
 
 import unicodedata
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.markdown import fmt, key_rows
+from layerdiv.analyze.markdown import fmt, key_rows, verdict
+from layerdiv.analyze.overlap import one_verdict
 from layerdiv.analyze.registry import Context, NoData, ReportContext, with_data
-from layerdiv.analyze.stats import bootstrap_mean, depth_score
+from layerdiv.analyze.stats import MIN_INTERVAL_N, bootstrap_mean, depth_score
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import SUBLAYERS
 from layerdiv.schemas.kinds import CHOICE as CHOICE_KIND
@@ -123,6 +124,43 @@ def depth_rows(table: pl.DataFrame, names: dict[str, str]) -> list[list[str]]:
             f"[{fmt(r['relative_low'], digits=3)}, {fmt(r['relative_high'], digits=3)}]",
         ],
     )
+
+
+FIRST_HALF = 0.5
+"""The depth-efficiency paper's finding for its attribution and erasure maps (what a position
+contributes to the answer comes mostly from the first half of the stack) holds where the
+relative depth score's interval lies below this."""
+
+
+def depth_verdicts(
+    table: pl.DataFrame,
+    manifests: pl.DataFrame,
+    names: dict[str, str],
+    finding: str,
+    units: str,
+    unreliable: Mapping[tuple[Any, ...], str] | None = None,
+) -> str:
+    """Per row of a depth-score table (:func:`depth_frame` rows with the key and, where it has
+    one, the ``sublayer``), one per set of tasks with the same units
+    (:func:`~layerdiv.analyze.overlap.one_verdict`): the verdict on the depth-efficiency paper's
+    ``finding``, the relative depth score below :data:`FIRST_HALF`, its bootstrap interval over
+    ``units`` (documents or instances; never blocks). A row whose (key..., sublayer) is in
+    ``unreliable`` gets no verdict, only the reason given there."""
+    judged, note = one_verdict(table, manifests)
+    lines = []
+    for r in judged.iter_rows(named=True):
+        site = r.get("sublayer")
+        who = f"{names.get(r['model'], r['model'])}, {r['task']}" + (f", {site}" if site else "")
+        key = (*(r[k] for k in KEY), *([site] if site else []))
+        reason = (unreliable or {}).get(key)
+        if reason:
+            lines.append(f"- **No verdict: unreliable.** {who}: {reason}.")
+            continue
+        interval = (r["relative_low"], r["relative_high"])
+        lines.append("- " + verdict(
+            f"{who}: {finding}", "relative depth score", r["relative"], interval, r["n_scored"],
+            FIRST_HALF, min_n=MIN_INTERVAL_N, unit=units, above=False, digits=3))  # fmt: skip
+    return "\n".join([*lines, *([note] if note else [])])
 
 
 def partition_tables(

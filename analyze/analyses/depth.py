@@ -14,7 +14,12 @@ Tables (one row per model, task and component / block / partition):
   ``cos_attn_mlp`` is that cosine. (The cosine between consecutive *block* updates needs lag-2 and
   lag-3 terms: it is in ``gram_blocks``.)
 - ``depth_decay``: per partition, the fit of mean block ``rel_contribution`` = a * l^(-beta) on
-  log-log axes and first-half / second-half means of every ``geometry`` column.
+  log-log axes with beta's bootstrap interval over instances (``beta_low``, ``beta_high``,
+  ``n_units``: the instances resampled and the mean profile refitted, never the blocks) and
+  first-half / second-half means of every ``geometry`` column.
+- ``geometry_halves``: per partition and instance, the instance's mean ``rel_contribution`` over
+  the first half's components without the embedding and block 0 (``rel_first``) and over the
+  second half's (``rel_second``) and their difference: the unit the halves' verdict resamples.
 
 ||r_c|| comes from the stored prefix scale: ||r|| = sqrt(d) sqrt(prefix_rms^2 - eps) for RMSNorm.
 LayerNorm models store the standard deviation of r, the norm of the *centred* stream, while
@@ -36,7 +41,7 @@ import polars as pl
 from layerdiv.analyze import plots
 from layerdiv.analyze.frames import by_model, instance_means, listing, selected, tag
 from layerdiv.analyze.markdown import DASH, fmt, markdown_table, verdict
-from layerdiv.analyze.overlap import left_out
+from layerdiv.analyze.overlap import left_out, one_verdict
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -45,12 +50,13 @@ from layerdiv.analyze.registry import (
     partition_engine,
 )
 from layerdiv.analyze.stats import (
-    MIN_HALF,
+    MIN_INTERVAL_N,
     POWER_FIT_SCHEMA,
+    Interval,
     degrees,
-    halves,
     power_law_fit,
-    t_interval,
+    resampled_power_law,
+    unit_mean,
 )
 from layerdiv.errors import LayerdivError
 from layerdiv.store import PartitionInfo, Store
@@ -195,14 +201,54 @@ def block_rows(rows: pl.DataFrame) -> pl.DataFrame:
 # --- depth decay ----------------------------------------------------------------------------------
 
 
-def depth_decay(geometry: pl.DataFrame, blocks: pl.DataFrame | None) -> pl.DataFrame:
+def first_half(relative_depth: pl.Expr) -> pl.Expr:
+    """The components of the first half without the embedding and block 0, whose large relative
+    contribution (the embedding is small) can carry the first half alone."""
+    return (relative_depth <= 0.5) & (pl.col("kind") != "embed") & (pl.col("layer") > 0)
+
+
+def instance_halves(rows: pl.DataFrame, labels: pl.DataFrame) -> pl.DataFrame:
+    """Per instance: its mean ``rel_contribution`` over the :func:`first_half`'s components
+    (``rel_first``), over the second half's (relative depth > 1/2, ``rel_second``) and their
+    difference (``rel_difference``)."""
+    first = first_half(pl.col("relative_depth"))
+    second = pl.col("relative_depth") > 0.5
+    return (
+        rows.select("instance", "component", "rel_contribution")
+        .join(labels.select("component", "kind", "layer", "relative_depth"), on="component")
+        .group_by("instance")
+        .agg(
+            pl.col("rel_contribution").filter(first).mean().alias("rel_first"),
+            pl.col("rel_contribution").filter(second).mean().alias("rel_second"),
+        )
+        .with_columns((pl.col("rel_first") - pl.col("rel_second")).alias("rel_difference"))
+        .sort("instance")
+    )
+
+
+def decay_interval(blocks: pl.DataFrame) -> pl.DataFrame:
+    """One row: beta's bootstrap interval over the instances of per (instance, block) update
+    sizes (:func:`~layerdiv.analyze.stats.resampled_power_law`) and the instances counted."""
+    wide = blocks.pivot("block", index="instance", values="rel_contribution", sort_columns=True)
+    depth = np.array([float(c) for c in wide.columns[1:]])
+    (low, high), n = resampled_power_law(depth, wide.drop("instance").to_numpy())
+    return pl.DataFrame(
+        {"beta_low": [low], "beta_high": [high], "n_units": [n]},
+        schema={"beta_low": pl.Float64, "beta_high": pl.Float64, "n_units": pl.Int64},
+    )
+
+
+def depth_decay(
+    geometry: pl.DataFrame, blocks: pl.DataFrame | None, intervals: pl.DataFrame | None = None
+) -> pl.DataFrame:
     """Per (model, task): the least-squares line log rel_contribution_l = log a - beta log l
     through the mean block update sizes (methods §7; the inverse-depth paper's Fig. 2d),
-    beta with its standard error, and the mean of every ``geometry`` column over the components in
-    the first (relative depth <= 1/2) and the second half of the stack, and over the first half
-    without the embedding and the first block (``<c>_first_half_after_block0``): the embedding is
-    small, so the first block's relative contribution is large and can carry the first half's
-    mean alone."""
+    beta with its standard error and (``intervals``, per partition, of :func:`decay_interval`)
+    its bootstrap interval over instances, and the mean of every ``geometry`` column over the
+    components in the first (relative depth <= 1/2) and the second half of the stack, and over
+    the first half without the embedding and the first block (``<c>_first_half_after_block0``):
+    the embedding is small, so the first block's relative contribution is large and can carry
+    the first half's mean alone."""
     rows = []
     sizes = pl.DataFrame() if blocks is None else blocks.sort("block")
     for key, sub in sizes.group_by(*KEY) if sizes.height else []:
@@ -217,13 +263,16 @@ def depth_decay(geometry: pl.DataFrame, blocks: pl.DataFrame | None) -> pl.DataF
         *(pl.col(c).filter(~first).mean().alias(f"{c}_second_half") for c in GEOMETRY),
         *(
             pl.col(c)
-            .filter(first & (pl.col("kind") != "embed") & (pl.col("layer") > 0))
+            .filter(first_half(pl.col("relative_depth")))
             .mean()
             .alias(f"{c}_first_half_after_block0")
             for c in GEOMETRY
         ),
     )
-    return halves.join(fits, on=[*KEY], how="left").sort(*KEY)
+    out = halves.join(fits, on=[*KEY], how="left")
+    if intervals is not None:
+        out = out.join(intervals, on=[*KEY], how="left")
+    return out.sort(*KEY)
 
 
 # --- all tables -----------------------------------------------------------------------------------
@@ -242,6 +291,7 @@ def _partition_tables(info: PartitionInfo) -> tuple[dict[str, pl.DataFrame], lis
     labels = component_map(info)
     geometry = labels.drop("block").join(instance_means(rows, GEOMETRY), on="component")
     out["geometry"] = tag(geometry, info)
+    out["geometry_halves"] = tag(instance_halves(rows, labels), info)
     if not paired_blocks(info):
         return out, [*lacks, "blocks"]
     # a block's row is its MLP component's: label it with the block's number and depth
@@ -249,7 +299,10 @@ def _partition_tables(info: PartitionInfo) -> tuple[dict[str, pl.DataFrame], lis
     block_labels = labels.select(
         "component", "block", "layer", (pl.col("block") / n_blocks).alias("relative_depth")
     )
-    blocks = block_labels.join(instance_means(block_rows(rows), BLOCK_GEOMETRY), on="component")
+    per_block = block_rows(rows)
+    numbered = per_block.join(block_labels.select("component", "block"), on="component")
+    out["decay_interval"] = tag(decay_interval(numbered), info)
+    blocks = block_labels.join(instance_means(per_block, BLOCK_GEOMETRY), on="component")
     out["geometry_blocks"] = tag(blocks.drop("component"), info)
     return out, lacks
 
@@ -270,8 +323,11 @@ def depth_tables(parts: list[PartitionInfo], notes: list[str]) -> dict[str, pl.D
         for name, frame in out.items():
             frames.setdefault(name, []).append(frame)
     tables = {name: pl.concat(found) for name, found in frames.items()}
+    intervals = tables.pop("decay_interval", None)
     if "geometry" in tables:
-        tables["depth_decay"] = depth_decay(tables["geometry"], tables.get("geometry_blocks"))
+        tables["depth_decay"] = depth_decay(
+            tables["geometry"], tables.get("geometry_blocks"), intervals
+        )
     if lacking.get("blocks"):
         notes.append(
             f"Block geometry left out for {which(lacking['blocks'])}: their blocks are not "
@@ -454,40 +510,47 @@ DECAY = 0.5
 lies above this: halfway between no decay (0) and 1/l."""
 
 
-def decay_verdict(finding: str, fit: Mapping[str, Any]) -> str:
-    """The verdict on the inverse-depth paper's mean update ∝ 1/l from a
-    :func:`power_law_fit` row: beta above :data:`DECAY` with its t interval (n - 2 degrees of
-    freedom), its R² named."""
-    n, r2 = fit["n_fitted"] or 0, fit["r2"]
+def decay_verdict(finding: str, fit: Mapping[str, Any], unit: str) -> str:
+    """The verdict on the inverse-depth paper's mean update ∝ 1/l from a fit row
+    (:func:`~layerdiv.analyze.stats.power_law_fit` with ``beta_low``, ``beta_high``, its
+    bootstrap interval over ``n_units`` ``unit``: documents or instances, never blocks): beta
+    above :data:`DECAY`, its R² named; *too few to tell* below :data:`MIN_BLOCKS` blocks
+    fitted or :data:`~layerdiv.analyze.stats.MIN_INTERVAL_N` units."""
+    r2 = fit["r2"]
     if r2 is not None and np.isfinite(r2):
         poor = ", a poor fit" if r2 < plots.POOR_FIT_R2 else ""
-        finding += f" (power law R² {r2:.2f}{poor})"
-    interval = t_interval(fit["beta"], fit["beta_se"], n - 2)
-    return verdict(finding, "β", fit["beta"], interval, n, DECAY, min_n=MIN_BLOCKS,
-                   unit="blocks fitted")  # fmt: skip
+        finding += f" (power law R² {r2:.2f}{poor}"
+        finding += f"; {fit['n_fitted'] or 0} blocks fitted)"
+    n = fit.get("n_units") or 0
+    if (fit["n_fitted"] or 0) < MIN_BLOCKS:
+        n = 0  # too few blocks to fit: too few to tell, whatever the units
+    interval: Interval = (fit.get("beta_low"), fit.get("beta_high"))
+    return verdict(finding, "β", fit["beta"], interval, n, DECAY, min_n=MIN_INTERVAL_N,
+                   unit=unit)  # fmt: skip
 
 
 def decay_verdicts(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str:
-    """Per (model, task): the verdict on the inverse-depth paper's mean update ∝ 1/l (beta
-    above :data:`DECAY`, its t interval) and on the depth-efficiency paper's first finding (a
-    component of the second half contributes less: relative contribution, first half without
-    the embedding and block 0 minus the second half, its Welch interval)."""
-    geometry = tables["geometry"]
+    """Per (model, task), one per set of tasks with the same instances
+    (:func:`~layerdiv.analyze.overlap.one_verdict`): the verdict on the inverse-depth paper's
+    mean update ∝ 1/l (beta above :data:`DECAY`, its interval over instances) and on the
+    depth-efficiency paper's first finding (a component of the second half contributes less:
+    per instance, its mean relative contribution over the first half without the embedding and
+    block 0 minus the second half's, ``geometry_halves``; the mean over instances and its
+    bootstrap interval over them)."""
+    decay, note = one_verdict(tables["depth_decay"], tables["manifests"])
     lines = []
-    for r in tables["depth_decay"].iter_rows(named=True):
+    for r in decay.iter_rows(named=True):
         who = f"{names.get(r['model'], r['model'])}, {r['task']}"
-        lines.append("- " + decay_verdict(f"{who}: block update size falls roughly as 1/l", r))
-        sub = geometry.filter(*[pl.col(k) == r[k] for k in KEY])
-        first = (sub["relative_depth"] <= 0.5) & (sub["kind"] != "embed") & (sub["layer"] > 0)
-        second = sub["relative_depth"] > 0.5
-        keep = (first | second).to_numpy()
-        diff, interval, n_half = halves(sub["rel_contribution"].to_numpy()[keep],
-                                        first.to_numpy()[keep])  # fmt: skip
+        lines.append("- " + decay_verdict(f"{who}: block update size falls roughly as 1/l", r,
+                                          "instances"))  # fmt: skip
+        sub = tables["geometry_halves"].filter(*[pl.col(k) == r[k] for k in KEY])
+        diff, interval, n = unit_mean([sub["rel_difference"].to_numpy()])
         lines.append("- " + verdict(
             f"{who}: a component of the second half contributes less",
-            "relative contribution, 1st half without block 0 − 2nd half", diff, interval,
-            n_half, 0.0, min_n=MIN_HALF, unit="components per half", digits=3))  # fmt: skip
-    return "\n".join(lines)
+            "mean over instances of the relative contribution, 1st half without block 0 − 2nd "
+            "half", diff, interval, n, 0.0, min_n=MIN_INTERVAL_N, unit="instances",
+            digits=3))  # fmt: skip
+    return "\n".join([*lines, *([note] if note else [])])
 
 
 def report(ctx: ReportContext) -> str:

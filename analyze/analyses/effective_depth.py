@@ -26,7 +26,10 @@ same resamples of the documents.
 Table ``effective_depth``: per (model, revision, task, ``measure``, ``lens``): ``lens`` the lens
 that ED_KL and ED_top5 read (``logit``, ``ls``, ``tuned``; null for ED_cos), ``step`` (the
 revision's training step, null where unknown), ``n_blocks`` L, ``n_documents``, ``ed``, ``ratio``,
-``ci_low``, ``ci_high``, and ``defined`` (the share of resamples with a crossing).
+``ci_low``, ``ci_high``, ``defined`` (the share of resamples with a crossing) and ``margin`` (how
+far the data clear the rule at ED, under that lens: for ``cos`` the smaller of -c(ED) and
+c(ED+1), for ``kl`` 0.1 - kl(ED) / max kl, for ``top5`` overlap(ED) - 0.2; null without ED): a
+small margin means a slightly different sample could move ED far.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.frames import with_table
-from layerdiv.analyze.markdown import fmt, key_rows, markdown_table, model_label
+from layerdiv.analyze.markdown import fmt, key_rows, markdown_table, model_label, verdict
+from layerdiv.analyze.overlap import one_verdict
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -103,6 +107,7 @@ SCHEMA = {
     "ci_low": pl.Float64,
     "ci_high": pl.Float64,
     "defined": pl.Float64,
+    "margin": pl.Float64,
 }
 """The columns of ``effective_depth``."""
 
@@ -197,6 +202,35 @@ def lens_means(
 # --- one partition -----------------------------------------------------------------------------
 
 
+SCALARS = {"cos": ed_cos, "kl": ed_kl, "top5": ed_top5}
+"""Each measure's scalar of its block profiles."""
+
+
+def block_profiles(
+    weights: np.ndarray,
+    cos_sum: np.ndarray,
+    cos_count: np.ndarray,
+    lens: np.ndarray | None,
+    present: np.ndarray | None,
+) -> dict[str, np.ndarray]:
+    """Per measure, the block profiles (rows, L) of each row of document ``weights`` (rows, D):
+    the per-block means recomputed from the weighted documents (c(l) token-weighted from
+    ``cos_sum`` and ``cos_count`` (D, 3, L); the lens, where given, the weighted mean of the
+    per-document means ``lens`` (D, 2, L) of the documents ``present``: KL and top-5 overlap)."""
+    blocks = cos_sum.shape[-1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        c = (weights @ cos_sum.reshape(len(cos_sum), -1)) / (
+            weights @ cos_count.reshape(len(cos_count), -1)
+        )
+        out = {"cos": c.reshape(-1, 3, blocks).mean(axis=1)}
+        if lens is not None and present is not None:
+            w = weights * present
+            means = (w @ lens.reshape(len(lens), -1)) / w.sum(axis=1, keepdims=True)
+            kl, top5 = means.reshape(-1, 2, blocks).transpose(1, 0, 2)
+            out |= {"kl": kl, "top5": top5}
+    return out
+
+
 def depths(
     weights: np.ndarray,
     cos_sum: np.ndarray,
@@ -204,23 +238,23 @@ def depths(
     lens: np.ndarray | None,
     present: np.ndarray | None,
 ) -> dict[str, np.ndarray]:
-    """The effective depths (methods §15) of each row of document ``weights`` (rows, D): the
-    per-block means recomputed from the weighted documents (the cosines token-weighted from
-    ``cos_sum`` and ``cos_count`` (D, 3, L); the lens, where given, the weighted mean of the
-    per-document means ``lens`` (D, 2, L) of the documents ``present``), then each scalar;
-    NaN where a row has none."""
-    blocks = cos_sum.shape[-1]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        c = (weights @ cos_sum.reshape(len(cos_sum), -1)) / (
-            weights @ cos_count.reshape(len(cos_count), -1)
-        )
-        out = {"cos": ed_cos(c.reshape(-1, 3, blocks).mean(axis=1))}
-        if lens is not None and present is not None:
-            w = weights * present
-            means = (w @ lens.reshape(len(lens), -1)) / w.sum(axis=1, keepdims=True)
-            kl, top5 = means.reshape(-1, 2, blocks).transpose(1, 0, 2)
-            out |= {"kl": ed_kl(kl), "top5": ed_top5(top5)}
-    return out
+    """The effective depths (methods §15) of each row of :func:`block_profiles` (the same
+    arguments); NaN where a row has none."""
+    profiles = block_profiles(weights, cos_sum, cos_count, lens, present)
+    return {m: SCALARS[m](v) for m, v in profiles.items()}
+
+
+def margin(measure: str, profile: np.ndarray, ed: float) -> float | None:
+    """How far one block profile clears its measure's rule at ED (see the module docstring);
+    None without ED."""
+    if not np.isfinite(ed):
+        return None
+    at = int(ed)
+    if measure == "cos":
+        return float(min(-profile[at], profile[at + 1]))
+    if measure == "kl":
+        return float(KL_FRACTION - profile[at] / np.nanmax(profile))
+    return float(profile[at] - TOP5_LEVEL)
 
 
 def partition_depth(info: PartitionInfo, lens: bool) -> pl.DataFrame:
@@ -229,18 +263,18 @@ def partition_depth(info: PartitionInfo, lens: bool) -> pl.DataFrame:
     ED_top5, each under the same resamples of the documents."""
     blocks = info.manifest.n_blocks
     docs, cos_sum, cos_count = cosine_sums(info)
-    weights = resample_weights(len(docs))
-    found: list[tuple[str | None, str, np.ndarray, np.ndarray]] = []
-    for kind, source in stored_lenses(info) if lens else []:
-        means, present = lens_means(info, docs, source)
-        point = depths(np.ones((1, len(docs))), cos_sum, cos_count, means, present)
+    weights, ones = resample_weights(len(docs)), np.ones((1, len(docs)))
+    # ED_cos once, without a lens; ED_KL and ED_top5 under each lens the partition holds
+    sources: list[tuple[str | None, np.ndarray | None, np.ndarray | None]] = [(None, None, None)]
+    sources += [(k, *lens_means(info, docs, t)) for k, t in (stored_lenses(info) if lens else [])]
+    found = []
+    for kind, means, present in sources:
+        profiles = block_profiles(ones, cos_sum, cos_count, means, present)  # the data's own
         samples = depths(weights, cos_sum, cos_count, means, present)
-        found += [(kind, m, point[m], samples[m]) for m in MEASURES[1:]]
-    point = depths(np.ones((1, len(docs))), cos_sum, cos_count, None, None)
-    samples = depths(weights, cos_sum, cos_count, None, None)
-    found.insert(0, (None, "cos", point["cos"], samples["cos"]))
+        measures = MEASURES[1:] if kind else MEASURES[:1]
+        found += [(kind, m, SCALARS[m](profiles[m]), samples[m], profiles[m][0]) for m in measures]
     rows = []
-    for name, measure, ed, sampled in found:
+    for name, measure, ed, sampled, profile in found:
         ratio = (sampled + 1) / blocks
         # no interval around an estimate that does not exist (``defined`` still tells how many
         # resamples found a crossing), nor from fewer than MIN_INTERVAL_N documents
@@ -258,6 +292,7 @@ def partition_depth(info: PartitionInfo, lens: bool) -> pl.DataFrame:
                 "ci_low": None if np.isnan(low) else float(low),
                 "ci_high": None if np.isnan(high) else float(high),
                 "defined": float(np.isfinite(ratio).mean()),
+                "margin": margin(measure, profile, ed[0]),
             }
         )
     schema = {k: v for k, v in SCHEMA.items() if k != "step"}
@@ -396,6 +431,54 @@ def several_steps(table: pl.DataFrame) -> bool:
     return bool(known.group_by(*SERIES).agg(pl.col("step").n_unique() > 1)["step"].any())
 
 
+DEFINED = 0.95
+"""The share of resamples with a crossing below which an interval over them states no confidence
+(a resample without one has no effective depth at all): the verdict cannot tell."""
+THIN = {"cos": 0.01, "kl": 0.01, "top5": 0.02}
+"""A margin (module docstring) below this is called thin: a tenth of the rule's scale (a cosine
+of 0.1, the KL fraction 0.1, the overlap level 0.2)."""
+HALF = 0.5
+"""The verdict's threshold: done by the middle of the stack, (ED + 1) / L below it."""
+WHY = (
+    "The three need not agree: *cos* reads the residual stream's own updates (where they stop "
+    "erasing), *kl* and *top5* read a lens (the final logit lens, or a learned one), which "
+    "measures when the stream has become readable by the output layer, not when the model stops "
+    "computing; *kl* is relative to the largest KL, so an early block with a huge KL makes it "
+    "fall early, and *top5* needs only 1 of 5 top tokens in common, so it can fire on a frequent "
+    "token; a measure with no crossing has no value at all."
+)
+
+
+def ed_verdicts(table: pl.DataFrame, manifests: pl.DataFrame, names: dict[str, str]) -> str:
+    """Per (model, revision, task) (one per set of tasks with the same documents), measure and
+    lens: the verdict on "done by the middle of the stack", (ED + 1) / L below :data:`HALF` with
+    its interval over documents; *cannot tell* where fewer than :data:`DEFINED` of the resamples
+    have a crossing (the interval is then of those alone); the margin named, called thin below
+    :data:`THIN`."""
+    judged, note = one_verdict(table, manifests)
+    lines = []
+    for r in judged.iter_rows(named=True):
+        who = f"{names.get(r['model'], r['model'])}, {r['task']}, ED_{r['measure']}" + (
+            f" ({r['lens']} lens)" if r["lens"] else ""
+        )
+        thin = r["margin"] is not None and r["margin"] < THIN[r["measure"]]
+        margin = "" if r["margin"] is None else (
+            f" (margin {r['margin']:.3g} past the rule{', thin' if thin else ''})")  # fmt: skip
+        finding = f"{who}: the model is done by the middle of the stack{margin}"
+        if r["ed"] is not None and r["defined"] < DEFINED:
+            lines.append(
+                f"- **Verdict: cannot tell.** {finding}: only {r['defined']:.0%} of the "
+                f"resamples of the documents have a crossing, so an interval over them states no "
+                f"confidence (n = {r['n_documents']} documents)."
+            )
+            continue
+        interval = (r["ci_low"], r["ci_high"]) if r["ed"] is not None else None
+        lines.append("- " + verdict(finding, "(ED + 1) / L", r["ratio"], interval,
+                                    r["n_documents"], HALF, min_n=MIN_INTERVAL_N,
+                                    unit="documents", above=False, digits=3))  # fmt: skip
+    return "\n".join([*lines, *([note] if note else [])])
+
+
 def report(ctx: ReportContext) -> str:
     """The effective-depth section: the table of the three measures with their intervals, the
     ratios per model and, where a model has several revisions, against the training step."""
@@ -412,12 +495,14 @@ def report(ctx: ReportContext) -> str:
             str(r["n_documents"]),
             "none" if r["ed"] is None else f"{r['ed']} of {r['n_blocks']}",
             fmt(r["ratio"], digits=3),
-            f"[{fmt(r['ci_low'], digits=3)}, {fmt(r['ci_high'], digits=3)}]",
-            fmt(r["defined"], scale=100, digits=0) + "%",
+            f"[{fmt(r['ci_low'], digits=3)}, {fmt(r['ci_high'], digits=3)}] over "
+            + fmt(r["defined"], scale=100, digits=0)
+            + "% of resamples",
+            fmt(r["margin"], digits=3),
         ],
     )
     header = ["Model", "Task", "Measure", "Lens", "Documents", "ED (block)", "(ED + 1) / L",
-              f"{LEVEL:g}% CI", "Resamples with one"]  # fmt: skip
+              f"{LEVEL:g}% CI (resamples with a crossing)", "Margin past the rule"]  # fmt: skip
     apart = table.with_columns(model_label())  # a model's revisions side by side
     return "\n\n".join(
         p
@@ -425,13 +510,23 @@ def report(ctx: ReportContext) -> str:
             "Three effective depths from tables the running-text analyses already read (the "
             'follow-up "What Affects the Effective Depth of LLMs?"): *cos*, the last block '
             "where the mean of the attention, MLP and layer update cosines with the stream "
-            "turns from negative to non-negative; *kl*, the first block whose final-lens KL to "
+            "turns from negative to non-negative; *kl*, the first block whose lens KL to "
             f"the output falls below {KL_FRACTION:g} of its largest; *top5*, the first block "
-            f"whose lens top-5 overlap with the output exceeds {TOP5_LEVEL:g}. The ratio "
+            f"whose lens top-5 overlap with the output exceeds {TOP5_LEVEL:g}; both under each "
+            "lens stored (the final logit lens, and each learned lens: methods §17), each with "
+            "its own margin and verdict. The ratio "
             "(ED + 1) / L places it in the stack; the interval is a bootstrap over documents "
             f"({RESAMPLES} resamples, the per-block means recomputed from each), over the "
-            "resamples that have a crossing (their share is the last column).",
+            "resamples that have a crossing, with their share beside it: where it is well "
+            "below 100% the interval is of those resamples alone and no confidence interval. "
+            "The margin says how far the data clear the rule at ED (−c(ED) and c(ED+1) for "
+            f"cos, {KL_FRACTION:g} − KL(ED) / max KL, overlap(ED) − {TOP5_LEVEL:g}); a thin "
+            f"margin means a slightly different sample could move ED far. {WHY} The verdict: "
+            f"done by the middle of the stack, (ED + 1) / L below {HALF:g} (the depth-efficiency "
+            "paper's reading that the second half adds little), over documents; it cannot tell "
+            f"where fewer than {DEFINED:.0%} of the resamples have a crossing.",
             markdown_table(header, rows),
+            ed_verdicts(table, ctx.tables["manifests"], ctx.names),
             plots.figure_link(
                 ctx, "effective_depth.png", "Effective depth", lambda: ratio_figure(apart, names)
             ),

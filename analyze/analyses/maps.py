@@ -425,8 +425,9 @@ def _nearest_same_depth(n_a: int, n_b: int, updates: bool) -> list[int]:
 
 
 def maps_figure(maps: pl.DataFrame, best: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
-    """Per (pair, space), two panels: the source x target heatmap of held-out rel_error with
-    the same-relative-depth diagonal and the best targets marked, and the best-target curve
+    """Per (pair, space), two panels: the source x target heatmap of held-out R² (what selects
+    the best target; coloured from 0 to 1, a negative R² as 0) with the same-relative-depth
+    diagonal and the best targets marked, and the best-target curve
     (the best target's relative depth against the source layer's, beside the diagonal)."""
     panels = []
     for key in maps.select(*PAIR, "space").unique(maintain_order=True).iter_rows(named=True):
@@ -435,20 +436,22 @@ def maps_figure(maps: pl.DataFrame, best: pl.DataFrame, names: dict[str, str]) -
         n_a = int(sub["source_layer"].max()) + 1  # type: ignore[arg-type]
         n_b = int(sub["target_layer"].max()) + 1  # type: ignore[arg-type]
         grid = np.full((n_a, n_b), np.nan)
-        grid[sub["source_layer"].to_numpy(), sub["target_layer"].to_numpy()] = sub["rel_error"]
+        grid[sub["source_layer"].to_numpy(), sub["target_layer"].to_numpy()] = sub["r2"]
         src, tgt, space = _label(key, "source", names), _label(key, "target", names), key["space"]
         layers = "block" if space == "updates" else "layer"
         heat = plots.Heatmap(
             z=[[None if np.isnan(v) else float(v) for v in row] for row in grid],
             x=list(range(n_b)),
             y=list(range(n_a)),
-            colorbar="held-out rel_error",
+            colorbar="held-out R²",
             origin="lower",
+            zmin=0.0,
+            zmax=1.0,
         )
         diagonal = _nearest_same_depth(n_a, n_b, space == "updates")
         panels.append(
             plots.Panel(
-                f"{space}: rel_error of the map i -> j",
+                f"{space}: R² of the map i -> j",
                 heatmap=heat,
                 series=[
                     plots.Series(

@@ -41,7 +41,7 @@ from layerdiv.analyze.registry import (
 )
 from layerdiv.schemas import COMPONENT_KINDS
 from layerdiv.store import PartitionInfo
-from layerdiv.store.key import KEY
+from layerdiv.store.key import KEY, MODEL_KEY
 
 # --- tables --------------------------------------------------------------------------------
 
@@ -100,6 +100,8 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
             "information": stats.information_summary(
                 info_curves, tag(scores.component_preds, info)
             ),
+            "gain_halves": tag(stats.gain_halves(scores.junctions), info),
+            "correlation_intervals": tag(stats.correlation_intervals(scores.junctions), info),
         }
 
     kept: dict[str, list[pl.DataFrame]] = {}
@@ -127,7 +129,7 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
         .sort(*KEY, "estimator", "j")
     )
     counts = gather("counts")
-    corr = stats.correlations(curves)
+    corr = stats.correlations(curves, gather("correlation_intervals"))
     depth = stats.depth_curves(curves, manifests, ctx.min_params)
     if depth.is_empty():
         largest = float(manifests["n_params"].max())  # type: ignore[arg-type]
@@ -146,6 +148,7 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
         "information_curves": gather("information_curves"),
         "information": gather("information"),
         "saturation": stats.saturation(curves),
+        "gain_halves": gather("gain_halves"),
     }
 
 
@@ -230,7 +233,8 @@ def table1(ctx: ReportContext) -> str:
 
 def correlation_table(ctx: ReportContext) -> str:
     """The Fig. 3 table: per metric, models x tasks of "Pearson r / Spearman rho" (``*`` marks
-    p < 0.05), the Avg. column and the all-models row as Fisher-z averages (not tested)."""
+    an r whose bootstrap interval over instances excludes 0), the Avg. column and the
+    all-models row as Fisher-z averages (not tested)."""
     parts = []
     for metric in CORRELATED:
         chosen = (pl.col("estimator") == ctx.estimator) & (pl.col("metric") == metric.name)
@@ -360,20 +364,29 @@ def correlation_verdicts(ctx: ReportContext) -> str:
 
 def submodularity_verdicts(ctx: ReportContext) -> str:
     """Per model, the verdict on the reference paper's submodularity (the marginal accuracy
-    gain of a component diminishes with depth): the mean gain per component of the first half
-    of the stack minus the second's, its Welch interval (:func:`stats.difference`), above 0."""
-    depth = ctx.tables["depth_curves"].filter(pl.col("estimator") == ctx.estimator)
+    gain of a component diminishes with depth): per instance, its mean gain per component over
+    the first half of the stack minus the second's (``gain_halves``); the mean over the model's
+    independent tasks of their means over instances, its bootstrap interval with each task's
+    instances resampled (:func:`stats.unit_mean`; never the junction points), above 0. The models
+    are those of ``depth_curves``."""
+    models = ctx.tables["depth_curves"].select(*MODEL_KEY).unique()
+    gains = (
+        independent(ctx.tables["gain_halves"], ctx.tables["manifests"])
+        .filter(pl.col("estimator") == ctx.estimator)
+        .join(models, on=[*MODEL_KEY], how="semi")
+    )
     lines = []
-    for (model,), sub in depth.group_by(model_label(), maintain_order=True):
-        first = (sub["j"] <= sub["j"].max() / 2).to_numpy()  # type: ignore[operator]
-        diff, interval, n = stats.halves(100 * sub["accuracy_gain"].to_numpy(), first)
+    for (model,), sub in gains.group_by(model_label(), maintain_order=True):
+        groups = [t["gain_difference"].fill_null(np.nan).to_numpy()
+                  for _, t in sub.group_by("task", maintain_order=True)]  # fmt: skip
+        diff, interval, n = stats.unit_mean(groups)
         finding = (
             f"{ctx.names.get(str(model), str(model))}: accuracy gains diminish with depth "
             "(submodularity)"
         )
         lines.append("- " + verdict(finding, "mean gain per component, 1st − 2nd half (points)",
-                                    diff, interval, n, 0.0, min_n=stats.MIN_HALF,
-                                    unit="components per half"))  # fmt: skip
+                                    diff, interval, n, 0.0, min_n=stats.MIN_INTERVAL_N,
+                                    unit="instances"))  # fmt: skip
     return "\n".join(lines)
 
 
@@ -468,8 +481,11 @@ def report(ctx: ReportContext) -> str:
         "### Fig. 3: correlation of accuracy with MSE, bias and diversity across junction points",
         "Each cell: Pearson r / Spearman ρ across the junction points j = 1..L of the "
         "layer-addition curves between accuracy_j and −MSE_j, −bias_j or diversity_j (lower MSE "
-        f"and bias are better). `*`: two-sided p < {stats.SIGNIFICANCE} (t test, L − 2 degrees "
-        "of freedom). Avg. and the all-models row are Fisher-z averages and are not tested. "
+        "and bias are better). `*`: r's bootstrap 95% interval over the task's instances "
+        "excludes 0 (the instances resampled, the curves averaged and correlated again; the "
+        "junction points are neighbours on one curve, not independent, so the paper's t test "
+        "over them, the table's `p`, is not used). Avg. and the all-models row are Fisher-z "
+        "averages and are not tested. "
         f"Estimator `{est}`, scale `{scale}`. {overlap}",
         correlation_table(ctx),
         correlation_verdicts(ctx),

@@ -25,7 +25,8 @@ GAIN_WINDOW = 5
 
 def correlation_spec(ctx: ReportContext, scale: str) -> plots.Figure:
     """Fig. 3: heatmaps of r (models x tasks + Avg.), one per (method, metric); ``*`` marks
-    p < 0.05 in the task columns; Avg. is the Fisher-z mean over tasks."""
+    in the task columns an r whose bootstrap interval over instances excludes 0 (``significant``
+    of :func:`~layerdiv.analyze.stats.correlations`); Avg. is the Fisher-z mean over tasks."""
     names = plots.short_names(ctx.names)
     chosen = pl.col("estimator") == ctx.estimator
     corr = ctx.tables["correlations"].filter(chosen)
@@ -80,8 +81,8 @@ def correlation_spec(ctx: ReportContext, scale: str) -> plots.Figure:
         panels,
         cols=len(CORRELATED),
         panel_size=(1.6 + 0.6 * len(columns), 1.5 + 0.38 * len(models)),
-        caption=f"estimator {ctx.estimator}, scale {scale}; * two-sided p < {stats.SIGNIFICANCE}; "
-        "Avg. = Fisher-z mean over tasks",
+        caption=f"estimator {ctx.estimator}, scale {scale}; * 95% interval over instances "
+        "excludes 0; Avg. = Fisher-z mean over tasks",
     )
 
 

@@ -16,7 +16,9 @@ Tables:
   in a document they are (the inverse-depth paper: mostly the first tokens).
 - ``text_update_fit``: per (model, task, metric): the mean update size of block l (token-weighted
   mean ``theta_state`` or ``layer_rel`` of ``text_geometry``) fitted as a * l^(-beta) on log-log
-  axes, l = 1..L (block index + 1): ``a``, ``beta``, ``beta_se``, ``r2``, ``n_fitted``.
+  axes, l = 1..L (block index + 1): ``a``, ``beta``, ``beta_se``, ``r2``, ``n_fitted``, and
+  beta's bootstrap interval over documents (``beta_low``, ``beta_high``, ``n_units``: the
+  documents resampled and the token-weighted mean profile refitted, never the blocks).
 - ``text_depth_score`` (partitions extracted with ``--skips``): per (model, task, sublayer,
   group): ``n_documents``, the mean and standard deviation of the per-document depth score
   sum_l l out_change(l) / sum_l out_change(l) (l the skipped block, 0-based; out_change(l) of a
@@ -35,17 +37,23 @@ from layerdiv.analyze import plots
 from layerdiv.analyze.analyses.depth import decay_verdict
 from layerdiv.analyze.frames import tag, with_table
 from layerdiv.analyze.markdown import DASH, fmt, markdown_table
-from layerdiv.analyze.overlap import independent
+from layerdiv.analyze.overlap import independent, one_verdict
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
     ReportContext,
     with_data,
 )
-from layerdiv.analyze.stats import POWER_FIT_SCHEMA, depth_score, power_law_fit
+from layerdiv.analyze.stats import (
+    POWER_FIT_SCHEMA,
+    depth_score,
+    power_law_fit,
+    resampled_power_law,
+)
 from layerdiv.analyze.text import (
     EARLY_STOP_FRACTION,
     TEXT_KIND,
+    DocumentSums,
     ProfileMoments,
     batches,
     combine,
@@ -111,9 +119,24 @@ def early_table(moments: ProfileMoments) -> pl.DataFrame:
     ).with_columns((pl.col("n_early") / pl.col("n_tokens")).alias("share_early"))
 
 
-def update_fit(geometry: pl.DataFrame) -> pl.DataFrame:
+def fit_intervals(info: PartitionInfo, documents: DocumentSums) -> pl.DataFrame:
+    """Per metric of :data:`FIT_METRICS`: beta's bootstrap interval over the partition's
+    documents (``beta_low``, ``beta_high``) and the documents counted (``n_units``)."""
+    rows = []
+    for metric in FIT_METRICS:
+        totals, counts = documents.column(metric)
+        depth = np.arange(1, documents.blocks + 1, dtype=float)
+        (low, high), n = resampled_power_law(depth, totals, counts)
+        rows.append({"metric": metric, "beta_low": low, "beta_high": high, "n_units": n})
+    schema = {"metric": pl.String, "beta_low": pl.Float64, "beta_high": pl.Float64,
+              "n_units": pl.Int64}  # fmt: skip
+    return tag(pl.DataFrame(rows, schema=schema), info)
+
+
+def update_fit(geometry: pl.DataFrame, intervals: pl.DataFrame | None = None) -> pl.DataFrame:
     """``text_update_fit``: per (model, task, metric), mean update size of block l = a * l^(-beta)
-    on log-log axes (methods §9), l = block + 1."""
+    on log-log axes (methods §9), l = block + 1, with beta's interval over documents from
+    ``intervals`` (of :func:`fit_intervals`) where given."""
     rows = []
     for key, sub in geometry.sort("block").group_by(*KEY, maintain_order=True):
         depth = sub["block"].to_numpy().astype(float) + 1
@@ -121,7 +144,10 @@ def update_fit(geometry: pl.DataFrame) -> pl.DataFrame:
             fit = power_law_fit(depth, sub[f"{metric}_mean"].cast(pl.Float64).to_numpy())
             rows.append({**dict(zip(KEY, key, strict=True)), "metric": metric, **fit})
     schema = {**dict.fromkeys(KEY, pl.String), "metric": pl.String, **POWER_FIT_SCHEMA}
-    return pl.DataFrame(rows, schema=schema).sort(*KEY, "metric")
+    fits = pl.DataFrame(rows, schema=schema)
+    if intervals is not None:
+        fits = fits.join(intervals, on=[*KEY, "metric"], how="left")
+    return fits.sort(*KEY, "metric")
 
 
 def depth_scores(out_max: pl.DataFrame) -> pl.DataFrame:
@@ -185,7 +211,8 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
         for name, frame in profile_tables(info, passes[info.where].moments).items():
             found.setdefault(name, []).append(frame)
     result = {name: pl.concat(frames) for name, frames in found.items()}
-    result["text_update_fit"] = update_fit(prior["text_geometry"])
+    intervals = pl.concat([fit_intervals(p, passes[p.where].documents) for p in ctx.parts])
+    result["text_update_fit"] = update_fit(prior["text_geometry"], intervals)
     with_skips = with_table(ctx.parts, "future_output")
     scores = with_data(depth_score_table, with_skips, ctx.notes, "text_depth_score")
     if scores:
@@ -307,6 +334,7 @@ def report(ctx: ReportContext) -> str:
         tables["text_early_stop"],
     )
     rows, verdicts = [], []
+    judged, overlap = one_verdict(fits, tables["manifests"])
     for _key, sub in pca.group_by(*KEY, maintain_order=True):
         model, task = sub["model"][0], sub["task"][0]
         ratios = sub.sort("component")["explained_ratio"].to_list()
@@ -325,10 +353,10 @@ def report(ctx: ReportContext) -> str:
             if fit.height
             else ""
         ) or DASH
-        if fit.height:
+        if fit.join(judged, on=[*KEY, "metric"], how="semi").height:
             who = f"{ctx.names.get(str(model), str(model))}, {task}"
             finding = f"{who}: the mean update θ(h_l, h_l+1) falls roughly as 1/l"
-            verdicts.append("- " + decay_verdict(finding, fit.row(0, named=True)))
+            verdicts.append("- " + decay_verdict(finding, fit.row(0, named=True), "documents"))
         rows.append(
             [
                 ctx.names.get(str(model), str(model)),
@@ -355,7 +383,7 @@ def report(ctx: ReportContext) -> str:
         "the fit of the mean θ of block l to a·l^−β. The first token of a document (position 0) "
         "is an attention sink: its share is given apart from that of every other position.",
         markdown_table(header, rows),
-        "\n".join(verdicts),
+        "\n".join([*verdicts, *([overlap] if overlap else [])]),
         plots.figure_link(
             ctx,
             "text_profiles.png",

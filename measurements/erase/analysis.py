@@ -51,6 +51,7 @@ from layerdiv.analyze.analyses.attribution import (
     depth_frame,
     depth_row,
     depth_rows,
+    depth_verdicts,
     document_tokens,
     first_documents,
     maps_link,
@@ -58,7 +59,7 @@ from layerdiv.analyze.analyses.attribution import (
     profiles,
     with_answer,
 )
-from layerdiv.analyze.frames import tag
+from layerdiv.analyze.frames import tag, unit_lengths
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.registry import (
     Analysis,
@@ -85,18 +86,11 @@ CHOICE_TITLE = "Choice tasks: residual erasure per state and token"
 """The heading of the choice tasks' report section."""
 
 
-def lengths(info: PartitionInfo) -> pl.LazyFrame:
-    """Per document (instance, as ``doc``) of ``info``: its ``n_tokens`` T."""
-    if choice(info):
-        return info.scan("instances").select(pl.col("instance").alias("doc"), "n_tokens")
-    return info.scan("documents").select("doc", "n_tokens")
-
-
 def anchors(info: PartitionInfo) -> pl.DataFrame:
     """Per document (instance, as ``doc``) of ``info`` its ``anchor`` a: the answer's start s
     (none for a document without one), a choice task's readout position T - 1."""
     if choice(info):
-        rows = lengths(info).select("doc", anchor=pl.col("n_tokens") - 1).collect()
+        rows = unit_lengths(info).select("doc", anchor=pl.col("n_tokens") - 1).collect()
         return rows.sort("doc")
     return answer_starts(info).rename({"answer_start": "anchor"})
 
@@ -110,7 +104,7 @@ def computed(info: PartitionInfo) -> pl.LazyFrame:
     return (
         info.scan("erasure")
         .filter(pl.col("effect").is_not_null())
-        .join(lengths(info), on="doc", how="inner")
+        .join(unit_lengths(info), on="doc", how="inner")
         .filter(pl.col("pos") < last)
         .with_columns(pl.col("effect").cast(pl.Float64))
     )
@@ -419,8 +413,19 @@ def report(ctx: ReportContext, section: Section = TEXT) -> str:
             f"mean ({over}): {section.effect}. Depth score "
             f"(methods §10) of each {section.units[:-1]}'s profile sum_t effect(l, t) over the "
             f"states l = 0..L, the mean over {section.units} with its bootstrap {LEVEL:g}% "
-            f"interval ({RESAMPLES} resamples; none below {MIN_INTERVAL_N} {section.units}).",
+            f"interval ({RESAMPLES} resamples; none below {MIN_INTERVAL_N} {section.units}). "
+            "The verdict tests the depth-efficiency paper's reading of these maps, that erasing "
+            "a position matters mostly in the first half of the stack: score / L below 1/2 "
+            "(a flat profile gives about 1/2).",
             markdown_table(head, depth_rows(ctx.tables[f"{p}_depth"].sort(*KEY), ctx.names)),
+            depth_verdicts(
+                ctx.tables[f"{p}_depth"].sort(*KEY),
+                ctx.tables["manifests"],
+                ctx.names,
+                "erasing a position's state changes the output mostly in the first half of the "
+                "states",
+                section.units,
+            ),
             *sensitivity(ctx, section),
             plots.figure_link(
                 ctx,

@@ -11,6 +11,7 @@ import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import DASH, fmt, markdown_table, verdict
+from layerdiv.analyze.overlap import one_verdict
 from layerdiv.analyze.registry import ReportContext
 from layerdiv.store.key import KEY
 
@@ -90,13 +91,18 @@ MIN_INSTANCES = 30
 """Instances below which the accuracy of a part against the whole's cannot tell."""
 
 
-def beat_verdicts(summary: pl.DataFrame, names: dict[str, str]) -> str:
-    """Per (model, task) with heads: the verdict on "a head beats the whole", like with like:
-    the best calibrated head's accuracy minus the calibrated full model's (points), with the
-    normal interval of two proportions over the n instances (optimistic: the best of many heads,
-    chosen on the same instances)."""
+def beat_verdicts(
+    summary: pl.DataFrame, names: dict[str, str], manifests: pl.DataFrame | None = None
+) -> str:
+    """Per (model, task) with heads, one per set of tasks with the same instances
+    (:func:`~layerdiv.analyze.overlap.one_verdict`, with ``manifests``): the verdict on "a head
+    beats the whole", like with like: the best calibrated head's accuracy minus the calibrated
+    full model's (points), with the normal interval of two proportions over the n instances
+    (optimistic: the best of many heads, chosen on the same instances)."""
     lines = []
-    for r in summary.filter(pl.col("n_heads").is_not_null()).sort(*KEY).iter_rows(named=True):
+    with_heads = summary.filter(pl.col("n_heads").is_not_null())
+    judged, note = one_verdict(with_heads, pl.DataFrame() if manifests is None else manifests)
+    for r in judged.sort(*KEY).iter_rows(named=True):
         n, head, whole = r["n_instances"], r["best_head_calibrated_accuracy"], r[
             "calibrated_accuracy"]  # fmt: skip
         diff = 100 * (head - whole)
@@ -107,7 +113,7 @@ def beat_verdicts(summary: pl.DataFrame, names: dict[str, str]) -> str:
             "best calibrated head − calibrated full model (points)", diff,
             (diff - 1.96 * se, diff + 1.96 * se), n, 0.0, min_n=MIN_INSTANCES,
             unit="instances", digits=1))  # fmt: skip
-    return "\n".join(lines)
+    return "\n".join([*lines, *([note] if note else [])])
 
 
 def heads_section(ctx: ReportContext) -> str:
@@ -162,7 +168,7 @@ def heads_section(ctx: ReportContext) -> str:
             ],
             rows,
         ),
-        beat_verdicts(summary, names),
+        beat_verdicts(summary, names, tables.get("manifests")),
     ]
     for model in sorted(scores["model"].unique()) if scores.height else []:
         label = names.get(model, model)

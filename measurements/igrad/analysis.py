@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -48,6 +49,7 @@ from layerdiv.analyze.analyses.attribution import (
     depth_frame,
     depth_row,
     depth_rows,
+    depth_verdicts,
     document_tokens,
     first_documents,
     maps_link,
@@ -267,6 +269,30 @@ def too_few_steps(table: pl.DataFrame, names: dict[str, str]) -> list[str]:
     return lines
 
 
+def unreliable(table: pl.DataFrame) -> dict[tuple[Any, ...], str]:
+    """Per (model, revision, task, site) whose completeness gap exceeds :data:`GAP_LEVEL` of
+    |f(x) - f(b)| at some block: why its depth score, verdict and maps are unreliable."""
+    over = (
+        table.group_by(*KEY, "sublayer")
+        .agg(
+            (pl.col("rel_gap") > GAP_LEVEL).sum().alias("over"),
+            pl.len().alias("blocks"),
+            pl.col("rel_gap").max().alias("worst"),
+            pl.col("steps").first(),
+        )
+        .filter(pl.col("over") > 0)
+    )
+    return {
+        (*(r[k] for k in KEY), r["sublayer"]): (
+            f"the completeness gap exceeds {GAP_LEVEL:.0%} of |f(x) − f(b)| at {r['over']} of "
+            f"{r['blocks']} blocks (up to {r['worst']:.0%}, M = {r['steps']}), so the "
+            "attributions do not add up to the change they explain; extract again with a larger "
+            "`--igrad-steps`"
+        )
+        for r in over.iter_rows(named=True)
+    }
+
+
 def share_figure(
     share: pl.DataFrame, names: dict[str, str], units: str = "documents"
 ) -> plots.Figure:
@@ -342,6 +368,17 @@ def report(ctx: ReportContext, section: Section = TEXT) -> str:
     names = plots.short_names(ctx.names)
     steps = too_few_steps(completeness_table, ctx.names)
     depth = ctx.tables[f"{p}_depth"].sort(*KEY, SITE_ORDER)
+    flagged = unreliable(completeness_table)
+    reliable = [
+        "no" if (*(r[k] for k in KEY), r["sublayer"]) in flagged else "yes"
+        for r in depth.iter_rows(named=True)
+    ]
+    marked = sorted({f"{names.get(k[0], k[0])} · {k[2]} · {k[3]}" for k in flagged})
+    note = section.note + (
+        f"; UNRELIABLE (completeness gap over {GAP_LEVEL:.0%}): {', '.join(marked)}"
+        if marked
+        else ""
+    )
     head = [
         "Model",
         "Task",
@@ -351,6 +388,7 @@ def report(ctx: ReportContext, section: Section = TEXT) -> str:
         f"{LEVEL:g}% CI",
         "(score + 1) / L",
         f"{LEVEL:g}% CI",
+        f"Reliable (gap ≤ {GAP_LEVEL:.0%} at every block)",
     ]
     gaps = [
         "Model",
@@ -373,8 +411,27 @@ def report(ctx: ReportContext, section: Section = TEXT) -> str:
             markdown_table(gaps, gap_rows(completeness_table, ctx.names)),
             f"Depth score (methods §10) of each {units[:-1]}'s profile sum_t |IG(l, t)| over "
             f"blocks, the mean over {units} with its bootstrap {LEVEL:g}% interval over {units} "
-            f"({RESAMPLES} resamples; none below {MIN_INTERVAL_N} {units}).",
-            markdown_table(head, depth_rows(depth, ctx.names)),
+            f"({RESAMPLES} resamples; none below {MIN_INTERVAL_N} {units}). The verdict tests "
+            "the depth-efficiency paper's reading of these maps, that what a position gives the "
+            "answer comes mostly from the first half of the blocks: (score + 1) / L below 1/2. "
+            f"A site whose completeness gap exceeds {GAP_LEVEL:.0%} at some block is marked "
+            "unreliable (its depth score, verdict and maps): its attributions do not add up to "
+            "the change they explain.",
+            markdown_table(
+                head,
+                [
+                    [*row, ok]
+                    for row, ok in zip(depth_rows(depth, ctx.names), reliable, strict=True)
+                ],
+            ),
+            depth_verdicts(
+                depth,
+                ctx.tables["manifests"],
+                ctx.names,
+                "the attribution to the answer lies mostly in the first half of the blocks",
+                units,
+                flagged,
+            ),
             plots.figure_link(
                 ctx,
                 f"{p}_share.png",
@@ -389,7 +446,7 @@ def report(ctx: ReportContext, section: Section = TEXT) -> str:
                 value="attribution",
                 colorbar="IG(l, t)",
                 signed=True,
-                note=section.note,
+                note=note,
                 unit=units[:-1],
             ),
         ]

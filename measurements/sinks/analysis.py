@@ -10,7 +10,10 @@ sink(l, h) per unit (document, or a choice task's instance):
   :data:`~layerdiv.analyze.stats.LEVEL` percentile interval of
   :data:`~layerdiv.analyze.stats.RESAMPLES` seeded bootstrap resamples of the units (each
   recomputing every head's mean, then the share; none below
-  :data:`~layerdiv.analyze.stats.MIN_INTERVAL_N` units).
+  :data:`~layerdiv.analyze.stats.MIN_INTERVAL_N` units); and the same over the units of at
+  least :data:`MIN_TOKENS` tokens alone (``n_long``, ``long_rate``, ``long_low``, ``long_high``;
+  ``median_tokens`` the units' median length), what the verdict reads: on a short prompt even
+  uniform attention puts much weight on the first token.
 
 ``bos_norm`` (every text partition: the stored h.h of methods §9, no ``--sinks`` needed): per
 block, the mean over documents of ||h_l|| at position 0, of the mean ||h_l|| over positions
@@ -25,8 +28,9 @@ import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.frames import tag
-from layerdiv.analyze.markdown import fmt, key_rows, markdown_table, model_label
+from layerdiv.analyze.frames import tag, unit_lengths
+from layerdiv.analyze.markdown import fmt, key_rows, markdown_table, model_label, verdict
+from layerdiv.analyze.overlap import one_verdict
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -49,6 +53,11 @@ from layerdiv.store.key import KEY
 EPSILON = 0.3
 """A head is a sink where its mean attention on the first token exceeds this (methods §16, as Gu
 et al.)."""
+
+MIN_TOKENS = 32
+"""The shortest prompt (tokens T) whose units the sinks verdict reads: uniform attention over
+positions 0..p puts 1/(p + 1) on the first token, a mean over p = 1..T-1 of (H_T - 1) / (T - 1)
+(H_T the harmonic number): 0.19 at T = 13, 0.10 at T = 32, a third of :data:`EPSILON`."""
 
 WIDE = 4
 """Partitions per row of the heatmap figure."""
@@ -78,16 +87,32 @@ def sink_rates(weights: np.ndarray, values: np.ndarray) -> np.ndarray:
     return np.asarray((means > EPSILON).mean(axis=1))
 
 
+FLOATS = ("sink_rate", "ci_low", "ci_high", "median_tokens", "long_rate", "long_low", "long_high")
+"""The float columns of ``sink_rate``."""
+
+
+def rate_interval(values: np.ndarray) -> tuple[float | None, float | None, float | None]:
+    """The sink rate of the units ``values`` (units, L x H) and its bootstrap interval over
+    them (none below :data:`~layerdiv.analyze.stats.MIN_INTERVAL_N` units, no rate without)."""
+    units = len(values)
+    if not units:
+        return None, None, None
+    rate = float(sink_rates(np.ones((1, units)), values)[0])
+    if units < MIN_INTERVAL_N:
+        return rate, None, None
+    low, high = percentile_interval(sink_rates(resample_weights(units), values))
+    return rate, float(low), float(high)
+
+
 def partition_sinks(info: PartitionInfo) -> dict[str, pl.DataFrame]:
     """The ``sink_rate`` row and the ``sink_heads`` rows of one partition."""
     values, blocks, heads = sink_array(info)
     units = len(values)
-    rate = float(sink_rates(np.ones((1, units)), values)[0])
-    low, high = (
-        percentile_interval(sink_rates(resample_weights(units), values))
-        if units >= MIN_INTERVAL_N
-        else (np.nan, np.nan)
-    )
+    rate, low, high = rate_interval(values)
+    docs = info.scan("sinks").select("doc").unique().sort("doc").collect()
+    length = docs.join(unit_lengths(info).collect(), on="doc", how="left")["n_tokens"]
+    long = (length.fill_null(0) >= MIN_TOKENS).to_numpy()
+    long_rate, long_low, long_high = rate_interval(values[long])
     means = values.mean(axis=0)
     rates = pl.DataFrame(
         {
@@ -95,10 +120,15 @@ def partition_sinks(info: PartitionInfo) -> dict[str, pl.DataFrame]:
             "n_heads": [heads],
             "n_units": [units],
             "sink_rate": [rate],
-            "ci_low": [None if np.isnan(low) else float(low)],
-            "ci_high": [None if np.isnan(high) else float(high)],
+            "ci_low": [low],
+            "ci_high": [high],
+            "median_tokens": [length.median()],
+            "n_long": [int(long.sum())],
+            "long_rate": [long_rate],
+            "long_low": [long_low],
+            "long_high": [long_high],
         },
-        schema_overrides={"ci_low": pl.Float64, "ci_high": pl.Float64},
+        schema_overrides=dict.fromkeys(FLOATS, pl.Float64),
     )
     per_head = pl.DataFrame(
         {
@@ -191,6 +221,30 @@ def heatmap_figure(per_head: pl.DataFrame, names: dict[str, str]) -> plots.Figur
     )
 
 
+def sink_verdicts(rates: pl.DataFrame, manifests: pl.DataFrame, names: dict[str, str]) -> str:
+    """Per (model, revision, task), one per set of tasks with the same units: the verdict on Gu
+    et al.'s finding that attention sinks emerge (the sink rate above 0, its interval over the
+    units), read over the units of at least :data:`MIN_TOKENS` tokens alone; none where fewer
+    than :data:`~layerdiv.analyze.stats.MIN_INTERVAL_N` are that long."""
+    judged, note = one_verdict(rates, manifests)
+    lines = []
+    for r in judged.iter_rows(named=True):
+        who = f"{names.get(r['model'], r['model'])}, {r['task']}"
+        if r["n_long"] < MIN_INTERVAL_N:
+            lines.append(
+                f"- **No verdict: prompts too short.** {who}: {r['n_long']} of {r['n_units']} "
+                f"units have at least {MIN_TOKENS} tokens (median {fmt(r['median_tokens'])}); "
+                "on shorter prompts uniform attention alone puts much of its weight on the first "
+                "token, so the sink rate says little about sinks."
+            )
+            continue
+        lines.append("- " + verdict(
+            f"{who}: attention sinks emerge (units of at least {MIN_TOKENS} tokens)",
+            "sink rate", r["long_rate"], (r["long_low"], r["long_high"]), r["n_long"], 0.0,
+            min_n=MIN_INTERVAL_N, unit="units", digits=3))  # fmt: skip
+    return "\n".join([*lines, *([note] if note else [])])
+
+
 def sinks_report(ctx: ReportContext) -> str:
     """The sinks section: the sink rate per (model, task) with its interval, the rate per block
     and the heatmaps."""
@@ -206,9 +260,12 @@ def sinks_report(ctx: ReportContext) -> str:
             f"{r['n_blocks']} x {r['n_heads']}",
             fmt(r["sink_rate"], digits=3),
             f"[{fmt(r['ci_low'], digits=3)}, {fmt(r['ci_high'], digits=3)}]",
+            fmt(r["median_tokens"]),
+            str(r["n_long"]),
         ],
     )
-    header = ["Model", "Task", "Units", "Blocks x heads", "Sink rate", f"{LEVEL:g}% CI"]
+    header = ["Model", "Task", "Units", "Blocks x heads", "Sink rate", f"{LEVEL:g}% CI",
+              "Median tokens", f"Units ≥ {MIN_TOKENS} tokens"]  # fmt: skip
     per_block = ctx.tables["sink_blocks"].with_columns(model_label())
     per_head = ctx.tables["sink_heads"].with_columns(model_label())
     labelled = rates.with_columns(model_label())
@@ -218,8 +275,14 @@ def sinks_report(ctx: ReportContext) -> str:
             "sink(l, h) is the mean over positions 1..T-1 of the attention weight on the first "
             f"token, as the model computes it. A head is a sink where its mean over units exceeds "
             f"{EPSILON:g}; the sink rate is the share of sink heads among all (l, h), its interval "
-            f"a bootstrap over units ({RESAMPLES} resamples; none below {MIN_INTERVAL_N} units).",
+            f"a bootstrap over units ({RESAMPLES} resamples; none below {MIN_INTERVAL_N} units). "
+            f"The minimum prompt length: uniform attention alone puts (H_T − 1) / (T − 1) on "
+            f"the first token (0.19 at T = 13), so the verdict (Gu et al.: sinks emerge, a "
+            f"sink rate above 0) reads only the units of at least {MIN_TOKENS} tokens (0.10 "
+            "there) and is not given where fewer than "
+            f"{MIN_INTERVAL_N} are that long.",
             markdown_table(header, rows),
+            sink_verdicts(rates, ctx.tables["manifests"], ctx.names),
             plots.figure_link(
                 ctx,
                 "sinks.png",

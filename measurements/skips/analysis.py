@@ -14,12 +14,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 
 from layerdiv.analyze import plots
 from layerdiv.analyze.frames import by_model, listing, selected, tag
 from layerdiv.analyze.markdown import fmt, markdown_table, verdict
-from layerdiv.analyze.overlap import lone_subsets
+from layerdiv.analyze.overlap import lone_subsets, one_verdict
 from layerdiv.analyze.registry import (
     Analysis,
     Context,
@@ -27,7 +28,7 @@ from layerdiv.analyze.registry import (
     map_partitions,
     partition_engine,
 )
-from layerdiv.analyze.stats import MIN_INTERVAL_N, percentile_interval, resample_weights
+from layerdiv.analyze.stats import MIN_INTERVAL_N, unit_mean
 from layerdiv.errors import LayerdivError
 from layerdiv.store import PartitionInfo, Store
 from layerdiv.store.key import KEY
@@ -296,25 +297,23 @@ def skip_table(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str
 
 
 def skip_verdicts(tables: Mapping[str, pl.DataFrame], names: dict[str, str]) -> str:
-    """Per (model, task): the verdict on the depth-efficiency paper's second finding (skipping a
-    block of the second half changes the output less): the mean over instances of each one's
-    mean KL of the first half's skips minus the second's (``skip_halves``), its bootstrap
-    interval over instances (the independent units; not over blocks)."""
+    """Per (model, task), one per set of tasks with the same instances
+    (:func:`~layerdiv.analyze.overlap.one_verdict`): the verdict on the depth-efficiency paper's
+    second finding (skipping a block of the second half changes the output less): the mean over
+    instances of each one's mean KL of the first half's skips minus the second's
+    (``skip_halves``), its bootstrap interval over instances (the independent units; not over
+    blocks, :func:`~layerdiv.analyze.stats.unit_mean`)."""
+    judged, note = one_verdict(tables["skip_halves"], tables["manifests"])
     lines = []
-    for key, sub in tables["skip_halves"].group_by(*KEY, maintain_order=True):
+    for key, sub in judged.group_by(*KEY, maintain_order=True):
         row = dict(zip(KEY, key, strict=True))
-        d = sub["kl_difference"].drop_nulls().drop_nans().to_numpy()
-        diff = float(d.mean()) if len(d) else None
-        interval: tuple[float | None, float | None] = (None, None)
-        if len(d) >= MIN_INTERVAL_N:  # the mean of each resample of the instances
-            low, high = percentile_interval(resample_weights(len(d)) @ d / len(d))
-            interval = (float(low), float(high))
+        diff, interval, n = unit_mean([sub["kl_difference"].fill_null(np.nan).to_numpy()])
         lines.append("- " + verdict(
             f"{names.get(row['model'], row['model'])}, {row['task']}: skipping a block of the "
             "second half changes the output less",
-            "mean over instances of the KL, 1st − 2nd half (nats)", diff, interval, len(d),
+            "mean over instances of the KL, 1st − 2nd half (nats)", diff, interval, n,
             0.0, min_n=MIN_INTERVAL_N, unit="instances", digits=3))  # fmt: skip
-    return "\n".join(lines)
+    return "\n".join([*lines, *([note] if note else [])])
 
 
 def report(ctx: ReportContext) -> str:
