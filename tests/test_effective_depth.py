@@ -158,11 +158,11 @@ def test_the_figure_keeps_a_panel_without_a_crossing_and_every_interval(tmp_path
     (an upper end beyond 1 included, and the crosses at 0)."""
     from layerdiv.analyze import plots
 
-    columns = ("model", "task", "measure", "ratio", "ci_low", "ci_high")
-    rows = [("m", "t", "cos", 0.6, 0.4, 1.1), ("m", "t", "kl", None, None, None),
-            ("m", "t", "top5", 0.1, 0.07, 0.2)]  # fmt: skip
+    columns = ("model", "task", "measure", "lens", "ratio", "ci_low", "ci_high")
+    rows = [("m", "t", "cos", None, 0.6, 0.4, 1.1), ("m", "t", "kl", "logit", None, None, None),
+            ("m", "t", "top5", "logit", 0.1, 0.07, 0.2)]  # fmt: skip
     table = pl.DataFrame(rows, schema=dict.fromkeys(columns, pl.String), orient="row").cast(
-        {c: pl.Float64 for c in columns[3:]}
+        {c: pl.Float64 for c in columns[4:]}
     )
     fig = effective_depth.ratio_figure(table, {"m": "Model M"})
     cos, kl, _ = fig.panels
