@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from layerdiv.extract import chunks, cost
 from layerdiv.extract.adapters import Adapter, adapter_for, check_softcap
-from layerdiv.extract.batching import chunk_runs, tokenize
+from layerdiv.extract.batching import chunk_runs, token_budget, tokenize
 from layerdiv.extract.capture import SUM_TOLERANCE, check_batch
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, ExtractConfig, TaskSummary
 from layerdiv.extract.facts import load_with_facts, revision_facts
@@ -29,7 +29,6 @@ from layerdiv.extract.forward import (
     chunk_tables,
     measured_tables,
     text_tables,
-    token_budget,
 )
 from layerdiv.extract.interrupt import interruptible
 from layerdiv.extract.models import (
