@@ -147,14 +147,14 @@ two models pair the tokens that end at the same character (methods §11). Its le
 :data:`TEXT_TASK` (other articles: held out)."""
 MULTIHOP_TASK = "multihop"
 """The demo's running-text task with an answer: the handwritten multi-hop questions of
-``tests/data/multihop`` (the form of the built-in ``mquake`` task), extracted with ``--igrad``
+``tasks/data/multihop`` (the form of the built-in ``mquake`` task), extracted with ``--igrad``
 and ``--erase`` on its first :data:`MULTIHOP_DOCS` documents."""
 MULTIHOP_DOCS, MULTIHOP_STEPS = 8, 8
 """Documents the attribution maps are extracted for (enough for a bootstrap interval over
 documents, ``layerdiv.analyze.stats.MIN_INTERVAL_N``), and their integration steps M (the
 authors' 256 would take over an hour here; the report says where M is too small)."""
-MULTIHOP_DATA = Path(__file__).parent / "tests" / "data" / "multihop"
-"""Where the multi-hop questions and their task are (package data)."""
+MULTIHOP_DATA = Path(__file__).parent / "tasks" / "data" / "multihop"
+"""Where the multi-hop questions and their task are (package data of ``layerdiv.tasks``)."""
 SIBLING = "smollm2-15-blocks"
 """The folder (in the demo's) of SmolLM2 with every other block removed
 (``layerdiv.extract.models.save_every_other_block``): a real, damaged 15-block model."""

@@ -12,6 +12,12 @@ class LayerdivError(Exception):
     """Bad input or data that cannot be trusted: the message says what is wrong and what to do."""
 
 
+class DecompositionError(LayerdivError, RuntimeError):
+    """A forward pass cannot be measured as captured: the components do not add up to the
+    model's logits, a value is NaN/Inf, or a capture saw no pass (raised by extract's captures
+    and the measurements' hooks)."""
+
+
 class LayerdivWarning(UserWarning):
     """Something an analysis could not compute (a table left empty, rows filtered out): the
     message says why and how to get it. ``Results.notes`` keeps the same lines."""

@@ -7,8 +7,9 @@ rate of a plain forward pass measured in the same run.
         [--threads 1] [--quick]
 
 Each repeat runs a plain text extraction and the same with ``--erase`` (in rotating order, each
-into a fresh store; the CPU seconds of ``extract_task``, the model loaded) and a plain forward pass
-over each document alone (one position read out: ``layerdiv.extract.cost.Shape.forward``). The
+into a fresh store; the CPU seconds of ``extract_task``, the model loaded:
+``common.against_plain``); then a plain forward pass over each document alone (one position read
+out: ``layerdiv.extract.cost.Shape.forward``) is timed five times per repeat. The
 erasure's seconds are the difference of the two extractions; its FLOPs are those of its passes,
 counted per document from its tokens T and its answer's start s
 (``layerdiv.measurements.erase.erase_flops``: per state l and position t <= T - 2, blocks l..L-1
@@ -18,8 +19,6 @@ keys and values). Target: at most 1.15 x those FLOPs at the plain forward's rate
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -27,68 +26,38 @@ import time
 from pathlib import Path
 
 import torch
-from common import add_quick, record
+from common import against_plain, bbc_text_task, record, text_extract_args
 
-from layerdiv.demo import DEMO_MODEL, bbc_articles
-from layerdiv.extract.adapters import adapter_for, check_softcap
-from layerdiv.extract.config import ExtractConfig, measurement_options
+from layerdiv.demo import DEMO_MODEL
+from layerdiv.extract.config import ExtractConfig
 from layerdiv.extract.cost import Shape
 from layerdiv.extract.models import load_model, load_tokenizer, resolve_source
 from layerdiv.extract.plan import plan_task
-from layerdiv.extract.runner import extract_task
 from layerdiv.measurements.erase import erase_flops
 
 TARGET = 1.15
 """Target: the erasure's time at most this multiple of its FLOPs at a plain forward's rate."""
 
 
-def write_task(folder: Path, docs: int, chars: int, answer: int) -> Path:
-    """A text task of ``docs`` BBC News articles (evenly spread over the corpus): the first
-    ``chars`` characters, then the next ``answer`` as the answer."""
-    articles = bbc_articles(paragraphs=2)
-    rows = [r for r in articles if len(r["text"]) > chars + answer]
-    rows = rows[:: max(1, len(rows) // docs)][:docs]
-    (folder / "bbc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    spec = {"name": "bbc-erase-bench", "kind": "text", "data": "bbc.jsonl",
-            "text": f"{{{{ text[:{chars}] }}}}",
-            "answer": f"{{{{ text[{chars}:{chars + answer}] }}}}", "n": len(rows)}  # fmt: skip
-    path = folder / "bbc.yaml"
-    path.write_text(json.dumps(spec))
-    return path
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--docs", type=int, default=2)
-    parser.add_argument("--chars", type=int, default=160, help="characters before the answer")
-    parser.add_argument("--answer", type=int, default=40, help="characters of the answer")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    add_quick(parser)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.quick:
-        args.docs, args.chars, args.answer, args.repeats = 1, 24, 12, 1
+    args = text_extract_args(
+        __doc__.split("\n\n")[0],
+        docs=(2, 1),
+        sizes={
+            "chars": (160, 24, "characters before the answer"),
+            "answer": (40, 12, "characters of the answer"),
+        },
+    )
     source = resolve_source(DEMO_MODEL, None, None, False)
     loaded = load_model(source, load_tokenizer(source), torch.device("cpu"), torch.float32)
-    adapter, shape = adapter_for(source.config), Shape.from_config(source.config)
-    approximate = check_softcap(source.config, False)
+    shape = Shape.from_config(source.config)
     loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="layerdiv-bench-erase-") as tmp:
         root = Path(tmp)
-        task = write_task(root, args.docs, args.chars, args.answer)
-
-        def extract(erase: bool, store: Path) -> float:
-            """CPU seconds of one extraction into the fresh ``store``."""
-            measures = options if erase else {}
-            cfg = ExtractConfig(DEMO_MODEL, [], store, progress=False, measures=measures)
-            plan = plan_task(str(task), loaded.tokenizer, cfg)
-            cpu = time.process_time()
-            extract_task(loaded, adapter, plan, cfg, approximate)
-            return time.process_time() - cpu
-
-        options = measurement_options({"erase": True, "erase_reference": 1})
-        cfg = ExtractConfig(DEMO_MODEL, [], root / "plan", progress=False, measures=options)
+        answer = (args.chars, args.answer)
+        task = bbc_text_task(root, args.docs, None, "bbc-erase-bench", answer, paragraphs=2)
+        erase = {"erase": {"erase_reference": 1}}
+        cfg = ExtractConfig(DEMO_MODEL, [], root / "plan", progress=False, measures=erase)
         plan = plan_task(str(task), loaded.tokenizer, cfg)
         assert plan.documents is not None
         seqs = plan.documents[0]
@@ -107,16 +76,11 @@ def main() -> None:
                     loaded.model(torch.tensor([q]), use_cache=False, logits_to_keep=1)
             return time.process_time() - cpu
 
-        extract(False, root / "warm-up")
+        runs = against_plain(task, root, erase, args.repeats, loads)
         forward()
-        runs: dict[str, list[float]] = {"plain": [], "erase": [], "forward": []}
-        for r in range(args.repeats):
-            for erased in (False, True) if r % 2 == 0 else (True, False):
-                name = "erase" if erased else "plain"
-                runs[name].append(extract(erased, root / f"store-{r}-{name}"))
-            runs["forward"].append(statistics.median(forward() for _ in range(5)))
-            loads.append(os.getloadavg()[0])
-    plain, with_erase, fwd = (statistics.median(runs[k]) for k in ("plain", "erase", "forward"))
+        fwd = statistics.median(forward() for _ in range(5 * args.repeats))
+        loads.append(os.getloadavg()[0])
+    plain, with_erase = (statistics.median(c for c, _ in runs[k]) for k in (False, True))
     rate = forward_flops / fwd
     predicted = flops / rate
     measured = with_erase - plain

@@ -62,9 +62,9 @@ from common import add_quick, record
 
 from layerdiv.demo import DEMO_MODEL, DEMO_TASKS, write_demo_tasks
 from layerdiv.extract.adapters import adapter_for, check_softcap
-from layerdiv.extract.batching import batches, tokenize
+from layerdiv.extract.batching import CPU_TOKEN_BUDGET, batches, tokenize
 from layerdiv.extract.config import ExtractConfig
-from layerdiv.extract.forward import CPU_TOKEN_BUDGET, left_padded
+from layerdiv.extract.forward import left_padded
 from layerdiv.extract.models import LoadedModel, load_model, load_tokenizer, resolve_source
 from layerdiv.extract.plan import plan_task
 from layerdiv.extract.runner import extract_task

@@ -1,5 +1,5 @@
 """GPU timing of the running-text measurements at a real model's size: seconds per document of
-``layerdiv extract`` on the handwritten multi-hop questions with answers (``tests/data/multihop``,
+``layerdiv extract`` on the handwritten multi-hop questions with answers (``tasks/data/multihop``,
 the form of the built-in ``mquake`` task) with each measurement alone, next to the same extraction
 without it, on a model with random weights from a real hub config (``bench_gpu.CONFIGS``), in
 bf16, with the tokenizer of ``python benchmarks/bench_gpu.py --prepare .bench``.
@@ -30,7 +30,7 @@ import torch
 from bench_gpu import CONFIGS, QUICK_CONFIG, matmul_peak, prepare, settle, synchronize
 from common import ROOT, add_quick, record
 
-TASK = ROOT / "tests" / "data" / "multihop" / "multihop.yaml"
+TASK = ROOT / "tasks" / "data" / "multihop" / "multihop.yaml"
 STUDY = 20
 """Documents of the study whose duration the table gives."""
 RUNS: dict[str, tuple[dict[str, Any], int]] = {

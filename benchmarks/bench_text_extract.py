@@ -62,8 +62,8 @@ from common import add_quick, record
 import layerdiv.measurements.lens.hooks as lens_module
 from layerdiv.demo import DEMO_MODEL, bbc_articles
 from layerdiv.extract.adapters import adapter_for
-from layerdiv.extract.batching import batches, tokenize_documents
-from layerdiv.extract.forward import CPU_TOKEN_BUDGET, ModelRunner, left_padded
+from layerdiv.extract.batching import CPU_TOKEN_BUDGET, batches, tokenize_documents
+from layerdiv.extract.forward import ModelRunner, left_padded
 from layerdiv.extract.models import LoadedModel, load_model, load_tokenizer, resolve_source
 from layerdiv.extract.readout import Readout
 from layerdiv.measurements.future import FUTURE

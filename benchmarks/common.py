@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -66,16 +66,33 @@ def demo_choice_tasks(folder: Path, n: int, seed: int) -> list[Path]:
     return [paths[task.name] for task in DEMO_TASKS]
 
 
-def bbc_text_task(folder: Path, docs: int, max_tokens: int, name: str) -> Path:
-    """A text task ``name`` of ``docs`` BBC News articles (evenly spread over the corpus), each
-    cut to ``max_tokens`` tokens, written into ``folder``."""
+def bbc_text_task(
+    folder: Path,
+    docs: int,
+    max_tokens: int | None,
+    name: str,
+    answer: tuple[int, int] | None = None,
+    paragraphs: int = 8,
+) -> Path:
+    """A text task ``name`` of ``docs`` BBC News articles (evenly spread over the corpus, each of
+    its first ``paragraphs`` paragraphs), each cut to ``max_tokens`` tokens (None: whole), written
+    into ``folder``. With ``answer`` (chars, length): each article's first ``chars`` characters,
+    then the next ``length`` as its answer (shorter articles left out)."""
     from layerdiv.demo import bbc_articles
 
-    articles = bbc_articles(paragraphs=8)
+    articles = bbc_articles(paragraphs=paragraphs)
+    if answer is not None:
+        articles = [r for r in articles if len(r["text"]) > sum(answer)]
     rows = articles[:: max(1, len(articles) // docs)][:docs]
     (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    spec = {"name": name, "kind": "text", "data": f"{name}.jsonl", "text": "{{ text }}",
-            "max_tokens": max_tokens, "n": len(rows)}  # fmt: skip
+    spec: dict[str, Any] = {"name": name, "kind": "text", "data": f"{name}.jsonl",
+                            "text": "{{ text }}", "n": len(rows)}  # fmt: skip
+    if max_tokens is not None:
+        spec["max_tokens"] = max_tokens
+    if answer is not None:
+        chars, length = answer
+        spec["text"] = f"{{{{ text[:{chars}] }}}}"
+        spec["answer"] = f"{{{{ text[{chars}:{chars + length}] }}}}"
     path = folder / f"{name}.yaml"
     path.write_text(json.dumps(spec))
     return path
@@ -108,22 +125,31 @@ def extract_seconds(task: Path, store: Path, measures: dict[str, Any]) -> tuple[
     return times[-1]
 
 
-def text_extract_args(description: str) -> argparse.Namespace:
-    """The options of a benchmark of a measurement on running text (``--docs 16 --max-tokens
-    256 --repeats 3 --threads 1``; ``--quick``: 2 documents of 32 tokens, once), torch's
-    threads set."""
+def text_extract_args(
+    description: str,
+    docs: tuple[int, int] = (16, 2),
+    sizes: Mapping[str, tuple[int, int, str]] | None = None,
+) -> argparse.Namespace:
+    """The options of a benchmark of a measurement on running text, torch's threads set:
+    ``--docs`` (``docs``: the default and the ``--quick`` value), ``--repeats 3`` (``--quick``:
+    1), ``--threads 1``, and each of ``sizes`` (option name: its default, its ``--quick``
+    value and help; default ``--max-tokens 256``, ``--quick`` 32)."""
     import torch
 
+    sizes = {"max-tokens": (256, 32, "tokens per article (cut)")} if sizes is None else sizes
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--docs", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--docs", type=int, default=docs[0], help="BBC News articles")
+    for name, (default, _, help) in sizes.items():
+        parser.add_argument(f"--{name}", type=int, default=default, help=help)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     add_quick(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.quick:
-        args.docs, args.max_tokens, args.repeats = 2, 32, 1
+        args.docs, args.repeats = docs[1], 1
+        for name, (_, quick, _) in sizes.items():
+            setattr(args, name.replace("-", "_"), quick)
     return args
 
 

@@ -80,8 +80,7 @@ def _opt_tokens_view(model: Any) -> None:
         layer.fc2 = view
 
         def keep_shape(module: Any, args: Any, kwargs: Any, view: Any = view) -> None:
-            h = args[0] if args else kwargs["hidden_states"]
-            view.shape = tuple(h.shape[:-1])
+            view.shape = tuple(hidden_of(args, kwargs).shape[:-1])
 
         layer.register_forward_pre_hook(keep_shape, with_kwargs=True)
 
@@ -238,6 +237,12 @@ def get_module(root: Any, path: str) -> Any:
     for part in path.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def hidden_of(args: tuple, kwargs: dict) -> Any:
+    """The hidden states a decoder block call reads (its first positional argument, else its
+    ``hidden_states`` keyword), from a forward pre-hook's ``args`` and ``kwargs``."""
+    return args[0] if args else kwargs["hidden_states"]
 
 
 def norm_eps(norm: Any) -> float:

@@ -3,7 +3,10 @@ length-sorted batches within a chunk."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_BATCH_ROWS = 256
 """Upper bound on instances per batch with ``--batch-size auto``."""
@@ -84,3 +87,29 @@ def batches(
         else:
             out.append([i])
     return out
+
+
+CPU_TOKEN_BUDGET = 1024
+"""Padded tokens per batch for ``--batch-size auto`` on the CPU."""
+
+
+def token_budget(
+    device: torch.device, config: Any, dtype: torch.dtype, readout: bool = False
+) -> int:
+    """Padded tokens per batch for ``--batch-size auto`` (the runner's; the hooks that run
+    passes of their own size them by it too): a fixed budget on the CPU; on a GPU,
+    half the free memory over an estimate of one token's transient activations in one block
+    (residual, normed copy, q/k/v/o and three MLP-width tensors), and with ``readout`` (a
+    measurement that reads every token out, ``Measurement.readout``) three float32 rows over
+    the vocabulary. Halved on out-of-memory."""
+    if device.type != "cuda":
+        return CPU_TOKEN_BUDGET
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(device)
+    d = config.hidden_size
+    width = 4 * d + 3 * (getattr(config, "intermediate_size", None) or 4 * d)
+    per_token = width * torch.finfo(dtype).bits // 8
+    if readout:
+        per_token += 3 * 4 * getattr(config, "vocab_size", 0)
+    return max(256, int(free // 2 // per_token))

@@ -13,19 +13,15 @@ from typing import Any
 
 import torch
 
-from layerdiv.errors import LayerdivError
-from layerdiv.extract.adapters import Adapter, get_module
-from layerdiv.extract.hooks import Hooks, unique_blocks
+from layerdiv.errors import DecompositionError
+from layerdiv.extract.adapters import Adapter
+from layerdiv.extract.hooks import Recorder
 from layerdiv.extract.readout import Readout, at_options, onloaded
 from layerdiv.schemas import component_names
 from layerdiv.store.manifest import ComponentInfo
 
 SUM_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 """Largest accepted relative decomposition error per dtype (methods §1 invariant)."""
-
-
-class DecompositionError(LayerdivError, RuntimeError):
-    """The components do not add up to the model's logits, or a value is NaN/Inf."""
 
 
 @dataclass
@@ -56,10 +52,12 @@ class BatchDecomposition:
     row, by name."""
 
 
-class ComponentCapture(Hooks):
-    """Hooks on one model (``readout``: the model's); :meth:`decompose` after each forward pass
-    gives the batch's results. While :attr:`paused` (the passes of a capture bound to it) the
-    hooks keep nothing."""
+class ComponentCapture(Recorder):
+    """Records, at the last prompt position, every residual component (the embedding h_0, each
+    attention's and MLP's addition) and the final norm's input x, and the model's own option
+    logits (``readout``: the model's); :meth:`decompose` after each forward pass gives the
+    batch's results. While :attr:`paused` (the passes of a capture bound to it) the hooks keep
+    nothing."""
 
     def __init__(
         self,
@@ -68,9 +66,8 @@ class ComponentCapture(Hooks):
         readout: Readout,
         option_ids: list[int],
     ):
-        super().__init__()
+        super().__init__(model, adapter, ("embed", "attn", "mlp", "final"))
         self.adapter = adapter
-        blocks = get_module(model, adapter.blocks)
         self.readout = readout
         self.norm, head = self.readout.norm, self.readout.head
         with onloaded(head):  # weights offloaded by accelerate (--device-map) are loaded here
@@ -83,64 +80,44 @@ class ComponentCapture(Hooks):
             bias = getattr(self.norm, "bias", None)
             self.norm_bias = None if bias is None else bias.detach().float().clone()
         self.eps = self.readout.eps
-        self._records: list[tuple[str, int]] = []  # (kind, layer) of each component so far
         self._buffer: torch.Tensor | None = None  # (slots, rows, d) float32, reused every pass
-        self._x: torch.Tensor | None = None
         self._head: torch.Tensor | None = None
-        self.add(
-            blocks[0].register_forward_pre_hook(self._embed_hook, with_kwargs=True),
-            self.norm.register_forward_pre_hook(self._norm_hook),
-            head.register_forward_hook(self._head_hook),
-        )
-        for i, block in enumerate(unique_blocks(model, adapter)):
-            for kind in ("attn", "mlp"):
-                module = get_module(block, getattr(adapter, kind))
-                self.add(module.register_forward_hook(self._component_hook(kind, i)))
+        self.add(head.register_forward_hook(self._head_hook))
 
-    # hooks -------------------------------------------------------------------------------------
-    def _keep(self, kind: str, layer: int, output: Any) -> None:
+    # what is kept ------------------------------------------------------------------------------
+    def select(self, site: str, x: torch.Tensor) -> torch.Tensor:
+        """The last position (B, d) (of the final norm's input: a float32 copy)."""
+        last = x[:, -1, :]
+        return last.to(torch.float32, copy=True) if site == "final" else last
+
+    def keep(self, site: str, layer: int, x: torch.Tensor) -> None:
         """Copy a component's last position into the next slot of one preallocated buffer (many
         small long-lived copies between large activations fragment the heap)."""
-        if self.paused:
+        if site == "final":
+            self.final = x
             return
-        out = output[0] if isinstance(output, tuple) else output
-        rows, slot, buf = out.shape[0], len(self._records), self._buffer
+        rows, slot, buf = x.shape[0], len(self.components) - 1, self._buffer
         if buf is None or rows > buf.shape[1] or slot >= buf.shape[0]:
             slots = max(64, 2 * slot) if buf is None or slot >= buf.shape[0] else buf.shape[0]
             width = rows if buf is None else max(rows, buf.shape[1])
-            grown = out.new_empty((slots, width, out.shape[-1]), dtype=torch.float32)
+            grown = x.new_empty((slots, width, x.shape[-1]), dtype=torch.float32)
             if buf is not None and slot:  # more calls than slots within one pass: keep them
                 grown[:slot, :rows] = buf[:slot, :rows]
             self._buffer = buf = grown
-        buf[slot, :rows].copy_(out[:, -1, :])
-        self._records.append((kind, layer))
-
-    def _embed_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
-        if not self._records:  # the first block may run again (shared layers): embed once
-            self._keep("embed", -1, args[0] if args else kwargs["hidden_states"])
-
-    def _component_hook(self, kind: str, layer: int) -> Any:
-        def hook(module: Any, args: tuple, output: Any) -> None:
-            self._keep(kind, layer, output)
-
-        return hook
-
-    def _norm_hook(self, module: Any, args: tuple) -> None:
-        if not self.paused:
-            self._x = args[0][:, -1, :].to(torch.float32, copy=True)
+        buf[slot, :rows].copy_(x)
 
     def _head_hook(self, module: Any, args: tuple, output: Any) -> None:
-        if self.paused:
-            return
-        self._head = at_options(output, self.option_ids)[:, -1]
+        if self.recording():
+            self._head = at_options(output, self.option_ids)[:, -1]
 
     def reset(self) -> None:
-        self._records, self._x, self._head = [], None, None
+        self.clear()
+        self._head = None
 
     # decomposition -----------------------------------------------------------------------------
     def component_infos(self) -> list[ComponentInfo]:
         """The components of the last forward pass, in execution order."""
-        calls = self._records + ([("bias", -1)] if self._has_bias() else [])
+        calls = self.components + ([("bias", -1)] if self._has_bias() else [])
         names = component_names(calls)
         return [
             ComponentInfo(n, kind, layer) for n, (kind, layer) in zip(names, calls, strict=True)
@@ -152,25 +129,25 @@ class ComponentCapture(Hooks):
     def outputs(self) -> torch.Tensor:
         """(B, L, d) the component outputs z_c of the last forward pass at the last prompt token,
         in execution order (without the bias component), on the device of the first."""
-        if self._x is None or self._head is None or self._buffer is None:
+        if self.final is None or self._head is None or self._buffer is None:
             raise DecompositionError("no forward pass was captured")
-        return self._buffer[: len(self._records), : self._x.shape[0]].transpose(0, 1)
+        return self._buffer[: len(self.components), : self.final.shape[0]].transpose(0, 1)
 
     def final_input(self) -> torch.Tensor:
         """(B, d) float32: the full residual x (the final norm's input) of the last forward pass
         at the last prompt token."""
-        if self._x is None:
+        if self.final is None:
             raise DecompositionError("no forward pass was captured")
-        return self._x
+        return self.final
 
     def decompose(self) -> BatchDecomposition:
         """Split the last forward pass's option logits into its components (methods §1)."""
         z = self.outputs()  # (B, L, d)
-        assert self._x is not None and self._head is not None  # checked by outputs()
+        assert self.final is not None and self._head is not None  # checked by outputs()
         # Everything kept is gathered on the device of the first component (a model spread over
         # several devices by --device-map runs its blocks on different ones).
         dev = z.device
-        x, head, w_options = self._x.to(dev), self._head.to(dev), self.w_options.to(dev)
+        x, head, w_options = self.final.to(dev), self._head.to(dev), self.w_options.to(dev)
         prefix = torch.cumsum(z, dim=1)  # r_c = z_0 + ... + z_c
         scale_x, prefix_rms, z_scaled = self._scales(z, x, prefix)
         s = self.readout.gain.to(dev) / scale_x[:, None]  # (B, d)

@@ -8,8 +8,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from layerdiv.errors import DecompositionError
 from layerdiv.extract.batching import chunk_runs
-from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.forward import ModelRunner
 from layerdiv.extract.kinds import Results
 from layerdiv.measurements import all_optional_tables

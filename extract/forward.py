@@ -36,29 +36,6 @@ from layerdiv.measurements.registry import plugin_errors
 Batch = BatchDecomposition | TextBatch
 """What one forward pass gives: a choice task's decomposition, or a text task's dot products."""
 
-CPU_TOKEN_BUDGET = 1024
-"""Padded tokens per batch for ``--batch-size auto`` on the CPU."""
-
-
-def token_budget(
-    device: torch.device, config: Any, dtype: torch.dtype, readout: bool = False
-) -> int:
-    """Padded tokens per batch for ``--batch-size auto``: a fixed budget on the CPU; on a GPU,
-    half the free memory over an estimate of one token's transient activations in one block
-    (residual, normed copy, q/k/v/o and three MLP-width tensors), and with ``readout`` (a
-    measurement that reads every token out, ``Measurement.readout``) three float32 rows over
-    the vocabulary. Halved on
-    out-of-memory."""
-    if device.type != "cuda":
-        return CPU_TOKEN_BUDGET
-    free, _ = torch.cuda.mem_get_info(device)
-    d = config.hidden_size
-    width = 4 * d + 3 * (getattr(config, "intermediate_size", None) or 4 * d)
-    per_token = width * torch.finfo(dtype).bits // 8
-    if readout:
-        per_token += 3 * 4 * getattr(config, "vocab_size", 0)
-    return max(256, int(free // 2 // per_token))
-
 
 def left_padded(seqs: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
     """``input_ids``, ``attention_mask`` and ``position_ids`` of ``seqs`` left-padded to the

@@ -20,17 +20,10 @@ from typing import Any
 import torch
 
 from layerdiv.extract.adapters import Adapter, get_module
+from layerdiv.extract.hooks import Call
 
 SUBLAYER_PARTS = {"block": ("attn", "mlp"), "attn": ("attn",), "mlp": ("mlp",)}
 """The sublayers whose additions a removal of each kind multiplies by ``keep``."""
-
-Call = tuple[tuple, dict]
-"""One block call's positional and keyword arguments, as its forward pre-hook saw them."""
-
-
-def hidden_of(args: tuple, kwargs: dict) -> torch.Tensor:
-    """The hidden states a block call reads."""
-    return args[0] if args else kwargs["hidden_states"]
 
 
 class UpdateRemoval:
@@ -103,3 +96,36 @@ class UpdateRemoval:
         for _, _, y in self.run_on(x, calls, first, *args):
             x = y
         return x
+
+
+def expand_calls(
+    value: Any,
+    rows: torch.Tensor,
+    batch: int,
+    memo: dict[int, torch.Tensor],
+    cut: tuple[int, int] | None = None,
+) -> Any:
+    """``value`` (block calls' arguments, :data:`~layerdiv.extract.hooks.Call`) with every
+    batch-first tensor (first dimension ``batch``) repeated by ``rows``, the batch rows each
+    row of the new pass repeats;
+    a tensor passed to several calls (the mask, the positions) is repeated once (``memo``). With
+    ``cut`` (W, q), each such tensor keeps only positions q..W-1 of its first dimension of the
+    batch's width W after the batch one (the queries of a pass that reads the keys and values
+    of the positions before q from a cache: the mask's query rows, the positions, the rotary
+    angles)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() >= 2 and value.shape[0] == batch:
+            if id(value) not in memo:
+                out = value.index_select(0, rows.to(value.device))
+                if cut is not None:
+                    width, start = cut
+                    dim = next(i for i in range(1, out.dim()) if out.shape[i] == width)
+                    out = out.narrow(dim, start, width - start)
+                memo[id(value)] = out
+            return memo[id(value)]
+        return value
+    if isinstance(value, tuple | list):
+        return type(value)(expand_calls(v, rows, batch, memo, cut) for v in value)
+    if isinstance(value, dict):
+        return {k: expand_calls(v, rows, batch, memo, cut) for k, v in value.items()}
+    return value

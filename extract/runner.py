@@ -20,11 +20,11 @@ from tqdm.auto import tqdm
 
 from layerdiv.extract import chunks, cost
 from layerdiv.extract.adapters import Adapter, adapter_for, check_softcap
-from layerdiv.extract.batching import chunk_runs
+from layerdiv.extract.batching import chunk_runs, token_budget
 from layerdiv.extract.capture import SUM_TOLERANCE
 from layerdiv.extract.config import DEFAULT_CHUNK_SIZE, ExtractConfig, TaskSummary
 from layerdiv.extract.facts import load_with_facts, revision_facts
-from layerdiv.extract.forward import ModelRunner, time_forward, token_budget
+from layerdiv.extract.forward import ModelRunner, time_forward
 from layerdiv.extract.interrupt import interruptible
 from layerdiv.extract.kinds import BatchWork, task_kind
 from layerdiv.extract.models import (

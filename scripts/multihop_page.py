@@ -1,5 +1,5 @@
 """The docs page ``docs/multihop.md``: SmolLM2-135M-Instruct on the handwritten multi-hop set of
-``tests/data/multihop`` (12 questions of 2 and 3 hops), answer-anchored future effects, total and
+``tasks/data/multihop`` (12 questions of 2 and 3 hops), answer-anchored future effects, total and
 local (methods §10); the depth-efficiency paper's depth score per hop count beside the mean of
 per-document scores with its bootstrap interval, the slope against hops, and the heatmaps. Every
 number and figure of the page is computed here from the store this script extracts.
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TASK = ROOT / "tests" / "data" / "multihop" / "multihop.yaml"
+TASK = ROOT / "tasks" / "data" / "multihop" / "multihop.yaml"
 PAGE = ROOT / "docs" / "multihop.md"
 MODEL = "smollm2-135m-instruct"
 FLAGS = ["--skips", "--skip-split", "answer", "--skip-mode", "total", "--skip-mode", "local"]
@@ -28,12 +28,12 @@ INTRO = """# Multi-hop questions: the paper's depth score and ours
 The depth-efficiency paper asks whether a model uses more depth for questions that need more hops
 (MQuAKE, 2-4 hops) and finds that the depth score does not rise. This page runs the same
 measurement on a small local set: the 12 handwritten 2- and 3-hop questions of
-`tests/data/multihop` (the form of the built-in `mquake` task: "Question: ...\\nAnswer:" +
+`tasks/data/multihop` (the form of the built-in `mquake` task: "Question: ...\\nAnswer:" +
 " <answer>", grouped by hops), on SmolLM2-135M-Instruct. Every number below is computed by
 `python scripts/multihop_page.py`, which extracts and analyses:
 
 ```
-layerdiv extract --model {model} --task tests/data/multihop/multihop.yaml --store build/multihop \\
+layerdiv extract --model {model} --task tasks/data/multihop/multihop.yaml --store build/multihop \\
     {flags}
 layerdiv analyze --store build/multihop
 ```

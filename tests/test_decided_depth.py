@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from layerdiv.analyze.api import analyze
-from layerdiv.extract.adapters import adapter_for, get_module, prepare_model
+from layerdiv.extract.adapters import adapter_for, get_module, hidden_of, prepare_model
 from layerdiv.measurements.lens import decided_depth
 from layerdiv.store import Store
 from tests.test_text_extract import extract, random_texts, text_task
@@ -58,7 +58,7 @@ def float64_ranks(model: Any, ids: list[int]) -> tuple[np.ndarray, np.ndarray, n
     inputs: list[torch.Tensor] = []
 
     def keep(module: Any, args: Any, kwargs: Any) -> None:
-        inputs.append((args[0] if args else kwargs["hidden_states"])[0])
+        inputs.append(hidden_of(args, kwargs)[0])
 
     handles = [b.register_forward_pre_hook(keep, with_kwargs=True) for b in blocks]
     try:

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 import layerdiv.measurements.erase.hooks as erase_hooks
 from layerdiv.cli import main
-from layerdiv.extract.adapters import adapter_for, get_module, prepare_model
+from layerdiv.extract.adapters import adapter_for, get_module, hidden_of, prepare_model
 from layerdiv.measurements.erase import reference_means
 from layerdiv.store import Store
 from tests.test_multihop import SHORT, documents, multihop_task
@@ -48,7 +48,7 @@ def run_states(model: Any, ids: list[int], edit: tuple[int, int, torch.Tensor] |
         return h
 
     def before(module: Any, args: tuple, kwargs: dict) -> Any:
-        h = replace(args[0] if args else kwargs["hidden_states"], 0)
+        h = replace(hidden_of(args, kwargs), 0)
         return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
 
     def after(layer: int) -> Any:

@@ -230,7 +230,7 @@ def test_a_nan_names_the_instance_and_component(
 ) -> None:
     import torch
 
-    from layerdiv.extract.capture import DecompositionError
+    from layerdiv.errors import DecompositionError
 
     model = build_model("llama")
     with torch.no_grad():

@@ -21,7 +21,7 @@ from polars.testing import assert_frame_equal
 
 from layerdiv.analyze.api import analyze
 from layerdiv.cli import main
-from layerdiv.extract.adapters import adapter_for, get_module, prepare_model
+from layerdiv.extract.adapters import adapter_for, get_module, hidden_of, prepare_model
 from layerdiv.store import Store
 from tests.test_text_extract import extract, random_texts, refused, text_task
 from tests.tolerance import FLOAT32
@@ -44,7 +44,7 @@ def run(
     updates: list[torch.Tensor] = []
 
     def keep(module: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        h = args[0] if args else kwargs["hidden_states"]
+        h = hidden_of(args, kwargs)
         inputs.append(h[0])
         updates.append(((out[0] if isinstance(out, tuple) else out) - h)[0])
 
@@ -75,7 +75,7 @@ def removal(model: Any, block: int, sublayer: str, lo: int, hi: int) -> tuple[An
         first = out[0] if isinstance(out, tuple) else out
         new = first.clone()
         if sublayer == "block":  # the block's output replaced by its input
-            new[:, lo:hi] = (args[0] if args else kwargs["hidden_states"])[:, lo:hi]
+            new[:, lo:hi] = hidden_of(args, kwargs)[:, lo:hi]
         else:  # the sublayer adds nothing
             new[:, lo:hi] = 0
         return (new, *out[1:]) if isinstance(out, tuple) else new

@@ -12,9 +12,10 @@ import torch
 from click.testing import CliRunner
 
 from layerdiv.cli import main
+from layerdiv.errors import DecompositionError
 from layerdiv.extract import adapters, runner
 from layerdiv.extract.adapters import UnsupportedModel, adapter_for, get_module
-from layerdiv.extract.capture import BatchDecomposition, DecompositionError, check_batch
+from layerdiv.extract.capture import BatchDecomposition, check_batch
 from layerdiv.extract.forward import ModelRunner
 from layerdiv.extract.models import (
     LoadedModel,

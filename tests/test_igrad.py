@@ -1,6 +1,6 @@
 """Integrated gradients per block and position (``extract --igrad``, methods §13) against an
 independent float64 reference on tiny random models (a sequential and a parallel-block family)
-and on SmolLM2, over the handwritten multi-hop questions of ``tests/data/multihop``; their bad
+and on SmolLM2, over the handwritten multi-hop questions of ``tasks/data/multihop``; their bad
 input refused in one line."""
 
 from __future__ import annotations

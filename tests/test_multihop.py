@@ -1,6 +1,6 @@
 """Answer-anchored split points and local (direct-only) future effects (methods §10) against an
 independent float64 reference, on a tiny random model and on SmolLM2, over the handwritten
-multi-hop questions of ``tests/data/multihop``; their bad input refused in one line."""
+multi-hop questions of ``tasks/data/multihop``; their bad input refused in one line."""
 
 from __future__ import annotations
 
@@ -14,20 +14,20 @@ import polars as pl
 import pytest
 import torch
 
+from layerdiv.demo import MULTIHOP_DATA
+from layerdiv.extract.adapters import hidden_of
 from layerdiv.store import Store
 from tests.test_future_effects import reference, rounding, stored
 from tests.test_text_extract import extract, refused, text_task
-
-MULTIHOP = Path(__file__).parent / "data" / "multihop"
 
 
 def multihop_task(folder: Path, **overrides: Any) -> Path:
     """The handwritten multi-hop task copied to ``folder`` (``overrides`` replace its keys)."""
     folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(MULTIHOP / "questions.jsonl", folder)
+    shutil.copy(MULTIHOP_DATA / "questions.jsonl", folder)
     import yaml
 
-    spec = {**yaml.safe_load((MULTIHOP / "multihop.yaml").read_text()), **overrides}
+    spec = {**yaml.safe_load((MULTIHOP_DATA / "multihop.yaml").read_text()), **overrides}
     (folder / "multihop.yaml").write_text(json.dumps(spec))
     return folder / "multihop.yaml"
 
@@ -38,7 +38,8 @@ SHORT = {"text": "Q: {{ question[-24:] }}\nA:", "answer": " {{ answer[:28] }}"}
 
 def documents(short: bool = False) -> list[tuple[str, str]]:
     """(document, answer) of every question as the task builds them: text + answer."""
-    rows = [json.loads(line) for line in (MULTIHOP / "questions.jsonl").read_text().splitlines()]
+    lines = (MULTIHOP_DATA / "questions.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
     if short:
         return [(f"Q: {r['question'][-24:]}\nA: {r['answer'][:28]}", f" {r['answer'][:28]}")
                 for r in rows]  # fmt: skip
@@ -69,7 +70,7 @@ def local_reference(model: Any, ids: list[int], t: int) -> np.ndarray:
     clean_out: list[torch.Tensor] = []
 
     def keep(module: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        clean_in.append((args[0] if args else kwargs["hidden_states"])[0])
+        clean_in.append(hidden_of(args, kwargs)[0])
         clean_out.append((out[0] if isinstance(out, tuple) else out)[0])
 
     handles = [layer.register_forward_hook(keep, with_kwargs=True) for layer in layers]
@@ -83,7 +84,7 @@ def local_reference(model: Any, ids: list[int], t: int) -> np.ndarray:
     def override(i: int, skipped: int, changes: dict[int, torch.Tensor]) -> Any:
         def hook(module: Any, args: tuple, kwargs: dict, out: Any) -> Any:
             first = out[0] if isinstance(out, tuple) else out
-            h = args[0] if args else kwargs["hidden_states"]
+            h = hidden_of(args, kwargs)
             change = ((first - h)[0] - d[i]).norm(dim=-1)
             changes[i] = change / d[i].norm(dim=-1).clamp(min=1e-6)
             new = clean_out[i][None].clone()

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 import numpy as np
 import polars as pl
@@ -18,7 +19,7 @@ import polars as pl
 from layerdiv.analyze import plots
 from layerdiv.analyze.markdown import fmt, key_rows, verdict
 from layerdiv.analyze.overlap import one_verdict
-from layerdiv.analyze.registry import Context, NoData, ReportContext, with_data
+from layerdiv.analyze.registry import Analysis, Context, NoData, ReportContext, with_data
 from layerdiv.analyze.stats import MIN_INTERVAL_N, bootstrap_mean, depth_score
 from layerdiv.errors import LayerdivError
 from layerdiv.schemas import SUBLAYERS
@@ -178,6 +179,51 @@ def partition_tables(
     if not parts:
         raise NoData("no partition has rows to compute from")
     return {name: pl.concat([p[name] for p in parts]) for name in parts[0]}
+
+
+class Section(Protocol):
+    """What an attribution analysis's section (one task kind's) names: the kind it reads, its
+    title and the start of its tables' and figures' names."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def title(self) -> str: ...
+
+    @property
+    def prefix(self) -> str: ...
+
+
+def section_analysis(
+    section: Section,
+    tables_of: Callable[[str, PartitionInfo, int], dict[str, pl.DataFrame]],
+    report: Callable[..., str],
+    methods: tuple[int, ...],
+    needs: tuple[str, ...],
+    among: Callable[[list[PartitionInfo]], list[PartitionInfo]] | None,
+    order: int,
+) -> Analysis:
+    """The analysis of one attribution ``section``: ``tables_of(prefix, partition, count)`` of
+    every partition it gets (:func:`partition_tables`), its report section ``report(ctx,
+    section=section)``, the options :data:`OPTIONS`; ``methods``, ``needs``, ``among`` and
+    ``order`` as :class:`~layerdiv.analyze.registry.Analysis` takes them."""
+
+    def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
+        return partition_tables(ctx, partial(tables_of, section.prefix), section.title)
+
+    return Analysis(
+        name=section.prefix,
+        title=section.title,
+        methods=methods,
+        tables=tables,
+        report=partial(report, section=section),
+        kinds=(section.kind,),
+        among=among,
+        options=OPTIONS,
+        needs=needs,
+        order=order,
+    )
 
 
 def first_documents(info: PartitionInfo, table: str, count: int, value: str) -> list[int]:

@@ -34,9 +34,8 @@ a choice task: by position alone, the store keeping no prompt's tokens).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -45,7 +44,6 @@ import polars as pl
 from layerdiv.analyze import plots
 from layerdiv.analyze.analyses.attribution import (
     CHOICE,
-    OPTIONS,
     answer_starts,
     choice,
     depth_frame,
@@ -55,15 +53,14 @@ from layerdiv.analyze.analyses.attribution import (
     document_tokens,
     first_documents,
     maps_link,
-    partition_tables,
     profiles,
+    section_analysis,
     with_answer,
 )
 from layerdiv.analyze.frames import tag, unit_lengths
 from layerdiv.analyze.markdown import fmt, markdown_table
 from layerdiv.analyze.registry import (
     Analysis,
-    Context,
     NoData,
     ReportContext,
 )
@@ -455,24 +452,8 @@ def analysis(
     among: Callable[[list[PartitionInfo]], list[PartitionInfo]] | None,
     order: int,
 ) -> Analysis:
-    """The analysis of one :class:`Section`: its tables of every partition it gets, and its
-    report section."""
-
-    def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
-        return partition_tables(ctx, partial(tables_of, section.prefix), section.title)
-
-    return Analysis(
-        name=section.prefix,
-        title=section.title,
-        methods=(14, 10),
-        tables=tables,
-        report=partial(report, section=section),
-        kinds=(section.kind,),
-        among=among,
-        options=OPTIONS,
-        needs=("erasure",),
-        order=order,
-    )
+    """The analysis of one :class:`Section` (``section_analysis``)."""
+    return section_analysis(section, tables_of, report, (14, 10), ("erasure",), among, order)
 
 
 ERASURE = analysis(TEXT, with_answer, order=160)

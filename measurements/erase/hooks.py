@@ -1,6 +1,7 @@
 """The hooks of ``extract --erase`` (:mod:`layerdiv.measurements.erase`, methods §14): residual
 erasure from the clean pass's kept states, on a text task (the states its per-token capture
-keeps) and on a choice task (:class:`ChoiceStates`, bound to its last-token decomposition).
+keeps) and on a choice task (a :class:`~layerdiv.extract.hooks.Recorder` of the clean pass's
+block calls and states at every position, bound to its last-token decomposition).
 
 For state l and position t, the edited copy differs from the clean pass only at positions
 >= t (attention is causal), so the blocks after l run only at the queries t..T-1, reading the keys
@@ -9,12 +10,11 @@ and values of the positions before t from the clean pass: one clean pass of the 
 (:class:`Prefix`) that puts them before the keys and values the call computes. The blocks before l
 are not run again (the clean pass's input of block l, kept by the per-token capture, is the
 start), and every block call runs with the arguments of its own clean call (mask, positions,
-rotary angles) cut to the queries (``layerdiv.measurements.future.hooks._expand``). The copies of
-one state
-run together, grouped by t: a group of copies starting at t0 runs the queries t0..T-1, its copies
-with t > t0 recomputing the few positions t0..t-1 unchanged. What is read out is the task kind's
-:class:`Target`: the readout runs only at each copy's read positions max(first, t)..last (a text
-task, :class:`NextTokens`: the answer-predicting positions s - 1..T-2, the whole next-token
+rotary angles) cut to the queries (``layerdiv.extract.removal.expand_calls``). The copies of one
+state run together, grouped by t: a group of copies starting at t0 runs the queries t0..T-1, its
+copies with t > t0 recomputing the few positions t0..t-1 unchanged. What is read out is the task
+kind's :class:`Target`: the readout runs only at each copy's read positions max(first, t)..last (a
+text task, :class:`NextTokens`: the answer-predicting positions s - 1..T-2, the whole next-token
 distribution; a choice task, :class:`OptionProbs`: the last prompt token T - 1 alone, the
 softmax over the option logits), and the last state h_L reaches z_t alone: at t alone. Positions
 t > last precede none of them, and their effect is stored as an exact 0, not computed; so is the
@@ -32,11 +32,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from layerdiv.errors import LayerdivError
-from layerdiv.extract.capture import DecompositionError
-from layerdiv.extract.forward import token_budget
-from layerdiv.extract.hooks import Hooks, unique_blocks
-from layerdiv.extract.removal import Call, UpdateRemoval
+from layerdiv.errors import DecompositionError, LayerdivError
+from layerdiv.extract.batching import token_budget
+from layerdiv.extract.hooks import Call, Recorder
+from layerdiv.extract.removal import UpdateRemoval, expand_calls
 from layerdiv.measurements import Attachment
 from layerdiv.measurements.erase import (
     FINGERPRINT,
@@ -47,7 +46,7 @@ from layerdiv.measurements.erase import (
     reference_start,
     reference_table,
 )
-from layerdiv.measurements.future.hooks import PassesAfter, _expand
+from layerdiv.measurements.future.hooks import PassesAfter
 from layerdiv.schemas.kinds import KINDS
 
 CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")
@@ -276,7 +275,7 @@ class Erasure:
             args, kwargs = calls[j]  # its hidden states left out: the run gives them
             bare = ((None, *args[1:]), kwargs) if args else _with(calls[j], hidden_states=None)
             edited[j] = _with(
-                _expand(bare, rows, batch, memo, (width, q)),
+                expand_calls(bare, rows, batch, memo, (width, q)),
                 **{self.cache: Prefix(k[row : row + 1, ..., :q, :], v[row : row + 1, ..., :q, :])},
             )
             if self.sdpa and edited[j][1].get("attention_mask", 0) is None:
@@ -310,61 +309,13 @@ class Erasure:
         return (keys[None, :] <= queries[:, None]).expand(copies, 1, width - q, width)
 
 
-class ChoiceStates(Hooks):
-    """A choice task's clean pass as the edited passes read it, the text capture's way
-    (:meth:`states`, :attr:`block_args`, :attr:`dtype`, :meth:`pausing`): every block call's
-    arguments (references, no copies), the block inputs h_0..h_(L-1) and the final norm's input
-    h_L at every position (float32), kept while the task's last-token decomposition
-    (``ComponentCapture``, :attr:`capture`) is not paused: neither the edited passes, nor those
-    of another capture bound to it (the skips'), nor a gradient pass are kept."""
-
-    def __init__(self, model: Any, adapter: Any, readout: Any) -> None:
-        super().__init__()
-        self.capture: Hooks | None = None
-        self.add(readout.norm.register_forward_pre_hook(self._final_hook))
-        for block in unique_blocks(model, adapter):
-            self.add(block.register_forward_pre_hook(self._input_hook, with_kwargs=True))
-        self.clear()
-
-    def clear(self) -> None:
-        """Forget the last pass."""
-        self.block_args: list[Call] = []
-        self.dtype = torch.float32
-        """The model's residual-stream dtype in the last pass."""
-        self._h: list[torch.Tensor] = []
-        self._final: torch.Tensor | None = None
-
-    def _keeping(self) -> bool:
-        return self.capture is not None and not self.capture.paused
-
-    def _input_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
-        if self._keeping():
-            h = args[0] if args else kwargs["hidden_states"]
-            self.dtype = h.dtype
-            self.block_args.append((args, kwargs))
-            self._h.append(h.to(torch.float32))
-
-    def _final_hook(self, module: Any, args: tuple) -> None:
-        if self._keeping():
-            self._final = args[0].to(torch.float32)
-
-    def states(self) -> list[torch.Tensor]:
-        """The last pass's h_0..h_L (L + 1 tensors (B, W, d), float32)."""
-        if self._final is None:
-            raise DecompositionError("--erase: no forward pass was captured")
-        return [*self._h, self._final]
-
-    def pausing(self) -> Any:
-        """Pause the decomposition (and every hook bound to it, these too)."""
-        assert self.capture is not None  # bound before any pass
-        return self.capture.pausing()
-
-
 class EraseCapture(PassesAfter):
     """The hooks of ``--erase`` (also a ``PartitionCapture``): the reference means once per
     partition (:meth:`prepare`), then after each pass of stored documents (instances) their
     effects (:class:`Erasure`), from the states the text task's per-token capture keeps or, on a
-    choice task, :class:`ChoiceStates`."""
+    choice task, those a recorder bound to its last-token decomposition keeps (float32, every
+    position: neither the edited passes, nor those of another capture bound to it, the skips',
+    nor a gradient pass are kept)."""
 
     flag = "--erase"
 
@@ -384,7 +335,8 @@ class EraseCapture(PassesAfter):
         )
         self.erasure = Erasure(ctx.model, ctx.adapter, target, ctx.progress)
         self.config = ctx.model.config
-        self.kept = ChoiceStates(ctx.model, ctx.adapter, ctx.readout) if choice else None
+        states = ("calls", "inputs", "final")
+        self.kept = Recorder(ctx.model, ctx.adapter, states) if choice else None
         """A choice task: the clean pass's states (a text task's capture keeps them)."""
         self.means: torch.Tensor | None = None
 
@@ -444,6 +396,4 @@ class EraseCapture(PassesAfter):
             if self.kept is None
             else token_budget(states[0].device, self.config, text.dtype)
         )
-        return self.erasure.run(
-            states, text.block_args, text.dtype, self.means, lengths, docs, budget
-        )
+        return self.erasure.run(states, text.calls, text.dtype, self.means, lengths, docs, budget)

@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from layerdiv.errors import DecompositionError
 from layerdiv.extract.adapters import Adapter
-from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.readout import Readout
-from layerdiv.extract.removal import UpdateRemoval
+from layerdiv.extract.removal import UpdateRemoval, expand_calls
 from layerdiv.measurements import Attachment
 from layerdiv.measurements.future import (
     ANSWER_MARGIN,
@@ -109,37 +109,6 @@ class FutureRows:
     row: none is defined)."""
     mode: list[str]
     """(R,) how the row ran on: ``total`` or ``local`` (methods §10)."""
-
-
-def _expand(
-    value: Any,
-    rows: torch.Tensor,
-    batch: int,
-    memo: dict[int, torch.Tensor],
-    cut: tuple[int, int] | None = None,
-) -> Any:
-    """``value`` (block calls' arguments) with every batch-first tensor repeated by ``rows``;
-    a tensor passed to several calls (the mask, the positions) is repeated once (``memo``). With
-    ``cut`` (W, q), each such tensor keeps only positions q..W-1 of its first dimension of the
-    batch's width W after the batch one (the queries of a pass that reads the keys and values
-    of the positions before q from a cache: the mask's query rows, the positions, the rotary
-    angles)."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() >= 2 and value.shape[0] == batch:
-            if id(value) not in memo:
-                out = value.index_select(0, rows.to(value.device))
-                if cut is not None:
-                    width, start = cut
-                    dim = next(i for i in range(1, out.dim()) if out.shape[i] == width)
-                    out = out.narrow(dim, start, width - start)
-                memo[id(value)] = out
-            return memo[id(value)]
-        return value
-    if isinstance(value, tuple | list):
-        return type(value)(_expand(v, rows, batch, memo, cut) for v in value)
-    if isinstance(value, dict):
-        return {k: _expand(v, rows, batch, memo, cut) for k, v in value.items()}
-    return value
 
 
 @dataclass
@@ -229,7 +198,7 @@ class FutureEffects:
                     rows=b,
                     keep=(~((col > start[:, None]) & (col < end[:, None])))[..., None],
                     measured=col >= (start + t)[:, None],
-                    calls=_expand(calls, b, batch, {}),
+                    calls=expand_calls(calls, b, batch, {}),
                     scale=[s.index_select(0, b) for s in scale],
                     before=bool((t > 0).all()),
                 )
@@ -359,16 +328,18 @@ class FutureEffects:
 
 
 class PassesAfter:
-    """Hooks bound to a text task's per-token capture (``layerdiv.extract.text.TextCapture``,
-    which keeps the clean pass's block inputs and calls) that run passes of their own after each
-    pass of stored documents, with that capture paused (``DecompositionCapture`` and
-    ``RowsCapture``): :meth:`measure` gives each document's value."""
+    """Hooks that run passes of their own after each pass of stored documents (instances), from
+    the clean pass's block calls and states kept by :attr:`text`, with it paused
+    (``DecompositionCapture`` and ``RowsCapture``): :meth:`measure` gives each unit's value."""
 
     flag = ""
     """The extract flag, for messages."""
 
     def __init__(self) -> None:
         self.text: Any = None
+        """The :class:`~layerdiv.extract.hooks.Recorder` of the clean pass bound to: a text
+        task's per-token capture (``layerdiv.extract.text.TextCapture``), or (``--erase`` on a
+        choice task) one bound to the last-token decomposition."""
         self._ids: Sequence[int] | None = None
         self._lengths: list[int] = []
         self._rows: list[Any] | None = None
@@ -389,7 +360,8 @@ class PassesAfter:
             self._rows = self.measure(batch, self._lengths, list(self._ids))
 
     def measure(self, batch: Any, lengths: list[int], docs: list[int]) -> list[Any]:
-        """Per row of the pass just run (``batch``: its ``TextBatch``), the document's value."""
+        """Per row of the pass just run (``batch``: its ``TextBatch``, or a choice task's
+        ``BatchDecomposition``), the unit's value."""
         raise NotImplementedError
 
     def result(self) -> Sequence[Any]:
@@ -426,7 +398,7 @@ class FutureCapture(PassesAfter):
         text = self.text
         return self.effects.run(
             text.states(),
-            text.block_args,
+            text.calls,
             text.dtype,
             lengths,
             docs,

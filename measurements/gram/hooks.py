@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
+from layerdiv.errors import DecompositionError
+from layerdiv.extract.capture import BatchDecomposition, ComponentCapture
 from layerdiv.measurements import Attachment
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from layerdiv.errors import DecompositionError
 from layerdiv.extract.adapters import (
     Adapter,
     UnsupportedModel,
@@ -28,7 +29,6 @@ from layerdiv.extract.capture import (
     SUM_TOLERANCE,
     BatchDecomposition,
     ComponentCapture,
-    DecompositionError,
 )
 from layerdiv.extract.hooks import Hooks, unique_blocks
 from layerdiv.extract.readout import norm_gain, onloaded

@@ -25,26 +25,28 @@ from typing import Any
 
 import torch
 
-from layerdiv.extract.adapters import get_module
-from layerdiv.extract.capture import DecompositionError
-from layerdiv.extract.forward import token_budget
-from layerdiv.extract.hooks import Hooks, unique_blocks
-from layerdiv.extract.removal import Call, UpdateRemoval
+from layerdiv.errors import DecompositionError
+from layerdiv.extract.batching import token_budget
+from layerdiv.extract.hooks import Recorder
+from layerdiv.extract.removal import UpdateRemoval, expand_calls
 from layerdiv.measurements import Attachment
-from layerdiv.measurements.future.hooks import _expand
 from layerdiv.measurements.igrad import IgradRows, check_sites, sites_of
 from layerdiv.schemas.kinds import KINDS
 
 
-class IgradCapture(Hooks):
+class IgradCapture(Recorder):
     """The hooks of ``--igrad`` (``layerdiv.measurements.GradientCapture`` and
-    ``RowsCapture``): they keep the states of the batch's pass with gradients on, and
-    :meth:`backward` computes every document's integrated gradients from them."""
+    ``RowsCapture``): they record the batch's pass with gradients on (token ids, every block
+    call's arguments and input, the sites' activations, detached), and :meth:`backward`
+    computes every document's integrated gradients from them."""
 
     def __init__(self, ctx: Attachment) -> None:
-        super().__init__()
+        sites = sites_of(ctx.settings)
+        super().__init__(
+            ctx.model, ctx.adapter, ("ids", "calls", "inputs", "block", *set(sites) - {"block"})
+        )
         self.model, self.readout = ctx.model, ctx.readout
-        self.sites = sites_of(ctx.settings)
+        self.sites = sites
         self.steps = int(ctx.settings["igrad_steps"])
         self.progress = ctx.progress
         self.answers: Sequence[tuple[int, int]] = ctx.planned
@@ -55,49 +57,23 @@ class IgradCapture(Hooks):
         """Choice tasks: the option tokens, whose logits the target's softmax is over."""
         self.removal = UpdateRemoval(ctx.model, ctx.adapter)
         check_sites(self.sites, ctx.adapter, self.removal.blocks)
-        self.add(ctx.model.register_forward_pre_hook(self._ids_hook, with_kwargs=True))
-        for block in unique_blocks(ctx.model, ctx.adapter):
-            self.add(block.register_forward_pre_hook(self._input_hook, with_kwargs=True))
-            self.add(block.register_forward_hook(self._keeper("block")))
-            for site in ("attn", "mlp"):
-                if site in self.sites:
-                    module = get_module(block, getattr(ctx.adapter, site))
-                    self.add(module.register_forward_hook(self._keeper(site)))
         self._ids: Sequence[int] | None = None
         self._lengths: list[int] = []
-        self._input_ids: torch.Tensor | None = None
         self._cap = sys.maxsize
         """Most path points per slice: halved where a slice ran out of accelerator memory."""
         self.reset()
 
-    # hooks -------------------------------------------------------------------------------------
-    def _keeping(self) -> bool:
+    # what is kept, and when --------------------------------------------------------------------
+    def recording(self) -> bool:
+        """In the batch's pass with gradients on (not a probe pass, nor the paths' passes)."""
         return torch.is_grad_enabled() and not self.paused and self._ids is not None
 
-    def _ids_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
-        if self._keeping():
-            self._input_ids = kwargs.get("input_ids", args[0] if args else None)
-
-    def _input_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
-        if self._keeping():
-            self._calls.append((args, kwargs))
-            h = args[0] if args else kwargs["hidden_states"]
-            self._inputs.append(h.detach())
-
-    def _keeper(self, site: str) -> Any:
-        def hook(module: Any, args: tuple, output: Any) -> None:
-            if self._keeping():
-                out = output[0] if isinstance(output, tuple) else output
-                self._acts[site].append(out.detach())
-
-        return hook
+    def select(self, site: str, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
 
     # capture -----------------------------------------------------------------------------------
     def reset(self) -> None:
-        self._input_ids = None
-        self._calls: list[Call] = []
-        self._inputs: list[torch.Tensor] = []
-        self._acts: dict[str, list[torch.Tensor]] = {s: [] for s in ("block", "attn", "mlp")}
+        self.clear()
         self._rows: list[IgradRows] | None = None
 
     def batch(self, ids: Sequence[int] | None, lengths: Sequence[int]) -> None:
@@ -106,12 +82,11 @@ class IgradCapture(Hooks):
     def backward(self, output: Any) -> None:
         if self._ids is None:  # a probe pass: nothing of it is stored
             return
-        if self._input_ids is None or not self._calls:
+        if self.input_ids is None or not self.calls:
             raise DecompositionError("--igrad: no forward pass was captured")
         with self.pausing():
             self._rows = self._integrate(list(self._ids))
-        self._calls, self._inputs = [], []
-        self._acts = {s: [] for s in self._acts}
+        self.clear()
 
     def result(self) -> Sequence[IgradRows | None]:
         if self._ids is None:
@@ -123,8 +98,8 @@ class IgradCapture(Hooks):
     # integrated gradients ------------------------------------------------------------------------
     def _integrate(self, docs: list[int]) -> list[IgradRows]:
         """Every document's :class:`IgradRows` from the states the hooks kept."""
-        assert self._input_ids is not None
-        ids = self._input_ids
+        assert self.input_ids is not None
+        ids = self.input_ids
         batch, width = ids.shape
         blocks = len(self.removal.blocks)
         n_tokens = self._lengths
@@ -145,7 +120,7 @@ class IgradCapture(Hooks):
         ends = torch.full((2, len(self.sites), blocks, batch), torch.nan)
         answered = [b for b in range(batch) if len(targets[b][0])]
         if answered:
-            dtype = self._inputs[0].dtype
+            dtype = self.inputs[0].dtype
             for i, site in enumerate(self.sites):
                 for layer in range(blocks):
                     ig, f = self._site(site, layer, answered, targets, dtype)
@@ -169,7 +144,7 @@ class IgradCapture(Hooks):
         input); on the CPU, whose budget is a forward pass's batch rather than a memory estimate,
         that batch per block (larger products run faster there; the graph then holds that many
         tokens' activations in every block run)."""
-        x = self._inputs[0]
+        x = self.inputs[0]
         budget = token_budget(x.device, self.model.config, x.dtype)
         per_block = budget if x.device.type == "cpu" else budget // (runs + 1)
         return max(1, min(per_block // width, self._cap))
@@ -184,7 +159,7 @@ class IgradCapture(Hooks):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """IG (r, width) and (f(b), f(x)) (2, r) of the batch rows ``answered`` for ``site`` of
         block ``layer``."""
-        x = self._acts[site][layer].float()
+        x = self.activations[site][layer].float()
         batch, width, _ = x.shape
         own = torch.zeros(batch, width, 1, device=x.device)
         for row, n in enumerate(self._lengths):
@@ -241,7 +216,7 @@ class IgradCapture(Hooks):
         at the last prompt token),
         the model run on from ``site`` of block ``layer`` with its activation ``z`` (r, W, d)
         (rows of batch rows ``b``)."""
-        calls = _expand(self._calls, b, batch, {})
+        calls = expand_calls(self.calls, b, batch, {})
         if site == "block":
             final = self.removal.last(z.to(dtype), calls, layer + 1)
         else:
@@ -254,7 +229,7 @@ class IgradCapture(Hooks):
 
             handle = self.removal.parts[site][layer].register_forward_hook(replace)
             try:
-                final = self.removal.last(self._inputs[layer].index_select(0, b), calls, layer)
+                final = self.removal.last(self.inputs[layer].index_select(0, b), calls, layer)
             finally:
                 handle.remove()
         row, pos, token = [], [], []

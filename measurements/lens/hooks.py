@@ -26,8 +26,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from layerdiv.errors import DecompositionError
 from layerdiv.extract.adapters import Adapter, get_module
-from layerdiv.extract.capture import BatchDecomposition, ComponentCapture, DecompositionError
+from layerdiv.extract.capture import BatchDecomposition, ComponentCapture
 from layerdiv.extract.readout import Readout
 from layerdiv.extract.text import TextBatch, TextCapture
 from layerdiv.measurements import Attachment
@@ -380,7 +381,7 @@ class TokenLens:
         buf = logits[None] if group == 1 else logits.new_empty(group, *logits.shape)
         for start in range(0, len(h), group):
             xs = torch.stack([x.to(dtype) for x in h[start : start + group]])
-            stacked = self.lens.logits(xs, text.block_args[-1], out=buf[: len(xs)])
+            stacked = self.lens.logits(xs, text.calls[-1], out=buf[: len(xs)])
             out += [self._layer(z, ref, nxt) for z in stacked]
         return torch.stack([*out[1:], out[0]], dim=2)
 

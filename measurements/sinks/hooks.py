@@ -22,8 +22,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from layerdiv.errors import DecompositionError
 from layerdiv.extract.adapters import UnsupportedModel, get_module
-from layerdiv.extract.capture import DecompositionError
 from layerdiv.extract.hooks import Hooks
 from layerdiv.measurements import Attachment
 from layerdiv.measurements.sinks import QUERY_SLICE

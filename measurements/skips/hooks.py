@@ -17,10 +17,10 @@ from collections.abc import Sequence
 import torch
 
 from layerdiv.errors import LayerdivError
-from layerdiv.extract.adapters import get_module
+from layerdiv.extract.adapters import get_module, hidden_of
 from layerdiv.extract.capture import BatchDecomposition, ComponentCapture
-from layerdiv.extract.hooks import Hooks, unique_blocks
-from layerdiv.extract.removal import Call, UpdateRemoval, hidden_of
+from layerdiv.extract.hooks import Recorder, unique_blocks
+from layerdiv.extract.removal import UpdateRemoval
 from layerdiv.measurements import Attachment
 
 
@@ -28,47 +28,43 @@ class SkipError(LayerdivError, ValueError):
     """The model's blocks cannot be bypassed one at a time."""
 
 
-class SkipCapture(Hooks):
-    """Pre-hooks on every distinct decoder block that keep each block call's arguments
-    (references, no copies) during a batch's full pass, bound to its :class:`ComponentCapture`
-    (``layerdiv.measurements.DecompositionCapture``): after the pass, the option logits with
-    each block skipped in turn, run with the decomposition capture (and every hook bound to it)
-    paused, so that the skip passes are nobody's values but these, and this capture keeps no
-    call of its own passes."""
+class SkipCapture(Recorder):
+    """Records each block call's arguments (references, no copies) during a batch's full pass,
+    bound to its :class:`ComponentCapture` (``layerdiv.measurements.DecompositionCapture``):
+    after the pass, the option logits with each block skipped in turn, run with the
+    decomposition capture (and every hook bound to it) paused, so that the skip passes are
+    nobody's values but these, and this capture keeps no call of its own passes."""
 
     def __init__(self, ctx: Attachment) -> None:
-        super().__init__()
+        super().__init__(ctx.model, ctx.adapter, ("calls",))
         blocks = list(get_module(ctx.model, ctx.adapter.blocks))
         self.modules = unique_blocks(ctx.model, ctx.adapter)
         """Distinct block modules; index = the ``layer`` of the skips table and of components."""
         index = {id(m): i for i, m in enumerate(self.modules)}
-        self.calls = [index[id(block)] for block in blocks]
+        self.module_of = [index[id(block)] for block in blocks]
         """Module index of every block call, in execution order."""
         self.removal = UpdateRemoval(ctx.model, ctx.adapter)
         self.readout = ctx.readout
         self.option_ids = ctx.readout.option_index(ctx.option_ids)
         self.progress = ctx.progress
-        self.capture: ComponentCapture | None = None
-        self._calls: list[Call] = []  # every block call's arguments in the full pass
         self._logits: torch.Tensor | None = None
-        for module in self.modules:
-            self.add(module.register_forward_pre_hook(self._keep, with_kwargs=True))
 
     def bind(self, capture: ComponentCapture) -> None:
         self.capture = capture
 
-    def _keep(self, module: object, args: tuple, kwargs: dict) -> None:
-        if self.capture is not None and not self.capture.paused:  # the full pass only
-            self._calls.append((args, kwargs))
+    def recording(self) -> bool:
+        """In the full pass only (the decomposition capture bound and not paused)."""
+        return self.capture is not None and not self.capture.paused
 
     def reset(self) -> None:
-        self._calls, self._logits = [], None
+        self.clear()
+        self._logits = None
 
     def decomposed(self, batch: BatchDecomposition) -> None:
         assert self.capture is not None  # bound before any pass
         with self.capture.pausing():  # also pauses the hooks bound to it
             self._logits = self.skip_logits()
-        self._calls = []  # the full pass's states are not kept beyond it
+        self.clear()  # the full pass's states are not kept beyond it
 
     def result(self) -> Sequence[torch.Tensor]:
         if self._logits is None:
@@ -78,15 +74,15 @@ class SkipCapture(Hooks):
     def skip_logits(self) -> torch.Tensor:
         """(B, modules, K) float32 option logits (before any soft-cap, as ``model_logits``) with
         each block module skipped on every call, from the full pass's recorded block calls."""
-        if len(self._calls) != len(self.calls):
+        if len(self.calls) != len(self.module_of):
             raise SkipError("no full pass was recorded for this batch")
         seen = []
         zero = torch.zeros(())  # keep nothing: the skipped calls add nothing anywhere
         for skipped in range(len(self.modules)):
-            first = self.calls.index(skipped)
-            removed = [j for j, m in enumerate(self.calls) if m == skipped]
-            x = hidden_of(*self._calls[first])
-            x = self.removal.last(x, self._calls, first, removed, "block", zero)
+            first = self.module_of.index(skipped)
+            removed = [j for j, m in enumerate(self.module_of) if m == skipped]
+            x = hidden_of(*self.calls[first])
+            x = self.removal.last(x, self.calls, first, removed, "block", zero)
             seen.append(self.readout.option_logits(x[:, -1], self.option_ids))
             self.progress((skipped + 1) / len(self.modules))
         return torch.stack(seen, dim=1).cpu()

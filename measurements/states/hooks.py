@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from layerdiv.errors import DecompositionError
 from layerdiv.extract.adapters import get_module
-from layerdiv.extract.capture import DecompositionError
-from layerdiv.extract.hooks import Hooks, unique_blocks
+from layerdiv.extract.hooks import Recorder
 from layerdiv.measurements import Attachment
 from layerdiv.measurements.states import (
     LARGE_BYTES,
@@ -30,36 +30,31 @@ TORCH_TYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": 
 """``--states-dtype`` values (``layerdiv.schemas.STATE_TYPES``) and the torch dtype of each."""
 
 
-class StateCapture(Hooks):
-    """Pre-hooks on the model, every decoder block and the final norm; after each pass, per
-    row, its positions, their token ids and states (k, L + 1, d). Each hook keeps only the
-    sampled positions, converted to the stored dtype at once (nothing of the pass's own size
-    outlives it). Only the first pass after :meth:`batch` is kept (later passes, as the future
-    effects run them, are not the model's own)."""
+class StateCapture(Recorder):
+    """Records the model call's token ids, every block input h_0..h_(L-1) and the final norm's
+    input h_L of one pass; after each pass, per row, its positions, their token ids and states
+    (k, L + 1, d). Each state keeps only the sampled positions, converted to the stored dtype at
+    once (nothing of the pass's own size outlives it). Only the first pass after :meth:`batch`
+    is kept (later passes, as the future effects run them, are not the model's own)."""
 
     def __init__(self, ctx: Attachment) -> None:
-        super().__init__()
-        model, adapter, settings = ctx.model, ctx.adapter, ctx.settings
+        super().__init__(ctx.model, ctx.adapter, ("ids", "inputs", "final"))
+        settings = ctx.settings
         self.k, self.seed = settings["states"], int(settings["states_seed"])
-        self.dtype = str(settings["states_dtype"])
+        self.stored = str(settings["states_dtype"])
+        """The stored dtype (``--states-dtype``)."""
         self.last = KINDS[ctx.kind].scored
         """A choice task: the last prompt token alone."""
         self.ends: Sequence[TokenEnds] | None = ctx.planned
         """A text task's token ends per document (:func:`~layerdiv.measurements.states.plan_states`;
         None: no offsets, ``char_end`` null)."""
-        self.n_blocks = len(get_module(model, adapter.blocks))
-        self.add(model.register_forward_pre_hook(self._ids_hook, with_kwargs=True))
-        norm = get_module(model, adapter.final_norm)
-        self.add(norm.register_forward_pre_hook(self._final_hook))
-        for block in unique_blocks(model, adapter):
-            self.add(block.register_forward_pre_hook(self._input_hook, with_kwargs=True))
+        self.n_blocks = len(get_module(ctx.model, ctx.adapter.blocks))
         self.reset()
 
     def reset(self) -> None:
-        self._h: list[torch.Tensor] = []  # per layer so far: (positions, d) in the stored dtype
+        self.clear()
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None
         self._row_of = np.zeros(0, np.int64)  # the batch row of each kept position
-        self._input_ids: torch.Tensor | None = None
         self._rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]] | None = None
         self._ids: Sequence[int] | None = None
         self._lengths: Sequence[int] = ()
@@ -84,41 +79,42 @@ class StateCapture(Hooks):
             return np.flatnonzero(self.ends[doc].word_end[:n][1:]) + 1
         return state_positions(n, self.k, self.seed, doc)
 
-    def _ids_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
-        if self._ids is not None and self._input_ids is None:
-            self._input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+    def recording(self) -> bool:
+        """From :meth:`batch` (not a probe pass) to the first pass's final norm."""
+        return self._ids is not None and self._rows is None
 
-    def _input_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
-        if self._ids is not None and self._rows is None and len(self._h) < self.n_blocks:
-            self._keep(args[0] if args else kwargs["hidden_states"])
-
-    def _keep(self, h: torch.Tensor) -> None:
-        """Keep the sampled positions of every row of ``h`` (B, width, d), stored dtype."""
+    def select(self, site: str, x: torch.Tensor) -> torch.Tensor:
+        """The sampled positions of every row of ``x`` (B, width, d), in the stored dtype."""
         if self._index is None:  # rows are left-padded to the pass's width
-            width = h.shape[1]
+            width = x.shape[1]
             self._row_of = np.repeat(np.arange(len(self._pos)), [len(p) for p in self._pos])
             cols = np.concatenate(
                 [width - n + p for n, p in zip(self._lengths, self._pos, strict=True)]
             )
             self._index = (
-                torch.as_tensor(self._row_of, device=h.device),
-                torch.as_tensor(cols, device=h.device),
+                torch.as_tensor(self._row_of, device=x.device),
+                torch.as_tensor(cols, device=x.device),
             )
-        self._h.append(to_stored(h[self._index], self.dtype, self._unit))
+        return to_stored(x[self._index], self.stored, self._unit)
+
+    def keep(self, site: str, layer: int, x: torch.Tensor) -> None:
+        if site == "inputs" and len(self.inputs) >= self.n_blocks:
+            return  # more block inputs than the model's blocks: not one pass's own
+        super().keep(site, layer, x)
+        if site == "final":
+            self._assemble()
 
     def _unit(self, position: int) -> str:
         """The instance or document of kept position ``position``, for messages."""
         assert self._ids is not None  # a pass after batch()
         return f"{'instance' if self.last else 'document'} {self._ids[self._row_of[position]]}"
 
-    def _final_hook(self, module: Any, args: tuple) -> None:
-        if self._ids is None or self._rows is not None:
-            return
-        if self._input_ids is None:
+    def _assemble(self) -> None:
+        """Each row's positions, token ids and states, from the pass just kept."""
+        if self.input_ids is None:
             raise DecompositionError("the model was called without input_ids")
-        self._keep(args[0])
-        values = as_numpy(torch.stack(self._h, dim=1))  # (positions, L + 1, d)
-        ids, width = self._input_ids.cpu().numpy(), self._input_ids.shape[1]
+        values = as_numpy(torch.stack(self.states(), dim=1))  # (positions, L + 1, d)
+        ids, width = self.input_ids.cpu().numpy(), self.input_ids.shape[1]
         ends = np.cumsum([len(p) for p in self._pos])
         self._rows = [
             (pos, ids[row, width - n + pos], values[end - len(pos) : end], chars)
@@ -126,7 +122,7 @@ class StateCapture(Hooks):
                 zip(self._pos, self._lengths, ends, self._char_end, strict=True)
             )
         ]
-        self._h = []
+        self.clear()
 
     def result(self) -> Sequence[Any]:
         if self._ids is None:
