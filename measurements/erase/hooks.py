@@ -10,11 +10,13 @@ and values of the positions before t from the clean pass: one clean pass of the 
 (:class:`Prefix`) that puts them before the keys and values the call computes. The blocks before l
 are not run again (the clean pass's input of block l, kept by the per-token capture, is the
 start), and every block call runs with the arguments of its own clean call (mask, positions,
-rotary angles) cut to the queries (``layerdiv.extract.removal.expand_calls``). The copies of one
-state run together, grouped by t: a group of copies starting at t0 runs the queries t0..T-1, its
-copies with t > t0 recomputing the few positions t0..t-1 unchanged. What is read out is the task
-kind's :class:`Target`: the readout runs only at each copy's read positions max(first, t)..last (a
-text task, :class:`NextTokens`: the answer-predicting positions s - 1..T-2, the whole next-token
+rotary angles) cut to the queries (``layerdiv.extract.removal.expand_calls``). The copies run
+in groups by t: a group of copies starting at t0 runs the queries t0..T-1, its copies with t > t0
+recomputing the few positions t0..t-1 unchanged; the groups of consecutive states at the same t
+are stacked into one pass (the copies of h_l join it at block l), so that a short prompt's
+passes are few large operations. What is read out is the task kind's
+:class:`Target`: the readout runs only at each copy's read positions max(first, t)..last (a text
+task, :class:`NextTokens`: the answer-predicting positions s - 1..T-2, the whole next-token
 distribution; a choice task, :class:`OptionProbs`: the last prompt token T - 1 alone, the
 softmax over the option logits), and the last state h_L reaches z_t alone: at t alone. Positions
 t > last precede none of them, and their effect is stored as an exact 0, not computed; so is the
@@ -61,6 +63,13 @@ GROUP_MIN = 16
 """The fewest positions a group spans (while the budget and the document allow): on prompts of
 tens of tokens, groups of one or two copies spend most of their time in the blocks' per-call
 cost rather than in the few positions a larger group recomputes."""
+
+STACK_TOKENS = 8192
+"""The query tokens an edited pass may hold where the token budget allows fewer (the CPU's
+1,024): the copies of consecutive states are stacked into one pass of the blocks up to
+max(budget, this), so that a pass of a short prompt's copies is a few large operations rather
+than many small ones (each operation's fixed cost, and on a loaded machine each thread's wait
+for the others, is paid per operation)."""
 
 READ_ROWS = 256
 """Positions per slice of an edited pass's readout (over the whole vocabulary)."""
@@ -231,22 +240,26 @@ class Erasure:
             return torch.full((len(states), n), torch.nan).numpy()
         effect = torch.zeros(len(states), n)
         clean = self.target.probs(states[-1][row, start + first : start + last + 1].to(dtype))
-        for layer in range(len(states)):
-            t0 = first if layer == len(self.blocks) else 0  # h_L before first: exactly 0
+        blocks = len(self.blocks)
+        for layers, t0 in ((range(blocks), 0), (range(blocks, blocks + 1), first)):
+            # h_0..h_(L-1) from t = 0, stacked; h_L from first (before it: exactly 0)
             while t0 <= last:
                 share = max(GROUP_MIN, (n - t0) // GROUP_SHARE)
                 rows = max(1, min(share, budget // (n - t0), last + 1 - t0))
                 t = torch.arange(t0, t0 + rows)
-                effect[layer, t0 : t0 + rows] = self._group(
-                    layer, row, start, t, span, states, calls, kept, dtype, means, clean
-                )
+                stack = max(1, max(budget, STACK_TOKENS) // (rows * (n - t0)))
+                for l0 in range(layers[0], layers[-1] + 1, stack):
+                    stacked = range(l0, min(l0 + stack, layers[-1] + 1))
+                    effect[l0 : stacked[-1] + 1, t0 : t0 + rows] = self._group(
+                        stacked, row, start, t, span, states, calls, kept, dtype, means, clean
+                    )
                 t0 += rows
-            done((layer + 1) / len(states))
+            done((layers[-1] + 1) / len(states))
         return effect.numpy()
 
     def _group(
         self,
-        layer: int,
+        layers: range,
         row: int,
         start: int,
         t: torch.Tensor,
@@ -258,29 +271,44 @@ class Erasure:
         means: torch.Tensor,
         clean: torch.Tensor,
     ) -> torch.Tensor:
-        """The effects of the copies erasing state ``layer`` at positions ``t`` (ascending) of the
-        document in batch row ``row``: the queries t[0]..T-1 run from block ``layer`` on."""
+        """The effects (len(layers), len(t)) of the copies erasing each state of ``layers``
+        (consecutive) at positions ``t`` (ascending) of the document in batch row ``row``: the
+        queries t[0]..T-1 run from block ``layers[0]`` on, the copies of state l joining the
+        batch at block l (one pass of the blocks for the stacked states)."""
         batch, width = states[0].shape[:2]
         q = start + int(t[0])  # the group's first query, in the padded row
         copies = len(t)
         device = states[0].device
-        x = states[layer][row, q:].to(dtype).repeat(copies, 1, 1)
-        x[torch.arange(copies), t - t[0]] = means[layer].to(device, dtype)
-        rows = torch.full((copies,), row, dtype=torch.long, device=device)
-        memo: dict[int, torch.Tensor] = {}
+
+        def erased(layer: int) -> torch.Tensor:
+            """The copies of h_layer, each with its own position t replaced by mu_layer."""
+            x = states[layer][row, q:].to(dtype).repeat(copies, 1, 1)
+            x[torch.arange(copies), t - t[0]] = means[layer].to(device, dtype)
+            return x
+
+        memo: dict[int, dict[int, torch.Tensor]] = {}
         edited: list[Call] = list(calls)
-        for j in range(layer, len(self.blocks)):
+        for j in range(layers[0], len(self.blocks)):
+            size = copies * (min(j, layers[-1]) - layers[0] + 1)  # the states joined by block j
+            rows = torch.full((size,), row, dtype=torch.long, device=device)
             k, v = kept[j].keys, kept[j].values
             assert k is not None and v is not None  # kept by the clean pass of the blocks
             args, kwargs = calls[j]  # its hidden states left out: the run gives them
             bare = ((None, *args[1:]), kwargs) if args else _with(calls[j], hidden_states=None)
             edited[j] = _with(
-                expand_calls(bare, rows, batch, memo, (width, q)),
+                expand_calls(bare, rows, batch, memo.setdefault(size, {}), (width, q)),
                 **{self.cache: Prefix(k[row : row + 1, ..., :q, :], v[row : row + 1, ..., :q, :])},
             )
             if self.sdpa and edited[j][1].get("attention_mask", 0) is None:
-                edited[j] = _with(edited[j], attention_mask=self._causal(copies, q, width, device))
-        final = self.removal.last(x, edited, layer) if layer < len(self.blocks) else x
+                edited[j] = _with(edited[j], attention_mask=self._causal(size, q, width, device))
+
+        def join(j: int, y: torch.Tensor) -> torch.Tensor:
+            """Block j's output, the copies of h_(j+1) appended where they are stacked."""
+            return torch.cat([y, erased(j + 1)]) if j + 1 in layers else y
+
+        x = erased(layers[0])
+        if layers[0] < len(self.blocks):
+            x = self.removal.last(x, edited, layers[0], (), "block", None, join)
         # effect(l, t) = max_{j = max(first, t)..last} ||p'_j - p_j||_2 (a text task: the
         # next-token distributions at j = s-1..T-2; a choice task: the option probabilities at
         # j = T-1 alone)
@@ -289,16 +317,16 @@ class Erasure:
         edit = (start + t).to(device)[:, None]
         measured = (pos[None, :] >= (start + torch.maximum(t, torch.tensor(first)))[:, None]
                     .to(device)) & (pos[None, :] <= start + last)  # fmt: skip
-        if layer == len(self.blocks):  # h_L reaches z_t alone: the others are exactly unchanged
+        if layers[0] == len(self.blocks):  # h_L reaches z_t alone: the others exactly unchanged
             measured &= pos[None, :] == edit
-        copy, col = measured.nonzero(as_tuple=True)
-        out = torch.zeros(copies, device=device)
+        copy, col = measured.repeat(len(layers), 1).nonzero(as_tuple=True)
+        out = torch.zeros(len(x), device=device)
         for a in range(0, len(copy), READ_ROWS):
             c, p = copy[a : a + READ_ROWS], col[a : a + READ_ROWS]
-            probs = self.target.probs(final[c, p])
+            probs = self.target.probs(x[c, p])
             change = (probs - clean[q + p - start - first]).norm(dim=-1)
             out = out.scatter_reduce(0, c, change, reduce="amax")
-        return out.cpu()
+        return out.view(len(layers), copies).cpu()
 
     @staticmethod
     def _causal(copies: int, q: int, width: int, device: torch.device) -> torch.Tensor:
