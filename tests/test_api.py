@@ -167,7 +167,7 @@ def test_write_has_the_guards_of_the_command_line(store: Path, results: Any, tmp
 
 def test_reprs_are_short(store: Path, results: Any) -> None:
     text = repr(results)
-    assert len(text) < 4000 and text.startswith("Results(scale='final', min_params=0): 21 tables")
+    assert len(text) < 4000 and text.startswith("Results(scale='final', min_params=0): 23 tables")
     lines = text.splitlines()
     scores = f"{results.scores.height:,} x {results.scores.width}"
     assert any(re.fullmatch(f"  scores +{scores}", line) for line in lines)

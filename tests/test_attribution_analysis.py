@@ -620,7 +620,7 @@ def test_a_version_7_store_with_non_nullable_maps_still_reads(tmp_path: Path) ->
             old = tables_of(7)[table].with_metadata(data.schema.metadata)
             assert not any(f.nullable for f in old) and data.schema != old
             pq.write_table(data.cast(old), part)
-    with pytest.raises(StoreError, match="columns do not match the igrad schema of version 8"):
+    with pytest.raises(StoreError, match="columns do not match the igrad schema of version 9"):
         Store(root).scan("igrad").collect()
     for path in root.glob("manifests/**/manifest.json"):
         data = json.loads(path.read_text())

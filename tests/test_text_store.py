@@ -259,7 +259,7 @@ def test_each_version_s_tables_come_from_the_declarations() -> None:
     new = {v: set(tables_of(v)) - set(tables_of(v - 1)) for v in range(2, SCHEMA_VERSION + 1)}
     assert new[7] == {"igrad", "igrad_ends", "erasure", "erasure_reference", "sinks"}
     assert new[6] == set() and new[5] == {"states"}
-    assert new[9] == {"lens_stats"} and new[8] == set()
+    assert new[9] == {"lens_stats", "token_lens_ls", "token_lens_tuned"} and new[8] == set()
 
 
 def test_version_4_store_reads_without_the_weights_note(tmp_path: Path) -> None:
