@@ -821,6 +821,7 @@ def test_a_registered_analysis_runs_writes_and_reports(
         "text_groups",
         "effective_depth",
         "decided_depth",
+        "lens_comparison",
         "igrad",
         "choice_igrad",
         "erasure",
