@@ -128,7 +128,9 @@ def comparison(prior: Mapping[str, pl.DataFrame], blocks: pl.DataFrame) -> pl.Da
     if models < 2:
         return pl.DataFrame(schema=SCHEMA)
     shared = long.filter(pl.struct(*MODEL_KEY).n_unique().over("task", "quantity") == models)
-    order = pl.col("quantity").replace_strict(list(QUANTITIES), range(len(QUANTITIES)), default=len(QUANTITIES))
+    order = pl.col("quantity").replace_strict(
+        list(QUANTITIES), range(len(QUANTITIES)), default=len(QUANTITIES)
+    )
     return (
         shared.join(blocks.select(*KEY, "n_blocks"), on=[*KEY])
         .select(list(SCHEMA))
