@@ -85,12 +85,12 @@ prediction = (
 gold = store.scan("instances").select([*keys, "gold"])
 (
     prediction.join(gold, on=keys)
-    .group_by("model", "task")
+    .group_by(KEY)
     .agg(
         accuracy=(pl.col("option") == pl.col("gold")).mean(),
         n=pl.len(),
     )
-    .sort("model", "task")
+    .sort(KEY)
     .collect()
 )
 

@@ -211,8 +211,9 @@ def test_within_model_law_from_the_lens_table(tmp_path: Path) -> None:
     ce = own + 4.0 * np.maximum(layer, 1) ** -0.9
     ce[-1] = own
     table = pl.DataFrame(
-        {"model": "m", "revision": "main", "task": "fineweb", "layer": layer, "ce": ce}
-    ).with_columns(pl.col("layer").cast(pl.Int16))
+        {"model": "m", "revision": "main", "task": "fineweb", "layer": layer, "ce": ce,
+         "lens": "last-block"}
+    ).with_columns(pl.col("layer").cast(pl.Int16))  # fmt: skip
     deltas = delta_ce(table)
     assert deltas["layer"].to_list() == list(range(1, blocks))  # l = 1..L-1
     np.testing.assert_allclose(deltas["delta_ce"], ce[1:blocks] - own)
@@ -230,7 +231,8 @@ def test_within_model_law_from_the_lens_table(tmp_path: Path) -> None:
     )
     from layerdiv.analyze import plots
 
-    spec = lens_law_figure(table, fit, {})
+    learned = table.with_columns(pl.col("ce") * 2, lens=pl.lit("ls"))
+    spec = lens_law_figure(pl.concat([table, learned]), fit, {})  # only the last-block lens
     assert plots.to_matplotlib(spec, tmp_path / "f.png").stat().st_size > 5_000
     points, line = spec.panels[0].series
     assert points.y == pytest.approx(list(ce[1:blocks] - own))

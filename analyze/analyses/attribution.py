@@ -212,6 +212,7 @@ def section_analysis(
     def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
         return partition_tables(ctx, partial(tables_of, section.prefix), section.title)
 
+    tables.__module__ = tables_of.__module__  # the registry names the measurement's module
     return Analysis(
         name=section.prefix,
         title=section.title,

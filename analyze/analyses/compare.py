@@ -12,7 +12,8 @@ null where it gives none). Every quantity but ``sink_rate`` is a relative depth 
 - ``ed_cos``, ``ed_kl``, ``ed_top5``: the effective depth ratio (ED + 1) / L (``effective_depth``,
   methods §15; null: no crossing);
 - ``decided``: the mean relative decided-at depth over every token (``decided_depth``, §16);
-- ``igrad_block``, ``igrad_attn``: the relative depth score of |IG| (``igrad_depth``, §13);
+- ``igrad_block``, ``igrad_attn``, ``igrad_mlp``: the relative depth score of |IG| per site
+  (``igrad_depth``, §13);
 - ``erasure``: the relative depth score of the erasure effects (``erasure_depth`` and
   ``choice_erasure_depth``, §14);
 - ``saturation``: the share j / (2L + 1) of the components at which accuracy saturates
@@ -37,15 +38,18 @@ from layerdiv.analyze.registry import Analysis, Context, ReportContext
 from layerdiv.analyze.stats import LEVEL
 from layerdiv.measurements.heads.report import beat_verdicts
 from layerdiv.measurements.skips.analysis import skip_verdicts
+from layerdiv.schemas import SUBLAYERS
 from layerdiv.store.key import KEY, MODEL_KEY
+
+SITE_NAMES = {"block": "block outputs", "attn": "attention outputs", "mlp": "MLP outputs"}
+"""What each igrad site (``igrad_sites``) attributes to."""
 
 QUANTITIES = {
     "ed_cos": "ED_cos: update cosines cross zero",
     "ed_kl": "ED_KL: lens KL below 0.1 x max",
     "ed_top5": "ED_top5: lens top-5 overlap > 0.2",
     "decided": "decided-at depth (mean over tokens)",
-    "igrad_block": "|IG| depth score, block outputs",
-    "igrad_attn": "|IG| depth score, attention outputs",
+    **{f"igrad_{site}": f"|IG| depth score, {SITE_NAMES[site]}" for site in SUBLAYERS},
     "erasure": "erasure depth score",
     "saturation": "accuracy saturates (j / components)",
     "sink_rate": "sink rate (share of heads)",
@@ -232,7 +236,6 @@ def curves_figure(ctx: ReportContext, models: Sequence[str]) -> plots.Figure | N
 def depth_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figure:
     """A panel per quantity of ``model_comparison``: each model's value with its interval, a
     colour per task."""
-    list(names)
     tasks = sorted(table["task"].unique())
     color = dict(zip(tasks, plots.colors(len(tasks)), strict=False))
     panels = []
@@ -499,12 +502,14 @@ def report(ctx: ReportContext) -> str:
     curves = curves_figure(ctx, models) if "curves" in t else None
     profiles = [
         ("sink share of the block's heads", _relative(t["sink_blocks"], "block", 1), "sink_rate",
-         "share of heads") if "sink_blocks" in t else None,
-        ("|IG| share, block outputs", t["igrad_share"].filter(pl.col("sublayer") == "block"),
-         "share", "share of |IG|") if "igrad_share" in t else None,
-        ("|IG| share, attention outputs", t["igrad_share"].filter(pl.col("sublayer") == "attn"),
-         "share", "share of |IG|") if "igrad_share" in t else None,
-    ]  # fmt: skip
+         "share of heads")
+    ] if "sink_blocks" in t else []  # fmt: skip
+    shares = t.get("igrad_share")
+    profiles += [
+        (f"|IG| share, {SITE_NAMES[site]}", site_rows, "share", "share of |IG|")
+        for site in SUBLAYERS
+        if shares is not None and (site_rows := shares.filter(pl.col("sublayer") == site)).height
+    ]
     erasure = [
         (name, t[table_name], "effect", "effect (L2, probabilities)")
         for name, table_name in (
@@ -521,7 +526,7 @@ def report(ctx: ReportContext) -> str:
          else None),
         ("compare_sinks_igrad.png", "Sinks and |IG| on relative depth",
          per_block_figure("Attention sinks and |IG| per block on relative depth",
-                          [p for p in profiles if p is not None], names)),
+                          profiles, names)),
         ("compare_bos_norm.png", "The first token's norm on relative depth",
          per_block_figure("The first token's norm on relative depth (block inputs h_l, l / L)",
                           bos, names, yscale="log")),

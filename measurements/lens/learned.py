@@ -147,11 +147,12 @@ def comparison_figure(table: pl.DataFrame, names: dict[str, str]) -> plots.Figur
 
 def held_out_notes(table: pl.DataFrame, names: Mapping[str, str]) -> list[str]:
     """A line per learned lens scored on the task its translators were fitted on."""
-    fitted = table.filter(pl.col("held_out").not_()).select("model", "task", "lens").unique()
+    fitted = table.filter(pl.col("held_out").not_()).select(*KEY, "lens").unique()
     return [
-        f"**Not held out:** the {lens} lens of {names.get(model, model)} was fitted on task "
-        f"{task} itself; its numbers there are in-sample, not a held-out claim (methods §17)."
-        for model, task, lens in fitted.sort("model", "task", "lens").rows()
+        f"**Not held out:** the {r['lens']} lens of {names.get(r['model'], r['model'])} was "
+        f"fitted on task {r['task']} itself; its numbers there are in-sample, not a held-out "
+        "claim (methods §17)."
+        for r in fitted.sort(*KEY, "lens").iter_rows(named=True)
     ]
 
 
