@@ -19,6 +19,8 @@ from layerdiv.demo import DEMO_N
 from layerdiv.errors import LayerdivError, LayerdivWarning, one_line
 from layerdiv.extract.config import DEFAULT_STORE, ExtractConfig
 from layerdiv.extract.launchers import Shard, pick_device
+from layerdiv.measurements.lens_stats import DEFAULT_RIDGE
+from layerdiv.schemas import LEARNED_LENS_KINDS
 from layerdiv.schemas.kinds import KINDS
 from layerdiv.version import __version__
 
@@ -646,7 +648,7 @@ def fit_law_command(
 @click.option("--task", required=True, help="The text task the lens is trained on (TRAIN).")
 @click.option(
     "--kind",
-    type=click.Choice(["ls", "tuned"]),
+    type=click.Choice(list(LEARNED_LENS_KINDS)),
     required=True,
     help="ls: least squares in closed form from the sums of extract --lens-stats (no model); "
     "tuned: the tuned-lens recipe (runs the model).",
@@ -655,7 +657,7 @@ def fit_law_command(
 @click.option(
     "--ridge",
     type=click.FloatRange(min=0),
-    default=1e-4,
+    default=DEFAULT_RIDGE,
     show_default=True,
     help="lambda of the least-squares lens, times the mean diagonal of h_l's centred covariance.",
 )
@@ -689,23 +691,17 @@ def fit_lens_command(
 ) -> None:
     """Fit a learned lens (methods §17) on a text task of the store and write its per-block
     translators (safetensors) with the model's weights fingerprint and the training task."""
+    from layerdiv.extract.lens_fit import STATES_SOURCE, TunedSettings, fit_lens
     from layerdiv.store import Store
 
     (info,) = Store(store).select([model], [task])
+    if kind == "tuned":
+        click.echo(f"tuned lens trained on states from {STATES_SOURCE} ({info.where})")
+    settings = TunedSettings(steps, tokens_per_step, seed, init)
+    fitted = fit_lens(info, kind, model, Path(out), settings, ridge, device, dtype)
     if kind == "ls":
-        from layerdiv.measurements.lens_stats import fit_ls
-        from layerdiv.store.translators import save_translators
-
-        fitted = fit_ls(info, ridge)
-        save_translators(out, fitted)
         click.echo(f"least-squares lens of {fitted.n_blocks} blocks from the sums over "
                    f"{fitted.settings['tokens']} tokens of {info.where}")  # fmt: skip
-    else:
-        from layerdiv.extract.lens_fit import STATES_SOURCE, TunedSettings, fit_tuned
-
-        settings = TunedSettings(steps, tokens_per_step, seed, init)
-        click.echo(f"tuned lens trained on states from {STATES_SOURCE} ({info.where})")
-        fitted = fit_tuned(info, model, settings, Path(out), device, dtype, ridge)
     click.echo(f"wrote {out} ({fitted.kind}, fingerprint {fitted.fingerprint[:12]})")
 
 

@@ -376,12 +376,10 @@ def fit_demo_lenses(out: Path) -> None:
     ``out/lenses`` (a file already there is kept) and add them to :data:`TEXT_TASK`'s lens
     (``extract --lens-ls/--lens-tuned``), so that the report sets the lenses side by side."""
     from layerdiv.extract.config import ExtractConfig
-    from layerdiv.extract.lens_fit import TunedSettings, fit_tuned
+    from layerdiv.extract.lens_fit import TunedSettings, fit_lens
     from layerdiv.extract.runner import run_extract
     from layerdiv.measurements.lens import learned_lens_measures
-    from layerdiv.measurements.lens_stats import fit_ls
     from layerdiv.store import Store
-    from layerdiv.store.translators import save_translators
 
     store = out / "store"
     for model, kinds in LEARNED_LENSES.items():
@@ -391,10 +389,7 @@ def fit_demo_lenses(out: Path) -> None:
             if path.is_file():
                 continue
             print(f"Fitting the {kind} lens of {model} on {WORDS_TASK}")
-            if kind == "ls":
-                save_translators(path, fit_ls(info))
-            else:
-                fit_tuned(info, model, TunedSettings(**TUNED), path)
+            fit_lens(info, kind, model, path, TunedSettings(**TUNED))
         config = ExtractConfig(model, [str(out / "tasks" / f"{TEXT_TASK}.yaml")], store,
                                measures=learned_lens_measures(files))  # fmt: skip
         for s in run_extract(config):

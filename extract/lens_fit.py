@@ -304,3 +304,23 @@ def fit_tuned(
     save_translators(out, translators)
     checkpoint.unlink(missing_ok=True)
     return translators
+
+
+def fit_lens(
+    info: Any,
+    kind: str,
+    model: str,
+    out: Path,
+    settings: TunedSettings | None = None,
+    ridge: float | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+) -> Translators:
+    """The ``kind`` lens (``ls``: :func:`fit_ls` from the stored sums, no model; ``tuned``:
+    :func:`fit_tuned` with ``settings``) of ``model`` fitted on the text partition ``info`` and
+    written to ``out`` (``layerdiv fit-lens``, methods §17)."""
+    if kind == "ls":
+        translators = fit_ls(info, ridge)
+        save_translators(out, translators)
+        return translators
+    return fit_tuned(info, model, settings or TunedSettings(), out, device, dtype, ridge)
