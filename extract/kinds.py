@@ -160,7 +160,7 @@ class ChoiceKind(TaskKind):
 
         return BatchWork(
             partial(check_batch, task=plan.spec.name, tol=tol),
-            lambda r, res: self.tables(r, res, gold, seqs, truncated, prompts),
+            lambda r, res: self.tables(r, res, gold, seqs, truncated, prompts, spell),
             tally,
             self.measured,
         )
@@ -173,11 +173,13 @@ class ChoiceKind(TaskKind):
         seqs: list[list[int]],
         truncated: list[bool],
         prompts: list[str],
+        spell: Callable[[list[int]], list[str]] | None = None,
     ) -> dict[str, pa.Table]:
         """The ``components`` and ``instances`` tables of instances ``ids`` (ascending;
-        ``gold``, ``seqs``, ``truncated`` and ``prompts`` are indexed by instance), each found
-        in ``results`` as (its batch's decomposition, its row there), and the tables of the
-        measurements the decompositions hold (:meth:`measured`)."""
+        ``gold``, ``seqs``, ``truncated`` and ``prompts`` are indexed by instance; ``spell``:
+        token ids -> the tokens as the vocabulary spells them), each found in ``results`` as
+        (its batch's decomposition, its row there), and the tables of the measurements the
+        decompositions hold (:meth:`measured`)."""
 
         def stack(attr: str) -> np.ndarray:
             return np.stack([getattr(results[i][0], attr)[results[i][1]].numpy() for i in ids])
@@ -202,6 +204,7 @@ class ChoiceKind(TaskKind):
                 stack("model_logits"),
                 stack("sum_error"),
                 [prompts[i] for i in ids],
+                None if spell is None else [spell(seqs[i]) for i in ids],
             ),
         }
 

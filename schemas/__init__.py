@@ -81,7 +81,7 @@ import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 """Version of the on-disk layout and of the column sets below (the one this code writes)."""
 
 OLDEST_READABLE = 1
@@ -173,8 +173,10 @@ _INSTANCE_FIELDS_V2 = [
     pa.field("sum_error", pa.float32(), nullable=False),
 ]
 
+_INSTANCE_FIELDS_V9 = [*_INSTANCE_FIELDS_V2, pa.field("prompt", pa.string(), nullable=False)]
+
 INSTANCES = _schema(
-    "instances", [*_INSTANCE_FIELDS_V2, pa.field("prompt", pa.string(), nullable=False)]
+    "instances", [*_INSTANCE_FIELDS_V9, pa.field("pieces", pa.list_(pa.string()), nullable=True)]
 )
 """One row per instance.
 
@@ -191,6 +193,9 @@ INSTANCES = _schema(
 - ``prompt`` (version 3): the prompt text the task rendered and the tokenizer encoded (before any
   left truncation; special tokens the tokenizer adds are not shown), at most
   :data:`PROMPT_CHARS` characters: a longer one is cut in the middle at an explicit marker.
+- ``pieces`` (version 10): the tokens fed to the model as the vocabulary spells them, one per
+  position 0..n_tokens-1 (the labels of the per-position maps of ``--erase`` and ``--igrad``;
+  null where the tokenizer spells none).
 """
 
 SKIPS = _schema(
@@ -813,6 +818,7 @@ _OLDER: dict[str, dict[int, pa.Schema]] = {
     "instances": {
         1: _schema("instances", _INSTANCE_FIELDS_V2, version=1),
         2: _schema("instances", _INSTANCE_FIELDS_V2, version=2),
+        9: _schema("instances", _INSTANCE_FIELDS_V9, version=9),
     },
     "documents": {6: _schema("documents", _DOCUMENT_FIELDS_V4, version=6)},
     "tokens": {

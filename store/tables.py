@@ -90,9 +90,11 @@ def instances_table(
     model_logits: np.ndarray,
     sum_error: np.ndarray,
     prompts: Sequence[str],
+    pieces: Sequence[list[str]] | None = None,
 ) -> pa.Table:
     """Rows of :data:`~layerdiv.schemas.INSTANCES`; ``model_logits`` is (B, K); ``prompts`` are
-    stored as :func:`bounded_prompt` keeps them."""
+    stored as :func:`bounded_prompt` keeps them; ``pieces``: each prompt's tokens as the
+    vocabulary spells them (None: null)."""
     return pa.table(
         {
             "instance": pa.array(instances, pa.int32()),
@@ -105,6 +107,9 @@ def instances_table(
             ),
             "sum_error": pa.array(np.asarray(sum_error, dtype=np.float32)),
             "prompt": pa.array([bounded_prompt(p) for p in prompts], pa.string()),
+            "pieces": pa.array(
+                [None] * len(instances) if pieces is None else pieces, pa.list_(pa.string())
+            ),
         },
         schema=INSTANCES,
     )

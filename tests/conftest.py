@@ -346,3 +346,16 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Any:
         return built[tasks, models]
 
     return get
+
+
+def tables_as_version(root: Path, version: int) -> None:
+    """Every table file under store ``root`` rewritten as schema ``version`` wrote it: the
+    columns that version's schema has, in its types (the tests of old stores)."""
+    import pyarrow.parquet as pq
+
+    from layerdiv.measurements import tables_of
+
+    for table, schema in tables_of(version).items():
+        for part in root.glob(f"{table}/**/*.parquet"):
+            data = pq.read_table(part)
+            pq.write_table(data.select(schema.names).cast(schema), part, write_page_checksum=True)

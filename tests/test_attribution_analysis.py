@@ -28,7 +28,7 @@ from layerdiv.analyze.synthetic import (
 from layerdiv.measurements import Measurement, Setting, register, registered, unregister
 from layerdiv.measurements.erase import analysis as erasure
 from layerdiv.measurements.igrad import analysis as igrad
-from layerdiv.schemas import ERASURE, IGRAD, IGRAD_ENDS, SUBLAYERS
+from layerdiv.schemas import ERASURE, IGRAD, IGRAD_ENDS, SCHEMA_VERSION, SUBLAYERS
 
 BLOCKS = 4
 TOKENS = 12
@@ -562,6 +562,37 @@ def test_choice_erasure_numbers(mixed: tuple[Path, np.ndarray]) -> None:
     assert results["choice_erasure_depth"]["task"].to_list() == ["pick"]
 
 
+def test_choice_maps_label_positions_with_the_stored_prompt_tokens(
+    mixed: tuple[Path, np.ndarray], tmp_path: Path
+) -> None:
+    """Issue 48 item 9: a choice partition's maps label each position with its prompt token
+    (``instances.pieces``); a store without them, by position alone."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from layerdiv.analyze.analyses.attribution import map_figure
+
+    root = tmp_path / "store"
+    shutil.copytree(mixed[0], root)
+    for part in root.glob("instances/**/*.parquet"):
+        data = pq.read_table(part)
+        units = zip(data["instance"].to_pylist(), data["n_tokens"].to_pylist(), strict=True)
+        pieces = [[f"Ġw{i}_{p}" for p in range(n)] for i, n in units]
+        column = data.schema.get_field_index("pieces")
+        pq.write_table(
+            data.set_column(column, "pieces", pa.array(pieces, pa.list_(pa.string()))), part
+        )
+    maps = analyze(root)["choice_erasure_maps"]
+    first = maps.filter(pl.col("doc") == 0, pl.col("layer") == 0).sort("pos")
+    assert first["piece"].to_list() == [f"Ġw0_{p}" for p in range(PROMPT_TOKENS)]
+    figure = map_figure("t", maps, {}, "layer", "effect", "effect", False)
+    assert figure.panels[0].heatmap is not None
+    assert figure.panels[0].heatmap.x[:2] == ["0:␣w0_0", "1:␣w0_1"]
+    plain = analyze(mixed[0])["choice_erasure_maps"]
+    assert "piece" not in plain.columns  # no pieces stored: by position alone
+
+
 def test_a_store_mixing_text_and_choice_erasure_reports_both(
     mixed: tuple[Path, np.ndarray], tmp_path: Path
 ) -> None:
@@ -620,7 +651,9 @@ def test_a_version_7_store_with_non_nullable_maps_still_reads(tmp_path: Path) ->
             old = tables_of(7)[table].with_metadata(data.schema.metadata)
             assert not any(f.nullable for f in old) and data.schema != old
             pq.write_table(data.cast(old), part)
-    with pytest.raises(StoreError, match="columns do not match the igrad schema of version 9"):
+    with pytest.raises(
+        StoreError, match=f"columns do not match the igrad schema of version {SCHEMA_VERSION}"
+    ):
         Store(root).scan("igrad").collect()
     for path in root.glob("manifests/**/manifest.json"):
         data = json.loads(path.read_text())

@@ -46,7 +46,7 @@ def rows(store: Path, table: str) -> pl.DataFrame:
 
 @pytest.mark.numerical
 def test_extract_writes_a_checked_store(
-    tmp_path: Path, model_dirs: Any, make_task: Any, stored: Any
+    tmp_path: Path, model_dirs: Any, make_task: Any, stored: Any, tokenizer: Any
 ) -> None:
     task = make_task(tmp_path / "task", n=20)
     store = tmp_path / "store"
@@ -74,6 +74,11 @@ def test_extract_writes_a_checked_store(
     assert inst["sum_error"].to_numpy().max() <= FLOAT32 * totals["terms"].to_numpy().max()
     # The rendered prompts are stored (schema 3).
     assert inst["prompt"].to_list() == [it.prompt for it in instances(load_task(str(task)), 20)]
+    # ... and their tokens as the vocabulary spells them (schema 10), one per position.
+    assert inst["pieces"].list.len().to_list() == inst["n_tokens"].to_list()
+    assert inst["pieces"][0][0] == tokenizer.convert_ids_to_tokens(
+        tokenizer(inst["prompt"][0])["input_ids"]
+    )[0]
     model_logits = np.array(inst["model_logits"].to_list()).reshape(-1)
     assert_within(totals["logit"].to_numpy(), model_logits, totals["terms"].to_numpy())
     # Files carry exactly the declared schemas.

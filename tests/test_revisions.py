@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
@@ -28,9 +27,9 @@ from layerdiv.analyze.synthetic import (
 )
 from layerdiv.cli import main
 from layerdiv.demo import TEXT_TASK, write_demo_tasks
-from layerdiv.measurements import tables_of
 from layerdiv.store import Store
 from layerdiv.store.key import KEY
+from tests.conftest import tables_as_version
 
 STEP_TOKENS = 2_097_152  # Pythia's tokens per step
 
@@ -127,7 +126,7 @@ def test_two_checkpoints_of_smollm2_in_one_store(tmp_path: Path) -> None:
 
 def to_version_4(root: Path) -> None:
     """Rewrite a store as schema version 4 wrote it: no ``revision=`` folder level, the hub
-    commit in the manifest's ``revision``, no model facts, ``tokens`` without ``loss``."""
+    commit in the manifest's ``revision``, no model facts, its tables' columns."""
     for folder in sorted(root.glob("*/model=*/revision=*")):
         for task in folder.iterdir():
             task.rename(folder.parent / task.name)
@@ -139,15 +138,7 @@ def to_version_4(root: Path) -> None:
                      "n_params_non_embedding", "weights"):  # fmt: skip
             del data[name]
         path.write_text(json.dumps(data))
-    old = tables_of(4)["tokens"]
-    for part in root.glob("tokens/model=*/task=*/*.parquet"):
-        pq.write_table(pq.read_table(part).drop(["loss", "piece"]).cast(old), part)
-    for part in root.glob("documents/model=*/task=*/*.parquet"):  # nor answer_start (version 7)
-        table = pq.read_table(part).drop(["answer_start"])
-        pq.write_table(table.cast(tables_of(4)["documents"]), part)
-    for part in root.glob("token_blocks/model=*/task=*/*.parquet"):  # nor h_embed
-        table = pq.read_table(part).drop(["h_embed"])
-        pq.write_table(table.cast(tables_of(4)["token_blocks"]), part)
+    tables_as_version(root, 4)  # tokens without loss, documents without answer_start, ...
 
 
 def test_a_version_4_store_reads_as_revision_main(tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ from layerdiv.store.tables import (
     tokens_table,
 )
 from layerdiv.store.writer import StoreUnwritable
+from tests.conftest import tables_as_version
 
 BLOCKS = 3
 LENGTHS = [5, 9, 3, 7, 4]  # tokens of documents 0..4
@@ -234,8 +235,13 @@ def test_version_3_choice_store_still_reads(tmp_path: Path) -> None:
         del data[name]  # fields of versions 4 and 5
     data["schema_version"] = 3
     path.write_text(json.dumps(data))
-    assert SCHEMA_VERSION == 9 and "lens" not in tables_of(3) and "tokens" not in tables_of(3)
+    tables_as_version(tmp_path, data["schema_version"])
+    assert SCHEMA_VERSION == 10 and "lens" not in tables_of(3) and "tokens" not in tables_of(3)
     assert "prompt" in tables_of(3)["instances"].names
+    assert (
+        "pieces" not in tables_of(9)["instances"].names
+        and "pieces" in tables_of(10)["instances"].names
+    )
     store = Store(tmp_path)
     (info,) = store.select()
     assert info.manifest.kind == "choice" and info.manifest.schema_version == 3
@@ -259,7 +265,9 @@ def test_each_version_s_tables_come_from_the_declarations() -> None:
     new = {v: set(tables_of(v)) - set(tables_of(v - 1)) for v in range(2, SCHEMA_VERSION + 1)}
     assert new[7] == {"igrad", "igrad_ends", "erasure", "erasure_reference", "sinks"}
     assert new[6] == set() and new[5] == {"states"}
-    assert new[9] == {"lens_stats", "token_lens_ls", "token_lens_tuned"} and new[8] == set()
+    assert (
+        new[9] == {"lens_stats", "token_lens_ls", "token_lens_tuned"} and new[8] == new[10] == set()
+    )
 
 
 def test_version_4_store_reads_without_the_weights_note(tmp_path: Path) -> None:
@@ -270,6 +278,7 @@ def test_version_4_store_reads_without_the_weights_note(tmp_path: Path) -> None:
     del data["weights"]  # the field of version 5
     data["schema_version"] = 4
     path.write_text(json.dumps(data))
+    tables_as_version(tmp_path, data["schema_version"])
     assert all(tables_of(4)[t] == tables_of(5)[t] for t in ("components", "instances"))
     assert "loss" not in tables_of(4)["tokens"].names
     assert set(tables_of(5)) - set(tables_of(4)) == {"states"}  # and the same others

@@ -46,7 +46,7 @@ SITE_ORDER = pl.col("sublayer").replace_strict(SUBLAYERS, range(len(SUBLAYERS)))
 
 def choice(info: PartitionInfo) -> bool:
     """Whether ``info`` is a choice partition (its units instances, keyed ``doc`` in the
-    attribution tables; no answer's start, no prompt tokens stored)."""
+    attribution tables; no answer's start; the prompt tokens in ``instances.pieces``)."""
     return info.kind.scored
 
 
@@ -237,14 +237,40 @@ def first_documents(info: PartitionInfo, table: str, count: int, value: str) -> 
 
 def document_tokens(info: PartitionInfo, docs: Sequence[int]) -> pl.DataFrame:
     """The ``doc``, ``pos``, ``token`` id and ``piece`` (the token as the vocabulary spells it;
-    null in stores of schema version 6 and older) of every token of ``docs``."""
-    return (
-        info.scan("tokens")
-        .filter(pl.col("doc").is_in(list(docs)))
-        .select("doc", "pos", "token", "piece")
-        .sort("doc", "pos")
+    null in stores of schema version 6 and older) of every token of ``docs``; a choice
+    partition's prompt tokens from ``instances.pieces`` (no ids; none before schema version
+    10)."""
+    if not choice(info):
+        rows = info.scan("tokens").filter(pl.col("doc").is_in(list(docs)))
+        return rows.select("doc", "pos", "token", "piece").sort("doc", "pos").collect()
+    schema = pl.Schema({"doc": pl.Int32, "pos": pl.Int32, "token": pl.Int32, "piece": pl.String})
+    if info.manifest.schema_version < 10:
+        return pl.DataFrame(schema=schema)
+    prompts = (
+        info.scan("instances")
+        .filter(pl.col("instance").is_in(list(docs)), pl.col("pieces").is_not_null())
+        .select(pl.col("instance").alias("doc"), pl.col("pieces").alias("piece"))
         .collect()
     )
+    return (
+        prompts.with_columns(pos=pl.int_ranges(pl.col("piece").list.len()))
+        .explode("piece", "pos")
+        .select("doc", "pos", pl.lit(None).alias("token"), "piece")
+        .cast(schema)
+        .sort("doc", "pos")
+    )
+
+
+def labelled(info: PartitionInfo, rows: pl.DataFrame, docs: Sequence[int]) -> pl.DataFrame:
+    """Per-position map ``rows`` of ``docs`` with each position's token (``token``, ``piece``:
+    :func:`document_tokens`, where stored) and, running text, the document's ``answer_start``
+    (:func:`answer_starts`)."""
+    tokens = document_tokens(info, docs)
+    if tokens.height:
+        rows = rows.join(tokens, on=["doc", "pos"], how="left")
+    if not choice(info):
+        rows = rows.join(answer_starts(info), on="doc", how="left")
+    return rows
 
 
 def _byte_level_alphabet() -> dict[str, int]:

@@ -28,8 +28,9 @@ Tables (running text; a choice task's are named ``choice_erasure_*`` and key the
 task): ``n_blocks``, ``n_documents``, ``n_scored``, ``score``, ``ci_low``, ``ci_high``,
 ``relative``, ``relative_low``, ``relative_high``; ``erasure_distance`` per (model, revision,
 task, ``distance``): ``n_documents``, ``effect``, ``ci_low``, ``ci_high``; ``erasure_maps``: the
-rows of the first documents' maps (running text: with their ``token`` ids and ``answer_start``;
-a choice task: by position alone, the store keeping no prompt's tokens).
+rows of the first documents' maps with their ``token`` ids and ``piece`` (a choice task: the
+prompt's pieces from ``instances.pieces``, no ids; by position alone before schema version 10)
+and, running text, ``answer_start``.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ from layerdiv.analyze.analyses.attribution import (
     depth_row,
     depth_rows,
     depth_verdicts,
-    document_tokens,
     first_documents,
+    labelled,
     maps_link,
     profiles,
     section_analysis,
@@ -197,15 +198,11 @@ def distances(info: PartitionInfo) -> pl.DataFrame:
 
 def maps(info: PartitionInfo, count: int) -> pl.DataFrame:
     """The ``erasure_maps`` rows of ``info``'s first ``count`` documents: every (layer, pos),
-    running text with its ``token`` id and the document's ``answer_start`` (a choice partition
-    keeps no prompt's tokens: by position alone)."""
+    with its token where stored and, running text, the document's ``answer_start``
+    (:func:`labelled`)."""
     docs = first_documents(info, "erasure", count, "effect")
     rows = info.scan("erasure").filter(pl.col("doc").is_in(docs)).collect()
-    if not choice(info):
-        rows = rows.join(document_tokens(info, docs), on=["doc", "pos"], how="left").join(
-            answer_starts(info), on="doc", how="left"
-        )
-    return rows.sort("doc", "layer", "pos")
+    return labelled(info, rows, docs).sort("doc", "layer", "pos")
 
 
 def tables_of(prefix: str, info: PartitionInfo, count: int) -> dict[str, pl.DataFrame]:
@@ -264,8 +261,8 @@ CHOICES = Section(
     "Effect against the distance to the readout position",
     "distance T − 1 − t (tokens)",
     None,
-    "; positions by index (the store keeps no choice prompt's tokens), the last the readout "
-    "position T − 1; the last state is 0 before it by construction",
+    "; the last position is the readout position T − 1; the last state is 0 before it by "
+    "construction",
 )
 
 

@@ -25,8 +25,9 @@ Tables (running text; a choice task's are named ``choice_igrad_*`` and key the i
 ``sublayer``, ``block``): ``steps`` M, ``n_documents``, ``gap_mean``, ``abs_gap_mean``,
 ``delta_mean``, ``rel_gap``; ``igrad_maps``: the rows of the first documents' maps
 (:data:`~layerdiv.analyze.analyses.attribution.DOCUMENTS_OPTION`, by default 2 per partition),
-running text with their ``token`` ids and ``answer_start`` (a choice task: by position alone, the
-store keeping no prompt's tokens).
+with their ``token`` ids and ``piece`` (a choice task: the prompt's pieces from
+``instances.pieces``, no ids; by position alone before schema version 10) and, running text,
+``answer_start``.
 """
 
 from __future__ import annotations
@@ -42,14 +43,12 @@ from layerdiv.analyze import plots
 from layerdiv.analyze.analyses.attribution import (
     CHOICE,
     SITE_ORDER,
-    answer_starts,
-    choice,
     depth_frame,
     depth_row,
     depth_rows,
     depth_verdicts,
-    document_tokens,
     first_documents,
+    labelled,
     maps_link,
     profiles,
     section_analysis,
@@ -173,8 +172,8 @@ def completeness(docs: pl.DataFrame, steps: int | None) -> pl.DataFrame:
 
 def maps(info: PartitionInfo, count: int) -> pl.DataFrame:
     """The ``igrad_maps`` rows of ``info``'s first ``count`` documents: every (sublayer, block,
-    pos), running text with its ``token`` id and the document's ``answer_start``
-    (:func:`answer_starts`; a choice partition keeps no prompt's tokens: by position alone)."""
+    pos), with its token where stored and, running text, the document's ``answer_start``
+    (:func:`labelled`)."""
     docs = first_documents(info, "igrad", count, "attribution")
     rows = (
         info.scan("igrad")
@@ -182,11 +181,7 @@ def maps(info: PartitionInfo, count: int) -> pl.DataFrame:
         .with_columns(pl.col("sublayer").cast(pl.String))
         .collect()
     )
-    if not choice(info):
-        rows = rows.join(document_tokens(info, docs), on=["doc", "pos"], how="left").join(
-            answer_starts(info), on="doc", how="left"
-        )
-    return rows.sort("doc", "sublayer", "block", "pos")
+    return labelled(info, rows, docs).sort("doc", "sublayer", "block", "pos")
 
 
 def tables_of(prefix: str, info: PartitionInfo, count: int) -> dict[str, pl.DataFrame]:
@@ -237,8 +232,7 @@ CHOICES = Section(
     "the last prompt token T − 1, at each position t of the prompt; baseline: the site's mean "
     "over the prompt's positions",
     "instances",
-    "; positions by index (the store keeps no choice prompt's tokens), the last the readout "
-    "position T − 1",
+    "; the last position is the readout position T − 1",
 )
 
 
