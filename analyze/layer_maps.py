@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 BLOCK_ROWS = 4096
 """Rows read, centred and multiplied at once."""
@@ -77,7 +78,8 @@ def _eigh(gram: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
     """Eigenvalues, eigenvectors and lambda's scale trace(G) / d of a centred Gram matrix G;
     a constant layer (trace 0: h_0 of one token shared by every row, as a choice task's last
     prompt token can be) has scale 1, and its map W = 0 (the train mean) for any lambda > 0."""
-    e, v = np.linalg.eigh(gram)
+    with threadpool_limits(1, user_api="blas"):  # LAPACK's tridiagonal reduction: BLAS-2
+        e, v = np.linalg.eigh(gram)  # calls, slower on two threads (several times, on busy cores)
     return e, v, float(np.trace(gram)) / len(gram) or 1.0
 
 
@@ -133,9 +135,10 @@ def _cv_ridge(
         m_y = -s_y / n_t
         c_t = cross - c_f - n_t * np.outer(fold.m, m_y)
         b_f = c_f - np.outer(fold.s, m_y) - np.outer(fold.m, s_y) + fold.n * np.outer(fold.m, m_y)
-        rot = fold.v.T @ c_t
-        quad = fold.m_rot * (rot @ rot.T)
-        lin = np.einsum("ij,ij->i", rot, fold.v.T @ b_f)
+        rot = fold.v.T @ np.hstack([c_t, b_f])  # [Q, P]: one product
+        q_rot = rot[:, : c_t.shape[1]]
+        quad = fold.m_rot * (q_rot @ q_rot.T)
+        lin = np.einsum("ij,ij->i", q_rot, rot[:, c_t.shape[1] :])
         const = q - 2 * float(m_y @ s_y) + fold.n * float(m_y @ m_y)
         for r, ridge in enumerate(ridges):
             d = 1.0 / (fold.e + ridge * fold.scale)
