@@ -213,11 +213,11 @@ def fit_maps(
         gram = np.sum(grams, axis=0)
         e_all, v_all, scale = _eigh(gram)  # one decomposition, every target layer and ridge
         cv_folds = _folds(sums, grams, sizes, gram) if cv else []
-        # With at most d_B held-out rows, (x - x_bar) V of every held-out row once (no larger
-        # than W) replaces W = V diag(d) V'C per target layer.
+        # With at most L_B d_B held-out rows, (x - x_bar) V of every held-out row once (no more
+        # products, nor memory, than every target layer's W) replaces W = V diag(d) V'C per pair.
         rotated = (
             [(source.rows(i, s, e) - x_bar) @ v_all for s, e in held]
-            if solve_rows(n_heldout, target.width)
+            if solve_rows(n_heldout, target.width, target.n_layers)
             else None
         )
         for j in range(target.n_layers):
@@ -252,10 +252,11 @@ def fit_maps(
     return MapScores(rel, r2, chosen, np.array(mean_rel))
 
 
-def solve_rows(n_heldout: int, d_b: int) -> bool:
-    """Whether :func:`fit_maps` rotates the held-out rows once per source layer (at most d_B
-    of them) rather than forming W once per pair."""
-    return n_heldout <= d_b
+def solve_rows(n_heldout: int, d_b: int, l_b: int) -> bool:
+    """Whether :func:`fit_maps` rotates the held-out rows once per source layer (2 n_h d_A^2
+    FLOPs: at most L_B d_B of them, no more than W = V (diag(d) V'C) for each of the ``l_b``
+    target layers) rather than forming W once per pair."""
+    return n_heldout <= l_b * d_b
 
 
 def map_flops(
@@ -267,10 +268,10 @@ def map_flops(
     predictions (2 n_h d_A d_B); W = V (diag(d) V'C) per pair (2 d_A^2 d_B) or the held-out
     rows rotated per source layer (2 n_h d_A^2). Cross-validated over ``folds`` folds: per
     source layer and fold an eigendecomposition and V'A_f V (8 d_A^3), per pair and fold
-    V'C_T, V'B_f and QQ' (6 d_A^2 d_B)."""
-    rows = solve_rows(n_heldout, d_b)
+    V'[C_T, B_f] (4 d_A^2 d_B) and the symmetric QQ' (d_A^2 d_B)."""
+    rows = solve_rows(n_heldout, d_b, l_b)
     per_source = 2 * n_train * d_a**2 + 4 * d_a**3 + (2 * n_heldout * d_a**2 if rows else 0)
     per_pair = 2 * (n_train + n_heldout) * d_a * d_b + 2 * d_a**2 * d_b * (1 if rows else 2)
     per_source += folds * 8 * d_a**3
-    per_pair += folds * 6 * d_a**2 * d_b
+    per_pair += folds * 5 * d_a**2 * d_b
     return float(l_a * per_source + l_a * l_b * per_pair)
