@@ -1,8 +1,9 @@
 """Closed-form ridge maps between every layer of two models (methods §11), numpy only: per
 source layer one centred Gram matrix and one eigendecomposition, shared by every target layer
 and every ridge value (and one per cross-validation fold); every cross-product and prediction
-in blocks of rows, so that memory holds a few d x d matrices whatever the number of tokens; the
-threads are BLAS's."""
+in blocks of rows, so that memory holds a few d x d matrices (and at most L_B d_B rotated
+held-out rows) whatever the number of tokens; the threads are BLAS's, one per
+eigendecomposition."""
 
 from __future__ import annotations
 
