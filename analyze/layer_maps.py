@@ -1,8 +1,9 @@
 """Closed-form ridge maps between every layer of two models (methods §11), numpy only: per
 source layer one centred Gram matrix and one eigendecomposition, shared by every target layer
 and every ridge value (and one per cross-validation fold); every cross-product and prediction
-in blocks of rows, so that memory holds a few d x d matrices whatever the number of tokens; the
-threads are BLAS's."""
+in blocks of rows, so that memory holds a few d x d matrices (and at most L_B d_B rotated
+held-out rows) whatever the number of tokens; the threads are BLAS's, one per
+eigendecomposition."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 BLOCK_ROWS = 4096
 """Rows read, centred and multiplied at once."""
@@ -77,7 +79,8 @@ def _eigh(gram: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
     """Eigenvalues, eigenvectors and lambda's scale trace(G) / d of a centred Gram matrix G;
     a constant layer (trace 0: h_0 of one token shared by every row, as a choice task's last
     prompt token can be) has scale 1, and its map W = 0 (the train mean) for any lambda > 0."""
-    e, v = np.linalg.eigh(gram)
+    with threadpool_limits(1, user_api="blas"):  # LAPACK's tridiagonal reduction: BLAS-2
+        e, v = np.linalg.eigh(gram)  # calls, slower on two threads (several times, on busy cores)
     return e, v, float(np.trace(gram)) / len(gram) or 1.0
 
 
@@ -133,9 +136,10 @@ def _cv_ridge(
         m_y = -s_y / n_t
         c_t = cross - c_f - n_t * np.outer(fold.m, m_y)
         b_f = c_f - np.outer(fold.s, m_y) - np.outer(fold.m, s_y) + fold.n * np.outer(fold.m, m_y)
-        rot = fold.v.T @ c_t
-        quad = fold.m_rot * (rot @ rot.T)
-        lin = np.einsum("ij,ij->i", rot, fold.v.T @ b_f)
+        rot = fold.v.T @ np.hstack([c_t, b_f])  # [Q, P]: one product
+        q_rot = rot[:, : c_t.shape[1]]
+        quad = fold.m_rot * (q_rot @ q_rot.T)
+        lin = np.einsum("ij,ij->i", q_rot, rot[:, c_t.shape[1] :])
         const = q - 2 * float(m_y @ s_y) + fold.n * float(m_y @ m_y)
         for r, ridge in enumerate(ridges):
             d = 1.0 / (fold.e + ridge * fold.scale)
@@ -210,11 +214,11 @@ def fit_maps(
         gram = np.sum(grams, axis=0)
         e_all, v_all, scale = _eigh(gram)  # one decomposition, every target layer and ridge
         cv_folds = _folds(sums, grams, sizes, gram) if cv else []
-        # With at most d_B held-out rows, (x - x_bar) V of every held-out row once (no larger
-        # than W) replaces W = V diag(d) V'C per target layer.
+        # With at most L_B d_B held-out rows, (x - x_bar) V of every held-out row once (no more
+        # products, nor memory, than every target layer's W) replaces W = V diag(d) V'C per pair.
         rotated = (
             [(source.rows(i, s, e) - x_bar) @ v_all for s, e in held]
-            if solve_rows(n_heldout, target.width)
+            if solve_rows(n_heldout, target.width, target.n_layers)
             else None
         )
         for j in range(target.n_layers):
@@ -249,10 +253,11 @@ def fit_maps(
     return MapScores(rel, r2, chosen, np.array(mean_rel))
 
 
-def solve_rows(n_heldout: int, d_b: int) -> bool:
-    """Whether :func:`fit_maps` rotates the held-out rows once per source layer (at most d_B
-    of them) rather than forming W once per pair."""
-    return n_heldout <= d_b
+def solve_rows(n_heldout: int, d_b: int, l_b: int) -> bool:
+    """Whether :func:`fit_maps` rotates the held-out rows once per source layer (2 n_h d_A^2
+    FLOPs: at most L_B d_B of them, no more than W = V (diag(d) V'C) for each of the ``l_b``
+    target layers) rather than forming W once per pair."""
+    return n_heldout <= l_b * d_b
 
 
 def map_flops(
@@ -264,10 +269,10 @@ def map_flops(
     predictions (2 n_h d_A d_B); W = V (diag(d) V'C) per pair (2 d_A^2 d_B) or the held-out
     rows rotated per source layer (2 n_h d_A^2). Cross-validated over ``folds`` folds: per
     source layer and fold an eigendecomposition and V'A_f V (8 d_A^3), per pair and fold
-    V'C_T, V'B_f and QQ' (6 d_A^2 d_B)."""
-    rows = solve_rows(n_heldout, d_b)
+    V'[C_T, B_f] (4 d_A^2 d_B) and the symmetric QQ' (d_A^2 d_B)."""
+    rows = solve_rows(n_heldout, d_b, l_b)
     per_source = 2 * n_train * d_a**2 + 4 * d_a**3 + (2 * n_heldout * d_a**2 if rows else 0)
     per_pair = 2 * (n_train + n_heldout) * d_a * d_b + 2 * d_a**2 * d_b * (1 if rows else 2)
     per_source += folds * 8 * d_a**3
-    per_pair += folds * 6 * d_a**2 * d_b
+    per_pair += folds * 5 * d_a**2 * d_b
     return float(l_a * per_source + l_a * l_b * per_pair)
