@@ -254,6 +254,5 @@ class IgradCapture(Recorder):
             prob = self.readout.option_probs(final[at, where], self.options)
             prob = prob.gather(-1, tok[:, None])[:, 0]
         else:
-            logits = self.readout.logits(final[at, where])
-            prob = (logits.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).exp()
+            prob = self.readout.token_probs(final[at, where], tok)
         return torch.zeros(len(b), device=prob.device).index_add(0, at, prob)
