@@ -142,8 +142,9 @@ class _TokenProb(torch.autograd.Function):
         cap: float | None,
     ) -> torch.Tensor:
         z = torch.nn.functional.linear(normed, weight).float()
-        t = z.div(cap).tanh_() if cap else None
-        if t is not None:
+        t = None
+        if cap:
+            t = z.div(cap).tanh_()
             z = torch.mul(t, cap, out=z)
         lse = torch.logsumexp(z, dim=-1, keepdim=True)
         prob = (z.gather(-1, tokens[:, None]) - lse).exp_()
