@@ -91,6 +91,24 @@ class Readout:
             z = z.div_(self.softcap).tanh_().mul_(self.softcap)
         return z
 
+    def token_probs(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """(N,) float32 probabilities of ``tokens`` (N,) under the softmax of the full-vocabulary
+        logits (:meth:`logits`) read from residual states ``x`` (N, d). Differentiable: where the
+        unembedding is a bias-free matrix and ``x`` needs a gradient, the gradient w.r.t. the
+        normed states is computed with the value (:class:`_TokenProb`), so that no
+        vocabulary-sized tensor is kept for the backward pass."""
+        normed = self.norm(x)
+        weight = getattr(self.head, "weight", None)
+        if (
+            normed.requires_grad
+            and isinstance(weight, torch.Tensor)
+            and getattr(self.head, "bias", None) is None
+        ):
+            prob: torch.Tensor = _TokenProb.apply(normed, weight, tokens, self.softcap)
+            return prob
+        z = self.logits(x)
+        return (z.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(z, dim=-1)).exp()
+
     def option_index(self, option_ids: Sequence[int]) -> torch.Tensor:
         """The option tokens ``option_ids`` as an index on the unembedding's device (the ``ids``
         of :meth:`option_logits`)."""
@@ -107,6 +125,45 @@ class Readout:
         over :meth:`option_logits`, the restricted vocabulary of methods §1, before any final
         soft-cap (the one rule of every measurement that reads them: §7, §13, §14)."""
         return torch.softmax(self.option_logits(x, ids), dim=-1)
+
+
+class _TokenProb(torch.autograd.Function):
+    """p = softmax(z)[x] per row, z = c tanh(n W^T / c) (c: the final soft-cap; none: z = n W^T),
+    and its gradient dp/dn = p ((1 - t_x^2) W_x - sum_v s_v (1 - t_v^2) W_v) (s = softmax(z),
+    t = tanh(n W^T / c); no cap: t = 0) made in the forward pass from one vocabulary-sized
+    buffer, in place (the unembedding's two products, as autograd's, without its graph)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        normed: torch.Tensor,
+        weight: torch.Tensor,
+        tokens: torch.Tensor,
+        cap: float | None,
+    ) -> torch.Tensor:
+        z = torch.nn.functional.linear(normed, weight).float()
+        t = None
+        if cap:
+            t = z.div(cap).tanh_()
+            z = torch.mul(t, cap, out=z)
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        prob = (z.gather(-1, tokens[:, None]) - lse).exp_()
+        slope = t.square_().neg_().add_(1) if t is not None else None  # 1 - t^2: dz/d(n W^T)
+        s = z.sub_(lse).exp_()
+        if slope is not None:
+            s.mul_(slope)
+        own = weight.index_select(0, tokens).float()
+        if slope is not None:
+            own = own * slope.gather(-1, tokens[:, None])
+        mean = (s.to(weight.dtype) @ weight).float()
+        ctx.save_for_backward(prob * (own - mean))
+        ctx.dtype = normed.dtype
+        return prob[:, 0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (slope,) = ctx.saved_tensors
+        return (grad[:, None] * slope).to(ctx.dtype), None, None, None
 
 
 def at_options(output: Any, ids: torch.Tensor) -> torch.Tensor:

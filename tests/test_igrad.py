@@ -290,9 +290,9 @@ class _Stop(Exception):
 def test_path_points_are_made_per_slice(
     tmp_path: Path, model_dirs: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The largest step count a run may ask for builds no list of its (m + 1) path points per
+    """The largest step count a run may ask for builds no list of its m path points per
     document: the memory Python holds when the first slice is sized is what it held before the
-    integration began (a list of 2 x 65,537 points would hold over 10 MB)."""
+    integration began (a list of 2 x 65,536 points would hold over 10 MB)."""
     import tracemalloc
 
     from layerdiv.measurements.igrad.hooks import IgradCapture

@@ -181,12 +181,13 @@ def check_sites(sites: Sequence[str], adapter: Any, blocks: Sequence[Any]) -> No
 
 def igrad_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]) -> float:
     """FLOPs of the integrated gradients of a document of ``tokens`` tokens: the pass with
-    gradients on (one more forward), then per site and block l, m + 1 points of the path (the m
-    steps and alpha = 1) each run forward and backward (the input gradients only: the weights'
-    FLOPs again, twice the attention's for its three products) through the blocks after the site
-    (with block l itself for ``attn`` and ``mlp``) and the readout of the answer forward and
-    backward (counted as ``tokens`` / 4 positions; a choice task: the last prompt token)."""
-    L, points = shape.layers, settings["igrad_steps"] + 1
+    gradients on (one more forward), then per site and block l, the m points of the path (its
+    steps; alpha = 1 is the clean pass) each run forward and backward (the input gradients
+    only: the weights' FLOPs again, twice the attention's for its three products) through the
+    blocks after the site (with block l itself for ``attn`` and ``mlp``) and the readout of the
+    answer forward and backward (counted as ``tokens`` / 4 positions; a choice task: the last
+    prompt token)."""
+    L, points = shape.layers, settings["igrad_steps"]
     answer = shape.readout(1 if KINDS[kind].scored else max(1, tokens // 4))
     block = 2 * shape.block(tokens) + shape.attention * tokens * (tokens + 1) / 2
     total = shape.forward(tokens)

@@ -5,8 +5,8 @@ The runner runs each batch once more for these hooks with gradients on (the meas
 ``needs_grad``); they keep every block call's arguments and input and the sites' activations x
 (the block's output, its attention's or MLP's output). Then, per site and block l, every point of
 the path x(alpha) = b + alpha (x - b) (b: x's mean over the document's positions, the same vector
-at every position) for alpha_k = k/m, k = 0..m-1, and alpha = 1 (f(x)), runs as one batch (in
-slices that fit memory) from the site onward: blocks before l are not run again (the clean
+at every position) for alpha_k = k/m, k = 0..m-1, runs as one batch (in slices that fit memory)
+from the site onward: blocks before l are not run again (the clean
 pass's input of block l and each block's own call arguments are reused, as the future effects do,
 ``layerdiv.extract.removal.UpdateRemoval``); for ``attn`` and ``mlp`` block l runs with that
 sublayer's output replaced by x(alpha), so the rest of the block reads it as the model's own code
@@ -15,6 +15,8 @@ model's final norm and unembedding (the shared ``Readout``) read out the answer-
 positions only; f = the sum of the answer tokens' probabilities (a choice task: the gold
 option's probability among the options at the last prompt token), and ``torch.autograd.grad`` gives
 df/dx(alpha) in float32 (the path is a float32 leaf; the blocks run in the model's dtype).
+The path's end alpha = 1 is the clean pass at every site and block: f(x) is read out once per
+batch from the clean pass's last block output, not run again per site and block.
 """
 
 from __future__ import annotations
@@ -121,9 +123,13 @@ class IgradCapture(Recorder):
         answered = [b for b in range(batch) if len(targets[b][0])]
         if answered:
             dtype = self.inputs[0].dtype
+            rows = torch.tensor(answered, device=ids.device)
+            with torch.no_grad():  # f(x): alpha = 1 is the clean pass (methods §13)
+                clean = self._readout(self.activations["block"][-1].index_select(0, rows), rows,
+                                      targets)  # fmt: skip
             for i, site in enumerate(self.sites):
                 for layer in range(blocks):
-                    ig, f = self._site(site, layer, answered, targets, dtype)
+                    ig, f = self._site(site, layer, answered, targets, dtype, clean)
                     attribution[i, layer, answered] = ig.cpu()
                     ends[:, i, layer][:, answered] = f.cpu()
                     self.progress((i * blocks + layer + 1) / (len(self.sites) * blocks))
@@ -156,9 +162,10 @@ class IgradCapture(Recorder):
         answered: list[int],
         targets: list[tuple[torch.Tensor, torch.Tensor]],
         dtype: torch.dtype,
+        clean: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """IG (r, width) and (f(b), f(x)) (2, r) of the batch rows ``answered`` for ``site`` of
-        block ``layer``."""
+        block ``layer``; f(x) is ``clean`` (r,), the clean pass's."""
         x = self.activations[site][layer].float()
         batch, width, _ = x.shape
         own = torch.zeros(batch, width, 1, device=x.device)
@@ -169,17 +176,17 @@ class IgradCapture(Recorder):
         diff = (x - base) * own
         start = x - diff
         grads = torch.zeros(batch, width, x.shape[-1], device=x.device)
-        f = torch.zeros(2, batch, device=x.device)
+        f = torch.zeros(batch, device=x.device)
         steps = self.steps
-        # point i = (row answered[i // (m + 1)], k = i % (m + 1)): alpha_k = k/m, k = 0..m-1
-        # (the left Riemann sum), then alpha = 1 (f(x)); each slice's points made when it runs
+        # point i = (row answered[i // m], k = i % m): alpha_k = k/m, k = 0..m-1 (the left
+        # Riemann sum); each slice's points made when it runs
         rows_of = torch.tensor(answered, device=x.device)
-        total = len(answered) * (steps + 1)
+        total = len(answered) * steps
         runs = len(self.removal.blocks) - layer - (site == "block")
         lo, rows = 0, self._slice_rows(width, runs)
         while lo < total:
             point = torch.arange(lo, min(lo + rows, total), device=x.device)
-            b, k = rows_of[point // (steps + 1)], point % (steps + 1)
+            b, k = rows_of[point // steps], point % steps
             alpha = (k.float() / steps)[:, None, None]
             z = (start.index_select(0, b) + alpha * diff.index_select(0, b)).requires_grad_()
             try:
@@ -192,14 +199,11 @@ class IgradCapture(Recorder):
                 rows = self._cap = rows // 2  # kept for the later slices and batches
                 continue
             lo += len(point)
-            inner = k < steps
-            grads.index_add_(0, b[inner], grad[inner])
-            for end, at in ((0, 0), (1, steps)):
-                hit = k == at
-                f[end].index_put_((b[hit],), value.detach()[hit])
+            grads.index_add_(0, b, grad)
+            f.index_put_((b[k == 0],), value.detach()[k == 0])
         # IG(l, t) = sum_d (x - b)[t, d] (1/m) sum_k df/dx[t, d] at x(alpha_k)
         ig = (diff * grads).sum(-1) / steps
-        return ig.index_select(0, rows_of), f.index_select(1, rows_of)
+        return ig.index_select(0, rows_of), torch.stack([f.index_select(0, rows_of), clean])
 
     def _target(
         self,
@@ -232,6 +236,13 @@ class IgradCapture(Recorder):
                 final = self.removal.last(self.inputs[layer].index_select(0, b), calls, layer)
             finally:
                 handle.remove()
+        return self._readout(final, b, targets)
+
+    def _readout(
+        self, final: torch.Tensor, b: torch.Tensor, targets: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """f (r,) of :meth:`_target` read from the last block's outputs ``final`` (r, W, d) of
+        batch rows ``b``."""
         row, pos, token = [], [], []
         for i, r in enumerate(b.tolist()):
             p, x = targets[r]
@@ -243,6 +254,5 @@ class IgradCapture(Recorder):
             prob = self.readout.option_probs(final[at, where], self.options)
             prob = prob.gather(-1, tok[:, None])[:, 0]
         else:
-            logits = self.readout.logits(final[at, where])
-            prob = (logits.gather(-1, tok[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).exp()
+            prob = self.readout.token_probs(final[at, where], tok)
         return torch.zeros(len(b), device=prob.device).index_add(0, at, prob)
