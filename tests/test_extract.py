@@ -76,9 +76,10 @@ def test_extract_writes_a_checked_store(
     assert inst["prompt"].to_list() == [it.prompt for it in instances(load_task(str(task)), 20)]
     # ... and their tokens as the vocabulary spells them (schema 10), one per position.
     assert inst["pieces"].list.len().to_list() == inst["n_tokens"].to_list()
-    assert inst["pieces"][0][0] == tokenizer.convert_ids_to_tokens(
-        tokenizer(inst["prompt"][0])["input_ids"]
-    )[0]
+    assert (
+        inst["pieces"][0][0]
+        == tokenizer.convert_ids_to_tokens(tokenizer(inst["prompt"][0])["input_ids"])[0]
+    )
     model_logits = np.array(inst["model_logits"].to_list()).reshape(-1)
     assert_within(totals["logit"].to_numpy(), model_logits, totals["terms"].to_numpy())
     # Files carry exactly the declared schemas.
