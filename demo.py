@@ -426,7 +426,8 @@ def run_demo(out: Path, n: int, seed: int) -> None:
     results.remarks.append(
         "The demo's counts are trimmed to keep `make demo` short on two cores (this run took "
         f"{(time.perf_counter() - start) / 60:.0f} minutes up to this report): {n} instances "
-        f"per choice task and model (`layerdiv demo --n`), {SKIPS_N} with the layer skips, the lens and the sinks, {ERASE_N} with erasure; {TEXT_DOCS} "
+        f"per choice task and model (`layerdiv demo --n`), {SKIPS_N} with the layer skips, "
+        f"the lens and the sinks, {ERASE_N} with erasure; {TEXT_DOCS} "
         f"documents of {TEXT_TOKENS} tokens of running text; {MULTIHOP_DOCS} multi-hop documents "
         f"with attribution at M = {MULTIHOP_STEPS} integration steps. Intervals are wide for it"
     )
