@@ -47,10 +47,12 @@ ADDED = {
     "token_lens": {"final_rank", "top1"},
     "lens": {"final_rank", "top1"},
     "documents": {"answer_start"},
+    "instances": {"pieces"},
 }
 """Columns added since the frames were recorded (schema version 5: the model's own loss, the
 future effects' mode, h_l . h_0 of the progress proj; version 6: the lens's rank of the model's
-own top-1 token and its own top-1 token; version 7: the answer's start, the tokens' spelling)."""
+own top-1 token and its own top-1 token; version 7: the answer's start, the tokens' spelling;
+version 10: the choice prompts' spelling)."""
 
 
 def _task(kind: str, folder: Path, make_task: Any) -> Path:
