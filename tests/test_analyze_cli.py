@@ -28,10 +28,9 @@ from layerdiv.analyze import registry as reg
 from layerdiv.analyze.output import INDEX_NAME
 from layerdiv.analyze.synthetic import random_partition, write_partition
 from layerdiv.cli import main
-from layerdiv.measurements import tables_of
 from layerdiv.store import Store, StoreError
 from layerdiv.store.atomic import temp_path
-from tests.conftest import write_synthetic_store
+from tests.conftest import tables_as_version, write_synthetic_store
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -750,10 +749,7 @@ def test_a_part_with_bad_pages_is_named_when_read(copy: Path) -> None:
 def downgrade_to_version_1(root: Path) -> None:
     """Rewrite a store as layerdiv wrote it at schema version 1 (no ``cos_prev``, no
     ``hidden_size`` or ``extra_tables`` in the manifest)."""
-    for table, schema in tables_of(1).items():
-        for part in root.glob(f"{table}/**/*.parquet"):
-            old = pq.read_table(part)
-            pq.write_table(old.select(schema.names).cast(schema), part)
+    tables_as_version(root, 1)
     for path in root.glob("manifests/**/manifest.json"):
         data = json.loads(path.read_text())
         data["schema_version"] = 1

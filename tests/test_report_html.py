@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import polars as pl
-import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner, Result
 
@@ -28,8 +27,8 @@ from layerdiv.analyze.metrics import METRICS
 from layerdiv.analyze.report import write_report
 from layerdiv.analyze.synthetic import random_heads, random_partition, write_partition
 from layerdiv.cli import main
-from layerdiv.measurements import tables_of
 from layerdiv.store import Store
+from tests.conftest import tables_as_version
 
 N, EXPLORED = 60, 24
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -274,9 +273,7 @@ def test_html_only_writes_one_page_and_the_methods_it_links(store: Path, tmp_pat
 def test_version_2_store_says_prompt_not_stored(store: Path, tmp_path: Path) -> None:
     old = tmp_path / "v2"
     shutil.copytree(store, old)
-    schema = tables_of(2)["instances"]
-    for part in old.glob("instances/**/*.parquet"):
-        pq.write_table(pq.read_table(part).select(schema.names).cast(schema), part)
+    tables_as_version(old, 2)
     for path in old.glob("manifests/**/manifest.json"):
         manifest = json.loads(path.read_text())
         path.write_text(json.dumps({**manifest, "schema_version": 2}))

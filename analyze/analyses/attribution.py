@@ -244,9 +244,7 @@ def document_tokens(info: PartitionInfo, docs: Sequence[int]) -> pl.DataFrame:
         rows = info.scan("tokens").filter(pl.col("doc").is_in(list(docs)))
         return rows.select("doc", "pos", "token", "piece").sort("doc", "pos").collect()
     schema = pl.Schema({"doc": pl.Int32, "pos": pl.Int32, "token": pl.Int32, "piece": pl.String})
-    if info.manifest.schema_version < 10:
-        return pl.DataFrame(schema=schema)
-    prompts = (
+    prompts = (  # a store before version 10 reads its pieces as null: no rows
         info.scan("instances")
         .filter(pl.col("instance").is_in(list(docs)), pl.col("pieces").is_not_null())
         .select(pl.col("instance").alias("doc"), pl.col("pieces").alias("piece"))
