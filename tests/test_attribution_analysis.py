@@ -7,6 +7,7 @@ choice task's erasure beside a text task's in one store."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from layerdiv.measurements import Measurement, Setting, register, registered, un
 from layerdiv.measurements.erase import analysis as erasure
 from layerdiv.measurements.igrad import analysis as igrad
 from layerdiv.schemas import ERASURE, IGRAD, IGRAD_ENDS, SCHEMA_VERSION, SUBLAYERS
+from tests.conftest import tables_as_version
 
 BLOCKS = 4
 TOKENS = 12
@@ -591,6 +593,11 @@ def test_choice_maps_label_positions_with_the_stored_prompt_tokens(
     assert figure.panels[0].heatmap.x[:2] == ["0:␣w0_0", "1:␣w0_1"]
     plain = analyze(mixed[0])["choice_erasure_maps"]
     assert "piece" not in plain.columns  # no pieces stored: by position alone
+    tables_as_version(root, 9)  # a store of the previous version: no pieces column at all
+    for path in root.glob("manifests/**/manifest.json"):
+        path.write_text(json.dumps({**json.loads(path.read_text()), "schema_version": 9}))
+    old = analyze(root)["choice_erasure_maps"]
+    assert "piece" not in old.columns and old.height == plain.height
 
 
 def test_a_store_mixing_text_and_choice_erasure_reports_both(
@@ -635,7 +642,6 @@ def test_a_version_7_store_with_non_nullable_maps_still_reads(tmp_path: Path) ->
     """Schema version 8 made the maps' values nullable (a document without a measurable
     answer); a store version 7 wrote (every column non-nullable) reads and analyses as before,
     and a version 7 part under a version 8 manifest is refused as of another schema."""
-    import json
 
     import pyarrow.parquet as pq
 
@@ -731,7 +737,6 @@ def write_choice_igrad(root: Path, seed: int, gap: float, task: str = "pick") ->
     """A choice partition of :data:`DOCS` instances holding :func:`made_up_choice`'s integrated
     gradients, written by the measurement's own rows, its manifest naming M = :data:`STEPS`;
     returns the values."""
-    import json
 
     from layerdiv.measurements.igrad import IgradRows
 
