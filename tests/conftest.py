@@ -295,19 +295,29 @@ def write_synthetic_store(
 
 
 DEMO = Path(os.environ.get("LAYERDIV_DEMO", Path(__file__).parent.parent / "layerdiv-demo"))
-"""The folder ``make demo`` writes; ``make test`` makes it before pytest runs."""
+"""The folder ``make demo`` writes; ``make test`` points ``LAYERDIV_DEMO`` at the quick demo
+(``layerdiv demo --quick``) it makes before pytest runs."""
+
+
+def demo_profile(out: Path) -> Any:
+    """The ``layerdiv.demo.DemoProfile`` whose tasks (its default ``--n``, seed 0) the demo
+    folder ``out`` holds, as this version writes them; None where it holds none."""
+    from layerdiv.demo import PROFILES, demo_task_files
+
+    for profile in PROFILES.values():
+        _, texts = demo_task_files(out / "tasks", profile.n, 0, profile)
+        if all(p.is_file() and p.read_text() == text for p, text in texts.items()):
+            return profile
+    return None
 
 
 def _holds(out: Path, steps: Any) -> bool:
-    """Whether the demo folder ``out`` holds this version's demo tasks (the default ``--n`` and
-    seed) and complete partitions of every (model, task) of ``steps`` (``DemoStep``)."""
-    from layerdiv.demo import DEMO_N, SIBLING, demo_task_files
+    """Whether the store of demo folder ``out`` holds complete partitions of every (model, task)
+    of ``steps`` (``DemoStep``)."""
+    from layerdiv.demo import SIBLING
     from layerdiv.store import Store
 
     if not (out / "store").is_dir():
-        return False
-    _, texts = demo_task_files(out / "tasks", DEMO_N, 0)
-    if any(not p.is_file() or p.read_text() != text for p, text in texts.items()):
         return False
     done = {
         (SIBLING if p.manifest.model.endswith(SIBLING) else p.manifest.model, p.task)
@@ -319,31 +329,36 @@ def _holds(out: Path, steps: Any) -> bool:
 
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """``demo(*tasks, models=None)``: a demo folder (``tasks/``, ``store/``, the sibling) whose
-    store holds the demo's extraction of ``tasks`` (``layerdiv.demo.DEMO_STEPS``) for
-    ``models`` (None: every model its steps name): the one ``make test``'s demo made
-    (:data:`DEMO`) where it holds them, complete, for this version's tasks; else one extracted
-    here of those steps alone, once per session (and xdist worker)."""
+    """``demo(*tasks, models=None, profile=None)``: a demo folder (``tasks/``, ``store/``, the
+    sibling) whose store holds the demo's extraction of ``tasks`` (``layerdiv.demo.demo_steps``)
+    for ``models`` (None: every model its steps name) under ``profile`` (a ``DemoProfile``;
+    None: any): the one ``make test``'s demo made (:data:`DEMO`) where it holds them, complete,
+    for this version's tasks; else one extracted here of those steps alone (the quick profile
+    where none is asked for), once per session (and xdist worker)."""
     from dataclasses import replace
 
-    from layerdiv.demo import DEMO_N, DEMO_STEPS, extract_demo
+    from layerdiv.demo import QUICK, demo_steps, extract_demo
 
-    built: dict[tuple[tuple[str, ...], tuple[str, ...] | None], Path] = {}
+    built: dict[tuple[Any, ...], Path] = {}
 
-    def get(*tasks: str, models: tuple[str, ...] | None = None) -> Path:
-        steps = [
+    def steps_of(profile: Any, tasks: tuple[str, ...], models: Any) -> list[Any]:
+        return [
             replace(s, tasks=tuple(t for t in s.tasks if t in tasks),
                     models=tuple(m for m in s.models if models is None or m in models))
-            for s in DEMO_STEPS
+            for s in demo_steps(profile)
             if set(s.tasks) & set(tasks)
         ]  # fmt: skip
-        if _holds(DEMO, steps):
+
+    def get(*tasks: str, models: tuple[str, ...] | None = None, profile: Any = None) -> Path:
+        held = demo_profile(DEMO)
+        if profile in (None, held) and _holds(DEMO, steps_of(held, tasks, models)):
             return DEMO
-        if (tasks, models) not in built:
+        profile = profile or QUICK
+        if (tasks, models, profile.name) not in built:
             out = tmp_path_factory.mktemp("demo")
-            extract_demo(out, DEMO_N, 0, steps)
-            built[tasks, models] = out
-        return built[tasks, models]
+            extract_demo(out, profile.n, 0, steps_of(profile, tasks, models), profile)
+            built[tasks, models, profile.name] = out
+        return built[tasks, models, profile.name]
 
     return get
 

@@ -166,16 +166,20 @@ def test_getting_started_describes_the_demo_tasks_as_the_demo_runs_them() -> Non
     (``layerdiv.demo``'s constants): a change to one is a change to the other."""
     from layerdiv import demo
 
+    full = demo.FULL
     text = " ".join((ROOT / "docs" / "getting-started.md").read_text().split())
     said = [
-        f"`{demo.SKIPS_TASK}`, the first {demo.SKIPS_N} instances of `{demo.SKIPS_OF}`",
-        f"`{demo.ERASE_TASK}`, the {demo.ERASE_N} instances of `{demo.SKIPS_OF}`",
-        f"`{demo.TEXT_TASK}`, {demo.TEXT_DOCS} BBC News articles cut to {demo.TEXT_TOKENS} tokens",
-        f"`{demo.STATES_TASK}`, {demo.STATES_DOCS} other articles cut to {demo.STATES_TOKENS} "
+        f"`{demo.SKIPS_TASK}`, the first {full.skips_n} instances of `{demo.SKIPS_OF}`",
+        f"`{demo.ERASE_TASK}`, the {full.erase_n} instances of `{demo.SKIPS_OF}`",
+        f"`{demo.TEXT_TASK}`, {full.text_docs} BBC News articles cut to {full.text_tokens} tokens",
+        f"`{demo.STATES_TASK}`, {full.states_docs} other articles cut to {full.states_tokens} "
         "tokens",
         f"`{demo.MULTIHOP_TASK}`, the handwritten multi-hop questions",
-        f"first {demo.MULTIHOP_DOCS} documents are extracted with `--igrad`",
-        f"M = {demo.MULTIHOP_STEPS} steps",
+        f"first {full.multihop_docs} documents are extracted with `--igrad`",
+        f"M = {full.multihop_steps} steps",
+        f"`layerdiv demo --quick` ({demo.QUICK.n} instances per choice task, "
+        f"{demo.QUICK.text_docs} documents of running text and {demo.QUICK.multihop_docs} "
+        "multi-hop documents",
     ]
     missing = [s for s in said if s not in text]
     assert not missing, f"docs/getting-started.md does not say: {missing}"

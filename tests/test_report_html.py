@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 import re
 import shutil
 import time
@@ -28,7 +27,7 @@ from layerdiv.analyze.report import write_report
 from layerdiv.analyze.synthetic import random_heads, random_partition, write_partition
 from layerdiv.cli import main
 from layerdiv.store import Store
-from tests.conftest import tables_as_version
+from tests.conftest import DEMO, tables_as_version
 
 N, EXPLORED = 60, 24
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -458,8 +457,8 @@ def test_text_categories_are_a_category_axis() -> None:
     assert layout["xaxis2"]["type"] == "linear" and layout["yaxis2"]["type"] == "log"
 
 
-DEMO_REPORT = Path(os.environ.get("LAYERDIV_DEMO_REPORT", "layerdiv-demo/report/report.html"))
-"""The demo's page (``make demo``; another with ``LAYERDIV_DEMO_REPORT``)."""
+DEMO_REPORT = DEMO / "report" / "report.html"
+"""The demo's page (``make demo``, or ``make test``'s quick demo: ``LAYERDIV_DEMO``)."""
 
 
 def test_a_point_without_an_interval_has_no_bar(

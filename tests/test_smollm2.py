@@ -15,14 +15,16 @@ from layerdiv.demo import write_demo_tasks
 from layerdiv.extract import cost
 from layerdiv.extract.models import resolve_source
 from layerdiv.store import Store
+from tests.conftest import demo_profile
 
 
 def test_smollm2_extract_on_packaged_bbc_news(demo: Any) -> None:
     """SmolLM2 on the demo's bbc5 task (read from the demo's store where ``make test``'s demo
     made it, extracted here otherwise)."""
-    from layerdiv.demo import DEMO_MODEL, DEMO_N
+    from layerdiv.demo import DEMO_MODEL
 
-    store = demo("bbc5", models=(DEMO_MODEL,)) / "store"
+    out = demo("bbc5", models=(DEMO_MODEL,))
+    store = out / "store"
     (info,) = Store(store).select(models=DEMO_MODEL, tasks="bbc5")
     m = info.manifest
     assert m.model_type == "llama" and m.n_params > 100e6
@@ -38,7 +40,7 @@ def test_smollm2_extract_on_packaged_bbc_news(demo: Any) -> None:
     mine = (pl.col("model") == info.model) & (pl.col("task") == "bbc5")
     inst = Store(store).scan("instances").filter(mine).collect()
     comps = Store(store).scan("components").filter(mine).collect()
-    n = DEMO_N - DEMO_N % 5  # balanced over the 5 topics
+    n = demo_profile(out).n // 5 * 5  # balanced over the 5 topics
     assert inst.height == n and comps.height == n * 61 * 5
     # The sum invariant, recomputed from the stored rows.
     totals = (
@@ -55,14 +57,14 @@ def test_smollm2_extract_on_packaged_bbc_news(demo: Any) -> None:
 
 
 def test_demo_writes_a_running_text_task_on_bbc_news(tmp_path: Path) -> None:
-    from layerdiv.demo import TEXT_DOCS, TEXT_TASK, TEXT_TOKENS
+    from layerdiv.demo import FULL, TEXT_TASK
     from layerdiv.extract.tasks import load_task
 
     tasks = {p.stem: p for p in write_demo_tasks(tmp_path / "tasks", n=30, seed=0)}
     spec = load_task(str(tasks[TEXT_TASK]))
-    assert (spec.kind, spec.max_tokens, spec.n) == ("text", TEXT_TOKENS, TEXT_DOCS)
+    assert (spec.kind, spec.max_tokens, spec.n) == ("text", FULL.text_tokens, FULL.text_docs)
     lines = (tmp_path / "tasks" / f"{TEXT_TASK}.jsonl").read_text().splitlines()
-    assert len(lines) == TEXT_DOCS and all(len(line) > 200 for line in lines)
+    assert len(lines) == FULL.text_docs and all(len(line) > 200 for line in lines)
 
 
 def test_demo_writes_its_small_skips_task_and_its_states_task(tmp_path: Path) -> None:
@@ -72,19 +74,20 @@ def test_demo_writes_its_small_skips_task_and_its_states_task(tmp_path: Path) ->
     (documents with doc % 5 != 4, every position but the first) per dimension of SmolLM2's
     width, so that no map is flagged ``few_rows``."""
     from layerdiv.analyze.analyses.maps import ROWS_PER_DIM
-    from layerdiv.demo import ERASE_N, ERASE_TASK, SKIPS_N, SKIPS_OF, SKIPS_TASK, STATES_TASK
+    from layerdiv.demo import ERASE_TASK, FULL, SKIPS_OF, SKIPS_TASK, STATES_TASK
     from layerdiv.extract.tasks import instances, load_task
 
     tasks = {p.stem: p for p in write_demo_tasks(tmp_path / "tasks", n=300, seed=0)}
     small, whole = load_task(str(tasks[SKIPS_TASK])), load_task(str(tasks[SKIPS_OF]))
-    assert (small.n, small.kind) == (SKIPS_N, "choice") and small.options == whole.options
-    assert [i.prompt for i in instances(small, SKIPS_N)] == [
-        i.prompt for i in instances(whole, whole.n)[:SKIPS_N]
+    skips_n, erase_n = FULL.skips_n, FULL.erase_n
+    assert (small.n, small.kind) == (skips_n, "choice") and small.options == whole.options
+    assert [i.prompt for i in instances(small, skips_n)] == [
+        i.prompt for i in instances(whole, whole.n)[:skips_n]
     ]
     erase = load_task(str(tasks[ERASE_TASK]))
     texts = sorted(len(i.prompt) for i in instances(whole, whole.n))
-    assert (erase.n, erase.kind, erase.options) == (ERASE_N, "choice", whole.options)
-    assert sorted(len(i.prompt) for i in instances(erase, ERASE_N)) == texts[:ERASE_N]
+    assert (erase.n, erase.kind, erase.options) == (erase_n, "choice", whole.options)
+    assert sorted(len(i.prompt) for i in instances(erase, erase_n)) == texts[:erase_n]
     spec = load_task(str(tasks[STATES_TASK]))
     train = [d for d in range(spec.n) if d % 5 != 4]
     assert spec.kind == "text" and spec.max_tokens is not None
@@ -94,38 +97,45 @@ def test_demo_writes_its_small_skips_task_and_its_states_task(tmp_path: Path) ->
 
 
 def test_demo_steps_run_both_models_on_the_tasks_it_writes(tmp_path: Path) -> None:
-    """Every step of the demo names tasks it writes and options ``extract`` takes; every task but
-    the states one (SmolLM2 and its sibling, for the maps) is run by both models, so that the
-    comparison has each; attribution has enough documents for intervals."""
+    """Under each profile, every step of the demo names tasks it writes and options ``extract``
+    takes; every task but the states one (SmolLM2 and its sibling, for the maps) is run by both
+    models, so that the comparison has each (the quick profile's multi-hop step by SmolLM2
+    alone); attribution has enough documents for intervals."""
     from layerdiv.analyze.stats import MIN_INTERVAL_N
-    from layerdiv.demo import DEMO_MODELS, DEMO_STEPS, MULTIHOP_DOCS, STATES_TASK
+    from layerdiv.demo import DEMO_MODELS, MULTIHOP_TASK, PROFILES, STATES_TASK, demo_steps
     from layerdiv.extract.config import measurement_options
 
-    written = {p.stem for p in write_demo_tasks(tmp_path / "tasks", n=10, seed=0)}
-    stepped = {t for s in DEMO_STEPS for t in s.tasks}
-    assert stepped == written
-    for step in DEMO_STEPS:
-        assert measurement_options(step.options)  # every step measures something
-        if STATES_TASK not in step.tasks:
-            assert step.models == DEMO_MODELS
-    assert MULTIHOP_DOCS >= MIN_INTERVAL_N
+    for name, profile in PROFILES.items():
+        folder = tmp_path / name / "tasks"
+        written = {p.stem for p in write_demo_tasks(folder, n=10, seed=0, profile=profile)}
+        steps = demo_steps(profile)
+        assert {t for s in steps for t in s.tasks} == written
+        for step in steps:
+            assert measurement_options(step.options)  # every step measures something
+            if STATES_TASK not in step.tasks:
+                assert step.models == (
+                    profile.multihop_models if step.tasks == (MULTIHOP_TASK,) else DEMO_MODELS
+                )
+        assert profile.multihop_docs >= MIN_INTERVAL_N
+        assert min(profile.skips_n, profile.erase_n, profile.text_docs) >= MIN_INTERVAL_N
+    assert PROFILES["full"].multihop_models == DEMO_MODELS
 
 
 def test_maps_from_the_15_block_sibling_onto_smollm2(demo: Any) -> None:
     """SmolLM2's every-other-block sibling (15 of its 30 blocks, a damaged model from the same
-    weights) mapped onto SmolLM2 on the demo's BBC News states task (the demo's maps where
-    ``make test``'s demo made them), with at least 10 training rows per dimension of SmolLM2's
-    width (methods §11). The best target of each source layer is the one of largest held-out R²
-    among the maps that beat the mean predictor; the sibling's first block is SmolLM2's, so its
-    state 1 maps onto SmolLM2's state 1 exactly. Measured: every source state whose best map
-    clears the R² gate picks SmolLM2's state 1, so no ordered correspondence is claimed (no
-    verdict, or cannot tell), where the rule by raw relative error claimed one. Prints the table
-    and Spearman's correlation (``pytest -s``)."""
+    weights) mapped onto SmolLM2 on the demo's BBC News states task (the demo's maps where ``make
+    demo`` made them; the quick demo's are too few), with at least 10 training rows per dimension
+    of SmolLM2's width (methods §11). The best target of each source layer is the one of largest
+    held-out R² among the maps that beat the mean predictor; the sibling's first block is
+    SmolLM2's, so its state 1 maps onto SmolLM2's state 1 exactly. Measured: every source state
+    whose best map clears the R² gate picks SmolLM2's state 1, so no ordered correspondence is
+    claimed (no verdict, or cannot tell), where the rule by raw relative error claimed one. Prints
+    the table and Spearman's correlation (``pytest -s``)."""
     import layerdiv
     from layerdiv.analyze.analyses.maps import PAIR, R2_GATE, maps_verdict, spearman
-    from layerdiv.demo import DEMO_MODEL, STATES_TASK
+    from layerdiv.demo import DEMO_MODEL, FULL, STATES_TASK
 
-    out = demo(STATES_TASK)
+    out = demo(STATES_TASK, profile=FULL)
     if (out / "results" / "layer_map_best.parquet").is_file():  # the demo's own maps
         maps, best = (pl.read_parquet(out / "results" / f"{t}.parquet")
                       .filter(pl.col("task") == STATES_TASK)
