@@ -53,8 +53,9 @@ typecheck: $(BIN)/.installed
 PYTEST_WORKERS ?= logical
 PYTEST := $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope
 
+# The suite prints its 15 slowest tests (where make test's time goes).
 pytest: $(BIN)/.installed browser
-	$(PYTEST) -m "not gemma"
+	$(PYTEST) -m "not gemma" --durations=15
 
 # The numerical tests (marked numerical: they compare floats against a reference or recorded
 # frames) again on torch's portable kernels and one thread, so that a tolerance that holds on one
