@@ -681,7 +681,8 @@ ANALYSIS = Analysis(
             metavar="all|A:B[,C:D]",
             help="Also fit ridge maps from every layer of model A's residual states to every "
             "layer of model B's on one task extracted with --states (all: every pair of models; "
-            "methods §11; tables layer_maps and layer_map_best). Not run by default.",
+            "methods §11; tables layer_maps, layer_map_best and layer_map_intervals). Not run by "
+            "default.",
         ),
         "maps_ridge": click.Option(
             ["--maps-ridge"],
