@@ -526,3 +526,22 @@ def test_too_few_documents_give_no_interval() -> None:
     assert "**Verdict: too few to tell.**" in line, line
     assert f"(n = {MIN_INTERVAL_N - 1} held-out documents, resampled; at least" in line, line
     assert f"No interval: fewer than {MIN_INTERVAL_N} held-out documents" in line, line
+
+
+def test_best_targets_follow_best_tables_rule() -> None:
+    """The bootstrap's best targets (:func:`best_targets`, numpy over resamples) are those of
+    ``layer_map_best`` (Polars) on the same scores, where the planted noise makes several
+    targets compete."""
+    from layerdiv.analyze.analyses.maps import best_table, best_targets, score_rows
+    from layerdiv.analyze.layer_maps import ArrayLayers, fit_maps
+
+    docs, x, y = planted(noise=2.0)
+    held = docs % 5 == 4
+    order = np.concatenate([np.flatnonzero(~held), np.flatnonzero(held)])
+    n_train, n_held = int((~held).sum()), int(held.sum())
+    s = fit_maps(ArrayLayers(x, order), ArrayLayers(y, order), n_train, n_held)
+    table = best_table(score_rows(KEY, "states", s, n_train, n_held, False)).sort("source_layer")
+    found = best_targets(s.r2[1:, 1:], s.rel_error[1:, 1:], s.mean_rel_error[1:])
+    want = table["target_layer"].fill_null(0).to_numpy() - 1  # -1: none beats the mean
+    assert found.tolist() == want.tolist()
+    assert found.tolist() != [2 * i - 1 for i in range(1, 7)]  # not only the planted ones
