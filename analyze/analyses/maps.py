@@ -445,8 +445,9 @@ def maps_verdict(row: Mapping[str, Any]) -> str:
         stable = f"No interval: fewer than {MIN_INTERVAL_N} {units} to resample."
     else:
         stable = (
-            f"Over {RESAMPLES:,} resamples of the {units}, the gated layers change in "
-            f"{row['gate_changed']:.0%} and rho is defined in {row['defined']:.0%}."
+            f"Over {RESAMPLES:,} resamples of the {units}, the gated source layers differ from "
+            f"the whole set's in {row['gate_changed']:.0%} of them and rho is defined in "
+            f"{row['defined']:.0%}."
         )
     counts = (
         f"{row['n']} of {row['n_sources']} source layers have a best map with {gate} "
