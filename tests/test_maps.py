@@ -545,3 +545,21 @@ def test_best_targets_follow_best_tables_rule() -> None:
     want = table["target_layer"].fill_null(0).to_numpy() - 1  # -1: none beats the mean
     assert found.tolist() == want.tolist()
     assert found.tolist() != [2 * i - 1 for i in range(1, 7)]  # not only the planted ones
+
+
+def test_an_undefined_rho_shows_no_interval() -> None:
+    """Every gated layer's best target the same (the demo's sibling: SmolLM2's state 1): rho is
+    undefined on the whole held-out set, and the interval of the resamples that define it is
+    not shown as its interval; the share of those resamples is."""
+    from layerdiv.analyze.analyses.maps import MIN_LAYERS, maps_verdict, spearman
+
+    n = MIN_LAYERS + 2
+    best = pl.DataFrame({**KEY, "space": "states", "source_layer": range(n), "target_layer": 1,
+                         "clears_gate": True, "source_depth": np.arange(n) / n,
+                         "target_depth": 0.1})  # fmt: skip
+    intervals = pl.DataFrame([{**KEY, "space": "states", "units": "documents", "low": 0.58,
+                               "high": 0.87, "n_units": 20, "gate_changed": 0.28,
+                               "defined": 0.28}])  # fmt: skip
+    line = maps_verdict(spearman(best, intervals).row(0, named=True))
+    assert "**Verdict: cannot tell.**" in line and "0.58" not in line, line
+    assert "n = 20 held-out documents" in line and "rho is defined in 28%" in line, line

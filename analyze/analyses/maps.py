@@ -461,10 +461,12 @@ def maps_verdict(row: Mapping[str, Any]) -> str:
     p = row["p_value"]
     if p is None or p >= SIGNIFICANCE:
         shown = "undefined (every best target is the same)" if p is None else f"p = {p:.3g}"
+        shown_rho = fmt(row["spearman"], digits=2)  # no interval of an undefined rho
+        if row["spearman"] is not None:
+            shown_rho += f" [{fmt(row['low'], digits=2)}, {fmt(row['high'], digits=2)}]"
         return (
             f"{counts}. **Verdict: cannot tell.** the best target follows relative depth: "
-            f"Spearman {fmt(row['spearman'], digits=2)} [{fmt(row['low'], digits=2)}, "
-            f"{fmt(row['high'], digits=2)}] does not beat targets permuted over the "
+            f"Spearman {shown_rho} does not beat targets permuted over the "
             f"{row['n']} gated layers ({PERMUTATIONS:,} permutations, one-sided: {shown}; "
             f"n = {row['n_units']} {units}). {stable}"
         )
