@@ -501,7 +501,8 @@ def run_demo(out: Path, n: int | None, seed: int, profile: DemoProfile = FULL) -
         analyze(store, tasks=STATES_TASK, maps=f"{SIBLING}:{DEMO_MODEL}"),
         analyze(store, tasks=WORDS_TASK, maps=f"{DEMO_MODEL}:{GEMMA},{GEMMA}:{DEMO_MODEL}"),
     ]
-    for table in ("layer_maps", "layer_map_best", "manifests"):  # manifests: every partition
+    # manifests: every partition
+    for table in ("layer_maps", "layer_map_best", "layer_map_intervals", "manifests"):
         frames = [r.by_name[table] for r in ([results] if table == "manifests" else []) + maps]
         results.by_name[table] = pl.concat(frames, how="diagonal_relaxed")
     results.remarks.append(

@@ -60,15 +60,51 @@ class ArrayLayers:
 
 
 @dataclass(frozen=True)
+class DocumentSums:
+    """Per held-out document (unit) k, the sums that give :class:`MapScores`'s held-out scores
+    over any multiset of the documents (methods §11): ``rows`` n_k (K,); per (k, i, j) ``sse``,
+    sum ||y_hat - y||^2, and ``rel``, sum ||y_hat - y|| / max(||y||, 1e-6) (K, L_A', L_B'); per
+    (k, j) ``mean_rel``, the mean predictor's sum, ``y_sum``, sum (y - c_j) (K, L_B', d_B), and
+    ``y_sq``, sum ||y - c_j||^2 (K, L_B'), c_j the whole held-out mean (a shift that leaves the
+    spread unchanged and keeps its sums small)."""
+
+    rows: np.ndarray
+    sse: np.ndarray
+    rel: np.ndarray
+    mean_rel: np.ndarray
+    y_sum: np.ndarray
+    y_sq: np.ndarray
+
+    def scores(self, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(r2, rel_error, mean_rel_error) over documents drawn ``weights`` times (R, K): per
+        resample r, with w = weights[r], n = sum w_k n_k, S_j = sum w_k y_sum_kj:
+        r2 = 1 - sum w_k sse_k / (sum w_k y_sq_kj - ||S_j||^2 / n), rel_error = sum w_k rel_k / n,
+        mean_rel_error = sum w_k mean_rel_k / n; (R, L_A', L_B'), (R, L_A', L_B'), (R, L_B')."""
+        n = weights @ self.rows
+        centre = [
+            np.sum((weights @ self.y_sum[:, j]) ** 2, axis=1) for j in range(len(self.y_sq.T))
+        ]
+        spread = weights @ self.y_sq - np.stack(centre, axis=1) / n[:, None]
+        shape = (len(weights), *self.sse.shape[1:])
+        sse = (weights @ self.sse.reshape(len(self.rows), -1)).reshape(shape)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r2 = np.where(spread[:, None, :] > 0, 1.0 - sse / spread[:, None, :], np.nan)
+        rel = (weights @ self.rel.reshape(len(self.rows), -1)).reshape(shape) / n[:, None, None]
+        return r2, rel, weights @ self.mean_rel / n[:, None]
+
+
+@dataclass(frozen=True)
 class MapScores:
     """Every (source layer i, target layer j): ``rel_error``, ``r2`` and the ``ridge`` its map
     was fitted with, (L_A', L_B') each; per target layer the mean predictor's rel_error
-    (``mean_rel_error``, (L_B',)): y_hat = y_bar, the train mean, whatever the source."""
+    (``mean_rel_error``, (L_B',)): y_hat = y_bar, the train mean, whatever the source; with the
+    held-out rows' documents given, their :class:`DocumentSums` (``documents``)."""
 
     rel_error: np.ndarray
     r2: np.ndarray
     ridge: np.ndarray
     mean_rel_error: np.ndarray
+    documents: DocumentSums | None = None
 
 
 def _blocks(start: int, stop: int, size: int) -> list[tuple[int, int]]:
@@ -156,6 +192,7 @@ def fit_maps(
     folds: Sequence[int] = (),
     block_rows: int = BLOCK_ROWS,
     progress: Callable[[int], None] | None = None,
+    documents: np.ndarray | None = None,
 ) -> MapScores:
     """Ridge maps from every source layer i to every target layer j, fitted on rows
     0..n_train-1 and scored on the next ``n_heldout`` (methods §11):
@@ -167,7 +204,9 @@ def fit_maps(
     the value of least squared error cross-validated over ``folds`` (the boundaries of the
     train rows' folds, rows folds[f]..folds[f+1]-1; at least two folds), one Gram matrix and
     cross-product per fold and one eigendecomposition per fit, every ridge value solved from
-    them. ``progress`` is called with each source layer done."""
+    them. ``progress`` is called with each source layer done. ``documents``: the held-out rows'
+    document (unit) ids, (n_heldout,); with them the scores also hold each document's
+    :class:`DocumentSums`, by-products of the held-out error loop."""
     cv = len(ridges) > 1
     bounds = list(folds) if cv else [0, n_train]
     if cv and (len(bounds) < 3 or bounds[0] != 0 or bounds[-1] != n_train):
@@ -175,6 +214,16 @@ def fit_maps(
     parts = [_blocks(a, b, block_rows) for a, b in itertools.pairwise(bounds)]
     sizes = [b - a for a, b in itertools.pairwise(bounds)]
     held = _blocks(n_train, n_train + n_heldout, block_rows)
+    doc = (
+        np.zeros(n_heldout, int)
+        if documents is None
+        else np.unique(documents, return_inverse=True)[1]
+    )
+    n_docs = int(doc.max()) + 1
+    per_doc = [doc[s - n_train : e - n_train] for s, e in held]  # each block's document index
+    doc_rows = np.bincount(doc, minlength=n_docs).astype(np.float64)
+    doc_y = np.zeros((n_docs, target.n_layers, target.width))  # sum (y - h_bar) per document
+    doc_sq, doc_mean = np.zeros((n_docs, target.n_layers)), np.zeros((n_docs, target.n_layers))
     y_bar, y_norm, y_ss, mean_rel = [], [], [], []
     y_sums: list[list[np.ndarray]] = []  # per target layer and fold: sum of (y - y_bar)
     y_squares: list[list[float]] = []  # ... and sum of ||y - y_bar||^2
@@ -189,17 +238,22 @@ def fit_maps(
                     y_sums[j][f] += y.sum(0)
                     y_squares[j][f] += float(np.sum(y**2))
         h_bar = sum(target.rows(j, s, e).sum(0) for s, e in held) / n_heldout
-        norms, mean_err, spread = [], [], 0.0
-        for s, e in held:
+        norms, mean_err = [], []
+        for (s, e), k in zip(held, per_doc, strict=True):
             y = target.rows(j, s, e)
             norms.append(np.maximum(np.linalg.norm(y, axis=1), NORM_FLOOR))
-            mean_err.append(np.linalg.norm(y - y_bar[j], axis=1))
-            spread += float(np.sum((y - h_bar) ** 2))
+            mean_err.append(np.linalg.norm(y - y_bar[j], axis=1) / norms[-1])
+            y -= h_bar
+            np.add.at(doc_y[:, j], k, y)
+            doc_sq[:, j] += np.bincount(k, np.einsum("ij,ij->i", y, y), n_docs)
+            doc_mean[:, j] += np.bincount(k, mean_err[-1], n_docs)
         y_norm.append(np.concatenate(norms))
-        mean_rel.append(float(np.mean(np.concatenate(mean_err) / y_norm[j])))
-        y_ss.append(spread)  # sum ||y - mean_heldout(y)||^2
+        mean_rel.append(float(np.mean(np.concatenate(mean_err))))
+        y_ss.append(float(doc_sq[:, j].sum()))  # sum ||y - mean_heldout(y)||^2
     rel = np.empty((source.n_layers, target.n_layers))
     r2, chosen = np.empty_like(rel), np.empty_like(rel)
+    doc_sse = np.zeros((n_docs, *rel.shape))
+    doc_rel = np.zeros_like(doc_sse)
     for i in range(source.n_layers):
         x_bar = sum(source.rows(i, s, e).sum(0) for p in parts for s, e in p) / n_train
         sums, grams = [], []
@@ -236,21 +290,25 @@ def fit_maps(
             )
             solved = (v_all.T @ cross) / (e_all + ridge * scale)[:, None]  # diag(d) V'Xc'Yc
             w = None if rotated is not None else v_all @ solved
-            err_norm, err_sq = [], 0.0
             for b, (s, e) in enumerate(held):  # y_hat - y = (x - x_bar) W + y_bar - y
                 err = rotated[b] @ solved if rotated is not None else (
                     source.rows(i, s, e) - x_bar) @ w  # fmt: skip
                 err += y_bar[j]
                 err -= target.rows(j, s, e)
                 sq = np.einsum("ij,ij->i", err, err)
-                err_norm.append(np.sqrt(sq))
-                err_sq += float(sq.sum())
-            rel[i, j] = float(np.mean(np.concatenate(err_norm) / y_norm[j]))
+                k = per_doc[b]
+                doc_sse[:, i, j] += np.bincount(k, sq, n_docs)
+                doc_rel[:, i, j] += np.bincount(
+                    k, np.sqrt(sq) / y_norm[j][s - n_train : e - n_train], n_docs
+                )
+            rel[i, j] = float(doc_rel[:, i, j].sum()) / n_heldout
+            err_sq = float(doc_sse[:, i, j].sum())
             r2[i, j] = 1.0 - err_sq / y_ss[j] if y_ss[j] > 0 else float("nan")
             chosen[i, j] = ridge
         if progress is not None:
             progress(i)
-    return MapScores(rel, r2, chosen, np.array(mean_rel))
+    found = DocumentSums(doc_rows, doc_sse, doc_rel, doc_mean, doc_y, doc_sq)
+    return MapScores(rel, r2, chosen, np.array(mean_rel), None if documents is None else found)
 
 
 def solve_rows(n_heldout: int, d_b: int, l_b: int) -> bool:

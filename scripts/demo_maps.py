@@ -41,7 +41,8 @@ def _sentence(r: dict, name: str) -> str:
     return (
         f"{found} on the {name}, and over those Spearman's correlation of the best target's "
         f"relative depth with the source's is {r['spearman']:.2f} "
-        f"[{r['low']:.2f}, {r['high']:.2f}] (against permuted targets p = {r['p_value']:.3g})"
+        f"[{fmt(r['low'], digits=2)}, {fmt(r['high'], digits=2)}] over {r['n_units']} held-out "
+        f"{r['units']} resampled (against permuted targets p = {r['p_value']:.3g})"
     )
 
 
@@ -54,9 +55,10 @@ def region(results: Path) -> str:
     of the states), then SmolLM2 and Gemma 3 onto each other at word ends."""
     all_best = pl.read_parquet(results / "layer_map_best.parquet")
     all_maps = pl.read_parquet(results / "layer_maps.parquet")
+    all_intervals = pl.read_parquet(results / "layer_map_intervals.parquet")
     best = all_best.filter(pl.col("task") == STATES_TASK)
     maps = all_maps.filter(pl.col("task") == STATES_TASK)
-    rho = {r["space"]: r for r in spearman(best).iter_rows(named=True)}
+    rho = {r["space"]: r for r in spearman(best, all_intervals).iter_rows(named=True)}
     n_train, n_held = maps["n_train"][0], maps["n_heldout"][0]
     states = best.filter(pl.col("space") == "states").sort("source_layer")
     rows = [
@@ -70,7 +72,7 @@ def region(results: Path) -> str:
         ["sibling layer i", "i / L_A", "best SmolLM2 layer j", "j / L_B", "rel_error",
          "mean predictor's rel_error", "R²"], rows
     )  # fmt: skip
-    words = spearman(all_best.filter(pl.col("task") == WORDS_TASK))
+    words = spearman(all_best.filter(pl.col("task") == WORDS_TASK), all_intervals)
     pairs = []
     for (src, tgt), group in words.group_by("source_model", "target_model", maintain_order=True):
         held = all_maps.filter(

@@ -347,18 +347,32 @@ def planted(
     return np.repeat(np.arange(120), 4), source, target
 
 
-def planted_best(docs: np.ndarray, x: np.ndarray, y: np.ndarray) -> pl.DataFrame:
-    """``layer_map_best`` of the planted pair's states, as the analysis fits them."""
-    from layerdiv.analyze.analyses.maps import HELD_OUT, best_table, score_rows
+KEY = {"task": "t", "source_model": "a", "source_revision": "main", "target_model": "b",
+       "target_revision": "main"}  # fmt: skip
+
+
+def intervals_frame(sums: Any, updates: bool = False) -> pl.DataFrame:
+    """``layer_map_intervals`` of one pair (:data:`KEY`) and space from its documents' sums."""
+    from layerdiv.analyze.analyses.maps import INTERVALS_SCHEMA, resampled_rho
+
+    space = "updates" if updates else "states"
+    row = {**KEY, "space": space, "units": "documents", **resampled_rho(sums, updates)}
+    return pl.DataFrame([row], schema=INTERVALS_SCHEMA)
+
+
+def planted_fit(docs: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple[pl.DataFrame, Any]:
+    """``layer_map_best`` of the planted pair's states and their verdict row (:func:`spearman`,
+    its interval over the held-out documents), as the analysis fits them."""
+    from layerdiv.analyze.analyses.maps import HELD_OUT, best_table, score_rows, spearman
     from layerdiv.analyze.layer_maps import ArrayLayers, fit_maps
 
     held = docs % HELD_OUT[0] == HELD_OUT[1]
     order = np.concatenate([np.flatnonzero(~held), np.flatnonzero(held)])
     n_train, n_held = int((~held).sum()), int(held.sum())
-    scores = fit_maps(ArrayLayers(x, order), ArrayLayers(y, order), n_train, n_held)
-    key = {"task": "t", "source_model": "a", "source_revision": "main", "target_model": "b",
-           "target_revision": "main"}  # fmt: skip
-    return best_table(score_rows(key, "states", scores, n_train, n_held, False))
+    scores = fit_maps(ArrayLayers(x, order), ArrayLayers(y, order), n_train, n_held,
+                      documents=docs[order[n_train:]])  # fmt: skip
+    best = best_table(score_rows(KEY, "states", scores, n_train, n_held, False))
+    return best, spearman(best, intervals_frame(scores.documents)).row(0, named=True)
 
 
 def test_best_target_by_r2_recovers_a_planted_ordering() -> None:
@@ -366,17 +380,21 @@ def test_best_target_by_r2_recovers_a_planted_ordering() -> None:
     own (R² near 1, above the gate), Spearman's rho is 1 and beats permuted targets, and the
     verdict agrees; ranked by rel_error (the former rule) target 1, of a large mean and a small
     spread, would have been every source's best."""
-    from layerdiv.analyze.analyses.maps import maps_verdict, spearman
+    from layerdiv.analyze.analyses.maps import maps_verdict
 
     docs, x, y = planted(noise=0.01)
-    best = planted_best(docs, x, y).sort("source_layer")
+    best, row = planted_fit(docs, x, y)
+    best = best.sort("source_layer")
     assert best["target_layer"].to_list() == [2 * i for i in range(1, 7)]
     assert best["clears_gate"].all() and best["r2"].to_numpy().min() > 0.9
-    row = spearman(best).row(0, named=True)
     assert row["spearman"] == pytest.approx(1.0) and row["n"] == 6
     assert row["p_value"] == pytest.approx(1 / 720, abs=0.003)  # 1 of 6! orderings
+    # the interval over the 24 held-out documents: narrow, around rho; the gate never moves
+    assert row["n_units"] == 24 and row["low"] <= row["spearman"] <= row["high"]
+    assert row["high"] - row["low"] < 0.05 and row["gate_changed"] == 0 and row["defined"] == 1
     line = maps_verdict(row)
     assert "**Verdict: agrees.**" in line and "6 of 6 source layers" in line, line
+    assert "(n = 24 held-out documents, resampled; at least 5 needed)" in line, line
     # the former rule: the least rel_error among the maps that beat the mean predictor
     from layerdiv.analyze.analyses.maps import HELD_OUT
     from layerdiv.analyze.layer_maps import ArrayLayers, fit_maps
@@ -393,13 +411,12 @@ def test_best_target_by_r2_recovers_a_planted_ordering() -> None:
 def test_maps_below_the_gate_give_no_verdict() -> None:
     """Targets drowned in noise: the best maps' R² stays below the gate, and no verdict is
     given, whatever Spearman's rho of the chosen targets."""
-    from layerdiv.analyze.analyses.maps import R2_GATE, maps_verdict, spearman
+    from layerdiv.analyze.analyses.maps import R2_GATE, maps_verdict
 
     docs, x, y = planted(noise=6.0)
-    best = planted_best(docs, x, y)
+    best, row = planted_fit(docs, x, y)
     assert np.nanmax(best["r2"].to_numpy()) < R2_GATE
     assert not best["clears_gate"].any()
-    row = spearman(best).row(0, named=True)
     assert row["n"] == 0 and row["spearman"] is None
     line = maps_verdict(row)
     assert "**No verdict:**" in line and "Verdict:" not in line.replace("No verdict:", ""), line
@@ -409,13 +426,140 @@ def test_a_correspondence_no_better_than_permuted_targets_is_not_a_verdict() -> 
     """Source layers mapped to targets in a scrambled order: every best map clears the gate,
     the chosen targets follow the scramble, and the permutation test does not let a verdict
     agree."""
-    from layerdiv.analyze.analyses.maps import maps_verdict, spearman
+    from layerdiv.analyze.analyses.maps import maps_verdict
 
     scramble = np.array([0, 4, 1, 6, 2, 5, 3])
     docs, x, y = planted(noise=0.01, order=scramble)
-    best = planted_best(docs, x, y).sort("source_layer")
+    best, row = planted_fit(docs, x, y)
+    best = best.sort("source_layer")
     assert best["target_layer"].to_list() == [2 * k for k in scramble[1:]]
     assert best["clears_gate"].all()
-    row = spearman(best).row(0, named=True)
     assert row["p_value"] > 0.05
-    assert "**Verdict: cannot tell.**" in maps_verdict(row)
+    line = maps_verdict(row)
+    assert "**Verdict: cannot tell.**" in line and "n = 24 held-out documents" in line, line
+
+
+def test_document_sums_give_the_scores_of_any_multiset_of_documents() -> None:
+    """The held-out documents' sums (``fit_maps(documents=...)``) give every map's R²,
+    rel_error and the mean predictor's rel_error: of the whole held-out set (weights 1: the
+    scores ``fit_maps`` returns), and of a multiset of its documents (as ``fit_maps`` scores the
+    held-out rows repeated that many times)."""
+    from layerdiv.analyze.layer_maps import ArrayLayers, fit_maps
+    from tests.tolerance import assert_within
+
+    docs, x, y = planted(noise=0.5)
+    held = docs % 5 == 4
+    train, rows = np.flatnonzero(~held), np.flatnonzero(held)
+    held_docs = np.unique(docs[rows])
+    draws = np.random.default_rng(1).integers(0, 3, len(held_docs))  # each drawn 0, 1 or 2 times
+    for weights in (np.ones(len(held_docs)), draws.astype(float)):
+        picked = np.concatenate([np.tile(rows[docs[rows] == d], int(w))
+                                 for d, w in zip(held_docs, weights, strict=True)])  # fmt: skip
+        order = np.concatenate([train, picked])
+        a, b = ArrayLayers(x, order), ArrayLayers(y, order)
+        want = fit_maps(a, b, len(train), len(picked), block_rows=13)
+        sums = fit_maps(ArrayLayers(x, np.concatenate([train, rows])),
+                        ArrayLayers(y, np.concatenate([train, rows])), len(train), len(rows),
+                        documents=docs[rows]).documents  # fmt: skip
+        assert sums is not None and len(sums.rows) == len(held_docs) == 24
+        r2, rel, mean_rel = (v[0] for v in sums.scores(weights[None, :]))
+        # R² = 1 - SSE / SS: float64 sums of 10^3 rows, budget relative to 1 + |R²|
+        assert_within(r2, want.r2, 1 + np.abs(want.r2), budget=1e-10, what="r2")
+        assert_within(rel, want.rel_error, want.rel_error, budget=1e-12, what="rel_error")
+        assert_within(mean_rel, want.mean_rel_error, want.mean_rel_error, budget=1e-12,
+                      what="mean_rel_error")  # fmt: skip
+
+
+def crafted_sums(dominant: float, n_docs: int = 20, layers: int = 6, reversed_: bool = True) -> Any:
+    """:class:`DocumentSums` of ``layers`` x ``layers`` update maps over ``n_docs`` documents of
+    one row: every document's map i -> i has error 0.1 of its spread 1 (and 0.9 elsewhere), but
+    the last one's best is the reversed order i -> L - 1 - i (or, not ``reversed_``, no map
+    predicts it), its spread ``dominant``."""
+    from layerdiv.analyze.layer_maps import DocumentSums
+
+    sse = np.tile(0.9 - 0.8 * np.eye(layers), (n_docs, 1, 1))
+    y_sq = np.ones((n_docs, layers))
+    y_sq[-1] = dominant
+    sse[-1] = dominant * (1 - np.eye(layers)[::-1] if reversed_ else 1)
+    rows = np.ones(n_docs)
+    return DocumentSums(rows, sse, np.zeros_like(sse), np.ones((n_docs, layers)),
+                        np.zeros((n_docs, layers, 1)), y_sq)  # fmt: skip
+
+
+def test_one_dominant_document_widens_the_interval() -> None:
+    """Resampling documents, not layers: where 20 documents weigh alike and 19 of them say
+    i -> i, rho's interval is narrow at 1; where the 20th (its best map reversed) holds most of
+    the held-out spread, every resample that draws it reverses the best targets, and the
+    interval spans [-1, 1]. Where no map predicts the dominant document, no layer clears the
+    gate on the whole held-out set, nor in any resample that draws it: the gated layers change
+    (every layer gated, rho defined) in those that do not, 0.95^20 = 36% of them."""
+    from layerdiv.analyze.analyses.maps import resampled_rho
+
+    even = resampled_rho(crafted_sums(dominant=1.0), updates=True)
+    assert even["n_units"] == 20 and even["low"] == even["high"] == pytest.approx(1.0)
+    assert even["gate_changed"] == 0 and even["defined"] == 1
+    heavy = resampled_rho(crafted_sums(dominant=1000.0), updates=True)
+    assert heavy["low"] == pytest.approx(-1.0) and heavy["high"] == pytest.approx(1.0)
+    assert heavy["gate_changed"] == 0 and heavy["defined"] == 1
+    noise = resampled_rho(crafted_sums(dominant=1000.0, reversed_=False), updates=True)
+    assert noise["gate_changed"] == pytest.approx(0.36, abs=0.05)
+    assert noise["defined"] == noise["gate_changed"]
+    assert noise["low"] == noise["high"] == pytest.approx(1.0)  # over the resamples without it
+
+
+def test_too_few_documents_give_no_interval() -> None:
+    """Below MIN_INTERVAL_N held-out documents: no interval, and the verdict line says so and
+    prints n as documents."""
+    from layerdiv.analyze.analyses.maps import MIN_LAYERS, maps_verdict, spearman
+    from layerdiv.analyze.stats import MIN_INTERVAL_N
+
+    sums = crafted_sums(dominant=1.0, n_docs=MIN_INTERVAL_N - 1)
+    intervals = intervals_frame(sums, updates=True)
+    assert intervals["low"][0] is None and intervals["n_units"][0] == MIN_INTERVAL_N - 1
+    n = MIN_LAYERS + 3
+    depth = np.arange(n) / n
+    best = pl.DataFrame({**KEY, "space": "states", "source_layer": range(n),
+                         "target_layer": range(n), "clears_gate": True, "source_depth": depth,
+                         "target_depth": depth})  # fmt: skip
+    row = spearman(best, intervals.with_columns(space=pl.lit("states"))).row(0, named=True)
+    line = maps_verdict(row)
+    assert "**Verdict: too few to tell.**" in line, line
+    assert f"(n = {MIN_INTERVAL_N - 1} held-out documents, resampled; at least" in line, line
+    assert f"No interval: fewer than {MIN_INTERVAL_N} held-out documents" in line, line
+
+
+def test_best_targets_follow_best_tables_rule() -> None:
+    """The bootstrap's best targets (:func:`best_targets`, numpy over resamples) are those of
+    ``layer_map_best`` (Polars) on the same scores, where the planted noise makes several
+    targets compete."""
+    from layerdiv.analyze.analyses.maps import best_table, best_targets, score_rows
+    from layerdiv.analyze.layer_maps import ArrayLayers, fit_maps
+
+    docs, x, y = planted(noise=2.0)
+    held = docs % 5 == 4
+    order = np.concatenate([np.flatnonzero(~held), np.flatnonzero(held)])
+    n_train, n_held = int((~held).sum()), int(held.sum())
+    s = fit_maps(ArrayLayers(x, order), ArrayLayers(y, order), n_train, n_held)
+    table = best_table(score_rows(KEY, "states", s, n_train, n_held, False)).sort("source_layer")
+    found = best_targets(s.r2[1:, 1:], s.rel_error[1:, 1:], s.mean_rel_error[1:])
+    want = table["target_layer"].fill_null(0).to_numpy() - 1  # -1: none beats the mean
+    assert found.tolist() == want.tolist()
+    assert found.tolist() != [2 * i - 1 for i in range(1, 7)]  # not only the planted ones
+
+
+def test_an_undefined_rho_shows_no_interval() -> None:
+    """Every gated layer's best target the same (the demo's sibling: SmolLM2's state 1): rho is
+    undefined on the whole held-out set, and the interval of the resamples that define it is
+    not shown as its interval; the share of those resamples is."""
+    from layerdiv.analyze.analyses.maps import MIN_LAYERS, maps_verdict, spearman
+
+    n = MIN_LAYERS + 2
+    best = pl.DataFrame({**KEY, "space": "states", "source_layer": range(n), "target_layer": 1,
+                         "clears_gate": True, "source_depth": np.arange(n) / n,
+                         "target_depth": 0.1})  # fmt: skip
+    intervals = pl.DataFrame([{**KEY, "space": "states", "units": "documents", "low": 0.58,
+                               "high": 0.87, "n_units": 20, "gate_changed": 0.28,
+                               "defined": 0.28}])  # fmt: skip
+    line = maps_verdict(spearman(best, intervals).row(0, named=True))
+    assert "**Verdict: cannot tell.**" in line and "0.58" not in line, line
+    assert "n = 20 held-out documents" in line and "rho is defined in 28%" in line, line

@@ -153,14 +153,16 @@ def test_planted_relation_across_tokenizers() -> None:
     def part(name: str) -> Any:
         key = PartitionKey(model=name, revision="main", task="docs")
         manifest = SimpleNamespace(model=name, settings={"states": {"states": "words"}})
-        return SimpleNamespace(key=key, manifest=manifest, task="docs", where=name)
+        return SimpleNamespace(key=key, manifest=manifest, task="docs", where=name,
+                               kind=SimpleNamespace(units="documents"))  # fmt: skip
 
     a, b = part("a"), part("b")
     cache = {
         a.key: (np.array(ka), np.zeros(len(ka)), np.concatenate(sa), np.array(ca, np.int32)),
         b.key: (np.array(kb), np.ones(len(kb)), np.concatenate(sb), np.array(cb, np.int32)),
     }
-    maps = pair_table(a, b, (1e-6,), cache)
+    maps, intervals = pair_table(a, b, (1e-6,), cache)
+    assert intervals["n_units"].to_list() == [docs // 5] * 2  # documents 4, 9, ... held out
     states = maps.filter(pl.col("space") == "states")
     r2 = {(r["source_layer"], r["target_layer"]): r["r2"] for r in states.iter_rows(named=True)}
     assert r2[(1, 0)] == pytest.approx(1.0, abs=1e-6)

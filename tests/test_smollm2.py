@@ -136,18 +136,20 @@ def test_maps_from_the_15_block_sibling_onto_smollm2(demo: Any) -> None:
     from layerdiv.demo import DEMO_MODEL, FULL, STATES_TASK
 
     out = demo(STATES_TASK, profile=FULL)
-    if (out / "results" / "layer_map_best.parquet").is_file():  # the demo's own maps
-        maps, best = (pl.read_parquet(out / "results" / f"{t}.parquet")
-                      .filter(pl.col("task") == STATES_TASK)
-                      for t in ("layer_maps", "layer_map_best"))  # fmt: skip
+    if (out / "results" / "layer_map_intervals.parquet").is_file():  # the demo's own maps
+        maps, best, intervals = (pl.read_parquet(out / "results" / f"{t}.parquet")
+                                 .filter(pl.col("task") == STATES_TASK)
+                                 for t in ("layer_maps", "layer_map_best",
+                                           "layer_map_intervals"))  # fmt: skip
     else:
         store = out / "store"
         (sibling,) = {p.model for p in Store(store).select(tasks=STATES_TASK)} - {DEMO_MODEL}
         results = layerdiv.run_analysis(store, tasks=STATES_TASK, maps=f"{sibling}:{DEMO_MODEL}")
         maps, best = results.layer_maps, results.layer_map_best
+        intervals = results.layer_map_intervals
     with pl.Config(tbl_rows=100, tbl_cols=20, tbl_width_chars=200):
         print(best.drop(PAIR))
-        print(spearman(best).drop(PAIR))
+        print(spearman(best, intervals).drop(PAIR))
     assert maps.filter(pl.col("space") == "states").height == 16 * 31
     assert maps.filter(pl.col("space") == "updates").height == 15 * 30
     assert not maps["few_rows"].any()  # at least 10 x d training rows
@@ -161,6 +163,6 @@ def test_maps_from_the_15_block_sibling_onto_smollm2(demo: Any) -> None:
     assert first["target_layer"].to_list() == [1] and first["r2"][0] > 0.999
     gated = found.filter(pl.col("clears_gate") & (pl.col("space") == "states"))
     assert gated.height >= 5 and set(gated["target_layer"]) == {1}, gated
-    for rho in spearman(best).iter_rows(named=True):  # no correspondence claimed
+    for rho in spearman(best, intervals).iter_rows(named=True):  # no correspondence claimed
         assert rho["spearman"] is None, rho
         assert re.search(r"\*\*(No verdict|Verdict: cannot tell)", maps_verdict(rho)), rho

@@ -180,18 +180,25 @@ def test_law_heads_and_maps_verdicts_flip() -> None:
              "source_depth": np.arange(1, n + 1) / n, "target_depth": target}
         )  # fmt: skip
 
+    def over_documents(low: float, high: float) -> pl.DataFrame:  # the interval over 30 documents
+        return pl.DataFrame({**{c: "x" for c in PAIR}, "space": "states", "units": "documents",
+                             "low": low, "high": high, "n_units": 30, "gate_changed": 0.0,
+                             "defined": 1.0})  # fmt: skip
+
     rising = [i / 12 for i in range(1, 13)]
-    row = spearman(best(rising)).row(0, named=True)
-    assert row["spearman"] == pytest.approx(1.0) and row["low"] > 0.5
+    row = spearman(best(rising), over_documents(0.9, 1.0)).row(0, named=True)
+    assert row["spearman"] == pytest.approx(1.0) and row["n_units"] == 30
     assert row["n"] == row["n_best"] == row["n_sources"] == 12
     assert row["p_value"] < 0.001 and outcome(maps_verdict(row)) == "agrees"
-    row = spearman(best(rising[::-1])).row(0, named=True)
-    assert row["high"] < 0.5 and row["p_value"] > 0.99
+    row = spearman(best(rising), over_documents(0.3, 1.0)).row(0, named=True)
+    assert outcome(maps_verdict(row)) == "cannot tell"  # the documents' interval spans 0.5
+    row = spearman(best(rising[::-1]), over_documents(-1.0, -0.9)).row(0, named=True)
+    assert row["p_value"] > 0.99
     assert outcome(maps_verdict(row)) == "cannot tell"  # no better than permuted targets
-    sparse = spearman(best([*rising[: MIN_LAYERS - 1], *[None] * 8])).row(0, named=True)
-    assert sparse["spearman"] is None and sparse["n"] == MIN_LAYERS - 1
-    assert "**No verdict:**" in maps_verdict(sparse)
-    below = spearman(best(rising, gated=False)).row(0, named=True)  # every R² below the gate
+    sparse = spearman(best([*rising[: MIN_LAYERS - 1], *[None] * 8]), over_documents(0.9, 1.0))
+    assert sparse["spearman"][0] is None and sparse["n"][0] == MIN_LAYERS - 1
+    assert "**No verdict:**" in maps_verdict(sparse.row(0, named=True))
+    below = spearman(best(rising, gated=False), over_documents(0.9, 1.0)).row(0, named=True)
     assert below["n"] == 0 and below["n_best"] == 12 and "**No verdict:**" in maps_verdict(below)
 
 

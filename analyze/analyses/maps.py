@@ -24,6 +24,13 @@ Tables:
   little spread (an early layer, a sink-dominated one) has a small rel_error whatever predicts
   it, and ranking by it picks such targets for every source; R² = 1 - SSE / SS is the error
   relative to the mean predictor's on the same rows.
+- ``layer_map_intervals``: per (pair, space) the bootstrap 95% interval (``low``, ``high``) of
+  the verdict's Spearman rho over the held-out units (documents of a text task, instances of a
+  choice task: ``units``), ``n_units`` of them resampled (:data:`~layerdiv.analyze.stats.RESAMPLES`
+  resamples; null below :data:`~layerdiv.analyze.stats.MIN_INTERVAL_N`): per resample every
+  map's R² and rel_error recomputed from the units' sums, the best targets, the gate and rho
+  again; ``gate_changed``, the share of resamples whose gated source layers differ from the
+  whole held-out set's, and ``defined``, the share where rho is defined.
 """
 
 from __future__ import annotations
@@ -38,9 +45,15 @@ from scipy.stats import rankdata, spearmanr
 from tqdm import tqdm
 
 from layerdiv.analyze import plots
-from layerdiv.analyze.layer_maps import ArrayLayers, MapScores, fit_maps
+from layerdiv.analyze.layer_maps import ArrayLayers, DocumentSums, MapScores, fit_maps
 from layerdiv.analyze.markdown import DASH, fmt, markdown_table, verdict
 from layerdiv.analyze.registry import Analysis, Context, ReportContext, not_extracted
+from layerdiv.analyze.stats import (
+    MIN_INTERVAL_N,
+    RESAMPLES,
+    percentile_interval,
+    resample_weights,
+)
 from layerdiv.errors import LayerdivError
 from layerdiv.measurements.states import WORDS
 from layerdiv.store import PartitionInfo
@@ -242,9 +255,10 @@ def pair_table(
     ridge: tuple[float, ...],
     cache: dict[PartitionKey, States],
     progress: Callable[[float], object] = lambda share: None,
-) -> pl.DataFrame:
-    """``layer_maps`` of source partition ``a`` onto target ``b`` (both spaces); ``progress``
-    is told the share of one space's maps done after each source layer."""
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``layer_maps`` and ``layer_map_intervals`` of source partition ``a`` onto target ``b``
+    (both spaces); ``progress`` is told the share of one space's maps done after each source
+    layer."""
     for p in (a, b):
         if p.key not in cache:
             cache[p.key] = p.states()
@@ -253,15 +267,19 @@ def pair_table(
     if rows is not None:  # two tokenizers: the rows whose tokens end at one character
         key, sa, sb = key[rows[:, 0]], sa[rows[:, 0]], sb[rows[:, 1]]
     order, n_train, n_held, folds = _split(key, a.where)
-    frames = []
+    units = key[order[n_train:], 0]  # the held-out rows' documents (instances)
+    frames, intervals = [], []
     for space in SPACES:
         updates = space == "updates"
         src, tgt = ArrayLayers(sa, order, updates), ArrayLayers(sb, order, updates)
         done = _per_layer(progress, src.n_layers)
-        scores = fit_maps(src, tgt, n_train, n_held, ridge, folds, progress=done)
+        scores = fit_maps(src, tgt, n_train, n_held, ridge, folds, progress=done, documents=units)
         few = n_train < ROWS_PER_DIM * src.width
         frames.append(score_rows(_pair_key(a, b), space, scores, n_train, n_held, few))
-    return pl.concat(frames)
+        assert scores.documents is not None
+        intervals.append({**_pair_key(a, b), "space": space, "units": a.kind.units,
+                          **resampled_rho(scores.documents, updates)})  # fmt: skip
+    return pl.concat(frames), pl.DataFrame(intervals, schema=INTERVALS_SCHEMA)
 
 
 def _per_layer(progress: Callable[[float], object], layers: int) -> Callable[[int], None]:
@@ -328,6 +346,53 @@ def best_table(maps: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+INTERVALS_SCHEMA = {**dict.fromkeys([*PAIR, "space", "units"], pl.String), "low": pl.Float64,
+                    "high": pl.Float64, "n_units": pl.Int64, "gate_changed": pl.Float64,
+                    "defined": pl.Float64}  # fmt: skip
+"""``layer_map_intervals``' columns."""
+
+
+def best_targets(r2: np.ndarray, rel: np.ndarray, mean_rel: np.ndarray) -> np.ndarray:
+    """Per source layer (the last axis but one) the index of its best target (the last axis):
+    the largest R² among the maps that beat the mean predictor (r2 > 0 and rel_error below
+    ``mean_rel``'s), the smallest j on ties, -1 where none does: :func:`best_table`'s rule, over
+    any leading axes (resamples)."""
+    ranked = np.where((r2 > 0) & (rel < mean_rel[..., None, :]), r2, -np.inf)
+    best = ranked.argmax(axis=-1)
+    return np.where(np.isfinite(ranked.max(axis=-1)), best, -1)
+
+
+def resampled_rho(sums: DocumentSums, updates: bool) -> dict[str, float | int | None]:
+    """The ``layer_map_intervals`` values of one pair and space from its held-out units' sums:
+    per bootstrap resample of the units (:func:`~layerdiv.analyze.stats.resample_weights`) every
+    map's R² and rel_error, the best targets (:func:`best_targets`; states over i, j >= 1), the
+    gated layers (best R² >= :data:`R2_GATE`) and Spearman's rho of (i, best j) over them
+    (undefined below :data:`MIN_LAYERS` or with one target: rank-equal to the relative depths');
+    the percentile interval of the defined rhos; none below
+    :data:`~layerdiv.analyze.stats.MIN_INTERVAL_N` units."""
+    n = len(sums.rows)
+    out: dict[str, float | int | None] = {"low": None, "high": None, "n_units": n,
+                                          "gate_changed": None, "defined": None}  # fmt: skip
+    if n < MIN_INTERVAL_N:
+        return out
+    first = 0 if updates else 1
+    r2, rel, mean_rel = sums.scores(np.vstack([np.ones(n), resample_weights(n)]))
+    r2, rel, mean_rel = r2[:, first:, first:], rel[:, first:, first:], mean_rel[:, first:]
+    best = best_targets(r2, rel, mean_rel)
+    gated = np.take_along_axis(r2, np.maximum(best, 0)[..., None], -1)[..., 0] >= R2_GATE
+    gated &= best >= 0
+    rho = np.full(RESAMPLES, np.nan)
+    for r in range(RESAMPLES):
+        g = gated[r + 1]
+        if g.sum() >= MIN_LAYERS and np.ptp(best[r + 1, g]) > 0:
+            rho[r] = spearmanr(np.flatnonzero(g), best[r + 1, g])[0]
+    low, high = percentile_interval(rho)
+    changed = (gated[1:] != gated[0]).any(axis=1).mean()
+    return {**out, "low": None if np.isnan(low) else float(low),
+            "high": None if np.isnan(high) else float(high),
+            "gate_changed": float(changed), "defined": float(np.isfinite(rho).mean())}  # fmt: skip
+
+
 def permutation_p(x: np.ndarray, y: np.ndarray, rho: float, seed: int = 0) -> float:
     """One-sided p-value of Spearman's ``rho`` of (x, y) against :data:`PERMUTATIONS` seeded
     permutations of y over the rows: (1 + #{rho_perm >= rho}) / (1 + permutations)."""
@@ -343,38 +408,47 @@ def permutation_p(x: np.ndarray, y: np.ndarray, rho: float, seed: int = 0) -> fl
     return float((1 + np.sum(null >= rho - 1e-12)) / (1 + PERMUTATIONS))
 
 
-def spearman(best: pl.DataFrame) -> pl.DataFrame:
+def spearman(best: pl.DataFrame, intervals: pl.DataFrame) -> pl.DataFrame:
     """Per (task, source, target, space): Spearman's correlation of the source and best target
-    relative depths over the source layers whose best map clears :data:`R2_GATE` (methods §11),
-    its one-sided permutation p-value (targets permuted over those layers,
-    :func:`permutation_p`) and 95% interval (Fisher z, standard error 1.03 / sqrt(n - 3)); null
-    below :data:`MIN_LAYERS` layers or where every best target is the same. ``n``: the gated
-    layers, ``n_best``: those with a best target, ``n_sources``: every source layer."""
+    relative depths over the source layers whose best map clears :data:`R2_GATE` (methods §11)
+    and its one-sided permutation p-value (targets permuted over those layers,
+    :func:`permutation_p`); null below :data:`MIN_LAYERS` layers or where every best target is
+    the same; with the pair's ``layer_map_intervals`` row (``intervals``: the interval over the
+    held-out units). ``n``: the gated layers, ``n_best``: those with a best target,
+    ``n_sources``: every source layer."""
     rows = []
     for key, group in best.group_by(*PAIR, "space", maintain_order=True):
         found = group.drop_nulls("target_layer")
         gated = found.filter("clears_gate")
-        rho = p = low = high = None
+        rho = p = None
         if gated.height >= MIN_LAYERS and gated["target_depth"].n_unique() > 1:
             x, y = gated["source_depth"].to_numpy(), gated["target_depth"].to_numpy()
             rho = float(spearmanr(x, y)[0])
             p = permutation_p(x, y, rho)
-            z = np.arctanh(min(max(rho, -0.999999), 0.999999))
-            half = 1.96 * 1.03 / np.sqrt(gated.height - 3)
-            low, high = float(np.tanh(z - half)), float(np.tanh(z + half))
-        rows.append((*key, rho, p, low, high, gated.height, found.height, group.height))
-    numbers = {c: pl.Float64 for c in ("spearman", "p_value", "low", "high")}
-    schema = {**dict.fromkeys([*PAIR, "space"], pl.String), **numbers, "n": pl.Int64,
-              "n_best": pl.Int64, "n_sources": pl.Int64}  # fmt: skip
-    return pl.DataFrame(rows, schema=schema, orient="row")
+        rows.append((*key, rho, p, gated.height, found.height, group.height))
+    keys = [*PAIR, "space"]
+    schema = {**dict.fromkeys(keys, pl.String), "spearman": pl.Float64, "p_value": pl.Float64,
+              "n": pl.Int64, "n_best": pl.Int64, "n_sources": pl.Int64}  # fmt: skip
+    found = pl.DataFrame(rows, schema=schema, orient="row")
+    return found.join(intervals, on=keys, how="left", nulls_equal=True)
 
 
 def maps_verdict(row: Mapping[str, Any]) -> str:
     """The verdict line of one row of :func:`spearman`: none where fewer than
     :data:`MIN_LAYERS` source layers' best maps clear :data:`R2_GATE`; *cannot tell* where the
     correspondence does not beat permuted targets (p >= :data:`SIGNIFICANCE`); else the verdict
-    on Spearman's rho against :data:`FOLLOWS` with its interval."""
+    on Spearman's rho against :data:`FOLLOWS` with its interval over the held-out units (n:
+    those units), and how often resampling them changes the gated layers."""
     gate = f"R² >= {R2_GATE:g}"
+    units = f"held-out {row['units']}"
+    if row["n_units"] < MIN_INTERVAL_N:
+        stable = f"No interval: fewer than {MIN_INTERVAL_N} {units} to resample."
+    else:
+        stable = (
+            f"Over {RESAMPLES:,} resamples of the {units}, the gated source layers differ from "
+            f"the whole set's in {row['gate_changed']:.0%} of them and rho is defined in "
+            f"{row['defined']:.0%}."
+        )
     counts = (
         f"{row['n']} of {row['n_sources']} source layers have a best map with {gate} "
         f"({row['n_best']} beat the mean predictor)"
@@ -387,15 +461,22 @@ def maps_verdict(row: Mapping[str, Any]) -> str:
     p = row["p_value"]
     if p is None or p >= SIGNIFICANCE:
         shown = "undefined (every best target is the same)" if p is None else f"p = {p:.3g}"
+        shown_rho = fmt(row["spearman"], digits=2)  # no interval of an undefined rho
+        if row["spearman"] is not None:
+            shown_rho += f" [{fmt(row['low'], digits=2)}, {fmt(row['high'], digits=2)}]"
         return (
             f"{counts}. **Verdict: cannot tell.** the best target follows relative depth: "
-            f"Spearman {fmt(row['spearman'], digits=2)} does not beat targets permuted over the "
-            f"gated layers ({PERMUTATIONS:,} permutations, one-sided: {shown}; n = {row['n']})."
+            f"Spearman {shown_rho} does not beat targets permuted over the "
+            f"{row['n']} gated layers ({PERMUTATIONS:,} permutations, one-sided: {shown}; "
+            f"n = {row['n_units']} {units}). {stable}"
         )
     line = verdict("the best target follows relative depth", "Spearman", row["spearman"],
-                   (row["low"], row["high"]), row["n"], FOLLOWS, min_n=MIN_LAYERS,
-                   unit="source layers with a best map of R² >= " + f"{R2_GATE:g}")  # fmt: skip
-    return f"{counts}; against permuted targets p = {p:.3g} ({PERMUTATIONS:,} permutations). {line}"
+                   (row["low"], row["high"]), row["n_units"], FOLLOWS, min_n=MIN_INTERVAL_N,
+                   unit=f"{units}, resampled")  # fmt: skip
+    return (
+        f"{counts}; against targets permuted over them p = {p:.3g} ({PERMUTATIONS:,} "
+        f"permutations). {line} {stable}"
+    )
 
 
 def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.DataFrame]:
@@ -410,8 +491,14 @@ def tables(ctx: Context, prior: Mapping[str, pl.DataFrame]) -> dict[str, pl.Data
     off = None if ctx.progress else True
     total = len(pairs) * len(SPACES)
     with tqdm(total=total, desc="layer maps", disable=off, bar_format=shown) as bar:
-        maps = pl.concat([pair_table(a, b, ridge, cache, bar.update) for a, b in pairs])
-    return {"layer_maps": maps, "layer_map_best": best_table(maps)}
+        done = [pair_table(a, b, ridge, cache, bar.update) for a, b in pairs]
+    maps = pl.concat([m for m, _ in done])
+    intervals = pl.concat([i for _, i in done])
+    return {
+        "layer_maps": maps,
+        "layer_map_best": best_table(maps),
+        "layer_map_intervals": intervals,
+    }
 
 
 # --- report ----------------------------------------------------------------------------------
@@ -511,7 +598,7 @@ def report(ctx: ReportContext) -> str:
     maps, best = ctx.tables["layer_maps"], ctx.tables["layer_map_best"]
     names = plots.short_names(ctx.names)
     sentences = []
-    for r in spearman(best).iter_rows(named=True):
+    for r in spearman(best, ctx.tables["layer_map_intervals"]).iter_rows(named=True):
         pair = f"{_label(r, 'source', names)} -> {_label(r, 'target', names)}, {r['space']}"
         sentences.append(f"- {pair}: {maps_verdict(r)}")
     rows = [
@@ -568,7 +655,10 @@ def report(ctx: ReportContext) -> str:
             f"source layers whose best map reaches R² >= {R2_GATE:g} (at least {MIN_LAYERS} of "
             "them): Spearman's rho of the relative depths, against the best targets permuted "
             f"over those layers ({PERMUTATIONS:,} seeded permutations, one-sided p < "
-            f"{SIGNIFICANCE:g} needed), with its Fisher-z interval over the layers. Where the "
+            f"{SIGNIFICANCE:g} needed), with its bootstrap interval over the held-out documents "
+            f"(instances of a choice task; {RESAMPLES:,} resamples of them, each recomputing "
+            "every map's held-out R², the best targets, the gate and rho; the n printed is "
+            f"theirs, and no interval below {MIN_INTERVAL_N}). Where the "
             "best target's relative depth rises with the source's, the deeper model spreads "
             "the same computation over more layers.",
             warning,
@@ -594,7 +684,8 @@ ANALYSIS = Analysis(
             metavar="all|A:B[,C:D]",
             help="Also fit ridge maps from every layer of model A's residual states to every "
             "layer of model B's on one task extracted with --states (all: every pair of models; "
-            "methods §11; tables layer_maps and layer_map_best). Not run by default.",
+            "methods §11; tables layer_maps, layer_map_best and layer_map_intervals). Not run by "
+            "default.",
         ),
         "maps_ridge": click.Option(
             ["--maps-ridge"],
