@@ -198,6 +198,9 @@ class DemoProfile:
     copy: Gemma 3's 262,144 tokens make it the demo's longest step)."""
     tuned_steps: int
     """Training steps of the demo's tuned lens (:func:`tuned_settings`)."""
+    maps_ridge: str
+    """The maps' ridge (``--maps-ridge``): ``cv`` cross-validates it per map, at a cost of
+    about 6 d^3 FLOPs per map and fold whatever the rows; a number fixes it."""
 
     @property
     def remark(self) -> str:
@@ -209,14 +212,14 @@ class DemoProfile:
             f"tokens of running text; {self.states_docs} documents of {self.states_tokens} "
             f"tokens of residual states ({self.words_docs} at word ends); "
             f"{self.multihop_docs} multi-hop documents ({hop}) with attribution at "
-            f"M = {self.multihop_steps} integration steps"
+            f"M = {self.multihop_steps} integration steps; the maps' ridge {self.maps_ridge}"
         )
 
 
 FULL = DemoProfile(
     "full", n=120, skips_n=20, erase_n=6, text_docs=8, text_tokens=24, states_docs=100,
     states_tokens=80, words_docs=100, multihop_docs=8, multihop_steps=8,
-    multihop_models=DEMO_MODELS, tuned_steps=10,
+    multihop_models=DEMO_MODELS, tuned_steps=10, maps_ridge="cv",
 )  # fmt: skip
 """``layerdiv demo``: 100 x 79 stored positions of :data:`STATES_TASK`, of which the training
 documents' (doc % 5 != 4, 80 x 79) are more than 10 x SmolLM2's width d = 576, so that no map
@@ -224,10 +227,11 @@ of the sibling is flagged ``few_rows``."""
 QUICK = DemoProfile(
     "quick", n=30, skips_n=10, erase_n=5, text_docs=5, text_tokens=16, states_docs=20,
     states_tokens=40, words_docs=20, multihop_docs=5, multihop_steps=4,
-    multihop_models=(DEMO_MODEL,), tuned_steps=2,
+    multihop_models=(DEMO_MODEL,), tuned_steps=2, maps_ridge="1e-3",
 )  # fmt: skip
-"""``layerdiv demo --quick`` (``make test``): every section, its maps flagged ``few_rows``,
-multi-hop attribution on SmolLM2 alone."""
+"""``layerdiv demo --quick`` (``make test``): every section, its maps flagged ``few_rows`` and
+fitted with the ridge of methods §11 (not cross-validated), multi-hop attribution on SmolLM2
+alone."""
 PROFILES = {p.name: p for p in (FULL, QUICK)}
 
 
@@ -498,8 +502,11 @@ def run_demo(out: Path, n: int | None, seed: int, profile: DemoProfile = FULL) -
     states_only = (STATES_TASK, WORDS_TASK)  # the lenses' training task, too
     results = analyze(store, tasks=[t for t in by_name if t not in states_only], progress=True)
     maps = [
-        analyze(store, tasks=STATES_TASK, maps=f"{SIBLING}:{DEMO_MODEL}"),
-        analyze(store, tasks=WORDS_TASK, maps=f"{DEMO_MODEL}:{GEMMA},{GEMMA}:{DEMO_MODEL}"),
+        analyze(store, tasks=task, maps=pairs, options={"maps_ridge": profile.maps_ridge})
+        for task, pairs in (
+            (STATES_TASK, f"{SIBLING}:{DEMO_MODEL}"),
+            (WORDS_TASK, f"{DEMO_MODEL}:{GEMMA},{GEMMA}:{DEMO_MODEL}"),
+        )
     ]
     # manifests: every partition
     for table in ("layer_maps", "layer_map_best", "layer_map_intervals", "manifests"):
