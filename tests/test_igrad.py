@@ -215,6 +215,9 @@ def test_bad_igrad_input_is_refused_in_one_line(tmp_path: Path, model_dirs: Any)
     for steps in ("0", "-3", "65537", "99999999999999999999"):  # refused before any estimate
         line = refused(tmp_path, model, task, "--igrad", "--igrad-steps", steps)
         assert f"--igrad-steps {steps}: the Riemann sum takes 1 to 65536 steps" in line
+    line = refused(tmp_path, model, task, "--igrad", "--igrad-rule", "gauss", "--igrad-steps",
+                   "1025")  # fmt: skip
+    assert "--igrad-steps 1025: the Gauss rule takes 1 to 1024 nodes" in line
     line = refused(tmp_path, model, task, "--igrad-steps", "4")
     assert "--igrad-steps" in line and "--igrad" in line
 
@@ -348,8 +351,8 @@ def test_the_same_sites_in_another_order_are_the_stored_ones(
     assert other.exit_code == 1
     assert (
         "the stored igrad was extracted with --igrad --igrad-site mlp --igrad-site block "
-        "--igrad-steps 2, this run asks for --igrad --igrad-site block --igrad-steps 2"
-        in (other.output)
+        "--igrad-steps 2 --igrad-rule riemann, this run asks for --igrad --igrad-site block "
+        "--igrad-steps 2 --igrad-rule riemann" in (other.output)
     )
 
 
@@ -473,7 +476,7 @@ def test_an_unknown_rule_is_refused(tmp_path: Path, model_dirs: Any) -> None:
     from click.testing import CliRunner
 
     from layerdiv.cli import main
-    from layerdiv.measurements.igrad import IgradError, path_points
+    from layerdiv.measurements.igrad import IgradError, rule_of
 
     task = multihop_task(tmp_path / "task", **SHORT)
     out = CliRunner().invoke(main, ["extract", "--model", str(model_dirs("llama")), "--task",
@@ -485,7 +488,7 @@ def test_an_unknown_rule_is_refused(tmp_path: Path, model_dirs: Any) -> None:
     )
     with pytest.raises(IgradError, match=r"^--igrad-rule simpson: no such integration rule; "
                        r"give one of riemann, gauss \(default riemann\)$"):  # fmt: skip
-        path_points({"igrad_steps": 4, "igrad_rule": "simpson"})
+        rule_of({"igrad_steps": 4, "igrad_rule": "simpson"})
 
 
 def test_the_rules_points_and_weights() -> None:

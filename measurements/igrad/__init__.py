@@ -32,6 +32,9 @@ RULE = "riemann"
 MAX_STEPS = 65_536
 """Most steps m a run may ask for (256 times the default: each step is a forward and backward
 pass per site and block)."""
+MAX_NODES = 1_024
+"""Most nodes m of the Gauss rule (numpy's ``leggauss`` solves an m x m eigenproblem; a few dozen
+nodes already reach float32's rounding on a smooth integrand)."""
 
 
 class IgradError(LayerdivError, ValueError):
@@ -65,8 +68,14 @@ def sites_of(settings: Mapping[str, Any]) -> tuple[str, ...]:
 
 def rule_of(settings: Mapping[str, Any]) -> str:
     """The integration rule of ``settings`` (``igrad_rule``; absent, as in a store written before
-    the option: :data:`RULE`)."""
-    return str(settings.get("igrad_rule") or RULE)
+    the option: :data:`RULE`); refuses (one line) a rule not in :data:`RULES`."""
+    rule = str(settings.get("igrad_rule") or RULE)
+    if rule not in RULES:
+        raise IgradError(
+            f"--igrad-rule {rule}: no such integration rule; give one of {', '.join(RULES)} "
+            f"(default {RULE})"
+        )
+    return rule
 
 
 def path_points(settings: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -79,13 +88,8 @@ def path_points(settings: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     steps, rule = int(settings["igrad_steps"]), rule_of(settings)
     if rule == "riemann":
         return np.arange(steps) / steps, np.full(steps, 1 / steps)
-    if rule == "gauss":
-        nodes, weights = np.polynomial.legendre.leggauss(steps)
-        return np.concatenate([[0.0], (nodes + 1) / 2]), np.concatenate([[0.0], weights / 2])
-    raise IgradError(
-        f"--igrad-rule {rule}: no such integration rule; give one of {', '.join(RULES)} "
-        f"(default {RULE})"
-    )
+    nodes, weights = np.polynomial.legendre.leggauss(steps)
+    return np.concatenate([[0.0], (nodes + 1) / 2]), np.concatenate([[0.0], weights / 2])
 
 
 def _site_key(docs: np.ndarray, sites: Sequence[str], blocks: int, each: np.ndarray) -> dict:
@@ -163,18 +167,21 @@ def igrad_row_counts(
 
 
 def plan_igrad(plan: Planning) -> list[tuple[int, int]] | None:
-    """``--igrad``'s check of a task's plan: refuses a step count outside 1..:data:`MAX_STEPS`,
-    an unknown rule (:func:`path_points`) and a text task without an answer; per document of a
-    text task, its answer's start s and length A (methods §10), with a note where ``max_tokens``
-    cuts answers short (their targets sum over the answer tokens kept; a document with none kept
-    is stored as missing: null f and attributions); None for a choice task."""
-    steps = plan.settings["igrad_steps"]
-    if not 1 <= steps <= MAX_STEPS:
+    """``--igrad``'s check of a task's plan: refuses an unknown rule, a step count outside
+    1..:data:`MAX_STEPS` (the Gauss rule: :data:`MAX_NODES`) and a text task without an answer;
+    per document of a text task, its answer's start s and length A (methods §10), with a note
+    where ``max_tokens`` cuts answers short (their targets sum over the answer tokens kept; a
+    document with none kept is stored as missing: null f and attributions); None for a choice
+    task."""
+    steps, gauss = plan.settings["igrad_steps"], rule_of(plan.settings) == "gauss"
+    most, rule, points = (
+        (MAX_NODES, "Gauss rule", "nodes") if gauss else (MAX_STEPS, "Riemann sum", "steps")
+    )
+    if not 1 <= steps <= most:
         raise IgradError(
-            f"--igrad-steps {steps}: the Riemann sum takes 1 to {MAX_STEPS} steps; give a "
+            f"--igrad-steps {steps}: the {rule} takes 1 to {most} {points}; give a "
             f"number in that range (default {STEPS})"
         )
-    path_points(plan.settings)
     if KINDS[plan.task.kind].scored:
         return None
     spans = plan.require_answers(
@@ -267,7 +274,8 @@ IGRAD_MEASUREMENT = Measurement(
                 default=None,
                 help="With --igrad: how the path's integral is summed: the left Riemann sum "
                 f"of methods §13 (default {RULE}), or Gauss-Legendre nodes on [0, 1] (gauss: "
-                "far smaller completeness gaps at few steps; layerdiv's, not the paper's).",
+                "layerdiv's, not the paper's; smaller completeness gaps where the integrand "
+                "is smooth at the nodes' spacing).",
             ),
             RULE,
         ),
