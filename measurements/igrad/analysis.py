@@ -259,8 +259,9 @@ def too_few_steps(table: pl.DataFrame, names: dict[str, str]) -> list[str]:
         more = f"{2 * steps}" if steps is not None else "M"
         redo = f"`layerdiv extract --model ... --task {key[2]} --redo igrad"
         gauss = (
-            f", or with the Gauss-Legendre rule, whose gap is far smaller at as few steps: "
-            f"{redo} --igrad-rule gauss --igrad-steps {steps or 'M'}`"
+            f", or with the Gauss-Legendre rule (methods §13), whose gap falls far faster with "
+            f"M where the integrand is smooth at its nodes' spacing: {redo} --igrad-rule gauss "
+            f"--igrad-steps {steps or 'M'}`"
             if rule == "riemann"
             else ""
         )
