@@ -342,8 +342,36 @@ def test_too_few_steps_said_when_and_only_when_a_gap_exceeds_5_percent(
                 f"at 1 of {3 * BLOCKS} (site, block) pairs, the worst at block 1 of site attn "
                 f"({worst:.1%})" in text
             )
-            # the advice names the command that does it: the redo of igrad alone
+            # the advice names the command that does it: the redo of igrad alone; the store
+            # records no rule (extracted before --igrad-rule): the Riemann sum's, which the
+            # sentence, the gap table and the table name, with the Gauss rule as the other way
             assert f"--redo igrad --igrad-steps {2 * STEPS}`" in text
+            assert "on qa (riemann rule)" in text and f"| {STEPS} (riemann) |" in text
+            assert f"--redo igrad --igrad-rule gauss --igrad-steps {STEPS}`" in text
+            assert "or with `--igrad-rule gauss`" in section
+        assert results["igrad_completeness"]["rule"].unique().to_list() == ["riemann"]
+
+
+def test_the_advice_under_the_gauss_rule_is_more_of_its_nodes() -> None:
+    """A partition extracted with ``--igrad-rule gauss`` whose gap exceeds 5%: the sentence and
+    the unreliable note name the rule and ask for more of its nodes, not for the rule again."""
+    table = pl.DataFrame(
+        {
+            "model": ["m"] * 2,
+            "revision": ["main"] * 2,
+            "task": ["qa"] * 2,
+            "sublayer": ["block"] * 2,
+            "block": [0, 1],
+            "steps": [8, 8],
+            "rule": ["gauss"] * 2,
+            "rel_gap": [0.01, 0.3],
+        }
+    )
+    (line,) = igrad.too_few_steps(table, {})
+    assert "M = 8 steps is too small for m on qa (gauss rule)" in line
+    assert line.endswith("--redo igrad --igrad-rule gauss --igrad-steps 16`.")
+    (note,) = igrad.unreliable(table).values()
+    assert "(up to 30%, M = 8, gauss)" in note and note.endswith("a larger `--igrad-steps`")
 
 
 def test_figures_render(small_gap: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) -> None:

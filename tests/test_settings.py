@@ -274,13 +274,20 @@ def test_igrad_settings_are_the_partitions_identity(
     igrad = ["--igrad", "--igrad-steps", "2"]
     whole = run(*args("whole", *igrad))
     assert whole.exit_code == 0, whole.output
-    assert settings(root / "whole")["igrad"] == {"igrad_sites": ["block"], "igrad_steps": 2}
+    assert settings(root / "whole")["igrad"] == {
+        "igrad_sites": ["block"],
+        "igrad_steps": 2,
+        "igrad_rule": "riemann",
+    }
     before = files(root / "whole")
-    for other in (["--igrad-steps", "3"], ["--igrad-site", "attn"]):
+    for other in (["--igrad-steps", "3"], ["--igrad-site", "attn"], ["--igrad-rule", "gauss"]):
         refused = run(*args("whole", "--igrad", *other))
         assert refused.exit_code == 1
         line = refused.output.strip()
-        stored = "the stored igrad was extracted with --igrad --igrad-site block --igrad-steps 2"
+        stored = (
+            "the stored igrad was extracted with --igrad --igrad-site block --igrad-steps 2 "
+            "--igrad-rule riemann"
+        )
         assert "\n" not in line and f"{stored}, this run asks for" in line
         assert " ".join(other) in line
         assert files(root / "whole") == before

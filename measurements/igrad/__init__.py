@@ -1,9 +1,9 @@
 """``--igrad`` on a text task with an answer or on a choice task: integrated gradients per block
 and position (methods §13; ``igrad`` and ``igrad_ends``), with the settings ``--igrad-site`` and
-``--igrad-steps`` (recorded in the manifest, compared on a rerun). Its check of the plan
-(:func:`plan_igrad`) refuses a text task without an answer and a step count below one, and finds
-each document's answer span; its hooks are :class:`layerdiv.measurements.igrad.hooks.IgradCapture`,
-which take gradients (``needs_grad``)."""
+``--igrad-steps`` and ``--igrad-rule`` (recorded in the manifest, compared on a rerun). Its check
+of the plan (:func:`plan_igrad`) refuses a text task without an answer, a step count below one and
+an unknown rule, and finds each document's answer span; its hooks are
+:class:`layerdiv.measurements.igrad.hooks.IgradCapture`, which take gradients (``needs_grad``)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,18 @@ from layerdiv.schemas.kinds import KINDS
 STEPS = 256
 """Default steps m of the Riemann sum (the depth-efficiency paper's code)."""
 
+RULES = ("riemann", "gauss")
+"""The rules ``--igrad-rule`` integrates the path with (:func:`path_points`): the left Riemann
+sum of methods §13 (the authors'), or Gauss-Legendre (layerdiv's, beyond the paper)."""
+RULE = "riemann"
+"""The default rule, and that of a partition extracted before ``--igrad-rule`` existed."""
+
 MAX_STEPS = 65_536
 """Most steps m a run may ask for (256 times the default: each step is a forward and backward
 pass per site and block)."""
+MAX_NODES = 1_024
+"""Most nodes m of the Gauss rule (numpy's ``leggauss`` solves an m x m eigenproblem; a few dozen
+nodes already reach float32's rounding on a smooth integrand)."""
 
 
 class IgradError(LayerdivError, ValueError):
@@ -55,6 +64,32 @@ def sites_of(settings: Mapping[str, Any]) -> tuple[str, ...]:
     """The sites of ``settings`` (``igrad_sites``; absent: :data:`SITES`), each once, in the
     order given."""
     return tuple(dict.fromkeys(settings.get("igrad_sites") or SITES))
+
+
+def rule_of(settings: Mapping[str, Any]) -> str:
+    """The integration rule of ``settings`` (``igrad_rule``; absent, as in a store written before
+    the option: :data:`RULE`); refuses (one line) a rule not in :data:`RULES`."""
+    rule = str(settings.get("igrad_rule") or RULE)
+    if rule not in RULES:
+        raise IgradError(
+            f"--igrad-rule {rule}: no such integration rule; give one of {', '.join(RULES)} "
+            f"(default {RULE})"
+        )
+    return rule
+
+
+def path_points(settings: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """The path's points alpha_k (ascending, the first alpha = 0: f(b)) and their weights w_k,
+    IG(l, t) = sum_d (x - b)[t, d] sum_k w_k df/dx[t, d] at x(alpha_k) (methods §13), for the
+    ``igrad_steps`` m and rule (:func:`rule_of`) of ``settings``: ``riemann`` alpha_k = k/m,
+    k = 0..m-1, w_k = 1/m (m points); ``gauss`` the m Gauss-Legendre nodes and weights mapped
+    to [0, 1] (exact for a polynomial integrand of degree 2m - 1), after alpha = 0 of weight 0,
+    which gives f(b) only (m + 1 points)."""
+    steps, rule = int(settings["igrad_steps"]), rule_of(settings)
+    if rule == "riemann":
+        return np.arange(steps) / steps, np.full(steps, 1 / steps)
+    nodes, weights = np.polynomial.legendre.leggauss(steps)
+    return np.concatenate([[0.0], (nodes + 1) / 2]), np.concatenate([[0.0], weights / 2])
 
 
 def _site_key(docs: np.ndarray, sites: Sequence[str], blocks: int, each: np.ndarray) -> dict:
@@ -132,16 +167,19 @@ def igrad_row_counts(
 
 
 def plan_igrad(plan: Planning) -> list[tuple[int, int]] | None:
-    """``--igrad``'s check of a task's plan: refuses a step count outside 1..:data:`MAX_STEPS`
-    and a text task
-    without an answer; per document of a text task, its answer's start s and length A (methods
-    §10), with a note where ``max_tokens`` cuts answers short (their targets sum over the answer
-    tokens kept; a document with none kept is stored as missing: null f and attributions); None
-    for a choice task."""
-    steps = plan.settings["igrad_steps"]
-    if not 1 <= steps <= MAX_STEPS:
+    """``--igrad``'s check of a task's plan: refuses an unknown rule, a step count outside
+    1..:data:`MAX_STEPS` (the Gauss rule: :data:`MAX_NODES`) and a text task without an answer;
+    per document of a text task, its answer's start s and length A (methods §10), with a note
+    where ``max_tokens`` cuts answers short (their targets sum over the answer tokens kept; a
+    document with none kept is stored as missing: null f and attributions); None for a choice
+    task."""
+    steps, gauss = plan.settings["igrad_steps"], rule_of(plan.settings) == "gauss"
+    most, rule, points = (
+        (MAX_NODES, "Gauss rule", "nodes") if gauss else (MAX_STEPS, "Riemann sum", "steps")
+    )
+    if not 1 <= steps <= most:
         raise IgradError(
-            f"--igrad-steps {steps}: the Riemann sum takes 1 to {MAX_STEPS} steps; give a "
+            f"--igrad-steps {steps}: the {rule} takes 1 to {most} {points}; give a "
             f"number in that range (default {STEPS})"
         )
     if KINDS[plan.task.kind].scored:
@@ -181,13 +219,13 @@ def check_sites(sites: Sequence[str], adapter: Any, blocks: Sequence[Any]) -> No
 
 def igrad_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]) -> float:
     """FLOPs of the integrated gradients of a document of ``tokens`` tokens: the pass with
-    gradients on (one more forward), then per site and block l, the m points of the path (its
-    steps; alpha = 1 is the clean pass) each run forward and backward (the input gradients
-    only: the weights' FLOPs again, twice the attention's for its three products) through the
-    blocks after the site (with block l itself for ``attn`` and ``mlp``) and the readout of the
-    answer forward and backward (counted as ``tokens`` / 4 positions; a choice task: the last
-    prompt token)."""
-    L, points = shape.layers, settings["igrad_steps"]
+    gradients on (one more forward), then per site and block l, the points of the path
+    (:func:`path_points`; alpha = 1 is the clean pass) each run forward and backward (the input
+    gradients only: the weights' FLOPs again, twice the attention's for its three products)
+    through the blocks after the site (with block l itself for ``attn`` and ``mlp``) and the
+    readout of the answer forward and backward (counted as ``tokens`` / 4 positions; a choice
+    task: the last prompt token)."""
+    L, points = shape.layers, len(path_points(settings)[0])
     answer = shape.readout(1 if KINDS[kind].scored else max(1, tokens // 4))
     block = 2 * shape.block(tokens) + shape.attention * tokens * (tokens + 1) / 2
     total = shape.forward(tokens)
@@ -223,9 +261,23 @@ IGRAD_MEASUREMENT = Measurement(
                 ["--igrad-steps"],
                 type=int,
                 default=None,
-                help=f"With --igrad: steps m of the left Riemann sum (default {STEPS}).",
+                help=f"With --igrad: steps m of the path's integral: points of the Riemann "
+                f"sum, nodes of the Gauss rule (default {STEPS}).",
             ),
             STEPS,
+        ),
+        Setting(
+            "igrad_rule",
+            click.Option(
+                ["--igrad-rule"],
+                type=click.Choice(list(RULES)),
+                default=None,
+                help="With --igrad: how the path's integral is summed: the left Riemann sum "
+                f"of methods §13 (default {RULE}), or Gauss-Legendre nodes on [0, 1] (gauss: "
+                "layerdiv's, not the paper's; smaller completeness gaps where the integrand "
+                "is smooth at the nodes' spacing).",
+            ),
+            RULE,
         ),
     ),
     needs_grad=True,

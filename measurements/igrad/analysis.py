@@ -13,16 +13,17 @@ the options at the last prompt token):
   sum_l l v(l) / sum_l v(l), the mean over documents with its bootstrap 95% interval over
   documents (instances), and the relative score (score + 1) / L;
 - completeness gap g(l) = sum_t IG(l, t) - (f(x) - f(b)) per document; per block the mean of g,
-  of |g| and of |f(x) - f(b)|, and ``rel_gap`` = mean |g| / mean |f(x) - f(b)|. A left Riemann
-  sum of M steps (the partition's ``igrad_steps``) closes the gap as M grows: a ``rel_gap`` over
-  :data:`GAP_LEVEL` says M is too small.
+  of |g| and of |f(x) - f(b)|, and ``rel_gap`` = mean |g| / mean |f(x) - f(b)|. The rule of M
+  steps (the partition's ``igrad_steps`` and ``igrad_rule``: the left Riemann sum, or
+  Gauss-Legendre) closes the gap as M grows: a ``rel_gap`` over :data:`GAP_LEVEL` says M is too
+  small.
 
 Tables (running text; a choice task's are named ``choice_igrad_*`` and key the instance as
 ``doc``): ``igrad_share`` per (model, revision, task, ``sublayer``, ``block``): ``relative_depth``,
 ``n_documents``, ``share``; ``igrad_depth`` per (model, revision, task, ``sublayer``):
 ``n_blocks``, ``n_documents``, ``n_scored``, ``score``, ``ci_low``, ``ci_high``, ``relative``,
 ``relative_low``, ``relative_high``; ``igrad_completeness`` per (model, revision, task,
-``sublayer``, ``block``): ``steps`` M, ``n_documents``, ``gap_mean``, ``abs_gap_mean``,
+``sublayer``, ``block``): ``steps`` M, ``rule``, ``n_documents``, ``gap_mean``, ``abs_gap_mean``,
 ``delta_mean``, ``rel_gap``; ``igrad_maps``: the rows of the first documents' maps
 (:data:`~layerdiv.analyze.analyses.attribution.DOCUMENTS_OPTION`, by default 2 per partition),
 with their ``token`` ids and ``piece`` (a choice task: the prompt's pieces from
@@ -63,12 +64,14 @@ from layerdiv.analyze.registry import (
 )
 from layerdiv.analyze.stats import LEVEL, MIN_INTERVAL_N, RESAMPLES
 from layerdiv.analyze.text import TEXT_KIND
+from layerdiv.measurements.igrad import rule_of
 from layerdiv.schemas import SUBLAYERS
 from layerdiv.store import PartitionInfo
 from layerdiv.store.key import KEY, SERIES
 
 MEASUREMENT = "igrad"
-"""The measurement whose settings name the steps (``igrad_steps``, M)."""
+"""The measurement whose settings name the steps (``igrad_steps``, M) and the rule
+(``igrad_rule``)."""
 GAP_LEVEL = 0.05
 """A completeness gap above this share of |f(x) - f(b)| says M is too small (methods §13)."""
 
@@ -79,7 +82,7 @@ CHOICE_TITLE = "Choice tasks: integrated gradients per block and prompt token"
 
 
 def steps_of(info: PartitionInfo) -> int | None:
-    """M, the Riemann steps ``info`` was extracted with (its ``igrad_steps`` setting)."""
+    """M, the steps ``info`` was extracted with (its ``igrad_steps`` setting)."""
     value = info.manifest.settings.get(MEASUREMENT, {}).get("igrad_steps")
     return None if value is None else int(value)
 
@@ -137,9 +140,10 @@ def shares_and_depth(docs: pl.DataFrame, blocks: int) -> tuple[pl.DataFrame, pl.
     return pl.DataFrame(share_rows, schema_overrides={"share": pl.Float64}), depth_frame(depth_rows)
 
 
-def completeness(docs: pl.DataFrame, steps: int | None) -> pl.DataFrame:
-    """``igrad_completeness`` (without the key) of one partition's :func:`per_document` rows:
-    g = sum_t IG(l, t) - (f(x) - f(b)) per document (methods §13), its means per block."""
+def completeness(docs: pl.DataFrame, steps: int | None, rule: str) -> pl.DataFrame:
+    """``igrad_completeness`` (without the key) of one partition's :func:`per_document` rows,
+    extracted with ``steps`` M of ``rule``: g = sum_t IG(l, t) - (f(x) - f(b)) per document
+    (methods §13), its means per block."""
     delta = pl.col("f_input") - pl.col("f_baseline")
     gap = pl.col("ig_sum") - delta
     return (
@@ -152,6 +156,7 @@ def completeness(docs: pl.DataFrame, steps: int | None) -> pl.DataFrame:
         )
         .with_columns(
             steps=pl.lit(steps, pl.Int64),
+            rule=pl.lit(rule, pl.String),
             rel_gap=pl.when(pl.col("delta_mean") > 0).then(
                 pl.col("abs_gap_mean") / pl.col("delta_mean")
             ),
@@ -160,6 +165,7 @@ def completeness(docs: pl.DataFrame, steps: int | None) -> pl.DataFrame:
             "sublayer",
             "block",
             "steps",
+            "rule",
             "n_documents",
             "gap_mean",
             "abs_gap_mean",
@@ -188,11 +194,12 @@ def tables_of(prefix: str, info: PartitionInfo, count: int) -> dict[str, pl.Data
     """The four tables (names starting ``prefix``) of one partition holding ``igrad`` and
     ``igrad_ends``."""
     docs = per_document(info)
+    rule = rule_of(info.manifest.settings.get(MEASUREMENT, {}))  # none recorded: riemann
     share, depth = shares_and_depth(docs, info.manifest.n_blocks)
     return {
         f"{prefix}_share": tag(share, info),
         f"{prefix}_depth": tag(depth, info),
-        f"{prefix}_completeness": tag(completeness(docs, steps_of(info)), info),
+        f"{prefix}_completeness": tag(completeness(docs, steps_of(info), rule), info),
         f"{prefix}_maps": tag(maps(info, count), info),
     }
 
@@ -238,7 +245,8 @@ CHOICES = Section(
 
 def too_few_steps(table: pl.DataFrame, names: dict[str, str]) -> list[str]:
     """One sentence per partition whose completeness gap exceeds :data:`GAP_LEVEL` of
-    |f(x) - f(b)| at some block (methods §13): how many (site, block) pairs, and the worst."""
+    |f(x) - f(b)| at some block (methods §13): how many (site, block) pairs, and the worst;
+    what to redo (under the left Riemann sum, also the Gauss-Legendre rule at as many steps)."""
     lines = []
     for key, rows in table.group_by(*KEY, maintain_order=True):
         over = rows.filter(pl.col("rel_gap") > GAP_LEVEL).sort("rel_gap", descending=True)
@@ -246,16 +254,24 @@ def too_few_steps(table: pl.DataFrame, names: dict[str, str]) -> list[str]:
             continue
         worst = over.row(0, named=True)
         model = names.get(str(key[0]), str(key[0]))
-        steps = worst["steps"]
+        steps, rule = worst["steps"], worst["rule"]
         m = f"M = {steps} steps" if steps is not None else "the number of steps M"
         more = f"{2 * steps}" if steps is not None else "M"
+        redo = f"`layerdiv extract --model ... --task {key[2]} --redo igrad"
+        gauss = (
+            f", or with the Gauss-Legendre rule (methods §13), whose gap falls far faster with "
+            f"M where the integrand is smooth at its nodes' spacing: {redo} --igrad-rule gauss "
+            f"--igrad-steps {steps or 'M'}`"
+            if rule == "riemann"
+            else ""
+        )
         lines.append(
-            f"{m} is too small for {model} on {key[2]}: the completeness gap exceeds "
+            f"{m} is too small for {model} on {key[2]} ({rule} rule): the completeness gap exceeds "
             f"{GAP_LEVEL:.0%} of |f(x) − f(b)| at {over.height} of {rows.height} (site, block) "
             f"pairs, the worst at block {worst['block']} of site {worst['sublayer']} "
             f"({worst['rel_gap']:.1%}); redo it alone with more steps, the other measurements "
-            f"kept: `layerdiv extract --model ... --task {key[2]} --redo igrad --igrad-steps "
-            f"{more}`."
+            f"kept: {redo}{' --igrad-rule gauss' if rule == 'gauss' else ''} --igrad-steps "
+            f"{more}`{gauss}."
         )
     return lines
 
@@ -270,15 +286,17 @@ def unreliable(table: pl.DataFrame) -> dict[tuple[Any, ...], str]:
             pl.len().alias("blocks"),
             pl.col("rel_gap").max().alias("worst"),
             pl.col("steps").first(),
+            pl.col("rule").first(),
         )
         .filter(pl.col("over") > 0)
     )
     return {
         (*(r[k] for k in KEY), r["sublayer"]): (
             f"the completeness gap exceeds {GAP_LEVEL:.0%} of |f(x) − f(b)| at {r['over']} of "
-            f"{r['blocks']} blocks (up to {r['worst']:.0%}, M = {r['steps']}), so the "
-            "attributions do not add up to the change they explain; extract again with a larger "
-            "`--igrad-steps`"
+            f"{r['blocks']} blocks (up to {r['worst']:.0%}, M = {r['steps']}, {r['rule']}), so "
+            "the attributions do not add up to the change they explain; extract again with "
+            "a larger `--igrad-steps`"
+            + (" or with `--igrad-rule gauss`" if r["rule"] == "riemann" else "")
         )
         for r in over.iter_rows(named=True)
     }
@@ -322,13 +340,13 @@ def share_figure(
 
 
 def gap_rows(table: pl.DataFrame, names: dict[str, str]) -> list[list[str]]:
-    """Per partition and site: M, the blocks, the largest ``rel_gap`` and its block, and the
-    blocks over :data:`GAP_LEVEL`."""
+    """Per partition and site: M and the rule, the blocks, the largest ``rel_gap`` and its block,
+    and the blocks over :data:`GAP_LEVEL`."""
     summary = (
         table.sort("rel_gap", descending=True, nulls_last=True)
         .group_by(*KEY, "sublayer", maintain_order=True)
         .agg(
-            pl.col("steps").first(),
+            pl.col("steps", "rule").first(),
             pl.len().alias("blocks"),
             pl.col("rel_gap").first().alias("worst"),
             pl.col("block").first().alias("worst_block"),
@@ -342,7 +360,7 @@ def gap_rows(table: pl.DataFrame, names: dict[str, str]) -> list[list[str]]:
         names,
         lambda r: [
             r["sublayer"],
-            str(r["steps"]),
+            f"{r['steps']} ({r['rule']})",
             f"{r['abs_gap']:.3g}",
             fmt(r["worst"], 100, 1) + "%",
             str(r["worst_block"]),
@@ -385,7 +403,7 @@ def report(ctx: ReportContext, section: Section = TEXT) -> str:
         "Model",
         "Task",
         "Site",
-        "M",
+        "M (rule)",
         "Mean |gap|",
         "Largest gap / |f(x) − f(b)|",
         "at block",
@@ -395,7 +413,7 @@ def report(ctx: ReportContext, section: Section = TEXT) -> str:
         [
             "The attribution IG(l, t) of each block l and position t, at each site extracted "
             f"(block output, attention or MLP output), to {section.target}. Completeness: "
-            "sum_t IG(l, t) should equal f(x) − f(b); the gap is what the Riemann sum of M steps "
+            "sum_t IG(l, t) should equal f(x) − f(b); the gap is what the rule of M steps "
             f"leaves (per block the mean |gap| over {units} against the mean |f(x) − f(b)|; "
             f"every block in the `{p}_completeness` table).",
             *steps,

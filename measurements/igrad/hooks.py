@@ -5,7 +5,9 @@ The runner runs each batch once more for these hooks with gradients on (the meas
 ``needs_grad``); they keep every block call's arguments and input and the sites' activations x
 (the block's output, its attention's or MLP's output). Then, per site and block l, every point of
 the path x(alpha) = b + alpha (x - b) (b: x's mean over the document's positions, the same vector
-at every position) for alpha_k = k/m, k = 0..m-1, runs as one batch (in slices that fit memory)
+at every position) for the points alpha_k of ``--igrad-rule`` (``riemann``: alpha_k = k/m,
+k = 0..m-1; ``gauss``: alpha = 0, then the m Gauss-Legendre nodes on [0, 1];
+:func:`~layerdiv.measurements.igrad.path_points`) runs as one batch (in slices that fit memory)
 from the site onward: blocks before l are not run again (the clean
 pass's input of block l and each block's own call arguments are reused, as the future effects do,
 ``layerdiv.extract.removal.UpdateRemoval``); for ``attn`` and ``mlp`` block l runs with that
@@ -14,7 +16,8 @@ does (h + a(alpha), and in a family with parallel attention and MLP, the MLP rea
 model's final norm and unembedding (the shared ``Readout``) read out the answer-predicting
 positions only; f = the sum of the answer tokens' probabilities (a choice task: the gold
 option's probability among the options at the last prompt token), and ``torch.autograd.grad`` gives
-df/dx(alpha) in float32 (the path is a float32 leaf; the blocks run in the model's dtype).
+df/dx(alpha) in float32 (the path is a float32 leaf; the blocks run in the model's dtype),
+summed with the rule's weights w_k; f(b) is f at the first point, alpha = 0.
 The path's end alpha = 1 is the clean pass at every site and block: f(x) is read out once per
 batch from the clean pass's last block output, not run again per site and block.
 """
@@ -32,7 +35,7 @@ from layerdiv.extract.batching import token_budget
 from layerdiv.extract.hooks import Recorder
 from layerdiv.extract.removal import UpdateRemoval, expand_calls
 from layerdiv.measurements import Attachment
-from layerdiv.measurements.igrad import IgradRows, check_sites, sites_of
+from layerdiv.measurements.igrad import IgradRows, check_sites, path_points, sites_of
 from layerdiv.schemas.kinds import KINDS
 
 
@@ -49,7 +52,9 @@ class IgradCapture(Recorder):
         )
         self.model, self.readout = ctx.model, ctx.readout
         self.sites = sites
-        self.steps = int(ctx.settings["igrad_steps"])
+        alphas, weights = path_points(ctx.settings)
+        self.alphas, self.weights = torch.tensor(alphas), torch.tensor(weights)
+        """The path's points alpha_k (the first 0) and their weights w_k (float64)."""
         self.progress = ctx.progress
         self.answers: Sequence[tuple[int, int]] = ctx.planned
         """Text tasks: per document, the answer's start s and length A (methods §10)."""
@@ -177,17 +182,19 @@ class IgradCapture(Recorder):
         start = x - diff
         grads = torch.zeros(batch, width, x.shape[-1], device=x.device)
         f = torch.zeros(batch, device=x.device)
-        steps = self.steps
-        # point i = (row answered[i // m], k = i % m): alpha_k = k/m, k = 0..m-1 (the left
-        # Riemann sum); each slice's points made when it runs
+        points = len(self.alphas)
+        alphas = self.alphas.to(x.device, torch.float32)
+        weights = self.weights.to(x.device, torch.float32)
+        # point i = (row answered[i // P], k = i % P) of the rule's P points alpha_k; each
+        # slice's points made when it runs
         rows_of = torch.tensor(answered, device=x.device)
-        total = len(answered) * steps
+        total = len(answered) * points
         runs = len(self.removal.blocks) - layer - (site == "block")
         lo, rows = 0, self._slice_rows(width, runs)
         while lo < total:
             point = torch.arange(lo, min(lo + rows, total), device=x.device)
-            b, k = rows_of[point // steps], point % steps
-            alpha = (k.float() / steps)[:, None, None]
+            b, k = rows_of[point // points], point % points
+            alpha = alphas[k][:, None, None]
             z = (start.index_select(0, b) + alpha * diff.index_select(0, b)).requires_grad_()
             try:
                 value = self._target(site, layer, z, b, targets, batch, dtype)
@@ -199,10 +206,10 @@ class IgradCapture(Recorder):
                 rows = self._cap = rows // 2  # kept for the later slices and batches
                 continue
             lo += len(point)
-            grads.index_add_(0, b, grad)
+            grads.index_add_(0, b, grad * weights[k][:, None, None])
             f.index_put_((b[k == 0],), value.detach()[k == 0])
-        # IG(l, t) = sum_d (x - b)[t, d] (1/m) sum_k df/dx[t, d] at x(alpha_k)
-        ig = (diff * grads).sum(-1) / steps
+        # IG(l, t) = sum_d (x - b)[t, d] sum_k w_k df/dx[t, d] at x(alpha_k); alpha_0 = 0: f(b)
+        ig = (diff * grads).sum(-1)
         return ig.index_select(0, rows_of), torch.stack([f.index_select(0, rows_of), clean])
 
     def _target(
