@@ -375,7 +375,8 @@ def test_demo_with_another_n_is_refused_before_its_tasks_change(tmp_path: Path) 
     result = run("demo", "--n", "12", "--out", str(out))
     assert result.exit_code == 1
     line = result.output.strip()
-    assert "\n" not in line and "another --n or --seed" in line and "--overwrite" not in line
+    assert "\n" not in line and "another --n, --seed or profile" in line
+    assert "--overwrite" not in line
     assert {p.name: p.read_text() for p in (out / "tasks").iterdir()} == before
     assert write_demo_tasks(out / "tasks", 10, 0, out / "store")  # the same demo: fine
 

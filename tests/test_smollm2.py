@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+import pytest
 from click.testing import CliRunner
 
 from layerdiv.cli import main
@@ -121,6 +122,7 @@ def test_demo_steps_run_both_models_on_the_tasks_it_writes(tmp_path: Path) -> No
     assert PROFILES["full"].multihop_models == DEMO_MODELS
 
 
+@pytest.mark.full_demo
 def test_maps_from_the_15_block_sibling_onto_smollm2(demo: Any) -> None:
     """SmolLM2's every-other-block sibling (15 of its 30 blocks, a damaged model from the same
     weights) mapped onto SmolLM2 on the demo's BBC News states task (the demo's maps where ``make
