@@ -311,7 +311,16 @@ def score_rows(
             "n_heldout": n_held,
             "few_rows": few,
         }
-    ).with_columns(beats_mean=(pl.col("r2") > 0) & (pl.col("rel_error") < pl.col("mean_rel_error")))
+    ).with_columns(
+        beats_mean=beats_mean(pl.col("r2"), pl.col("rel_error"), pl.col("mean_rel_error"))
+    )
+
+
+def beats_mean(r2: Any, rel_error: Any, mean_rel_error: Any) -> Any:
+    """Whether a map beats the mean predictor: R² > 0 and its rel_error below the mean
+    predictor's (methods §11), of numpy arrays or of Polars expressions alike (``layer_maps``'
+    ``beats_mean`` and the resamples' best targets, :func:`best_targets`)."""
+    return (r2 > 0) & (rel_error < mean_rel_error)
 
 
 def best_table(maps: pl.DataFrame) -> pl.DataFrame:
@@ -357,7 +366,7 @@ def best_targets(r2: np.ndarray, rel: np.ndarray, mean_rel: np.ndarray) -> np.nd
     the largest R² among the maps that beat the mean predictor (r2 > 0 and rel_error below
     ``mean_rel``'s), the smallest j on ties, -1 where none does: :func:`best_table`'s rule, over
     any leading axes (resamples)."""
-    ranked = np.where((r2 > 0) & (rel < mean_rel[..., None, :]), r2, -np.inf)
+    ranked = np.where(beats_mean(r2, rel, mean_rel[..., None, :]), r2, -np.inf)
     best = ranked.argmax(axis=-1)
     return np.where(np.isfinite(ranked.max(axis=-1)), best, -1)
 
