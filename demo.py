@@ -194,8 +194,11 @@ class DemoProfile:
     """Integration steps M of the multi-hop attribution (the authors' 256 would take over an hour
     here; the report says where M is too small)."""
     multihop_models: tuple[str, ...]
-    """The models the multi-hop step runs (its erasure reads out the whole vocabulary per edited
-    copy: Gemma 3's 262,144 tokens make it the demo's longest step)."""
+    """The models the multi-hop step runs (attribution, the lens and the sinks)."""
+    multihop_erase: tuple[str, ...]
+    """Those of :attr:`multihop_models` whose multi-hop step also erases (``--erase`` reads out
+    the whole vocabulary per edited copy: on Gemma 3's 262,144 tokens it was the demo's longest
+    step; the comparison's erasure profile has both models from :data:`ERASE_TASK`)."""
     tuned_steps: int
     """Training steps of the demo's tuned lens (:func:`tuned_settings`)."""
     maps_ridge: str
@@ -205,7 +208,10 @@ class DemoProfile:
     @property
     def remark(self) -> str:
         """The counts of this profile, as the report's remark gives them."""
-        hop = ", ".join(self.multihop_models)
+        hop = ", ".join(
+            f"{m}{' with erasure' if m in self.multihop_erase else ''}"
+            for m in self.multihop_models
+        )
         return (
             f"{self.skips_n} instances with the layer skips, the lens and the sinks, "
             f"{self.erase_n} with erasure; {self.text_docs} documents of {self.text_tokens} "
@@ -217,9 +223,9 @@ class DemoProfile:
 
 
 FULL = DemoProfile(
-    "full", n=120, skips_n=20, erase_n=6, text_docs=8, text_tokens=24, states_docs=100,
-    states_tokens=80, words_docs=100, multihop_docs=8, multihop_steps=8,
-    multihop_models=DEMO_MODELS, tuned_steps=10, maps_ridge="cv",
+    "full", n=120, skips_n=12, erase_n=5, text_docs=8, text_tokens=24, states_docs=100,
+    states_tokens=80, words_docs=50, multihop_docs=8, multihop_steps=8,
+    multihop_models=DEMO_MODELS, multihop_erase=(DEMO_MODEL,), tuned_steps=10, maps_ridge="1e-3",
 )  # fmt: skip
 """``layerdiv demo``: 100 x 79 stored positions of :data:`STATES_TASK`, of which the training
 documents' (doc % 5 != 4, 80 x 79) are more than 10 x SmolLM2's width d = 576, so that no map
@@ -227,7 +233,8 @@ of the sibling is flagged ``few_rows``."""
 QUICK = DemoProfile(
     "quick", n=30, skips_n=10, erase_n=5, text_docs=5, text_tokens=16, states_docs=20,
     states_tokens=40, words_docs=20, multihop_docs=5, multihop_steps=4,
-    multihop_models=(DEMO_MODEL,), tuned_steps=2, maps_ridge="1e-3",
+    multihop_models=(DEMO_MODEL,), multihop_erase=(DEMO_MODEL,), tuned_steps=2,
+    maps_ridge="1e-3",
 )  # fmt: skip
 """``layerdiv demo --quick`` (``make test``): every section, its maps flagged ``few_rows`` and
 fitted with the ridge of methods §11 (not cross-validated), multi-hop attribution on SmolLM2
@@ -270,21 +277,29 @@ def demo_steps(profile: DemoProfile = FULL) -> tuple[DemoStep, ...]:
         DemoStep((TEXT_TASK,), LENS_SKIPS_SINKS),
         DemoStep((STATES_TASK,), {"states": "all"}, models=(DEMO_MODEL, SIBLING)),
         DemoStep((WORDS_TASK,), {"states": "words", "lens_stats": True}),
-        DemoStep(
-            (MULTIHOP_TASK,),
-            {  # whole blocks only and no skips (bbc-text has them)
-                "igrad": True,
-                "igrad_sites": ("block",),
-                "igrad_steps": profile.multihop_steps,
-                "erase": True,
-                "erase_reference": profile.multihop_docs,
-                "lens": "final",
-                "sinks": True,
-            },
-            models=profile.multihop_models,
-            limit=profile.multihop_docs,
+        *(
+            DemoStep((MULTIHOP_TASK,), options, models=models, limit=profile.multihop_docs)
+            for options, models in _multihop_options(profile)
+            if models
         ),
     )
+
+
+def _multihop_options(profile: DemoProfile) -> list[tuple[dict[str, Any], tuple[str, ...]]]:
+    """The multi-hop step's options (whole blocks only and no skips: bbc-text has them), with
+    erasure and without, each with the models of ``profile`` it is run on."""
+    options: dict[str, Any] = {
+        "igrad": True,
+        "igrad_sites": ("block",),
+        "igrad_steps": profile.multihop_steps,
+        "lens": "final",
+        "sinks": True,
+    }
+    erase = {**options, "erase": True, "erase_reference": profile.multihop_docs}
+    return [
+        (erase, tuple(m for m in profile.multihop_models if m in profile.multihop_erase)),
+        (options, tuple(m for m in profile.multihop_models if m not in profile.multihop_erase)),
+    ]
 
 
 def _bbc_text_spec(

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import html
 import math
+import multiprocessing
+import os
 import textwrap
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
@@ -227,8 +231,48 @@ def figure_link(ctx: ReportContext, file: str, caption: str, spec: Callable[[], 
             if NO_MATPLOTLIB not in ctx.notes:
                 ctx.notes.append(NO_MATPLOTLIB)
             return f"![{caption}](figures/{file})" if html else ""
-        to_matplotlib(figure, ctx.figures / file)
+        if ctx.deferred is None:
+            to_matplotlib(figure, ctx.figures / file)
+        else:
+            ctx.deferred.append((figure, ctx.figures / file))
     return f"![{caption}](figures/{file})"
+
+
+_PENDING: Sequence[tuple[Figure, Path]] = ()
+"""The figures :func:`draw_all` hands to its forked workers (read there by index: a spec is
+never pickled)."""
+
+
+def draw_all(drawings: Sequence[tuple[Figure, Path]]) -> list[str | None]:
+    """Draw each (spec, file) of ``drawings`` as a PNG (:func:`to_matplotlib`), several at once
+    in forked processes where the platform forks and has more than one CPU; per drawing, None
+    or the error that stopped it (one line)."""
+    global _PENDING
+    workers = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1,
+                  len(drawings))  # fmt: skip
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return [_draw(spec, path) for spec, path in drawings]
+    _PENDING = drawings
+    try:
+        context = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            return list(pool.map(_draw_pending, range(len(drawings))))
+    except BrokenProcessPool:  # a worker died (out of memory, killed): draw them here
+        return [_draw(spec, path) for spec, path in drawings]
+    finally:
+        _PENDING = ()
+
+
+def _draw_pending(i: int) -> str | None:
+    return _draw(*_PENDING[i])
+
+
+def _draw(spec: Figure, path: Path) -> str | None:
+    try:
+        to_matplotlib(spec, path)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 # --- matplotlib ------------------------------------------------------------------------------

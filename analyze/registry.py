@@ -97,6 +97,10 @@ class ReportContext:
     interactive: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Plotly figures (as JSON-able dicts) by the file name of the PNG they stand for in the
     HTML report."""
+    deferred: list[tuple[Any, Path]] | None = None
+    """The PNG figures linked so far, each with its file, to be drawn once every section is
+    written (``layerdiv.analyze.report.render`` draws them on every CPU at once); None: each is
+    drawn where it is linked."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import polars as pl
 
-from layerdiv.analyze import methods
+from layerdiv.analyze import methods, plots
 from layerdiv.analyze.api import Results, weights_notes
 from layerdiv.analyze.markdown import DASH, markdown_table, model_label
 from layerdiv.analyze.methods import PAGE as METHODS_PAGE
@@ -138,13 +138,15 @@ def render(
         min_params=results.min_params,
         formats=tuple(formats),
         options=results.settings,
+        deferred=[],
     )
     apart = replace(ctx, tables=revisions_apart(ctx.tables))  # notes and figures shared
-    sections = [
-        (a, section(a, ctx if a.by_revision else apart))
-        for a in registered()
-        if a.report is not None and a.name in results.analyses
-    ]
+    sections, owners = [], []  # owners: each deferred figure's section
+    for a in registered():
+        if a.report is not None and a.name in results.analyses:
+            sections.append((a, section(a, ctx if a.by_revision else apart)))
+            owners += [len(sections) - 1] * (len(ctx.deferred) - len(owners))
+    sections = _drawn(sections, owners, ctx)
     body = [  # a section that returns "" (nothing asked for) is left out
         f"## {a.title}\n\n{_methods_line(a.methods)}{_coverage(results.coverage.get(a.name))}{text}"
         for a, text in sections
@@ -188,6 +190,26 @@ def section(analysis: Analysis, ctx: ReportContext) -> str:
     ctx.notes.append(f"{origin(analysis)}: its report section left out: it returned a "
                      f"{type(text).__name__}, not Markdown text")  # fmt: skip
     return ""
+
+
+def _drawn(
+    sections: list[tuple[Analysis, str]], owners: list[int], ctx: ReportContext
+) -> list[tuple[Analysis, str]]:
+    """``sections`` once ``ctx.deferred``'s figures are drawn (at once: ``plots.draw_all``),
+    a section of another distribution whose figure failed left out with a note; a built-in
+    one's failure raised (drawn again here, for its traceback)."""
+    assert ctx.deferred is not None
+    failed = {}
+    for (spec, path), owner, error in zip(
+        ctx.deferred, owners, plots.draw_all(ctx.deferred), strict=True
+    ):
+        analysis = sections[owner][0]
+        if error is not None and builtin(analysis):
+            plots.to_matplotlib(spec, path)
+        elif error is not None:
+            failed.setdefault(owner, f"{origin(analysis)}: its report section left out: {error}")
+    ctx.notes.extend(failed.values())
+    return [(a, "" if i in failed else text) for i, (a, text) in enumerate(sections)]
 
 
 def _coverage(lines: Sequence[str] | None) -> str:

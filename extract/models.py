@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -438,11 +439,33 @@ def context_length(config: Any, tokenizer: Any) -> int:
 
 
 def load_tokenizer(source: ModelSource) -> Any:
-    """The model's tokenizer, set up for left padding (the last position is the last token)."""
+    """The model's tokenizer, set up for left padding (the last position is the last token).
+    Loaded once per process for the same files (a run's tasks share it, and so do the demo's
+    steps: Gemma 3's 262,144-token tokenizer takes seconds to parse); callers must not change
+    it."""
+    folder = Path(source.path)
+    files = (
+        tuple(
+            (f.name, f.stat().st_size, f.stat().st_mtime_ns)
+            for f in sorted(folder.iterdir())
+            if f.is_file() and f.suffix not in WEIGHT_SUFFIXES
+        )
+        if folder.is_dir()
+        else ()
+    )
+    return _tokenizer(source.path, source.revision, source.trust_remote_code, files)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(
+    path: str, revision: str | None, trust_remote_code: bool, files: tuple[Any, ...]
+) -> Any:
+    """:func:`load_tokenizer`'s load (``files``: a local folder's other files by name, size and
+    time, so that a changed tokenizer loads anew)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
-        source.path, revision=source.revision, trust_remote_code=source.trust_remote_code
+        path, revision=revision, trust_remote_code=trust_remote_code
     )
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:

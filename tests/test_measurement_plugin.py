@@ -669,6 +669,12 @@ def _section_raises(ctx: ReportContext) -> str:
     raise KeyError("no_such_table")
 
 
+def _figure_fails(ctx: ReportContext) -> str:
+    """A section whose figure cannot be drawn (drawn after every section is written)."""
+    bad = plots.Figure("Bad", [plots.Panel("p", [plots.Series("s", [1, 2, 3], [1, 2])])])
+    return "Text.\n\n" + plots.figure_link(ctx, "bad.png", "Bad", lambda: bad)
+
+
 def _ok(ctx: Context, prior: Any) -> dict[str, pl.DataFrame]:
     return {"plugin_ok": pl.DataFrame({"n": [len(ctx.parts)]})}
 
@@ -687,6 +693,9 @@ BAD_ANALYSES = {
                "LayerdivError: a spilled result's table name '../../evil_spill' is not an"),
     "bad_section": (Analysis("bad_section", "Bad section", _ok, report=_section_raises),
                     "its report section left out: KeyError: 'no_such_table'"),
+    "bad_figure": (Analysis("bad_figure", "Bad figure", _returns({"plugin_fig": pl.DataFrame()}),
+                            report=_figure_fails),
+                   "its report section left out: ValueError: x and y must have same first"),
     "needs_nothing": (Analysis("needs_nothing", "U", _ok, needs=("no_such_table",)),
                       "needs table 'no_such_table', which no measurement writes"),
     "after_nothing": (Analysis("after_nothing", "A", _ok, after=("no_such_analysis",)),
@@ -718,7 +727,7 @@ def test_a_failing_plugin_analysis_is_one_note_and_the_others_are_written(
     done = invoke("analyze", "--store", str(store), "--out", str(out))
     assert done.exit_code == 0, done.output
     for name, (_, why) in BAD_ANALYSES.items():
-        if name != "bad_section":
+        if name not in ("bad_section", "bad_figure"):  # their tables are right
             line = f"analysis {name!r} (module tests.test_measurement_plugin) left out: "
             assert line in done.output and why in done.output, (name, done.output)
     assert (out / "scores.parquet").exists() and (out / "plugin_ok.parquet").exists()
@@ -730,6 +739,9 @@ def test_a_failing_plugin_analysis_is_one_note_and_the_others_are_written(
     assert "## The paper's analysis" in text and "## Bad section" not in text
     line = "analysis 'bad_section' (module tests.test_measurement_plugin): its report section "
     assert f"{line}left out: KeyError: 'no_such_table'" in text
+    assert "## Bad figure" not in text and (report / "figures" / "fig3_correlations.png").is_file()
+    line = "analysis 'bad_figure' (module tests.test_measurement_plugin): its report section "
+    assert f"{line}left out: ValueError: x and y must have same first dimension" in text
     assert "needs table 'no_such_table', which no measurement writes" in text
 
 
