@@ -144,7 +144,8 @@ def verdict(
     where ``statistic`` exceeds ``threshold`` (``above``) or lies below it: *agrees* where the
     95% ``interval`` (the value alone without one) lies wholly on the finding's side, *does not
     agree* wholly on the other, *cannot tell* where it spans the threshold (or the value or an
-    interval asked for is undefined), *too few to tell* with fewer than ``min_n`` ``unit``."""
+    interval asked for is undefined), *too few to tell* with fewer than ``min_n`` ``unit`` (the
+    line then says how many are needed)."""
     side, other = (">", "<=") if above else ("<", ">=")
     shown = f"{statistic} {fmt(value, digits=digits)}"
     low, high = interval if interval is not None else (value, value)
@@ -164,5 +165,5 @@ def verdict(
     if (found := _JUDGED.get()) is not None:
         found.append(Judged(finding, statistic, value, interval, n, threshold, min_n, unit,
                             above, digits, outcome))  # fmt: skip
-    count = f"n = {n} {unit}; at least {min_n} needed"
+    count = f"n = {n} {unit}" + (f"; at least {min_n} needed" if n < min_n else "")
     return f"**Verdict: {outcome}.** {finding}: {shown}{tail} ({count})."

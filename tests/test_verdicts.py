@@ -41,7 +41,8 @@ def test_verdict_outcomes(
 ) -> None:
     line = verdict("x holds", "stat", value, interval, n, 0.45, min_n=3, unit="things", above=above)
     assert outcome(line) == want, line
-    assert "x holds" in line and f"n = {n} things; at least 3 needed" in line
+    count = f"(n = {n} things" + ("; at least 3 needed)" if n < 3 else ")")
+    assert "x holds" in line and count in line, line
     if interval is not None and interval[0] is not None:
         assert f"[{interval[0]:.2f}, {interval[1]:.2f}]" in line
 
