@@ -34,16 +34,19 @@ def blocks_of(model: Any) -> list[Any]:
     return list(get_module(model, adapter_for(prepare_model(model).config).blocks))
 
 
-def run_states(model: Any, ids: list[int], edit: tuple[int, int, torch.Tensor] | None = None):
-    """h_0..h_L (L + 1, T, d) and the logits (T, V) of one document through the whole model,
-    with ``edit`` = (l, t, value) replacing h_l at position t by value."""
+def run_states(model: Any, ids: list[int], edit: tuple[int, list[int], torch.Tensor] | None = None):
+    """h_0..h_L (L + 1, T, d) and the logits (T, V) of one document through the whole model;
+    with ``edit`` = (l, positions, value) the logits (len(positions), T, V) of one copy of the
+    document per position, copy b's h_l replaced at positions[b] by value (the states: copy
+    0's)."""
     blocks = blocks_of(model)
     states: list[torch.Tensor] = []
+    rows = 1 if edit is None else len(edit[1])
 
     def replace(h: torch.Tensor, layer: int) -> torch.Tensor:
         if edit is not None and edit[0] == layer:
             h = h.clone()
-            h[:, edit[1]] = edit[2]
+            h[torch.arange(rows), edit[1]] = edit[2]
         states.append(h[0])
         return h
 
@@ -63,11 +66,11 @@ def run_states(model: Any, ids: list[int], edit: tuple[int, int, torch.Tensor] |
     handles += [b.register_forward_hook(after(i + 1)) for i, b in enumerate(blocks)]
     try:
         with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0]
+            logits = model(torch.tensor([ids] * rows)).logits
     finally:
         for handle in handles:
             handle.remove()
-    return torch.stack(states), logits
+    return torch.stack(states), logits if edit is not None else logits[0]
 
 
 def reference_means_of(model: Any, references: list[list[int]], first: int = 1) -> torch.Tensor:
@@ -93,11 +96,10 @@ def reference(
         _, clean = run_states(model, ids)
         p = torch.softmax(clean, dim=-1)
         effect = np.zeros((len(means), T))
-        for layer in range(len(means)):
-            for t in range(T):
-                _, logits = run_states(model, ids, (layer, t, means[layer]))
-                change = (torch.softmax(logits, dim=-1) - p).norm(dim=-1)
-                effect[layer, t] = float(change[s - 1 : T - 1].max())
+        for layer in range(len(means)):  # every position's edited copy at once
+            _, logits = run_states(model, ids, (layer, list(range(T)), means[layer]))
+            change = (torch.softmax(logits, dim=-1) - p).norm(dim=-1)  # (T copies, T)
+            effect[layer] = change[:, s - 1 : T - 1].amax(1).numpy()
         effects.append(effect)
     return means.numpy(), effects
 
@@ -113,10 +115,9 @@ def choice_reference(
     for ids in prompts:
         p = torch.softmax(run_states(model, ids)[1][-1, options], dim=-1)
         effect = np.zeros((len(means), len(ids)))
-        for layer in range(len(means)):
-            for t in range(len(ids)):
-                _, logits = run_states(model, ids, (layer, t, means[layer]))
-                effect[layer, t] = float((torch.softmax(logits[-1, options], dim=-1) - p).norm())
+        for layer in range(len(means)):  # every position's edited copy at once
+            _, logits = run_states(model, ids, (layer, list(range(len(ids))), means[layer]))
+            effect[layer] = (torch.softmax(logits[:, -1, options], dim=-1) - p).norm(dim=-1)
         effects.append(effect)
     return means.numpy(), effects
 

@@ -265,13 +265,13 @@ def test_smollm2_answer_splits_and_local_effects(tmp_path: Path) -> None:
     store = tmp_path / "store"
     out = extract("--model", "smollm2-135m-instruct", "--task", str(task), "--store", str(store),
                   "--skips", "--skip-split", "answer", "--skip-mode", "total", "--skip-mode",
-                  "local", "--limit", "2")  # fmt: skip
+                  "local", "--limit", "1")  # fmt: skip
     assert out.exit_code == 0, out.output
     source = resolve_source("smollm2-135m-instruct", None, None, False)
     tokenizer = load_tokenizer(source)
     loaded = load_model(source, tokenizer, torch.device("cpu"), torch.float64)
     model, modes = loaded.model, ["total", "local"]
-    assert check_answer_splits(store, model, tokenizer, "answer", modes, False, 2) == 2
+    assert check_answer_splits(store, model, tokenizer, "answer", modes, False, 1) == 1
     effects, _ = stored(store)
     by = effects.with_columns(pl.col("mode").cast(pl.String)).sort(
         "doc", "split", "skipped", "block"
