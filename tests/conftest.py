@@ -351,7 +351,11 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     def get(*tasks: str, models: tuple[str, ...] | None = None, profile: Any = None) -> Path:
         held = demo_profile(DEMO)
-        if profile in (None, held) and _holds(DEMO, steps_of(held, tasks, models)):
+        if (
+            held is not None
+            and profile in (None, held)
+            and _holds(DEMO, steps_of(held, tasks, models))
+        ):
             return DEMO
         profile = profile or QUICK
         if (tasks, models, profile.name) not in built:

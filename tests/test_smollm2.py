@@ -113,10 +113,14 @@ def test_demo_steps_run_both_models_on_the_tasks_it_writes(tmp_path: Path) -> No
         assert {t for s in steps for t in s.tasks} == written
         for step in steps:
             assert measurement_options(step.options)  # every step measures something
-            if STATES_TASK not in step.tasks:
-                assert step.models == (
-                    profile.multihop_models if step.tasks == (MULTIHOP_TASK,) else DEMO_MODELS
-                )
+            if STATES_TASK not in step.tasks and step.tasks != (MULTIHOP_TASK,):
+                assert step.models == DEMO_MODELS
+        hops = [s for s in steps if s.tasks == (MULTIHOP_TASK,)]
+        assert sorted(m for s in hops for m in s.models) == sorted(profile.multihop_models)
+        assert {m for s in hops if s.options.get("erase") for m in s.models} == set(
+            profile.multihop_erase
+        )
+        assert all(s.options["igrad"] and s.limit == profile.multihop_docs for s in hops)
         assert profile.multihop_docs >= MIN_INTERVAL_N
         assert min(profile.skips_n, profile.erase_n, profile.text_docs) >= MIN_INTERVAL_N
     assert PROFILES["full"].multihop_models == DEMO_MODELS
