@@ -123,11 +123,13 @@ test: $(BIN)/.installed browser
 	exit $$status
 
 # ruff and mypy (one core each, short) run beside the quick demo; then the steps that read its
-# output, in order (the tests read its store: tests/conftest.py, the demo fixture; the site's
-# tutorial is executed on it).
+# output (the tests read its store: tests/conftest.py, the demo fixture; the site's tutorial is
+# executed on it): the test suite, then the numerical pass, the benchmarks and the site side by
+# side (each leaves a CPU idle part of its time: its slowest test, script or the tutorial).
 test-steps:
 	@$(MAKE) --no-print-directory --output-sync=target -j3 lint typecheck demo-quick
-	@LAYERDIV_DEMO=$(CURDIR)/$(QUICK_DEMO) $(MAKE) --no-print-directory pytest numerical bench-quick docs-site
+	@LAYERDIV_DEMO=$(CURDIR)/$(QUICK_DEMO) $(MAKE) --no-print-directory pytest
+	@LAYERDIV_DEMO=$(CURDIR)/$(QUICK_DEMO) $(MAKE) --no-print-directory --output-sync=target -j3 numerical bench-quick docs-site
 
 # A real one-node SLURM cluster on this machine (as root; apt-get installs slurm-wlm and munge),
 # then a job array of 4 shards of SmolLM2 into one store: see scripts/slurm-check.sh.
