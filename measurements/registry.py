@@ -35,7 +35,7 @@ import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 from layerdiv.registry import Registry
-from layerdiv.schemas import RULES, TABLES, Rules, schema_of
+from layerdiv.schemas import TABLES, Rules, schema_of
 from layerdiv.schemas.kinds import KINDS
 
 ENTRY_POINTS = "layerdiv.measurements"
@@ -379,9 +379,9 @@ class Measurement:
     """The schemas of tables declared outside ``layerdiv.schemas`` (a measurement registered
     from another distribution); every built-in table's schema is in ``layerdiv.schemas``."""
     rules: Mapping[str, Rules] = field(default_factory=dict)
-    """The row rules of tables declared outside ``layerdiv.schemas`` (key grid, value ranges:
-    ``layerdiv.schemas.Rules``), checked by every reader; every built-in table's are in
-    ``layerdiv.schemas.RULES``."""
+    """The row rules of its tables that have some (key grid, value ranges:
+    ``layerdiv.schemas.Rules``), checked by every reader (:func:`table_rules`): the one place
+    they are declared, for a built-in measurement as for one from another distribution."""
     settings: tuple[Setting, ...] = ()
     """Everything of it that changes a stored number: recorded in the manifest's settings under
     its name and in the key-value metadata of each of its parts (:data:`SETTINGS_KEY`), compared
@@ -658,6 +658,12 @@ def register(measurement: Measurement) -> Measurement:
             f"measurement {measurement.name}: a schema version for {dated[0]!r}, which is not "
             "one of its tables"
         )
+    ruled = [t for t in measurement.rules if t not in (*mine, *measurement.whole)]
+    if ruled:
+        raise MeasurementError(
+            f"measurement {measurement.name}: row rules for {ruled[0]!r}, which is not one of "
+            "its tables"
+        )
     clash = [t for t in mine if t in taken or (t not in TABLES and t not in measurement.schemas)]
     if clash:
         raise MeasurementError(
@@ -697,13 +703,16 @@ def all_optional_tables() -> tuple[str, ...]:
 
 
 @functools.cache
-def _tables() -> tuple[dict[str, dict[str, str]], dict[str, pa.Schema]]:
-    """The optional tables of each kind with their flags, and every table's schema, as the
-    registry stands (recomputed after :func:`register` and :func:`unregister`): a store's
-    reader asks for them once per partition, thousands of times on a checkpoint sweep."""
+def _tables() -> tuple[dict[str, dict[str, str]], dict[str, pa.Schema], dict[str, Rules]]:
+    """The optional tables of each kind with their flags, every table's schema and the row rules
+    of those that have some, as the registry stands (recomputed after :func:`register` and
+    :func:`unregister`): a store's reader asks for them once per partition, thousands of times
+    on a checkpoint sweep."""
     optional = {k: {t: m.flag for m in for_kind(k) for t in m.tables[k]} for k in KINDS}
     extra = {t: m.schema(t) for m in registered() for ts in m.tables.values() for t in ts}
-    return optional, {**TABLES, **extra}
+    rules = {t: r for k in KINDS.values() for t, r in k.rules.items()}
+    rules |= {t: r for m in registered() for t, r in m.rules.items()}
+    return optional, {**TABLES, **extra}, rules
 
 
 def ruled_tables(kind: str) -> set[str]:
@@ -726,14 +735,10 @@ def table_schemas() -> dict[str, pa.Schema]:
 
 
 def table_rules(table: str) -> Rules:
-    """The row rules of ``table`` (``layerdiv.schemas.RULES``, or its measurement's
-    :attr:`Measurement.rules`; none declared: no rule)."""
-    if table in RULES:
-        return RULES[table]
-    for m in registered():
-        if table in m.rules:
-            return m.rules[table]
-    return Rules()
+    """The row rules of ``table``: its measurement's (:attr:`Measurement.rules`) or, a task
+    kind's required table, its kind's (``layerdiv.schemas.kinds.Kind.rules``); none declared:
+    no rule."""
+    return _tables()[2].get(table, Rules())
 
 
 def tables_of(version: int) -> dict[str, pa.Schema]:

@@ -16,7 +16,15 @@ from numpy.typing import ArrayLike
 
 from layerdiv.errors import LayerdivError
 from layerdiv.measurements.registry import Measurement, ModelShape, Planning, Setting
-from layerdiv.schemas import FUTURE_EFFECTS, FUTURE_OUTPUT, MODES, SUBLAYERS
+from layerdiv.schemas import (
+    DISTANCE,
+    FUTURE_EFFECTS,
+    FUTURE_OUTPUT,
+    MODES,
+    NONNEGATIVE,
+    SUBLAYERS,
+    Rules,
+)
 
 SPLIT_STEP = 8
 """Random split points are multiples of this."""
@@ -275,6 +283,12 @@ FUTURE = Measurement(
     check_rows=future_row_counts,
     cost=future_cost,
     plan=plan_future,
+    rules={
+        "future_effects": Rules(
+            bounds={"skipped": (0, "L-1"), "block": (0, "L-1"), "rel_change": NONNEGATIVE}
+        ),
+        "future_output": Rules(bounds={"skipped": (0, "L-1"), "out_change": DISTANCE}),
+    },
     since={"future_effects": 4, "future_output": 4},
     order=50,
 )

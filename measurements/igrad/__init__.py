@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 from layerdiv.measurements.registry import Measurement, ModelShape, Planning, Setting
-from layerdiv.schemas import IGRAD, IGRAD_ENDS, SUBLAYERS
+from layerdiv.schemas import IGRAD, IGRAD_ENDS, SUBLAYERS, Rules
 from layerdiv.schemas.kinds import KINDS
 
 STEPS = 256
@@ -287,6 +287,13 @@ IGRAD_MEASUREMENT = Measurement(
     check_rows=igrad_row_counts,
     cost=igrad_cost,
     plan=plan_igrad,
+    rules={
+        "igrad": Rules(grid=(("sublayer", "shared"), ("block", "blocks"), ("pos", "tokens"))),
+        "igrad_ends": Rules(
+            grid=(("sublayer", "shared"), ("block", "blocks")),
+            bounds={"f_input": (0, "A"), "f_baseline": (0, "A")},
+        ),
+    },
     since={"igrad": 7, "igrad_ends": 7},
     order=70,
 )

@@ -23,7 +23,16 @@ from layerdiv.measurements.registry import (
     Setting,
     per_token_and_layer,
 )
-from layerdiv.schemas import LEARNED_LENS, LEARNED_LENS_KINDS, TOKEN_LENS, token_key
+from layerdiv.schemas import (
+    LEARNED_LENS,
+    LEARNED_LENS_KINDS,
+    NONNEGATIVE,
+    PROBABILITY,
+    TOKEN_LENS,
+    Range,
+    Rules,
+    token_key,
+)
 from layerdiv.schemas import LENS as LENS_SCHEMA
 from layerdiv.schemas.kinds import KINDS
 
@@ -124,6 +133,20 @@ def lens_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, 
     return extra + (L * shape.block(tokens) if settings.get("lens") == "last-block" else 0.0)
 
 
+LENS_BOUNDS: dict[str, Range] = {
+    "kl": NONNEGATIVE,
+    "top5_overlap": PROBABILITY,
+    "ce": NONNEGATIVE,
+    "final_rank": (1, "V"),
+    "top1": (0, "V-1"),
+}
+"""The ranges of the lens statistics' columns (``lens``, ``token_lens`` and the learned lenses'
+tables)."""
+
+TOKEN_LENS_RULES = Rules(grid=(("pos", "tokens"), ("layer", "states")), bounds=LENS_BOUNDS)
+"""The row rules of a per-token lens table: ``token_lens`` and each learned lens's."""
+
+
 LENS = Measurement(
     name="lens",
     flag="--lens",  # declared by its setting (it takes the readout)
@@ -152,6 +175,10 @@ LENS = Measurement(
     cost=lens_cost,
     costed={"text": ({"lens": "last-block"},)},
     plan=plan_lens,
+    rules={
+        "lens": Rules(grid=(("layer", "states"),), bounds=LENS_BOUNDS),
+        "token_lens": TOKEN_LENS_RULES,
+    },
     since={"lens": 4, "token_lens": 4},
     order=40,
 )
@@ -241,6 +268,7 @@ def learned_lens(kind: str, order: int) -> Measurement:
         check_rows=per_token_and_layer(table),
         cost=learned_cost,
         plan=plan_learned,
+        rules={table: TOKEN_LENS_RULES},
         since={table: 9},
         order=order,
     )

@@ -23,7 +23,7 @@ from layerdiv.measurements.registry import (
     Setting,
     negligible,
 )
-from layerdiv.schemas import STATE_TYPES, states_schema
+from layerdiv.schemas import NONNEGATIVE, STATE_TYPES, Rules, states_schema
 from layerdiv.schemas.kinds import KINDS
 
 WORDS = "words"
@@ -214,6 +214,16 @@ STATES = Measurement(
     cost=negligible,
     plan=plan_states,
     size_warning=f"{__name__}.hooks:size_warning",
+    rules={
+        "states": Rules(
+            bounds={
+                "pos": (0, "T-1"),
+                "layer": (0, "L"),
+                "token": (0, "V-1"),
+                "char_end": NONNEGATIVE,
+            }
+        )
+    },
     since={"states": 5},
     order=60,
 )
