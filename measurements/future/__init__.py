@@ -277,12 +277,12 @@ FUTURE = Measurement(
         ),
     ),
     legacy=True,
-    readout=("text",),
+    vocab_rows=("text",),
     attach=f"{__name__}.hooks:FutureCapture",
     rows=future_rows,
     check_rows=future_row_counts,
-    cost=future_cost,
-    plan=plan_future,
+    flops=future_cost,
+    plan_check=plan_future,
     rules={
         "future_effects": Rules(
             bounds={"skipped": (0, "L-1"), "block": (0, "L-1"), "rel_change": NONNEGATIVE}

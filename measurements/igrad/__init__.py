@@ -285,8 +285,8 @@ IGRAD_MEASUREMENT = Measurement(
     attach=f"{__name__}.hooks:IgradCapture",
     rows=igrad_rows,
     check_rows=igrad_row_counts,
-    cost=igrad_cost,
-    plan=plan_igrad,
+    flops=igrad_cost,
+    plan_check=plan_igrad,
     rules={
         "igrad": Rules(grid=(("sublayer", "shared"), ("block", "blocks"), ("pos", "tokens"))),
         "igrad_ends": Rules(

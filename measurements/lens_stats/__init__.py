@@ -200,7 +200,7 @@ LENS_STATS = Measurement(
     attach=f"{__name__}.hooks:LensStatsCapture",
     rows=lens_stats_rows,
     check_rows=whole_blocks,
-    cost=lens_stats_cost,
+    flops=lens_stats_cost,
     rules={"lens_stats": Rules(bounds={"block": (0, "L-1"), "tokens": (1, float("inf"))})},
     since={"lens_stats": 9},
     order=95,

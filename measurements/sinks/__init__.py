@@ -79,8 +79,8 @@ SINKS = Measurement(
     attach=f"{__name__}.hooks:SinkCapture",
     rows=sink_rows,
     check_rows=whole_blocks,
-    cost=sink_cost,
-    check_model=f"{__name__}.hooks:check_sinks",
+    flops=sink_cost,
+    model_check=f"{__name__}.hooks:check_sinks",
     rules={
         "sinks": Rules(
             grid=(("block", "blocks"), ("head", "shared")),

@@ -51,7 +51,7 @@ SKIPS = Measurement(
     tables={"choice": ("skips",)},
     attach=f"{__name__}.hooks:SkipCapture",
     rows=skip_rows,
-    cost=skip_cost,
+    flops=skip_cost,
     rules={"skips": Rules(bounds={"layer": (0, "L-1")})},
     since={"skips": 2},
     order=10,

@@ -211,8 +211,8 @@ STATES = Measurement(
     ),
     attach=f"{__name__}.hooks:StateCapture",
     rows=state_rows,
-    cost=negligible,
-    plan=plan_states,
+    flops=negligible,
+    plan_check=plan_states,
     size_warning=f"{__name__}.hooks:size_warning",
     rules={
         "states": Rules(
