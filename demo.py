@@ -452,14 +452,14 @@ def extract_demo(
     tasks = dict.fromkeys(t for s in steps for t in s.tasks)
     print(f"\nExtracting {', '.join(models)} on {', '.join(tasks)} into {store}")
     for step in steps:
-        measures = measurement_options(step.options)
+        settings = measurement_options(step.options)
         for model in step.models:
             # the sibling by its folder's name, from inside ``out``: its store name is the same
             # wherever ``out`` is (a path given would become part of the model's name)
             inside = model == SIBLING
             config = ExtractConfig(
                 model, [str(Path(by_name[t]).resolve()) for t in step.tasks], store.resolve(),
-                limit=step.limit, measures=measures,
+                limit=step.limit, measurement_settings=settings,
             )  # fmt: skip
             with contextlib.chdir(out) if inside else contextlib.nullcontext():
                 done = run_extract(config)
@@ -476,7 +476,7 @@ def fit_demo_lenses(out: Path, profile: DemoProfile = FULL) -> None:
     from layerdiv.extract.config import ExtractConfig
     from layerdiv.extract.lens_fit import TunedSettings, fit_lens
     from layerdiv.extract.runner import run_extract
-    from layerdiv.measurements.lens import learned_lens_measures
+    from layerdiv.measurements.lens import learned_lens_settings
     from layerdiv.store import Store
 
     store = out / "store"
@@ -489,7 +489,7 @@ def fit_demo_lenses(out: Path, profile: DemoProfile = FULL) -> None:
             print(f"Fitting the {kind} lens of {model} on {WORDS_TASK}")
             fit_lens(info, kind, model, path, TunedSettings(**tuned_settings(profile)))
         config = ExtractConfig(model, [str(out / "tasks" / f"{TEXT_TASK}.yaml")], store,
-                               measures=learned_lens_measures(files))  # fmt: skip
+                               measurement_settings=learned_lens_settings(files))  # fmt: skip
         for s in run_extract(config):
             print(f"{model}, {s.task}: learned lenses {', '.join(kinds)} ({s.seconds:.0f} s)")
 

@@ -48,8 +48,8 @@ def timed_extract(
     """(wall seconds, CPU seconds of this process) of extracting ``tasks`` into ``store`` with the
     model already loaded (the real path: ``plan_task`` and ``extract_task``). On a shared machine
     the CPU time is the fairer measure of the work done."""
-    measures = measurement_options({"skips": skips, "gram": gram})
-    cfg = ExtractConfig(DEMO_MODEL, tasks, store, measures=measures, progress=False)
+    settings = measurement_options({"skips": skips, "gram": gram})
+    cfg = ExtractConfig(DEMO_MODEL, tasks, store, measurement_settings=settings, progress=False)
     adapter = adapter_for(loaded.model.config)
     plans = [plan_task(t, loaded.tokenizer, cfg) for t in tasks]
     wall, cpu = time.perf_counter(), time.process_time()

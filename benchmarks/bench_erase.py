@@ -57,7 +57,9 @@ def main() -> None:
         answer = (args.chars, args.answer)
         task = bbc_text_task(root, args.docs, None, "bbc-erase-bench", answer, paragraphs=2)
         erase = {"erase": {"erase_reference": 1}}
-        cfg = ExtractConfig(DEMO_MODEL, [], root / "plan", progress=False, measures=erase)
+        cfg = ExtractConfig(
+            DEMO_MODEL, [], root / "plan", progress=False, measurement_settings=erase
+        )
         plan = plan_task(str(task), loaded.tokenizer, cfg)
         assert plan.documents is not None
         seqs = plan.documents[0]

@@ -63,10 +63,10 @@ def run(
     from layerdiv.extract.plan import plan_task
     from layerdiv.extract.runner import extract_task
 
-    measures = measurement_options(options)
+    settings = measurement_options(options)
     name = loaded.source.model_id
     cfg = ExtractConfig(model=name, tasks=[], store=store, progress=False, limit=docs,
-                        measures=measures)  # fmt: skip
+                        measurement_settings=settings)  # fmt: skip
     plan = plan_task(str(TASK), loaded.tokenizer, cfg)
     lengths = [len(loaded.tokenizer(i.prompt)["input_ids"]) for i in plan.items]
     settle(loaded.device)
@@ -88,7 +88,7 @@ def declared_flops(config: Any, options: dict[str, Any], lengths: list[int]) -> 
     for name, settings in measurement_options(options).items():
         m = by_name[name]
         full = {**m.defaults(), **{k: v for k, v in settings.items() if v is not None}}
-        total += sum(m.flops(shape, "text", n, full) for n in lengths)
+        total += sum(m.flops_of(shape, "text", n, full) for n in lengths)
     return total
 
 

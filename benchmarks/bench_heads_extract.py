@@ -60,9 +60,9 @@ def main() -> None:
         paths = demo_choice_tasks(Path(tmp) / "tasks", -(-per_task // 30) * 30, args.seed)
 
         def run(heads: bool, store: Path) -> tuple[float, float]:
-            measures = measurement_options({"heads": heads})
+            settings = measurement_options({"heads": heads})
             cfg = ExtractConfig(DEMO_MODEL, [], store, limit=per_task, progress=False,
-                                measures=measures)  # fmt: skip
+                                measurement_settings=settings)  # fmt: skip
             plans = [plan_task(str(p), loaded.tokenizer, cfg) for p in paths]
             gc.collect()
             start, cpu = time.perf_counter(), time.process_time()

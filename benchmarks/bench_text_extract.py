@@ -174,15 +174,15 @@ def plain_forward(loaded: LoadedModel) -> Callable[[Batches], None]:
 
 
 def measured(
-    loaded: LoadedModel, measures: dict[str, Any], planned: dict[str, Any]
+    loaded: LoadedModel, run_settings: dict[str, Any], planned: dict[str, Any]
 ) -> Callable[[Batches], None]:
-    """A row's run: ``ModelRunner.run`` of a text task with ``measures`` (by name: settings) and
+    """A row's run: ``ModelRunner.run`` of a text task with ``run_settings`` (by name: settings) and
     ``planned``, the documents numbered in order."""
     adapter = adapter_for(loaded.model.config)
 
     def run(data: Batches) -> None:
-        with ModelRunner(loaded, adapter, [], CPU_TOKEN_BUDGET, kind="text", measures=measures,
-                         planned=planned) as text:  # fmt: skip
+        with ModelRunner(loaded, adapter, [], CPU_TOKEN_BUDGET, kind="text",
+                         run_settings=run_settings, planned=planned) as text:  # fmt: skip
             doc = 0
             for batch in data:
                 text.run(batch, list(range(doc, doc + len(batch))))
@@ -198,11 +198,11 @@ def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches) -> list[Ro
     adapter = adapter_for(model.config)
 
     def runner(lens: str | None) -> Callable[[Batches], None]:
-        measures = {LENS.name: {"lens": lens}} if lens else {}
+        run_settings = {LENS.name: {"lens": lens}} if lens else {}
 
         def run(data: Batches) -> None:
             with ModelRunner(
-                loaded, adapter, [], CPU_TOKEN_BUDGET, kind="text", measures=measures
+                loaded, adapter, [], CPU_TOKEN_BUDGET, kind="text", run_settings=run_settings
             ) as text:
                 for batch in data:
                     text.run(batch)
@@ -210,10 +210,10 @@ def rows(loaded: LoadedModel, flops: dict[str, float], data: Batches) -> list[Ro
         return run
 
     def skips(settings: SkipSettings) -> Callable[[Batches], None]:
-        measures = {FUTURE.name: {"skip_split": settings.split, "skip_seed": settings.seed,
+        run_settings = {FUTURE.name: {"skip_split": settings.split, "skip_seed": settings.seed,
                                   "skip_sublayers": list(settings.sublayers),
                                   "skip_modes": list(settings.modes)}}  # fmt: skip
-        return measured(loaded, measures, {FUTURE.name: answers(data)})
+        return measured(loaded, run_settings, {FUTURE.name: answers(data)})
 
     def future(settings: SkipSettings) -> float:
         return (

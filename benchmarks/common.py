@@ -98,11 +98,12 @@ def bbc_text_task(
     return path
 
 
-def extract_seconds(task: Path, store: Path, measures: dict[str, Any]) -> tuple[float, float]:
-    """Extract the demo's model on ``task`` into the fresh ``store`` with ``measures`` (by name:
-    their settings): (CPU, wall) seconds of its ``extract_task`` (the partition opened, every
-    chunk computed and written, the model already loaded; CPU of the process, every thread,
-    the background writer's included)."""
+def extract_seconds(task: Path, store: Path, settings: dict[str, Any]) -> tuple[float, float]:
+    """Extract the demo's model on ``task`` into the fresh ``store`` with the measurements of
+    ``settings`` (by name: their settings given, ``ExtractConfig.measurement_settings``):
+    (CPU, wall) seconds of its ``extract_task`` (the partition opened, every chunk computed and
+    written, the model already loaded; CPU of the process, every thread, the background
+    writer's included)."""
     import layerdiv.extract.runner as runner_module
     from layerdiv.demo import DEMO_MODEL
     from layerdiv.extract.config import ExtractConfig
@@ -116,7 +117,9 @@ def extract_seconds(task: Path, store: Path, measures: dict[str, Any]) -> tuple[
         times.append((time.process_time() - cpu, time.perf_counter() - wall))
         return out
 
-    config = ExtractConfig(DEMO_MODEL, [str(task)], store, measures=measures, progress=False)
+    config = ExtractConfig(
+        DEMO_MODEL, [str(task)], store, measurement_settings=settings, progress=False
+    )
     runner_module.extract_task = timed_task
     try:
         runner_module.run_extract(config)
@@ -154,18 +157,18 @@ def text_extract_args(
 
 
 def against_plain(
-    task: Path, root: Path, measures: dict[str, Any], repeats: int, loads: list[float]
+    task: Path, root: Path, settings: dict[str, Any], repeats: int, loads: list[float]
 ) -> dict[bool, list[tuple[float, float]]]:
     """(CPU, wall) seconds of ``repeats`` plain extractions of ``task`` (False) and as many with
-    ``measures`` (True), in rotating order, each into a fresh store ``root/store-<repeat>-<0|1>``,
-    after a plain warm-up (the model converted and cached, pages warm); the load average after
-    each run appended to ``loads``."""
+    the measurements of ``settings`` (True), in rotating order, each into a fresh store
+    ``root/store-<repeat>-<0|1>``, after a plain warm-up (the model converted and cached, pages
+    warm); the load average after each run appended to ``loads``."""
     extract_seconds(task, root / "warm-up", {})
     runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     for r in range(repeats):
         for measured in (False, True) if r % 2 == 0 else (True, False):
             store = root / f"store-{r}-{int(measured)}"
-            runs[measured].append(extract_seconds(task, store, measures if measured else {}))
+            runs[measured].append(extract_seconds(task, store, settings if measured else {}))
             loads.append(os.getloadavg()[0])
     return runs
 

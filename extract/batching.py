@@ -94,13 +94,13 @@ CPU_TOKEN_BUDGET = 1024
 
 
 def token_budget(
-    device: torch.device, config: Any, dtype: torch.dtype, readout: bool = False
+    device: torch.device, config: Any, dtype: torch.dtype, vocab_rows: bool = False
 ) -> int:
     """Padded tokens per batch for ``--batch-size auto`` (the runner's; the hooks that run
     passes of their own size them by it too): a fixed budget on the CPU; on a GPU,
     half the free memory over an estimate of one token's transient activations in one block
-    (residual, normed copy, q/k/v/o and three MLP-width tensors), and with ``readout`` (a
-    measurement that reads every token out, ``Measurement.readout``) three float32 rows over
+    (residual, normed copy, q/k/v/o and three MLP-width tensors), and with ``vocab_rows`` (a
+    measurement that reads every token out, ``Measurement.vocab_rows``) three float32 rows over
     the vocabulary. Halved on out-of-memory."""
     if device.type != "cuda":
         return CPU_TOKEN_BUDGET
@@ -110,6 +110,6 @@ def token_budget(
     d = config.hidden_size
     width = 4 * d + 3 * (getattr(config, "intermediate_size", None) or 4 * d)
     per_token = width * torch.finfo(dtype).bits // 8
-    if readout:
+    if vocab_rows:
         per_token += 3 * 4 * getattr(config, "vocab_size", 0)
     return max(256, int(free // 2 // per_token))

@@ -242,7 +242,7 @@ class ExtractConfig:
     """Instances per chunk of a new partition's grid (None: :data:`DEFAULT_CHUNK_SIZE`; an
     existing partition keeps its own): the unit of resumption, of sharding and of claiming; a
     crash loses at most one chunk per process."""
-    measures: dict[str, dict[str, Any]] = field(default_factory=dict)
+    measurement_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     """The registered measurements (``layerdiv.measurements``) this run asks for, by name: the
     settings given (a setting left out, None or empty: not given, the partition's own or the
     default). :func:`measurement_options` makes it from ``extract``'s options."""
@@ -265,18 +265,23 @@ class ExtractConfig:
         """The run that ``extract``'s option ``values`` (by parameter name) ask for, the fields
         in ``given`` replaced; the measurements' by :func:`measurement_options`."""
         own = {f.name: values[f.name] for f in fields(cls) if "option" in f.metadata}
-        return cls(**{**own, **given}, measures=measurement_options(values, own.get("redo", ())))
+        return cls(
+            **{**own, **given},
+            measurement_settings=measurement_options(values, own.get("redo", ())),
+        )
 
     def given(self, m: Measurement) -> dict[str, Any]:
-        """The settings of measurement ``m`` given (under :attr:`measures`); a setting not
-        given is left out, a repeated option's values once each."""
-        values = self.measures.get(m.name, {})
+        """The settings of measurement ``m`` given (under :attr:`measurement_settings`); a
+        setting not given is left out, a repeated option's values once each."""
+        values = self.measurement_settings.get(m.name, {})
         given = {k: v for k, v in values.items() if v not in (None, ())}
         return {k: tuple(dict.fromkeys(v)) if isinstance(v, tuple) else v for k, v in given.items()}
 
-    def measured_tables(self, kind: str) -> list[str]:
-        """The tables of :attr:`measures` for task ``kind``."""
-        return [t for m in for_kind(kind) if m.name in self.measures for t in m.tables[kind]]
+    def asked_tables(self, kind: str) -> list[str]:
+        """The tables of the measurements this run asks for (:attr:`measurement_settings`) in
+        task ``kind``'s partitions."""
+        asked = self.measurement_settings
+        return [t for m in for_kind(kind) if m.name in asked for t in m.tables[kind]]
 
 
 class OptionError(LayerdivError, ValueError):
@@ -286,11 +291,11 @@ class OptionError(LayerdivError, ValueError):
 def measurement_options(
     values: Mapping[str, Any], redo: tuple[str, ...] = ()
 ) -> dict[str, dict[str, Any]]:
-    """:attr:`ExtractConfig.measures` from the values of the measurements' ``extract`` options
-    (by parameter name: a flag's, a setting's; ``{"skips": True, "lens": "final"}``): every
-    measurement whose flag is given or that is to be redone (``redo``, by name), with its
-    settings. Refuses a setting given without its measurement's flag, and a ``redo`` that names
-    no measurement (a core table: not one measurement's)."""
+    """:attr:`ExtractConfig.measurement_settings` from the values of the measurements'
+    ``extract`` options (by parameter name: a flag's, a setting's; ``{"skips": True, "lens":
+    "final"}``): every measurement whose flag is given or that is to be redone (``redo``, by
+    name), with its settings. Refuses a setting given without its measurement's flag, and a
+    ``redo`` that names no measurement (a core table: not one measurement's)."""
     names = [m.name for m in registered()]
     for name in redo:
         if name in names:
@@ -301,15 +306,15 @@ def measurement_options(
             f"--redo {name}: {what}; --redo takes a measurement ({', '.join(names)}); "
             "re-extract the whole partition with --overwrite"
         )
-    measures: dict[str, dict[str, Any]] = {}
+    asked: dict[str, dict[str, Any]] = {}
     for m in registered():
         settings = {s.name: values.get(s.name) for s in m.settings}
         if values.get(m.dest) or m.name in redo:
-            measures[m.name] = settings
+            asked[m.name] = settings
         elif any(v not in (None, ()) for v in settings.values()):
             given = [s.option.opts[0] for s in m.settings if values.get(s.name) not in (None, ())]
             raise OptionError(f"{', '.join(given)} sets up {m.flag}; add {m.flag}")
-    return measures
+    return asked
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """What an extraction will cost, known before the weights load: the work of each measurement it
 writes, in plain forward passes, counted in FLOPs from the model's shape (what each measurement
-declares, ``Measurement.cost``), and the seconds that takes at the FLOP rates the benchmarks
+declares, ``Measurement.flops``), and the seconds that takes at the FLOP rates the benchmarks
 measured (docs/benchmarks.md). ``extract`` prints the estimate before a run of more than
 :data:`LONG_RUN` seconds, and again once the model is loaded at the rate a short probe measures
 on this machine (:func:`probe_rate`), then also before any run of an attribution measurement;
@@ -81,19 +81,19 @@ DOC_TOKENS = {"choice": 46, "text": 256}
 running-text benchmark's documents."""
 
 
-Measures = Mapping[str, Mapping[str, Any]]
-"""The measurements of a run, by name: their settings (``TaskPlan.measures``)."""
+RunSettings = Mapping[str, Mapping[str, Any]]
+"""The measurements of a run, by name: their settings (``TaskPlan.run_settings``)."""
 
 
-def passes(shape: Shape, kind: str, tokens: int, measures: Measures) -> float:
+def passes(shape: Shape, kind: str, tokens: int, run_settings: RunSettings) -> float:
     """The work on one sequence of ``tokens`` tokens of a task of ``kind`` (``choice`` or
-    ``text``) with the registered measurements ``measures`` (by name: their settings; those of
+    ``text``) with the registered measurements ``run_settings`` (by name: their settings; those of
     other kinds left out), in plain
     forward passes over it (FLOPs): the plain pass and what each measurement adds
-    (``Measurement.flops``)."""
+    (``Measurement.flops_of``)."""
     forward = shape.forward(tokens)
-    extra = sum(m.flops(shape, kind, tokens, measures[m.name]) for m in for_kind(kind)
-                if m.name in measures)  # fmt: skip
+    extra = sum(m.flops_of(shape, kind, tokens, run_settings[m.name]) for m in for_kind(kind)
+                if m.name in run_settings)  # fmt: skip
     return (forward + extra) / forward
 
 
@@ -106,7 +106,7 @@ def seconds(
     return work * shape.forward(tokens) / (rate or (CPU_FLOPS if device == "cpu" else GPU_FLOPS))
 
 
-Job = tuple[str, Measures, Sequence[int]]
+Job = tuple[str, RunSettings, Sequence[int]]
 """One task of a run: its kind, its measurements (by name: their settings) and the token
 counts of its sequences."""
 
@@ -115,9 +115,9 @@ def run_seconds(shape: Shape, jobs: Sequence[Job], device: str, rate: float | No
     """Seconds for every job: each sequence costs its plain pass plus what each measurement
     adds (:func:`passes`), at ``rate`` (:func:`seconds`)."""
     total = 0.0
-    for kind, measures, lengths in jobs:
+    for kind, run_settings, lengths in jobs:
         for n in lengths:
-            total += seconds(shape, passes(shape, kind, n, measures), n, device, rate)
+            total += seconds(shape, passes(shape, kind, n, run_settings), n, device, rate)
     return total
 
 
@@ -142,8 +142,8 @@ def announce_measured(config: Any, device: str, jobs: Sequence[Job], rate: float
     long run, or before any run of an attribution measurement
     (``Measurement.attribution``), however short."""
     total = run_seconds(Shape.from_config(config), jobs, device, rate)
-    attribution = any(m.attribution and m.name in measures
-                      for kind, measures, _ in jobs for m in for_kind(kind))  # fmt: skip
+    attribution = any(m.attribution and m.name in run_settings
+                      for kind, run_settings, _ in jobs for m in for_kind(kind))  # fmt: skip
     if total > LONG_RUN or attribution:
         print(measured_line(total, rate), flush=True)
 
@@ -168,7 +168,7 @@ SAMPLE = 256
 
 def job(
     kind: str,
-    measures: Measures,
+    run_settings: RunSettings,
     documents: Sequence[Sequence[int]] | None,
     prompts: Sequence[str],
     tokenizer: Any,
@@ -177,10 +177,10 @@ def job(
     sequences' token counts (a text task's documents, or a choice task's prompts, :data:`SAMPLE`
     of them tokenized and the mean taken for the others)."""
     if documents is not None:
-        return kind, measures, [len(d) for d in documents]
+        return kind, run_settings, [len(d) for d in documents]
     sample = [len(ids) for ids in tokenizer(list(prompts[:SAMPLE]))["input_ids"]]
     mean = round(sum(sample) / max(len(sample), 1))
-    return kind, measures, [mean] * len(prompts)
+    return kind, run_settings, [mean] * len(prompts)
 
 
 def announce(config: Any, device: str, jobs: Sequence[Job]) -> None:
@@ -203,11 +203,11 @@ def estimate_line(total: float, device: str) -> str | None:
     )
 
 
-def costed(kind: str) -> list[tuple[str, Measures]]:
+def costed(kind: str) -> list[tuple[str, RunSettings]]:
     """What the docs' cost table shows for task ``kind``: no option, then each registered
     measurement of the kind at its defaults (its flag) and with each of the further settings it
     declares (``Measurement.costed``: its options)."""
-    rows: list[tuple[str, Measures]] = [("no option", {})]
+    rows: list[tuple[str, RunSettings]] = [("no option", {})]
     for m in for_kind(kind):
         rows.append((f"`{m.flag}`", {m.name: m.defaults()}))
         for given in m.costed.get(kind, ()):
@@ -223,8 +223,8 @@ def cost_rows(shape: Shape, tokens: dict[str, int]) -> list[list[str]]:
     model: a small model keeps the GPU less busy, so take it as a lower bound)."""
     rows = []
     for kind, n in tokens.items():
-        for label, measures in costed(kind):
-            work = passes(shape, kind, n, measures)
+        for label, run_settings in costed(kind):
+            work = passes(shape, kind, n, run_settings)
             per_1k = seconds(shape, work, n) * 1000 / n
             gpu_ms = seconds(shape, work, n, "gpu") * 1000 / n * 1000
             rows.append([kind, str(n), label, f"{work:.2f}", f"{per_1k:.1f}", f"{gpu_ms:.2g}"])

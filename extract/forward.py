@@ -71,7 +71,7 @@ class ModelRunner:
     """Runs left-padded batches through a model with the capture hooks attached: the task
     ``kind``'s own capture (``layerdiv.extract.kinds.TaskKind.capture``: the last-token
     decomposition of a choice task, the per-token dot products of a text task) and each
-    registered measurement's of ``measures`` (by name: its settings; ``planned``, by name: what
+    registered measurement's of ``run_settings`` (by name: its settings; ``planned``, by name: what
     its check of the plan gave), those derived from the kind's capture bound to it; a context
     manager that always removes its hooks. ``option_ids`` and ``gold`` (by instance): a choice
     task's option tokens and gold options."""
@@ -83,7 +83,7 @@ class ModelRunner:
         option_ids: list[int],
         budget: int,
         kind: str = "choice",
-        measures: Mapping[str, Mapping[str, Any]] | None = None,
+        run_settings: Mapping[str, Mapping[str, Any]] | None = None,
         gold: Sequence[int] = (),
         planned: Mapping[str, Any] | None = None,
     ) -> None:
@@ -103,13 +103,11 @@ class ModelRunner:
         self._progress: Callable[[float], object] = lambda units: None
         self._units, self._shown = 0, 0.0
         """The units of the batch under way and how many of them the bar shows done."""
-        self.measures = self._attach(base, measures or {}, planned or {})
-        """The registered measurements' hooks (``layerdiv.measurements.Measurement.attach``)."""
-        self.graded = {m.name for m in registered() if m.needs_grad and m.name in self.measures}
+        self.hooks = self._attach(base, run_settings or {}, planned or {})
+        """The registered measurements' hooks by name (``Measurement.attach``)."""
+        self.graded = {m.name for m in registered() if m.needs_grad and m.name in self.hooks}
         """The measurements whose hooks take gradients, each run in a pass of its own."""
-        self.hooked = [
-            (m, self.measures[m.name]) for m in for_kind(kind) if m.name in self.measures
-        ]
+        self.hooked = [(m, self.hooks[m.name]) for m in for_kind(kind) if m.name in self.hooks]
         """Each measurement with its hooks: an exception in a plug-in's names it
         (``layerdiv.measurements.registry.plugin_errors``)."""
         params = inspect.signature(model.forward).parameters
@@ -121,16 +119,16 @@ class ModelRunner:
     def _attach(
         self,
         base: Attachment,
-        measures: Mapping[str, Mapping[str, Any]],
+        run_settings: Mapping[str, Mapping[str, Any]],
         planned: Mapping[str, Any],
     ) -> dict[str, Capture]:
-        """The hooks of every measurement of ``base.kind`` in ``measures`` (by name: its
+        """The hooks of every measurement of ``base.kind`` in ``run_settings`` (by name: its
         settings), those built on the kind's own capture bound to :attr:`capture`."""
         attached: dict[str, Capture] = {}
         for m in for_kind(base.kind):
-            if m.attach is None or m.name not in measures:
+            if m.attach is None or m.name not in run_settings:
                 continue
-            ctx = replace(base, settings=measures[m.name], planned=planned.get(m.name),
+            ctx = replace(base, settings=run_settings[m.name], planned=planned.get(m.name),
                           progress=partial(self._advance, m.name))  # fmt: skip
             with plugin_errors([(m, None)], "attaching its hooks"):
                 hooks = m.attach_to(ctx)
@@ -151,7 +149,7 @@ class ModelRunner:
         tb: TracebackType | None,
     ) -> None:
         with plugin_errors(self.hooked, "removing its hooks"):
-            for capture in (self.capture, *self.measures.values()):
+            for capture in (self.capture, *self.hooks.values()):
                 capture.remove()
 
     def prepare(
@@ -184,8 +182,8 @@ class ModelRunner:
         inputs = {k: v.to(device) for k, v in left_padded(seqs, self.pad_id).items()}
         inputs.update(self.extra)
         lengths = [len(s) for s in seqs]
-        graded = {n: self._graded(self.measures[n], inputs, ids, lengths) for n in self.graded}
-        for name, hooks in self.measures.items():
+        graded = {n: self._graded(self.hooks[n], inputs, ids, lengths) for n in self.graded}
+        for name, hooks in self.hooks.items():
             if name not in graded:
                 hooks.reset()
                 if isinstance(hooks, RowsCapture):
@@ -224,17 +222,17 @@ class ModelRunner:
         """The measurements' values of the pass just run into ``batch.measured``: those of the
         hooks not bound to the kind's capture taken before the bound ones run (a bound capture
         may run passes of its own, the skips', with the kind's capture paused)."""
-        mine = {n: h for n, h in self.measures.items() if n not in graded}
+        mine = {n: h for n, h in self.hooks.items() if n not in graded}
         bound = [n for n, h in mine.items() if isinstance(h, DecompositionCapture)]
         plain = [n for n in mine if n not in bound]
         batch.measured = {**graded, **self._measured(plain)}
         for name in bound:
-            self.measures[name].decomposed(batch)  # type: ignore[attr-defined]
+            self.hooks[name].decomposed(batch)  # type: ignore[attr-defined]
         batch.measured.update(self._measured(bound))
 
     def _measured(self, names: Sequence[str]) -> dict[str, Sequence[Any]]:
         """The values of the measurements ``names`` of the forward pass just run."""
-        return {n: self.measures[n].result() for n in names}
+        return {n: self.hooks[n].result() for n in names}
 
     def _advance(self, name: str, share: float) -> None:
         """Measurement ``name`` has done ``share`` of the batch under way: the bar moves to the
@@ -257,7 +255,7 @@ class ModelRunner:
         telling ``progress`` how many units (instances or documents, a share of one within a
         batch) are done since it was last told; on an out-of-memory error, halve the batch (and
         ``self.budget``, kept for later chunks) and go on."""
-        for hooks in self.measures.values():
+        for hooks in self.hooks.values():
             if isinstance(hooks, RunCapture):
                 hooks.begin(ids)
         lengths = [len(s) for s in seqs]

@@ -99,7 +99,7 @@ class TaskKind(ABC):
         kind scores none)."""
         return correct / n_new if n_new and self.decl.scored else None
 
-    def measured(self, ids: list[int], results: Results) -> dict[str, pa.Table]:
+    def measurement_tables(self, ids: list[int], results: Results) -> dict[str, pa.Table]:
         """The tables of the registered measurements (``layerdiv.measurements``) that the run of
         units ``ids`` (ascending) measured."""
         name, first = self.decl.name, results[ids[0]][0].measured
@@ -162,7 +162,7 @@ class ChoiceKind(TaskKind):
             partial(check_batch, task=plan.spec.name, tol=tol),
             lambda r, res: self.tables(r, res, gold, seqs, truncated, prompts, spell),
             tally,
-            self.measured,
+            self.measurement_tables,
         )
 
     def tables(
@@ -185,7 +185,7 @@ class ChoiceKind(TaskKind):
             return np.stack([getattr(results[i][0], attr)[results[i][1]].numpy() for i in ids])
 
         return {
-            **self.measured(ids, results),
+            **self.measurement_tables(ids, results),
             "components": components_table(
                 ids,
                 results[ids[0]][0].components,
@@ -288,7 +288,7 @@ class TextKind(TaskKind):
         dots = np.concatenate([results[i][0].document(results[i][1], len(seqs[i])) for i in ids])
         loss = [results[i][0].document_loss(results[i][1], len(seqs[i])) for i in ids]
         return {
-            **self.measured(ids, results),
+            **self.measurement_tables(ids, results),
             "tokens": tokens_table(
                 ids,
                 [seqs[i] for i in ids],

@@ -1,6 +1,6 @@
 """Planning: each task's instances (or documents and their tokens), option tokens, data
 fingerprint, optional tables and measurement settings, checked (each measurement's own check of
-the plan, ``Measurement.plan``) before the weights load so that bad input is refused before
+the plan, ``Measurement.plan_check``) before the weights load so that bad input is refused before
 anything is written."""
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ class TaskPlan:
     """Text tasks with an answer: each document's answer span (methods §10,
     ``layerdiv.measurements.answer_spans``), computed once and given to every measurement's
     check of the plan; None without an answer."""
-    measures: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """The settings of each measurement that this run writes (:func:`_measure_settings`)."""
+    run_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The settings of each measurement that this run writes (:func:`_run_settings`)."""
     planned: dict[str, Any] = field(default_factory=dict)
-    """What each measurement's check of the plan gave its hooks (``Measurement.plan``)."""
+    """What each measurement's check of the plan gave its hooks (``Measurement.plan_check``)."""
     notes: list[str] = field(default_factory=list)
     """What the user should know about the task (its measurements' checks of the plan)."""
     redo: list[str] = field(default_factory=list)
@@ -95,19 +95,19 @@ def plan_task(
     sha = data_sha256(rows[: spec.n])
     _refuse_other_kinds(spec, cfg)
     _refuse_redo(writer, cfg, spec, len(items))
-    tables = chunks.extra_tables(writer, cfg.measured_tables(spec.kind), cfg.overwrite)
-    measures = _measure_settings(writer, cfg, spec, tables)
+    tables = chunks.extra_tables(writer, cfg.asked_tables(spec.kind), cfg.overwrite)
+    run_settings = _run_settings(writer, cfg, spec, tables)
     limit = context or context_length(None, tokenizer)
     prepared = task_kind(spec.kind).prepare(spec, items, tokenizer, limit)
     plan = TaskPlan(spec=spec, items=items, data_sha256=sha, writer=writer, extra_tables=tables,
-                    argument=argument, revision=revision, measures=measures,
+                    argument=argument, revision=revision, run_settings=run_settings,
                     **prepared)  # fmt: skip
     plan.redo = list(cfg.redo)
     sequences = partial(task_sequences, tokenizer=tokenizer, context=context)
     for m in registered():
-        if m.name in measures:
-            planning = Planning(spec, items, tokenizer, measures[m.name], plan.notes, plan.answers,
-                                sequences)  # fmt: skip
+        if m.name in run_settings:
+            planning = Planning(spec, items, tokenizer, run_settings[m.name], plan.notes,
+                                plan.answers, sequences)  # fmt: skip
             plan.planned[m.name] = m.check_plan(planning)
     return plan
 
@@ -125,7 +125,7 @@ def task_sequences(name: str, count: int, tokenizer: Any, context: int | None) -
 def _refuse_other_kinds(spec: TaskSpec, cfg: ExtractConfig) -> None:
     """Refuse (before anything is written) a measurement asked for whose flag writes nothing
     in the task's kind, and the settings given of one that does not apply to it."""
-    for name in cfg.measures:
+    for name in cfg.measurement_settings:
         m = MEASUREMENTS[name]
         if spec.kind in m.tables:
             continue
@@ -168,7 +168,7 @@ def _refuse_redo(writer: PartitionWriter, cfg: ExtractConfig, spec: TaskSpec, n:
         )
 
 
-def _measure_settings(
+def _run_settings(
     writer: PartitionWriter, cfg: ExtractConfig, spec: TaskSpec, tables: list[str]
 ) -> dict[str, dict[str, Any]]:
     """The settings of each measurement that this run writes (asked for, or held by the

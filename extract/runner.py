@@ -71,8 +71,8 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
         cost.announce(source.config, device.type, jobs)
         idents = [p.identity(source, dtype) for p in plans]  # once per plan, passed on
         for m in registered():  # each measurement's check of the model, before the weights load
-            if any(m.name in p.measures for p in plans):
-                m.check_config(source.config)
+            if any(m.name in p.run_settings for p in plans):
+                m.check_model(source.config)
         for plan, ident in zip(plans, idents, strict=True):  # all before the weights load
             plan.writer.ensure_writable()
             plan.writer.check(ident, cfg.overwrite, cfg.shard[1])
@@ -109,7 +109,7 @@ def run_extract(cfg: ExtractConfig) -> list[TaskSummary]:
 
 def _costed(plan: TaskPlan) -> dict[str, dict[str, Any]]:
     """The measurements whose cost a task's run has: those redone (``--redo``), else all."""
-    return {n: plan.measures[n] for n in plan.redo} if plan.redo else plan.measures
+    return {n: plan.run_settings[n] for n in plan.redo} if plan.redo else plan.run_settings
 
 
 def _announce_measured(loaded: LoadedModel, config: Any, jobs: list[cost.Job]) -> None:
@@ -183,8 +183,8 @@ def extract_task(
     task = _Task(plan, cfg, seqs, truncated, work,
                  notes=list(plan.notes))  # fmt: skip
     name, tables = plan.spec.kind, plan.extra_tables
-    readout = any(name in m.readout for m in _measurements_of(name, tables))
-    budget = token_budget(loaded.device, loaded.model.config, loaded.dtype, readout)
+    vocab_rows = any(name in m.vocab_rows for m in _measurements_of(name, tables))
+    budget = token_budget(loaded.device, loaded.model.config, loaded.dtype, vocab_rows)
     start_time = time.perf_counter()
     for measurement in plan.redo:
         redo(task, measurement, partial(ModelRunner, loaded, adapter, plan.option_ids, budget,
@@ -193,7 +193,7 @@ def extract_task(
                                         cfg.shard):  # fmt: skip
         task.notes += _mark_complete(plan.writer, tables)  # nothing else to do
         return summary(task, time.perf_counter() - start_time)
-    with ModelRunner(loaded, adapter, plan.option_ids, budget, name, plan.measures,
+    with ModelRunner(loaded, adapter, plan.option_ids, budget, name, plan.run_settings,
                      [it.gold for it in plan.items], plan.planned) as runner:  # fmt: skip
         ident = ident or plan.identity(loaded.source, loaded.dtype)
         open_partition(task, runner, loaded, adapter, tol, approximate, ident)
@@ -231,8 +231,8 @@ def open_partition(
                               _chunk_size(cfg), tol, approximate)  # fmt: skip
     derived, whole = runner.prepare(task.seqs, _stored_whole(plan, cfg.overwrite))
     for name, values in derived.items():  # settings derived once per partition (fingerprints)
-        plan.measures[name].update(values)
-    manifest.settings = dict(plan.measures)
+        plan.run_settings[name].update(values)
+    manifest.settings = dict(plan.run_settings)
     stored = writer.open(manifest, cfg.overwrite, cfg.shard[1])  # records them, or refuses others
     for table, data in whole.items():  # before the first chunk
         writer.write_whole(table, data)
@@ -245,22 +245,22 @@ def open_partition(
 
 def redo(task: _Task, name: str, runner: Callable[..., ModelRunner], device: str) -> None:
     """Extract measurement ``name`` again over every stored chunk of the partition, with the
-    settings of ``task.plan.measures``, and swap its tables and settings in
+    settings of ``task.plan.run_settings``, and swap its tables and settings in
     (``layerdiv.store.redo``: nothing changes unless every chunk is done), its run recorded;
-    ``runner`` makes a ``ModelRunner`` from the measures and gold options."""
+    ``runner`` makes a ``ModelRunner`` from the run's settings (by name) and the gold options."""
     plan, cfg, kind = task.plan, task.cfg, task.plan.spec.kind
     writer, m = plan.writer, MEASUREMENTS[name]
     task.stored = read_manifest(writer.part.manifest)
     parts = writer.part.done_parts()
-    record = writer.start_run({"redo": name, "settings": plan.measures[name],
+    record = writer.start_run({"redo": name, "settings": plan.run_settings[name],
                                "task": plan.argument, "device": device})  # fmt: skip
     start = time.perf_counter()
     bar = _bar(sum(c for _, c in parts), f"{plan.spec.name} --redo {name}", task)
-    with runner({name: plan.measures[name]}, [it.gold for it in plan.items],
+    with runner({name: plan.run_settings[name]}, [it.gold for it in plan.items],
                 plan.planned) as hooked, bar:  # fmt: skip
         derived, whole = hooked.prepare(task.seqs, {})
-        plan.measures[name].update(derived.get(name, {}))
-        staged = MeasurementRedo(writer, name, list(m.tables[kind]), plan.measures[name])
+        plan.run_settings[name].update(derived.get(name, {}))
+        staged = MeasurementRedo(writer, name, list(m.tables[kind]), plan.run_settings[name])
         try:
             for table, data in whole.items():
                 staged.write_whole(table, data)
@@ -280,14 +280,14 @@ def redo(task: _Task, name: str, runner: Callable[..., ModelRunner], device: str
                  seconds=round(seconds, 3), instances=sum(c for _, c in parts))  # fmt: skip
     units = KINDS[kind].units
     task.notes.append(f"{name} redone over {sum(c for _, c in parts)} stored {units} with "
-                      f"{m.describe(plan.measures[name])} in {seconds:.1f} s (its other tables "
+                      f"{m.describe(plan.run_settings[name])} in {seconds:.1f} s (its other tables "
                       "and settings kept)")  # fmt: skip
 
 
 def _stored_whole(plan: TaskPlan, overwrite: bool) -> dict[str, pa.Table]:
     """The tables stored once per partition that the measurements of ``plan`` write and the
     partition holds (none with ``overwrite``: it is replaced)."""
-    tables = [t for m in registered() if m.name in plan.measures for t in m.whole]
+    tables = [t for m in registered() if m.name in plan.run_settings for t in m.whole]
     found = {} if overwrite else {t: plan.writer.stored_whole(t) for t in tables}
     return {t: data for t, data in found.items() if data is not None}
 
@@ -304,7 +304,9 @@ def _warn_size(task: _Task, m: Measurement) -> None:
                for i in range(s, s + n)}  # fmt: skip
     todo = [i for i in range(len(plan.items)) if i not in done or i in lacking]
     lengths = [len(s) for s in task.seqs]
-    line = m.warn(lengths, todo, kind, plan.measures[m.name], stored.n_blocks, stored.hidden_size)
+    line = m.size_warning_of(
+        lengths, todo, kind, plan.run_settings[m.name], stored.n_blocks, stored.hidden_size
+    )
     if line is not None:
         print(line, file=sys.stderr, flush=True)
 

@@ -6,9 +6,9 @@ records in the partition's manifest under its own name, whether its batches need
 vocabulary (the batch budget), whether its passes need gradients, its forward hooks on each task
 kind (:attr:`Measurement.attach`, given an :class:`Attachment`; bound to the kind's own capture
 where they derive from it), how its rows are built (:attr:`Measurement.rows`) and their counts
-checked (:attr:`Measurement.check_rows`), its cost in forward passes (:attr:`Measurement.cost`),
-and its checks of a plan (:attr:`Measurement.plan`) and of a model
-(:attr:`Measurement.check_model`). The command line, ``ExtractConfig``, the extraction, its cost
+checked (:attr:`Measurement.check_rows`), its cost in forward passes (:attr:`Measurement.flops`),
+and its checks of a plan (:attr:`Measurement.plan_check`) and of a model
+(:attr:`Measurement.model_check`). The command line, ``ExtractConfig``, the extraction, its cost
 estimate, the completeness check, ``ls``, ``query``'s views and ``merge`` read these
 declarations.
 
@@ -35,7 +35,7 @@ import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 from layerdiv.registry import Registry
-from layerdiv.schemas import RULES, TABLES, Rules, schema_of
+from layerdiv.schemas import TABLES, Rules, schema_of
 from layerdiv.schemas.kinds import KINDS
 
 ENTRY_POINTS = "layerdiv.measurements"
@@ -159,7 +159,7 @@ class Attachment:
     """Choice tasks: each instance's gold option (an index into :attr:`option_ids`), by
     instance (:meth:`RowsCapture.batch` says which instance each batch row is)."""
     planned: Any = None
-    """What the measurement's check of the plan (:attr:`Measurement.plan`) gave, for its
+    """What the measurement's check of the plan (:attr:`Measurement.plan_check`) gave, for its
     hooks (the future effects: each document's answer span)."""
     weights_fingerprint: str = ""
     """The model's weights fingerprint (``Manifest.weights_fingerprint``): hooks that read
@@ -197,7 +197,7 @@ def answer_spans(tokenizer: Any, items: Sequence[Any]) -> list[AnswerSpan]:
 
 @dataclass(frozen=True)
 class Planning:
-    """What a measurement's check of a task's plan (:attr:`Measurement.plan`) is given, before
+    """What a measurement's check of a task's plan (:attr:`Measurement.plan_check`) is given, before
     the weights load."""
 
     task: Any
@@ -300,22 +300,22 @@ none of its own for this task kind, whose captures in ``layerdiv.extract`` compu
 Rows = Callable[[Sequence[int], Sequence[Any]], dict[str, pa.Table]]
 """(instances or documents, ascending; the capture's value of each) -> its tables."""
 
-Cost = Callable[[ModelShape, str, int, Mapping[str, Any]], float]
+Flops = Callable[[ModelShape, str, int, Mapping[str, Any]], float]
 """(the model's shape, the task kind, a sequence's tokens, the measurement's settings) -> the
 FLOPs it adds to the plain forward pass over that sequence."""
 
 
 def negligible(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]) -> float:
-    """The :data:`Cost` of a measurement whose work (dot products, projections, copies of
+    """The :data:`Flops` of a measurement whose work (dot products, projections, copies of
     states the pass computes anyway) is small against the blocks': none."""
     return 0.0
 
 
-Plan = Callable[[Planning], Any]
+PlanCheck = Callable[[Planning], Any]
 """A task's plan -> what the measurement's hooks get as :attr:`Attachment.planned`; refuses
 (a ``layerdiv.errors.LayerdivError``, one line) settings the task cannot follow."""
 
-CheckModel = Callable[[Any], Any]
+ModelCheck = Callable[[Any], Any]
 """A model's config -> a refusal (``layerdiv.errors.LayerdivError``, one line) where the
 measurement cannot measure it (checked before the weights load)."""
 
@@ -366,7 +366,7 @@ class Measurement:
 
     name: str
     """Its name: the key of its settings in the manifest and of its options in
-    ``ExtractConfig.measures``."""
+    ``ExtractConfig.measurement_settings``."""
     flag: str
     """The ``extract`` option that asks for it (``--gram``)."""
     tables: Mapping[str, tuple[str, ...]]
@@ -379,9 +379,9 @@ class Measurement:
     """The schemas of tables declared outside ``layerdiv.schemas`` (a measurement registered
     from another distribution); every built-in table's schema is in ``layerdiv.schemas``."""
     rules: Mapping[str, Rules] = field(default_factory=dict)
-    """The row rules of tables declared outside ``layerdiv.schemas`` (key grid, value ranges:
-    ``layerdiv.schemas.Rules``), checked by every reader; every built-in table's are in
-    ``layerdiv.schemas.RULES``."""
+    """The row rules of its tables that have some (key grid, value ranges:
+    ``layerdiv.schemas.Rules``), checked by every reader (:func:`table_rules`): the one place
+    they are declared, for a built-in measurement as for one from another distribution."""
     settings: tuple[Setting, ...] = ()
     """Everything of it that changes a stored number: recorded in the manifest's settings under
     its name and in the key-value metadata of each of its parts (:data:`SETTINGS_KEY`), compared
@@ -390,7 +390,7 @@ class Measurement:
     legacy: bool = False
     """Its settings were manifest fields of the same names before the manifest had
     ``settings`` (read into ``settings`` from such a manifest: :func:`legacy_settings`)."""
-    readout: tuple[str, ...] = ()
+    vocab_rows: tuple[str, ...] = ()
     """The task kinds in which its batches hold rows over the vocabulary at every token (the
     batch budget: fewer tokens per batch)."""
     needs_grad: bool = False
@@ -410,15 +410,15 @@ class Measurement:
     """How the row counts of its tables in one chunk relate (read from the parts' footers when
     a store is opened: every reader relies on it); None: only whole rows per instance of a
     choice task are checked."""
-    cost: Cost | None = None
+    flops: Flops | None = None
     """The FLOPs it adds to a sequence's plain forward pass (``extract``'s estimate, the docs'
     cost table); None: one more plain pass."""
     costed: Mapping[str, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)
     """Task kind -> further settings the docs' cost table shows it with, beside its
     defaults."""
-    plan: Plan | str | None = None
+    plan_check: PlanCheck | str | None = None
     """Its check of a task's plan (or ``"module:attribute"``), before the weights load."""
-    check_model: CheckModel | str | None = None
+    model_check: ModelCheck | str | None = None
     """Its check of the model's config (or ``"module:attribute"``), before the weights load."""
     size_warning: SizeWarning | str | None = None
     """What a run prints before it starts where its tables will be large (or
@@ -446,15 +446,15 @@ class Measurement:
         return _resolve(self.attach)(ctx)
 
     def check_plan(self, planning: Planning) -> Any:
-        """:attr:`plan`'s check of a task's plan (None where it declares none)."""
-        return None if self.plan is None else _resolve(self.plan)(planning)
+        """:attr:`plan_check`'s check of a task's plan (None where it declares none)."""
+        return None if self.plan_check is None else _resolve(self.plan_check)(planning)
 
-    def check_config(self, config: Any) -> None:
-        """:attr:`check_model`'s check of a model's config (none declared: every model)."""
-        if self.check_model is not None:
-            _resolve(self.check_model)(config)
+    def check_model(self, config: Any) -> None:
+        """:attr:`model_check`'s check of a model's config (none declared: every model)."""
+        if self.model_check is not None:
+            _resolve(self.model_check)(config)
 
-    def warn(
+    def size_warning_of(
         self,
         lengths: Sequence[int],
         units: Sequence[int],
@@ -468,14 +468,14 @@ class Measurement:
             return None
         return _resolve(self.size_warning)(lengths, units, kind, settings, blocks, width)
 
-    def flops(
+    def flops_of(
         self, shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, Any]
     ) -> float:
         """The FLOPs it adds to a plain pass over a sequence of ``tokens`` tokens
-        (:attr:`cost`; none declared: one plain pass)."""
-        if self.cost is None:
+        (:attr:`flops`; none declared: one plain pass)."""
+        if self.flops is None:
             return shape.forward(tokens)
-        return self.cost(shape, kind, tokens, settings)
+        return self.flops(shape, kind, tokens, settings)
 
     def schema(self, table: str) -> pa.Schema:
         """The schema of one of its tables."""
@@ -658,6 +658,12 @@ def register(measurement: Measurement) -> Measurement:
             f"measurement {measurement.name}: a schema version for {dated[0]!r}, which is not "
             "one of its tables"
         )
+    ruled = [t for t in measurement.rules if t not in (*mine, *measurement.whole)]
+    if ruled:
+        raise MeasurementError(
+            f"measurement {measurement.name}: row rules for {ruled[0]!r}, which is not one of "
+            "its tables"
+        )
     clash = [t for t in mine if t in taken or (t not in TABLES and t not in measurement.schemas)]
     if clash:
         raise MeasurementError(
@@ -697,13 +703,16 @@ def all_optional_tables() -> tuple[str, ...]:
 
 
 @functools.cache
-def _tables() -> tuple[dict[str, dict[str, str]], dict[str, pa.Schema]]:
-    """The optional tables of each kind with their flags, and every table's schema, as the
-    registry stands (recomputed after :func:`register` and :func:`unregister`): a store's
-    reader asks for them once per partition, thousands of times on a checkpoint sweep."""
+def _tables() -> tuple[dict[str, dict[str, str]], dict[str, pa.Schema], dict[str, Rules]]:
+    """The optional tables of each kind with their flags, every table's schema and the row rules
+    of those that have some, as the registry stands (recomputed after :func:`register` and
+    :func:`unregister`): a store's reader asks for them once per partition, thousands of times
+    on a checkpoint sweep."""
     optional = {k: {t: m.flag for m in for_kind(k) for t in m.tables[k]} for k in KINDS}
     extra = {t: m.schema(t) for m in registered() for ts in m.tables.values() for t in ts}
-    return optional, {**TABLES, **extra}
+    rules = {t: r for k in KINDS.values() for t, r in k.rules.items()}
+    rules |= {t: r for m in registered() for t, r in m.rules.items()}
+    return optional, {**TABLES, **extra}, rules
 
 
 def ruled_tables(kind: str) -> set[str]:
@@ -726,14 +735,10 @@ def table_schemas() -> dict[str, pa.Schema]:
 
 
 def table_rules(table: str) -> Rules:
-    """The row rules of ``table`` (``layerdiv.schemas.RULES``, or its measurement's
-    :attr:`Measurement.rules`; none declared: no rule)."""
-    if table in RULES:
-        return RULES[table]
-    for m in registered():
-        if table in m.rules:
-            return m.rules[table]
-    return Rules()
+    """The row rules of ``table``: its measurement's (:attr:`Measurement.rules`) or, a task
+    kind's required table, its kind's (``layerdiv.schemas.kinds.Kind.rules``); none declared:
+    no rule."""
+    return _tables()[2].get(table, Rules())
 
 
 def tables_of(version: int) -> dict[str, pa.Schema]:

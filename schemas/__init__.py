@@ -740,10 +740,14 @@ own tokens; ``shared``, the values the part holds, has none)."""
 
 @dataclass(frozen=True)
 class Rules:
-    """What the rows of a table may hold beyond its columns' types, declared with its schema and
-    read by every reader (``layerdiv.store.checks``): on open, each part's min/max statistics
-    against :attr:`bounds` (and the grid's extents); where a part is read, every unit's key rows
-    against :attr:`grid`."""
+    """What the rows of a table may hold beyond its columns' types, read by every reader
+    (``layerdiv.store.checks``): on open, each part's min/max statistics against :attr:`bounds`
+    (and the grid's extents); where a part is read, every unit's key rows against :attr:`grid`.
+    Declared by whoever writes the table: a measurement in its declaration
+    (``Measurement.rules``), a task kind for its required tables
+    (:attr:`~layerdiv.schemas.kinds.Kind.rules`); ``layerdiv.measurements.table_rules`` looks
+    them up. The shared ranges (:data:`PROBABILITY`, :data:`NONNEGATIVE`, :data:`DISTANCE`) are
+    defined here."""
 
     grid: tuple[tuple[str, str], ...] = ()
     """The key columns after the unit's (``doc``, ``instance``), each with its extent: every
@@ -759,51 +763,6 @@ class Rules:
         """Every bounded column: the grid's (by extent) and :attr:`bounds`."""
         grid = {c: EXTENTS[e] for c, e in self.grid if e in EXTENTS}
         return {**grid, **(self.bounds or {})}
-
-
-_LENS_RULES = {
-    "kl": NONNEGATIVE,
-    "top5_overlap": PROBABILITY,
-    "ce": NONNEGATIVE,
-    "final_rank": (1, "V"),
-    "top1": (0, "V-1"),
-}
-
-RULES: dict[str, Rules] = {
-    "tokens": Rules(bounds={"pos": (0, "T-1"), "token": (0, "V-1"), "loss": NONNEGATIVE}),
-    "token_blocks": Rules(bounds={"pos": (0, "T-1"), "block": (0, "L-1")}),
-    "skips": Rules(bounds={"layer": (0, "L-1")}),
-    "heads": Rules(bounds={"layer": (0, "L-1")}),
-    "lens": Rules(grid=(("layer", "states"),), bounds=_LENS_RULES),
-    "token_lens": Rules(grid=(("pos", "tokens"), ("layer", "states")), bounds=_LENS_RULES),
-    **{
-        f"token_lens_{kind}": Rules(
-            grid=(("pos", "tokens"), ("layer", "states")), bounds=_LENS_RULES
-        )
-        for kind in LEARNED_LENS_KINDS
-    },
-    "future_effects": Rules(
-        bounds={"skipped": (0, "L-1"), "block": (0, "L-1"), "rel_change": NONNEGATIVE}
-    ),
-    "future_output": Rules(bounds={"skipped": (0, "L-1"), "out_change": DISTANCE}),
-    "states": Rules(
-        bounds={"pos": (0, "T-1"), "layer": (0, "L"), "token": (0, "V-1"), "char_end": NONNEGATIVE}
-    ),
-    "igrad": Rules(grid=(("sublayer", "shared"), ("block", "blocks"), ("pos", "tokens"))),
-    "igrad_ends": Rules(
-        grid=(("sublayer", "shared"), ("block", "blocks")),
-        bounds={"f_input": (0, "A"), "f_baseline": (0, "A")},
-    ),
-    "erasure": Rules(grid=(("layer", "states"), ("pos", "tokens")), bounds={"effect": DISTANCE}),
-    "sinks": Rules(
-        grid=(("block", "blocks"), ("head", "shared")),
-        bounds={"bos_attention": PROBABILITY},
-        least=2,
-    ),
-    "lens_stats": Rules(bounds={"block": (0, "L-1"), "tokens": (1, float("inf"))}),
-}
-"""The :class:`Rules` of each table that has some (a measurement declared outside layerdiv
-declares those of its tables with their schemas: ``Measurement.rules``)."""
 
 
 def _not_null(schema: pa.Schema, version: int) -> pa.Schema:

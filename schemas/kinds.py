@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from layerdiv.schemas import NONNEGATIVE, Rules
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ class Kind:
     task_fields: tuple[str, ...] = ()
     """The task YAML's keys of this kind alone (the default kind, ``choice``, has none: its
     tasks hash as they did before other kinds existed)."""
+    rules: Mapping[str, Rules] = field(default_factory=dict)
+    """The row rules of its required tables that have some (:class:`~layerdiv.schemas.Rules`);
+    a measurement's tables have theirs in its declaration (``Measurement.rules``)."""
 
     @property
     def per_token(self) -> bool:
@@ -72,6 +77,10 @@ TEXT = Kind(
     scored=False,
     rows={"documents": ("units",), "tokens": ("tokens",), "token_blocks": ("tokens", "blocks")},
     task_fields=("kind", "text", "max_tokens", "group_field", "answer"),
+    rules={
+        "tokens": Rules(bounds={"pos": (0, "T-1"), "token": (0, "V-1"), "loss": NONNEGATIVE}),
+        "token_blocks": Rules(bounds={"pos": (0, "T-1"), "block": (0, "L-1")}),
+    },
 )
 KINDS = {k.name: k for k in (CHOICE, TEXT)}
 """Every task kind by name."""

@@ -27,9 +27,9 @@ SKIPS = {"skips": {}, "future_effects": FUTURE.defaults()}
 def test_passes_follow_the_model_shape() -> None:
     L, T = SHAPE.layers, 256
     forward = L * SHAPE.block(T) + 2 * SHAPE.d * SHAPE.vocab
-    runs: list[cost.Measures] = [{}, {"heads": {}}, {"gram": {}}, {"heads": {}, "gram": {}}]
-    for measures in runs:
-        assert cost.passes(SHAPE, "choice", 46, measures) == 1.0
+    runs: list[cost.RunSettings] = [{}, {"heads": {}}, {"gram": {}}, {"heads": {}, "gram": {}}]
+    for run_settings in runs:
+        assert cost.passes(SHAPE, "choice", 46, run_settings) == 1.0
     # --lens on running text: L + 1 full-vocabulary readouts of every token
     lens = (forward + (L + 1) * 2 * SHAPE.d * SHAPE.vocab * T) / forward
     assert cost.passes(SHAPE, "text", T, LENS) == pytest.approx(lens, rel=1e-12)
@@ -57,9 +57,9 @@ def test_a_measurement_without_a_declared_cost_costs_a_pass() -> None:
     try:
         assert cost.passes(SHAPE, "choice", 46, {"undeclared": {}}) == pytest.approx(2.0)
         twice = replace(
-            undeclared, cost=lambda shape, kind, tokens, settings: 2 * shape.forward(tokens)
+            undeclared, flops=lambda shape, kind, tokens, settings: 2 * shape.forward(tokens)
         )
-        assert twice.flops(SHAPE, "choice", 46, {}) == 2 * SHAPE.forward(46)
+        assert twice.flops_of(SHAPE, "choice", 46, {}) == 2 * SHAPE.forward(46)
     finally:
         unregister(undeclared.name)
 

@@ -45,9 +45,9 @@ def run_heads(model: Any, tokenizer: Any) -> tuple[BatchDecomposition, HeadDecom
     source = ModelSource("tiny", "tiny", None, "test", model.config, False)
     loaded = LoadedModel(source, model, tokenizer, torch.device("cpu"), torch.float32)
     adapter = adapter_for(model.config)
-    with ModelRunner(loaded, adapter, OPTIONS, 4096, measures={"heads": {}}) as runner:
+    with ModelRunner(loaded, adapter, OPTIONS, 4096, run_settings={"heads": {}}) as runner:
         batch = runner.run(PROMPTS)
-        capture = runner.measures["heads"]
+        capture = runner.hooks["heads"]
     assert isinstance(capture, HeadCapture) and capture.heads is not None
     # each instance's values, as the heads table is built from them
     rows = batch.measured["heads"]
@@ -141,9 +141,11 @@ def test_each_pass_checks_its_heads_unless_the_components_fail_their_own_check(
     model = build_model("llama")
     source = ModelSource("tiny", "tiny", None, "test", model.config, False)
     loaded = LoadedModel(source, model, tokenizer, torch.device("cpu"), torch.float32)
-    with ModelRunner(loaded, adapter_for(model.config), OPTIONS, 4096, measures={"heads": {}}) as r:
+    with ModelRunner(
+        loaded, adapter_for(model.config), OPTIONS, 4096, run_settings={"heads": {}}
+    ) as r:
         batch = r.run(PROMPTS, [7, 8, 9])
-        capture = r.measures["heads"]
+        capture = r.hooks["heads"]
         assert isinstance(capture, HeadCapture)
         broken = replace(batch, logits=batch.logits.clone(), sum_error=batch.sum_error.clone())
         broken.logits[1, 1, 0] += 1.0  # attn.0 of instance 8 no longer its heads' sum

@@ -15,7 +15,7 @@ from layerdiv.analyze.api import analyze
 from layerdiv.analyze.report import write_report
 from layerdiv.extract.config import ExtractConfig, measurement_options
 from layerdiv.extract.runner import run_extract
-from layerdiv.measurements.lens import learned_lens_measures
+from layerdiv.measurements.lens import learned_lens_settings
 from layerdiv.store import Store
 from layerdiv.store.translators import Translators, save_translators
 from tests.test_learned_lens import identity
@@ -40,8 +40,10 @@ def lensed_store(tmp_path: Path, model_dirs: Any, tuned_task: str) -> Path:
     save_translators(tmp_path / "tuned.safetensors", tuned)
     # through the Python API, as the demo adds them
     files = {"ls": tmp_path / "ls.safetensors", "tuned": tmp_path / "tuned.safetensors"}
-    measures = {**measurement_options({"lens": "final"}), **learned_lens_measures(files)}
-    config = ExtractConfig(str(model_dirs("llama")), [str(task)], store, measures=measures)
+    settings = {**measurement_options({"lens": "final"}), **learned_lens_settings(files)}
+    config = ExtractConfig(
+        str(model_dirs("llama")), [str(task)], store, measurement_settings=settings
+    )
     assert [s.n_added for s in run_extract(config)] == [8]
     return store
 

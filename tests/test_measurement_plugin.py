@@ -434,7 +434,7 @@ BLOCK_GRADS = Measurement(
     needs_grad=True,
     attach=BlockGrads,
     rows=block_grad_rows,
-    cost=lambda shape, kind, tokens, settings: 3 * shape.forward(tokens),  # forward + backward
+    flops=lambda shape, kind, tokens, settings: 3 * shape.forward(tokens),  # forward + backward
 )
 """A measurement that needs gradients (``needs_grad``)."""
 

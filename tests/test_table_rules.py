@@ -406,10 +406,20 @@ def test_a_truncated_reference_is_refused_by_merge(stores: dict, tmp_path: Path)
 
 
 def test_a_measurement_declares_the_rules_of_its_own_tables() -> None:
-    """A measurement registered from outside gives its tables' rules with their schemas; every
-    built-in table's are in ``layerdiv.schemas.RULES``."""
-    from layerdiv.measurements import Measurement, register, table_rules, unregister
-    from layerdiv.schemas import RULES, Rules
+    """A measurement registered from outside gives its tables' rules with their schemas, as a
+    built-in one does in its declaration; a task kind's required tables have the kind's; rules
+    for a table not its own are refused."""
+    from layerdiv.measurements import (
+        Measurement,
+        MeasurementError,
+        register,
+        registered,
+        table_rules,
+        unregister,
+    )
+    from layerdiv.measurements.sinks import SINKS
+    from layerdiv.schemas import Rules
+    from layerdiv.schemas.kinds import TEXT
 
     schema = pa.schema([pa.field("doc", pa.int32()), pa.field("block", pa.int16()),
                         pa.field("share", pa.float32())])  # fmt: skip
@@ -419,8 +429,14 @@ def test_a_measurement_declares_the_rules_of_its_own_tables() -> None:
                          rules={"block_shares": rules}))  # fmt: skip
     try:
         assert table_rules("block_shares") == rules
-        assert table_rules("sinks") is RULES["sinks"]
+        assert table_rules("sinks") is SINKS.rules["sinks"]
+        assert table_rules("tokens") is TEXT.rules["tokens"]
         assert table_rules("documents") == Rules()
         assert rules.ranges() == {"block": (0, "L-1"), "share": (0.0, 1.0)}
     finally:
         unregister("shares")
+    with pytest.raises(MeasurementError, match="row rules for 'tokens'"):
+        register(Measurement(name="shares", flag="--shares", help="Shares.",
+                             tables={"text": ("block_shares",)}, schemas={"block_shares": schema},
+                             rules={"tokens": rules}))  # fmt: skip
+    assert "shares" not in [m.name for m in registered()]

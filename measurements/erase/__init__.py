@@ -29,7 +29,7 @@ from layerdiv.measurements.registry import (
     Setting,
     per_token_and_layer,
 )
-from layerdiv.schemas import ERASURE, ERASURE_REFERENCE
+from layerdiv.schemas import DISTANCE, ERASURE, ERASURE_REFERENCE, Rules
 from layerdiv.schemas.kinds import KINDS
 
 FINGERPRINT = "erase_reference_sha256"
@@ -250,15 +250,18 @@ ERASE = Measurement(
             None,
         ),
     ),
-    readout=("text",),
+    vocab_rows=("text",),
     attach=f"{__name__}.hooks:EraseCapture",
     rows=erasure_rows,
     check_rows=erasure_row_counts,
-    cost=erase_cost,
+    flops=erase_cost,
     attribution=True,
-    plan=plan_erase,
+    plan_check=plan_erase,
     whole=("erasure_reference",),
     fingerprints={"erasure_reference": (FINGERPRINT, reference_fingerprint)},
+    rules={
+        "erasure": Rules(grid=(("layer", "states"), ("pos", "tokens")), bounds={"effect": DISTANCE})
+    },
     since={"erasure": 7, "erasure_reference": 7},
     order=80,
 )

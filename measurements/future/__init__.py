@@ -16,7 +16,15 @@ from numpy.typing import ArrayLike
 
 from layerdiv.errors import LayerdivError
 from layerdiv.measurements.registry import Measurement, ModelShape, Planning, Setting
-from layerdiv.schemas import FUTURE_EFFECTS, FUTURE_OUTPUT, MODES, SUBLAYERS
+from layerdiv.schemas import (
+    DISTANCE,
+    FUTURE_EFFECTS,
+    FUTURE_OUTPUT,
+    MODES,
+    NONNEGATIVE,
+    SUBLAYERS,
+    Rules,
+)
 
 SPLIT_STEP = 8
 """Random split points are multiples of this."""
@@ -269,12 +277,18 @@ FUTURE = Measurement(
         ),
     ),
     legacy=True,
-    readout=("text",),
+    vocab_rows=("text",),
     attach=f"{__name__}.hooks:FutureCapture",
     rows=future_rows,
     check_rows=future_row_counts,
-    cost=future_cost,
-    plan=plan_future,
+    flops=future_cost,
+    plan_check=plan_future,
+    rules={
+        "future_effects": Rules(
+            bounds={"skipped": (0, "L-1"), "block": (0, "L-1"), "rel_change": NONNEGATIVE}
+        ),
+        "future_output": Rules(bounds={"skipped": (0, "L-1"), "out_change": DISTANCE}),
+    },
     since={"future_effects": 4, "future_output": 4},
     order=50,
 )

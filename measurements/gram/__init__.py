@@ -38,7 +38,7 @@ GRAM = Measurement(
     tables={"choice": ("gram",)},
     attach=f"{__name__}.hooks:GramCapture",
     rows=gram_rows,
-    cost=negligible,
+    flops=negligible,
     since={"gram": 2},
     order=30,
 )

@@ -12,6 +12,7 @@ import pyarrow as pa
 
 from layerdiv.measurements.registry import Measurement, negligible
 from layerdiv.schemas import HEADS as HEADS_SCHEMA
+from layerdiv.schemas import Rules
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,9 @@ HEADS = Measurement(
     tables={"choice": ("heads",)},
     attach=f"{__name__}.hooks:HeadCapture",
     rows=head_rows,
-    cost=negligible,
-    check_model=f"{__name__}.hooks:check_heads",
+    flops=negligible,
+    model_check=f"{__name__}.hooks:check_heads",
+    rules={"heads": Rules(bounds={"layer": (0, "L-1")})},
     since={"heads": 2},
     order=20,
 )

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from layerdiv.errors import LayerdivError
 from layerdiv.measurements.registry import Measurement, ModelShape, Planning, Setting
-from layerdiv.schemas import IGRAD, IGRAD_ENDS, SUBLAYERS
+from layerdiv.schemas import IGRAD, IGRAD_ENDS, SUBLAYERS, Rules
 from layerdiv.schemas.kinds import KINDS
 
 STEPS = 256
@@ -285,8 +285,15 @@ IGRAD_MEASUREMENT = Measurement(
     attach=f"{__name__}.hooks:IgradCapture",
     rows=igrad_rows,
     check_rows=igrad_row_counts,
-    cost=igrad_cost,
-    plan=plan_igrad,
+    flops=igrad_cost,
+    plan_check=plan_igrad,
+    rules={
+        "igrad": Rules(grid=(("sublayer", "shared"), ("block", "blocks"), ("pos", "tokens"))),
+        "igrad_ends": Rules(
+            grid=(("sublayer", "shared"), ("block", "blocks")),
+            bounds={"f_input": (0, "A"), "f_baseline": (0, "A")},
+        ),
+    },
     since={"igrad": 7, "igrad_ends": 7},
     order=70,
 )

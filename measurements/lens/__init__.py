@@ -23,7 +23,16 @@ from layerdiv.measurements.registry import (
     Setting,
     per_token_and_layer,
 )
-from layerdiv.schemas import LEARNED_LENS, LEARNED_LENS_KINDS, TOKEN_LENS, token_key
+from layerdiv.schemas import (
+    LEARNED_LENS,
+    LEARNED_LENS_KINDS,
+    NONNEGATIVE,
+    PROBABILITY,
+    TOKEN_LENS,
+    Range,
+    Rules,
+    token_key,
+)
 from layerdiv.schemas import LENS as LENS_SCHEMA
 from layerdiv.schemas.kinds import KINDS
 
@@ -124,6 +133,20 @@ def lens_cost(shape: ModelShape, kind: str, tokens: int, settings: Mapping[str, 
     return extra + (L * shape.block(tokens) if settings.get("lens") == "last-block" else 0.0)
 
 
+LENS_BOUNDS: dict[str, Range] = {
+    "kl": NONNEGATIVE,
+    "top5_overlap": PROBABILITY,
+    "ce": NONNEGATIVE,
+    "final_rank": (1, "V"),
+    "top1": (0, "V-1"),
+}
+"""The ranges of the lens statistics' columns (``lens``, ``token_lens`` and the learned lenses'
+tables)."""
+
+TOKEN_LENS_RULES = Rules(grid=(("pos", "tokens"), ("layer", "states")), bounds=LENS_BOUNDS)
+"""The row rules of a per-token lens table: ``token_lens`` and each learned lens's."""
+
+
 LENS = Measurement(
     name="lens",
     flag="--lens",  # declared by its setting (it takes the readout)
@@ -145,13 +168,17 @@ LENS = Measurement(
     ),
     legacy=True,
     tables={"choice": ("lens",), "text": ("token_lens",)},
-    readout=("text",),
+    vocab_rows=("text",),
     attach=f"{__name__}.hooks:lens_hooks",
     rows=lens_rows,
     check_rows=per_token_and_layer("token_lens"),
-    cost=lens_cost,
+    flops=lens_cost,
     costed={"text": ({"lens": "last-block"},)},
-    plan=plan_lens,
+    plan_check=plan_lens,
+    rules={
+        "lens": Rules(grid=(("layer", "states"),), bounds=LENS_BOUNDS),
+        "token_lens": TOKEN_LENS_RULES,
+    },
     since={"lens": 4, "token_lens": 4},
     order=40,
 )
@@ -235,12 +262,13 @@ def learned_lens(kind: str, order: int) -> Measurement:
             ),
         ),
         tables={"text": (table,)},
-        readout=("text",),
+        vocab_rows=("text",),
         attach="layerdiv.measurements.lens.hooks:learned_lens_hooks",
         rows=learned_rows(kind),
         check_rows=per_token_and_layer(table),
-        cost=learned_cost,
-        plan=plan_learned,
+        flops=learned_cost,
+        plan_check=plan_learned,
+        rules={table: TOKEN_LENS_RULES},
         since={table: 9},
         order=order,
     )
@@ -263,10 +291,10 @@ def stored_lenses(info: Any) -> list[tuple[str, str]]:
     ]
 
 
-def learned_lens_measures(files: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """The ``ExtractConfig.measures`` entries that add the learned lenses of ``files`` (kind ->
-    translators file, as ``layerdiv fit-lens`` writes it) to an extraction through the Python
-    API, as ``--lens-ls FILE`` / ``--lens-tuned FILE`` do (the demo's step)."""
+def learned_lens_settings(files: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ``ExtractConfig.measurement_settings`` entries that add the learned lenses of
+    ``files`` (kind -> translators file, as ``layerdiv fit-lens`` writes it) to an extraction
+    through the Python API, as ``--lens-ls FILE`` / ``--lens-tuned FILE`` do (the demo's step)."""
     unknown = sorted(set(files) - set(LEARNED_LENS_KINDS))
     if unknown:
         raise LayerdivError(f"no learned lens of kind {unknown[0]}; use {LEARNED_LENS_KINDS}")

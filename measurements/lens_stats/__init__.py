@@ -18,6 +18,7 @@ import pyarrow as pa
 from layerdiv.errors import LayerdivError
 from layerdiv.measurements.registry import Measurement, ModelShape
 from layerdiv.schemas import LENS_STATS as LENS_STATS_SCHEMA
+from layerdiv.schemas import Rules
 from layerdiv.schemas.kinds import KINDS
 from layerdiv.store.translators import Translators
 
@@ -199,7 +200,8 @@ LENS_STATS = Measurement(
     attach=f"{__name__}.hooks:LensStatsCapture",
     rows=lens_stats_rows,
     check_rows=whole_blocks,
-    cost=lens_stats_cost,
+    flops=lens_stats_cost,
+    rules={"lens_stats": Rules(bounds={"block": (0, "L-1"), "tokens": (1, float("inf"))})},
     since={"lens_stats": 9},
     order=95,
 )

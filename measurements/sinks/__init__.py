@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from layerdiv.measurements.registry import Measurement, ModelShape
+from layerdiv.schemas import PROBABILITY, Rules
 from layerdiv.schemas import SINKS as SINKS_SCHEMA
 
 
@@ -78,8 +79,15 @@ SINKS = Measurement(
     attach=f"{__name__}.hooks:SinkCapture",
     rows=sink_rows,
     check_rows=whole_blocks,
-    cost=sink_cost,
-    check_model=f"{__name__}.hooks:check_sinks",
+    flops=sink_cost,
+    model_check=f"{__name__}.hooks:check_sinks",
+    rules={
+        "sinks": Rules(
+            grid=(("block", "blocks"), ("head", "shared")),
+            bounds={"bos_attention": PROBABILITY},
+            least=2,
+        )
+    },
     since={"sinks": 7},
     order=90,
 )

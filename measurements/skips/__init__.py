@@ -12,6 +12,7 @@ import pyarrow as pa
 
 from layerdiv.measurements.registry import Measurement, ModelShape
 from layerdiv.schemas import SKIPS as SKIPS_SCHEMA
+from layerdiv.schemas import Rules
 
 
 def skips_table(instances: Sequence[int], skip_logits: np.ndarray) -> pa.Table:
@@ -50,7 +51,8 @@ SKIPS = Measurement(
     tables={"choice": ("skips",)},
     attach=f"{__name__}.hooks:SkipCapture",
     rows=skip_rows,
-    cost=skip_cost,
+    flops=skip_cost,
+    rules={"skips": Rules(bounds={"layer": (0, "L-1")})},
     since={"skips": 2},
     order=10,
 )

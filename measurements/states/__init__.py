@@ -23,7 +23,7 @@ from layerdiv.measurements.registry import (
     Setting,
     negligible,
 )
-from layerdiv.schemas import STATE_TYPES, states_schema
+from layerdiv.schemas import NONNEGATIVE, STATE_TYPES, Rules, states_schema
 from layerdiv.schemas.kinds import KINDS
 
 WORDS = "words"
@@ -211,9 +211,19 @@ STATES = Measurement(
     ),
     attach=f"{__name__}.hooks:StateCapture",
     rows=state_rows,
-    cost=negligible,
-    plan=plan_states,
+    flops=negligible,
+    plan_check=plan_states,
     size_warning=f"{__name__}.hooks:size_warning",
+    rules={
+        "states": Rules(
+            bounds={
+                "pos": (0, "T-1"),
+                "layer": (0, "L"),
+                "token": (0, "V-1"),
+                "char_end": NONNEGATIVE,
+            }
+        )
+    },
     since={"states": 5},
     order=60,
 )
