@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
@@ -128,6 +129,7 @@ def render(
     into ``ctx.interactive`` for ``html``); and the context, whose ``notes`` are the analyses'
     notes (what could not be computed or drawn, and how to get it)."""
     manifests = results.manifests
+    deferred: list[tuple[Any, Path]] = []
     ctx = ReportContext(
         tables=results.by_name,
         estimator=estimator,
@@ -138,14 +140,15 @@ def render(
         min_params=results.min_params,
         formats=tuple(formats),
         options=results.settings,
-        deferred=[],
+        deferred=deferred,
     )
     apart = replace(ctx, tables=revisions_apart(ctx.tables))  # notes and figures shared
-    sections, owners = [], []  # owners: each deferred figure's section
+    sections: list[tuple[Analysis, str]] = []
+    owners: list[int] = []  # each deferred figure's section
     for a in registered():
         if a.report is not None and a.name in results.analyses:
             sections.append((a, section(a, ctx if a.by_revision else apart)))
-            owners += [len(sections) - 1] * (len(ctx.deferred) - len(owners))
+            owners += [len(sections) - 1] * (len(deferred) - len(owners))
     sections = _drawn(sections, owners, ctx)
     body = [  # a section that returns "" (nothing asked for) is left out
         f"## {a.title}\n\n{_methods_line(a.methods)}{_coverage(results.coverage.get(a.name))}{text}"
@@ -199,7 +202,7 @@ def _drawn(
     a section of another distribution whose figure failed left out with a note; a built-in
     one's failure raised (drawn again here, for its traceback)."""
     assert ctx.deferred is not None
-    failed = {}
+    failed: dict[int, str] = {}
     for (spec, path), owner, error in zip(
         ctx.deferred, owners, plots.draw_all(ctx.deferred), strict=True
     ):
