@@ -527,6 +527,7 @@ def run_demo(out: Path, n: int | None, seed: int, profile: DemoProfile = FULL) -
     for table in ("layer_maps", "layer_map_best", "layer_map_intervals", "manifests"):
         frames = [r.by_name[table] for r in ([results] if table == "manifests" else []) + maps]
         results.by_name[table] = pl.concat(frames, how="diagonal_relaxed")
+    results.settings["maps_ridge"] = profile.maps_ridge  # what the maps' section describes
     results.remarks.append(
         f"The demo's counts (profile `{profile.name}`) are trimmed to keep it short on two "
         f"cores (this run took {(time.perf_counter() - start) / 60:.0f} minutes up to this "

@@ -629,7 +629,7 @@ def report(ctx: ReportContext) -> str:
     ]
     header = ["Source", "Target", "Space", "i", "best j", "i / L_A", "j / L_B", "rel_error",
               "mean predictor's rel_error", "R²", f"R² >= {R2_GATE:g}", "ridge"]  # fmt: skip
-    n_train, n_held = maps["n_train"][0], maps["n_heldout"][0]
+    n_train, n_held = (_count_range(maps[c]) for c in ("n_train", "n_heldout"))
     cv = len(ridges(ctx.options.get("maps_ridge"))) > 1
     ridge = (
         f"its ridge cross-validated per map over the training documents' folds (doc % 5 = 0..3;"
@@ -645,7 +645,8 @@ def report(ctx: ReportContext) -> str:
         )
     few = maps.filter("few_rows").select(*PAIR).unique().height
     warning = (
-        f"**Warning: {n_train} training rows, fewer than {ROWS_PER_DIM} x d_A for "
+        f"**Warning: {_count_range(maps.filter('few_rows')['n_train'])} training rows, fewer "
+        f"than {ROWS_PER_DIM} x d_A for "
         f"{few} map pair(s)** (column `few_rows` of `layer_maps`): such maps rest on their ridge "
         "more than on their data; extract more documents or positions."
         if few
@@ -654,8 +655,9 @@ def report(ctx: ReportContext) -> str:
     return "\n\n".join(
         [
             "A ridge map from every layer i of the source model to every layer j of the target, "
-            f"fitted in closed form on {n_train} token rows, {ridge}, and scored on {n_held} "
-            "held-out rows (documents with doc % 5 == 4), on the residual states and on the "
+            f"fitted in closed form on {n_train} token rows per pair, {ridge}, and scored on "
+            f"{n_held} held-out rows (documents with doc % 5 == 4), on the residual states and "
+            "on the "
             "block updates. A map counts only where it beats the mean predictor (the train "
             "mean of target layer j: R² > 0 and rel_error below the mean predictor's); the best "
             "target of a source layer is the largest held-out R² among those (not the least "
@@ -678,6 +680,12 @@ def report(ctx: ReportContext) -> str:
             ),
         ]
     )
+
+
+def _count_range(counts: pl.Series) -> str:
+    """The counts of the pairs' rows: one number, or the least and the most."""
+    low, high = int(counts.min()), int(counts.max())  # type: ignore[arg-type]
+    return f"{low:,}" if low == high else f"{low:,} to {high:,}"
 
 
 ANALYSIS = Analysis(
