@@ -60,6 +60,8 @@ def region(results: Path) -> str:
     maps = all_maps.filter(pl.col("task") == STATES_TASK)
     rho = {r["space"]: r for r in spearman(best, all_intervals).iter_rows(named=True)}
     n_train, n_held = maps["n_train"][0], maps["n_heldout"][0]
+    ridges = all_maps["ridge"].unique()
+    ridge = f"ridge {ridges[0]:g}" if ridges.len() == 1 else "ridge cross-validated per map"
     states = best.filter(pl.col("space") == "states").sort("source_layer")
     rows = [
         [str(r["source_layer"]), fmt(r["source_depth"], digits=2),
@@ -87,7 +89,7 @@ def region(results: Path) -> str:
             f"{_sentence(by_space['updates'], 'updates')}."
         )
     return (
-        f"Fitted on {n_train:,} token rows (ridge cross-validated per map), scored on "
+        f"Fitted on {n_train:,} token rows ({ridge}), scored on "
         f"{n_held:,} held-out rows: {_sentence(rho['states'], 'states')}; "
         f"{_sentence(rho['updates'], 'updates')}.\n\n{table}\n\n"
         "Between SmolLM2 and Gemma 3 270M, whose tokenizers differ, the maps are fitted on the "
